@@ -1,0 +1,1 @@
+"""Workloads, the replay client, reports and the cluster simulator."""

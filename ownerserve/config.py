@@ -1,0 +1,202 @@
+"""The one settings object: a cluster topology YAML plus `OWNERSERVE_*` environment overrides.
+
+Validated with pydantic at this boundary; errors become one-line `ConfigError`s that name the
+file and the key (unknown keys, bad URLs, duplicate worker ids...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ownerserve.errors import ConfigError
+from ownerserve.types import BackendKind, Role
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _check_url(value: str, schemes: tuple[str, ...] = ("http", "https")) -> str:
+    parsed = urlparse(value)
+    if parsed.scheme not in schemes or not parsed.hostname:
+        raise ValueError(f"not a valid {'/'.join(schemes)} URL: {value!r}")
+    try:
+        _ = parsed.port
+    except ValueError as exc:
+        raise ValueError(f"bad port in URL {value!r}") from exc
+    return value.rstrip("/")
+
+
+class ServerSettings(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    api_keys: tuple[str, ...] = ()
+    admin_token: str | None = None
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    connect_timeout_s: float = Field(default=3.0, gt=0)
+    retries: int = Field(default=2, ge=0)
+    health_interval_s: float = Field(default=2.0, gt=0)
+
+
+class DirectorySettings(_Strict):
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str | None = None
+    lease_s: float = Field(default=300.0, gt=0)
+    session_ttl_s: float = Field(default=3600.0, gt=0)
+    key_prefix: str = "os"
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        return None if v is None else _check_url(v, ("redis", "rediss", "unix"))
+
+    @model_validator(mode="after")
+    def _needs_url(self) -> DirectorySettings:
+        if self.backend == "redis" and not self.redis_url:
+            raise ValueError("backend 'redis' needs redis_url")
+        return self
+
+
+class PlannerSettings(_Strict):
+    policy: str = "ownerserve"
+    profile: str = "h100-llama3-8b"
+    lambda_hbm: float = Field(default=1e-11, ge=0, description="seconds per duplicated HBM byte")
+    mu_interference: float = Field(default=1.0, ge=0, description="weight of decode interference")
+    allow_policy_header: bool = True
+
+
+class ModelSettings(_Strict):
+    name: str
+    tokenizer: str = "byte"
+    chat_template: str | None = None
+    block_size: int = Field(default=16, gt=0)
+    salt: str = ""
+    kv_spec: str = "llama3-8b"
+    max_model_len: int = Field(default=131072, gt=0)
+
+
+class WorkerSettings(_Strict):
+    id: str = Field(min_length=1)
+    url: str
+    role: Role = Role.HYBRID
+    kind: BackendKind = BackendKind.EMULATOR
+    models: tuple[str, ...] = ()
+    node: str = "node0"
+    profile: str | None = None
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    kv_events_endpoint: str | None = None
+    sidecar_url: str | None = None
+
+    @field_validator("url", "sidecar_url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        return None if v is None else _check_url(v)
+
+    @field_validator("kv_events_endpoint")
+    @classmethod
+    def _zmq(cls, v: str | None) -> str | None:
+        return None if v is None else _check_url(v, ("tcp", "ipc"))
+
+
+class TelemetrySettings(_Strict):
+    service_name: str = "ownerserve"
+    otlp_endpoint: str | None = None
+    console: bool = False
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        return None if v is None else _check_url(v)
+
+
+class Settings(_Strict):
+    server: ServerSettings = ServerSettings()
+    directory: DirectorySettings = DirectorySettings()
+    planner: PlannerSettings = PlannerSettings()
+    telemetry: TelemetrySettings = TelemetrySettings()
+    models: tuple[ModelSettings, ...] = (ModelSettings(name="ownerserve-tiny"),)
+    workers: tuple[WorkerSettings, ...] = ()
+
+    @model_validator(mode="after")
+    def _unique(self) -> Settings:
+        seen: set[str] = set()
+        for i, w in enumerate(self.workers):
+            if w.id in seen:
+                raise ValueError(f"workers.{i}.id: duplicate worker id {w.id!r}")
+            seen.add(w.id)
+        names = {m.name for m in self.models}
+        if len(names) != len(self.models):
+            raise ValueError("models: duplicate model name")
+        for i, w in enumerate(self.workers):
+            for m in w.models:
+                if m not in names:
+                    raise ValueError(f"workers.{i}.models: unknown model {m!r}")
+        return self
+
+    def model(self, name: str) -> ModelSettings | None:
+        for m in self.models:
+            if m.name == name:
+                return m
+        return None
+
+
+_ENV_PREFIX = "OWNERSERVE_"
+# environment variables that override settings: OWNERSERVE_SERVER__PORT=9000 etc.
+
+
+def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    for key, value in env.items():
+        if not key.startswith(_ENV_PREFIX) or "__" not in key:
+            continue
+        section, _, field_name = key[len(_ENV_PREFIX) :].lower().partition("__")
+        if section in ("server", "directory", "planner", "telemetry"):
+            sect = dict(data.get(section) or {})
+            sect[field_name] = value
+            data[section] = sect
+    return data
+
+
+def _format_error(source: str, exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    msg = str(err["msg"])
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    msg = msg.removeprefix("Value error, ")
+    return f"{source}: {loc}: {msg}" if loc else f"{source}: {msg}"
+
+
+def settings_from_dict(
+    data: Mapping[str, Any], *, source: str = "<config>", env: Mapping[str, str] | None = None
+) -> Settings:
+    """Validate a mapping (as loaded from YAML) into `Settings`; raise `ConfigError` on problems."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: top level must be a mapping, got {type(data).__name__}")
+    merged = _apply_env(dict(data), env or {})
+    try:
+        return Settings.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(source, exc)) from None
+
+
+def load_settings(path: str | Path, env: Mapping[str, str] | None = None) -> Settings:
+    """Load and validate a YAML config file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{p}:{where} invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    return settings_from_dict(data if data is not None else {}, source=str(p), env=env)

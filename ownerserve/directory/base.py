@@ -1,0 +1,168 @@
+"""The `Directory` contract and its value types, shared by every backend.
+
+Ownership is per sealed block of a hash chain (`ownerserve.hashing`). An `Artifact` is an
+immutable run of blocks `[start, end)` of one chain: the first artifact of a session starts at
+block 0, later turns append delta artifacts (mission rule 1). An artifact's id is the hash of its
+last block, which names the whole prefix up to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol, runtime_checkable
+
+from ownerserve.events import EventBatch
+from ownerserve.types import Tier
+
+
+class HoldKind(StrEnum):
+    """Why a worker holds a prefix: it owns it (lease), holds a read-only replica, or merely
+    has it cached according to its KV events."""
+
+    OWNER = "owner"
+    REPLICA = "replica"
+    CACHED = "cached"
+
+
+@dataclass(frozen=True, slots=True)
+class Artifact:
+    """An immutable run of blocks `chain[start:]` of a prefix chain, plus its metadata."""
+
+    chain: tuple[int, ...]
+    start: int = 0
+    size_bytes: int = 0
+    kv_type: str = "dense"
+    tier: Tier = Tier.GPU
+
+    @property
+    def artifact_id(self) -> int:
+        return self.chain[-1]
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return self.chain[self.start :]
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """Ownership of an artifact by `worker` until `expires_at` (unix seconds), fenced by `epoch`."""
+
+    artifact_id: int
+    worker: str
+    epoch: int
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """`worker` holds the first `blocks` blocks of the looked-up chain in `tier`."""
+
+    worker: str
+    tier: Tier
+    blocks: int
+    kind: HoldKind
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """Answer of one `lookup`: every worker's longest held prefix per tier, the owner of the
+    longest owned prefix, and the session's decode owner."""
+
+    chain_len: int
+    holdings: tuple[Holding, ...] = ()
+    owner: str | None = None
+    owner_blocks: int = 0
+    owner_epoch: int = 0
+    session_owner: str | None = None
+
+    def longest(self, worker: str, tier: Tier | None = None) -> int:
+        """Longest prefix (blocks) `worker` holds, in `tier` or in any tier."""
+        best = 0
+        for h in self.holdings:
+            if h.worker == worker and (tier is None or h.tier == tier) and h.blocks > best:
+                best = h.blocks
+        return best
+
+
+@dataclass(frozen=True, slots=True)
+class EventApplyResult:
+    """What `apply_events` did: blocks added/removed, and whether a sequence gap was seen
+    (the caller should then resync the worker, e.g. by `drop_worker` + replay)."""
+
+    stored: int = 0
+    removed: int = 0
+    gap: bool = False
+    expected_seq: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DirectoryHealth:
+    backend: str
+    healthy: bool
+    detail: str = ""
+    pending_reconcile: int = 0
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Directory(Protocol):
+    """The single source of truth for KV ownership, shared by every router replica.
+
+    Every method is one round trip to the backend. Writes carrying an epoch older than the
+    artifact's current epoch raise `StaleEpochError` (fencing).
+    """
+
+    async def register_worker(self, worker: str, model_root: int, block_size: int) -> None:
+        """Tell the directory which chain root (`ownerserve.hashing.chain_root`) and block size
+        a worker's KV events use, so their token ids map onto OwnerServe's hash chain."""
+        ...
+
+    async def lookup(self, chain: Sequence[int], session_id: str | None = None) -> Match:
+        """Longest held prefix of `chain` per worker and tier, its owner, the session owner."""
+        ...
+
+    async def claim(self, artifact: Artifact, worker: str, lease_s: float) -> Lease:
+        """Atomically make `worker` owner of the artifact's unowned (or lease-expired) blocks.
+
+        Returns the lease; if another live owner holds the artifact, returns *its* lease
+        (the caller compares `lease.worker`)."""
+        ...
+
+    async def renew(self, artifact_id: int, worker: str, epoch: int, lease_s: float) -> Lease:
+        """Extend a lease held by `worker` at `epoch`; stale epoch raises `StaleEpochError`."""
+        ...
+
+    async def release(self, artifact_id: int, worker: str, epoch: int) -> None:
+        """Give up ownership; the blocks become claimable."""
+        ...
+
+    async def add_replica(
+        self, artifact_id: int, worker: str, tier: Tier, ttl_s: float, read_only: bool = True
+    ) -> None:
+        """Record a (read-only) copy of the artifact's prefix on `worker` that expires."""
+        ...
+
+    async def set_session_owner(self, session_id: str, worker: str, ttl_s: float) -> None: ...
+
+    async def get_session_owner(self, session_id: str) -> str | None: ...
+
+    async def add_fork_ref(self, artifact_id: int, session_id: str) -> int:
+        """A forked branch starts sharing the artifact copy-on-write; returns the ref count."""
+        ...
+
+    async def drop_fork_ref(self, artifact_id: int, session_id: str) -> int: ...
+
+    async def apply_events(self, worker: str, batch: EventBatch) -> EventApplyResult:
+        """Apply a worker's KV event batch (stores/evictions/clears) with gap detection."""
+        ...
+
+    async def drop_worker(self, worker: str) -> int:
+        """Owner death: forget everything `worker` held; its artifacts become claimable and
+        its sessions lose their owner. Returns how many records were dropped."""
+        ...
+
+    async def health(self) -> DirectoryHealth: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,65 @@
+"""The project's exception hierarchy; `router` maps these to the OpenAI error shape in one place."""
+
+from __future__ import annotations
+
+
+class OwnerServeError(Exception):
+    """Base of every error OwnerServe raises on purpose."""
+
+    status_code = 500
+    error_type = "internal_error"
+    code: str | None = None
+
+
+class ConfigError(OwnerServeError):
+    """A configuration file or value is invalid; the message names the file and the key."""
+
+    status_code = 500
+    error_type = "config_error"
+
+
+class InvalidRequestError(OwnerServeError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ModelNotFoundError(OwnerServeError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class PayloadTooLargeError(OwnerServeError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class AuthenticationError(OwnerServeError):
+    status_code = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NoWorkerAvailableError(OwnerServeError):
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "no_worker_available"
+
+
+class UpstreamError(OwnerServeError):
+    status_code = 502
+    error_type = "upstream_error"
+
+
+class DirectoryUnavailableError(OwnerServeError):
+    status_code = 503
+    error_type = "directory_unavailable"
+
+
+class StaleEpochError(OwnerServeError):
+    """A write carried a fencing epoch older than the artifact's current one."""
+
+    status_code = 409
+    error_type = "conflict"
+    code = "stale_epoch"

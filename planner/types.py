@@ -1,0 +1,160 @@
+"""Value types the planner reads (`RequestView`, `ClusterView`) and returns (`Plan`).
+
+The router builds the views from the directory's `Match` and the worker pool's load; policies
+are pure functions of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
+
+from ownerserve.types import BackendKind, Role, Tier
+
+
+class Action(StrEnum):
+    """The mission's action set (B2)."""
+
+    COLOCATED_PREFILL = "colocated_prefill"
+    REMOTE_PREFILL = "remote_prefill"
+    DECODE_CONTINUATION = "decode_continuation"
+    ARTIFACT_FETCH = "artifact_fetch"
+    TAIL_RECOMPUTE = "tail_recompute"
+    STATE_MIGRATION = "state_migration"
+
+
+class RequestClass(StrEnum):
+    """Request classes of mission 3.6.4."""
+
+    NEW_LONG_PREFIX = "new_long_prefix"
+    SMALL_INCREMENTAL_TURN = "small_incremental_turn"
+    LONG_TOOL_OUTPUT = "long_tool_output"
+    DECODE_CONTINUATION = "decode_continuation"
+    FORKED_ROLLOUT = "forked_rollout"
+    COLD_RESUME = "cold_resume"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One worker as the planner sees it for one request."""
+
+    worker_id: str
+    role: Role
+    kind: BackendKind = BackendKind.EMULATOR
+    healthy: bool = True
+    profile: str = "default"
+    running: int = 0
+    waiting: int = 0
+    inflight_prefill_tokens: int = 0
+    kv_usage: float = 0.0
+    hbm_bytes: int = 0
+    # longest prefix of this request's chain held on this worker, in blocks, per tier
+    cached_blocks: dict[Tier, int] = field(default_factory=dict)
+    is_owner: bool = False
+    is_session_owner: bool = False
+    node: str = "node0"
+    # online calibration: observed/predicted ratios (1.0 = profile is exact)
+    prefill_scale: float = 1.0
+    decode_scale: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """One agent step as the planner sees it."""
+
+    model: str
+    prompt_tokens: int
+    block_size: int
+    chain_blocks: int
+    max_tokens: int = 256
+    session_id: str | None = None
+    session_owner: str | None = None
+    owner: str | None = None
+    owner_blocks: int = 0
+    previous_prompt_tokens: int = 0
+    idle_s: float = 0.0
+    n: int = 1
+    is_fork: bool = False
+    kv_bytes_per_token: int = 131072
+    policy_override: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    workers: tuple[WorkerView, ...]
+    intra_node_gbps: float = 400.0
+    inter_node_gbps: float = 100.0
+
+    def by_id(self, worker_id: str) -> WorkerView | None:
+        for w in self.workers:
+            if w.worker_id == worker_id:
+                return w
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class CostBreakdown:
+    """C(a) = T_queue + T_compute + T_network + T_restore + λ·M_HBM + μ·I_decode (seconds)."""
+
+    t_queue: float = 0.0
+    t_compute: float = 0.0
+    t_network: float = 0.0
+    t_restore: float = 0.0
+    m_hbm_bytes: float = 0.0
+    i_decode: float = 0.0
+    lam: float = 0.0
+    mu: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return (
+            self.t_queue
+            + self.t_compute
+            + self.t_network
+            + self.t_restore
+            + self.lam * self.m_hbm_bytes
+            + self.mu * self.i_decode
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One (action, workers) option with its cost."""
+
+    action: Action
+    prefill_worker: str
+    decode_worker: str
+    cost: CostBreakdown
+    source_worker: str | None = None
+    reused_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The policy's decision: the chosen candidate, the runner-up and the margin between them."""
+
+    policy: str
+    request_class: RequestClass
+    chosen: Candidate
+    runner_up: Candidate | None = None
+    add_replica_on: str | None = None
+    candidates_considered: int = 1
+
+    @property
+    def action(self) -> Action:
+        return self.chosen.action
+
+    @property
+    def margin_s(self) -> float:
+        return 0.0 if self.runner_up is None else self.runner_up.cost.total - self.chosen.cost.total
+
+
+class Policy(Protocol):
+    """A routing policy: pure, no I/O, fast enough to run per request."""
+
+    name: str
+
+    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+        """Choose where prefill runs and where decode continues for `request`."""
+        ...

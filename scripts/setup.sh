@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create (or refresh) the project's local virtualenv at .venv with everything the demo and the
+# test suite need. Idempotent: a stamp of pyproject.toml skips reinstalling when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+fi
+stamp=.venv/.ownerserve-stamp
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  # torch first, pinned: on these machines 2.13.0 is a local CPU wheel; anything else pulls CUDA.
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[dev,kernels,loadgen]"
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,1 @@
+"""Worker side: protocol adapters, the emulated engine, the sidecar and KV transfer path."""

@@ -1,0 +1,1 @@
+"""Adapters that speak each worker kind's protocol (vLLM, SGLang, emulator)."""
