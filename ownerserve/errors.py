@@ -63,3 +63,15 @@ class StaleEpochError(OwnerServeError):
     status_code = 409
     error_type = "conflict"
     code = "stale_epoch"
+
+
+def openai_error_body(
+    message: str, error_type: str, code: str | None = None, param: str | None = None
+) -> dict[str, object]:
+    """The OpenAI error JSON shape: `{"error": {"message", "type", "param", "code"}}`."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_body_for(exc: OwnerServeError) -> dict[str, object]:
+    """The OpenAI-shaped body for one of our exceptions."""
+    return openai_error_body(str(exc), exc.error_type, exc.code)

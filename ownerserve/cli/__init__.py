@@ -25,9 +25,7 @@ class _Command:
 
 COMMANDS: tuple[_Command, ...] = (
     _Command("serve", "router.cli", "run the OpenAI-compatible proxy from a cluster config file"),
-    _Command(
-        "demo", "ownerserve.cli.demo", "run a session on a local emulated xPyD cluster"
-    ),
+    _Command("demo", "ownerserve.cli.demo", "run a session on a local emulated xPyD cluster"),
     _Command("worker", "workers.cli", "run a worker-side process (emulated engine, sidecar)"),
     _Command("loadgen", "loadgen.cli", "drive an OpenAI endpoint with agentic traffic"),
     _Command("bench", "loadgen.bench_cli", "run the project's benchmarks side by side"),
