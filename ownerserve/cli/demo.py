@@ -1,0 +1,323 @@
+"""`ownerserve demo`: the embedded default deployment, end to end on one machine.
+
+Starts three emulated engines (1 prefill, 1 decode, 1 hybrid) as real processes, the proxy with
+the in-process ownership directory on 127.0.0.1:8000, sends a short multi-turn agentic session
+through the proxy's OpenAI endpoint, prints what the planner chose for each turn, and keeps
+serving until Ctrl-C (or exits after the report with `--once`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+from ownerserve.config import ModelSettings, Settings, WorkerSettings, settings_from_dict
+from ownerserve.errors import ConfigError
+
+MODEL = "ownerserve-tiny"
+ROLES = (("p0", "prefill"), ("d0", "decode"), ("h0", "hybrid"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--once", action="store_true", help="exit after the report")
+    parser.add_argument("--host", default="127.0.0.1", help="proxy bind address")
+    parser.add_argument("--port", type=int, default=8000, help="proxy port (0: pick a free one)")
+    parser.add_argument("--policy", default="ownerserve", help="routing policy of the proxy")
+    parser.add_argument(
+        "--profile", default="h100-llama3-8b", help="timing profile of the emulated workers"
+    )
+    parser.add_argument(
+        "--speed", type=float, default=1.0, help="emulated time runs this many times faster"
+    )
+    parser.add_argument("--turns", type=int, default=6, help="agent turns in the demo session")
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True, slots=True)
+class _Worker:
+    worker_id: str
+    role: str
+    port: int
+    bootstrap_port: int
+    events_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextlib.contextmanager
+def _emulated_cluster(profile: str, speed: float) -> Iterator[list[_Worker]]:
+    workers = [_Worker(wid, role, _free_port(), _free_port(), _free_port()) for wid, role in ROLES]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for w in workers:
+            cmd = [
+                sys.executable,
+                "-m",
+                "workers.emulator",
+                "--role",
+                w.role,
+                "--port",
+                str(w.port),
+                "--profile",
+                profile,
+                "--speed",
+                str(speed),
+                "--model",
+                MODEL,
+                "--worker-id",
+                w.worker_id,
+                "--bootstrap-port",
+                str(w.bootstrap_port),
+                "--kv-events-port",
+                str(w.events_port),
+            ]
+            procs.append(
+                subprocess.Popen(
+                    cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+                )
+            )
+        _wait_healthy(workers, procs)
+        yield workers
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def _wait_healthy(
+    workers: list[_Worker], procs: list[subprocess.Popen[bytes]], timeout_s: float = 60.0
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = dict(zip((w.url for w in workers), procs, strict=True))
+    while pending:
+        for url, proc in list(pending.items()):
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                raise RuntimeError(f"emulated worker at {url} exited: {err.strip()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                    del pending[url]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"emulated workers not healthy after {timeout_s:.0f}s: {pending}")
+        if pending:
+            time.sleep(0.1)
+
+
+def demo_settings(workers: list[_Worker], host: str, port: int, policy: str) -> Settings:
+    return settings_from_dict(
+        {
+            "server": {"host": host, "port": port},
+            "planner": {"policy": policy},
+            "models": [ModelSettings(name=MODEL).model_dump()],
+            "workers": [
+                WorkerSettings(
+                    id=w.worker_id,
+                    url=w.url,
+                    role=w.role,  # type: ignore[arg-type]
+                    kind="emulator",  # type: ignore[arg-type]
+                    models=(MODEL,),
+                    bootstrap_port=w.bootstrap_port,
+                    kv_events_endpoint=f"tcp://127.0.0.1:{w.events_port}",
+                ).model_dump(mode="json")
+                for w in workers
+            ],
+        },
+        source="<demo>",
+    )
+
+
+REPO_CONTEXT = "".join(
+    f"# file src/module_{i}.py\ndef handler_{i}(request):\n"
+    f"    return route(request, shard={i}, retries=3)\n\n"
+    for i in range(60)
+)
+SYSTEM = "You are a coding agent. Use the tools to inspect and edit the repository.\n"
+TOOL_OUTPUTS = (
+    "PASSED tests/test_router.py::test_health\n" * 3,
+    "Traceback (most recent call last):\n  File 'src/module_7.py', line 3\n" * 40,
+    "diff --git a/src/module_7.py b/src/module_7.py\n+    return route(request)\n" * 4,
+    "ok\n",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnResult:
+    turn: int
+    action: str
+    workers: str
+    ttft_s: float
+    e2e_s: float
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+def _plan_fields(header: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for part in header.split(";"):
+        key, sep, value = part.partition("=")
+        if sep:
+            out[key.strip()] = value.strip()
+    return out
+
+
+async def _stream_turn(
+    client: httpx.AsyncClient, messages: list[dict[str, Any]]
+) -> tuple[str, dict[str, str], float, float, dict[str, Any]]:
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 48,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    ttft = 0.0
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    async with client.stream(
+        "POST", "/v1/chat/completions", json=body, headers={"x-session-id": "demo-session"}
+    ) as resp:
+        if resp.status_code != 200:
+            detail = (await resp.aread()).decode(errors="replace")
+            raise RuntimeError(f"proxy answered {resp.status_code}: {detail}")
+        plan = _plan_fields(resp.headers.get("x-ownerserve-plan", ""))
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = orjson.loads(line[6:])
+            if chunk.get("error"):
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta", {}).get("content")
+                if delta:
+                    if not ttft:
+                        ttft = time.perf_counter() - t0
+                    text.append(delta)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    return "".join(text), plan, ttft, time.perf_counter() - t0, usage
+
+
+async def run_session(base_url: str, turns: int) -> list[TurnResult]:
+    """One agent session: repository context, then turns that append tool outputs."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Repository:\n" + REPO_CONTEXT + "\nFix the failing test."},
+    ]
+    results: list[TurnResult] = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=120.0) as client:
+        for turn in range(1, turns + 1):
+            text, plan, ttft, e2e, usage = await _stream_turn(client, messages)
+            details = usage.get("prompt_tokens_details") or {}
+            results.append(
+                TurnResult(
+                    turn=turn,
+                    action=plan.get("action", "?"),
+                    workers=f"P={plan.get('p', '?')} D={plan.get('d', '?')}",
+                    ttft_s=ttft,
+                    e2e_s=e2e,
+                    prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                    completion_tokens=int(usage.get("completion_tokens", 0)),
+                    cached_tokens=int(details.get("cached_tokens") or 0),
+                )
+            )
+            messages.append({"role": "assistant", "content": text})
+            messages.append(
+                {"role": "tool", "content": TOOL_OUTPUTS[(turn - 1) % len(TOOL_OUTPUTS)]}
+            )
+    return results
+
+
+def format_report(results: list[TurnResult]) -> str:
+    head = (
+        f"{'turn':>4}  {'action':<22} {'workers':<14} {'TTFT ms':>8} {'E2E ms':>8} "
+        f"{'prompt':>7} {'cached':>7} {'output':>6}"
+    )
+    lines = ["", "OwnerServe demo: one agent session through the proxy", head, "-" * len(head)]
+    for r in results:
+        lines.append(
+            f"{r.turn:>4}  {r.action:<22} {r.workers:<14} {r.ttft_s * 1e3:>8.1f} "
+            f"{r.e2e_s * 1e3:>8.1f} {r.prompt_tokens:>7} {r.cached_tokens:>7} "
+            f"{r.completion_tokens:>6}"
+        )
+    return "\n".join(lines)
+
+
+@contextlib.asynccontextmanager
+async def _serving(settings: Settings) -> AsyncIterator[str]:
+    import uvicorn
+
+    from router.app import create_app
+
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app, host=settings.server.host, port=settings.server.port, log_level="warning"
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("proxy failed to start")
+        await asyncio.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{settings.server.host}:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def _main(args: argparse.Namespace, workers: list[_Worker]) -> int:
+    settings = demo_settings(workers, args.host, args.port, args.policy)
+    async with _serving(settings) as base_url:
+        results = await run_session(base_url, args.turns)
+        print(format_report(results), flush=True)
+        if args.once:
+            return 0
+        print(f"\nServing the OpenAI API at {base_url}/v1 (model {MODEL!r}); Ctrl-C to stop.")
+        await asyncio.Event().wait()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.port:
+        with socket.socket() as s:
+            try:
+                s.bind((args.host, args.port))
+            except OSError as exc:
+                raise ConfigError(
+                    f"--port {args.port}: cannot bind {args.host}:{args.port} ({exc.strerror})"
+                ) from None
+    with _emulated_cluster(args.profile, args.speed) as workers:
+        try:
+            return asyncio.run(_main(args, workers))
+        except KeyboardInterrupt:
+            return 0
