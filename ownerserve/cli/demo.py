@@ -139,8 +139,8 @@ def demo_settings(workers: list[_Worker], host: str, port: int, policy: str) -> 
                 WorkerSettings(
                     id=w.worker_id,
                     url=w.url,
-                    role=w.role,  # type: ignore[arg-type]
-                    kind="emulator",  # type: ignore[arg-type]
+                    role=w.role,
+                    kind="emulator",
                     models=(MODEL,),
                     bootstrap_port=w.bootstrap_port,
                     kv_events_endpoint=f"tcp://127.0.0.1:{w.events_port}",
