@@ -1,0 +1,526 @@
+"""Discrete-event simulator of an xPyD cluster that runs the router's own planner policies.
+
+Per worker: a FIFO prefill pipeline (time from the timing profile), a decode batch whose step
+time grows with batch size and context (processor-sharing approximation: a request's decode
+takes `output_tokens × decode_step_s(batch, ctx)` at the batch it joins), an LRU prefix cache of
+KV blocks with the worker's HBM capacity, and decode interference: prefill colocated on a worker
+with running decodes stalls them for the prefill's duration. KV transfers queue FIFO on the
+sending node's NIC (bandwidth sharing as serialisation). The directory is exact: the sim knows
+every worker's cache, as the router learns it from KV events.
+
+Assumptions, stated once: decode steps are not re-timed when the batch changes mid-request;
+transient prefill copies stay in P's cache (evictable) exactly as vLLM's prefix cache keeps
+them; at clusters above `full_view_max` workers a policy sees a candidate subset (the workers
+holding the prefix, the session owner, and a power-of-d sample of the least loaded per role).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from loadgen.sim.workload import SimSession
+from ownerserve.profiles import TimingProfile
+from ownerserve.types import Role, Tier
+from planner.types import Action, ClusterView, Plan, Policy, RequestView, WorkerView
+
+_ARRIVE = 0
+_DECODE_END = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    prefill: int = 2
+    decode: int = 2
+    hybrid: int = 2
+    workers_per_node: int = 8
+    block_tokens: int = 512
+    hbm_kv_bytes: int | None = None  # per worker; None = the profile's
+    full_view_max: int = 64
+    sample_d: int = 16
+
+    @property
+    def total(self) -> int:
+        return self.prefill + self.decode + self.hybrid
+
+    @staticmethod
+    def of_size(n: int, *, block_tokens: int = 512, hbm_kv_bytes: int | None = None) -> ClusterSpec:
+        """`n` workers split 1:1:1 across prefill, decode and hybrid (remainder to hybrid)."""
+        third = n // 3
+        return ClusterSpec(
+            prefill=third,
+            decode=third,
+            hybrid=n - 2 * third,
+            block_tokens=block_tokens,
+            hbm_kv_bytes=hbm_kv_bytes,
+        )
+
+
+class _Held:
+    """Nested holder sets of one chain: `levels[k] = (depth, members)` where every member holds
+    at least `depth` blocks, depths increase and member sets shrink along the list."""
+
+    __slots__ = ("levels",)
+
+    def __init__(self, levels: list[tuple[int, set[int]]]) -> None:
+        self.levels = levels
+
+    def depth(self, wi: int) -> int:
+        for depth, members in reversed(self.levels):
+            if wi in members:
+                return depth
+        return 0
+
+    @property
+    def best(self) -> int:
+        return self.levels[-1][0] if self.levels else 0
+
+    def top(self, k: int) -> list[int]:
+        """Up to `k` worker indices holding the longest prefixes."""
+        out: list[int] = []
+        seen: set[int] = set()
+        for _, members in reversed(self.levels):
+            for wi in members:
+                if wi not in seen:
+                    seen.add(wi)
+                    out.append(wi)
+                    if len(out) >= k:
+                        return out
+        return out
+
+
+class _Worker:
+    __slots__ = (
+        "busy_prefill_s",
+        "cache",
+        "capacity",
+        "decode_active",
+        "decode_ctx",
+        "idx",
+        "interference_s",
+        "node",
+        "pending",
+        "prefill_free_at",
+        "prefill_tokens",
+        "role",
+        "wid",
+    )
+
+    def __init__(self, idx: int, wid: str, role: Role, node: str, capacity: int) -> None:
+        self.idx = idx
+        self.wid = wid
+        self.role = role
+        self.node = node
+        self.capacity = capacity
+        self.cache: OrderedDict[int, None] = OrderedDict()
+        self.prefill_free_at = 0.0
+        self.pending: list[tuple[float, int]] = []  # (prefill end, tokens) in FIFO order
+        self.decode_active = 0
+        self.decode_ctx = 0
+        self.busy_prefill_s = 0.0
+        self.interference_s = 0.0
+        self.prefill_tokens = 0
+
+    def pending_tokens(self, now: float) -> tuple[int, int]:
+        """(jobs, tokens) of prefill not finished at `now`."""
+        while self.pending and self.pending[0][0] <= now:
+            self.pending.pop(0)
+        return len(self.pending), sum(t for _, t in self.pending)
+
+
+@dataclass
+class SimResult:
+    """Per-policy outcome of one simulation run."""
+
+    policy: str
+    workers: int
+    sessions: int
+    requests: int
+    events: int
+    wall_s: float
+    sim_s: float
+    session_e2e_s: list[float] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    network_kv_bytes: int = 0
+    pd_kv_bytes: int = 0
+    fetch_kv_bytes: int = 0
+    prefill_tokens: int = 0
+    reused_tokens: int = 0
+    decode_interference_s: float = 0.0
+    owner_hits: int = 0
+    owner_opportunities: int = 0
+    dup_factor: float = 1.0
+    max_concurrent_sessions: float = 0.0
+    actions: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        def pct(xs: list[float], q: float) -> float:
+            if not xs:
+                return 0.0
+            s = sorted(xs)
+            return s[min(len(s) - 1, int(q * len(s)))]
+
+        def mean(xs: list[float]) -> float:
+            return sum(xs) / len(xs) if xs else 0.0
+
+        return {
+            "policy": self.policy,
+            "workers": self.workers,
+            "sessions": self.sessions,
+            "requests": self.requests,
+            "events": self.events,
+            "events_per_s": self.events / self.wall_s if self.wall_s else 0.0,
+            "wall_s": self.wall_s,
+            "sim_s": self.sim_s,
+            "e2e_mean_s": mean(self.session_e2e_s),
+            "e2e_p95_s": pct(self.session_e2e_s, 0.95),
+            "e2e_p99_s": pct(self.session_e2e_s, 0.99),
+            "ttft_p50_s": pct(self.ttft_s, 0.5),
+            "ttft_p99_s": pct(self.ttft_s, 0.99),
+            "tpot_mean_s": mean(self.tpot_s),
+            "network_kv_gb": self.network_kv_bytes / 1e9,
+            "pd_kv_gb": self.pd_kv_bytes / 1e9,
+            "fetch_kv_gb": self.fetch_kv_bytes / 1e9,
+            "prefill_tokens": self.prefill_tokens,
+            "reused_tokens": self.reused_tokens,
+            "decode_interference_s": self.decode_interference_s,
+            "owner_hit_rate": self.owner_hits / self.owner_opportunities
+            if self.owner_opportunities
+            else 1.0,
+            "dup_factor": self.dup_factor,
+            "max_concurrent_sessions": self.max_concurrent_sessions,
+            "actions": dict(sorted(self.actions.items())),
+        }
+
+
+class Simulator:
+    """Runs one policy over one workload on one cluster spec."""
+
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        profile: TimingProfile,
+        policy: Policy,
+        *,
+        seed: int = 0,
+        oracle: bool = False,
+        model: str = "sim-model",
+    ) -> None:
+        self.spec = spec
+        self.profile = profile
+        self.policy = policy
+        self.oracle = oracle
+        self.model = model
+        self.rng = random.Random(seed)
+        bt = spec.block_tokens
+        hbm = spec.hbm_kv_bytes if spec.hbm_kv_bytes is not None else profile.hbm_kv_bytes
+        self.block_bytes = profile.kv_bytes_per_token * bt
+        capacity = max(1, hbm // self.block_bytes)
+        self.workers: list[_Worker] = []
+        roles = (
+            [Role.PREFILL] * spec.prefill
+            + [Role.DECODE] * spec.decode
+            + [Role.HYBRID] * spec.hybrid
+        )
+        for i, role in enumerate(roles):
+            node = f"n{i // spec.workers_per_node}"
+            self.workers.append(_Worker(i, f"{role.value[0]}{i}", role, node, capacity))
+        self.by_id = {w.wid: w for w in self.workers}
+        self.by_role: dict[Role, list[_Worker]] = {r: [] for r in Role}
+        for w in self.workers:
+            self.by_role[w.role].append(w)
+        self.holders: dict[int, set[int]] = {}
+        self.owner: dict[int, int] = {}
+        self.session_owner: dict[int, int] = {}
+        self.future_refs: dict[int, int] = {}
+        self.nic_free_at: dict[str, float] = {}
+        self.cached_blocks = 0
+
+    # -- cache -------------------------------------------------------------------------------
+
+    def _insert(self, w: _Worker, chain: tuple[int, ...]) -> None:
+        cache = w.cache
+        for b in chain:
+            if b in cache:
+                cache.move_to_end(b)
+                continue
+            cache[b] = None
+            self.cached_blocks += 1
+            self.holders.setdefault(b, set()).add(w.idx)
+            self.owner.setdefault(b, w.idx)
+        while len(cache) > w.capacity:
+            victim = self._victim(w)
+            del cache[victim]
+            self.cached_blocks -= 1
+            hs = self.holders.get(victim)
+            if hs is not None:
+                hs.discard(w.idx)
+                if not hs:
+                    del self.holders[victim]
+            if self.owner.get(victim) == w.idx:
+                # the owner lost its copy: ownership passes to a surviving holder, if any
+                if hs:
+                    self.owner[victim] = next(iter(hs))
+                else:
+                    del self.owner[victim]
+
+    def _victim(self, w: _Worker) -> int:
+        if self.oracle:
+            for i, b in enumerate(w.cache):
+                if i >= 64:
+                    break
+                if not self.future_refs.get(b):
+                    return b
+        return next(iter(w.cache))
+
+    def _held(self, chain: tuple[int, ...]) -> _Held:
+        """Who holds how much of `chain`, as nested holder sets (see `_Held`)."""
+        levels: list[tuple[int, set[int]]] = []
+        if not chain:
+            return _Held(levels)
+        alive = self.holders.get(chain[0])
+        if not alive:
+            return _Held(levels)
+        i = 1
+        n = len(chain)
+        while i < n and len(alive) > 1:
+            hs = self.holders.get(chain[i])
+            if not hs:
+                break
+            kept = alive & hs
+            if len(kept) != len(alive):
+                levels.append((i, alive))
+                if not kept:
+                    return _Held(levels)
+                alive = kept
+            i += 1
+        if len(alive) == 1 and i < n:
+            # one holder left: walk its cache directly instead of intersecting sets
+            (wi,) = alive
+            cache = self.workers[wi].cache
+            while i < n and chain[i] in cache:
+                i += 1
+        levels.append((i, set(alive)))
+        return _Held(levels)
+
+    # -- views -------------------------------------------------------------------------------
+
+    def _view(
+        self,
+        w: _Worker,
+        now: float,
+        held: _Held,
+        sess_owner: int | None,
+        owner: int | None,
+    ) -> WorkerView:
+        jobs, tokens = w.pending_tokens(now)
+        n = held.depth(w.idx)
+        return WorkerView(
+            worker_id=w.wid,
+            role=w.role,
+            running=w.decode_active,
+            waiting=jobs,
+            inflight_prefill_tokens=tokens,
+            kv_usage=len(w.cache) / w.capacity,
+            hbm_bytes=w.capacity * self.block_bytes,
+            cached_blocks={Tier.GPU: n} if n else {},
+            is_owner=owner == w.idx,
+            is_session_owner=sess_owner == w.idx,
+            node=w.node,
+        )
+
+    def _candidates(self, held: _Held, sess_owner: int | None) -> list[_Worker]:
+        if len(self.workers) <= self.spec.full_view_max:
+            return self.workers
+        picked: dict[int, _Worker] = {}
+        for wi in held.top(8):
+            picked[wi] = self.workers[wi]
+        if sess_owner is not None:
+            picked[sess_owner] = self.workers[sess_owner]
+        for pool in self.by_role.values():
+            if not pool:
+                continue
+            sample = self.rng.sample(pool, min(self.spec.sample_d, len(pool)))
+            sample.sort(key=lambda w: (w.prefill_free_at, w.decode_active))
+            for w in sample[:3]:
+                picked[w.idx] = w
+        return list(picked.values())
+
+    # -- run ---------------------------------------------------------------------------------
+
+    def run(self, sessions: list[SimSession]) -> SimResult:
+        import time as _time
+
+        t_wall = _time.perf_counter()
+        prof = self.profile
+        bt = self.spec.block_tokens
+        heap: list[tuple[float, int, int, int, int]] = []
+        seq = 0
+        for si, s in enumerate(sessions):
+            heap.append((s.start_s, seq, _ARRIVE, si, 0))
+            seq += 1
+            if self.oracle:
+                for turn in s.turns:
+                    for b in turn.chain:
+                        self.future_refs[b] = self.future_refs.get(b, 0) + 1
+        heapq.heapify(heap)
+        res = SimResult(
+            policy=self.policy.name,
+            workers=len(self.workers),
+            sessions=len(sessions),
+            requests=0,
+            events=0,
+            wall_s=0.0,
+            sim_s=0.0,
+        )
+        session_start = [s.start_s for s in sessions]
+        prev_tokens = [0] * len(sessions)
+        live = 0
+        # time integrals of cached blocks (all copies), distinct blocks and live sessions
+        dup_num = dup_den = live_sum = 0.0
+        now = last = heap[0][0] if heap else 0.0
+        while heap:
+            now, _, kind, a, b = heapq.heappop(heap)
+            res.events += 1
+            dt = now - last
+            if dt > 0:
+                dup_num += self.cached_blocks * dt
+                dup_den += len(self.holders) * dt
+                live_sum += live * dt
+                last = now
+            if kind == _DECODE_END:
+                w = self.workers[a]
+                w.decode_active -= 1
+                w.decode_ctx -= b
+                continue
+            si, ti = a, b
+            sess = sessions[si]
+            turn = sess.turns[ti]
+            if ti == 0:
+                live += 1
+            if self.oracle:
+                for blk in turn.chain:
+                    self.future_refs[blk] -= 1
+            held = self._held(turn.chain)
+            best_avail = held.best
+            owner_idx = self.owner.get(turn.chain[best_avail - 1]) if best_avail else None
+            so = self.session_owner.get(si if sess.fork_of is None else sess.fork_of)
+            cands = self._candidates(held, so)
+            view = ClusterView(
+                workers=tuple(self._view(w, now, held, so, owner_idx) for w in cands)
+            )
+            req = RequestView(
+                model=self.model,
+                prompt_tokens=turn.input_tokens,
+                block_size=bt,
+                chain_blocks=len(turn.chain),
+                max_tokens=turn.output_tokens,
+                session_id=str(si),
+                session_owner=self.workers[so].wid if so is not None else None,
+                owner=self.workers[owner_idx].wid if owner_idx is not None else None,
+                owner_blocks=best_avail,
+                previous_prompt_tokens=prev_tokens[si],
+                idle_s=turn.gap_s,
+                is_fork=sess.fork_of is not None,
+                kv_bytes_per_token=prof.kv_bytes_per_token,
+            )
+            plan = self.policy.plan(req, view)
+            end = self._execute(plan, turn, held, best_avail, now, res)
+            heapq.heappush(heap, (end[0], seq, _DECODE_END, end[1], end[2]))
+            seq += 1
+            res.requests += 1
+            prev_tokens[si] = turn.input_tokens
+            self.session_owner[si] = self.by_id[plan.chosen.decode_worker].idx
+            if ti + 1 < len(sess.turns):
+                nxt = sess.turns[ti + 1]
+                heapq.heappush(heap, (end[0] + nxt.gap_s, seq, _ARRIVE, si, ti + 1))
+                seq += 1
+            else:
+                live -= 1
+                res.session_e2e_s.append(end[0] - session_start[si])
+        res.sim_s = now
+        res.wall_s = _time.perf_counter() - t_wall
+        res.dup_factor = dup_num / dup_den if dup_den else 1.0
+        total_hbm = sum(w.capacity for w in self.workers) * self.block_bytes
+        if live_sum:
+            distinct_per_session = dup_den * self.block_bytes / live_sum
+            res.max_concurrent_sessions = total_hbm / (distinct_per_session * res.dup_factor)
+        return res
+
+    def _transfer(self, src: _Worker, dst: _Worker, nbytes: int, ready: float) -> float:
+        """Queue `nbytes` on the sender's NIC from `ready`; returns the arrival time."""
+        if nbytes <= 0:
+            return ready
+        same = src.node == dst.node
+        key = src.node if not same else f"{src.node}:nvlink"
+        start = max(ready, self.nic_free_at.get(key, 0.0))
+        done = start + self.profile.link.transfer_s(nbytes, same_node=same)
+        self.nic_free_at[key] = done
+        return done
+
+    def _execute(
+        self,
+        plan: Plan,
+        turn: Any,
+        held: _Held,
+        best_avail: int,
+        now: float,
+        res: SimResult,
+    ) -> tuple[float, int, int]:
+        prof = self.profile
+        bt = self.spec.block_tokens
+        c = plan.chosen
+        p = self.by_id[c.prefill_worker]
+        d = self.by_id[c.decode_worker]
+        res.actions[c.action.value] = res.actions.get(c.action.value, 0) + 1
+        ready = now
+        reused_blocks = held.depth(p.idx)
+        if c.action is Action.ARTIFACT_FETCH and c.source_worker:
+            src = self.by_id[c.source_worker]
+            fetch_blocks = max(0, held.depth(src.idx) - reused_blocks)
+            nbytes = fetch_blocks * self.block_bytes
+            ready = self._transfer(src, p, nbytes, now)
+            res.fetch_kv_bytes += nbytes
+            res.network_kv_bytes += nbytes
+            reused_blocks += fetch_blocks
+            self._insert(p, turn.chain[: held.depth(src.idx)])
+        reused_tokens = min(reused_blocks * bt, turn.input_tokens)
+        new_tokens = turn.input_tokens - reused_tokens
+        start = max(ready, p.prefill_free_at)
+        dur = prof.prefill_s(new_tokens, reused_tokens)
+        prefill_end = start + dur
+        p.prefill_free_at = prefill_end
+        p.pending.append((prefill_end, new_tokens))
+        p.busy_prefill_s += dur
+        p.prefill_tokens += new_tokens
+        res.prefill_tokens += new_tokens
+        res.reused_tokens += reused_tokens
+        if p.decode_active:
+            p.interference_s += dur * p.decode_active
+            res.decode_interference_s += dur * p.decode_active
+        self._insert(p, turn.chain)
+        if best_avail:
+            res.owner_opportunities += 1
+            if reused_blocks >= best_avail:
+                res.owner_hits += 1
+        decode_ready = prefill_end
+        if d is not p:
+            d_has = held.depth(d.idx)
+            nbytes = max(0, turn.input_tokens - d_has * bt) * prof.kv_bytes_per_token
+            decode_ready = self._transfer(p, d, nbytes, prefill_end)
+            res.pd_kv_bytes += nbytes
+            res.network_kv_bytes += nbytes
+            self._insert(d, turn.chain)
+        ctx = turn.input_tokens + turn.output_tokens
+        d.decode_active += 1
+        d.decode_ctx += ctx
+        step = prof.decode_step_s(d.decode_active, d.decode_ctx)
+        ttft = decode_ready + step - now
+        decode_end = decode_ready + step * max(1, turn.output_tokens)
+        res.ttft_s.append(ttft)
+        res.tpot_s.append(step)
+        return decode_end, d.idx, ctx

@@ -1,0 +1,105 @@
+"""The simulator's mechanics: prefix lookup, caches, transfers and per-policy accounting."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loadgen.sim.engine import ClusterSpec, Simulator
+from loadgen.sim.workload import SimSession, SimTurn, agentic_sessions
+from ownerserve.profiles import load_profile
+from planner.types import (
+    Action,
+    Candidate,
+    ClusterView,
+    CostBreakdown,
+    Plan,
+    RequestClass,
+    RequestView,
+)
+
+PROFILE = load_profile("h100-llama3-8b")
+
+
+class _Fixed:
+    """A policy that always plans the same (action, P, D); lets tests pin the execution."""
+
+    def __init__(self, action: Action, p: str, d: str, source: str | None = None) -> None:
+        self.name = f"fixed-{action.value}"
+        self._cand = Candidate(action, p, d, CostBreakdown(), source_worker=source)
+
+    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+        return Plan(self.name, RequestClass.NEW_LONG_PREFIX, self._cand)
+
+
+def _session(chains: list[tuple[int, ...]], bt: int = 512) -> SimSession:
+    turns = tuple(SimTurn(c, len(c) * bt, 10, 0.0) for c in chains)
+    return SimSession(0, 0.0, turns)
+
+
+def test_colocated_repeat_reuses_prefix_and_moves_no_kv() -> None:
+    sim = Simulator(ClusterSpec(1, 1, 1), PROFILE, _Fixed(Action.COLOCATED_PREFILL, "h2", "h2"))
+    res = sim.run([_session([(1, 2, 3), (1, 2, 3, 4)])])
+    s = res.summary()
+    assert s["requests"] == 2 and len(res.session_e2e_s) == 1
+    assert s["reused_tokens"] == 3 * 512
+    assert s["prefill_tokens"] == 3 * 512 + 512
+    assert s["network_kv_gb"] == 0.0
+    assert s["dup_factor"] == 1.0
+
+
+def test_remote_prefill_ships_prompt_kv_and_duplicates_it() -> None:
+    sim = Simulator(ClusterSpec(1, 1, 0), PROFILE, _Fixed(Action.REMOTE_PREFILL, "p0", "d1"))
+    res = sim.run([_session([(1, 2, 3), (1, 2, 3, 4)])])
+    # turn 1 ships 3 blocks; turn 2 ships only the block D lacks
+    assert res.pd_kv_bytes == 4 * 512 * PROFILE.kv_bytes_per_token
+    assert res.dup_factor == 2.0
+
+
+def test_artifact_fetch_pulls_only_missing_blocks_from_the_source() -> None:
+    sessions = [_session([(1, 2, 3, 4)])]
+    sim = Simulator(ClusterSpec(0, 1, 1), PROFILE, _Fixed(Action.COLOCATED_PREFILL, "d0", "d0"))
+    sim.run(sessions)
+    sim.policy = _Fixed(Action.ARTIFACT_FETCH, "h1", "h1", source="d0")
+    res = sim.run([_session([(1, 2, 3, 4, 5)])])
+    assert res.fetch_kv_bytes == 4 * 512 * PROFILE.kv_bytes_per_token
+    assert res.reused_tokens == 4 * 512 and res.prefill_tokens == 512
+
+
+def test_eviction_respects_capacity_and_forgets_holders() -> None:
+    bb = 512 * PROFILE.kv_bytes_per_token
+    spec = ClusterSpec(0, 0, 1, hbm_kv_bytes=3 * bb)
+    sim = Simulator(spec, PROFILE, _Fixed(Action.COLOCATED_PREFILL, "h0", "h0"))
+    sim.run([_session([(1, 2), (1, 2, 3, 4)])])
+    assert len(sim.workers[0].cache) == 3
+    assert 1 not in sim.holders and set(sim.holders) == {2, 3, 4}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_held_matches_brute_force_longest_prefix(data: st.DataObject) -> None:
+    sim = Simulator(ClusterSpec(2, 2, 2), PROFILE, _Fixed(Action.COLOCATED_PREFILL, "h4", "h4"))
+    rng = random.Random(data.draw(st.integers(0, 10_000)))
+    for w in sim.workers:
+        length = rng.randint(0, 8)
+        sim._insert(w, tuple(range(1, length + 1)) + tuple(rng.sample(range(20, 30), 2)))
+    chain = tuple(range(1, data.draw(st.integers(0, 10)) + 1))
+    held = sim._held(chain)
+    for w in sim.workers:
+        expect = 0
+        while expect < len(chain) and chain[expect] in w.cache:
+            expect += 1
+        assert held.depth(w.idx) == expect
+    assert held.best == max((held.depth(w.idx) for w in sim.workers), default=0)
+
+
+def test_generator_is_deterministic_per_seed() -> None:
+    a = agentic_sessions(50, 1.0, seed=3)
+    b = agentic_sessions(50, 1.0, seed=3)
+    c = agentic_sessions(50, 1.0, seed=4)
+    assert a == b and a != c
+    for s in a:
+        for prev, nxt in zip(s.turns, s.turns[1:], strict=False):
+            assert nxt.chain[: len(prev.chain)] == prev.chain  # turns append
