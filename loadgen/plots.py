@@ -1,0 +1,84 @@
+"""PNG plots of replay runs (matplotlib, Agg backend): latency CDFs and per-run bars."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from loadgen.client import RunResult
+from loadgen.report import RunSummary
+
+
+def _cdf(ax: plt.Axes, values: Sequence[float], label: str) -> None:
+    xs = sorted(values)
+    if not xs:
+        return
+    ys = [(i + 1) / len(xs) for i in range(len(xs))]
+    ax.step(xs, ys, where="post", label=label)
+
+
+def plot_cdfs(results: Sequence[RunResult], path: Path) -> Path:
+    """Session E2E and TTFT CDFs, one line per run."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in results:
+        _cdf(a1, [s.e2e_s for s in r.sessions if s.completed and s.e2e_s is not None], r.label)
+        _cdf(a2, [q.ttft_s for q in r.requests if q.ok and q.ttft_s is not None], r.label)
+    a1.set_xlabel("session E2E (s, incl. tool gaps)")
+    a2.set_xlabel("TTFT (s)")
+    a2.set_xscale("log")
+    for ax in (a1, a2):
+        ax.set_ylabel("fraction")
+        ax.grid(alpha=0.3)
+    a1.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+_Bar = tuple[str, Callable[[RunSummary], float | None]]
+
+BARS: tuple[_Bar, ...] = (
+    ("mean session E2E (s)", lambda s: s.session_e2e.mean),
+    ("TTFT p99 (s)", lambda s: s.ttft.p99),
+    ("prefill tokens computed", lambda s: s.cluster.prefill_tokens_computed if s.cluster else None),
+    ("KV bytes moved (GB)", lambda s: _gb(s.cluster.kv_bytes_moved) if s.cluster else None),
+    ("HBM duplicate factor", lambda s: s.cluster.duplicate_factor if s.cluster else None),
+)
+
+
+def _gb(x: int | None) -> float | None:
+    return None if x is None else x / 1e9
+
+
+def plot_bars(summaries: Sequence[RunSummary], path: Path) -> Path:
+    """One panel per metric, one bar per run (missing values are left out)."""
+    fig, axes = plt.subplots(1, len(BARS), figsize=(4 * len(BARS), 4.5))
+    labels = [s.label for s in summaries]
+    for ax, (title, get) in zip(axes, BARS, strict=True):
+        vals = [get(s) for s in summaries]
+        xs = [i for i, v in enumerate(vals) if v is not None]
+        ax.bar(xs, [vals[i] or 0.0 for i in xs], color="tab:blue")
+        ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_runs(
+    summaries: Sequence[RunSummary], results: Sequence[RunResult], out_dir: Path, stem: str
+) -> dict[str, Path]:
+    paths: dict[str, Path] = {}
+    if results:
+        paths["cdf"] = plot_cdfs(results, out_dir / f"{stem}_cdf.png")
+    if summaries:
+        paths["bars"] = plot_bars(summaries, out_dir / f"{stem}_bars.png")
+    return paths
