@@ -1,0 +1,274 @@
+"""vLLM KV event wire codec and subscriber: decoding real vLLM 0.32 bytes, round trips, and
+gap handling against real ZMQ sockets speaking vLLM's PUB + ROUTER replay protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from ownerserve.directory.base import EventApplyResult
+from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from ownerserve.types import Tier
+from workers.adapters.vllm_events import (
+    KVEventSubscriber,
+    KVEventWireError,
+    decode_message,
+    decode_payload,
+    encode_message,
+    encode_payload,
+    engine_hash,
+)
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_decodes_a_batch_captured_from_vllm_0_32() -> None:
+    batch = decode_payload((DATA / "vllm-0.32-kv-event-batch.msgpack").read_bytes(), seq=0)
+    assert batch.seq == 0
+    assert len(batch.events) == 1
+    ev = batch.events[0]
+    assert isinstance(ev, BlockStored)
+    assert ev.block_size == 32
+    assert len(ev.engine_hashes) == 3
+    assert len(ev.token_ids) == 3 * 32
+    assert ev.parent_engine_hash is None
+    assert ev.tier is Tier.GPU
+
+
+def test_round_trip_keeps_every_field() -> None:
+    events = (
+        BlockStored((1, 2), None, tuple(range(64)), 32),
+        BlockStored((3,), 2, tuple(range(64, 96)), 32, tier=Tier.CPU, lora_id=7),
+        BlockRemoved((1,), tier=Tier.CPU),
+        AllBlocksCleared(),
+    )
+    batch = EventBatch(seq=41, ts=123.5, events=events)
+    out = decode_message(encode_message(batch, topic=b"kv"))
+    assert out == batch
+
+
+def test_sha256_digest_hashes_decode_to_vllms_int_form() -> None:
+    digest = hashlib.sha256(b"block").digest()
+    as_int = int.from_bytes(digest, "big") & ((1 << 64) - 1)
+    raw = {"type": "BlockRemoved", "block_hashes": [digest], "medium": "GPU"}
+    batch = decode_payload(msgpack.packb([1.0, [raw], 0]), seq=3)
+    assert batch.events == (BlockRemoved((as_int,)),)
+    assert engine_hash(as_int) == as_int
+
+
+def test_array_form_events_of_older_vllm_decode() -> None:
+    raw = [
+        ["BlockStored", [5], 4, list(range(16)), 16, None, "CPU"],
+        ["BlockRemoved", [5], None],
+        ["AllBlocksCleared"],
+        ["SomethingNew", 1, 2],
+    ]
+    batch = decode_payload(msgpack.packb([2.0, raw, 0]), seq=9)
+    assert batch.events == (
+        BlockStored((5,), 4, tuple(range(16)), 16, tier=Tier.CPU),
+        BlockRemoved((5,)),
+        AllBlocksCleared(),
+    )
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"t", (0).to_bytes(8, "big")],
+        [b"t", b"\x00", encode_payload([])],
+        [b"t", (0).to_bytes(8, "big"), b"\xc1"],
+        [b"t", (0).to_bytes(8, "big"), msgpack.packb({"not": "a batch"})],
+    ],
+)
+def test_malformed_messages_raise_wire_errors(frames: list[bytes]) -> None:
+    with pytest.raises(KVEventWireError):
+        decode_message(frames)
+
+
+# --- subscriber against real sockets -----------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RecordingSink:
+    """Collects what the subscriber applies, like the directory would."""
+
+    def __init__(self) -> None:
+        self.applied: list[EventBatch] = []
+        self.dropped = 0
+
+    async def apply_events(self, worker: str, batch: EventBatch) -> EventApplyResult:
+        self.applied.append(batch)
+        return EventApplyResult(stored=len(batch.events))
+
+    async def drop_worker(self, worker: str) -> int:
+        self.dropped += 1
+        return 0
+
+
+class VllmLikePublisher:
+    """vLLM's ZmqEventPublisher protocol: PUB of [topic, seq, payload] plus a ROUTER that replays
+    buffered batches from a requested seq and ends with seq -1. `skip` seqs are buffered but
+    never published (a lost message)."""
+
+    def __init__(self, pub_port: int, replay_port: int, topic: bytes = b"kv") -> None:
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.bind(f"tcp://127.0.0.1:{pub_port}")
+        self.topic = topic
+        self.buffer: list[tuple[int, bytes]] = []
+        self.replay_port = replay_port
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve_replay, daemon=True)
+        self._thread.start()
+
+    def _serve_replay(self) -> None:
+        router = self.ctx.socket(zmq.ROUTER)
+        router.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        while not self._stop.is_set():
+            if not router.poll(50):
+                continue
+            client, _, start = router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            for seq, payload in list(self.buffer):
+                if seq >= first:
+                    router.send_multipart(
+                        [client, b"", self.topic, seq.to_bytes(8, "big"), payload]
+                    )
+            router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+        router.close(linger=0)
+
+    def publish(self, seq: int, tokens: range, *, send: bool = True, keep: bool = True) -> None:
+        ev = BlockStored((seq,), None, tuple(tokens), 4)
+        payload = encode_payload([ev], ts=float(seq))
+        if keep:
+            self.buffer.append((seq, payload))
+        if send:
+            self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.pub.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def publisher() -> Iterator[VllmLikePublisher]:
+    pub = VllmLikePublisher(_free_port(), _free_port())
+    yield pub
+    pub.close()
+
+
+async def _subscribed(pub: VllmLikePublisher, sink: RecordingSink) -> KVEventSubscriber:
+    sub = KVEventSubscriber(
+        "w1",
+        pub.pub.getsockopt_string(zmq.LAST_ENDPOINT),
+        sink,
+        replay_endpoint=f"tcp://127.0.0.1:{pub.replay_port}",
+        topic=b"kv",
+    )
+    await sub.start()
+    await asyncio.sleep(0.3)  # let the SUB subscription reach the PUB
+    return sub
+
+
+async def _until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.02)
+
+
+async def test_subscriber_fills_a_gap_from_the_replay_socket(publisher: VllmLikePublisher) -> None:
+    sink = RecordingSink()
+    sub = await _subscribed(publisher, sink)
+    try:
+        publisher.publish(0, range(4))
+        publisher.publish(1, range(4, 8), send=False)  # lost on the PUB socket
+        publisher.publish(2, range(8, 12))
+        await _until(lambda: len(sink.applied) == 3)
+        assert [b.seq for b in sink.applied] == [0, 1, 2]
+        assert sub.stats.gaps == 1 and sub.stats.replayed == 1 and sink.dropped == 0
+    finally:
+        await sub.close()
+
+
+async def test_subscriber_joining_late_replays_history(publisher: VllmLikePublisher) -> None:
+    publisher.publish(0, range(4))  # before anyone subscribed: only in the replay buffer
+    publisher.publish(1, range(4, 8))
+    sink = RecordingSink()
+    sub = await _subscribed(publisher, sink)
+    try:
+        publisher.publish(2, range(8, 12))
+        await _until(lambda: len(sink.applied) == 3)
+        assert [b.seq for b in sink.applied] == [0, 1, 2]
+    finally:
+        await sub.close()
+
+
+async def test_unfillable_gap_drops_the_worker_then_continues(
+    publisher: VllmLikePublisher,
+) -> None:
+    sink = RecordingSink()
+    sub = await _subscribed(publisher, sink)
+    try:
+        publisher.publish(0, range(4))
+        publisher.publish(1, range(4, 8), send=False, keep=False)  # gone from the buffer too
+        publisher.publish(2, range(8, 12))
+        await _until(lambda: len(sink.applied) == 2)
+        assert [b.seq for b in sink.applied] == [0, 2]
+        assert sink.dropped == 1 and sub.stats.resyncs == 1
+    finally:
+        await sub.close()
+
+
+async def test_seq_restart_means_engine_restart_and_drops_the_worker(
+    publisher: VllmLikePublisher,
+) -> None:
+    sink = RecordingSink()
+    sub = await _subscribed(publisher, sink)
+    try:
+        publisher.publish(0, range(4))
+        publisher.publish(1, range(4, 8))
+        await _until(lambda: len(sink.applied) == 2)
+        publisher.buffer.clear()
+        publisher.publish(0, range(4))  # a restarted engine counts from 0 again
+        await _until(lambda: len(sink.applied) == 3)
+        assert sink.dropped == 1
+    finally:
+        await sub.close()
+
+
+async def test_subscriber_can_bind_for_a_connecting_publisher() -> None:
+    """vLLM connects (not binds) when its endpoint names a host, e.g. tcp://127.0.0.1:PORT."""
+    port = _free_port()
+    sink = RecordingSink()
+    sub = KVEventSubscriber("w2", f"tcp://127.0.0.1:{port}", sink, bind=True)
+    await sub.start()
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        await asyncio.sleep(0.3)
+        pub.send_multipart(encode_message(EventBatch(0, 1.0, (AllBlocksCleared(),))))
+        await _until(lambda: len(sink.applied) == 1)
+        assert sink.applied[0].events == (AllBlocksCleared(),)
+    finally:
+        pub.close(linger=0)
+        ctx.term()
+        await sub.close()
