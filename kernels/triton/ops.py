@@ -1,0 +1,300 @@
+"""Triton implementations of the KV data-movement kernels, same signatures and meaning as
+`kernels.reference`: each call is one kernel launch over all blocks, layers and sides.
+
+Runs on CUDA tensors, or on CPU tensors when `TRITON_INTERPRET=1` was set before `kernels.triton`
+was imported (tests). Block ids must be distinct on the written side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kernels.layouts import (
+    BlockIds,
+    LayoutError,
+    PagedKV,
+    as_block_ids,
+    check_head_buffers,
+    check_staging,
+)
+from kernels.rope import RopeSpec, token_deltas
+from kernels.triton import _jit
+
+_VEC_BYTES = 16
+FLAT_TILE = 4096  # elements per program in the flat copy
+ROW_TILE = 4096  # rows * padded head_dim per program in the row copy
+ROPE_LPP = 4  # layer-kv pairs per program when rotating: reuses the tile's cos/sin
+NUM_WARPS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class _Side:
+    """One end of a chunk copy, in elements: see `kernels.triton._jit`."""
+
+    base: torch.Tensor
+    tab: torch.Tensor | None
+    lk_stride: int
+    ids: torch.Tensor | None
+    bstride: int
+    tstride: int
+    hstride: int
+    aligned: bool
+
+    def strides_ok(self, align: int) -> bool:
+        return all(
+            s % align == 0 for s in (self.lk_stride, self.bstride, self.tstride, self.hstride)
+        )
+
+
+def _paged_side(paged: PagedKV, ids: torch.Tensor, kv: int | None = None) -> _Side:
+    v = paged.views[0]
+    return _Side(
+        base=v,
+        tab=paged.offset_table(kv),
+        lk_stride=0,
+        ids=ids,
+        bstride=v.stride(0),
+        tstride=v.stride(1),
+        hstride=v.stride(2),
+        aligned=paged.aligned(_VEC_BYTES),
+    )
+
+
+def _staging_side(staging: torch.Tensor, paged: PagedKV) -> _Side:
+    g = paged.geometry
+    c = g.chunk_elems
+    return _Side(
+        base=staging,
+        tab=None,
+        lk_stride=c,
+        ids=None,
+        bstride=g.num_layers * g.kv_factor * c,
+        tstride=g.num_kv_heads * g.head_dim,
+        hstride=g.head_dim,
+        aligned=staging.data_ptr() % _VEC_BYTES == 0,
+    )
+
+
+def _head_side(buf: torch.Tensor, paged: PagedKV, n: int) -> _Side:
+    g = paged.geometry
+    unit = g.block_size * g.head_dim
+    per_block = g.num_layers * g.kv_factor * unit
+    return _Side(
+        base=buf,
+        tab=None,
+        lk_stride=unit,
+        ids=None,
+        bstride=per_block,
+        tstride=g.head_dim,
+        hstride=n * per_block,
+        aligned=buf.data_ptr() % _VEC_BYTES == 0,
+    )
+
+
+def _align(src: _Side, dst: _Side) -> int:
+    """Elements per 16-byte vector when both sides provably allow 16-byte accesses, else 1."""
+    esize = src.base.element_size()
+    align = _VEC_BYTES // esize if _VEC_BYTES % esize == 0 else 1
+    if (
+        align > 1
+        and src.aligned
+        and dst.aligned
+        and src.strides_ok(align)
+        and dst.strides_ok(align)
+    ):
+        return align
+    return 1
+
+
+def _tab(side: _Side) -> torch.Tensor:
+    return side.tab if side.tab is not None else side.base
+
+
+def _ids(side: _Side) -> torch.Tensor:
+    return side.ids if side.ids is not None else side.base
+
+
+def _launch(
+    src: _Side,
+    dst: _Side,
+    paged: PagedKV,
+    n: int,
+    lk: int,
+    kvf: int,
+    rope: RopeSpec | None = None,
+    deltas: torch.Tensor | None = None,
+    inv_freq: torch.Tensor | None = None,
+) -> None:
+    """Copy n blocks x lk layer-kv chunks from src to dst; K (lk % kvf == 0) rotated with rope."""
+    if n == 0:
+        return
+    g = paged.geometry
+    h, d = g.num_kv_heads, g.head_dim
+    align = _align(src, dst)
+    flat_ok = all(s.tstride == h * d and s.hstride == d for s in (src, dst))
+    if rope is None and flat_ok:
+        chunk = g.chunk_elems
+        tile = min(FLAT_TILE, triton.next_power_of_2(chunk))
+        flat_grid = (n * lk, triton.cdiv(chunk, tile))
+        _jit.copy_flat_kernel[flat_grid](
+            src.base, _tab(src), src.lk_stride, _ids(src), src.bstride,
+            dst.base, _tab(dst), dst.lk_stride, _ids(dst), dst.bstride,
+            lk, chunk,
+            SRC_TAB=src.tab is not None, SRC_IDS=src.ids is not None,
+            DST_TAB=dst.tab is not None, DST_IDS=dst.ids is not None,
+            TILE=tile, EVEN=chunk % tile == 0, ALIGN=align,
+            num_warps=NUM_WARPS,
+        )  # fmt: skip
+        return
+    dp = triton.next_power_of_2(d)
+    rows_total = g.block_size * h
+    rows = max(1, min(triton.next_power_of_2(rows_total), ROW_TILE // dp))
+    mode, half, half_p2, rest_p2 = 0, 1, 1, 0
+    freq = deltas_t = src.base
+    lpp = kvf
+    if rope is not None:
+        if deltas is None:
+            raise LayoutError("rope needs deltas")
+        if rope.head_dim != d:
+            raise LayoutError(f"RopeSpec head_dim {rope.head_dim} != KV head_dim {d}")
+        r = rope.rot_dim
+        f = rope.inv_freq(paged.device) if inv_freq is None else inv_freq.to(paged.device)
+        f = f.to(torch.float32)
+        if rope.neox:
+            mode, half = 2, r // 2
+            half_p2 = triton.next_power_of_2(half)
+            rest_p2 = triton.next_power_of_2(d - r) if d > r else 0
+            freq = f.contiguous()
+        else:
+            if dp != d:
+                raise LayoutError("GPT-J re-rotation in Triton needs a power-of-two head_dim")
+            mode = 1
+            freq = torch.zeros(d // 2, dtype=torch.float32, device=paged.device)
+            freq[: r // 2] = f
+        deltas_t = deltas
+        lpp = kvf * max(1, ROPE_LPP // kvf)
+        while lk % lpp:
+            lpp -= kvf
+    grid = (n, triton.cdiv(rows_total, rows), triton.cdiv(lk, lpp))
+    _jit.copy_rows_kernel[grid](
+        src.base, _tab(src), src.lk_stride, _ids(src), src.bstride, src.tstride, src.hstride,
+        dst.base, _tab(dst), dst.lk_stride, _ids(dst), dst.bstride, dst.tstride, dst.hstride,
+        freq, deltas_t,
+        lk, h, rows_total, g.block_size, d,
+        SRC_TAB=src.tab is not None, SRC_IDS=src.ids is not None,
+        DST_TAB=dst.tab is not None, DST_IDS=dst.ids is not None,
+        ROWS=rows, DP=dp, LPP=lpp, KVF=kvf, ROPE=mode,
+        HALF=half, HALF_P2=half_p2, REST_P2=rest_p2, ALIGN=align,
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
+
+
+def _lk(paged: PagedKV) -> int:
+    return paged.geometry.num_layers * paged.geometry.kv_factor
+
+
+def gather_blocks(
+    paged: PagedKV, block_ids: BlockIds, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """See `kernels.reference.gather_blocks`."""
+    g = paged.geometry
+    ids = as_block_ids(block_ids, paged.device)
+    n = ids.numel()
+    if out is None:
+        out = torch.empty(g.staging_shape(n), dtype=g.dtype, device=paged.device)
+    check_staging(out, g, n)
+    _launch(_paged_side(paged, ids), _staging_side(out, paged), paged, n, _lk(paged), g.kv_factor)
+    return out
+
+
+def scatter_blocks(
+    staging: torch.Tensor,
+    paged: PagedKV,
+    block_ids: BlockIds,
+    rope: RopeSpec | None = None,
+    delta: int | torch.Tensor = 0,
+    inv_freq: torch.Tensor | None = None,
+) -> None:
+    """See `kernels.reference.scatter_blocks`."""
+    g = paged.geometry
+    ids = as_block_ids(block_ids, paged.device)
+    n = ids.numel()
+    check_staging(staging, g, n)
+    if rope is not None and g.kv_factor != 2:
+        raise LayoutError("re-rotation needs a K/V cache")
+    deltas = token_deltas(delta, n * g.block_size, paged.device) if rope is not None else None
+    src, dst = _staging_side(staging, paged), _paged_side(paged, ids)
+    _launch(src, dst, paged, n, _lk(paged), g.kv_factor, rope, deltas, inv_freq)
+
+
+def copy_blocks(
+    src: PagedKV,
+    dst: PagedKV,
+    src_ids: BlockIds,
+    dst_ids: BlockIds,
+    rope: RopeSpec | None = None,
+    delta: int | torch.Tensor = 0,
+    inv_freq: torch.Tensor | None = None,
+) -> None:
+    """See `kernels.reference.copy_blocks`."""
+    gs, gd = src.geometry, dst.geometry
+    same = (gs.num_layers, gs.kv_factor, gs.block_size, gs.num_kv_heads, gs.head_dim, gs.dtype)
+    if same != (gd.num_layers, gd.kv_factor, gd.block_size, gd.num_kv_heads, gd.head_dim, gd.dtype):
+        raise LayoutError("copy_blocks needs the same geometry and dtype on both sides")
+    if src.device != dst.device:
+        raise LayoutError("copy_blocks needs both caches on one device")
+    sids = as_block_ids(src_ids, src.device)
+    dids = as_block_ids(dst_ids, dst.device)
+    if sids.numel() != dids.numel():
+        raise LayoutError("src_ids and dst_ids differ in length")
+    n = sids.numel()
+    if rope is not None and gs.kv_factor != 2:
+        raise LayoutError("re-rotation needs a K/V cache")
+    deltas = token_deltas(delta, n * gs.block_size, dst.device) if rope is not None else None
+    s, d = _paged_side(src, sids), _paged_side(dst, dids)
+    _launch(s, d, dst, n, _lk(dst), gs.kv_factor, rope, deltas, inv_freq)
+
+
+def rerotate_blocks(
+    paged: PagedKV,
+    block_ids: BlockIds,
+    rope: RopeSpec,
+    delta: int | torch.Tensor,
+    inv_freq: torch.Tensor | None = None,
+) -> None:
+    """See `kernels.reference.rerotate_blocks`: K only, in place."""
+    g = paged.geometry
+    if g.kv_factor != 2:
+        raise LayoutError("re-rotation needs a K/V cache (MLA's latent is not handled here)")
+    ids = as_block_ids(block_ids, paged.device)
+    n = ids.numel()
+    deltas = token_deltas(delta, n * g.block_size, paged.device)
+    side = _paged_side(paged, ids, kv=0)
+    _launch(side, side, paged, n, g.num_layers, 1, rope, deltas, inv_freq)
+
+
+def split_heads(
+    paged: PagedKV, block_ids: BlockIds, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """See `kernels.reference.split_heads`."""
+    g = paged.geometry
+    ids = as_block_ids(block_ids, paged.device)
+    n = ids.numel()
+    if out is None:
+        out = torch.empty(g.head_buffer_shape(n), dtype=g.dtype, device=paged.device)
+    check_head_buffers(out, g, n)
+    _launch(_paged_side(paged, ids), _head_side(out, paged, n), paged, n, _lk(paged), g.kv_factor)
+    return out
+
+
+def merge_heads(head_buffers: torch.Tensor, paged: PagedKV, block_ids: BlockIds) -> None:
+    """See `kernels.reference.merge_heads`."""
+    g = paged.geometry
+    ids = as_block_ids(block_ids, paged.device)
+    n = ids.numel()
+    check_head_buffers(head_buffers, g, n)
+    src, dst = _head_side(head_buffers, paged, n), _paged_side(paged, ids)
+    _launch(src, dst, paged, n, _lk(paged), g.kv_factor)
