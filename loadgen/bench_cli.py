@@ -1,0 +1,151 @@
+"""`ownerserve bench agentic`: every routing policy and the peer routers on one emulated cluster.
+
+ownerserve bench agentic                      # the full run (about 15-20 minutes here)
+ownerserve bench agentic --quick              # a smoke run: fewer sessions, two targets
+ownerserve bench agentic --policies ownerserve,static-pd --no-peers --no-trace
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from loadgen.bench import (
+    OWN_POLICIES,
+    PEER_LABELS,
+    BenchPlan,
+    Target,
+    run_bench,
+    write_outputs,
+)
+from loadgen.cluster import REPO_ROOT, ClusterSpec
+from loadgen.trace import TraceScaling, load_trace, prefix_sharing, trace_workload
+from loadgen.workloads import Workload, generate
+from ownerserve.errors import ConfigError
+
+DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+    p = sub.add_parser("agentic", help="own policies and peer routers on agentic traffic")
+    p.add_argument("--policies", default=",".join(OWN_POLICIES), help="own policies (comma list)")
+    p.add_argument("--peers", default=",".join(PEER_LABELS), help="peer router modes (comma list)")
+    p.add_argument("--no-peers", action="store_true", help="skip the peer routers")
+    p.add_argument("--prefill", type=int, default=2)
+    p.add_argument("--decode", type=int, default=2)
+    p.add_argument("--hybrid", type=int, default=2)
+    p.add_argument("--profile", default="h100-llama3-8b", help="emulated workers' timing profile")
+    p.add_argument("--speed", type=float, default=2.0, help="emulated time runs N× faster")
+    p.add_argument("--workload", default="mixed", help="generated workload (default mixed)")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply the session count")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="multiply arrivals and tool gaps (default 1/speed: gaps shrink with the GPU time)",
+    )
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace")
+    p.add_argument("--no-trace", action="store_true", help="skip the trace replay")
+    p.add_argument("--trace-start", type=int, default=0)
+    p.add_argument("--trace-stride", type=int, default=8, help="replay every Nth row")
+    p.add_argument("--trace-limit", type=int, default=None)
+    p.add_argument("--block-tokens", type=int, default=32, help="tokens per trace hash id")
+    p.add_argument("--max-output", type=int, default=24, help="cap trace output lengths")
+    p.add_argument("--trace-time-scale", type=float, default=0.03, help="multiply trace timestamps")
+    p.add_argument("--max-inflight", type=int, default=64)
+    p.add_argument("--run-limit", type=float, default=90.0, help="seconds at most per run")
+    p.add_argument("--quick", action="store_true", help="smoke run: small workload, 2 targets")
+    p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
+    p.add_argument("--results-md", type=Path, default=REPO_ROOT / "bench" / "RESULTS.md")
+    p.add_argument("--no-results-md", action="store_true", help="do not edit bench/RESULTS.md")
+
+
+def _split(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    items = [x.strip() for x in value.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad:
+        raise ConfigError(f"--{what}: unknown {bad}; choose from {', '.join(allowed)}")
+    return items
+
+
+def _workloads(args: argparse.Namespace) -> tuple[list[tuple[str, Workload]], list[str]]:
+    notes: list[str] = []
+    time_scale = args.time_scale if args.time_scale is not None else 1.0 / args.speed
+    scale = 0.25 if args.quick else args.scale
+    try:
+        w = generate(args.workload, args.seed, scale).scaled(time_scale)
+    except ValueError as exc:
+        raise ConfigError(f"--workload: {exc}") from None
+    out = [(args.workload, w)]
+    notes.append(
+        f"Workload `{args.workload}` (seed {args.seed}, scale {scale:g}): {len(w.sessions)} "
+        f"sessions, {w.n_requests} requests; arrivals and tool gaps ×{time_scale:g}."
+    )
+    if not args.no_trace:
+        limit = 60 if args.quick else args.trace_limit
+        try:
+            rows = load_trace(
+                args.trace, start=args.trace_start, limit=limit, stride=args.trace_stride
+            )
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--trace: {exc}") from None
+        scaling = TraceScaling(
+            block_tokens=args.block_tokens,
+            max_output=args.max_output,
+            time_scale=args.trace_time_scale,
+        )
+        out.append(("mooncake-trace", trace_workload(rows, scaling, seed=args.seed)))
+        span = (rows[-1].timestamp_ms - rows[0].timestamp_ms) / 1000 if rows else 0.0
+        notes.append(
+            f"Trace `{args.trace.name}`: rows from {args.trace_start} every {args.trace_stride} "
+            f"({len(rows)} requests over {span:.0f} s, replayed ×{args.trace_time_scale:g}), "
+            f"{args.block_tokens} tokens per hash id (512 recorded), outputs capped at "
+            f"{args.max_output}; ideal prefix sharing of this subset "
+            f"{prefix_sharing(rows, scaling):.1%}."
+        )
+    return out, notes
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_command", None) != "agentic":
+        print("usage: ownerserve bench agentic [options] (see --help)", file=sys.stderr)
+        return 2
+    if args.speed <= 0 or min(args.prefill, args.decode, args.hybrid) < 0:
+        raise ConfigError("--speed must be > 0 and worker counts >= 0")
+    policies = _split(args.policies, OWN_POLICIES, "policies")
+    peers = [] if args.no_peers else _split(args.peers, PEER_LABELS, "peers")
+    if args.quick:
+        policies = [p for p in policies if p in ("ownerserve", "static-pd")] or policies[:1]
+        peers = peers[:1]
+    targets = [Target(p, "own") for p in policies] + [Target(p, "peer") for p in peers]
+    workloads, notes = _workloads(args)
+    spec = ClusterSpec(args.prefill, args.decode, args.hybrid, args.profile, args.speed)
+    plan = BenchPlan(
+        spec=spec,
+        targets=targets,
+        workloads=workloads,
+        out_dir=args.out_dir,
+        max_inflight=args.max_inflight,
+        run_limit_s=args.run_limit,
+    )
+    command = "ownerserve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    started = dt.datetime.now(dt.UTC)
+    t0 = time.monotonic()
+    outcomes = run_bench(plan)
+    section = write_outputs(
+        outcomes,
+        plan,
+        command,
+        started,
+        time.monotonic() - t0,
+        notes,
+        results_md=None if args.no_results_md else args.results_md,
+    )
+    print(section)
+    return 0 if all(o.summaries for o in outcomes) else 1
