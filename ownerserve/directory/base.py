@@ -76,6 +76,8 @@ class Match:
     owner_blocks: int = 0
     owner_epoch: int = 0
     session_owner: str | None = None
+    owner_artifact_id: int | None = None
+    """Id of the artifact holding the deepest owned block: what `renew` takes."""
 
     def longest(self, worker: str, tier: Tier | None = None) -> int:
         """Longest prefix (blocks) `worker` holds, in `tier` or in any tier."""
@@ -95,6 +97,30 @@ class EventApplyResult:
     removed: int = 0
     gap: bool = False
     expected_seq: int | None = None
+    skipped: int = 0
+    """Stored blocks that could not be mapped (unknown parent, block size mismatch)."""
+    duplicate: bool = False
+    """The batch's seq was already applied (another router replica fed it first): ignored."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactInfo:
+    """What the directory knows about one artifact: its lease and its metadata."""
+
+    artifact_id: int
+    worker: str
+    epoch: int
+    expires_at: float
+    live: bool
+    start: int = 0
+    blocks: int = 0
+    size_bytes: int = 0
+    kv_type: str = "dense"
+    tier: Tier = Tier.GPU
+    created_at: float = 0.0
+    last_access: float = 0.0
+    reuse_count: int = 0
+    fork_refs: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,11 +149,15 @@ class Directory(Protocol):
         """Longest held prefix of `chain` per worker and tier, its owner, the session owner."""
         ...
 
-    async def claim(self, artifact: Artifact, worker: str, lease_s: float) -> Lease:
+    async def claim(
+        self, artifact: Artifact, worker: str, lease_s: float, fence_epoch: int | None = None
+    ) -> Lease:
         """Atomically make `worker` owner of the artifact's unowned (or lease-expired) blocks.
 
         Returns the lease; if another live owner holds the artifact, returns *its* lease
-        (the caller compares `lease.worker`)."""
+        (the caller compares `lease.worker`). With `fence_epoch`, the claim is a commit of a
+        delta (`artifact.start > 0`) by the owner of the prefix it extends: it raises
+        `StaleEpochError` unless `worker` still holds block `start - 1` at that epoch."""
         ...
 
     async def renew(self, artifact_id: int, worker: str, epoch: int, lease_s: float) -> Lease:
@@ -139,9 +169,26 @@ class Directory(Protocol):
         ...
 
     async def add_replica(
-        self, artifact_id: int, worker: str, tier: Tier, ttl_s: float, read_only: bool = True
+        self,
+        artifact_id: int,
+        worker: str,
+        tier: Tier,
+        ttl_s: float,
+        read_only: bool = True,
+        blocks: Sequence[int] | None = None,
     ) -> None:
-        """Record a (read-only) copy of the artifact's prefix on `worker` that expires."""
+        """Record a (read-only) copy of the artifact's prefix on `worker` that expires.
+
+        `blocks` are the hashes the copy covers (e.g. the whole chain up to the artifact);
+        by default the artifact's own blocks (or just its id if it was never claimed)."""
+        ...
+
+    async def artifact_info(self, artifact_id: int) -> ArtifactInfo | None:
+        """The artifact's lease and metadata, or None if it was never claimed or released."""
+        ...
+
+    async def sweep(self) -> int:
+        """Garbage-collect expired leases and replicas; returns how many records went."""
         ...
 
     async def set_session_owner(self, session_id: str, worker: str, ttl_s: float) -> None: ...

@@ -1,0 +1,598 @@
+"""The in-process ownership directory: the embedded default, and the Redis backend's reference.
+
+Plain dicts in one process, same semantics as `RedisDirectory` (the shared contract suite runs
+against both). Time comes from an injectable clock so tests can expire leases without sleeping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ownerserve.directory.base import (
+    Artifact,
+    ArtifactInfo,
+    DirectoryHealth,
+    EventApplyResult,
+    Holding,
+    HoldKind,
+    Lease,
+    Match,
+)
+from ownerserve.directory.common import (
+    TIER_BIT,
+    check_artifact,
+    check_ttl,
+    check_worker,
+    sort_holdings,
+)
+from ownerserve.errors import InvalidRequestError, StaleEpochError
+from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from ownerserve.hashing import hash_block
+from ownerserve.types import TIER_ORDER, Tier
+
+
+class _ArtifactRecord:
+    __slots__ = (
+        "artifact_id",
+        "blocks",
+        "created_at",
+        "epoch",
+        "expires_at",
+        "kv_type",
+        "last_access",
+        "reuse_count",
+        "size_bytes",
+        "start",
+        "tier",
+        "worker",
+    )
+
+    def __init__(self, artifact: Artifact, worker: str, epoch: int, expires_at: float, now: float):
+        self.artifact_id = artifact.artifact_id
+        self.worker = worker
+        self.epoch = epoch
+        self.expires_at = expires_at
+        self.tier = Tier(artifact.tier)
+        self.start = artifact.start
+        self.blocks = artifact.blocks
+        self.size_bytes = artifact.size_bytes
+        self.kv_type = artifact.kv_type
+        self.created_at = now
+        self.last_access = now
+        self.reuse_count = 0
+
+    def lease(self) -> Lease:
+        return Lease(self.artifact_id, self.worker, self.epoch, self.expires_at)
+
+
+class _WorkerRecord:
+    __slots__ = (
+        "artifacts",
+        "block_size",
+        "engine_map",
+        "replica_blocks",
+        "root",
+        "seq",
+        "sessions",
+    )
+
+    def __init__(self, root: int, block_size: int) -> None:
+        self.root = root
+        self.block_size = block_size
+        self.seq: int | None = None
+        self.engine_map: dict[int, int] = {}  # engine hash -> OwnerServe block hash
+        self.artifacts: set[int] = set()
+        self.replica_blocks: set[int] = set()
+        self.sessions: set[str] = set()
+
+
+@dataclass(slots=True)
+class DirectorySnapshot:
+    """Live state of an in-memory view (see `InMemoryDirectory.export_state`); lifetimes in
+    seconds from now. The chain of a lease's artifact is only meaningful from `start` on."""
+
+    registrations: dict[str, tuple[int, int]]
+    leases: list[tuple[Artifact, Lease, float]]
+    replicas: list[tuple[str, Tier, bool, float, tuple[int, ...]]]
+    sessions: list[tuple[str, str, float]]
+    forks: list[tuple[int, str]]
+    cached: dict[str, list[tuple[int, int, int]]]
+
+
+class InMemoryDirectory:
+    """`Directory` in one process. Not shared between router replicas: use Redis for that."""
+
+    backend_name = "memory"
+
+    def __init__(self, clock: Callable[[], float] = time.time, first_epoch: int = 1) -> None:
+        self._clock = clock
+        self._epoch = first_epoch - 1
+        self._artifacts: dict[int, _ArtifactRecord] = {}
+        self._owner_of_block: dict[int, int] = {}  # block -> artifact id
+        self._replicas: dict[int, dict[tuple[str, Tier], tuple[float, bool]]] = {}
+        self._cached: dict[int, dict[str, int]] = {}  # block -> worker -> tier bits
+        self._workers: dict[str, _WorkerRecord] = {}
+        self._worker_index: dict[str, _WorkerRecord] = {}  # every worker ever seen
+        self._sessions: dict[str, tuple[str, float]] = {}
+        self._forks: dict[int, set[str]] = {}
+
+    # --- helpers -----------------------------------------------------------------------
+
+    def _worker(self, worker: str) -> _WorkerRecord:
+        rec = self._worker_index.get(worker)
+        if rec is None:
+            rec = _WorkerRecord(0, 0)
+            self._worker_index[worker] = rec
+        return rec
+
+    def _live(self, artifact_id: int | None, now: float) -> _ArtifactRecord | None:
+        if artifact_id is None:
+            return None
+        rec = self._artifacts.get(artifact_id)
+        return rec if rec is not None and rec.expires_at > now else None
+
+    def _unmap(self, rec: _ArtifactRecord) -> None:
+        for b in rec.blocks:
+            if self._owner_of_block.get(b) == rec.artifact_id:
+                del self._owner_of_block[b]
+
+    def _delete_artifact(self, rec: _ArtifactRecord) -> None:
+        self._unmap(rec)
+        del self._artifacts[rec.artifact_id]
+        self._worker(rec.worker).artifacts.discard(rec.artifact_id)
+
+    def _set_cached(self, block: int, worker: str, bit: int, on: bool) -> bool:
+        holders = self._cached.get(block)
+        cur = holders.get(worker, 0) if holders else 0
+        new = cur | bit if on else cur & ~bit
+        if new == cur:
+            return False
+        if holders is None:
+            holders = self._cached[block] = {}
+        if new:
+            holders[worker] = new
+        else:
+            del holders[worker]
+            if not holders:
+                del self._cached[block]
+        return True
+
+    def _clear_cached(self, worker: str, rec: _WorkerRecord) -> int:
+        n = 0
+        for block in rec.engine_map.values():
+            holders = self._cached.get(block)
+            if holders and holders.pop(worker, 0):
+                n += 1
+                if not holders:
+                    del self._cached[block]
+        rec.engine_map.clear()
+        return n
+
+    # --- the Directory protocol ----------------------------------------------------------
+
+    async def register_worker(self, worker: str, model_root: int, block_size: int) -> None:
+        check_worker(worker)
+        if block_size <= 0:
+            raise InvalidRequestError("block_size must be positive")
+        rec = self._worker(worker)
+        if worker in self._workers and (rec.root, rec.block_size) != (model_root, block_size):
+            self._clear_cached(worker, rec)
+            rec.seq = None
+        rec.root, rec.block_size = model_root, block_size
+        self._workers[worker] = rec
+
+    async def lookup(self, chain: Sequence[int], session_id: str | None = None) -> Match:
+        now = self._clock()
+        n = len(chain)
+        session_owner = self._session(session_id, now) if session_id is not None else None
+        if n == 0:
+            return Match(chain_len=0, session_owner=session_owner)
+        best: dict[tuple[str, Tier, HoldKind], int] = {}
+
+        def hold(worker: str, tier: Tier, kind: HoldKind, blocks: int) -> None:
+            key = (worker, tier, kind)
+            if best.get(key, 0) < blocks:
+                best[key] = blocks
+
+        owner: _ArtifactRecord | None = None
+        owner_blocks = 0
+        seen: set[int] = set()
+        own = self._owner_of_block
+        for i in range(n - 1, -1, -1):
+            aid = own.get(chain[i])
+            if aid is None or aid in seen:
+                continue
+            seen.add(aid)
+            rec = self._live(aid, now)
+            if rec is None:
+                continue
+            rec.last_access = now
+            rec.reuse_count += 1
+            hold(rec.worker, rec.tier, HoldKind.OWNER, i + 1)
+            if owner is None:
+                owner, owner_blocks = rec, i + 1
+
+        replica_seen: set[tuple[str, Tier]] = set()
+        for i in range(n - 1, -1, -1):
+            entries = self._replicas.get(chain[i])
+            if not entries:
+                continue
+            for key, (expires, _ro) in entries.items():
+                if expires > now and key not in replica_seen:
+                    replica_seen.add(key)
+                    hold(key[0], key[1], HoldKind.REPLICA, i + 1)
+
+        alive = dict(self._cached.get(chain[0]) or {})
+        length = 1 if alive else 0
+        for i in range(1, n):
+            if not alive:
+                break
+            holders = self._cached.get(chain[i]) or {}
+            for worker, mask in list(alive.items()):
+                kept = mask & holders.get(worker, 0)
+                if kept != mask:
+                    self._hold_cached(hold, worker, mask & ~kept, i)
+                    if kept:
+                        alive[worker] = kept
+                    else:
+                        del alive[worker]
+            length = i + 1
+        for worker, mask in alive.items():
+            self._hold_cached(hold, worker, mask, length)
+
+        holdings = [Holding(w, t, b, k) for (w, t, k), b in best.items()]
+        return Match(
+            chain_len=n,
+            holdings=sort_holdings(holdings),
+            owner=owner.worker if owner else None,
+            owner_blocks=owner_blocks,
+            owner_epoch=owner.epoch if owner else 0,
+            session_owner=session_owner,
+            owner_artifact_id=owner.artifact_id if owner else None,
+        )
+
+    @staticmethod
+    def _hold_cached(
+        hold: Callable[[str, Tier, HoldKind, int], None], worker: str, mask: int, blocks: int
+    ) -> None:
+        for tier in TIER_ORDER:
+            if mask & TIER_BIT[tier]:
+                hold(worker, tier, HoldKind.CACHED, blocks)
+
+    async def claim(
+        self, artifact: Artifact, worker: str, lease_s: float, fence_epoch: int | None = None
+    ) -> Lease:
+        check_worker(worker)
+        check_artifact(artifact)
+        lease_s = check_ttl(lease_s)
+        now = self._clock()
+        if fence_epoch is not None:
+            if artifact.start == 0:
+                raise InvalidRequestError("a fenced claim extends a prefix: start must be > 0")
+            parent = self._live(self._owner_of_block.get(artifact.chain[artifact.start - 1]), now)
+            if parent is None or parent.worker != worker or parent.epoch != fence_epoch:
+                raise StaleEpochError(
+                    f"{worker} no longer owns the prefix at epoch {fence_epoch}"
+                    f" (current epoch {parent.epoch if parent else 0})"
+                )
+        aid = artifact.artifact_id
+        holder = self._live(self._owner_of_block.get(aid), now)
+        if holder is not None:
+            if holder.worker == worker and holder.artifact_id == aid:
+                holder.expires_at = max(holder.expires_at, now + lease_s)
+            return holder.lease()
+        return self._install(artifact, worker, self._next_epoch(), now + lease_s, now)
+
+    def _next_epoch(self) -> int:
+        self._epoch += 1
+        return self._epoch
+
+    def _install(
+        self, artifact: Artifact, worker: str, epoch: int, expires_at: float, now: float
+    ) -> Lease:
+        aid = artifact.artifact_id
+        old = self._artifacts.get(aid)
+        reuse = 0
+        if old is not None:
+            reuse = old.reuse_count
+            self._delete_artifact(old)
+        rec = _ArtifactRecord(artifact, worker, epoch, expires_at, now)
+        rec.reuse_count = reuse
+        self._artifacts[aid] = rec
+        own = self._owner_of_block
+        for b in rec.blocks:
+            cur = own.get(b)
+            if cur is None or cur == aid or self._live(cur, now) is None:
+                own[b] = aid
+        self._worker(worker).artifacts.add(aid)
+        return rec.lease()
+
+    def registration(self, worker: str) -> tuple[int, int] | None:
+        """(chain root, block size) `worker` was registered with, if it was."""
+        rec = self._workers.get(worker)
+        return (rec.root, rec.block_size) if rec is not None else None
+
+    def install_lease(self, artifact: Artifact | None, lease: Lease) -> None:
+        """Mirror a lease decided elsewhere (by Redis) into this view, keeping its epoch.
+
+        Used by `ResilientDirectory` so its local view knows the real epochs when Redis is
+        unreachable; later local epochs stay above every mirrored one. Without `artifact`
+        (a renew), an unknown lease is recorded on its last block only."""
+        self._epoch = max(self._epoch, lease.epoch)
+        now = self._clock()
+        current = self._artifacts.get(lease.artifact_id)
+        if current is not None and (current.worker, current.epoch) == (lease.worker, lease.epoch):
+            current.expires_at = lease.expires_at
+            return
+        if artifact is None:
+            artifact = Artifact((lease.artifact_id,))
+        if lease.artifact_id != artifact.artifact_id:
+            return  # the artifact is held through a longer one we may not know: skip
+        self._install(artifact, lease.worker, lease.epoch, lease.expires_at, now)
+
+    def export_state(self) -> DirectorySnapshot:
+        """Everything live in this view, with remaining lifetimes: what a Redis that lost its
+        data is refilled from."""
+        now = self._clock()
+        leases = [
+            (
+                Artifact(
+                    (*([0] * r.start), *r.blocks),
+                    start=r.start,
+                    size_bytes=r.size_bytes,
+                    kv_type=r.kv_type,
+                    tier=r.tier,
+                ),
+                r.lease(),
+                r.expires_at - now,
+            )
+            for r in self._artifacts.values()
+            if r.expires_at > now
+        ]
+        replicas: dict[tuple[str, Tier, bool, float], list[int]] = {}
+        for block, entries in self._replicas.items():
+            for (worker, tier), (expires, ro) in entries.items():
+                if expires > now:
+                    replicas.setdefault((worker, tier, ro, expires), []).append(block)
+        return DirectorySnapshot(
+            registrations={w: (r.root, r.block_size) for w, r in self._workers.items()},
+            leases=leases,
+            replicas=[(w, t, ro, x - now, tuple(b)) for (w, t, ro, x), b in replicas.items()],
+            sessions=[(s, w, x - now) for s, (w, x) in self._sessions.items() if x > now],
+            forks=[(a, s) for a, refs in self._forks.items() for s in refs],
+            cached={
+                w: [(e, b, self._cached.get(b, {}).get(w, 0)) for e, b in r.engine_map.items()]
+                for w, r in self._workers.items()
+                if r.engine_map
+            },
+        )
+
+    async def renew(self, artifact_id: int, worker: str, epoch: int, lease_s: float) -> Lease:
+        lease_s = check_ttl(lease_s)
+        now = self._clock()
+        rec = self._artifacts.get(artifact_id)
+        if rec is None:
+            raise StaleEpochError(f"artifact {artifact_id:016x} has no lease")
+        if rec.worker != worker or rec.epoch != epoch:
+            raise StaleEpochError(
+                f"stale epoch {epoch} for {worker}: artifact is at epoch {rec.epoch}"
+            )
+        if rec.expires_at <= now:
+            raise StaleEpochError(f"lease of {worker} at epoch {epoch} has expired")
+        rec.expires_at = now + lease_s
+        return rec.lease()
+
+    async def release(self, artifact_id: int, worker: str, epoch: int) -> None:
+        rec = self._artifacts.get(artifact_id)
+        if rec is None:
+            return
+        if rec.worker != worker or rec.epoch != epoch:
+            raise StaleEpochError(
+                f"stale epoch {epoch} for {worker}: artifact is at epoch {rec.epoch}"
+            )
+        self._delete_artifact(rec)
+
+    async def add_replica(
+        self,
+        artifact_id: int,
+        worker: str,
+        tier: Tier,
+        ttl_s: float,
+        read_only: bool = True,
+        blocks: Sequence[int] | None = None,
+    ) -> None:
+        check_worker(worker)
+        ttl_s = check_ttl(ttl_s, "ttl_s")
+        tier = Tier(tier)
+        now = self._clock()
+        if blocks is None:
+            rec = self._artifacts.get(artifact_id)
+            blocks = rec.blocks if rec is not None else (artifact_id,)
+        wrec = self._worker(worker)
+        for b in blocks:
+            entries = self._replicas.get(b)
+            if entries is None:
+                entries = self._replicas[b] = {}
+            else:
+                for key in [k for k, (x, _) in entries.items() if x <= now]:
+                    del entries[key]
+            entries[(worker, tier)] = (now + ttl_s, read_only)
+            wrec.replica_blocks.add(b)
+
+    def _session(self, session_id: str, now: float) -> str | None:
+        entry = self._sessions.get(session_id)
+        if entry is None:
+            return None
+        if entry[1] <= now:
+            del self._sessions[session_id]
+            return None
+        return entry[0]
+
+    async def set_session_owner(self, session_id: str, worker: str, ttl_s: float) -> None:
+        check_worker(worker)
+        ttl_s = check_ttl(ttl_s, "ttl_s")
+        old = self._sessions.get(session_id)
+        if old is not None and old[0] != worker:
+            self._worker(old[0]).sessions.discard(session_id)
+        self._sessions[session_id] = (worker, self._clock() + ttl_s)
+        self._worker(worker).sessions.add(session_id)
+
+    async def get_session_owner(self, session_id: str) -> str | None:
+        return self._session(session_id, self._clock())
+
+    async def add_fork_ref(self, artifact_id: int, session_id: str) -> int:
+        refs = self._forks.setdefault(artifact_id, set())
+        refs.add(session_id)
+        return len(refs)
+
+    async def drop_fork_ref(self, artifact_id: int, session_id: str) -> int:
+        refs = self._forks.get(artifact_id)
+        if refs is None:
+            return 0
+        refs.discard(session_id)
+        if not refs:
+            del self._forks[artifact_id]
+        return len(refs)
+
+    async def apply_events(self, worker: str, batch: EventBatch) -> EventApplyResult:
+        rec = self._workers.get(worker)
+        if rec is None:
+            raise InvalidRequestError(f"worker {worker!r} is not registered with the directory")
+        last = rec.seq
+        if last is not None and batch.seq <= last:
+            return EventApplyResult(duplicate=True, expected_seq=last + 1)
+        gap = last is not None and batch.seq > last + 1
+        if gap:
+            self._clear_cached(worker, rec)
+        stored = removed = skipped = 0
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                n = len(event.engine_hashes)
+                if event.block_size != rec.block_size or len(event.token_ids) != n * rec.block_size:
+                    skipped += n
+                    continue
+                if event.parent_engine_hash is None:
+                    parent: int | None = rec.root
+                else:
+                    parent = rec.engine_map.get(event.parent_engine_hash)
+                if parent is None:
+                    skipped += n
+                    continue
+                bit = TIER_BIT[Tier(event.tier)]
+                bs = rec.block_size
+                for k, engine_hash in enumerate(event.engine_hashes):
+                    parent = hash_block(parent, event.token_ids[k * bs : (k + 1) * bs])
+                    self._set_cached(parent, worker, bit, True)
+                    rec.engine_map[engine_hash] = parent
+                    stored += 1
+            elif isinstance(event, BlockRemoved):
+                bit = TIER_BIT[Tier(event.tier)]
+                for engine_hash in event.engine_hashes:
+                    block = rec.engine_map.get(engine_hash)
+                    if block is None:
+                        continue
+                    if self._set_cached(block, worker, bit, False):
+                        removed += 1
+                    if not self._cached.get(block, {}).get(worker):
+                        del rec.engine_map[engine_hash]
+            elif isinstance(event, AllBlocksCleared):
+                self._clear_cached(worker, rec)
+        rec.seq = batch.seq
+        return EventApplyResult(
+            stored=stored,
+            removed=removed,
+            gap=gap,
+            expected_seq=last + 1 if gap and last is not None else None,
+            skipped=skipped,
+        )
+
+    async def drop_worker(self, worker: str) -> int:
+        rec = self._worker_index.get(worker)
+        if rec is None:
+            return 0
+        dropped = 0
+        for aid in list(rec.artifacts):
+            art = self._artifacts.get(aid)
+            if art is not None and art.worker == worker:
+                self._delete_artifact(art)
+                dropped += 1
+        rec.artifacts.clear()
+        for b in rec.replica_blocks:
+            entries = self._replicas.get(b)
+            if not entries:
+                continue
+            for key in [k for k in entries if k[0] == worker]:
+                del entries[key]
+                dropped += 1
+            if not entries:
+                del self._replicas[b]
+        rec.replica_blocks.clear()
+        dropped += self._clear_cached(worker, rec)
+        now = self._clock()
+        for sid in rec.sessions:
+            entry = self._sessions.get(sid)
+            if entry is not None and entry[0] == worker:
+                del self._sessions[sid]
+                dropped += entry[1] > now
+        rec.sessions.clear()
+        rec.seq = None
+        return dropped
+
+    async def artifact_info(self, artifact_id: int) -> ArtifactInfo | None:
+        rec = self._artifacts.get(artifact_id)
+        if rec is None:
+            return None
+        return ArtifactInfo(
+            artifact_id=rec.artifact_id,
+            worker=rec.worker,
+            epoch=rec.epoch,
+            expires_at=rec.expires_at,
+            live=rec.expires_at > self._clock(),
+            start=rec.start,
+            blocks=len(rec.blocks),
+            size_bytes=rec.size_bytes,
+            kv_type=rec.kv_type,
+            tier=rec.tier,
+            created_at=rec.created_at,
+            last_access=rec.last_access,
+            reuse_count=rec.reuse_count,
+            fork_refs=len(self._forks.get(artifact_id, ())),
+        )
+
+    async def sweep(self) -> int:
+        now = self._clock()
+        dropped = 0
+        for rec in [r for r in self._artifacts.values() if r.expires_at <= now]:
+            self._delete_artifact(rec)
+            dropped += 1
+        for b in list(self._replicas):
+            entries = self._replicas[b]
+            for key in [k for k, (x, _) in entries.items() if x <= now]:
+                del entries[key]
+                dropped += 1
+            if not entries:
+                del self._replicas[b]
+        # sessions expire on their own (as Redis keys do): purged here, not counted
+        for sid in [s for s, (_, x) in self._sessions.items() if x <= now]:
+            del self._sessions[sid]
+        return dropped
+
+    async def health(self) -> DirectoryHealth:
+        return DirectoryHealth(
+            backend=self.backend_name,
+            healthy=True,
+            stats={
+                "artifacts": len(self._artifacts),
+                "owned_blocks": len(self._owner_of_block),
+                "cached_blocks": len(self._cached),
+                "replica_blocks": len(self._replicas),
+                "sessions": len(self._sessions),
+                "workers": len(self._workers),
+                "epoch": self._epoch,
+            },
+        )
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,530 @@
+"""The Redis ownership directory, shared by every router replica: one Lua script per operation.
+
+Every operation is one round trip (`EVALSHA`, or a plain `GET` for the session owner); a
+lookup costs one round trip for a chain of any length. Leases use the server's clock
+(`redis.call('TIME')`), never the client's.
+
+Key layout (namespace `ns` = `DirectorySettings.key_prefix`; `P` = `{ns}:`, a Redis Cluster
+hash tag, so every key of one namespace lives in one slot and every script is single-slot):
+
+    P own            HASH  block hex -> artifact id hex  (which artifact owns each block)
+    P art            HASH  artifact id hex -> "worker\\tepoch\\texpires_ms\\ttier"  (leases)
+    P a:<id>         HASH  artifact metadata: worker epoch start n size kv tier created last
+                           reuse blocks (hex of chain[start:])
+    P rep            HASH  block hex -> lines "worker\\ttier\\texpires_ms\\tread_only\\n"
+    P cache          HASH  block hex -> one byte per worker index: bits of the tiers (gpu 1,
+                           cpu 2, ssd 4) in which that worker's KV events say it caches it
+    P epoch          STRING  fencing epoch counter (INCR; never reused, even after expiry)
+    P workers / widx HASH  worker -> index / index -> worker;  P wnext: index counter
+    P w:<worker>     HASH  root, bs (block size), idx, seq (last applied event batch)
+    P w:<worker>:eh  HASH  engine hash (decimal) -> block hex;  :arts :reps :sess  SETs
+                           (its artifacts, replica blocks, sessions: what drop_worker undoes)
+    P s:<session>    STRING  decode owner, with a TTL (PX)
+    P f:<id>         SET   sessions sharing the artifact copy-on-write (fork refs)
+
+Block hashes are 16 hex digits; a lookup sends the whole chain as one string argument.
+A lookup reads `own`, `art`, `rep` and `cache` with one HMGET each, so its cost grows with
+the chain length only through those HMGETs and a walk that skips runs of equal values.
+
+Trade-off of the one-slot layout: a namespace is served by one Redis master (Cluster then
+buys fail-over and lets several namespaces, e.g. one per model or tenant, spread over
+masters), in exchange for atomic multi-key scripts without cross-slot moves. Sharding one
+namespace by block would make a lookup touch many slots: many round trips.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.commands.core import AsyncScript
+
+from ownerserve.directory.base import (
+    Artifact,
+    ArtifactInfo,
+    DirectoryHealth,
+    EventApplyResult,
+    Holding,
+    HoldKind,
+    Lease,
+    Match,
+)
+from ownerserve.directory.common import (
+    TIER_BIT,
+    check_artifact,
+    check_ttl,
+    check_worker,
+    hex_block,
+    hex_blocks,
+    sort_holdings,
+)
+from ownerserve.errors import DirectoryUnavailableError, InvalidRequestError, StaleEpochError
+from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from ownerserve.hashing import hash_block
+from ownerserve.types import Tier
+
+SCRIPT_NAMES = (
+    "lookup",
+    "claim",
+    "renew",
+    "release",
+    "add_replica",
+    "set_session",
+    "fork",
+    "register_worker",
+    "apply_events",
+    "drop_worker",
+    "artifact_info",
+    "sweep",
+    "boot",
+    "raise_epoch",
+    "restore_cached",
+)
+_ENGINE_MAP_LIMIT = 1_000_000  # per worker; the local map is only a cache of Redis's
+_TRUE = ("1", "true", "yes", "on")
+
+
+def load_script_sources() -> dict[str, str]:
+    """Source of every script: the shared prelude (`common.lua`) plus the script itself."""
+    pkg = resources.files("ownerserve.directory") / "lua"
+    common = (pkg / "common.lua").read_text()
+    return {name: common + "\n" + (pkg / f"{name}.lua").read_text() for name in SCRIPT_NAMES}
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def split_cluster_flag(url: str) -> tuple[str, bool]:
+    """`redis://h:p/?cluster=1` -> (`redis://h:p/`, True): the flag is ours, not redis-py's."""
+    parsed = urlparse(url)
+    query = parse_qsl(parsed.query, keep_blank_values=True)
+    flags = [v for k, v in query if k == "cluster"]
+    rest = [(k, v) for k, v in query if k != "cluster"]
+    cluster = bool(flags) and flags[-1].lower() in _TRUE
+    return urlunparse(parsed._replace(query=urlencode(rest))), cluster
+
+
+class RedisDirectory:
+    """`Directory` on one Redis server or a Redis Cluster (redis-py asyncio)."""
+
+    backend_name = "redis"
+
+    def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str = "os") -> None:
+        if not namespace or any(c in namespace for c in "{}"):
+            raise InvalidRequestError(f"invalid directory namespace {namespace!r}")
+        self._client = client
+        self.namespace = namespace
+        self.prefix = "{" + namespace + "}:"
+        self._scripts: dict[str, AsyncScript] = {
+            name: client.register_script(src) for name, src in load_script_sources().items()
+        }
+        # per worker: (root, block size) and engine hash -> block hash, both caches of Redis
+        self._registration: dict[str, tuple[int, int]] = {}
+        self._engine_map: dict[str, dict[int, int]] = {}
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        namespace: str = "os",
+        *,
+        cluster: bool | None = None,
+        socket_timeout_s: float = 1.0,
+        max_connections: int = 64,
+    ) -> RedisDirectory:
+        """Connect to `url`; a Redis Cluster if `cluster` is true or the URL has `?cluster=1`."""
+        plain, flagged = split_cluster_flag(url)
+        kwargs: dict[str, Any] = {
+            "decode_responses": True,
+            "socket_timeout": socket_timeout_s,
+            "socket_connect_timeout": socket_timeout_s,
+        }
+        client: aioredis.Redis | RedisCluster
+        if cluster if cluster is not None else flagged:
+            client = RedisCluster.from_url(plain, max_connections=max_connections, **kwargs)
+        else:
+            client = aioredis.Redis.from_url(plain, max_connections=max_connections, **kwargs)
+        return cls(client, namespace)
+
+    @property
+    def client(self) -> aioredis.Redis | RedisCluster:
+        return self._client
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+    async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        return await self._scripts[name](keys=list(keys), args=[self.prefix, *args])
+
+    # --- lookup ----------------------------------------------------------------------------
+
+    def lookup_call(
+        self, chain: Sequence[int], session_id: str | None = None, touch: bool = True
+    ) -> tuple[str, list[str], list[Any]]:
+        """(script sha, keys, args) of a lookup: lets a benchmark pipeline many lookups."""
+        p = self.prefix
+        keys = [p + "own", p + "art", p + "rep", p + "cache", p + "widx"]
+        if session_id is not None:
+            keys.append(p + "s:" + session_id)
+        return (
+            self._scripts["lookup"].sha,
+            keys,
+            [p, hex_blocks(chain), "1" if touch else "0"],
+        )
+
+    async def lookup(self, chain: Sequence[int], session_id: str | None = None) -> Match:
+        _, keys, args = self.lookup_call(chain, session_id)
+        reply = await self._scripts["lookup"](keys=keys, args=args)
+        return self.decode_lookup(len(chain), reply)
+
+    @staticmethod
+    def decode_lookup(chain_len: int, reply: Sequence[Any]) -> Match:
+        sess, flat, owner, owner_blocks, owner_epoch, owner_id = reply
+        holdings = [
+            Holding(_s(flat[i]), Tier(_s(flat[i + 1])), int(flat[i + 2]), HoldKind(_s(flat[i + 3])))
+            for i in range(0, len(flat), 4)
+        ]
+        return Match(
+            chain_len=chain_len,
+            holdings=sort_holdings(holdings),
+            owner=_s(owner) if owner is not None else None,
+            owner_blocks=int(owner_blocks),
+            owner_epoch=int(owner_epoch),
+            session_owner=_s(sess) if sess is not None else None,
+            owner_artifact_id=int(_s(owner_id), 16) if owner_id is not None else None,
+        )
+
+    # --- leases ----------------------------------------------------------------------------
+
+    async def claim(
+        self, artifact: Artifact, worker: str, lease_s: float, fence_epoch: int | None = None
+    ) -> Lease:
+        check_worker(worker)
+        check_artifact(artifact)
+        lease_s = check_ttl(lease_s)
+        fence_block = ""
+        if fence_epoch is not None:
+            if artifact.start == 0:
+                raise InvalidRequestError("a fenced claim extends a prefix: start must be > 0")
+            fence_block = hex_block(artifact.chain[artifact.start - 1])
+        p = self.prefix
+        reply = await self._run(
+            "claim",
+            [p + "own", p + "art", p + "epoch"],
+            [
+                hex_block(artifact.artifact_id),
+                worker,
+                _ms(lease_s),
+                Tier(artifact.tier).value,
+                int(artifact.size_bytes),
+                artifact.kv_type,
+                artifact.start,
+                hex_blocks(artifact.blocks),
+                "" if fence_epoch is None else int(fence_epoch),
+                fence_block,
+            ],
+        )
+        if reply[0] == "stale":
+            raise StaleEpochError(
+                f"{worker} no longer owns the prefix at epoch {fence_epoch}"
+                f" (current epoch {reply[1]})"
+            )
+        _, aid, owner, epoch, expires_ms = reply
+        return Lease(int(aid, 16), owner, int(epoch), int(expires_ms) / 1000)
+
+    async def renew(self, artifact_id: int, worker: str, epoch: int, lease_s: float) -> Lease:
+        lease_s = check_ttl(lease_s)
+        reply = await self._run(
+            "renew",
+            [self.key("art")],
+            [hex_block(artifact_id), worker, int(epoch), _ms(lease_s)],
+        )
+        if reply[0] == "stale":
+            raise StaleEpochError(
+                f"cannot renew {artifact_id:016x} for {worker} at epoch {epoch}: {reply[2]}"
+                f" (current epoch {reply[1]})"
+            )
+        return Lease(artifact_id, worker, int(epoch), int(reply[1]) / 1000)
+
+    async def release(self, artifact_id: int, worker: str, epoch: int) -> None:
+        reply = await self._run(
+            "release", [self.key("art")], [hex_block(artifact_id), worker, int(epoch)]
+        )
+        if reply[0] == "stale":
+            raise StaleEpochError(
+                f"stale epoch {epoch} for {worker}: artifact is at epoch {reply[1]}"
+            )
+
+    async def add_replica(
+        self,
+        artifact_id: int,
+        worker: str,
+        tier: Tier,
+        ttl_s: float,
+        read_only: bool = True,
+        blocks: Sequence[int] | None = None,
+    ) -> None:
+        check_worker(worker)
+        ttl_s = check_ttl(ttl_s, "ttl_s")
+        await self._run(
+            "add_replica",
+            [self.key("rep")],
+            [
+                hex_block(artifact_id),
+                worker,
+                Tier(tier).value,
+                _ms(ttl_s),
+                1 if read_only else 0,
+                hex_blocks(blocks) if blocks else "",
+            ],
+        )
+
+    # --- sessions and forks ------------------------------------------------------------------
+
+    async def set_session_owner(self, session_id: str, worker: str, ttl_s: float) -> None:
+        check_worker(worker)
+        ttl_s = check_ttl(ttl_s, "ttl_s")
+        await self._run(
+            "set_session", [self.key("s:" + session_id)], [session_id, worker, _ms(ttl_s)]
+        )
+
+    async def get_session_owner(self, session_id: str) -> str | None:
+        value = await self._client.get(self.key("s:" + session_id))
+        return _s(value) if value is not None else None
+
+    async def add_fork_ref(self, artifact_id: int, session_id: str) -> int:
+        key = self.key("f:" + hex_block(artifact_id))
+        return int(await self._run("fork", [key], ["add", session_id]))
+
+    async def drop_fork_ref(self, artifact_id: int, session_id: str) -> int:
+        key = self.key("f:" + hex_block(artifact_id))
+        return int(await self._run("fork", [key], ["drop", session_id]))
+
+    # --- workers and KV events -----------------------------------------------------------------
+
+    async def register_worker(self, worker: str, model_root: int, block_size: int) -> None:
+        check_worker(worker)
+        if block_size <= 0:
+            raise InvalidRequestError("block_size must be positive")
+        p = self.prefix
+        await self._run(
+            "register_worker",
+            [p + "workers", p + "widx", p + "w:" + worker, p + "wnext"],
+            [worker, hex_block(model_root), int(block_size)],
+        )
+        self._registration[worker] = (model_root, block_size)
+
+    async def _fetch_registration(self, worker: str) -> tuple[int, int]:
+        root, bs = await self._client.hmget(self.key("w:" + worker), ["root", "bs"])
+        if root is None or bs is None:
+            raise InvalidRequestError(f"worker {worker!r} is not registered with the directory")
+        reg = (int(_s(root), 16), int(bs))
+        self._registration[worker] = reg
+        return reg
+
+    async def _known_parents(self, worker: str, batch: EventBatch) -> dict[int, int]:
+        """Block hashes of stored events' parents that the local map lacks (one HMGET)."""
+        local = self._engine_map.setdefault(worker, {})
+        stored_here: set[int] = set()
+        missing: list[int] = []
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                parent = ev.parent_engine_hash
+                if parent is not None and parent not in local and parent not in stored_here:
+                    missing.append(parent)
+                stored_here.update(ev.engine_hashes)
+        if not missing:
+            return {}
+        values = await self._client.hmget(
+            self.key("w:" + worker + ":eh"), [str(m) for m in missing]
+        )
+        return {m: int(_s(v), 16) for m, v in zip(missing, values, strict=True) if v is not None}
+
+    def _event_args(
+        self, worker: str, root: int, block_size: int, batch: EventBatch, fetched: dict[int, int]
+    ) -> list[Any]:
+        local = self._engine_map.setdefault(worker, {})
+        if len(local) > _ENGINE_MAP_LIMIT:
+            local.clear()
+        local.update(fetched)
+        ops: list[Any] = []
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                n = len(ev.engine_hashes)
+                if ev.block_size != block_size or len(ev.token_ids) != n * block_size:
+                    ops += ["X", n]
+                    continue
+                if ev.parent_engine_hash is None:
+                    parent: int | None = root
+                else:
+                    parent = local.get(ev.parent_engine_hash)
+                if parent is None:
+                    ops += ["X", n]
+                    continue
+                parent_hex = "" if ev.parent_engine_hash is None else hex_block(parent)
+                blocks: list[int] = []
+                for k, engine_hash in enumerate(ev.engine_hashes):
+                    parent = hash_block(parent, ev.token_ids[k * block_size : (k + 1) * block_size])
+                    blocks.append(parent)
+                    local[engine_hash] = parent
+                ops += [
+                    "S",
+                    TIER_BIT[Tier(ev.tier)],
+                    "" if ev.parent_engine_hash is None else str(ev.parent_engine_hash),
+                    parent_hex,
+                    hex_blocks(blocks),
+                    ",".join(str(h) for h in ev.engine_hashes),
+                ]
+            elif isinstance(ev, BlockRemoved):
+                if ev.engine_hashes:
+                    csv = ",".join(str(h) for h in ev.engine_hashes)
+                    ops += ["R", TIER_BIT[Tier(ev.tier)], csv]
+            elif isinstance(ev, AllBlocksCleared):
+                ops.append("C")
+        return [worker, hex_block(root), block_size, int(batch.seq), *ops]
+
+    async def apply_events(self, worker: str, batch: EventBatch) -> EventApplyResult:
+        check_worker(worker)
+        p = self.prefix
+        keys = [p + "w:" + worker, p + "w:" + worker + ":eh", p + "cache"]
+        for attempt in range(2):
+            reg = self._registration.get(worker)
+            if reg is None or attempt:
+                reg = await self._fetch_registration(worker)
+            fetched = await self._known_parents(worker, batch)
+            reply = await self._run(
+                "apply_events", keys, self._event_args(worker, *reg, batch, fetched)
+            )
+            status = reply[0]
+            if status == "unknown":
+                self._registration.pop(worker, None)
+                raise InvalidRequestError(f"worker {worker!r} is not registered with the directory")
+            if status == "reregistered":
+                continue  # another router re-registered it: refetch root/block size, retry
+            if status == "dup":
+                return EventApplyResult(duplicate=True, expected_seq=int(reply[1]))
+            _, stored, removed, gap, expected, skipped = reply
+            return EventApplyResult(
+                stored=int(stored),
+                removed=int(removed),
+                gap=bool(int(gap)),
+                expected_seq=int(expected) if int(gap) else None,
+                skipped=int(skipped),
+            )
+        raise DirectoryUnavailableError(f"worker {worker!r} registration keeps changing")
+
+    async def drop_worker(self, worker: str) -> int:
+        check_worker(worker)
+        self._engine_map.pop(worker, None)
+        return int(
+            await self._run("drop_worker", [self.key("rep"), self.key("w:" + worker)], [worker])
+        )
+
+    # --- metadata and maintenance -----------------------------------------------------------
+
+    async def artifact_info(self, artifact_id: int) -> ArtifactInfo | None:
+        aid = hex_block(artifact_id)
+        reply = await self._run(
+            "artifact_info",
+            [self.key("art"), self.key("a:" + aid), self.key("f:" + aid)],
+            [aid],
+        )
+        if reply is None:
+            return None
+        w, e, x, t, live, start, n, size, kv, created, last, reuse, refs = reply
+
+        def num(v: Any) -> int:
+            return int(v) if v is not None else 0
+
+        return ArtifactInfo(
+            artifact_id=artifact_id,
+            worker=_s(w),
+            epoch=int(e),
+            expires_at=int(x) / 1000,
+            live=bool(int(live)),
+            start=num(start),
+            blocks=num(n),
+            size_bytes=num(size),
+            kv_type=_s(kv) if kv is not None else "dense",
+            tier=Tier(_s(t)),
+            created_at=num(created) / 1000,
+            last_access=num(last) / 1000,
+            reuse_count=num(reuse),
+            fork_refs=int(refs),
+        )
+
+    async def sweep(self, batch: int = 500) -> int:
+        cursors = ["0", "0"]
+        dropped = 0
+        while cursors != ["-", "-"]:
+            c1, c2, n = await self._run(
+                "sweep", [self.key("art"), self.key("rep")], [*cursors, batch]
+            )
+            dropped += int(n)
+            cursors = [c if c not in ("0", 0) else "-" for c in (_s(c1), _s(c2))]
+        return dropped
+
+    # --- recovery after a data loss (used by ResilientDirectory) ------------------------------
+
+    def registration(self, worker: str) -> tuple[int, int] | None:
+        """(chain root, block size) of `worker` as this client last saw it registered."""
+        return self._registration.get(worker)
+
+    async def boot_token(self, token: str) -> str:
+        """Set the dataset's boot token if it has none; return the token it holds."""
+        return _s(await self._run("boot", [self.key("boot")], [token]))
+
+    async def raise_epoch(self, floor: int) -> int:
+        """Raise the fencing epoch counter to at least `floor`; returns its value."""
+        return int(await self._run("raise_epoch", [self.key("epoch")], [int(floor)]))
+
+    async def restore_cached(self, worker: str, entries: Sequence[tuple[int, int, int]]) -> int:
+        """Re-record a registered worker's cached blocks: (engine hash, block hash, tier bits)."""
+        if not entries:
+            return 0
+        p = self.prefix
+        args: list[Any] = [worker]
+        for engine_hash, block, bits in entries:
+            args += [str(engine_hash), hex_block(block), int(bits)]
+        keys = [p + "w:" + worker, p + "w:" + worker + ":eh", p + "cache"]
+        return int(await self._run("restore_cached", keys, args))
+
+    async def ping(self) -> float:
+        """Round-trip time of a PING, in seconds (raises if Redis is unreachable)."""
+        t0 = time.perf_counter()
+        await self._client.ping()
+        return time.perf_counter() - t0
+
+    async def health(self) -> DirectoryHealth:
+        try:
+            rtt = await self.ping()
+        except Exception as exc:  # any failure to reach Redis is what health reports
+            return DirectoryHealth(self.backend_name, False, f"{type(exc).__name__}: {exc}")
+        return DirectoryHealth(
+            self.backend_name,
+            True,
+            f"ping {rtt * 1000:.2f} ms",
+            stats={"ping_us": round(rtt * 1e6)},
+        )
+
+    async def flush_namespace(self) -> int:
+        """Delete every key of this namespace (tests, benchmarks); returns how many went."""
+        n = 0
+        async for key in self._client.scan_iter(match=self.prefix + "*", count=1000):
+            n += int(await self._client.delete(key))
+        self._registration.clear()
+        self._engine_map.clear()
+        return n
+
+    async def close(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,469 @@
+"""A directory that keeps serving when Redis is unreachable, and reconciles when it returns.
+
+`ResilientDirectory` sends every call to the primary (Redis) and mirrors each write into a
+local in-memory view. On a connection error it answers from the local view, queues the
+writes, and retries Redis in the background. When Redis answers again:
+
+- same dataset (its boot token is unchanged): the queued writes are replayed in order;
+  leases claimed meanwhile get real epochs, and the provisional epochs handed out during the
+  outage (all >= `PROVISIONAL_EPOCH_BASE`) are translated on later renew/release/claim calls;
+- dataset lost (restart without persistence): the epoch counter is raised above every epoch
+  seen, then the whole local view (workers, cached blocks, leases, replicas, sessions, fork
+  refs) is pushed back; old epochs are translated the same way.
+
+Ownership decided during an outage is provisional: another router may have claimed the same
+artifact; on replay the primary's answer wins and the loser's later writes get
+`StaleEpochError`. `health()` reports the pending writes and the conflicts seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import ClusterDownError, RedisClusterException
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ownerserve.directory.base import (
+    Artifact,
+    ArtifactInfo,
+    DirectoryHealth,
+    EventApplyResult,
+    Lease,
+    Match,
+)
+from ownerserve.directory.memory import InMemoryDirectory
+from ownerserve.directory.redis import RedisDirectory
+from ownerserve.errors import InvalidRequestError, OwnerServeError, StaleEpochError
+from ownerserve.events import EventBatch
+from ownerserve.types import Tier
+
+log = logging.getLogger(__name__)
+
+PROVISIONAL_EPOCH_BASE = 1 << 62
+"""Epochs the local view hands out during an outage start here, far above Redis's counter."""
+
+UNREACHABLE: tuple[type[BaseException], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    RedisClusterException,
+    ClusterDownError,
+    OSError,
+    TimeoutError,
+)
+"""Errors that mean "Redis is unreachable" (not "Redis said no")."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """One write done locally while Redis was unreachable, to replay later."""
+
+    op: str
+    args: tuple[Any, ...]
+    local_result: Any = None
+
+
+class ResilientDirectory:
+    """`Directory` over a Redis primary with a local fallback view (see the module doc)."""
+
+    backend_name = "redis+local"
+
+    def __init__(
+        self,
+        primary: RedisDirectory,
+        fallback: InMemoryDirectory | None = None,
+        *,
+        retry_interval_s: float = 0.5,
+        max_pending: int = 100_000,
+    ) -> None:
+        self.primary = primary
+        self.local = fallback or InMemoryDirectory(first_epoch=PROVISIONAL_EPOCH_BASE)
+        self.retry_interval_s = retry_interval_s
+        self.max_pending = max_pending
+        self._healthy = True
+        self._last_error = ""
+        self._pending: deque[_Pending] = deque()
+        self._lock = asyncio.Lock()
+        self._epoch_map: dict[int, int] = {}  # provisional or pre-loss epoch -> Redis epoch
+        self._max_primary_epoch = 0
+        self._boot: str | None = None
+        self._reconnect: asyncio.Task[None] | None = None
+        self._closed = False
+        self.stats: dict[str, int] = {
+            "outages": 0,
+            "local_calls": 0,
+            "replayed": 0,
+            "conflicts": 0,
+            "dropped": 0,
+            "resyncs": 0,
+        }
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    def _epoch(self, epoch: int) -> int:
+        return self._epoch_map.get(epoch, epoch)
+
+    def _seen(self, lease: Lease) -> Lease:
+        if lease.epoch < PROVISIONAL_EPOCH_BASE:
+            self._max_primary_epoch = max(self._max_primary_epoch, lease.epoch)
+        return lease
+
+    def _mark_down(self, exc: BaseException) -> None:
+        self._last_error = f"{type(exc).__name__}: {exc}"
+        if self._healthy:
+            self._healthy = False
+            self.stats["outages"] += 1
+            log.warning("directory: Redis unreachable (%s); serving from the local view", exc)
+        if self._reconnect is None or self._reconnect.done():
+            self._reconnect = asyncio.create_task(self._reconnect_loop())
+
+    async def _ensure_boot(self) -> None:
+        if self._boot is None:
+            self._boot = await self.primary.boot_token(uuid.uuid4().hex)
+
+    async def _read(
+        self, primary: Callable[[], Awaitable[Any]], local: Callable[[], Awaitable[Any]]
+    ) -> Any:
+        if self._healthy:
+            try:
+                return await primary()
+            except UNREACHABLE as exc:
+                self._mark_down(exc)
+        self.stats["local_calls"] += 1
+        return await local()
+
+    async def _write(
+        self,
+        op: str,
+        args: tuple[Any, ...],
+        primary: Callable[[], Awaitable[Any]],
+        mirror: Callable[[Any], Awaitable[None]],
+        local: Callable[[], Awaitable[Any]],
+    ) -> Any:
+        if self._healthy:
+            try:
+                await self._ensure_boot()
+                result = await primary()
+            except UNREACHABLE as exc:
+                self._mark_down(exc)
+            else:
+                with contextlib.suppress(OwnerServeError):
+                    await mirror(result)
+                return result
+        async with self._lock:
+            self.stats["local_calls"] += 1
+            result = await local()
+            if len(self._pending) >= self.max_pending:
+                self._pending.popleft()
+                self.stats["dropped"] += 1
+            self._pending.append(_Pending(op, args, result))
+            return result
+
+    async def _noop(self, _: Any) -> None:
+        return None
+
+    # --- the Directory protocol ---------------------------------------------------------------
+
+    async def register_worker(self, worker: str, model_root: int, block_size: int) -> None:
+        async def mirror(_: Any) -> None:
+            await self.local.register_worker(worker, model_root, block_size)
+
+        await self._write(
+            "register_worker",
+            (worker, model_root, block_size),
+            lambda: self.primary.register_worker(worker, model_root, block_size),
+            mirror,
+            lambda: self.local.register_worker(worker, model_root, block_size),
+        )
+
+    async def lookup(self, chain: Sequence[int], session_id: str | None = None) -> Match:
+        match: Match = await self._read(
+            lambda: self.primary.lookup(chain, session_id),
+            lambda: self.local.lookup(chain, session_id),
+        )
+        return match
+
+    async def claim(
+        self, artifact: Artifact, worker: str, lease_s: float, fence_epoch: int | None = None
+    ) -> Lease:
+        fence = None if fence_epoch is None else self._epoch(fence_epoch)
+
+        async def mirror(lease: Lease) -> None:
+            self.local.install_lease(artifact, self._seen(lease))
+
+        lease: Lease = await self._write(
+            "claim",
+            (artifact, worker, lease_s, fence),
+            lambda: self.primary.claim(artifact, worker, lease_s, fence),
+            mirror,
+            lambda: self.local.claim(artifact, worker, lease_s, fence),
+        )
+        return lease
+
+    async def renew(self, artifact_id: int, worker: str, epoch: int, lease_s: float) -> Lease:
+        real = self._epoch(epoch)
+
+        async def mirror(lease: Lease) -> None:
+            self.local.install_lease(None, self._seen(lease))
+
+        lease: Lease = await self._write(
+            "renew",
+            (artifact_id, worker, real, lease_s),
+            lambda: self.primary.renew(artifact_id, worker, real, lease_s),
+            mirror,
+            lambda: self.local.renew(artifact_id, worker, real, lease_s),
+        )
+        return lease
+
+    async def release(self, artifact_id: int, worker: str, epoch: int) -> None:
+        real = self._epoch(epoch)
+
+        async def mirror(_: Any) -> None:
+            await self.local.release(artifact_id, worker, real)
+
+        await self._write(
+            "release",
+            (artifact_id, worker, real),
+            lambda: self.primary.release(artifact_id, worker, real),
+            mirror,
+            lambda: self.local.release(artifact_id, worker, real),
+        )
+
+    async def add_replica(
+        self,
+        artifact_id: int,
+        worker: str,
+        tier: Tier,
+        ttl_s: float,
+        read_only: bool = True,
+        blocks: Sequence[int] | None = None,
+    ) -> None:
+        args = (artifact_id, worker, tier, ttl_s, read_only, blocks)
+
+        async def mirror(_: Any) -> None:
+            await self.local.add_replica(*args)
+
+        await self._write(
+            "add_replica",
+            args,
+            lambda: self.primary.add_replica(*args),
+            mirror,
+            lambda: self.local.add_replica(*args),
+        )
+
+    async def set_session_owner(self, session_id: str, worker: str, ttl_s: float) -> None:
+        args = (session_id, worker, ttl_s)
+
+        async def mirror(_: Any) -> None:
+            await self.local.set_session_owner(*args)
+
+        await self._write(
+            "set_session_owner",
+            args,
+            lambda: self.primary.set_session_owner(*args),
+            mirror,
+            lambda: self.local.set_session_owner(*args),
+        )
+
+    async def get_session_owner(self, session_id: str) -> str | None:
+        owner: str | None = await self._read(
+            lambda: self.primary.get_session_owner(session_id),
+            lambda: self.local.get_session_owner(session_id),
+        )
+        return owner
+
+    async def add_fork_ref(self, artifact_id: int, session_id: str) -> int:
+        async def mirror(_: Any) -> None:
+            await self.local.add_fork_ref(artifact_id, session_id)
+
+        refs: int = await self._write(
+            "add_fork_ref",
+            (artifact_id, session_id),
+            lambda: self.primary.add_fork_ref(artifact_id, session_id),
+            mirror,
+            lambda: self.local.add_fork_ref(artifact_id, session_id),
+        )
+        return refs
+
+    async def drop_fork_ref(self, artifact_id: int, session_id: str) -> int:
+        async def mirror(_: Any) -> None:
+            await self.local.drop_fork_ref(artifact_id, session_id)
+
+        refs: int = await self._write(
+            "drop_fork_ref",
+            (artifact_id, session_id),
+            lambda: self.primary.drop_fork_ref(artifact_id, session_id),
+            mirror,
+            lambda: self.local.drop_fork_ref(artifact_id, session_id),
+        )
+        return refs
+
+    async def _local_events(self, worker: str, batch: EventBatch) -> EventApplyResult:
+        # the worker may have been registered through another router: learn it from Redis
+        reg = self.primary.registration(worker)
+        if reg is not None and self.local.registration(worker) != reg:
+            await self.local.register_worker(worker, *reg)
+        return await self.local.apply_events(worker, batch)
+
+    async def apply_events(self, worker: str, batch: EventBatch) -> EventApplyResult:
+        async def mirror(_: Any) -> None:
+            await self._local_events(worker, batch)
+
+        result: EventApplyResult = await self._write(
+            "apply_events",
+            (worker, batch),
+            lambda: self.primary.apply_events(worker, batch),
+            mirror,
+            lambda: self._local_events(worker, batch),
+        )
+        return result
+
+    async def drop_worker(self, worker: str) -> int:
+        async def mirror(_: Any) -> None:
+            await self.local.drop_worker(worker)
+
+        dropped: int = await self._write(
+            "drop_worker",
+            (worker,),
+            lambda: self.primary.drop_worker(worker),
+            mirror,
+            lambda: self.local.drop_worker(worker),
+        )
+        return dropped
+
+    async def artifact_info(self, artifact_id: int) -> ArtifactInfo | None:
+        info: ArtifactInfo | None = await self._read(
+            lambda: self.primary.artifact_info(artifact_id),
+            lambda: self.local.artifact_info(artifact_id),
+        )
+        return info
+
+    async def sweep(self) -> int:
+        await self.local.sweep()
+        dropped: int = await self._read(self.primary.sweep, self.local.sweep)
+        return dropped
+
+    async def health(self) -> DirectoryHealth:
+        if self._healthy:
+            try:
+                await self.primary.ping()
+            except UNREACHABLE as exc:
+                self._mark_down(exc)
+        detail = "redis ok" if self._healthy else f"serving from local view: {self._last_error}"
+        return DirectoryHealth(
+            backend=self.backend_name,
+            healthy=self._healthy,
+            detail=detail,
+            pending_reconcile=len(self._pending),
+            stats=dict(self.stats),
+        )
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._reconnect is not None:
+            self._reconnect.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reconnect
+        await self.primary.close()
+
+    # --- reconciliation -------------------------------------------------------------------------
+
+    async def wait_reconciled(self, timeout_s: float = 10.0) -> bool:
+        """Wait until Redis is back and everything queued has been replayed."""
+        deadline = time.monotonic() + timeout_s
+        while not self._healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return self._healthy
+
+    async def _reconnect_loop(self) -> None:
+        while not self._closed and not self._healthy:
+            await asyncio.sleep(self.retry_interval_s)
+            try:
+                await self.primary.ping()
+                await self._reconcile()
+            except UNREACHABLE as exc:
+                self._last_error = f"{type(exc).__name__}: {exc}"
+
+    async def _reconcile(self) -> None:
+        token = await self.primary.boot_token(uuid.uuid4().hex)
+        if self._boot is not None and token != self._boot:
+            log.warning("directory: Redis lost its data; pushing the local view back")
+            await self._resync()
+            async with self._lock:
+                self._pending.clear()
+        self._boot = token
+        while True:
+            async with self._lock:
+                if not self._pending:
+                    self._healthy = True
+                    log.info("directory: Redis is back; reconciled")
+                    return
+                item = self._pending[0]
+            await self._replay(item)
+            async with self._lock:
+                if self._pending and self._pending[0] is item:
+                    self._pending.popleft()
+                self.stats["replayed"] += 1
+
+    async def _replay(self, item: _Pending) -> None:
+        try:
+            if item.op == "claim":
+                artifact, worker, lease_s, fence = item.args
+                provisional: Lease = item.local_result
+                fence = None if fence is None else self._epoch(fence)
+                lease = self._seen(await self.primary.claim(artifact, worker, lease_s, fence))
+                if provisional.worker == worker and lease.worker == worker:
+                    self._epoch_map[provisional.epoch] = lease.epoch
+                elif lease.worker != worker:
+                    self.stats["conflicts"] += 1
+                self.local.install_lease(artifact, lease)
+            elif item.op in ("renew", "release"):
+                aid, worker, epoch, *rest = item.args
+                call = getattr(self.primary, item.op)
+                await call(aid, worker, self._epoch(epoch), *rest)
+            elif item.op == "apply_events":
+                await self.primary.apply_events(*item.args)
+            else:
+                await getattr(self.primary, item.op)(*item.args)
+        except (StaleEpochError, InvalidRequestError) as exc:
+            self.stats["conflicts"] += 1
+            log.info("directory: replayed %s refused: %s", item.op, exc)
+
+    async def _resync(self) -> None:
+        self.stats["resyncs"] += 1
+        snap = self.local.export_state()
+        await self.primary.raise_epoch(self._max_primary_epoch)
+        for worker, (root, block_size) in snap.registrations.items():
+            await self.primary.register_worker(worker, root, block_size)
+        for worker, entries in snap.cached.items():
+            await self.primary.restore_cached(worker, entries)
+        for artifact, old, remaining in snap.leases:
+            lease = self._seen(await self.primary.claim(artifact, old.worker, remaining))
+            self.local.install_lease(artifact, lease)
+            if lease.worker == old.worker:
+                self._epoch_map[old.epoch] = lease.epoch
+                for k, v in list(self._epoch_map.items()):
+                    if v == old.epoch:
+                        self._epoch_map[k] = lease.epoch
+        for worker, tier, ro, remaining, blocks in snap.replicas:
+            await self.primary.add_replica(blocks[-1], worker, tier, remaining, ro, blocks)
+        for session_id, worker, remaining in snap.sessions:
+            await self.primary.set_session_owner(session_id, worker, remaining)
+        for artifact_id, session_id in snap.forks:
+            await self.primary.add_fork_ref(artifact_id, session_id)
