@@ -57,10 +57,11 @@ def _gb(x: int | None) -> float | None:
 
 
 def plot_bars(summaries: Sequence[RunSummary], path: Path) -> Path:
-    """One panel per metric, one bar per run (missing values are left out)."""
-    fig, axes = plt.subplots(1, len(BARS), figsize=(4 * len(BARS), 4.5))
+    """One panel per metric that any run has, one bar per run (missing values are left out)."""
+    bars = [b for b in BARS if any(b[1](s) is not None for s in summaries)] or list(BARS[:1])
+    fig, axes = plt.subplots(1, len(bars), figsize=(4 * len(bars), 4.5), squeeze=False)
     labels = [s.label for s in summaries]
-    for ax, (title, get) in zip(axes, BARS, strict=True):
+    for ax, (title, get) in zip(axes[0], bars, strict=True):
         vals = [get(s) for s in summaries]
         xs = [i for i, v in enumerate(vals) if v is not None]
         ax.bar(xs, [vals[i] or 0.0 for i in xs], color="tab:blue")
