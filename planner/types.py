@@ -57,6 +57,8 @@ class WorkerView:
     # online calibration: observed/predicted ratios (1.0 = profile is exact)
     prefill_scale: float = 1.0
     decode_scale: float = 1.0
+    # online calibration of KV transfers *into* this worker (observed/predicted)
+    link_scale: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +107,10 @@ class CostBreakdown:
     i_decode: float = 0.0
     lam: float = 0.0
     mu: float = 0.0
+    # informational parts of the prediction (not added to `total`): the prefill part of
+    # t_compute, and one decode step of this request on its decode worker (predicted TPOT)
+    t_prefill: float = 0.0
+    t_decode_step: float = 0.0
 
     @property
     def total(self) -> float:
@@ -140,6 +146,10 @@ class Plan:
     runner_up: Candidate | None = None
     add_replica_on: str | None = None
     candidates_considered: int = 1
+    # the request class's default action and the cheapest candidate of that action (None when
+    # the class's default was not feasible); the cost model overrides the default when cheaper
+    default_action: Action | None = None
+    default_cost_s: float | None = None
 
     @property
     def action(self) -> Action:
@@ -148,6 +158,11 @@ class Plan:
     @property
     def margin_s(self) -> float:
         return 0.0 if self.runner_up is None else self.runner_up.cost.total - self.chosen.cost.total
+
+    @property
+    def overrides_default(self) -> bool:
+        """True when the cost model chose another action than the request class's default."""
+        return self.default_action is not None and self.chosen.action != self.default_action
 
 
 class Policy(Protocol):

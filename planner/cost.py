@@ -1,0 +1,411 @@
+"""The mission's cost model:
+
+    C(a) = T_queue + T_compute + T_network + T_restore + λ·M_HBM + μ·I_decode
+
+Each term is its own function below, with its formula in its docstring, exactly as computed (the
+same formulas are in `planner/README.md`). Times come from `ownerserve.profiles` timing profiles,
+scaled per worker by online calibration (`WorkerView.prefill_scale/decode_scale/link_scale`).
+Profiles are read once when a `CostModel` is built; evaluating a cost never does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ownerserve.config import PlannerSettings
+from ownerserve.errors import ConfigError
+from ownerserve.profiles import TimingProfile, load_profile
+from ownerserve.types import Role, Tier
+from planner.types import (
+    Action,
+    Candidate,
+    ClusterView,
+    CostBreakdown,
+    RequestView,
+    WorkerView,
+)
+
+COLOCATED_ACTIONS: frozenset[Action] = frozenset(
+    {Action.COLOCATED_PREFILL, Action.DECODE_CONTINUATION, Action.TAIL_RECOMPUTE}
+)
+"""Actions that prefill and decode on one worker with only its own cached prefix."""
+
+
+@dataclass(frozen=True, slots=True)
+class CostConfig:
+    """Weights, thresholds and profile names of the planner (`planner:` section of the config).
+
+    `lam` (λ) is seconds per duplicated HBM byte, `mu` (μ) the weight of decode interference.
+    `profile` is the default timing profile; `profiles` are extra ones workers may name in
+    `WorkerView.profile` (an unknown name falls back to the default).
+    """
+
+    lam: float = 1e-11
+    mu: float = 1.0
+    profile: str = "h100-llama3-8b"
+    profiles: tuple[str, ...] = ()
+    # request classes (planner.classify)
+    long_prefix_tokens: int = 4096
+    small_turn_tokens: int = 2048
+    continuation_tokens: int = 64
+    cold_resume_idle_s: float = 300.0
+    # decode steps of the request counted in T_compute: min(max_tokens, decode_horizon_tokens)
+    decode_horizon_tokens: int = 64
+    # fixed cost of the two-phase P->D protocol (extra request round trip + KV handshake)
+    pd_handshake_s: float = 0.002
+    # prefix-multi-owner baseline: "imbalanced" when max-min load > abs and max > rel·min
+    imbalance_abs: int = 32
+    imbalance_rel: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.lam < 0 or self.mu < 0:
+            raise ConfigError("planner: lambda_hbm and mu_interference must be >= 0")
+        if self.decode_horizon_tokens < 0 or self.pd_handshake_s < 0:
+            raise ConfigError("planner: decode_horizon_tokens and pd_handshake_s must be >= 0")
+
+    @classmethod
+    def from_settings(cls, settings: PlannerSettings) -> CostConfig:
+        return cls(lam=settings.lambda_hbm, mu=settings.mu_interference, profile=settings.profile)
+
+
+class CostModel:
+    """Timing profiles per worker, corrected by the worker's calibration scales.
+
+    `prefill_s`, `decode_step_s`, `transfer_s` and `restore_s` are the primitives every cost
+    term is made of.
+    """
+
+    __slots__ = ("_default", "_profiles", "config")
+
+    def __init__(
+        self,
+        config: CostConfig | None = None,
+        profiles: Mapping[str, TimingProfile] | None = None,
+    ) -> None:
+        self.config = config or CostConfig()
+        if profiles is None:
+            names = (self.config.profile, *self.config.profiles)
+            profiles = {n: load_profile(n) for n in names}
+        if self.config.profile not in profiles:
+            raise ConfigError(f"planner: profile {self.config.profile!r} not loaded")
+        for p in profiles.values():
+            if p.link.intra_node_bps < p.link.inter_node_bps:
+                # the remote-prefill search assumes a same-node link is never slower
+                raise ConfigError(f"profile {p.name}: intra_node_bps < inter_node_bps")
+        self._profiles: dict[str, TimingProfile] = dict(profiles)
+        self._default = self._profiles[self.config.profile]
+
+    @property
+    def profiles(self) -> Mapping[str, TimingProfile]:
+        return self._profiles
+
+    def profile_of(self, worker: WorkerView) -> TimingProfile:
+        """The worker's profile by `WorkerView.profile`; the default one if unknown."""
+        return self._profiles.get(worker.profile, self._default)
+
+    def prefill_s(self, worker: WorkerView, new_tokens: int, cached_tokens: int) -> float:
+        """prefill_scale · profile.prefill_s(new, cached)."""
+        return worker.prefill_scale * self.profile_of(worker).prefill_s(new_tokens, cached_tokens)
+
+    def decode_step_s(self, worker: WorkerView, batch: int, ctx: float) -> float:
+        """decode_scale · (base_s + per_seq_s · batch + per_ctx_token_s · ctx), the profile's
+        decode step (`DecodeTiming.step_seconds`) for a fractional context; 0 for an empty batch."""
+        if batch <= 0:
+            return 0.0
+        dt = self.profile_of(worker).decode
+        return worker.decode_scale * (dt.base_s + dt.per_seq_s * batch + dt.per_ctx_token_s * ctx)
+
+    def transfer_s(self, src: WorkerView, dst: WorkerView, nbytes: float) -> float:
+        """dst.link_scale · (latency_s + bytes / bw), bw = intra- or inter-node bandwidth of the
+        destination's profile; 0 when nothing moves."""
+        if nbytes <= 0:
+            return 0.0
+        link = self.profile_of(dst).link
+        return dst.link_scale * link.transfer_s(nbytes, src.node == dst.node)
+
+    def restore_s(self, worker: WorkerView, cpu_bytes: float, ssd_bytes: float) -> float:
+        """Tier load into HBM: cpu_bytes / cpu_load_bps + ssd_bytes / ssd_load_bps."""
+        link = self.profile_of(worker).link
+        return cpu_bytes / link.cpu_load_bps + ssd_bytes / link.ssd_load_bps
+
+    def context_tokens(self, worker: WorkerView) -> float:
+        """Tokens held by the worker's running sequences:
+        kv_usage · hbm_kv_bytes / kv_bytes_per_token (of its profile)."""
+        prof = self.profile_of(worker)
+        return worker.kv_usage * prof.hbm_kv_bytes / prof.kv_bytes_per_token
+
+    def queue_s(self, worker: WorkerView) -> float:
+        """q(w) = prefill_scale · (per_token_s · inflight_prefill_tokens + base_s · waiting)."""
+        pf = self.profile_of(worker).prefill
+        return worker.prefill_scale * (
+            pf.per_token_s * worker.inflight_prefill_tokens + pf.base_s * worker.waiting
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Routes: one (action, workers) option, and the quantities every term derives from it.
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """An action with its workers: prefill on `prefill`, decode on `decode`; `source` is the
+    worker an artifact is fetched from (ARTIFACT_FETCH) or the session moves from
+    (STATE_MIGRATION)."""
+
+    action: Action
+    prefill: WorkerView
+    decode: WorkerView
+    source: WorkerView | None = None
+
+
+def can_prefill(worker: WorkerView) -> bool:
+    return worker.role is not Role.DECODE
+
+
+def can_decode(worker: WorkerView) -> bool:
+    return worker.role is not Role.PREFILL
+
+
+def tier_blocks(worker: WorkerView) -> tuple[int, int, int]:
+    """(gpu, cpu, ssd): longest prefix of the request's chain the worker holds in each tier."""
+    cb = worker.cached_blocks
+    if not cb:
+        return 0, 0, 0
+    return cb.get(Tier.GPU, 0), cb.get(Tier.CPU, 0), cb.get(Tier.SSD, 0)
+
+
+def held_blocks(worker: WorkerView) -> int:
+    """Longest prefix the worker can reuse from any of its tiers: max(gpu, cpu, ssd)."""
+    g, c, s = tier_blocks(worker)
+    return max(g, c, s)
+
+
+def moved_blocks(request: RequestView, route: Route) -> int:
+    """Blocks pulled over the network into the prefill worker before it computes:
+    ARTIFACT_FETCH: max(0, owner_blocks − held(P)); STATE_MIGRATION: max(0, gpu(S) − held(P))."""
+    if route.action is Action.ARTIFACT_FETCH:
+        return max(0, request.owner_blocks - held_blocks(route.prefill))
+    if route.action is Action.STATE_MIGRATION and route.source is not None:
+        return max(0, tier_blocks(route.source)[0] - held_blocks(route.prefill))
+    return 0
+
+
+def reused_blocks(request: RequestView, route: Route) -> int:
+    """Prefix blocks the prefill worker does not recompute: held(P) + moved blocks."""
+    return held_blocks(route.prefill) + moved_blocks(request, route)
+
+
+def reused_tokens(request: RequestView, route: Route) -> int:
+    """min(reused_blocks · block_size, N − 1): the last prompt token is always computed."""
+    n = max(request.prompt_tokens, 1)
+    return min(reused_blocks(request, route) * request.block_size, n - 1)
+
+
+def decode_tokens(request: RequestView, config: CostConfig) -> int:
+    """O = min(max_tokens, decode_horizon_tokens): decode steps counted in T_compute."""
+    return max(0, min(request.max_tokens, config.decode_horizon_tokens))
+
+
+def owner_duplicate_bytes(request: RequestView, worker: WorkerView, held: int) -> int:
+    """KV of the owned prefix a non-owner worker newly materialises:
+    [w ≠ owner] · max(0, owner_blocks − held) · block_size · kv_bytes_per_token."""
+    if request.owner is None or worker.worker_id == request.owner:
+        return 0
+    return max(0, request.owner_blocks - held) * request.block_size * request.kv_bytes_per_token
+
+
+# --------------------------------------------------------------------------------------------
+# The cost terms.
+
+
+def t_queue(model: CostModel, request: RequestView, route: Route) -> float:
+    """T_queue = q(P) + [D ≠ P] · q(D), with
+    q(w) = prefill_scale(w) · (per_token_s · inflight_prefill_tokens(w) + base_s · waiting(w)).
+
+    Conservative for remote prefill: the decode worker's backlog is assumed not to drain while
+    P computes."""
+    p, d = route.prefill, route.decode
+    q = model.queue_s(p)
+    if d is not p and d.worker_id != p.worker_id:
+        q += model.queue_s(d)
+    return q
+
+
+def t_prefill(
+    model: CostModel, request: RequestView, route: Route, reused: int | None = None
+) -> float:
+    """Prefill part of T_compute: prefill_s(P, N − r, r), r = reused_tokens (`reused` if given)."""
+    n = max(request.prompt_tokens, 1)
+    r = reused_tokens(request, route) if reused is None else reused
+    return model.prefill_s(route.prefill, n - r, r)
+
+
+def t_decode(model: CostModel, request: RequestView, route: Route) -> float:
+    """Decode part of T_compute: O · decode_step_s(D, running(D) + 1, ctx(D) + N),
+    ctx(D) = kv_usage(D) · hbm_kv_bytes / kv_bytes_per_token (profile of D)."""
+    d = route.decode
+    o = decode_tokens(request, model.config)
+    ctx = model.context_tokens(d) + max(request.prompt_tokens, 1)
+    return o * model.decode_step_s(d, d.running + 1, ctx)
+
+
+def t_compute(model: CostModel, request: RequestView, route: Route) -> float:
+    """T_compute = prefill_s(P, N − r, r) + O · decode_step_s(D, running(D) + 1, ctx(D) + N)."""
+    return t_prefill(model, request, route) + t_decode(model, request, route)
+
+
+def t_network(model: CostModel, request: RequestView, route: Route) -> float:
+    """KV moved over links:
+    REMOTE_PREFILL: pd_handshake_s + transfer_s(P, D, max(0, N − gpu(D)·block_size) · K);
+    ARTIFACT_FETCH / STATE_MIGRATION: transfer_s(S, P, moved_blocks · block_size · K);
+    colocated actions: 0.  (K = kv_bytes_per_token)"""
+    k = request.kv_bytes_per_token
+    if route.action is Action.REMOTE_PREFILL:
+        n = max(request.prompt_tokens, 1)
+        gpu_d = tier_blocks(route.decode)[0] * request.block_size
+        return model.config.pd_handshake_s + model.transfer_s(
+            route.prefill, route.decode, max(0, n - gpu_d) * k
+        )
+    if route.source is not None:
+        nbytes = moved_blocks(request, route) * request.block_size * k
+        return model.transfer_s(route.source, route.prefill, nbytes)
+    return 0.0
+
+
+def t_restore(model: CostModel, request: RequestView, route: Route) -> float:
+    """Tier loads of the prefill worker's own held prefix into HBM:
+    restore_s(P, max(0, cpu − gpu) · block_size · K, max(0, ssd − max(gpu, cpu)) · block_size · K)
+    where gpu/cpu/ssd are P's longest held prefix per tier (blocks)."""
+    g, c, s = tier_blocks(route.prefill)
+    if c <= g and s <= g:
+        return 0.0
+    bk = request.block_size * request.kv_bytes_per_token
+    return model.restore_s(route.prefill, max(0, c - g) * bk, max(0, s - max(g, c)) * bk)
+
+
+def m_hbm(model: CostModel, request: RequestView, route: Route, reused: int | None = None) -> float:
+    """M_HBM, duplicate KV bytes the action creates:
+    REMOTE_PREFILL: (N − r) · K  (P's copy of what it computed)  + dup(D, gpu(D));
+    STATE_MIGRATION: 0  (the session's blocks move; the source releases them);
+    otherwise (colocated, fetch): dup(P, held(P)), the fetched replica or recomputed owned prefix;
+    dup(w, h) = [w ≠ owner] · max(0, owner_blocks − h) · block_size · K."""
+    if route.action is Action.STATE_MIGRATION:
+        return 0.0
+    if route.action is Action.REMOTE_PREFILL:
+        n = max(request.prompt_tokens, 1)
+        r = reused_tokens(request, route) if reused is None else reused
+        gpu_d = tier_blocks(route.decode)[0]
+        return float((n - r) * request.kv_bytes_per_token) + owner_duplicate_bytes(
+            request, route.decode, gpu_d
+        )
+    return float(owner_duplicate_bytes(request, route.prefill, held_blocks(route.prefill)))
+
+
+def i_decode(
+    model: CostModel, request: RequestView, route: Route, prefill: float | None = None
+) -> float:
+    """I_decode = prefill_s(P, N − r, r) · min(1, running(P) / max_num_seqs(P)): the stall the
+    prefill imposes on the prefill worker's running decode batch (0 on an idle or P-only worker).
+    `prefill` is t_prefill when already computed."""
+    p = route.prefill
+    if p.running <= 0:
+        return 0.0
+    share = min(1.0, p.running / model.profile_of(p).max_num_seqs)
+    return (t_prefill(model, request, route) if prefill is None else prefill) * share
+
+
+def evaluate(model: CostModel, request: RequestView, route: Route) -> CostBreakdown:
+    """The full breakdown of C(route); `CostBreakdown.total` is C(a)."""
+    cfg = model.config
+    r = reused_tokens(request, route)
+    pre = t_prefill(model, request, route, r)
+    dec = t_decode(model, request, route)
+    o = decode_tokens(request, cfg)
+    return CostBreakdown(
+        t_queue=t_queue(model, request, route),
+        t_compute=pre + dec,
+        t_network=t_network(model, request, route),
+        t_restore=t_restore(model, request, route),
+        m_hbm_bytes=m_hbm(model, request, route, r),
+        i_decode=i_decode(model, request, route, pre),
+        lam=cfg.lam,
+        mu=cfg.mu,
+        t_prefill=pre,
+        t_decode_step=dec / o if o else 0.0,
+    )
+
+
+def to_candidate(model: CostModel, request: RequestView, route: Route) -> Candidate:
+    return Candidate(
+        action=route.action,
+        prefill_worker=route.prefill.worker_id,
+        decode_worker=route.decode.worker_id,
+        cost=evaluate(model, request, route),
+        source_worker=None if route.source is None else route.source.worker_id,
+        reused_blocks=reused_blocks(request, route),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The candidate set.
+
+
+def colocated_action(request: RequestView, worker: WorkerView) -> Action:
+    """How a colocated candidate on `worker` is named: TAIL_RECOMPUTE when part of its held
+    prefix must be loaded from CPU/SSD (restore the artifact, recompute the tail);
+    DECODE_CONTINUATION on the session owner holding the prefix in GPU; else COLOCATED_PREFILL."""
+    g, c, s = tier_blocks(worker)
+    if c > g or s > g:
+        return Action.TAIL_RECOMPUTE
+    if g > 0 and request.session_owner is not None and worker.worker_id == request.session_owner:
+        return Action.DECODE_CONTINUATION
+    return Action.COLOCATED_PREFILL
+
+
+def fetch_source(request: RequestView, cluster: ClusterView) -> WorkerView | None:
+    """The owner to fetch from: healthy, and not the session's own decode owner (a session
+    moves by STATE_MIGRATION instead of being replicated)."""
+    if request.owner is None or request.owner_blocks <= 0:
+        return None
+    if request.owner == request.session_owner:
+        return None
+    w = cluster.by_id(request.owner)
+    return w if w is not None and w.healthy else None
+
+
+def migration_source(request: RequestView, cluster: ClusterView) -> WorkerView | None:
+    """The session owner to move from: healthy and holding part of the prefix in GPU."""
+    if request.session_owner is None:
+        return None
+    w = cluster.by_id(request.session_owner)
+    if w is None or not w.healthy or tier_blocks(w)[0] <= 0:
+        return None
+    return w
+
+
+def enumerate_routes(request: RequestView, cluster: ClusterView) -> list[Route]:
+    """Every candidate the ownerserve policy weighs (reference enumeration, O(P·D)):
+    colocated on each decode-capable worker; ARTIFACT_FETCH from the owner to each decode-capable
+    worker holding less than owner_blocks; STATE_MIGRATION from the session owner to each
+    decode-capable worker holding less than gpu(session owner); REMOTE_PREFILL for every
+    prefill-capable P and decode-capable D ≠ P. Unhealthy workers are skipped."""
+    live = [w for w in cluster.workers if w.healthy]
+    src_f = fetch_source(request, cluster)
+    src_m = migration_source(request, cluster)
+    routes: list[Route] = []
+    decoders = [w for w in live if can_decode(w)]
+    for w in decoders:
+        routes.append(Route(colocated_action(request, w), w, w))
+        held = held_blocks(w)
+        if src_f is not None and w.worker_id != src_f.worker_id and request.owner_blocks > held:
+            routes.append(Route(Action.ARTIFACT_FETCH, w, w, src_f))
+        if src_m is not None and w.worker_id != src_m.worker_id and tier_blocks(src_m)[0] > held:
+            routes.append(Route(Action.STATE_MIGRATION, w, w, src_m))
+    for p in live:
+        if not can_prefill(p):
+            continue
+        for d in decoders:
+            if d.worker_id != p.worker_id:
+                routes.append(Route(Action.REMOTE_PREFILL, p, d))
+    return routes

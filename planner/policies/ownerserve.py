@@ -1,0 +1,341 @@
+"""The OwnerServe policy: argmin of C(a) over every candidate of `planner.cost.enumerate_routes`.
+
+The search is one pass over the workers plus one over the decode-capable ones, computing each
+candidate's total with the formulas of `planner.cost` inlined on per-profile constants (no
+allocation per candidate); remote prefill P→D is searched exactly in O(P + D) because its cost
+splits into a P part, a D part and a link that only depends on whether P and D share a node.
+The chosen candidate, the runner-up and the class default are then re-costed by
+`planner.cost.evaluate`, so the plan's breakdown is the documented one.
+"""
+
+from __future__ import annotations
+
+from ownerserve.errors import NoWorkerAvailableError
+from ownerserve.types import Role, Tier
+from planner.classify import DEFAULT_ACTION, classify
+from planner.cost import (
+    CostConfig,
+    CostModel,
+    Route,
+    decode_tokens,
+    fetch_source,
+    migration_source,
+    tier_blocks,
+)
+from planner.policies.base import make_plan
+from planner.types import Action, ClusterView, Plan, RequestView, WorkerView
+
+_INF = float("inf")
+_GPU, _CPU, _SSD = Tier.GPU, Tier.CPU, Tier.SSD
+_PREFILL, _DECODE = Role.PREFILL, Role.DECODE
+_COL, _CONT, _TAIL = Action.COLOCATED_PREFILL, Action.DECODE_CONTINUATION, Action.TAIL_RECOMPUTE
+_FETCH, _MIG, _REMOTE = Action.ARTIFACT_FETCH, Action.STATE_MIGRATION, Action.REMOTE_PREFILL
+
+# A cost within this relative distance of the best counts as a tie (the class default wins ties).
+_TIE = 1e-12
+
+_Rec = tuple[Action, WorkerView, WorkerView, WorkerView | None]
+
+
+class OwnerServePolicy:
+    """Single-owner, cost-based PD-hybrid planning (mission 3.6.5): a* = argmin_a C(a)."""
+
+    name = "ownerserve"
+
+    def __init__(self, config: CostConfig | None = None, model: CostModel | None = None) -> None:
+        self.model = model or CostModel(config)
+        # per profile: constants of the formulas that do not depend on the request
+        self._prof: dict[str, tuple[float, ...]] = {}
+        for name, p in self.model.profiles.items():
+            self._prof[name] = (
+                p.prefill.per_token_s,
+                p.prefill.base_s,
+                p.prefill.base_s,
+                p.prefill.per_token_s,
+                p.prefill.per_token_ctx_s,
+                p.decode.base_s,
+                p.decode.per_seq_s,
+                p.decode.per_ctx_token_s,
+                p.hbm_kv_bytes / p.kv_bytes_per_token,
+                1.0 / p.max_num_seqs,
+                p.link.latency_s,
+                p.link.intra_node_bps,
+                p.link.inter_node_bps,
+                p.link.cpu_load_bps,
+                p.link.ssd_load_bps,
+            )
+        self._default_profile = self.model.config.profile
+
+    def _request_consts(
+        self, profile: str, n: int, o: int, rt_fetch: int, rt_mig: int
+    ) -> tuple[float, ...]:
+        """Per-profile constants for one request: prompt of n tokens, o decode steps, rt_fetch /
+        rt_mig tokens reused after a fetch / migration into a worker holding nothing."""
+        c = self._prof.get(profile) or self._prof[self._default_profile]
+        qtok, qbase, pbase, ptok, pctx, dbase, dseq, dctx, cap, inv_seqs = c[:10]
+        lat, intra, inter, cpu_bps, ssd_bps = c[10:]
+        pf_full = pbase + ptok * n + pctx * n * (n / 2.0)
+        nf, nmig = n - rt_fetch, n - rt_mig
+        pf_fetch = pbase + ptok * nf + pctx * nf * (rt_fetch + nf / 2.0)
+        pf_mig = pbase + ptok * nmig + pctx * nmig * (rt_mig + nmig / 2.0)
+        return (
+            qtok,
+            qbase,
+            pbase,
+            ptok,
+            pctx,
+            pf_full,
+            o * (dbase + dseq + dctx * n),
+            o * dseq,
+            o * dctx * cap,
+            inv_seqs,
+            lat,
+            intra,
+            inter,
+            cpu_bps,
+            ssd_bps,
+            pf_fetch,
+            pf_mig,
+        )
+
+    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+        model = self.model
+        cfg = model.config
+        rclass = classify(request, cfg)
+        dflt = DEFAULT_ACTION[rclass]
+        n = request.prompt_tokens if request.prompt_tokens > 1 else 1
+        nm1 = n - 1
+        bs = request.block_size
+        kb = request.kv_bytes_per_token
+        bk = bs * kb
+        o = decode_tokens(request, cfg)
+        lam = cfg.lam
+        mu = cfg.mu
+        handshake = cfg.pd_handshake_s
+        owner_id = request.owner
+        ob = request.owner_blocks if owner_id is not None else 0
+        sess_id = request.session_owner
+
+        src_f = fetch_source(request, cluster)
+        f_id = src_f.worker_id if src_f is not None else None
+        f_node = src_f.node if src_f is not None else None
+        src_m = migration_source(request, cluster)
+        m_id = src_m.worker_id if src_m is not None else None
+        m_node = src_m.node if src_m is not None else None
+        g_m = tier_blocks(src_m)[0] if src_m is not None else 0
+
+        rt_f = min(ob * bs, nm1)
+        rt_m = min(g_m * bs, nm1)
+        consts: dict[str, tuple[float, ...]] = {}
+        c1 = c2 = cdef = _INF
+        r1: _Rec | None = None
+        r2: _Rec | None = None
+        rdef: _Rec | None = None
+        considered = 0
+        n_p = n_d = n_both = 0
+        # remote prefill search state: best two P parts overall and per node
+        ga1 = ga2 = _INF
+        gw1: WorkerView | None = None
+        gw2: WorkerView | None = None
+        nodes: dict[str, tuple[float, WorkerView, float, WorkerView | None]] = {}
+        dlist: list[tuple[float, WorkerView, int, tuple[float, ...]]] = []
+
+        for w in cluster.workers:
+            if not w.healthy:
+                continue
+            pc = consts.get(w.profile)
+            if pc is None:
+                pc = consts[w.profile] = self._request_consts(w.profile, n, o, rt_f, rt_m)
+            sp = w.prefill_scale
+            q = sp * (pc[0] * w.inflight_prefill_tokens + pc[1] * w.waiting)
+            cb = w.cached_blocks
+            if cb:
+                g = cb.get(_GPU, 0)
+                c = cb.get(_CPU, 0)
+                s = cb.get(_SSD, 0)
+                held = g
+                rest = 0.0
+                if c > g or s > g:
+                    gc = c if c > g else g
+                    held = s if s > gc else gc
+                    rest = (gc - g) * bk / pc[13] + (held - gc) * bk / pc[14]
+                rt = held * bs
+                if rt > nm1:
+                    rt = nm1
+                new = n - rt
+                pf = sp * (pc[2] + pc[3] * new + pc[4] * new * (rt + new / 2.0))
+            else:
+                g = c = s = held = rt = 0
+                rest = 0.0
+                pf = sp * pc[5]
+            running = w.running
+            share = running * pc[9]
+            if share > 1.0:
+                share = 1.0
+            role = w.role
+
+            if role is not _PREFILL:
+                n_d += 1
+                wid = w.worker_id
+                tdec = w.decode_scale * (pc[6] + pc[7] * running + pc[8] * w.kv_usage)
+                qdr = q + tdec + rest
+                fetch_ok = f_id is not None and ob > held and wid != f_id
+                mig_ok = m_id is not None and g_m > held and wid != m_id
+                considered += 1 + fetch_ok + mig_ok
+                # every candidate on w costs at least qdr: skip w if none can enter the top two
+                if qdr < c2 or qdr < cdef:
+                    ms = 1.0 + mu * share
+                    # colocated on w (continuation / tail recompute / colocated prefill)
+                    cost = qdr + pf * ms
+                    if owner_id is not None and ob > held and wid != owner_id:
+                        cost += lam * (ob - held) * bk
+                    if c > g or s > g:
+                        kind = _TAIL
+                    elif g > 0 and wid == sess_id:
+                        kind = _CONT
+                    else:
+                        kind = _COL
+                    if kind is dflt and cost < cdef:
+                        cdef, rdef = cost, (kind, w, w, None)
+                    if cost < c2:
+                        if cost < c1:
+                            c2, r2 = c1, r1
+                            c1, r1 = cost, (kind, w, w, None)
+                        else:
+                            c2, r2 = cost, (kind, w, w, None)
+                    # artifact fetch from the owner to w (a read-only replica)
+                    if fetch_ok:
+                        moved = ob - held
+                        if held:
+                            rt2 = ob * bs
+                            if rt2 > nm1:
+                                rt2 = nm1
+                            new2 = n - rt2
+                            pf2 = sp * (pc[2] + pc[3] * new2 + pc[4] * new2 * (rt2 + new2 / 2.0))
+                        else:
+                            pf2 = sp * pc[15]
+                        fbytes = moved * bk
+                        bw = pc[11] if w.node == f_node else pc[12]
+                        cost = qdr + pf2 * ms + w.link_scale * (pc[10] + fbytes / bw) + lam * fbytes
+                        if dflt is _FETCH and cost < cdef:
+                            cdef, rdef = cost, (_FETCH, w, w, src_f)
+                        if cost < c2:
+                            if cost < c1:
+                                c2, r2 = c1, r1
+                                c1, r1 = cost, (_FETCH, w, w, src_f)
+                            else:
+                                c2, r2 = cost, (_FETCH, w, w, src_f)
+                    # state migration: the session moves from its owner to w
+                    if mig_ok:
+                        moved = g_m - held
+                        if held:
+                            rt2 = g_m * bs
+                            if rt2 > nm1:
+                                rt2 = nm1
+                            new2 = n - rt2
+                            pf2 = sp * (pc[2] + pc[3] * new2 + pc[4] * new2 * (rt2 + new2 / 2.0))
+                        else:
+                            pf2 = sp * pc[16]
+                        bw = pc[11] if w.node == m_node else pc[12]
+                        cost = qdr + pf2 * ms + w.link_scale * (pc[10] + moved * bk / bw)
+                        if dflt is _MIG and cost < cdef:
+                            cdef, rdef = cost, (_MIG, w, w, src_m)
+                        if cost < c2:
+                            if cost < c1:
+                                c2, r2 = c1, r1
+                                c1, r1 = cost, (_MIG, w, w, src_m)
+                            else:
+                                c2, r2 = cost, (_MIG, w, w, src_m)
+                # the D part of remote prefill into w
+                bd = q + tdec + handshake
+                if owner_id is not None and ob > g and wid != owner_id:
+                    bd += lam * (ob - g) * bk
+                dlist.append((bd, w, g, pc))
+
+            if role is not _DECODE:
+                n_p += 1
+                if role is not _PREFILL:
+                    n_both += 1
+                a = q + pf + rest + lam * (n - rt) * kb + mu * pf * share
+                if a < ga2:
+                    if a < ga1:
+                        ga2, gw2 = ga1, gw1
+                        ga1, gw1 = a, w
+                    else:
+                        ga2, gw2 = a, w
+                t = nodes.get(w.node)
+                if t is None:
+                    nodes[w.node] = (a, w, _INF, None)
+                elif a < t[2]:
+                    nodes[w.node] = (a, w, t[0], t[1]) if a < t[0] else (t[0], t[1], a, w)
+
+        # remote prefill: for each D, the best P on its node (intra-node link) and overall;
+        # bd + ga1 is a lower bound of every pair into D
+        p: WorkerView | None
+        if gw1 is not None:
+            track_def = dflt is _REMOTE
+            for bd, d, gd, pc in dlist:
+                if bd + ga1 >= c2 and not (track_def and bd + ga1 < cdef):
+                    continue
+                nbytes = (n - gd * bs) * kb
+                node = d.node
+                ls = d.link_scale
+                tn = nodes.get(node)
+                if tn is not None:
+                    if tn[1] is not d:
+                        a, p = tn[0], tn[1]
+                    else:
+                        a, p = tn[2], tn[3]
+                    if p is not None:
+                        cost = bd + a
+                        if nbytes > 0:
+                            cost += ls * (pc[10] + nbytes / pc[11])
+                        if cost < c2:
+                            rec: _Rec = (_REMOTE, p, d, None)
+                            if cost < c1:
+                                c2, r2 = c1, r1
+                                c1, r1 = cost, rec
+                            else:
+                                c2, r2 = cost, rec
+                        if track_def and cost < cdef:
+                            cdef, rdef = cost, (_REMOTE, p, d, None)
+                if gw1 is not d:
+                    a, p = ga1, gw1
+                else:
+                    a, p = ga2, gw2
+                if p is not None and p.node != node:
+                    cost = bd + a
+                    if nbytes > 0:
+                        cost += ls * (pc[10] + nbytes / pc[12])
+                    if cost < c2:
+                        rec = (_REMOTE, p, d, None)
+                        if cost < c1:
+                            c2, r2 = c1, r1
+                            c1, r1 = cost, rec
+                        else:
+                            c2, r2 = cost, rec
+                    if track_def and cost < cdef:
+                        cdef, rdef = cost, (_REMOTE, p, d, None)
+            considered += n_p * n_d - n_both
+
+        if r1 is None:
+            raise NoWorkerAvailableError("no healthy worker can serve this request")
+        # the class default wins ties
+        tie = _TIE * (c1 if c1 > 1.0 else 1.0)
+        if rdef is not None and rdef[0] is not r1[0] and cdef - c1 <= tie:
+            r1, r2 = rdef, r1
+        chosen = Route(*r1)
+        runner = None if r2 is None else Route(*r2)
+        # the search's own total for the default (the same formulas; not re-costed, to stay lean)
+        default_cost = None if rdef is None else cdef
+        return make_plan(
+            self.name,
+            model,
+            request,
+            chosen,
+            runner,
+            request_class=rclass,
+            candidates_considered=considered,
+            add_replica_on=chosen.decode.worker_id if chosen.action is _FETCH else None,
+            default_cost_s=default_cost,
+        )
