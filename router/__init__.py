@@ -1,2 +1,6 @@
 """The OpenAI-compatible PD-hybrid proxy: validation, sessions, tokenization, the worker pool,
-plan execution and streaming. Imports `ownerserve`, `planner` and `workers.adapters`."""
+plan execution and streaming. Imports `ownerserve`, `planner` and `workers.adapters`.
+
+`router.app.create_app(settings)` builds the ASGI app; `router.server.serve(settings)` and
+`router.server.running(settings)` run it in-process.
+"""

@@ -1,0 +1,244 @@
+"""The router's ASGI app: `create_app(settings)` returns a FastAPI app serving the OpenAI API
+(`/v1/chat/completions`, `/v1/completions`, `/v1/models`), `/health`, `/metrics` and the
+token-protected admin API (`/admin/...`).
+
+The two completion endpoints are served by a raw ASGI layer in front of FastAPI (the hot path
+pays for no routing or request objects); everything else goes through FastAPI.
+
+    from router.app import create_app
+    app = create_app(load_settings("configs/cluster.sample.yaml"))   # then uvicorn.run(app)
+
+`router.server.serve(settings)` runs it in-process with the tuned uvicorn settings.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ownerserve.config import Settings, WorkerSettings
+from ownerserve.directory.base import Directory
+from ownerserve.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    OwnerServeError,
+    openai_error_body,
+)
+from router.errors import error_status_and_body
+from router.proxy import CalibrationHook, PolicyFactory, Receive, Router, Scope, Send
+from router.requests import Endpoint
+
+_HOT_PATHS = {e.value: e for e in Endpoint}
+
+
+class _CompletionsASGI:
+    """Serves the completion endpoints directly; passes everything else to FastAPI."""
+
+    def __init__(self, app: Any, router: Router) -> None:
+        self.app = app
+        self.router = router
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            endpoint = _HOT_PATHS.get(scope["path"])
+            if endpoint is not None and scope["method"] == "POST":
+                await self.router.handle_completion(scope, receive, send, endpoint)
+                return
+        await self.app(scope, receive, send)
+
+
+class NotFoundError(OwnerServeError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "not_found"
+
+
+def _error(exc: BaseException) -> JSONResponse:
+    status, body = error_status_and_body(exc)
+    return Response(body, status_code=status, media_type="application/json")  # type: ignore[return-value]
+
+
+def create_app(
+    settings: Settings,
+    *,
+    directory: Directory | None = None,
+    policy_factory: PolicyFactory | None = None,
+    calibration: CalibrationHook | None = None,
+) -> FastAPI:
+    """The router app for `settings`. `directory` defaults to `open_directory(settings.directory)`,
+    policies to `planner.policies.get_policy`; the `Router` is at `app.state.router`."""
+    router = Router(
+        settings, directory=directory, policy_factory=policy_factory, calibration=calibration
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.close()
+
+    app = FastAPI(
+        title="OwnerServe router",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.router = router
+    app.add_middleware(_CompletionsASGI, router=router)
+
+    @app.exception_handler(OwnerServeError)
+    async def _owner_error(_: Request, exc: OwnerServeError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(InvalidRequestError(f"invalid request: {exc.errors()[:1]}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return _error(NotFoundError("no such endpoint"))
+        if exc.status_code == 405:
+            body = openai_error_body("method not allowed", "invalid_request_error")
+            return JSONResponse(body, status_code=405)
+        body = openai_error_body(str(exc.detail), "invalid_request_error")
+        return JSONResponse(body, status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return _error(exc)
+
+    # --- OpenAI API -----------------------------------------------------------------------
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        router._check_auth({k.lower(): v for k, v in request.headers.items()})
+        served = set(router.pool.models())
+        if any(not w.settings.models for w in router.pool.all()):
+            served |= {m.name for m in settings.models}
+        data = [
+            {
+                "id": m.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "ownerserve",
+                "max_model_len": m.max_model_len,
+            }
+            for m in settings.models
+            if m.name in served
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        workers = router.pool.all()
+        healthy = [w.worker_id for w in workers if w.healthy and not w.draining]
+        body: dict[str, Any] = {
+            "status": "ok" if healthy else "degraded",
+            "workers": {"total": len(workers), "healthy": len(healthy)},
+        }
+        if router.directory is not None:
+            dh = await router.directory.health()
+            body["directory"] = {"backend": dh.backend, "healthy": dh.healthy, "detail": dh.detail}
+        return JSONResponse(body)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        m = router.metrics
+        for w in router.pool.all():
+            m.breaker.labels(w.worker_id).set(int(w.breaker.state))
+            m.healthy.labels(w.worker_id).set(1 if w.healthy else 0)
+            m.inflight.labels(w.worker_id).set(w.inflight)
+        return Response(m.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # --- admin API (separate token) -------------------------------------------------------
+
+    def admin_auth(request: Request) -> None:
+        token = settings.server.admin_token
+        if not token:
+            raise AuthenticationError("admin API disabled: set server.admin_token")
+        given = request.headers.get("x-admin-token") or ""
+        auth = request.headers.get("authorization", "")
+        if not given and auth[:7].lower() == "bearer ":
+            given = auth[7:].strip()
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            raise AuthenticationError("invalid admin token")
+
+    def worker_json(w: Any) -> dict[str, Any]:
+        return {
+            **w.settings.model_dump(mode="json"),
+            "healthy": w.healthy,
+            "draining": w.draining,
+            "breaker": w.breaker.state.name.lower(),
+            "inflight": w.inflight,
+            "load": {
+                "running": w.load.running,
+                "waiting": w.load.waiting,
+                "kv_usage": w.load.kv_usage,
+            },
+        }
+
+    @app.get("/admin/workers")
+    async def list_workers(request: Request) -> JSONResponse:
+        admin_auth(request)
+        return JSONResponse({"workers": [worker_json(w) for w in router.pool.all()]})
+
+    @app.post("/admin/workers")
+    async def add_worker(request: Request) -> JSONResponse:
+        admin_auth(request)
+        try:
+            ws = WorkerSettings.model_validate_json(await request.body())
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(p) for p in err["loc"])
+            raise InvalidRequestError(f"invalid worker: {loc}: {err['msg']}") from None
+        names = {m.name for m in settings.models}
+        unknown = [m for m in ws.models if m not in names]
+        if unknown:
+            raise InvalidRequestError(f"invalid worker: unknown model {unknown[0]!r}")
+        if router.pool.get(ws.id) is not None:
+            raise InvalidRequestError(f"worker {ws.id!r} already exists")
+        await router.add_worker(ws)
+        state = router.pool.get(ws.id)
+        return JSONResponse(worker_json(state), status_code=201)
+
+    @app.post("/admin/workers/{worker_id}/drain")
+    async def drain(worker_id: str, request: Request) -> JSONResponse:
+        admin_auth(request)
+        state = router.pool.drain(worker_id, True)
+        if state is None:
+            raise NotFoundError(f"no worker {worker_id!r}")
+        return JSONResponse(worker_json(state))
+
+    @app.post("/admin/workers/{worker_id}/undrain")
+    async def undrain(worker_id: str, request: Request) -> JSONResponse:
+        admin_auth(request)
+        state = router.pool.drain(worker_id, False)
+        if state is None:
+            raise NotFoundError(f"no worker {worker_id!r}")
+        return JSONResponse(worker_json(state))
+
+    @app.delete("/admin/workers/{worker_id}")
+    async def remove(worker_id: str, request: Request) -> JSONResponse:
+        admin_auth(request)
+        if not await router.remove_worker(worker_id):
+            raise NotFoundError(f"no worker {worker_id!r}")
+        return JSONResponse({"removed": worker_id})
+
+    @app.get("/admin/plans")
+    async def plans(request: Request) -> JSONResponse:
+        admin_auth(request)
+        return JSONResponse({"plans": [p.as_dict() for p in router.recent_plans]})
+
+    return app

@@ -1,0 +1,91 @@
+"""After a response: write what it changed into the ownership directory.
+
+The decode worker now holds the prompt's KV. It claims the blocks nobody owns yet (a delta
+artifact fenced by its epoch when it already owns the prefix it extends, mission rule 1), is
+recorded as the session's decode owner, and holds a read-only replica of any prefix another
+worker owns. A remote prefill leaves a transient copy on the prefill worker: a short-TTL
+replica. A forked branch takes a copy-on-write reference on the prefix it shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Sequence
+from typing import Any
+
+from ownerserve.directory.base import Artifact, Directory, Lease, Match
+from ownerserve.errors import StaleEpochError
+from ownerserve.types import Tier
+from planner.types import Action, Plan
+
+
+async def _claim(
+    directory: Directory,
+    chain: tuple[int, ...],
+    start: int,
+    worker: str,
+    match: Match,
+    lease_s: float,
+    kv_bytes_per_block: int,
+) -> Lease:
+    size = (len(chain) - start) * kv_bytes_per_block
+    artifact = Artifact(chain=chain, start=start, size_bytes=size)
+    if start > 0 and match.owner == worker:
+        try:
+            return await directory.claim(artifact, worker, lease_s, fence_epoch=match.owner_epoch)
+        except StaleEpochError:
+            # our lease on the prefix lapsed meanwhile: claim whatever is unowned now
+            pass
+    return await directory.claim(artifact, worker, lease_s)
+
+
+async def commit_plan(
+    directory: Directory,
+    plan: Plan,
+    chain: Sequence[int],
+    session_id: str | None,
+    match: Match,
+    *,
+    lease_s: float,
+    session_ttl_s: float,
+    replica_ttl_s: float,
+    kv_bytes_per_block: int,
+    fork_from_blocks: int = 0,
+) -> Lease | None:
+    """Commit one served plan; returns the decode worker's lease on the new blocks, if any."""
+    decode = plan.chosen.decode_worker
+    steps: list[Awaitable[Any]] = []
+    if session_id is not None:
+        steps.append(directory.set_session_owner(session_id, decode, session_ttl_s))
+    if not chain:
+        await asyncio.gather(*steps)
+        return None
+    full = tuple(chain)
+    n = len(full)
+    owned = min(match.owner_blocks, n) if match.owner is not None else 0
+    if plan.action is Action.REMOTE_PREFILL and plan.chosen.prefill_worker != decode:
+        steps.append(
+            directory.add_replica(
+                full[-1], plan.chosen.prefill_worker, Tier.GPU, replica_ttl_s, True, full
+            )
+        )
+    if owned and match.owner != decode:
+        # the decode worker computed or fetched a prefix another worker owns: a replica
+        steps.append(
+            directory.add_replica(full[owned - 1], decode, Tier.GPU, lease_s, True, full[:owned])
+        )
+    if session_id is not None and fork_from_blocks > 0:
+        steps.append(directory.add_fork_ref(full[min(fork_from_blocks, n) - 1], session_id))
+    lease: Lease | None = None
+    if owned < n:
+        lease = await _claim(directory, full, owned, decode, match, lease_s, kv_bytes_per_block)
+    elif match.owner == decode and match.owner_artifact_id is not None:
+        try:
+            lease = await directory.renew(
+                match.owner_artifact_id, decode, match.owner_epoch, lease_s
+            )
+        except StaleEpochError:
+            lease = None
+    if steps:
+        await asyncio.gather(*steps)
+    return lease

@@ -1,0 +1,368 @@
+"""Plan execution: turn the planner's `Plan` into calls on the workers' own protocols.
+
+Every action ends in one *final* upstream response whose bytes stream to the client:
+- colocated prefill, decode continuation, tail recompute: one call to the chosen worker;
+- remote prefill: vLLM's two-step flow (prefill with `max_tokens=1` + `kv_transfer_params`,
+  then decode with the returned params) or SGLang's (both at once with a bootstrap room),
+  chosen by the prefill worker's kind;
+- artifact fetch and state migration: ask the destination's worker-side KV API to pull the
+  prefix from the source, then one call there (a failed fetch degrades to recomputing).
+
+`open_plan` does everything up to and including the final response's first bytes, so any
+failure before that is retryable on other workers (`RetryableUpstreamError`); after it the
+caller owns streaming and must `aclose()` the result, which cancels work on every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from ownerserve.errors import UpstreamError
+from ownerserve.types import BackendKind
+from planner.types import Action, Plan
+from router.pool import WorkerPool, WorkerState
+from router.requests import CompletionRequest
+from workers.adapters.emulator import EmulatorAdapter
+from workers.adapters.sglang import SGLangAdapter, new_bootstrap_room
+from workers.adapters.vllm import VLLMRequestFlow
+
+log = logging.getLogger(__name__)
+
+
+class RetryableUpstreamError(UpstreamError):
+    """A worker failed before any byte reached the client: try again without it."""
+
+    def __init__(self, worker: str, reason: str) -> None:
+        super().__init__(f"worker {worker}: {reason}")
+        self.worker = worker
+        self.reason = reason
+
+
+class UpstreamTimeoutError(UpstreamError):
+    status_code = 504
+    error_type = "timeout"
+    code = "upstream_timeout"
+
+
+@dataclass(frozen=True, slots=True)
+class FetchSpec:
+    """What an artifact fetch moves: the first `len(block_hashes)` blocks of the prompt."""
+
+    block_hashes: tuple[int, ...]
+    token_ids: Any
+    block_size: int
+
+
+@dataclass(slots=True)
+class OpenedResponse:
+    """The final upstream response, opened: status, first bytes, the rest to stream."""
+
+    status: int
+    content_type: bytes
+    first: bytes
+    final_worker: WorkerState
+    response: aiohttp.ClientResponse | None = None
+    workers: list[WorkerState] = field(default_factory=list)
+    background: list[asyncio.Task[Any]] = field(default_factory=list)
+    transfer_s: float | None = None
+    """Duration of the KV movement phase (remote prefill until KV ready, or the fetch)."""
+    fetched: bool | None = None
+    finished: bool = False
+
+    async def rest(self) -> AsyncIterator[bytes]:
+        """Remaining body bytes as they arrive; raises on an upstream failure mid-stream."""
+        if self.response is None or self.finished:
+            return
+        content = self.response.content
+        while True:
+            chunk = await content.readany()
+            if not chunk:
+                break
+            yield chunk
+        self.finished = True
+
+    async def aclose(self) -> None:
+        """Release the connection (or abort it if the body was not fully read: that cancels
+        the worker's generation) and cancel background upstream calls."""
+        if self.response is not None:
+            if self.finished:
+                self.response.release()
+            else:
+                self.response.close()
+        for task in self.background:
+            if not task.done():
+                task.cancel()
+        for task in self.background:
+            with contextlib.suppress(BaseException):
+                await task
+        self.background.clear()
+
+
+_HOP_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "upgrade",
+        "proxy-authorization",
+        "accept-encoding",
+        "expect",
+    }
+)
+
+
+def forward_headers(client_headers: Mapping[str, str], strip_auth: bool) -> dict[str, str]:
+    """Client headers the worker may need (all but hop-by-hop; the router's own API key is
+    not forwarded when the router checks keys)."""
+    out = {k: v for k, v in client_headers.items() if k not in _HOP_HEADERS}
+    if strip_auth:
+        out.pop("authorization", None)
+    out["content-type"] = "application/json"
+    return out
+
+
+class PlanExecutor:
+    """Runs plans against the pool's workers over one shared HTTP connection pool."""
+
+    def __init__(
+        self, pool: WorkerPool, http: aiohttp.ClientSession, connect_timeout_s: float
+    ) -> None:
+        self.pool = pool
+        self.http = http
+        self.timeout = aiohttp.ClientTimeout(
+            total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s
+        )
+
+    def _worker(self, worker_id: str | None) -> WorkerState:
+        state = self.pool.get(worker_id) if worker_id else None
+        if state is None:
+            raise RetryableUpstreamError(str(worker_id), "not in the pool")
+        return state
+
+    async def _post(
+        self, worker: WorkerState, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> aiohttp.ClientResponse:
+        worker.breaker.on_attempt()
+        try:
+            resp = await self.http.post(
+                worker.address.url + path, data=body, headers=headers, timeout=self.timeout
+            )
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
+            raise RetryableUpstreamError(worker.worker_id, f"connect failed: {exc!r}") from None
+        except TimeoutError:
+            raise RetryableUpstreamError(worker.worker_id, "connect timed out") from None
+        if resp.status >= 500:
+            with contextlib.suppress(Exception):
+                await resp.read()
+            resp.release()
+            raise RetryableUpstreamError(worker.worker_id, f"status {resp.status}")
+        return resp
+
+    async def _first_bytes(
+        self, worker: WorkerState, resp: aiohttp.ClientResponse, stream: bool
+    ) -> bytes:
+        try:
+            if stream and resp.status == 200:
+                return await resp.content.readany()
+            return await resp.read()
+        except (aiohttp.ClientError, OSError) as exc:
+            resp.close()
+            raise RetryableUpstreamError(
+                worker.worker_id, f"failed before the first byte: {exc!r}"
+            ) from None
+
+    async def _final_call(
+        self,
+        worker: WorkerState,
+        req: CompletionRequest,
+        body: bytes,
+        headers: Mapping[str, str],
+    ) -> OpenedResponse:
+        resp = await self._post(worker, req.endpoint.value, body, headers)
+        first = await self._first_bytes(worker, resp, req.stream)
+        streaming = req.stream and resp.status == 200
+        if not streaming:
+            resp.release()
+        return OpenedResponse(
+            status=resp.status,
+            content_type=resp.headers.get("content-type", "application/json").encode("latin-1"),
+            first=first,
+            final_worker=worker,
+            response=resp if streaming else None,
+            finished=not streaming,
+            workers=[worker],
+        )
+
+    async def open_plan(
+        self,
+        plan: Plan,
+        req: CompletionRequest,
+        headers: Mapping[str, str],
+        fetch: FetchSpec | None = None,
+    ) -> OpenedResponse:
+        """Execute `plan` up to the final response's first bytes."""
+        chosen = plan.chosen
+        decode = self._worker(chosen.decode_worker)
+        action = chosen.action
+        if action is Action.REMOTE_PREFILL and chosen.prefill_worker != chosen.decode_worker:
+            prefill = self._worker(chosen.prefill_worker)
+            if prefill.settings.kind is BackendKind.SGLANG:
+                return await self._sglang_pd(prefill, decode, req, headers)
+            return await self._vllm_pd(prefill, decode, req, headers)
+        fetched: bool | None = None
+        transfer_s: float | None = None
+        if action in (Action.ARTIFACT_FETCH, Action.STATE_MIGRATION) and chosen.source_worker:
+            t = time.perf_counter()
+            fetched = await self._fetch(decode, chosen.source_worker, req, fetch, headers)
+            transfer_s = time.perf_counter() - t
+        opened = await self._final_call(decode, req, req.raw, headers)
+        opened.fetched = fetched
+        opened.transfer_s = transfer_s
+        return opened
+
+    # --- remote prefill, vLLM protocol ------------------------------------------------------
+
+    async def _vllm_pd(
+        self,
+        prefill: WorkerState,
+        decode: WorkerState,
+        req: CompletionRequest,
+        headers: Mapping[str, str],
+    ) -> OpenedResponse:
+        flow: VLLMRequestFlow = (
+            prefill.adapter if isinstance(prefill.adapter, VLLMRequestFlow) else VLLMRequestFlow()
+        )
+        t = time.perf_counter()
+        p_body = orjson.dumps(flow.prefill_body(req.body))
+        resp = await self._post(prefill, req.endpoint.value, p_body, headers)
+        try:
+            data = await resp.read()
+        except (aiohttp.ClientError, OSError) as exc:
+            resp.close()
+            raise RetryableUpstreamError(prefill.worker_id, f"prefill failed: {exc!r}") from None
+        finally:
+            resp.release()
+        if resp.status != 200:
+            # the client's request is at fault (4xx): pass the worker's answer through
+            return OpenedResponse(
+                status=resp.status,
+                content_type=resp.headers.get("content-type", "application/json").encode(),
+                first=data,
+                final_worker=prefill,
+                finished=True,
+                workers=[prefill],
+            )
+        try:
+            params = flow.transfer_params_of(orjson.loads(data))
+        except (orjson.JSONDecodeError, UpstreamError) as exc:
+            raise RetryableUpstreamError(prefill.worker_id, str(exc)) from None
+        d_body = orjson.dumps(flow.decode_body(req.body, params))
+        transfer_s = time.perf_counter() - t
+        opened = await self._final_call(decode, req, d_body, headers)
+        opened.transfer_s = transfer_s
+        opened.workers = [prefill, decode]
+        return opened
+
+    # --- remote prefill, SGLang protocol ----------------------------------------------------
+
+    async def _sglang_pd(
+        self,
+        prefill: WorkerState,
+        decode: WorkerState,
+        req: CompletionRequest,
+        headers: Mapping[str, str],
+    ) -> OpenedResponse:
+        adapter = prefill.adapter if isinstance(prefill.adapter, SGLangAdapter) else None
+        adapter = adapter or SGLangAdapter()
+        try:
+            both = adapter.bootstrap_body(req.body, prefill.address, new_bootstrap_room())
+        except ValueError as exc:
+            raise RetryableUpstreamError(prefill.worker_id, str(exc)) from None
+        t = time.perf_counter()
+        p_bytes = orjson.dumps(adapter.prefill_body(both))
+
+        async def run_prefill() -> float:
+            resp = await self._post(prefill, req.endpoint.value, p_bytes, headers)
+            try:
+                await resp.read()
+            except (aiohttp.ClientError, OSError) as exc:
+                raise RetryableUpstreamError(prefill.worker_id, f"prefill: {exc!r}") from None
+            finally:
+                resp.release()
+            if resp.status != 200:
+                raise RetryableUpstreamError(prefill.worker_id, f"prefill status {resp.status}")
+            return time.perf_counter() - t
+
+        p_task = asyncio.create_task(run_prefill())
+        d_task = asyncio.create_task(self._final_call(decode, req, orjson.dumps(both), headers))
+        try:
+            done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+            if p_task in done and p_task.exception() is not None and not d_task.done():
+                d_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await d_task
+                raise p_task.exception()  # type: ignore[misc]
+            opened = await d_task
+        except BaseException:
+            for task in (p_task, d_task):
+                task.cancel()
+            if d_task.done() and not d_task.cancelled() and d_task.exception() is None:
+                await d_task.result().aclose()
+            with contextlib.suppress(BaseException):
+                await p_task
+            raise
+        opened.workers = [prefill, decode]
+        if p_task.done() and p_task.exception() is None:
+            opened.transfer_s = p_task.result()
+        else:
+            opened.background.append(p_task)
+        return opened
+
+    # --- artifact fetch / state migration ---------------------------------------------------
+
+    async def _fetch(
+        self,
+        destination: WorkerState,
+        source_id: str,
+        req: CompletionRequest,
+        fetch: FetchSpec | None,
+        headers: Mapping[str, str],
+    ) -> bool:
+        """Ask `destination` to pull the prefix from `source`; False (recompute) on failure."""
+        source = self.pool.get(source_id)
+        adapter = destination.adapter
+        if source is None or fetch is None or not fetch.block_hashes:
+            return False
+        if not isinstance(adapter, EmulatorAdapter) and destination.settings.sidecar_url is None:
+            return False
+        fetcher = adapter if isinstance(adapter, EmulatorAdapter) else EmulatorAdapter()
+        body = fetcher.fetch_body(
+            source.address, req.model, fetch.block_hashes, fetch.token_ids, fetch.block_size
+        )
+        try:
+            async with self.http.post(
+                fetcher.fetch_url(destination.address),
+                data=orjson.dumps(body),
+                headers={"content-type": "application/json"},
+                timeout=self.timeout,
+            ) as resp:
+                await resp.read()
+                ok = resp.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            log.warning("fetch %s -> %s failed: %r", source_id, destination.worker_id, exc)
+            return False
+        if not ok:
+            log.warning("fetch %s -> %s: status %s", source_id, destination.worker_id, resp.status)
+        return ok

@@ -1,0 +1,244 @@
+"""The worker pool: static workers from the config plus those added at runtime, each with its
+role, backend kind, health, load (router-side in-flight counts and scraped engine gauges)
+and a circuit breaker. A background loop probes `/health` and scrapes `/metrics`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import aiohttp
+
+from ownerserve.config import WorkerSettings
+from ownerserve.types import Role
+from workers.adapters import adapter_for
+from workers.adapters.base import WorkerAddress, WorkerLoad
+from workers.adapters.emulator import EmulatorAdapter
+from workers.adapters.sglang import SGLangAdapter
+from workers.adapters.vllm import VLLMAdapter
+
+log = logging.getLogger(__name__)
+
+
+class BreakerState(IntEnum):
+    CLOSED = 0
+    HALF_OPEN = 1
+    OPEN = 2
+
+
+@dataclass(slots=True)
+class CircuitBreaker:
+    """Opens after `threshold` consecutive failures; after `cooldown_s` lets one trial through
+    (half-open): success closes it, failure opens it again."""
+
+    threshold: int = 3
+    cooldown_s: float = 5.0
+    failures: int = 0
+    opened_at: float = 0.0
+    state: BreakerState = BreakerState.CLOSED
+    trial_in_flight: bool = False
+
+    def allow(self, now: float | None = None) -> bool:
+        if self.state is BreakerState.CLOSED:
+            return True
+        now = time.monotonic() if now is None else now
+        if self.state is BreakerState.OPEN and now - self.opened_at >= self.cooldown_s:
+            self.state = BreakerState.HALF_OPEN
+            self.trial_in_flight = False
+        return self.state is BreakerState.HALF_OPEN and not self.trial_in_flight
+
+    def on_attempt(self) -> None:
+        if self.state is BreakerState.HALF_OPEN:
+            self.trial_in_flight = True
+
+    def record_success(self) -> None:
+        self.failures = 0
+        self.state = BreakerState.CLOSED
+        self.trial_in_flight = False
+
+    def record_failure(self, now: float | None = None) -> None:
+        self.failures += 1
+        self.trial_in_flight = False
+        if self.state is BreakerState.HALF_OPEN or self.failures >= self.threshold:
+            self.state = BreakerState.OPEN
+            self.opened_at = time.monotonic() if now is None else now
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """One worker: its settings, adapter, health, load and breaker."""
+
+    settings: WorkerSettings
+    adapter: EmulatorAdapter | VLLMAdapter | SGLangAdapter
+    address: WorkerAddress
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    healthy: bool = True
+    draining: bool = False
+    health_failures: int = 0
+    inflight: int = 0
+    inflight_prefill_tokens: int = 0
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    last_seen: float = 0.0
+
+    @property
+    def worker_id(self) -> str:
+        return self.settings.id
+
+    @property
+    def role(self) -> Role:
+        return self.settings.role
+
+    def routable(self, now: float | None = None) -> bool:
+        """Can take new requests: healthy, not draining, breaker lets it through."""
+        return self.healthy and not self.draining and self.breaker.allow(now)
+
+    def serves(self, model: str) -> bool:
+        return not self.settings.models or model in self.settings.models
+
+
+def worker_state(settings: WorkerSettings) -> WorkerState:
+    address = WorkerAddress(
+        worker_id=settings.id,
+        url=settings.url,
+        role=settings.role,
+        kind=settings.kind,
+        bootstrap_port=settings.bootstrap_port,
+        sidecar_url=settings.sidecar_url,
+    )
+    return WorkerState(settings=settings, adapter=adapter_for(settings.kind), address=address)
+
+
+WorkerDeathHook = Callable[[str], Awaitable[None]]
+
+
+class WorkerPool:
+    """All workers the router may use, by id."""
+
+    def __init__(
+        self,
+        workers: Iterable[WorkerSettings] = (),
+        *,
+        health_interval_s: float = 2.0,
+        health_timeout_s: float = 2.0,
+        dead_after_failures: int = 2,
+    ) -> None:
+        self._workers: dict[str, WorkerState] = {}
+        for w in workers:
+            self.add(w)
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.dead_after_failures = dead_after_failures
+        self.on_worker_dead: WorkerDeathHook | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._http: aiohttp.ClientSession | None = None
+
+    # --- membership ------------------------------------------------------------------------
+
+    def add(self, settings: WorkerSettings) -> WorkerState:
+        if settings.id in self._workers:
+            raise ValueError(f"worker {settings.id!r} already exists")
+        state = worker_state(settings)
+        self._workers[settings.id] = state
+        return state
+
+    def remove(self, worker_id: str) -> WorkerState | None:
+        return self._workers.pop(worker_id, None)
+
+    def drain(self, worker_id: str, draining: bool = True) -> WorkerState | None:
+        state = self._workers.get(worker_id)
+        if state is not None:
+            state.draining = draining
+        return state
+
+    def get(self, worker_id: str) -> WorkerState | None:
+        return self._workers.get(worker_id)
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def all(self) -> list[WorkerState]:
+        return list(self._workers.values())
+
+    def for_model(self, model: str) -> list[WorkerState]:
+        return [w for w in self._workers.values() if w.serves(model)]
+
+    def models(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for w in self._workers.values():
+            for m in w.settings.models:
+                seen[m] = None
+        return list(seen)
+
+    # --- health and load ------------------------------------------------------------------
+
+    async def start(self, http: aiohttp.ClientSession) -> None:
+        self._http = http
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="worker-health")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.check_all()
+            except Exception:
+                log.exception("health check round failed")
+            await asyncio.sleep(self.health_interval_s)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in self.all()))
+
+    async def check(self, state: WorkerState) -> None:
+        """Probe one worker's `/health` and scrape its `/metrics`."""
+        assert self._http is not None
+        timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
+        ok = False
+        try:
+            async with self._http.get(
+                state.address.url + state.adapter.health_path, timeout=timeout
+            ) as resp:
+                ok = resp.status == 200
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            ok = False
+        if ok:
+            was_dead = not state.healthy
+            state.healthy = True
+            state.health_failures = 0
+            state.last_seen = time.monotonic()
+            if was_dead:
+                state.breaker.record_success()
+                log.info("worker %s is healthy again", state.worker_id)
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                async with self._http.get(
+                    state.address.url + state.adapter.metrics_path, timeout=timeout
+                ) as resp:
+                    if resp.status == 200:
+                        state.load = state.adapter.parse_load(await resp.text())
+            return
+        state.health_failures += 1
+        if state.healthy and state.health_failures >= self.dead_after_failures:
+            await self.mark_dead(state)
+
+    async def mark_dead(self, state: WorkerState) -> None:
+        """The worker stopped answering: stop routing to it and tell the directory."""
+        if not state.healthy:
+            return
+        state.healthy = False
+        log.warning("worker %s is unreachable; marking it dead", state.worker_id)
+        if self.on_worker_dead is not None:
+            try:
+                await self.on_worker_dead(state.worker_id)
+            except Exception:
+                log.exception("worker %s: death hook failed", state.worker_id)

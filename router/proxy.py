@@ -1,0 +1,724 @@
+"""The request path of the proxy: read and validate, identify the session, tokenize, look the
+prefix up in the directory, plan, execute, stream, then commit ownership and calibrate.
+
+`Router` holds everything one router process shares between requests (pool, directory, caches,
+HTTP connection pool, telemetry); `handle_completion` is a raw ASGI handler so the hot path
+pays for no framework layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from ownerserve.config import Settings
+from ownerserve.directory.base import Directory, Match
+from ownerserve.errors import (
+    AuthenticationError,
+    ConfigError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    NoWorkerAvailableError,
+    OwnerServeError,
+    PayloadTooLargeError,
+    UpstreamError,
+)
+from ownerserve.profiles import load_profile
+from ownerserve.types import Tier
+from planner.types import Action, ClusterView, Plan, Policy, RequestView, WorkerView
+from router.errors import error_status_and_body, sse_error_event
+from router.executor import (
+    FetchSpec,
+    OpenedResponse,
+    PlanExecutor,
+    RetryableUpstreamError,
+    UpstreamTimeoutError,
+    forward_headers,
+)
+from router.plans import PlanRecord, plan_header
+from router.pool import WorkerPool
+from router.requests import CompletionRequest, Endpoint, parse_request
+from router.session import SessionKey, identify_session
+from router.telemetry import Telemetry
+from router.tokens import ModelTokenizer, TokenizationCache, Tokenized
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+POLICY_HEADER = "x-ownerserve-policy"
+PLAN_HEADER = b"x-ownerserve-plan"
+REPLICA_TTL_S = 30.0
+"""Lifetime of the record of the transient prefill-side copy after a remote prefill."""
+
+
+class ObservedTimings:
+    """What one request's timings were, for calibration (seconds)."""
+
+    __slots__ = ("e2e_s", "output_events", "transfer_s", "ttft_s")
+
+    def __init__(self) -> None:
+        self.ttft_s: float | None = None
+        self.e2e_s: float = 0.0
+        self.transfer_s: float | None = None
+        self.output_events = 0
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.output_events < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_events - 1)
+
+
+@dataclass(slots=True)
+class _SessionInfo:
+    last_seen: float
+    inflight: int = 0
+    prompt_tokens: int = 0
+
+
+CalibrationHook = Callable[[Plan, ObservedTimings, RequestView], None]
+PolicyFactory = Callable[[str], Policy]
+
+
+class _Disconnected(Exception):
+    pass
+
+
+async def read_body(receive: Receive, limit: int, content_length: str | None) -> bytes:
+    """The request body, refusing more than `limit` bytes while reading (413)."""
+    if content_length is not None:
+        try:
+            declared = int(content_length)
+        except ValueError:
+            declared = -1
+        if declared > limit:
+            raise PayloadTooLargeError(f"request body of {declared} bytes exceeds {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _Disconnected()
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class Router:
+    """Shared state of one router process."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        directory: Directory | None = None,
+        policy_factory: PolicyFactory | None = None,
+        calibration: CalibrationHook | None = None,
+    ) -> None:
+        self.settings = settings
+        self.pool = WorkerPool(
+            settings.workers,
+            health_interval_s=settings.server.health_interval_s,
+            health_timeout_s=settings.server.connect_timeout_s,
+        )
+        self.pool.on_worker_dead = self._on_worker_dead
+        self.tokenizers = TokenizationCache(settings.models)
+        self.telemetry = Telemetry(settings.telemetry)
+        self.metrics = self.telemetry.metrics
+        self.directory: Directory | None = directory
+        self._owns_directory = directory is None
+        self._policy_factory = policy_factory or _default_policy_factory(settings)
+        self._policies: dict[str, Policy] = {}
+        self.policy = self._policy(settings.planner.policy)
+        self.calibration = calibration
+        self.http: aiohttp.ClientSession | None = None
+        self.executor: PlanExecutor | None = None
+        self.recent_plans: deque[PlanRecord] = deque(maxlen=256)
+        self._sessions: OrderedDict[str, _SessionInfo] = OrderedDict()
+        self._max_sessions = 65536
+        self._background: set[asyncio.Task[Any]] = set()
+        self._subscribers: list[Any] = []
+        self._started = False
+        self._start_lock = asyncio.Lock()
+        self._api_keys = tuple(k.encode() for k in settings.server.api_keys)
+        profile = load_profile(settings.planner.profile)
+        self._kv_bytes_per_token = profile.kv_bytes_per_token
+        self._intra_gbps = profile.link.intra_node_bps * 8 / 1e9
+        self._inter_gbps = profile.link.inter_node_bps * 8 / 1e9
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        async with self._start_lock:
+            if self._started:
+                return
+            if self.directory is None:
+                from ownerserve.directory import open_directory
+
+                self.directory = open_directory(self.settings.directory)
+            connector = aiohttp.TCPConnector(
+                limit=0, limit_per_host=0, keepalive_timeout=60.0, ttl_dns_cache=300
+            )
+            self.http = aiohttp.ClientSession(
+                connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+            )
+            self.executor = PlanExecutor(
+                self.pool, self.http, self.settings.server.connect_timeout_s
+            )
+            for w in self.pool.all():
+                await self._register(w.worker_id)
+            await self.pool.start(self.http)
+            self._started = True
+
+    async def close(self) -> None:
+        await self.pool.close()
+        for sub in self._subscribers:
+            with contextlib.suppress(Exception):
+                await sub.close()
+        self._subscribers.clear()
+        for task in list(self._background):
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(task, 2.0)
+        if self.http is not None:
+            await self.http.close()
+            self.http = None
+        if self.directory is not None and self._owns_directory:
+            await self.directory.close()
+        self.telemetry.shutdown()
+        self._started = False
+
+    async def _register(self, worker_id: str) -> None:
+        """Tell the directory the worker's chain root and block size; subscribe to its KV
+        events when it publishes them."""
+        state = self.pool.get(worker_id)
+        if state is None or self.directory is None:
+            return
+        models = state.settings.models or tuple(m.name for m in self.settings.models)
+        model = self.tokenizers.get(models[0]) if models else None
+        if model is not None:
+            await self.directory.register_worker(worker_id, model.root, model.block_size)
+        endpoint = state.settings.kv_events_endpoint
+        if endpoint:
+            from workers.adapters.vllm_events import KVEventSubscriber
+
+            sub = KVEventSubscriber(worker_id, endpoint, self.directory)
+            try:
+                await sub.start()
+                self._subscribers.append(sub)
+            except Exception:
+                log.warning("worker %s: cannot subscribe to KV events at %s", worker_id, endpoint)
+
+    async def add_worker(self, worker: Any) -> None:
+        self.pool.add(worker)
+        if self._started:
+            await self._register(worker.id)
+            state = self.pool.get(worker.id)
+            if state is not None:
+                await self.pool.check(state)
+
+    async def remove_worker(self, worker_id: str) -> bool:
+        state = self.pool.remove(worker_id)
+        if state is None:
+            return False
+        for sub in [s for s in self._subscribers if s.worker == worker_id]:
+            self._subscribers.remove(sub)
+            with contextlib.suppress(Exception):
+                await sub.close()
+        if self.directory is not None:
+            with contextlib.suppress(Exception):
+                await self.directory.drop_worker(worker_id)
+        return True
+
+    async def _on_worker_dead(self, worker_id: str) -> None:
+        if self.directory is not None:
+            await self.directory.drop_worker(worker_id)
+
+    def _policy(self, name: str) -> Policy:
+        policy = self._policies.get(name)
+        if policy is None:
+            try:
+                policy = self._policy_factory(name)
+            except ConfigError as exc:
+                if not self._policies:
+                    raise  # the configured default policy: a config error
+                raise InvalidRequestError(f"unknown routing policy {name!r}") from exc
+            self._policies[name] = policy
+        return policy
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # --- views for the planner ------------------------------------------------------------
+
+    def cluster_view(self, model: str, match: Match, excluded: set[str]) -> ClusterView:
+        cached: dict[str, dict[Tier, int]] = {}
+        for h in match.holdings:
+            tiers = cached.setdefault(h.worker, {})
+            if h.blocks > tiers.get(h.tier, 0):
+                tiers[h.tier] = h.blocks
+        now = time.monotonic()
+        default_profile = self.settings.planner.profile
+        views = []
+        for w in self.pool.for_model(model):
+            if w.worker_id in excluded or not w.routable(now):
+                continue
+            wid = w.worker_id
+            views.append(
+                WorkerView(
+                    worker_id=wid,
+                    role=w.settings.role,
+                    kind=w.settings.kind,
+                    profile=w.settings.profile or default_profile,
+                    running=max(w.load.running, w.inflight),
+                    waiting=w.load.waiting,
+                    inflight_prefill_tokens=w.inflight_prefill_tokens,
+                    kv_usage=w.load.kv_usage,
+                    cached_blocks=cached.get(wid, {}),
+                    is_owner=match.owner == wid,
+                    is_session_owner=match.session_owner == wid,
+                    node=w.settings.node,
+                )
+            )
+        return ClusterView(
+            tuple(views), intra_node_gbps=self._intra_gbps, inter_node_gbps=self._inter_gbps
+        )
+
+    def request_view(
+        self,
+        req: CompletionRequest,
+        tok: Tokenized,
+        block_size: int,
+        session: SessionKey,
+        match: Match,
+        info: _SessionInfo | None,
+        is_fork: bool,
+        policy_override: str | None,
+    ) -> RequestView:
+        now = time.monotonic()
+        return RequestView(
+            model=req.model,
+            prompt_tokens=tok.prompt_tokens,
+            block_size=block_size,
+            chain_blocks=len(tok.chain),
+            max_tokens=req.max_tokens,
+            session_id=session.session_id,
+            session_owner=match.session_owner,
+            owner=match.owner,
+            owner_blocks=match.owner_blocks,
+            previous_prompt_tokens=info.prompt_tokens if info else 0,
+            idle_s=(now - info.last_seen) if info else 0.0,
+            n=req.n,
+            is_fork=is_fork,
+            kv_bytes_per_token=self._kv_bytes_per_token,
+            policy_override=policy_override,
+        )
+
+    # --- the request path -----------------------------------------------------------------
+
+    def _check_auth(self, headers: Mapping[str, str]) -> None:
+        if not self._api_keys:
+            return
+        auth = headers.get("authorization", "")
+        key = auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
+        ok = False
+        for k in self._api_keys:
+            ok |= hmac.compare_digest(key, k)
+        if not ok:
+            raise AuthenticationError("missing or invalid API key")
+
+    async def handle_completion(
+        self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint
+    ) -> None:
+        """ASGI handler of `/v1/chat/completions` and `/v1/completions`."""
+        t0 = time.perf_counter()
+        if not self._started:
+            await self.start()
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        task = asyncio.current_task()
+        watcher: asyncio.Task[None] | None = None
+        disconnected = asyncio.Event()
+        response_started = False
+        model = "?"
+        try:
+            self._check_auth(headers)
+            raw = await read_body(
+                receive, self.settings.server.max_body_bytes, headers.get("content-length")
+            )
+            req = parse_request(raw, endpoint)
+            model = req.model
+            watcher = asyncio.create_task(self._watch_disconnect(receive, task, disconnected))
+            async with asyncio.timeout(self.settings.server.request_timeout_s):
+                response_started = await self._serve(req, headers, send, t0)
+            self.metrics.requests.labels(model, "ok").inc()
+        except _Disconnected:
+            return
+        except asyncio.CancelledError:
+            if disconnected.is_set() and task is not None:
+                task.uncancel()
+                self.metrics.requests.labels(model, "client_disconnected").inc()
+                return
+            raise
+        except BaseException as exc:
+            if isinstance(exc, TimeoutError):
+                exc = UpstreamTimeoutError("request timed out")
+            if not isinstance(exc, Exception):
+                raise
+            status, body = error_status_and_body(exc)
+            self.metrics.requests.labels(model, str(status)).inc()
+            if response_started:
+                return
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+    @staticmethod
+    async def _watch_disconnect(
+        receive: Receive, task: asyncio.Task[Any] | None, flag: asyncio.Event
+    ) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                flag.set()
+                if task is not None:
+                    task.cancel()
+                return
+
+    async def _serve(
+        self, req: CompletionRequest, headers: Mapping[str, str], send: Send, t0: float
+    ) -> bool:
+        """Route and stream one request; returns True once the response has started."""
+        tel = self.telemetry
+        mt = self.tokenizers.get(req.model)
+        if mt is None or not self.pool.for_model(req.model):
+            raise ModelNotFoundError(f"The model '{req.model}' does not exist")
+        assert self.directory is not None and self.executor is not None
+        ctx = tel.extract(headers)
+        with tel.start_span("ownerserve.request", context=ctx, model=req.model):
+            with tel.start_span("ownerserve.tokenize"):
+                session, tok = self._tokenize(mt, req, headers)
+            sid = session.session_id
+            info = self._sessions.get(sid) if sid else None
+            is_fork = req.n > 1 or (
+                info is not None
+                and (info.inflight > 0 or (tok.previous_chain_len > 0 and not tok.extends_previous))
+            )
+            with tel.start_span("ownerserve.directory.lookup", blocks=len(tok.chain)):
+                match = await self.directory.lookup(tok.chain, sid)
+            override = None
+            if self.settings.planner.allow_policy_header:
+                override = headers.get(POLICY_HEADER)
+            policy = self._policy(override) if override else self.policy
+            rview = self.request_view(
+                req, tok, mt.block_size, session, match, info, is_fork, override
+            )
+            if sid:
+                info = self._touch_session(sid, tok.prompt_tokens)
+                info.inflight += 1
+            try:
+                return await self._plan_and_stream(
+                    req, headers, send, t0, mt, tok, session, match, rview, policy
+                )
+            finally:
+                if sid and info is not None:
+                    info.inflight -= 1
+
+    def _tokenize(
+        self, mt: ModelTokenizer, req: CompletionRequest, headers: Mapping[str, str]
+    ) -> tuple[SessionKey, Tokenized]:
+        if req.endpoint is Endpoint.CHAT:
+            session = identify_session(headers, req.body, req.model, req.messages)
+            tok = mt.tokenize_chat(session.session_id, req.messages, req.body.get("tools"))
+            return session, tok
+        session = identify_session(headers, req.body, req.model, None)
+        if session.session_id is None:
+            tok = mt.tokenize_prompt(None, req.body.get("prompt"))
+            session = identify_session(headers, req.body, req.model, None, tok.chain)
+            if session.session_id is not None:
+                # seed the session's cache for its next turn
+                mt.tokenize_prompt(session.session_id, req.body.get("prompt"))
+            return session, tok
+        return session, mt.tokenize_prompt(session.session_id, req.body.get("prompt"))
+
+    def _touch_session(self, sid: str, prompt_tokens: int) -> _SessionInfo:
+        info = self._sessions.get(sid)
+        now = time.monotonic()
+        if info is None:
+            info = _SessionInfo(last_seen=now)
+            self._sessions[sid] = info
+            if len(self._sessions) > self._max_sessions:
+                self._sessions.popitem(last=False)
+        else:
+            self._sessions.move_to_end(sid)
+        info.last_seen = now
+        info.prompt_tokens = prompt_tokens
+        return info
+
+    async def _plan_and_stream(
+        self,
+        req: CompletionRequest,
+        headers: Mapping[str, str],
+        send: Send,
+        t0: float,
+        mt: ModelTokenizer,
+        tok: Tokenized,
+        session: SessionKey,
+        match: Match,
+        rview: RequestView,
+        policy: Policy,
+    ) -> bool:
+        tel = self.telemetry
+        metrics = self.metrics
+        assert self.executor is not None
+        excluded: set[str] = set()
+        out_headers = forward_headers(headers, strip_auth=bool(self._api_keys))
+        tel.inject(out_headers)
+        retries = self.settings.server.retries
+        opened: OpenedResponse | None = None
+        plan: Plan | None = None
+        last_error: RetryableUpstreamError | None = None
+        for attempt in range(retries + 1):
+            cluster = self.cluster_view(req.model, match, excluded)
+            if not cluster.workers:
+                break
+            with tel.start_span("ownerserve.plan", attempt=attempt):
+                plan = policy.plan(rview, cluster)
+            fetch = self._fetch_spec(plan, match, tok, mt.block_size)
+            involved = self._involved(plan)
+            for w in involved:
+                w.inflight += 1
+            prefill_worker = self.pool.get(plan.chosen.prefill_worker)
+            if prefill_worker is not None:
+                prefill_worker.inflight_prefill_tokens += tok.prompt_tokens
+            if attempt == 0:
+                metrics.overhead.observe(time.perf_counter() - t0)
+            try:
+                with tel.start_span(
+                    "ownerserve.upstream",
+                    action=plan.action.value,
+                    prefill=plan.chosen.prefill_worker,
+                    decode=plan.chosen.decode_worker,
+                ):
+                    opened = await self.executor.open_plan(plan, req, out_headers, fetch)
+            except RetryableUpstreamError as exc:
+                last_error = exc
+                excluded.add(exc.worker)
+                failed = self.pool.get(exc.worker)
+                if failed is not None:
+                    failed.breaker.record_failure()
+                    metrics.breaker.labels(exc.worker).set(int(failed.breaker.state))
+                metrics.retries.labels(exc.worker, "before_first_byte").inc()
+                log.warning("retrying without %s: %s", exc.worker, exc.reason)
+                continue
+            finally:
+                for w in involved:
+                    w.inflight -= 1
+                if prefill_worker is not None:
+                    prefill_worker.inflight_prefill_tokens -= tok.prompt_tokens
+            break
+        if opened is None or plan is None:
+            if last_error is not None:
+                raise UpstreamError(f"no worker could serve the request: {last_error}")
+            raise NoWorkerAvailableError(f"no healthy worker serves model '{req.model}'")
+        return await self._stream(req, send, t0, tok, session, match, rview, plan, opened)
+
+    def _involved(self, plan: Plan) -> list[Any]:
+        ids = {plan.chosen.prefill_worker, plan.chosen.decode_worker}
+        return [w for w in (self.pool.get(i) for i in ids if i) if w is not None]
+
+    @staticmethod
+    def _fetch_spec(plan: Plan, match: Match, tok: Tokenized, block_size: int) -> FetchSpec | None:
+        src = plan.chosen.source_worker
+        if plan.action not in (Action.ARTIFACT_FETCH, Action.STATE_MIGRATION) or not src:
+            return None
+        blocks = plan.chosen.reused_blocks or match.longest(src)
+        blocks = min(blocks or len(tok.chain), len(tok.chain))
+        return FetchSpec(tuple(tok.chain[:blocks]), tok.token_ids, block_size)
+
+    async def _stream(
+        self,
+        req: CompletionRequest,
+        send: Send,
+        t0: float,
+        tok: Tokenized,
+        session: SessionKey,
+        match: Match,
+        rview: RequestView,
+        plan: Plan,
+        opened: OpenedResponse,
+    ) -> bool:
+        metrics = self.metrics
+        timings = ObservedTimings()
+        timings.transfer_s = opened.transfer_s
+        worker = opened.final_worker
+        worker.breaker.record_success()
+        for w in opened.workers:
+            w.inflight += 1
+        ok = opened.status == 200
+        record = PlanRecord.of(plan, session.session_id, opened.fetched)
+        self.recent_plans.append(record)
+        try:
+            resp_headers = [
+                (b"content-type", opened.content_type),
+                (PLAN_HEADER, plan_header(plan, opened.fetched)),
+            ]
+            if not (req.stream and ok):
+                resp_headers.append((b"content-length", str(len(opened.first)).encode()))
+            await send(
+                {"type": "http.response.start", "status": opened.status, "headers": resp_headers}
+            )
+            first_at = time.perf_counter()
+            if ok:
+                timings.ttft_s = first_at - t0
+                self._spawn(self._commit(plan, tok, session, match, rview))
+            if not (req.stream and ok):
+                await send({"type": "http.response.body", "body": opened.first})
+                timings.output_events = self._completion_tokens(opened.first) if ok else 0
+            else:
+                events = opened.first.count(b"data: ")
+                await send({"type": "http.response.body", "body": opened.first, "more_body": True})
+                try:
+                    async for chunk in opened.rest():
+                        events += chunk.count(b"data: ")
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except (aiohttp.ClientError, OSError) as exc:
+                    ok = False
+                    metrics.stream_errors.labels(worker.worker_id).inc()
+                    log.warning("worker %s failed mid-stream: %r", worker.worker_id, exc)
+                    err = UpstreamError(f"worker {worker.worker_id} failed mid-stream")
+                    tail = sse_error_event(err)
+                    await send({"type": "http.response.body", "body": tail, "more_body": True})
+                    worker.breaker.record_failure()
+                    self._spawn(self.pool.check(worker))
+                timings.output_events = max(0, events - 1)
+                await send({"type": "http.response.body", "body": b""})
+        finally:
+            for w in opened.workers:
+                w.inflight -= 1
+            await opened.aclose()
+        timings.e2e_s = time.perf_counter() - t0
+        self._observe(plan, rview, match, timings, ok)
+        return True
+
+    @staticmethod
+    def _completion_tokens(body: bytes) -> int:
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return 0
+        usage = data.get("usage") if isinstance(data, dict) else None
+        return int(usage.get("completion_tokens") or 0) if isinstance(usage, dict) else 0
+
+    def _observe(
+        self, plan: Plan, rview: RequestView, match: Match, t: ObservedTimings, ok: bool
+    ) -> None:
+        m = self.metrics
+        action = plan.action.value
+        m.actions.labels(plan.policy, action).inc()
+        if match.owner is not None:
+            used = match.owner in (plan.chosen.decode_worker, plan.chosen.source_worker)
+            m.owner_lookups.labels("hit" if used else "miss").inc()
+        else:
+            m.owner_lookups.labels("none").inc()
+        if not ok:
+            return
+        if t.ttft_s is not None:
+            m.ttft.labels(action).observe(t.ttft_s)
+        tpot = t.tpot_s
+        if tpot is not None:
+            m.tpot.labels(action).observe(tpot)
+        m.e2e.labels(action).observe(t.e2e_s)
+        if t.transfer_s is not None:
+            m.transfer.labels(action).observe(t.transfer_s)
+        if self.calibration is not None:
+            try:
+                self.calibration(plan, t, rview)
+            except Exception:
+                log.exception("calibration hook failed")
+
+    # --- after the response: commit to the directory --------------------------------------
+
+    async def _commit(
+        self, plan: Plan, tok: Tokenized, session: SessionKey, match: Match, rview: RequestView
+    ) -> None:
+        """The decode worker now holds the prompt's KV: it owns the newly sealed blocks, it is
+        the session's decode owner, and a remote prefill left a transient copy on P."""
+        directory = self.directory
+        if directory is None:
+            return
+        from router.commit import commit_plan
+
+        try:
+            with self.telemetry.start_span("ownerserve.directory.commit"):
+                await commit_plan(
+                    directory,
+                    plan,
+                    tok.chain,
+                    session.session_id,
+                    match,
+                    lease_s=self.settings.directory.lease_s,
+                    session_ttl_s=self.settings.directory.session_ttl_s,
+                    replica_ttl_s=REPLICA_TTL_S,
+                    kv_bytes_per_block=self._kv_bytes_per_token * rview.block_size,
+                    fork_from_blocks=tok.common_blocks if rview.is_fork else 0,
+                )
+        except OwnerServeError as exc:
+            self.metrics.commit_errors.inc()
+            log.warning("directory commit failed: %s", exc)
+        except Exception:
+            self.metrics.commit_errors.inc()
+            log.exception("directory commit failed")
+
+
+def _default_policy_factory(settings: Settings) -> PolicyFactory:
+    """Policies from `planner.policies`, sharing one cost model (profiles loaded once)."""
+    from dataclasses import replace
+
+    from planner.cost import CostConfig, CostModel
+    from planner.policies import get_policy
+
+    config = CostConfig.from_settings(settings.planner)
+    profiles = tuple(sorted({w.profile for w in settings.workers if w.profile}))
+    if profiles:
+        config = replace(config, profiles=profiles)
+    model = CostModel(config)
+
+    def factory(name: str) -> Policy:
+        return get_policy(name, config, model)
+
+    return factory

@@ -1,0 +1,58 @@
+"""Run the router in-process with uvicorn tuned for the proxy (uvloop, httptools, no access
+log): `await serve(settings)` until cancelled, or `async with running(settings) as url:`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+
+from ownerserve.config import Settings
+from router.app import create_app
+
+
+def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning") -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=75,
+        backlog=4096,
+    )
+
+
+async def serve(settings: Settings, **app_kwargs: Any) -> None:
+    """Serve until cancelled (or SIGINT/SIGTERM when run from the CLI)."""
+    app = create_app(settings, **app_kwargs)
+    server = uvicorn.Server(uvicorn_config(app, settings.server.host, settings.server.port))
+    await server.serve()
+
+
+@contextlib.asynccontextmanager
+async def running(settings: Settings, **app_kwargs: Any) -> AsyncIterator[str]:
+    """Start the router on `settings.server.host:port` (0 picks a free port) in this event loop
+    and yield its base URL; stop it on exit."""
+    app = create_app(settings, **app_kwargs)
+    config = uvicorn_config(app, settings.server.host, settings.server.port)
+    config.loop = "none"
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("router failed to start")
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{settings.server.host}:{port}"
+    finally:
+        server.should_exit = True
+        await task

@@ -1,0 +1,142 @@
+"""Which agent session a request belongs to, with or without the client's cooperation.
+
+Explicit keys win, in this order (sources for each agent framework's header):
+- `x-session-id`: generic; also sent by OpenCode >= 1.17 (BYK/loreai PR #687).
+- `x-claude-code-session-id`: Claude Code >= 2.1.86 sends one UUID per session
+  (coder/aibridge PR #241); older versions put it in `metadata.user_id`
+  (`user_<sha>_account_<id>_session_<uuid>`, later a JSON string with `session_id`).
+- `session-id` / `session_id`: the Codex CLI (modern hyphen / legacy underscore form;
+  KarpelesLab/teamclaude PR #352, router-for-me/CLIProxyAPI issue #4452); `conversation_id`
+  / `x-codex-session-id` likewise.
+- `x-opencode-session`, `x-session-affinity`: OpenCode (anomalyco/opencode PR #31511 via
+  BYK/loreai PR #687; raine/claude-code-proxy PR #138).
+- the OpenAI `user` field, then `prompt_cache_key`.
+
+Otherwise the session is derived from the conversation itself: a hash of its stable prefix
+(the system prompt and the first user turn; for raw completions, the first blocks of the
+prompt's hash chain), so an unkeyed multi-turn session still sticks to its owner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from hashlib import blake2b
+from typing import Any
+
+import orjson
+
+SESSION_HEADERS: tuple[str, ...] = (
+    "x-session-id",
+    "x-claude-code-session-id",
+    "session-id",
+    "session_id",
+    "x-codex-session-id",
+    "conversation_id",
+    "x-opencode-session",
+    "x-session-affinity",
+)
+"""Lower-case header names carrying a client's session id, highest priority first."""
+
+MAX_SESSION_ID_LEN = 256
+DERIVED_PREFIX_BLOCKS = 64
+"""A derived completion session hashes at most this many leading blocks of the prompt."""
+
+
+class SessionSource(StrEnum):
+    HEADER = "header"
+    USER = "user"
+    METADATA = "metadata"
+    PROMPT_CACHE_KEY = "prompt_cache_key"
+    DERIVED = "derived"
+    NONE = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionKey:
+    """A session id and where it came from."""
+
+    session_id: str | None
+    source: SessionSource
+
+    @property
+    def explicit(self) -> bool:
+        return self.source not in (SessionSource.DERIVED, SessionSource.NONE)
+
+
+def _clean(value: object) -> str | None:
+    if not isinstance(value, str):
+        return None
+    value = value.strip()
+    if not value or len(value) > MAX_SESSION_ID_LEN:
+        return None
+    return value
+
+
+def _claude_metadata_session(body: Mapping[str, Any]) -> str | None:
+    meta = body.get("metadata")
+    if not isinstance(meta, Mapping):
+        return None
+    user_id = meta.get("user_id")
+    if not isinstance(user_id, str):
+        return None
+    if user_id.startswith("{"):
+        try:
+            parsed = orjson.loads(user_id)
+        except orjson.JSONDecodeError:
+            return None
+        return _clean(parsed.get("session_id")) if isinstance(parsed, dict) else None
+    _, sep, tail = user_id.rpartition("_session_")
+    return _clean(tail) if sep else None
+
+
+def derived_session_id(model: str, stable_prefix: bytes) -> str:
+    """The session id of a conversation without explicit key: a hash of its stable prefix."""
+    h = blake2b(model.encode(), digest_size=12)
+    h.update(b"\0")
+    h.update(stable_prefix)
+    return "auto-" + h.hexdigest()
+
+
+def stable_chat_prefix(messages: Sequence[Mapping[str, Any]]) -> bytes:
+    """System/developer messages and the first user turn: what every later turn repeats."""
+    parts: list[Any] = []
+    for m in messages:
+        parts.append(m)
+        if m.get("role") == "user":
+            break
+    return orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)
+
+
+def identify_session(
+    headers: Mapping[str, str],
+    body: Mapping[str, Any],
+    model: str,
+    messages: Sequence[Mapping[str, Any]] | None,
+    chain: Sequence[int] = (),
+) -> SessionKey:
+    """The request's session: explicit key if the client offers one, else derived."""
+    for name in SESSION_HEADERS:
+        sid = _clean(headers.get(name))
+        if sid is not None:
+            return SessionKey(sid, SessionSource.HEADER)
+    sid = _clean(body.get("user"))
+    if sid is not None:
+        return SessionKey(sid, SessionSource.USER)
+    sid = _claude_metadata_session(body)
+    if sid is not None:
+        return SessionKey(sid, SessionSource.METADATA)
+    sid = _clean(body.get("prompt_cache_key"))
+    if sid is not None:
+        return SessionKey(sid, SessionSource.PROMPT_CACHE_KEY)
+    if messages:
+        return SessionKey(
+            derived_session_id(model, stable_chat_prefix(messages)), SessionSource.DERIVED
+        )
+    if chain:
+        anchor = chain[min(len(chain), DERIVED_PREFIX_BLOCKS) - 1]
+        return SessionKey(
+            derived_session_id(model, anchor.to_bytes(8, "little")), SessionSource.DERIVED
+        )
+    return SessionKey(None, SessionSource.NONE)

@@ -1,0 +1,243 @@
+"""The router's telemetry: Prometheus metrics on `/metrics` (explicit buckets in seconds),
+OpenTelemetry spans (request, tokenize, directory lookup, plan, each upstream call, the KV
+transfer) exported over OTLP when `telemetry.otlp_endpoint` is set, and W3C trace context
+propagated to workers. Metrics are mirrored to OTLP too when an endpoint is configured.
+
+Nothing here is global: each app owns its registry and tracer provider.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ownerserve.config import TelemetrySettings
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+TPOT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 1.0)
+OVERHEAD_BUCKETS_S = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+)
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class RouterMetrics:
+    """Every metric the router exports."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "ownerserve_requests_total",
+            "Client requests by outcome",
+            ["model", "status"],
+            registry=r,
+        )
+        self.actions = Counter(
+            "ownerserve_plan_actions_total",
+            "Plans by action and policy",
+            ["policy", "action"],
+            registry=r,
+        )
+        self.owner_lookups = Counter(
+            "ownerserve_owner_lookups_total",
+            "Requests whose prefix had an owner, by whether the plan used it (hit) or not",
+            ["result"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "ownerserve_retries_total",
+            "Upstream attempts retried before the first byte",
+            ["worker", "reason"],
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "ownerserve_stream_errors_total",
+            "Streams ended by an upstream failure mid-stream",
+            ["worker"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "ownerserve_ttft_seconds",
+            "Time to first token seen by the router",
+            ["action"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "ownerserve_tpot_seconds",
+            "Time per output token after the first",
+            ["action"],
+            buckets=TPOT_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "ownerserve_e2e_seconds",
+            "Request latency end to end",
+            ["action"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.transfer = Histogram(
+            "ownerserve_transfer_seconds",
+            "KV movement phase: remote prefill until its KV is ready, or an artifact fetch",
+            ["action"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "ownerserve_router_overhead_seconds",
+            "Router time from request bytes to the upstream request (parse, tokenize, plan)",
+            buckets=OVERHEAD_BUCKETS_S,
+            registry=r,
+        )
+        self.breaker = Gauge(
+            "ownerserve_breaker_state",
+            "Circuit breaker per worker: 0 closed, 1 half-open, 2 open",
+            ["worker"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "ownerserve_worker_healthy",
+            "1 if the worker answers its health check",
+            ["worker"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "ownerserve_worker_inflight",
+            "Requests in flight per worker",
+            ["worker"],
+            registry=r,
+        )
+        self.commit_errors = Counter(
+            "ownerserve_directory_commit_errors_total", "Failed directory commits", registry=r
+        )
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class Telemetry:
+    """Tracer and metrics of one router app."""
+
+    def __init__(self, settings: TelemetrySettings) -> None:
+        self.settings = settings
+        self.metrics = RouterMetrics()
+        self._provider: Any = None
+        self._meter_provider: Any = None
+        self.tracer: Tracer = trace.NoOpTracer()
+        self.enabled = bool(settings.otlp_endpoint or settings.console)
+        if self.enabled:
+            self._setup_tracing()
+
+    def _setup_tracing(self) -> None:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+        resource = Resource.create({"service.name": self.settings.service_name})
+        provider = TracerProvider(resource=resource)
+        if self.settings.otlp_endpoint:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            endpoint = self.settings.otlp_endpoint.rstrip("/") + "/v1/traces"
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+            self._setup_otlp_metrics(resource)
+        if self.settings.console:
+            provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+        self._provider = provider
+        self.tracer = provider.get_tracer("ownerserve.router")
+
+    def _setup_otlp_metrics(self, resource: Any) -> None:
+        """Mirror the Prometheus registry to OTLP: a periodic reader of an OTel meter whose
+        observable instruments read the same prometheus_client collectors."""
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.metrics import CallbackOptions, Observation
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        assert self.settings.otlp_endpoint is not None
+        endpoint = self.settings.otlp_endpoint.rstrip("/") + "/v1/metrics"
+        reader = PeriodicExportingMetricReader(
+            OTLPMetricExporter(endpoint=endpoint), export_interval_millis=10_000
+        )
+        provider = MeterProvider(resource=resource, metric_readers=[reader])
+        meter = provider.get_meter("ownerserve.router")
+        registry = self.metrics.registry
+
+        def _samples(suffixes: tuple[str, ...]) -> Any:
+            def callback(_: CallbackOptions) -> list[Observation]:
+                out = []
+                for family in registry.collect():
+                    for s in family.samples:
+                        if s.name.endswith(suffixes):
+                            out.append(Observation(s.value, {"metric": s.name, **s.labels}))
+                return out
+
+            return callback
+
+        meter.create_observable_counter(
+            "ownerserve.counters", callbacks=[_samples(("_total", "_count", "_sum"))]
+        )
+        meter.create_observable_gauge(
+            "ownerserve.gauges",
+            callbacks=[_samples(("_state", "_healthy", "_inflight"))],
+        )
+        self._meter_provider = provider
+
+    def start_span(self, name: str, context: Context | None = None, **attrs: Any) -> Any:
+        return self.tracer.start_as_current_span(name, context=context, attributes=attrs or None)
+
+    def inject(self, headers: MutableMapping[str, str]) -> None:
+        """Add `traceparent` (W3C) for the current span to upstream headers."""
+        if self.enabled:
+            _PROPAGATOR.inject(headers)
+
+    def extract(self, headers: Mapping[str, str]) -> Context | None:
+        if not self.enabled or "traceparent" not in headers:
+            return None
+        return _PROPAGATOR.extract(headers)
+
+    def shutdown(self) -> None:
+        for p in (self._provider, self._meter_provider):
+            if p is not None:
+                try:
+                    p.shutdown()
+                except Exception:
+                    log.warning("telemetry shutdown failed", exc_info=True)
