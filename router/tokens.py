@@ -102,6 +102,15 @@ class ModelTokenizer:
         self._messages.put(key, ids)
         return ids
 
+    def _tools_tokens(self, tools: Any) -> list[int]:
+        key = blake2b(b"tools\0" + orjson.dumps(tools, option=orjson.OPT_SORT_KEYS)).digest()
+        cached: list[int] | None = self._messages.get_or_none(key)
+        if cached is None:
+            head = self.template.render([], tools=tools, add_generation_prompt=False)
+            cached = self.tokenizer.encode(head)
+            self._messages.put(key, cached)
+        return cached
+
     def _session(self, session_id: str | None) -> _SessionState:
         if session_id is None:
             return _SessionState(ChainHasher(self.block_size, self.root))
@@ -131,8 +140,7 @@ class ModelTokenizer:
             return self._text_tokens(state, text)
         ids: list[int] = []
         if tools:
-            head = self.template.render([], tools=tools, add_generation_prompt=False)
-            ids.extend(self._message_tokens({"__tools__": head}) if head else ())
+            ids.extend(self._tools_tokens(tools))
         for m in messages:
             ids.extend(self._message_tokens(m))
         ids.extend(self._gen_prompt)

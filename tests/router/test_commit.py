@@ -1,0 +1,89 @@
+"""Directory commits after a response, against the real in-memory directory."""
+
+from __future__ import annotations
+
+from ownerserve.directory.base import HoldKind
+from ownerserve.directory.memory import InMemoryDirectory
+from ownerserve.types import Tier
+from planner.types import Action, Candidate, CostBreakdown, Plan, RequestClass
+from router.commit import commit_plan
+
+CHAIN = tuple(range(1000, 1010))
+
+
+def _plan(action: Action, p: str, d: str) -> Plan:
+    return Plan(
+        policy="test",
+        request_class=RequestClass.NEW_LONG_PREFIX,
+        chosen=Candidate(action, p, d, CostBreakdown()),
+    )
+
+
+async def _commit(directory, plan, chain, session, match, fork=0):
+    return await commit_plan(
+        directory,
+        plan,
+        chain,
+        session,
+        match,
+        lease_s=60,
+        session_ttl_s=60,
+        replica_ttl_s=5,
+        kv_bytes_per_block=100,
+        fork_from_blocks=fork,
+    )
+
+
+async def test_remote_prefill_commit_makes_decode_owner_and_prefill_a_replica():
+    directory = InMemoryDirectory()
+    match = await directory.lookup(CHAIN[:6], "s1")
+    lease = await _commit(
+        directory, _plan(Action.REMOTE_PREFILL, "p0", "d0"), CHAIN[:6], "s1", match
+    )
+    assert lease is not None and lease.worker == "d0"
+    after = await directory.lookup(CHAIN[:6], "s1")
+    assert (after.owner, after.owner_blocks, after.session_owner) == ("d0", 6, "d0")
+    kinds = {(h.worker, h.kind) for h in after.holdings}
+    assert ("p0", HoldKind.REPLICA) in kinds
+
+
+async def test_next_turn_commits_a_delta_fenced_by_the_owner_epoch():
+    directory = InMemoryDirectory()
+    colocated = _plan(Action.COLOCATED_PREFILL, "h0", "h0")
+    await _commit(directory, colocated, CHAIN[:4], "s1", await directory.lookup(CHAIN[:4], "s1"))
+    match = await directory.lookup(CHAIN, "s1")
+    assert match.owner == "h0" and match.owner_blocks == 4
+    cont = _plan(Action.DECODE_CONTINUATION, "h0", "h0")
+    await _commit(directory, cont, CHAIN, "s1", match)
+    after = await directory.lookup(CHAIN, "s1")
+    assert (after.owner, after.owner_blocks) == ("h0", 10)
+
+
+async def test_another_workers_prefix_becomes_a_replica_not_a_takeover():
+    directory = InMemoryDirectory()
+    await _commit(
+        directory,
+        _plan(Action.COLOCATED_PREFILL, "a", "a"),
+        CHAIN[:4],
+        None,
+        await directory.lookup(CHAIN[:4]),
+    )
+    match = await directory.lookup(CHAIN)
+    await _commit(directory, _plan(Action.ARTIFACT_FETCH, "b", "b"), CHAIN, "s2", match)
+    after = await directory.lookup(CHAIN[:4])
+    assert after.owner == "a"
+    assert after.longest("b", Tier.GPU) == 4
+    full = await directory.lookup(CHAIN, "s2")
+    assert full.session_owner == "b"
+
+
+async def test_fork_takes_a_copy_on_write_reference_on_the_shared_prefix():
+    directory = InMemoryDirectory()
+    plan = _plan(Action.COLOCATED_PREFILL, "h0", "h0")
+    await _commit(directory, plan, CHAIN[:5], "s1", await directory.lookup(CHAIN[:5], "s1"))
+    branch = (*CHAIN[:3], 7, 8, 9)
+    await _commit(directory, plan, branch, "s1", await directory.lookup(branch, "s1"), fork=3)
+    info = await directory.artifact_info(CHAIN[4])
+    assert info is not None
+    refs = await directory.add_fork_ref(CHAIN[2], "other")
+    assert refs == 2

@@ -1,0 +1,55 @@
+"""Session identity: explicit keys in priority order, else derived from the stable prefix."""
+
+from __future__ import annotations
+
+from router.session import SessionSource, identify_session
+
+SYSTEM = {"role": "system", "content": "You are a coding agent."}
+FIRST = {"role": "user", "content": "Fix the failing test."}
+
+
+def test_generic_header_wins_over_framework_headers_and_user_field():
+    headers = {"x-session-id": "a", "x-claude-code-session-id": "b", "session_id": "c"}
+    key = identify_session(headers, {"user": "u"}, "m", [FIRST])
+    assert (key.session_id, key.source) == ("a", SessionSource.HEADER)
+
+
+def test_agent_framework_headers_are_recognised():
+    for header in ("x-claude-code-session-id", "session-id", "session_id", "x-opencode-session"):
+        key = identify_session({header: "s-1"}, {}, "m", [FIRST])
+        assert key.session_id == "s-1" and key.explicit
+
+
+def test_openai_user_field_then_claude_metadata():
+    assert identify_session({}, {"user": "alice"}, "m", [FIRST]).source is SessionSource.USER
+    legacy = {"metadata": {"user_id": "user_abc_account_1_session_5f0e"}}
+    assert identify_session({}, legacy, "m", [FIRST]).session_id == "5f0e"
+    new = {"metadata": {"user_id": '{"device_id":"d","session_id":"9a1b"}'}}
+    assert identify_session({}, new, "m", [FIRST]).session_id == "9a1b"
+
+
+def test_oversized_or_blank_header_is_ignored():
+    key = identify_session({"x-session-id": " " * 3, "session-id": "x" * 1000}, {}, "m", [FIRST])
+    assert key.source is SessionSource.DERIVED
+
+
+def test_derived_session_is_stable_across_turns_of_one_conversation():
+    turn1 = [SYSTEM, FIRST]
+    turn2 = [*turn1, {"role": "assistant", "content": "ok"}, {"role": "tool", "content": "out"}]
+    k1 = identify_session({}, {}, "m", turn1)
+    k2 = identify_session({}, {}, "m", turn2)
+    assert k1.source is SessionSource.DERIVED and not k1.explicit
+    assert k1.session_id == k2.session_id
+
+
+def test_derived_session_differs_by_first_turn_and_by_model():
+    other = [SYSTEM, {"role": "user", "content": "Write docs."}]
+    base = identify_session({}, {}, "m", [SYSTEM, FIRST]).session_id
+    assert identify_session({}, {}, "m", other).session_id != base
+    assert identify_session({}, {}, "m2", [SYSTEM, FIRST]).session_id != base
+
+
+def test_completion_prompt_session_derives_from_its_chain():
+    key = identify_session({}, {}, "m", None, chain=(11, 22, 33))
+    assert key.source is SessionSource.DERIVED
+    assert identify_session({}, {}, "m", None).source is SessionSource.NONE

@@ -1,0 +1,63 @@
+"""Tokenization for routing: the chain equals hashing the whole rendered prompt, and a
+session's next turn only tokenizes its new messages."""
+
+from __future__ import annotations
+
+from ownerserve.config import ModelSettings
+from ownerserve.hashing import block_hash_chain, chain_root
+from ownerserve.tokenizer import ByteTokenizer, ChatTemplate
+from router.tokens import ModelTokenizer
+
+MODEL = ModelSettings(name="tiny", block_size=4, salt="s")
+MESSAGES = [
+    {"role": "system", "content": "You are a coding agent with tools."},
+    {"role": "user", "content": "List the files please."},
+]
+
+
+def _reference_chain(messages, tools=None):
+    text = ChatTemplate().render(messages, tools=tools)
+    ids = ByteTokenizer().encode(text)
+    return ids, block_hash_chain(ids, MODEL.block_size, chain_root("tiny", "s"))
+
+
+def test_chain_matches_hashing_the_rendered_prompt():
+    mt = ModelTokenizer(MODEL)
+    tools = [{"type": "function", "function": {"name": "ls"}}]
+    tok = mt.tokenize_chat("s1", MESSAGES, tools)
+    ids, chain = _reference_chain(MESSAGES, tools)
+    assert list(tok.token_ids) == ids
+    assert list(tok.chain) == chain
+    assert tok.previous_chain_len == 0
+
+
+def test_next_turn_tokenizes_only_new_messages():
+    mt = ModelTokenizer(MODEL)
+    mt.tokenize_chat("s1", MESSAGES)
+    misses = mt.message_cache_misses
+    turn2 = [*MESSAGES, {"role": "assistant", "content": "ok"}, {"role": "tool", "content": "a b"}]
+    tok = mt.tokenize_chat("s1", turn2)
+    assert mt.message_cache_misses - misses == 2
+    assert list(tok.chain) == _reference_chain(turn2)[1]
+    assert tok.extends_previous and tok.common_blocks > 0
+
+
+def test_a_diverging_branch_is_not_an_extension():
+    mt = ModelTokenizer(MODEL)
+    long_turn = [*MESSAGES, {"role": "assistant", "content": "branch A " * 8}]
+    mt.tokenize_chat("s1", long_turn)
+    other = [*MESSAGES, {"role": "assistant", "content": "branch B " * 8}]
+    tok = mt.tokenize_chat("s1", other)
+    assert not tok.extends_previous
+    assert 0 < tok.common_blocks < tok.previous_chain_len
+
+
+def test_completion_prompts_as_text_and_token_ids():
+    mt = ModelTokenizer(MODEL)
+    text = "def handler(request):\n    return route(request)\n"
+    a = mt.tokenize_prompt("c1", text)
+    b = mt.tokenize_prompt("c1", text + "# more\n")
+    assert list(b.token_ids[: len(a.token_ids)]) == list(a.token_ids)
+    assert b.extends_previous
+    ids = mt.tokenize_prompt(None, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert len(ids.chain) == 2 and ids.prompt_tokens == 9
