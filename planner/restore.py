@@ -1,0 +1,692 @@
+"""The restore planner (HeteroCache 2.6.6): how a prefix hit's KV state gets back into HBM.
+
+For a prefix of `cached_tokens` found on some tier, choose per state type between loading it,
+recomputing it, or a mix, minimising T_load + T_recompute + T_queue + λ·M_HBM. The cost model
+calls one function for its T_restore and M_HBM terms::
+
+    plan = plan_restore(spec, cached_tokens, tier, profile, same_node=True, queue_s=0.0,
+                        lam=0.0, swa_policy=SwaPolicy.periodic(4096))
+    plan.restore_s   # seconds on the request's critical path         -> T_restore
+    plan.hbm_bytes   # bytes the restore newly places in HBM           -> M_HBM
+    plan.objective   # restore_s + lam * hbm_bytes (what was minimised)
+
+After the plan every one of `cached_tokens` is in HBM (the incomplete block included), so the
+caller charges prefill of the rest of the prompt with `cached_tokens` as context, as usual.
+
+The model, for c cached tokens, S = spec.sealed_tokens(c) and B = spec.block_tokens:
+
+- Sealed artifacts (dense/MLA KV, CSA main and indexer, HCA) of [0, S) are loaded, recomputed,
+  or split at a block boundary j: recompute [0, j) from scratch while [j, r) loads (both need
+  nothing from each other, so they overlap; "compute or load? why not both").
+- The incomplete block [S, c) is always recomputed (RECOMPUTE_TAIL): its compression groups
+  are not sealed, and its tail state is mutable.
+- The sliding windows at S are loaded from a checkpoint at q <= S (LOAD_SWA_CHECKPOINT), then
+  [q, S) is recomputed; or rebuilt by recomputing the last min(n_win·L, S - j) tokens from the
+  cached compressed KV (RECOMPUTE_SWA). Which checkpoints exist depends on the SWA caching
+  policy: full (q = S), periodic every p tokens (q = p·floor(S/p)), zero (none). HBM (GPU
+  tier) prefix caches keep the windows of their cached blocks, so a GPU tier acts as full.
+- Everything after r (the first token not loaded) is recomputed in one pass: [r, c).
+
+Timeline (loads start at once; compute waits `queue_s` for a GPU slot):
+
+    T_load     = latency + bytes / bw(tier, same_node), minus a prefetch window, if any
+    F          = prefill_s(j, 0)                         front recompute
+    Bk         = prefill_s(c - r, r)                     SWA + tail recompute
+    restore_s  = max(queue_s + F, T_load) + Bk           (= T_load if nothing is recomputed)
+    objective  = restore_s + lam · hbm_bytes
+
+A mix (0 < j < S) is taken only when it beats the better pure plan by `mix_min_gain`.
+Bandwidth: GPU peer `intra_node_bps` (else `inter_node_bps`; local HBM is free); CPU
+`cpu_load_bps` (remote: min with `inter_node_bps`); SSD min(`ssd_load_bps`, `cpu_load_bps`)
+(remote: min(`ssd_load_bps`, `inter_node_bps`)).
+
+Also here: the SWA caching trade-off (storage and writes against restore latency and GPU
+recompute, mission 2.6.7) and the artifact utility score used to pick eviction victims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TypeVar
+
+from ownerserve.kvstate import SEALED_TYPES, KVStateSpec, StateType
+from ownerserve.profiles import LinkTiming, TimingProfile
+from ownerserve.types import Tier
+
+
+class RestoreAction(StrEnum):
+    """Steps of a restore plan (mission 2.6.6, plus RECOMPUTE_PREFIX for the recompute side)."""
+
+    LOAD_COMPRESSED_KV = "load_compressed_kv"
+    RECOMPUTE_PREFIX = "recompute_prefix"
+    RECOMPUTE_TAIL = "recompute_tail"
+    LOAD_SWA_CHECKPOINT = "load_swa_checkpoint"
+    RECOMPUTE_SWA = "recompute_swa"
+    PREFETCH_ARTIFACT = "prefetch_artifact"
+    DROP_LOW_UTILITY_ARTIFACT = "drop_low_utility_artifact"
+
+
+class Decision(StrEnum):
+    """What happens to one state type."""
+
+    LOAD = "load"
+    RECOMPUTE = "recompute"
+    MIX = "mix"
+    NONE = "none"
+
+
+class SwaCaching(StrEnum):
+    FULL = "full"
+    PERIODIC = "periodic"
+    ZERO = "zero"
+
+
+@dataclass(frozen=True, slots=True)
+class SwaPolicy:
+    """How window state is kept off-GPU: every token (full), every p tokens, or never (zero)."""
+
+    caching: SwaCaching
+    period_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.caching is SwaCaching.PERIODIC and self.period_tokens <= 0:
+            raise ValueError("periodic SWA checkpointing needs period_tokens > 0")
+
+    @classmethod
+    def full(cls) -> SwaPolicy:
+        return cls(SwaCaching.FULL)
+
+    @classmethod
+    def periodic(cls, period_tokens: int) -> SwaPolicy:
+        return cls(SwaCaching.PERIODIC, period_tokens)
+
+    @classmethod
+    def zero(cls) -> SwaPolicy:
+        return cls(SwaCaching.ZERO)
+
+    def checkpoint_at(self, sealed_tokens: int) -> int:
+        """The latest position <= `sealed_tokens` whose window state is stored (0: none)."""
+        if self.caching is SwaCaching.FULL:
+            return sealed_tokens
+        if self.caching is SwaCaching.PERIODIC:
+            return sealed_tokens - sealed_tokens % self.period_tokens
+        return 0
+
+    def __str__(self) -> str:
+        if self.caching is SwaCaching.PERIODIC:
+            return f"periodic({self.period_tokens})"
+        return self.caching.value
+
+
+DEFAULT_SWA_POLICY = SwaPolicy.periodic(4096)
+
+
+@dataclass(frozen=True, slots=True)
+class StateChoice:
+    """The decision for one state type, with what it moves and what it recomputes."""
+
+    state_type: StateType
+    decision: Decision
+    load_bytes: int = 0
+    recompute_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreStep:
+    """One action over the token range [start, end)."""
+
+    action: RestoreAction
+    start: int
+    end: int
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    """The chosen restore with its cost breakdown (seconds, bytes)."""
+
+    spec: str
+    tier: Tier
+    cached_tokens: int
+    sealed_tokens: int
+    tail_tokens: int
+    choices: tuple[StateChoice, ...]
+    steps: tuple[RestoreStep, ...]
+    load_s: float
+    recompute_s: float
+    queue_s: float
+    restore_s: float
+    hbm_bytes: int
+    lam: float
+    loaded_bytes: int
+    recomputed_tokens: int
+    load_all_s: float
+    recompute_all_s: float
+
+    @property
+    def objective(self) -> float:
+        return self.restore_s + self.lam * self.hbm_bytes
+
+    def choice(self, state_type: StateType) -> StateChoice:
+        for c in self.choices:
+            if c.state_type is state_type:
+                return c
+        raise KeyError(f"spec {self.spec!r} has no {state_type.value} state")
+
+    def actions(self) -> tuple[RestoreAction, ...]:
+        return tuple(s.action for s in self.steps)
+
+
+# --- bandwidth ---------------------------------------------------------------------------------
+
+
+def load_bandwidth(link: LinkTiming, tier: Tier, *, same_node: bool) -> float:
+    """Bytes per second from `tier` into the executing worker's HBM (the path's slowest link)."""
+    if tier is Tier.GPU:
+        return link.intra_node_bps if same_node else link.inter_node_bps
+    if tier is Tier.CPU:
+        return link.cpu_load_bps if same_node else min(link.cpu_load_bps, link.inter_node_bps)
+    if same_node:
+        return min(link.ssd_load_bps, link.cpu_load_bps)
+    return min(link.ssd_load_bps, link.inter_node_bps)
+
+
+def load_seconds(
+    link: LinkTiming, tier: Tier, nbytes: float, *, same_node: bool, local: bool = False
+) -> float:
+    """latency + bytes / bandwidth; 0 for nothing, or for KV already in this worker's HBM."""
+    if nbytes <= 0 or (local and tier is Tier.GPU):
+        return 0.0
+    return link.latency_s + nbytes / load_bandwidth(link, tier, same_node=same_node)
+
+
+# --- the planner -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Option:
+    j: int  # front recompute [0, j)
+    r: int  # first token recomputed after the loads; loads cover [j, r)
+    ckpt: int  # window checkpoint position loaded (0: none)
+    swa_bytes: int
+    load_bytes: int
+    load_s: float
+    front_s: float
+    back_s: float
+    restore_s: float
+
+
+class _Planner:
+    __slots__ = (
+        "c",
+        "local",
+        "overlap",
+        "policy",
+        "prefetch_s",
+        "profile",
+        "queue_s",
+        "same_node",
+        "sealed",
+        "spec",
+        "tier",
+        "window",
+    )
+
+    def __init__(
+        self,
+        spec: KVStateSpec,
+        c: int,
+        tier: Tier,
+        profile: TimingProfile,
+        *,
+        same_node: bool,
+        local: bool,
+        queue_s: float,
+        policy: SwaPolicy,
+        overlap: bool,
+        prefetch_s: float,
+    ) -> None:
+        self.spec, self.c, self.tier, self.profile = spec, c, tier, profile
+        self.same_node, self.local, self.queue_s = same_node, local, queue_s
+        self.overlap, self.prefetch_s = overlap, prefetch_s
+        # HBM prefix caches keep the windows of cached blocks: a GPU copy acts as full caching.
+        self.policy = SwaPolicy.full() if tier is Tier.GPU else policy
+        self.sealed = spec.sealed_tokens(c)
+        self.window = spec.swa_recompute_tokens
+
+    def timeline(self, load_s: float, front_s: float, back_s: float) -> float:
+        if front_s <= 0 and back_s <= 0:
+            return load_s
+        start = self.queue_s if self.overlap else max(self.queue_s, load_s)
+        return max(start + front_s, load_s) + back_s
+
+    def option(self, j: int, r: int, ckpt: int) -> _Option:
+        spec, c = self.spec, self.c
+        swa = spec.swa_bytes(ckpt) if ckpt > 0 else 0
+        nbytes = spec.sealed_bytes(j, r) + swa
+        load = load_seconds(
+            self.profile.link, self.tier, nbytes, same_node=self.same_node, local=self.local
+        )
+        load = max(0.0, load - self.prefetch_s)
+        front = self.profile.prefill_s(j, 0)
+        back = self.profile.prefill_s(c - r, r)
+        return _Option(j, r, ckpt, swa, nbytes, load, front, back, self.timeline(load, front, back))
+
+    def options_at(self, j: int, ckpt_mode: bool | None = None) -> list[_Option]:
+        """Every way to restore the windows when sealed blocks from j on are loaded: recompute
+        the last n_win·L tokens, or load a checkpoint and recompute from it (`ckpt_mode`
+        restricts to one of the two)."""
+        s = self.sealed
+        if self.window == 0:
+            return [self.option(j, s, 0)]
+        out = []
+        if ckpt_mode is not True:
+            out.append(self.option(j, max(j, s - self.window), 0))  # RECOMPUTE_SWA
+        q = self.policy.checkpoint_at(s)
+        if q > j and ckpt_mode is not False:
+            out.append(self.option(j, q, q))  # LOAD_SWA_CHECKPOINT, then recompute [q, S)
+        return out
+
+    def best_at(self, j: int, ckpt_mode: bool | None = None) -> _Option | None:
+        opts = self.options_at(j, ckpt_mode)
+        return min(opts, key=lambda o: o.restore_s) if opts else None
+
+    def recompute_all(self) -> _Option:
+        front = self.profile.prefill_s(self.c, 0)
+        return _Option(self.c, self.c, 0, 0, 0, 0.0, front, 0.0, self.timeline(0.0, front, 0.0))
+
+    def best_mix(self) -> _Option | None:
+        """The split j where recomputing [0, j) and loading the rest finish together, searched
+        by bisection over block boundaries for each way of restoring the windows."""
+        b, s = self.spec.block_tokens, self.sealed
+        blocks = s // b
+        if blocks < 2:
+            return None
+        modes: tuple[bool | None, ...] = (None,) if self.window == 0 else (False, True)
+        cands: list[_Option] = []
+        for mode in modes:
+            lo, hi = 1, blocks - 1
+            while lo < hi:  # the first j whose front recompute outlasts its loads
+                mid = (lo + hi) // 2
+                o = self.best_at(mid * b, mode)
+                if o is None or self.queue_s + o.front_s >= o.load_s:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            for k in {max(1, lo - 1), lo}:
+                o = self.best_at(k * b, mode)
+                if o is not None:
+                    cands.append(o)
+        return min(cands, key=lambda o: o.restore_s) if cands else None
+
+
+def plan_restore(
+    spec: KVStateSpec,
+    cached_tokens: int,
+    tier: Tier,
+    profile: TimingProfile,
+    *,
+    same_node: bool = True,
+    local: bool = False,
+    queue_s: float = 0.0,
+    lam: float = 0.0,
+    swa_policy: SwaPolicy = DEFAULT_SWA_POLICY,
+    overlap: bool = True,
+    mix_min_gain: float = 0.05,
+    prefetch_window_s: float = 0.0,
+    hbm_free_bytes: int | None = None,
+) -> RestorePlan:
+    """Plan how `cached_tokens` of prefix found on `tier` get into this worker's HBM.
+
+    `same_node`: the copy is on this worker's node (else it crosses the inter-node link).
+    `local`: a GPU-tier copy already sits in this worker's HBM (nothing to move).
+    `queue_s`: wait for a GPU compute slot before any recompute can start (loads don't wait).
+    `lam`: seconds per HBM byte (the λ of λ·M_HBM). `swa_policy`: how windows were kept on
+    CPU/SSD. `overlap`: recompute a front part while loading the rest (a mix). A mix must beat
+    the better pure plan by `mix_min_gain` (a fraction). `prefetch_window_s`: seconds before the
+    request needs the KV during which loads may run ahead (PREFETCH_ARTIFACT), e.g. a tool call.
+    `hbm_free_bytes`: HBM free on the worker; a deficit adds DROP_LOW_UTILITY_ARTIFACT.
+    """
+    if cached_tokens < 0:
+        raise ValueError("cached_tokens must not be negative")
+    if queue_s < 0 or lam < 0 or prefetch_window_s < 0:
+        raise ValueError("queue_s, lam and prefetch_window_s must not be negative")
+    p = _Planner(
+        spec,
+        cached_tokens,
+        tier,
+        profile,
+        same_node=same_node,
+        local=local,
+        queue_s=queue_s,
+        policy=swa_policy,
+        overlap=overlap,
+        prefetch_s=prefetch_window_s,
+    )
+    c, s = cached_tokens, p.sealed
+    everything = p.recompute_all()
+    loading = p.best_at(0) if s > 0 else None
+    loading = loading or everything
+    best = min((loading, everything), key=lambda o: o.restore_s)
+    if overlap and s > 0:
+        mix = p.best_mix()
+        if mix is not None and mix.restore_s < (1.0 - mix_min_gain) * best.restore_s:
+            best = mix
+    if local and tier is Tier.GPU:
+        hbm = max(0, spec.total_bytes(c) - spec.total_bytes(s))
+    else:
+        hbm = spec.total_bytes(c)
+    return _build_plan(p, best, lam, hbm, hbm_free_bytes, loading.restore_s, everything.restore_s)
+
+
+def _build_plan(
+    p: _Planner,
+    o: _Option,
+    lam: float,
+    hbm: int,
+    hbm_free: int | None,
+    load_all_s: float,
+    recompute_all_s: float,
+) -> RestorePlan:
+    spec, c, s = p.spec, p.c, p.sealed
+    all_recompute = o.j >= c
+    choices: list[StateChoice] = []
+    loaded = spec.state_bytes(o.j, o.r) if not all_recompute and o.r > o.j else {}
+    for st in spec.state_types:
+        if st in SEALED_TYPES:
+            if s == 0:
+                choices.append(StateChoice(st, Decision.NONE))
+                continue
+            recomputed = s if all_recompute else o.j + (s - o.r)
+            nbytes = loaded.get(st, 0)
+            if nbytes == 0:
+                decision = Decision.RECOMPUTE
+            elif recomputed == 0:
+                decision = Decision.LOAD
+            else:
+                decision = Decision.MIX
+            choices.append(StateChoice(st, decision, nbytes, recomputed))
+        elif st is StateType.WINDOW_SWA:
+            if o.ckpt > 0:
+                choices.append(StateChoice(st, Decision.LOAD, o.swa_bytes, s - o.ckpt))
+            elif s == 0 and c == 0:
+                choices.append(StateChoice(st, Decision.NONE))
+            else:
+                done = c if all_recompute else s - o.r
+                choices.append(StateChoice(st, Decision.RECOMPUTE, 0, done))
+        else:  # TAIL_STATE: never loaded
+            tail = c - s
+            choices.append(StateChoice(st, Decision.RECOMPUTE if tail else Decision.NONE, 0, tail))
+
+    steps: list[RestoreStep] = []
+    if all_recompute:
+        # one pass over [0, c); the incomplete block is reported as its marginal cost
+        prefix_s = p.profile.prefill_s(s, 0)
+        if s > 0:
+            steps.append(RestoreStep(RestoreAction.RECOMPUTE_PREFIX, 0, s, 0, prefix_s))
+        if c > s:
+            steps.append(RestoreStep(RestoreAction.RECOMPUTE_TAIL, s, c, 0, o.front_s - prefix_s))
+    else:
+        if o.j > 0:
+            steps.append(RestoreStep(RestoreAction.RECOMPUTE_PREFIX, 0, o.j, 0, o.front_s))
+        sealed_bytes = o.load_bytes - o.swa_bytes
+        full_load_s = o.load_s + p.prefetch_s if o.load_bytes else 0.0
+        share = sealed_bytes / o.load_bytes if o.load_bytes else 0.0
+        if o.r > o.j:
+            steps.append(
+                RestoreStep(
+                    RestoreAction.LOAD_COMPRESSED_KV, o.j, o.r, sealed_bytes, o.load_s * share
+                )
+            )
+        if o.ckpt > 0:
+            steps.append(
+                RestoreStep(
+                    RestoreAction.LOAD_SWA_CHECKPOINT,
+                    o.ckpt - min(o.ckpt, spec.max_window),
+                    o.ckpt,
+                    o.swa_bytes,
+                    o.load_s * (1.0 - share),
+                )
+            )
+        if p.prefetch_s > 0 and o.load_bytes > 0:
+            hidden = min(full_load_s, p.prefetch_s)
+            steps.append(
+                RestoreStep(RestoreAction.PREFETCH_ARTIFACT, o.j, o.r, o.load_bytes, hidden)
+            )
+        if o.r < s:
+            swa_s = p.profile.prefill_s(c - o.r, o.r) - p.profile.prefill_s(c - s, s)
+            steps.append(RestoreStep(RestoreAction.RECOMPUTE_SWA, o.r, s, 0, swa_s))
+        if c > s:
+            tail_s = o.back_s if o.r >= s else p.profile.prefill_s(c - s, s)
+            steps.append(RestoreStep(RestoreAction.RECOMPUTE_TAIL, s, c, 0, tail_s))
+    if hbm_free is not None and hbm > hbm_free:
+        steps.append(RestoreStep(RestoreAction.DROP_LOW_UTILITY_ARTIFACT, 0, 0, hbm - hbm_free))
+
+    recompute_s = o.front_s + o.back_s
+    recomputed_tokens = c if all_recompute else o.j + (c - o.r)
+    return RestorePlan(
+        spec=spec.name,
+        tier=p.tier,
+        cached_tokens=c,
+        sealed_tokens=s,
+        tail_tokens=c - s,
+        choices=tuple(choices),
+        steps=tuple(steps),
+        load_s=o.load_s,
+        recompute_s=recompute_s,
+        queue_s=p.queue_s if recompute_s > 0 else 0.0,
+        restore_s=o.restore_s,
+        hbm_bytes=hbm,
+        lam=lam,
+        loaded_bytes=0 if all_recompute else o.load_bytes,
+        recomputed_tokens=recomputed_tokens,
+        load_all_s=load_all_s,
+        recompute_all_s=recompute_all_s,
+    )
+
+
+# --- SWA caching policies: the storage/write vs restore/recompute trade-off (2.6.7) -----------
+
+
+def swa_write_bytes(spec: KVStateSpec, policy: SwaPolicy, tokens: int) -> int:
+    """Window bytes written off-GPU while a context grows to `tokens`.
+
+    full: every token's window entry; periodic(p): a window snapshot every p tokens (snapshots
+    closer than a window share entries); zero: nothing.
+    """
+    per_token = spec.swa_bytes_per_token
+    if per_token == 0 or tokens <= 0 or policy.caching is SwaCaching.ZERO:
+        return 0
+    if policy.caching is SwaCaching.FULL:
+        return tokens * per_token
+    p = policy.period_tokens
+    written = 0
+    for g in spec.groups:
+        if g.layer.window > 0:
+            fresh = min(p, g.layer.window)  # entries one snapshot adds beyond the previous one
+            written += g.count * (tokens // p) * fresh * g.layer.window_entry_bytes
+    return written
+
+
+@dataclass(frozen=True, slots=True)
+class SwaRestore:
+    """Restoring the windows at one sealed position: load a checkpoint or recompute."""
+
+    decision: Decision
+    load_bytes: int
+    recompute_tokens: int
+    seconds: float
+    gpu_s: float
+
+
+def swa_restore(
+    spec: KVStateSpec,
+    policy: SwaPolicy,
+    sealed_tokens: int,
+    profile: TimingProfile,
+    tier: Tier = Tier.SSD,
+    *,
+    same_node: bool = True,
+) -> SwaRestore:
+    """The cheaper way to rebuild the windows at `sealed_tokens` under `policy`.
+
+    Recompute: the last min(n_win·L, S) tokens on top of the cached compressed KV.
+    Checkpoint at q: load the window snapshot, then recompute [q, S).
+    """
+    s = sealed_tokens
+    w = min(spec.swa_recompute_tokens, s)
+    if w == 0:
+        return SwaRestore(Decision.NONE, 0, 0, 0.0, 0.0)
+    rec_s = profile.prefill_s(w, s - w)
+    best = SwaRestore(Decision.RECOMPUTE, 0, w, rec_s, rec_s)
+    q = policy.checkpoint_at(s)
+    if q > 0:
+        nbytes = spec.swa_bytes(q)
+        gap_s = profile.prefill_s(s - q, q)
+        t = load_seconds(profile.link, tier, nbytes, same_node=same_node) + gap_s
+        if t < best.seconds:
+            best = SwaRestore(Decision.LOAD, nbytes, s - q, t, gap_s)
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class SwaTradeoff:
+    """One policy's cost: α·SSDWrite + restores·(β·RestoreLatency + γ·GPURecompute)."""
+
+    policy: SwaPolicy
+    write_bytes: int
+    restore_load_bytes: float
+    restore_recompute_tokens: float
+    restore_s: float
+    gpu_recompute_s: float
+    objective: float
+
+
+def swa_tradeoff(
+    spec: KVStateSpec,
+    policy: SwaPolicy,
+    context_tokens: int,
+    profile: TimingProfile,
+    tier: Tier = Tier.SSD,
+    *,
+    same_node: bool = True,
+    restores: float = 1.0,
+    alpha: float | None = None,
+    beta: float = 1.0,
+    gamma: float = 1.0,
+    samples: int = 16,
+) -> SwaTradeoff:
+    """The cost of keeping windows under `policy` for a context of `context_tokens`.
+
+    SSDWrite is `swa_write_bytes`; RestoreLatency and GPURecompute are averaged over `samples`
+    restore points spread over the last checkpoint period before `context_tokens` (a hit lands
+    anywhere between two checkpoints). `restores` is the expected restores per stored context;
+    `alpha` defaults to 1 / ssd_load_bps, i.e. seconds of SSD bandwidth per written byte.
+    """
+    if context_tokens < 0 or samples <= 0:
+        raise ValueError("context_tokens must not be negative and samples must be positive")
+    a = 1.0 / profile.link.ssd_load_bps if alpha is None else alpha
+    span = policy.period_tokens if policy.caching is SwaCaching.PERIODIC else 0
+    points = [
+        spec.sealed_tokens(max(0, context_tokens - i * span // samples)) for i in range(samples)
+    ]
+    rs = [swa_restore(spec, policy, pt, profile, tier, same_node=same_node) for pt in points]
+    n = len(rs)
+    load_b = sum(r.load_bytes for r in rs) / n
+    tokens = sum(r.recompute_tokens for r in rs) / n
+    secs = sum(r.seconds for r in rs) / n
+    gpu = sum(r.gpu_s for r in rs) / n
+    written = swa_write_bytes(spec, policy, context_tokens)
+    objective = a * written + restores * (beta * secs + gamma * gpu)
+    return SwaTradeoff(policy, written, load_b, tokens, secs, gpu, objective)
+
+
+def best_swa_policy(
+    spec: KVStateSpec,
+    context_tokens: int,
+    profile: TimingProfile,
+    tier: Tier = Tier.SSD,
+    *,
+    periods: Sequence[int] = (512, 1024, 2048, 4096, 8192, 16384, 32768),
+    restores: float = 1.0,
+    alpha: float | None = None,
+    beta: float = 1.0,
+    gamma: float = 1.0,
+) -> tuple[SwaTradeoff, tuple[SwaTradeoff, ...]]:
+    """p* = argmin_p α·SSDWrite(p) + β·RestoreLatency(p) + γ·GPURecompute(p), over full, zero
+    and periodic(p) for each p in `periods`; returns the best and every candidate."""
+    policies = [SwaPolicy.full(), SwaPolicy.zero(), *(SwaPolicy.periodic(p) for p in periods)]
+    all_ = tuple(
+        swa_tradeoff(
+            spec,
+            pol,
+            context_tokens,
+            profile,
+            tier,
+            restores=restores,
+            alpha=alpha,
+            beta=beta,
+            gamma=gamma,
+        )
+        for pol in policies
+    )
+    return min(all_, key=lambda t: t.objective), all_
+
+
+# --- artifact utility (eviction) ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactStats:
+    """What eviction knows of one stored artifact."""
+
+    size_bytes: int
+    reuse_count: int
+    last_access_s: float
+    recompute_s: float
+    load_s: float
+
+
+def artifact_utility(stats: ArtifactStats, now_s: float, *, half_life_s: float = 600.0) -> float:
+    """Expected seconds saved per byte kept:
+
+        (1 + reuse_count) · 2^(−age / half_life) · max(recompute_s − load_s, 0) / size_bytes
+
+    Reuse count and recency estimate the chance of another hit; recompute minus load is what a
+    hit saves; dividing by size ranks artifacts by value per byte of the tier they occupy.
+    """
+    if stats.size_bytes <= 0:
+        return float("inf")
+    age = max(0.0, now_s - stats.last_access_s)
+    p_reuse = (1 + max(0, stats.reuse_count)) * 2.0 ** (-age / half_life_s)
+    return p_reuse * max(stats.recompute_s - stats.load_s, 0.0) / stats.size_bytes
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def choose_drops(
+    artifacts: Mapping[K, ArtifactStats],
+    bytes_needed: int,
+    now_s: float,
+    *,
+    half_life_s: float = 600.0,
+) -> list[K]:
+    """The lowest-utility artifacts whose sizes add up to at least `bytes_needed`
+    (DROP_LOW_UTILITY_ARTIFACT), lowest first; all of them if that is not enough."""
+    if bytes_needed <= 0:
+        return []
+    ranked = sorted(
+        artifacts, key=lambda k: artifact_utility(artifacts[k], now_s, half_life_s=half_life_s)
+    )
+    out: list[K] = []
+    freed = 0
+    for key in ranked:
+        if freed >= bytes_needed:
+            break
+        out.append(key)
+        freed += artifacts[key].size_bytes
+    return out

@@ -1,0 +1,315 @@
+"""The restore planner: load vs recompute per state type, SWA caching policies, utility."""
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ownerserve.kvstate import SEALED_TYPES, StateType, load_spec
+from ownerserve.profiles import TimingProfile, load_profile
+from ownerserve.types import Tier
+from planner.restore import (
+    ArtifactStats,
+    Decision,
+    RestoreAction,
+    SwaCaching,
+    SwaPolicy,
+    artifact_utility,
+    best_swa_policy,
+    choose_drops,
+    load_bandwidth,
+    plan_restore,
+    swa_restore,
+    swa_tradeoff,
+    swa_write_bytes,
+)
+
+H100 = load_profile("h100-llama3-8b")
+LLAMA = load_spec("llama3-8b")
+V4 = load_spec("deepseek-v4")
+QWEN = load_spec("qwen3-8b-swa")
+
+
+def _slow(bps: float = 1e7, latency_s: float = 2e-4) -> TimingProfile:
+    """The H100 profile behind a slow link: every path to SSD or another node at `bps`."""
+    link = replace(H100.link, ssd_load_bps=bps, inter_node_bps=bps, latency_s=latency_s)
+    return replace(H100, link=link)
+
+
+def test_a_gpu_resident_prefix_loads() -> None:
+    n = 32768
+    plan = plan_restore(LLAMA, n, Tier.GPU, H100, same_node=True)
+    choice = plan.choice(StateType.DENSE_KV)
+    assert choice.decision is Decision.LOAD
+    assert choice.load_bytes == n * 131072 and choice.recompute_tokens == 0
+    # NVLink-class peer copy: latency + 4 GiB / 400 GB/s
+    assert plan.restore_s == pytest.approx(2e-4 + n * 131072 / 4e11)
+    assert plan.restore_s < plan.recompute_all_s / 100
+    assert plan.actions() == (RestoreAction.LOAD_COMPRESSED_KV,)
+    local = plan_restore(LLAMA, n, Tier.GPU, H100, local=True, queue_s=1.0)
+    assert local.choice(StateType.DENSE_KV).decision is Decision.LOAD
+    assert local.restore_s == 0.0 and local.queue_s == 0.0  # nothing to move, nothing to run
+    assert local.hbm_bytes == 0
+
+
+def test_an_ssd_prefix_behind_a_slow_link_is_recomputed_when_that_is_cheaper() -> None:
+    n = 2048
+    slow = _slow(1e7)
+    plan = plan_restore(LLAMA, n, Tier.SSD, slow, same_node=False)
+    assert plan.choice(StateType.DENSE_KV).decision is Decision.RECOMPUTE
+    assert plan.loaded_bytes == 0 and plan.recomputed_tokens == n
+    assert plan.restore_s == pytest.approx(H100.prefill_s(n, 0))
+    assert plan.load_all_s > 10 * plan.recompute_all_s  # 268 MB at 10 MB/s
+    # the same prefix on a local NVMe loads: 268 MB / 6 GB/s beats 2048 tokens of prefill
+    fast = plan_restore(LLAMA, n, Tier.SSD, H100, same_node=True, overlap=False)
+    assert fast.choice(StateType.DENSE_KV).decision is Decision.LOAD
+    assert fast.restore_s == pytest.approx(2e-4 + n * 131072 / 6e9)
+
+
+def test_without_overlap_the_cheaper_pure_plan_wins() -> None:
+    for tier, profile, same_node in [(Tier.SSD, _slow(), False), (Tier.CPU, H100, True)]:
+        plan = plan_restore(LLAMA, 32768, tier, profile, same_node=same_node, overlap=False)
+        assert plan.restore_s == min(plan.load_all_s, plan.recompute_all_s)
+        assert plan.choice(StateType.DENSE_KV).decision in (Decision.LOAD, Decision.RECOMPUTE)
+
+
+def test_a_mix_recomputes_the_front_while_the_rest_loads() -> None:
+    plan = plan_restore(LLAMA, 32768, Tier.SSD, H100)
+    choice = plan.choice(StateType.DENSE_KV)
+    assert choice.decision is Decision.MIX
+    assert plan.restore_s < 0.95 * min(plan.load_all_s, plan.recompute_all_s)
+    front, load = plan.steps[0], plan.steps[1]
+    assert front.action is RestoreAction.RECOMPUTE_PREFIX and front.start == 0
+    assert load.action is RestoreAction.LOAD_COMPRESSED_KV and load.start == front.end
+    assert front.end % LLAMA.block_tokens == 0
+    # the split balances the two streams to within one block of compute
+    assert abs(front.seconds - load.seconds) <= H100.prefill_s(LLAMA.block_tokens, front.end)
+    assert choice.load_bytes + choice.recompute_tokens * 131072 == 32768 * 131072
+
+
+@pytest.mark.parametrize("spec", [V4, LLAMA, QWEN], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    ("tier", "profile", "local"),
+    [(Tier.GPU, H100, True), (Tier.CPU, H100, False), (Tier.SSD, _slow(), False)],
+)
+@pytest.mark.parametrize("extra", [1, 100, 127])
+def test_the_incomplete_compression_block_is_always_recomputed(
+    spec, tier: Tier, profile: TimingProfile, local: bool, extra: int
+) -> None:
+    n = 128 * 40 + extra
+    tail = n % spec.block_tokens
+    plan = plan_restore(spec, n, tier, profile, local=local)
+    assert plan.sealed_tokens == n - tail and plan.tail_tokens == tail
+    if StateType.TAIL_STATE in spec.state_types:
+        assert plan.choice(StateType.TAIL_STATE).decision is Decision.RECOMPUTE
+        assert plan.choice(StateType.TAIL_STATE).recompute_tokens == tail
+    tail_steps = [s for s in plan.steps if s.action is RestoreAction.RECOMPUTE_TAIL]
+    assert [(s.start, s.end) for s in tail_steps] == [(n - tail, n)]
+    assert tail_steps[0].seconds > 0
+    assert all(s.end <= plan.sealed_tokens for s in plan.steps if "load" in s.action.value)
+    assert plan.recomputed_tokens >= tail
+    assert plan.restore_s >= profile.prefill_s(tail, n - tail)
+
+
+def test_zero_swa_caching_recomputes_exactly_n_win_times_l_tokens() -> None:
+    n = 128 * 1000
+    plan = plan_restore(V4, n, Tier.SSD, H100, swa_policy=SwaPolicy.zero())
+    swa = plan.choice(StateType.WINDOW_SWA)
+    assert swa.decision is Decision.RECOMPUTE
+    assert swa.recompute_tokens == 128 * 61 == 7808
+    steps = {s.action: s for s in plan.steps}
+    assert RestoreAction.LOAD_SWA_CHECKPOINT not in steps
+    assert (steps[RestoreAction.RECOMPUTE_SWA].start, steps[RestoreAction.RECOMPUTE_SWA].end) == (
+        n - 7808,
+        n,
+    )
+    assert steps[RestoreAction.LOAD_COMPRESSED_KV].end == n - 7808
+    # a wide-window hybrid pays for its windows: 4096 x 27 layers
+    qwen = plan_restore(QWEN, 200_000, Tier.SSD, H100, swa_policy=SwaPolicy.zero())
+    assert qwen.choice(StateType.WINDOW_SWA).recompute_tokens == 4096 * 27
+
+
+def test_full_swa_caching_loads_the_windows_and_recomputes_only_the_tail() -> None:
+    n = 128 * 1000 + 5
+    plan = plan_restore(V4, n, Tier.SSD, H100, swa_policy=SwaPolicy.full())
+    swa = plan.choice(StateType.WINDOW_SWA)
+    assert swa.decision is Decision.LOAD
+    assert swa.load_bytes == V4.swa_bytes(n - 5) == 61 * 128 * 576
+    assert swa.recompute_tokens == 0
+    assert plan.recomputed_tokens == 5
+    for kind in SEALED_TYPES & set(V4.state_types):
+        assert plan.choice(kind).decision is Decision.LOAD
+
+
+def test_periodic_checkpoints_load_the_last_one_and_recompute_since() -> None:
+    n = 128 * 1000  # the checkpoint before it is at 31 x 4096 = 126976
+    plan = plan_restore(V4, n, Tier.SSD, H100, swa_policy=SwaPolicy.periodic(4096))
+    swa = plan.choice(StateType.WINDOW_SWA)
+    assert swa.decision is Decision.LOAD and swa.recompute_tokens == n - 126976
+    # a checkpoint older than n_win·L tokens is not worth loading: recompute instead
+    stale = plan_restore(V4, n, Tier.SSD, H100, swa_policy=SwaPolicy.periodic(100_000))
+    assert stale.choice(StateType.WINDOW_SWA).decision is Decision.RECOMPUTE
+    assert stale.choice(StateType.WINDOW_SWA).recompute_tokens == 7808
+
+
+def test_a_gpu_copy_keeps_its_windows_whatever_the_disk_policy() -> None:
+    plan = plan_restore(V4, 128 * 100, Tier.GPU, H100, swa_policy=SwaPolicy.zero())
+    assert plan.choice(StateType.WINDOW_SWA).decision is Decision.LOAD
+
+
+def test_a_long_queue_favours_loading_over_recompute() -> None:
+    slowish = _slow(2e8)
+    idle = plan_restore(LLAMA, 2048, Tier.SSD, slowish, same_node=False, overlap=False)
+    busy = plan_restore(LLAMA, 2048, Tier.SSD, slowish, same_node=False, overlap=False, queue_s=2.0)
+    assert idle.choice(StateType.DENSE_KV).decision is Decision.RECOMPUTE
+    assert busy.choice(StateType.DENSE_KV).decision is Decision.LOAD
+    assert busy.queue_s == 0.0  # a pure load waits for no GPU slot
+    assert idle.restore_s == pytest.approx(H100.prefill_s(2048, 0))
+
+
+def test_objective_adds_lambda_times_hbm_bytes() -> None:
+    plan = plan_restore(V4, 10_000, Tier.CPU, H100, lam=1e-11)
+    assert plan.hbm_bytes == V4.total_bytes(10_000)
+    assert plan.objective == pytest.approx(plan.restore_s + 1e-11 * plan.hbm_bytes)
+
+
+def test_prefetch_hides_loads_behind_a_tool_call() -> None:
+    plain = plan_restore(LLAMA, 32768, Tier.SSD, H100, overlap=False)
+    ahead = plan_restore(LLAMA, 32768, Tier.SSD, H100, overlap=False, prefetch_window_s=0.5)
+    assert RestoreAction.PREFETCH_ARTIFACT in ahead.actions()
+    assert ahead.restore_s == pytest.approx(max(0.0, plain.restore_s - 0.5))
+
+
+def test_an_hbm_deficit_asks_to_drop_low_utility_artifacts() -> None:
+    plan = plan_restore(LLAMA, 1000, Tier.CPU, H100, hbm_free_bytes=10**6)
+    drop = [s for s in plan.steps if s.action is RestoreAction.DROP_LOW_UTILITY_ARTIFACT]
+    assert len(drop) == 1 and drop[0].nbytes == 1000 * 131072 - 10**6
+    roomy = plan_restore(LLAMA, 1000, Tier.CPU, H100, hbm_free_bytes=10**12)
+    assert RestoreAction.DROP_LOW_UTILITY_ARTIFACT not in roomy.actions()
+
+
+def test_nothing_cached_costs_nothing_and_bad_input_is_rejected() -> None:
+    plan = plan_restore(V4, 0, Tier.SSD, H100)
+    assert plan.restore_s == 0.0 and plan.steps == () and plan.hbm_bytes == V4.total_bytes(0)
+    with pytest.raises(ValueError):
+        plan_restore(V4, -1, Tier.SSD, H100)
+    with pytest.raises(ValueError):
+        plan_restore(V4, 10, Tier.SSD, H100, queue_s=-1.0)
+    with pytest.raises(ValueError):
+        SwaPolicy.periodic(0)
+
+
+def test_load_bandwidth_takes_the_slowest_link_on_the_path() -> None:
+    link = H100.link
+    assert load_bandwidth(link, Tier.GPU, same_node=True) == link.intra_node_bps
+    assert load_bandwidth(link, Tier.GPU, same_node=False) == link.inter_node_bps
+    assert load_bandwidth(link, Tier.CPU, same_node=False) == link.inter_node_bps
+    assert load_bandwidth(link, Tier.SSD, same_node=True) == link.ssd_load_bps
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    spec=st.sampled_from([LLAMA, V4, QWEN, load_spec("deepseek-v3")]),
+    n=st.integers(0, 300_000),
+    tier=st.sampled_from(list(Tier)),
+    same_node=st.booleans(),
+    queue_s=st.floats(0, 5),
+    policy=st.sampled_from([SwaPolicy.full(), SwaPolicy.zero(), SwaPolicy.periodic(2048)]),
+    bps=st.sampled_from([1e7, 1e9, 1e11]),
+)
+def test_the_plan_is_never_worse_than_loading_all_or_recomputing_all(
+    spec, n, tier, same_node, queue_s, policy, bps
+) -> None:
+    profile = _slow(bps)
+    plan = plan_restore(
+        spec, n, tier, profile, same_node=same_node, queue_s=queue_s, swa_policy=policy
+    )
+    assert 0.0 <= plan.restore_s <= min(plan.load_all_s, plan.recompute_all_s) + 1e-9
+    assert plan.restore_s <= plan.load_s + plan.queue_s + plan.recompute_s + 1e-9
+    assert plan.recomputed_tokens >= plan.tail_tokens
+    assert all(s.start <= s.end for s in plan.steps)
+
+
+# --- SWA caching policies ------------------------------------------------------------------
+
+
+def test_swa_write_bytes_per_policy() -> None:
+    n = 100_000
+    per_token = 61 * 576
+    assert swa_write_bytes(V4, SwaPolicy.full(), n) == n * per_token
+    assert swa_write_bytes(V4, SwaPolicy.zero(), n) == 0
+    # a 128-entry window snapshot every 1024 tokens
+    assert swa_write_bytes(V4, SwaPolicy.periodic(1024), n) == (n // 1024) * 128 * per_token
+    # snapshots closer than a window share entries: as much as full caching, never more
+    assert swa_write_bytes(V4, SwaPolicy.periodic(64), n) == (n // 64) * 64 * per_token
+    assert swa_write_bytes(LLAMA, SwaPolicy.full(), n) == 0  # no windows, nothing to keep
+
+
+def test_swa_restore_picks_checkpoint_or_recompute() -> None:
+    s = 128 * 1000
+    full = swa_restore(V4, SwaPolicy.full(), s, H100)
+    assert full.decision is Decision.LOAD and full.recompute_tokens == 0
+    assert full.load_bytes == V4.swa_bytes(s)
+    zero = swa_restore(V4, SwaPolicy.zero(), s, H100)
+    assert zero.decision is Decision.RECOMPUTE and zero.recompute_tokens == 7808
+    assert zero.seconds == pytest.approx(H100.prefill_s(7808, s - 7808))
+    short = swa_restore(V4, SwaPolicy.zero(), 1000, H100)
+    assert short.recompute_tokens == 1000  # fewer tokens than n_win·L: recompute them all
+    assert swa_restore(LLAMA, SwaPolicy.zero(), s, H100).decision is Decision.NONE
+
+
+def test_the_swa_tradeoff_moves_with_the_checkpoint_period() -> None:
+    n = 200_000
+    offs = [swa_tradeoff(V4, SwaPolicy.periodic(p), n, H100) for p in (512, 2048, 8192)]
+    writes = [t.write_bytes for t in offs]
+    restores = [t.restore_s for t in offs]
+    assert writes == sorted(writes, reverse=True)  # rarer checkpoints write less...
+    assert restores == sorted(restores)  # ...and restore slower
+    full = swa_tradeoff(V4, SwaPolicy.full(), n, H100)
+    zero = swa_tradeoff(V4, SwaPolicy.zero(), n, H100)
+    assert full.write_bytes > writes[0] and zero.write_bytes == 0
+    assert full.restore_s < restores[0] < restores[-1] < zero.restore_s
+
+
+def test_best_swa_policy_follows_the_weights() -> None:
+    n = 200_000
+    free_writes, _ = best_swa_policy(V4, n, H100, alpha=0.0)
+    assert free_writes.policy.caching is SwaCaching.FULL
+    costly_writes, _ = best_swa_policy(V4, n, H100, alpha=1.0)
+    assert costly_writes.policy.caching is SwaCaching.ZERO
+    default, every = best_swa_policy(V4, n, H100)
+    assert default.objective == min(t.objective for t in every)
+    assert len(every) == 2 + 7
+
+
+# --- artifact utility ----------------------------------------------------------------------
+
+
+def _stats(**kw: float) -> ArtifactStats:
+    base = dict(size_bytes=10**9, reuse_count=3, last_access_s=100.0, recompute_s=2.0, load_s=0.5)
+    base.update(kw)
+    return ArtifactStats(**base)  # type: ignore[arg-type]
+
+
+def test_artifact_utility_rewards_reuse_recency_savings_and_small_size() -> None:
+    now = 200.0
+    u = artifact_utility(_stats(), now)
+    assert u == pytest.approx(4 * 2 ** (-100 / 600) * 1.5 / 1e9)
+    assert artifact_utility(_stats(reuse_count=10), now) > u
+    assert artifact_utility(_stats(last_access_s=0.0), now) < u
+    assert artifact_utility(_stats(size_bytes=2 * 10**9), now) < u
+    assert artifact_utility(_stats(recompute_s=0.1), now) == 0.0  # cheaper to recompute
+
+
+def test_choose_drops_frees_enough_bytes_lowest_utility_first() -> None:
+    arts = {
+        "hot": _stats(reuse_count=50),
+        "cold": _stats(reuse_count=0, last_access_s=-5000.0),
+        "useless": _stats(recompute_s=0.0),
+        "mid": _stats(),
+    }
+    assert choose_drops(arts, 1, 200.0) == ["useless"]
+    assert choose_drops(arts, 15 * 10**8, 200.0) == ["useless", "cold"]
+    assert choose_drops(arts, 0, 200.0) == []
+    assert len(choose_drops(arts, 10**12, 200.0)) == 4
