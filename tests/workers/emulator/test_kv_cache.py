@@ -1,0 +1,147 @@
+"""The paged KV cache: prefix matching, reference counts, LRU eviction and the events they emit."""
+
+from __future__ import annotations
+
+import pytest
+
+from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored
+from ownerserve.hashing import block_hash_chain, chain_root
+from workers.emulator.kv_cache import BlockPool, CachedBlock, NewBlock
+
+BS = 4
+ROOT = chain_root("m")
+
+
+def chain(tokens: list[int]) -> list[int]:
+    return block_hash_chain(tokens, BS, ROOT)
+
+
+def fill(pool: BlockPool, tokens: list[int]) -> list[int]:
+    """Allocate and register the full blocks of `tokens`, as a finished prefill would."""
+    hashes = chain(tokens)
+    ids = pool.allocate(len(hashes))
+    assert ids is not None
+    pool.register(
+        [
+            NewBlock(bid, h, hashes[i - 1] if i else None, tuple(tokens[i * BS : (i + 1) * BS]))
+            for i, (bid, h) in enumerate(zip(ids, hashes, strict=True))
+        ]
+    )
+    return ids
+
+
+def test_registered_blocks_match_as_a_prefix_and_emit_one_stored_event_per_run() -> None:
+    pool = BlockPool(8, BS)
+    tokens = list(range(12))
+    fill(pool, tokens)
+    events = pool.drain_events()
+    assert len(events) == 1 and isinstance(events[0], BlockStored)
+    assert events[0].engine_hashes == tuple(chain(tokens))
+    assert events[0].parent_engine_hash is None
+    assert events[0].token_ids == tuple(tokens)
+    assert pool.match_prefix(chain(tokens + [99] * 4)) == 3
+    assert pool.match_prefix(chain([7, *tokens[1:]])) == 0
+
+
+def test_freed_cached_blocks_stay_resident_until_space_is_needed() -> None:
+    pool = BlockPool(4, BS)
+    ids = fill(pool, list(range(8)))
+    assert pool.usage == pytest.approx(0.5)
+    pool.free(ids)
+    assert pool.usage == 0.0
+    assert pool.num_cached == 2
+    # Two empty blocks are reused before any cached one is evicted.
+    got = pool.allocate(2)
+    assert got is not None and not set(got) & set(ids)
+    assert pool.num_cached == 2
+    pool.drain_events()
+    pool.allocate(1)
+    removed = pool.drain_events()
+    assert removed == [BlockRemoved(engine_hashes=(chain(list(range(8)))[1],))]
+
+
+def test_eviction_takes_the_least_recently_freed_chain_tail_first() -> None:
+    pool = BlockPool(4, BS)
+    a = fill(pool, [1] * 8)
+    b = fill(pool, [2] * 8)
+    pool.free(a)
+    pool.free(b)
+    pool.drain_events()
+    assert pool.allocate(1) is not None
+    (event,) = pool.drain_events()
+    assert isinstance(event, BlockRemoved)
+    assert event.engine_hashes == (chain([1] * 8)[1],)  # a's tail, not its head
+    assert pool.match_prefix(chain([1] * 8)) == 1
+    assert pool.match_prefix(chain([2] * 8)) == 2
+
+
+def test_referenced_blocks_are_never_evicted() -> None:
+    pool = BlockPool(2, BS)
+    fill(pool, [5] * 8)
+    assert pool.allocate(1) is None
+    assert pool.num_cached == 2
+
+
+def test_touch_reuses_cached_blocks_and_refcounts_guard_the_free_list() -> None:
+    pool = BlockPool(4, BS)
+    tokens = [3] * 8
+    ids = fill(pool, tokens)
+    pool.free(ids)
+    again = pool.touch(chain(tokens))
+    assert again == ids
+    assert pool.free_after_touch([]) == 2
+    other = pool.touch(chain(tokens))
+    assert [pool.ref_count(b) for b in other] == [2, 2]
+    pool.free(again)
+    pool.free(other)
+    assert pool.num_free == 4
+    with pytest.raises(ValueError):
+        pool.free(other)
+
+
+def test_duplicate_hash_in_another_block_is_not_registered_twice() -> None:
+    pool = BlockPool(4, BS)
+    fill(pool, [4] * 4)
+    pool.drain_events()
+    dup = pool.allocate(1)
+    assert dup is not None
+    h = chain([4] * 4)[0]
+    assert pool.register([NewBlock(dup[0], h, None, (4, 4, 4, 4))]) == []
+    assert pool.drain_events() == []
+    pool.free(dup)
+    assert pool.num_cached == 1
+
+
+def test_insert_copies_blocks_from_elsewhere_and_reports_them_stored() -> None:
+    src = BlockPool(4, BS)
+    tokens = list(range(8))
+    fill(src, tokens)
+    read = src.read(chain(tokens) + [12345])
+    assert read[-1] is None
+    blocks = [b for b in read if b is not None]
+    dst = BlockPool(4, BS)
+    ids = dst.insert(blocks)
+    assert len(ids) == 2
+    assert dst.match_prefix(chain(tokens)) == 2
+    (event,) = dst.drain_events()
+    assert isinstance(event, BlockStored) and event.token_ids == tuple(tokens)
+    # Inserting again references the resident copies instead of allocating.
+    assert dst.insert(blocks) == ids
+    assert dst.num_free == 2
+
+
+def test_insert_stops_when_no_block_is_free() -> None:
+    dst = BlockPool(1, BS)
+    blocks = [CachedBlock(h, None, (0,) * BS) for h in (11, 12)]
+    assert len(dst.insert(blocks)) == 1
+
+
+def test_reset_clears_everything_only_when_idle() -> None:
+    pool = BlockPool(4, BS)
+    ids = fill(pool, [9] * 8)
+    assert not pool.reset()
+    pool.free(ids)
+    pool.drain_events()
+    assert pool.reset()
+    assert pool.num_cached == 0
+    assert pool.drain_events() == [AllBlocksCleared()]

@@ -1,0 +1,162 @@
+"""The official `openai` client, sync, async and streaming, works against the emulated engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from tests.workers.emulator.conftest import StartEmulator
+
+MODEL = "ownerserve-tiny"
+MESSAGES = [
+    {"role": "system", "content": "You are a coding agent."},
+    {"role": "user", "content": "List the files in the repository and explain the layout."},
+]
+
+
+async def test_async_client_chat_completion_has_text_usage_and_is_deterministic(
+    start_emulator: StartEmulator,
+) -> None:
+    server = await start_emulator()
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
+    first = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24)
+    again = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24)
+    assert first.choices[0].message.role == "assistant"
+    assert first.choices[0].message.content
+    assert first.choices[0].finish_reason == "length"
+    assert first.usage is not None and first.usage.completion_tokens == 24
+    assert first.usage.total_tokens == first.usage.prompt_tokens + 24
+    assert again.choices[0].message.content == first.choices[0].message.content
+    other = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=24, seed=7
+    )
+    assert other.choices[0].message.content != first.choices[0].message.content
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    await client.close()
+
+
+async def test_async_streaming_matches_the_non_streamed_text_and_reports_usage(
+    start_emulator: StartEmulator,
+) -> None:
+    server = await start_emulator()
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
+    whole = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40)
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=40,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts: list[str] = []
+    finish = None
+    usage = None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(parts) == whole.choices[0].message.content
+    assert finish == "length"
+    assert usage is not None and usage.completion_tokens == 40
+    await client.close()
+
+
+async def test_natural_end_of_text_finishes_with_stop(start_emulator: StartEmulator) -> None:
+    server = await start_emulator(output_len=12)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
+    resp = await client.chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage is not None and resp.usage.completion_tokens == 13  # 12 + EOS
+    await client.close()
+
+
+async def test_completions_with_n_and_stop_string(start_emulator: StartEmulator) -> None:
+    server = await start_emulator()
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
+    resp = await client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=30, n=3
+    )
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2]
+    texts = [c.text for c in resp.choices]
+    assert len(set(texts)) == 3
+    assert resp.usage is not None and resp.usage.completion_tokens == 90
+    # Cut the first choice at a substring of its own text: the stop string is excluded.
+    word = texts[0].split()[2]
+    cut = await client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=30, stop=[" " + word]
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == texts[0][: texts[0].index(" " + word)]
+    streamed = await client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=30, stop=[" " + word], stream=True
+    )
+    text = ""
+    async for chunk in streamed:
+        text += "".join(c.text for c in chunk.choices)
+    assert text == cut.choices[0].text
+    await client.close()
+
+
+async def test_logprobs_have_openai_shape(start_emulator: StartEmulator) -> None:
+    server = await start_emulator()
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
+    resp = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=2
+    )
+    lp = resp.choices[0].logprobs
+    assert lp is not None and lp.content is not None and len(lp.content) == 5
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lp.content)
+    assert "".join(t.token for t in lp.content) == resp.choices[0].message.content
+    comp = await client.completions.create(model=MODEL, prompt="abc", max_tokens=4, logprobs=1)
+    assert comp.choices[0].logprobs is not None
+    assert len(comp.choices[0].logprobs.tokens or []) == 4
+    await client.close()
+
+
+async def test_tools_are_accepted(start_emulator: StartEmulator) -> None:
+    server = await start_emulator()
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "read_file",
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+            },
+        }
+    ]
+    resp = await client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_completion_tokens=8,
+        tools=tools,  # type: ignore[arg-type]
+        tool_choice="auto",
+    )
+    with_tools = resp.usage.prompt_tokens if resp.usage else 0
+    plain = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8)
+    assert plain.usage is not None and with_tools > plain.usage.prompt_tokens
+    await client.close()
+
+
+@pytest.mark.timeout(60)
+async def test_sync_client_works_unchanged(start_emulator: StartEmulator) -> None:
+    server = await start_emulator()
+
+    def use_sync_client() -> tuple[str, str]:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+        whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16)
+        parts = []
+        for chunk in client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=16, stream=True
+        ):
+            parts.extend(c.delta.content or "" for c in chunk.choices)
+        client.close()
+        return whole.choices[0].message.content or "", "".join(parts)
+
+    whole, streamed = await asyncio.to_thread(use_sync_client)
+    assert whole and whole == streamed

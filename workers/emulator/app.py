@@ -1,0 +1,1010 @@
+"""The emulated engine's HTTP server: vLLM's OpenAI API, SGLang's probes, OwnerServe's KV API.
+
+A plain ASGI application (no framework on the hot path: one dict lookup routes a request, orjson
+writes every body, a stream chunk carries every token produced since the client last read).
+
+| endpoint | what it serves |
+| --- | --- |
+| `POST /v1/chat/completions`, `/v1/completions` | generation, streamed or not, P/D both ways |
+| `GET /v1/models`, `/health`, `/metrics`, `POST /tokenize`, `/detokenize` | as vLLM |
+| `GET /server_info`, `/model_info`, `/get_load` (+ `/get_*` aliases) | SGLang's probes |
+| `GET /kv_blocks`, `POST /reset_prefix_cache` | held block hashes; drop the prefix cache |
+| `POST /ownerserve/kv/pull`, `/ownerserve/kv/read` | a peer pulls held KV (P->D, fetch source) |
+| `POST /ownerserve/kv/fetch` (alias `/ownerserve/fetch`) | pull blocks from `source_url` here |
+
+Every error, wherever raised, leaves as the OpenAI error shape via `ownerserve.errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from ownerserve.errors import (
+    InvalidRequestError,
+    ModelNotFoundError,
+    OwnerServeError,
+    PayloadTooLargeError,
+    error_body_for,
+    openai_error_body,
+)
+from ownerserve.hashing import block_hash_chain, chain_root, hash_block
+from ownerserve.profiles import TimingProfile
+from ownerserve.tokenizer import ChatTemplate, Tokenizer, load_chat_template, load_tokenizer
+from ownerserve.types import Role
+from workers.emulator.config import EmulatorConfig
+from workers.emulator.engine import Engine, SamplingParams, Sequence
+from workers.emulator.kv_cache import BlockPool
+from workers.emulator.kv_events import KVEventPublisher
+from workers.emulator.metrics import EngineMetrics
+from workers.emulator.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_logprobs,
+    completion_logprobs,
+    completion_prompts,
+    parse_chat,
+    parse_completion,
+    stop_strings,
+    usage,
+)
+from workers.emulator.textgen import OutputText, Vocabulary, text_seed
+from workers.emulator.transfer import KVMover
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
+_JSON = [(b"content-type", b"application/json")]
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+_DONE = b"data: [DONE]\n\n"
+
+
+class ClientGoneError(Exception):
+    """The client disconnected while its request body was being read."""
+
+
+class NotFoundError(OwnerServeError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class MethodNotAllowedError(OwnerServeError):
+    status_code = 405
+    error_type = "invalid_request_error"
+
+
+async def send_json(send: Send, status: int, obj: Any) -> None:
+    body = orjson.dumps(obj)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*_JSON, (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_text(send: Send, status: int, text: str, content_type: bytes) -> None:
+    body = text.encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", content_type),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+@dataclass(slots=True)
+class _Generation:
+    """One generation request in flight: its sequences (prompts x n) and how to answer."""
+
+    request_id: str
+    chat: bool
+    model: str
+    created: int
+    prompts: list[list[int]]
+    prompt_texts: list[str]
+    seqs: list[Sequence]
+    notify: asyncio.Event
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    echo: bool
+    hold_key: str | None = None
+    emitted: list[int] = field(default_factory=list)
+    emitted_chars: list[int] = field(default_factory=list)
+
+
+class EmulatorApp:
+    """ASGI app of one emulated engine; `create_app` builds it from an `EmulatorConfig`."""
+
+    def __init__(
+        self,
+        config: EmulatorConfig,
+        *,
+        profile: TimingProfile | None = None,
+        tokenizer: Tokenizer | None = None,
+        chat_template: ChatTemplate | None = None,
+    ) -> None:
+        self.config = config
+        self.profile = profile or config.timing()
+        self.tokenizer = tokenizer or load_tokenizer(config.tokenizer)
+        self.template = chat_template or load_chat_template(config.chat_template)
+        self.vocab = Vocabulary(self.tokenizer)
+        self.worker_id = config.name
+        self.engine_id = f"{self.worker_id}-{uuid.uuid4().hex[:8]}"
+        self.root_hash = chain_root(config.model, config.salt)
+        self.capacity_blocks = config.capacity_blocks(self.profile)
+        self.metrics = EngineMetrics(
+            config.model, self.worker_id, config.role.value, self.profile.name
+        )
+        self.pool = BlockPool(self.capacity_blocks, config.block_size)
+        self.engine = Engine(
+            self.profile,
+            self.pool,
+            self.metrics,
+            root_hash=self.root_hash,
+            speed=config.speed,
+            max_num_seqs=config.max_num_seqs,
+            max_batched_tokens=config.max_batched_tokens,
+            transfer_timeout_s=config.transfer_timeout_s,
+            publish=self._publish,
+        )
+        self.mover = KVMover(self.engine, config.node, self.worker_id)
+        self.publisher: KVEventPublisher | None = None
+        self._started = False
+        self.routes: dict[tuple[str, str], Handler] = {}
+        for method, path, handler in (
+            ("POST", "/v1/chat/completions", self.chat_completions),
+            ("POST", "/v1/completions", self.completions),
+            ("GET", "/v1/models", self.models),
+            ("GET", "/health", self.health),
+            ("GET", "/health_generate", self.health),
+            ("GET", "/ping", self.health),
+            ("GET", "/metrics", self.prometheus),
+            ("GET", "/version", self.version),
+            ("POST", "/tokenize", self.tokenize),
+            ("POST", "/detokenize", self.detokenize),
+            ("GET", "/server_info", self.server_info),
+            ("GET", "/get_server_info", self.server_info),
+            ("GET", "/model_info", self.model_info),
+            ("GET", "/get_model_info", self.model_info),
+            ("GET", "/get_load", self.get_load),
+            ("GET", "/kv_blocks", self.kv_blocks),
+            ("POST", "/reset_prefix_cache", self.reset_prefix_cache),
+            ("POST", "/ownerserve/kv/pull", self.kv_pull),
+            ("POST", "/ownerserve/kv/read", self.kv_read),
+            ("POST", "/ownerserve/kv/fetch", self.kv_fetch),
+            ("POST", "/ownerserve/fetch", self.kv_fetch),
+        ):
+            self.routes[(method, path)] = handler
+        self._paths = {p for _m, p in self.routes}
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def startup(self) -> None:
+        """Bind the KV event publisher and start the engine (idempotent; needs a running loop)."""
+        if self._started:
+            return
+        self._started = True
+        c = self.config
+        if c.kv_events_port is not None and self.publisher is None:
+            replay = None
+            if c.kv_events_replay_port is not None:
+                replay = f"tcp://{c.kv_events_host}:{c.kv_events_replay_port}"
+            self.publisher = KVEventPublisher(
+                f"tcp://{c.kv_events_host}:{c.kv_events_port}",
+                topic=c.kv_events_topic,
+                replay_endpoint=replay,
+            )
+            self.publisher.start()
+        self.engine.start()
+
+    async def shutdown(self) -> None:
+        await self.engine.close()
+        await self.mover.close()
+        if self.publisher is not None:
+            self.engine.flush_events()
+            await self.publisher.close()
+            self.publisher = None
+        self._started = False
+
+    def _publish(self, events: list[Any]) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(events)
+            self.metrics.kv_events_published += 1
+
+    # --- ASGI ----------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    self.startup()
+                except Exception as exc:
+                    await send({"type": "lifespan.startup.failed", "message": repr(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self._started:
+            self.startup()
+        started = False
+
+        async def tracked(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        path = scope["path"]
+        handler = self.routes.get((scope["method"], path))
+        try:
+            if handler is None:
+                if path in self._paths:
+                    raise MethodNotAllowedError(f"method {scope['method']} not allowed on {path}")
+                raise NotFoundError(f"no route {path}")
+            await handler(scope, receive, tracked)
+        except ClientGoneError:
+            return
+        except OwnerServeError as exc:
+            if not started:
+                await send_json(send, exc.status_code, error_body_for(exc))
+        except Exception as exc:  # the server must answer, not crash
+            log.exception("unhandled error on %s", path)
+            if not started:
+                body = openai_error_body(f"internal error: {exc!r}", "internal_error")
+                await send_json(send, 500, body)
+
+    async def _body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.config.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    raise InvalidRequestError("bad content-length header") from None
+                if declared > limit:
+                    raise PayloadTooLargeError(f"request body of {declared} bytes exceeds {limit}")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGoneError
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _json_body(self, scope: Scope, receive: Receive) -> dict[str, Any]:
+        raw = await self._body(scope, receive)
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequestError(f"malformed JSON body: {exc}") from None
+        if not isinstance(data, dict):
+            raise InvalidRequestError("request body must be a JSON object")
+        return data
+
+    def _check_model(self, model: str | None) -> str:
+        if model is None or model == self.config.model:
+            return self.config.model
+        raise ModelNotFoundError(f"The model `{model}` does not exist.")
+
+    # --- generation ----------------------------------------------------------------------------
+
+    async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        req = parse_chat(await self._json_body(scope, receive))
+        model = self._check_model(req.model)
+        text = self.template.render(
+            req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt
+        )
+        ids = self.tokenizer.encode(text)
+        top = None
+        if req.logprobs:
+            top = req.top_logprobs or 0
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        await self._generate(
+            receive, send, req, True, model, [ids], [text], max_tokens, top, echo=False
+        )
+
+    async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        req = parse_completion(await self._json_body(scope, receive))
+        model = self._check_model(req.model)
+        prompts: list[list[int]] = []
+        texts: list[str] = []
+        for p in completion_prompts(req):
+            if isinstance(p, str):
+                prompts.append(self.tokenizer.encode(p))
+                texts.append(p)
+            else:
+                if any(t < 0 or t >= self.tokenizer.vocab_size for t in p):
+                    raise InvalidRequestError("prompt: token id out of vocabulary")
+                prompts.append(p)
+                texts.append(self.tokenizer.decode(p) if req.echo else "")
+        await self._generate(
+            receive,
+            send,
+            req,
+            False,
+            model,
+            prompts,
+            texts,
+            req.max_tokens,
+            req.logprobs,
+            echo=req.echo,
+        )
+
+    def _params(
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        prompt_len: int,
+        max_tokens: int | None,
+    ) -> SamplingParams:
+        c = self.config
+        room = c.max_model_len - prompt_len
+        if prompt_len == 0:
+            raise InvalidRequestError("prompt: must contain at least one token")
+        if room <= 0 or (max_tokens is not None and max_tokens > room):
+            asked = prompt_len + (max_tokens or 0)
+            raise InvalidRequestError(
+                f"This model's maximum context length is {c.max_model_len} tokens. However, you "
+                f"requested {asked} tokens ({prompt_len} in the messages, {max_tokens or 0} in "
+                "the completion). Please reduce the length of the messages or completion."
+            )
+        fits = self.capacity_blocks * c.block_size - prompt_len
+        if fits <= 0:
+            raise InvalidRequestError(
+                f"prompt of {prompt_len} tokens does not fit this worker's KV cache "
+                f"({self.capacity_blocks} blocks of {c.block_size})"
+            )
+        limit = min(max_tokens if max_tokens is not None else room, fits)
+        return SamplingParams(
+            max_tokens=limit,
+            min_tokens=min(req.min_tokens, limit),
+            ignore_eos=req.ignore_eos,
+            stop=stop_strings(req.stop),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+
+    async def _generate(
+        self,
+        receive: Receive,
+        send: Send,
+        req: ChatCompletionRequest | CompletionRequest,
+        chat: bool,
+        model: str,
+        prompts: list[list[int]],
+        prompt_texts: list[str],
+        max_tokens: int | None,
+        logprobs: int | None,
+        *,
+        echo: bool,
+    ) -> None:
+        c = self.config
+        arrival = time.perf_counter()
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        ktp = req.kv_transfer_params or {}
+        remote_decode = bool(ktp.get("do_remote_decode"))
+        remote_prefill = bool(ktp.get("do_remote_prefill"))
+        room = req.bootstrap_room
+        sglang_prefill = room is not None and c.role == Role.PREFILL
+        sglang_decode = room is not None and c.role == Role.DECODE
+        hold_key: str | None = None
+        if remote_decode or sglang_prefill:
+            if len(prompts) != 1 or req.n != 1:
+                raise InvalidRequestError("a prefill for remote decode takes one prompt and n=1")
+            max_tokens = 1
+            hold_key = f"room:{room}" if sglang_prefill else f"req:{request_id}"
+        if remote_prefill and sglang_decode:
+            raise InvalidRequestError("kv_transfer_params and bootstrap_room are exclusive")
+        params = [self._params(req, len(p), max_tokens) for p in prompts]
+
+        bs = c.block_size
+        hashes = [block_hash_chain(p, bs, self.root_hash) for p in prompts]
+        pinned: list[int] = []
+        external = 0
+        if remote_prefill or sglang_decode:
+            if len(prompts) != 1:
+                raise InvalidRequestError("a remote-prefilled decode takes one prompt")
+            try:
+                pulled = await self._pull(req, ktp, prompts[0], hashes[0], sglang_decode)
+            except OwnerServeError:
+                if hold_key is not None:
+                    self.engine.holds.fail(hold_key, "request rejected")
+                raise
+            pinned = pulled.pinned_blocks
+            external = pulled.received_blocks * bs
+
+        notify = asyncio.Event()
+        seqs: list[Sequence] = []
+        for i, (p, h, sp) in enumerate(zip(prompts, hashes, params, strict=True)):
+            prompt_key = hash_block(self.root_hash, p)
+            natural = sp.max_tokens if sp.ignore_eos else max(c.output_len, sp.min_tokens + 1)
+            for j in range(req.n):
+                seq = Sequence(
+                    request_id,
+                    i * req.n + j,
+                    p,
+                    h,
+                    sp,
+                    OutputText(self.vocab, text_seed(prompt_key, req.seed, j), natural),
+                    notify,
+                    arrival,
+                )
+                seqs.append(seq)
+        seqs[0].pinned = pinned
+        seqs[0].external_tokens = external
+        seqs[0].hold_key = hold_key
+
+        gen = _Generation(
+            request_id=request_id,
+            chat=chat,
+            model=model,
+            created=int(time.time()),
+            prompts=prompts,
+            prompt_texts=prompt_texts,
+            seqs=seqs,
+            notify=notify,
+            stream=bool(req.stream),
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            logprobs=logprobs,
+            echo=echo,
+            hold_key=hold_key,
+            emitted=[0] * len(seqs),
+            emitted_chars=[0] * len(seqs),
+        )
+        engine = self.engine
+        watcher = asyncio.ensure_future(receive())
+
+        def on_disconnect(task: asyncio.Future[dict[str, Any]]) -> None:
+            if task.cancelled():
+                return
+            for seq in seqs:
+                engine.abort(seq)
+
+        watcher.add_done_callback(on_disconnect)
+        try:
+            for seq in seqs:
+                engine.submit(seq)
+            if gen.stream:
+                await self._stream(gen, send)
+            else:
+                await self._respond(gen, send)
+        finally:
+            watcher.remove_done_callback(on_disconnect)
+            watcher.cancel()
+            for seq in seqs:
+                if not seq.finished:
+                    engine.abort(seq)
+
+    async def _pull(
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        ktp: dict[str, Any],
+        prompt: list[int],
+        hashes: list[int],
+        sglang: bool,
+    ) -> Any:
+        c = self.config
+        if sglang:
+            host = req.bootstrap_host
+            if not host:
+                raise InvalidRequestError("bootstrap_room given without bootstrap_host")
+            port = req.bootstrap_port or SGLANG_DEFAULT_BOOTSTRAP_PORT
+            return await self.mover.pull_prefix(
+                prompt,
+                hashes,
+                f"http://{host}:{port}",
+                f"room:{req.bootstrap_room}",
+                wait_s=c.transfer_timeout_s,
+                engine_id=None,
+                what=f"bootstrap room {req.bootstrap_room}",
+            )
+        missing = [k for k in ("remote_host", "remote_port", "remote_request_id") if not ktp.get(k)]
+        if missing:
+            raise InvalidRequestError(
+                f"kv_transfer_params: do_remote_prefill needs {', '.join(missing)}"
+            )
+        return await self.mover.pull_prefix(
+            prompt,
+            hashes,
+            f"http://{ktp['remote_host']}:{int(ktp['remote_port'])}",
+            f"req:{ktp['remote_request_id']}",
+            wait_s=0.0,
+            engine_id=ktp.get("remote_engine_id"),
+            what="kv_transfer_params",
+        )
+
+    def _transfer_params(self, gen: _Generation) -> dict[str, Any] | None:
+        if gen.hold_key is None or not gen.hold_key.startswith("req:"):
+            return None
+        hold = self.engine.holds.get(gen.hold_key)
+        if hold is None:
+            return None
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": hold.block_ids,
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.config.public_host,
+            "remote_port": self.config.port,
+            "remote_request_id": gen.request_id,
+            "tp_size": 1,
+        }
+
+    def _usage(self, gen: _Generation) -> dict[str, Any]:
+        prompt_tokens = sum(len(p) for p in gen.prompts)
+        completion = sum(len(s.out_ids) for s in gen.seqs)
+        n = len(gen.seqs) // len(gen.prompts)
+        cached = sum(max(0, gen.seqs[i * n].cached_tokens) for i in range(len(gen.prompts)))
+        return usage(prompt_tokens, completion, cached)
+
+    async def _respond(self, gen: _Generation, send: Send) -> None:
+        seqs = gen.seqs
+        while not all(s.finished for s in seqs):
+            await gen.notify.wait()
+            gen.notify.clear()
+        if any(s.finish_reason == "abort" for s in seqs):
+            return  # the client is gone
+        choices = []
+        n = len(seqs) // len(gen.prompts)
+        for seq in seqs:
+            text = seq.output_text()
+            choice: dict[str, Any] = {"index": seq.index}
+            if gen.chat:
+                choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+                choice["logprobs"] = (
+                    chat_logprobs(seq.out_ids, seq.pieces, gen.logprobs)
+                    if gen.logprobs is not None
+                    else None
+                )
+            else:
+                prefix = gen.prompt_texts[seq.index // n] if gen.echo else ""
+                choice["text"] = prefix + text
+                choice["logprobs"] = (
+                    completion_logprobs(seq.out_ids, seq.pieces, gen.logprobs, len(prefix))
+                    if gen.logprobs is not None
+                    else None
+                )
+            choice["finish_reason"] = seq.finish_reason
+            choice["stop_reason"] = seq.stop_reason
+            choices.append(choice)
+        body = {
+            "id": gen.request_id,
+            "object": "chat.completion" if gen.chat else "text_completion",
+            "created": gen.created,
+            "model": gen.model,
+            "choices": choices,
+            "usage": self._usage(gen),
+        }
+        ktp = self._transfer_params(gen)
+        if ktp is not None:
+            body["kv_transfer_params"] = ktp
+        await send_json(send, 200, body)
+
+    def _new_output(self, gen: _Generation, k: int, seq: Sequence) -> tuple[str, int, int]:
+        """Text not yet sent for choice `k`, and the token range it covers."""
+        start = gen.emitted[k]
+        end = len(seq.out_ids)
+        if not seq.params.stop:
+            text = "".join(seq.pieces[start:end])
+            gen.emitted[k] = end
+            return text, start, end
+        full = seq.output_text()
+        limit = len(full)
+        if not seq.finished:
+            limit -= max(len(s) for s in seq.params.stop) - 1
+        sent = gen.emitted_chars[k]
+        if limit <= sent:
+            return "", start, start
+        gen.emitted_chars[k] = limit
+        gen.emitted[k] = end
+        return full[sent:limit], start, end
+
+    async def _stream(self, gen: _Generation, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        rid, created, model = gen.request_id, gen.created, gen.model
+        obj = "chat.completion.chunk" if gen.chat else "text_completion"
+        seqs = gen.seqs
+        n = len(seqs) // len(gen.prompts)
+        out = bytearray()
+        if gen.chat:
+            for seq in seqs:
+                role = {"role": "assistant", "content": ""}
+                first = {"index": seq.index, "delta": role, "logprobs": None, "finish_reason": None}
+                out += _sse(
+                    {
+                        "id": rid,
+                        "object": obj,
+                        "created": created,
+                        "model": model,
+                        "choices": [first],
+                    }
+                )
+        elif gen.echo:
+            for seq in seqs:
+                first = {
+                    "index": seq.index,
+                    "text": gen.prompt_texts[seq.index // n],
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                out += _sse(
+                    {
+                        "id": rid,
+                        "object": obj,
+                        "created": created,
+                        "model": model,
+                        "choices": [first],
+                    }
+                )
+        if out:
+            await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
+        done = [False] * len(seqs)
+        while True:
+            await gen.notify.wait()
+            gen.notify.clear()
+            out = bytearray()
+            for k, seq in enumerate(seqs):
+                if done[k]:
+                    continue
+                if seq.finish_reason == "abort":
+                    return
+                text, lo, hi = self._new_output(gen, k, seq)
+                finished = seq.finished
+                if not text and not finished:
+                    continue
+                choice: dict[str, Any] = {"index": seq.index}
+                lp = None
+                if gen.logprobs is not None and hi > lo:
+                    ids, pieces = seq.out_ids[lo:hi], seq.pieces[lo:hi]
+                    lp = (
+                        chat_logprobs(ids, pieces, gen.logprobs)
+                        if gen.chat
+                        else completion_logprobs(ids, pieces, gen.logprobs, 0)
+                    )
+                if gen.chat:
+                    choice["delta"] = {"content": text} if text else {}
+                else:
+                    choice["text"] = text
+                choice["logprobs"] = lp
+                choice["finish_reason"] = seq.finish_reason if finished else None
+                if finished:
+                    choice["stop_reason"] = seq.stop_reason
+                    done[k] = True
+                out += _sse(
+                    {
+                        "id": rid,
+                        "object": obj,
+                        "created": created,
+                        "model": model,
+                        "choices": [choice],
+                    }
+                )
+            last = all(done)
+            if last:
+                if gen.include_usage:
+                    out += _sse(
+                        {
+                            "id": rid,
+                            "object": obj,
+                            "created": created,
+                            "model": model,
+                            "choices": [],
+                            "usage": self._usage(gen),
+                        }
+                    )
+                out += _DONE
+            if out:
+                more = not last
+                await send({"type": "http.response.body", "body": bytes(out), "more_body": more})
+            if last:
+                return
+
+    # --- small endpoints -----------------------------------------------------------------------
+
+    async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        c = self.config
+        card = {
+            "id": c.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "ownerserve-emulator",
+            "root": c.model,
+            "parent": None,
+            "max_model_len": c.max_model_len,
+        }
+        await send_json(send, 200, {"object": "list", "data": [card]})
+
+    async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]}
+        )
+        await send({"type": "http.response.body", "body": b""})
+
+    async def version(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, {"version": "0.1.0-ownerserve-emulator"})
+
+    def gauges(self) -> dict[str, float]:
+        pool = self.pool
+        return {
+            "running": self.engine.num_running,
+            "waiting": self.engine.num_waiting,
+            "kv_usage": pool.usage,
+            "blocks_held": pool.num_cached,
+            "blocks_in_use": pool.num_blocks - pool.num_free,
+            "capacity": pool.num_blocks,
+            "block_bytes": self.config.block_size * self.profile.kv_bytes_per_token,
+            "evicted": pool.evicted_blocks,
+            "held_transfers": len(self.engine.holds),
+        }
+
+    async def prometheus(self, scope: Scope, receive: Receive, send: Send) -> None:
+        text = self.metrics.render(self.gauges)
+        await send_text(send, 200, text, b"text/plain; version=0.0.4; charset=utf-8")
+
+    async def tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._json_body(scope, receive)
+        self._check_model(body.get("model"))
+        if "messages" in body:
+            messages = body["messages"]
+            if not isinstance(messages, list):
+                raise InvalidRequestError("messages: must be a list")
+            text = self.template.render(
+                messages,
+                tools=body.get("tools"),
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+            )
+        elif isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+        else:
+            raise InvalidRequestError("tokenize needs 'prompt' (a string) or 'messages'")
+        ids = self.tokenizer.encode(text)
+        await send_json(
+            send,
+            200,
+            {
+                "count": len(ids),
+                "max_model_len": self.config.max_model_len,
+                "tokens": ids,
+                "token_strs": None,
+            },
+        )
+
+    async def detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._json_body(scope, receive)
+        self._check_model(body.get("model"))
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise InvalidRequestError("tokens: must be a list of token ids")
+        await send_json(send, 200, {"prompt": self.tokenizer.decode(tokens)})
+
+    def _disaggregation_mode(self) -> str:
+        return {Role.PREFILL: "prefill", Role.DECODE: "decode"}.get(self.config.role, "null")
+
+    async def server_info(self, scope: Scope, receive: Receive, send: Send) -> None:
+        c = self.config
+        # No model_path/tokenizer_path: sglang-router would try to download that tokenizer.
+        info = {
+            "served_model_name": c.model,
+            "disaggregation_mode": self._disaggregation_mode(),
+            "disaggregation_bootstrap_port": c.bootstrap_port,
+            "dp_size": 1,
+            "tp_size": 1,
+            "page_size": c.block_size,
+            "max_total_num_tokens": self.capacity_blocks * c.block_size,
+            "max_running_requests": self.engine.max_num_seqs,
+            "chunked_prefill_size": self.engine.max_batched_tokens,
+            "context_length": c.max_model_len,
+            "internal_states": [{"last_gen_throughput": 0.0}],
+            "version": "0.1.0-ownerserve-emulator",
+            "worker_id": self.worker_id,
+            "role": c.role.value,
+        }
+        await send_json(send, 200, info)
+
+    async def model_info(self, scope: Scope, receive: Receive, send: Send) -> None:
+        c = self.config
+        info = {
+            "served_model_name": c.model,
+            "is_generation": True,
+            "max_model_len": c.max_model_len,
+            "max_req_input_len": c.max_model_len,
+        }
+        await send_json(send, 200, info)
+
+    async def get_load(self, scope: Scope, receive: Receive, send: Send) -> None:
+        e = self.engine
+        tokens = sum(s.num_tokens for s in e.running)
+        await send_json(
+            send,
+            200,
+            {
+                "load": e.num_running + e.num_waiting,
+                "num_reqs": e.num_running,
+                "num_waiting_reqs": e.num_waiting,
+                "num_tokens": tokens,
+                "kv_cache_usage": self.pool.usage,
+            },
+        )
+
+    async def kv_blocks(self, scope: Scope, receive: Receive, send: Send) -> None:
+        c = self.config
+        await send_json(
+            send,
+            200,
+            {
+                "worker_id": self.worker_id,
+                "model": c.model,
+                "node": c.node,
+                "block_size": c.block_size,
+                "capacity_blocks": self.capacity_blocks,
+                "block_bytes": c.block_size * self.profile.kv_bytes_per_token,
+                "blocks_held": self.pool.num_cached,
+                "block_hashes": self.pool.cached_hashes(),
+            },
+        )
+
+    async def reset_prefix_cache(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._body(scope, receive)
+        if not self.pool.reset():
+            raise InvalidRequestError("cannot reset the prefix cache while requests hold blocks")
+        self.engine.flush_events()
+        await send_json(send, 200, {"status": "ok"})
+
+    # --- the worker-side KV API ------------------------------------------------------------------
+
+    @staticmethod
+    def _hash_list(body: dict[str, Any], key: str = "block_hashes") -> list[int]:
+        value = body.get(key)
+        if not isinstance(value, list) or not all(
+            isinstance(h, int) and 0 <= h < 1 << 64 for h in value
+        ):
+            raise InvalidRequestError(f"{key}: must be a list of unsigned 64-bit block hashes")
+        return value
+
+    async def kv_pull(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A decode side takes the KV a prefill here holds for it (then the hold is released)."""
+        body = await self._json_body(scope, receive)
+        key = body.get("transfer_id")
+        if not isinstance(key, str) or not key:
+            raise InvalidRequestError("transfer_id: required")
+        wanted = self._hash_list(body)
+        engine_id = body.get("engine_id")
+        if engine_id is not None and engine_id != self.engine_id:
+            raise NotFoundError(
+                f"stale kv_transfer_params: engine {engine_id!r} is not this worker's "
+                f"(now {self.engine_id!r}; restarted?)"
+            )
+        try:
+            wait_s = min(float(body.get("wait_s") or 0.0), self.config.transfer_timeout_s)
+        except (TypeError, ValueError):
+            raise InvalidRequestError("wait_s: must be a number") from None
+        holds = self.engine.holds
+        hold = await holds.wait(key, wait_s)
+        if hold is None:
+            reason = holds.failure(key)
+            if reason is not None:
+                raise InvalidRequestError(f"transfer {key!r}: {reason}")
+            raise NotFoundError(
+                f"transfer {key!r} is unknown or expired on worker {self.worker_id!r}"
+            )
+        try:
+            held = set(hold.block_hashes)
+            served: list[int] = []
+            for h in wanted:
+                if h not in held:
+                    break
+                served.append(h)
+        finally:
+            self.pool.free(hold.block_ids)
+        nbytes = len(served) * self.config.block_size * self.profile.kv_bytes_per_token
+        self.metrics.kv_sent_bytes["pd"] += nbytes
+        self.metrics.kv_sent_blocks["pd"] += len(served)
+        await send_json(
+            send,
+            200,
+            {
+                "worker_id": self.worker_id,
+                "node": self.config.node,
+                "block_hashes": served,
+                "num_bytes": nbytes,
+            },
+        )
+
+    async def kv_read(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Another worker copies cached blocks from here (artifact fetch source side)."""
+        body = await self._json_body(scope, receive)
+        wanted = self._hash_list(body)
+        blocks = []
+        missing = []
+        for h, b in zip(wanted, self.pool.read(wanted), strict=True):
+            if b is None:
+                missing.append(h)
+            else:
+                blocks.append({"hash": h, "parent": b.parent_hash, "token_ids": b.token_ids})
+        nbytes = len(blocks) * self.config.block_size * self.profile.kv_bytes_per_token
+        self.metrics.kv_sent_bytes["fetch"] += nbytes
+        self.metrics.kv_sent_blocks["fetch"] += len(blocks)
+        await send_json(
+            send,
+            200,
+            {
+                "worker_id": self.worker_id,
+                "node": self.config.node,
+                "blocks": blocks,
+                "missing": missing,
+                "num_bytes": nbytes,
+            },
+        )
+
+    async def kv_fetch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pull `block_hashes` from the worker at `source_url` into this worker's cache."""
+        body = await self._json_body(scope, receive)
+        source = body.get("source_url")
+        if not isinstance(source, str) or not source.startswith(("http://", "https://")):
+            raise InvalidRequestError("source_url: must be an http(s) URL")
+        hashes = self._hash_list(body)
+        if body.get("model") is not None:
+            self._check_model(body["model"])
+        block_size = body.get("block_size")
+        if block_size is not None and block_size != self.config.block_size:
+            raise InvalidRequestError(
+                f"block_size: {block_size} differs from this worker's {self.config.block_size}"
+            )
+        result = await self.mover.fetch(source, hashes, self.config.transfer_timeout_s)
+        await send_json(send, 200, result.as_json())
+
+
+def create_app(config: EmulatorConfig | None = None, **overrides: Any) -> EmulatorApp:
+    """The ASGI app of one emulated engine (`overrides` are `EmulatorConfig` fields)."""
+    base = config or EmulatorConfig()
+    if overrides:
+        from dataclasses import replace
+
+        base = replace(base, **overrides)
+    return EmulatorApp(base)

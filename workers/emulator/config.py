@@ -1,0 +1,148 @@
+"""What one emulated engine is: its role, model, timing profile, cache size and ports.
+
+`EmulatorConfig` is built from the command line (`add_arguments` / `config_from_args`, shared by
+`python -m workers.emulator` and `ownerserve worker emulate`) or directly by tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from ownerserve.errors import ConfigError
+from ownerserve.profiles import TimingProfile, load_profile
+from ownerserve.types import Role
+
+DEFAULT_MODEL = "ownerserve-tiny"
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatorConfig:
+    """Settings of one emulated engine; `None` sizes come from the timing profile."""
+
+    role: Role = Role.HYBRID
+    model: str = DEFAULT_MODEL
+    profile: str = "fast-test"
+    speed: float = 1.0
+    host: str = "127.0.0.1"
+    port: int = 8100
+    advertise_host: str | None = None
+    worker_id: str | None = None
+    node: str = "node0"
+    tokenizer: str = "byte"
+    chat_template: str | None = None
+    salt: str = ""
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_batched_tokens: int | None = None
+    max_model_len: int = 131072
+    output_len: int = 128
+    """Tokens the emulated model writes before its end-of-sequence token (unless `max_tokens`)."""
+    bootstrap_port: int | None = None
+    kv_events_port: int | None = None
+    kv_events_host: str = "127.0.0.1"
+    kv_events_topic: str = ""
+    kv_events_replay_port: int | None = None
+    transfer_timeout_s: float = 30.0
+    """How long a decode side waits for its prefill's KV (SGLang room) and how long a prefill
+    side holds blocks for a decode that has not pulled them yet."""
+    max_body_bytes: int = 32 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.speed <= 0:
+            raise ConfigError(f"--speed must be positive, got {self.speed}")
+        if self.block_size <= 0:
+            raise ConfigError(f"--block-size must be positive, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ConfigError(f"--num-blocks must be positive, got {self.num_blocks}")
+        if self.transfer_timeout_s <= 0:
+            raise ConfigError("--transfer-timeout-s must be positive")
+
+    @property
+    def name(self) -> str:
+        """The worker's id: `--worker-id`, else `<role>-<port>`."""
+        return self.worker_id or f"{self.role.value}-{self.port}"
+
+    @property
+    def public_host(self) -> str:
+        """The host other workers use to reach this one (KV pulls)."""
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+
+    def timing(self) -> TimingProfile:
+        return load_profile(self.profile)
+
+    def capacity_blocks(self, profile: TimingProfile) -> int:
+        """KV capacity in blocks: `--num-blocks`, else HBM for KV / bytes per block."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        per_block = profile.kv_bytes_per_token * self.block_size
+        return max(1, int(profile.hbm_kv_bytes // per_block))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The emulated engine's command-line options."""
+    d = EmulatorConfig()
+    parser.add_argument("--role", choices=[r.value for r in Role], default=d.role.value)
+    parser.add_argument("--port", type=int, default=d.port, help="HTTP port (OpenAI API)")
+    parser.add_argument("--host", default=d.host, help="bind address")
+    parser.add_argument(
+        "--advertise-host", default=None, help="host peers use to pull KV (default: --host)"
+    )
+    parser.add_argument("--profile", default=d.profile, help="timing profile name or YAML path")
+    parser.add_argument(
+        "--speed", type=float, default=d.speed, help="emulated time runs this many times faster"
+    )
+    parser.add_argument("--model", default=d.model, help="served model name")
+    parser.add_argument("--worker-id", default=None, help="id in metrics and KV events")
+    parser.add_argument("--node", default=d.node, help="node name (same node: faster KV links)")
+    parser.add_argument("--tokenizer", default=d.tokenizer, help="'byte' or a tokenizer.json path")
+    parser.add_argument("--chat-template", default=None, help="Jinja chat template file")
+    parser.add_argument("--salt", default=d.salt, help="block-hash chain salt")
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV capacity in blocks")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument(
+        "--output-len", type=int, default=d.output_len, help="natural output length in tokens"
+    )
+    parser.add_argument("--bootstrap-port", type=int, default=None, help="SGLang PD bootstrap")
+    parser.add_argument("--kv-events-port", type=int, default=None, help="ZMQ PUB port")
+    parser.add_argument("--kv-events-host", default=d.kv_events_host)
+    parser.add_argument("--kv-events-topic", default=d.kv_events_topic)
+    parser.add_argument("--kv-events-replay-port", type=int, default=None, help="ZMQ ROUTER port")
+    parser.add_argument("--transfer-timeout-s", type=float, default=d.transfer_timeout_s)
+    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+
+
+def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
+    return EmulatorConfig(
+        role=Role(args.role),
+        model=args.model,
+        profile=args.profile,
+        speed=args.speed,
+        host=args.host,
+        port=args.port,
+        advertise_host=args.advertise_host,
+        worker_id=args.worker_id,
+        node=args.node,
+        tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
+        salt=args.salt,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        output_len=args.output_len,
+        bootstrap_port=args.bootstrap_port,
+        kv_events_port=args.kv_events_port,
+        kv_events_host=args.kv_events_host,
+        kv_events_topic=args.kv_events_topic,
+        kv_events_replay_port=args.kv_events_replay_port,
+        transfer_timeout_s=args.transfer_timeout_s,
+        max_body_bytes=args.max_body_bytes,
+    )

@@ -1,0 +1,219 @@
+"""KV movement between emulated engines: P->D pulls and artifact fetches, over real HTTP.
+
+No KV bytes travel: a pull asks the source for the blocks it holds (hashes, and token ids for a
+fetch), then the receiver sleeps `link.transfer_s(bytes)` / speed and inserts the blocks in its
+cache, so they show up in its prefix cache, its KV events and its byte counters.
+
+- P->D (vLLM style): the decode side calls `POST {remote}/ownerserve/kv/pull` with the prefill's
+  `remote_request_id`; the prefill side answers with the held blocks and releases them.
+- P->D (SGLang style): the same call to the prefill's bootstrap port with the `bootstrap_room`;
+  the prefill side waits up to the transfer timeout for that room's prefill to finish.
+- Artifact fetch: the destination calls `POST {source}/ownerserve/kv/read` for chosen hashes.
+
+The decode side pulls only blocks it does not already hold, as vLLM's NIXL connector does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+from ownerserve.errors import InvalidRequestError, UpstreamError
+from workers.emulator.engine import Engine
+from workers.emulator.kv_cache import CachedBlock
+
+PULL_PATH = "/ownerserve/kv/pull"
+READ_PATH = "/ownerserve/kv/read"
+CONNECT_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class PulledPrefix:
+    """What a pull left in the decode side's cache for one request."""
+
+    pinned_blocks: list[int]
+    local_blocks: int
+    received_blocks: int
+    received_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    requested: int
+    already_held: int
+    fetched: int
+    missing: list[int]
+    bytes: int
+    seconds: float
+    source_node: str | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "requested": self.requested,
+            "already_held": self.already_held,
+            "fetched": self.fetched,
+            "missing": self.missing,
+            "bytes": self.bytes,
+            "seconds": self.seconds,
+            "source_node": self.source_node,
+        }
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        body = orjson.loads(resp.content)
+        return str(body["error"]["message"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return resp.text[:200]
+
+
+class KVMover:
+    """The receiving side of KV movement for one engine."""
+
+    def __init__(self, engine: Engine, node: str, worker_id: str) -> None:
+        self.engine = engine
+        self.node = node
+        self.worker_id = worker_id
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def block_bytes(self) -> int:
+        return self.engine.block_size * self.engine.profile.kv_bytes_per_token
+
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
+                limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+            )
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def _post(
+        self, url: str, body: dict[str, Any], timeout_s: float, what: str
+    ) -> dict[str, Any]:
+        try:
+            resp = await self.client().post(
+                url,
+                content=orjson.dumps(body),
+                headers={"content-type": "application/json"},
+                timeout=httpx.Timeout(timeout_s + 5.0, connect=CONNECT_TIMEOUT_S),
+            )
+        except httpx.HTTPError as exc:
+            self.engine.metrics.transfers_failed += 1
+            raise InvalidRequestError(f"{what}: cannot reach {url}: {exc!r}") from None
+        if resp.status_code != 200:
+            self.engine.metrics.transfers_failed += 1
+            raise InvalidRequestError(
+                f"{what}: {url} answered {resp.status_code}: {_error_message(resp)}"
+            )
+        data = orjson.loads(resp.content)
+        if not isinstance(data, dict):
+            raise InvalidRequestError(f"{what}: {url} answered a non-object")
+        return data
+
+    async def _transfer_sleep(self, nbytes: int, source_node: str | None) -> float:
+        link = self.engine.profile.link
+        seconds = link.transfer_s(nbytes, same_node=source_node == self.node)
+        if seconds > 0:
+            await asyncio.sleep(seconds / self.engine.speed)
+        return seconds
+
+    async def pull_prefix(
+        self,
+        prompt_ids: list[int],
+        prompt_hashes: list[int],
+        source_url: str,
+        transfer_id: str,
+        *,
+        wait_s: float,
+        engine_id: str | None,
+        what: str,
+    ) -> PulledPrefix:
+        """Make the prompt's prefix computed by the prefill side resident here, pinned."""
+        engine = self.engine
+        pool = engine.pool
+        bs = engine.block_size
+        chain = prompt_hashes[: (len(prompt_ids) - 1) // bs]
+        local = pool.match_prefix(chain)
+        pinned = pool.touch(chain[:local])
+        missing = chain[local:]
+        body = {
+            "transfer_id": transfer_id,
+            "engine_id": engine_id,
+            "block_hashes": missing,
+            "wait_s": wait_s,
+            "requester": self.worker_id,
+        }
+        try:
+            answer = await self._post(source_url + PULL_PATH, body, wait_s, what)
+            got = answer.get("block_hashes")
+            if not isinstance(got, list) or got != missing[: len(got)]:
+                raise InvalidRequestError(f"{what}: source answered blocks of another prompt")
+            nbytes = len(got) * self.block_bytes
+            seconds = await self._transfer_sleep(nbytes, answer.get("node"))
+        except BaseException:
+            pool.free(pinned)
+            raise
+        blocks = [
+            CachedBlock(
+                h,
+                chain[local + k - 1] if local + k else None,
+                tuple(prompt_ids[(local + k) * bs : (local + k + 1) * bs]),
+            )
+            for k, h in enumerate(got)
+        ]
+        inserted = pool.insert(blocks)
+        m = engine.metrics
+        m.kv_received_bytes["pd"] += nbytes
+        m.kv_received_blocks["pd"] += len(got)
+        engine.flush_events()
+        return PulledPrefix(pinned + inserted, local, len(inserted), nbytes, seconds)
+
+    async def fetch(self, source_url: str, hashes: list[int], timeout_s: float) -> FetchResult:
+        """Copy the blocks `hashes` that this engine lacks from the worker at `source_url`."""
+        engine = self.engine
+        pool = engine.pool
+        wanted = [h for h in hashes if not pool.contains(h)]
+        held = len(hashes) - len(wanted)
+        if not wanted:
+            return FetchResult(len(hashes), held, 0, [], 0, 0.0, None)
+        try:
+            answer = await self._post(
+                source_url.rstrip("/") + READ_PATH, {"block_hashes": wanted}, timeout_s, "fetch"
+            )
+        except InvalidRequestError as exc:
+            raise UpstreamError(str(exc)) from None
+        try:
+            blocks = [
+                CachedBlock(
+                    int(b["hash"]),
+                    None if b.get("parent") is None else int(b["parent"]),
+                    tuple(int(t) for t in b["token_ids"]),
+                )
+                for b in answer.get("blocks", ())
+            ]
+        except (KeyError, TypeError, ValueError):
+            raise UpstreamError("fetch: source answered malformed blocks") from None
+        nbytes = len(blocks) * self.block_bytes
+        seconds = await self._transfer_sleep(nbytes, answer.get("node"))
+        ids = pool.insert(blocks)
+        pool.free(ids)  # resident and reusable, referenced by nobody yet
+        m = engine.metrics
+        m.kv_received_bytes["fetch"] += nbytes
+        m.kv_received_blocks["fetch"] += len(blocks)
+        engine.flush_events()
+        got = {b.block_hash for b in blocks}
+        missing = [h for h in wanted if h not in got]
+        return FetchResult(
+            len(hashes), held, len(ids), missing, nbytes, seconds, answer.get("node")
+        )
