@@ -351,14 +351,16 @@ def to_candidate(model: CostModel, request: RequestView, route: Route) -> Candid
 # The candidate set.
 
 
-def colocated_action(request: RequestView, worker: WorkerView) -> Action:
+def colocated_action(request: RequestView, worker: WorkerView, continuation: bool) -> Action:
     """How a colocated candidate on `worker` is named: TAIL_RECOMPUTE when part of its held
     prefix must be loaded from CPU/SSD (restore the artifact, recompute the tail);
-    DECODE_CONTINUATION on the session owner holding the prefix in GPU; else COLOCATED_PREFILL."""
+    DECODE_CONTINUATION on the session owner holding the prefix in GPU when the request is a
+    decode continuation (`continuation`); else COLOCATED_PREFILL. The name never changes the
+    cost: all three prefill and decode on `worker` with what it holds."""
     g, c, s = tier_blocks(worker)
     if c > g or s > g:
         return Action.TAIL_RECOMPUTE
-    if g > 0 and request.session_owner is not None and worker.worker_id == request.session_owner:
+    if continuation and g > 0 and worker.worker_id == request.session_owner:
         return Action.DECODE_CONTINUATION
     return Action.COLOCATED_PREFILL
 
@@ -384,7 +386,9 @@ def migration_source(request: RequestView, cluster: ClusterView) -> WorkerView |
     return w
 
 
-def enumerate_routes(request: RequestView, cluster: ClusterView) -> list[Route]:
+def enumerate_routes(
+    request: RequestView, cluster: ClusterView, *, continuation: bool = False
+) -> list[Route]:
     """Every candidate the ownerserve policy weighs (reference enumeration, O(P·D)):
     colocated on each decode-capable worker; ARTIFACT_FETCH from the owner to each decode-capable
     worker holding less than owner_blocks; STATE_MIGRATION from the session owner to each
@@ -396,7 +400,7 @@ def enumerate_routes(request: RequestView, cluster: ClusterView) -> list[Route]:
     routes: list[Route] = []
     decoders = [w for w in live if can_decode(w)]
     for w in decoders:
-        routes.append(Route(colocated_action(request, w), w, w))
+        routes.append(Route(colocated_action(request, w, continuation), w, w))
         held = held_blocks(w)
         if src_f is not None and w.worker_id != src_f.worker_id and request.owner_blocks > held:
             routes.append(Route(Action.ARTIFACT_FETCH, w, w, src_f))

@@ -64,10 +64,15 @@ def least_two(
     return best, second
 
 
-def pd_route(request: RequestView, p: WorkerView, d: WorkerView) -> Route:
+def is_continuation(request: RequestView, model: CostModel) -> bool:
+    """The request is a DECODE_CONTINUATION (names colocated routes, see `colocated_action`)."""
+    return classify(request, model.config) is RequestClass.DECODE_CONTINUATION
+
+
+def pd_route(request: RequestView, p: WorkerView, d: WorkerView, continuation: bool) -> Route:
     """Remote prefill P→D, or colocated when both are the same worker."""
     if p.worker_id == d.worker_id:
-        return Route(colocated_action(request, d), d, d)
+        return Route(colocated_action(request, d, continuation), d, d)
     return Route(Action.REMOTE_PREFILL, p, d)
 
 

@@ -8,6 +8,7 @@ from planner.cost import CostConfig, CostModel
 from planner.policies.base import (
     decode_capable,
     decode_load,
+    is_continuation,
     least_two,
     make_plan,
     pd_route,
@@ -26,6 +27,7 @@ class LeastLoadedPolicy:
         self._turn = 0
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+        cont = is_continuation(request, self.model)
         ps, ds = prefill_capable(cluster), decode_capable(cluster)
         require(ps, "prefill-capable")
         require(ds, "decode-capable")
@@ -36,7 +38,7 @@ class LeastLoadedPolicy:
             self.name,
             self.model,
             request,
-            pd_route(request, p, d),
-            None if d2 is None else pd_route(request, p, d2),
+            pd_route(request, p, d, cont),
+            None if d2 is None else pd_route(request, p, d2, cont),
             candidates_considered=len(ps) * len(ds),
         )

@@ -23,7 +23,7 @@ from planner.cost import (
     tier_blocks,
 )
 from planner.policies.base import make_plan
-from planner.types import Action, ClusterView, Plan, RequestView, WorkerView
+from planner.types import Action, ClusterView, Plan, RequestClass, RequestView, WorkerView
 
 _INF = float("inf")
 _GPU, _CPU, _SSD = Tier.GPU, Tier.CPU, Tier.SSD
@@ -115,6 +115,7 @@ class OwnerServePolicy:
         owner_id = request.owner
         ob = request.owner_blocks if owner_id is not None else 0
         sess_id = request.session_owner
+        cont_ok = rclass is RequestClass.DECODE_CONTINUATION
 
         src_f = fetch_source(request, cluster)
         f_id = src_f.worker_id if src_f is not None else None
@@ -138,16 +139,22 @@ class OwnerServePolicy:
         gw1: WorkerView | None = None
         gw2: WorkerView | None = None
         nodes: dict[str, tuple[float, WorkerView, float, WorkerView | None]] = {}
-        dlist: list[tuple[float, WorkerView, int, tuple[float, ...]]] = []
+        dlist: list[tuple[float, WorkerView, int, float, float, float]] = []
+        cur_prof: str | None = None
 
         for w in cluster.workers:
             if not w.healthy:
                 continue
-            pc = consts.get(w.profile)
-            if pc is None:
-                pc = consts[w.profile] = self._request_consts(w.profile, n, o, rt_f, rt_m)
+            prof = w.profile
+            if prof is not cur_prof:
+                pc = consts.get(prof)
+                if pc is None:
+                    pc = consts[prof] = self._request_consts(prof, n, o, rt_f, rt_m)
+                (qtok, qbase, pbase, ptok, pctx, pf_full, d_a, d_b, d_c, inv_seqs,
+                 lat, intra, inter, cpu_bps, ssd_bps, pf_fetch, pf_mig) = pc  # fmt: skip
+                cur_prof = prof
             sp = w.prefill_scale
-            q = sp * (pc[0] * w.inflight_prefill_tokens + pc[1] * w.waiting)
+            q = sp * (qtok * w.inflight_prefill_tokens + qbase * w.waiting)
             cb = w.cached_blocks
             if cb:
                 g = cb.get(_GPU, 0)
@@ -158,18 +165,18 @@ class OwnerServePolicy:
                 if c > g or s > g:
                     gc = c if c > g else g
                     held = s if s > gc else gc
-                    rest = (gc - g) * bk / pc[13] + (held - gc) * bk / pc[14]
+                    rest = (gc - g) * bk / cpu_bps + (held - gc) * bk / ssd_bps
                 rt = held * bs
                 if rt > nm1:
                     rt = nm1
                 new = n - rt
-                pf = sp * (pc[2] + pc[3] * new + pc[4] * new * (rt + new / 2.0))
+                pf = sp * (pbase + ptok * new + pctx * new * (rt + new / 2.0))
             else:
                 g = c = s = held = rt = 0
                 rest = 0.0
-                pf = sp * pc[5]
+                pf = sp * pf_full
             running = w.running
-            share = running * pc[9]
+            share = running * inv_seqs
             if share > 1.0:
                 share = 1.0
             role = w.role
@@ -177,7 +184,7 @@ class OwnerServePolicy:
             if role is not _PREFILL:
                 n_d += 1
                 wid = w.worker_id
-                tdec = w.decode_scale * (pc[6] + pc[7] * running + pc[8] * w.kv_usage)
+                tdec = w.decode_scale * (d_a + d_b * running + d_c * w.kv_usage)
                 qdr = q + tdec + rest
                 fetch_ok = f_id is not None and ob > held and wid != f_id
                 mig_ok = m_id is not None and g_m > held and wid != m_id
@@ -191,7 +198,7 @@ class OwnerServePolicy:
                         cost += lam * (ob - held) * bk
                     if c > g or s > g:
                         kind = _TAIL
-                    elif g > 0 and wid == sess_id:
+                    elif cont_ok and g > 0 and wid == sess_id:
                         kind = _CONT
                     else:
                         kind = _COL
@@ -211,12 +218,12 @@ class OwnerServePolicy:
                             if rt2 > nm1:
                                 rt2 = nm1
                             new2 = n - rt2
-                            pf2 = sp * (pc[2] + pc[3] * new2 + pc[4] * new2 * (rt2 + new2 / 2.0))
+                            pf2 = sp * (pbase + ptok * new2 + pctx * new2 * (rt2 + new2 / 2.0))
                         else:
-                            pf2 = sp * pc[15]
+                            pf2 = sp * pf_fetch
                         fbytes = moved * bk
-                        bw = pc[11] if w.node == f_node else pc[12]
-                        cost = qdr + pf2 * ms + w.link_scale * (pc[10] + fbytes / bw) + lam * fbytes
+                        bw = intra if w.node == f_node else inter
+                        cost = qdr + pf2 * ms + w.link_scale * (lat + fbytes / bw) + lam * fbytes
                         if dflt is _FETCH and cost < cdef:
                             cdef, rdef = cost, (_FETCH, w, w, src_f)
                         if cost < c2:
@@ -233,11 +240,11 @@ class OwnerServePolicy:
                             if rt2 > nm1:
                                 rt2 = nm1
                             new2 = n - rt2
-                            pf2 = sp * (pc[2] + pc[3] * new2 + pc[4] * new2 * (rt2 + new2 / 2.0))
+                            pf2 = sp * (pbase + ptok * new2 + pctx * new2 * (rt2 + new2 / 2.0))
                         else:
-                            pf2 = sp * pc[16]
-                        bw = pc[11] if w.node == m_node else pc[12]
-                        cost = qdr + pf2 * ms + w.link_scale * (pc[10] + moved * bk / bw)
+                            pf2 = sp * pf_mig
+                        bw = intra if w.node == m_node else inter
+                        cost = qdr + pf2 * ms + w.link_scale * (lat + moved * bk / bw)
                         if dflt is _MIG and cost < cdef:
                             cdef, rdef = cost, (_MIG, w, w, src_m)
                         if cost < c2:
@@ -250,7 +257,7 @@ class OwnerServePolicy:
                 bd = q + tdec + handshake
                 if owner_id is not None and ob > g and wid != owner_id:
                     bd += lam * (ob - g) * bk
-                dlist.append((bd, w, g, pc))
+                dlist.append((bd, w, g, lat, intra, inter))
 
             if role is not _DECODE:
                 n_p += 1
@@ -274,7 +281,7 @@ class OwnerServePolicy:
         p: WorkerView | None
         if gw1 is not None:
             track_def = dflt is _REMOTE
-            for bd, d, gd, pc in dlist:
+            for bd, d, gd, d_lat, d_intra, d_inter in dlist:
                 if bd + ga1 >= c2 and not (track_def and bd + ga1 < cdef):
                     continue
                 nbytes = (n - gd * bs) * kb
@@ -289,7 +296,7 @@ class OwnerServePolicy:
                     if p is not None:
                         cost = bd + a
                         if nbytes > 0:
-                            cost += ls * (pc[10] + nbytes / pc[11])
+                            cost += ls * (d_lat + nbytes / d_intra)
                         if cost < c2:
                             rec: _Rec = (_REMOTE, p, d, None)
                             if cost < c1:
@@ -306,7 +313,7 @@ class OwnerServePolicy:
                 if p is not None and p.node != node:
                     cost = bd + a
                     if nbytes > 0:
-                        cost += ls * (pc[10] + nbytes / pc[12])
+                        cost += ls * (d_lat + nbytes / d_inter)
                     if cost < c2:
                         rec = (_REMOTE, p, d, None)
                         if cost < c1:

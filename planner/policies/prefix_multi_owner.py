@@ -16,6 +16,7 @@ from planner.policies.base import (
     decode_capable,
     decode_load,
     decode_pool,
+    is_continuation,
     least_two,
     make_plan,
     pd_route,
@@ -45,21 +46,22 @@ class PrefixMultiOwnerPolicy:
         return ranked[0], (ranked[1] if len(ranked) > 1 else None)
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+        cont = is_continuation(request, self.model)
         prefillers = [w for w in cluster.workers if w.healthy and w.role is Role.PREFILL]
         if prefillers:
             ds = decode_pool(cluster)
             require(ds, "decode")
             p, p2 = self._cache_aware(prefillers)
             d, _ = least_two(ds, decode_load, self._turn)
-            chosen = pd_route(request, p, d)
-            runner = None if p2 is None else pd_route(request, p2, d)
+            chosen = pd_route(request, p, d, cont)
+            runner = None if p2 is None else pd_route(request, p2, d, cont)
             considered = len(prefillers)
         else:
             pool = decode_capable(cluster)
             require(pool, "decode-capable")
             w, w2 = self._cache_aware(pool)
-            chosen = pd_route(request, w, w)
-            runner = None if w2 is None else pd_route(request, w2, w2)
+            chosen = pd_route(request, w, w, cont)
+            runner = None if w2 is None else pd_route(request, w2, w2, cont)
             considered = len(pool)
         return make_plan(
             self.name, self.model, request, chosen, runner, candidates_considered=considered

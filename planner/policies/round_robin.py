@@ -5,7 +5,14 @@ same hybrid worker. The turn counters live in the policy object (deterministic, 
 from __future__ import annotations
 
 from planner.cost import CostConfig, CostModel
-from planner.policies.base import decode_pool, make_plan, pd_route, prefill_pool, require
+from planner.policies.base import (
+    decode_pool,
+    is_continuation,
+    make_plan,
+    pd_route,
+    prefill_pool,
+    require,
+)
 from planner.types import ClusterView, Plan, RequestView
 
 
@@ -18,6 +25,7 @@ class RoundRobinPolicy:
         self._next_d = 0
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+        cont = is_continuation(request, self.model)
         ps, ds = prefill_pool(cluster), decode_pool(cluster)
         require(ps, "prefill")
         require(ds, "decode")
@@ -25,12 +33,13 @@ class RoundRobinPolicy:
         d = ds[self._next_d % len(ds)]
         self._next_p += 1
         self._next_d += 1
-        runner = pd_route(request, p, ds[self._next_d % len(ds)]) if len(ds) > 1 else None
+        nd = ds[self._next_d % len(ds)]
+        runner = pd_route(request, p, nd, cont) if len(ds) > 1 else None
         return make_plan(
             self.name,
             self.model,
             request,
-            pd_route(request, p, d),
+            pd_route(request, p, d, cont),
             runner,
             candidates_considered=1,
         )

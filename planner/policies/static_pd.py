@@ -9,6 +9,7 @@ from planner.cost import CostConfig, CostModel
 from planner.policies.base import (
     decode_load,
     decode_pool,
+    is_continuation,
     least_two,
     make_plan,
     pd_route,
@@ -27,6 +28,7 @@ class StaticPDPolicy:
         self._turn = 0
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+        cont = is_continuation(request, self.model)
         ps, ds = prefill_pool(cluster), decode_pool(cluster)
         require(ps, "prefill")
         require(ds, "decode")
@@ -35,14 +37,14 @@ class StaticPDPolicy:
         d, d2 = least_two(ds, decode_load, self._turn)
         runner = None
         if d2 is not None:
-            runner = pd_route(request, p, d2)
+            runner = pd_route(request, p, d2, cont)
         elif p2 is not None:
-            runner = pd_route(request, p2, d)
+            runner = pd_route(request, p2, d, cont)
         return make_plan(
             self.name,
             self.model,
             request,
-            pd_route(request, p, d),
+            pd_route(request, p, d, cont),
             runner,
             candidates_considered=len(ps) * len(ds),
         )

@@ -1,0 +1,92 @@
+"""A plan in words for the router's `x-ownerserve-plan` header and for logs."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from planner.types import Action, Candidate, Plan
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._:/@+-]")
+
+
+def _safe(text: str) -> str:
+    """Header-safe: only [A-Za-z0-9._:/@+-]; anything else (';', '=', spaces, non-ASCII) → '_'."""
+    return _UNSAFE.sub("_", text)
+
+
+def _workers(c: Candidate) -> str:
+    if c.action is Action.REMOTE_PREFILL:
+        return f"{_safe(c.prefill_worker)}>{_safe(c.decode_worker)}"
+    return _safe(c.decode_worker)
+
+
+def plan_to_header(plan: Plan) -> str:
+    """Compact `key=value;...` form, e.g.
+    `policy=ownerserve;class=new_long_prefix;action=remote_prefill;p=p0;d=d1;cost=0.0123;`
+    `runner_up=colocated_prefill@h0:0.015;margin=0.0027` — plus `src=` (fetch/migration source),
+    `replica=` (read-only replica to add) and `default=` (the class default, when overridden)."""
+    c = plan.chosen
+    parts = [
+        f"policy={_safe(plan.policy)}",
+        f"class={plan.request_class.value}",
+        f"action={c.action.value}",
+        f"p={_safe(c.prefill_worker)}",
+        f"d={_safe(c.decode_worker)}",
+    ]
+    if c.source_worker is not None:
+        parts.append(f"src={_safe(c.source_worker)}")
+    parts.append(f"cost={c.cost.total:.6g}")
+    if plan.runner_up is not None:
+        r = plan.runner_up
+        parts.append(f"runner_up={r.action.value}@{_workers(r)}:{r.cost.total:.6g}")
+        parts.append(f"margin={plan.margin_s:.6g}")
+    if plan.add_replica_on is not None:
+        parts.append(f"replica={_safe(plan.add_replica_on)}")
+    if plan.overrides_default and plan.default_action is not None:
+        default = plan.default_action.value
+        if plan.default_cost_s is not None:
+            default += f":{plan.default_cost_s:.6g}"
+        parts.append(f"default={default}")
+    return ";".join(parts)
+
+
+def candidate_to_dict(c: Candidate) -> dict[str, Any]:
+    b = c.cost
+    return {
+        "action": c.action.value,
+        "prefill_worker": c.prefill_worker,
+        "decode_worker": c.decode_worker,
+        "source_worker": c.source_worker,
+        "reused_blocks": c.reused_blocks,
+        "cost": {
+            "total_s": b.total,
+            "t_queue_s": b.t_queue,
+            "t_compute_s": b.t_compute,
+            "t_prefill_s": b.t_prefill,
+            "t_decode_step_s": b.t_decode_step,
+            "t_network_s": b.t_network,
+            "t_restore_s": b.t_restore,
+            "m_hbm_bytes": b.m_hbm_bytes,
+            "i_decode_s": b.i_decode,
+            "lambda": b.lam,
+            "mu": b.mu,
+        },
+    }
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """Every field of the plan as JSON-ready values (for logs and the admin API)."""
+    return {
+        "policy": plan.policy,
+        "request_class": plan.request_class.value,
+        "action": plan.action.value,
+        "chosen": candidate_to_dict(plan.chosen),
+        "runner_up": None if plan.runner_up is None else candidate_to_dict(plan.runner_up),
+        "margin_s": plan.margin_s,
+        "add_replica_on": plan.add_replica_on,
+        "candidates_considered": plan.candidates_considered,
+        "default_action": None if plan.default_action is None else plan.default_action.value,
+        "default_cost_s": plan.default_cost_s,
+        "overrides_default": plan.overrides_default,
+    }
