@@ -41,7 +41,15 @@ async def running(settings: Settings, **app_kwargs: Any) -> AsyncIterator[str]:
     """Start the router on `settings.server.host:port` (0 picks a free port) in this event loop
     and yield its base URL; stop it on exit."""
     app = create_app(settings, **app_kwargs)
-    config = uvicorn_config(app, settings.server.host, settings.server.port)
+    async with running_app(app, settings.server.host, settings.server.port) as url:
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def running_app(app: Any, host: str, port: int) -> AsyncIterator[str]:
+    """Serve an already built ASGI app (e.g. `create_app(...)`, whose `state.router` a caller
+    wants to inspect) in this event loop; yield its base URL."""
+    config = uvicorn_config(app, host, port)
     config.loop = "none"
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
@@ -50,9 +58,9 @@ async def running(settings: Settings, **app_kwargs: Any) -> AsyncIterator[str]:
             task.result()
             raise RuntimeError("router failed to start")
         await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    bound = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield f"http://{settings.server.host}:{port}"
+        yield f"http://{host}:{bound}"
     finally:
         server.should_exit = True
         await task

@@ -1,0 +1,327 @@
+"""The router app over real HTTP: request/response passthrough, both P/D protocols, retries,
+mid-stream failures, cancellation, errors, admin API. Workers are `FakeWorker`s (real HTTP
+servers that record what they get); plans come from a fixed test policy so each behaviour is
+pinned down. The e2e tests drive the real policy against emulated engines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from ownerserve.config import settings_from_dict
+from planner.types import Action, Candidate, CostBreakdown, Plan, RequestClass
+from router.app import create_app
+from router.server import running_app
+from tests.router.fake_worker import FakeWorker, free_port
+
+MODEL = "tiny"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 20}]}
+
+
+class FixedPolicy:
+    """Plans `action` on (p, d) when both are routable; else colocated on any live worker."""
+
+    name = "fixed"
+
+    def __init__(self, action: Action, p: str, d: str, src: str | None = None) -> None:
+        self.action, self.p, self.d, self.src = action, p, d, src
+        self.requests: list[Any] = []
+
+    def plan(self, request: Any, cluster: Any) -> Plan:
+        self.requests.append(request)
+        live = [w.worker_id for w in cluster.workers]
+        if self.p in live and self.d in live:
+            cand = Candidate(self.action, self.p, self.d, CostBreakdown(t_compute=0.01), self.src)
+        else:
+            w = live[0]
+            cand = Candidate(Action.COLOCATED_PREFILL, w, w, CostBreakdown())
+        return Plan("fixed", RequestClass.NEW_LONG_PREFIX, cand)
+
+
+@contextlib.asynccontextmanager
+async def router_for(
+    workers: list[tuple[FakeWorker, str, str]],
+    policy: FixedPolicy,
+    server: dict[str, Any] | None = None,
+) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    data = {
+        "server": {"port": 0, "health_interval_s": 60, **(server or {})},
+        "models": [{"name": MODEL, "block_size": 4}, {"name": "bad-for-worker"}],
+        "workers": [
+            {
+                "id": w.name,
+                "url": w.url if w.port else f"http://127.0.0.1:{free_port()}",
+                "role": role,
+                "kind": kind,
+                "bootstrap_port": 9999,
+            }
+            for w, role, kind in workers
+        ],
+    }
+    settings = settings_from_dict(data)
+    app = create_app(settings, policy_factory=lambda name: policy)
+    async with (
+        running_app(app, "127.0.0.1", 0) as url,
+        httpx.AsyncClient(base_url=url, timeout=10) as client,
+    ):
+        yield client, app.state.router
+
+
+@pytest.fixture
+async def workers() -> AsyncIterator[list[FakeWorker]]:
+    ws = [await FakeWorker(f"w{i}").start() for i in range(2)]
+    yield ws
+    for w in ws:
+        await w.stop()
+
+
+def _plan_fields(resp: httpx.Response) -> dict[str, str]:
+    return dict(p.split("=", 1) for p in resp.headers["x-ownerserve-plan"].split(";"))
+
+
+async def test_body_and_client_headers_pass_through_unchanged(workers):
+    w0, _ = workers
+    policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+    raw = (
+        b'{"model": "tiny",  "messages": [{"role": "user", "content": "hi"}],'
+        b' "tools": [{"type": "function", "function": {"name": "ls", "parameters": {}}}],'
+        b' "tool_choice": "auto", "response_format": {"type": "text"}, "logprobs": true,'
+        b' "x_vendor": {"keep": [1, 2.50, "\\u00e9"]}}'
+    )
+    async with router_for([(w0, "hybrid", "emulator")], policy) as (client, _):
+        resp = await client.post(
+            "/v1/chat/completions",
+            content=raw,
+            headers={"x-trace-me": "42", "content-type": "application/json"},
+        )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == "hello from w0"
+    got = w0.completions()[0]
+    assert got.body == raw
+    assert got.headers["x-trace-me"] == "42"
+    assert _plan_fields(resp)["action"] == "colocated_prefill"
+
+
+async def test_router_api_key_is_checked_and_not_forwarded(workers):
+    w0, _ = workers
+    policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+    async with router_for([(w0, "hybrid", "emulator")], policy, {"api_keys": ["k1"]}) as (c, _):
+        denied = await c.post("/v1/chat/completions", json=CHAT)
+        bad_key = {"authorization": "Bearer x"}
+        wrong = await c.post("/v1/chat/completions", json=CHAT, headers=bad_key)
+        ok = await c.post("/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer k1"})
+        models = await c.get("/v1/models")
+    assert denied.status_code == wrong.status_code == 401
+    assert denied.json()["error"]["type"] == "authentication_error"
+    assert ok.status_code == 200
+    assert "authorization" not in {k.lower() for k in w0.completions()[0].headers}
+    assert models.status_code == 401
+
+
+async def test_vllm_remote_prefill_sends_prefill_then_decode_with_its_params(workers):
+    p, d = workers
+    policy = FixedPolicy(Action.REMOTE_PREFILL, "w0", "w1")
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 50}
+    async with router_for([(p, "prefill", "emulator"), (d, "decode", "emulator")], policy) as (
+        client,
+        router,
+    ):
+        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            text = (await resp.aread()).decode()
+        assert _plan_fields(resp)["action"] == "remote_prefill"
+        await asyncio.sleep(0.05)
+        match = await router.directory.lookup(
+            router.tokenizers.get(MODEL).tokenize_chat(None, CHAT["messages"]).chain
+        )
+    prefill = p.completions()[0].json
+    assert prefill["max_tokens"] == 1 and prefill["stream"] is False
+    assert "stream_options" not in prefill
+    assert prefill["kv_transfer_params"]["do_remote_decode"] is True
+    decode = d.completions()[0].json
+    assert decode["kv_transfer_params"]["remote_engine_id"] == "w0"
+    assert decode["max_tokens"] == 50 and decode["stream"] is True
+    assert "t3" in text and text.rstrip().endswith("[DONE]")
+    assert match.owner == "w1"
+    assert any(h.worker == "w0" for h in match.holdings)  # the transient P copy
+
+
+async def test_sglang_remote_prefill_sends_both_with_one_bootstrap_room(workers):
+    p, d = workers
+    policy = FixedPolicy(Action.REMOTE_PREFILL, "w0", "w1")
+    async with router_for([(p, "prefill", "sglang"), (d, "decode", "sglang")], policy) as (c, _):
+        resp = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert resp.status_code == 200
+    pb, db = p.completions()[0].json, d.completions()[0].json
+    assert pb["bootstrap_host"] == db["bootstrap_host"] == "127.0.0.1"
+    assert pb["bootstrap_port"] == db["bootstrap_port"] == 9999
+    assert pb["bootstrap_room"] == db["bootstrap_room"]
+    assert 0 <= db["bootstrap_room"] < 2**63
+    assert db["stream"] is True and "t3" in resp.text
+
+
+async def test_artifact_fetch_asks_the_destination_to_pull_from_the_source(workers):
+    src, dst = workers
+    policy = FixedPolicy(Action.ARTIFACT_FETCH, "w1", "w1", src="w0")
+    async with router_for([(src, "hybrid", "emulator"), (dst, "hybrid", "emulator")], policy) as (
+        c,
+        _,
+    ):
+        resp = await c.post("/v1/chat/completions", json=CHAT)
+    assert resp.status_code == 200
+    fetch = next(r for r in dst.requests if r.path == "/ownerserve/kv/fetch").json
+    assert fetch["source_url"] == src.url and fetch["block_hashes"]
+    assert fetch["block_size"] == 4
+    assert _plan_fields(resp)["fetched"] == "1"
+    assert not src.completions() and dst.completions()
+
+
+async def test_5xx_before_first_byte_is_retried_on_another_worker(workers):
+    bad, good = workers
+    bad.mode = "fail500"
+    policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+    async with router_for([(bad, "hybrid", "emulator"), (good, "hybrid", "emulator")], policy) as (
+        c,
+        _,
+    ):
+        resp = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        metrics = (await c.get("/metrics")).text
+    assert resp.status_code == 200 and "t3" in resp.text
+    assert _plan_fields(resp)["d"] == "w1"
+    assert 'ownerserve_retries_total{reason="before_first_byte",worker="w0"} 1.0' in metrics
+
+
+async def test_dead_worker_before_first_byte_is_retried(workers):
+    _, good = workers
+    dead = FakeWorker("dead")  # never started: connection refused
+    policy = FixedPolicy(Action.COLOCATED_PREFILL, "dead", "dead")
+    async with router_for([(dead, "hybrid", "emulator"), (good, "hybrid", "emulator")], policy) as (
+        c,
+        _,
+    ):
+        resp = await c.post("/v1/chat/completions", json=CHAT)
+    assert resp.status_code == 200
+    assert _plan_fields(resp)["d"] == "w1"
+
+
+async def test_all_workers_failing_gives_an_openai_error_not_a_hang(workers):
+    for w in workers:
+        w.mode = "fail500"
+    policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+    async with router_for([(w, "hybrid", "emulator") for w in workers], policy) as (c, _):
+        resp = await c.post("/v1/chat/completions", json=CHAT)
+    assert resp.status_code == 502
+    assert resp.json()["error"]["type"] == "upstream_error"
+
+
+async def test_worker_dying_mid_stream_ends_with_error_event_then_done(workers):
+    w0, _ = workers
+    w0.mode = "die_midstream"
+    policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+    async with (
+        router_for([(w0, "hybrid", "emulator")], policy) as (c, _),
+        c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as r,
+    ):
+        lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    error = orjson.loads(lines[-2][6:])["error"]
+    assert error["type"] == "upstream_error" and "mid-stream" in error["message"]
+    assert any("t0" in line for line in lines)
+
+
+async def test_client_disconnect_cancels_the_upstream_request(workers):
+    w0, _ = workers
+    w0.mode = "hang"
+    policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+    async with router_for([(w0, "hybrid", "emulator")], policy) as (c, router):
+        task = asyncio.create_task(c.post("/v1/chat/completions", json={**CHAT, "stream": True}))
+        for _ in range(200):
+            if w0.completions():
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(w0.cancelled.wait(), 5.0)
+        assert router.pool.get("w0").inflight == 0
+
+
+async def test_bad_input_gets_openai_errors(workers):
+    w0, _ = workers
+    policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+    async with router_for([(w0, "hybrid", "emulator")], policy, {"max_body_bytes": 2000}) as (
+        c,
+        _,
+    ):
+        malformed = await c.post("/v1/chat/completions", content=b"{nope")
+        unknown = await c.post("/v1/chat/completions", json={**CHAT, "model": "gpt-9"})
+        big = await c.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 5000})
+
+        async def body() -> AsyncIterator[bytes]:
+            for part in (b'{"model": "tiny", "prompt": "', b"y" * 3000, b'"}'):
+                yield part
+
+        chunked = await c.post("/v1/completions", content=body())
+        from_worker = await c.post("/v1/chat/completions", json={**CHAT, "model": "bad-for-worker"})
+        no_route = await c.get("/v2/nothing")
+    assert malformed.status_code == 400 and malformed.json()["error"]["type"]
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["code"] == "model_not_found"
+    assert big.status_code == 413 and chunked.status_code == 413
+    assert big.json()["error"]["code"] == "payload_too_large"
+    assert from_worker.status_code == 400
+    assert from_worker.json()["error"]["message"] == "worker says no"
+    assert no_route.status_code == 404 and "error" in no_route.json()
+    assert not w0.completions() or all(
+        r.json["model"] == "bad-for-worker" for r in w0.completions()
+    )
+
+
+async def test_admin_api_adds_drains_and_removes_workers(workers):
+    w0, w1 = workers
+    policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+    auth = {"authorization": "Bearer adm"}
+    async with router_for([(w0, "hybrid", "emulator")], policy, {"admin_token": "adm"}) as (
+        c,
+        router,
+    ):
+        assert (await c.get("/admin/workers")).status_code == 401
+        assert (await c.get("/admin/workers", headers={"x-admin-token": "no"})).status_code == 401
+        new = {"id": "w1", "url": w1.url, "role": "decode", "models": [MODEL]}
+        added = await c.post("/admin/workers", json=new, headers=auth)
+        assert added.status_code == 201 and added.json()["healthy"]
+        dup = await c.post("/admin/workers", json=new, headers=auth)
+        assert dup.status_code == 400
+        bad = await c.post("/admin/workers", json={"id": "x", "url": "ftp://h"}, headers=auth)
+        assert bad.status_code == 400
+        drained = await c.post("/admin/workers/w0/drain", headers=auth)
+        assert drained.json()["draining"] is True
+        resp = await c.post("/v1/chat/completions", json=CHAT)
+        assert _plan_fields(resp)["d"] == "w1"  # w0 is draining
+        listed = (await c.get("/admin/workers", headers=auth)).json()["workers"]
+        assert {w["id"] for w in listed} == {"w0", "w1"}
+        plans = (await c.get("/admin/plans", headers=auth)).json()["plans"]
+        assert plans[-1]["decode_worker"] == "w1"
+        assert (await c.delete("/admin/workers/w1", headers=auth)).status_code == 200
+        assert (await c.delete("/admin/workers/w1", headers=auth)).status_code == 404
+        assert router.pool.get("w1") is None
+
+
+async def test_models_health_and_metrics(workers):
+    w0, _ = workers
+    policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+    async with router_for([(w0, "hybrid", "emulator")], policy) as (c, _):
+        await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        models = (await c.get("/v1/models")).json()
+        health = (await c.get("/health")).json()
+        metrics = (await c.get("/metrics")).text
+    assert {m["id"] for m in models["data"]} == {MODEL, "bad-for-worker"}
+    assert health["status"] == "ok" and health["directory"]["backend"] == "memory"
+    assert 'ownerserve_ttft_seconds_bucket{action="colocated_prefill",le="0.005"}' in metrics
+    assert 'ownerserve_plan_actions_total{action="colocated_prefill",policy="fixed"} 1.0' in metrics
+    assert 'ownerserve_breaker_state{worker="w0"} 0.0' in metrics
