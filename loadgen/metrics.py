@@ -66,7 +66,7 @@ class WorkerSnapshot:
 
 
 P = "ownerserve_emulator_"
-HELD_BLOCKS_PATH = "/ownerserve/kv/blocks"
+HELD_BLOCKS_PATH = "/kv_blocks"
 
 
 async def _held_hashes(client: httpx.AsyncClient, url: str) -> frozenset[int] | None:
