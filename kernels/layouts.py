@@ -183,8 +183,14 @@ def rank_kv_heads(total_kv_heads: int, tp_size: int, tp_rank: int) -> range:
 BlockIds = torch.Tensor | Sequence[int]
 
 
-def as_block_ids(block_ids: BlockIds, device: torch.device) -> torch.Tensor:
-    """Block ids as a 1-D int64 tensor on `device` (no copy when already so)."""
+def as_block_ids(block_ids: BlockIds, device: torch.device, num_blocks: int) -> torch.Tensor:
+    """Block ids as a 1-D int64 tensor on `device` (no copy when already so). Ids given as a
+    Python sequence are range-checked here; a tensor's are not (that would wait for the device),
+    and the Triton kernels do not bounds-check them."""
+    if not isinstance(block_ids, torch.Tensor):
+        bad = [b for b in block_ids if not 0 <= b < num_blocks]
+        if bad:
+            raise LayoutError(f"block ids {bad[:4]} outside [0, {num_blocks})")
     ids = torch.as_tensor(block_ids, dtype=torch.int64, device=device)
     if ids.dim() != 1:
         raise LayoutError("block ids must be 1-D")

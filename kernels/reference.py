@@ -40,7 +40,7 @@ def gather_blocks(
     """Paged -> staging: `out[i, l, kv]` = block `block_ids[i]` of layer `l`, side `kv`, flattened
     token-major `[block_size, kv_heads, head_dim]`. Returns `out` (allocated when None)."""
     g = paged.geometry
-    ids = as_block_ids(block_ids, paged.device)
+    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
     n = ids.numel()
     if out is None:
         out = torch.empty(g.staging_shape(n), dtype=g.dtype, device=paged.device)
@@ -63,7 +63,7 @@ def scatter_blocks(
     """Staging -> paged, the inverse of `gather_blocks`; with `rope`, K is re-rotated by `delta`
     (one int or one value per token, in staging order) on the way."""
     g = paged.geometry
-    ids = as_block_ids(block_ids, paged.device)
+    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
     n = ids.numel()
     check_staging(staging, g, n)
     deltas = token_deltas(delta, n * g.block_size, paged.device) if rope is not None else None
@@ -93,8 +93,8 @@ def copy_blocks(
         gd.head_dim,
     ):
         raise LayoutError("copy_blocks needs the same geometry on both sides")
-    sids = as_block_ids(src_ids, src.device)
-    dids = as_block_ids(dst_ids, dst.device)
+    sids = as_block_ids(src_ids, src.device, gs.num_blocks)
+    dids = as_block_ids(dst_ids, dst.device, gd.num_blocks)
     if sids.numel() != dids.numel():
         raise LayoutError("src_ids and dst_ids differ in length")
     n = sids.numel()
@@ -116,7 +116,7 @@ def rerotate_blocks(
     g = paged.geometry
     if g.kv_factor != 2:
         raise LayoutError("re-rotation needs a K/V cache (MLA's latent is not handled here)")
-    ids = as_block_ids(block_ids, paged.device)
+    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
     deltas = token_deltas(delta, ids.numel() * g.block_size, paged.device)
     for view in paged.views[0::2]:
         view[ids] = _maybe_rotate(view[ids], 0, rope, deltas, inv_freq)
@@ -129,7 +129,7 @@ def split_heads(
     `block_ids[i]`, layer `l`, side `kv`, as `[block_size, head_dim]`. The caller keys `out[j]` by
     the global head `rank_kv_heads(...)[j]`."""
     g = paged.geometry
-    ids = as_block_ids(block_ids, paged.device)
+    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
     n = ids.numel()
     if out is None:
         out = torch.empty(g.head_buffer_shape(n), dtype=g.dtype, device=paged.device)
@@ -144,7 +144,7 @@ def merge_heads(head_buffers: torch.Tensor, paged: PagedKV, block_ids: BlockIds)
     """Per-head buffers -> paged, the inverse of `split_heads`: `head_buffers[j]` holds local head
     `j` of the destination rank (gathered from whichever producer ranks held those heads)."""
     g = paged.geometry
-    ids = as_block_ids(block_ids, paged.device)
+    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
     n = ids.numel()
     check_head_buffers(head_buffers, g, n)
     for lk, view in enumerate(paged.views):

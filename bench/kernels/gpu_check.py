@@ -284,20 +284,21 @@ def sweep() -> None:
             t = bench(lambda: tri.gather_blocks(paged, ids, out))
             print(f"sweep gather tile={tile:5d} warps={warps}: {t:.4f} ms ({base / t:6.1%})")
     tri.FLAT_TILE, tri.NUM_WARPS = 4096, 4
-    spec = kernels.RopeSpec(D, neox=True)
     delta = torch.full((N * BS,), 1234.0, device=DEV)
-    kb = N * BS * L * H * D * 2
-    base = copy_ms(kb)
-    for row_tile in (1024, 2048, 4096, 8192):
-        for lpp in (1, 2, 4, 8):
-            for warps in (4, 8):
-                tri.ROW_TILE, tri.ROPE_LPP, tri.NUM_WARPS = row_tile, lpp, warps
-                t = bench(lambda: tri.rerotate_blocks(paged, ids, spec, delta))
-                print(
-                    f"sweep rerotate rows={row_tile:5d} lpp={lpp} warps={warps}: "
-                    f"{t:.4f} ms ({base / t:6.1%} of copy)"
-                )
-    tri.ROW_TILE, tri.ROPE_LPP, tri.NUM_WARPS = 4096, 4, 4
+    base = copy_ms(N * BS * L * H * D * 2)
+    defaults = (tri.ROPE_TOKENS, tri.ROPE_LPP, tri.ROPE_WARPS)
+    for neox in (True, False):
+        spec = kernels.RopeSpec(D, neox=neox)
+        for tokens in (8, 16):
+            for lpp in (1, 2, 4):
+                for warps in (2, 4, 8):
+                    tri.ROPE_TOKENS, tri.ROPE_LPP, tri.ROPE_WARPS = tokens, lpp, warps
+                    t = bench(lambda: tri.rerotate_blocks(paged, ids, spec, delta))  # noqa: B023
+                    print(
+                        f"sweep rerotate {'neox' if neox else 'gptj'} tokens={tokens:2d} "
+                        f"lpp={lpp} warps={warps}: {t:.4f} ms ({t / base:.2f}x floor)"
+                    )
+    tri.ROPE_TOKENS, tri.ROPE_LPP, tri.ROPE_WARPS = defaults
 
 
 def main() -> int:

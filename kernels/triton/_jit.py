@@ -88,12 +88,8 @@ def copy_rows_kernel(
     dst_bstride,
     dst_tstride,
     dst_hstride,
-    freq,
-    delta,
-    LK,
     H,
     ROWS_TOTAL,
-    BS,
     D,
     SRC_TAB: tl.constexpr,
     SRC_IDS: tl.constexpr,
@@ -102,22 +98,11 @@ def copy_rows_kernel(
     ROWS: tl.constexpr,
     DP: tl.constexpr,
     LPP: tl.constexpr,
-    KVF: tl.constexpr,
-    ROPE: tl.constexpr,
-    HALF: tl.constexpr,
-    HALF_P2: tl.constexpr,
-    REST_P2: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
     """Row copy: a row is one (token, head) vector of D elements, contiguous on both sides.
-
-    Program (i, row tile, layer-kv group) moves ROWS rows of block i for LPP consecutive layer-kv
-    pairs (LPP divides LK). ROPE: 0 = plain copy; 1 = GPT-J (interleaved pairs, D == DP, freq
-    padded with zeros to DP/2); 2 = NeoX (pairs (c, c + HALF) for c < HALF, then D - 2*HALF
-    pass-through columns). K (lk % KVF == 0) is rotated by the token's delta; V is copied. LPP
-    is a multiple of KVF so the K/V choice is static. A tile's cos/sin are computed once and
-    reused for its LPP pairs.
-    """
+    Program (i, row tile, group) moves ROWS rows of block i for LPP consecutive layer-kv pairs
+    (LPP divides the number of pairs)."""
     i = tl.program_id(0)
     rt = tl.program_id(1)
     g = tl.program_id(2)
@@ -130,23 +115,6 @@ def copy_rows_kernel(
     if ALIGN > 1:
         s_row = tl.multiple_of(s_row, ALIGN)
         d_row = tl.multiple_of(d_row, ALIGN)
-    if ROPE == 1:
-        cols = tl.arange(0, DP // 2)
-        dlt = tl.load(delta + i * BS + t, mask=rmask, other=0.0)
-        ang = dlt[:, None] * tl.load(freq + cols)[None, :]
-        cos = tl.cos(ang)
-        sin = tl.sin(ang)
-    if ROPE == 2:
-        hc = tl.arange(0, HALF_P2)
-        hmask = hc < HALF
-        dlt = tl.load(delta + i * BS + t, mask=rmask, other=0.0)
-        ang = dlt[:, None] * tl.load(freq + hc, mask=hmask, other=0.0)[None, :]
-        cos = tl.cos(ang)
-        sin = tl.sin(ang)
-        hm2 = rmask[:, None] & hmask[None, :]
-        if REST_P2 > 0:
-            rc = 2 * HALF + tl.arange(0, REST_P2)
-            rm2 = rmask[:, None] & (rc < D)[None, :]
     dc = tl.arange(0, DP)
     m2 = rmask[:, None] & (dc < D)[None, :]
     for j in tl.static_range(LPP):
@@ -158,35 +126,131 @@ def copy_rows_kernel(
             d_base = tl.multiple_of(d_base, ALIGN)
         sp = src + s_base + s_row
         dp = dst + d_base + d_row
-        if ROPE == 0:  # noqa: SIM114 (each branch is static; `or` of constexprs is avoided)
-            mm = m2
-            x = tl.load(sp[:, None] + dc[None, :], mask=mm, eviction_policy="evict_first")
-            tl.store(dp[:, None] + dc[None, :], x, mask=mm, eviction_policy="evict_first")
-        elif j % KVF != 0:
-            mm = m2
-            x = tl.load(sp[:, None] + dc[None, :], mask=mm, eviction_policy="evict_first")
-            tl.store(dp[:, None] + dc[None, :], x, mask=mm, eviction_policy="evict_first")
-        elif ROPE == 1:
-            mm = m2
-            x = tl.load(sp[:, None] + dc[None, :], mask=mm, eviction_policy="evict_first")
-            a, b = tl.split(tl.reshape(x.to(tl.float32), (ROWS, DP // 2, 2)))
-            ra = a * cos - b * sin
-            rb = b * cos + a * sin
-            y = tl.reshape(tl.join(ra, rb), (ROWS, DP)).to(x.dtype)
-            tl.store(dp[:, None] + dc[None, :], y, mask=mm, eviction_policy="evict_first")
+        x = tl.load(sp[:, None] + dc[None, :], mask=m2, eviction_policy="evict_first")
+        tl.store(dp[:, None] + dc[None, :], x, mask=m2, eviction_policy="evict_first")
+
+
+@triton.jit
+def rope_kernel(
+    src,
+    src_tab,
+    src_lks,
+    src_ids,
+    src_bstride,
+    src_tstride,
+    src_hstride,
+    dst,
+    dst_tab,
+    dst_lks,
+    dst_ids,
+    dst_bstride,
+    dst_tstride,
+    dst_hstride,
+    freq,
+    delta,
+    H,
+    BS,
+    D,
+    SRC_TAB: tl.constexpr,
+    SRC_IDS: tl.constexpr,
+    DST_TAB: tl.constexpr,
+    DST_IDS: tl.constexpr,
+    TT: tl.constexpr,
+    LPP: tl.constexpr,
+    KVF: tl.constexpr,
+    COPY_V: tl.constexpr,
+    MODE: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    REST_P2: tl.constexpr,
+    DP: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """K re-rotation by a per-token position delta, V optionally copied alongside.
+
+    Program (i, token tile, layer group) takes TT tokens of block i, computes their cos/sin once,
+    then walks LPP layers x H heads, each a [TT, D] tile. MODE 1 = GPT-J: a 2-byte element pair
+    (2c, 2c + 1) is one 32-bit word, loaded as int32 and unpacked (freq zero-padded to DP/2, which
+    leaves pairs past the rotary dims unrotated). MODE 2 = NeoX: pairs (c, c + HALF) for c < HALF,
+    then REST columns [2*HALF, D) copied. The layer-kv index of side kv of layer l is l*KVF + kv.
+    """
+    i = tl.program_id(0)
+    tt = tl.program_id(1)
+    g = tl.program_id(2)
+    t = tt * TT + tl.arange(0, TT)
+    tmask = t < BS
+    s_t = t.to(tl.int64) * src_tstride
+    d_t = t.to(tl.int64) * dst_tstride
+    if ALIGN > 1:
+        s_t = tl.multiple_of(s_t, ALIGN)
+        d_t = tl.multiple_of(d_t, ALIGN)
+    dlt = tl.load(delta + i * BS + t, mask=tmask, other=0.0)
+    if MODE == 1:
+        pc = tl.arange(0, DP // 2)
+        ang = dlt[:, None] * tl.load(freq + pc)[None, :]
+        pm = tmask[:, None] & (pc < DP // 2)[None, :]
+    else:
+        pc = tl.arange(0, HALF_P2)
+        ang = dlt[:, None] * tl.load(freq + pc, mask=pc < HALF, other=0.0)[None, :]
+        pm = tmask[:, None] & (pc < HALF)[None, :]
+        if REST_P2 > 0:
+            rc = 2 * HALF + tl.arange(0, REST_P2)
+            rm = tmask[:, None] & (rc < D)[None, :]
+    cos = tl.cos(ang)
+    sin = tl.sin(ang)
+    for q in range(LPP * H):
+        lk = (g * LPP + q // H) * KVF
+        h = q % H
+        s_base = _side_base(src_tab, lk, src_lks, src_ids, i, src_bstride, SRC_TAB, SRC_IDS)
+        d_base = _side_base(dst_tab, lk, dst_lks, dst_ids, i, dst_bstride, DST_TAB, DST_IDS)
+        s_base += h.to(tl.int64) * src_hstride
+        d_base += h.to(tl.int64) * dst_hstride
+        if ALIGN > 1:
+            s_base = tl.multiple_of(s_base, ALIGN)
+            d_base = tl.multiple_of(d_base, ALIGN)
+        sp = src + s_base + s_t
+        dp = dst + d_base + d_t
+        if MODE == 1:
+            sw = sp.to(tl.pointer_type(tl.int32))[:, None] + pc[None, :]
+            dw = dp.to(tl.pointer_type(tl.int32))[:, None] + pc[None, :]
+            w = tl.load(sw, mask=pm, eviction_policy="evict_first")
+            a = w.to(tl.int16).to(src.dtype.element_ty, bitcast=True).to(tl.float32)
+            b = (w >> 16).to(tl.int16).to(src.dtype.element_ty, bitcast=True).to(tl.float32)
+            na = (a * cos - b * sin).to(dst.dtype.element_ty).to(tl.int16, bitcast=True)
+            nb = (b * cos + a * sin).to(dst.dtype.element_ty).to(tl.int16, bitcast=True)
+            nw = (nb.to(tl.int32) << 16) | (na.to(tl.int32) & 0xFFFF)
+            tl.store(dw, nw, mask=pm, eviction_policy="evict_first")
         else:
-            mm = hm2
-            lo = tl.load(sp[:, None] + hc[None, :], mask=mm, eviction_policy="evict_first")
-            hi = tl.load(sp[:, None] + (hc + HALF)[None, :], mask=mm, eviction_policy="evict_first")
-            lof = lo.to(tl.float32)
-            hif = hi.to(tl.float32)
-            nlo = (lof * cos - hif * sin).to(lo.dtype)
-            nhi = (hif * cos + lof * sin).to(lo.dtype)
-            tl.store(dp[:, None] + hc[None, :], nlo, mask=mm, eviction_policy="evict_first")
-            tl.store(
-                dp[:, None] + (hc + HALF)[None, :], nhi, mask=mm, eviction_policy="evict_first"
-            )
+            lo_p = sp[:, None] + pc[None, :]
+            lo = tl.load(lo_p, mask=pm, eviction_policy="evict_first").to(tl.float32)
+            hi = tl.load(lo_p + HALF, mask=pm, eviction_policy="evict_first").to(tl.float32)
+            nlo = (lo * cos - hi * sin).to(dst.dtype.element_ty)
+            nhi = (hi * cos + lo * sin).to(dst.dtype.element_ty)
+            do_p = dp[:, None] + pc[None, :]
+            tl.store(do_p, nlo, mask=pm, eviction_policy="evict_first")
+            tl.store(do_p + HALF, nhi, mask=pm, eviction_policy="evict_first")
             if REST_P2 > 0:
-                rmm = rm2
-                x = tl.load(sp[:, None] + rc[None, :], mask=rmm, eviction_policy="evict_first")
-                tl.store(dp[:, None] + rc[None, :], x, mask=rmm, eviction_policy="evict_first")
+                x = tl.load(sp[:, None] + rc[None, :], mask=rm, eviction_policy="evict_first")
+                tl.store(dp[:, None] + rc[None, :], x, mask=rm, eviction_policy="evict_first")
+    if COPY_V:
+        dc = tl.arange(0, DP)
+        vm = tmask[:, None] & (dc < D)[None, :]
+        for q in range(LPP * H):
+            lk = (g * LPP + q // H) * KVF + 1
+            h = q % H
+            s_base = _side_base(src_tab, lk, src_lks, src_ids, i, src_bstride, SRC_TAB, SRC_IDS)
+            d_base = _side_base(dst_tab, lk, dst_lks, dst_ids, i, dst_bstride, DST_TAB, DST_IDS)
+            s_base += h.to(tl.int64) * src_hstride
+            d_base += h.to(tl.int64) * dst_hstride
+            if ALIGN > 1:
+                s_base = tl.multiple_of(s_base, ALIGN)
+                d_base = tl.multiple_of(d_base, ALIGN)
+            x = tl.load(
+                (src + s_base + s_t)[:, None] + dc[None, :], mask=vm, eviction_policy="evict_first"
+            )
+            tl.store(
+                (dst + d_base + d_t)[:, None] + dc[None, :],
+                x,
+                mask=vm,
+                eviction_policy="evict_first",
+            )

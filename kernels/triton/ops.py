@@ -26,8 +26,10 @@ from kernels.triton import _jit
 _VEC_BYTES = 16
 FLAT_TILE = 4096  # elements per program in the flat copy
 ROW_TILE = 4096  # rows * padded head_dim per program in the row copy
-ROPE_LPP = 4  # layer-kv pairs per program when rotating: reuses the tile's cos/sin
 NUM_WARPS = 4
+ROPE_TOKENS = 8  # tokens per re-rotation program; their cos/sin serve all its heads and layers
+ROPE_LPP = 1  # layers per re-rotation program
+ROPE_WARPS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,14 +130,20 @@ def _launch(
     deltas: torch.Tensor | None = None,
     inv_freq: torch.Tensor | None = None,
 ) -> None:
-    """Copy n blocks x lk layer-kv chunks from src to dst; K (lk % kvf == 0) rotated with rope."""
+    """Copy n blocks x lk layer-kv chunks from src to dst; with rope, K (lk % kvf == 0) is
+    re-rotated by the per-token deltas and V (kvf == 2) copied."""
     if n == 0:
+        return
+    if rope is not None:
+        if deltas is None:
+            raise LayoutError("rope needs deltas")
+        _launch_rope(src, dst, paged, n, lk // kvf, kvf, rope, deltas, inv_freq)
         return
     g = paged.geometry
     h, d = g.num_kv_heads, g.head_dim
     align = _align(src, dst)
     flat_ok = all(s.tstride == h * d and s.hstride == d for s in (src, dst))
-    if rope is None and flat_ok:
+    if flat_ok:
         chunk = g.chunk_elems
         tile = min(FLAT_TILE, triton.next_power_of_2(chunk))
         flat_grid = (n * lk, triton.cdiv(chunk, tile))
@@ -152,43 +160,69 @@ def _launch(
     dp = triton.next_power_of_2(d)
     rows_total = g.block_size * h
     rows = max(1, min(triton.next_power_of_2(rows_total), ROW_TILE // dp))
-    mode, half, half_p2, rest_p2 = 0, 1, 1, 0
-    freq = deltas_t = src.base
-    lpp = kvf
-    if rope is not None:
-        if deltas is None:
-            raise LayoutError("rope needs deltas")
-        if rope.head_dim != d:
-            raise LayoutError(f"RopeSpec head_dim {rope.head_dim} != KV head_dim {d}")
-        r = rope.rot_dim
-        f = rope.inv_freq(paged.device) if inv_freq is None else inv_freq.to(paged.device)
-        f = f.to(torch.float32)
-        if rope.neox:
-            mode, half = 2, r // 2
-            half_p2 = triton.next_power_of_2(half)
-            rest_p2 = triton.next_power_of_2(d - r) if d > r else 0
-            freq = f.contiguous()
-        else:
-            if dp != d:
-                raise LayoutError("GPT-J re-rotation in Triton needs a power-of-two head_dim")
-            mode = 1
-            freq = torch.zeros(d // 2, dtype=torch.float32, device=paged.device)
-            freq[: r // 2] = f
-        deltas_t = deltas
-        lpp = kvf * max(1, ROPE_LPP // kvf)
-        while lk % lpp:
-            lpp -= kvf
-    grid = (n, triton.cdiv(rows_total, rows), triton.cdiv(lk, lpp))
+    grid = (n, triton.cdiv(rows_total, rows), lk // kvf)
     _jit.copy_rows_kernel[grid](
         src.base, _tab(src), src.lk_stride, _ids(src), src.bstride, src.tstride, src.hstride,
         dst.base, _tab(dst), dst.lk_stride, _ids(dst), dst.bstride, dst.tstride, dst.hstride,
-        freq, deltas_t,
-        lk, h, rows_total, g.block_size, d,
+        h, rows_total, d,
         SRC_TAB=src.tab is not None, SRC_IDS=src.ids is not None,
         DST_TAB=dst.tab is not None, DST_IDS=dst.ids is not None,
-        ROWS=rows, DP=dp, LPP=lpp, KVF=kvf, ROPE=mode,
-        HALF=half, HALF_P2=half_p2, REST_P2=rest_p2, ALIGN=align,
+        ROWS=rows, DP=dp, LPP=kvf, ALIGN=align,
         num_warps=NUM_WARPS,
+    )  # fmt: skip
+
+
+def _launch_rope(
+    src: _Side,
+    dst: _Side,
+    paged: PagedKV,
+    n: int,
+    layers: int,
+    kvf: int,
+    rope: RopeSpec,
+    deltas: torch.Tensor,
+    inv_freq: torch.Tensor | None,
+) -> None:
+    """K of `layers` layers re-rotated from src to dst (in place when they are the same side);
+    V copied too when kvf == 2."""
+    g = paged.geometry
+    h, d = g.num_kv_heads, g.head_dim
+    if rope.head_dim != d:
+        raise LayoutError(f"RopeSpec head_dim {rope.head_dim} != KV head_dim {d}")
+    align = _align(src, dst)
+    r = rope.rot_dim
+    f = rope.inv_freq(paged.device) if inv_freq is None else inv_freq.to(paged.device)
+    f = f.to(torch.float32).contiguous()
+    dp = triton.next_power_of_2(d)
+    half, half_p2, rest_p2 = r // 2, 1, 0
+    if rope.neox:
+        mode = 2
+        half_p2 = triton.next_power_of_2(half)
+        rest_p2 = triton.next_power_of_2(d - r) if d > r else 0
+    else:
+        if dp != d or src.base.element_size() != 2 or align == 1:
+            raise LayoutError(
+                "GPT-J re-rotation in Triton needs a 2-byte dtype, a power-of-two head_dim and "
+                "16-byte aligned rows; use backend='reference'"
+            )
+        mode = 1
+        if r < d:
+            f = torch.cat((f, f.new_zeros(d // 2 - r // 2)))
+    tt = min(ROPE_TOKENS, triton.next_power_of_2(g.block_size))
+    lpp = max(1, min(ROPE_LPP, layers))
+    while layers % lpp:
+        lpp -= 1
+    grid = (n, triton.cdiv(g.block_size, tt), layers // lpp)
+    _jit.rope_kernel[grid](
+        src.base, _tab(src), src.lk_stride, _ids(src), src.bstride, src.tstride, src.hstride,
+        dst.base, _tab(dst), dst.lk_stride, _ids(dst), dst.bstride, dst.tstride, dst.hstride,
+        f, deltas,
+        h, g.block_size, d,
+        SRC_TAB=src.tab is not None, SRC_IDS=src.ids is not None,
+        DST_TAB=dst.tab is not None, DST_IDS=dst.ids is not None,
+        TT=tt, LPP=lpp, KVF=kvf, COPY_V=kvf == 2, MODE=mode,
+        HALF=half, HALF_P2=half_p2, REST_P2=rest_p2, DP=dp, ALIGN=align,
+        num_warps=ROPE_WARPS,
     )  # fmt: skip
 
 
@@ -201,7 +235,7 @@ def gather_blocks(
 ) -> torch.Tensor:
     """See `kernels.reference.gather_blocks`."""
     g = paged.geometry
-    ids = as_block_ids(block_ids, paged.device)
+    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
     n = ids.numel()
     if out is None:
         out = torch.empty(g.staging_shape(n), dtype=g.dtype, device=paged.device)
@@ -220,7 +254,7 @@ def scatter_blocks(
 ) -> None:
     """See `kernels.reference.scatter_blocks`."""
     g = paged.geometry
-    ids = as_block_ids(block_ids, paged.device)
+    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
     n = ids.numel()
     check_staging(staging, g, n)
     if rope is not None and g.kv_factor != 2:
@@ -246,8 +280,8 @@ def copy_blocks(
         raise LayoutError("copy_blocks needs the same geometry and dtype on both sides")
     if src.device != dst.device:
         raise LayoutError("copy_blocks needs both caches on one device")
-    sids = as_block_ids(src_ids, src.device)
-    dids = as_block_ids(dst_ids, dst.device)
+    sids = as_block_ids(src_ids, src.device, gs.num_blocks)
+    dids = as_block_ids(dst_ids, dst.device, gd.num_blocks)
     if sids.numel() != dids.numel():
         raise LayoutError("src_ids and dst_ids differ in length")
     n = sids.numel()
@@ -269,7 +303,7 @@ def rerotate_blocks(
     g = paged.geometry
     if g.kv_factor != 2:
         raise LayoutError("re-rotation needs a K/V cache (MLA's latent is not handled here)")
-    ids = as_block_ids(block_ids, paged.device)
+    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
     n = ids.numel()
     deltas = token_deltas(delta, n * g.block_size, paged.device)
     side = _paged_side(paged, ids, kv=0)
@@ -281,7 +315,7 @@ def split_heads(
 ) -> torch.Tensor:
     """See `kernels.reference.split_heads`."""
     g = paged.geometry
-    ids = as_block_ids(block_ids, paged.device)
+    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
     n = ids.numel()
     if out is None:
         out = torch.empty(g.head_buffer_shape(n), dtype=g.dtype, device=paged.device)
@@ -293,7 +327,7 @@ def split_heads(
 def merge_heads(head_buffers: torch.Tensor, paged: PagedKV, block_ids: BlockIds) -> None:
     """See `kernels.reference.merge_heads`."""
     g = paged.geometry
-    ids = as_block_ids(block_ids, paged.device)
+    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
     n = ids.numel()
     check_head_buffers(head_buffers, g, n)
     src, dst = _head_side(head_buffers, paged, n), _paged_side(paged, ids)
