@@ -306,7 +306,7 @@ async def test_admin_api_adds_drains_and_removes_workers(workers):
         listed = (await c.get("/admin/workers", headers=auth)).json()["workers"]
         assert {w["id"] for w in listed} == {"w0", "w1"}
         plans = (await c.get("/admin/plans", headers=auth)).json()["plans"]
-        assert plans[-1]["decode_worker"] == "w1"
+        assert plans[-1]["chosen"]["decode_worker"] == "w1"
         assert (await c.delete("/admin/workers/w1", headers=auth)).status_code == 200
         assert (await c.delete("/admin/workers/w1", headers=auth)).status_code == 404
         assert router.pool.get("w1") is None
