@@ -46,6 +46,7 @@ recompute, mission 2.6.7) and the artifact utility score used to pick eviction v
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -299,25 +300,37 @@ class _Planner:
         return _Option(self.c, self.c, 0, 0, 0, 0.0, front, 0.0, self.timeline(0.0, front, 0.0))
 
     def best_mix(self) -> _Option | None:
-        """The split j where recomputing [0, j) and loading the rest finish together, searched
-        by bisection over block boundaries for each way of restoring the windows."""
+        """The split j where recomputing [0, j) and loading [j, r) finish together.
+
+        With F(j) = base + a·j + (c/2)·j² and T_load(j) = latency + (bytes(0, r) − rate·j)/bw
+        (exact at block boundaries: every ratio divides the block), the crossing
+        queue + F(j) = T_load(j) is a quadratic's root; the blocks either side are evaluated
+        exactly, for each way of restoring the windows."""
         b, s = self.spec.block_tokens, self.sealed
         blocks = s // b
-        if blocks < 2:
+        if blocks < 2 or (self.local and self.tier is Tier.GPU):
             return None
+        pf, link = self.profile.prefill, self.profile.link
+        bw = load_bandwidth(link, self.tier, same_node=self.same_node)
+        rate = self.spec.bytes_per_token()
         modes: tuple[bool | None, ...] = (None,) if self.window == 0 else (False, True)
         cands: list[_Option] = []
         for mode in modes:
-            lo, hi = 1, blocks - 1
-            while lo < hi:  # the first j whose front recompute outlasts its loads
-                mid = (lo + hi) // 2
-                o = self.best_at(mid * b, mode)
-                if o is None or self.queue_s + o.front_s >= o.load_s:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            for k in {max(1, lo - 1), lo}:
-                o = self.best_at(k * b, mode)
+            at0 = self.best_at(0, mode)
+            if at0 is None or at0.load_s <= 0:
+                continue
+            qa = pf.per_token_ctx_s / 2.0
+            qb = pf.per_token_s + rate / bw
+            qc = self.queue_s + pf.base_s - (link.latency_s + at0.load_bytes / bw - self.prefetch_s)
+            if qc >= 0:
+                j = 0.0
+            elif qa > 0:
+                j = (-qb + math.sqrt(qb * qb - 4.0 * qa * qc)) / (2.0 * qa)
+            else:
+                j = -qc / qb
+            k = int(j // b)
+            for kk in range(max(1, k - 1), min(blocks - 1, k + 2) + 1):
+                o = self.best_at(kk * b, mode)
                 if o is not None:
                     cands.append(o)
         return min(cands, key=lambda o: o.restore_s) if cands else None

@@ -157,6 +157,10 @@ class KVStateSpec:
     state_types: tuple[StateType, ...] = field(init=False, repr=False, compare=False)
     fingerprint: str = field(init=False, repr=False, compare=False)
     _dense_per_token: int = field(init=False, repr=False, compare=False)
+    # per-call hot paths read these plain-int tables instead of walking LayerSpec properties
+    _sealed_groups: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+    _window_groups: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+    _tail_groups: tuple[tuple[int, bool, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -192,6 +196,24 @@ class KVStateSpec:
         object.__setattr__(self, "state_types", tuple(types))
         object.__setattr__(self, "fingerprint", digest.hexdigest())
         object.__setattr__(self, "_dense_per_token", dense)
+        sealed = tuple(
+            (g.layer.compress_ratio, g.count * (g.layer.entry_bytes + g.layer.index_entry_bytes))
+            for g in groups
+            if g.layer.compresses
+        )
+        windows = tuple(
+            (g.layer.window, g.count * g.layer.window_entry_bytes)
+            for g in groups
+            if g.layer.window > 0
+        )
+        tails = tuple(
+            (g.layer.compress_ratio, g.layer.compress_overlap, g.count * g.layer.tail_token_bytes)
+            for g in groups
+            if g.layer.compresses and g.layer.compress_ratio > 1 and g.layer.tail_token_bytes
+        )
+        object.__setattr__(self, "_sealed_groups", sealed)
+        object.__setattr__(self, "_window_groups", windows)
+        object.__setattr__(self, "_tail_groups", tails)
 
     # --- shape -------------------------------------------------------------------------------
 
@@ -227,23 +249,15 @@ class KVStateSpec:
         """Bytes of every sealed state type produced by tokens [start, end)."""
         _check_range(start, end)
         total = (end - start) * self._dense_per_token
-        for g in self.groups:
-            layer = g.layer
-            if layer.compresses:
-                m = layer.compress_ratio
-                entries = end // m - start // m
-                total += g.count * entries * (layer.entry_bytes + layer.index_entry_bytes)
+        for m, per_entry in self._sealed_groups:
+            total += (end // m - start // m) * per_entry
         return total
 
     # --- mutable session state ----------------------------------------------------------------
 
     def swa_bytes(self, n: int) -> int:
         """WINDOW_SWA bytes held after n tokens (the last `window` entries of every layer)."""
-        return sum(
-            g.count * min(g.layer.window, n) * g.layer.window_entry_bytes
-            for g in self.groups
-            if g.layer.window > 0
-        )
+        return sum(min(window, n) * per_entry for window, per_entry in self._window_groups)
 
     @property
     def max_window(self) -> int:
@@ -268,9 +282,8 @@ class KVStateSpec:
     def tail_bytes(self, n: int) -> int:
         """TAIL_STATE bytes after n tokens: pending tokens of incomplete compression groups."""
         return sum(
-            g.count * g.layer.pending_tokens(n) * g.layer.tail_token_bytes
-            for g in self.groups
-            if g.layer.compresses
+            (n % m + (m if overlap and n >= m else 0)) * per_token
+            for m, overlap, per_token in self._tail_groups
         )
 
     def mutable_bytes(self, n: int) -> int:
@@ -326,11 +339,8 @@ class KVStateSpec:
                 raise ValueError("context_tokens must be positive")
             return self.total_bytes(context_tokens) / context_tokens
         rate = float(self._dense_per_token)
-        for g in self.groups:
-            layer = g.layer
-            if layer.compresses:
-                per_entry = layer.entry_bytes + layer.index_entry_bytes
-                rate += g.count * per_entry / layer.compress_ratio
+        for m, per_entry in self._sealed_groups:
+            rate += per_entry / m
         return rate
 
     def allocated_bytes(self, n: int) -> int:

@@ -313,3 +313,32 @@ def test_choose_drops_frees_enough_bytes_lowest_utility_first() -> None:
     assert choose_drops(arts, 15 * 10**8, 200.0) == ["useless", "cold"]
     assert choose_drops(arts, 0, 200.0) == []
     assert len(choose_drops(arts, 10**12, 200.0)) == 4
+
+
+@pytest.mark.parametrize("spec", [LLAMA, V4, QWEN], ids=lambda s: s.name)
+@pytest.mark.parametrize("n", [3_000, 40_000])
+@pytest.mark.parametrize(("bps", "queue_s"), [(6e9, 0.0), (1e9, 0.3), (5e10, 0.0)])
+def test_the_solved_mix_split_is_the_best_block_boundary(spec, n, bps, queue_s) -> None:
+    # white-box: compares the private solver with an exhaustive scan of every block boundary
+    from planner.restore import _Planner
+
+    p = _Planner(
+        spec,
+        n,
+        Tier.SSD,
+        _slow(bps),
+        same_node=True,
+        local=False,
+        queue_s=queue_s,
+        policy=SwaPolicy.periodic(1024),
+        overlap=True,
+        prefetch_s=0.0,
+    )
+    mix = p.best_mix()
+    assert mix is not None
+    scan = min(
+        o.restore_s
+        for k in range(1, p.sealed // spec.block_tokens)
+        for o in p.options_at(k * spec.block_tokens)
+    )
+    assert mix.restore_s == pytest.approx(scan, rel=1e-9)
