@@ -32,8 +32,9 @@ from ownerserve.errors import (
     OwnerServeError,
     openai_error_body,
 )
+from planner.calibration import Calibrator
 from router.errors import error_status_and_body
-from router.proxy import CalibrationHook, PolicyFactory, Receive, Router, Scope, Send
+from router.proxy import PolicyFactory, Receive, Router, Scope, Send
 from router.requests import Endpoint
 
 _HOT_PATHS = {e.value: e for e in Endpoint}
@@ -71,12 +72,12 @@ def create_app(
     *,
     directory: Directory | None = None,
     policy_factory: PolicyFactory | None = None,
-    calibration: CalibrationHook | None = None,
+    calibrator: Calibrator | None = None,
 ) -> FastAPI:
     """The router app for `settings`. `directory` defaults to `open_directory(settings.directory)`,
     policies to `planner.policies.get_policy`; the `Router` is at `app.state.router`."""
     router = Router(
-        settings, directory=directory, policy_factory=policy_factory, calibration=calibration
+        settings, directory=directory, policy_factory=policy_factory, calibrator=calibrator
     )
 
     @asynccontextmanager
@@ -240,5 +241,13 @@ def create_app(
     async def plans(request: Request) -> JSONResponse:
         admin_auth(request)
         return JSONResponse({"plans": [p.as_dict() for p in router.recent_plans]})
+
+    @app.get("/admin/calibration")
+    async def calibration(request: Request) -> JSONResponse:
+        admin_auth(request)
+        snap = router.calibrator.snapshot()
+        return JSONResponse(
+            {w: {"prefill": s.prefill, "decode": s.decode, "link": s.link} for w, s in snap.items()}
+        )
 
     return app

@@ -35,6 +35,7 @@ from ownerserve.errors import (
 )
 from ownerserve.profiles import load_profile
 from ownerserve.types import Tier
+from planner.calibration import Calibrator
 from planner.types import Action, ClusterView, Plan, Policy, RequestView, WorkerView
 from router.errors import error_status_and_body, sse_error_event
 from router.executor import (
@@ -90,7 +91,6 @@ class _SessionInfo:
     prompt_tokens: int = 0
 
 
-CalibrationHook = Callable[[Plan, ObservedTimings, RequestView], None]
 PolicyFactory = Callable[[str], Policy]
 
 
@@ -133,7 +133,7 @@ class Router:
         *,
         directory: Directory | None = None,
         policy_factory: PolicyFactory | None = None,
-        calibration: CalibrationHook | None = None,
+        calibrator: Calibrator | None = None,
     ) -> None:
         self.settings = settings
         self.pool = WorkerPool(
@@ -150,7 +150,7 @@ class Router:
         self._policy_factory = policy_factory or _default_policy_factory(settings)
         self._policies: dict[str, Policy] = {}
         self.policy = self._policy(settings.planner.policy)
-        self.calibration = calibration
+        self.calibrator = calibrator if calibrator is not None else Calibrator()
         self.http: aiohttp.ClientSession | None = None
         self.executor: PlanExecutor | None = None
         self.recent_plans: deque[PlanRecord] = deque(maxlen=256)
@@ -252,6 +252,7 @@ class Router:
         return True
 
     async def _on_worker_dead(self, worker_id: str) -> None:
+        self.calibrator.forget(worker_id)
         if self.directory is not None:
             await self.directory.drop_worker(worker_id)
 
@@ -284,10 +285,12 @@ class Router:
         now = time.monotonic()
         default_profile = self.settings.planner.profile
         views = []
+        scales = self.calibrator.scales
         for w in self.pool.for_model(model):
             if w.worker_id in excluded or not w.routable(now):
                 continue
             wid = w.worker_id
+            sc = scales(wid)
             views.append(
                 WorkerView(
                     worker_id=wid,
@@ -302,6 +305,9 @@ class Router:
                     is_owner=match.owner == wid,
                     is_session_owner=match.session_owner == wid,
                     node=w.settings.node,
+                    prefill_scale=sc.prefill,
+                    decode_scale=sc.decode,
+                    link_scale=sc.link,
                 )
             )
         return ClusterView(
@@ -665,11 +671,7 @@ class Router:
         m.e2e.labels(action).observe(t.e2e_s)
         if t.transfer_s is not None:
             m.transfer.labels(action).observe(t.transfer_s)
-        if self.calibration is not None:
-            try:
-                self.calibration(plan, t, rview)
-            except Exception:
-                log.exception("calibration hook failed")
+        self.calibrator.observe_plan(plan, ttft_s=t.ttft_s, tpot_s=tpot, transfer_s=t.transfer_s)
 
     # --- after the response: commit to the directory --------------------------------------
 
