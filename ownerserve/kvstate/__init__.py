@@ -18,7 +18,7 @@ from ownerserve.kvstate.registry import (
     spec_for_model,
     spec_from_dict,
 )
-from ownerserve.kvstate.spec import KVStateSpec, LayerSpec
+from ownerserve.kvstate.spec import KVStateSpec, LayerSpec, artifact_id
 from ownerserve.kvstate.types import (
     MUTABLE_TYPES,
     SEALED_TYPES,
@@ -37,6 +37,7 @@ __all__ = [
     "KVStateSpec",
     "LayerSpec",
     "StateType",
+    "artifact_id",
     "head_keys",
     "heads_for_rank",
     "list_specs",

@@ -364,3 +364,29 @@ class KVStateSpec:
 def _check_range(start: int, end: int) -> None:
     if start < 0 or end < start:
         raise ValueError(f"invalid token range [{start}, {end})")
+
+
+def artifact_id(
+    spec: KVStateSpec,
+    prefix_hash: int,
+    start: int,
+    end: int,
+    *,
+    tokenizer: str = "",
+    state: StateType | None = None,
+) -> str:
+    """An artifact's identity (mission 2.6.5): H(model, revision, tokenizer, attention spec
+    and precision, prefix hash, block range[, state type]). It names no TP size or rank, so
+    any consumer finds it; a different layout or precision never matches."""
+    _check_range(start, end)
+    key = (
+        spec.name,
+        spec.revision,
+        tokenizer,
+        spec.fingerprint,
+        prefix_hash,
+        start,
+        end,
+        state.value if state is not None else "",
+    )
+    return blake2b(repr(key).encode(), digest_size=16).hexdigest()

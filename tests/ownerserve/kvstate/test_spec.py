@@ -10,6 +10,7 @@ from ownerserve.kvstate import (
     KVStateSpec,
     LayerSpec,
     StateType,
+    artifact_id,
     load_spec,
 )
 from ownerserve.profiles import load_profile
@@ -199,3 +200,18 @@ def test_fingerprint_tells_layouts_and_precisions_apart() -> None:
     assert fa == KVStateSpec("y", (a,), 16).fingerprint  # the name is not the layout
     assert fa != KVStateSpec("x", (b,), 16).fingerprint
     assert load_spec("deepseek-v3").fingerprint != load_spec("deepseek-v3.2").fingerprint
+
+
+def test_artifact_id_names_layout_precision_range_and_type_but_no_tp() -> None:
+    v3, v32 = load_spec("deepseek-v3"), load_spec("deepseek-v3.2")
+    a = artifact_id(v3, 0xABC, 0, 64)
+    assert a == artifact_id(load_spec("deepseek-v3"), 0xABC, 0, 64)  # stable
+    assert len(a) == 32
+    others = {
+        artifact_id(v32, 0xABC, 0, 64),  # other layout / precision
+        artifact_id(v3, 0xABD, 0, 64),  # other prefix
+        artifact_id(v3, 0xABC, 64, 128),  # other block range
+        artifact_id(v3, 0xABC, 0, 64, tokenizer="byte"),
+        artifact_id(v3, 0xABC, 0, 64, state=StateType.DENSE_KV),
+    }
+    assert a not in others and len(others) == 5
