@@ -169,8 +169,10 @@ TOOL_OUTPUTS = (
 @dataclass(frozen=True, slots=True)
 class TurnResult:
     turn: int
+    request_class: str
     action: str
     workers: str
+    runner_up: str
     ttft_s: float
     e2e_s: float
     prompt_tokens: int
@@ -239,8 +241,10 @@ async def run_session(base_url: str, turns: int) -> list[TurnResult]:
             results.append(
                 TurnResult(
                     turn=turn,
+                    request_class=plan.get("class", "?"),
                     action=plan.get("action", "?"),
                     workers=f"P={plan.get('p', '?')} D={plan.get('d', '?')}",
+                    runner_up=plan.get("runner_up", "-").split(":")[0],
                     ttft_s=ttft,
                     e2e_s=e2e,
                     prompt_tokens=int(usage.get("prompt_tokens", 0)),
@@ -257,15 +261,15 @@ async def run_session(base_url: str, turns: int) -> list[TurnResult]:
 
 def format_report(results: list[TurnResult]) -> str:
     head = (
-        f"{'turn':>4}  {'action':<22} {'workers':<14} {'TTFT ms':>8} {'E2E ms':>8} "
-        f"{'prompt':>7} {'cached':>7} {'output':>6}"
+        f"{'turn':>4}  {'request class':<22} {'action':<20} {'workers':<12} {'TTFT ms':>8} "
+        f"{'E2E ms':>7} {'prompt':>6} {'cached':>6} {'out':>4}  runner-up"
     )
     lines = ["", "OwnerServe demo: one agent session through the proxy", head, "-" * len(head)]
     for r in results:
         lines.append(
-            f"{r.turn:>4}  {r.action:<22} {r.workers:<14} {r.ttft_s * 1e3:>8.1f} "
-            f"{r.e2e_s * 1e3:>8.1f} {r.prompt_tokens:>7} {r.cached_tokens:>7} "
-            f"{r.completion_tokens:>6}"
+            f"{r.turn:>4}  {r.request_class:<22} {r.action:<20} {r.workers:<12} "
+            f"{r.ttft_s * 1e3:>8.1f} {r.e2e_s * 1e3:>7.1f} {r.prompt_tokens:>6} "
+            f"{r.cached_tokens:>6} {r.completion_tokens:>4}  {r.runner_up}"
         )
     return "\n".join(lines)
 
