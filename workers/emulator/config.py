@@ -50,6 +50,12 @@ class EmulatorConfig:
     max_body_bytes: int = 32 * 1024 * 1024
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "role", Role(self.role))
+        except ValueError:
+            raise ConfigError(
+                f"--role must be prefill, decode or hybrid, got {self.role!r}"
+            ) from None
         if self.speed <= 0:
             raise ConfigError(f"--speed must be positive, got {self.speed}")
         if self.block_size <= 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import socket
 from collections.abc import Iterator
 from dataclasses import replace
@@ -33,7 +34,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 class _QuietServer(uvicorn.Server):
-    """A uvicorn server that leaves the process's signal handlers alone (embedded use)."""
+    """A uvicorn server that leaves signal handling to its owner."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -77,8 +78,7 @@ class EmulatorServer:
             backlog=4096,
             timeout_graceful_shutdown=2,
         )
-        cls = _QuietServer if self._embedded else uvicorn.Server
-        self._server = cls(uv)
+        self._server = _QuietServer(uv)
         return self._server
 
     async def start(self) -> None:
@@ -91,6 +91,10 @@ class EmulatorServer:
                 raise RuntimeError("emulated engine failed to start")
             await asyncio.sleep(0.01)
 
+    def _request_exit(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+
     async def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
@@ -102,8 +106,12 @@ class EmulatorServer:
         self._sockets = []
 
     async def serve(self) -> None:
-        """Serve until the process is told to stop (SIGINT/SIGTERM when not embedded)."""
+        """Serve until SIGINT/SIGTERM (when not embedded), then shut down gracefully."""
         server = self._prepare()
+        if not self._embedded:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self._request_exit)
         try:
             await server.serve(sockets=self._sockets)
         finally:

@@ -116,7 +116,7 @@ def test_insert_copies_blocks_from_elsewhere_and_reports_them_stored() -> None:
     src = BlockPool(4, BS)
     tokens = list(range(8))
     fill(src, tokens)
-    read = src.read(chain(tokens) + [12345])
+    read = src.read([*chain(tokens), 12345])
     assert read[-1] is None
     blocks = [b for b in read if b is not None]
     dst = BlockPool(4, BS)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.workers.emulator.conftest import StartEmulator
 
 MODEL = "ownerserve-tiny"
-MESSAGES = [
+MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You are a coding agent."},
     {"role": "user", "content": "List the files in the repository and explain the layout."},
 ]
@@ -121,7 +123,7 @@ async def test_logprobs_have_openai_shape(start_emulator: StartEmulator) -> None
 async def test_tools_are_accepted(start_emulator: StartEmulator) -> None:
     server = await start_emulator()
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
-    tools = [
+    tools: Any = [
         {
             "type": "function",
             "function": {
@@ -134,7 +136,7 @@ async def test_tools_are_accepted(start_emulator: StartEmulator) -> None:
         model=MODEL,
         messages=MESSAGES,
         max_completion_tokens=8,
-        tools=tools,  # type: ignore[arg-type]
+        tools=tools,
         tool_choice="auto",
     )
     with_tools = resp.usage.prompt_tokens if resp.usage else 0
@@ -150,7 +152,7 @@ async def test_sync_client_works_unchanged(start_emulator: StartEmulator) -> Non
     def use_sync_client() -> tuple[str, str]:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
         whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16)
-        parts = []
+        parts: list[str] = []
         for chunk in client.chat.completions.create(
             model=MODEL, messages=MESSAGES, max_tokens=16, stream=True
         ):

@@ -1,0 +1,82 @@
+"""Bad input gets an OpenAI-shaped error with the right status, never a crash or a hang."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.workers.emulator.conftest import StartEmulator
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def assert_openai_error(resp: httpx.Response, status: int, *words: str) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    assert resp.headers["content-type"].startswith("application/json")
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    for w in words:
+        assert w in err["message"]
+    return dict(err)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "words"),
+    [
+        ("/v1/chat/completions", {"model": "nope", "messages": MESSAGES}, 404, ["nope"]),
+        ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, ["nope"]),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": -1}, 400, ["max_tokens"]),
+        ("/v1/completions", {"prompt": "x", "max_tokens": -5}, 400, ["max_tokens"]),
+        ("/v1/chat/completions", {"messages": MESSAGES, "n": 0}, 400, ["n"]),
+        ("/v1/chat/completions", {"messages": []}, 400, ["messages"]),
+        ("/v1/chat/completions", {"messages": "hi"}, 400, ["messages"]),
+        ("/v1/completions", {"prompt": []}, 400, ["prompt"]),
+        ("/v1/completions", {"prompt": [1, 99999]}, 400, ["vocabulary"]),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400, ["context length"]),
+        ("/v1/chat/completions", [1, 2], 400, ["object"]),
+        ("/tokenize", {"nothing": 1}, 400, ["prompt"]),
+        ("/ownerserve/kv/fetch", {"source_url": "ftp://x", "block_hashes": []}, 400, ["url"]),
+        ("/ownerserve/kv/read", {"block_hashes": [-1]}, 400, ["block_hashes"]),
+        ("/ownerserve/kv/pull", {"transfer_id": "t", "block_hashes": []}, 404, ["unknown"]),
+    ],
+)
+async def test_invalid_requests_get_openai_errors(
+    start_emulator: StartEmulator,
+    http: httpx.AsyncClient,
+    path: str,
+    body: Any,
+    status: int,
+    words: list[str],
+) -> None:
+    server = await start_emulator()
+    resp = await http.post(server.url + path, json=body)
+    err = assert_openai_error(resp, status, *words)
+    if status == 404 and "model" in path:
+        assert err["code"] == "model_not_found"
+
+
+async def test_malformed_json_oversized_body_and_unknown_routes(
+    start_emulator: StartEmulator, http: httpx.AsyncClient
+) -> None:
+    server = await start_emulator(max_body_bytes=10_000)
+    url = server.url
+    headers = {"content-type": "application/json"}
+    resp = await http.post(url + "/v1/chat/completions", content=b'{"messages": [', headers=headers)
+    assert_openai_error(resp, 400, "malformed JSON")
+    big = {"messages": [{"role": "user", "content": "x" * 20_000}]}
+    assert_openai_error(await http.post(url + "/v1/chat/completions", json=big), 413)
+
+    async def chunks() -> Any:  # no content-length: the limit applies while reading
+        for _ in range(30):
+            yield b" " * 1000
+
+    resp = await http.post(url + "/v1/completions", content=chunks(), headers=headers)
+    assert_openai_error(resp, 413)
+    assert_openai_error(await http.get(url + "/v1/nothing"), 404)
+    assert_openai_error(await http.get(url + "/v1/chat/completions"), 405)
+    # The server is still healthy afterwards.
+    assert (await http.get(url + "/health")).status_code == 200
+    ok = await http.post(url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1})
+    assert ok.status_code == 200

@@ -1,0 +1,130 @@
+"""KV events leave the emulated engine over real ZMQ in vLLM's wire format, in order, and rebuild
+the router's hash chain; evictions arrive as BlockRemoved after the stores they undo."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import zmq
+import zmq.asyncio
+
+from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from ownerserve.hashing import block_hash_chain, chain_root, hash_block
+from tests.conftest import free_port
+from tests.workers.emulator.conftest import StartEmulator
+from workers.adapters.vllm_events import decode_message
+
+MODEL = "ownerserve-tiny"
+
+
+class Subscriber:
+    """A real ZMQ SUB socket collecting decoded batches."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.batches: list[EventBatch] = []
+
+    async def drain(self, quiet_s: float = 0.3) -> list[EventBatch]:
+        while await self.sock.poll(int(quiet_s * 1000)):
+            self.batches.append(decode_message(await self.sock.recv_multipart()))
+        return self.batches
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+async def chat(http: httpx.AsyncClient, url: str, content: str, **extra: Any) -> dict[str, Any]:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2, **extra}
+    resp = await http.post(url + "/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())
+
+
+async def connected(sub: Subscriber, http: httpx.AsyncClient, url: str) -> None:
+    """Wait out ZMQ's slow joiner: send probes until one's events arrive, then forget them."""
+    for i in range(50):
+        await chat(http, url, f"probe {i} " + "p" * 40)
+        if await sub.drain(0.05):
+            break
+    reset = await http.post(url + "/reset_prefix_cache")
+    assert reset.status_code == 200
+    batches = await sub.drain(0.3)
+    assert isinstance(batches[-1].events[-1], AllBlocksCleared)
+    sub.batches.clear()
+
+
+async def test_stores_and_evictions_arrive_in_order_and_rebuild_the_hash_chain(
+    start_emulator: StartEmulator, http: httpx.AsyncClient
+) -> None:
+    port = free_port()
+    server = await start_emulator(num_blocks=12, kv_events_port=port, salt="ev")
+    sub = Subscriber(f"tcp://127.0.0.1:{port}")
+    try:
+        await connected(sub, http, server.url)
+        for i in range(3):
+            await chat(http, server.url, f"{i} conversation " + "z" * 90)  # 7 full blocks each
+        batches = await sub.drain()
+    finally:
+        sub.close()
+    seqs = [b.seq for b in batches]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    events = [e for b in batches for e in b.events]
+    resident: dict[int, tuple[int, ...]] = {}
+    parents: dict[int, int | None] = {}
+    root = chain_root(MODEL, "ev")
+    removed = 0
+    for e in events:
+        if isinstance(e, BlockStored):
+            # Rebuild each hash from token ids, as the directory does.
+            parent = root if e.parent_engine_hash is None else e.parent_engine_hash
+            assert e.parent_engine_hash is None or e.parent_engine_hash in resident
+            for k, h in enumerate(e.engine_hashes):
+                tokens = e.token_ids[k * e.block_size : (k + 1) * e.block_size]
+                assert hash_block(parent, tokens) == h
+                resident[h] = tokens
+                parents[h] = e.parent_engine_hash if k == 0 else parent
+                parent = h
+        elif isinstance(e, BlockRemoved):
+            for h in e.engine_hashes:
+                assert h in resident, "a block was removed before it was stored"
+                del resident[h]
+                removed += 1
+    assert removed > 0
+    listing = (await http.get(server.url + "/kv_blocks")).json()
+    assert set(resident) == set(listing["block_hashes"])
+    last_prompt = "<|user|>2 conversation " + "z" * 90 + "<|end|>\n<|assistant|>"
+    last_chain = block_hash_chain(list(last_prompt.encode()), 16, root)
+    assert set(last_chain) <= set(resident)
+
+
+async def test_replay_socket_resends_missed_batches(
+    start_emulator: StartEmulator, http: httpx.AsyncClient
+) -> None:
+    port, replay_port = free_port(), free_port()
+    server = await start_emulator(kv_events_port=port, kv_events_replay_port=replay_port)
+    for i in range(3):
+        await chat(http, server.url, f"{i} replayed " + "r" * 40)
+    ctx = zmq.asyncio.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+    try:
+        await dealer.send_multipart([b"", (1).to_bytes(8, "big")])
+        got: list[int] = []
+        while True:
+            frames = await asyncio.wait_for(dealer.recv_multipart(), 5)
+            seq = int.from_bytes(frames[2], "big", signed=True)
+            if seq == -1:
+                break
+            got.append(decode_message(frames[1:]).seq)
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+    assert got == [1, 2]

@@ -1,0 +1,194 @@
+"""P/D disaggregation between two emulated engines over real HTTP, as vLLM and SGLang speak it,
+and the artifact fetch of the worker-side KV API."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+
+from ownerserve.hashing import block_hash_chain, chain_root
+from ownerserve.tokenizer import ByteTokenizer, ChatTemplate
+from tests.workers.emulator.conftest import StartEmulator, metric_value, scrape
+
+MODEL = "ownerserve-tiny"
+MESSAGES = [{"role": "user", "content": "summarise this repository for me please " * 6}]
+PROMPT = ByteTokenizer().encode(ChatTemplate().render(MESSAGES))
+CHAIN = block_hash_chain(PROMPT, 16, chain_root(MODEL))
+PULLED = CHAIN[: (len(PROMPT) - 1) // 16]
+
+
+def body(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": MESSAGES, "max_tokens": 12, **extra}
+
+
+async def held(http: httpx.AsyncClient, url: str) -> set[int]:
+    return set((await http.get(url + "/kv_blocks")).json()["block_hashes"])
+
+
+async def test_vllm_style_prefill_then_decode_moves_the_prefix(
+    start_emulator: StartEmulator, http: httpx.AsyncClient
+) -> None:
+    p = await start_emulator(role="prefill")
+    d = await start_emulator(role="decode")
+    pre = await http.post(
+        p.url + "/v1/chat/completions",
+        json=body(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True}),
+    )
+    assert pre.status_code == 200, pre.text
+    ktp = pre.json()["kv_transfer_params"]
+    assert ktp["do_remote_prefill"] is True and ktp["remote_port"] == p.config.port
+    assert len(ktp["remote_block_ids"]) == len(PROMPT) // 16
+    assert pre.json()["usage"]["completion_tokens"] == 1
+
+    dec = await http.post(d.url + "/v1/chat/completions", json=body(kv_transfer_params=ktp))
+    assert dec.status_code == 200, dec.text
+    local = await http.post(d.url + "/v1/chat/completions", json=body(seed=None))
+    assert dec.json()["choices"][0]["message"] == local.json()["choices"][0]["message"]
+    assert set(PULLED) <= await held(http, d.url)
+
+    d_metrics = await scrape(http, d)
+    block_bytes = 16 * 131072
+    received = "ownerserve_emulator_kv_received_bytes_total"
+    assert metric_value(d_metrics, received, kind="pd") == len(PULLED) * block_bytes
+    by_source = "vllm:prompt_tokens_by_source_total"
+    assert metric_value(d_metrics, by_source, source="external_kv_transfer") == len(PULLED) * 16
+    # Both the decode and the local repeat computed only the tail past the last full block.
+    assert metric_value(d_metrics, "ownerserve_emulator_prefill_tokens_computed_total") == 2 * (
+        len(PROMPT) - len(PULLED) * 16
+    )
+    p_metrics = await scrape(http, p)
+    assert metric_value(p_metrics, "ownerserve_emulator_kv_sent_bytes_total", kind="pd") == (
+        len(PULLED) * block_bytes
+    )
+    assert metric_value(p_metrics, "ownerserve_emulator_kv_transfers_held") == 0
+
+    # The params were used up: a replay is stale and says so, fast.
+    t0 = time.perf_counter()
+    stale = await http.post(d.url + "/v1/chat/completions", json=body(kv_transfer_params=ktp))
+    assert stale.status_code == 400
+    assert "unknown or expired" in stale.json()["error"]["message"]
+    assert time.perf_counter() - t0 < 2.0
+
+
+async def test_decode_pulls_only_blocks_it_lacks(
+    start_emulator: StartEmulator, http: httpx.AsyncClient
+) -> None:
+    p = await start_emulator(role="prefill")
+    d = await start_emulator(role="decode")
+    half = [{"role": "user", "content": MESSAGES[0]["content"][:120]}]
+    await http.post(d.url + "/v1/chat/completions", json={"messages": half, "max_tokens": 1})
+    already = len(await held(http, d.url))
+    pre = await http.post(
+        p.url + "/v1/chat/completions", json=body(kv_transfer_params={"do_remote_decode": True})
+    )
+    ktp = pre.json()["kv_transfer_params"]
+    dec = await http.post(d.url + "/v1/chat/completions", json=body(kv_transfer_params=ktp))
+    assert dec.status_code == 200
+    got = metric_value(await scrape(http, d), "ownerserve_emulator_kv_received_blocks_total")
+    assert 0 < got <= len(PULLED) - already + 1
+
+
+async def test_bad_transfer_params_are_clear_400s_not_hangs(
+    start_emulator: StartEmulator, http: httpx.AsyncClient
+) -> None:
+    d = await start_emulator(role="decode", transfer_timeout_s=0.5)
+    cases = [
+        {"do_remote_prefill": True},
+        {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1,
+         "remote_request_id": "gone"},
+        {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": d.config.port,
+         "remote_request_id": "never-prefilled"},
+    ]  # fmt: skip
+    for ktp in cases:
+        t0 = time.perf_counter()
+        resp = await http.post(d.url + "/v1/chat/completions", json=body(kv_transfer_params=ktp))
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["message"]
+        assert time.perf_counter() - t0 < 5.0
+    room = await http.post(
+        d.url + "/v1/chat/completions",
+        json=body(bootstrap_host="127.0.0.1", bootstrap_port=d.config.port, bootstrap_room=42),
+    )
+    assert room.status_code == 400 and "bootstrap room 42" in room.json()["error"]["message"]
+    assert metric_value(await scrape(http, d), "ownerserve_emulator_kv_blocks_in_use") == 0
+
+
+async def test_sglang_style_same_body_to_both_sides_with_a_bootstrap_room(
+    start_emulator: StartEmulator, http: httpx.AsyncClient
+) -> None:
+    p = await start_emulator(role="prefill", bootstrap_port=0)
+    d = await start_emulator(role="decode")
+    assert p.config.bootstrap_port
+    room = 1234567890123
+    both = body(
+        bootstrap_host="127.0.0.1", bootstrap_port=p.config.bootstrap_port, bootstrap_room=room
+    )
+    # The decode request may arrive first: it waits for the room.
+    dec_task = asyncio.create_task(http.post(d.url + "/v1/chat/completions", json=both))
+    await asyncio.sleep(0.05)
+    pre = await http.post(p.url + "/v1/chat/completions", json=both)
+    dec = await dec_task
+    assert pre.status_code == 200 and pre.json()["usage"]["completion_tokens"] == 1
+    assert dec.status_code == 200, dec.text
+    assert dec.json()["usage"]["completion_tokens"] == 12
+    assert set(PULLED) <= await held(http, d.url)
+    received = metric_value(
+        await scrape(http, d), "ownerserve_emulator_kv_received_blocks_total", kind="pd"
+    )
+    assert received == len(PULLED)
+    info = (await http.get(p.url + "/server_info")).json()
+    assert info["disaggregation_mode"] == "prefill"
+    assert info["disaggregation_bootstrap_port"] == p.config.bootstrap_port
+
+
+async def test_sglang_streaming_decode(
+    start_emulator: StartEmulator, http: httpx.AsyncClient
+) -> None:
+    p = await start_emulator(role="prefill", bootstrap_port=0)
+    d = await start_emulator(role="decode")
+    both = body(
+        stream=True,
+        bootstrap_host="127.0.0.1",
+        bootstrap_port=p.config.bootstrap_port,
+        bootstrap_room=7,
+    )
+
+    async def read_stream(url: str) -> str:
+        async with http.stream("POST", url + "/v1/chat/completions", json=both) as resp:
+            assert resp.status_code == 200
+            return (await resp.aread()).decode()
+
+    dec_text, pre_text = await asyncio.gather(read_stream(d.url), read_stream(p.url))
+    assert dec_text.endswith("data: [DONE]\n\n") and pre_text.endswith("data: [DONE]\n\n")
+    assert dec_text.count('"finish_reason":"length"') == 1
+
+
+async def test_artifact_fetch_copies_blocks_from_a_peer(
+    start_emulator: StartEmulator, http: httpx.AsyncClient
+) -> None:
+    src = await start_emulator(node="n1")
+    dst = await start_emulator(node="n2")
+    await http.post(src.url + "/v1/chat/completions", json=body(max_tokens=1))
+    resp = await http.post(
+        dst.url + "/ownerserve/kv/fetch",
+        json={"source_url": src.url, "block_hashes": [*CHAIN, 99], "block_size": 16},
+    )
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["fetched"] == len(CHAIN) and out["missing"] == [99]
+    assert out["bytes"] == len(CHAIN) * 16 * 131072
+    assert out["seconds"] > 0  # inter-node link
+    assert set(CHAIN) <= await held(http, dst.url)
+    warm = await http.post(dst.url + "/v1/chat/completions", json=body(max_tokens=1))
+    assert warm.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PULLED) * 16
+    again = await http.post(
+        dst.url + "/ownerserve/fetch", json={"source_url": src.url, "block_hashes": CHAIN}
+    )
+    assert again.json()["already_held"] == len(CHAIN) and again.json()["bytes"] == 0
+    nowhere = {"source_url": "http://127.0.0.1:1", "block_hashes": [1]}
+    bad = await http.post(dst.url + "/ownerserve/fetch", json=nowhere)
+    assert bad.status_code == 502 and bad.json()["error"]["message"]
