@@ -63,7 +63,7 @@ def _workload(args: argparse.Namespace) -> list[SimSession]:
         )[: args.sessions]
     if args.workload != "agentic":
         raise SystemExit(f"ownerserve sim: unknown workload {args.workload!r}")
-    rate = args.rate if args.rate is not None else max(0.05, args.workers * 0.05)
+    rate = args.rate if args.rate is not None else max(0.01, args.workers * 0.01)
     return agentic_sessions(args.sessions, rate, seed=args.seed)
 
 

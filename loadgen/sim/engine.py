@@ -379,9 +379,8 @@ class Simulator:
         )
         session_start = [s.start_s for s in sessions]
         prev_tokens = [0] * len(sessions)
-        live = 0
-        # time integrals of cached blocks (all copies), distinct blocks and live sessions
-        dup_num = dup_den = live_sum = 0.0
+        # time integrals of cached blocks (all copies) and of distinct blocks
+        dup_num = dup_den = 0.0
         now = last = heap[0][0] if heap else 0.0
         while heap:
             now, _, kind, a, b = heapq.heappop(heap)
@@ -390,7 +389,6 @@ class Simulator:
             if dt > 0:
                 dup_num += self.cached_blocks * dt
                 dup_den += len(self.holders) * dt
-                live_sum += live * dt
                 last = now
             if kind == _DECODE_END:
                 w = self.workers[a]
@@ -400,8 +398,6 @@ class Simulator:
             si, ti = a, b
             sess = sessions[si]
             turn = sess.turns[ti]
-            if ti == 0:
-                live += 1
             if self.oracle:
                 for blk in turn.chain:
                     self.future_refs[blk] -= 1
@@ -440,15 +436,19 @@ class Simulator:
                 heapq.heappush(heap, (end[0] + nxt.gap_s, seq, _ARRIVE, si, ti + 1))
                 seq += 1
             else:
-                live -= 1
                 res.session_e2e_s.append(end[0] - session_start[si])
         res.sim_s = now
         res.wall_s = _time.perf_counter() - t_wall
         res.dup_factor = dup_num / dup_den if dup_den else 1.0
+        # sessions whose whole context fits in the cluster's KV HBM, given the policy's
+        # duplication: HBM / (mean final context bytes of a session × duplicate factor)
         total_hbm = sum(w.capacity for w in self.workers) * self.block_bytes
-        if live_sum:
-            distinct_per_session = dup_den * self.block_bytes / live_sum
-            res.max_concurrent_sessions = total_hbm / (distinct_per_session * res.dup_factor)
+        if sessions:
+            mean_ctx = sum(
+                s.turns[-1].input_tokens + s.turns[-1].output_tokens for s in sessions
+            ) / len(sessions)
+            per_session = mean_ctx * prof.kv_bytes_per_token * max(res.dup_factor, 1.0)
+            res.max_concurrent_sessions = total_hbm / per_session
         return res
 
     def _transfer(self, src: _Worker, dst: _Worker, nbytes: int, ready: float) -> float:
