@@ -1,0 +1,179 @@
+"""Emulated workers as real processes, and the router in-process in front of them, for the
+router's e2e tests (`test_router_*.py`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ownerserve.config import Settings, settings_from_dict
+from router.app import create_app
+from router.server import running_app
+
+MODEL = "ownerserve-tiny"
+DATA = Path(__file__).resolve().parent / "data"
+FAST_DECODE_PROFILE = str(DATA / "router-fast-decode.yaml")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class EmulatedWorker:
+    """One `python -m workers.emulator` process."""
+
+    worker_id: str
+    role: str
+    kind: str = "emulator"
+    profile: str = "h100-llama3-8b"
+    speed: float = 20.0
+    extra: tuple[str, ...] = ()
+    port: int = field(default_factory=free_port)
+    bootstrap_port: int = field(default_factory=free_port)
+    events_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> EmulatedWorker:
+        cmd = [
+            sys.executable, "-m", "workers.emulator",
+            "--role", self.role, "--port", str(self.port), "--profile", self.profile,
+            "--speed", str(self.speed), "--model", MODEL, "--worker-id", self.worker_id,
+            "--bootstrap-port", str(self.bootstrap_port),
+            "--kv-events-port", str(self.events_port), *self.extra,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            start_new_session=True,
+        )  # fmt: skip
+        return self
+
+    def wait_healthy(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                raise RuntimeError(f"emulator {self.worker_id} exited: {err[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            time.sleep(0.05)
+        raise RuntimeError(f"emulator {self.worker_id} not healthy in {timeout_s}s")
+
+    def kill(self) -> None:
+        """SIGKILL: the worker dies as a crashed engine would, mid-request."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", timeout=5.0).text
+
+    def worker_settings(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.worker_id,
+            "url": self.url,
+            "role": self.role,
+            "kind": self.kind,
+            "models": [MODEL],
+            "bootstrap_port": self.bootstrap_port,
+            "kv_events_endpoint": f"tcp://127.0.0.1:{self.events_port}",
+        }
+        if self.profile != "h100-llama3-8b":
+            out["profile"] = self.profile
+        return out
+
+
+@contextlib.contextmanager
+def emulated_workers(*workers: EmulatedWorker) -> Iterator[tuple[EmulatedWorker, ...]]:
+    try:
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.wait_healthy()
+        yield workers
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def router_settings(
+    workers: tuple[EmulatedWorker, ...] | list[EmulatedWorker], **sections: dict[str, Any]
+) -> Settings:
+    data: dict[str, Any] = {
+        "server": {"port": 0, "health_interval_s": 0.5, **sections.get("server", {})},
+        "planner": {"policy": "ownerserve", **sections.get("planner", {})},
+        "models": [{"name": MODEL}],
+        "workers": [w.worker_settings() for w in workers],
+    }
+    if "directory" in sections:
+        data["directory"] = sections["directory"]
+    if "telemetry" in sections:
+        data["telemetry"] = sections["telemetry"]
+    return settings_from_dict(data)
+
+
+@contextlib.asynccontextmanager
+async def proxy(settings: Settings, **app_kwargs: Any) -> AsyncIterator[tuple[str, Any]]:
+    """The router app in this event loop: yields (base URL, `Router`)."""
+    app = create_app(settings, **app_kwargs)
+    async with running_app(app, "127.0.0.1", 0) as url:
+        yield url, app.state.router
+
+
+def plan_fields(header: str) -> dict[str, str]:
+    return dict(p.split("=", 1) for p in header.split(";") if "=" in p)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] != name:
+            continue
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+@contextlib.asynccontextmanager
+async def proxy_client(
+    settings: Settings, **app_kwargs: Any
+) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    """`proxy` plus an HTTP client on it: yields (client, `Router`)."""
+    async with (
+        proxy(settings, **app_kwargs) as (url, router),
+        httpx.AsyncClient(base_url=url, timeout=60) as client,
+    ):
+        yield client, router
