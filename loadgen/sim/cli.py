@@ -106,7 +106,19 @@ def run_policies(args: argparse.Namespace, sessions: list[SimSession]) -> list[d
     return rows
 
 
+def main_rows(argv: list[str]) -> list[dict[str, Any]]:
+    """Run `ownerserve sim` with `argv` and return the summary rows (for scripts and tests)."""
+    parser = argparse.ArgumentParser(prog="ownerserve sim")
+    add_arguments(parser)
+    return _run(parser.parse_args(argv))
+
+
 def run(args: argparse.Namespace) -> int:
+    _run(args)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     sessions = _workload(args)
     print(
@@ -125,4 +137,4 @@ def run(args: argparse.Namespace) -> int:
 
         plot_rows(rows, out)
         print(f"\nwrote {out}/sim.json and plots")
-    return 0
+    return rows
