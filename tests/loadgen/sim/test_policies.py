@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from loadgen.sim.cli import main_rows
 from loadgen.sim.engine import ClusterSpec, Simulator
@@ -14,7 +15,7 @@ from planner.policies import get_policy
 PROFILE = load_profile("h100-llama3-8b")
 
 
-def _run(policy: str, oracle: bool = False) -> dict[str, float]:
+def _run(policy: str, oracle: bool = False) -> dict[str, Any]:
     sessions = agentic_sessions(150, 0.15, seed=1)
     sim = Simulator(ClusterSpec.of_size(12), PROFILE, get_policy(policy), oracle=oracle)
     return sim.run(sessions).summary()
