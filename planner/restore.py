@@ -326,8 +326,10 @@ class _Planner:
                 j = 0.0
             elif qa > 0:
                 j = (-qb + math.sqrt(qb * qb - 4.0 * qa * qc)) / (2.0 * qa)
-            else:
+            elif qb > 0:
                 j = -qc / qb
+            else:  # recompute costs nothing per token: recompute everything
+                j = float(s)
             k = int(j // b)
             for kk in range(max(1, k - 1), min(blocks - 1, k + 2) + 1):
                 o = self.best_at(kk * b, mode)
@@ -365,6 +367,7 @@ def plan_restore(
     """
     if cached_tokens < 0:
         raise ValueError("cached_tokens must not be negative")
+    tier = Tier(tier)
     if queue_s < 0 or lam < 0 or prefetch_window_s < 0:
         raise ValueError("queue_s, lam and prefetch_window_s must not be negative")
     p = _Planner(

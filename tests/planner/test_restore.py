@@ -200,6 +200,10 @@ def test_nothing_cached_costs_nothing_and_bad_input_is_rejected() -> None:
         SwaPolicy.periodic(0)
 
 
+def test_tier_names_are_accepted_as_strings() -> None:
+    assert plan_restore(LLAMA, 4096, "cpu", H100).tier is Tier.CPU  # type: ignore[arg-type]
+
+
 def test_load_bandwidth_takes_the_slowest_link_on_the_path() -> None:
     link = H100.link
     assert load_bandwidth(link, Tier.GPU, same_node=True) == link.intra_node_bps
@@ -217,11 +221,13 @@ def test_load_bandwidth_takes_the_slowest_link_on_the_path() -> None:
     queue_s=st.floats(0, 5),
     policy=st.sampled_from([SwaPolicy.full(), SwaPolicy.zero(), SwaPolicy.periodic(2048)]),
     bps=st.sampled_from([1e7, 1e9, 1e11]),
+    base=st.sampled_from(["h100-llama3-8b", "fast-test"]),
 )
 def test_the_plan_is_never_worse_than_loading_all_or_recomputing_all(
-    spec, n, tier, same_node, queue_s, policy, bps
+    spec, n, tier, same_node, queue_s, policy, bps, base
 ) -> None:
-    profile = _slow(bps)
+    link = replace(load_profile(base).link, ssd_load_bps=bps, inter_node_bps=bps)
+    profile = replace(load_profile(base), link=link)
     plan = plan_restore(
         spec, n, tier, profile, same_node=same_node, queue_s=queue_s, swa_policy=policy
     )
