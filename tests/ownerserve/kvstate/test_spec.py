@@ -1,6 +1,8 @@
 """KV state sizes of the shipped specs, pinned against hand-computed bytes."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ownerserve.kvstate import (
     MUTABLE_TYPES,
@@ -16,6 +18,7 @@ from ownerserve.kvstate import (
 from ownerserve.profiles import load_profile
 
 MIB = 2**20
+SHIPPED_SPECS = {"llama3-8b", "deepseek-v3", "deepseek-v3.2", "qwen3-8b-swa", "deepseek-v4"}
 
 
 def test_llama3_8b_is_128_kib_per_token_as_the_shared_profile_says() -> None:
@@ -215,3 +218,18 @@ def test_artifact_id_names_layout_precision_range_and_type_but_no_tp() -> None:
         artifact_id(v3, 0xABC, 0, 64, state=StateType.DENSE_KV),
     }
     assert a not in others and len(others) == 5
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    name=st.sampled_from(sorted(SHIPPED_SPECS)),
+    cuts=st.lists(st.integers(0, 2_000_000), min_size=3, max_size=3),
+)
+def test_sealed_sizes_add_up_and_grow_with_the_prefix(name: str, cuts: list[int]) -> None:
+    spec = load_spec(name)
+    a, b, c = sorted(cuts)
+    assert spec.sealed_bytes(a, b) + spec.sealed_bytes(b, c) == spec.sealed_bytes(a, c)
+    assert spec.sealed_bytes(0, a) <= spec.sealed_bytes(0, c)
+    assert 0 <= spec.mutable_bytes(c) <= spec.state_block_bytes
+    assert spec.sealed_tokens(c) + spec.tail_tokens(c) == c
+    assert spec.sealed_tokens(c) % spec.block_tokens == 0
