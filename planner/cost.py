@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 from ownerserve.config import PlannerSettings
 from ownerserve.errors import ConfigError
+from ownerserve.kvstate import KVStateSpec, load_spec
 from ownerserve.profiles import TimingProfile, load_profile
 from ownerserve.types import Role, Tier
+from planner.restore import DEFAULT_SWA_POLICY, SwaPolicy, plan_restore
 from planner.types import (
     Action,
     Candidate,
@@ -45,6 +47,9 @@ class CostConfig:
     mu: float = 1.0
     profile: str = "h100-llama3-8b"
     profiles: tuple[str, ...] = ()
+    # HeteroCache KV state spec (configs/models/NAME.yaml): when set, a cold worker's restore
+    # (prefix only in CPU/SSD) is planned by planner.restore instead of a plain tier load
+    kv_spec: str | None = None
     # request classes (planner.classify)
     long_prefix_tokens: int = 4096
     small_turn_tokens: int = 2048
@@ -53,7 +58,7 @@ class CostConfig:
     # decode steps of the request counted in T_compute: min(max_tokens, decode_horizon_tokens)
     decode_horizon_tokens: int = 64
     # fixed cost of the two-phase P->D protocol (extra request round trip + KV handshake)
-    pd_handshake_s: float = 0.002
+    pd_handshake_s: float = 0.005
     # prefix-multi-owner baseline: "imbalanced" when max-min load > abs and max > rel·min
     imbalance_abs: int = 32
     imbalance_rel: float = 1.5
@@ -76,14 +81,24 @@ class CostModel:
     term is made of.
     """
 
-    __slots__ = ("_default", "_profiles", "config")
+    __slots__ = ("_cold", "_default", "_profiles", "config", "spec", "swa_policy")
+
+    _COLD_CACHE_MAX = 4096
 
     def __init__(
         self,
         config: CostConfig | None = None,
         profiles: Mapping[str, TimingProfile] | None = None,
+        *,
+        spec: KVStateSpec | None = None,
+        swa_policy: SwaPolicy = DEFAULT_SWA_POLICY,
     ) -> None:
         self.config = config or CostConfig()
+        if spec is None and self.config.kv_spec is not None:
+            spec = load_spec(self.config.kv_spec)
+        self.spec = spec
+        self.swa_policy = swa_policy
+        self._cold: dict[tuple[str, int, Tier], float] = {}
         if profiles is None:
             names = (self.config.profile, *self.config.profiles)
             profiles = {n: load_profile(n) for n in names}
@@ -128,6 +143,39 @@ class CostModel:
         """Tier load into HBM: cpu_bytes / cpu_load_bps + ssd_bytes / ssd_load_bps."""
         link = self.profile_of(worker).link
         return cpu_bytes / link.cpu_load_bps + ssd_bytes / link.ssd_load_bps
+
+    def cold_restore_s(self, worker: WorkerView, cached_tokens: int, tier: Tier) -> float:
+        """`planner.restore.plan_restore(spec, cached_tokens, tier, profile(worker)).restore_s`:
+        bring a prefix held only in `tier` (CPU/SSD) of `worker` back into its HBM, loading or
+        recomputing each state type (tail and SWA included). Memoised: it is a pure function."""
+        assert self.spec is not None
+        prof = self.profile_of(worker)
+        key = (prof.name, cached_tokens, tier)
+        val = self._cold.get(key)
+        if val is None:
+            if len(self._cold) >= self._COLD_CACHE_MAX:
+                self._cold.clear()
+            plan = plan_restore(self.spec, cached_tokens, tier, prof, swa_policy=self.swa_policy)
+            val = self._cold[key] = plan.restore_s
+        return val
+
+    def tier_restore_s(
+        self, worker: WorkerView, gpu: int, cpu: int, ssd: int, request: RequestView
+    ) -> float:
+        """T_restore of a worker holding the request's prefix up to `gpu`/`cpu`/`ssd` blocks:
+        0 when the GPU copy is the longest; with a KV spec and nothing in GPU,
+        cold_restore_s(worker, min(max(cpu, ssd)·block_size, N − 1), SSD if ssd > cpu else CPU);
+        otherwise restore_s(worker, max(0, cpu − gpu)·block_size·K,
+        max(0, ssd − max(gpu, cpu))·block_size·K)."""
+        if cpu <= gpu and ssd <= gpu:
+            return 0.0
+        if self.spec is not None and gpu == 0:
+            held = cpu if cpu >= ssd else ssd
+            cached = min(held * request.block_size, max(request.prompt_tokens, 1) - 1)
+            return self.cold_restore_s(worker, cached, Tier.SSD if ssd > cpu else Tier.CPU)
+        bk = request.block_size * request.kv_bytes_per_token
+        gc = cpu if cpu > gpu else gpu
+        return self.restore_s(worker, (gc - gpu) * bk, (ssd - gc if ssd > gc else 0) * bk)
 
     def context_tokens(self, worker: WorkerView) -> float:
         """Tokens held by the worker's running sequences:
@@ -274,14 +322,12 @@ def t_network(model: CostModel, request: RequestView, route: Route) -> float:
 
 
 def t_restore(model: CostModel, request: RequestView, route: Route) -> float:
-    """Tier loads of the prefill worker's own held prefix into HBM:
-    restore_s(P, max(0, cpu − gpu) · block_size · K, max(0, ssd − max(gpu, cpu)) · block_size · K)
-    where gpu/cpu/ssd are P's longest held prefix per tier (blocks)."""
+    """Bringing the prefill worker's own held prefix into HBM, `CostModel.tier_restore_s`:
+    tier loads restore_s(P, max(0, cpu − gpu)·bs·K, max(0, ssd − max(gpu, cpu))·bs·K),
+    or — with a KV spec and nothing in GPU (a cold resume) — planner.restore's plan for loading
+    or recomputing each state type. gpu/cpu/ssd: P's longest held prefix per tier (blocks)."""
     g, c, s = tier_blocks(route.prefill)
-    if c <= g and s <= g:
-        return 0.0
-    bk = request.block_size * request.kv_bytes_per_token
-    return model.restore_s(route.prefill, max(0, c - g) * bk, max(0, s - max(g, c)) * bk)
+    return model.tier_restore_s(route.prefill, g, c, s, request)
 
 
 def m_hbm(model: CostModel, request: RequestView, route: Route, reused: int | None = None) -> float:

@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from datetime import UTC, datetime
+from typing import Any
 
 from ownerserve.types import Role, Tier
 from planner.cost import CostModel
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     model = CostModel()
     cluster = make_cluster(args.workers)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for scen, req in SCENARIOS.items():
         base = None
         for name in POLICY_NAMES:

@@ -73,7 +73,7 @@ class OwnerServePolicy:
         rt_mig tokens reused after a fetch / migration into a worker holding nothing."""
         c = self._prof.get(profile) or self._prof[self._default_profile]
         qtok, qbase, pbase, ptok, pctx, dbase, dseq, dctx, cap, inv_seqs = c[:10]
-        lat, intra, inter, cpu_bps, ssd_bps = c[10:]
+        lat, intra, inter = c[10:13]
         pf_full = pbase + ptok * n + pctx * n * (n / 2.0)
         nf, nmig = n - rt_fetch, n - rt_mig
         pf_fetch = pbase + ptok * nf + pctx * nf * (rt_fetch + nf / 2.0)
@@ -92,8 +92,6 @@ class OwnerServePolicy:
             lat,
             intra,
             inter,
-            cpu_bps,
-            ssd_bps,
             pf_fetch,
             pf_mig,
         )
@@ -151,7 +149,7 @@ class OwnerServePolicy:
                 if pc is None:
                     pc = consts[prof] = self._request_consts(prof, n, o, rt_f, rt_m)
                 (qtok, qbase, pbase, ptok, pctx, pf_full, d_a, d_b, d_c, inv_seqs,
-                 lat, intra, inter, cpu_bps, ssd_bps, pf_fetch, pf_mig) = pc  # fmt: skip
+                 lat, intra, inter, pf_fetch, pf_mig) = pc  # fmt: skip
                 cur_prof = prof
             sp = w.prefill_scale
             q = sp * (qtok * w.inflight_prefill_tokens + qbase * w.waiting)
@@ -165,7 +163,7 @@ class OwnerServePolicy:
                 if c > g or s > g:
                     gc = c if c > g else g
                     held = s if s > gc else gc
-                    rest = (gc - g) * bk / cpu_bps + (held - gc) * bk / ssd_bps
+                    rest = model.tier_restore_s(w, g, c, s, request)
                 rt = held * bs
                 if rt > nm1:
                     rt = nm1

@@ -1,0 +1,205 @@
+"""The ownerserve policy: each class's default wins where the mission says it should, with
+hand-computed costs (round-number profile of `util.py`), and the hot-spot rule."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from ownerserve.errors import NoWorkerAvailableError
+from ownerserve.types import Role
+from planner.cost import CostModel, Route, enumerate_routes, evaluate
+from planner.policies import OwnerServePolicy
+from planner.types import Action, ClusterView, Plan, RequestClass, RequestView
+from tests.planner.util import UNIT, UNIT_CONFIG, cluster, example, request, unit_model, worker
+
+MODEL = unit_model()
+
+
+def plan(req: RequestView, cl: ClusterView) -> Plan:
+    return OwnerServePolicy(model=MODEL).plan(req, cl)
+
+
+def test_new_long_prefix_goes_to_remote_prefill() -> None:
+    req = request(5000, session_id="s")
+    cl = cluster(
+        worker("p0", Role.PREFILL, "node0"),
+        worker("d0", Role.DECODE, "node0", running=50),
+        worker("d1", Role.DECODE, "node1", running=50),
+        worker("h0", Role.HYBRID, "node1", running=50),
+    )
+    p = plan(req, cl)
+    assert p.request_class is RequestClass.NEW_LONG_PREFIX
+    assert (p.action, p.chosen.prefill_worker, p.chosen.decode_worker) == (
+        Action.REMOTE_PREFILL, "p0", "d0",
+    )  # fmt: skip
+    # prefill 0.01 + 0.5 + 1e-8·5000·2500 = 0.635; decode 10·(0.005 + 1e-4·51 + 1e-8·5000)
+    # = 0.1015; network 0.002 + 1e-3 + 5e6/1e11 = 0.00305; λ·M = 1e-9 · 5e6 = 0.005
+    assert p.chosen.cost.total == pytest.approx(0.74455)
+    assert not p.overrides_default
+    assert p.default_cost_s == pytest.approx(0.74455)
+
+
+def test_small_incremental_turn_colocates_on_the_owner() -> None:
+    req, cl = example()
+    p = plan(req, cl)
+    assert p.request_class is RequestClass.SMALL_INCREMENTAL_TURN
+    assert (p.action, p.chosen.decode_worker) == (Action.COLOCATED_PREFILL, "d0")
+    assert p.chosen.cost.total == pytest.approx(0.15494)
+    assert p.runner_up is not None
+    assert (p.runner_up.action, p.runner_up.prefill_worker) == (Action.REMOTE_PREFILL, "p0")
+    assert p.margin_s == pytest.approx(0.210104 - 0.15494)
+    assert p.candidates_considered == 5
+    assert p.add_replica_on is None
+
+
+def test_long_tool_output_goes_to_remote_prefill() -> None:
+    req = request(
+        3700, session_id="s", session_owner="d0", owner="d0", owner_blocks=6,
+        previous_prompt_tokens=600,
+    )  # fmt: skip
+    cl = cluster(
+        worker("p0", Role.PREFILL, "node0"),
+        worker("d0", Role.DECODE, "node0", gpu=6, running=50),
+        worker("d1", Role.DECODE, "node1", running=50),
+    )
+    p = plan(req, cl)
+    assert p.request_class is RequestClass.LONG_TOOL_OUTPUT
+    assert (p.action, p.chosen.prefill_worker, p.chosen.decode_worker) == (
+        Action.REMOTE_PREFILL, "p0", "d0",
+    )  # fmt: skip
+    # p0: 0.01 + 0.37 + 1e-8·3700·1850 = 0.44845; d0: 10·(0.005 + 1e-4·51 + 1e-8·3700)
+    # = 0.10137; 0.002 + 1e-3 + 3.1e6/1e11 = 0.003031; λ·3.7e6 = 0.0037
+    assert p.chosen.cost.total == pytest.approx(0.556551)
+    # colocated on d0 would pay 0.38665·0.5 of interference: 0.681345
+    col = evaluate(MODEL, req, Route(Action.COLOCATED_PREFILL, cl.workers[1], cl.workers[1]))
+    assert col.total == pytest.approx(0.681345)
+
+
+def continuation_case() -> tuple[RequestView, ClusterView]:
+    req = request(
+        1030, session_id="s", session_owner="d0", owner="d0", owner_blocks=10,
+        previous_prompt_tokens=1000,
+    )  # fmt: skip
+    cl = cluster(
+        worker("p0", Role.PREFILL, "node0"),
+        worker("d0", Role.DECODE, "node0", gpu=10, running=20, kv_usage=0.1),
+        worker("d1", Role.DECODE, "node0", running=20, kv_usage=0.1),
+    )
+    return req, cl
+
+
+def test_decode_continuation_stays_on_the_session_owner() -> None:
+    req, cl = continuation_case()
+    p = plan(req, cl)
+    assert p.request_class is RequestClass.DECODE_CONTINUATION
+    assert (p.action, p.chosen.decode_worker) == (Action.DECODE_CONTINUATION, "d0")
+    # 0.01 + 0.003 + 1e-8·30·1015 = 0.0133045; 10·(0.005 + 1e-4·21 + 1e-8·101030) = 0.081103;
+    # interference 0.0133045 · 0.2
+    assert p.chosen.cost.total == pytest.approx(0.0970684)
+    assert p.runner_up is not None
+    assert p.runner_up.action is Action.STATE_MIGRATION  # + 1e-3 + 1e6/1e11 to move to d1
+    assert p.margin_s == pytest.approx(0.00101)
+
+
+def test_overloaded_session_owner_sheds_the_session_by_migration() -> None:
+    req, cl = continuation_case()
+    hot = replace(cl.workers[1], waiting=30, inflight_prefill_tokens=50_000)
+    p = plan(req, replace(cl, workers=(cl.workers[0], hot, cl.workers[2])))
+    assert (p.action, p.chosen.source_worker, p.chosen.decode_worker) == (
+        Action.STATE_MIGRATION, "d0", "d1",
+    )  # fmt: skip
+    assert p.overrides_default
+    assert p.add_replica_on is None  # a session moves; it is not replicated
+
+
+def fork_case(owner_busy: bool) -> tuple[RequestView, ClusterView]:
+    req = request(1000, session_id="s-b2", owner="d0", owner_blocks=6, is_fork=True)
+    busy = {"waiting": 20, "inflight_prefill_tokens": 20_000} if owner_busy else {}
+    cl = cluster(
+        worker("p0", Role.PREFILL, "node0"),
+        worker("d0", Role.DECODE, "node0", gpu=6, **busy),
+        worker("d1", Role.DECODE, "node1"),
+    )
+    return req, cl
+
+
+def test_hot_owner_forked_rollout_fetches_and_adds_a_read_only_replica() -> None:
+    req, cl = fork_case(owner_busy=True)
+    p = plan(req, cl)
+    assert p.request_class is RequestClass.FORKED_ROLLOUT
+    assert (p.action, p.chosen.source_worker, p.chosen.decode_worker) == (
+        Action.ARTIFACT_FETCH, "d0", "d1",
+    )  # fmt: skip
+    # q(d0) = 1e-4·20000 + 0.01·20 = 2.2 s > fetch: 0.0532 + 0.0511 + 0.00106 + λ·6e5
+    assert p.chosen.cost.total == pytest.approx(0.10596)
+    assert p.add_replica_on == "d1"
+
+
+def test_idle_owner_keeps_the_fork_without_a_replica() -> None:
+    req, cl = fork_case(owner_busy=False)
+    p = plan(req, cl)
+    # colocated on d0: 0.0532 + 0.0511 = 0.1043 < 0.10596 for the fetch
+    assert (p.action, p.chosen.decode_worker) == (Action.COLOCATED_PREFILL, "d0")
+    assert p.chosen.cost.total == pytest.approx(0.1043)
+    assert p.add_replica_on is None
+    assert p.overrides_default and p.default_cost_s == pytest.approx(0.10596)
+
+
+def test_cold_resume_restores_the_artifact_and_recomputes_the_tail() -> None:
+    req = request(
+        1050, session_id="s", session_owner="d0", previous_prompt_tokens=1000, idle_s=1000.0
+    )
+    cl = cluster(
+        worker("p0", Role.PREFILL, "node0"),
+        worker("d0", Role.DECODE, "node0", cpu=10),
+        worker("d1", Role.DECODE, "node1"),
+    )
+    p = plan(req, cl)
+    assert p.request_class is RequestClass.COLD_RESUME
+    assert (p.action, p.chosen.decode_worker) == (Action.TAIL_RECOMPUTE, "d0")
+    # load 1e6 B / 1e9 = 0.001; 50 new: 0.01 + 0.005 + 1e-8·50·1025; decode 10·0.0051105
+    assert p.chosen.cost.t_restore == pytest.approx(0.001)
+    assert p.chosen.cost.total == pytest.approx(0.0676175)
+
+
+def test_default_wins_an_exact_tie() -> None:
+    # free links, no λ: remote p0→d0 and colocated on d0 cost exactly the same when both hold
+    # the one-block prompt; the class (new long prefix at a 50-token threshold) says remote
+    cfg = replace(UNIT_CONFIG, lam=0.0, pd_handshake_s=0.0, long_prefix_tokens=50)
+    free = replace(UNIT, link=replace(UNIT.link, latency_s=0.0))
+    policy = OwnerServePolicy(model=CostModel(cfg, {"unit": free}))
+    req = request(100)
+    cl = cluster(worker("d0", Role.DECODE, gpu=1), worker("p0", Role.PREFILL, gpu=1))
+    p = policy.plan(req, cl)
+    assert p.request_class is RequestClass.NEW_LONG_PREFIX
+    assert p.action is Action.REMOTE_PREFILL
+    assert p.runner_up is not None and p.runner_up.action is Action.COLOCATED_PREFILL
+    assert p.margin_s == 0.0
+
+
+def test_plan_breakdown_is_the_reference_evaluation() -> None:
+    req, cl = example()
+    p = plan(req, cl)
+    route = Route(p.action, cl.workers[1], cl.workers[1])
+    assert p.chosen.cost == evaluate(MODEL, req, route)
+    assert p.candidates_considered == len(enumerate_routes(req, cl))
+
+
+def test_unhealthy_workers_are_never_chosen_and_none_left_is_an_error() -> None:
+    req, cl = example()
+    sick = replace(cl.workers[1], healthy=False)
+    p = plan(req, replace(cl, workers=(cl.workers[0], sick, cl.workers[2])))
+    assert "d0" not in (p.chosen.prefill_worker, p.chosen.decode_worker)
+    with pytest.raises(NoWorkerAvailableError):
+        plan(req, cluster(*(replace(w, healthy=False) for w in cl.workers)))
+    with pytest.raises(NoWorkerAvailableError):
+        plan(req, cluster(worker("p0", Role.PREFILL)))  # nobody can decode
+
+
+def test_prefill_only_cluster_side_and_decode_only_cluster() -> None:
+    req = request(2000)
+    p = plan(req, cluster(worker("d0", Role.DECODE), worker("d1", Role.DECODE, "node1")))
+    assert p.action is Action.COLOCATED_PREFILL  # decode workers can prefill their own prompts
+    assert p.candidates_considered == 2

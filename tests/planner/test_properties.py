@@ -1,0 +1,235 @@
+"""Properties of the ownerserve policy over random clusters and requests (hypothesis)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from ownerserve.types import Role, Tier
+from planner.calibration import Calibrator
+from planner.classify import classify
+from planner.cost import CostConfig, CostModel, enumerate_routes, evaluate
+from planner.policies import OwnerServePolicy
+from planner.types import Action, ClusterView, RequestClass, RequestView, WorkerView
+from tests.planner.util import UNIT, UNIT_CONFIG
+
+H100 = CostModel()
+H100_SPEC = CostModel(CostConfig(kv_spec="llama3-8b"))
+UNITM = CostModel(UNIT_CONFIG, {"unit": UNIT})
+MODELS = {"h100": H100, "h100+spec": H100_SPEC, "unit": UNITM}
+BLOCK = 16
+PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def workers(draw: st.DrawFn, chain: int, n_max: int = 10) -> tuple[WorkerView, ...]:
+    n = draw(st.integers(1, n_max))
+    out = []
+    for i in range(n):
+        cached: dict[Tier, int] = {}
+        for tier in Tier:
+            if draw(st.booleans()):
+                cached[tier] = draw(st.integers(0, chain))
+        out.append(
+            WorkerView(
+                worker_id=f"w{i}",
+                role=draw(st.sampled_from(list(Role))),
+                healthy=draw(st.sampled_from([True, True, True, False])),
+                running=draw(st.integers(0, 300)),
+                waiting=draw(st.integers(0, 8)),
+                inflight_prefill_tokens=draw(st.integers(0, 50_000)),
+                kv_usage=draw(st.floats(0.0, 1.0)),
+                cached_blocks=cached,
+                node=f"n{draw(st.integers(0, 2))}",
+                prefill_scale=draw(st.floats(0.5, 3.0)),
+                decode_scale=draw(st.floats(0.5, 3.0)),
+                link_scale=draw(st.floats(0.5, 3.0)),
+                profile=draw(st.sampled_from(["default", "unit", "h100-llama3-8b"])),
+            )
+        )
+    return tuple(out)
+
+
+@st.composite
+def scenario(draw: st.DrawFn) -> tuple[RequestView, ClusterView]:
+    prompt = draw(st.integers(1, 40_000))
+    chain = prompt // BLOCK
+    ws = draw(workers(chain))
+    ids = [w.worker_id for w in ws]
+    req = RequestView(
+        model="m",
+        prompt_tokens=prompt,
+        block_size=BLOCK,
+        chain_blocks=chain,
+        max_tokens=draw(st.integers(1, 2000)),
+        session_owner=draw(st.sampled_from([None, *ids])),
+        owner=draw(st.sampled_from([None, *ids])),
+        owner_blocks=draw(st.integers(0, chain)),
+        previous_prompt_tokens=draw(st.integers(0, prompt)),
+        idle_s=draw(st.sampled_from([0.0, 5.0, 1000.0])),
+        is_fork=draw(st.booleans()),
+    )
+    return req, ClusterView(workers=ws)
+
+
+@PROPS
+@given(scenario(), st.sampled_from(sorted(MODELS)))
+def test_chosen_plan_costs_no_more_than_any_candidate(
+    case: tuple[RequestView, ClusterView], model_name: str
+) -> None:
+    req, cl = case
+    model = MODELS[model_name]
+    assume(any(w.healthy and w.role is not Role.PREFILL for w in cl.workers))
+    p = OwnerServePolicy(model=model).plan(req, cl)
+    cont = classify(req, model.config) is RequestClass.DECODE_CONTINUATION
+    routes = enumerate_routes(req, cl, continuation=cont)
+    totals = [evaluate(model, req, r).total for r in routes]
+    best = min(totals)
+    chosen = p.chosen.cost.total
+    assert chosen <= best + 1e-9 * max(1.0, best)
+    assert p.candidates_considered == len(routes)
+    if p.runner_up is not None:
+        assert p.runner_up.cost.total >= chosen - 1e-9 * max(1.0, chosen)
+    if p.default_cost_s is not None:
+        assert p.default_cost_s >= best - 1e-9 * max(1.0, best)
+    if p.action is Action.ARTIFACT_FETCH:
+        assert p.add_replica_on == p.chosen.decode_worker
+    else:
+        assert p.add_replica_on is None
+    # the plan's workers are healthy and able to do their part
+    byid = {w.worker_id: w for w in cl.workers}
+    assert byid[p.chosen.decode_worker].healthy
+    assert byid[p.chosen.decode_worker].role is not Role.PREFILL
+    assert byid[p.chosen.prefill_worker].role is not Role.DECODE or (
+        p.chosen.prefill_worker == p.chosen.decode_worker
+    )
+
+
+@st.composite
+def no_cache_cluster(draw: st.DrawFn) -> ClusterView:
+    """Decode-capable workers with a running batch of 25-50% of max_num_seqs (256), prefill
+    workers idle, no queues, nothing cached anywhere, random nodes and sizes."""
+    n_p = draw(st.integers(1, 3))
+    n_d = draw(st.integers(1, 4))
+    n_h = draw(st.integers(0, 2))
+    out = []
+    for i in range(n_p + n_d + n_h):
+        role = Role.PREFILL if i < n_p else Role.DECODE if i < n_p + n_d else Role.HYBRID
+        out.append(
+            WorkerView(
+                worker_id=f"w{i}",
+                role=role,
+                running=0 if role is Role.PREFILL else draw(st.integers(64, 128)),
+                kv_usage=draw(st.floats(0.0, 0.5)),
+                node=f"n{draw(st.integers(0, 2))}",
+            )
+        )
+    return ClusterView(workers=tuple(out))
+
+
+@PROPS
+@given(st.data(), st.integers(8192, 32768), st.integers(1, 128))
+def test_without_any_cached_prefix_long_prompts_go_remote_and_short_ones_colocate(
+    data: st.DataObject, long_n: int, short_n: int
+) -> None:
+    cl = data.draw(no_cache_cluster())
+    policy = OwnerServePolicy(model=H100)
+    long_req = RequestView(model="m", prompt_tokens=long_n, block_size=BLOCK, chain_blocks=0)
+    short_req = replace(long_req, prompt_tokens=short_n)
+    assert policy.plan(long_req, cl).action is Action.REMOTE_PREFILL
+    assert policy.plan(short_req, cl).action is Action.COLOCATED_PREFILL
+
+
+@PROPS
+@given(st.data(), st.integers(1, 64), st.integers(200, 3000))
+def test_decode_continuation_sticks_to_the_session_owner_holding_the_prefix(
+    data: st.DataObject, new: int, prefix_blocks: int
+) -> None:
+    n_workers = data.draw(st.integers(2, 8))
+    owner = data.draw(st.integers(0, n_workers - 1))
+    running = data.draw(st.integers(0, 200))
+    kv = data.draw(st.floats(0.0, 0.9))
+    ws = []
+    for i in range(n_workers):
+        role = data.draw(st.sampled_from([Role.PREFILL, Role.DECODE, Role.HYBRID]))
+        if i == owner:
+            role = data.draw(st.sampled_from([Role.DECODE, Role.HYBRID]))
+        ws.append(
+            WorkerView(
+                worker_id=f"w{i}",
+                role=role,
+                running=running,
+                kv_usage=kv,
+                node=f"n{data.draw(st.integers(0, 2))}",
+                cached_blocks={Tier.GPU: prefix_blocks} if i == owner else {},
+            )
+        )
+    prompt = prefix_blocks * BLOCK + new
+    req = RequestView(
+        model="m", prompt_tokens=prompt, block_size=BLOCK, chain_blocks=prompt // BLOCK,
+        session_owner=f"w{owner}", owner=f"w{owner}", owner_blocks=prefix_blocks,
+        previous_prompt_tokens=prefix_blocks * BLOCK,
+    )  # fmt: skip
+    p = OwnerServePolicy(model=H100).plan(req, ClusterView(workers=tuple(ws)))
+    assert p.request_class is RequestClass.DECODE_CONTINUATION
+    assert (p.action, p.chosen.decode_worker) == (Action.DECODE_CONTINUATION, f"w{owner}")
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(100, 20_000), min_size=10, max_size=30), st.integers(0, 3))
+def test_a_worker_whose_observed_times_double_loses_traffic(prompts: list[int], slow: int) -> None:
+    # four hybrids; the one that turns out slow is the least loaded, so it starts with traffic
+    ws = tuple(
+        WorkerView(
+            worker_id=f"h{i}", role=Role.HYBRID, running=8 if i == slow else 16, kv_usage=0.2
+        )
+        for i in range(4)
+    )
+    cl = ClusterView(workers=ws)
+    policy = OwnerServePolicy(model=H100)
+    cal = Calibrator()
+    name = f"h{slow}"
+
+    def traffic(view: ClusterView) -> int:
+        hits = 0
+        for n in prompts:
+            req = RequestView(model="m", prompt_tokens=n, block_size=BLOCK, chain_blocks=0)
+            p = policy.plan(req, view)
+            hits += name in (p.chosen.prefill_worker, p.chosen.decode_worker)
+        return hits
+
+    before = traffic(cal.apply_all(cl))
+    assert before > 0
+    # its prefills and decode steps really take twice the profile's time
+    raw = ws[slow]
+    for n in prompts:
+        planned = cal.apply(raw)
+        cal.observe_prefill(name, 2.0 * H100.prefill_s(raw, n, 0), H100.prefill_s(planned, n, 0))
+        cal.observe_decode(
+            name, 2.0 * H100.decode_step_s(raw, 9, 0), H100.decode_step_s(planned, 9, 0)
+        )
+    if len(prompts) >= 15:
+        assert 1.9 < cal.scales(name).prefill <= 2.0 + 1e-9
+    after = traffic(cal.apply_all(cl))
+    assert after < before
+
+
+def test_identical_workers_share_ties_deterministically() -> None:
+    # the search is deterministic: the same input gives the same plan
+    ws = tuple(WorkerView(worker_id=f"h{i}", role=Role.HYBRID) for i in range(3))
+    req = RequestView(model="m", prompt_tokens=500, block_size=BLOCK, chain_blocks=31)
+    a = OwnerServePolicy(model=H100).plan(req, ClusterView(workers=ws))
+    b = OwnerServePolicy(model=H100).plan(req, ClusterView(workers=ws))
+    assert a == b
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_every_model_plans_the_readme_example(model_name: str) -> None:
+    from tests.planner.util import example
+
+    req, cl = example()
+    p = OwnerServePolicy(model=MODELS[model_name]).plan(req, cl)
+    assert p.chosen.cost.total > 0

@@ -1,0 +1,87 @@
+"""Round-number profile, config and builders for the planner tests (hand-computable costs)."""
+
+from __future__ import annotations
+
+from ownerserve.profiles import DecodeTiming, LinkTiming, PrefillTiming, TimingProfile
+from ownerserve.types import Role, Tier
+from planner.cost import CostConfig, CostModel
+from planner.types import ClusterView, RequestView, WorkerView
+
+UNIT = TimingProfile(
+    name="unit",
+    prefill=PrefillTiming(base_s=0.01, per_token_s=1e-4, per_token_ctx_s=1e-8),
+    decode=DecodeTiming(base_s=0.005, per_seq_s=1e-4, per_ctx_token_s=1e-8),
+    link=LinkTiming(
+        intra_node_bps=1e11,
+        inter_node_bps=1e10,
+        latency_s=1e-3,
+        cpu_load_bps=1e9,
+        ssd_load_bps=1e8,
+    ),
+    kv_bytes_per_token=1000,
+    hbm_kv_bytes=1_000_000_000,  # 1e6 tokens
+    max_num_seqs=100,
+    max_batched_tokens=8192,
+)
+
+UNIT_CONFIG = CostConfig(
+    lam=1e-9, mu=1.0, profile="unit", decode_horizon_tokens=10, pd_handshake_s=0.002
+)
+
+
+def unit_model(config: CostConfig = UNIT_CONFIG) -> CostModel:
+    return CostModel(config, {"unit": UNIT})
+
+
+def worker(
+    wid: str,
+    role: Role,
+    node: str = "node0",
+    *,
+    gpu: int = 0,
+    cpu: int = 0,
+    ssd: int = 0,
+    **kw: object,
+) -> WorkerView:
+    cached = {t: b for t, b in ((Tier.GPU, gpu), (Tier.CPU, cpu), (Tier.SSD, ssd)) if b}
+    return WorkerView(
+        worker_id=wid,
+        role=role,
+        node=node,
+        profile="unit",
+        cached_blocks=cached,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def cluster(*workers: WorkerView) -> ClusterView:
+    return ClusterView(workers=workers)
+
+
+def request(prompt_tokens: int, **kw: object) -> RequestView:
+    """Block size 100, K = 1000 bytes per token, 10 decode steps counted."""
+    return RequestView(
+        model="m",
+        prompt_tokens=prompt_tokens,
+        block_size=100,
+        chain_blocks=prompt_tokens // 100,
+        max_tokens=10,
+        kv_bytes_per_token=1000,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+# The worked example of planner/README.md: a session turn of 400 new tokens on a 600-token
+# prefix owned by its decode owner d0 (busy: 20 running, 1 waiting), an idle P worker on d0's
+# node and a busier decode worker d1 on another node.
+def example() -> tuple[RequestView, ClusterView]:
+    req = request(
+        1000, session_id="s", session_owner="d0", owner="d0", owner_blocks=6,
+        previous_prompt_tokens=600,
+    )  # fmt: skip
+    cl = cluster(
+        worker("p0", Role.PREFILL, "node0"),
+        worker("d0", Role.DECODE, "node0", gpu=6, running=20, waiting=1, kv_usage=0.1),
+        worker("d1", Role.DECODE, "node1", running=50, kv_usage=0.5),
+    )
+    return req, cl
