@@ -66,8 +66,8 @@ async def test_openai_client_streaming_with_tools_and_usage(hybrids):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sk-router", max_retries=0)
         stream = await client.chat.completions.create(
             model=MODEL,
-            messages=HISTORY,  # type: ignore[arg-type]
-            tools=TOOLS,  # type: ignore[arg-type]
+            messages=HISTORY,
+            tools=TOOLS,
             tool_choice="auto",
             max_tokens=12,
             stream=True,
@@ -84,8 +84,8 @@ async def test_openai_client_streaming_with_tools_and_usage(hybrids):
 
         raw = await client.chat.completions.with_raw_response.create(
             model=MODEL,
-            messages=HISTORY,  # type: ignore[arg-type]
-            tools=TOOLS,  # type: ignore[arg-type]
+            messages=HISTORY,
+            tools=TOOLS,
             max_tokens=4,
             extra_headers={"x-session-id": "oa-1"},
         )
