@@ -5,6 +5,7 @@ errors it maps to its exception types."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -20,7 +21,7 @@ from tests.e2e.router_cluster import (
 
 pytestmark = pytest.mark.timeout(120)
 
-TOOLS = [
+TOOLS: list[Any] = [
     {
         "type": "function",
         "function": {
@@ -34,7 +35,7 @@ TOOLS = [
         },
     }
 ]
-HISTORY = [
+HISTORY: list[Any] = [
     {"role": "system", "content": "You are a coding agent."},
     {"role": "user", "content": "What does src/app.py do?"},
     {
