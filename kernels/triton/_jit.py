@@ -148,7 +148,6 @@ def rope_kernel(
     dst_hstride,
     freq,
     delta,
-    H,
     BS,
     D,
     SRC_TAB: tl.constexpr,
@@ -164,12 +163,14 @@ def rope_kernel(
     HALF_P2: tl.constexpr,
     REST_P2: tl.constexpr,
     DP: tl.constexpr,
+    H: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
     """K re-rotation by a per-token position delta, V optionally copied alongside.
 
     Program (i, token tile, layer group) takes TT tokens of block i, computes their cos/sin once,
-    then walks LPP layers x H heads, each a [TT, D] tile. MODE 1 = GPT-J: a 2-byte element pair
+    then walks LPP layers x H heads, each a [TT, D] tile (H is constexpr so that the loop bound
+    is a Python int under the interpreter). MODE 1 = GPT-J: a 2-byte element pair
     (2c, 2c + 1) is one 32-bit word, loaded as int32 and unpacked (freq zero-padded to DP/2, which
     leaves pairs past the rotary dims unrotated). MODE 2 = NeoX: pairs (c, c + HALF) for c < HALF,
     then REST columns [2*HALF, D) copied. The layer-kv index of side kv of layer l is l*KVF + kv.

@@ -217,11 +217,11 @@ def _launch_rope(
         src.base, _tab(src), src.lk_stride, _ids(src), src.bstride, src.tstride, src.hstride,
         dst.base, _tab(dst), dst.lk_stride, _ids(dst), dst.bstride, dst.tstride, dst.hstride,
         f, deltas,
-        h, g.block_size, d,
+        g.block_size, d,
         SRC_TAB=src.tab is not None, SRC_IDS=src.ids is not None,
         DST_TAB=dst.tab is not None, DST_IDS=dst.ids is not None,
         TT=tt, LPP=lpp, KVF=kvf, COPY_V=kvf == 2, MODE=mode,
-        HALF=half, HALF_P2=half_p2, REST_P2=rest_p2, DP=dp, ALIGN=align,
+        HALF=half, HALF_P2=half_p2, REST_P2=rest_p2, DP=dp, H=h, ALIGN=align,
         num_warps=ROPE_WARPS,
     )  # fmt: skip
 
