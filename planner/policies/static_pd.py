@@ -1,7 +1,8 @@
 """Baseline `static-pd`: always prefill on a P worker, ship the KV, decode on a D worker.
 
 P is the least-loaded of the prefill pool (PREFILL workers, else HYBRID), D the least-loaded of
-the decode pool (DECODE workers, else HYBRID); equal loads rotate round-robin. No KV locality."""
+the decode pool (DECODE workers, else HYBRID); equal loads rotate round-robin; P ≠ D unless a
+single hybrid is all there is. No KV locality."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ class StaticPDPolicy:
         self._turn += 1
         p, p2 = least_two(ps, prefill_load, self._turn)
         d, d2 = least_two(ds, decode_load, self._turn)
+        if p is d and p2 is not None:  # hybrid pools: P and D stay separate workers
+            p, p2 = p2, p
         runner = None
         if d2 is not None:
             runner = pd_route(request, p, d2, cont)
