@@ -456,11 +456,13 @@ class ResilientDirectory:
         for artifact, old, remaining in snap.leases:
             lease = self._seen(await self.primary.claim(artifact, old.worker, remaining))
             self.local.install_lease(artifact, lease)
-            if lease.worker == old.worker:
-                self._epoch_map[old.epoch] = lease.epoch
-                for k, v in list(self._epoch_map.items()):
-                    if v == old.epoch:
-                        self._epoch_map[k] = lease.epoch
+            if lease.worker != old.worker:
+                self.stats["conflicts"] += 1  # another router got there first
+                continue
+            self._epoch_map[old.epoch] = lease.epoch
+            for k, v in list(self._epoch_map.items()):
+                if v == old.epoch:
+                    self._epoch_map[k] = lease.epoch
         for worker, tier, ro, remaining, blocks in snap.replicas:
             await self.primary.add_replica(blocks[-1], worker, tier, remaining, ro, blocks)
         for session_id, worker, remaining in snap.sessions:

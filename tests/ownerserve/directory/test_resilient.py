@@ -1,0 +1,222 @@
+"""Redis stopped mid-run and restarted: through `ResilientDirectory` no call fails, and the
+state reconciles, both when Redis comes back with its data and when it lost it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from ownerserve.config import DirectorySettings
+from ownerserve.directory import InMemoryDirectory, open_directory
+from ownerserve.directory.base import Artifact, Holding, HoldKind
+from ownerserve.directory.redis import RedisDirectory, split_cluster_flag
+from ownerserve.directory.resilient import PROVISIONAL_EPOCH_BASE, ResilientDirectory
+from ownerserve.errors import InvalidRequestError, StaleEpochError
+from ownerserve.events import BlockStored, EventBatch
+from ownerserve.hashing import block_hash_chain, chain_root
+from ownerserve.types import Tier
+from tests.conftest import RedisServer
+
+BS = 4
+ROOT = chain_root("resilient-model")
+TOKENS = list(range(500, 500 + 32 * BS))
+CHAIN = tuple(block_hash_chain(TOKENS, BS, ROOT))
+
+
+def stored(first: int, n: int, parent: int | None) -> BlockStored:
+    engine = tuple(7000 + i for i in range(first, first + n))
+    return BlockStored(engine, parent, tuple(TOKENS[first * BS : (first + n) * BS]), BS)
+
+
+@pytest.fixture
+async def server(redis_server_factory: Callable[..., RedisServer]) -> RedisServer:
+    return redis_server_factory()
+
+
+@pytest.fixture
+async def resilient(server: RedisServer) -> AsyncIterator[ResilientDirectory]:
+    primary = RedisDirectory.from_url(server.url, "rs", socket_timeout_s=2.0)
+    d = ResilientDirectory(primary, retry_interval_s=0.05)
+    yield d
+    await d.close()
+
+
+async def fresh_view(server: RedisServer) -> RedisDirectory:
+    return RedisDirectory.from_url(server.url, "rs", socket_timeout_s=5.0)
+
+
+async def populate(d: ResilientDirectory) -> tuple[int, int]:
+    await d.register_worker("w1", ROOT, BS)
+    await d.apply_events("w1", EventBatch(1, 0.0, (stored(0, 4, None),)))
+    lease = await d.claim(Artifact(CHAIN[:8]), "w1", 60.0)
+    await d.set_session_owner("s1", "w1", 60.0)
+    await d.add_replica(CHAIN[7], "w3", Tier.CPU, 60.0)
+    await d.add_fork_ref(CHAIN[7], "branch-1")
+    return lease.artifact_id, lease.epoch
+
+
+async def during_outage(d: ResilientDirectory) -> int:
+    """Serve from the local view; returns the provisional epoch of a claim made meanwhile."""
+    m = await d.lookup(CHAIN[:16], "s1")
+    assert (m.owner, m.owner_blocks, m.session_owner) == ("w1", 8, "w1")
+    assert m.longest("w1", Tier.GPU) == 8 and m.longest("w3", Tier.CPU) == 8
+    delta = await d.claim(Artifact(CHAIN[:16], start=8), "w2", 60.0)
+    assert delta.worker == "w2" and delta.epoch >= PROVISIONAL_EPOCH_BASE
+    await d.set_session_owner("s2", "w2", 60.0)
+    r = await d.apply_events("w1", EventBatch(2, 0.0, (stored(4, 2, 7003),)))
+    assert r.stored == 2
+    assert (await d.lookup(CHAIN[:16])).holdings[-1] == Holding("w1", Tier.GPU, 6, HoldKind.CACHED)
+    h = await d.health()
+    assert not h.healthy and h.pending_reconcile == 3
+    return delta.epoch
+
+
+async def check_reconciled(server: RedisServer, lease: tuple[int, int]) -> None:
+    view = await fresh_view(server)
+    try:
+        m = await view.lookup(CHAIN[:16], "s1")
+        assert [(h.worker, h.tier, h.blocks, h.kind.value) for h in m.holdings] == [
+            ("w1", Tier.GPU, 8, "owner"),
+            ("w2", Tier.GPU, 16, "owner"),
+            ("w3", Tier.CPU, 8, "replica"),
+            ("w1", Tier.GPU, 6, "cached"),
+        ]
+        assert (m.owner, m.session_owner) == ("w2", "w1")
+        assert m.owner_epoch < PROVISIONAL_EPOCH_BASE
+        assert await view.get_session_owner("s2") == "w2"
+        info = await view.artifact_info(CHAIN[7])
+        assert info is not None and info.fork_refs == 1 and info.worker == "w1"
+        assert info.epoch >= lease[1]
+    finally:
+        await view.close()
+
+
+async def test_outage_with_data_loss_pushes_the_local_view_back(
+    server: RedisServer, resilient: ResilientDirectory
+) -> None:
+    d = resilient
+    aid, epoch = await populate(d)
+    server.stop()  # no persistence: the dataset is gone
+    provisional = await during_outage(d)
+    server.start()
+    assert await d.wait_reconciled(10)
+    assert d.stats["resyncs"] == 1 and d.pending == 0
+    await check_reconciled(server, (aid, epoch))
+    view = await fresh_view(server)
+    try:
+        info = await view.artifact_info(CHAIN[7])
+        assert info is not None and info.epoch > epoch  # epochs never repeat after the loss
+    finally:
+        await view.close()
+    # callers still holding old or provisional epochs keep working (translated)
+    assert (await d.renew(aid, "w1", epoch, 60.0)).worker == "w1"
+    assert (await d.renew(CHAIN[15], "w2", provisional, 60.0)).worker == "w2"
+    assert (await d.health()).healthy
+
+
+async def test_outage_without_data_loss_replays_the_queued_writes(
+    server: RedisServer, resilient: ResilientDirectory
+) -> None:
+    d = resilient
+    aid, epoch = await populate(d)
+    with contextlib.suppress(RedisConnectionError):
+        await d.primary.client.shutdown(save=True)  # keeps dump.rdb: comes back with its data
+    server.stop()
+    provisional = await during_outage(d)
+    server.start()
+    assert await d.wait_reconciled(10)
+    assert (d.stats["resyncs"], d.stats["replayed"], d.pending) == (0, 3, 0)
+    await check_reconciled(server, (aid, epoch))
+    renewed = await d.renew(CHAIN[15], "w2", provisional, 60.0)
+    assert renewed.epoch < PROVISIONAL_EPOCH_BASE
+
+
+async def test_a_provisional_claim_that_lost_on_replay_is_fenced(
+    server: RedisServer, resilient: ResilientDirectory
+) -> None:
+    d = resilient
+    await d.register_worker("w1", ROOT, BS)
+    server.stop()
+    provisional = await d.claim(Artifact(CHAIN[:8]), "w1", 60.0)
+    d.retry_interval_s = 0.5  # time for another router to claim first once Redis is back
+    server.start()
+    other = await fresh_view(server)
+    try:
+        winner = await other.claim(Artifact(CHAIN[:8]), "w9", 60.0)
+        assert await d.wait_reconciled(10)
+        assert d.stats["conflicts"] == 1
+        m = await d.lookup(CHAIN[:8])
+        assert (m.owner, m.owner_epoch) == ("w9", winner.epoch)
+        with pytest.raises(StaleEpochError):
+            await d.renew(CHAIN[7], "w1", provisional.epoch, 60.0)
+    finally:
+        await other.close()
+
+
+async def test_no_call_fails_while_redis_goes_away_and_comes_back(
+    server: RedisServer, resilient: ResilientDirectory
+) -> None:
+    d = resilient
+    await d.register_worker("w1", ROOT, BS)
+    failures: list[BaseException] = []
+    done = 0
+    stop = asyncio.Event()
+
+    async def router_loop(k: int) -> None:
+        nonlocal done
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                n = 1 + (i + k) % 30
+                await d.lookup(CHAIN[:n], f"s{k}")
+                lease = await d.claim(Artifact(CHAIN[:n]), f"w{k}", 30.0)
+                if lease.worker == f"w{k}":
+                    await d.renew(lease.artifact_id, lease.worker, lease.epoch, 30.0)
+                await d.set_session_owner(f"s{k}", f"w{k}", 30.0)
+                await d.health()
+                done += 1
+            except Exception as exc:  # the point of the test: nothing may escape
+                failures.append(exc)
+            await asyncio.sleep(0.002)
+
+    tasks = [asyncio.create_task(router_loop(k)) for k in range(3)]
+    await asyncio.sleep(0.3)
+    server.stop()
+    await asyncio.sleep(0.4)
+    server.start()
+    await asyncio.sleep(0.4)
+    stop.set()
+    await asyncio.gather(*tasks)
+    assert failures == []
+    assert done > 30
+    assert await d.wait_reconciled(10)
+    assert d.stats["outages"] >= 1
+    view = await fresh_view(server)
+    try:
+        for k in range(3):
+            assert await view.get_session_owner(f"s{k}") == f"w{k}"
+    finally:
+        await view.close()
+
+
+def test_open_directory_builds_the_configured_backend(redis_server: RedisServer) -> None:
+    assert isinstance(open_directory(DirectorySettings()), InMemoryDirectory)
+    settings = DirectorySettings(backend="redis", redis_url=redis_server.url, key_prefix="x")
+    d = open_directory(settings)
+    assert isinstance(d, ResilientDirectory) and d.primary.prefix == "{x}:"
+    plain = open_directory(settings, resilient=False)
+    assert isinstance(plain, RedisDirectory)
+    asyncio.run(d.close())
+    asyncio.run(plain.close())
+    assert split_cluster_flag("redis://h:1/0?cluster=1&db=0") == ("redis://h:1/0?db=0", True)
+    assert split_cluster_flag("redis://h:1/0") == ("redis://h:1/0", False)
+
+
+async def test_namespace_is_a_single_hash_tag() -> None:
+    with pytest.raises(InvalidRequestError, match="namespace"):
+        RedisDirectory.from_url("redis://127.0.0.1:1/0", "a{b}")
