@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -195,9 +195,12 @@ class KVEventSubscriber:
     """Subscribes to one worker's KV event publisher and applies every batch to a sink in order.
 
     Sequence handling: a jump past the next expected seq is a gap, filled from the replay socket
-    when the worker has one; a gap that replay cannot fill, or a seq that restarts at 0 (the
-    engine restarted, its cache is empty), makes the worker's directory state untrustworthy, so
-    the subscriber drops the worker (`sink.drop_worker`) and continues from the new batch.
+    when the worker has one; a gap that replay cannot fill, or a lower seq with a newer timestamp
+    (the engine restarted, its cache is empty), makes the worker's directory state
+    untrustworthy, so the subscriber drops the worker (`sink.drop_worker`) and continues from
+    the new batch. With a replay socket it also catches up on start (PUB/SUB loses whatever
+    was published before the connection was up) and after `catch_up_interval_s` of silence (a
+    lost last batch shows no gap until the next one arrives).
 
     `bind=True` binds `endpoint` and lets the publisher connect, which is how a vLLM instance
     configured with a non-wildcard endpoint (e.g. `tcp://127.0.0.1:PORT`) publishes.
@@ -213,6 +216,7 @@ class KVEventSubscriber:
         topic: bytes = b"",
         bind: bool = False,
         replay_timeout_s: float = 2.0,
+        catch_up_interval_s: float | None = 5.0,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         self.worker = worker
@@ -221,12 +225,14 @@ class KVEventSubscriber:
         self.topic = topic
         self.bind = bind
         self.replay_timeout_s = replay_timeout_s
+        self.catch_up_interval_s = catch_up_interval_s
         self.stats = SubscriberStats()
         self._sink = sink
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sub: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._expected: int | None = None
+        self._last_ts = float("-inf")
 
     async def start(self) -> None:
         """Open the SUB socket and start consuming in a background task."""
@@ -252,7 +258,16 @@ class KVEventSubscriber:
 
     async def _run(self) -> None:
         assert self._sub is not None
+        # Batches published before the SUB connection was up are lost on PUB/SUB; fetch them.
+        await self._guarded(self.catch_up())
+        idle_ms = None
+        if self.replay_endpoint is not None and self.catch_up_interval_s is not None:
+            idle_ms = int(self.catch_up_interval_s * 1000)
         while True:
+            if not await self._sub.poll(idle_ms):
+                # Quiet for a while: a lost *last* batch shows no gap until the next one.
+                await self._guarded(self.catch_up())
+                continue
             frames = await self._sub.recv_multipart()
             try:
                 batch = decode_message(frames)
@@ -260,24 +275,32 @@ class KVEventSubscriber:
                 self.stats.malformed += 1
                 log.warning("worker %s: malformed KV event message: %s", self.worker, exc)
                 continue
-            try:
-                await self.handle(batch)
-            except Exception:
-                log.exception("worker %s: applying KV events failed", self.worker)
+            await self._guarded(self.handle(batch))
+
+    async def _guarded(self, step: Awaitable[None]) -> None:
+        try:
+            await step
+        except Exception:
+            log.exception("worker %s: applying KV events failed", self.worker)
 
     async def handle(self, batch: EventBatch) -> None:
         """Apply one received batch, filling or resyncing any gap before it."""
-        expected = self._expected
-        if expected is not None and batch.seq < expected:
-            if batch.seq != 0:
-                return  # a duplicate (e.g. replayed and also published)
+        if self._expected is not None and batch.seq < self._expected:
+            if batch.ts <= self._last_ts:
+                return  # a duplicate (replayed and also published)
+            # Lower seq, newer timestamp: the engine restarted and its cache is empty.
             log.warning("worker %s: KV event seq restarted; dropping its blocks", self.worker)
             await self._resync()
-        elif batch.seq != (expected or 0):
-            start = 0 if expected is None else expected
+            self._expected = None
+        start = self._expected or 0
+        if batch.seq != start:
             self.stats.gaps += 1
-            filled = await self._replay(start, batch.seq)
-            if not filled:
+            got = await self._fetch_replay(start, stop=batch.seq)
+            if got is not None and [b.seq for b in got] == list(range(start, batch.seq)):
+                for b in got:
+                    await self._apply(b)
+                self.stats.replayed += len(got)
+            else:
                 log.warning(
                     "worker %s: KV events %d..%d lost; dropping its blocks",
                     self.worker,
@@ -287,9 +310,29 @@ class KVEventSubscriber:
                 await self._resync()
         await self._apply(batch)
 
+    async def catch_up(self) -> None:
+        """Apply every batch the publisher buffered beyond the last one applied (needs the
+        replay socket); if the buffer no longer reaches back that far, resync first."""
+        if self.replay_endpoint is None:
+            return
+        start = self._expected or 0
+        got = await self._fetch_replay(start, stop=None)
+        if not got:
+            return
+        if got[0].seq != start:
+            self.stats.gaps += 1
+            await self._resync()
+        for i, b in enumerate(got):
+            if i and b.seq != got[i - 1].seq + 1:
+                self.stats.gaps += 1
+                await self._resync()
+            await self._apply(b)
+        self.stats.replayed += len(got)
+
     async def _apply(self, batch: EventBatch) -> None:
         await self._sink.apply_events(self.worker, batch)
         self._expected = batch.seq + 1
+        self._last_ts = max(self._last_ts, batch.ts)
         self.stats.batches += 1
         self.stats.events += len(batch.events)
         self.stats.last_seq = batch.seq
@@ -298,10 +341,11 @@ class KVEventSubscriber:
         self.stats.resyncs += 1
         await self._sink.drop_worker(self.worker)
 
-    async def _replay(self, start: int, stop: int) -> bool:
-        """Apply buffered batches `start <= seq < stop` from the replay socket; True if all came."""
+    async def _fetch_replay(self, start: int, stop: int | None) -> list[EventBatch] | None:
+        """Buffered batches with `start <= seq` (and `< stop`), in seq order; None when the
+        replay socket is missing or does not answer in time."""
         if self.replay_endpoint is None:
-            return False
+            return None
         got: list[EventBatch] = []
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -309,26 +353,47 @@ class KVEventSubscriber:
             dealer.connect(self.replay_endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
-                ready = await dealer.poll(int(self.replay_timeout_s * 1000))
-                if not ready:
-                    return False
+                if not await dealer.poll(int(self.replay_timeout_s * 1000)):
+                    return None
                 frames = await dealer.recv_multipart()
                 if len(frames) != 4:
                     continue
                 seq = decode_seq(frames[2])
                 if seq == END_SEQ:
                     break
-                if start <= seq < stop:
+                if seq >= start and (stop is None or seq < stop):
                     got.append(decode_payload(frames[3], seq))
         except KVEventWireError as exc:
             log.warning("worker %s: bad replay message: %s", self.worker, exc)
-            return False
+            return None
         finally:
             dealer.close(linger=0)
         got.sort(key=lambda b: b.seq)
-        complete = [b.seq for b in got] == list(range(start, stop))
-        if complete:
-            for b in got:
-                await self._apply(b)
-            self.stats.replayed += len(got)
-        return complete
+        return got
+
+
+def publisher_binds(endpoint: str) -> bool:
+    """vLLM's rule: its PUB binds wildcard and ipc/inproc endpoints and connects to the rest."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def subscriber_for_source(
+    worker: str, source: Mapping[str, Any], sink: KVEventSink, **kwargs: Any
+) -> KVEventSubscriber:
+    """A subscriber for one entry of vLLM's `/kv_event_sources` (its resolved KV events config):
+    connects where the publisher binds (a wildcard host is reached on loopback), binds where
+    the publisher connects."""
+    endpoint = str(source["endpoint"])
+    binds = publisher_binds(endpoint)
+    if binds:
+        endpoint = endpoint.replace("*", "127.0.0.1")
+    replay = source.get("replay_endpoint")
+    return KVEventSubscriber(
+        worker,
+        endpoint,
+        sink,
+        replay_endpoint=None if replay is None else str(replay).replace("*", "127.0.0.1"),
+        topic=str(source.get("topic") or "").encode(),
+        bind=not binds,
+        **kwargs,
+    )

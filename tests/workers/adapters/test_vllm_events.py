@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -152,7 +153,7 @@ class VllmLikePublisher:
 
     def publish(self, seq: int, tokens: range, *, send: bool = True, keep: bool = True) -> None:
         ev = BlockStored((seq,), None, tuple(tokens), 4)
-        payload = encode_payload([ev], ts=float(seq))
+        payload = encode_payload([ev], ts=time.time())
         if keep:
             self.buffer.append((seq, payload))
         if send:
@@ -172,13 +173,16 @@ def publisher() -> Iterator[VllmLikePublisher]:
     pub.close()
 
 
-async def _subscribed(pub: VllmLikePublisher, sink: RecordingSink) -> KVEventSubscriber:
+async def _subscribed(
+    pub: VllmLikePublisher, sink: RecordingSink, catch_up_interval_s: float | None = None
+) -> KVEventSubscriber:
     sub = KVEventSubscriber(
         "w1",
         pub.pub.getsockopt_string(zmq.LAST_ENDPOINT),
         sink,
         replay_endpoint=f"tcp://127.0.0.1:{pub.replay_port}",
         topic=b"kv",
+        catch_up_interval_s=catch_up_interval_s,
     )
     await sub.start()
     await asyncio.sleep(0.3)  # let the SUB subscription reach the PUB
@@ -208,15 +212,33 @@ async def test_subscriber_fills_a_gap_from_the_replay_socket(publisher: VllmLike
         await sub.close()
 
 
-async def test_subscriber_joining_late_replays_history(publisher: VllmLikePublisher) -> None:
+async def test_subscriber_joining_late_catches_up_before_any_new_batch(
+    publisher: VllmLikePublisher,
+) -> None:
     publisher.publish(0, range(4))  # before anyone subscribed: only in the replay buffer
     publisher.publish(1, range(4, 8))
     sink = RecordingSink()
     sub = await _subscribed(publisher, sink)
     try:
+        await _until(lambda: len(sink.applied) == 2)
         publisher.publish(2, range(8, 12))
         await _until(lambda: len(sink.applied) == 3)
         assert [b.seq for b in sink.applied] == [0, 1, 2]
+        assert sink.dropped == 0
+    finally:
+        await sub.close()
+
+
+async def test_a_lost_last_batch_is_fetched_after_a_quiet_interval(
+    publisher: VllmLikePublisher,
+) -> None:
+    sink = RecordingSink()
+    sub = await _subscribed(publisher, sink, catch_up_interval_s=0.2)
+    try:
+        publisher.publish(0, range(4))
+        publisher.publish(1, range(4, 8), send=False)  # lost, and nothing comes after it
+        await _until(lambda: len(sink.applied) == 2)
+        assert [b.seq for b in sink.applied] == [0, 1]
     finally:
         await sub.close()
 
