@@ -56,7 +56,7 @@ def test_useless_samples_are_ignored(observed: float, predicted: float) -> None:
 def test_bad_config_is_rejected() -> None:
     for kw in ({"alpha": 0.0}, {"alpha": 1.5}, {"min_scale": 2.0}, {"max_sample_ratio": 0.5}):
         with pytest.raises(ValueError):
-            CalibrationConfig(**kw)  # type: ignore[arg-type]
+            CalibrationConfig(**kw)
 
 
 def test_observe_plan_feeds_prefill_decode_and_link_of_the_plan_workers() -> None:
