@@ -135,10 +135,16 @@ class VLLMAdapter(VLLMRequestFlow):
 class VllmClient:
     """HTTP client for one vLLM server (`base_url` like `http://127.0.0.1:8000`)."""
 
-    def __init__(self, name: str, base_url: str, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        base_url: str,
+        client: httpx.AsyncClient | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
         self.name = name
         self.base_url = base_url.rstrip("/")
-        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0))
+        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         self._owns_client = client is None
         self.adapter = VLLMAdapter()
 

@@ -218,6 +218,22 @@ class VllmServer:
             f"{self.spec.name} not healthy after {timeout_s:.0f} s:\n{self.log_tail()}"
         )
 
+    def warm_up(self, timeout_s: float = 300.0) -> float:
+        """One short completion, so first-request kernel setup (tens of seconds on a busy CPU)
+        is paid here rather than inside a caller's request timeout; returns its seconds."""
+        started = time.monotonic()
+        body = {
+            "model": self.spec.served_model_name,
+            "prompt": "warm up " * 40,
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        r = httpx.post(self.url + "/v1/completions", json=body, timeout=timeout_s)
+        if r.status_code != 200:
+            raise VllmStartError(f"{self.spec.name}: warm-up answered {r.status_code}: {r.text}")
+        return time.monotonic() - started
+
     def _signal_group(self, sig: signal.Signals) -> None:
         if self.process is None:
             return
