@@ -4,7 +4,6 @@ K. Imports only torch; triton and torch_npu are imported when a tensor on their 
 
 from kernels.dispatch import (
     Backend,
-    BackendUnavailable,
     copy_blocks,
     gather_blocks,
     merge_heads,
@@ -14,6 +13,7 @@ from kernels.dispatch import (
     split_heads,
 )
 from kernels.layouts import (
+    BackendUnavailable,
     KernelError,
     KVGeometry,
     LayoutError,

@@ -13,14 +13,10 @@ from typing import Literal
 import torch
 
 from kernels import reference
-from kernels.layouts import BlockIds, KernelError, PagedKV
+from kernels.layouts import BackendUnavailable, BlockIds, PagedKV
 from kernels.rope import RopeSpec
 
 Backend = Literal["triton", "npu", "reference"]
-
-
-class BackendUnavailable(KernelError):
-    """The requested backend cannot run here (package missing or wrong device)."""
 
 
 @cache
@@ -38,12 +34,15 @@ def pick_backend(device: torch.device) -> Backend:
 
 
 def _module(backend: Backend | None, device: torch.device) -> ModuleType:
+    """The named backend's module; unnamed, the best one that imports (the reference last)."""
     chosen = backend or pick_backend(device)
     if chosen == "reference":
         return reference
     try:
         return importlib.import_module(f"kernels.{chosen}")
     except ImportError as exc:
+        if backend is None:
+            return reference
         raise BackendUnavailable(f"backend {chosen!r} cannot be imported: {exc}") from exc
 
 

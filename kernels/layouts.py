@@ -24,6 +24,10 @@ class LayoutError(KernelError, ValueError):
     """Tensors do not match the layout or geometry they are given as."""
 
 
+class BackendUnavailable(KernelError):
+    """The requested backend cannot run here (its package is missing)."""
+
+
 @dataclass(frozen=True, slots=True)
 class KVGeometry:
     """Shape of one rank's KV cache as the kernels see it."""

@@ -16,14 +16,17 @@ from functools import cache
 import torch
 
 from kernels import reference
-from kernels.layouts import BlockIds, PagedKV
+from kernels.layouts import BackendUnavailable, BlockIds, PagedKV
 from kernels.rope import RopeSpec
 
 
 @cache
 def _require_torch_npu() -> None:
     """Import torch_npu once, which registers the `npu` device with torch."""
-    importlib.import_module("torch_npu")
+    try:
+        importlib.import_module("torch_npu")
+    except ImportError as exc:
+        raise BackendUnavailable(f"torch_npu cannot be imported: {exc}") from exc
 
 
 def gather_blocks(

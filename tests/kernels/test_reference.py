@@ -218,3 +218,12 @@ def test_dispatch_uses_reference_for_cpu_tensors() -> None:
     assert kernels.pick_backend(torch.device("cpu")) == "reference"
     paged, _ = make_layout("vllm")
     assert torch.equal(kernels.gather_blocks(paged, IDS), ref.gather_blocks(paged, IDS))
+
+
+def test_dispatch_named_backend_that_cannot_import_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    paged, _ = make_layout("vllm")
+    with pytest.raises(kernels.BackendUnavailable):
+        kernels.gather_blocks(paged, IDS, backend="npu")
