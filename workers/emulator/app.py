@@ -476,6 +476,9 @@ class EmulatorApp:
                     arrival,
                 )
                 seqs.append(seq)
+        every = c.stream_interval if req.stream else 0
+        for seq in seqs:
+            seq.notify_every = every
         seqs[0].pinned = pinned
         seqs[0].external_tokens = external
         seqs[0].hold_key = hold_key

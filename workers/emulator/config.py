@@ -37,6 +37,8 @@ class EmulatorConfig:
     max_num_seqs: int | None = None
     max_batched_tokens: int | None = None
     max_model_len: int = 131072
+    stream_interval: int = 1
+    """Stream a chunk every this many tokens (vLLM's --stream-interval)."""
     output_len: int = 128
     """Tokens the emulated model writes before its end-of-sequence token (unless `max_tokens`)."""
     bootstrap_port: int | None = None
@@ -62,6 +64,8 @@ class EmulatorConfig:
             raise ConfigError(f"--block-size must be positive, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ConfigError(f"--num-blocks must be positive, got {self.num_blocks}")
+        if self.stream_interval <= 0:
+            raise ConfigError(f"--stream-interval must be positive, got {self.stream_interval}")
         if self.transfer_timeout_s <= 0:
             raise ConfigError("--transfer-timeout-s must be positive")
 
@@ -113,6 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument(
+        "--stream-interval", type=int, default=d.stream_interval, help="tokens per stream chunk"
+    )
+    parser.add_argument(
         "--output-len", type=int, default=d.output_len, help="natural output length in tokens"
     )
     parser.add_argument("--bootstrap-port", type=int, default=None, help="SGLang PD bootstrap")
@@ -144,6 +151,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         max_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         output_len=args.output_len,
+        stream_interval=args.stream_interval,
         bootstrap_port=args.bootstrap_port,
         kv_events_port=args.kv_events_port,
         kv_events_host=args.kv_events_host,

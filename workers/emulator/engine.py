@@ -76,8 +76,10 @@ class Sequence:
         "index",
         "last_token_at",
         "notify",
+        "notify_every",
         "num_computed",
         "num_hashed",
+        "num_tokens",
         "on_finish",
         "out_ids",
         "params",
@@ -116,6 +118,9 @@ class Sequence:
         self.num_computed = 0
         self.num_hashed = 0
         self.out_ids: list[int] = []
+        self.num_tokens = len(prompt_ids)
+        self.notify_every = 1
+        """Wake the consumer every this many tokens; 0: only when finished (non-streamed)."""
         self.pieces: list[str] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -129,10 +134,6 @@ class Sequence:
         self.hold_key: str | None = None
         self.on_finish: Callable[[Sequence], None] | None = None
         self._tail = ""
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.out_ids)
 
     @property
     def finished(self) -> bool:
@@ -155,6 +156,7 @@ class Sequence:
         """Record a sampled token and decide whether the sequence is done."""
         p = self.params
         self.out_ids.append(token_id)
+        self.num_tokens += 1
         if token_id == self.text.eos_id and not p.ignore_eos and len(self.out_ids) > p.min_tokens:
             self.pieces.append("")
             self.finish_reason = "stop"
@@ -357,14 +359,15 @@ class Engine:
     async def _run(self) -> None:
         clock = time.perf_counter
         assert self._wake is not None
-        deadline = clock()
+        deadline = last = clock()
+        m = self.metrics
         while True:
             step = self._schedule()
             if step is None:
                 self.flush_events()
                 self._wake.clear()
                 await self._wake.wait()
-                deadline = clock()
+                deadline = last = clock()
                 continue
             now = clock()
             deadline = max(deadline, now - _MAX_LAG_S) + step.seconds / self.speed
@@ -377,6 +380,9 @@ class Engine:
                 for seq, _n in step.items:
                     if seq.state == SeqState.RUNNING:
                         self.abort(seq)
+            now = clock()
+            m.active_s += now - last
+            last = now
 
     def _prefix_hit_blocks(self, seq: Sequence) -> int:
         """Cached leading blocks usable by `seq`; at least one token is always recomputed."""
@@ -522,7 +528,7 @@ class Engine:
             if seq.finish_reason is not None:
                 self._finish(seq, seq.finish_reason)
                 finished = True
-            else:
+            elif seq.notify_every and len(seq.out_ids) % seq.notify_every == 0:
                 seq.notify.set()
         if finished:
             self.running = [s for s in self.running if s.state == SeqState.RUNNING]
