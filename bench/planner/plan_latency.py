@@ -5,7 +5,7 @@
 The cluster: 8 nodes of 8 workers (per node 2 prefill, 4 decode, 2 hybrid), random loads, the
 h100-llama3-8b profile. Scenarios (each a fixed RequestView, rebuilt clusters are not timed):
 
-- `new-long-prefix`: 16k-token first prompt, nothing cached anywhere.
+- `new-long-prefix`: 16k-token first prompt, nothing cached anywhere (same loads).
 - `session-turn`: 30k-token context owned by the session's decode owner (GPU) plus partial
   copies on 6 other workers (GPU/CPU), 300 new tokens.
 - `shared-prefix-fork`: a forked branch of a prefix owned by another worker than its session
@@ -36,18 +36,18 @@ from planner.types import ClusterView, RequestView, WorkerView
 BLOCK = 16
 
 
-def make_cluster(n_workers: int, seed: int = 7) -> ClusterView:
+def make_cluster(n_workers: int, seed: int = 7, cached: bool = True) -> ClusterView:
     rng = random.Random(seed)
     roles = (Role.PREFILL, Role.PREFILL, Role.DECODE, Role.DECODE, Role.DECODE, Role.DECODE,
              Role.HYBRID, Role.HYBRID)  # fmt: skip
     workers = []
     for i in range(n_workers):
         role = roles[i % len(roles)]
-        cached: dict[Tier, int] = {}
+        held: dict[Tier, int] = {}
         if i == 2:  # the session owner (a decode worker)
-            cached = {Tier.GPU: 1875}
+            held = {Tier.GPU: 1875}
         elif i in (6, 10, 19, 27, 38, 51):
-            cached = {Tier.GPU: rng.randint(100, 1500), Tier.CPU: rng.randint(1500, 1875)}
+            held = {Tier.GPU: rng.randint(100, 1500), Tier.CPU: rng.randint(1500, 1875)}
         workers.append(
             WorkerView(
                 worker_id=f"w{i}",
@@ -56,7 +56,7 @@ def make_cluster(n_workers: int, seed: int = 7) -> ClusterView:
                 waiting=rng.randint(0, 3),
                 inflight_prefill_tokens=rng.randint(0, 30000) if role is not Role.DECODE else 0,
                 kv_usage=rng.random() * 0.8,
-                cached_blocks=cached,
+                cached_blocks=held if cached else {},
                 node=f"node{i // 8}",
                 prefill_scale=rng.uniform(0.9, 1.2),
                 decode_scale=rng.uniform(0.9, 1.2),
@@ -118,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     model = CostModel()
-    cluster = make_cluster(args.workers)
     rows: list[dict[str, Any]] = []
     for scen, req in SCENARIOS.items():
+        cluster = make_cluster(args.workers, cached=scen != "new-long-prefix")
         base = None
         for name in POLICY_NAMES:
             med, p99 = time_policy(name, model, req, cluster, args.iters)

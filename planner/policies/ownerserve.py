@@ -116,12 +116,21 @@ class OwnerServePolicy:
         cont_ok = rclass is RequestClass.DECODE_CONTINUATION
 
         src_f = fetch_source(request, cluster)
-        f_id = src_f.worker_id if src_f is not None else None
         f_node = src_f.node if src_f is not None else None
         src_m = migration_source(request, cluster)
-        m_id = src_m.worker_id if src_m is not None else None
         m_node = src_m.node if src_m is not None else None
         g_m = tier_blocks(src_m)[0] if src_m is not None else 0
+        # the owner's view (identity tests below); None when it is not in the cluster
+        owner_w: WorkerView | None = None
+        if owner_id is not None:
+            if src_f is not None:
+                owner_w = src_f
+            elif src_m is not None and src_m.worker_id == owner_id:
+                owner_w = src_m
+            else:
+                owner_w = cluster.by_id(owner_id)
+        # λ·dup(w, 0): what a non-owner holding nothing pays for materialising the owned prefix
+        dup_miss = lam * ob * bk
 
         rt_f = min(ob * bs, nm1)
         rt_m = min(g_m * bs, nm1)
@@ -153,50 +162,110 @@ class OwnerServePolicy:
                 cur_prof = prof
             sp = w.prefill_scale
             q = sp * (qtok * w.inflight_prefill_tokens + qbase * w.waiting)
-            cb = w.cached_blocks
-            if cb:
-                g = cb.get(_GPU, 0)
-                c = cb.get(_CPU, 0)
-                s = cb.get(_SSD, 0)
-                held = g
-                rest = 0.0
-                if c > g or s > g:
-                    gc = c if c > g else g
-                    held = s if s > gc else gc
-                    rest = model.tier_restore_s(w, g, c, s, request)
-                rt = held * bs
-                if rt > nm1:
-                    rt = nm1
-                new = n - rt
-                pf = sp * (pbase + ptok * new + pctx * new * (rt + new / 2.0))
-            else:
-                g = c = s = held = rt = 0
-                rest = 0.0
-                pf = sp * pf_full
             running = w.running
             share = running * inv_seqs
             if share > 1.0:
                 share = 1.0
             role = w.role
+            cb = w.cached_blocks
+
+            if not cb:
+                # ---- lean path: w holds nothing of this prefix (the common case) ----
+                pf = sp * pf_full
+                if role is not _PREFILL:
+                    n_d += 1
+                    tdec = w.decode_scale * (d_a + d_b * running + d_c * w.kv_usage)
+                    qd = q + tdec
+                    fetch_ok = src_f is not None and w is not src_f
+                    mig_ok = src_m is not None and w is not src_m
+                    considered += 1 + fetch_ok + mig_ok
+                    dup = dup_miss if w is not owner_w else 0.0
+                    if qd < c2 or qd < cdef:
+                        ms = 1.0 + mu * share
+                        cost = qd + pf * ms + dup
+                        if dflt is _COL and cost < cdef:
+                            cdef, rdef = cost, (_COL, w, w, None)
+                        if cost < c2:
+                            if cost < c1:
+                                c2, r2 = c1, r1
+                                c1, r1 = cost, (_COL, w, w, None)
+                            else:
+                                c2, r2 = cost, (_COL, w, w, None)
+                        if fetch_ok:
+                            bw = intra if w.node == f_node else inter
+                            cost = qd + sp * pf_fetch * ms + w.link_scale * (lat + ob * bk / bw)
+                            cost += lam * ob * bk
+                            if dflt is _FETCH and cost < cdef:
+                                cdef, rdef = cost, (_FETCH, w, w, src_f)
+                            if cost < c2:
+                                if cost < c1:
+                                    c2, r2 = c1, r1
+                                    c1, r1 = cost, (_FETCH, w, w, src_f)
+                                else:
+                                    c2, r2 = cost, (_FETCH, w, w, src_f)
+                        if mig_ok:
+                            bw = intra if w.node == m_node else inter
+                            cost = qd + sp * pf_mig * ms + w.link_scale * (lat + g_m * bk / bw)
+                            if dflt is _MIG and cost < cdef:
+                                cdef, rdef = cost, (_MIG, w, w, src_m)
+                            if cost < c2:
+                                if cost < c1:
+                                    c2, r2 = c1, r1
+                                    c1, r1 = cost, (_MIG, w, w, src_m)
+                                else:
+                                    c2, r2 = cost, (_MIG, w, w, src_m)
+                    dlist.append((qd + handshake + dup, w, 0, lat, intra, inter))
+                if role is not _DECODE:
+                    n_p += 1
+                    if role is not _PREFILL:
+                        n_both += 1
+                    a = q + pf + lam * n * kb + mu * pf * share
+                    if a < ga2:
+                        if a < ga1:
+                            ga2, gw2 = ga1, gw1
+                            ga1, gw1 = a, w
+                        else:
+                            ga2, gw2 = a, w
+                    t = nodes.get(w.node)
+                    if t is None:
+                        nodes[w.node] = (a, w, _INF, None)
+                    elif a < t[2]:
+                        nodes[w.node] = (a, w, t[0], t[1]) if a < t[0] else (t[0], t[1], a, w)
+                continue
+
+            # ---- full path: w holds part of the prefix in some tier ----
+            g = cb.get(_GPU, 0)
+            c = cb.get(_CPU, 0)
+            s = cb.get(_SSD, 0)
+            held = g
+            rest = 0.0
+            if c > g or s > g:
+                gc = c if c > g else g
+                held = s if s > gc else gc
+                rest = model.tier_restore_s(w, g, c, s, request)
+            rt = held * bs
+            if rt > nm1:
+                rt = nm1
+            new = n - rt
+            pf = sp * (pbase + ptok * new + pctx * new * (rt + new / 2.0))
 
             if role is not _PREFILL:
                 n_d += 1
-                wid = w.worker_id
                 tdec = w.decode_scale * (d_a + d_b * running + d_c * w.kv_usage)
                 qdr = q + tdec + rest
-                fetch_ok = f_id is not None and ob > held and wid != f_id
-                mig_ok = m_id is not None and g_m > held and wid != m_id
+                fetch_ok = src_f is not None and ob > held and w is not src_f
+                mig_ok = src_m is not None and g_m > held and w is not src_m
                 considered += 1 + fetch_ok + mig_ok
                 # every candidate on w costs at least qdr: skip w if none can enter the top two
                 if qdr < c2 or qdr < cdef:
                     ms = 1.0 + mu * share
                     # colocated on w (continuation / tail recompute / colocated prefill)
                     cost = qdr + pf * ms
-                    if owner_id is not None and ob > held and wid != owner_id:
+                    if ob > held and w is not owner_w:
                         cost += lam * (ob - held) * bk
                     if c > g or s > g:
                         kind = _TAIL
-                    elif cont_ok and g > 0 and wid == sess_id:
+                    elif cont_ok and g > 0 and w.worker_id == sess_id:
                         kind = _CONT
                     else:
                         kind = _COL
@@ -211,14 +280,11 @@ class OwnerServePolicy:
                     # artifact fetch from the owner to w (a read-only replica)
                     if fetch_ok:
                         moved = ob - held
-                        if held:
-                            rt2 = ob * bs
-                            if rt2 > nm1:
-                                rt2 = nm1
-                            new2 = n - rt2
-                            pf2 = sp * (pbase + ptok * new2 + pctx * new2 * (rt2 + new2 / 2.0))
-                        else:
-                            pf2 = sp * pf_fetch
+                        rt2 = ob * bs
+                        if rt2 > nm1:
+                            rt2 = nm1
+                        new2 = n - rt2
+                        pf2 = sp * (pbase + ptok * new2 + pctx * new2 * (rt2 + new2 / 2.0))
                         fbytes = moved * bk
                         bw = intra if w.node == f_node else inter
                         cost = qdr + pf2 * ms + w.link_scale * (lat + fbytes / bw) + lam * fbytes
@@ -233,14 +299,11 @@ class OwnerServePolicy:
                     # state migration: the session moves from its owner to w
                     if mig_ok:
                         moved = g_m - held
-                        if held:
-                            rt2 = g_m * bs
-                            if rt2 > nm1:
-                                rt2 = nm1
-                            new2 = n - rt2
-                            pf2 = sp * (pbase + ptok * new2 + pctx * new2 * (rt2 + new2 / 2.0))
-                        else:
-                            pf2 = sp * pf_mig
+                        rt2 = g_m * bs
+                        if rt2 > nm1:
+                            rt2 = nm1
+                        new2 = n - rt2
+                        pf2 = sp * (pbase + ptok * new2 + pctx * new2 * (rt2 + new2 / 2.0))
                         bw = intra if w.node == m_node else inter
                         cost = qdr + pf2 * ms + w.link_scale * (lat + moved * bk / bw)
                         if dflt is _MIG and cost < cdef:
@@ -253,7 +316,7 @@ class OwnerServePolicy:
                                 c2, r2 = cost, (_MIG, w, w, src_m)
                 # the D part of remote prefill into w
                 bd = q + tdec + handshake
-                if owner_id is not None and ob > g and wid != owner_id:
+                if ob > g and w is not owner_w:
                     bd += lam * (ob - g) * bk
                 dlist.append((bd, w, g, lat, intra, inter))
 
@@ -331,8 +394,6 @@ class OwnerServePolicy:
             r1, r2 = rdef, r1
         chosen = Route(*r1)
         runner = None if r2 is None else Route(*r2)
-        # the search's own total for the default (the same formulas; not re-costed, to stay lean)
-        default_cost = None if rdef is None else cdef
         return make_plan(
             self.name,
             model,
@@ -342,5 +403,6 @@ class OwnerServePolicy:
             request_class=rclass,
             candidates_considered=considered,
             add_replica_on=chosen.decode.worker_id if chosen.action is _FETCH else None,
-            default_cost_s=default_cost,
+            # the search's own total for the default (the same formulas, not re-costed)
+            default_cost_s=None if rdef is None else cdef,
         )
