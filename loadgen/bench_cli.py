@@ -52,9 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace")
     p.add_argument("--no-trace", action="store_true", help="skip the trace replay")
-    p.add_argument("--trace-start", type=int, default=0)
-    p.add_argument("--trace-stride", type=int, default=8, help="replay every Nth row")
-    p.add_argument("--trace-limit", type=int, default=None)
+    p.add_argument(
+        "--trace-start", type=int, default=2993, help="first row (default: the last 1000 rows)"
+    )
+    p.add_argument("--trace-stride", type=int, default=1, help="replay every Nth row")
+    p.add_argument("--trace-limit", type=int, default=1000, help="rows to replay at most")
     p.add_argument("--block-tokens", type=int, default=32, help="tokens per trace hash id")
     p.add_argument("--max-output", type=int, default=24, help="cap trace output lengths")
     p.add_argument("--trace-time-scale", type=float, default=0.03, help="multiply trace timestamps")
@@ -88,7 +90,7 @@ def _workloads(args: argparse.Namespace) -> tuple[list[tuple[str, Workload]], li
         f"sessions, {w.n_requests} requests; arrivals and tool gaps ×{time_scale:g}."
     )
     if not args.no_trace:
-        limit = 60 if args.quick else args.trace_limit
+        limit = 100 if args.quick else args.trace_limit
         try:
             rows = load_trace(
                 args.trace, start=args.trace_start, limit=limit, stride=args.trace_stride

@@ -128,7 +128,7 @@ class _Runner:
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    def _body(self, messages: list[dict[str, str]], step: Step) -> dict[str, Any]:
+    def _body(self, messages: list[dict[str, Any]], step: Step) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.opts.model,
             "messages": messages,
@@ -150,7 +150,7 @@ class _Runner:
         return headers
 
     async def request(
-        self, client: httpx.AsyncClient, session: Session, k: int, messages: list[dict[str, str]]
+        self, client: httpx.AsyncClient, session: Session, k: int, messages: list[dict[str, Any]]
     ) -> RequestRecord:
         step = session.steps[k]
         sent = self.now()
@@ -261,7 +261,7 @@ class _Runner:
             if delay > 0:
                 await asyncio.sleep(delay)
             async with self.active if self.active else contextlib.nullcontext():
-                messages: list[dict[str, str]] = []
+                messages: list[dict[str, Any]] = []
                 for k, step in enumerate(s.steps):
                     if k and step.gap_s > 0:
                         await asyncio.sleep(step.gap_s)
@@ -274,8 +274,9 @@ class _Runner:
                         error = rec.error
                         break
                     done += 1
-                    if step.reply:
-                        messages.append({"role": "assistant", "content": step.reply})
+                    reply = step.reply_message()
+                    if reply is not None:
+                        messages.append(reply)
         except asyncio.CancelledError:
             error = _CUT if started is not None else "not started: run time limit reached"
             raise

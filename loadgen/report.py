@@ -191,15 +191,22 @@ def _sep(head: str) -> str:
 
 
 def cluster_table(summaries: Sequence[RunSummary]) -> str:
+    """Worker-side totals. `computed / prompt` is the share of the clients' prompt tokens that
+    some worker computed (1 - reuse); the worker hit rate is vLLM's metric summed over workers
+    (in P/D both sides count the prompt, so it is not comparable across modes)."""
     head = (
-        "| run | prompt tokens | prefill tokens computed | prefix hit rate | KV moved P→D "
-        "| KV moved by fetch | KV moved total | HBM duplicate factor (mean) | peak |"
+        "| run | prompt tokens (client) | prefill tokens computed | computed / prompt "
+        "| worker prefix hit rate | KV moved P→D | KV moved by fetch | KV moved total "
+        "| HBM duplicate factor (mean) | peak |"
     )
     lines = [head, _sep(head)]
     for s in summaries:
         c = s.cluster or ClusterStats()
+        prompt = s.prompt_tokens or None
+        computed = c.prefill_tokens_computed
+        share = computed / prompt if computed is not None and prompt else None
         lines.append(
-            f"| {s.label} | {_num(c.prompt_tokens)} | {_num(c.prefill_tokens_computed)} "
+            f"| {s.label} | {_num(prompt)} | {_num(computed)} | {_num(share, '{:.1%}')} "
             f"| {_num(c.prefix_hit_rate, '{:.1%}')} | {_bytes(c.kv_bytes_pd)} "
             f"| {_bytes(c.kv_bytes_fetch)} | {_bytes(c.kv_bytes_moved)} "
             f"| {_num(c.duplicate_factor, '{:.2f}')} | {_num(c.duplicate_factor_peak, '{:.2f}')} |"

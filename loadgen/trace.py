@@ -214,14 +214,15 @@ def workload_prompts(
     tpl = template or ChatTemplate()
     out = []
     for s in workload.sessions:
-        messages: list[dict[str, str]] = []
+        messages: list[dict[str, Any]] = []
         t = s.start_s
         for k, step in enumerate(s.steps):
             t += step.gap_s
             messages.extend(m.as_dict() for m in step.new_messages)
             out.append((t, s, k, tpl.render(messages)))
-            if step.reply:
-                messages.append({"role": "assistant", "content": step.reply})
+            reply = step.reply_message()
+            if reply is not None:
+                messages.append(reply)
     out.sort(key=lambda x: x[0])
     return out
 

@@ -14,19 +14,27 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from loadgen.text import TextFactory
 
 
 @dataclass(frozen=True, slots=True)
 class Msg:
-    """One chat message."""
+    """One chat message; a tool result names the assistant's tool call it answers."""
 
     role: str
     content: str
+    tool_call_id: str | None = None
 
-    def as_dict(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content}
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
+
+
+TOOL_NAME = "run_tool"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +47,23 @@ class Step:
     gap_s: float = 0.0
     reply: str = ""
     label: str = "turn"
+    reply_tool_call: str | None = None
+    """The id of the tool call the scripted reply makes (the next step's tool result answers it)."""
+
+    def reply_message(self) -> dict[str, Any] | None:
+        """The assistant message appended after this step (None when there is none)."""
+        if not self.reply and self.reply_tool_call is None:
+            return None
+        d: dict[str, Any] = {"role": "assistant", "content": self.reply}
+        if self.reply_tool_call is not None:
+            d["tool_calls"] = [
+                {
+                    "id": self.reply_tool_call,
+                    "type": "function",
+                    "function": {"name": TOOL_NAME, "arguments": "{}"},
+                }
+            ]
+        return d
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,18 +221,19 @@ def agentic(
                 else rng.randint(*p.short_output)
             )
             reply = tf.make(f"{sid}:reply{k}", out)
+            call = f"call_{k + 1}" if k + 1 < n_turns else None
             if k == 0:
                 task = Msg("user", "Task: " + tf.make(f"{sid}:task", rng.randint(*p.task_tokens)))
-                steps.append(Step((system, repos[g], task), out, 0.0, reply, "first"))
+                steps.append(Step((system, repos[g], task), out, 0.0, reply, "first", call))
                 continue
             long_tool = rng.random() < p.long_tool_prob
             n_tool = rng.randint(*(p.long_tool_tokens if long_tool else p.tool_tokens))
-            tool = Msg("tool", tf.make(f"{sid}:tool{k}", n_tool))
+            tool = Msg("tool", tf.make(f"{sid}:tool{k}", n_tool), f"call_{k}")
             gap = _lognormal_gap(rng, p.tool_gap_median_s, p.tool_gap_sigma, p.tool_gap_max_s)
             label = "long-tool" if long_tool else "tool"
             if k == resume_at:
                 gap, label = p.resume_idle_s, "resume"
-            steps.append(Step((tool,), out, round(gap, 6), reply, label))
+            steps.append(Step((tool,), out, round(gap, 6), reply, label, call))
         sessions.append(
             Session(sid, start, tuple(steps), "resume" if resume_at else "agentic", f"repo{g}")
         )
@@ -228,19 +254,22 @@ def forked(
         for b in range(p.branches):
             sid = f"forked-{seed}-{g}-{b}"
             steps = []
-            for k in range(rng.randint(*p.turns)):
+            n_turns = rng.randint(*p.turns)
+            for k in range(n_turns):
                 out = rng.randint(*p.output)
                 reply = tf.make(f"{sid}:reply{k}", out)
+                call = f"call_{k + 1}" if k + 1 < n_turns else None
                 if k == 0:
                     hint = Msg(
                         "user",
                         f"Attempt {b}: " + tf.make(f"{sid}:hint", rng.randint(*p.branch_tokens)),
                     )
-                    steps.append(Step((system, prefix, hint), out, 0.0, reply, "branch"))
+                    steps.append(Step((system, prefix, hint), out, 0.0, reply, "branch", call))
                 else:
-                    tool = Msg("tool", tf.make(f"{sid}:tool{k}", rng.randint(*p.tool_tokens)))
+                    n_tool = rng.randint(*p.tool_tokens)
+                    tool = Msg("tool", tf.make(f"{sid}:tool{k}", n_tool), f"call_{k}")
                     gap = _lognormal_gap(rng, p.tool_gap_median_s, p.tool_gap_sigma, 10.0)
-                    steps.append(Step((tool,), out, round(gap, 6), reply, "tool"))
+                    steps.append(Step((tool,), out, round(gap, 6), reply, "tool", call))
             sessions.append(Session(sid, start, tuple(steps), "forked", f"fork{g}"))
     return Workload("forked", seed, tuple(sessions))
 

@@ -94,7 +94,10 @@ def test_markdown_tables_show_each_run_and_cluster_columns() -> None:
     row = next(line for line in lines if line.startswith("| ownerserve | 2/3 | 1.50 "))
     assert "1 (25.0%)" in row
     assert any(line.startswith("| static-pd | 2/3 | 3.00 ") for line in lines)
-    crow = next(line for line in lines if line.startswith("| ownerserve | 1,000 | 400 | 60.0%"))
+    # client prompt tokens (300) against the workers' computed tokens (400 here)
+    crow = next(
+        line for line in lines if line.startswith("| ownerserve | 300 | 400 | 133.3% | 60.0%")
+    )
     assert "2.00 MB" in crow and "1.25" in crow
     assert c.kv_bytes_moved == 2_000_000
     # each table row has as many cells as its header

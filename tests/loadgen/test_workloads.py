@@ -57,6 +57,20 @@ def test_agentic_sessions_share_repo_context_within_a_group_and_append_tool_outp
     assert starts == sorted(starts) and starts[0] == 0.0
 
 
+@pytest.mark.parametrize("name", ["agentic", "forked"])
+def test_tool_results_answer_the_previous_replys_tool_call(name: str) -> None:
+    # OpenAI-shaped: strict servers (sglang-router) reject a tool message without its call id
+    w = W.generate(name, seed=1, scale=0.3)
+    for s in w.sessions:
+        for prev, step in zip(s.steps, s.steps[1:], strict=False):
+            (tool,) = step.new_messages
+            reply = prev.reply_message()
+            assert tool.role == "tool" and reply is not None
+            assert reply["tool_calls"][0]["id"] == tool.tool_call_id
+            assert tool.as_dict()["tool_call_id"] == tool.tool_call_id
+        assert s.steps[-1].reply_tool_call is None
+
+
 def test_agentic_tool_outputs_and_outputs_vary_between_short_and_long() -> None:
     p = W.AgenticParams(sessions=40, long_tool_prob=0.3, long_output_prob=0.3)
     w = W.agentic(p, seed=2)
