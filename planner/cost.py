@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ownerserve.config import PlannerSettings
 from ownerserve.errors import ConfigError
 from ownerserve.kvstate import KVStateSpec, load_spec
 from ownerserve.profiles import TimingProfile, load_profile
@@ -27,6 +27,9 @@ from planner.types import (
     RequestView,
     WorkerView,
 )
+
+if TYPE_CHECKING:  # pydantic stays out of the planner's import path
+    from ownerserve.config import PlannerSettings
 
 COLOCATED_ACTIONS: frozenset[Action] = frozenset(
     {Action.COLOCATED_PREFILL, Action.DECODE_CONTINUATION, Action.TAIL_RECOMPUTE}
@@ -229,25 +232,32 @@ def held_blocks(worker: WorkerView) -> int:
     return max(g, c, s)
 
 
-def moved_blocks(request: RequestView, route: Route) -> int:
+def moved_blocks(request: RequestView, route: Route, held: int | None = None) -> int:
     """Blocks pulled over the network into the prefill worker before it computes:
-    ARTIFACT_FETCH: max(0, owner_blocks − held(P)); STATE_MIGRATION: max(0, gpu(S) − held(P))."""
-    if route.action is Action.ARTIFACT_FETCH:
-        return max(0, request.owner_blocks - held_blocks(route.prefill))
-    if route.action is Action.STATE_MIGRATION and route.source is not None:
-        return max(0, tier_blocks(route.source)[0] - held_blocks(route.prefill))
+    ARTIFACT_FETCH: max(0, owner_blocks − held(P)); STATE_MIGRATION: max(0, gpu(S) − held(P)).
+    `held` is held(P) when already known."""
+    action = route.action
+    if action is Action.ARTIFACT_FETCH:
+        h = held_blocks(route.prefill) if held is None else held
+        return max(0, request.owner_blocks - h)
+    if action is Action.STATE_MIGRATION and route.source is not None:
+        h = held_blocks(route.prefill) if held is None else held
+        return max(0, tier_blocks(route.source)[0] - h)
     return 0
 
 
 def reused_blocks(request: RequestView, route: Route) -> int:
     """Prefix blocks the prefill worker does not recompute: held(P) + moved blocks."""
-    return held_blocks(route.prefill) + moved_blocks(request, route)
+    held = held_blocks(route.prefill)
+    return held + moved_blocks(request, route, held)
 
 
-def reused_tokens(request: RequestView, route: Route) -> int:
-    """min(reused_blocks · block_size, N − 1): the last prompt token is always computed."""
-    n = max(request.prompt_tokens, 1)
-    return min(reused_blocks(request, route) * request.block_size, n - 1)
+def reused_tokens(request: RequestView, route: Route, blocks: int | None = None) -> int:
+    """min(reused_blocks · block_size, N − 1): the last prompt token is always computed.
+    `blocks` is reused_blocks when already known."""
+    n = request.prompt_tokens if request.prompt_tokens > 1 else 1
+    rb = reused_blocks(request, route) if blocks is None else blocks
+    return min(rb * request.block_size, n - 1)
 
 
 def decode_tokens(request: RequestView, config: CostConfig) -> int:
@@ -361,35 +371,41 @@ def i_decode(
     return (t_prefill(model, request, route) if prefill is None else prefill) * share
 
 
-def evaluate(model: CostModel, request: RequestView, route: Route) -> CostBreakdown:
-    """The full breakdown of C(route); `CostBreakdown.total` is C(a)."""
+def evaluate(
+    model: CostModel, request: RequestView, route: Route, blocks: int | None = None
+) -> CostBreakdown:
+    """The full breakdown of C(route); `CostBreakdown.total` is C(a). `blocks` is
+    reused_blocks(request, route) when already known."""
     cfg = model.config
-    r = reused_tokens(request, route)
+    r = reused_tokens(request, route, blocks)
     pre = t_prefill(model, request, route, r)
     dec = t_decode(model, request, route)
     o = decode_tokens(request, cfg)
     return CostBreakdown(
-        t_queue=t_queue(model, request, route),
-        t_compute=pre + dec,
-        t_network=t_network(model, request, route),
-        t_restore=t_restore(model, request, route),
-        m_hbm_bytes=m_hbm(model, request, route, r),
-        i_decode=i_decode(model, request, route, pre),
-        lam=cfg.lam,
-        mu=cfg.mu,
-        t_prefill=pre,
-        t_decode_step=dec / o if o else 0.0,
+        t_queue(model, request, route),
+        pre + dec,
+        t_network(model, request, route),
+        t_restore(model, request, route),
+        m_hbm(model, request, route, r),
+        i_decode(model, request, route, pre),
+        cfg.lam,
+        cfg.mu,
+        pre,
+        dec / o if o else 0.0,
     )
 
 
 def to_candidate(model: CostModel, request: RequestView, route: Route) -> Candidate:
+    """The route as a `Candidate` with its full breakdown."""
+    blocks = reused_blocks(request, route)
+    src = route.source
     return Candidate(
-        action=route.action,
-        prefill_worker=route.prefill.worker_id,
-        decode_worker=route.decode.worker_id,
-        cost=evaluate(model, request, route),
-        source_worker=None if route.source is None else route.source.worker_id,
-        reused_blocks=reused_blocks(request, route),
+        route.action,
+        route.prefill.worker_id,
+        route.decode.worker_id,
+        evaluate(model, request, route, blocks),
+        None if src is None else src.worker_id,
+        blocks,
     )
 
 
