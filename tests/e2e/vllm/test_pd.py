@@ -1,0 +1,132 @@
+"""vLLM's P/D protocol over NixlConnector, straight to the servers (no router): the decode
+worker continues from the KV the prefill worker computed, and its greedy tokens and logprobs
+equal a colocated run of the same prompt."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from tests.e2e.vllm.conftest import PDPair
+from workers.adapters.vllm import VllmClient
+from workers.vllm_cpu.server import VllmServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+MODEL = "tiny-llama"
+LOGPROB_TOL = 1e-3
+
+
+def _prompt(tag: str) -> str:
+    return " ".join(f"{tag} lorem ipsum {i} dolor sit amet" for i in range(40))
+
+
+def _body(prompt: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 1,
+        **extra,
+    }
+
+
+def _tokens_and_logprobs(resp: dict[str, Any]) -> tuple[list[str], list[float]]:
+    lp = resp["choices"][0]["logprobs"]
+    return list(lp["tokens"]), [float(x) for x in lp["token_logprobs"]]
+
+
+async def test_decode_continues_from_transferred_kv_and_matches_colocated(
+    vllm_pd_pair: PDPair, vllm_hybrid: VllmServer
+) -> None:
+    prefill = VllmClient("prefill", vllm_pd_pair.prefill.url)
+    decode = VllmClient("decode", vllm_pd_pair.decode.url)
+    colocated = VllmClient("hybrid", vllm_hybrid.url)
+    try:
+        body = _body(_prompt("pd-match"))
+        before = await decode.load()
+        params = await prefill.prefill_for_remote_decode("/v1/completions", body)
+        assert params.get("do_remote_prefill") is True
+        assert params.get("remote_block_ids")
+        remote = await decode.post("/v1/completions", decode.adapter.decode_body(body, params))
+        after = await decode.load()
+        local = await colocated.post("/v1/completions", body)
+
+        prompt_tokens = remote["usage"]["prompt_tokens"]
+        assert prompt_tokens == local["usage"]["prompt_tokens"] > 64
+        # The decoder computed (almost) nothing itself: the prompt's KV arrived over NIXL.
+        pulled = after.prompt_tokens_by_source.get(
+            "external_kv_transfer", 0.0
+        ) - before.prompt_tokens_by_source.get("external_kv_transfer", 0.0)
+        assert pulled >= prompt_tokens - 1
+
+        r_tokens, r_lp = _tokens_and_logprobs(remote)
+        l_tokens, l_lp = _tokens_and_logprobs(local)
+        assert r_tokens == l_tokens
+        assert max(abs(a - b) for a, b in zip(r_lp, l_lp, strict=True)) <= LOGPROB_TOL
+    finally:
+        await prefill.aclose()
+        await decode.aclose()
+        await colocated.aclose()
+
+
+async def test_decode_from_the_wrong_remote_blocks_diverges(
+    vllm_pd_pair: PDPair, vllm_hybrid: VllmServer
+) -> None:
+    """Control for the test above: pointing the decoder at the prefill's blocks in reverse
+    order must change its output, so equality there means the transferred KV was used."""
+    prefill = VllmClient("prefill", vllm_pd_pair.prefill.url)
+    decode = VllmClient("decode", vllm_pd_pair.decode.url)
+    colocated = VllmClient("hybrid", vllm_hybrid.url)
+    try:
+        body = _body(_prompt("pd-tamper"))
+        params = await prefill.prefill_for_remote_decode("/v1/completions", body)
+        tampered = copy.deepcopy(params)
+        blocks = tampered["remote_block_ids"]
+        tampered["remote_block_ids"] = [list(reversed(group)) for group in blocks]
+        assert tampered["remote_block_ids"] != blocks
+        remote = await decode.post("/v1/completions", decode.adapter.decode_body(body, tampered))
+        local = await colocated.post("/v1/completions", body)
+        _, r_lp = _tokens_and_logprobs(remote)
+        _, l_lp = _tokens_and_logprobs(local)
+        assert max(abs(a - b) for a, b in zip(r_lp, l_lp, strict=True)) > LOGPROB_TOL
+    finally:
+        await prefill.aclose()
+        await decode.aclose()
+        await colocated.aclose()
+
+
+async def test_streamed_decode_after_remote_prefill_yields_the_colocated_text(
+    vllm_pd_pair: PDPair, vllm_hybrid: VllmServer
+) -> None:
+    prefill = VllmClient("prefill", vllm_pd_pair.prefill.url)
+    decode = VllmClient("decode", vllm_pd_pair.decode.url)
+    colocated = VllmClient("hybrid", vllm_hybrid.url)
+    try:
+        messages = [{"role": "user", "content": _prompt("pd-chat")}]
+        body = {
+            "model": MODEL,
+            "messages": messages,
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        params = await prefill.prefill_for_remote_decode("/v1/chat/completions", body)
+        pieces = [
+            chunk["choices"][0]["delta"].get("content") or ""
+            async for chunk in decode.stream(
+                "/v1/chat/completions", decode.adapter.decode_body(body, params)
+            )
+            if chunk.get("choices")
+        ]
+        local = await colocated.post("/v1/chat/completions", body)
+        assert len([p for p in pieces if p]) > 1
+        assert "".join(pieces) == local["choices"][0]["message"]["content"]
+    finally:
+        await prefill.aclose()
+        await decode.aclose()
+        await colocated.aclose()
