@@ -233,6 +233,9 @@ class Simulator:
         self.by_role: dict[Role, list[_Worker]] = {r: [] for r in Role}
         for w in self.workers:
             self.by_role[w.role].append(w)
+        for pool in self.by_role.values():
+            self.rng.shuffle(pool)
+        self._rotor: dict[Role, int] = {r: 0 for r in Role}
         self.holders: dict[int, set[int]] = {}
         self.owner: dict[int, int] = {}
         self.session_owner: dict[int, int] = {}
@@ -341,12 +344,20 @@ class Simulator:
             picked[wi] = self.workers[wi]
         if sess_owner is not None:
             picked[sess_owner] = self.workers[sess_owner]
-        for pool in self.by_role.values():
+        d = self.spec.sample_d
+        for role, pool in self.by_role.items():
             if not pool:
                 continue
-            sample = self.rng.sample(pool, min(self.spec.sample_d, len(pool)))
-            sample.sort(key=lambda w: (w.prefill_free_at, w.decode_active))
-            for w in sample[:3]:
+            # power-of-d choices over a rotating window of a shuffled pool (no RNG per request)
+            start = self._rotor[role]
+            self._rotor[role] = (start + d) % len(pool)
+            window = (
+                pool[start : start + d]
+                if start + d <= len(pool)
+                else pool[start:] + pool[: start + d - len(pool)]
+            )
+            window = sorted(window, key=lambda w: (w.prefill_free_at, w.decode_active))
+            for w in window[:3]:
                 picked[w.idx] = w
         return list(picked.values())
 
