@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import os
@@ -40,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         f"policy {settings.planner.policy})",
         flush=True,
     )
+    import uvloop
+
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(settings))
+        uvloop.run(serve(settings))
     return 0

@@ -51,11 +51,16 @@ async def commit_plan(
     replica_ttl_s: float,
     kv_bytes_per_block: int,
     fork_from_blocks: int = 0,
+    refresh: bool = True,
 ) -> Lease | None:
-    """Commit one served plan; returns the decode worker's lease on the new blocks, if any."""
+    """Commit one served plan; returns the decode worker's lease on the new blocks, if any.
+
+    With `refresh=False` (the caller refreshed this session recently) records that are
+    already in place — same session owner, an unexpired replica, a lease on the whole
+    prompt — are not written again."""
     decode = plan.chosen.decode_worker
     steps: list[Awaitable[Any]] = []
-    if session_id is not None:
+    if session_id is not None and (refresh or match.session_owner != decode):
         steps.append(directory.set_session_owner(session_id, decode, session_ttl_s))
     if not chain:
         await asyncio.gather(*steps)
@@ -69,7 +74,7 @@ async def commit_plan(
                 full[-1], plan.chosen.prefill_worker, Tier.GPU, replica_ttl_s, True, full
             )
         )
-    if owned and match.owner != decode:
+    if owned and match.owner != decode and (refresh or match.longest(decode) < owned):
         # the decode worker computed or fetched a prefix another worker owns: a replica
         steps.append(
             directory.add_replica(full[owned - 1], decode, Tier.GPU, lease_s, True, full[:owned])
@@ -79,7 +84,7 @@ async def commit_plan(
     lease: Lease | None = None
     if owned < n:
         lease = await _claim(directory, full, owned, decode, match, lease_s, kv_bytes_per_block)
-    elif match.owner == decode and match.owner_artifact_id is not None:
+    elif refresh and match.owner == decode and match.owner_artifact_id is not None:
         try:
             lease = await directory.renew(
                 match.owner_artifact_id, decode, match.owner_epoch, lease_s

@@ -89,6 +89,8 @@ class _SessionInfo:
     last_seen: float
     inflight: int = 0
     prompt_tokens: int = 0
+    committed_at: float = -1e18
+    """When the directory records of this session were last written in full."""
 
 
 PolicyFactory = Callable[[str], Policy]
@@ -685,6 +687,16 @@ class Router:
             return
         from router.commit import commit_plan
 
+        # rewrite unchanged records (session owner, leases, replicas) only every quarter of
+        # their lifetime; what changed is always written
+        refresh = True
+        info = self._sessions.get(session.session_id) if session.session_id else None
+        if info is not None:
+            now = time.monotonic()
+            period = min(self.settings.directory.lease_s, self.settings.directory.session_ttl_s)
+            refresh = now - info.committed_at >= period / 4
+            if refresh:
+                info.committed_at = now
         try:
             with self.telemetry.start_span("ownerserve.directory.commit"):
                 await commit_plan(
@@ -698,6 +710,7 @@ class Router:
                     replica_ttl_s=REPLICA_TTL_S,
                     kv_bytes_per_block=self._kv_bytes_per_token * rview.block_size,
                     fork_from_blocks=tok.common_blocks if rview.is_fork else 0,
+                    refresh=refresh,
                 )
         except OwnerServeError as exc:
             self.metrics.commit_errors.inc()

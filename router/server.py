@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,6 +33,10 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning") -
 async def serve(settings: Settings, **app_kwargs: Any) -> None:
     """Serve until cancelled (or SIGINT/SIGTERM when run from the CLI)."""
     app = create_app(settings, **app_kwargs)
+    # Everything imported so far lives as long as the process: keep it out of the cyclic
+    # collector's full collections, which otherwise rescan it on the request path.
+    gc.collect()
+    gc.freeze()
     server = uvicorn.Server(uvicorn_config(app, settings.server.host, settings.server.port))
     await server.serve()
 

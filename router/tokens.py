@@ -1,25 +1,55 @@
 """Tokenization for routing: the model's chat template and tokenizer give token ids, the
 `ownerserve.hashing` chain gives the block hashes the directory is keyed by.
 
-Cached at two levels so a turn of a long session only tokenizes what is new: rendered
-messages by content hash (per model, shared by sessions that repeat a system prompt or a
-tool output), and each session's `ChainHasher`, which re-hashes only blocks past the longest
-unchanged prefix.
+Token ids are kept in `array("I")` buffers, not lists: caches of millions of ids must not
+become work for Python's cyclic garbage collector, and hashing reads the buffer in place.
+
+Cached so a turn of a long session only tokenizes and hashes what is new:
+- rendered messages by content (per model, shared by sessions that repeat a system prompt, a
+  tool schema or a tool output);
+- per session, the previous prompt's message keys, token ids and block hashes: a new turn
+  keeps every block that lies inside its unchanged leading messages and hashes only the rest
+  (no token comparison needed). Templates that render the whole prompt at once fall back to
+  comparing text prefixes.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from hashlib import blake2b
 from typing import Any
 
 import orjson
 
 from ownerserve.config import ModelSettings
-from ownerserve.hashing import ChainHasher, chain_root
+from ownerserve.hashing import chain_root
 from ownerserve.tokenizer import ChatTemplate, Tokenizer, load_chat_template, load_tokenizer
+
+
+def token_array(ids: Sequence[int]) -> array[int]:
+    return ids if isinstance(ids, array) and ids.typecode == "I" else array("I", ids)
+
+
+def hash_blocks(tokens: Sequence[int], block_size: int, parent: int, start: int = 0) -> list[int]:
+    """`ownerserve.hashing.block_hash_chain(tokens[start:], block_size, ..., start_parent=parent)`
+    computed in place over the packed `array("I")` buffer (same hashes, no conversions)."""
+    n_blocks = (len(tokens) - start) // block_size
+    if n_blocks <= 0:
+        return []
+    packed = token_array(tokens)
+    buf = memoryview(packed)[start : start + n_blocks * block_size].cast("B")
+    step = 4 * block_size
+    out: list[int] = []
+    append = out.append
+    for i in range(0, n_blocks * step, step):
+        h = blake2b(parent.to_bytes(8, "little"), digest_size=8)
+        h.update(buf[i : i + step])
+        parent = int.from_bytes(h.digest(), "little")
+        append(parent)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +93,24 @@ class _LRU(OrderedDict[Any, Any]):
 
 @dataclass(slots=True)
 class _SessionState:
-    hasher: ChainHasher
+    """The session's previous prompt."""
+
+    keys: list[Any] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
+    """Token offset where each message's rendering ends."""
+    ids: array[int] = field(default_factory=lambda: array("I"))
+    chain: array[int] = field(default_factory=lambda: array("Q"))
     text: str = ""
-    tokens: list[int] | None = None
+
+
+def _message_key(message: Mapping[str, Any]) -> Any:
+    """A hashable identity of a message: (role, content) for plain text messages, else the
+    message's JSON bytes."""
+    if len(message) == 2:
+        content = message.get("content")
+        if isinstance(content, str):
+            return (message.get("role"), content)
+    return orjson.dumps(message)
 
 
 class ModelTokenizer:
@@ -87,97 +132,135 @@ class ModelTokenizer:
         self.template = template or load_chat_template(settings.chat_template)
         self._sessions: _LRU = _LRU(max_sessions)
         self._messages: _LRU = _LRU(max_messages)
-        self._gen_prompt = self.tokenizer.encode(ChatTemplate.GENERATION_PROMPT)
+        self._gen_prompt = array("I", self.tokenizer.encode(ChatTemplate.GENERATION_PROMPT))
         self.message_cache_hits = 0
         self.message_cache_misses = 0
 
-    def _message_tokens(self, message: Mapping[str, Any]) -> list[int]:
-        key = blake2b(orjson.dumps(message, option=orjson.OPT_SORT_KEYS), digest_size=16).digest()
-        cached = self._messages.get_or_none(key)
+    # --- pieces ------------------------------------------------------------------------------
+
+    def _message_tokens(self, key: Any, message: Mapping[str, Any]) -> array[int]:
+        cached: array[int] | None = self._messages.get_or_none(key)
         if cached is not None:
             self.message_cache_hits += 1
             return cached
         self.message_cache_misses += 1
-        ids = self.tokenizer.encode(self.template.render_message(message))
+        ids = array("I", self.tokenizer.encode(self.template.render_message(message)))
         self._messages.put(key, ids)
         return ids
 
-    def _tools_tokens(self, tools: Any) -> list[int]:
-        key = blake2b(b"tools\0" + orjson.dumps(tools, option=orjson.OPT_SORT_KEYS)).digest()
-        cached: list[int] | None = self._messages.get_or_none(key)
+    def _tools_tokens(self, tools: Any) -> tuple[bytes, array[int]]:
+        key = b"tools\0" + orjson.dumps(tools)
+        cached: array[int] | None = self._messages.get_or_none(key)
         if cached is None:
             head = self.template.render([], tools=tools, add_generation_prompt=False)
-            cached = self.tokenizer.encode(head)
+            cached = array("I", self.tokenizer.encode(head))
             self._messages.put(key, cached)
-        return cached
+        return key, cached
 
     def _session(self, session_id: str | None) -> _SessionState:
         if session_id is None:
-            return _SessionState(ChainHasher(self.block_size, self.root))
+            return _SessionState()
         state = self._sessions.get_or_none(session_id)
         if state is None:
-            state = _SessionState(ChainHasher(self.block_size, self.root))
+            state = _SessionState()
             self._sessions.put(session_id, state)
         return state
 
-    def _text_tokens(self, state: _SessionState, text: str) -> list[int]:
-        # Templates that are not per-message render the whole prompt; tokenize only the
-        # suffix beyond the session's previous text (a routing approximation for BPE merges
-        # across the boundary, exact for the byte tokenizer).
-        if state.tokens is not None and state.text and text.startswith(state.text):
-            tokens = state.tokens + self.tokenizer.encode(text[len(state.text) :])
-        else:
-            tokens = self.tokenizer.encode(text)
-        state.text = text
-        state.tokens = tokens
-        return tokens
+    def _finish(self, state: _SessionState, ids: array[int], keep_tokens: int) -> Tokenized:
+        """Hash `ids`, reusing the state's blocks that lie within its first `keep_tokens`."""
+        bs = self.block_size
+        old = state.chain
+        keep = min(keep_tokens // bs, len(old), len(ids) // bs)
+        parent = old[keep - 1] if keep else self.root
+        chain = old[:keep]
+        chain.extend(hash_blocks(ids, bs, parent, keep * bs))
+        common = keep
+        limit = min(len(old), len(chain))
+        while common < limit and old[common] == chain[common]:
+            common += 1
+        previous = len(old)
+        state.ids = ids
+        state.chain = chain
+        return Tokenized(ids, tuple(chain), previous, common)
 
-    def chat_tokens(
-        self, state: _SessionState, messages: Sequence[Mapping[str, Any]], tools: Any
-    ) -> list[int]:
-        if not self.template.per_message:
-            text = self.template.render(messages, tools=tools, add_generation_prompt=True)
-            return self._text_tokens(state, text)
-        ids: list[int] = []
-        if tools:
-            ids.extend(self._tools_tokens(tools))
-        for m in messages:
-            ids.extend(self._message_tokens(m))
-        ids.extend(self._gen_prompt)
-        return ids
+    # --- chat --------------------------------------------------------------------------------
 
     def tokenize_chat(
         self, session_id: str | None, messages: Sequence[Mapping[str, Any]], tools: Any = None
     ) -> Tokenized:
         state = self._session(session_id)
-        ids = self.chat_tokens(state, messages, tools)
-        return self._hash(state, ids)
+        if not self.template.per_message:
+            text = self.template.render(messages, tools=tools, add_generation_prompt=True)
+            return self._tokenize_text(state, text)
+        keys: list[Any] = []
+        head_key: Any = None
+        head: array[int] = array("I")
+        if tools:
+            head_key, head = self._tools_tokens(tools)
+        keys.append(head_key)
+        keys.extend(_message_key(m) for m in messages)
+        # leading messages (and tools) unchanged since the previous turn keep their tokens
+        old_keys = state.keys
+        same = 0
+        limit = min(len(old_keys), len(keys))
+        while same < limit and old_keys[same] == keys[same]:
+            same += 1
+        if same:
+            keep_tokens = state.ends[same - 1]
+            ids = state.ids[:keep_tokens]
+            ends = state.ends[:same]
+        else:
+            keep_tokens = 0
+            ids = array("I", head)
+            ends = [len(ids)]
+            same = 1
+        for i in range(same, len(keys)):
+            ids.extend(self._message_tokens(keys[i], messages[i - 1]))
+            ends.append(len(ids))
+        ids.extend(self._gen_prompt)
+        state.keys = keys
+        state.ends = ends
+        return self._finish(state, ids, keep_tokens)
+
+    # --- whole-text prompts (completions, non-per-message templates) -------------------------
+
+    def _tokenize_text(self, state: _SessionState, text: str) -> Tokenized:
+        # tokenize only the suffix beyond the session's previous text (a routing approximation
+        # for BPE merges across the boundary; exact for the byte tokenizer)
+        if state.text and text.startswith(state.text):
+            keep = len(state.ids)
+            ids = state.ids + array("I", self.tokenizer.encode(text[len(state.text) :]))
+        else:
+            keep = 0
+            ids = array("I", self.tokenizer.encode(text))
+        state.text = text
+        state.keys = []
+        return self._finish(state, ids, keep)
 
     def tokenize_prompt(self, session_id: str | None, prompt: Any) -> Tokenized:
         """A `/v1/completions` prompt: a string, token ids, or a batch (routed by its first)."""
         state = self._session(session_id)
         if isinstance(prompt, list) and prompt:
             first = prompt[0]
+            if isinstance(first, list):
+                prompt = first
+                first = prompt[0] if prompt else None
             if isinstance(first, int) and not isinstance(first, bool):
-                ids = [int(t) for t in prompt if isinstance(t, int)]
-                return self._hash(state, ids)
-            prompt = first
-            if isinstance(prompt, list):
-                return self._hash(state, [int(t) for t in prompt if isinstance(t, int)])
-        text = prompt if isinstance(prompt, str) else str(prompt)
-        return self._hash(state, self._text_tokens(state, text))
+                try:
+                    ids = array("I", (t for t in prompt if isinstance(t, int)))
+                except OverflowError:
+                    from ownerserve.errors import InvalidRequestError
 
-    def _hash(self, state: _SessionState, ids: Sequence[int]) -> Tokenized:
-        hasher = state.hasher
-        previous = len(hasher.hashes)
-        old = list(hasher.hashes)
-        chain = hasher.update(ids)
-        common = 0
-        for a, b in zip(old, chain, strict=False):
-            if a != b:
-                break
-            common += 1
-        return Tokenized(ids, tuple(chain), previous, common)
+                    raise InvalidRequestError("prompt token ids must be in [0, 2^32)") from None
+                keep = 0
+                old = state.ids
+                if old and len(ids) >= len(old) and ids[: len(old)] == old:
+                    keep = len(old)
+                state.text = ""
+                return self._finish(state, ids, keep)
+            prompt = first
+        text = prompt if isinstance(prompt, str) else str(prompt)
+        return self._tokenize_text(state, text)
 
     def forget(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)

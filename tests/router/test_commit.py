@@ -87,3 +87,29 @@ async def test_fork_takes_a_copy_on_write_reference_on_the_shared_prefix():
     assert info is not None
     refs = await directory.add_fork_ref(CHAIN[2], "other")
     assert refs == 2
+
+
+async def test_without_refresh_unchanged_records_are_not_rewritten():
+    directory = InMemoryDirectory()
+    plan = _plan(Action.COLOCATED_PREFILL, "h0", "h0")
+    await _commit(directory, plan, CHAIN[:4], "s1", await directory.lookup(CHAIN[:4], "s1"))
+    match = await directory.lookup(CHAIN[:4], "s1")
+    calls: list[str] = []
+    for name in ("set_session_owner", "renew", "add_replica", "claim"):
+        original = getattr(directory, name)
+
+        async def spy(*args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return await _original(*args, **kwargs)
+
+        setattr(directory, name, spy)
+    await commit_plan(
+        directory, plan, CHAIN[:4], "s1", match, lease_s=60, session_ttl_s=60,
+        replica_ttl_s=5, kv_bytes_per_block=100, refresh=False,
+    )  # fmt: skip
+    assert calls == []
+    await commit_plan(
+        directory, plan, CHAIN[:4], "s1", match, lease_s=60, session_ttl_s=60,
+        replica_ttl_s=5, kv_bytes_per_block=100, refresh=True,
+    )  # fmt: skip
+    assert sorted(calls) == ["renew", "set_session_owner"]

@@ -61,3 +61,42 @@ def test_completion_prompts_as_text_and_token_ids():
     assert b.extends_previous
     ids = mt.tokenize_prompt(None, [1, 2, 3, 4, 5, 6, 7, 8, 9])
     assert len(ids.chain) == 2 and ids.prompt_tokens == 9
+
+
+def test_fast_block_hashes_equal_the_core_chain():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from ownerserve.hashing import block_hash_chain
+    from router.tokens import hash_blocks
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        st.lists(st.integers(0, 2**32 - 1), max_size=200),
+        st.integers(1, 17),
+        st.integers(0, 40),
+    )
+    def check(tokens, bs, start):
+        root = chain_root("m", "")
+        start = min(start, len(tokens)) // bs * bs
+        parent = root
+        if start:
+            parent = block_hash_chain(tokens[:start], bs, root)[-1]
+        expected = block_hash_chain(tokens[start:], bs, root, start_parent=parent)
+        assert hash_blocks(tokens, bs, parent, start) == expected
+
+    check()
+
+
+def test_tools_or_an_edited_early_message_rehash_from_there():
+    mt = ModelTokenizer(MODEL)
+    a = mt.tokenize_chat("s1", MESSAGES)
+    edited = [MESSAGES[0], {"role": "user", "content": "List the files, quickly."}]
+    b = mt.tokenize_chat("s1", edited)
+    assert list(b.chain) == _reference_chain(edited)[1]
+    assert b.common_blocks < len(a.chain)
+    tools = [{"type": "function", "function": {"name": "grep"}}]
+    c = mt.tokenize_chat("s1", edited, tools)
+    assert list(c.chain) == _reference_chain(edited, tools)[1]
+    same = mt.tokenize_chat("s1", edited, tools)
+    assert same.chain == c.chain and same.common_blocks == len(c.chain)
