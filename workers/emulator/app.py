@@ -84,6 +84,11 @@ class NotFoundError(OwnerServeError):
     error_type = "not_found_error"
 
 
+class EngineAbortError(OwnerServeError):
+    status_code = 500
+    error_type = "aborted"
+
+
 class MethodNotAllowedError(OwnerServeError):
     status_code = 405
     error_type = "invalid_request_error"
@@ -592,7 +597,8 @@ class EmulatorApp:
             await gen.notify.wait()
             gen.notify.clear()
         if any(s.finish_reason == "abort" for s in seqs):
-            return  # the client is gone
+            # The client went away (nothing is sent then) or the engine dropped the request.
+            raise EngineAbortError(f"request {gen.request_id} was aborted")
         choices = []
         n = len(seqs) // len(gen.prompts)
         for seq in seqs:
@@ -696,6 +702,8 @@ class EmulatorApp:
                 if done[k]:
                     continue
                 if seq.finish_reason == "abort":
+                    body = openai_error_body(f"request {rid} was aborted", "aborted")
+                    await send({"type": "http.response.body", "body": _sse(body) + _DONE})
                     return
                 text, lo, hi = self._new_output(gen, k, seq)
                 finished = seq.finished
