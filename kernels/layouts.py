@@ -67,7 +67,7 @@ class PagedKV:
     """An engine's paged KV cache registered once: one block view per (layer, kv), in the order
     `layer * kv_factor + kv`, all with the same shape and strides."""
 
-    __slots__ = ("_tables", "geometry", "views")
+    __slots__ = ("_aligned", "_tables", "geometry", "views")
 
     def __init__(self, views: Sequence[torch.Tensor], num_layers: int, kv_factor: int) -> None:
         if kv_factor not in (1, 2):
@@ -90,14 +90,17 @@ class PagedKV:
         self.views: tuple[torch.Tensor, ...] = tuple(views)
         self.geometry = KVGeometry(num_layers, kv_factor, nb, bs, h, d, first.dtype)
         self._tables: dict[tuple[torch.device, int | None], torch.Tensor] = {}
+        self._aligned: dict[int, bool] = {}
 
     @property
     def device(self) -> torch.device:
         return self.views[0].device
 
     def aligned(self, nbytes: int) -> bool:
-        """Whether every block view starts on an `nbytes` boundary."""
-        return all(v.data_ptr() % nbytes == 0 for v in self.views)
+        """Whether every block view starts on an `nbytes` boundary (cached)."""
+        if nbytes not in self._aligned:
+            self._aligned[nbytes] = all(v.data_ptr() % nbytes == 0 for v in self.views)
+        return self._aligned[nbytes]
 
     def offset_table(self, kv: int | None = None) -> torch.Tensor:
         """Element offset of each block view from `views[0]` (of side `kv` only, when given),

@@ -6,7 +6,7 @@ of 4096 tokens x 32 layers x 8 heads x 128. Inputs are fresh random normals for 
 outputs are poisoned with NaN before each checked run. Timing: triton.testing.do_bench (CUDA
 events, L2 flushed between runs, warmup, median).
 
-    python bench/kernels/gpu_check.py [--sweep] [--out results.md]
+    python bench/kernels/gpu_check.py [--sweep | --sweep-rope] [--out results.md]
 """
 
 from __future__ import annotations
@@ -257,15 +257,26 @@ def check_rope(neox: bool) -> None:
     tri.scatter_blocks(staging, paged, ids, rope=spec, delta=delta)
     ref.scatter_blocks(staging, kernels.vllm_kv(copies), ids, rope=spec, delta=delta)
     check(f"scatter + rerotate ({style})", *same(tensors, copies, exact=False))
+    # one delta for the whole chunk (seed 002's case): a kernel argument, no per-token table
+    copies = [t.clone() for t in tensors]
+    tri.rerotate_blocks(paged, ids, spec, -2345)
+    ref.rerotate_blocks(kernels.vllm_kv(copies), ids, spec, -2345)
+    check(f"rerotate in place ({style}, one delta)", *same(tensors, copies, exact=False))
     k_bytes = N * BS * L * H * D * 2
     record(
-        f"rerotate K in place ({style})",
+        f"rerotate K in place ({style}, per-token delta)",
         k_bytes,
         lambda: tri.rerotate_blocks(paged, ids, spec, delta),
         lambda: ref.rerotate_blocks(paged, ids, spec, delta),
     )
     record(
-        f"scatter + rerotate K ({style})",
+        f"rerotate K in place ({style}, one delta)",
+        k_bytes,
+        lambda: tri.rerotate_blocks(paged, ids, spec, 1234),
+        lambda: ref.rerotate_blocks(paged, ids, spec, 1234),
+    )
+    record(
+        f"scatter + rerotate K ({style}, per-token delta)",
         2 * k_bytes,
         lambda: tri.scatter_blocks(staging, paged, ids, rope=spec, delta=delta),
         lambda: ref.scatter_blocks(staging, paged, ids, rope=spec, delta=delta),
@@ -284,26 +295,40 @@ def sweep() -> None:
             t = bench(lambda: tri.gather_blocks(paged, ids, out))
             print(f"sweep gather tile={tile:5d} warps={warps}: {t:.4f} ms ({base / t:6.1%})")
     tri.FLAT_TILE, tri.NUM_WARPS = 4096, 4
+    sweep_rope(paged, ids)
+
+
+def sweep_rope(paged: PagedKV, ids: torch.Tensor) -> None:
+    """Time the re-rotation kernel's launch parameters, in place and fused with a scatter."""
     delta = torch.full((N * BS,), 1234.0, device=DEV)
-    base = copy_ms(N * BS * L * H * D * 2)
-    defaults = (tri.ROPE_TOKENS, tri.ROPE_LPP, tri.ROPE_WARPS)
+    staging = rand(*paged.geometry.staging_shape(N))
+    k_floor = copy_ms(N * BS * L * H * D * 2)
+    kv_floor = copy_ms(staging.numel() * 2)
+    defaults = (tri.ROPE_TOKENS, tri.ROPE_LPP, tri.ROPE_WARPS, tri.ROPE_STAGES)
     for neox in (True, False):
         spec = kernels.RopeSpec(D, neox=neox)
         for tokens in (8, 16):
-            for lpp in (1, 2, 4):
-                for warps in (2, 4, 8):
-                    tri.ROPE_TOKENS, tri.ROPE_LPP, tri.ROPE_WARPS = tokens, lpp, warps
-                    t = bench(lambda: tri.rerotate_blocks(paged, ids, spec, delta))  # noqa: B023
-                    print(
-                        f"sweep rerotate {'neox' if neox else 'gptj'} tokens={tokens:2d} "
-                        f"lpp={lpp} warps={warps}: {t:.4f} ms ({t / base:.2f}x floor)"
-                    )
-    tri.ROPE_TOKENS, tri.ROPE_LPP, tri.ROPE_WARPS = defaults
+            for lpp in (1, 2):
+                for warps in (4, 8):
+                    for stages in (1, 2, 3):
+                        tri.ROPE_TOKENS, tri.ROPE_LPP = tokens, lpp
+                        tri.ROPE_WARPS, tri.ROPE_STAGES = warps, stages
+                        t1 = bench(lambda: tri.rerotate_blocks(paged, ids, spec, delta))  # noqa: B023
+                        t2 = bench(
+                            lambda: tri.scatter_blocks(staging, paged, ids, rope=spec, delta=delta)  # noqa: B023
+                        )
+                        print(
+                            f"sweep rope {'neox' if neox else 'gptj'} tokens={tokens:2d} "
+                            f"lpp={lpp} warps={warps} stages={stages}: in place {t1:.4f} ms "
+                            f"({t1 / k_floor:.2f}x), fused {t2:.4f} ms ({t2 / kv_floor:.2f}x)"
+                        )
+    tri.ROPE_TOKENS, tri.ROPE_LPP, tri.ROPE_WARPS, tri.ROPE_STAGES = defaults
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="tune the copy and RoPE kernels")
+    ap.add_argument("--sweep-rope", action="store_true", help="tune the RoPE kernel only")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -315,6 +340,11 @@ def main() -> int:
     print(f"copy {big / 2**20:.0f} MiB: {copy_ms(big):.4f} ms = {gbs:.0f} GB/s (read + write)")
     if args.sweep:
         sweep()
+    elif args.sweep_rope:
+        paged, _ = make_vllm()
+        sweep_rope(paged, block_ids())
+        del paged
+        torch.cuda.empty_cache()
     for name in MAKERS:
         check_layout(name)
         torch.cuda.empty_cache()

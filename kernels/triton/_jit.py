@@ -148,6 +148,7 @@ def rope_kernel(
     dst_hstride,
     freq,
     delta,
+    delta0,
     BS,
     D,
     SRC_TAB: tl.constexpr,
@@ -159,21 +160,24 @@ def rope_kernel(
     KVF: tl.constexpr,
     COPY_V: tl.constexpr,
     MODE: tl.constexpr,
+    DELTA_TAB: tl.constexpr,
     HALF: tl.constexpr,
     HALF_P2: tl.constexpr,
     REST_P2: tl.constexpr,
     DP: tl.constexpr,
     H: tl.constexpr,
+    STAGES: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
-    """K re-rotation by a per-token position delta, V optionally copied alongside.
+    """K re-rotation by a position delta, V optionally copied alongside.
 
     Program (i, token tile, layer group) takes TT tokens of block i, computes their cos/sin once,
     then walks LPP layers x H heads, each a [TT, D] tile (H is constexpr so that the loop bound
-    is a Python int under the interpreter). MODE 1 = GPT-J: a 2-byte element pair
-    (2c, 2c + 1) is one 32-bit word, loaded as int32 and unpacked (freq zero-padded to DP/2, which
-    leaves pairs past the rotary dims unrotated). MODE 2 = NeoX: pairs (c, c + HALF) for c < HALF,
-    then REST columns [2*HALF, D) copied. The layer-kv index of side kv of layer l is l*KVF + kv.
+    is a Python int under the interpreter). MODE 1 = GPT-J: a 2-byte element pair (2c, 2c + 1)
+    is one 32-bit word, loaded as int32 and unpacked (freq zero-padded to DP/2, which leaves
+    pairs past the rotary dims unrotated). MODE 2 = NeoX: pairs (c, c + HALF) for c < HALF, then
+    REST columns [2*HALF, D) copied. The delta is per token (DELTA_TAB) or the float delta0.
+    STAGES pipelines the head loop (1 = in order). Side kv of layer l is layer-kv l*KVF + kv.
     """
     i = tl.program_id(0)
     tt = tl.program_id(1)
@@ -185,7 +189,10 @@ def rope_kernel(
     if ALIGN > 1:
         s_t = tl.multiple_of(s_t, ALIGN)
         d_t = tl.multiple_of(d_t, ALIGN)
-    dlt = tl.load(delta + i * BS + t, mask=tmask, other=0.0)
+    if DELTA_TAB:
+        dlt = tl.load(delta + i * BS + t, mask=tmask, other=0.0)
+    else:
+        dlt = tl.full([TT], 0.0, tl.float32) + delta0
     if MODE == 1:
         pc = tl.arange(0, DP // 2)
         ang = dlt[:, None] * tl.load(freq + pc)[None, :]
@@ -199,7 +206,7 @@ def rope_kernel(
             rm = tmask[:, None] & (rc < D)[None, :]
     cos = tl.cos(ang)
     sin = tl.sin(ang)
-    for q in range(LPP * H):
+    for q in tl.range(0, LPP * H, num_stages=STAGES):
         lk = (g * LPP + q // H) * KVF
         h = q % H
         s_base = _side_base(src_tab, lk, src_lks, src_ids, i, src_bstride, SRC_TAB, SRC_IDS)
@@ -236,7 +243,7 @@ def rope_kernel(
     if COPY_V:
         dc = tl.arange(0, DP)
         vm = tmask[:, None] & (dc < D)[None, :]
-        for q in range(LPP * H):
+        for q in tl.range(0, LPP * H, num_stages=STAGES):
             lk = (g * LPP + q // H) * KVF + 1
             h = q % H
             s_base = _side_base(src_tab, lk, src_lks, src_ids, i, src_bstride, SRC_TAB, SRC_IDS)

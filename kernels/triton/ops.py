@@ -7,6 +7,7 @@ was imported (tests). Block ids must be distinct on the written side.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ NUM_WARPS = 4
 ROPE_TOKENS = 8  # tokens per re-rotation program; their cos/sin serve all its heads and layers
 ROPE_LPP = 1  # layers per re-rotation program
 ROPE_WARPS = 4
+ROPE_STAGES = 1  # software-pipelining stages of the re-rotation head loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,17 +129,15 @@ def _launch(
     lk: int,
     kvf: int,
     rope: RopeSpec | None = None,
-    deltas: torch.Tensor | None = None,
+    delta: int | torch.Tensor = 0,
     inv_freq: torch.Tensor | None = None,
 ) -> None:
     """Copy n blocks x lk layer-kv chunks from src to dst; with rope, K (lk % kvf == 0) is
-    re-rotated by the per-token deltas and V (kvf == 2) copied."""
+    re-rotated by `delta` (one int, or one value per token) and V (kvf == 2) copied."""
     if n == 0:
         return
     if rope is not None:
-        if deltas is None:
-            raise LayoutError("rope needs deltas")
-        _launch_rope(src, dst, paged, n, lk // kvf, kvf, rope, deltas, inv_freq)
+        _launch_rope(src, dst, paged, n, lk // kvf, kvf, rope, delta, inv_freq)
         return
     g = paged.geometry
     h, d = g.num_kv_heads, g.head_dim
@@ -180,7 +180,7 @@ def _launch_rope(
     layers: int,
     kvf: int,
     rope: RopeSpec,
-    deltas: torch.Tensor,
+    delta: int | torch.Tensor,
     inv_freq: torch.Tensor | None,
 ) -> None:
     """K of `layers` layers re-rotated from src to dst (in place when they are the same side);
@@ -190,15 +190,14 @@ def _launch_rope(
     if rope.head_dim != d:
         raise LayoutError(f"RopeSpec head_dim {rope.head_dim} != KV head_dim {d}")
     align = _align(src, dst)
-    r = rope.rot_dim
-    f = rope.inv_freq(paged.device) if inv_freq is None else inv_freq.to(paged.device)
-    f = f.to(torch.float32).contiguous()
     dp = triton.next_power_of_2(d)
+    r = rope.rot_dim
     half, half_p2, rest_p2 = r // 2, 1, 0
     if rope.neox:
         mode = 2
         half_p2 = triton.next_power_of_2(half)
         rest_p2 = triton.next_power_of_2(d - r) if d > r else 0
+        pad = half
     else:
         if dp != d or src.base.element_size() != 2 or align == 1:
             raise LayoutError(
@@ -206,8 +205,17 @@ def _launch_rope(
                 "16-byte aligned rows; use backend='reference'"
             )
         mode = 1
-        if r < d:
-            f = torch.cat((f, f.new_zeros(d // 2 - r // 2)))
+        pad = d // 2
+    if inv_freq is None:
+        freq = _freq_table(rope, paged.device, pad)
+    else:
+        f = inv_freq.to(device=paged.device, dtype=torch.float32).reshape(-1)
+        freq = torch.cat((f, f.new_zeros(pad - f.numel()))) if f.numel() < pad else f.contiguous()
+    if isinstance(delta, torch.Tensor):
+        deltas = token_deltas(delta, n * g.block_size, paged.device).contiguous()
+        delta0 = 0.0
+    else:
+        deltas, delta0 = freq, float(delta)
     tt = min(ROPE_TOKENS, triton.next_power_of_2(g.block_size))
     lpp = max(1, min(ROPE_LPP, layers))
     while layers % lpp:
@@ -216,14 +224,22 @@ def _launch_rope(
     _jit.rope_kernel[grid](
         src.base, _tab(src), src.lk_stride, _ids(src), src.bstride, src.tstride, src.hstride,
         dst.base, _tab(dst), dst.lk_stride, _ids(dst), dst.bstride, dst.tstride, dst.hstride,
-        f, deltas,
+        freq, deltas, delta0,
         g.block_size, d,
         SRC_TAB=src.tab is not None, SRC_IDS=src.ids is not None,
         DST_TAB=dst.tab is not None, DST_IDS=dst.ids is not None,
-        TT=tt, LPP=lpp, KVF=kvf, COPY_V=kvf == 2, MODE=mode,
-        HALF=half, HALF_P2=half_p2, REST_P2=rest_p2, DP=dp, H=h, ALIGN=align,
+        TT=tt, LPP=lpp, KVF=kvf, COPY_V=kvf == 2, MODE=mode, DELTA_TAB=deltas is not freq,
+        HALF=half, HALF_P2=half_p2, REST_P2=rest_p2, DP=dp, H=h, STAGES=ROPE_STAGES, ALIGN=align,
         num_warps=ROPE_WARPS,
     )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _freq_table(rope: RopeSpec, device: torch.device, length: int) -> torch.Tensor:
+    """`rope.inv_freq` on `device`, zero-padded to `length` (angle 0 leaves a pair unrotated);
+    cached so that a call launches nothing but the kernel."""
+    f = rope.inv_freq(device)
+    return torch.cat((f, f.new_zeros(length - f.numel()))) if f.numel() < length else f
 
 
 def _lk(paged: PagedKV) -> int:
@@ -259,9 +275,8 @@ def scatter_blocks(
     check_staging(staging, g, n)
     if rope is not None and g.kv_factor != 2:
         raise LayoutError("re-rotation needs a K/V cache")
-    deltas = token_deltas(delta, n * g.block_size, paged.device) if rope is not None else None
     src, dst = _staging_side(staging, paged), _paged_side(paged, ids)
-    _launch(src, dst, paged, n, _lk(paged), g.kv_factor, rope, deltas, inv_freq)
+    _launch(src, dst, paged, n, _lk(paged), g.kv_factor, rope, delta, inv_freq)
 
 
 def copy_blocks(
@@ -287,9 +302,8 @@ def copy_blocks(
     n = sids.numel()
     if rope is not None and gs.kv_factor != 2:
         raise LayoutError("re-rotation needs a K/V cache")
-    deltas = token_deltas(delta, n * gs.block_size, dst.device) if rope is not None else None
     s, d = _paged_side(src, sids), _paged_side(dst, dids)
-    _launch(s, d, dst, n, _lk(dst), gs.kv_factor, rope, deltas, inv_freq)
+    _launch(s, d, dst, n, _lk(dst), gs.kv_factor, rope, delta, inv_freq)
 
 
 def rerotate_blocks(
@@ -305,9 +319,8 @@ def rerotate_blocks(
         raise LayoutError("re-rotation needs a K/V cache (MLA's latent is not handled here)")
     ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
     n = ids.numel()
-    deltas = token_deltas(delta, n * g.block_size, paged.device)
     side = _paged_side(paged, ids, kv=0)
-    _launch(side, side, paged, n, g.num_layers, 1, rope, deltas, inv_freq)
+    _launch(side, side, paged, n, g.num_layers, 1, rope, delta, inv_freq)
 
 
 def split_heads(
