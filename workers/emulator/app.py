@@ -139,6 +139,7 @@ class _Generation:
     notify: asyncio.Event
     stream: bool
     include_usage: bool
+    continuous_usage: bool
     logprobs: int | None
     echo: bool
     hold_key: str | None = None
@@ -499,6 +500,11 @@ class EmulatorApp:
             notify=notify,
             stream=bool(req.stream),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            continuous_usage=bool(
+                req.stream_options
+                and req.stream_options.include_usage
+                and req.stream_options.continuous_usage_stats
+            ),
             logprobs=logprobs,
             echo=echo,
             hold_key=hold_key,
@@ -727,15 +733,16 @@ class EmulatorApp:
                 if finished:
                     choice["stop_reason"] = seq.stop_reason
                     done[k] = True
-                out += _sse(
-                    {
-                        "id": rid,
-                        "object": obj,
-                        "created": created,
-                        "model": model,
-                        "choices": [choice],
-                    }
-                )
+                chunk = {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [choice],
+                }
+                if gen.continuous_usage:
+                    chunk["usage"] = self._usage(gen)
+                out += _sse(chunk)
             last = all(done)
             if last:
                 if gen.include_usage:

@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import openai
+import orjson
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
@@ -162,3 +163,26 @@ async def test_sync_client_works_unchanged(start_emulator: StartEmulator) -> Non
 
     whole, streamed = await asyncio.to_thread(use_sync_client)
     assert whole and whole == streamed
+
+
+async def test_batched_prompts_and_continuous_usage(start_emulator: StartEmulator) -> None:
+    import httpx
+
+    server = await start_emulator()
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        resp = await http.post(
+            "/v1/completions", json={"prompt": ["first prompt", "second one"], "max_tokens": 3,
+                                     "n": 2}
+        )  # fmt: skip
+        body = resp.json()
+        assert sorted(c["index"] for c in body["choices"]) == [0, 1, 2, 3]
+        assert body["usage"]["completion_tokens"] == 12
+        assert body["usage"]["prompt_tokens"] == len("first prompt") + len("second one")
+        streamed = await http.post(
+            "/v1/completions",
+            json={"prompt": "abc", "max_tokens": 4, "stream": True,
+                  "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        )  # fmt: skip
+        chunks = [line for line in streamed.text.splitlines() if line.startswith("data: {")]
+        counts = [orjson.loads(c[6:])["usage"]["completion_tokens"] for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 4
