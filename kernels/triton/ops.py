@@ -31,7 +31,7 @@ NUM_WARPS = 4
 ROPE_TOKENS = 8  # tokens per re-rotation program; their cos/sin serve all its heads and layers
 ROPE_LPP = 1  # layers per re-rotation program
 ROPE_WARPS = 4
-ROPE_STAGES = 1  # software-pipelining stages of the re-rotation head loop
+ROPE_STAGES = 3  # software-pipelining stages of the re-rotation head loop
 
 
 @dataclass(frozen=True, slots=True)
