@@ -24,7 +24,9 @@ class _Strict(BaseModel):
 
 def _check_url(value: str, schemes: tuple[str, ...] = ("http", "https")) -> str:
     parsed = urlparse(value)
-    if parsed.scheme not in schemes or not parsed.hostname:
+    # ipc:// and unix:// name a socket file: a path, no host.
+    located = parsed.path if parsed.scheme in ("ipc", "unix") else parsed.hostname
+    if parsed.scheme not in schemes or not located:
         raise ValueError(f"not a valid {'/'.join(schemes)} URL: {value!r}")
     try:
         _ = parsed.port
