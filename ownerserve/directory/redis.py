@@ -7,13 +7,14 @@ lookup costs one round trip for a chain of any length. Leases use the server's c
 Key layout (namespace `ns` = `DirectorySettings.key_prefix`; `P` = `{ns}:`, a Redis Cluster
 hash tag, so every key of one namespace lives in one slot and every script is single-slot):
 
-    P own            HASH  block hex -> artifact id hex  (which artifact owns each block)
-    P art            HASH  artifact id hex -> "worker\\tepoch\\texpires_ms\\ttier"  (leases)
-    P a:<id>         HASH  artifact metadata: worker epoch start n size kv tier created last
-                           reuse blocks (hex of chain[start:])
-    P rep            HASH  block hex -> lines "worker\\ttier\\texpires_ms\\tread_only\\n"
-    P cache          HASH  block hex -> one byte per worker index: bits of the tiers (gpu 1,
-                           cpu 2, ssd 4) in which that worker's KV events say it caches it
+    P blk            HASH  block hex -> one record per block: owner artifact id (16 hex
+                           digits, or dashes) + cached bytes (byte j: tier bits, gpu 1 cpu 2
+                           ssd 4, of the worker with index j, from its KV events) + "\n" +
+                           replica lines "worker\ttier\texpires_ms\tread_only\n"
+    P art            HASH  artifact id hex -> "worker\tepoch\texpires_ms\ttier"  (leases)
+    P a:<id>         HASH  artifact metadata: worker epoch start n size kv tier created
+                           blocks (hex of chain[start:])
+    P use            HASH  artifact id hex -> "reuse_count\tlast_access_ms" (lookups touch it)
     P epoch          STRING  fencing epoch counter (INCR; never reused, even after expiry)
     P workers / widx HASH  worker -> index / index -> worker;  P wnext: index counter
     P w:<worker>     HASH  root, bs (block size), idx, seq (last applied event batch)
@@ -23,8 +24,9 @@ hash tag, so every key of one namespace lives in one slot and every script is si
     P f:<id>         SET   sessions sharing the artifact copy-on-write (fork refs)
 
 Block hashes are 16 hex digits; a lookup sends the whole chain as one string argument.
-A lookup reads `own`, `art`, `rep` and `cache` with one HMGET each, so its cost grows with
-the chain length only through those HMGETs and a walk that skips runs of equal values.
+A lookup reads the chain's block records with one HMGET, walks them run by run (the blocks of
+one artifact with the same holders carry identical records: one string comparison each), then
+reads the leases of the artifacts it met with one more HMGET.
 
 Trade-off of the one-slot layout: a namespace is served by one Redis master (Cluster then
 buys fail-over and lets several namespaces, e.g. one per model or tenant, spread over
@@ -87,6 +89,8 @@ SCRIPT_NAMES = (
 )
 _ENGINE_MAP_LIMIT = 1_000_000  # per worker; the local map is only a cache of Redis's
 _TRUE = ("1", "true", "yes", "on")
+_TIERS = {t.value: t for t in Tier}
+_KINDS = {"o": HoldKind.OWNER, "r": HoldKind.REPLICA, "c": HoldKind.CACHED}
 
 
 def load_script_sources() -> dict[str, str]:
@@ -173,7 +177,7 @@ class RedisDirectory:
     ) -> tuple[str, list[str], list[Any]]:
         """(script sha, keys, args) of a lookup: lets a benchmark pipeline many lookups."""
         p = self.prefix
-        keys = [p + "own", p + "art", p + "rep", p + "cache", p + "widx"]
+        keys = [p + "blk", p + "art", p + "widx", p + "use"]
         if session_id is not None:
             keys.append(p + "s:" + session_id)
         return (
@@ -189,11 +193,13 @@ class RedisDirectory:
 
     @staticmethod
     def decode_lookup(chain_len: int, reply: Sequence[Any]) -> Match:
-        sess, flat, owner, owner_blocks, owner_epoch, owner_id = reply
-        holdings = [
-            Holding(_s(flat[i]), Tier(_s(flat[i + 1])), int(flat[i + 2]), HoldKind(_s(flat[i + 3])))
-            for i in range(0, len(flat), 4)
-        ]
+        """A `Match` from the lookup script's reply; holdings come as one string of lines
+        "worker\ttier\tblocks\tkind" (kind o/r/c), cheaper to ship than nested arrays."""
+        sess, lines, owner, owner_blocks, owner_epoch, owner_id = reply
+        holdings = []
+        for line in _s(lines).split("\n")[:-1]:
+            worker, tier, blocks, kind = line.split("\t")
+            holdings.append(Holding(worker, _TIERS[tier], int(blocks), _KINDS[kind]))
         return Match(
             chain_len=chain_len,
             holdings=sort_holdings(holdings),
@@ -220,7 +226,7 @@ class RedisDirectory:
         p = self.prefix
         reply = await self._run(
             "claim",
-            [p + "own", p + "art", p + "epoch"],
+            [p + "blk", p + "art", p + "epoch"],
             [
                 hex_block(artifact.artifact_id),
                 worker,
@@ -278,7 +284,7 @@ class RedisDirectory:
         ttl_s = check_ttl(ttl_s, "ttl_s")
         await self._run(
             "add_replica",
-            [self.key("rep")],
+            [self.key("blk")],
             [
                 hex_block(artifact_id),
                 worker,
@@ -396,7 +402,7 @@ class RedisDirectory:
     async def apply_events(self, worker: str, batch: EventBatch) -> EventApplyResult:
         check_worker(worker)
         p = self.prefix
-        keys = [p + "w:" + worker, p + "w:" + worker + ":eh", p + "cache"]
+        keys = [p + "w:" + worker, p + "w:" + worker + ":eh", p + "blk"]
         for attempt in range(2):
             reg = self._registration.get(worker)
             if reg is None or attempt:
@@ -427,7 +433,7 @@ class RedisDirectory:
         check_worker(worker)
         self._engine_map.pop(worker, None)
         return int(
-            await self._run("drop_worker", [self.key("rep"), self.key("w:" + worker)], [worker])
+            await self._run("drop_worker", [self.key("blk"), self.key("w:" + worker)], [worker])
         )
 
     # --- metadata and maintenance -----------------------------------------------------------
@@ -436,7 +442,7 @@ class RedisDirectory:
         aid = hex_block(artifact_id)
         reply = await self._run(
             "artifact_info",
-            [self.key("art"), self.key("a:" + aid), self.key("f:" + aid)],
+            [self.key("art"), self.key("a:" + aid), self.key("f:" + aid), self.key("use")],
             [aid],
         )
         if reply is None:
@@ -468,7 +474,7 @@ class RedisDirectory:
         dropped = 0
         while cursors != ["-", "-"]:
             c1, c2, n = await self._run(
-                "sweep", [self.key("art"), self.key("rep")], [*cursors, batch]
+                "sweep", [self.key("art"), self.key("blk")], [*cursors, batch]
             )
             dropped += int(n)
             cursors = [c if c not in ("0", 0) else "-" for c in (_s(c1), _s(c2))]
@@ -496,7 +502,7 @@ class RedisDirectory:
         args: list[Any] = [worker]
         for engine_hash, block, bits in entries:
             args += [str(engine_hash), hex_block(block), int(bits)]
-        keys = [p + "w:" + worker, p + "w:" + worker + ":eh", p + "cache"]
+        keys = [p + "w:" + worker, p + "w:" + worker + ":eh", p + "blk"]
         return int(await self._run("restore_cached", keys, args))
 
     async def ping(self) -> float:

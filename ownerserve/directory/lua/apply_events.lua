@@ -1,5 +1,5 @@
 -- apply_events: one KV event batch of a worker, with gap detection. KEYS: w:<worker>,
--- w:<worker>:eh, cache. ARGV: P, worker, root (hex), block size, seq, then ops:
+-- w:<worker>:eh, blk. ARGV: P, worker, root (hex), block size, seq, then ops:
 --   'S', tier bit, parent engine hash ('' at chain start), parent block (hex), blocks hex, engine csv
 --   'R', tier bit, engine csv        'C'        'X', n (blocks the client could not map)
 local info = redis.call('HMGET', KEYS[1], 'idx', 'seq', 'root', 'bs')
@@ -21,7 +21,6 @@ if last and seq > last + 1 then
   gap, expected = 1, last + 1
   clear_cached(worker, j)
 end
-local cache_key = KEYS[3]
 local stored, removed, skipped = 0, 0, 0
 local i = 6
 while i <= #ARGV do
@@ -32,20 +31,20 @@ while i <= #ARGV do
     local blocks = split16(ARGV[i + 4])
     local ehs = split_csv(ARGV[i + 5])
     if pe == '' or redis.call('HGET', KEYS[2], pe) == po then
-      local cur = hmget(cache_key, blocks)
-      local pairs_ = {}
-      for k = 1, #blocks do
-        local v = cur[k]
-        local c = v and (string.byte(v, j) or 0) or 0
+      update_blocks(blocks, function(_, own, cache, reps)
+        local c = string.byte(cache, j) or 0
         local nv = bit.bor(c, bitv)
         if nv ~= c then
-          write_byte(cache_key, blocks[k], v, j, nv)
+          return own, cache_set(cache, j, nv), reps
         end
+      end)
+      local pairs_ = {}
+      for k = 1, #blocks do
         pairs_[#pairs_ + 1] = ehs[k]
         pairs_[#pairs_ + 1] = blocks[k]
-        stored = stored + 1
       end
       multi('HSET', KEYS[2], pairs_)
+      stored = stored + #blocks
     else
       skipped = skipped + #blocks
     end
@@ -55,14 +54,16 @@ while i <= #ARGV do
     for _, e in ipairs(split_csv(ARGV[i + 2])) do
       local b = redis.call('HGET', KEYS[2], e)
       if b then
-        local v = redis.call('HGET', cache_key, b)
-        local c = v and (string.byte(v, j) or 0) or 0
-        local nv = bit.band(c, bit.bnot(bitv))
-        if nv ~= c then
-          removed = removed + 1
-          write_byte(cache_key, b, v, j, nv)
-        end
-        if nv == 0 then
+        local left = 0
+        update_blocks({ b }, function(_, own, cache, reps)
+          local c = string.byte(cache, j) or 0
+          left = bit.band(c, bit.bnot(bitv))
+          if left ~= c then
+            removed = removed + 1
+            return own, cache_set(cache, j, left), reps
+          end
+        end)
+        if left == 0 then
           redis.call('HDEL', KEYS[2], e)
         end
       end

@@ -1,12 +1,12 @@
 -- claim: make a worker owner of an artifact's free blocks, with a fresh fencing epoch.
--- KEYS: own, art, epoch
+-- KEYS: blk, art, epoch
 -- ARGV: P, id, worker, lease_ms, tier, size, kv_type, start, blocks hex (chain[start:]),
 --       fence epoch ('' = none), fence block (chain[start-1])
 local id, worker = ARGV[2], ARGV[3]
 local lease_ms = tonumber(ARGV[4])
 local now = now_ms()
 local function live(aid)
-  if not aid then
+  if not aid or aid == '' then
     return nil
   end
   local rec = redis.call('HGET', KEYS[2], aid)
@@ -21,13 +21,13 @@ local function live(aid)
 end
 
 if ARGV[10] ~= '' then
-  local w, e = live(redis.call('HGET', KEYS[1], ARGV[11]))
+  local w, e = live((rec_parse(redis.call('HGET', KEYS[1], ARGV[11]))))
   if w ~= worker or e ~= tonumber(ARGV[10]) then
     return { 'stale', e or 0 }
   end
 end
 
-local holder = redis.call('HGET', KEYS[1], id)
+local holder = rec_parse(redis.call('HGET', KEYS[1], id))
 local w, e, x, t = live(holder)
 if w then
   if w == worker and holder == id then
@@ -42,36 +42,29 @@ end
 
 local old = redis.call('HGET', KEYS[2], id)
 if old then
-  delete_artifact(id, (parse_lease(old)))
+  delete_artifact(id, (parse_lease(old)), true) -- an expired lease: its reuse count stays
 end
 local epoch = redis.call('INCR', KEYS[3])
 local exp = now + lease_ms
 redis.call('HSET', KEYS[2], id, pack_lease(worker, epoch, exp, ARGV[5]))
 local blocks = split16(ARGV[9])
-local cur = hmget(KEYS[1], blocks)
 local alive = {}
-local sets = {}
-for i = 1, #blocks do
-  local c = cur[i]
-  local take = true
-  if c and c ~= id then
-    local l = alive[c]
+update_blocks(blocks, function(_, own, cache, reps)
+  if own and own ~= id then
+    local l = alive[own]
     if l == nil then
-      l = live(c) ~= nil
-      alive[c] = l
+      l = live(own) ~= nil
+      alive[own] = l
     end
-    take = not l
+    if l then
+      return nil -- a live artifact holds this block: it stays there
+    end
   end
-  if take then
-    sets[#sets + 1] = blocks[i]
-    sets[#sets + 1] = id
-  end
-end
-multi('HSET', KEYS[1], sets)
-local ak = P .. 'a:' .. id
-redis.call('HSET', ak, 'worker', worker, 'epoch', epoch, 'start', ARGV[8], 'n', #blocks,
-  'size', ARGV[6], 'kv', ARGV[7], 'tier', ARGV[5], 'created', fmt(now), 'last', fmt(now),
+  return id, cache, reps
+end)
+redis.call('HSET', P .. 'a:' .. id, 'worker', worker, 'epoch', epoch, 'start', ARGV[8],
+  'n', #blocks, 'size', ARGV[6], 'kv', ARGV[7], 'tier', ARGV[5], 'created', fmt(now),
   'blocks', ARGV[9])
-redis.call('HSETNX', ak, 'reuse', 0)
+redis.call('HSETNX', P .. 'use', id, '0\t' .. fmt(now))
 redis.call('SADD', P .. 'w:' .. worker .. ':arts', id)
 return { 'ok', id, worker, epoch, exp }

@@ -67,57 +67,118 @@ local function multi(cmd, key, items)
   end
 end
 
--- forget the block -> artifact mapping of `id`'s blocks that still point at it
-local function unmap(own_key, id, hex)
+-- per-block record in the `blk` hash, one HMGET reads a whole chain:
+--   owner artifact id (16 hex digits, or NOOWN) .. cached bytes (byte j = tier bits of worker j)
+--   .. '\n' .. replica lines "worker \t tier \t expires_ms \t read_only \n"
+-- tier bits are 1, 2, 4, so a cached byte is never '\n'
+local BLK = P .. 'blk'
+local NOOWN = '----------------'
+
+local function rec_parse(v)
+  if not v then
+    return false, '', ''
+  end
+  local nl = string.find(v, '\n', 17, true)
+  local own = string.sub(v, 1, 16)
+  if own == NOOWN then
+    own = false
+  end
+  return own, string.sub(v, 17, nl - 1), string.sub(v, nl + 1)
+end
+
+local function rec_pack(own, cache, reps)
+  cache = string.gsub(cache, '%z+$', '')
+  if not own and cache == '' and reps == '' then
+    return false
+  end
+  return (own or NOOWN) .. cache .. '\n' .. reps
+end
+
+local function cache_set(cache, j, nv)
+  if #cache < j then
+    cache = cache .. string.rep('\0', j - #cache)
+  end
+  return string.sub(cache, 1, j - 1) .. string.char(nv) .. string.sub(cache, j + 1)
+end
+
+-- read-modify-write the records of `blocks`; fn(i, own, cache, reps) returns the new
+-- (own, cache, reps), or nil to leave block i alone
+local function update_blocks(blocks, fn)
+  local cur = hmget(BLK, blocks)
+  local sets, dels = {}, {}
+  for i = 1, #blocks do
+    local own, cache, reps = rec_parse(cur[i])
+    local o2, c2, r2 = fn(i, own, cache, reps)
+    if o2 ~= nil then
+      local v = rec_pack(o2, c2, r2)
+      if v ~= cur[i] then
+        if v then
+          sets[#sets + 1] = blocks[i]
+          sets[#sets + 1] = v
+        else
+          dels[#dels + 1] = blocks[i]
+        end
+      end
+    end
+  end
+  multi('HSET', BLK, sets)
+  multi('HDEL', BLK, dels)
+end
+
+-- forget the owner of `id`'s blocks that still point at it
+local function unmap(id, hex)
   if not hex or hex == '' then
     return
   end
-  local blocks = split16(hex)
-  local cur = hmget(own_key, blocks)
-  local dels = {}
-  for i = 1, #blocks do
-    if cur[i] == id then
-      dels[#dels + 1] = blocks[i]
+  update_blocks(split16(hex), function(_, own, cache, reps)
+    if own == id then
+      return false, cache, reps
     end
-  end
-  multi('HDEL', own_key, dels)
+  end)
 end
 
-local function delete_artifact(id, worker)
+local function delete_artifact(id, worker, keep_use)
   local ak = P .. 'a:' .. id
-  unmap(P .. 'own', id, redis.call('HGET', ak, 'blocks'))
+  unmap(id, redis.call('HGET', ak, 'blocks'))
   redis.call('HDEL', P .. 'art', id)
   redis.call('DEL', ak)
+  if not keep_use then
+    redis.call('HDEL', P .. 'use', id)
+  end
   redis.call('SREM', P .. 'w:' .. worker .. ':arts', id)
-end
-
--- cached-tier byte of worker index j in block b's value v (one byte per worker)
-local function write_byte(cache_key, b, v, j, nv)
-  v = v or ''
-  if #v < j then
-    v = v .. string.rep('\0', j - #v)
-  end
-  v = string.sub(v, 1, j - 1) .. string.char(nv) .. string.sub(v, j + 1)
-  if string.find(v, '[^%z]') then
-    redis.call('HSET', cache_key, b, v)
-  else
-    redis.call('HDEL', cache_key, b)
-  end
 end
 
 -- drop worker's whole cached view (resync / AllBlocksCleared / death); returns blocks cleared
 local function clear_cached(worker, j)
   local ehk = P .. 'w:' .. worker .. ':eh'
-  local cache_key = P .. 'cache'
-  local vals = redis.call('HVALS', ehk)
-  local n = 0
-  for _, b in ipairs(vals) do
-    local v = redis.call('HGET', cache_key, b)
-    if v and (string.byte(v, j) or 0) ~= 0 then
-      n = n + 1
-      write_byte(cache_key, b, v, j, 0)
+  local blocks, seen = {}, {}
+  for _, b in ipairs(redis.call('HVALS', ehk)) do
+    if not seen[b] then
+      seen[b] = true
+      blocks[#blocks + 1] = b
     end
   end
+  local n = 0
+  update_blocks(blocks, function(_, own, cache, reps)
+    if (string.byte(cache, j) or 0) ~= 0 then
+      n = n + 1
+      return own, cache_set(cache, j, 0), reps
+    end
+  end)
   redis.call('DEL', ehk)
   return n
+end
+
+-- replica lines without those of `worker` (and, given `now`, without expired ones)
+local function reps_without(reps, worker, now)
+  local keep, gone = {}, 0
+  for line in string.gmatch(reps, '[^\n]*\n') do
+    local w, x = string.match(line, '^(.*)\t%a+\t(%d+)\t[01]\n$')
+    if w == worker or (now and tonumber(x) <= now) then
+      gone = gone + 1
+    else
+      keep[#keep + 1] = line
+    end
+  end
+  return table.concat(keep), gone
 end

@@ -1,5 +1,5 @@
 -- drop_worker: owner death. Its leases end, replicas and cached view go, its sessions lose
--- their owner, its event seq resets. KEYS: rep, w:<worker>. ARGV: P, worker
+-- their owner, its event seq resets. KEYS: blk, w:<worker>. ARGV: P, worker
 local worker = ARGV[2]
 local wp = P .. 'w:' .. worker
 local dropped = 0
@@ -11,24 +11,13 @@ for _, id in ipairs(redis.call('SMEMBERS', wp .. ':arts')) do
   end
 end
 redis.call('DEL', wp .. ':arts')
-for _, b in ipairs(redis.call('SMEMBERS', wp .. ':reps')) do
-  local r = redis.call('HGET', KEYS[1], b)
-  if r then
-    local keep = {}
-    for line in string.gmatch(r, '[^\n]*\n') do
-      if string.match(line, '^(.*)\t%a+\t%d+\t[01]\n$') == worker then
-        dropped = dropped + 1
-      else
-        keep[#keep + 1] = line
-      end
-    end
-    if #keep > 0 then
-      redis.call('HSET', KEYS[1], b, table.concat(keep))
-    else
-      redis.call('HDEL', KEYS[1], b)
-    end
+update_blocks(redis.call('SMEMBERS', wp .. ':reps'), function(_, own, cache, reps)
+  local keep, gone = reps_without(reps, worker, nil)
+  if gone > 0 then
+    dropped = dropped + gone
+    return own, cache, keep
   end
-end
+end)
 redis.call('DEL', wp .. ':reps')
 local j = redis.call('HGET', KEYS[2], 'idx')
 if j then

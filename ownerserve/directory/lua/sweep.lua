@@ -1,5 +1,5 @@
--- sweep: one HSCAN step over leases and replicas, deleting what expired. KEYS: art, rep
--- ARGV: P, lease cursor ('-' = done), replica cursor ('-' = done), count
+-- sweep: one HSCAN step over leases and block records, deleting what expired. KEYS: art, blk
+-- ARGV: P, lease cursor ('-' = done), block cursor ('-' = done), count
 local now = now_ms()
 local dropped = 0
 local c1, c2 = '-', '-'
@@ -19,24 +19,18 @@ if ARGV[3] ~= '-' then
   local res = redis.call('HSCAN', KEYS[2], ARGV[3], 'COUNT', ARGV[4])
   c2 = res[1]
   local kv = res[2]
+  local blocks = {}
   for k = 1, #kv, 2 do
-    local keep, gone = {}, 0
-    for line in string.gmatch(kv[k + 1], '[^\n]*\n') do
-      local x = string.match(line, '^.*\t%a+\t(%d+)\t[01]\n$')
-      if x and tonumber(x) > now then
-        keep[#keep + 1] = line
-      else
-        gone = gone + 1
-      end
-    end
-    if gone > 0 then
-      dropped = dropped + gone
-      if #keep > 0 then
-        redis.call('HSET', KEYS[2], kv[k], table.concat(keep))
-      else
-        redis.call('HDEL', KEYS[2], kv[k])
-      end
+    if string.find(kv[k + 1], '\n.', 17) then -- has replica lines
+      blocks[#blocks + 1] = kv[k]
     end
   end
+  update_blocks(blocks, function(_, own, cache, reps)
+    local keep, gone = reps_without(reps, nil, now)
+    if gone > 0 then
+      dropped = dropped + gone
+      return own, cache, keep
+    end
+  end)
 end
 return { c1, c2, dropped }
