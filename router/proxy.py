@@ -382,7 +382,7 @@ class Router:
             watcher = asyncio.create_task(self._watch_disconnect(receive, task, disconnected))
             async with asyncio.timeout(self.settings.server.request_timeout_s):
                 response_started = await self._serve(req, headers, send, t0)
-            self.metrics.requests.labels(model, "ok").inc()
+            self.metrics.of(self.metrics.requests, model, "ok").inc()
         except _Disconnected:
             return
         except asyncio.CancelledError:
@@ -657,22 +657,22 @@ class Router:
     ) -> None:
         m = self.metrics
         action = plan.action.value
-        m.actions.labels(plan.policy, action).inc()
+        m.of(m.actions, plan.policy, action).inc()
         if match.owner is not None:
             used = match.owner in (plan.chosen.decode_worker, plan.chosen.source_worker)
-            m.owner_lookups.labels("hit" if used else "miss").inc()
+            m.of(m.owner_lookups, "hit" if used else "miss").inc()
         else:
-            m.owner_lookups.labels("none").inc()
+            m.of(m.owner_lookups, "none").inc()
         if not ok:
             return
         if t.ttft_s is not None:
-            m.ttft.labels(action).observe(t.ttft_s)
+            m.of(m.ttft, action).observe(t.ttft_s)
         tpot = t.tpot_s
         if tpot is not None:
-            m.tpot.labels(action).observe(tpot)
-        m.e2e.labels(action).observe(t.e2e_s)
+            m.of(m.tpot, action).observe(tpot)
+        m.of(m.e2e, action).observe(t.e2e_s)
         if t.transfer_s is not None:
-            m.transfer.labels(action).observe(t.transfer_s)
+            m.of(m.transfer, action).observe(t.transfer_s)
         self.calibrator.observe_plan(plan, ttft_s=t.ttft_s, tpot_s=tpot, transfer_s=t.transfer_s)
 
     # --- after the response: commit to the directory --------------------------------------

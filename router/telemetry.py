@@ -64,6 +64,7 @@ class RouterMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter(
             "ownerserve_requests_total",
@@ -150,6 +151,15 @@ class RouterMetrics:
         self.commit_errors = Counter(
             "ownerserve_directory_commit_errors_total", "Failed directory commits", registry=r
         )
+
+    def of(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, memoised: the hot path skips prometheus_client's label
+        validation and locking after the first request of each label set."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
