@@ -32,7 +32,7 @@ from loadgen.cluster import (
     start_peer,
 )
 from loadgen.metrics import DuplicateSampler, cluster_stats, snapshot_all
-from loadgen.report import RunSummary, markdown_tables, summarize, write_report
+from loadgen.report import RunSummary, markdown_tables, summarize, write_records, write_report
 from loadgen.workloads import Workload
 
 OWN_POLICIES: tuple[str, ...] = (
@@ -63,6 +63,8 @@ class BenchPlan:
     max_inflight: int = 64
     run_limit_s: float = 120.0
     sample_interval_s: float = 2.0
+    log_dir: Path | None = None
+    """Process logs and per-request records (default: `out_dir/logs`)."""
     log: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr, flush=True))
 
 
@@ -117,7 +119,8 @@ async def _measure(
 def run_bench(plan: BenchPlan) -> list[WorkloadOutcome]:
     """Every workload through every target, workers restarted before each run."""
     outcomes: list[WorkloadOutcome] = []
-    log_dir = plan.out_dir / "logs"
+    log_dir = plan.log_dir or plan.out_dir / "logs"
+    plan.log(f"process logs and request records: {log_dir}")
     cluster = EmulatedCluster(plan.spec, log_dir)
     try:
         for wname, workload in plan.workloads:
@@ -138,6 +141,8 @@ def run_bench(plan: BenchPlan) -> list[WorkloadOutcome]:
                     router.stop()
                 outcome.results.append(result)
                 outcome.summaries.append(summary)
+                slug = f"{wname}_{target.label}".replace(" ", "_")
+                write_records(result, log_dir / f"records_{slug}.jsonl")
                 e2e = summary.session_e2e.mean
                 plan.log(
                     f"[{wname}] {target.label}: {summary.sessions_completed}/{summary.sessions} "

@@ -11,6 +11,7 @@ import argparse
 import datetime as dt
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
     p.add_argument("--results-md", type=Path, default=REPO_ROOT / "bench" / "RESULTS.md")
     p.add_argument("--no-results-md", action="store_true", help="do not edit bench/RESULTS.md")
+    p.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="process logs and request records (default: a temp dir)",
+    )
 
 
 def _split(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
@@ -135,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         out_dir=args.out_dir,
         max_inflight=args.max_inflight,
         run_limit_s=args.run_limit,
+        log_dir=args.log_dir or Path(tempfile.mkdtemp(prefix="ownerserve-bench-")),
     )
     command = "ownerserve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     started = dt.datetime.now(dt.UTC)

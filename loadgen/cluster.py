@@ -292,9 +292,11 @@ def peer_command(
 ) -> list[str]:
     """The peer router's command line for this cluster.
 
-    Regular mode routes over every worker (each serves whole requests, as colocated engines);
-    P/D mode sends prefill to the prefill workers and one hybrid, decode to the decode workers
-    and the other hybrid."""
+    Regular mode routes over every worker (each serves whole requests, as colocated engines).
+    vllm-router's P/D mode sends prefill to the prefill workers and half the hybrids, decode to
+    the decode workers and the other half (a vLLM `kv_both` engine can take either side).
+    sglang-router's P/D mode uses the prefill and decode workers only: an SGLang server is in
+    prefill or decode disaggregation mode, and a hybrid (mode "null") cannot join a P/D pair."""
     cmd = [str(binary)]
     if peer == "sglang-router":
         cmd.append("launch")
@@ -315,7 +317,7 @@ def peer_command(
     if not pd:
         cmd += ["--worker-urls", *(w.url for w in cluster.workers)]
         return cmd
-    hybrids = cluster.by_role("hybrid")
+    hybrids = cluster.by_role("hybrid") if peer == "vllm-router" else []
     prefill = cluster.by_role("prefill") + hybrids[: (len(hybrids) + 1) // 2]
     decode = cluster.by_role("decode") + hybrids[(len(hybrids) + 1) // 2 :]
     cmd.append("--vllm-pd-disaggregation" if peer == "vllm-router" else "--pd-disaggregation")

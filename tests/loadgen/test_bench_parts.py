@@ -123,8 +123,15 @@ def test_cluster_config_is_valid_settings_and_peer_commands_split_pd(tmp_path: P
     assert cmd[:2] == ["/x/smg", "launch"] and "--pd-disaggregation" in cmd
     prefills = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--prefill"]
     decodes = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--decode"]
-    assert len(prefills) == 3 and len(decodes) == 3 and not set(prefills) & set(decodes)
+    # SGLang servers are prefill or decode servers: the hybrids sit out its P/D mode
+    assert prefills == [w.url for w in cluster.by_role("prefill")]
+    assert decodes == [w.url for w in cluster.by_role("decode")]
     # sglang's prefill entries carry the bootstrap port
     assert cmd[cmd.index("--prefill") + 2] == str(cluster.workers[0].bootstrap_port)
+    vpd = peer_command(Path("/x/vr"), "vllm-router", "cache_aware", True, cluster, 9000)
+    prefills = [vpd[i + 1] for i, a in enumerate(vpd) if a == "--prefill"]
+    decodes = [vpd[i + 1] for i, a in enumerate(vpd) if a == "--decode"]
+    assert len(prefills) == 3 and len(decodes) == 3 and not set(prefills) & set(decodes)
+    assert "--vllm-pd-disaggregation" in vpd
     regular = peer_command(Path("/x/vr"), "vllm-router", "consistent_hash", False, cluster, 9000)
     assert regular[regular.index("--worker-urls") + 1 :][:6] == [w.url for w in cluster.workers]
