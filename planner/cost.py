@@ -37,6 +37,13 @@ COLOCATED_ACTIONS: frozenset[Action] = frozenset(
 """Actions that prefill and decode on one worker with only its own cached prefix."""
 
 
+# Enum members bound once: `Tier.GPU` is a ~0.1 µs class-attribute lookup, a global is not.
+_GPU, _CPU, _SSD = Tier.GPU, Tier.CPU, Tier.SSD
+_PREFILL, _DECODE = Role.PREFILL, Role.DECODE
+_COL, _CONT, _TAIL = Action.COLOCATED_PREFILL, Action.DECODE_CONTINUATION, Action.TAIL_RECOMPUTE
+_FETCH, _MIG, _REMOTE = Action.ARTIFACT_FETCH, Action.STATE_MIGRATION, Action.REMOTE_PREFILL
+
+
 @dataclass(frozen=True, slots=True)
 class CostConfig:
     """Weights, thresholds and profile names of the planner (`planner:` section of the config).
@@ -175,7 +182,7 @@ class CostModel:
         if self.spec is not None and gpu == 0:
             held = cpu if cpu >= ssd else ssd
             cached = min(held * request.block_size, max(request.prompt_tokens, 1) - 1)
-            return self.cold_restore_s(worker, cached, Tier.SSD if ssd > cpu else Tier.CPU)
+            return self.cold_restore_s(worker, cached, _SSD if ssd > cpu else _CPU)
         bk = request.block_size * request.kv_bytes_per_token
         gc = cpu if cpu > gpu else gpu
         return self.restore_s(worker, (gc - gpu) * bk, (ssd - gc if ssd > gc else 0) * bk)
@@ -211,11 +218,11 @@ class Route:
 
 
 def can_prefill(worker: WorkerView) -> bool:
-    return worker.role is not Role.DECODE
+    return worker.role is not _DECODE
 
 
 def can_decode(worker: WorkerView) -> bool:
-    return worker.role is not Role.PREFILL
+    return worker.role is not _PREFILL
 
 
 def tier_blocks(worker: WorkerView) -> tuple[int, int, int]:
@@ -223,7 +230,7 @@ def tier_blocks(worker: WorkerView) -> tuple[int, int, int]:
     cb = worker.cached_blocks
     if not cb:
         return 0, 0, 0
-    return cb.get(Tier.GPU, 0), cb.get(Tier.CPU, 0), cb.get(Tier.SSD, 0)
+    return cb.get(_GPU, 0), cb.get(_CPU, 0), cb.get(_SSD, 0)
 
 
 def held_blocks(worker: WorkerView) -> int:
@@ -237,10 +244,10 @@ def moved_blocks(request: RequestView, route: Route, held: int | None = None) ->
     ARTIFACT_FETCH: max(0, owner_blocks − held(P)); STATE_MIGRATION: max(0, gpu(S) − held(P)).
     `held` is held(P) when already known."""
     action = route.action
-    if action is Action.ARTIFACT_FETCH:
+    if action is _FETCH:
         h = held_blocks(route.prefill) if held is None else held
         return max(0, request.owner_blocks - h)
-    if action is Action.STATE_MIGRATION and route.source is not None:
+    if action is _MIG and route.source is not None:
         h = held_blocks(route.prefill) if held is None else held
         return max(0, tier_blocks(route.source)[0] - h)
     return 0
@@ -319,7 +326,7 @@ def t_network(model: CostModel, request: RequestView, route: Route) -> float:
     ARTIFACT_FETCH / STATE_MIGRATION: transfer_s(S, P, moved_blocks · block_size · K);
     colocated actions: 0.  (K = kv_bytes_per_token)"""
     k = request.kv_bytes_per_token
-    if route.action is Action.REMOTE_PREFILL:
+    if route.action is _REMOTE:
         n = max(request.prompt_tokens, 1)
         gpu_d = tier_blocks(route.decode)[0] * request.block_size
         return model.config.pd_handshake_s + model.transfer_s(
@@ -346,9 +353,9 @@ def m_hbm(model: CostModel, request: RequestView, route: Route, reused: int | No
     STATE_MIGRATION: 0  (the session's blocks move; the source releases them);
     otherwise (colocated, fetch): dup(P, held(P)), the fetched replica or recomputed owned prefix;
     dup(w, h) = [w ≠ owner] · max(0, owner_blocks − h) · block_size · K."""
-    if route.action is Action.STATE_MIGRATION:
+    if route.action is _MIG:
         return 0.0
-    if route.action is Action.REMOTE_PREFILL:
+    if route.action is _REMOTE:
         n = max(request.prompt_tokens, 1)
         r = reused_tokens(request, route) if reused is None else reused
         gpu_d = tier_blocks(route.decode)[0]
@@ -421,10 +428,10 @@ def colocated_action(request: RequestView, worker: WorkerView, continuation: boo
     cost: all three prefill and decode on `worker` with what it holds."""
     g, c, s = tier_blocks(worker)
     if c > g or s > g:
-        return Action.TAIL_RECOMPUTE
+        return _TAIL
     if continuation and g > 0 and worker.worker_id == request.session_owner:
-        return Action.DECODE_CONTINUATION
-    return Action.COLOCATED_PREFILL
+        return _CONT
+    return _COL
 
 
 def fetch_source(request: RequestView, cluster: ClusterView) -> WorkerView | None:
@@ -465,13 +472,13 @@ def enumerate_routes(
         routes.append(Route(colocated_action(request, w, continuation), w, w))
         held = held_blocks(w)
         if src_f is not None and w.worker_id != src_f.worker_id and request.owner_blocks > held:
-            routes.append(Route(Action.ARTIFACT_FETCH, w, w, src_f))
+            routes.append(Route(_FETCH, w, w, src_f))
         if src_m is not None and w.worker_id != src_m.worker_id and tier_blocks(src_m)[0] > held:
-            routes.append(Route(Action.STATE_MIGRATION, w, w, src_m))
+            routes.append(Route(_MIG, w, w, src_m))
     for p in live:
         if not can_prefill(p):
             continue
         for d in decoders:
             if d.worker_id != p.worker_id:
-                routes.append(Route(Action.REMOTE_PREFILL, p, d))
+                routes.append(Route(_REMOTE, p, d))
     return routes

@@ -34,6 +34,8 @@ _FETCH, _MIG, _REMOTE = Action.ARTIFACT_FETCH, Action.STATE_MIGRATION, Action.RE
 # A cost within this relative distance of the best counts as a tie (the class default wins ties).
 _TIE = 1e-12
 
+_RC_CONT = RequestClass.DECODE_CONTINUATION
+
 _Rec = tuple[Action, WorkerView, WorkerView, WorkerView | None]
 
 
@@ -113,7 +115,7 @@ class OwnerServePolicy:
         owner_id = request.owner
         ob = request.owner_blocks if owner_id is not None else 0
         sess_id = request.session_owner
-        cont_ok = rclass is RequestClass.DECODE_CONTINUATION
+        cont_ok = rclass is _RC_CONT
 
         src_f = fetch_source(request, cluster)
         f_node = src_f.node if src_f is not None else None
@@ -131,6 +133,7 @@ class OwnerServePolicy:
                 owner_w = cluster.by_id(owner_id)
         # λ·dup(w, 0): what a non-owner holding nothing pays for materialising the owned prefix
         dup_miss = lam * ob * bk
+        fm_count = 1 + (src_f is not None) + (src_m is not None)
 
         rt_f = min(ob * bs, nm1)
         rt_m = min(g_m * bs, nm1)
@@ -148,6 +151,10 @@ class OwnerServePolicy:
         nodes: dict[str, tuple[float, WorkerView, float, WorkerView | None]] = {}
         dlist: list[tuple[float, WorkerView, int, float, float, float]] = []
         cur_prof: str | None = None
+        # whether a candidate found in the worker pass can be the class default (else only
+        # the top two matter there) and whether remote pairs can
+        dflt_here = dflt is not _REMOTE
+        track_def = not dflt_here
 
         for w in cluster.workers:
             if not w.healthy:
@@ -176,11 +183,10 @@ class OwnerServePolicy:
                     n_d += 1
                     tdec = w.decode_scale * (d_a + d_b * running + d_c * w.kv_usage)
                     qd = q + tdec
-                    fetch_ok = src_f is not None and w is not src_f
-                    mig_ok = src_m is not None and w is not src_m
-                    considered += 1 + fetch_ok + mig_ok
+                    # colocated + fetch + migration (src_m holds GPU blocks: never on this path)
+                    considered += fm_count if w is not src_f else fm_count - 1
                     dup = dup_miss if w is not owner_w else 0.0
-                    if qd < c2 or qd < cdef:
+                    if qd < c2 or (dflt_here and qd < cdef):
                         ms = 1.0 + mu * share
                         cost = qd + pf * ms + dup
                         if dflt is _COL and cost < cdef:
@@ -191,7 +197,7 @@ class OwnerServePolicy:
                                 c1, r1 = cost, (_COL, w, w, None)
                             else:
                                 c2, r2 = cost, (_COL, w, w, None)
-                        if fetch_ok:
+                        if src_f is not None and w is not src_f:
                             bw = intra if w.node == f_node else inter
                             cost = qd + sp * pf_fetch * ms + w.link_scale * (lat + ob * bk / bw)
                             cost += lam * ob * bk
@@ -203,7 +209,7 @@ class OwnerServePolicy:
                                     c1, r1 = cost, (_FETCH, w, w, src_f)
                                 else:
                                     c2, r2 = cost, (_FETCH, w, w, src_f)
-                        if mig_ok:
+                        if src_m is not None:
                             bw = intra if w.node == m_node else inter
                             cost = qd + sp * pf_mig * ms + w.link_scale * (lat + g_m * bk / bw)
                             if dflt is _MIG and cost < cdef:
@@ -214,7 +220,9 @@ class OwnerServePolicy:
                                     c1, r1 = cost, (_MIG, w, w, src_m)
                                 else:
                                     c2, r2 = cost, (_MIG, w, w, src_m)
-                    dlist.append((qd + handshake + dup, w, 0, lat, intra, inter))
+                    bd = qd + handshake + dup
+                    if bd < c2 or track_def:  # c2 only falls: a D part above it never counts
+                        dlist.append((bd, w, 0, lat, intra, inter))
                 if role is not _DECODE:
                     n_p += 1
                     if role is not _PREFILL:
@@ -257,7 +265,7 @@ class OwnerServePolicy:
                 mig_ok = src_m is not None and g_m > held and w is not src_m
                 considered += 1 + fetch_ok + mig_ok
                 # every candidate on w costs at least qdr: skip w if none can enter the top two
-                if qdr < c2 or qdr < cdef:
+                if qdr < c2 or (dflt_here and qdr < cdef):
                     ms = 1.0 + mu * share
                     # colocated on w (continuation / tail recompute / colocated prefill)
                     cost = qdr + pf * ms
@@ -318,7 +326,8 @@ class OwnerServePolicy:
                 bd = q + tdec + handshake
                 if ob > g and w is not owner_w:
                     bd += lam * (ob - g) * bk
-                dlist.append((bd, w, g, lat, intra, inter))
+                if bd < c2 or track_def:
+                    dlist.append((bd, w, g, lat, intra, inter))
 
             if role is not _DECODE:
                 n_p += 1
@@ -341,7 +350,6 @@ class OwnerServePolicy:
         # bd + ga1 is a lower bound of every pair into D
         p: WorkerView | None
         if gw1 is not None:
-            track_def = dflt is _REMOTE
             for bd, d, gd, d_lat, d_intra, d_inter in dlist:
                 if bd + ga1 >= c2 and not (track_def and bd + ga1 < cdef):
                     continue
