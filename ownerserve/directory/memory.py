@@ -224,12 +224,16 @@ class InMemoryDirectory:
                     replica_seen.add(key)
                     hold(key[0], key[1], HoldKind.REPLICA, i + 1)
 
-        alive = dict(self._cached.get(chain[0]) or {})
-        length = 1 if alive else 0
+        cached = self._cached
+        prev = cached.get(chain[0]) or {}
+        alive = dict(prev)
+        length = n
         for i in range(1, n):
             if not alive:
                 break
-            holders = self._cached.get(chain[i]) or {}
+            holders = cached.get(chain[i]) or {}
+            if holders == prev:  # same holders as the block before: nothing ends here
+                continue
             for worker, mask in list(alive.items()):
                 kept = mask & holders.get(worker, 0)
                 if kept != mask:
@@ -238,7 +242,7 @@ class InMemoryDirectory:
                         alive[worker] = kept
                     else:
                         del alive[worker]
-            length = i + 1
+            prev = holders
         for worker, mask in alive.items():
             self._hold_cached(hold, worker, mask, length)
 
