@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,10 +137,15 @@ class PlanExecutor:
     """Runs plans against the pool's workers over one shared HTTP connection pool."""
 
     def __init__(
-        self, pool: WorkerPool, http: aiohttp.ClientSession, connect_timeout_s: float
+        self,
+        pool: WorkerPool,
+        http: aiohttp.ClientSession,
+        connect_timeout_s: float,
+        span: Callable[..., Any] | None = None,
     ) -> None:
         self.pool = pool
         self.http = http
+        self.span = span or (lambda *_a, **_k: contextlib.nullcontext())
         self.timeout = aiohttp.ClientTimeout(
             total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s
         )
@@ -190,8 +195,9 @@ class PlanExecutor:
         body: bytes,
         headers: Mapping[str, str],
     ) -> OpenedResponse:
-        resp = await self._post(worker, req.endpoint.value, body, headers)
-        first = await self._first_bytes(worker, resp, req.stream)
+        with self.span("ownerserve.upstream.call", worker=worker.worker_id):
+            resp = await self._post(worker, req.endpoint.value, body, headers)
+            first = await self._first_bytes(worker, resp, req.stream)
         streaming = req.stream and resp.status == 200
         if not streaming:
             resp.release()
@@ -225,7 +231,8 @@ class PlanExecutor:
         transfer_s: float | None = None
         if action in (Action.ARTIFACT_FETCH, Action.STATE_MIGRATION) and chosen.source_worker:
             t = time.perf_counter()
-            fetched = await self._fetch(decode, chosen.source_worker, req, fetch, headers)
+            with self.span("ownerserve.transfer", source=chosen.source_worker, to=decode.worker_id):
+                fetched = await self._fetch(decode, chosen.source_worker, req, fetch, headers)
             transfer_s = time.perf_counter() - t
         opened = await self._final_call(decode, req, req.raw, headers)
         opened.fetched = fetched
@@ -246,14 +253,17 @@ class PlanExecutor:
         )
         t = time.perf_counter()
         p_body = orjson.dumps(flow.prefill_body(req.body))
-        resp = await self._post(prefill, req.endpoint.value, p_body, headers)
-        try:
-            data = await resp.read()
-        except (aiohttp.ClientError, OSError) as exc:
-            resp.close()
-            raise RetryableUpstreamError(prefill.worker_id, f"prefill failed: {exc!r}") from None
-        finally:
-            resp.release()
+        with self.span("ownerserve.transfer", protocol="vllm", prefill=prefill.worker_id):
+            resp = await self._post(prefill, req.endpoint.value, p_body, headers)
+            try:
+                data = await resp.read()
+            except (aiohttp.ClientError, OSError) as exc:
+                resp.close()
+                raise RetryableUpstreamError(
+                    prefill.worker_id, f"prefill failed: {exc!r}"
+                ) from None
+            finally:
+                resp.release()
         if resp.status != 200:
             # the client's request is at fault (4xx): pass the worker's answer through
             return OpenedResponse(
@@ -294,13 +304,14 @@ class PlanExecutor:
         p_bytes = orjson.dumps(adapter.prefill_body(both))
 
         async def run_prefill() -> float:
-            resp = await self._post(prefill, req.endpoint.value, p_bytes, headers)
-            try:
-                await resp.read()
-            except (aiohttp.ClientError, OSError) as exc:
-                raise RetryableUpstreamError(prefill.worker_id, f"prefill: {exc!r}") from None
-            finally:
-                resp.release()
+            with self.span("ownerserve.transfer", protocol="sglang", prefill=prefill.worker_id):
+                resp = await self._post(prefill, req.endpoint.value, p_bytes, headers)
+                try:
+                    await resp.read()
+                except (aiohttp.ClientError, OSError) as exc:
+                    raise RetryableUpstreamError(prefill.worker_id, f"prefill: {exc!r}") from None
+                finally:
+                    resp.release()
             if resp.status != 200:
                 raise RetryableUpstreamError(prefill.worker_id, f"prefill status {resp.status}")
             return time.perf_counter() - t

@@ -187,7 +187,10 @@ class Router:
                 connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
             )
             self.executor = PlanExecutor(
-                self.pool, self.http, self.settings.server.connect_timeout_s
+                self.pool,
+                self.http,
+                self.settings.server.connect_timeout_s,
+                self.telemetry.start_span,
             )
             for w in self.pool.all():
                 await self._register(w.worker_id)
@@ -208,7 +211,8 @@ class Router:
             self.http = None
         if self.directory is not None and self._owns_directory:
             await self.directory.close()
-        self.telemetry.shutdown()
+        # exporters flush synchronously over HTTP: not on the event loop
+        await asyncio.to_thread(self.telemetry.shutdown)
         self._started = False
 
     async def _register(self, worker_id: str) -> None:

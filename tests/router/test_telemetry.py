@@ -1,0 +1,114 @@
+"""Telemetry over real transports: spans exported by the OTLP/HTTP exporter to a receiver,
+W3C trace context on the upstream request, and every metric the Grafana dashboard plots
+exported on `/metrics`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+import httpx
+from aiohttp import web
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from ownerserve.config import settings_from_dict
+from planner.types import Action
+from router.app import create_app
+from router.server import running_app
+from tests.router.fake_worker import FakeWorker, free_port
+from tests.router.test_app import CHAT, MODEL, FixedPolicy
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "configs" / "grafana" / "ownerserve-router.json"
+
+
+async def _otlp_receiver(received: list[bytes]) -> tuple[web.AppRunner, int]:
+    async def traces(request: web.Request) -> web.Response:
+        received.append(await request.read())
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", traces)
+    app.router.add_post("/v1/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port
+
+
+async def test_spans_reach_an_otlp_receiver_and_trace_context_reaches_the_worker():
+    received: list[bytes] = []
+    runner, port = await _otlp_receiver(received)
+    worker = await FakeWorker("w0").start()
+    try:
+        settings = settings_from_dict(
+            {
+                "server": {"port": 0, "health_interval_s": 60},
+                "telemetry": {"otlp_endpoint": f"http://127.0.0.1:{port}"},
+                "models": [{"name": MODEL, "block_size": 4}],
+                "workers": [{"id": "w0", "url": worker.url}],
+            }
+        )
+        policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+        app = create_app(settings, policy_factory=lambda name: policy)
+        async with running_app(app, "127.0.0.1", 0) as url, httpx.AsyncClient() as client:
+            resp = await client.post(url + "/v1/chat/completions", json=CHAT)
+            assert resp.status_code == 200
+            await asyncio.to_thread(app.state.router.telemetry._provider.force_flush)
+        spans = []
+        for body in received:
+            req = ExportTraceServiceRequest()
+            req.ParseFromString(body)
+            for rs in req.resource_spans:
+                for ss in rs.scope_spans:
+                    spans.extend(ss.spans)
+        names = {s.name for s in spans}
+        assert {
+            "ownerserve.request",
+            "ownerserve.tokenize",
+            "ownerserve.directory.lookup",
+            "ownerserve.plan",
+            "ownerserve.upstream",
+            "ownerserve.upstream.call",
+        } <= names
+        traceparent = worker.completions()[0].headers["traceparent"]
+        trace_id = traceparent.split("-")[1]
+        request_span = next(s for s in spans if s.name == "ownerserve.request")
+        assert request_span.trace_id.hex() == trace_id
+    finally:
+        await worker.stop()
+        await runner.cleanup()
+
+
+async def test_every_metric_on_the_dashboard_is_exported():
+    worker = await FakeWorker("w0").start()
+    try:
+        settings = settings_from_dict(
+            {
+                "server": {"port": 0, "health_interval_s": 60},
+                "models": [{"name": MODEL, "block_size": 4}],
+                "workers": [{"id": "w0", "url": worker.url}],
+            }
+        )
+        policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+        app = create_app(settings, policy_factory=lambda name: policy)
+        async with running_app(app, "127.0.0.1", 0) as url, httpx.AsyncClient() as client:
+            await client.post(url + "/v1/chat/completions", json={**CHAT, "stream": True})
+            exported = (await client.get(url + "/metrics")).text
+    finally:
+        await worker.stop()
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {
+        re.sub(r"_(bucket|count|sum)$", "", m)
+        for e in exprs
+        for m in re.findall(r"ownerserve_\w+", e)
+    }
+    families = {line.split()[2] for line in exported.splitlines() if line.startswith("# TYPE")}
+    missing = {m for m in used if m not in families and m.removesuffix("_total") not in families}
+    assert not missing, missing
