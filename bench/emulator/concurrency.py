@@ -288,6 +288,7 @@ def run_one(args: argparse.Namespace, concurrency: int) -> dict[str, Any]:
     decode_tokens = delta(o + "decode_tokens_computed_total")
     busy = delta(o + "engine_busy_seconds_total")
     active = delta(o + "engine_active_seconds_total")
+    late = delta(o + "engine_late_seconds_total")
     prof = load_profile(args.profile)
     mean_batch = decode_tokens / steps if steps else 0.0
     modelled_step = busy / steps / args.speed if steps else 0.0
@@ -312,6 +313,8 @@ def run_one(args: argparse.Namespace, concurrency: int) -> dict[str, Any]:
         # pace; below 1, CPU work (its own or the box's) stretched the steps.
         "timing_fidelity": round(busy / args.speed / active, 2) if active else 0.0,
         "engine_active_share": round(active / wall, 2),
+        # Wall time by which steps overran their deadline (timer wake-up latency, CPU contention).
+        "engine_late_share": round(late / active, 2) if active else 0.0,
         "mean_decode_batch": round(mean_batch, 1),
         "engine_cpu_s": round(cpu, 2),
         "engine_cpu_util": round(cpu / wall, 2),
@@ -319,6 +322,7 @@ def run_one(args: argparse.Namespace, concurrency: int) -> dict[str, Any]:
         "engine_cpu_us_per_token": round(cpu * 1e6 / max(stats.tokens, 1), 1),
         "engine_rss_mb": round(rss, 1),
         "profile": prof.name,
+        "box_load_avg_1m": round(os.getloadavg()[0], 1),
     }
 
 

@@ -563,10 +563,15 @@ class EmulatorApp:
             raise InvalidRequestError(
                 f"kv_transfer_params: do_remote_prefill needs {', '.join(missing)}"
             )
+        host, port = ktp["remote_host"], ktp["remote_port"]
+        if not isinstance(host, str) or not isinstance(port, int) or not 0 < port < 65536:
+            raise InvalidRequestError(
+                "kv_transfer_params: remote_host must be a string and remote_port a port number"
+            )
         return await self.mover.pull_prefix(
             prompt,
             hashes,
-            f"http://{ktp['remote_host']}:{int(ktp['remote_port'])}",
+            f"http://{host}:{port}",
             f"req:{ktp['remote_request_id']}",
             wait_s=0.0,
             engine_id=ktp.get("remote_engine_id"),

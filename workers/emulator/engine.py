@@ -373,6 +373,9 @@ class Engine:
             deadline = max(deadline, now - _MAX_LAG_S) + step.seconds / self.speed
             delay = deadline - now
             await asyncio.sleep(delay if delay > 0 else 0)
+            late = clock() - deadline
+            if late > 0:
+                m.late_s += late
             try:
                 self._complete(step)
             except Exception:  # a bug here must not silently stop every request

@@ -84,6 +84,7 @@ class EngineMetrics:
         self.steps = 0
         self.busy_s = 0.0
         self.active_s = 0.0
+        self.late_s = 0.0
         self.kv_received_bytes = dict.fromkeys(TRANSFER_KINDS, 0)
         self.kv_received_blocks = dict.fromkeys(TRANSFER_KINDS, 0)
         self.kv_sent_bytes = dict.fromkeys(TRANSFER_KINDS, 0)
@@ -161,6 +162,8 @@ class EngineMetrics:
         out.append(f"{p}engine_busy_seconds_total{{{own}}} {self.busy_s!r}")
         metric(f"{p}engine_active_seconds", "counter", "Wall time spent running steps.")
         out.append(f"{p}engine_active_seconds_total{{{own}}} {self.active_s!r}")
+        metric(f"{p}engine_late_seconds", "counter", "Time steps ended after their deadline.")
+        out.append(f"{p}engine_late_seconds_total{{{own}}} {self.late_s!r}")
         for name, table, help_ in (
             ("kv_received_bytes", self.kv_received_bytes, "KV bytes received by transfer."),
             ("kv_received_blocks", self.kv_received_blocks, "KV blocks received by transfer."),

@@ -36,6 +36,21 @@ def assert_openai_error(resp: httpx.Response, status: int, *words: str) -> dict[
         ("/v1/completions", {"prompt": [1, 99999]}, 400, ["vocabulary"]),
         ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400, ["context length"]),
         ("/v1/chat/completions", [1, 2], 400, ["object"]),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": MESSAGES,
+                "kv_transfer_params": {
+                    "do_remote_prefill": True,
+                    "remote_host": "h",
+                    "remote_port": "abc",
+                    "remote_request_id": "r",
+                },
+            },
+            400,
+            ["remote_port"],
+        ),
+        ("/v1/chat/completions", {"messages": MESSAGES, "stop": [1]}, 400, ["stop"]),
         ("/tokenize", {"nothing": 1}, 400, ["prompt"]),
         ("/ownerserve/kv/fetch", {"source_url": "ftp://x", "block_hashes": []}, 400, ["url"]),
         ("/ownerserve/kv/read", {"block_hashes": [-1]}, 400, ["block_hashes"]),
