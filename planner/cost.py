@@ -115,7 +115,13 @@ class CostModel:
         if self.config.profile not in profiles:
             raise ConfigError(f"planner: profile {self.config.profile!r} not loaded")
         for p in profiles.values():
-            if p.link.intra_node_bps < p.link.inter_node_bps:
+            link = p.link
+            bws = (link.intra_node_bps, link.inter_node_bps, link.cpu_load_bps, link.ssd_load_bps)
+            if min(bws) <= 0 or p.max_num_seqs <= 0 or p.kv_bytes_per_token <= 0:
+                raise ConfigError(
+                    f"profile {p.name}: bandwidths, max_num_seqs and kv_bytes_per_token must be > 0"
+                )
+            if link.intra_node_bps < link.inter_node_bps:
                 # the remote-prefill search assumes a same-node link is never slower
                 raise ConfigError(f"profile {p.name}: intra_node_bps < inter_node_bps")
         self._profiles: dict[str, TimingProfile] = dict(profiles)

@@ -178,6 +178,13 @@ def test_config_from_settings_and_bad_configs() -> None:
     slow_intra = replace(UNIT, link=replace(UNIT.link, intra_node_bps=1e9))
     with pytest.raises(ConfigError, match="intra_node_bps"):
         CostModel(UNIT_CONFIG, {"unit": slow_intra})
+    for bad in (
+        replace(UNIT, max_num_seqs=0),
+        replace(UNIT, kv_bytes_per_token=0),
+        replace(UNIT, link=replace(UNIT.link, ssd_load_bps=0.0)),
+    ):
+        with pytest.raises(ConfigError, match="must be > 0"):
+            CostModel(UNIT_CONFIG, {"unit": bad})
 
 
 def test_unknown_worker_profile_falls_back_to_the_default() -> None:

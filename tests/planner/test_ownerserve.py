@@ -203,3 +203,25 @@ def test_prefill_only_cluster_side_and_decode_only_cluster() -> None:
     p = plan(req, cluster(worker("d0", Role.DECODE), worker("d1", Role.DECODE, "node1")))
     assert p.action is Action.COLOCATED_PREFILL  # decode workers can prefill their own prompts
     assert p.candidates_considered == 2
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"prompt_tokens": 0},
+        {"prompt_tokens": -5},
+        {"prompt_tokens": 1, "max_tokens": 0},
+        {"prompt_tokens": 500, "max_tokens": -3},
+        {"prompt_tokens": 500, "owner": "ghost", "owner_blocks": 3},
+        {"prompt_tokens": 500, "session_owner": "ghost", "previous_prompt_tokens": 400},
+        {"prompt_tokens": 500, "owner_blocks": 99, "owner": "d0"},
+    ],
+)
+def test_odd_requests_still_plan(kw: dict[str, object]) -> None:
+    kw = dict(kw)
+    n = int(kw.pop("prompt_tokens"))  # type: ignore[call-overload]
+    max_tokens = int(kw.pop("max_tokens", 10))  # type: ignore[call-overload]
+    _, cl = example()
+    p = plan(replace(request(100, **kw), prompt_tokens=n, max_tokens=max_tokens), cl)
+    assert p.chosen.cost.total >= 0.0
+    assert p.runner_up is not None
