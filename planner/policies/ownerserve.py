@@ -4,8 +4,9 @@ The search is one pass over the workers plus one over the decode-capable ones, c
 candidate's total with the formulas of `planner.cost` inlined on per-profile constants (no
 allocation per candidate); remote prefill P→D is searched exactly in O(P + D) because its cost
 splits into a P part, a D part and a link that only depends on whether P and D share a node.
-The chosen candidate, the runner-up and the class default are then re-costed by
-`planner.cost.evaluate`, so the plan's breakdown is the documented one.
+Candidates that cannot enter the top two are skipped by lower bounds. The chosen candidate and
+the runner-up are then re-costed by `planner.cost.evaluate`, so the plan's breakdown is the
+documented one (tests check the search's choice against the full reference enumeration).
 """
 
 from __future__ import annotations
@@ -50,8 +51,6 @@ class OwnerServePolicy:
         self._prof: dict[str, tuple[float, ...]] = {}
         for name, p in self.model.profiles.items():
             self._prof[name] = (
-                p.prefill.per_token_s,
-                p.prefill.base_s,
                 p.prefill.base_s,
                 p.prefill.per_token_s,
                 p.prefill.per_token_ctx_s,
@@ -63,8 +62,6 @@ class OwnerServePolicy:
                 p.link.latency_s,
                 p.link.intra_node_bps,
                 p.link.inter_node_bps,
-                p.link.cpu_load_bps,
-                p.link.ssd_load_bps,
             )
         self._default_profile = self.model.config.profile
 
@@ -74,15 +71,15 @@ class OwnerServePolicy:
         """Per-profile constants for one request: prompt of n tokens, o decode steps, rt_fetch /
         rt_mig tokens reused after a fetch / migration into a worker holding nothing."""
         c = self._prof.get(profile) or self._prof[self._default_profile]
-        qtok, qbase, pbase, ptok, pctx, dbase, dseq, dctx, cap, inv_seqs = c[:10]
-        lat, intra, inter = c[10:13]
+        pbase, ptok, pctx, dbase, dseq, dctx, cap, inv_seqs, lat, intra, inter = c
         pf_full = pbase + ptok * n + pctx * n * (n / 2.0)
         nf, nmig = n - rt_fetch, n - rt_mig
         pf_fetch = pbase + ptok * nf + pctx * nf * (rt_fetch + nf / 2.0)
         pf_mig = pbase + ptok * nmig + pctx * nmig * (rt_mig + nmig / 2.0)
+        # q(w) = s_p · (per_token_s · inflight + base_s · waiting): the prefill constants again
         return (
-            qtok,
-            qbase,
+            ptok,
+            pbase,
             pbase,
             ptok,
             pctx,
