@@ -81,7 +81,9 @@ def install(name: str, *, timeout_s: float = 900.0, quiet: bool = True) -> Path:
         shutil.rmtree(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     venv.EnvBuilder(with_pip=True, clear=True).create(target)
-    cmd = [str(target / "bin" / "python"), "-m", "pip", "install", peer.requirement]
+    # Few retries: without registry access this should fail in seconds, not minutes.
+    cmd = [str(target / "bin" / "python"), "-m", "pip", "install", "--retries", "1",
+           "--timeout", "20", peer.requirement]  # fmt: skip
     if quiet:
         cmd.insert(4, "-q")
     try:
