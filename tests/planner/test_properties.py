@@ -8,11 +8,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from ownerserve.errors import NoWorkerAvailableError
 from ownerserve.types import Role, Tier
 from planner.calibration import Calibrator
 from planner.classify import classify
-from planner.cost import CostConfig, CostModel, enumerate_routes, evaluate
-from planner.policies import OwnerServePolicy
+from planner.cost import CostConfig, CostModel, Route, enumerate_routes, evaluate
+from planner.policies import POLICY_NAMES, OwnerServePolicy, get_policy
 from planner.types import Action, ClusterView, RequestClass, RequestView, WorkerView
 from tests.planner.util import UNIT, UNIT_CONFIG
 
@@ -233,3 +234,48 @@ def test_every_model_plans_the_readme_example(model_name: str) -> None:
     req, cl = example()
     p = OwnerServePolicy(model=MODELS[model_name]).plan(req, cl)
     assert p.chosen.cost.total > 0
+
+
+@PROPS
+@given(scenario(), st.sampled_from(POLICY_NAMES))
+def test_every_policy_plans_with_healthy_capable_workers_and_exact_costs(
+    case: tuple[RequestView, ClusterView], name: str
+) -> None:
+    req, cl = case
+    policy = get_policy(name, model=H100)
+    try:
+        p = policy.plan(req, cl)
+    except NoWorkerAvailableError:
+        live = [w for w in cl.workers if w.healthy]
+        assert not any(w.role is not Role.PREFILL for w in live) or not any(
+            w.role is not Role.DECODE for w in live
+        )
+        return
+    byid = {w.worker_id: w for w in cl.workers}
+    pw, dw = byid[p.chosen.prefill_worker], byid[p.chosen.decode_worker]
+    assert pw.healthy and dw.healthy
+    assert dw.role is not Role.PREFILL
+    assert pw.role is not Role.DECODE or pw is dw
+    route = Route(p.action, pw, dw, byid.get(p.chosen.source_worker or ""))
+    assert p.chosen.cost == evaluate(H100, req, route)
+    assert p.policy == name
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["prefill", "decode", "transfer"]),
+            st.one_of(st.floats(-1.0, 1e6), st.just(float("nan")), st.just(float("inf"))),
+            st.one_of(st.floats(-1.0, 1e6), st.just(float("nan")), st.just(0.0)),
+        ),
+        max_size=50,
+    )
+)
+def test_calibration_scales_stay_within_bounds(samples: list[tuple[str, float, float]]) -> None:
+    cal = Calibrator()
+    for kind, observed, predicted in samples:
+        getattr(cal, f"observe_{kind}")("w", observed, predicted)
+    s = cal.scales("w")
+    for v in (s.prefill, s.decode, s.link):
+        assert cal.config.min_scale <= v <= cal.config.max_scale
