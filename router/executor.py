@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
 
 from ownerserve.errors import UpstreamError
@@ -31,7 +30,8 @@ from ownerserve.types import BackendKind
 from planner.types import Action, Plan
 from router.pool import WorkerPool, WorkerState
 from router.requests import CompletionRequest
-from workers.adapters.emulator import EmulatorAdapter
+from router.upstream import UpstreamPool, UpstreamResponse, header_block
+from workers.adapters.emulator import FETCH_PATH, EmulatorAdapter
 from workers.adapters.sglang import SGLangAdapter, new_bootstrap_room
 from workers.adapters.vllm import VLLMRequestFlow
 
@@ -70,7 +70,7 @@ class OpenedResponse:
     content_type: bytes
     first: bytes
     final_worker: WorkerState
-    response: aiohttp.ClientResponse | None = None
+    response: UpstreamResponse | None = None
     workers: list[WorkerState] = field(default_factory=list)
     background: list[asyncio.Task[Any]] = field(default_factory=list)
     transfer_s: float | None = None
@@ -82,9 +82,9 @@ class OpenedResponse:
         """Remaining body bytes as they arrive; raises on an upstream failure mid-stream."""
         if self.response is None or self.finished:
             return
-        content = self.response.content
+        response = self.response
         while True:
-            chunk = await content.readany()
+            chunk = await response.readany()
             if not chunk:
                 break
             yield chunk
@@ -123,14 +123,22 @@ _HOP_HEADERS = frozenset(
 )
 
 
-def forward_headers(client_headers: Mapping[str, str], strip_auth: bool) -> dict[str, str]:
-    """Client headers the worker may need (all but hop-by-hop; the router's own API key is
-    not forwarded when the router checks keys)."""
-    out = {k: v for k, v in client_headers.items() if k not in _HOP_HEADERS}
-    if strip_auth:
-        out.pop("authorization", None)
-    out["content-type"] = "application/json"
-    return out
+def forward_headers(
+    client_headers: list[tuple[bytes, bytes]], strip_auth: bool, extra: Mapping[str, str]
+) -> bytes:
+    """Header lines for the worker: the client's (all but hop-by-hop ones; the router's own
+    API key is not forwarded when the router checks keys) plus `extra` (trace context)."""
+    skip = _HOP_BYTES_AUTH if strip_auth else _HOP_BYTES
+    lines = [b"%s: %s\r\n" % (k, v) for k, v in client_headers if k.lower() not in skip]
+    lines.append(b"content-type: application/json\r\n")
+    if extra:
+        lines.append(header_block(extra))
+    return b"".join(lines)
+
+
+_JSON_HEADER = b"content-type: application/json\r\n"
+_HOP_BYTES = frozenset(h.encode() for h in _HOP_HEADERS) | {b"content-type"}
+_HOP_BYTES_AUTH = _HOP_BYTES | {b"authorization"}
 
 
 class PlanExecutor:
@@ -139,16 +147,12 @@ class PlanExecutor:
     def __init__(
         self,
         pool: WorkerPool,
-        http: aiohttp.ClientSession,
-        connect_timeout_s: float,
+        http: UpstreamPool,
         span: Callable[..., Any] | None = None,
     ) -> None:
         self.pool = pool
         self.http = http
         self.span = span or (lambda *_a, **_k: contextlib.nullcontext())
-        self.timeout = aiohttp.ClientTimeout(
-            total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s
-        )
 
     def _worker(self, worker_id: str | None) -> WorkerState:
         state = self.pool.get(worker_id) if worker_id else None
@@ -157,15 +161,13 @@ class PlanExecutor:
         return state
 
     async def _post(
-        self, worker: WorkerState, path: str, body: bytes, headers: Mapping[str, str]
-    ) -> aiohttp.ClientResponse:
+        self, worker: WorkerState, path: str, body: bytes, headers: bytes
+    ) -> UpstreamResponse:
         worker.breaker.on_attempt()
         try:
-            resp = await self.http.post(
-                worker.address.url + path, data=body, headers=headers, timeout=self.timeout
-            )
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
-            raise RetryableUpstreamError(worker.worker_id, f"connect failed: {exc!r}") from None
+            resp = await self.http.request(worker.address.url, b"POST", path, headers, body)
+        except OSError as exc:
+            raise RetryableUpstreamError(worker.worker_id, f"connect failed: {exc}") from None
         except TimeoutError:
             raise RetryableUpstreamError(worker.worker_id, "connect timed out") from None
         if resp.status >= 500:
@@ -176,13 +178,13 @@ class PlanExecutor:
         return resp
 
     async def _first_bytes(
-        self, worker: WorkerState, resp: aiohttp.ClientResponse, stream: bool
+        self, worker: WorkerState, resp: UpstreamResponse, stream: bool
     ) -> bytes:
         try:
             if stream and resp.status == 200:
-                return await resp.content.readany()
+                return await resp.readany()
             return await resp.read()
-        except (aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:
             resp.close()
             raise RetryableUpstreamError(
                 worker.worker_id, f"failed before the first byte: {exc!r}"
@@ -193,7 +195,7 @@ class PlanExecutor:
         worker: WorkerState,
         req: CompletionRequest,
         body: bytes,
-        headers: Mapping[str, str],
+        headers: bytes,
     ) -> OpenedResponse:
         with self.span("ownerserve.upstream.call", worker=worker.worker_id):
             resp = await self._post(worker, req.endpoint.value, body, headers)
@@ -203,7 +205,7 @@ class PlanExecutor:
             resp.release()
         return OpenedResponse(
             status=resp.status,
-            content_type=resp.headers.get("content-type", "application/json").encode("latin-1"),
+            content_type=resp.header(b"content-type", b"application/json"),
             first=first,
             final_worker=worker,
             response=resp if streaming else None,
@@ -215,7 +217,7 @@ class PlanExecutor:
         self,
         plan: Plan,
         req: CompletionRequest,
-        headers: Mapping[str, str],
+        headers: bytes,
         fetch: FetchSpec | None = None,
     ) -> OpenedResponse:
         """Execute `plan` up to the final response's first bytes."""
@@ -246,7 +248,7 @@ class PlanExecutor:
         prefill: WorkerState,
         decode: WorkerState,
         req: CompletionRequest,
-        headers: Mapping[str, str],
+        headers: bytes,
     ) -> OpenedResponse:
         flow: VLLMRequestFlow = (
             prefill.adapter if isinstance(prefill.adapter, VLLMRequestFlow) else VLLMRequestFlow()
@@ -257,7 +259,7 @@ class PlanExecutor:
             resp = await self._post(prefill, req.endpoint.value, p_body, headers)
             try:
                 data = await resp.read()
-            except (aiohttp.ClientError, OSError) as exc:
+            except OSError as exc:
                 resp.close()
                 raise RetryableUpstreamError(
                     prefill.worker_id, f"prefill failed: {exc!r}"
@@ -268,7 +270,7 @@ class PlanExecutor:
             # the client's request is at fault (4xx): pass the worker's answer through
             return OpenedResponse(
                 status=resp.status,
-                content_type=resp.headers.get("content-type", "application/json").encode(),
+                content_type=resp.header(b"content-type", b"application/json"),
                 first=data,
                 final_worker=prefill,
                 finished=True,
@@ -292,7 +294,7 @@ class PlanExecutor:
         prefill: WorkerState,
         decode: WorkerState,
         req: CompletionRequest,
-        headers: Mapping[str, str],
+        headers: bytes,
     ) -> OpenedResponse:
         adapter = prefill.adapter if isinstance(prefill.adapter, SGLangAdapter) else None
         adapter = adapter or SGLangAdapter()
@@ -308,7 +310,7 @@ class PlanExecutor:
                 resp = await self._post(prefill, req.endpoint.value, p_bytes, headers)
                 try:
                     await resp.read()
-                except (aiohttp.ClientError, OSError) as exc:
+                except OSError as exc:
                     raise RetryableUpstreamError(prefill.worker_id, f"prefill: {exc!r}") from None
                 finally:
                     resp.release()
@@ -349,7 +351,7 @@ class PlanExecutor:
         source_id: str,
         req: CompletionRequest,
         fetch: FetchSpec | None,
-        headers: Mapping[str, str],
+        headers: bytes,
     ) -> bool:
         """Ask `destination` to pull the prefix from `source`; False (recompute) on failure."""
         source = self.pool.get(source_id)
@@ -362,16 +364,15 @@ class PlanExecutor:
         body = fetcher.fetch_body(
             source.address, req.model, fetch.block_hashes, fetch.token_ids, fetch.block_size
         )
+        base = destination.address.sidecar_url or destination.address.url
         try:
-            async with self.http.post(
-                fetcher.fetch_url(destination.address),
-                data=orjson.dumps(body),
-                headers={"content-type": "application/json"},
-                timeout=self.timeout,
-            ) as resp:
-                await resp.read()
-                ok = resp.status == 200
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            resp = await self.http.request(
+                base, b"POST", FETCH_PATH, _JSON_HEADER, orjson.dumps(body)
+            )
+            await resp.read()
+            resp.release()
+            ok = resp.status == 200
+        except (OSError, TimeoutError) as exc:
             log.warning("fetch %s -> %s failed: %r", source_id, destination.worker_id, exc)
             return False
         if not ok:

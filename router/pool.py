@@ -12,10 +12,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-import aiohttp
-
 from ownerserve.config import WorkerSettings
 from ownerserve.types import Role
+from router.upstream import UpstreamPool
 from workers.adapters import adapter_for
 from workers.adapters.base import WorkerAddress, WorkerLoad
 from workers.adapters.emulator import EmulatorAdapter
@@ -135,7 +134,7 @@ class WorkerPool:
         self.dead_after_failures = dead_after_failures
         self.on_worker_dead: WorkerDeathHook | None = None
         self._task: asyncio.Task[None] | None = None
-        self._http: aiohttp.ClientSession | None = None
+        self._http: UpstreamPool | None = None
 
     # --- membership ------------------------------------------------------------------------
 
@@ -176,7 +175,7 @@ class WorkerPool:
 
     # --- health and load ------------------------------------------------------------------
 
-    async def start(self, http: aiohttp.ClientSession) -> None:
+    async def start(self, http: UpstreamPool) -> None:
         self._http = http
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="worker-health")
@@ -201,16 +200,17 @@ class WorkerPool:
 
     async def check(self, state: WorkerState) -> None:
         """Probe one worker's `/health` and scrape its `/metrics`."""
-        assert self._http is not None
-        timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
+        http = self._http
+        assert http is not None
+        url = state.address.url
         ok = False
         try:
-            async with self._http.get(
-                state.address.url + state.adapter.health_path, timeout=timeout
-            ) as resp:
-                ok = resp.status == 200
+            async with asyncio.timeout(self.health_timeout_s):
+                resp = await http.request(url, b"GET", state.adapter.health_path)
                 await resp.read()
-        except (aiohttp.ClientError, TimeoutError, OSError):
+                resp.release()
+                ok = resp.status == 200
+        except (OSError, TimeoutError):
             ok = False
         if ok:
             was_dead = not state.healthy
@@ -220,12 +220,13 @@ class WorkerPool:
             if was_dead:
                 state.breaker.record_success()
                 log.info("worker %s is healthy again", state.worker_id)
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-                async with self._http.get(
-                    state.address.url + state.adapter.metrics_path, timeout=timeout
-                ) as resp:
+            with contextlib.suppress(OSError, TimeoutError):
+                async with asyncio.timeout(self.health_timeout_s):
+                    resp = await http.request(url, b"GET", state.adapter.metrics_path)
+                    text = (await resp.read()).decode("utf-8", errors="replace")
+                    resp.release()
                     if resp.status == 200:
-                        state.load = state.adapter.parse_load(await resp.text())
+                        state.load = state.adapter.parse_load(text)
             return
         state.health_failures += 1
         if state.healthy and state.health_failures >= self.dead_after_failures:

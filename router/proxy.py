@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 
 from ownerserve.config import Settings
@@ -52,6 +51,7 @@ from router.requests import CompletionRequest, Endpoint, parse_request
 from router.session import SessionKey, identify_session
 from router.telemetry import Telemetry
 from router.tokens import ModelTokenizer, TokenizationCache, Tokenized
+from router.upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class Router:
         self._policies: dict[str, Policy] = {}
         self.policy = self._policy(settings.planner.policy)
         self.calibrator = calibrator if calibrator is not None else Calibrator()
-        self.http: aiohttp.ClientSession | None = None
+        self.http: UpstreamPool | None = None
         self.executor: PlanExecutor | None = None
         self.recent_plans: deque[PlanRecord] = deque(maxlen=256)
         self._sessions: OrderedDict[str, _SessionInfo] = OrderedDict()
@@ -180,18 +180,8 @@ class Router:
                 from ownerserve.directory import open_directory
 
                 self.directory = open_directory(self.settings.directory)
-            connector = aiohttp.TCPConnector(
-                limit=0, limit_per_host=0, keepalive_timeout=60.0, ttl_dns_cache=300
-            )
-            self.http = aiohttp.ClientSession(
-                connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
-            )
-            self.executor = PlanExecutor(
-                self.pool,
-                self.http,
-                self.settings.server.connect_timeout_s,
-                self.telemetry.start_span,
-            )
+            self.http = UpstreamPool(self.settings.server.connect_timeout_s)
+            self.executor = PlanExecutor(self.pool, self.http, self.telemetry.start_span)
             for w in self.pool.all():
                 await self._register(w.worker_id)
             await self.pool.start(self.http)
@@ -385,7 +375,7 @@ class Router:
             model = req.model
             watcher = asyncio.create_task(self._watch_disconnect(receive, task, disconnected))
             async with asyncio.timeout(self.settings.server.request_timeout_s):
-                response_started = await self._serve(req, headers, send, t0)
+                response_started = await self._serve(req, headers, scope["headers"], send, t0)
             self.metrics.of(self.metrics.requests, model, "ok").inc()
         except _Disconnected:
             return
@@ -432,7 +422,12 @@ class Router:
                 return
 
     async def _serve(
-        self, req: CompletionRequest, headers: Mapping[str, str], send: Send, t0: float
+        self,
+        req: CompletionRequest,
+        headers: Mapping[str, str],
+        raw_headers: list[tuple[bytes, bytes]],
+        send: Send,
+        t0: float,
     ) -> bool:
         """Route and stream one request; returns True once the response has started."""
         tel = self.telemetry
@@ -464,7 +459,7 @@ class Router:
                 info.inflight += 1
             try:
                 return await self._plan_and_stream(
-                    req, headers, send, t0, mt, tok, session, match, rview, policy
+                    req, raw_headers, send, t0, mt, tok, session, match, rview, policy
                 )
             finally:
                 if sid and info is not None:
@@ -504,7 +499,7 @@ class Router:
     async def _plan_and_stream(
         self,
         req: CompletionRequest,
-        headers: Mapping[str, str],
+        raw_headers: list[tuple[bytes, bytes]],
         send: Send,
         t0: float,
         mt: ModelTokenizer,
@@ -518,8 +513,9 @@ class Router:
         metrics = self.metrics
         assert self.executor is not None
         excluded: set[str] = set()
-        out_headers = forward_headers(headers, strip_auth=bool(self._api_keys))
-        tel.inject(out_headers)
+        trace: dict[str, str] = {}
+        tel.inject(trace)
+        out_headers = forward_headers(raw_headers, bool(self._api_keys), trace)
         retries = self.settings.server.retries
         opened: OpenedResponse | None = None
         plan: Plan | None = None
@@ -628,7 +624,7 @@ class Router:
                     async for chunk in opened.rest():
                         events += chunk.count(b"data: ")
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                except (aiohttp.ClientError, OSError) as exc:
+                except OSError as exc:
                     ok = False
                     metrics.stream_errors.labels(worker.worker_id).inc()
                     log.warning("worker %s failed mid-stream: %r", worker.worker_id, exc)

@@ -19,7 +19,10 @@ from typing import Any
 import httptools
 import uvloop
 
-WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa"]  # fmt: skip
+WORDS = [
+    "alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
+    "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa",
+]  # fmt: skip
 
 
 def bodies(model: str, conn: int, n: int, stream: bool, host: str) -> list[bytes]:

@@ -259,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args.secs, [t.strip() for t in args.targets.split(",") if t.strip()])
     meta = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "machine": (
+            f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+        ),
         "secs": args.secs,
     }
     if args.out:

@@ -1,0 +1,264 @@
+"""The router's HTTP/1.1 client to workers: keep-alive connection pools per worker, requests
+written in one `write`, responses parsed by httptools and streamed chunk by chunk.
+
+Chosen over aiohttp and httpx on CPU per request (bench/router_overhead/clients.py, numbers in
+bench/RESULTS.md): the proxy needs only POST/GET with a byte body, a status, two headers and
+the body as it arrives. Closing a response before its end closes the connection, which is
+how the worker learns that the client went away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlparse
+
+import httptools
+
+MAX_BUFFERED = 1 << 20
+"""Bytes buffered per response before the socket stops being read (backpressure)."""
+
+
+class UpstreamConnectionError(ConnectionError):
+    """The connection failed or closed before the response was complete."""
+
+
+def header_block(headers: Mapping[str, str]) -> bytes:
+    """`name: value\\r\\n` lines for a request."""
+    return b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; it carries one response at a time."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: Any = None
+        self.closed = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.keep_alive = True
+        self.complete = False
+        self.got_bytes = False
+        self.error: Exception | None = None
+        self.chunks: deque[bytes] = deque()
+        self.buffered = 0
+        self.paused = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.headers_done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    # --- protocol callbacks ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamConnectionError(f"malformed response: {exc}"))
+            self.transport.close()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        if not self.headers_done.done():
+            self.headers_done.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > MAX_BUFFERED and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.complete:
+            self._fail(UpstreamConnectionError(f"connection lost: {exc!r}" if exc else "closed"))
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _fail(self, exc: Exception) -> None:
+        self.error = exc
+        if not self.headers_done.done():
+            self.headers_done.set_exception(exc)
+            self.headers_done.exception()  # nobody may be waiting (an idle connection)
+        self._wake()
+
+
+class UpstreamResponse:
+    """A response being received; read it, then `release()` (or `close()` to abort)."""
+
+    __slots__ = ("_conn", "_key", "_pool", "headers", "status")
+
+    def __init__(self, conn: _Connection, pool: UpstreamPool, key: tuple[str, int]) -> None:
+        self._conn = conn
+        self._pool = pool
+        self._key = key
+        self.status = conn.status
+        self.headers = conn.headers
+
+    def header(self, name: bytes, default: bytes = b"") -> bytes:
+        for k, v in self.headers:
+            if k == name:
+                return v
+        return default
+
+    @property
+    def complete(self) -> bool:
+        return self._conn.complete and not self._conn.chunks
+
+    async def readany(self) -> bytes:
+        """Whatever body bytes arrived (waiting for some); b"" at the end of the body."""
+        conn = self._conn
+        while not conn.chunks:
+            if conn.complete:
+                return b""
+            if conn.error is not None:
+                raise conn.error
+            conn.waiter = asyncio.get_running_loop().create_future()
+            await conn.waiter
+        data = conn.chunks.popleft() if len(conn.chunks) == 1 else b"".join(conn.chunks)
+        conn.chunks.clear()
+        conn.buffered = 0
+        if conn.paused:
+            conn.paused = False
+            conn.transport.resume_reading()
+        return data
+
+    async def read(self) -> bytes:
+        """The whole (rest of the) body."""
+        parts: list[bytes] = []
+        while True:
+            chunk = await self.readany()
+            if not chunk:
+                return b"".join(parts)
+            parts.append(chunk)
+
+    def release(self) -> None:
+        """Give the connection back to the pool if the response was read to its end."""
+        conn = self._conn
+        if conn.complete and conn.keep_alive and not conn.closed and not conn.chunks:
+            self._pool._put(self._key, conn)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        """Drop the connection (the worker sees the client leave and stops generating)."""
+        conn = self._conn
+        if not conn.closed:
+            conn.closed = True
+            conn.transport.close()
+
+
+class UpstreamPool:
+    """Keep-alive connections to every worker, by (host, port)."""
+
+    def __init__(self, connect_timeout_s: float = 3.0, max_idle_per_host: int = 512) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.max_idle = max_idle_per_host
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._addrs: dict[str, tuple[str, int, bytes]] = {}
+
+    def _addr(self, base_url: str) -> tuple[str, int, bytes]:
+        addr = self._addrs.get(base_url)
+        if addr is None:
+            u = urlparse(base_url)
+            host = u.hostname or "127.0.0.1"
+            port = u.port or (443 if u.scheme == "https" else 80)
+            addr = self._addrs[base_url] = (host, port, f"{host}:{port}".encode())
+        return addr
+
+    def _put(self, key: tuple[str, int], conn: _Connection) -> None:
+        idle = self._idle.setdefault(key, [])
+        if len(idle) >= self.max_idle:
+            conn.closed = True
+            conn.transport.close()
+            return
+        conn._reset()
+        idle.append(conn)
+
+    async def _connect(self, host: str, port: int) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await loop.create_connection(_Connection, host, port)
+        except OSError as exc:
+            raise UpstreamConnectionError(f"cannot connect to {host}:{port}: {exc}") from None
+        return conn
+
+    async def request(
+        self,
+        base_url: str,
+        method: bytes,
+        path: str,
+        headers: bytes = b"",
+        body: bytes = b"",
+    ) -> UpstreamResponse:
+        """Send one request; return once the response headers arrived. `headers` are
+        ready-made header lines (see `header_block`)."""
+        host, port, host_header = self._addr(base_url)
+        key = (host, port)
+        head = b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n%s\r\n" % (
+            method,
+            path.encode(),
+            host_header,
+            len(body),
+            headers,
+        )
+        idle = self._idle.get(key)
+        while True:
+            fresh = not idle
+            if idle:
+                conn = idle.pop()
+                if conn.closed:
+                    continue
+            else:
+                conn = await self._connect(host, port)
+            conn.transport.write(head + body if body else head)
+            try:
+                await conn.headers_done
+            except UpstreamConnectionError:
+                conn.closed = True
+                conn.transport.close()
+                # a kept-alive connection the worker closed meanwhile: retry on a new one
+                if not fresh and not conn.got_bytes:
+                    continue
+                raise
+            except BaseException:
+                conn.closed = True
+                conn.transport.close()
+                raise
+            return UpstreamResponse(conn, self, key)
+
+    async def close(self) -> None:
+        for conns in self._idle.values():
+            for conn in conns:
+                if not conn.closed:
+                    conn.closed = True
+                    conn.transport.close()
+        self._idle.clear()
