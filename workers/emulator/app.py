@@ -35,13 +35,13 @@ from ownerserve.errors import (
     error_body_for,
     openai_error_body,
 )
-from ownerserve.hashing import block_hash_chain, chain_root, hash_block
+from ownerserve.hashing import chain_root, hash_block
 from ownerserve.profiles import TimingProfile
 from ownerserve.tokenizer import ChatTemplate, Tokenizer, load_chat_template, load_tokenizer
 from ownerserve.types import Role
 from workers.emulator.config import EmulatorConfig
 from workers.emulator.engine import Engine, SamplingParams, Sequence
-from workers.emulator.kv_cache import BlockPool
+from workers.emulator.kv_cache import BlockPool, prompt_block_hashes
 from workers.emulator.kv_events import KVEventPublisher
 from workers.emulator.metrics import EngineMetrics
 from workers.emulator.protocol import (
@@ -450,7 +450,7 @@ class EmulatorApp:
         params = [self._params(req, len(p), max_tokens) for p in prompts]
 
         bs = c.block_size
-        hashes = [block_hash_chain(p, bs, self.root_hash) for p in prompts]
+        hashes = [prompt_block_hashes(p, bs, self.root_hash) for p in prompts]
         pinned: list[int] = []
         external = 0
         if remote_prefill or sglang_decode:

@@ -6,7 +6,7 @@ import pytest
 
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored
 from ownerserve.hashing import block_hash_chain, chain_root
-from workers.emulator.kv_cache import BlockPool, CachedBlock, NewBlock
+from workers.emulator.kv_cache import BlockPool, CachedBlock, NewBlock, prompt_block_hashes
 
 BS = 4
 ROOT = chain_root("m")
@@ -145,3 +145,9 @@ def test_reset_clears_everything_only_when_idle() -> None:
     assert pool.reset()
     assert pool.num_cached == 0
     assert pool.drain_events() == [AllBlocksCleared()]
+
+
+@pytest.mark.parametrize("n", [0, 3, 16, 17, 100, 1000])
+def test_in_place_prompt_hashing_equals_the_shared_chain(n: int) -> None:
+    tokens = [(i * 7919) % 70000 for i in range(n)]
+    assert prompt_block_hashes(tokens, 16, ROOT) == block_hash_chain(tokens, 16, ROOT)
