@@ -80,8 +80,15 @@ class CostConfig:
             raise ConfigError("planner: decode_horizon_tokens and pd_handshake_s must be >= 0")
 
     @classmethod
-    def from_settings(cls, settings: PlannerSettings) -> CostConfig:
-        return cls(lam=settings.lambda_hbm, mu=settings.mu_interference, profile=settings.profile)
+    def from_settings(cls, settings: PlannerSettings, kv_spec: str | None = None) -> CostConfig:
+        """From the `planner:` section; `kv_spec` is the served model's spec (`models[].kv_spec`)
+        when cold restores should be planned per state type by `planner.restore`."""
+        return cls(
+            lam=settings.lambda_hbm,
+            mu=settings.mu_interference,
+            profile=settings.profile,
+            kv_spec=kv_spec,
+        )
 
 
 class CostModel:

@@ -168,7 +168,9 @@ def test_decode_horizon_caps_the_counted_decode_steps() -> None:
 
 def test_config_from_settings_and_bad_configs() -> None:
     cfg = CostConfig.from_settings(PlannerSettings(lambda_hbm=2e-11, mu_interference=0.5))
-    assert (cfg.lam, cfg.mu, cfg.profile) == (2e-11, 0.5, "h100-llama3-8b")
+    assert (cfg.lam, cfg.mu, cfg.profile, cfg.kv_spec) == (2e-11, 0.5, "h100-llama3-8b", None)
+    cfg = CostConfig.from_settings(PlannerSettings(), kv_spec="llama3-8b")
+    assert CostModel(cfg).spec is not None
     with pytest.raises(ConfigError):
         CostConfig(lam=-1.0)
     with pytest.raises(ConfigError):
