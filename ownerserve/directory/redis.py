@@ -14,7 +14,7 @@ hash tag, so every key of one namespace lives in one slot and every script is si
     P art            HASH  artifact id hex -> "worker\tepoch\texpires_ms\ttier"  (leases)
     P a:<id>         HASH  artifact metadata: worker epoch start n size kv tier created
                            blocks (hex of chain[start:])
-    P use            HASH  artifact id hex -> "reuse_count\tlast_access_ms" (lookups touch it)
+    P reuse / last   HASH  artifact id hex -> reuse count / last access ms (lookups bump them)
     P epoch          STRING  fencing epoch counter (INCR; never reused, even after expiry)
     P workers / widx HASH  worker -> index / index -> worker;  P wnext: index counter
     P w:<worker>     HASH  root, bs (block size), idx, seq (last applied event batch)
@@ -23,7 +23,8 @@ hash tag, so every key of one namespace lives in one slot and every script is si
     P s:<session>    STRING  decode owner, with a TTL (PX)
     P f:<id>         SET   sessions sharing the artifact copy-on-write (fork refs)
 
-Block hashes are 16 hex digits; a lookup sends the whole chain as one string argument.
+Block hashes are 16 hex digits; a chain travels as one string argument (one argument per
+block measured no cheaper on the server: Redis builds the same Lua strings either way).
 A lookup reads the chain's block records with one HMGET, walks them run by run (the blocks of
 one artifact with the same holders carry identical records: one string comparison each), then
 reads the leases of the artifacts it met with one more HMGET.
@@ -177,7 +178,7 @@ class RedisDirectory:
     ) -> tuple[str, list[str], list[Any]]:
         """(script sha, keys, args) of a lookup: lets a benchmark pipeline many lookups."""
         p = self.prefix
-        keys = [p + "blk", p + "art", p + "widx", p + "use"]
+        keys = [p + "blk", p + "art", p + "widx", p + "reuse"]
         if session_id is not None:
             keys.append(p + "s:" + session_id)
         return (
@@ -442,7 +443,7 @@ class RedisDirectory:
         aid = hex_block(artifact_id)
         reply = await self._run(
             "artifact_info",
-            [self.key("art"), self.key("a:" + aid), self.key("f:" + aid), self.key("use")],
+            [self.key("art"), self.key("a:" + aid), self.key("f:" + aid), self.key("reuse")],
             [aid],
         )
         if reply is None:

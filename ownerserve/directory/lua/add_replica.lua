@@ -17,7 +17,7 @@ local entry = worker .. '\t' .. tier .. '\t' .. fmt(now + tonumber(ARGV[5])) .. 
 update_blocks(blocks, function(_, own, cache, reps)
   local keep = {}
   for line in string.gmatch(reps, '[^\n]*\n') do
-    local w, t, x = string.match(line, '^(.*)\t(%a+)\t(%d+)\t[01]\n$')
+    local w, t, x = string.match(line, '^([^\t]*)\t(%a+)\t(%d+)\t[01]\n$')
     if w and tonumber(x) > now and not (w == worker and t == tier) then
       keep[#keep + 1] = line
     end

@@ -65,6 +65,6 @@ end)
 redis.call('HSET', P .. 'a:' .. id, 'worker', worker, 'epoch', epoch, 'start', ARGV[8],
   'n', #blocks, 'size', ARGV[6], 'kv', ARGV[7], 'tier', ARGV[5], 'created', fmt(now),
   'blocks', ARGV[9])
-redis.call('HSETNX', P .. 'use', id, '0\t' .. fmt(now))
+redis.call('HSETNX', P .. 'last', id, fmt(now))
 redis.call('SADD', P .. 'w:' .. worker .. ':arts', id)
 return { 'ok', id, worker, epoch, exp }

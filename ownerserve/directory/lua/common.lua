@@ -33,7 +33,7 @@ end
 
 -- lease record in the `art` hash: "worker \t epoch \t expires_ms \t tier"
 local function parse_lease(rec)
-  local w, e, x, t = string.match(rec, '^(.*)\t(%d+)\t(%d+)\t(%a+)$')
+  local w, e, x, t = string.match(rec, '^([^\t]*)\t(%d+)\t(%d+)\t(%a+)$')
   return w, tonumber(e), tonumber(x), t
 end
 
@@ -143,7 +143,8 @@ local function delete_artifact(id, worker, keep_use)
   redis.call('HDEL', P .. 'art', id)
   redis.call('DEL', ak)
   if not keep_use then
-    redis.call('HDEL', P .. 'use', id)
+    redis.call('HDEL', P .. 'reuse', id)
+    redis.call('HDEL', P .. 'last', id)
   end
   redis.call('SREM', P .. 'w:' .. worker .. ':arts', id)
 end
@@ -173,7 +174,7 @@ end
 local function reps_without(reps, worker, now)
   local keep, gone = {}, 0
   for line in string.gmatch(reps, '[^\n]*\n') do
-    local w, x = string.match(line, '^(.*)\t%a+\t(%d+)\t[01]\n$')
+    local w, x = string.match(line, '^([^\t]*)\t%a+\t(%d+)\t[01]\n$')
     if w == worker or (now and tonumber(x) <= now) then
       gone = gone + 1
     else

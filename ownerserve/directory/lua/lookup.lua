@@ -1,5 +1,5 @@
 -- lookup: every worker's longest held prefix of a chain per tier and kind, the owner of the
--- deepest owned block, and the session owner. KEYS: blk, art, widx, use [, s:<sid>]
+-- deepest owned block, and the session owner. KEYS: blk, art, widx, reuse [, s:<sid>]
 -- ARGV: P, chain (16 hex digits per block), touch ('1': count a reuse of each live artifact)
 local blocks = split16(ARGV[2])
 local n = #blocks
@@ -13,9 +13,19 @@ end
 local vals = hmget(KEYS[1], blocks)
 local now = now_ms()
 local out = {}
+local strs = {} -- number -> string: Lua's own conversion (sprintf) is slow
+local function str(x)
+  local s = strs[x]
+  if not s then
+    s = tostring(x)
+    strs[x] = s
+  end
+  return s
+end
 local deep, ids = {}, {} -- artifact id -> deepest index in the chain
 local rdeep, rkeys = {}, {} -- "worker \t tier" of a live replica -> deepest index
-local alive, lost = {}, {} -- cached: worker index -> tier bits still contiguous from block 1
+local alive = {} -- cached: worker index -> tier bits still contiguous from block 1
+local lost_j, lost_m, lost_n = {}, {}, {} -- (worker index, tier bits, blocks) that ended
 local open = true
 
 -- walk runs of identical records: inside a run only the run's end matters
@@ -57,7 +67,8 @@ while s <= n do
         for j, m in pairs(alive) do
           local kept = bit.band(m, string.byte(cache, j) or 0)
           if kept ~= m then
-            lost[#lost + 1] = { j, bit.band(m, bit.bnot(kept)), s - 1 }
+            local k = #lost_j + 1
+            lost_j[k], lost_m[k], lost_n[k] = j, bit.band(m, bit.bnot(kept)), s - 1
             if kept == 0 then
               alive[j] = nil
             else
@@ -70,7 +81,8 @@ while s <= n do
     end
   elseif open then
     for j, m in pairs(alive) do
-      lost[#lost + 1] = { j, m, s - 1 }
+      local k = #lost_j + 1
+      lost_j[k], lost_m[k], lost_n[k] = j, m, s - 1
     end
     alive = {}
     open = false
@@ -78,7 +90,8 @@ while s <= n do
   s = e + 1
 end
 for j, m in pairs(alive) do
-  lost[#lost + 1] = { j, m, n }
+  local k = #lost_j + 1
+  lost_j[k], lost_m[k], lost_n[k] = j, m, n
 end
 
 -- owners: the live leases of the artifacts met
@@ -108,40 +121,43 @@ if #ids > 0 then
     end
   end
   for _, key in ipairs(order) do
-    out[#out + 1] = key .. '\t' .. best[key] .. '\to\n'
+    out[#out + 1] = key .. '\t' .. str(best[key]) .. '\to\n'
   end
   if ARGV[3] == '1' and #live > 0 then
-    -- reuse count and last access: one read and one write for all of them
-    local uses = hmget(KEYS[4], live)
+    -- reuse counts and last access: one HINCRBY per artifact met, one HSET for all
+    local stamp = fmt(now)
     local sets = {}
     for k = 1, #live do
-      local count = 0
-      if uses[k] then
-        count = tonumber(string.match(uses[k], '^(%d+)'))
-      end
+      redis.call('HINCRBY', KEYS[4], live[k], 1)
       sets[#sets + 1] = live[k]
-      sets[#sets + 1] = fmt(count + 1) .. '\t' .. fmt(now)
+      sets[#sets + 1] = stamp
     end
-    multi('HSET', KEYS[4], sets)
+    multi('HSET', P .. 'last', sets)
   end
 end
 
 for _, key in ipairs(rkeys) do
-  out[#out + 1] = key .. '\t' .. rdeep[key] .. '\tr\n'
+  out[#out + 1] = key .. '\t' .. str(rdeep[key]) .. '\tr\n'
 end
 
-if #lost > 0 then
+if #lost_j > 0 then
   local idx = {}
-  for k = 1, #lost do
-    idx[k] = tostring(lost[k][1])
+  for k = 1, #lost_j do
+    idx[k] = str(lost_j[k])
   end
   local names = hmget(KEYS[3], idx)
-  for k = 1, #lost do
+  for k = 1, #lost_j do
     local w = names[k]
     if w then
-      for _, tb in ipairs(TIER_BITS) do
-        if bit.band(lost[k][2], tb[2]) ~= 0 then
-          out[#out + 1] = w .. '\t' .. tb[1] .. '\t' .. lost[k][3] .. '\tc\n'
+      local m = lost_m[k]
+      local tail = '\t' .. str(lost_n[k]) .. '\tc\n'
+      if m == 1 then
+        out[#out + 1] = w .. '\tgpu' .. tail
+      else
+        for _, tb in ipairs(TIER_BITS) do
+          if bit.band(m, tb[2]) ~= 0 then
+            out[#out + 1] = w .. '\t' .. tb[1] .. tail
+          end
         end
       end
     end
