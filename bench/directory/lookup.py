@@ -55,7 +55,7 @@ from ownerserve.types import Tier
 
 BS = 16
 ROOT = chain_root("bench-model")
-WORKERS = [f"worker-{i}" for i in range(16)]
+WORKERS = [f"worker-{i}" for i in range(16)]  # --workers changes it
 SYSTEM_BLOCKS = 4
 
 
@@ -107,7 +107,8 @@ async def populate(d: Any, sessions: list[Session], seqs: dict[str, int]) -> Non
             start = end
         await store(owner, s, n)
         await store(other, s, max(1, n // 2))
-        await d.add_replica(s.chain[cuts[-2] - 1], WORKERS[(k + 9) % 16], Tier.CPU, 3600)
+        replica = WORKERS[(k + 9) % len(WORKERS)]
+        await d.add_replica(s.chain[cuts[-2] - 1], replica, Tier.CPU, 3600)
         await d.set_session_owner(s.sid, owner, 3600)
 
 
@@ -281,9 +282,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--depth", type=int, default=32)
+    ap.add_argument("--workers", type=int, default=16, help="workers caching the system prefix")
     ap.add_argument("--redis-url", default=None)
     ap.add_argument("--json", default=None, help="also write the results here")
     a = ap.parse_args()
+    WORKERS[:] = [f"worker-{i}" for i in range(a.workers)]
 
     proc = workdir = None
     url = a.redis_url
@@ -306,6 +309,7 @@ def main() -> None:
             asyncio.run(fill())
             mem = InMemoryDirectory()
             asyncio.run(populate(mem, sessions, seqs))
+            holdings = len(asyncio.run(mem.lookup(sessions[1].chain, sessions[1].sid)).holdings)
 
             rtt = count_round_trips(url, ns, sessions)
             reset_stats(port)
@@ -334,6 +338,7 @@ def main() -> None:
             mem_rate = memory_rate(mem, sessions, a.seconds)
             row = {
                 "blocks": n,
+                "holdings": holdings,
                 "round_trips_per_lookup": rtt,
                 "evalsha_per_lookup": round(calls_piped / total, 3) if total else None,
                 "script_usec": round(usec_piped, 1),
@@ -360,22 +365,25 @@ def main() -> None:
     print(
         f"machine: {platform.node()} {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; procs={a.procs} depth={a.depth} "
-        f"concurrency={a.concurrency} seconds={a.seconds}"
+        f"concurrency={a.concurrency} seconds={a.seconds} workers={a.workers}"
     )
-    print(
-        "| blocks | round trips / lookup | EVALSHA / lookup | script µs | one-core capacity /s "
-        "| server CPU µs | CPU capacity /s "
-        "| asyncio client /s | pipelined clients /s | in-memory /s | memory ÷ pipelined |"
-    )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    columns = [
+        ("blocks", "blocks"),
+        ("holdings", "holdings / lookup"),
+        ("round_trips_per_lookup", "round trips / lookup"),
+        ("evalsha_per_lookup", "EVALSHA / lookup"),
+        ("script_usec", "script µs"),
+        ("server_cpu_us", "server CPU µs"),
+        ("cpu_capacity_per_s", "one-core capacity /s"),
+        ("asyncio_client_per_s", "asyncio client /s"),
+        ("pipelined_per_s", "pipelined clients /s"),
+        ("memory_per_s", "in-memory /s"),
+        ("memory_over_pipelined", "memory ÷ pipelined"),
+    ]
+    print("| " + " | ".join(title for _, title in columns) + " |")
+    print("|" + " ---: |" * len(columns))
     for r in rows:
-        print(
-            f"| {r['blocks']} | {r['round_trips_per_lookup']:.2f} | {r['evalsha_per_lookup']} "
-            f"| {r['script_usec']} | {r['server_capacity_per_s']:,} "
-            f"| {r['server_cpu_us']} | {r['cpu_capacity_per_s']} "
-            f"| {r['asyncio_client_per_s']:,} | {r['pipelined_per_s']:,} | {r['memory_per_s']:,} "
-            f"| {r['memory_over_pipelined']} |"
-        )
+        print("| " + " | ".join(str(r[key]) for key, _ in columns) + " |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2))
 
