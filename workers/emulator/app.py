@@ -125,6 +125,42 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+TOOL_ARGS_HEAD = '{"input": "'
+TOOL_ARGS_TAIL = '"}'
+
+
+def _json_str(text: str) -> str:
+    """`text` escaped for the inside of a JSON string."""
+    return orjson.dumps(text).decode()[1:-1]
+
+
+def forced_tool(req: ChatCompletionRequest) -> str | None:
+    """The function the model must call: `tool_choice` "required" (first tool) or named."""
+    if not req.tools:
+        return None
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError("tool_choice: a named choice needs function.name")
+        if not any((t.get("function") or {}).get("name") == name for t in req.tools):
+            raise InvalidRequestError(f"tool_choice: no tool named {name!r}")
+        return name
+    if choice == "required":
+        name = (req.tools[0].get("function") or {}).get("name")
+        return name if isinstance(name, str) and name else "tool"
+    return None
+
+
+def tool_call(gen: _Generation, seq: Sequence, arguments: str) -> dict[str, Any]:
+    """A deterministic tool call whose arguments wrap the choice's pseudo-text."""
+    return {
+        "id": f"call_{gen.request_id[-12:]}{seq.index}",
+        "type": "function",
+        "function": {"name": gen.tool_name, "arguments": arguments},
+    }
+
+
 @dataclass(slots=True)
 class _Generation:
     """One generation request in flight: its sequences (prompts x n) and how to answer."""
@@ -143,6 +179,7 @@ class _Generation:
     logprobs: int | None
     echo: bool
     hold_key: str | None = None
+    tool_name: str | None = None
     emitted: list[int] = field(default_factory=list)
     emitted_chars: list[int] = field(default_factory=list)
 
@@ -353,8 +390,9 @@ class EmulatorApp:
             top = req.top_logprobs or 0
         max_tokens = req.max_completion_tokens or req.max_tokens
         await self._generate(
-            receive, send, req, True, model, [ids], [text], max_tokens, top, echo=False
-        )
+            receive, send, req, True, model, [ids], [text], max_tokens, top, echo=False,
+            tool_name=forced_tool(req),
+        )  # fmt: skip
 
     async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         req = parse_completion(await self._json_body(scope, receive))
@@ -429,6 +467,7 @@ class EmulatorApp:
         logprobs: int | None,
         *,
         echo: bool,
+        tool_name: str | None = None,
     ) -> None:
         c = self.config
         arrival = time.perf_counter()
@@ -508,6 +547,7 @@ class EmulatorApp:
             logprobs=logprobs,
             echo=echo,
             hold_key=hold_key,
+            tool_name=tool_name,
             emitted=[0] * len(seqs),
             emitted_chars=[0] * len(seqs),
         )
@@ -615,7 +655,13 @@ class EmulatorApp:
         for seq in seqs:
             text = seq.output_text()
             choice: dict[str, Any] = {"index": seq.index}
-            if gen.chat:
+            finish = seq.finish_reason
+            if gen.chat and gen.tool_name is not None:
+                call = tool_call(gen, seq, TOOL_ARGS_HEAD + _json_str(text) + TOOL_ARGS_TAIL)
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+                choice["logprobs"] = None
+                finish = "tool_calls" if finish == "stop" else finish
+            elif gen.chat:
                 choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
                 choice["logprobs"] = (
                     chat_logprobs(seq.out_ids, seq.pieces, gen.logprobs)
@@ -630,7 +676,7 @@ class EmulatorApp:
                     if gen.logprobs is not None
                     else None
                 )
-            choice["finish_reason"] = seq.finish_reason
+            choice["finish_reason"] = finish
             choice["stop_reason"] = seq.stop_reason
             choices.append(choice)
         body = {
@@ -729,12 +775,25 @@ class EmulatorApp:
                         if gen.chat
                         else completion_logprobs(ids, pieces, gen.logprobs, 0)
                     )
-                if gen.chat:
+                finish = seq.finish_reason
+                if gen.chat and gen.tool_name is not None:
+                    args = _json_str(text)
+                    if lo == 0:
+                        args = TOOL_ARGS_HEAD + args
+                    if finished:
+                        args += TOOL_ARGS_TAIL
+                        finish = "tool_calls" if finish == "stop" else finish
+                    call: dict[str, Any] = {"index": 0, "function": {"arguments": args}}
+                    if lo == 0:
+                        call = tool_call(gen, seq, args) | {"index": 0}
+                    choice["delta"] = {"tool_calls": [call]}
+                    lp = None
+                elif gen.chat:
                     choice["delta"] = {"content": text} if text else {}
                 else:
                     choice["text"] = text
                 choice["logprobs"] = lp
-                choice["finish_reason"] = seq.finish_reason if finished else None
+                choice["finish_reason"] = finish if finished else None
                 if finished:
                     choice["stop_reason"] = seq.stop_reason
                     done[k] = True

@@ -51,6 +51,16 @@ def assert_openai_error(resp: httpx.Response, status: int, *words: str) -> dict[
             ["remote_port"],
         ),
         ("/v1/chat/completions", {"messages": MESSAGES, "stop": [1]}, 400, ["stop"]),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": MESSAGES,
+                "tools": [{"type": "function", "function": {"name": "a"}}],
+                "tool_choice": {"type": "function", "function": {"name": "b"}},
+            },
+            400,
+            ["tool_choice"],
+        ),
         ("/tokenize", {"nothing": 1}, 400, ["prompt"]),
         ("/ownerserve/kv/fetch", {"source_url": "ftp://x", "block_hashes": []}, 400, ["url"]),
         ("/ownerserve/kv/read", {"block_hashes": [-1]}, 400, ["block_hashes"]),

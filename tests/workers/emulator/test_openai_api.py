@@ -186,3 +186,43 @@ async def test_batched_prompts_and_continuous_usage(start_emulator: StartEmulato
         chunks = [line for line in streamed.text.splitlines() if line.startswith("data: {")]
         counts = [orjson.loads(c[6:])["usage"]["completion_tokens"] for c in chunks]
         assert counts == sorted(counts) and counts[-1] == 4
+
+
+async def test_forced_tool_choice_returns_a_tool_call_streamed_or_not(
+    start_emulator: StartEmulator,
+) -> None:
+    import json
+
+    server = await start_emulator(output_len=10)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
+    tools: Any = [
+        {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "cat", "parameters": {"type": "object"}}},
+    ]
+    named: Any = {"type": "function", "function": {"name": "cat"}}
+    resp = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=tools, tool_choice=named
+    )
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls or []
+    assert len(calls) == 1 and calls[0].function.name == "cat"  # type: ignore[union-attr]
+    arguments = calls[0].function.arguments  # type: ignore[union-attr]
+    assert set(json.loads(arguments)) == {"input"}
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=tools, tool_choice=named, stream=True
+    )
+    streamed = ""
+    finish = None
+    async for chunk in stream:
+        for c in chunk.choices:
+            for call in c.delta.tool_calls or []:
+                streamed += (call.function.arguments if call.function else None) or ""
+            finish = c.finish_reason or finish
+    assert streamed == arguments and finish == "tool_calls"
+    required = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=tools, tool_choice="required", max_tokens=3
+    )
+    assert required.choices[0].finish_reason == "length"
+    assert (required.choices[0].message.tool_calls or [])[0].function.name == "ls"  # type: ignore[union-attr]
+    await client.close()
