@@ -480,13 +480,19 @@ class EmulatorApp:
         sglang_decode = room is not None and c.role == Role.DECODE
         hold_key: str | None = None
         if remote_decode or sglang_prefill:
+            hold_key = f"room:{room}" if sglang_prefill else f"req:{request_id}"
             if len(prompts) != 1 or req.n != 1:
+                self.engine.holds.fail(hold_key, "the prefill request was rejected")
                 raise InvalidRequestError("a prefill for remote decode takes one prompt and n=1")
             max_tokens = 1
-            hold_key = f"room:{room}" if sglang_prefill else f"req:{request_id}"
         if remote_prefill and sglang_decode:
             raise InvalidRequestError("kv_transfer_params and bootstrap_room are exclusive")
-        params = [self._params(req, len(p), max_tokens) for p in prompts]
+        try:
+            params = [self._params(req, len(p), max_tokens) for p in prompts]
+        except OwnerServeError as exc:
+            if hold_key is not None:  # a decode waiting on this room learns at once
+                self.engine.holds.fail(hold_key, f"the prefill request was rejected: {exc}")
+            raise
 
         bs = c.block_size
         hashes = [prompt_block_hashes(p, bs, self.root_hash) for p in prompts]
@@ -495,12 +501,7 @@ class EmulatorApp:
         if remote_prefill or sglang_decode:
             if len(prompts) != 1:
                 raise InvalidRequestError("a remote-prefilled decode takes one prompt")
-            try:
-                pulled = await self._pull(req, ktp, prompts[0], hashes[0], sglang_decode)
-            except OwnerServeError:
-                if hold_key is not None:
-                    self.engine.holds.fail(hold_key, "request rejected")
-                raise
+            pulled = await self._pull(req, ktp, prompts[0], hashes[0], sglang_decode)
             pinned = pulled.pinned_blocks
             external = pulled.received_blocks * bs
 

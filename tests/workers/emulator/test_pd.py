@@ -192,3 +192,20 @@ async def test_artifact_fetch_copies_blocks_from_a_peer(
     nowhere = {"source_url": "http://127.0.0.1:1", "block_hashes": [1]}
     bad = await http.post(dst.url + "/ownerserve/fetch", json=nowhere)
     assert bad.status_code == 502 and bad.json()["error"]["message"]
+
+
+async def test_a_rejected_sglang_prefill_fails_its_waiting_decode_at_once(
+    start_emulator: StartEmulator, http: httpx.AsyncClient
+) -> None:
+    p = await start_emulator(role="prefill", bootstrap_port=0, max_model_len=64)
+    d = await start_emulator(role="decode", transfer_timeout_s=20)
+    both = body(bootstrap_host="127.0.0.1", bootstrap_port=p.config.bootstrap_port,
+                bootstrap_room=99)  # fmt: skip
+    t0 = time.perf_counter()
+    dec_task = asyncio.create_task(http.post(d.url + "/v1/chat/completions", json=both))
+    await asyncio.sleep(0.05)
+    pre = await http.post(p.url + "/v1/chat/completions", json=both)
+    assert pre.status_code == 400  # the prompt exceeds the prefill side's max_model_len
+    dec = await dec_task
+    assert dec.status_code == 400 and "rejected" in dec.json()["error"]["message"]
+    assert time.perf_counter() - t0 < 5
