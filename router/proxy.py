@@ -100,6 +100,38 @@ class _Disconnected(Exception):
     pass
 
 
+class _Progress:
+    """Wraps ASGI `send` to know how far the response got when something fails."""
+
+    __slots__ = ("_send", "ended", "sse", "started")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.sse = False
+        self.ended = False
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            for k, v in message["headers"]:
+                if k == b"content-type" and v.startswith(b"text/event-stream"):
+                    self.sse = True
+        elif not message.get("more_body", False):
+            self.ended = True
+        await self._send(message)
+
+    async def fail(self, exc: BaseException) -> None:
+        """End a response that already started: an SSE error event if it streams events."""
+        if self.ended:
+            return
+        if self.sse:
+            await self.send(
+                {"type": "http.response.body", "body": sse_error_event(exc), "more_body": True}
+            )
+        await self.send({"type": "http.response.body", "body": b""})
+
+
 async def read_body(receive: Receive, limit: int, content_length: str | None) -> bytes:
     """The request body, refusing more than `limit` bytes while reading (413)."""
     if content_length is not None:
@@ -364,7 +396,7 @@ class Router:
         task = asyncio.current_task()
         watcher: asyncio.Task[None] | None = None
         disconnected = asyncio.Event()
-        response_started = False
+        progress = _Progress(send)
         model = "?"
         try:
             self._check_auth(headers)
@@ -375,7 +407,7 @@ class Router:
             model = req.model
             watcher = asyncio.create_task(self._watch_disconnect(receive, task, disconnected))
             async with asyncio.timeout(self.settings.server.request_timeout_s):
-                response_started = await self._serve(req, headers, scope["headers"], send, t0)
+                await self._serve(req, headers, scope["headers"], progress.send, t0)
             self.metrics.of(self.metrics.requests, model, "ok").inc()
         except _Disconnected:
             return
@@ -392,7 +424,8 @@ class Router:
                 raise
             status, body = error_status_and_body(exc)
             self.metrics.requests.labels(model, str(status)).inc()
-            if response_started:
+            if progress.started:
+                await progress.fail(exc)
                 return
             await send(
                 {
@@ -428,8 +461,8 @@ class Router:
         raw_headers: list[tuple[bytes, bytes]],
         send: Send,
         t0: float,
-    ) -> bool:
-        """Route and stream one request; returns True once the response has started."""
+    ) -> None:
+        """Route and stream one request."""
         tel = self.telemetry
         mt = self.tokenizers.get(req.model)
         if mt is None or not self.pool.for_model(req.model):
@@ -458,7 +491,7 @@ class Router:
                 info = self._touch_session(sid, tok.prompt_tokens)
                 info.inflight += 1
             try:
-                return await self._plan_and_stream(
+                await self._plan_and_stream(
                     req, raw_headers, send, t0, mt, tok, session, match, rview, policy
                 )
             finally:
@@ -508,7 +541,7 @@ class Router:
         match: Match,
         rview: RequestView,
         policy: Policy,
-    ) -> bool:
+    ) -> None:
         tel = self.telemetry
         metrics = self.metrics
         assert self.executor is not None
@@ -563,7 +596,7 @@ class Router:
             if last_error is not None:
                 raise UpstreamError(f"no worker could serve the request: {last_error}")
             raise NoWorkerAvailableError(f"no healthy worker serves model '{req.model}'")
-        return await self._stream(req, send, t0, tok, session, match, rview, plan, opened)
+        await self._stream(req, send, t0, tok, session, match, rview, plan, opened)
 
     def _involved(self, plan: Plan) -> list[Any]:
         ids = {plan.chosen.prefill_worker, plan.chosen.decode_worker}
@@ -589,7 +622,7 @@ class Router:
         rview: RequestView,
         plan: Plan,
         opened: OpenedResponse,
-    ) -> bool:
+    ) -> None:
         metrics = self.metrics
         timings = ObservedTimings()
         timings.transfer_s = opened.transfer_s
@@ -641,7 +674,6 @@ class Router:
             await opened.aclose()
         timings.e2e_s = time.perf_counter() - t0
         self._observe(plan, rview, match, timings, ok)
-        return True
 
     @staticmethod
     def _completion_tokens(body: bytes) -> int:

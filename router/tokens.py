@@ -44,11 +44,12 @@ def hash_blocks(tokens: Sequence[int], block_size: int, parent: int, start: int 
     step = 4 * block_size
     out: list[int] = []
     append = out.append
+    from_bytes = int.from_bytes
+    digest = parent.to_bytes(8, "little")
     for i in range(0, n_blocks * step, step):
-        h = blake2b(parent.to_bytes(8, "little"), digest_size=8)
-        h.update(buf[i : i + step])
-        parent = int.from_bytes(h.digest(), "little")
-        append(parent)
+        # hash_block(parent, block) = blake2b(parent as 8 LE bytes ‖ block as uint32 LE)
+        digest = blake2b(digest + buf[i : i + step], digest_size=8).digest()
+        append(from_bytes(digest, "little"))
     return out
 
 

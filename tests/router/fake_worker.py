@@ -34,7 +34,7 @@ class Recorded:
 
 @dataclass
 class FakeWorker:
-    """`mode`: ok | fail500 | die_midstream | hang."""
+    """`mode`: ok | fail500 | die_midstream | hang | slow (0.5 s between stream chunks)."""
 
     name: str
     mode: str = "ok"
@@ -128,7 +128,7 @@ class FakeWorker:
                     assert request.transport is not None
                     request.transport.abort()
                     return resp
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.5 if self.mode == "slow" else 0.01)
             await resp.write(b"data: [DONE]\n\n")
         except asyncio.CancelledError:
             self.cancelled.set()

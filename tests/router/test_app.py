@@ -325,3 +325,25 @@ async def test_models_health_and_metrics(workers):
     assert 'ownerserve_ttft_seconds_bucket{action="colocated_prefill",le="0.005"}' in metrics
     assert 'ownerserve_plan_actions_total{action="colocated_prefill",policy="fixed"} 1.0' in metrics
     assert 'ownerserve_breaker_state{worker="w0"} 0.0' in metrics
+
+
+async def test_request_timeout_ends_a_started_stream_with_an_error_event(workers):
+    w0, w1 = workers
+    w0.mode = "slow"
+    w1.mode = "hang"
+    policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+    async with router_for([(w0, "hybrid", "emulator")], policy, {"request_timeout_s": 0.3}) as (
+        c,
+        _,
+    ):
+        resp = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    lines = [line for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert "t0" in lines[0] and lines[-1] == "data: [DONE]"
+    assert orjson.loads(lines[-2][6:])["error"]["code"] == "upstream_timeout"
+    policy = FixedPolicy(Action.COLOCATED_PREFILL, "w1", "w1")
+    async with router_for([(w1, "hybrid", "emulator")], policy, {"request_timeout_s": 0.3}) as (
+        c,
+        _,
+    ):
+        resp = await c.post("/v1/chat/completions", json=CHAT)
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "upstream_timeout"
