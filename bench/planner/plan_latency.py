@@ -13,7 +13,10 @@ h100-llama3-8b profile. Scenarios (each a fixed RequestView, rebuilt clusters ar
   largest candidate set the ownerserve policy has).
 
 Each policy plans the same request `--iters` times; the median and p99 of per-call wall time are
-reported, with the ratio of each baseline's median to ownerserve's in the same run.
+reported, with the ratio of each baseline's median to ownerserve's in the same run. The row
+`reference-enumeration` is the naive way to the same decision (every candidate of
+`planner.cost.enumerate_routes` costed by `evaluate`, then the minimum; `--ref-iters` calls):
+what the O(P + D) search saves.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ownerserve.types import Role, Tier
-from planner.cost import CostModel
+from planner.classify import classify
+from planner.cost import CostModel, enumerate_routes, evaluate
 from planner.policies import POLICY_NAMES, get_policy
-from planner.types import ClusterView, RequestView, WorkerView
+from planner.types import ClusterView, RequestClass, RequestView, WorkerView
 
 BLOCK = 16
 
@@ -111,10 +115,27 @@ def time_policy(name: str, model: CostModel, req: RequestView, cluster: ClusterV
     return statistics.median(samples) / 1e3, samples[int(0.99 * (len(samples) - 1))] / 1e3
 
 
+def time_reference(model: CostModel, req: RequestView, cluster: ClusterView, iters: int
+                   ) -> tuple[float, float, int]:  # fmt: skip
+    """The naive decision: cost every candidate with `evaluate`, take the minimum."""
+    cont = classify(req, model.config) is RequestClass.DECODE_CONTINUATION
+    samples = []
+    n = 0
+    for _ in range(iters):
+        t0 = time.perf_counter_ns()
+        routes = enumerate_routes(req, cluster, continuation=cont)
+        min(evaluate(model, req, r).total for r in routes)
+        samples.append(time.perf_counter_ns() - t0)
+        n = len(routes)
+    samples.sort()
+    return statistics.median(samples) / 1e3, samples[int(0.99 * (len(samples) - 1))] / 1e3, n
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20000)
+    ap.add_argument("--ref-iters", type=int, default=30, help="calls of the naive reference")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     model = CostModel()
@@ -138,13 +159,26 @@ def main(argv: list[str] | None = None) -> int:
                     "candidates": plan.candidates_considered,
                 }
             )
+        if args.ref_iters > 0 and base:
+            med, p99, n = time_reference(model, req, cluster, args.ref_iters)
+            rows.append(
+                {
+                    "scenario": scen,
+                    "policy": "reference-enumeration",
+                    "median_us": round(med, 2),
+                    "p99_us": round(p99, 2),
+                    "ratio_to_ownerserve": round(med / base, 2),
+                    "action": "-",
+                    "candidates": n,
+                }
+            )
     print(f"# plan latency, {args.workers} workers, {args.iters} iterations per cell")
     print(f"# {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, Python {platform.python_version()}")
-    print(f"{'scenario':<20}{'policy':<20}{'median µs':>10}{'p99 µs':>9}{'×os':>6}  action")
+    print(f"{'scenario':<20}{'policy':<22}{'median µs':>10}{'p99 µs':>9}{'×os':>7}  action")
     for r in rows:
         print(
-            f"{r['scenario']:<20}{r['policy']:<20}{r['median_us']:>10.1f}{r['p99_us']:>9.1f}"
-            f"{r['ratio_to_ownerserve']:>6.2f}  {r['action']} ({r['candidates']} candidates)"
+            f"{r['scenario']:<20}{r['policy']:<22}{r['median_us']:>10.1f}{r['p99_us']:>9.1f}"
+            f"{r['ratio_to_ownerserve']:>7.2f}  {r['action']} ({r['candidates']} candidates)"
         )
     if args.json:
         with open(args.json, "w") as f:
