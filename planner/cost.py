@@ -144,14 +144,15 @@ class CostModel:
 
     def prefill_s(self, worker: WorkerView, new_tokens: int, cached_tokens: int) -> float:
         """prefill_scale · profile.prefill_s(new, cached)."""
-        return worker.prefill_scale * self.profile_of(worker).prefill_s(new_tokens, cached_tokens)
+        prof = self._profiles.get(worker.profile, self._default)
+        return worker.prefill_scale * prof.prefill.seconds(new_tokens, cached_tokens)
 
     def decode_step_s(self, worker: WorkerView, batch: int, ctx: float) -> float:
         """decode_scale · (base_s + per_seq_s · batch + per_ctx_token_s · ctx), the profile's
         decode step (`DecodeTiming.step_seconds`) for a fractional context; 0 for an empty batch."""
         if batch <= 0:
             return 0.0
-        dt = self.profile_of(worker).decode
+        dt = self._profiles.get(worker.profile, self._default).decode
         return worker.decode_scale * (dt.base_s + dt.per_seq_s * batch + dt.per_ctx_token_s * ctx)
 
     def transfer_s(self, src: WorkerView, dst: WorkerView, nbytes: float) -> float:
@@ -159,7 +160,7 @@ class CostModel:
         destination's profile; 0 when nothing moves."""
         if nbytes <= 0:
             return 0.0
-        link = self.profile_of(dst).link
+        link = self._profiles.get(dst.profile, self._default).link
         return dst.link_scale * link.transfer_s(nbytes, src.node == dst.node)
 
     def restore_s(self, worker: WorkerView, cpu_bytes: float, ssd_bytes: float) -> float:
@@ -203,12 +204,12 @@ class CostModel:
     def context_tokens(self, worker: WorkerView) -> float:
         """Tokens held by the worker's running sequences:
         kv_usage · hbm_kv_bytes / kv_bytes_per_token (of its profile)."""
-        prof = self.profile_of(worker)
+        prof = self._profiles.get(worker.profile, self._default)
         return worker.kv_usage * prof.hbm_kv_bytes / prof.kv_bytes_per_token
 
     def queue_s(self, worker: WorkerView) -> float:
         """q(w) = prefill_scale · (per_token_s · inflight_prefill_tokens + base_s · waiting)."""
-        pf = self.profile_of(worker).prefill
+        pf = self._profiles.get(worker.profile, self._default).prefill
         return worker.prefill_scale * (
             pf.per_token_s * worker.inflight_prefill_tokens + pf.base_s * worker.waiting
         )
@@ -282,7 +283,11 @@ def reused_tokens(request: RequestView, route: Route, blocks: int | None = None)
 
 def decode_tokens(request: RequestView, config: CostConfig) -> int:
     """O = min(max_tokens, decode_horizon_tokens): decode steps counted in T_compute."""
-    return max(0, min(request.max_tokens, config.decode_horizon_tokens))
+    o = request.max_tokens
+    h = config.decode_horizon_tokens
+    if o > h:
+        o = h
+    return o if o > 0 else 0
 
 
 def owner_duplicate_bytes(request: RequestView, worker: WorkerView, held: int) -> int:
