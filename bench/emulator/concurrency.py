@@ -313,7 +313,7 @@ def run_one(args: argparse.Namespace, concurrency: int) -> dict[str, Any]:
         # pace; below 1, CPU work (its own or the box's) stretched the steps.
         "timing_fidelity": round(busy / args.speed / active, 2) if active else 0.0,
         "engine_active_share": round(active / wall, 2),
-        # Wall time by which steps overran their deadline (timer wake-up latency, CPU contention).
+        # Share of step wall time lost to sleeps overshooting (timer wake-up, CPU contention).
         "engine_late_share": round(late / active, 2) if active else 0.0,
         "mean_decode_batch": round(mean_batch, 1),
         "engine_cpu_s": round(cpu, 2),

@@ -371,11 +371,9 @@ class Engine:
                 continue
             now = clock()
             deadline = max(deadline, now - _MAX_LAG_S) + step.seconds / self.speed
-            delay = deadline - now
-            await asyncio.sleep(delay if delay > 0 else 0)
-            late = clock() - deadline
-            if late > 0:
-                m.late_s += late
+            delay = deadline - now if deadline > now else 0.0
+            await asyncio.sleep(delay)
+            m.late_s += clock() - now - delay  # the sleep's overshoot (timers, CPU contention)
             try:
                 self._complete(step)
             except Exception:  # a bug here must not silently stop every request

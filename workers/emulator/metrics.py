@@ -162,7 +162,7 @@ class EngineMetrics:
         out.append(f"{p}engine_busy_seconds_total{{{own}}} {self.busy_s!r}")
         metric(f"{p}engine_active_seconds", "counter", "Wall time spent running steps.")
         out.append(f"{p}engine_active_seconds_total{{{own}}} {self.active_s!r}")
-        metric(f"{p}engine_late_seconds", "counter", "Time steps ended after their deadline.")
+        metric(f"{p}engine_late_seconds", "counter", "Step sleeps' overshoot past their end.")
         out.append(f"{p}engine_late_seconds_total{{{own}}} {self.late_s!r}")
         for name, table, help_ in (
             ("kv_received_bytes", self.kv_received_bytes, "KV bytes received by transfer."),
