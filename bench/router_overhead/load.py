@@ -25,27 +25,47 @@ WORDS = [
 ]  # fmt: skip
 
 
-def bodies(model: str, conn: int, n: int, stream: bool, host: str) -> list[bytes]:
+def _text(rnd: random.Random, head: str, size: int) -> str:
+    words = [head]
+    n = len(head)
+    while n < size:
+        w = rnd.choice(WORDS)
+        words.append(w)
+        n += len(w) + 1
+    return " ".join(words)
+
+
+def bodies(
+    model: str, conn: int, n: int, stream: bool, host: str, session_turns: int = 0
+) -> list[bytes]:
+    """`n` requests. Without sessions: each a new ~2 KB prompt. With `session_turns` T:
+    sessions of T turns, each turn the previous messages plus a short tool result (~200 B)
+    and the next user step, with an `x-session-id` header (an agent loop)."""
     rnd = random.Random(conn * 7919 + 1)
     out = []
+    messages: list[dict[str, str]] = []
     for i in range(n):
-        words = [f"session-{conn}-{i}-{rnd.randrange(10**9)}:"]
-        size = len(words[0])
-        while size < 2000:
-            w = rnd.choice(WORDS)
-            words.append(w)
-            size += len(w) + 1
+        extra = b""
+        if session_turns:
+            session, turn = divmod(i, session_turns)
+            if turn == 0:
+                system = _text(rnd, f"session-{conn}-{session}-{rnd.randrange(10**9)}:", 2000)
+                messages = [{"role": "system", "content": system}]
+            else:
+                messages.append({"role": "assistant", "content": "calling a tool"})
+                messages.append({"role": "tool", "content": _text(rnd, f"result {turn}:", 200)})
+            messages.append({"role": "user", "content": f"step {turn}: continue"})
+            msgs: list[dict[str, str]] = list(messages)
+            extra = b"x-session-id: s-%d-%d\r\n" % (conn, session)
+        else:
+            head = f"session-{conn}-{i}-{rnd.randrange(10**9)}:"
+            msgs = [{"role": "user", "content": _text(rnd, head, 2000)}]
         body = json.dumps(
-            {
-                "model": model,
-                "messages": [{"role": "user", "content": " ".join(words)}],
-                "max_tokens": 16,
-                "stream": stream,
-            }
+            {"model": model, "messages": msgs, "max_tokens": 16, "stream": stream}
         ).encode()
         out.append(
             b"POST /v1/chat/completions HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json"
-            b"\r\ncontent-length: %d\r\n\r\n%s" % (host.encode(), len(body), body)
+            b"\r\n%scontent-length: %d\r\n\r\n%s" % (host.encode(), extra, len(body), body)
         )
     return out
 
@@ -78,7 +98,9 @@ async def connection(
     stats: dict[str, Any],
 ) -> None:  # fmt: skip
     loop = asyncio.get_running_loop()
-    reqs = bodies(args.model, conn, args.nprompts, args.stream, f"{host}:{port}")
+    reqs = bodies(
+        args.model, conn, args.nprompts, args.stream, f"{host}:{port}", args.session_turns
+    )
     transport, proto = await loop.create_connection(Client, host, port)
     i = 0
     while True:
@@ -147,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream", action="store_true")
     ap.add_argument("--model", default="bench-model")
     ap.add_argument("--nprompts", type=int, default=256, help="distinct prompts per connection")
+    ap.add_argument(
+        "--session-turns", type=int, default=0, help="agent sessions of this many turns"
+    )
     args = ap.parse_args(argv)
     uvloop.install()
     print(json.dumps(asyncio.run(run(args))), flush=True)

@@ -37,11 +37,13 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 HZ = os.sysconf("SC_CLK_TCK")
 MODEL = "bench-model"
-SCENARIOS: tuple[tuple[str, bool, int], ...] = (
-    ("non-stream c=1", False, 1),
-    ("non-stream c=16", False, 16),
-    ("stream c=1", True, 1),
-    ("stream c=16", True, 16),
+SCENARIOS: tuple[tuple[str, bool, int, int], ...] = (
+    # label, stream, connections, turns per agent session (0: every prompt new)
+    ("non-stream c=1", False, 1, 0),
+    ("non-stream c=16", False, 16, 0),
+    ("stream c=1", True, 1, 0),
+    ("stream c=16", True, 16, 0),
+    ("agent sessions stream c=16", True, 16, 8),
 )
 
 
@@ -143,7 +145,7 @@ def peer(name: str) -> Path | None:
 
 
 def measure(
-    target: Target, backends: list[int], stream: bool, conns: int, secs: float
+    target: Target, backends: list[int], stream: bool, conns: int, turns: int, secs: float
 ) -> dict[str, Any]:
     if target.port is None:
         dest = ",".join(f"127.0.0.1:{p}" for p in backends)
@@ -154,6 +156,8 @@ def measure(
            str(conns), "--secs", str(secs), "--warmup", "1.0", "--model", MODEL]  # fmt: skip
     if stream:
         cmd.append("--stream")
+    if turns:
+        cmd += ["--session-turns", str(turns)]
     # CPU is read around the measured window only: the load runs `warmup` seconds first
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
     time.sleep(1.0)
@@ -215,8 +219,8 @@ def run(secs: float, targets_wanted: list[str]) -> dict[str, Any]:
                     wait_http(f"http://127.0.0.1:{port}/v1/models", proc=proc)
                     time.sleep(1.0)  # first health checks
                 per: dict[str, Any] = {}
-                for label, stream, conns in SCENARIOS:
-                    per[label] = measure(target, backends, stream, conns, secs)
+                for label, stream, conns, turns in SCENARIOS:
+                    per[label] = measure(target, backends, stream, conns, turns, secs)
                     print(f"# {name:26s} {label:16s} {json.dumps(per[label])}", file=sys.stderr)
                 results[name] = per
     return results
