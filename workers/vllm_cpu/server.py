@@ -56,7 +56,10 @@ class VllmServerSpec:
     port: int
     role: VllmRole = VllmRole.HYBRID
     nixl_side_channel_port: int | None = None
-    kv_events_port: int | None = None
+    nixl_threads: int = 1
+    # vLLM binds wildcard and ipc:// endpoints and connects to host:port ones; an ipc:// path
+    # keeps the publisher local and lets any number of subscribers connect.
+    kv_events_endpoint: str | None = None
     kv_events_replay_port: int | None = None
     cpu: int | None = None
     kv_cache_gib: int = 1
@@ -69,10 +72,6 @@ class VllmServerSpec:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def kv_events_endpoint(self) -> str | None:
-        return None if self.kv_events_port is None else f"tcp://127.0.0.1:{self.kv_events_port}"
 
     @property
     def kv_events_replay_endpoint(self) -> str | None:
@@ -107,9 +106,16 @@ def server_argv(install: VllmCpuInstall, spec: VllmServerSpec) -> list[str]:
     ]
     if spec.role is not VllmRole.HYBRID:
         kv_role = "kv_producer" if spec.role is VllmRole.PREFILL else "kv_consumer"
-        transfer = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
+        transfer = {
+            "kv_connector": "NixlConnector",
+            "kv_role": kv_role,
+            "kv_buffer_device": "cpu",
+            # NIXL's UCX backend defaults to 4 worker threads per instance; on a small CPU box
+            # they starve the engine's own compute thread.
+            "kv_connector_extra_config": {"num_threads": spec.nixl_threads},
+        }
         argv += ["--kv-transfer-config", json.dumps(transfer)]
-    if spec.kv_events_port is not None:
+    if spec.kv_events_endpoint is not None:
         events: dict[str, object] = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",

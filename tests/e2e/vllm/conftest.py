@@ -67,15 +67,32 @@ def _start(servers: list[VllmServer]) -> None:
 
 @pytest.fixture(scope="package")
 def vllm_hybrid(vllm_install: VllmCpuInstall, vllm_work_dir: Path) -> Iterator[VllmServer]:
-    """A colocated instance publishing KV events to `spec.kv_events_endpoint` (it connects; the
-    subscriber binds) with a replay socket, and a small KV cache so evictions happen."""
+    """A colocated instance publishing KV events on an ipc:// socket it binds (subscribers
+    connect), with a replay socket, and a small KV cache so evictions happen."""
     spec = VllmServerSpec(
         name="hybrid",
         port=free_port(),
-        kv_events_port=free_port(),
+        kv_events_endpoint=f"ipc://{vllm_work_dir}/hybrid-kv-events.sock",
         kv_events_replay_port=free_port(),
         cpu=0,
         extra_args=("--num-gpu-blocks-override", str(HYBRID_KV_BLOCKS)),
+    )
+    server = VllmServer(vllm_install, spec, vllm_work_dir)
+    _start([server])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="package")
+def vllm_hybrid_b(vllm_install: VllmCpuInstall, vllm_work_dir: Path) -> Iterator[VllmServer]:
+    """A second colocated instance (other core, default-sized cache) publishing KV events, so
+    the router has a choice of where a session's next turn goes."""
+    spec = VllmServerSpec(
+        name="hybrid-b",
+        port=free_port(),
+        kv_events_endpoint=f"ipc://{vllm_work_dir}/hybrid-b-kv-events.sock",
+        kv_events_replay_port=free_port(),
+        cpu=1,
     )
     server = VllmServer(vllm_install, spec, vllm_work_dir)
     _start([server])

@@ -1,0 +1,236 @@
+"""Through the router to real vLLM CPU workers: colocated and remote-prefill (NIXL) requests,
+streaming and not, give the same greedy answer; the directory learns from vLLM's own KV events
+where a prefix lives and routes the next turn there (vLLM counts the cache hit); a worker killed
+mid-stream ends the client's stream cleanly and loses its blocks in the directory."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from ownerserve.config import Settings, settings_from_dict
+from tests.e2e.router_cluster import plan_fields, proxy_client
+from tests.e2e.vllm.conftest import PDPair
+from workers.adapters.vllm import VllmClient
+from workers.vllm_cpu.server import VllmServer
+from workers.vllm_cpu.setup import VllmCpuInstall
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+MODEL = "tiny-llama"
+BLOCK = 32
+LOGPROB_TOL = 1e-3
+
+
+def router_settings(
+    install: VllmCpuInstall, workers: list[tuple[str, VllmServer]], policy: str
+) -> Settings:
+    return settings_from_dict(
+        {
+            "server": {"port": 0, "health_interval_s": 0.5, "connect_timeout_s": 5.0},
+            "planner": {"policy": policy},
+            "models": [
+                {
+                    "name": MODEL,
+                    "tokenizer": str(Path(install.model) / "tokenizer.json"),
+                    "block_size": BLOCK,
+                    "max_model_len": 2048,
+                }
+            ],
+            "workers": [
+                {
+                    "id": wid,
+                    "url": s.url,
+                    "role": str(s.spec.role),
+                    "kind": "vllm",
+                    "models": [MODEL],
+                    **(
+                        {"kv_events_endpoint": s.spec.kv_events_endpoint}
+                        if s.spec.kv_events_endpoint
+                        else {}
+                    ),
+                }
+                for wid, s in workers
+            ],
+        }
+    )
+
+
+def turn(topic: str, n: int = 60) -> list[dict[str, Any]]:
+    text = " ".join(f"{topic} step {i}: the agent reads file {i} and calls tool" for i in range(n))
+    return [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": text},
+    ]
+
+
+def body(messages: list[dict[str, Any]], stream: bool, max_tokens: int = 8) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "stream": stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+    }
+
+
+async def complete(
+    client: httpx.AsyncClient, req: dict[str, Any], headers: dict[str, str]
+) -> tuple[dict[str, str], list[str], list[float]]:
+    """One chat call through the router: (plan, token texts, token logprobs)."""
+    if not req["stream"]:
+        r = await client.post("/v1/chat/completions", json=req, headers=headers)
+        assert r.status_code == 200, r.text
+        content = r.json()["choices"][0]["logprobs"]["content"]
+        plan = plan_fields(r.headers["x-ownerserve-plan"])
+        return plan, [c["token"] for c in content], [c["logprob"] for c in content]
+    tokens: list[str] = []
+    logprobs: list[float] = []
+    async with client.stream("POST", "/v1/chat/completions", json=req, headers=headers) as r:
+        assert r.status_code == 200, (await r.aread()).decode()
+        plan = plan_fields(r.headers["x-ownerserve-plan"])
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = orjson.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for choice in chunk.get("choices") or ():
+                for c in (choice.get("logprobs") or {}).get("content") or ():
+                    tokens.append(c["token"])
+                    logprobs.append(c["logprob"])
+    return plan, tokens, logprobs
+
+
+async def until(cond: Callable[[], Awaitable[bool]], timeout_s: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not await cond():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.1)
+
+
+async def test_remote_prefill_and_colocated_give_the_same_greedy_answer(
+    vllm_install: VllmCpuInstall, vllm_hybrid: VllmServer, vllm_pd_pair: PDPair
+) -> None:
+    pd = router_settings(
+        vllm_install, [("p0", vllm_pd_pair.prefill), ("d0", vllm_pd_pair.decode)], "static-pd"
+    )
+    colo = router_settings(vllm_install, [("h0", vllm_hybrid)], "colocated")
+    messages = turn("parity")
+    results = {}
+    async with proxy_client(pd) as (client, _):
+        client.timeout = httpx.Timeout(300.0)
+        for stream in (False, True):
+            plan, tokens, lps = await complete(client, body(messages, stream), {})
+            assert (plan["action"], plan["p"], plan["d"]) == ("remote_prefill", "p0", "d0")
+            results[("pd", stream)] = (tokens, lps)
+    async with proxy_client(colo) as (client, _):
+        client.timeout = httpx.Timeout(300.0)
+        for stream in (False, True):
+            plan, tokens, lps = await complete(client, body(messages, stream), {})
+            # the second call may continue the first one's context on h0: still no P/D
+            assert plan["action"] in ("colocated_prefill", "decode_continuation"), plan
+            assert plan["d"] == "h0"
+            results[("colo", stream)] = (tokens, lps)
+    ref_tokens, ref_lps = results[("colo", False)]
+    assert len(ref_tokens) == 8
+    for key, (tokens, lps) in results.items():
+        assert tokens == ref_tokens, key
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True)) <= LOGPROB_TOL, key
+
+
+async def test_next_turn_goes_to_the_worker_whose_kv_events_hold_the_prefix(
+    vllm_install: VllmCpuInstall, vllm_hybrid: VllmServer, vllm_hybrid_b: VllmServer
+) -> None:
+    settings = router_settings(
+        vllm_install, [("a", vllm_hybrid), ("b", vllm_hybrid_b)], "ownerserve"
+    )
+    b_direct = VllmClient("b", vllm_hybrid_b.url)
+    async with proxy_client(settings) as (client, router):
+        client.timeout = httpx.Timeout(300.0)
+        tokenizer = router.tokenizers.get(MODEL)
+
+        async def held_by(worker: str, messages: list[dict[str, Any]], blocks: int) -> bool:
+            chain = tokenizer.tokenize_chat(None, messages).chain
+            match = await router.directory.lookup(chain)
+            return bool(match.longest(worker) >= blocks)
+
+        # The router's KV event subscription is up once a direct request's blocks show up.
+        probe = turn("probe", 10)
+        await b_direct.post("/v1/chat/completions", body(probe, False, 1))
+        try:
+            await until(lambda: held_by("b", probe, 1))
+        except AssertionError:
+            await b_direct.post("/v1/chat/completions", body(turn("probe-again", 10), False, 1))
+            await until(lambda: held_by("b", turn("probe-again", 10), 1))
+
+        # An earlier turn ran on b behind the router's back: only b's KV events say so.
+        first = turn("session-prefix")
+        chain_len = len(tokenizer.tokenize_chat(None, first).chain)
+        assert chain_len >= 20
+        await b_direct.post("/v1/chat/completions", body(first, False, 4))
+        await until(lambda: held_by("b", first, chain_len))
+        assert not await held_by("a", first, 1)
+
+        before = await b_direct.load()
+        follow_up = [*first, {"role": "assistant", "content": "ok"}]
+        follow_up.append({"role": "user", "content": "Now run the tests."})
+        plan, tokens, _ = await complete(
+            client, body(follow_up, False), {"x-session-id": "vllm-next-turn"}
+        )
+        after = await b_direct.load()
+        assert plan["d"] == "b", plan
+        assert tokens
+        hits = after.prefix_cache_hits - before.prefix_cache_hits
+        assert hits >= (chain_len - 1) * BLOCK
+    await b_direct.aclose()
+
+
+async def test_worker_killed_mid_stream_ends_the_stream_cleanly_and_loses_its_blocks(
+    vllm_install: VllmCpuInstall, vllm_hybrid: VllmServer, vllm_hybrid_b: VllmServer
+) -> None:
+    """Runs last: it kills one of the package's vLLM servers."""
+    servers = {"a": vllm_hybrid, "b": vllm_hybrid_b}
+    settings = router_settings(vllm_install, list(servers.items()), "ownerserve")
+    messages = turn("doomed", 30)
+    async with proxy_client(settings) as (client, router):
+        client.timeout = httpx.Timeout(300.0)
+        chain = router.tokenizers.get(MODEL).tokenize_chat(None, messages).chain
+        req = body(messages, True, max_tokens=1500)
+        lines: list[str] = []
+        victim = ""
+        async with client.stream("POST", "/v1/chat/completions", json=req) as r:
+            assert r.status_code == 200
+            victim = plan_fields(r.headers["x-ownerserve-plan"])["d"]
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                lines.append(line)
+                if len(lines) == 3:
+
+                    async def victim_holds() -> bool:
+                        match = await router.directory.lookup(chain)
+                        return bool(match.longest(victim) > 0)
+
+                    await until(victim_holds, 20.0)
+                    servers[victim].kill()
+        assert lines[-1] == "data: [DONE]"
+        error = orjson.loads(lines[-2][6:])["error"]
+        assert error["type"] == "upstream_error"
+        assert victim in error["message"]
+
+        async def dropped() -> bool:
+            match = await router.directory.lookup(chain)
+            return not router.pool.get(victim).healthy and match.longest(victim) == 0
+
+        await until(dropped, 30.0)
