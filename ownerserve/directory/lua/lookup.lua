@@ -27,6 +27,7 @@ local rdeep, rkeys = {}, {} -- "worker \t tier" of a live replica -> deepest ind
 local alive = {} -- cached: worker index -> tier bits still contiguous from block 1
 local lost_j, lost_m, lost_n = {}, {}, {} -- (worker index, tier bits, blocks) that ended
 local open = true
+local last_cache = false
 
 -- walk runs of identical records: inside a run only the run's end matters
 local s = 1
@@ -55,7 +56,8 @@ while s <= n do
         end
       end
     end
-    if open then
+    if open and cache ~= last_cache then -- alive bits are within every cache string seen
+      last_cache = cache
       if s == 1 then
         for j = 1, #cache do
           local b = string.byte(cache, j)
