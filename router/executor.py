@@ -234,7 +234,7 @@ class PlanExecutor:
         if action in (Action.ARTIFACT_FETCH, Action.STATE_MIGRATION) and chosen.source_worker:
             t = time.perf_counter()
             with self.span("ownerserve.transfer", source=chosen.source_worker, to=decode.worker_id):
-                fetched = await self._fetch(decode, chosen.source_worker, req, fetch, headers)
+                fetched = await self.fetch(decode, chosen.source_worker, req, fetch)
             transfer_s = time.perf_counter() - t
         opened = await self._final_call(decode, req, req.raw, headers)
         opened.fetched = fetched
@@ -345,13 +345,12 @@ class PlanExecutor:
 
     # --- artifact fetch / state migration ---------------------------------------------------
 
-    async def _fetch(
+    async def fetch(
         self,
         destination: WorkerState,
         source_id: str,
         req: CompletionRequest,
         fetch: FetchSpec | None,
-        headers: bytes,
     ) -> bool:
         """Ask `destination` to pull the prefix from `source`; False (recompute) on failure."""
         source = self.pool.get(source_id)

@@ -647,6 +647,8 @@ class Router:
             if ok:
                 timings.ttft_s = first_at - t0
                 self._spawn(self._commit(plan, tok, session, match, rview))
+                if plan.add_replica_on and match.owner and match.owner_blocks:
+                    self._spawn(self._replicate(plan.add_replica_on, match, req, tok, rview))
             if not (req.stream and ok):
                 await send({"type": "http.response.body", "body": opened.first})
                 timings.output_events = self._completion_tokens(opened.first) if ok else 0
@@ -708,6 +710,30 @@ class Router:
         self.calibrator.observe_plan(plan, ttft_s=t.ttft_s, tpot_s=tpot, transfer_s=t.transfer_s)
 
     # --- after the response: commit to the directory --------------------------------------
+
+    async def _replicate(
+        self,
+        target: str,
+        match: Match,
+        req: CompletionRequest,
+        tok: Tokenized,
+        rview: RequestView,
+    ) -> None:
+        """The hot-spot rule (mission 3.11): the plan asked for a read-only replica of the
+        owner's prefix on `target`; copy it there and record it."""
+        worker = self.pool.get(target)
+        owner = match.owner
+        if worker is None or owner is None or self.executor is None or self.directory is None:
+            return
+        blocks = min(match.owner_blocks, len(tok.chain))
+        spec = FetchSpec(tuple(tok.chain[:blocks]), tok.token_ids, rview.block_size)
+        with self.telemetry.start_span("ownerserve.transfer", source=owner, to=target):
+            ok = await self.executor.fetch(worker, owner, req, spec)
+        if ok:
+            await self.directory.add_replica(
+                tok.chain[blocks - 1], target, Tier.GPU, self.settings.directory.lease_s,
+                True, tok.chain[:blocks],
+            )  # fmt: skip
 
     async def _commit(
         self, plan: Plan, tok: Tokenized, session: SessionKey, match: Match, rview: RequestView

@@ -347,3 +347,35 @@ async def test_request_timeout_ends_a_started_stream_with_an_error_event(workers
     ):
         resp = await c.post("/v1/chat/completions", json=CHAT)
     assert resp.status_code == 504 and resp.json()["error"]["code"] == "upstream_timeout"
+
+
+async def test_a_plan_asking_for_a_replica_copies_the_owners_prefix_there(workers):
+    owner, spare = workers
+
+    class ReplicatingPolicy(FixedPolicy):
+        def plan(self, request: Any, cluster: Any) -> Plan:
+            from dataclasses import replace
+
+            return replace(super().plan(request, cluster), add_replica_on="w1")
+
+    policy = ReplicatingPolicy(Action.DECODE_CONTINUATION, "w0", "w0")
+    async with router_for(
+        [(owner, "hybrid", "emulator"), (spare, "hybrid", "emulator")], policy
+    ) as (
+        c,
+        router,
+    ):
+        await c.post("/v1/chat/completions", json=CHAT, headers={"x-session-id": "hot"})
+        await asyncio.sleep(0.1)
+        assert not [r for r in spare.requests if r.path == "/ownerserve/kv/fetch"]  # no owner yet
+        await c.post("/v1/chat/completions", json=CHAT, headers={"x-session-id": "hot"})
+        for _ in range(100):
+            if [r for r in spare.requests if r.path == "/ownerserve/kv/fetch"]:
+                break
+            await asyncio.sleep(0.02)
+        fetch = next(r for r in spare.requests if r.path == "/ownerserve/kv/fetch").json
+        assert fetch["source_url"] == owner.url
+        chain = router.tokenizers.get(MODEL).tokenize_chat(None, CHAT["messages"]).chain
+        await asyncio.sleep(0.05)
+        match = await router.directory.lookup(chain)
+        assert match.owner == "w0" and match.longest("w1") == len(chain)
