@@ -24,7 +24,13 @@ from loadgen.bench import (
     write_outputs,
 )
 from loadgen.cluster import REPO_ROOT, ClusterSpec
-from loadgen.trace import TraceScaling, load_trace, prefix_sharing, trace_workload
+from loadgen.trace import (
+    TRACE_BLOCK_TOKENS,
+    TraceScaling,
+    load_trace,
+    prefix_sharing,
+    trace_workload,
+)
 from loadgen.workloads import Workload, generate
 from ownerserve.errors import ConfigError
 
@@ -60,7 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-limit", type=int, default=1000, help="rows to replay at most")
     p.add_argument("--block-tokens", type=int, default=32, help="tokens per trace hash id")
     p.add_argument("--max-output", type=int, default=24, help="cap trace output lengths")
-    p.add_argument("--trace-time-scale", type=float, default=0.03, help="multiply trace timestamps")
+    p.add_argument(
+        "--trace-time-scale",
+        type=float,
+        default=None,
+        help="multiply trace timestamps (default (block-tokens/512)/speed: the trace's offered "
+        "load in tokens per emulated second is kept while its prompts shrink)",
+    )
     p.add_argument("--max-inflight", type=int, default=64)
     p.add_argument("--run-limit", type=float, default=90.0, help="seconds at most per run")
     p.add_argument("--quick", action="store_true", help="smoke run: small workload, 2 targets")
@@ -104,16 +116,17 @@ def _workloads(args: argparse.Namespace) -> tuple[list[tuple[str, Workload]], li
             )
         except (OSError, ValueError) as exc:
             raise ConfigError(f"--trace: {exc}") from None
+        trace_scale = args.trace_time_scale
+        if trace_scale is None:
+            trace_scale = args.block_tokens / TRACE_BLOCK_TOKENS / args.speed
         scaling = TraceScaling(
-            block_tokens=args.block_tokens,
-            max_output=args.max_output,
-            time_scale=args.trace_time_scale,
+            block_tokens=args.block_tokens, max_output=args.max_output, time_scale=trace_scale
         )
         out.append(("mooncake-trace", trace_workload(rows, scaling, seed=args.seed)))
         span = (rows[-1].timestamp_ms - rows[0].timestamp_ms) / 1000 if rows else 0.0
         notes.append(
             f"Trace `{args.trace.name}`: rows from {args.trace_start} every {args.trace_stride} "
-            f"({len(rows)} requests over {span:.0f} s, replayed ×{args.trace_time_scale:g}), "
+            f"({len(rows)} requests over {span:.0f} s, replayed ×{trace_scale:g}), "
             f"{args.block_tokens} tokens per hash id (512 recorded), outputs capped at "
             f"{args.max_output}; ideal prefix sharing of this subset "
             f"{prefix_sharing(rows, scaling):.1%}."

@@ -98,6 +98,9 @@ class RunSummary:
     prompt_tokens: int
     cached_tokens: int
     time_limited: bool
+    session_idle_mean_s: float | None = None
+    actions: dict[str, int] = field(default_factory=dict)
+    """Planner actions from the `x-ownerserve-plan` headers (OwnerServe targets only)."""
     cluster: ClusterStats | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -106,6 +109,16 @@ class RunSummary:
         if self.cluster is not None:
             out["cluster"]["kv_bytes_moved"] = self.cluster.kv_bytes_moved
         return out
+
+
+def plan_fields(header: str) -> dict[str, str]:
+    """`key=value;...` of an `x-ownerserve-plan` header."""
+    out: dict[str, str] = {}
+    for part in header.split(";"):
+        key, sep, value = part.partition("=")
+        if sep:
+            out[key.strip()] = value.strip()
+    return out
 
 
 def _error_kind(err: str) -> str:
@@ -142,6 +155,12 @@ def summarize(
         prompt_tokens=sum(r.prompt_tokens for r in ok),
         cached_tokens=sum(r.cached_tokens for r in ok),
         time_limited=result.time_limited,
+        session_idle_mean_s=mean([s.idle_s for s in sessions_done]),
+        actions=dict(
+            Counter(
+                a for r in ok if r.plan and (a := plan_fields(r.plan).get("action"))
+            ).most_common()
+        ),
         cluster=cluster,
         meta={**result.meta, **(meta or {})},
     )
@@ -170,14 +189,16 @@ def _bytes(x: int | None) -> str:
 
 def latency_table(summaries: Sequence[RunSummary]) -> str:
     head = (
-        "| run | sessions ok | session E2E mean s | p50 s | p99 s | TTFT p50 ms | p95 ms | p99 ms "
+        "| run | sessions ok | session E2E mean s | of which idle s | p50 s | p99 s "
+        "| TTFT p50 ms | p95 ms | p99 ms "
         "| TPOT p50 ms | p99 ms | step p50 ms | p95 ms | p99 ms | req/s | out tok/s | errors |"
     )
     lines = [head, _sep(head)]
     for s in summaries:
         lines.append(
             f"| {s.label} | {s.sessions_completed}/{s.sessions} | {_s(s.session_e2e.mean)} "
-            f"| {_s(s.session_e2e.p50)} | {_s(s.session_e2e.p99)} | {_ms(s.ttft.p50)} "
+            f"| {_s(s.session_idle_mean_s)} | {_s(s.session_e2e.p50)} | {_s(s.session_e2e.p99)} "
+            f"| {_ms(s.ttft.p50)} "
             f"| {_ms(s.ttft.p95)} | {_ms(s.ttft.p99)} | {_ms(s.tpot.p50)} | {_ms(s.tpot.p99)} "
             f"| {_ms(s.step_latency.p50)} | {_ms(s.step_latency.p95)} | {_ms(s.step_latency.p99)} "
             f"| {s.requests_per_s:.1f} | {s.output_tokens_per_s:,.0f} "
@@ -214,10 +235,23 @@ def cluster_table(summaries: Sequence[RunSummary]) -> str:
     return "\n".join(lines)
 
 
+def actions_lines(summaries: Sequence[RunSummary]) -> str:
+    """Per run with plan headers: how often the planner chose each action."""
+    lines = []
+    for s in summaries:
+        if s.actions:
+            total = sum(s.actions.values())
+            parts = ", ".join(f"{a} {n} ({n / total:.0%})" for a, n in s.actions.items())
+            lines.append(f"- {s.label} actions: {parts}")
+    return "\n".join(lines)
+
+
 def markdown_tables(summaries: Sequence[RunSummary]) -> str:
     parts = [latency_table(summaries)]
     if any(s.cluster is not None for s in summaries):
         parts.append(cluster_table(summaries))
+    if any(s.actions for s in summaries):
+        parts.append(actions_lines(summaries))
     return "\n\n".join(parts)
 
 

@@ -33,6 +33,9 @@ def _req(sid: str, step: int, e2e: float, ttft: float, error: str | None = None)
         cached_tokens=0 if error else 40,
         status=500 if error else 200,
         error=error,
+        plan=""
+        if error
+        else f"policy=x;action={'state_migration' if step else 'colocated_prefill'}",
     )
 
 
@@ -91,9 +94,10 @@ def test_markdown_tables_show_each_run_and_cluster_columns() -> None:
     md = markdown_tables([a, b])
     lines = md.splitlines()
     assert lines[0].startswith("| run | sessions ok | session E2E mean s")
-    row = next(line for line in lines if line.startswith("| ownerserve | 2/3 | 1.50 "))
+    row = next(line for line in lines if line.startswith("| ownerserve | 2/3 | 1.50 | 0.50 "))
     assert "1 (25.0%)" in row
-    assert any(line.startswith("| static-pd | 2/3 | 3.00 ") for line in lines)
+    assert any(line.startswith("| static-pd | 2/3 | 3.00 | 0.50 ") for line in lines)
+    assert "- ownerserve actions: colocated_prefill 2 (67%), state_migration 1 (33%)" in lines
     # client prompt tokens (300) against the workers' computed tokens (400 here)
     crow = next(
         line for line in lines if line.startswith("| ownerserve | 300 | 400 | 133.3% | 60.0%")
