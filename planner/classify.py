@@ -24,6 +24,12 @@ stay on the D owner; forked rollout → shared prefix artifact read by many D wo
 cold resume → load the artifact from its tier and recompute the tail."""
 
 
+# members bound once (a class-attribute lookup of an enum member costs ~0.1 µs)
+_FORK, _COLD = RequestClass.FORKED_ROLLOUT, RequestClass.COLD_RESUME
+_CONT, _SMALL = RequestClass.DECODE_CONTINUATION, RequestClass.SMALL_INCREMENTAL_TURN
+_TOOL, _LONG = RequestClass.LONG_TOOL_OUTPUT, RequestClass.NEW_LONG_PREFIX
+
+
 def new_tokens(request: RequestView) -> int:
     """Tokens of the prompt not known from before: N − min(N, max(previous_prompt_tokens,
     owner_blocks · block_size))."""
@@ -47,16 +53,16 @@ def classify(request: RequestView, config: CostConfig) -> RequestClass:
     7. otherwise                                                     → SMALL_INCREMENTAL_TURN
     """
     if request.is_fork or request.n > 1:
-        return RequestClass.FORKED_ROLLOUT
+        return _FORK
     delta = new_tokens(request)
     if has_history(request):
         if request.session_owner is None or request.idle_s >= config.cold_resume_idle_s:
-            return RequestClass.COLD_RESUME
+            return _COLD
         if delta <= config.continuation_tokens:
-            return RequestClass.DECODE_CONTINUATION
+            return _CONT
         if delta <= config.small_turn_tokens:
-            return RequestClass.SMALL_INCREMENTAL_TURN
-        return RequestClass.LONG_TOOL_OUTPUT
+            return _SMALL
+        return _TOOL
     if delta >= config.long_prefix_tokens:
-        return RequestClass.NEW_LONG_PREFIX
-    return RequestClass.SMALL_INCREMENTAL_TURN
+        return _LONG
+    return _SMALL

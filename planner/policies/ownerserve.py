@@ -130,6 +130,7 @@ class OwnerServePolicy:
                 owner_w = cluster.by_id(owner_id)
         # λ·dup(w, 0): what a non-owner holding nothing pays for materialising the owned prefix
         dup_miss = lam * ob * bk
+        lam_nkb = lam * n * kb
         fm_count = 1 + (src_f is not None) + (src_m is not None)
 
         rt_f = min(ob * bs, nm1)
@@ -224,13 +225,7 @@ class OwnerServePolicy:
                     n_p += 1
                     if role is not _PREFILL:
                         n_both += 1
-                    a = q + pf + lam * n * kb + mu * pf * share
-                    if a < ga2:
-                        if a < ga1:
-                            ga2, gw2 = ga1, gw1
-                            ga1, gw1 = a, w
-                        else:
-                            ga2, gw2 = a, w
+                    a = q + pf + lam_nkb + mu * pf * share
                     t = nodes.get(w.node)
                     if t is None:
                         nodes[w.node] = (a, w, _INF, None)
@@ -331,18 +326,21 @@ class OwnerServePolicy:
                 if role is not _PREFILL:
                     n_both += 1
                 a = q + pf + rest + lam * (n - rt) * kb + mu * pf * share
-                if a < ga2:
-                    if a < ga1:
-                        ga2, gw2 = ga1, gw1
-                        ga1, gw1 = a, w
-                    else:
-                        ga2, gw2 = a, w
                 t = nodes.get(w.node)
                 if t is None:
                     nodes[w.node] = (a, w, _INF, None)
                 elif a < t[2]:
                     nodes[w.node] = (a, w, t[0], t[1]) if a < t[0] else (t[0], t[1], a, w)
 
+        # the best two P parts overall, from the best two of each node
+        for a1, w1, a2, w2 in nodes.values():
+            if a1 < ga2:
+                if a1 < ga1:
+                    ga1, gw1, ga2, gw2 = a1, w1, ga1, gw1
+                else:
+                    ga2, gw2 = a1, w1
+                if a2 < ga2:
+                    ga2, gw2 = a2, w2
         # remote prefill: for each D, the best P on its node (intra-node link) and overall;
         # bd + ga1 is a lower bound of every pair into D
         p: WorkerView | None
