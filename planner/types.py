@@ -146,8 +146,9 @@ class Plan:
     runner_up: Candidate | None = None
     add_replica_on: str | None = None
     candidates_considered: int = 1
-    # the request class's default action and the cheapest candidate of that action (None when
-    # the class's default was not feasible); the cost model overrides the default when cheaper
+    # the request class's default action and the cost of its cheapest candidate (None when no
+    # candidate had that action, or the policy does not weigh it: the baselines); the cost
+    # model overrides the default when another candidate is cheaper
     default_action: Action | None = None
     default_cost_s: float | None = None
 
