@@ -15,9 +15,10 @@ Cached so a turn of a long session only tokenizes and hashes what is new:
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from hashlib import blake2b
 from typing import Any
@@ -26,7 +27,34 @@ import orjson
 
 from ownerserve.config import ModelSettings
 from ownerserve.hashing import chain_root
-from ownerserve.tokenizer import ChatTemplate, Tokenizer, load_chat_template, load_tokenizer
+from ownerserve.tokenizer import (
+    ByteTokenizer,
+    ChatTemplate,
+    Tokenizer,
+    load_chat_template,
+    load_tokenizer,
+)
+
+
+def array_encoder(tokenizer: Tokenizer) -> Callable[[str], array[int]]:
+    """`tokenizer.encode` returning an `array("I")`. For the byte tokenizer the ids are the
+    UTF-8 bytes widened to 32 bits by a strided copy (no per-token Python objects)."""
+    if isinstance(tokenizer, ByteTokenizer) and sys.byteorder == "little":
+
+        def encode_bytes(text: str) -> array[int]:
+            data = text.encode("utf-8")
+            wide = bytearray(4 * len(data))
+            wide[0::4] = data
+            out = array("I")
+            out.frombytes(wide)
+            return out
+
+        return encode_bytes
+
+    def encode(text: str) -> array[int]:
+        return array("I", tokenizer.encode(text))
+
+    return encode
 
 
 def token_array(ids: Sequence[int]) -> array[int]:
@@ -133,7 +161,8 @@ class ModelTokenizer:
         self.template = template or load_chat_template(settings.chat_template)
         self._sessions: _LRU = _LRU(max_sessions)
         self._messages: _LRU = _LRU(max_messages)
-        self._gen_prompt = array("I", self.tokenizer.encode(ChatTemplate.GENERATION_PROMPT))
+        self._encode = array_encoder(self.tokenizer)
+        self._gen_prompt = self._encode(ChatTemplate.GENERATION_PROMPT)
         self.message_cache_hits = 0
         self.message_cache_misses = 0
 
@@ -145,7 +174,7 @@ class ModelTokenizer:
             self.message_cache_hits += 1
             return cached
         self.message_cache_misses += 1
-        ids = array("I", self.tokenizer.encode(self.template.render_message(message)))
+        ids = self._encode(self.template.render_message(message))
         self._messages.put(key, ids)
         return ids
 
@@ -154,7 +183,7 @@ class ModelTokenizer:
         cached: array[int] | None = self._messages.get_or_none(key)
         if cached is None:
             head = self.template.render([], tools=tools, add_generation_prompt=False)
-            cached = array("I", self.tokenizer.encode(head))
+            cached = self._encode(head)
             self._messages.put(key, cached)
         return key, cached
 
@@ -230,10 +259,10 @@ class ModelTokenizer:
         # for BPE merges across the boundary; exact for the byte tokenizer)
         if state.text and text.startswith(state.text):
             keep = len(state.ids)
-            ids = state.ids + array("I", self.tokenizer.encode(text[len(state.text) :]))
+            ids = state.ids + self._encode(text[len(state.text) :])
         else:
             keep = 0
-            ids = array("I", self.tokenizer.encode(text))
+            ids = self._encode(text)
         state.text = text
         state.keys = []
         return self._finish(state, ids, keep)

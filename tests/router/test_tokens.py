@@ -100,3 +100,10 @@ def test_tools_or_an_edited_early_message_rehash_from_there():
     assert list(c.chain) == _reference_chain(edited, tools)[1]
     same = mt.tokenize_chat("s1", edited, tools)
     assert same.chain == c.chain and same.common_blocks == len(c.chain)
+
+
+def test_byte_token_arrays_equal_the_tokenizers_ids():
+    from router.tokens import array_encoder
+
+    text = "héllo wörld ✓ \x00\xff" * 20
+    assert list(array_encoder(ByteTokenizer())(text)) == ByteTokenizer().encode(text)
