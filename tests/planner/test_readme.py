@@ -46,3 +46,15 @@ def test_readme_plan_and_header() -> None:
     assert plan.margin_s == pytest.approx(0.055164)
     assert "margin 0.055164 s, 5 candidates" in text
     assert plan.candidates_considered == 5
+
+
+def test_readme_hot_spot_numbers_are_the_tests_numbers() -> None:
+    from tests.planner.test_ownerserve import fork_case
+
+    text = " ".join(README.read_text().split())
+    policy = OwnerServePolicy(model=unit_model())
+    idle = policy.plan(*fork_case(owner_busy=False))
+    hot = policy.plan(*fork_case(owner_busy=True))
+    assert f"**{idle.chosen.cost.total:.4f} s**" in text
+    assert f"**{hot.chosen.cost.total:.5f} s**" in text
+    assert hot.add_replica_on == "d1" and "`replica=d1`" in text
