@@ -338,11 +338,13 @@ def t_compute(model: CostModel, request: RequestView, route: Route) -> float:
     return t_prefill(model, request, route) + t_decode(model, request, route)
 
 
-def t_network(model: CostModel, request: RequestView, route: Route) -> float:
+def t_network(
+    model: CostModel, request: RequestView, route: Route, moved: int | None = None
+) -> float:
     """KV moved over links:
     REMOTE_PREFILL: pd_handshake_s + transfer_s(P, D, max(0, N − gpu(D)·block_size) · K);
     ARTIFACT_FETCH / STATE_MIGRATION: transfer_s(S, P, moved_blocks · block_size · K);
-    colocated actions: 0.  (K = kv_bytes_per_token)"""
+    colocated actions: 0.  (K = kv_bytes_per_token; `moved` = moved_blocks when known)"""
     k = request.kv_bytes_per_token
     if route.action is _REMOTE:
         n = max(request.prompt_tokens, 1)
@@ -351,26 +353,39 @@ def t_network(model: CostModel, request: RequestView, route: Route) -> float:
             route.prefill, route.decode, max(0, n - gpu_d) * k
         )
     if route.source is not None:
-        nbytes = moved_blocks(request, route) * request.block_size * k
+        mb = moved_blocks(request, route) if moved is None else moved
+        nbytes = mb * request.block_size * k
         return model.transfer_s(route.source, route.prefill, nbytes)
     return 0.0
 
 
-def t_restore(model: CostModel, request: RequestView, route: Route) -> float:
+def t_restore(
+    model: CostModel,
+    request: RequestView,
+    route: Route,
+    tiers: tuple[int, int, int] | None = None,
+) -> float:
     """Bringing the prefill worker's own held prefix into HBM, `CostModel.tier_restore_s`:
     tier loads restore_s(P, max(0, cpu − gpu)·bs·K, max(0, ssd − max(gpu, cpu))·bs·K),
     or — with a KV spec and nothing in GPU (a cold resume) — planner.restore's plan for loading
     or recomputing each state type. gpu/cpu/ssd: P's longest held prefix per tier (blocks)."""
-    g, c, s = tier_blocks(route.prefill)
+    g, c, s = tier_blocks(route.prefill) if tiers is None else tiers
     return model.tier_restore_s(route.prefill, g, c, s, request)
 
 
-def m_hbm(model: CostModel, request: RequestView, route: Route, reused: int | None = None) -> float:
+def m_hbm(
+    model: CostModel,
+    request: RequestView,
+    route: Route,
+    reused: int | None = None,
+    held: int | None = None,
+) -> float:
     """M_HBM, duplicate KV bytes the action creates:
     REMOTE_PREFILL: (N − r) · K  (P's copy of what it computed)  + dup(D, gpu(D));
     STATE_MIGRATION: 0  (the session's blocks move; the source releases them);
     otherwise (colocated, fetch): dup(P, held(P)), the fetched replica or recomputed owned prefix;
-    dup(w, h) = [w ≠ owner] · max(0, owner_blocks − h) · block_size · K."""
+    dup(w, h) = [w ≠ owner] · max(0, owner_blocks − h) · block_size · K.
+    `reused` (tokens) and `held` (held(P)) when already known."""
     if route.action is _MIG:
         return 0.0
     if route.action is _REMOTE:
@@ -380,7 +395,8 @@ def m_hbm(model: CostModel, request: RequestView, route: Route, reused: int | No
         return float((n - r) * request.kv_bytes_per_token) + owner_duplicate_bytes(
             request, route.decode, gpu_d
         )
-    return float(owner_duplicate_bytes(request, route.prefill, held_blocks(route.prefill)))
+    h = held_blocks(route.prefill) if held is None else held
+    return float(owner_duplicate_bytes(request, route.prefill, h))
 
 
 def i_decode(
@@ -396,22 +412,33 @@ def i_decode(
     return (t_prefill(model, request, route) if prefill is None else prefill) * share
 
 
-def evaluate(
-    model: CostModel, request: RequestView, route: Route, blocks: int | None = None
+def evaluate(model: CostModel, request: RequestView, route: Route) -> CostBreakdown:
+    """The full breakdown of C(route); `CostBreakdown.total` is C(a)."""
+    return _evaluate(model, request, route, tier_blocks(route.prefill))
+
+
+def _held(tiers: tuple[int, int, int]) -> int:
+    g, c, s = tiers
+    return g if g >= c and g >= s else (c if c >= s else s)
+
+
+def _evaluate(
+    model: CostModel, request: RequestView, route: Route, tiers: tuple[int, int, int]
 ) -> CostBreakdown:
-    """The full breakdown of C(route); `CostBreakdown.total` is C(a). `blocks` is
-    reused_blocks(request, route) when already known."""
+    # every term, with the values they share (P's tiers, held, moved, reused) computed once
     cfg = model.config
-    r = reused_tokens(request, route, blocks)
+    held = _held(tiers)
+    moved = moved_blocks(request, route, held)
+    r = reused_tokens(request, route, held + moved)
     pre = t_prefill(model, request, route, r)
     dec = t_decode(model, request, route)
     o = decode_tokens(request, cfg)
     return CostBreakdown(
         t_queue(model, request, route),
         pre + dec,
-        t_network(model, request, route),
-        t_restore(model, request, route),
-        m_hbm(model, request, route, r),
+        t_network(model, request, route, moved),
+        t_restore(model, request, route, tiers),
+        m_hbm(model, request, route, r, held),
         i_decode(model, request, route, pre),
         cfg.lam,
         cfg.mu,
@@ -422,15 +449,16 @@ def evaluate(
 
 def to_candidate(model: CostModel, request: RequestView, route: Route) -> Candidate:
     """The route as a `Candidate` with its full breakdown."""
-    blocks = reused_blocks(request, route)
+    tiers = tier_blocks(route.prefill)
+    held = _held(tiers)
     src = route.source
     return Candidate(
         route.action,
         route.prefill.worker_id,
         route.decode.worker_id,
-        evaluate(model, request, route, blocks),
+        _evaluate(model, request, route, tiers),
         None if src is None else src.worker_id,
-        blocks,
+        held + moved_blocks(request, route, held),
     )
 
 
