@@ -40,7 +40,7 @@ from router.requests import Endpoint
 _HOT_PATHS = {e.value: e for e in Endpoint}
 
 
-class _CompletionsASGI:
+class CompletionsASGI:
     """Serves the completion endpoints directly; passes everything else to FastAPI."""
 
     def __init__(self, app: Any, router: Router) -> None:
@@ -96,7 +96,7 @@ def create_app(
         openapi_url=None,
     )
     app.state.router = router
-    app.add_middleware(_CompletionsASGI, router=router)
+    app.add_middleware(CompletionsASGI, router=router)
 
     @app.exception_handler(OwnerServeError)
     async def _owner_error(_: Request, exc: OwnerServeError) -> JSONResponse:

@@ -12,7 +12,7 @@ from typing import Any
 import uvicorn
 
 from ownerserve.config import Settings
-from router.app import create_app
+from router.app import CompletionsASGI, create_app
 
 
 def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning") -> uvicorn.Config:
@@ -27,7 +27,15 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning") -
         lifespan="on",
         timeout_keep_alive=75,
         backlog=4096,
+        proxy_headers=False,
     )
+
+
+def hot_path_first(app: Any) -> Any:
+    """The app with the completion endpoints served before FastAPI's middleware stack (the
+    app serves them itself too; this only skips layers)."""
+    router = getattr(getattr(app, "state", None), "router", None)
+    return app if router is None else CompletionsASGI(app, router)
 
 
 async def serve(settings: Settings, **app_kwargs: Any) -> None:
@@ -37,7 +45,8 @@ async def serve(settings: Settings, **app_kwargs: Any) -> None:
     # collector's full collections, which otherwise rescan it on the request path.
     gc.collect()
     gc.freeze()
-    server = uvicorn.Server(uvicorn_config(app, settings.server.host, settings.server.port))
+    config = uvicorn_config(hot_path_first(app), settings.server.host, settings.server.port)
+    server = uvicorn.Server(config)
     await server.serve()
 
 
@@ -54,7 +63,7 @@ async def running(settings: Settings, **app_kwargs: Any) -> AsyncIterator[str]:
 async def running_app(app: Any, host: str, port: int) -> AsyncIterator[str]:
     """Serve an already built ASGI app (e.g. `create_app(...)`, whose `state.router` a caller
     wants to inspect) in this event loop; yield its base URL."""
-    config = uvicorn_config(app, host, port)
+    config = uvicorn_config(hot_path_first(app), host, port)
     config.loop = "none"
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
