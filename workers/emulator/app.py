@@ -1025,6 +1025,7 @@ class EmulatorApp:
                 served.append(h)
         finally:
             self.pool.free(hold.block_ids)
+            self.engine.poke()
         nbytes = len(served) * self.config.block_size * self.profile.kv_bytes_per_token
         self.metrics.kv_sent_bytes["pd"] += nbytes
         self.metrics.kv_sent_blocks["pd"] += len(served)

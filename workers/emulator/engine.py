@@ -194,9 +194,12 @@ class TransferHold:
 class TransferHolds:
     """Prefill results waiting for their decode side, with waiters for keys not there yet."""
 
-    def __init__(self, pool: BlockPool, timeout_s: float) -> None:
+    def __init__(
+        self, pool: BlockPool, timeout_s: float, on_release: Callable[[], None] | None = None
+    ) -> None:
         self._pool = pool
         self._timeout_s = timeout_s
+        self._on_release = on_release
         self._held: dict[str, TransferHold] = {}
         self._failed: dict[str, str] = {}
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
@@ -230,6 +233,8 @@ class TransferHolds:
             if hold.handle is not None:
                 hold.handle.cancel()
             self._pool.free(hold.block_ids)
+            if self._on_release is not None:
+                self._on_release()
 
     def take(self, key: str) -> TransferHold | None:
         """Remove and return the hold (its blocks stay referenced: release them when done)."""
@@ -296,7 +301,7 @@ class Engine:
         self.speed = speed
         self.max_num_seqs = max_num_seqs or profile.max_num_seqs
         self.max_batched_tokens = max_batched_tokens or profile.max_batched_tokens
-        self.holds = TransferHolds(pool, transfer_timeout_s)
+        self.holds = TransferHolds(pool, transfer_timeout_s, on_release=self.poke)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._publish = publish
@@ -331,6 +336,11 @@ class Engine:
         assert self._wake is not None
         self._wake.set()
 
+    def poke(self) -> None:
+        """Blocks were freed outside a step: let waiting sequences try again."""
+        if self._wake is not None and (self.waiting or self.running):
+            self._wake.set()
+
     def abort(self, seq: Sequence) -> None:
         """Stop a sequence whose client went away; frees its blocks at once."""
         if seq.state == SeqState.FINISHED:
@@ -343,6 +353,7 @@ class Engine:
                 self.running.remove(seq)
         seq.finish_reason = "abort"
         self._finish(seq, "abort")
+        self.poke()
 
     @property
     def num_running(self) -> int:
@@ -430,18 +441,27 @@ class Engine:
             i += 1
 
         waiting = self.waiting
-        while waiting and budget > 0 and not preempted and len(running) < self.max_num_seqs:
-            seq = waiting[0]
+        skip = 0
+        while (
+            len(waiting) > skip
+            and budget > 0
+            and not preempted
+            and len(running) < self.max_num_seqs
+        ):
+            seq = waiting[skip]
             hit = self._prefix_hit_blocks(seq)
             hit_hashes = seq.hashes[:hit]
             computed = hit * bs
             n = min(seq.num_tokens - computed, budget)
             need = -(-(computed + n) // bs) - hit
             if need > pool.free_after_touch(hit_hashes):
-                if not running and not items and not seq.pinned:
-                    log.warning("request %s cannot fit in the KV cache", seq.request_id)
-                break
-            waiting.popleft()
+                if running or items:
+                    break
+                # Nothing runs, so nothing will free blocks: blocks pinned by later waiting
+                # sequences (pulled KV) are all there is. Let the next one try (FIFO otherwise).
+                skip += 1
+                continue
+            del waiting[skip]
             blocks = pool.touch(hit_hashes)
             got = pool.allocate(need)
             assert got is not None

@@ -163,6 +163,7 @@ class KVMover:
             seconds = await self._transfer_sleep(nbytes, answer.get("node"))
         except BaseException:
             pool.free(pinned)
+            engine.poke()
             raise
         blocks = [
             CachedBlock(

@@ -86,3 +86,21 @@ async def test_speed_divides_emulated_time(
         assert resp.status_code == 200
     assert times[0] > 0.6
     assert times[1] < times[0] / 3
+
+
+async def test_a_request_waiting_for_blocks_held_for_a_transfer_runs_once_they_expire(
+    start_emulator: StartEmulator, http: httpx.AsyncClient
+) -> None:
+    p = await start_emulator(role="prefill", num_blocks=20, transfer_timeout_s=0.5)
+    first = {
+        "messages": [{"role": "user", "content": "a" * 230}],  # 15 full blocks, held
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    assert (await http.post(p.url + "/v1/chat/completions", json=first)).status_code == 200
+    second = {"messages": [{"role": "user", "content": "b" * 230}], "max_tokens": 2}
+    t0 = time.perf_counter()
+    resp = await http.post(p.url + "/v1/chat/completions", json=second, timeout=10)
+    waited = time.perf_counter() - t0
+    assert resp.status_code == 200
+    assert 0.3 < waited < 5
