@@ -12,7 +12,8 @@ session owner and is decoded into a `Match`.
 
 Measured per chain length:
 - round trips per lookup: commands the client sent during 200 lookups, counted by MONITOR
-  (commands run inside the Lua script are tagged `lua` there and not counted);
+  (commands run inside the Lua script are tagged `lua` there and not counted), split into the
+  lookup script's calls and the reuse counts the client batches in the background;
 - script time on the server: `INFO commandstats` usec_per_call of EVALSHA (wall time inside
   the script), and how many lookups/s one Redis core could serve at that cost;
 - server CPU per lookup (user + system time of the redis-server process over the pipelined run,
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -48,7 +50,7 @@ import redis
 
 from ownerserve.directory.base import Artifact, Match
 from ownerserve.directory.memory import InMemoryDirectory
-from ownerserve.directory.redis import RedisDirectory
+from ownerserve.directory.redis import RedisDirectory, load_script_sources
 from ownerserve.events import BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
 from ownerserve.types import Tier
@@ -144,26 +146,33 @@ def start_redis() -> tuple[subprocess.Popen[bytes], str, str]:
     return proc, url, workdir
 
 
-def count_round_trips(url: str, ns: str, sessions: list[Session], n: int = 200) -> float:
+def count_round_trips(
+    url: str, ns: str, sessions: list[Session], n: int = 200
+) -> tuple[float, float]:
     """Commands per lookup as the server saw them arrive from clients (MONITOR tags the
-    commands a Lua script runs as `lua`; those are not round trips)."""
+    commands a Lua script runs as `lua`; those are not round trips): (lookup script calls,
+    other commands, i.e. the batched reuse-count writes sent in the background)."""
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     mon_client = redis.Redis(port=port)
     counted: dict[str, int] = {}
+    lookup_sha = hashlib.sha1(load_script_sources()["lookup"].encode()).hexdigest()
     ready = threading.Event()
 
     def reader() -> None:
         with mon_client.monitor() as monitor:
             ready.set()
-            counting, commands = False, 0
+            counting, lookups, others = False, 0, 0
             for cmd in monitor.listen():
                 if "bench-marker" in cmd["command"]:
                     if counting:
                         break
                     counting = True
                 elif counting and cmd.get("client_type") != "lua":
-                    commands += 1
-            counted["commands"] = commands
+                    if cmd["command"].startswith(f"EVALSHA {lookup_sha}"):
+                        lookups += 1
+                    else:
+                        others += 1
+            counted["lookups"], counted["others"] = lookups, others
 
     thread = threading.Thread(target=reader, daemon=True)
     thread.start()
@@ -183,7 +192,7 @@ def count_round_trips(url: str, ns: str, sessions: list[Session], n: int = 200) 
     asyncio.run(run())
     thread.join(60)
     mon_client.close()
-    return counted["commands"] / n
+    return counted["lookups"] / n, counted["others"] / n
 
 
 def process_cpu_s(pid: int | None) -> float | None:
@@ -236,6 +245,7 @@ def pipelined_proc(
     async def run() -> int:
         d = RedisDirectory.from_url(url, ns)
         await d.lookup(sessions[0].chain, sessions[0].sid)
+        await d.refresh_worker_names()
         calls = [d.lookup_call(s.chain, s.sid) for s in sessions]
         sha = calls[0][0]
         done = 0
@@ -251,7 +261,8 @@ def pipelined_proc(
                 i += 1
             replies = await pipe.execute()
             for n, reply in zip(batch, replies, strict=True):
-                m: Match = RedisDirectory.decode_lookup(n, reply)
+                m: Match = d.decode_lookup(n, reply)
+                d.record_touches(reply)
                 assert m.owner is not None
             done += depth
         await d.close()
@@ -311,7 +322,7 @@ def main() -> None:
             asyncio.run(populate(mem, sessions, seqs))
             holdings = len(asyncio.run(mem.lookup(sessions[1].chain, sessions[1].sid)).holdings)
 
-            rtt = count_round_trips(url, ns, sessions)
+            rtt, reuse_writes = count_round_trips(url, ns, sessions)
             reset_stats(port)
             single = asyncio.run(asyncio_client(url, ns, sessions, a.seconds, a.concurrency))
             single_rate = single / a.seconds
@@ -340,6 +351,7 @@ def main() -> None:
                 "blocks": n,
                 "holdings": holdings,
                 "round_trips_per_lookup": rtt,
+                "reuse_writes_per_lookup": reuse_writes,
                 "evalsha_per_lookup": round(calls_piped / total, 3) if total else None,
                 "script_usec": round(usec_piped, 1),
                 "server_capacity_per_s": round(1e6 / usec_piped) if usec_piped else None,
@@ -371,7 +383,8 @@ def main() -> None:
         ("blocks", "blocks"),
         ("holdings", "holdings / lookup"),
         ("round_trips_per_lookup", "round trips / lookup"),
-        ("evalsha_per_lookup", "EVALSHA / lookup"),
+        ("reuse_writes_per_lookup", "+ batched reuse writes / lookup"),
+        ("evalsha_per_lookup", "EVALSHA / lookup (all)"),
         ("script_usec", "script µs"),
         ("server_cpu_us", "server CPU µs"),
         ("cpu_capacity_per_s", "one-core capacity /s"),

@@ -14,7 +14,7 @@ hash tag, so every key of one namespace lives in one slot and every script is si
     P art            HASH  artifact id hex -> "worker\tepoch\texpires_ms\ttier"  (leases)
     P a:<id>         HASH  artifact metadata: worker epoch start n size kv tier created
                            blocks (hex of chain[start:])
-    P reuse / last   HASH  artifact id hex -> reuse count / last access ms (lookups bump them)
+    P reuse / last   HASH  artifact id hex -> reuse count / last access ms (batched touches)
     P epoch          STRING  fencing epoch counter (INCR; never reused, even after expiry)
     P workers / widx HASH  worker -> index / index -> worker;  P wnext: index counter
     P w:<worker>     HASH  root, bs (block size), idx, seq (last applied event batch)
@@ -27,7 +27,8 @@ Block hashes are 16 hex digits; a chain travels as one string argument (one argu
 block measured no cheaper on the server: Redis builds the same Lua strings either way).
 A lookup reads the chain's block records with one HMGET, walks them run by run (the blocks of
 one artifact with the same holders carry identical records: one string comparison each), then
-reads the leases of the artifacts it met with one more HMGET.
+reads the leases of the artifacts it met with one more HMGET. It writes nothing: reuse counts
+are batched by the client (`record_touches`, `touch.lua`).
 
 Trade-off of the one-slot layout: a namespace is served by one Redis master (Cluster then
 buys fail-over and lets several namespaces, e.g. one per model or tenant, spread over
@@ -37,6 +38,9 @@ namespace by block would make a lookup touch many slots: many round trips.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
 from collections.abc import Sequence
 from importlib import resources
@@ -71,6 +75,8 @@ from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from ownerserve.hashing import hash_block
 from ownerserve.types import Tier
 
+log = logging.getLogger(__name__)
+
 SCRIPT_NAMES = (
     "lookup",
     "claim",
@@ -87,8 +93,12 @@ SCRIPT_NAMES = (
     "boot",
     "raise_epoch",
     "restore_cached",
+    "touch",
 )
 _ENGINE_MAP_LIMIT = 1_000_000  # per worker; the local map is only a cache of Redis's
+TOUCH_FLUSH_S = 0.5
+TOUCH_FLUSH_IDS = 512
+"""Reuse counts from lookups are sent in batches: at most this late, or this many artifacts."""
 _TRUE = ("1", "true", "yes", "on")
 _TIERS = {t.value: t for t in Tier}
 _KINDS = {"o": HoldKind.OWNER, "r": HoldKind.REPLICA, "c": HoldKind.CACHED}
@@ -136,6 +146,10 @@ class RedisDirectory:
         # per worker: (root, block size) and engine hash -> block hash, both caches of Redis
         self._registration: dict[str, tuple[int, int]] = {}
         self._engine_map: dict[str, dict[int, int]] = {}
+        self._worker_names: dict[str, str] = {}  # cached-byte index -> worker (from `widx`)
+        self._touches: dict[str, int] = {}  # artifact id hex -> reuses not yet sent
+        self._touch_deadline = 0.0
+        self._touch_task: asyncio.Task[None] | None = None
 
     @classmethod
     def from_url(
@@ -176,30 +190,47 @@ class RedisDirectory:
     def lookup_call(
         self, chain: Sequence[int], session_id: str | None = None, touch: bool = True
     ) -> tuple[str, list[str], list[Any]]:
-        """(script sha, keys, args) of a lookup: lets a benchmark pipeline many lookups."""
+        """(script sha, keys, args) of a lookup: lets a benchmark pipeline many lookups.
+        With `touch`, the reply carries the live artifacts met, for `record_touches`."""
         p = self.prefix
-        keys = [p + "blk", p + "art", p + "widx", p + "reuse"]
+        keys = [p + "blk", p + "art", p + "reuse"]
         if session_id is not None:
             keys.append(p + "s:" + session_id)
         return (
             self._scripts["lookup"].sha,
             keys,
-            [p, hex_blocks(chain), "1" if touch else "0"],
+            [p, hex_blocks(chain), "r" if touch else "0"],
         )
 
     async def lookup(self, chain: Sequence[int], session_id: str | None = None) -> Match:
         _, keys, args = self.lookup_call(chain, session_id)
         reply = await self._scripts["lookup"](keys=keys, args=args)
-        return self.decode_lookup(len(chain), reply)
+        try:
+            match = self.decode_lookup(len(chain), reply)
+        except KeyError:  # a worker registered since we last read the index -> name map
+            await self.refresh_worker_names()
+            match = self.decode_lookup(len(chain), reply, strict=False)
+        self.record_touches(reply)
+        return match
 
-    @staticmethod
-    def decode_lookup(chain_len: int, reply: Sequence[Any]) -> Match:
-        """A `Match` from the lookup script's reply; holdings come as one string of lines
-        "worker\ttier\tblocks\tkind" (kind o/r/c), cheaper to ship than nested arrays."""
-        sess, lines, owner, owner_blocks, owner_epoch, owner_id = reply
+    async def refresh_worker_names(self) -> None:
+        names = await self._client.hgetall(self.key("widx"))
+        self._worker_names = {_s(k): _s(v) for k, v in names.items()}
+
+    def decode_lookup(self, chain_len: int, reply: Sequence[Any], strict: bool = True) -> Match:
+        """A `Match` from the lookup script's reply. Holdings come as one string of lines
+        "worker\ttier\tblocks\tkind" (kind o/r; c with a worker index instead of the name):
+        cheaper to build and ship than nested arrays. An unknown worker index raises KeyError
+        (`strict`) or drops that holding."""
+        sess, lines, owner, owner_blocks, owner_epoch, owner_id = reply[:6]
+        names = self._worker_names
         holdings = []
         for line in _s(lines).split("\n")[:-1]:
             worker, tier, blocks, kind = line.split("\t")
+            if kind == "c":
+                if worker not in names and not strict:
+                    continue
+                worker = names[worker]
             holdings.append(Holding(worker, _TIERS[tier], int(blocks), _KINDS[kind]))
         return Match(
             chain_len=chain_len,
@@ -210,6 +241,45 @@ class RedisDirectory:
             session_owner=_s(sess) if sess is not None else None,
             owner_artifact_id=int(_s(owner_id), 16) if owner_id is not None else None,
         )
+
+    def record_touches(self, reply: Sequence[Any]) -> None:
+        """Count a reuse of every live artifact a lookup met; sent in the background in
+        batches (`TOUCH_FLUSH_S`, `TOUCH_FLUSH_IDS`), so the lookup stays one round trip."""
+        touched = _s(reply[6]) if len(reply) > 6 and reply[6] is not None else ""
+        touches = self._touches
+        for i in range(0, len(touched), 16):
+            aid = touched[i : i + 16]
+            touches[aid] = touches.get(aid, 0) + 1
+        if not touches:
+            return
+        now = time.monotonic()
+        if not self._touch_deadline:
+            self._touch_deadline = now + TOUCH_FLUSH_S
+        due = len(touches) >= TOUCH_FLUSH_IDS or now >= self._touch_deadline
+        if due and (self._touch_task is None or self._touch_task.done()):
+            self._touch_task = asyncio.create_task(self._flush_touches_quietly())
+
+    async def flush_touches(self) -> int:
+        """Send the batched reuse counts now; returns how many artifacts were counted."""
+        if not self._touches:
+            return 0
+        batch, self._touches, self._touch_deadline = self._touches, {}, 0.0
+        args: list[Any] = []
+        for aid, count in batch.items():
+            args += [aid, count]
+        p = self.prefix
+        try:
+            return int(await self._run("touch", [p + "reuse", p + "last", p + "art"], args))
+        except BaseException:
+            for aid, count in batch.items():  # keep them for the next flush
+                self._touches[aid] = self._touches.get(aid, 0) + count
+            raise
+
+    async def _flush_touches_quietly(self) -> None:
+        try:
+            await self.flush_touches()
+        except Exception as exc:  # counts are kept; a later flush retries
+            log.debug("directory: reuse counts not sent yet: %s", exc)
 
     # --- leases ----------------------------------------------------------------------------
 
@@ -441,6 +511,7 @@ class RedisDirectory:
 
     async def artifact_info(self, artifact_id: int) -> ArtifactInfo | None:
         aid = hex_block(artifact_id)
+        await self.flush_touches()
         reply = await self._run(
             "artifact_info",
             [self.key("art"), self.key("a:" + aid), self.key("f:" + aid), self.key("reuse")],
@@ -471,6 +542,7 @@ class RedisDirectory:
         )
 
     async def sweep(self, batch: int = 500) -> int:
+        await self.flush_touches()
         cursors = ["0", "0"]
         dropped = 0
         while cursors != ["-", "-"]:
@@ -531,7 +603,13 @@ class RedisDirectory:
             n += int(await self._client.delete(key))
         self._registration.clear()
         self._engine_map.clear()
+        self._touches.clear()
         return n
 
     async def close(self) -> None:
+        if self._touch_task is not None:
+            with contextlib.suppress(Exception):
+                await self._touch_task
+        with contextlib.suppress(Exception):
+            await self.flush_touches()
         await self._client.aclose()

@@ -1,14 +1,18 @@
 -- lookup: every worker's longest held prefix of a chain per tier and kind, the owner of the
--- deepest owned block, and the session owner. KEYS: blk, art, widx, reuse [, s:<sid>]
--- ARGV: P, chain (16 hex digits per block), touch ('1': count a reuse of each live artifact)
+-- deepest owned block, and the session owner. KEYS: blk, art, reuse [, s:<sid>]
+-- ARGV: P, chain (16 hex digits per block), touch: '1' count a reuse of each live artifact met
+-- here, 'r' return their ids instead (the client batches the counting: `touch.lua`), '0' neither
+-- Reply: session owner, holdings as lines "worker \t tier \t blocks \t o|r" and
+-- "worker index \t tier \t blocks \t c" (the client knows the names), owner, its blocks, its
+-- epoch, its artifact id, the ids of the live artifacts met when touch is 'r'.
 local blocks = split16(ARGV[2])
 local n = #blocks
 local sess = false
-if KEYS[5] then
-  sess = redis.call('GET', KEYS[5])
+if KEYS[4] then
+  sess = redis.call('GET', KEYS[4])
 end
 if n == 0 then
-  return { sess, '', false, 0, 0, false }
+  return { sess, '', false, 0, 0, false, '' }
 end
 local vals = hmget(KEYS[1], blocks)
 local now = now_ms()
@@ -98,10 +102,10 @@ end
 
 -- owners: the live leases of the artifacts met
 local owner, owner_blocks, owner_epoch, owner_id = false, 0, 0, false
+local live = {}
 if #ids > 0 then
   local recs = hmget(KEYS[2], ids)
   local best, order = {}, {}
-  local live = {}
   for k = 1, #ids do
     local rec = recs[k]
     if rec then
@@ -130,7 +134,7 @@ if #ids > 0 then
     local stamp = fmt(now)
     local sets = {}
     for k = 1, #live do
-      redis.call('HINCRBY', KEYS[4], live[k], 1)
+      redis.call('HINCRBY', KEYS[3], live[k], 1)
       sets[#sets + 1] = live[k]
       sets[#sets + 1] = stamp
     end
@@ -142,27 +146,21 @@ for _, key in ipairs(rkeys) do
   out[#out + 1] = key .. '\t' .. str(rdeep[key]) .. '\tr\n'
 end
 
-if #lost_j > 0 then
-  local idx = {}
-  for k = 1, #lost_j do
-    idx[k] = str(lost_j[k])
-  end
-  local names = hmget(KEYS[3], idx)
-  for k = 1, #lost_j do
-    local w = names[k]
-    if w then
-      local m = lost_m[k]
-      local tail = '\t' .. str(lost_n[k]) .. '\tc\n'
-      if m == 1 then
-        out[#out + 1] = w .. '\tgpu' .. tail
-      else
-        for _, tb in ipairs(TIER_BITS) do
-          if bit.band(m, tb[2]) ~= 0 then
-            out[#out + 1] = w .. '\t' .. tb[1] .. tail
-          end
-        end
+for k = 1, #lost_j do
+  local m = lost_m[k]
+  local tail = '\t' .. str(lost_n[k]) .. '\tc\n'
+  if m == 1 then
+    out[#out + 1] = str(lost_j[k]) .. '\tgpu' .. tail
+  else
+    for _, tb in ipairs(TIER_BITS) do
+      if bit.band(m, tb[2]) ~= 0 then
+        out[#out + 1] = str(lost_j[k]) .. '\t' .. tb[1] .. tail
       end
     end
   end
 end
-return { sess, table.concat(out), owner, owner_blocks, owner_epoch, owner_id }
+local touched = ''
+if ARGV[3] == 'r' then
+  touched = table.concat(live)
+end
+return { sess, table.concat(out), owner, owner_blocks, owner_epoch, owner_id, touched }
