@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--hybrid", type=int, default=2)
     p.add_argument("--profile", default="h100-llama3-8b", help="emulated workers' timing profile")
     p.add_argument("--speed", type=float, default=2.0, help="emulated time runs N× faster")
+    p.add_argument(
+        "--num-blocks", type=int, default=None, help="KV blocks per worker (default: the profile's)"
+    )
     p.add_argument("--workload", default="mixed", help="generated workload (default mixed)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply the session count")
     p.add_argument("--seed", type=int, default=0)
@@ -147,7 +150,10 @@ def run(args: argparse.Namespace) -> int:
         peers = peers[:1]
     targets = [Target(p, "own") for p in policies] + [Target(p, "peer") for p in peers]
     workloads, notes = _workloads(args)
-    spec = ClusterSpec(args.prefill, args.decode, args.hybrid, args.profile, args.speed)
+    extra = ("--num-blocks", str(args.num_blocks)) if args.num_blocks else ()
+    spec = ClusterSpec(
+        args.prefill, args.decode, args.hybrid, args.profile, args.speed, extra_args=extra
+    )
     plan = BenchPlan(
         spec=spec,
         targets=targets,

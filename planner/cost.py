@@ -31,11 +31,6 @@ from planner.types import (
 if TYPE_CHECKING:  # pydantic stays out of the planner's import path
     from ownerserve.config import PlannerSettings
 
-COLOCATED_ACTIONS: frozenset[Action] = frozenset(
-    {Action.COLOCATED_PREFILL, Action.DECODE_CONTINUATION, Action.TAIL_RECOMPUTE}
-)
-"""Actions that prefill and decode on one worker with only its own cached prefix."""
-
 
 # Enum members bound once: `Tier.GPU` is a ~0.1 µs class-attribute lookup, a global is not.
 _GPU, _CPU, _SSD = Tier.GPU, Tier.CPU, Tier.SSD
