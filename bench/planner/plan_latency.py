@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ref-iters", type=int, default=30, help="calls of the naive reference")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
+    if args.workers < 8 or args.iters < 1:
+        ap.error("--workers must be >= 8 (one node of every role) and --iters >= 1")
     model = CostModel()
     rows: list[dict[str, Any]] = []
     for scen, req in SCENARIOS.items():
