@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections import OrderedDict
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,30 +60,35 @@ class ClusterSpec:
 
 
 class _Held:
-    """Nested holder sets of one chain: `levels[k] = (depth, members)` where every member holds
-    at least `depth` blocks, depths increase and member sets shrink along the list."""
+    """How much of one chain each worker holds. Caches are prefix-closed, so a worker's depth
+    is found by binary search and holder sets shrink along the chain."""
 
-    __slots__ = ("levels",)
+    __slots__ = ("best", "chain", "sim")
 
-    def __init__(self, levels: list[tuple[int, set[int]]]) -> None:
-        self.levels = levels
+    def __init__(self, chain: tuple[int, ...], best: int, sim: Simulator) -> None:
+        self.chain = chain
+        self.best = best
+        self.sim = sim
 
     def depth(self, wi: int) -> int:
-        for depth, members in reversed(self.levels):
-            if wi in members:
-                return depth
-        return 0
-
-    @property
-    def best(self) -> int:
-        return self.levels[-1][0] if self.levels else 0
+        cache = self.sim.workers[wi].cache
+        chain = self.chain
+        lo, hi = 0, self.best
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if chain[mid] in cache:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
     def top(self, k: int) -> list[int]:
         """Up to `k` worker indices holding the longest prefixes."""
         out: list[int] = []
         seen: set[int] = set()
-        for _, members in reversed(self.levels):
-            for wi in members:
+        holders = self.sim.holders
+        for i in range(self.best - 1, -1, -1):
+            for wi in holders[self.chain[i]]:
                 if wi not in seen:
                     seen.add(wi)
                     out.append(wi)
@@ -101,6 +106,7 @@ class _Worker:
         "decode_ctx",
         "idx",
         "interference_s",
+        "log",
         "node",
         "pending",
         "prefill_free_at",
@@ -115,7 +121,8 @@ class _Worker:
         self.role = role
         self.node = node
         self.capacity = capacity
-        self.cache: OrderedDict[int, None] = OrderedDict()
+        self.cache: dict[int, int] = {}  # block -> recency (higher = more recent)
+        self.log: deque[tuple[int, int]] = deque()
         self.prefill_free_at = 0.0
         self.pending: list[tuple[float, int]] = []  # (prefill end, tokens) in FIFO order
         self.decode_active = 0
@@ -242,73 +249,82 @@ class Simulator:
         self.future_refs: dict[int, int] = {}
         self.nic_free_at: dict[str, float] = {}
         self.cached_blocks = 0
+        self._clock = 0
 
     # -- cache -------------------------------------------------------------------------------
 
     def _insert(self, w: _Worker, chain: tuple[int, ...]) -> None:
-        cache = w.cache
-        for b in chain:
-            if b in cache:
-                cache.move_to_end(b)
-                continue
-            cache[b] = None
-            self.cached_blocks += 1
-            self.holders.setdefault(b, set()).add(w.idx)
-            self.owner.setdefault(b, w.idx)
-        while len(cache) > w.capacity:
-            victim = self._victim(w)
-            del cache[victim]
-            self.cached_blocks -= 1
-            hs = self.holders.get(victim)
-            if hs is not None:
-                hs.discard(w.idx)
-                if not hs:
-                    del self.holders[victim]
-            if self.owner.get(victim) == w.idx:
-                # the owner lost its copy: ownership passes to a surviving holder, if any
-                if hs:
-                    self.owner[victim] = next(iter(hs))
-                else:
-                    del self.owner[victim]
+        """Touch `chain` in `w`'s cache (LRU), inserting missing blocks, then evict.
 
-    def _victim(self, w: _Worker) -> int:
-        if self.oracle:
-            for i, b in enumerate(w.cache):
-                if i >= 64:
-                    break
-                if not self.future_refs.get(b):
-                    return b
-        return next(iter(w.cache))
+        Recency values decrease along the chain, so a block is always more recent than its
+        descendants: eviction takes tails first (as vLLM's free queue does) and every cache
+        stays prefix-closed — a worker holding block k holds blocks 0..k-1 of its chain.
+        `w.log` lists (recency, block) in ascending recency; entries whose recency no longer
+        matches the cache are stale and skipped at eviction.
+        """
+        cache = w.cache
+        n = len(chain)
+        new = [b for b in chain if b not in cache]
+        base = self._clock
+        cache.update(zip(chain, range(base + n, base, -1), strict=True))
+        w.log.extend(zip(range(base + 1, base + n + 1), reversed(chain), strict=True))
+        self._clock = base + n + 1
+        if new:
+            self.cached_blocks += len(new)
+            holders = self.holders
+            owner = self.owner
+            for b in new:
+                hs = holders.get(b)
+                if hs is None:
+                    holders[b] = {w.idx}
+                    owner[b] = w.idx
+                else:
+                    hs.add(w.idx)
+        if len(cache) > w.capacity:
+            self._evict(w, len(cache) - w.capacity + w.capacity // 16)
+        if len(w.log) > 8 * w.capacity + 1024:
+            w.log = deque(sorted((v, b) for b, v in cache.items()))
+
+    def _evict(self, w: _Worker, count: int) -> None:
+        cache = w.cache
+        log = w.log
+        refs = self.future_refs if self.oracle else None
+        spared: list[tuple[int, int]] = []
+        victims: list[int] = []
+        while len(victims) < count and log:
+            value, b = log.popleft()
+            if cache.get(b) != value:
+                continue  # stale entry
+            if refs is not None and refs.get(b, 0) > 0 and len(spared) < 4 * count:
+                spared.append((value, b))  # the oracle keeps blocks that will be reused
+                continue
+            victims.append(b)
+        short = max(0, count - len(victims))
+        victims.extend(b for _, b in spared[:short])  # nothing else left: oldest spared go
+        log.extendleft(reversed(spared[short:]))
+        for victim in victims:
+            del cache[victim]
+            hs = self.holders[victim]
+            hs.discard(w.idx)
+            if not hs:
+                del self.holders[victim]
+                del self.owner[victim]
+            elif self.owner.get(victim) == w.idx:
+                # the owner lost its copy: ownership passes to a surviving holder
+                self.owner[victim] = next(iter(hs))
+        self.cached_blocks -= len(victims)
 
     def _held(self, chain: tuple[int, ...]) -> _Held:
-        """Who holds how much of `chain`, as nested holder sets (see `_Held`)."""
-        levels: list[tuple[int, set[int]]] = []
-        if not chain:
-            return _Held(levels)
-        alive = self.holders.get(chain[0])
-        if not alive:
-            return _Held(levels)
-        i = 1
-        n = len(chain)
-        while i < n and len(alive) > 1:
-            hs = self.holders.get(chain[i])
-            if not hs:
-                break
-            kept = alive & hs
-            if len(kept) != len(alive):
-                levels.append((i, alive))
-                if not kept:
-                    return _Held(levels)
-                alive = kept
-            i += 1
-        if len(alive) == 1 and i < n:
-            # one holder left: walk its cache directly instead of intersecting sets
-            (wi,) = alive
-            cache = self.workers[wi].cache
-            while i < n and chain[i] in cache:
-                i += 1
-        levels.append((i, set(alive)))
-        return _Held(levels)
+        """Who holds how much of `chain` (caches are prefix-closed, see `_insert`)."""
+        holders = self.holders
+        lo, hi = 0, len(chain)
+        while lo < hi:  # first block nobody holds
+            mid = (lo + hi) // 2
+            if chain[mid] in holders:
+                lo = mid + 1
+            else:
+                hi = mid
+        return _Held(chain, lo, self)
 
     # -- views -------------------------------------------------------------------------------
 

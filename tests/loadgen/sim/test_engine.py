@@ -68,13 +68,16 @@ def test_artifact_fetch_pulls_only_missing_blocks_from_the_source() -> None:
     assert res.reused_tokens == 4 * 512 and res.prefill_tokens == 512
 
 
-def test_eviction_respects_capacity_and_forgets_holders() -> None:
+def test_eviction_takes_tails_first_and_forgets_holders() -> None:
     bb = 512 * PROFILE.kv_bytes_per_token
     spec = ClusterSpec(0, 0, 1, hbm_kv_bytes=3 * bb)
     sim = Simulator(spec, PROFILE, _Fixed(Action.COLOCATED_PREFILL, "h0", "h0"))
     sim.run([_session([(1, 2), (1, 2, 3, 4)])])
-    assert len(sim.workers[0].cache) == 3
-    assert 1 not in sim.holders and set(sim.holders) == {2, 3, 4}
+    assert set(sim.workers[0].cache) == {1, 2, 3}  # the chain's tail went first
+    assert set(sim.holders) == {1, 2, 3} and 4 not in sim.owner
+    sim.run([_session([(7, 8)])])
+    # an older chain loses its tail before its head: caches stay prefix-closed
+    assert set(sim.workers[0].cache) == {1, 7, 8}
 
 
 @settings(max_examples=60, deadline=None)
