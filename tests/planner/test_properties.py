@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ownerserve.errors import NoWorkerAvailableError
+from ownerserve.profiles import load_profile
 from ownerserve.types import Role, Tier
 from planner.calibration import Calibrator
 from planner.classify import classify
@@ -20,7 +21,9 @@ from tests.planner.util import UNIT, UNIT_CONFIG
 H100 = CostModel()
 H100_SPEC = CostModel(CostConfig(kv_spec="llama3-8b"))
 UNITM = CostModel(UNIT_CONFIG, {"unit": UNIT})
-MODELS = {"h100": H100, "h100+spec": H100_SPEC, "unit": UNITM}
+# two profiles in one cluster: workers naming h100-llama3-8b use it, the rest the unit profile
+MIXED = CostModel(UNIT_CONFIG, {"unit": UNIT, "h100-llama3-8b": load_profile("h100-llama3-8b")})
+MODELS = {"h100": H100, "h100+spec": H100_SPEC, "unit": UNITM, "mixed": MIXED}
 BLOCK = 16
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
