@@ -90,6 +90,7 @@ class EngineMetrics:
         self.kv_sent_bytes = dict.fromkeys(TRANSFER_KINDS, 0)
         self.kv_sent_blocks = dict.fromkeys(TRANSFER_KINDS, 0)
         self.transfers_failed = 0
+        self.kv_link_queue_s = 0.0
         self.kv_events_published = 0
 
     def render(self, gauges: Callable[[], dict[str, float]]) -> str:
@@ -173,6 +174,8 @@ class EngineMetrics:
             metric(f"{p}{name}", "counter", help_)
             for kind, n in table.items():
                 out.append(f'{p}{name}_total{{{own},kind="{kind}"}} {n}')
+        metric(f"{p}kv_link_queue_seconds", "counter", "Modelled time pulls waited for the link.")
+        out.append(f"{p}kv_link_queue_seconds_total{{{own}}} {self.kv_link_queue_s!r}")
         metric(f"{p}kv_transfers_failed", "counter", "KV pulls that failed.")
         out.append(f"{p}kv_transfers_failed_total{{{own}}} {self.transfers_failed}")
         metric(f"{p}kv_events_published", "counter", "KV event batches published.")

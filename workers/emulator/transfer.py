@@ -11,11 +11,14 @@ cache, so they show up in its prefix cache, its KV events and its byte counters.
 - Artifact fetch: the destination calls `POST {source}/ownerserve/kv/read` for chosen hashes.
 
 The decode side pulls only blocks it does not already hold, as vLLM's NIXL connector does.
+Transfers into one engine queue on its inbound link (one for its own node, one for others), so
+concurrent pulls share the modelled bandwidth instead of each getting all of it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +83,8 @@ class KVMover:
         self.node = node
         self.worker_id = worker_id
         self._client: httpx.AsyncClient | None = None
+        # When this engine's inbound links (same node, other nodes) are next free.
+        self._link_free_at = {True: 0.0, False: 0.0}
 
     @property
     def block_bytes(self) -> int:
@@ -122,11 +127,21 @@ class KVMover:
         return data
 
     async def _transfer_sleep(self, nbytes: int, source_node: str | None) -> float:
-        link = self.engine.profile.link
-        seconds = link.transfer_s(nbytes, same_node=source_node == self.node)
-        if seconds > 0:
-            await asyncio.sleep(seconds / self.engine.speed)
-        return seconds
+        """Wait while `nbytes` arrive: `link.transfer_s` on this engine's inbound link, after
+        the transfers already queued on it (concurrent pulls share the bandwidth FIFO).
+        Returns the modelled seconds of this transfer, queueing included."""
+        same = source_node == self.node
+        seconds = self.engine.profile.link.transfer_s(nbytes, same_node=same)
+        if seconds <= 0:
+            return 0.0
+        speed = self.engine.speed
+        now = time.perf_counter()
+        start = max(now, self._link_free_at[same])
+        end = start + seconds / speed
+        self._link_free_at[same] = end
+        self.engine.metrics.kv_link_queue_s += (start - now) * speed
+        await asyncio.sleep(end - now)
+        return (end - now) * speed
 
     async def pull_prefix(
         self,

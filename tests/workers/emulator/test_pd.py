@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from ownerserve.hashing import block_hash_chain, chain_root
 from ownerserve.tokenizer import ByteTokenizer, ChatTemplate
-from tests.workers.emulator.conftest import StartEmulator, metric_value, scrape
+from tests.workers.emulator.conftest import StartEmulator, metric_value, scrape, write_profile
 
 MODEL = "ownerserve-tiny"
 MESSAGES = [{"role": "user", "content": "summarise this repository for me please " * 6}]
@@ -209,3 +210,32 @@ async def test_a_rejected_sglang_prefill_fails_its_waiting_decode_at_once(
     dec = await dec_task
     assert dec.status_code == 400 and "rejected" in dec.json()["error"]["message"]
     assert time.perf_counter() - t0 < 5
+
+
+async def test_concurrent_fetches_share_the_inbound_link(
+    start_emulator: StartEmulator, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    # 250 MB/s between nodes: one 16-block prompt (~34 MB) takes ~134 ms, four ~0.54 s.
+    bps = 2.5e8
+    profile = write_profile(tmp_path, link__inter_node_bps=bps)
+    src = await start_emulator(node="n1", profile=profile)
+    dst = await start_emulator(node="n2", profile=profile)
+    chains = []
+    for i in range(4):
+        msgs = [{"role": "user", "content": f"{i} distinct context for fetching " * 8}]
+        await http.post(src.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 1})
+        ids = ByteTokenizer().encode(ChatTemplate().render(msgs))
+        chains.append(block_hash_chain(ids, 16, chain_root(MODEL)))
+
+    async def fetch(chain: list[int]) -> dict[str, Any]:
+        body = {"source_url": src.url, "block_hashes": chain}
+        resp = await http.post(dst.url + "/ownerserve/kv/fetch", json=body)
+        return dict(resp.json())
+
+    results = await asyncio.gather(*(fetch(c) for c in chains))
+    one = sum(r["bytes"] for r in results) / 4 / bps
+    slowest = max(r["seconds"] for r in results)
+    assert slowest > 3.5 * one  # the last one queued behind the other three
+    metrics = await scrape(http, dst)
+    queued = metric_value(metrics, "ownerserve_emulator_kv_link_queue_seconds_total")
+    assert queued > 5 * one  # 1 + 2 + 3 transfer times of waiting
