@@ -6,6 +6,7 @@ ownerserve worker emulate --role decode --port 8102 --profile h100-llama3-8b --s
 from __future__ import annotations
 
 import argparse
+import sys
 
 from workers.emulator.config import add_arguments as add_emulator_arguments
 from workers.emulator.config import config_from_args
@@ -30,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             return run_forever(config)
         except OSError as exc:
-            print(f"ownerserve worker emulate: error: {exc}")
+            print(f"ownerserve worker emulate: error: {exc}", file=sys.stderr)
             return 1
-    print("usage: ownerserve worker {emulate} ...  (see ownerserve worker --help)")
+    print("usage: ownerserve worker {emulate} ...  (see ownerserve worker --help)", file=sys.stderr)
     return 2
