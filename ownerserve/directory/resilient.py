@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import ClusterDownError, RedisClusterException
+from redis.exceptions import ClusterDownError, RedisClusterException, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -399,6 +399,9 @@ class ResilientDirectory:
                 await self._reconcile()
             except UNREACHABLE as exc:
                 self._last_error = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # keep retrying: serving locally beats a dead loop
+                self._last_error = f"{type(exc).__name__}: {exc}"
+                log.exception("directory: reconciliation failed; retrying")
 
     async def _reconcile(self) -> None:
         token = await self.primary.boot_token(uuid.uuid4().hex)
@@ -441,8 +444,10 @@ class ResilientDirectory:
                 await self.primary.apply_events(*item.args)
             else:
                 await getattr(self.primary, item.op)(*item.args)
-        except (StaleEpochError, InvalidRequestError) as exc:
-            self.stats["conflicts"] += 1
+        except UNREACHABLE:
+            raise  # stays queued (ClusterDownError is also a ResponseError)
+        except (StaleEpochError, InvalidRequestError, ResponseError) as exc:
+            self.stats["conflicts"] += 1  # Redis said no: replaying again would not change that
             log.info("directory: replayed %s refused: %s", item.op, exc)
 
     async def _resync(self) -> None:

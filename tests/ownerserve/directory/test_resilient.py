@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -220,3 +223,47 @@ def test_open_directory_builds_the_configured_backend(redis_server: RedisServer)
 async def test_namespace_is_a_single_hash_tag() -> None:
     with pytest.raises(InvalidRequestError, match="namespace"):
         RedisDirectory.from_url("redis://127.0.0.1:1/0", "a{b}")
+
+
+async def test_redis_down_from_the_start_then_up(server: RedisServer) -> None:
+    server.stop()
+    primary = RedisDirectory.from_url(server.url, "rs", socket_timeout_s=2.0)
+    d = ResilientDirectory(primary, retry_interval_s=0.05)
+    try:
+        lease = await d.claim(Artifact(CHAIN[:4]), "w1", 60.0)
+        await d.set_session_owner("s1", "w1", 60.0)
+        assert (await d.lookup(CHAIN[:4], "s1")).owner == "w1"
+        assert not (await d.health()).healthy
+        server.start()
+        assert await d.wait_reconciled(10)
+        view = await fresh_view(server)
+        try:
+            m = await view.lookup(CHAIN[:4], "s1")
+            assert (m.owner, m.session_owner) == ("w1", "w1")
+        finally:
+            await view.close()
+        assert (await d.renew(CHAIN[3], "w1", lease.epoch, 60.0)).epoch < PROVISIONAL_EPOCH_BASE
+    finally:
+        await d.close()
+
+
+async def test_a_hung_redis_times_out_into_the_local_view(server: RedisServer) -> None:
+    primary = RedisDirectory.from_url(server.url, "rs", socket_timeout_s=0.3)
+    d = ResilientDirectory(primary, retry_interval_s=0.05)
+    try:
+        await d.claim(Artifact(CHAIN[:4]), "w1", 60.0)
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGSTOP)  # accepts connections, never answers
+        try:
+            t0 = time.monotonic()
+            assert (await d.lookup(CHAIN[:4])).owner == "w1"
+            assert time.monotonic() - t0 < 2.0
+            t1 = time.monotonic()
+            await d.set_session_owner("s1", "w1", 60.0)
+            assert time.monotonic() - t1 < 0.1  # already known down: straight to local
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert await d.wait_reconciled(10)
+        assert await d.get_session_owner("s1") == "w1"
+    finally:
+        await d.close()
