@@ -282,3 +282,41 @@ def test_calibration_scales_stay_within_bounds(samples: list[tuple[str, float, f
     s = cal.scales("w")
     for v in (s.prefill, s.decode, s.link):
         assert cal.config.min_scale <= v <= cal.config.max_scale
+
+
+@PROPS
+@given(st.integers(1, 20), st.integers(0, 2000), st.integers(100, 3000))
+def test_a_hotter_owner_never_wins_back_a_fork_it_lost(
+    waiting: int, step: int, prefix: int
+) -> None:
+    """Hot-spot rule: raising the owner's queue can only move forks off it (to a replica)."""
+
+    def view(inflight: int) -> ClusterView:
+        return ClusterView(
+            workers=(
+                WorkerView(worker_id="p0", role=Role.PREFILL),
+                WorkerView(
+                    worker_id="d0", role=Role.DECODE, running=32, kv_usage=0.2, waiting=waiting,
+                    inflight_prefill_tokens=inflight, cached_blocks={Tier.GPU: prefix},
+                ),
+                WorkerView(worker_id="d1", role=Role.DECODE, running=32, kv_usage=0.2, node="n1"),
+                WorkerView(worker_id="h0", role=Role.HYBRID, running=32, kv_usage=0.2),
+            )
+        )  # fmt: skip
+
+    req = RequestView(
+        model="m", prompt_tokens=prefix * BLOCK + 200, block_size=BLOCK,
+        chain_blocks=prefix + 12, owner="d0", owner_blocks=prefix, is_fork=True,
+    )  # fmt: skip
+    policy = OwnerServePolicy(model=H100)
+    left = False
+    for k in range(8):
+        p = policy.plan(req, view(k * step * 50))
+        on_owner = p.chosen.decode_worker == "d0"
+        assert not (left and on_owner)
+        left = left or not on_owner
+        if p.action is Action.ARTIFACT_FETCH:
+            assert p.add_replica_on == p.chosen.decode_worker != "d0"
+    # a queue of a million prefill tokens (~40 s) certainly moves it
+    far = policy.plan(req, view(1_000_000))
+    assert far.chosen.decode_worker != "d0"
