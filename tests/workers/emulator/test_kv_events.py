@@ -128,3 +128,55 @@ async def test_replay_socket_resends_missed_batches(
         dealer.close(linger=0)
         ctx.term()
     assert got == [1, 2]
+
+
+async def test_directory_learns_holdings_and_evictions_from_the_emulator_events(
+    start_emulator: StartEmulator, http: httpx.AsyncClient
+) -> None:
+    """Emulator PUB -> the project's KVEventSubscriber (with replay) -> InMemoryDirectory."""
+    from ownerserve.directory.memory import InMemoryDirectory
+    from ownerserve.tokenizer import ByteTokenizer, ChatTemplate
+    from workers.adapters.vllm_events import KVEventSubscriber
+
+    port, replay_port = free_port(), free_port()
+    server = await start_emulator(
+        num_blocks=16, kv_events_port=port, kv_events_replay_port=replay_port, worker_id="w1"
+    )
+    root = chain_root(MODEL)
+    directory = InMemoryDirectory()
+    await directory.register_worker("w1", root, 16)
+
+    def chain_of(content: str) -> list[int]:
+        text = ChatTemplate().render([{"role": "user", "content": content}])
+        return block_hash_chain(ByteTokenizer().encode(text), 16, root)
+
+    # Published before anyone listens: the subscriber sees a gap and replays from seq 0.
+    first = "0 the first prompt " + "f" * 80
+    await chat(http, server.url, first)
+    sub = KVEventSubscriber(
+        "w1", f"tcp://127.0.0.1:{port}", directory,
+        replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+    )  # fmt: skip
+    await sub.start()
+    try:
+        await asyncio.sleep(0.3)  # ZMQ slow joiner
+        second = "1 another prompt " + "s" * 80
+        await chat(http, server.url, second)
+        for _ in range(100):
+            if (await directory.lookup(chain_of(second))).longest("w1") > 0:
+                break
+            await asyncio.sleep(0.05)
+        for prompt in (first, second):
+            chain = chain_of(prompt)
+            assert (await directory.lookup(chain)).longest("w1") == len(chain) > 0
+        assert sub.stats.replayed >= 1  # the batch published before it subscribed
+        # Fill the 16-block cache with other prompts: the first one is evicted everywhere.
+        for i in range(3):
+            await chat(http, server.url, f"{i + 2} filler " + "x" * 120)
+        for _ in range(100):
+            if (await directory.lookup(chain_of(first))).longest("w1") == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert (await directory.lookup(chain_of(first))).longest("w1") == 0
+    finally:
+        await sub.close()
