@@ -83,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--results-md", type=Path, default=REPO_ROOT / "bench" / "RESULTS.md")
     p.add_argument("--no-results-md", action="store_true", help="do not edit bench/RESULTS.md")
     p.add_argument(
+        "--analysis",
+        type=Path,
+        default=REPO_ROOT / "bench" / "agentic_analysis.md",
+        help="Markdown appended to the section (the written explanation of the numbers)",
+    )
+    p.add_argument(
         "--log-dir",
         type=Path,
         default=None,
@@ -163,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
         run_limit_s=args.run_limit,
         log_dir=args.log_dir or Path(tempfile.mkdtemp(prefix="ownerserve-bench-")),
     )
+    if args.analysis is not None and args.analysis.exists():
+        notes.append("\n" + args.analysis.read_text().strip())
     command = "ownerserve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     started = dt.datetime.now(dt.UTC)
     t0 = time.monotonic()
