@@ -1,4 +1,5 @@
-"""Hypothesis state machine: the in-memory and Redis backends against a brute-force model.
+"""Hypothesis state machine: the in-memory and Redis backends (plain, and inside the healthy
+`ResilientDirectory`, whose local mirror is checked too) against a brute-force model.
 
 The model keeps leases as "who holds which blocks" and answers lookups by scanning
 everything; the backends keep per-block indexes. Leases here never expire (time-based
@@ -28,6 +29,7 @@ from ownerserve.directory import InMemoryDirectory
 from ownerserve.directory.base import Artifact, Holding, HoldKind, Lease, Match
 from ownerserve.directory.common import sort_holdings
 from ownerserve.directory.redis import RedisDirectory
+from ownerserve.directory.resilient import ResilientDirectory
 from ownerserve.errors import InvalidRequestError, StaleEpochError
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
@@ -236,6 +238,13 @@ def make_machine(redis_url: str) -> type[RuleBasedStateMachine]:
             self.redis = RedisDirectory.from_url(
                 redis_url, namespace=f"sm-{uuid.uuid4().hex[:10]}", socket_timeout_s=10.0
             )
+            # the resilient wrapper, healthy, must answer like Redis, and its local mirror (what it
+            # serves from during an outage) like the model
+            self.resilient = ResilientDirectory(
+                RedisDirectory.from_url(
+                    redis_url, namespace=f"smr-{uuid.uuid4().hex[:10]}", socket_timeout_s=10.0
+                )
+            )
             self.model = Model()
             self.seq: dict[str, int] = {}
 
@@ -243,6 +252,8 @@ def make_machine(redis_url: str) -> type[RuleBasedStateMachine]:
             async def close() -> None:
                 await self.redis.flush_namespace()
                 await self.redis.close()
+                await self.resilient.primary.flush_namespace()
+                await self.resilient.close()
 
             self.loop.run_until_complete(close())
             self.loop.close()
@@ -256,7 +267,8 @@ def make_machine(redis_url: str) -> type[RuleBasedStateMachine]:
 
             mem = self.loop.run_until_complete(run(self.memory))
             red = self.loop.run_until_complete(run(self.redis))
-            assert mem == red, (mem, red)
+            res = self.loop.run_until_complete(run(self.resilient))
+            assert mem == red == res, (mem, red, res)
             return mem
 
         @rule(
@@ -392,7 +404,10 @@ def make_machine(redis_url: str) -> type[RuleBasedStateMachine]:
                 def call(d: Any, chain: tuple[int, ...] = chain) -> Awaitable[Any]:
                     return d.lookup(chain, "s1")
 
-                assert self.both(call, _same) == self.model.lookup(chain, "s1")
+                want = self.model.lookup(chain, "s1")
+                assert self.both(call, _same) == want
+                mirror = self.loop.run_until_complete(self.resilient.local.lookup(chain, "s1"))
+                assert mirror == want
 
         @rule(c=st.integers(0, 1), end=st.integers(0, N), sid=st.sampled_from((None, *SESSIONS)))
         def lookup(self, c: int, end: int, sid: str | None) -> None:
