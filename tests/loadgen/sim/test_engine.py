@@ -106,3 +106,18 @@ def test_generator_is_deterministic_per_seed() -> None:
     for s in a:
         for prev, nxt in zip(s.turns, s.turns[1:], strict=False):
             assert nxt.chain[: len(prev.chain)] == prev.chain  # turns append
+
+
+def test_oracle_eviction_keeps_blocks_that_will_be_reused() -> None:
+    bb = 512 * PROFILE.kv_bytes_per_token
+    spec = ClusterSpec(0, 0, 1, hbm_kv_bytes=3 * bb)
+    fixed = _Fixed(Action.COLOCATED_PREFILL, "h0", "h0")
+    # session A: (1, 2), then (5, 6, 7) arrives, then A returns; only the oracle knows it will
+    sessions = [
+        SimSession(0, 0.0, (SimTurn((1, 2), 1024, 1, 0.0), SimTurn((1, 2, 3), 1536, 1, 50.0))),
+        SimSession(1, 1.0, (SimTurn((5, 6, 7), 1536, 1, 0.0),)),
+    ]
+    lru = Simulator(spec, PROFILE, fixed).run(sessions)
+    oracle = Simulator(spec, PROFILE, fixed, oracle=True).run(sessions)
+    assert lru.reused_tokens == 0
+    assert oracle.reused_tokens == 1024
