@@ -83,11 +83,14 @@ class ResilientDirectory:
         *,
         retry_interval_s: float = 0.5,
         max_pending: int = 100_000,
+        boot_check_s: float = 1.0,
     ) -> None:
         self.primary = primary
         self.local = fallback or InMemoryDirectory(first_epoch=PROVISIONAL_EPOCH_BASE)
         self.retry_interval_s = retry_interval_s
         self.max_pending = max_pending
+        self.boot_check_s = boot_check_s
+        self._boot_checked_at = 0.0
         self._healthy = True
         self._last_error = ""
         self._pending: deque[_Pending] = deque()
@@ -134,8 +137,20 @@ class ResilientDirectory:
             self._reconnect = asyncio.create_task(self._reconnect_loop())
 
     async def _ensure_boot(self) -> None:
-        if self._boot is None:
-            self._boot = await self.primary.boot_token(uuid.uuid4().hex)
+        """Learn the dataset's boot token, and re-check it at most every `boot_check_s`: a
+        restart without persistence that redis-py's own retries hid from us shows up as a new
+        token, and the local view is pushed back (a window of at most `boot_check_s` in which
+        writes reached the empty dataset)."""
+        now = time.monotonic()
+        if self._boot is not None and now - self._boot_checked_at < self.boot_check_s:
+            return
+        self._boot_checked_at = now
+        token = await self.primary.boot_token(uuid.uuid4().hex)
+        if self._boot is not None and token != self._boot:
+            log.warning("directory: Redis lost its data unnoticed; pushing the local view back")
+            async with self._lock:
+                await self._resync()
+        self._boot = token
 
     async def _read(
         self, primary: Callable[[], Awaitable[Any]], local: Callable[[], Awaitable[Any]]
@@ -363,6 +378,7 @@ class ResilientDirectory:
         if self._healthy:
             try:
                 await self.primary.ping()
+                await self._ensure_boot()
             except UNREACHABLE as exc:
                 self._mark_down(exc)
         detail = "redis ok" if self._healthy else f"serving from local view: {self._last_error}"

@@ -267,3 +267,24 @@ async def test_a_hung_redis_times_out_into_the_local_view(server: RedisServer) -
         assert await d.get_session_owner("s1") == "w1"
     finally:
         await d.close()
+
+
+async def test_a_restart_between_two_calls_is_noticed_and_repaired(server: RedisServer) -> None:
+    primary = RedisDirectory.from_url(server.url, "rs", socket_timeout_s=2.0)
+    d = ResilientDirectory(primary, retry_interval_s=0.05, boot_check_s=0.0)
+    try:
+        lease = await d.claim(Artifact(CHAIN[:8]), "w1", 60.0)
+        server.stop()
+        server.start()  # empty dataset; no call saw the outage
+        await d.set_session_owner("s1", "w1", 60.0)
+        assert await d.wait_reconciled(10)
+        view = await fresh_view(server)
+        try:
+            m = await view.lookup(CHAIN[:8], "s1")
+            assert (m.owner, m.session_owner) == ("w1", "w1")
+            assert m.owner_epoch > lease.epoch  # the refilled dataset never repeats an epoch
+        finally:
+            await view.close()
+        assert d.stats["resyncs"] == 1
+    finally:
+        await d.close()
