@@ -81,16 +81,20 @@ async def commit_plan(
         )
     if session_id is not None and fork_from_blocks > 0:
         steps.append(directory.add_fork_ref(full[min(fork_from_blocks, n) - 1], session_id))
-    lease: Lease | None = None
+    first: Awaitable[Lease | None] | None = None
     if owned < n:
-        lease = await _claim(directory, full, owned, decode, match, lease_s, kv_bytes_per_block)
+        first = _claim(directory, full, owned, decode, match, lease_s, kv_bytes_per_block)
     elif refresh and match.owner == decode and match.owner_artifact_id is not None:
-        try:
-            lease = await directory.renew(
-                match.owner_artifact_id, decode, match.owner_epoch, lease_s
-            )
-        except StaleEpochError:
-            lease = None
-    if steps:
-        await asyncio.gather(*steps)
-    return lease
+        first = _renew(directory, match.owner_artifact_id, decode, match.owner_epoch, lease_s)
+    # one concurrent round: a failing write must not leave the others un-awaited
+    results = await asyncio.gather(*([first] if first is not None else []), *steps)
+    return results[0] if first is not None else None
+
+
+async def _renew(
+    directory: Directory, artifact_id: int, worker: str, epoch: int, lease_s: float
+) -> Lease | None:
+    try:
+        return await directory.renew(artifact_id, worker, epoch, lease_s)
+    except StaleEpochError:
+        return None

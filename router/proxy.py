@@ -246,7 +246,11 @@ class Router:
         models = state.settings.models or tuple(m.name for m in self.settings.models)
         model = self.tokenizers.get(models[0]) if models else None
         if model is not None:
-            await self.directory.register_worker(worker_id, model.root, model.block_size)
+            try:
+                await self.directory.register_worker(worker_id, model.root, model.block_size)
+            except Exception as exc:
+                # serve anyway; KV events of this worker cannot be mapped until it registers
+                log.warning("worker %s: directory registration failed: %r", worker_id, exc)
         endpoint = state.settings.kv_events_endpoint
         if endpoint:
             from workers.adapters.vllm_events import KVEventSubscriber
@@ -479,7 +483,7 @@ class Router:
                 and (info.inflight > 0 or (tok.previous_chain_len > 0 and not tok.extends_previous))
             )
             with tel.start_span("ownerserve.directory.lookup", blocks=len(tok.chain)):
-                match = await self.directory.lookup(tok.chain, sid)
+                match = await self._lookup(tok.chain, sid)
             override = None
             if self.settings.planner.allow_policy_header:
                 override = headers.get(POLICY_HEADER)
@@ -497,6 +501,17 @@ class Router:
             finally:
                 if sid and info is not None:
                     info.inflight -= 1
+
+    async def _lookup(self, chain: tuple[int, ...], session_id: str | None) -> Match:
+        """The directory's answer; without one (backend down and no local view) the request
+        is still routed, as if nothing were cached anywhere."""
+        assert self.directory is not None
+        try:
+            return await self.directory.lookup(chain, session_id)
+        except Exception as exc:
+            self.metrics.directory_errors.inc()
+            log.warning("directory lookup failed, routing without it: %r", exc)
+            return Match(chain_len=len(chain))
 
     def _tokenize(
         self, mt: ModelTokenizer, req: CompletionRequest, headers: Mapping[str, str]

@@ -148,6 +148,11 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self.directory_errors = Counter(
+            "ownerserve_directory_lookup_errors_total",
+            "Lookups that failed (requests then routed without ownership)",
+            registry=r,
+        )
         self.commit_errors = Counter(
             "ownerserve_directory_commit_errors_total", "Failed directory commits", registry=r
         )

@@ -379,3 +379,26 @@ async def test_a_plan_asking_for_a_replica_copies_the_owners_prefix_there(worker
         await asyncio.sleep(0.05)
         match = await router.directory.lookup(chain)
         assert match.owner == "w0" and match.longest("w1") == len(chain)
+
+
+async def test_requests_are_still_served_when_the_directory_is_unreachable(workers):
+    """A Redis directory (without the resilient wrapper) whose server is not running."""
+    from ownerserve.directory.redis import RedisDirectory
+
+    w0, _ = workers
+    dead_redis = RedisDirectory.from_url(f"redis://127.0.0.1:{free_port()}/0")
+    settings = settings_from_dict(
+        {
+            "server": {"port": 0, "health_interval_s": 60},
+            "models": [{"name": MODEL, "block_size": 4}],
+            "workers": [{"id": "w0", "url": w0.url}],
+        }
+    )
+    policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+    app = create_app(settings, directory=dead_redis, policy_factory=lambda name: policy)
+    async with running_app(app, "127.0.0.1", 0) as url, httpx.AsyncClient(timeout=30) as c:
+        resp = await c.post(url + "/v1/chat/completions", json=CHAT)
+        metrics = (await c.get(url + "/metrics")).text
+    assert resp.status_code == 200
+    assert "ownerserve_directory_lookup_errors_total 1.0" in metrics
+    await dead_redis.close()
