@@ -48,7 +48,7 @@ from typing import Any
 
 import redis
 
-from ownerserve.directory.base import Artifact, Match
+from ownerserve.directory.base import Artifact
 from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.directory.redis import RedisDirectory, load_script_sources
 from ownerserve.events import BlockStored, EventBatch
@@ -261,8 +261,8 @@ def pipelined_proc(
                 i += 1
             replies = await pipe.execute()
             for n, reply in zip(batch, replies, strict=True):
-                m: Match = d.decode_lookup(n, reply)
-                d.record_touches(reply)
+                m, touched = d.decode_lookup(n, reply)
+                d.record_touches(touched)
                 assert m.owner is not None
             done += depth
         await d.close()

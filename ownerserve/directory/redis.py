@@ -25,10 +25,11 @@ hash tag, so every key of one namespace lives in one slot and every script is si
 
 Block hashes are 16 hex digits; a chain travels as one string argument (one argument per
 block measured no cheaper on the server: Redis builds the same Lua strings either way).
-A lookup reads the chain's block records with one HMGET, walks them run by run (the blocks of
-one artifact with the same holders carry identical records: one string comparison each), then
-reads the leases of the artifacts it met with one more HMGET. It writes nothing: reuse counts
-are batched by the client (`record_touches`, `touch.lua`).
+A lookup only reads: the chain's block records with one HMGET, cut into runs of identical
+records (one string comparison per block), and the leases of the artifacts the runs name with
+one more HMGET. The router turns runs and leases into holdings (`decode_lookup`): routers scale
+out, the Redis core they share does not. Reuse counts are batched by the client
+(`record_touches`, `touch.lua`).
 
 Trade-off of the one-slot layout: a namespace is served by one Redis master (Cluster then
 buys fail-over and lets several namespaces, e.g. one per model or tenant, spread over
@@ -73,7 +74,7 @@ from ownerserve.directory.common import (
 from ownerserve.errors import DirectoryUnavailableError, InvalidRequestError, StaleEpochError
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import hash_block
-from ownerserve.types import Tier
+from ownerserve.types import TIER_ORDER, Tier
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,6 @@ TOUCH_FLUSH_IDS = 512
 """Reuse counts from lookups are sent in batches: at most this late, or this many artifacts."""
 _TRUE = ("1", "true", "yes", "on")
 _TIERS = {t.value: t for t in Tier}
-_KINDS = {"o": HoldKind.OWNER, "r": HoldKind.REPLICA, "c": HoldKind.CACHED}
 
 
 def load_script_sources() -> dict[str, str]:
@@ -146,7 +146,7 @@ class RedisDirectory:
         # per worker: (root, block size) and engine hash -> block hash, both caches of Redis
         self._registration: dict[str, tuple[int, int]] = {}
         self._engine_map: dict[str, dict[int, int]] = {}
-        self._worker_names: dict[str, str] = {}  # cached-byte index -> worker (from `widx`)
+        self._worker_names: dict[int, str] = {}  # cached-byte index -> worker (from `widx`)
         self._touches: dict[str, int] = {}  # artifact id hex -> reuses not yet sent
         self._touch_deadline = 0.0
         self._touch_task: asyncio.Task[None] | None = None
@@ -188,67 +188,125 @@ class RedisDirectory:
     # --- lookup ----------------------------------------------------------------------------
 
     def lookup_call(
-        self, chain: Sequence[int], session_id: str | None = None, touch: bool = True
+        self, chain: Sequence[int], session_id: str | None = None
     ) -> tuple[str, list[str], list[Any]]:
-        """(script sha, keys, args) of a lookup: lets a benchmark pipeline many lookups.
-        With `touch`, the reply carries the live artifacts met, for `record_touches`."""
+        """(script sha, keys, args) of a lookup: lets a benchmark pipeline many lookups."""
         p = self.prefix
-        keys = [p + "blk", p + "art", p + "reuse"]
+        keys = [p + "blk", p + "art"]
         if session_id is not None:
             keys.append(p + "s:" + session_id)
-        return (
-            self._scripts["lookup"].sha,
-            keys,
-            [p, hex_blocks(chain), "r" if touch else "0"],
-        )
+        return self._scripts["lookup"].sha, keys, [p, hex_blocks(chain)]
 
     async def lookup(self, chain: Sequence[int], session_id: str | None = None) -> Match:
         _, keys, args = self.lookup_call(chain, session_id)
         reply = await self._scripts["lookup"](keys=keys, args=args)
         try:
-            match = self.decode_lookup(len(chain), reply)
+            match, touched = self.decode_lookup(len(chain), reply)
         except KeyError:  # a worker registered since we last read the index -> name map
             await self.refresh_worker_names()
-            match = self.decode_lookup(len(chain), reply, strict=False)
-        self.record_touches(reply)
+            match, touched = self.decode_lookup(len(chain), reply, strict=False)
+        self.record_touches(touched)
         return match
 
     async def refresh_worker_names(self) -> None:
         names = await self._client.hgetall(self.key("widx"))
-        self._worker_names = {_s(k): _s(v) for k, v in names.items()}
+        self._worker_names = {int(_s(k)): _s(v) for k, v in names.items()}
 
-    def decode_lookup(self, chain_len: int, reply: Sequence[Any], strict: bool = True) -> Match:
-        """A `Match` from the lookup script's reply. Holdings come as one string of lines
-        "worker\ttier\tblocks\tkind" (kind o/r; c with a worker index instead of the name):
-        cheaper to build and ship than nested arrays. An unknown worker index raises KeyError
-        (`strict`) or drops that holding."""
-        sess, lines, owner, owner_blocks, owner_epoch, owner_id = reply[:6]
+    def decode_lookup(
+        self, chain_len: int, reply: Sequence[Any], strict: bool = True
+    ) -> tuple[Match, list[str]]:
+        """The `Match` of a lookup script's reply, and the live artifacts it met (to count
+        their reuse). The script only reads (block records run by run, the leases they name);
+        the holdings are worked out here, in the router, so the one Redis core every router
+        shares does the least. An unknown worker index raises KeyError (`strict`) or drops
+        that holding. Same rules as `InMemoryDirectory.lookup`."""
+        sess, now, runs, leases = reply
+        now = int(now)
+        live: dict[str, tuple[str, int, Tier]] = {}
+        for i in range(0, len(leases), 2):
+            rec = _s(leases[i + 1])
+            if rec:
+                holder, lease_epoch, lease_expires, lease_tier = rec.split("\t")
+                if int(lease_expires) > now:
+                    live[_s(leases[i])] = (holder, int(lease_epoch), _TIERS[lease_tier])
+        best: dict[tuple[str, Tier, HoldKind], int] = {}
+        deep: dict[str, int] = {}
+        replicas: dict[tuple[str, Tier], int] = {}
+        alive: dict[int, int] = {}
+        ended: list[tuple[int, int, int]] = []  # (worker index, tier bits, blocks)
+        cached_open, last_cache, start = True, None, 1
+        for k in range(0, len(runs), 2):
+            end, rec = int(runs[k]), _s(runs[k + 1])
+            first, start = start, end + 1
+            if not rec:
+                if cached_open:
+                    ended += [(j, m, first - 1) for j, m in alive.items()]
+                    alive, cached_open = {}, False
+                continue
+            nl = rec.index("\n", 16)
+            own = rec[:16]
+            if own in live:
+                deep[own] = end
+            if nl + 1 < len(rec):
+                for line in rec[nl + 1 : -1].split("\n"):
+                    worker, tier, expires, _ro = line.split("\t")
+                    if int(expires) > now:
+                        replicas[(worker, _TIERS[tier])] = end
+            cache = rec[16:nl]
+            if cached_open and cache != last_cache:
+                last_cache = cache
+                if first == 1:
+                    alive = {j + 1: ord(c) for j, c in enumerate(cache) if c != "\0"}
+                else:
+                    for j, m in list(alive.items()):
+                        kept = m & (ord(cache[j - 1]) if j <= len(cache) else 0)
+                        if kept != m:
+                            ended.append((j, m & ~kept, first - 1))
+                            if kept:
+                                alive[j] = kept
+                            else:
+                                del alive[j]
+                cached_open = bool(alive)
+        ended += [(j, m, chain_len) for j, m in alive.items()]
+
+        owner: tuple[int, str, int, str] | None = None
+        for aid, d in deep.items():
+            worker, epoch, tier = live[aid]
+            key = (worker, tier, HoldKind.OWNER)
+            if best.get(key, 0) < d:
+                best[key] = d
+            if owner is None or d > owner[0]:
+                owner = (d, worker, epoch, aid)
+        for (worker, tier), d in replicas.items():
+            best[(worker, tier, HoldKind.REPLICA)] = d
         names = self._worker_names
-        holdings = []
-        for line in _s(lines).split("\n")[:-1]:
-            worker, tier, blocks, kind = line.split("\t")
-            if kind == "c":
-                if worker not in names and not strict:
-                    continue
-                worker = names[worker]
-            holdings.append(Holding(worker, _TIERS[tier], int(blocks), _KINDS[kind]))
-        return Match(
+        for j, mask, d in ended:
+            name = names.get(j)
+            if name is None:
+                if strict:
+                    raise KeyError(j)
+                continue
+            for tier in TIER_ORDER:
+                if mask & TIER_BIT[tier]:
+                    best[(name, tier, HoldKind.CACHED)] = d
+        holdings = [Holding(w, t, b, kind) for (w, t, kind), b in best.items()]
+        match = Match(
             chain_len=chain_len,
             holdings=sort_holdings(holdings),
-            owner=_s(owner) if owner is not None else None,
-            owner_blocks=int(owner_blocks),
-            owner_epoch=int(owner_epoch),
+            owner=owner[1] if owner else None,
+            owner_blocks=owner[0] if owner else 0,
+            owner_epoch=owner[2] if owner else 0,
             session_owner=_s(sess) if sess is not None else None,
-            owner_artifact_id=int(_s(owner_id), 16) if owner_id is not None else None,
+            owner_artifact_id=int(owner[3], 16) if owner else None,
         )
+        return match, list(deep)
 
-    def record_touches(self, reply: Sequence[Any]) -> None:
-        """Count a reuse of every live artifact a lookup met; sent in the background in
-        batches (`TOUCH_FLUSH_S`, `TOUCH_FLUSH_IDS`), so the lookup stays one round trip."""
-        touched = _s(reply[6]) if len(reply) > 6 and reply[6] is not None else ""
+    def record_touches(self, touched: Sequence[str]) -> None:
+        """Count a reuse of every live artifact a lookup met (ids in hex); sent in the
+        background in batches (`TOUCH_FLUSH_S`, `TOUCH_FLUSH_IDS`), so a lookup stays one
+        round trip and writes nothing."""
         touches = self._touches
-        for i in range(0, len(touched), 16):
-            aid = touched[i : i + 16]
+        for aid in touched:
             touches[aid] = touches.get(aid, 0) + 1
         if not touches:
             return
