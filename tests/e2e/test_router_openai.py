@@ -122,3 +122,30 @@ async def test_openai_client_sees_openai_errors(hybrids):
         intruder = openai.AsyncOpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             await intruder.models.list()
+
+
+async def test_an_unkeyed_session_sticks_to_its_owner_and_forks_are_recognised(hybrids):
+    async with proxy(router_settings(hybrids)) as (url, router):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        messages: list[Any] = [
+            {"role": "system", "content": "You are a coding agent working on a repository."},
+            {"role": "user", "content": "Find why the retry test fails. " * 8},
+        ]
+        first = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=4
+        )
+        owner = plan_fields(first.headers["x-ownerserve-plan"])["d"]
+        answer = first.parse().choices[0].message.content or ""
+        messages += [{"role": "assistant", "content": answer}, {"role": "tool", "content": "ok"}]
+        second = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=4
+        )
+        plan = plan_fields(second.headers["x-ownerserve-plan"])
+        assert (plan["action"], plan["d"]) == ("decode_continuation", owner)
+        # two branches from the same point: n > 1 is a forked rollout
+        forked = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=4, n=2
+        )
+        assert plan_fields(forked.headers["x-ownerserve-plan"])["class"] == "forked_rollout"
+        assert len(forked.parse().choices) == 2
+        assert router.recent_plans[-1].session_id.startswith("auto-")
