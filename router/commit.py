@@ -63,7 +63,8 @@ async def commit_plan(
     if session_id is not None and (refresh or match.session_owner != decode):
         steps.append(directory.set_session_owner(session_id, decode, session_ttl_s))
     if not chain:
-        await asyncio.gather(*steps)
+        for step in steps:
+            await step
         return None
     full = tuple(chain)
     n = len(full)
@@ -87,6 +88,8 @@ async def commit_plan(
     elif refresh and match.owner == decode and match.owner_artifact_id is not None:
         first = _renew(directory, match.owner_artifact_id, decode, match.owner_epoch, lease_s)
     # one concurrent round: a failing write must not leave the others un-awaited
+    if first is not None and not steps:
+        return await first
     results = await asyncio.gather(*([first] if first is not None else []), *steps)
     return results[0] if first is not None else None
 

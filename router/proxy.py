@@ -48,7 +48,7 @@ from router.executor import (
 from router.plans import PlanRecord, plan_header
 from router.pool import WorkerPool
 from router.requests import CompletionRequest, Endpoint, parse_request
-from router.session import SessionKey, identify_session
+from router.session import DerivedSessionCache, SessionKey, identify_session
 from router.telemetry import Telemetry
 from router.tokens import ModelTokenizer, TokenizationCache, Tokenized
 from router.upstream import UpstreamPool
@@ -189,6 +189,7 @@ class Router:
         self.executor: PlanExecutor | None = None
         self.recent_plans: deque[PlanRecord] = deque(maxlen=256)
         self._sessions: OrderedDict[str, _SessionInfo] = OrderedDict()
+        self._derived_sessions = DerivedSessionCache()
         self._max_sessions = 65536
         self._background: set[asyncio.Task[Any]] = set()
         self._subscribers: list[Any] = []
@@ -517,7 +518,9 @@ class Router:
         self, mt: ModelTokenizer, req: CompletionRequest, headers: Mapping[str, str]
     ) -> tuple[SessionKey, Tokenized]:
         if req.endpoint is Endpoint.CHAT:
-            session = identify_session(headers, req.body, req.model, req.messages)
+            session = identify_session(
+                headers, req.body, req.model, req.messages, derived=self._derived_sessions
+            )
             tok = mt.tokenize_chat(session.session_id, req.messages, req.body.get("tools"))
             return session, tok
         session = identify_session(headers, req.body, req.model, None)

@@ -109,12 +109,46 @@ def stable_chat_prefix(messages: Sequence[Mapping[str, Any]]) -> bytes:
     return orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)
 
 
+def _prefix_key(model: str, messages: Sequence[Mapping[str, Any]]) -> Any:
+    """A hashable identity of the stable prefix, cheap to build (no serialization for plain
+    text messages)."""
+    parts: list[Any] = [model]
+    for m in messages:
+        content = m.get("content")
+        if len(m) == 2 and isinstance(content, str):
+            parts.append((m.get("role"), content))
+        else:
+            parts.append(orjson.dumps(m, option=orjson.OPT_SORT_KEYS))
+        if m.get("role") == "user":
+            break
+    return tuple(parts)
+
+
+class DerivedSessionCache:
+    """Derived session ids by stable prefix, so later turns skip serializing and hashing it."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self._ids: dict[Any, str] = {}
+
+    def session_id(self, model: str, messages: Sequence[Mapping[str, Any]]) -> str:
+        key = _prefix_key(model, messages)
+        sid = self._ids.get(key)
+        if sid is None:
+            sid = derived_session_id(model, stable_chat_prefix(messages))
+            if len(self._ids) >= self.capacity:
+                self._ids.pop(next(iter(self._ids)))
+            self._ids[key] = sid
+        return sid
+
+
 def identify_session(
     headers: Mapping[str, str],
     body: Mapping[str, Any],
     model: str,
     messages: Sequence[Mapping[str, Any]] | None,
     chain: Sequence[int] = (),
+    derived: DerivedSessionCache | None = None,
 ) -> SessionKey:
     """The request's session: explicit key if the client offers one, else derived."""
     for name in SESSION_HEADERS:
@@ -131,6 +165,8 @@ def identify_session(
     if sid is not None:
         return SessionKey(sid, SessionSource.PROMPT_CACHE_KEY)
     if messages:
+        if derived is not None:
+            return SessionKey(derived.session_id(model, messages), SessionSource.DERIVED)
         return SessionKey(
             derived_session_id(model, stable_chat_prefix(messages)), SessionSource.DERIVED
         )

@@ -53,3 +53,12 @@ def test_completion_prompt_session_derives_from_its_chain():
     key = identify_session({}, {}, "m", None, chain=(11, 22, 33))
     assert key.source is SessionSource.DERIVED
     assert identify_session({}, {}, "m", None).source is SessionSource.NONE
+
+
+def test_derived_session_cache_gives_the_same_ids():
+    from router.session import DerivedSessionCache
+
+    cache = DerivedSessionCache(capacity=2)
+    for messages in ([SYSTEM, FIRST], [FIRST], [{"role": "user", "content": [{"type": "text"}]}]):
+        assert cache.session_id("m", messages) == identify_session({}, {}, "m", messages).session_id
+        assert cache.session_id("m", messages) == identify_session({}, {}, "m", messages).session_id
