@@ -99,10 +99,14 @@ async def decode_load(client: httpx.AsyncClient, router: Any, worker: str, strea
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for _ in range(500):
-            if router.pool.get(worker).inflight == 0:
+        # until the router sees the worker idle again (its scraped gauges lag by up to one
+        # health interval)
+        state = router.pool.get(worker)
+        for _ in range(1000):
+            if state.inflight == 0 and state.load.running == 0:
                 break
             await asyncio.sleep(0.01)
+        assert state.inflight == 0 and state.load.running == 0
 
 
 @pytest.fixture(scope="module")
