@@ -21,7 +21,8 @@ Measured per chain length:
   core sustains at that cost: the number that does not move with the load of a shared VM;
 - throughput with one asyncio client (`--concurrency` lookups in flight, no pipelining);
 - throughput with `--procs` client processes, each pipelining `--depth` lookups per network
-  write (still one EVALSHA command per lookup);
+  write (still one EVALSHA command per lookup), `--repeat` times: the run with the least server
+  CPU per lookup is reported (a shared VM's noise only ever adds);
 - the in-memory backend in this process, for the side-by-side ratio.
 """
 
@@ -293,6 +294,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--depth", type=int, default=32)
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="pipelined runs; the least server CPU is kept"
+    )
     ap.add_argument("--workers", type=int, default=16, help="workers caching the system prefix")
     ap.add_argument("--redis-url", default=None)
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -328,31 +332,36 @@ def main() -> None:
             single_rate = single / a.seconds
             calls_single, usec = evalsha_stats(port)
 
-            reset_stats(port)
-            cpu0 = process_cpu_s(proc.pid if proc else None)
-            q: Any = mp.get_context("fork").Queue()
-            procs = [
-                mp.get_context("fork").Process(
-                    target=pipelined_proc, args=(url, ns, sessions, a.seconds, a.depth, q)
-                )
-                for _ in range(a.procs)
-            ]
-            for p in procs:
-                p.start()
-            total = sum(q.get() for _ in procs)
-            for p in procs:
-                p.join()
-            calls_piped, usec_piped = evalsha_stats(port)
-            cpu1 = process_cpu_s(proc.pid if proc else None)
-            cpu_us = (cpu1 - cpu0) / total * 1e6 if cpu0 is not None and cpu1 and total else None
-            piped_rate = total / a.seconds
+            best: tuple[float, float, float, float] | None = None  # cpu µs, rate, calls, usec
+            for _ in range(a.repeat):
+                reset_stats(port)
+                cpu0 = process_cpu_s(proc.pid if proc else None)
+                q: Any = mp.get_context("fork").Queue()
+                procs = [
+                    mp.get_context("fork").Process(
+                        target=pipelined_proc, args=(url, ns, sessions, a.seconds, a.depth, q)
+                    )
+                    for _ in range(a.procs)
+                ]
+                for p in procs:
+                    p.start()
+                total = sum(q.get() for _ in procs)
+                for p in procs:
+                    p.join()
+                calls, usec_call = evalsha_stats(port)
+                cpu1 = process_cpu_s(proc.pid if proc else None)
+                cpu = (cpu1 - cpu0) / total * 1e6 if cpu0 is not None and cpu1 and total else 0.0
+                if best is None or (cpu or usec_call) < (best[0] or best[3]):
+                    best = (cpu, total / a.seconds, calls / total if total else 0.0, usec_call)
+            assert best is not None
+            cpu_us, piped_rate, evalsha_ratio, usec_piped = best
             mem_rate = memory_rate(mem, sessions, a.seconds)
             row = {
                 "blocks": n,
                 "holdings": holdings,
                 "round_trips_per_lookup": rtt,
                 "reuse_writes_per_lookup": reuse_writes,
-                "evalsha_per_lookup": round(calls_piped / total, 3) if total else None,
+                "evalsha_per_lookup": round(evalsha_ratio, 3),
                 "script_usec": round(usec_piped, 1),
                 "server_capacity_per_s": round(1e6 / usec_piped) if usec_piped else None,
                 "server_cpu_us": round(cpu_us, 1) if cpu_us else None,
