@@ -13,21 +13,32 @@ import matplotlib.pyplot as plt
 from loadgen.client import RunResult
 from loadgen.report import RunSummary
 
+HIGHLIGHT = "ownerserve"
 
-def _cdf(ax: plt.Axes, values: Sequence[float], label: str) -> None:
+
+def _color(i: int, label: str) -> str:
+    """Black for OwnerServe's own policy, distinct tab20 colours for the rest."""
+    if label == HIGHLIGHT:
+        return "black"
+    return str(matplotlib.colors.to_hex(plt.get_cmap("tab20")(i % 20)))
+
+
+def _cdf(ax: plt.Axes, values: Sequence[float], label: str, color: str) -> None:
     xs = sorted(values)
     if not xs:
         return
     ys = [(i + 1) / len(xs) for i in range(len(xs))]
-    ax.step(xs, ys, where="post", label=label)
+    width = 2.2 if label == HIGHLIGHT else 1.2
+    ax.step(xs, ys, where="post", label=label, color=color, linewidth=width)
 
 
 def plot_cdfs(results: Sequence[RunResult], path: Path) -> Path:
     """Session E2E and TTFT CDFs, one line per run."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in results:
-        _cdf(a1, [s.e2e_s for s in r.sessions if s.completed and s.e2e_s is not None], r.label)
-        _cdf(a2, [q.ttft_s for q in r.requests if q.ok and q.ttft_s is not None], r.label)
+    for i, r in enumerate(results):
+        c = _color(i, r.label)
+        _cdf(a1, [s.e2e_s for s in r.sessions if s.completed and s.e2e_s is not None], r.label, c)
+        _cdf(a2, [q.ttft_s for q in r.requests if q.ok and q.ttft_s is not None], r.label, c)
     a1.set_xlabel("session E2E (s, incl. tool gaps)")
     a2.set_xlabel("TTFT (s)")
     a2.set_xscale("log")
@@ -64,7 +75,8 @@ def plot_bars(summaries: Sequence[RunSummary], path: Path) -> Path:
     for ax, (title, get) in zip(axes[0], bars, strict=True):
         vals = [get(s) for s in summaries]
         xs = [i for i, v in enumerate(vals) if v is not None]
-        ax.bar(xs, [vals[i] or 0.0 for i in xs], color="tab:blue")
+        colors = [_color(i, labels[i]) for i in xs]
+        ax.bar(xs, [vals[i] or 0.0 for i in xs], color=colors)
         ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
         ax.set_title(title, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
