@@ -65,6 +65,8 @@ class BenchPlan:
     sample_interval_s: float = 2.0
     log_dir: Path | None = None
     """Process logs and per-request records (default: `out_dir/logs`)."""
+    planner: dict[str, object] = field(default_factory=dict)
+    """Planner settings for the own policies beyond the policy name (e.g. `lambda_hbm`)."""
     log: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr, flush=True))
 
 
@@ -85,9 +87,11 @@ def peer_binary(peer: str) -> Path:
     return path
 
 
-def _start_target(target: Target, cluster: EmulatedCluster, log_dir: Path) -> RouterProcess:
+def _start_target(
+    target: Target, cluster: EmulatedCluster, log_dir: Path, planner: dict[str, object]
+) -> RouterProcess:
     if target.kind == "own":
-        return start_ownerserve(cluster, target.label, log_dir)
+        return start_ownerserve(cluster, target.label, log_dir, planner=planner)
     peer = PEER_MODES[target.label][0]
     return start_peer(peer_binary(peer), target.label, cluster, log_dir)
 
@@ -129,7 +133,7 @@ def run_bench(plan: BenchPlan) -> list[WorkloadOutcome]:
                 t0 = time.monotonic()
                 try:
                     cluster.restart()
-                    router = _start_target(target, cluster, log_dir)
+                    router = _start_target(target, cluster, log_dir, plan.planner)
                 except (ProcessFailedError, OSError, RuntimeError) as exc:
                     reason = str(exc).strip().splitlines()[0][:200] if str(exc) else repr(exc)
                     outcome.skipped[target.label] = reason

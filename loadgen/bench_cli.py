@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 from loadgen.bench import (
     OWN_POLICIES,
     PEER_LABELS,
@@ -31,6 +33,7 @@ from loadgen.trace import (
     trace_workload,
 )
 from loadgen.workloads import Workload, generate
+from ownerserve.config import settings_from_dict
 from ownerserve.errors import ConfigError
 
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
@@ -75,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="multiply trace timestamps (default 0.125: the last 1000 rows in 30 s, about 33 "
         "requests/s, which keeps this 2-core machine's Python processes below saturation)",
     )
+    p.add_argument(
+        "--planner",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="planner setting for the own policies (e.g. lambda_hbm=1e-9); repeatable",
+    )
     p.add_argument("--max-inflight", type=int, default=64)
     p.add_argument("--run-limit", type=float, default=90.0, help="seconds at most per run")
     p.add_argument("--quick", action="store_true", help="smoke run: small workload, 2 targets")
@@ -101,6 +111,21 @@ def _split(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
     if bad:
         raise ConfigError(f"--{what}: unknown {bad}; choose from {', '.join(allowed)}")
     return items
+
+
+def _planner_settings(items: list[str]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--planner {item!r}: expected KEY=VALUE")
+        out[key.strip()] = yaml.safe_load(value)
+    if out:
+        try:
+            settings_from_dict({"planner": out}, source="--planner")
+        except ConfigError as exc:
+            raise ConfigError(str(exc)) from None
+    return out
 
 
 def _workloads(args: argparse.Namespace) -> tuple[list[tuple[str, Workload]], list[str]]:
@@ -165,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
         max_inflight=args.max_inflight,
         run_limit_s=args.run_limit,
         log_dir=args.log_dir or Path(tempfile.mkdtemp(prefix="ownerserve-bench-")),
+        planner=_planner_settings(args.planner),
     )
     if args.analysis is not None and args.analysis.exists():
         notes.append("\n" + args.analysis.read_text().strip())

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -222,14 +222,20 @@ class EmulatedCluster:
 
 
 def ownerserve_config(
-    cluster: EmulatedCluster, port: int, policy: str, *, profile: str | None = None
+    cluster: EmulatedCluster,
+    port: int,
+    policy: str,
+    *,
+    profile: str | None = None,
+    planner: Mapping[str, object] | None = None,
 ) -> dict[str, object]:
-    """The proxy's settings (as YAML data) for `cluster` with `policy`."""
+    """The proxy's settings (as YAML data) for `cluster` with `policy`; `planner` overrides
+    other planner settings (e.g. `lambda_hbm`)."""
     spec = cluster.spec
     return {
         "server": {"host": "127.0.0.1", "port": port},
         "directory": {"backend": "memory"},
-        "planner": {"policy": policy, "profile": profile or spec.profile},
+        "planner": {**(planner or {}), "policy": policy, "profile": profile or spec.profile},
         "models": [{"name": spec.model, "tokenizer": "byte"}],
         "workers": [
             {
@@ -260,13 +266,18 @@ class RouterProcess:
 
 
 def start_ownerserve(
-    cluster: EmulatedCluster, policy: str, log_dir: Path, label: str | None = None
+    cluster: EmulatedCluster,
+    policy: str,
+    log_dir: Path,
+    label: str | None = None,
+    planner: Mapping[str, object] | None = None,
 ) -> RouterProcess:
     port = free_port()
     label = label or policy
     cfg = log_dir / f"ownerserve_{policy}.yaml"
     cfg.parent.mkdir(parents=True, exist_ok=True)
-    cfg.write_text(yaml.safe_dump(ownerserve_config(cluster, port, policy), sort_keys=False))
+    data = ownerserve_config(cluster, port, policy, planner=planner)
+    cfg.write_text(yaml.safe_dump(data, sort_keys=False))
     proc = ManagedProcess(
         f"ownerserve ({policy})",
         [sys.executable, "-m", "ownerserve", "serve", "--config", str(cfg)],
