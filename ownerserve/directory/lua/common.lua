@@ -2,7 +2,6 @@
 -- key a script touches starts with it, so all of them hash to one Redis Cluster slot.
 if redis.replicate_commands then redis.replicate_commands() end
 local P = ARGV[1]
-local TIER_BITS = { { 'gpu', 1 }, { 'cpu', 2 }, { 'ssd', 4 } }
 local CHUNK = 4000 -- stays below Lua's unpack() limit
 
 local function now_ms()
