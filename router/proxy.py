@@ -33,7 +33,7 @@ from ownerserve.errors import (
     UpstreamError,
 )
 from ownerserve.profiles import load_profile
-from ownerserve.types import Tier
+from ownerserve.types import BackendKind, Tier
 from planner.calibration import Calibrator
 from planner.types import Action, ClusterView, Plan, Policy, RequestView, WorkerView
 from router.errors import error_status_and_body, sse_error_event
@@ -256,7 +256,14 @@ class Router:
         if endpoint:
             from workers.adapters.vllm_events import KVEventSubscriber
 
-            sub = KVEventSubscriber(worker_id, endpoint, self.directory)
+            # vLLM binds wildcard and ipc:// endpoints and connects to host:port ones (then the
+            # subscriber binds); the emulated engine binds its own (the subscriber connects)
+            bind = (
+                state.settings.kind is BackendKind.VLLM
+                and endpoint.startswith("tcp://")
+                and "*" not in endpoint
+            )
+            sub = KVEventSubscriber(worker_id, endpoint, self.directory, bind=bind)
             try:
                 await sub.start()
                 self._subscribers.append(sub)
