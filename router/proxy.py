@@ -416,7 +416,8 @@ class Router:
                 receive, self.settings.server.max_body_bytes, headers.get("content-length")
             )
             req = parse_request(raw, endpoint)
-            model = req.model
+            # a metric label only for configured models (client input must not grow labels)
+            model = req.model if req.model in self.tokenizers else "unknown"
             watcher = asyncio.create_task(self._watch_disconnect(receive, task, disconnected))
             async with asyncio.timeout(self.settings.server.request_timeout_s):
                 await self._serve(req, headers, scope["headers"], progress.send, t0)
@@ -426,16 +427,18 @@ class Router:
         except asyncio.CancelledError:
             if disconnected.is_set() and task is not None:
                 task.uncancel()
-                self.metrics.requests.labels(model, "client_disconnected").inc()
+                self.metrics.of(self.metrics.requests, model, "client_disconnected").inc()
                 return
             raise
         except BaseException as exc:
+            if watcher is not None:
+                watcher.cancel()  # what follows must not be cancelled by a late disconnect
             if isinstance(exc, TimeoutError):
                 exc = UpstreamTimeoutError("request timed out")
             if not isinstance(exc, Exception):
                 raise
             status, body = error_status_and_body(exc)
-            self.metrics.requests.labels(model, str(status)).inc()
+            self.metrics.of(self.metrics.requests, model, str(status)).inc()
             if progress.started:
                 await progress.fail(exc)
                 return
