@@ -18,8 +18,6 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from ownerserve.config import Settings
 from ownerserve.directory.base import Directory, Match
 from ownerserve.errors import (
@@ -673,13 +671,14 @@ class Router:
             )
             first_at = time.perf_counter()
             if ok:
-                timings.ttft_s = first_at - t0
+                if req.stream:
+                    # a non-streamed answer arrives whole: no TTFT/TPOT to learn from
+                    timings.ttft_s = first_at - t0
                 self._spawn(self._commit(plan, tok, session, match, rview))
                 if plan.add_replica_on and match.owner and match.owner_blocks:
                     self._spawn(self._replicate(plan.add_replica_on, match, req, tok, rview))
             if not (req.stream and ok):
                 await send({"type": "http.response.body", "body": opened.first})
-                timings.output_events = self._completion_tokens(opened.first) if ok else 0
             else:
                 events = opened.first.count(b"data: ")
                 await send({"type": "http.response.body", "body": opened.first, "more_body": True})
@@ -704,15 +703,6 @@ class Router:
             await opened.aclose()
         timings.e2e_s = time.perf_counter() - t0
         self._observe(plan, rview, match, timings, ok)
-
-    @staticmethod
-    def _completion_tokens(body: bytes) -> int:
-        try:
-            data = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return 0
-        usage = data.get("usage") if isinstance(data, dict) else None
-        return int(usage.get("completion_tokens") or 0) if isinstance(usage, dict) else 0
 
     def _observe(
         self, plan: Plan, rview: RequestView, match: Match, t: ObservedTimings, ok: bool
