@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 
 from ownerserve.config import load_settings, settings_from_dict
 
@@ -41,6 +42,12 @@ def run(args: argparse.Namespace) -> int:
     )
     import uvloop
 
+    def _stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; with this
+    # handler that ends the process with status 0 instead of "killed by SIGTERM"
+    signal.signal(signal.SIGTERM, _stop)
     with contextlib.suppress(KeyboardInterrupt):
         uvloop.run(serve(settings))
     return 0
