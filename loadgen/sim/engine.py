@@ -295,12 +295,14 @@ class Simulator:
             value, b = log.popleft()
             if cache.get(b) != value:
                 continue  # stale entry
-            if refs is not None and refs.get(b, 0) > 0 and len(spared) < 4 * count:
+            if refs is not None and refs.get(b, 0) > 0:
                 spared.append((value, b))  # the oracle keeps blocks that will be reused
                 continue
             victims.append(b)
+        # nothing else left: the oldest spared go; a block's descendants are older than it, so
+        # they were met (and evicted) first and caches stay prefix-closed
         short = max(0, count - len(victims))
-        victims.extend(b for _, b in spared[:short])  # nothing else left: oldest spared go
+        victims.extend(b for _, b in spared[:short])
         log.extendleft(reversed(spared[short:]))
         for victim in victims:
             del cache[victim]

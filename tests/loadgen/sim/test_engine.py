@@ -121,3 +121,35 @@ def test_oracle_eviction_keeps_blocks_that_will_be_reused() -> None:
     oracle = Simulator(spec, PROFILE, fixed, oracle=True).run(sessions)
     assert lru.reused_tokens == 0
     assert oracle.reused_tokens == 1024
+
+
+def test_oracle_keeps_caches_prefix_closed_when_protected_blocks_crowd_the_lru() -> None:
+    bb = 512 * PROFILE.kv_bytes_per_token
+    spec = ClusterSpec(0, 0, 1, hbm_kv_bytes=40 * bb)
+    a = tuple(range(1, 31))
+    sessions = [
+        SimSession(0, 0.0, (SimTurn(a, 30 * 512, 1, 0.0), SimTurn((*a, 99), 31 * 512, 1, 100.0))),
+        SimSession(1, 1.0, (SimTurn(tuple(range(200, 212)), 12 * 512, 1, 0.0),)),
+        # arrives while A is idle: its lookup walks A's prefix, which must still be closed
+        SimSession(2, 2.0, (SimTurn((*a[:20], 300), 21 * 512, 1, 0.0),)),
+    ]
+    sim = Simulator(spec, PROFILE, _Fixed(Action.COLOCATED_PREFILL, "h0", "h0"), oracle=True)
+    res = sim.run(sessions)
+    assert res.requests == 4
+    assert res.reused_tokens >= 30 * 512 + 20 * 512  # C and A's return both found their prefix
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.booleans(), st.integers(60, 300))
+def test_caches_stay_prefix_closed_under_pressure(seed: int, oracle: bool, blocks: int) -> None:
+    sessions = agentic_sessions(60, 5.0, seed=seed)
+    spec = ClusterSpec(1, 1, 1, hbm_kv_bytes=blocks * 512 * PROFILE.kv_bytes_per_token)
+    sim = Simulator(spec, PROFILE, _Fixed(Action.REMOTE_PREFILL, "p0", "h2"), oracle=oracle)
+    sim.run(sessions)
+    for s in sessions:
+        for turn in s.turns:
+            for w in sim.workers:
+                held = [b in w.cache for b in turn.chain]
+                assert held == sorted(held, reverse=True), (
+                    "a cache holds a block without its parent"
+                )
