@@ -30,7 +30,6 @@ from ownerserve.errors import (
     AuthenticationError,
     InvalidRequestError,
     OwnerServeError,
-    openai_error_body,
 )
 from planner.calibration import Calibrator
 from router.errors import error_status_and_body
@@ -60,6 +59,16 @@ class NotFoundError(OwnerServeError):
     status_code = 404
     error_type = "invalid_request_error"
     code = "not_found"
+
+
+class HTTPStatusError(OwnerServeError):
+    """Another HTTP error raised by the framework (405 and the like), with its status."""
+
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code = status_code
 
 
 def _error(exc: BaseException) -> JSONResponse:
@@ -110,11 +119,7 @@ def create_app(
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
             return _error(NotFoundError("no such endpoint"))
-        if exc.status_code == 405:
-            body = openai_error_body("method not allowed", "invalid_request_error")
-            return JSONResponse(body, status_code=405)
-        body = openai_error_body(str(exc.detail), "invalid_request_error")
-        return JSONResponse(body, status_code=exc.status_code)
+        return _error(HTTPStatusError(str(exc.detail), exc.status_code))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

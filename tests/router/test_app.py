@@ -402,3 +402,14 @@ async def test_requests_are_still_served_when_the_directory_is_unreachable(worke
     assert resp.status_code == 200
     assert "ownerserve_directory_lookup_errors_total 1.0" in metrics
     await dead_redis.close()
+
+
+async def test_framework_errors_are_openai_shaped_too(workers):
+    w0, _ = workers
+    policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+    async with router_for([(w0, "hybrid", "emulator")], policy) as (c, _):
+        wrong_method = await c.delete("/v1/models")
+        get_completion = await c.get("/v1/chat/completions")
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+    assert get_completion.status_code in (404, 405) and "error" in get_completion.json()
