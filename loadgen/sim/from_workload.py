@@ -21,18 +21,18 @@ from loadgen.sim.workload import SimSession, SimTurn
 from loadgen.workloads import Workload
 from ownerserve.hashing import ChainHasher, chain_root
 from ownerserve.tokenizer import ChatTemplate, Tokenizer, load_chat_template, load_tokenizer
-from workers.emulator.config import EmulatorConfig
 
 
 @dataclass(frozen=True, slots=True)
 class Rendering:
-    """How prompts become blocks: the emulator's defaults unless told otherwise."""
+    """How prompts become blocks. The defaults are the emulated engine's (`workers.emulator.
+    config.EmulatorConfig`; loadgen may not import `workers`, a test pins them equal)."""
 
-    model: str = EmulatorConfig.model
-    block_size: int = EmulatorConfig.block_size
-    tokenizer: str = EmulatorConfig.tokenizer
-    chat_template: str | None = EmulatorConfig.chat_template
-    salt: str = EmulatorConfig.salt
+    model: str = "ownerserve-tiny"
+    block_size: int = 16
+    tokenizer: str = "byte"
+    chat_template: str | None = None
+    salt: str = ""
 
 
 def step_prompts(workload: Workload) -> list[list[list[dict[str, Any]]]]:
