@@ -109,3 +109,45 @@ async def test_closing_a_response_early_tells_the_server():
     finally:
         await pool.close()
         await worker.stop()
+
+
+async def test_tcp_nodelay_on_upstream_and_accepted_sockets():
+    import gc
+    import socket
+
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from ownerserve.config import settings_from_dict
+    from router.app import create_app
+    from router.server import running_app
+
+    worker = await FakeWorker("w").start()
+    pool = UpstreamPool()
+    settings = settings_from_dict(
+        {
+            "server": {"port": 0},
+            "models": [{"name": "m"}],
+            "workers": [{"id": "w", "url": worker.url}],
+        }
+    )
+    try:
+        resp = await pool.request(worker.url, b"GET", "/health")
+        await resp.read()
+        sock = resp._conn.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        resp.release()
+        async with running_app(create_app(settings), "127.0.0.1", 0) as url:
+            reader, writer = await asyncio.open_connection(*url[7:].split(":"))
+            writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            await reader.readuntil(b"\r\n\r\n")
+            accepted = [
+                o.transport.get_extra_info("socket")
+                for o in gc.get_objects()
+                if isinstance(o, HttpToolsProtocol) and o.transport is not None
+            ]
+            assert accepted
+            assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in accepted)
+            writer.close()
+    finally:
+        await pool.close()
+        await worker.stop()
