@@ -3,8 +3,10 @@
 Per worker: a FIFO prefill pipeline (time from the timing profile), a decode batch whose step
 time grows with batch size and context (processor-sharing approximation: a request's decode
 takes `output_tokens × decode_step_s(batch, ctx)` at the batch it joins), an LRU prefix cache of
-KV blocks with the worker's HBM capacity, and decode interference: prefill colocated on a worker
-with running decodes stalls them for the prefill's duration. KV transfers queue FIFO on the
+KV blocks with the worker's HBM capacity, and decode interference as the emulated engine (and
+vLLM's chunked prefill) has it: a prefill shares its worker's steps with running decodes, so the
+decodes make no progress while it computes (their end moves later by the overlap) and each
+prefill chunk also pays one decode step. KV transfers queue FIFO on the
 sending node's NIC (bandwidth sharing as serialisation). The directory is exact: the sim knows
 every worker's cache, as the router learns it from KV events.
 
@@ -16,6 +18,7 @@ holding the prefix, the session owner, and a power-of-d sample of the least load
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import random
 from collections import deque
@@ -112,6 +115,9 @@ class _Worker:
         "prefill_free_at",
         "prefill_tokens",
         "role",
+        "stall_busy",
+        "stall_ends",
+        "stall_starts",
         "wid",
     )
 
@@ -130,6 +136,28 @@ class _Worker:
         self.busy_prefill_s = 0.0
         self.interference_s = 0.0
         self.prefill_tokens = 0
+        # prefill compute intervals (sorted, disjoint: the pipeline is FIFO) and the compute
+        # time before each, to find how long decodes stalled in any window
+        self.stall_starts: list[float] = []
+        self.stall_ends: list[float] = []
+        self.stall_busy: list[float] = []
+
+    def add_stall(self, start: float, seconds: float) -> None:
+        before = (
+            self.stall_busy[-1] + self.stall_ends[-1] - self.stall_starts[-1]
+            if (self.stall_starts)
+            else 0.0
+        )
+        self.stall_starts.append(start)
+        self.stall_ends.append(start + seconds)
+        self.stall_busy.append(before)
+
+    def stalled_before(self, t: float) -> float:
+        """Prefill compute time on this worker before `t`."""
+        k = bisect.bisect_right(self.stall_starts, t) - 1
+        if k < 0:
+            return 0.0
+        return self.stall_busy[k] + min(t, self.stall_ends[k]) - self.stall_starts[k]
 
     def pending_tokens(self, now: float) -> tuple[int, int]:
         """(jobs, tokens) of prefill not finished at `now`."""
@@ -346,7 +374,9 @@ class Simulator:
             running=w.decode_active,
             waiting=jobs,
             inflight_prefill_tokens=tokens,
-            kv_usage=len(w.cache) / w.capacity,
+            # vLLM's kv_cache_usage_perc (what the router scrapes): blocks referenced by
+            # running sequences, not the idle prefix cache
+            kv_usage=min(1.0, w.decode_ctx / (w.capacity * self.spec.block_tokens)),
             hbm_bytes=w.capacity * self.block_bytes,
             cached_blocks={Tier.GPU: n} if n else {},
             is_owner=owner == w.idx,
@@ -408,6 +438,8 @@ class Simulator:
         )
         session_start = [s.start_s for s in sessions]
         prev_tokens = [0] * len(sessions)
+        # decodes in flight: id -> (session, turn, worker, ctx, decode start, decode seconds)
+        live: dict[int, tuple[int, int, int, int, float, float]] = {}
         # time integrals of cached blocks (all copies) and of distinct blocks
         dup_num = dup_den = 0.0
         now = last = heap[0][0] if heap else 0.0
@@ -420,9 +452,25 @@ class Simulator:
                 dup_den += len(self.holders) * dt
                 last = now
             if kind == _DECODE_END:
-                w = self.workers[a]
+                si, ti, wi, ctx, ds, need = live[a]
+                w = self.workers[wi]
+                # progress = time since the decode started minus prefill compute on its worker
+                stalled = w.stalled_before(now) - w.stalled_before(ds)
+                left = need - (now - ds - stalled)
+                if left > 1e-9:
+                    heapq.heappush(heap, (now + left, seq, _DECODE_END, a, 0))
+                    seq += 1
+                    continue
+                del live[a]
                 w.decode_active -= 1
-                w.decode_ctx -= b
+                w.decode_ctx -= ctx
+                sess = sessions[si]
+                if ti + 1 < len(sess.turns):
+                    nxt = sess.turns[ti + 1]
+                    heapq.heappush(heap, (now + nxt.gap_s, seq, _ARRIVE, si, ti + 1))
+                    seq += 1
+                else:
+                    res.session_e2e_s.append(now - session_start[si])
                 continue
             si, ti = a, b
             sess = sessions[si]
@@ -454,18 +502,13 @@ class Simulator:
                 kv_bytes_per_token=prof.kv_bytes_per_token,
             )
             plan = self.policy.plan(req, view)
-            end = self._execute(plan, turn, held, best_avail, now, res)
-            heapq.heappush(heap, (end[0], seq, _DECODE_END, end[1], end[2]))
+            wi, ctx, ds, need = self._execute(plan, turn, held, best_avail, now, res)
+            live[seq] = (si, ti, wi, ctx, ds, need)
+            heapq.heappush(heap, (ds + need, seq, _DECODE_END, seq, 0))
             seq += 1
             res.requests += 1
             prev_tokens[si] = turn.input_tokens
             self.session_owner[si] = self.by_id[plan.chosen.decode_worker].idx
-            if ti + 1 < len(sess.turns):
-                nxt = sess.turns[ti + 1]
-                heapq.heappush(heap, (end[0] + nxt.gap_s, seq, _ARRIVE, si, ti + 1))
-                seq += 1
-            else:
-                res.session_e2e_s.append(end[0] - session_start[si])
         res.sim_s = now
         res.wall_s = _time.perf_counter() - t_wall
         res.dup_factor = dup_num / dup_den if dup_den else 1.0
@@ -499,7 +542,9 @@ class Simulator:
         best_avail: int,
         now: float,
         res: SimResult,
-    ) -> tuple[float, int, int]:
+    ) -> tuple[int, int, float, float]:
+        """Run `plan` for `turn`; returns (decode worker, context tokens, decode start, decode
+        seconds without stalls)."""
         prof = self.profile
         bt = self.spec.block_tokens
         c = plan.chosen
@@ -508,7 +553,9 @@ class Simulator:
         res.actions[c.action.value] = res.actions.get(c.action.value, 0) + 1
         ready = now
         reused_blocks = held.depth(p.idx)
-        if c.action is Action.ARTIFACT_FETCH and c.source_worker:
+        if c.action in (Action.ARTIFACT_FETCH, Action.STATE_MIGRATION) and c.source_worker:
+            # both copy the source's prefix into P (the router's `fetch`, the emulator's
+            # /ownerserve/kv/fetch); the source keeps its copy (it is evictable there)
             src = self.by_id[c.source_worker]
             fetch_blocks = max(0, held.depth(src.idx) - reused_blocks)
             nbytes = fetch_blocks * self.block_bytes
@@ -521,6 +568,12 @@ class Simulator:
         new_tokens = turn.input_tokens - reused_tokens
         start = max(ready, p.prefill_free_at)
         dur = prof.prefill_s(new_tokens, reused_tokens)
+        if new_tokens > 0:
+            p.add_stall(start, dur)
+        if p.decode_active and new_tokens > 0:
+            # each chunk's step also advances the running decodes by one token
+            chunks = -(-new_tokens // prof.max_batched_tokens)
+            dur += chunks * prof.decode_step_s(p.decode_active, p.decode_ctx)
         prefill_end = start + dur
         p.prefill_free_at = prefill_end
         p.pending.append((prefill_end, new_tokens))
@@ -544,12 +597,17 @@ class Simulator:
             res.pd_kv_bytes += nbytes
             res.network_kv_bytes += nbytes
             self._insert(d, turn.chain)
+            # the router's commit: the decode worker claims the blocks this request created;
+            # P keeps a transient (evictable) copy
+            owner = self.owner
+            for b in turn.chain[best_avail:]:
+                if owner.get(b) == p.idx:
+                    owner[b] = d.idx
         ctx = turn.input_tokens + turn.output_tokens
         d.decode_active += 1
         d.decode_ctx += ctx
         step = prof.decode_step_s(d.decode_active, d.decode_ctx)
         ttft = decode_ready + step - now
-        decode_end = decode_ready + step * max(1, turn.output_tokens)
         res.ttft_s.append(ttft)
         res.tpot_s.append(step)
-        return decode_end, d.idx, ctx
+        return d.idx, ctx, decode_ready, step * max(1, turn.output_tokens)

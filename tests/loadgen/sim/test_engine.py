@@ -153,3 +153,65 @@ def test_caches_stay_prefix_closed_under_pressure(seed: int, oracle: bool, block
                 assert held == sorted(held, reverse=True), (
                     "a cache holds a block without its parent"
                 )
+
+
+def test_state_migration_copies_the_session_owners_prefix() -> None:
+    # the router's fetch (and the emulator's /ownerserve/kv/fetch) runs for migrations too
+    sim = Simulator(ClusterSpec(0, 1, 1), PROFILE, _Fixed(Action.COLOCATED_PREFILL, "d0", "d0"))
+    sim.run([_session([(1, 2, 3)])])
+    sim.policy = _Fixed(Action.STATE_MIGRATION, "h1", "h1", source="d0")
+    res = sim.run([_session([(1, 2, 3, 4)])])
+    assert res.fetch_kv_bytes == 3 * 512 * PROFILE.kv_bytes_per_token
+    assert res.prefill_tokens == 512 and {1, 2, 3, 4} <= set(sim.workers[1].cache)
+
+
+def _two_sessions(gap_s: float) -> list[SimSession]:
+    # B decodes 100 tokens on h0; A's 8k-token prefill lands on h0 while B decodes
+    b = SimSession(0, 0.0, (SimTurn((1,), 512, 100, 0.0),))
+    a = SimSession(1, gap_s, (SimTurn(tuple(range(10, 26)), 16 * 512, 1, 0.0),))
+    return [b, a]
+
+
+def test_colocated_prefill_stalls_the_running_decodes() -> None:
+    fixed = _Fixed(Action.COLOCATED_PREFILL, "h0", "h0")
+    alone = Simulator(ClusterSpec(0, 0, 1), PROFILE, fixed).run(_two_sessions(1e6))
+    both = Simulator(ClusterSpec(0, 0, 1), PROFILE, fixed).run(_two_sessions(0.05))
+    # session E2Es are listed in completion order: B (100 tokens) ends last
+    b_alone, b_both = alone.session_e2e_s[0], max(both.session_e2e_s)
+    prefill_a = PROFILE.prefill_s(16 * 512, 0)
+    # B's decode made no progress while A's prefill computed (as in the emulated engine)
+    assert b_both - b_alone > 0.9 * prefill_a
+    assert b_both - b_alone < prefill_a + 0.05
+    # A's prefill paid one decode step of B's batch per chunk
+    chunks = -(-16 * 512 // PROFILE.max_batched_tokens)
+    a_alone = PROFILE.prefill_s(16 * 512, 0) + PROFILE.decode_step_s(1, 16 * 512 + 1)
+    assert min(both.session_e2e_s) >= a_alone + chunks * PROFILE.decode_step_s(1, 612) - 1e-9
+
+
+def test_a_decode_on_another_worker_is_not_stalled() -> None:
+    # B decodes on d0; A prefills on p0 (remote): B's time is unchanged
+    sessions = _two_sessions(0.05)
+    sim = Simulator(ClusterSpec(1, 1, 0), PROFILE, _Fixed(Action.REMOTE_PREFILL, "p0", "d1"))
+    alone = Simulator(ClusterSpec(1, 1, 0), PROFILE, _Fixed(Action.REMOTE_PREFILL, "p0", "d1"))
+    b_alone = alone.run(sessions[:1]).session_e2e_s[0]
+    assert max(sim.run(sessions).session_e2e_s) == b_alone
+
+
+def test_kv_usage_is_running_context_not_idle_cache() -> None:
+    seen: list[float] = []
+
+    class _Spy(_Fixed):
+        def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+            seen.append(next(w.kv_usage for w in cluster.workers if w.worker_id == "h0"))
+            return super().plan(request, cluster)
+
+    sim = Simulator(ClusterSpec(0, 0, 1), PROFILE, _Spy(Action.COLOCATED_PREFILL, "h0", "h0"))
+    # two sessions far apart: at the second arrival h0 caches the first but runs nothing
+    sim.run([_session([(1, 2, 3)]), SimSession(1, 1e4, (SimTurn((7,), 512, 1, 0.0),))])
+    assert seen == [0.0, 0.0] and len(sim.workers[0].cache) == 4
+
+
+def test_remote_prefill_gives_ownership_of_new_blocks_to_the_decode_worker() -> None:
+    sim = Simulator(ClusterSpec(1, 1, 0), PROFILE, _Fixed(Action.REMOTE_PREFILL, "p0", "d1"))
+    sim.run([_session([(1, 2, 3)])])
+    assert all(sim.owner[b] == 1 for b in (1, 2, 3))  # d1, as the router's commit claims
