@@ -165,14 +165,29 @@ def make_workload(sessions: int, rate: float, seed: int) -> Workload:
     return agentic(AgenticParams(sessions=sessions, rate_per_s=rate), seed=seed)
 
 
+ROUTER_SCRAPE_S = 2.0
+"""The router's `server.health_interval_s` default: how often it scrapes the workers' load."""
+
+
 def simulate(
-    workload: Workload, policies: Sequence[str], profile_name: str, capacity_blocks: int
+    workload: Workload,
+    policies: Sequence[str],
+    profile_name: str,
+    capacity_blocks: int,
+    load_scrape_s: float = ROUTER_SCRAPE_S,
 ) -> dict[str, dict[str, Any]]:
     """Per policy: the simulator's numbers for `workload` on the 2P/2D/2H cluster."""
     profile = load_profile(profile_name)
     sessions = workload_sessions(workload)
     block_bytes = 16 * profile.kv_bytes_per_token
-    spec = SimClusterSpec(2, 2, 2, block_tokens=16, hbm_kv_bytes=capacity_blocks * block_bytes)
+    spec = SimClusterSpec(
+        2,
+        2,
+        2,
+        block_tokens=16,
+        hbm_kv_bytes=capacity_blocks * block_bytes,
+        load_scrape_s=load_scrape_s,
+    )
     out: dict[str, dict[str, Any]] = {}
     for name in policies:
         res = Simulator(spec, profile, get_policy(name)).run(sessions)
@@ -386,9 +401,9 @@ def section(runs: Sequence[dict[str, Any]], notes: str = "") -> str:
         "The same agentic workload through the real router (`ownerserve serve`, one policy at a "
         "time) on 2 prefill + 2 decode + 2 hybrid emulated workers (profile h100-llama3-8b), "
         "and through the simulator (`ClusterSpec(2, 2, 2, block_tokens=16, hbm_kv_bytes=<the "
-        "emulator's 19,073 blocks>)`, same profile, sessions converted block for block by "
-        "`loadgen.sim.from_workload`). Emulated latencies are wall × speed; the workers restart "
-        "cold before each policy. Gap = (sim − emulated) / emulated.",
+        "emulator's 19,073 blocks>, load_scrape_s=2)`, same profile, sessions converted block "
+        "for block by `loadgen.sim.from_workload`). Emulated latencies are wall × speed; the "
+        "workers restart cold before each policy. Gap = (sim − emulated) / emulated.",
         "",
     ]
     for run in runs:
@@ -405,7 +420,13 @@ def section(runs: Sequence[dict[str, Any]], notes: str = "") -> str:
             f"×{meta['speed']:g}, emulator timing fidelity "
             + (f"{fid[0]:.3f}–{fid[1]:.3f}" if fid else "–")
             + "  ",
-            f"Machine: {meta['machine']}",
+            f"Machine: {meta['machine']}"
+            + (
+                f"  \nSimulated side recomputed {meta['simulated_at']} with the current "
+                f"simulator (`--resimulate`, load_scrape_s={meta['load_scrape_s']:g})"
+                if "simulated_at" in meta
+                else ""
+            ),
             "",
             markdown(rows, judge(rows)),
             "",
@@ -413,6 +434,35 @@ def section(runs: Sequence[dict[str, Any]], notes: str = "") -> str:
     if notes:
         out += [notes.strip(), ""]
     return "\n".join(out)
+
+
+def resimulate(path: Path, out_dir: Path, load_scrape_s: float) -> Path:
+    """A saved run with its simulated side recomputed (same workload, same emulated side);
+    written next to it as `<stem>_resim.json`."""
+    data = json.loads(path.read_text())
+    meta = data["meta"]
+    wl = meta["workload"]
+    workload = make_workload(wl["sessions"], wl["rate_per_s"], wl["seed"])
+    policies = [r["policy"] for r in data["rows"]]
+    sim = simulate(workload, policies, meta["profile"], meta["capacity_blocks"], load_scrape_s)
+    for r in data["rows"]:
+        r["simulated"] = sim[r["policy"]]
+    rows = [PolicyRow(r["policy"], r["emulated"], r["simulated"]) for r in data["rows"]]
+    v = judge(rows)
+    data["verdict"] = {
+        "taus": v.taus,
+        "max_gaps": v.max_gaps,
+        "e2e_rank_ok": v.e2e_rank_ok,
+        "e2e_values_ok": v.e2e_values_ok,
+        "counts_ok": v.counts_ok,
+    }
+    meta["simulated_at"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    meta["load_scrape_s"] = load_scrape_s
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / f"{path.stem}_resim.json"
+    target.write_text(json.dumps(data, indent=2))
+    print(f"wrote {target}")
+    return target
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -436,7 +486,24 @@ def main(argv: list[str] | None = None) -> int:
         help="only write the RESULTS.md section from these saved runs (JSON)",
     )
     ap.add_argument("--notes", type=Path, default=Path(__file__).with_name("validation_notes.md"))
+    ap.add_argument(
+        "--load-scrape-s",
+        type=float,
+        default=ROUTER_SCRAPE_S,
+        help="how stale the simulated policies' kv_usage is (the router's scrape interval)",
+    )
+    ap.add_argument(
+        "--resimulate",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="recompute the simulated side of saved runs (JSON) with the current simulator",
+    )
     args = ap.parse_args(argv)
+    if args.resimulate:
+        for path in args.resimulate:
+            resimulate(path, args.out, args.load_scrape_s)
+        return 0
     if args.section:
         runs = [json.loads(p.read_text()) for p in args.section]
         notes = args.notes.read_text() if args.notes.exists() else ""
@@ -462,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     if not capacity:
         prof = load_profile(args.profile)
         capacity = int(prof.hbm_kv_bytes // (16 * prof.kv_bytes_per_token))
-    simulated = simulate(workload, policies, args.profile, capacity)
+    simulated = simulate(workload, policies, args.profile, capacity, args.load_scrape_s)
     rows = [PolicyRow(p, emulated.get(p, {}), simulated[p]) for p in policies]
     verdict = judge(rows)
     table = markdown(rows, verdict)
@@ -486,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
             "requests": workload.n_requests,
         },
         "capacity_blocks": capacity,
+        "load_scrape_s": args.load_scrape_s,
         "timing_fidelity": [min(fid), max(fid)] if fid else None,
     }
     args.out.mkdir(parents=True, exist_ok=True)

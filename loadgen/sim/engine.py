@@ -44,6 +44,9 @@ class ClusterSpec:
     hbm_kv_bytes: int | None = None  # per worker; None = the profile's
     full_view_max: int = 64
     sample_d: int = 16
+    load_scrape_s: float = 0.0
+    """How old the policies' `kv_usage` may be: the router scrapes it from each worker's
+    metrics every `server.health_interval_s` (2 s by default); 0 = always current."""
 
     @property
     def total(self) -> int:
@@ -115,6 +118,7 @@ class _Worker:
         "prefill_free_at",
         "prefill_tokens",
         "role",
+        "scraped",
         "stall_busy",
         "stall_ends",
         "stall_starts",
@@ -141,6 +145,7 @@ class _Worker:
         self.stall_starts: list[float] = []
         self.stall_ends: list[float] = []
         self.stall_busy: list[float] = []
+        self.scraped = (-1.0, 0.0)  # (scrape period index, kv_usage then)
 
     def add_stall(self, start: float, seconds: float) -> None:
         before = (
@@ -374,15 +379,24 @@ class Simulator:
             running=w.decode_active,
             waiting=jobs,
             inflight_prefill_tokens=tokens,
-            # vLLM's kv_cache_usage_perc (what the router scrapes): blocks referenced by
-            # running sequences, not the idle prefix cache
-            kv_usage=min(1.0, w.decode_ctx / (w.capacity * self.spec.block_tokens)),
+            kv_usage=self._kv_usage(w, now),
             hbm_bytes=w.capacity * self.block_bytes,
             cached_blocks={Tier.GPU: n} if n else {},
             is_owner=owner == w.idx,
             is_session_owner=sess_owner == w.idx,
             node=w.node,
         )
+
+    def _kv_usage(self, w: _Worker, now: float) -> float:
+        """vLLM's kv_cache_usage_perc, as the router sees it: blocks referenced by running
+        sequences (not the idle prefix cache), sampled every `load_scrape_s`."""
+        period = self.spec.load_scrape_s
+        if period <= 0:
+            return min(1.0, w.decode_ctx / (w.capacity * self.spec.block_tokens))
+        k = now // period
+        if k > w.scraped[0]:
+            w.scraped = (k, min(1.0, w.decode_ctx / (w.capacity * self.spec.block_tokens)))
+        return w.scraped[1]
 
     def _candidates(self, held: _Held, sess_owner: int | None) -> list[_Worker]:
         if len(self.workers) <= self.spec.full_view_max:

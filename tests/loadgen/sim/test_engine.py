@@ -215,3 +215,25 @@ def test_remote_prefill_gives_ownership_of_new_blocks_to_the_decode_worker() -> 
     sim = Simulator(ClusterSpec(1, 1, 0), PROFILE, _Fixed(Action.REMOTE_PREFILL, "p0", "d1"))
     sim.run([_session([(1, 2, 3)])])
     assert all(sim.owner[b] == 1 for b in (1, 2, 3))  # d1, as the router's commit claims
+
+
+def test_scraped_kv_usage_lags_by_up_to_one_scrape_period() -> None:
+    seen: list[float] = []
+
+    class _Spy(_Fixed):
+        def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+            seen.append(next(w.kv_usage for w in cluster.workers if w.worker_id == "h0"))
+            return super().plan(request, cluster)
+
+    # A decodes 1000 tokens from t=0; B arrives at 0.5 s (same scrape period), C at 2.5 s
+    sessions = [
+        SimSession(0, 0.0, (SimTurn((1,), 512, 1000, 0.0),)),
+        SimSession(1, 0.5, (SimTurn((2,), 512, 1, 0.0),)),
+        SimSession(2, 2.5, (SimTurn((3,), 512, 1, 0.0),)),
+    ]
+    for scrape, stale in ((0.0, False), (2.0, True)):
+        seen.clear()
+        spec = ClusterSpec(0, 0, 1, load_scrape_s=scrape)
+        Simulator(spec, PROFILE, _Spy(Action.COLOCATED_PREFILL, "h0", "h0")).run(sessions)
+        assert seen[0] == 0.0 and seen[2] > 0.0
+        assert (seen[1] == 0.0) == stale  # B sees the usage of the scrape at t=0
