@@ -1,0 +1,106 @@
+"""The KV artifact store: checksums on every load from both tiers, utility-ranked demotion and
+dropping, typed errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from workers.sidecar.store import (
+    ArtifactCorrupted,
+    ArtifactMissing,
+    ArtifactStore,
+    ArtifactTooLarge,
+    Tier,
+    checksum,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_put_get_roundtrip_memory() -> None:
+    s = ArtifactStore(memory_capacity_bytes=1024)
+    s.put("k", b"abc")
+    assert s.has("k") and s.get("k") == b"abc"
+    assert s.meta("k").reuse_count == 1
+    with pytest.raises(ArtifactMissing):
+        s.get("nope")
+
+
+def test_peer_payload_with_wrong_checksum_is_refused() -> None:
+    s = ArtifactStore(memory_capacity_bytes=1024)
+    with pytest.raises(ArtifactCorrupted):
+        s.put("k", b"abc", expected_checksum=checksum(b"abd"))
+    assert not s.has("k")
+    s.put("k", b"abc", expected_checksum=checksum(b"abc"))
+    assert s.get("k") == b"abc"
+
+
+def test_corrupted_memory_artifact_is_never_returned() -> None:
+    s = ArtifactStore(memory_capacity_bytes=1024, pin_memory=False)
+    s.put("k", b"abcdef")
+    s._mem["k"] = b"abcdeX"  # simulate a bit flip in memory (not reachable through the API)
+    with pytest.raises(ArtifactCorrupted):
+        s.get("k")
+    assert not s.has("k") and s.stats().corrupted == 1
+
+
+def test_demotion_to_ssd_and_corruption_on_disk(tmp_path: Path) -> None:
+    clock = Clock()
+    s = ArtifactStore(
+        memory_capacity_bytes=100, ssd_dir=tmp_path, ssd_capacity_bytes=1000, clock=clock
+    )
+    s.put("hot", b"h" * 60)
+    s.get("hot")
+    s.get("hot")  # reused twice: higher utility
+    clock.t = 1.0
+    s.put("cold", b"c" * 60)  # memory full: the lowest-utility resident ("hot"? no) is demoted
+    assert s.meta("cold").tier is Tier.MEMORY
+    assert s.meta("hot").tier is Tier.SSD  # only other resident; demoted, not lost
+    assert s.get("hot") == b"h" * 60
+    s.put("cold2", b"d" * 60)
+    assert s.meta("cold").tier is Tier.SSD
+    # corrupt the file of "cold" on disk: the load fails typed and the artifact is dropped
+    (f,) = [p for p in tmp_path.iterdir() if p.name.startswith("cold.")]
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    with pytest.raises(ArtifactCorrupted):
+        s.get("cold")
+    assert not s.has("cold")
+    # truncated file: also typed
+    (g,) = [p for p in tmp_path.iterdir() if p.name.startswith("hot.")]
+    g.write_bytes(b"OSKV1\n")
+    with pytest.raises(ArtifactCorrupted):
+        s.get("hot")
+
+
+def test_ssd_full_drops_lowest_utility(tmp_path: Path) -> None:
+    clock = Clock()
+    s = ArtifactStore(
+        memory_capacity_bytes=10, ssd_dir=tmp_path, ssd_capacity_bytes=200, clock=clock
+    )
+    s.put("a", b"a" * 100, recompute_s=1.0, load_s=0.0)  # valuable
+    s.put("b", b"b" * 100, recompute_s=0.001, load_s=0.0)  # cheap to recompute
+    assert s.meta("a").tier is Tier.SSD
+    s.put("c", b"c" * 100, recompute_s=1.0, load_s=0.0)
+    assert s.has("a") and s.has("c") and not s.has("b")
+    assert s.stats().dropped == 1 and s.stats().ssd_bytes == 200
+    assert len(list(tmp_path.glob("*.kv"))) == 2
+
+
+def test_too_large_and_replace() -> None:
+    s = ArtifactStore(memory_capacity_bytes=10)
+    with pytest.raises(ArtifactTooLarge):
+        s.put("k", b"x" * 11)
+    s.put("k", b"x" * 10)
+    s.put("k", b"y" * 5)
+    assert s.get("k") == b"y" * 5 and s.stats().memory_bytes == 5
+    assert s.delete("k") and not s.delete("k")

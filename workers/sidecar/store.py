@@ -1,0 +1,319 @@
+"""KV artifact store of one worker: a CPU memory tier (pinned when CUDA exists) over a local SSD
+file tier, artifacts keyed by per-head artifact keys (seed 000, `ownerserve.kvstate.HeadArtifactKey`
+strings; MLA is head 0), payloads in the block-first staging layout of `kernels.layouts`.
+
+Every artifact carries a blake2b checksum taken when it is stored and verified on every load, from
+either tier: a corrupted or truncated artifact raises `ArtifactCorrupted` and is dropped, never
+returned. Capacity is per tier in bytes; when the memory tier is full the lowest-utility artifacts
+are demoted to SSD, and when SSD is full the lowest-utility ones are dropped. Utility is the KV
+state model's expected seconds saved per byte kept (same formula as `planner.restore
+.artifact_utility`, restated here because workers import only the core):
+
+    (1 + reuse_count) * 2^(-age / half_life) * max(recompute_s - load_s, 0) / size_bytes
+
+Pure in-process logic plus file I/O on its own directory; no network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from pathlib import Path
+
+CHECKSUM_BYTES = 32
+_MAGIC = b"OSKV1\n"
+
+
+class StoreError(Exception):
+    """Base of the artifact store's errors."""
+
+
+class ArtifactMissing(StoreError, KeyError):
+    """No artifact is stored under the key."""
+
+
+class ArtifactCorrupted(StoreError):
+    """An artifact's bytes do not match its checksum (it was dropped)."""
+
+
+class ArtifactTooLarge(StoreError, ValueError):
+    """An artifact is larger than every tier's capacity."""
+
+
+class Tier(StrEnum):
+    MEMORY = "memory"
+    SSD = "ssd"
+
+
+def checksum(data: bytes | bytearray | memoryview) -> bytes:
+    """The artifact checksum: blake2b-256 of the payload."""
+    return hashlib.blake2b(data, digest_size=CHECKSUM_BYTES).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactMeta:
+    """What the store knows of one artifact besides its bytes."""
+
+    key: str
+    size_bytes: int
+    checksum: bytes
+    recompute_s: float
+    load_s: float
+    reuse_count: int = 0
+    last_access_s: float = 0.0
+    tier: Tier = Tier.MEMORY
+
+
+def artifact_utility(meta: ArtifactMeta, now_s: float, *, half_life_s: float = 600.0) -> float:
+    """Expected seconds saved per byte kept (see the module docstring)."""
+    if meta.size_bytes <= 0:
+        return float("inf")
+    age = max(0.0, now_s - meta.last_access_s)
+    p_reuse = (1 + max(0, meta.reuse_count)) * 2.0 ** (-age / half_life_s)
+    return p_reuse * max(meta.recompute_s - meta.load_s, 0.0) / meta.size_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Counters of a store."""
+
+    memory_bytes: int
+    ssd_bytes: int
+    artifacts: int
+    hits: int
+    misses: int
+    corrupted: int
+    demoted: int
+    dropped: int
+
+
+def _pinned_buffer(data: bytes) -> object:
+    """Page-locked copy of `data` when CUDA exists (fast H2D), else the bytes themselves."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            t = torch.frombuffer(bytearray(data), dtype=torch.uint8).pin_memory()
+            return t
+    except Exception:  # pragma: no cover - torch without CUDA or pinning failure
+        pass
+    return data
+
+
+def _as_bytes(buf: object) -> bytes:
+    if isinstance(buf, bytes):
+        return buf
+    import torch
+
+    assert isinstance(buf, torch.Tensor)
+    return bytes(buf.numpy().tobytes())
+
+
+_SAFE = re.compile(r"[^A-Za-z0-9._@:-]")
+
+
+@dataclass(slots=True)
+class ArtifactStore:
+    """Two-tier KV artifact store. Not thread-safe: one owner (the sidecar's event loop)."""
+
+    memory_capacity_bytes: int
+    ssd_dir: Path | None = None
+    ssd_capacity_bytes: int = 0
+    half_life_s: float = 600.0
+    pin_memory: bool = True
+    clock: Callable[[], float] = time.monotonic
+    _meta: dict[str, ArtifactMeta] = field(default_factory=dict)
+    _mem: dict[str, object] = field(default_factory=dict)
+    _mem_bytes: int = 0
+    _ssd_bytes: int = 0
+    _hits: int = 0
+    _misses: int = 0
+    _corrupted: int = 0
+    _demoted: int = 0
+    _dropped: int = 0
+
+    def __post_init__(self) -> None:
+        if self.memory_capacity_bytes < 0 or self.ssd_capacity_bytes < 0:
+            raise ValueError("capacities must be >= 0")
+        if self.ssd_dir is not None:
+            self.ssd_dir = Path(self.ssd_dir)
+            self.ssd_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            self.ssd_capacity_bytes = 0
+
+    # --- queries ---------------------------------------------------------------------------
+
+    def has(self, key: str) -> bool:
+        return key in self._meta
+
+    def has_many(self, keys: Iterable[str]) -> list[bool]:
+        return [k in self._meta for k in keys]
+
+    def meta(self, key: str) -> ArtifactMeta:
+        try:
+            return self._meta[key]
+        except KeyError:
+            raise ArtifactMissing(key) from None
+
+    def keys(self) -> list[str]:
+        return list(self._meta)
+
+    def stats(self) -> StoreStats:
+        return StoreStats(
+            self._mem_bytes,
+            self._ssd_bytes,
+            len(self._meta),
+            self._hits,
+            self._misses,
+            self._corrupted,
+            self._demoted,
+            self._dropped,
+        )
+
+    # --- put / get / delete ----------------------------------------------------------------
+
+    def put(
+        self,
+        key: str,
+        data: bytes,
+        *,
+        expected_checksum: bytes | None = None,
+        recompute_s: float | None = None,
+        load_s: float | None = None,
+    ) -> ArtifactMeta:
+        """Store `data` under `key` (replacing any old value). With `expected_checksum` (bytes
+        received from a peer) the payload is verified first and `ArtifactCorrupted` raised on a
+        mismatch, storing nothing."""
+        data = bytes(data)
+        digest = checksum(data)
+        if expected_checksum is not None and digest != expected_checksum:
+            self._corrupted += 1
+            raise ArtifactCorrupted(f"checksum mismatch for {key}")
+        size = len(data)
+        if size > max(self.memory_capacity_bytes, self.ssd_capacity_bytes):
+            raise ArtifactTooLarge(f"{key}: {size} bytes exceed every tier")
+        if key in self._meta:
+            self.delete(key)
+        # defaults: recompute ~ 1 GB/s of KV, reload ~ 10 GB/s (only the ratio ranks artifacts)
+        meta = ArtifactMeta(
+            key,
+            size,
+            digest,
+            recompute_s if recompute_s is not None else size / 1e9,
+            load_s if load_s is not None else size / 1e10,
+            0,
+            self.clock(),
+        )
+        if size <= self.memory_capacity_bytes:
+            self._make_room(Tier.MEMORY, size, protect=key)
+            self._mem[key] = _pinned_buffer(data) if self.pin_memory else data
+            self._mem_bytes += size
+            self._meta[key] = meta
+        else:
+            self._make_room(Tier.SSD, size, protect=key)
+            self._write_ssd(key, data, digest)
+            self._meta[key] = replace(meta, tier=Tier.SSD)
+        return self._meta[key]
+
+    def get(self, key: str) -> bytes:
+        """The artifact's bytes, checksum-verified; counts a reuse. Raises `ArtifactMissing`, or
+        `ArtifactCorrupted` (and drops the artifact) when the bytes do not match."""
+        meta = self._meta.get(key)
+        if meta is None:
+            self._misses += 1
+            raise ArtifactMissing(key)
+        data = _as_bytes(self._mem[key]) if meta.tier is Tier.MEMORY else self._read_ssd(key)
+        if checksum(data) != meta.checksum:
+            self._corrupted += 1
+            self.delete(key)
+            raise ArtifactCorrupted(f"checksum mismatch for {key} ({meta.tier})")
+        self._hits += 1
+        self._meta[key] = replace(
+            meta, reuse_count=meta.reuse_count + 1, last_access_s=self.clock()
+        )
+        return data
+
+    def delete(self, key: str) -> bool:
+        meta = self._meta.pop(key, None)
+        if meta is None:
+            return False
+        if meta.tier is Tier.MEMORY:
+            self._mem.pop(key, None)
+            self._mem_bytes -= meta.size_bytes
+        else:
+            self._ssd_bytes -= meta.size_bytes
+            with contextlib.suppress(FileNotFoundError):
+                self._path(key).unlink()
+        return True
+
+    # --- tiers -----------------------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        assert self.ssd_dir is not None
+        name = _SAFE.sub("_", key)
+        return self.ssd_dir / f"{name}.{checksum(key.encode()).hex()[:12]}.kv"
+
+    def _write_ssd(self, key: str, data: bytes, digest: bytes) -> None:
+        path = self._path(key)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(_MAGIC)
+            f.write(digest)
+            f.write(data)
+        os.replace(tmp, path)
+        self._ssd_bytes += len(data)
+
+    def _read_ssd(self, key: str) -> bytes:
+        try:
+            raw = self._path(key).read_bytes()
+        except FileNotFoundError:
+            raw = b""
+        head = len(_MAGIC) + CHECKSUM_BYTES
+        if len(raw) < head or not raw.startswith(_MAGIC):
+            return b""  # fails the checksum check in `get`
+        return raw[head:]
+
+    def _victims(self, tier: Tier, bytes_needed: int, protect: str) -> list[str]:
+        now = self.clock()
+        ranked = sorted(
+            (m for m in self._meta.values() if m.tier is tier and m.key != protect),
+            key=lambda m: artifact_utility(m, now, half_life_s=self.half_life_s),
+        )
+        out: list[str] = []
+        freed = 0
+        for m in ranked:
+            if freed >= bytes_needed:
+                break
+            out.append(m.key)
+            freed += m.size_bytes
+        return out
+
+    def _make_room(self, tier: Tier, size: int, protect: str) -> None:
+        if tier is Tier.MEMORY:
+            need = self._mem_bytes + size - self.memory_capacity_bytes
+            for key in self._victims(Tier.MEMORY, need, protect) if need > 0 else []:
+                self._demote(key)
+        else:
+            need = self._ssd_bytes + size - self.ssd_capacity_bytes
+            for key in self._victims(Tier.SSD, need, protect) if need > 0 else []:
+                self.delete(key)
+                self._dropped += 1
+
+    def _demote(self, key: str) -> None:
+        meta = self._meta[key]
+        data = _as_bytes(self._mem.pop(key))
+        self._mem_bytes -= meta.size_bytes
+        if self.ssd_dir is None or meta.size_bytes > self.ssd_capacity_bytes:
+            del self._meta[key]
+            self._dropped += 1
+            return
+        self._make_room(Tier.SSD, meta.size_bytes, protect=key)
+        self._write_ssd(key, data, meta.checksum)
+        self._meta[key] = replace(meta, tier=Tier.SSD)
+        self._demoted += 1
