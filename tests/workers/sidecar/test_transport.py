@@ -1,0 +1,86 @@
+"""The plain-TCP sidecar transport over real sockets, including a peer sidecar process that is
+killed (SIGKILL) mid-transfer: the fetch fails typed and only whole, checksummed artifacts land."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from workers.sidecar.store import ArtifactStore
+from workers.sidecar.transport import TransferError, TransportServer, fetch
+
+
+async def test_fetch_between_two_stores() -> None:
+    src = ArtifactStore(memory_capacity_bytes=1 << 24, pin_memory=False)
+    dst = ArtifactStore(memory_capacity_bytes=1 << 24, pin_memory=False)
+    payloads = {f"m@head:{i}": os.urandom(1000 * (i + 1)) for i in range(3)}
+    payloads["big"] = os.urandom(3 << 20)
+    for k, v in payloads.items():
+        src.put(k, v)
+    server = TransportServer(src)
+    port = await server.start()
+    try:
+        res = await fetch(dst, "127.0.0.1", port, [*payloads, "absent"])
+    finally:
+        await server.close()
+    assert set(res.fetched) == set(payloads) and res.missing == ("absent",)
+    assert res.bytes == sum(len(v) for v in payloads.values())
+    for k, v in payloads.items():
+        assert dst.get(k) == v
+
+
+async def test_unreachable_peer_is_a_typed_error() -> None:
+    server = TransportServer(ArtifactStore(memory_capacity_bytes=10))
+    port = await server.start()
+    await server.close()  # nothing listens there now
+    with pytest.raises(TransferError):
+        await fetch(ArtifactStore(memory_capacity_bytes=10), "127.0.0.1", port, ["k"])
+
+
+SERVE = """
+import asyncio, os, sys
+from workers.sidecar.store import ArtifactStore
+from workers.sidecar.transport import TransportServer
+async def main():
+    s = ArtifactStore(memory_capacity_bytes=1 << 30, pin_memory=False)
+    for i in range(N):
+        s.put(f"k{i}", os.urandom(SIZE))
+    port = await TransportServer(s).start()
+    print(port, flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+@pytest.mark.timeout(120)
+async def test_owner_killed_mid_transfer() -> None:
+    n, size = 24, 8 << 20
+    proc = subprocess.Popen(
+        [sys.executable, "-c", f"N={n}\nSIZE={size}\n" + SERVE],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        port = int(await asyncio.to_thread(proc.stdout.readline))
+        dst = ArtifactStore(memory_capacity_bytes=1 << 30, pin_memory=False)
+        task = asyncio.create_task(fetch(dst, "127.0.0.1", port, [f"k{i}" for i in range(n)]))
+        deadline = time.monotonic() + 60
+        while not dst.keys() and time.monotonic() < deadline and not task.done():
+            await asyncio.sleep(0.001)
+        proc.kill()  # the owner's sidecar dies while artifacts are in flight
+        with pytest.raises(TransferError, match=r"mid-transfer|failed"):
+            await task
+    finally:
+        proc.kill()
+        proc.wait()
+    got = dst.keys()
+    assert 0 < len(got) < n
+    for k in got:  # only whole artifacts, each verified on load
+        assert len(dst.get(k)) == size
+    assert dst.stats().corrupted == 0

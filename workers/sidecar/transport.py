@@ -1,0 +1,160 @@
+"""Plain-TCP artifact transport between sidecars (the fallback when Mooncake Transfer Engine is
+not installed): length-prefixed frames over asyncio streams, one checksum per artifact.
+
+Wire format (all integers big-endian):
+
+    request:  u32 len | JSON {"keys": [key, ...]}
+    response, per key in order:
+              u32 len | JSON {"key": k, "found": bool, "size": n, "checksum": hex}
+              n payload bytes (only when found)
+
+The receiver verifies each payload against its checksum before it stores it
+(`ArtifactStore.put(expected_checksum=...)`), so a peer that dies mid-transfer yields a typed
+`TransferError` and at most the artifacts that arrived whole; no partial or corrupted artifact is
+ever stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from workers.sidecar.store import ArtifactCorrupted, ArtifactMissing, ArtifactStore, checksum
+
+_LEN = struct.Struct(">I")
+MAX_HEADER = 1 << 20
+CHUNK = 1 << 20
+
+
+class TransferError(Exception):
+    """A fetch from a peer sidecar failed (peer unreachable or gone, bad frame, bad checksum)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    """What a fetch brought: keys stored locally and keys the peer did not have."""
+
+    fetched: tuple[str, ...]
+    missing: tuple[str, ...]
+    bytes: int
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> dict[str, object]:
+    (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    if n > MAX_HEADER:
+        raise TransferError(f"frame header of {n} bytes is too large")
+    obj = json.loads(await reader.readexactly(n))
+    if not isinstance(obj, dict):
+        raise TransferError("frame is not a JSON object")
+    return obj
+
+
+def _frame(obj: object) -> bytes:
+    body = json.dumps(obj).encode()
+    return _LEN.pack(len(body)) + body
+
+
+class TransportServer:
+    """Serves artifacts of a store to peers over TCP."""
+
+    def __init__(self, store: ArtifactStore) -> None:
+        self.store = store
+        self._server: asyncio.Server | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        self._server = await asyncio.start_server(self._handle, host, port)
+        sock = self._server.sockets[0]
+        return int(sock.getsockname()[1])
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                try:
+                    req = await _read_frame(reader)
+                except asyncio.IncompleteReadError:
+                    return
+                keys = req.get("keys")
+                if not isinstance(keys, list):
+                    return
+                for key in keys:
+                    try:
+                        data = self.store.get(str(key))
+                    except (ArtifactMissing, ArtifactCorrupted):
+                        writer.write(_frame({"key": key, "found": False}))
+                        continue
+                    writer.write(
+                        _frame(
+                            {
+                                "key": key,
+                                "found": True,
+                                "size": len(data),
+                                "checksum": checksum(data).hex(),
+                            }
+                        )
+                    )
+                    view = memoryview(data)
+                    for off in range(0, len(data), CHUNK):
+                        writer.write(view[off : off + CHUNK])
+                        await writer.drain()
+                await writer.drain()
+        except (ConnectionError, TransferError, ValueError):
+            return
+        finally:
+            writer.close()
+
+
+async def fetch(
+    store: ArtifactStore,
+    host: str,
+    port: int,
+    keys: Sequence[str],
+    *,
+    timeout_s: float = 30.0,
+) -> FetchResult:
+    """Pull `keys` from the peer at host:port into `store`. Raises `TransferError` when the peer
+    is unreachable, closes mid-transfer, times out, or sends bytes that fail their checksum."""
+    fetched: list[str] = []
+    missing: list[str] = []
+    total = 0
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (OSError, TimeoutError) as e:
+        raise TransferError(f"cannot reach sidecar {host}:{port}: {e}") from e
+    try:
+        writer.write(_frame({"keys": list(keys)}))
+        await writer.drain()
+        for want in keys:
+            head = await asyncio.wait_for(_read_frame(reader), timeout_s)
+            if head.get("key") != want:
+                raise TransferError(f"peer answered {head.get('key')!r} for {want!r}")
+            if not head.get("found"):
+                missing.append(want)
+                continue
+            size = head.get("size")
+            digest = head.get("checksum")
+            if not isinstance(size, int) or not isinstance(digest, str) or size < 0:
+                raise TransferError(f"bad frame header for {want!r}")
+            data = await asyncio.wait_for(reader.readexactly(size), timeout_s)
+            try:
+                store.put(want, data, expected_checksum=bytes.fromhex(digest))
+            except ArtifactCorrupted as e:
+                raise TransferError(str(e)) from e
+            fetched.append(want)
+            total += size
+    except asyncio.IncompleteReadError as e:
+        raise TransferError(
+            f"sidecar {host}:{port} closed mid-transfer ({len(fetched)}/{len(keys)} artifacts)"
+        ) from e
+    except (ConnectionError, TimeoutError, ValueError) as e:
+        raise TransferError(f"fetch from {host}:{port} failed: {e}") from e
+    finally:
+        writer.close()
+    return FetchResult(tuple(fetched), tuple(missing), total)
