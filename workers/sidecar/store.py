@@ -2,7 +2,7 @@
 file tier, artifacts keyed by per-head artifact keys (seed 000, `ownerserve.kvstate.HeadArtifactKey`
 strings; MLA is head 0), payloads in the block-first staging layout of `kernels.layouts`.
 
-Every artifact carries a blake2b checksum taken when it is stored and verified on every load, from
+Every artifact carries a SHA-256 checksum taken when it is stored and verified on every load, from
 either tier: a corrupted or truncated artifact raises `ArtifactCorrupted` and is dropped, never
 returned. Capacity is per tier in bytes; when the memory tier is full the lowest-utility artifacts
 are demoted to SSD, and when SSD is full the lowest-utility ones are dropped. Utility is the KV
@@ -52,8 +52,8 @@ class Tier(StrEnum):
 
 
 def checksum(data: bytes | bytearray | memoryview) -> bytes:
-    """The artifact checksum: blake2b-256 of the payload."""
-    return hashlib.blake2b(data, digest_size=CHECKSUM_BYTES).digest()
+    """The artifact checksum: SHA-256 of the payload (SHA-NI makes it faster than blake2b here)."""
+    return hashlib.sha256(data).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,14 +184,21 @@ class ArtifactStore:
         data: bytes,
         *,
         expected_checksum: bytes | None = None,
+        already_verified: bool = False,
         recompute_s: float | None = None,
         load_s: float | None = None,
     ) -> ArtifactMeta:
         """Store `data` under `key` (replacing any old value). With `expected_checksum` (bytes
         received from a peer) the payload is verified first and `ArtifactCorrupted` raised on a
-        mismatch, storing nothing."""
+        mismatch, storing nothing. `already_verified=True` says the caller has just hashed
+        `data` itself (incrementally, while receiving) and it equals `expected_checksum`."""
         data = bytes(data)
-        digest = checksum(data)
+        if already_verified:
+            if expected_checksum is None:
+                raise ValueError("already_verified needs expected_checksum")
+            digest = expected_checksum
+        else:
+            digest = checksum(data)
         if expected_checksum is not None and digest != expected_checksum:
             self._corrupted += 1
             raise ArtifactCorrupted(f"checksum mismatch for {key}")
@@ -224,6 +231,10 @@ class ArtifactStore:
     def get(self, key: str) -> bytes:
         """The artifact's bytes, checksum-verified; counts a reuse. Raises `ArtifactMissing`, or
         `ArtifactCorrupted` (and drops the artifact) when the bytes do not match."""
+        return self.get_verified(key)[0]
+
+    def get_verified(self, key: str) -> tuple[bytes, bytes]:
+        """`get` plus the checksum the bytes were just verified against (to send to a peer)."""
         meta = self._meta.get(key)
         if meta is None:
             self._misses += 1
@@ -237,7 +248,22 @@ class ArtifactStore:
         self._meta[key] = replace(
             meta, reuse_count=meta.reuse_count + 1, last_access_s=self.clock()
         )
-        return data
+        return data, meta.checksum
+
+    def read_for_transfer(self, key: str) -> tuple[bytes, bytes]:
+        """The artifact's bytes and the checksum taken when it was stored, NOT verified here:
+        for sending to a peer, which verifies while receiving (so a corrupted artifact is still
+        never loaded, and the owner does not hash the payload a second time). Counts a reuse."""
+        meta = self._meta.get(key)
+        if meta is None:
+            self._misses += 1
+            raise ArtifactMissing(key)
+        data = _as_bytes(self._mem[key]) if meta.tier is Tier.MEMORY else self._read_ssd(key)
+        self._hits += 1
+        self._meta[key] = replace(
+            meta, reuse_count=meta.reuse_count + 1, last_access_s=self.clock()
+        )
+        return data, meta.checksum
 
     def delete(self, key: str) -> bool:
         meta = self._meta.pop(key, None)

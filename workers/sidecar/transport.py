@@ -17,12 +17,13 @@ ever stored.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from workers.sidecar.store import ArtifactCorrupted, ArtifactMissing, ArtifactStore, checksum
+from workers.sidecar.store import ArtifactCorrupted, ArtifactMissing, ArtifactStore
 
 _LEN = struct.Struct(">I")
 MAX_HEADER = 1 << 20
@@ -50,6 +51,22 @@ async def _read_frame(reader: asyncio.StreamReader) -> dict[str, object]:
     if not isinstance(obj, dict):
         raise TransferError("frame is not a JSON object")
     return obj
+
+
+async def _read_hashed(reader: asyncio.StreamReader, size: int, expected: bytes) -> bytes:
+    """`size` payload bytes, hashed chunk by chunk as they arrive (overlapping the hash with
+    the peer's sending); `TransferError` unless the hash equals `expected`."""
+    hasher = hashlib.sha256()
+    parts: list[bytes] = []
+    left = size
+    while left:
+        part = await reader.readexactly(min(CHUNK, left))
+        hasher.update(part)
+        parts.append(part)
+        left -= len(part)
+    if hasher.digest() != expected:
+        raise TransferError("payload does not match its checksum")
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _frame(obj: object) -> bytes:
@@ -86,7 +103,7 @@ class TransportServer:
                     return
                 for key in keys:
                     try:
-                        data = self.store.get(str(key))
+                        data, digest = self.store.read_for_transfer(str(key))
                     except (ArtifactMissing, ArtifactCorrupted):
                         writer.write(_frame({"key": key, "found": False}))
                         continue
@@ -96,7 +113,7 @@ class TransportServer:
                                 "key": key,
                                 "found": True,
                                 "size": len(data),
-                                "checksum": checksum(data).hex(),
+                                "checksum": digest.hex(),
                             }
                         )
                     )
@@ -142,11 +159,9 @@ async def fetch(
             digest = head.get("checksum")
             if not isinstance(size, int) or not isinstance(digest, str) or size < 0:
                 raise TransferError(f"bad frame header for {want!r}")
-            data = await asyncio.wait_for(reader.readexactly(size), timeout_s)
-            try:
-                store.put(want, data, expected_checksum=bytes.fromhex(digest))
-            except ArtifactCorrupted as e:
-                raise TransferError(str(e)) from e
+            expected = bytes.fromhex(digest)
+            data = await asyncio.wait_for(_read_hashed(reader, size, expected), timeout_s)
+            store.put(want, data, expected_checksum=expected, already_verified=True)
             fetched.append(want)
             total += size
     except asyncio.IncompleteReadError as e:

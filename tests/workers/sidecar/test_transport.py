@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from workers.sidecar.store import ArtifactStore
+from workers.sidecar.store import ArtifactStore, checksum
 from workers.sidecar.transport import TransferError, TransportServer, fetch
 
 
@@ -44,7 +44,7 @@ async def test_unreachable_peer_is_a_typed_error() -> None:
 
 SERVE = """
 import asyncio, os, sys
-from workers.sidecar.store import ArtifactStore
+from workers.sidecar.store import ArtifactStore, checksum
 from workers.sidecar.transport import TransportServer
 async def main():
     s = ArtifactStore(memory_capacity_bytes=1 << 30, pin_memory=False)
@@ -84,3 +84,46 @@ async def test_owner_killed_mid_transfer() -> None:
     for k in got:  # only whole artifacts, each verified on load
         assert len(dst.get(k)) == size
     assert dst.stats().corrupted == 0
+
+
+async def test_payload_failing_its_checksum_is_not_stored() -> None:
+    """A peer whose bytes do not match the checksum it announced (a bit flip on the way; not
+    producible with a real sidecar, so a hand-written peer sends it)."""
+    import json
+    import struct
+
+    async def bad_peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        (n,) = struct.unpack(">I", await reader.readexactly(4))
+        await reader.readexactly(n)
+        head = json.dumps(
+            {"key": "k", "found": True, "size": 4, "checksum": checksum(b"good").hex()}
+        ).encode()
+        writer.write(struct.pack(">I", len(head)) + head + b"evil")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(bad_peer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    dst = ArtifactStore(memory_capacity_bytes=100, pin_memory=False)
+    try:
+        with pytest.raises(TransferError, match="checksum"):
+            await fetch(dst, "127.0.0.1", port, ["k"])
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert not dst.has("k")
+
+
+async def test_artifact_corrupted_at_the_owner_is_refused_by_the_receiver() -> None:
+    src = ArtifactStore(memory_capacity_bytes=1 << 20, pin_memory=False)
+    src.put("k", b"x" * 5000)
+    src._mem["k"] = b"x" * 4999 + b"y"  # bit flip in the owner's memory (not reachable via API)
+    server = TransportServer(src)
+    port = await server.start()
+    dst = ArtifactStore(memory_capacity_bytes=1 << 20, pin_memory=False)
+    try:
+        with pytest.raises(TransferError, match="checksum"):
+            await fetch(dst, "127.0.0.1", port, ["k"])
+    finally:
+        await server.close()
+    assert not dst.has("k")
