@@ -14,8 +14,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
+from workers.adapters.vllm import VLLMAdapter
+from workers.vllm_cpu.model import SERVED_NAME
 from workers.vllm_cpu.server import VllmRole, VllmServer, VllmServerSpec, free_port
 from workers.vllm_cpu.setup import VllmCpuInstall, ensure
 
@@ -100,6 +103,21 @@ def vllm_hybrid_b(vllm_install: VllmCpuInstall, vllm_work_dir: Path) -> Iterator
     server.stop()
 
 
+def _warm_up_pd(prefill: VllmServer, decode: VllmServer) -> float:
+    """One remote-prefill round trip: the first NIXL handshake and transfer (seen to take from
+    a second to well over a minute on a loaded 2-core box) happen here, not in a test."""
+    started = time.monotonic()
+    flow = VLLMAdapter()
+    body = {"model": SERVED_NAME, "prompt": "warm up the transfer " * 30, "max_tokens": 2}
+    with httpx.Client(timeout=READY_TIMEOUT_S) as client:
+        r = client.post(prefill.url + "/v1/completions", json=flow.prefill_body(body))
+        r.raise_for_status()
+        params = flow.transfer_params_of(r.json())
+        r = client.post(decode.url + "/v1/completions", json=flow.decode_body(body, params))
+        r.raise_for_status()
+    return time.monotonic() - started
+
+
 @pytest.fixture(scope="package")
 def vllm_pd_pair(vllm_install: VllmCpuInstall, vllm_work_dir: Path) -> Iterator[PDPair]:
     """A kv_producer and a kv_consumer over NixlConnector (UCX on loopback), one core each."""
@@ -126,6 +144,13 @@ def vllm_pd_pair(vllm_install: VllmCpuInstall, vllm_work_dir: Path) -> Iterator[
         vllm_work_dir,
     )
     _start([prefill, decode])
+    try:
+        took = _warm_up_pd(prefill, decode)
+    except BaseException:
+        prefill.stop()
+        decode.stop()
+        raise
+    print(f"\nvLLM P/D warm-up round trip {took:.1f} s")
     yield PDPair(prefill=prefill, decode=decode)
     prefill.stop()
     decode.stop()
