@@ -803,7 +803,10 @@ def _default_policy_factory(settings: Settings) -> PolicyFactory:
     from planner.cost import CostConfig, CostModel
     from planner.policies import get_policy
 
-    config = CostConfig.from_settings(settings.planner)
+    # the served model's KV spec turns on HeteroCache restore planning for cold (CPU/SSD) hits;
+    # one planner serves the deployment, so it takes the spec of a single-model deployment
+    kv_spec = settings.models[0].kv_spec if len(settings.models) == 1 else None
+    config = CostConfig.from_settings(settings.planner, kv_spec=kv_spec)
     profiles = tuple(sorted({w.profile for w in settings.workers if w.profile}))
     if profiles:
         config = replace(config, profiles=profiles)
