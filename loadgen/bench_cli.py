@@ -36,7 +36,7 @@ from loadgen.workloads import Workload, generate
 from ownerserve.config import settings_from_dict
 from ownerserve.errors import ConfigError
 
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+DEFAULT_TRACE = REPO_ROOT / "data" / "mooncake_synthetic_trace.jsonl"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

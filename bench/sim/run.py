@@ -16,7 +16,7 @@ from pathlib import Path
 
 from loadgen.sim.cli import main_rows, markdown_table
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_synthetic_trace.jsonl"
 ALL = "ownerserve,static-pd,colocated,round-robin,prefix-multi-owner,least-loaded,oracle"
 
 

@@ -16,7 +16,7 @@ from loadgen.text import template_overhead
 from loadgen.trace import TraceRequest, TraceScaling, load_trace, prefix_sharing, trace_workload
 from loadgen.workloads import generate
 
-SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared/data/mooncake_synthetic_trace.jsonl"
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_synthetic_trace.jsonl"
 MODEL = "ownerserve-tiny"
 
 

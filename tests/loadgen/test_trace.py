@@ -19,7 +19,7 @@ from loadgen.trace import (
 )
 from ownerserve.tokenizer import ChatTemplate
 
-SHARED_TRACE = Path("/work/shared/data/mooncake_synthetic_trace.jsonl")
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_synthetic_trace.jsonl"
 
 
 def _rows() -> list[TraceRequest]:
