@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,34 +274,11 @@ def format_report(results: list[TurnResult]) -> str:
     return "\n".join(lines)
 
 
-@contextlib.asynccontextmanager
-async def _serving(settings: Settings) -> AsyncIterator[str]:
-    import uvicorn
-
-    from router.app import create_app
-
-    app = create_app(settings)
-    config = uvicorn.Config(
-        app, host=settings.server.host, port=settings.server.port, log_level="warning"
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()
-            raise RuntimeError("proxy failed to start")
-        await asyncio.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://{settings.server.host}:{port}"
-    finally:
-        server.should_exit = True
-        await task
-
-
 async def _main(args: argparse.Namespace, workers: list[_Worker]) -> int:
+    from router.server import running
+
     settings = demo_settings(workers, args.host, args.port, args.policy)
-    async with _serving(settings) as base_url:
+    async with running(settings) as base_url:
         results = await run_session(base_url, args.turns)
         print(format_report(results), flush=True)
         if args.once:
