@@ -206,23 +206,32 @@ async def test_worker_killed_mid_stream_ends_the_stream_cleanly_and_loses_its_bl
     async with proxy_client(settings) as (client, router):
         client.timeout = httpx.Timeout(300.0)
         chain = router.tokenizers.get(MODEL).tokenize_chat(None, messages).chain
+        headers = {"x-session-id": "doomed"}
+        # first turn: the owner computes the prefix and the directory learns it from its events
+        warm = await client.post(
+            "/v1/chat/completions", json=body(messages, False), headers=headers
+        )
+        assert warm.status_code == 200
+        owner = plan_fields(warm.headers["x-ownerserve-plan"])["d"]
+
+        async def owner_holds() -> bool:
+            match = await router.directory.lookup(chain)
+            return bool(match.longest(owner) > 0)
+
+        await until(owner_holds, 30.0)
+        # second turn sticks to the owner; kill it as soon as tokens flow, long before the end
         req = body(messages, True, max_tokens=1500)
         lines: list[str] = []
         victim = ""
-        async with client.stream("POST", "/v1/chat/completions", json=req) as r:
+        async with client.stream("POST", "/v1/chat/completions", json=req, headers=headers) as r:
             assert r.status_code == 200
             victim = plan_fields(r.headers["x-ownerserve-plan"])["d"]
+            assert victim == owner
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
                 lines.append(line)
                 if len(lines) == 3:
-
-                    async def victim_holds() -> bool:
-                        match = await router.directory.lookup(chain)
-                        return bool(match.longest(victim) > 0)
-
-                    await until(victim_holds, 20.0)
                     servers[victim].kill()
         assert lines[-1] == "data: [DONE]"
         error = orjson.loads(lines[-2][6:])["error"]
