@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.client import RequestRecord, RunResult
+from planner.explain import parse_plan_header
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -111,16 +112,6 @@ class RunSummary:
         return out
 
 
-def plan_fields(header: str) -> dict[str, str]:
-    """`key=value;...` of an `x-ownerserve-plan` header."""
-    out: dict[str, str] = {}
-    for part in header.split(";"):
-        key, sep, value = part.partition("=")
-        if sep:
-            out[key.strip()] = value.strip()
-    return out
-
-
 def _error_kind(err: str) -> str:
     return err.split(":", 1)[0][:60]
 
@@ -158,7 +149,7 @@ def summarize(
         session_idle_mean_s=mean([s.idle_s for s in sessions_done]),
         actions=dict(
             Counter(
-                a for r in ok if r.plan and (a := plan_fields(r.plan).get("action"))
+                a for r in ok if r.plan and (a := parse_plan_header(r.plan).get("action"))
             ).most_common()
         ),
         cluster=cluster,

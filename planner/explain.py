@@ -75,6 +75,16 @@ def candidate_to_dict(c: Candidate) -> dict[str, Any]:
     }
 
 
+def parse_plan_header(header: str) -> dict[str, str]:
+    """The inverse of `plan_to_header`: its `key=value` fields (parts without `=` are skipped)."""
+    out: dict[str, str] = {}
+    for part in header.split(";"):
+        key, sep, value = part.partition("=")
+        if sep:
+            out[key.strip()] = value.strip()
+    return out
+
+
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
     """Every field of the plan as JSON-ready values (for logs and the admin API)."""
     return {

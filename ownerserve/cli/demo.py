@@ -180,15 +180,6 @@ class TurnResult:
     cached_tokens: int
 
 
-def _plan_fields(header: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for part in header.split(";"):
-        key, sep, value = part.partition("=")
-        if sep:
-            out[key.strip()] = value.strip()
-    return out
-
-
 async def _stream_turn(
     client: httpx.AsyncClient, messages: list[dict[str, Any]]
 ) -> tuple[str, dict[str, str], float, float, dict[str, Any]]:
@@ -209,7 +200,9 @@ async def _stream_turn(
         if resp.status_code != 200:
             detail = (await resp.aread()).decode(errors="replace")
             raise RuntimeError(f"proxy answered {resp.status_code}: {detail}")
-        plan = _plan_fields(resp.headers.get("x-ownerserve-plan", ""))
+        from planner.explain import parse_plan_header
+
+        plan = parse_plan_header(resp.headers.get("x-ownerserve-plan", ""))
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from ownerserve.config import Settings, settings_from_dict
+from planner.explain import parse_plan_header
 from router.app import create_app
 from router.server import running_app
 
@@ -149,8 +150,7 @@ async def proxy(settings: Settings, **app_kwargs: Any) -> AsyncIterator[tuple[st
         yield url, app.state.router
 
 
-def plan_fields(header: str) -> dict[str, str]:
-    return dict(p.split("=", 1) for p in header.split(";") if "=" in p)
+plan_fields = parse_plan_header  # the e2e tests' name for it
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

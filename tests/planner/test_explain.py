@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 
 from ownerserve.types import Role
-from planner.explain import plan_to_dict, plan_to_header
+from planner.explain import parse_plan_header, plan_to_dict, plan_to_header
 from planner.policies import OwnerServePolicy
 from tests.planner.test_ownerserve import fork_case
 from tests.planner.util import cluster, example, request, unit_model, worker
@@ -52,3 +52,13 @@ def test_dict_is_json_ready_and_complete() -> None:
     assert d["margin_s"] == plan.margin_s
     assert d["candidates_considered"] == 5
     assert d["default_action"] == "colocated_prefill" and d["overrides_default"] is False
+
+
+def test_header_parses_back_into_its_fields() -> None:
+    plan = POLICY.plan(*fork_case(owner_busy=True))
+    fields = parse_plan_header(plan_to_header(plan))
+    assert fields["action"] == "artifact_fetch" and fields["src"] == "d0"
+    assert fields["replica"] == "d1"
+    overridden = parse_plan_header(plan_to_header(POLICY.plan(*fork_case(owner_busy=False))))
+    assert overridden["default"] == "artifact_fetch:0.10596"
+    assert parse_plan_header("") == {} and parse_plan_header("x;a=b=c") == {"a": "b=c"}

@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from ownerserve.config import settings_from_dict
+from planner.explain import parse_plan_header
 from planner.types import Action, Candidate, CostBreakdown, Plan, RequestClass
 from router.app import create_app
 from router.server import running_app
@@ -82,7 +83,7 @@ async def workers() -> AsyncIterator[list[FakeWorker]]:
 
 
 def _plan_fields(resp: httpx.Response) -> dict[str, str]:
-    return dict(p.split("=", 1) for p in resp.headers["x-ownerserve-plan"].split(";"))
+    return parse_plan_header(resp.headers["x-ownerserve-plan"])
 
 
 async def test_body_and_client_headers_pass_through_unchanged(workers):
