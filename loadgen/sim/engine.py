@@ -105,18 +105,15 @@ class _Held:
 
 class _Worker:
     __slots__ = (
-        "busy_prefill_s",
         "cache",
         "capacity",
         "decode_active",
         "decode_ctx",
         "idx",
-        "interference_s",
         "log",
         "node",
         "pending",
         "prefill_free_at",
-        "prefill_tokens",
         "role",
         "scraped",
         "stall_busy",
@@ -137,9 +134,6 @@ class _Worker:
         self.pending: list[tuple[float, int]] = []  # (prefill end, tokens) in FIFO order
         self.decode_active = 0
         self.decode_ctx = 0
-        self.busy_prefill_s = 0.0
-        self.interference_s = 0.0
-        self.prefill_tokens = 0
         # prefill compute intervals (sorted, disjoint: the pipeline is FIFO) and the compute
         # time before each, to find how long decodes stalled in any window
         self.stall_starts: list[float] = []
@@ -591,12 +585,9 @@ class Simulator:
         prefill_end = start + dur
         p.prefill_free_at = prefill_end
         p.pending.append((prefill_end, new_tokens))
-        p.busy_prefill_s += dur
-        p.prefill_tokens += new_tokens
         res.prefill_tokens += new_tokens
         res.reused_tokens += reused_tokens
         if p.decode_active:
-            p.interference_s += dur * p.decode_active
             res.decode_interference_s += dur * p.decode_active
         self._insert(p, turn.chain)
         if best_avail:
