@@ -219,7 +219,10 @@ async def test_worker_killed_mid_stream_ends_the_stream_cleanly_and_loses_its_bl
             return bool(match.longest(owner) > 0)
 
         await until(owner_holds, 30.0)
-        # second turn sticks to the owner; kill it as soon as tokens flow, long before the end
+        # Second turn sticks to the owner. The router answers with headers only once the worker's
+        # first bytes arrived, so generation has begun; kill the worker right then, ~1,300 tokens
+        # before its end. (Killing after reading a few lines raced on CI: with two vLLM servers
+        # spinning on 2 cores the client was starved long enough for generation to finish.)
         req = body(messages, True, max_tokens=1500)
         lines: list[str] = []
         victim = ""
@@ -227,14 +230,14 @@ async def test_worker_killed_mid_stream_ends_the_stream_cleanly_and_loses_its_bl
             assert r.status_code == 200
             victim = plan_fields(r.headers["x-ownerserve-plan"])["d"]
             assert victim == owner
+            servers[victim].kill()
             async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                lines.append(line)
-                if len(lines) == 3:
-                    servers[victim].kill()
-        assert lines[-1] == "data: [DONE]"
-        error = orjson.loads(lines[-2][6:])["error"]
+                if line.startswith("data: "):
+                    lines.append(line)
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        last = orjson.loads(lines[-2][6:])
+        assert "error" in last, (len(lines), lines[:4], lines[-4:])
+        error = last["error"]
         assert error["type"] == "upstream_error"
         assert victim in error["message"]
 
