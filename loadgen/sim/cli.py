@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--profile", default="h100-llama3-8b", help="timing profile")
     parser.add_argument("--hbm-gb", type=float, default=None, help="KV HBM per worker, GB")
+    parser.add_argument(
+        "--load-scrape-s",
+        type=float,
+        default=0.0,
+        help="age of the workers' kv_usage the policies see: the router scrapes /metrics "
+        "every server.health_interval_s (2 s by default); 0 = always current",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="directory for JSON and plots")
 
@@ -89,7 +97,11 @@ def run_policies(args: argparse.Namespace, sessions: list[SimSession]) -> list[d
 
     profile = load_profile(args.profile)
     hbm = int(args.hbm_gb * 1e9) if args.hbm_gb else None
-    spec = ClusterSpec.of_size(args.workers, hbm_kv_bytes=hbm)
+    if args.load_scrape_s < 0:
+        raise SystemExit("ownerserve sim: --load-scrape-s must be >= 0")
+    spec = replace(
+        ClusterSpec.of_size(args.workers, hbm_kv_bytes=hbm), load_scrape_s=args.load_scrape_s
+    )
     rows = []
     for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
         oracle = name == "oracle"

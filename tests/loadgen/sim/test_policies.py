@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from loadgen.sim.cli import main_rows
 from loadgen.sim.engine import ClusterSpec, Simulator
 from loadgen.sim.workload import agentic_sessions
@@ -51,3 +53,13 @@ def test_cli_writes_json_and_plots(tmp_path: Path) -> None:
     assert [r["policy"] for r in rows] == ["ownerserve", "round-robin", "oracle"]
     data = json.loads((tmp_path / "sim.json").read_text())
     assert len(data["rows"]) == 3 and (tmp_path / "sim_policies.png").stat().st_size > 1000
+
+
+def test_load_scrape_flag_reaches_the_policies_view() -> None:
+    """A stale kv_usage (scraped every 5 s) changes ownerserve's choices; 0 is always current."""
+    argv = ["--workers", "6", "--sessions", "40", "--rate", "2", "--policies", "ownerserve"]
+    fresh = main_rows([*argv, "--load-scrape-s", "0"])[0]
+    stale = main_rows([*argv, "--load-scrape-s", "5"])[0]
+    assert fresh["e2e_mean_s"] != stale["e2e_mean_s"]
+    with pytest.raises(SystemExit, match="load-scrape-s"):
+        main_rows([*argv, "--load-scrape-s", "-1"])
