@@ -188,6 +188,8 @@ class SubscriberStats:
     replayed: int = 0
     resyncs: int = 0
     malformed: int = 0
+    skipped_blocks: int = 0
+    """Stored blocks the sink could not map (block size mismatch or unknown parent)."""
     last_seq: int | None = None
 
 
@@ -330,7 +332,18 @@ class KVEventSubscriber:
         self.stats.replayed += len(got)
 
     async def _apply(self, batch: EventBatch) -> None:
-        await self._sink.apply_events(self.worker, batch)
+        result = await self._sink.apply_events(self.worker, batch)
+        if result.skipped:
+            if not self.stats.skipped_blocks:
+                sizes = sorted({e.block_size for e in batch.events if isinstance(e, BlockStored)})
+                log.warning(
+                    "worker %s: %d stored blocks not mapped (block size in its events: %s); "
+                    "the router's models[].block_size must equal the engine's block size",
+                    self.worker,
+                    result.skipped,
+                    sizes,
+                )
+            self.stats.skipped_blocks += result.skipped
         self._expected = batch.seq + 1
         self._last_ts = max(self._last_ts, batch.ts)
         self.stats.batches += 1

@@ -16,7 +16,9 @@ import pytest
 import zmq
 
 from ownerserve.directory.base import EventApplyResult
+from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from ownerserve.hashing import chain_root
 from ownerserve.types import Tier
 from workers.adapters.vllm_events import (
     KVEventSubscriber,
@@ -293,4 +295,31 @@ async def test_subscriber_can_bind_for_a_connecting_publisher() -> None:
     finally:
         pub.close(linger=0)
         ctx.term()
+        await sub.close()
+
+
+async def test_block_size_mismatch_is_counted_and_named_once(
+    publisher: VllmLikePublisher, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine publishes 4-token blocks, the router was configured for 8: nothing maps, and
+    the log says which setting to fix (the directory is the real in-memory one)."""
+    directory = InMemoryDirectory()
+    await directory.register_worker("w1", chain_root("m"), 8)
+    sub = KVEventSubscriber(
+        "w1",
+        publisher.pub.getsockopt_string(zmq.LAST_ENDPOINT),
+        directory,
+        replay_endpoint=f"tcp://127.0.0.1:{publisher.replay_port}",
+        topic=b"kv",
+    )
+    await sub.start()
+    await asyncio.sleep(0.3)
+    try:
+        publisher.publish(0, range(4))
+        publisher.publish(1, range(4, 8))
+        await _until(lambda: sub.stats.batches == 2)
+        assert sub.stats.skipped_blocks == 2
+        warnings = [r.getMessage() for r in caplog.records if "not mapped" in r.getMessage()]
+        assert len(warnings) == 1 and "[4]" in warnings[0] and "block_size" in warnings[0]
+    finally:
         await sub.close()
