@@ -25,6 +25,9 @@ from workers.vllm_cpu.model import SERVED_NAME
 from workers.vllm_cpu.setup import VllmCpuInstall
 
 LAUNCHER = Path(__file__).with_name("launch.py")
+# The repo root, put on the engine's PYTHONPATH when it loads `workers.vllm_connector`.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+OWNERSERVE_CONNECTOR_MODULE = "workers.vllm_connector.connector"
 # Env from the caller's shell that must not leak into the vllm-cpu venv's interpreter.
 _DROPPED_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
 
@@ -68,6 +71,10 @@ class VllmServerSpec:
     max_num_seqs: int = 8
     served_model_name: str = SERVED_NAME
     extra_args: tuple[str, ...] = ()
+    # Load the OwnerServe KV connector against this sidecar (`workers.vllm_connector`).
+    sidecar_url: str | None = None
+    # With `sidecar_url` on a hybrid instance: MultiConnector [NixlConnector, OwnerServe].
+    nixl_with_sidecar: bool = False
 
     @property
     def url(self) -> str:
@@ -77,6 +84,49 @@ class VllmServerSpec:
     def kv_events_replay_endpoint(self) -> str | None:
         port = self.kv_events_replay_port
         return None if port is None else f"tcp://127.0.0.1:{port}"
+
+
+def _nixl_config(spec: VllmServerSpec, kv_role: str) -> dict[str, object]:
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": kv_role,
+        "kv_buffer_device": "cpu",
+        # NIXL's UCX backend defaults to 4 worker threads per instance; on a small CPU box
+        # they starve the engine's own compute thread.
+        "kv_connector_extra_config": {"num_threads": spec.nixl_threads},
+    }
+
+
+def kv_transfer_config(spec: VllmServerSpec) -> dict[str, object] | None:
+    """`--kv-transfer-config` of `spec`: NixlConnector for P/D roles, the OwnerServe connector
+    when a sidecar is named, MultiConnector [Nixl, OwnerServe] when both are wanted."""
+    nixl: dict[str, object] | None = None
+    if spec.role is not VllmRole.HYBRID:
+        nixl = _nixl_config(spec, "kv_producer" if spec.role is VllmRole.PREFILL else "kv_consumer")
+    elif spec.sidecar_url is not None and spec.nixl_with_sidecar:
+        nixl = _nixl_config(spec, "kv_both")
+    if spec.sidecar_url is None:
+        return nixl
+    ours: dict[str, object] = {
+        "kv_connector": "OwnerServeConnector",
+        "kv_connector_module_path": OWNERSERVE_CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "sidecar_url": spec.sidecar_url,
+            "model": spec.served_model_name,
+        },
+    }
+    # A refused artifact (missing, corrupted) is recomputed, not an error for the request.
+    policy = {"kv_load_failure_policy": "recompute"}
+    if nixl is None:
+        return {**ours, **policy}
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+        **policy,
+        "kv_connector_extra_config": {"connectors": [nixl, ours]},
+    }
 
 
 def server_argv(install: VllmCpuInstall, spec: VllmServerSpec) -> list[str]:
@@ -104,16 +154,8 @@ def server_argv(install: VllmCpuInstall, spec: VllmServerSpec) -> list[str]:
         "--enable-prefix-caching",
         "--disable-uvicorn-access-log",
     ]
-    if spec.role is not VllmRole.HYBRID:
-        kv_role = "kv_producer" if spec.role is VllmRole.PREFILL else "kv_consumer"
-        transfer = {
-            "kv_connector": "NixlConnector",
-            "kv_role": kv_role,
-            "kv_buffer_device": "cpu",
-            # NIXL's UCX backend defaults to 4 worker threads per instance; on a small CPU box
-            # they starve the engine's own compute thread.
-            "kv_connector_extra_config": {"num_threads": spec.nixl_threads},
-        }
+    transfer = kv_transfer_config(spec)
+    if transfer is not None:
         argv += ["--kv-transfer-config", json.dumps(transfer)]
     if spec.kv_events_endpoint is not None:
         events: dict[str, object] = {
@@ -159,6 +201,9 @@ def server_env(
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(spec.cpu)
     if spec.nixl_side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.nixl_side_channel_port)
+    if spec.sidecar_url is not None:
+        # The connector module (and the core it imports) is loaded from this repo.
+        env["PYTHONPATH"] = str(REPO_ROOT)
     return env
 
 

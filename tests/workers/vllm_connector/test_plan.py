@@ -1,0 +1,134 @@
+"""The connector's pure decisions: settings, block -> artifact keys, how many prompt tokens the
+sidecar can supply, and which engine blocks a load fills and a save reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from ownerserve.hashing import block_hash_chain, chain_root
+from ownerserve.kvstate import HeadArtifactKey
+from workers.vllm_connector.plan import (
+    BlockTransfer,
+    ConnectorConfigError,
+    ConnectorSettings,
+    block_keys,
+    chunk_hashes,
+    external_tokens,
+    first_failed_index,
+    loadable_blocks,
+    lookup_keys,
+    plan_load,
+    plan_save,
+    present_blocks,
+)
+
+BS = 32
+
+
+def settings(**extra: object) -> ConnectorSettings:
+    return ConnectorSettings.from_extra_config(
+        {"sidecar_url": "http://127.0.0.1:9/", **extra}, default_model="tiny-llama", block_size=BS
+    )
+
+
+def test_settings_default_to_the_served_model_and_strip_the_url() -> None:
+    s = settings()
+    assert (s.sidecar_url, s.model, s.salt, s.block_size) == (
+        "http://127.0.0.1:9",
+        "tiny-llama",
+        "",
+        BS,
+    )
+    assert s.load and s.save
+    assert settings(model="m", salt="x", load=False).model == "m"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"sidecar_url": None},
+        {"sidecar_url": "127.0.0.1:9"},
+        {"model": ""},
+        {"salt": 3},
+        {"timeout_s": 0},
+        {"load": "yes"},
+    ],
+)
+def test_bad_extra_config_is_a_config_error(extra: dict[str, object]) -> None:
+    with pytest.raises(ConnectorConfigError):
+        settings(**extra)
+
+
+def test_the_chain_root_is_the_routers_and_a_cache_salt_isolates() -> None:
+    s = settings(salt="s1")
+    assert s.root() == chain_root("tiny-llama", "s1")
+    assert s.root("tenant") not in (s.root(), settings(salt="s1").root("other"))
+    tokens = list(range(100))
+    assert chunk_hashes(tokens, BS, s.root()) == block_hash_chain(
+        tokens, BS, chain_root("tiny-llama", "s1")
+    )
+    assert len(chunk_hashes(tokens, BS, s.root())) == 3  # the partial 4th block has no hash
+
+
+def test_block_keys_are_per_head_artifact_keys_of_the_chunk() -> None:
+    keys = block_keys("tiny-llama", 0xABC, [0, 1, 2, 3])
+    assert keys == [HeadArtifactKey("tiny-llama", h, 0xABC).to_string() for h in range(4)]
+    assert keys[2].endswith("@head:2@pp_rank:0@0000000000000abc")
+    assert lookup_keys("m", [1, 2], [0, 1]) == block_keys("m", 1, [0, 1]) + block_keys(
+        "m", 2, [0, 1]
+    )
+
+
+def test_a_block_counts_only_when_every_head_is_present_and_the_prefix_ends_at_a_gap() -> None:
+    assert present_blocks([True] * 8, 4) == 2
+    assert present_blocks([True, True, True, False, True, True, True, True], 4) == 0
+    assert present_blocks([True] * 4 + [False] + [True] * 7, 4) == 1
+    assert present_blocks([], 4) == 0
+    with pytest.raises(ValueError):
+        present_blocks([True], 0)
+
+
+def test_the_last_prompt_token_is_always_left_to_the_engine() -> None:
+    assert loadable_blocks(64, BS) == 1  # block-aligned prompt: its last block is computed
+    assert loadable_blocks(65, BS) == 2
+    assert loadable_blocks(0, BS) == 0
+    # 5 stored blocks, 100-token prompt (3 full blocks), 1 block already cached locally.
+    assert external_tokens(5, 100, 32, BS) == 64
+    assert external_tokens(1, 100, 32, BS) == 0  # nothing beyond the local hit
+    assert external_tokens(2, 100, 0, BS) == 64
+    assert external_tokens(0, 100, 0, BS) == 0
+
+
+def test_a_load_fills_the_blocks_after_the_local_hit() -> None:
+    ids = [7, 3, 9, 4, 5]
+    hashes = [11, 12, 13, 14]
+    t = plan_load("r", ids, hashes, local_computed_tokens=32, num_external_tokens=64, block_size=BS)
+    assert t == BlockTransfer("r", 1, (3, 9), (12, 13))
+    with pytest.raises(ValueError):
+        plan_load("r", ids, hashes, 16, 64, BS)  # not block aligned
+    with pytest.raises(ValueError):
+        plan_load("r", ids, hashes, 64, 96, BS)  # beyond the hashes
+
+
+def test_a_save_takes_blocks_sealed_by_the_step_once() -> None:
+    ids = [7, 3, 9, 4]
+    hashes = [11, 12, 13]
+    # 70 tokens computed after the step: blocks 0 and 1 are sealed.
+    t = plan_save("r", ids, hashes, saved_blocks=0, computed_tokens=70, block_size=BS)
+    assert t == BlockTransfer("r", 0, (7, 3), (11, 12))
+    assert plan_save("r", ids, hashes, 2, 70, BS) is None
+    # Sealed blocks beyond the known hashes wait for them.
+    assert plan_save("r", ids, hashes, 2, 200, BS) == BlockTransfer("r", 2, (9,), (13,))
+    # Blocks the sidecar already holds (the cursor) are skipped.
+    assert plan_save("r", ids, hashes, 1, 96, BS) == BlockTransfer("r", 1, (3, 9), (12, 13))
+
+
+def test_the_first_failed_block_of_a_load_is_found_by_engine_block_id() -> None:
+    t = BlockTransfer("r", 2, (30, 31, 32), (1, 2, 3))
+    assert first_failed_index(t, {32, 31}) == 3
+    assert first_failed_index(t, {99}) is None
+
+
+def test_a_transfer_needs_one_hash_per_block() -> None:
+    with pytest.raises(ValueError):
+        BlockTransfer("r", 0, (1, 2), (3,))

@@ -1,0 +1,499 @@
+"""`OwnerServeConnector`: a vLLM v1 KV connector that loads prompt blocks from the worker's
+OwnerServe sidecar into vLLM's paged cache and saves newly sealed blocks to it (seed 004's flow).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "OwnerServeConnector",
+        "kv_connector_module_path": "workers.vllm_connector.connector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"sidecar_url": "http://127.0.0.1:PORT", "model": "NAME"}}'
+
+(the repo on the engine's PYTHONPATH; `workers.vllm_cpu.server` does this) or as one entry of
+MultiConnector's `connectors` list, e.g. after NixlConnector. `kv_load_failure_policy:
+"recompute"` makes vLLM recompute blocks whose artifact was refused instead of failing the
+request. Extra config: `sidecar_url` (required), `model` and `salt` (hash-chain root and key model
+name; default: the served model name and ""), `timeout_s`, `load`, `save`. A request may opt out
+with `kv_transfer_params: {"ownerserve": {"load": false, "save": false}}`.
+
+Scheduler side (in vLLM's scheduler loop): `get_num_new_matched_tokens` hashes the prompt into
+OwnerServe chain hashes, asks the sidecar which per-head artifacts it holds (one lookup) and
+reports the whole blocks beyond vLLM's local prefix hit that it can supply, as an asynchronous
+load; `update_state_after_alloc` turns that into a load plan (engine block ids + chunk hashes);
+`build_connector_meta` sends this step's load plans and, for every scheduled request, the full
+blocks sealed by the step that the sidecar does not hold yet (save plans).
+
+Worker side: `start_load_kv` queues load plans to a load thread that GETs each block's per-head
+artifacts (checksum-verified), and scatters the good prefix into the paged cache (kernels'
+reference path on CPU); finished loads go back through `get_finished`, refused blocks through
+`get_block_ids_with_load_errors`, so vLLM recomputes them — a corrupted artifact is never loaded.
+`wait_for_save` gathers the step's sealed blocks out of the cache (one synchronous staging copy,
+so vLLM may reuse the blocks at once) and a save thread PUTs them, off the forward pass;
+`save_kv_layer` has nothing to do per layer. The KV layout and payload are in `payload.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kernels import PagedKV
+from ownerserve.hashing import ChainHasher
+from ownerserve.kvstate.heads import heads_for_rank, store_heads_for_rank
+from workers.vllm_connector.client import SidecarClient, SidecarError
+from workers.vllm_connector.payload import (
+    cpu_attn_paged_kv,
+    gather_head_payloads,
+    payload_of,
+    scatter_head_payloads,
+)
+from workers.vllm_connector.plan import (
+    BlockTransfer,
+    ConnectorSettings,
+    block_keys,
+    chunk_hashes,
+    external_tokens,
+    first_failed_index,
+    lookup_keys,
+    plan_load,
+    plan_save,
+    present_blocks,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+# Under the `vllm` logger so the lines land in the engine's log with its format.
+logger = init_logger("vllm.ownerserve_connector")
+
+# Save plans waiting for the save thread; beyond this the newest are dropped (a dropped save is a
+# future cache miss, never a stall of the forward pass).
+SAVE_QUEUE_DEPTH = 1024
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass
+class OwnerServeConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step: blocks to load and blocks to save."""
+
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Lookup:
+    """What `get_num_new_matched_tokens` found for a request."""
+
+    local_tokens: int
+    external_tokens: int
+    stored_blocks: int
+    hashes: list[int]
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """A running request as the save planner follows it."""
+
+    request: Request
+    hasher: ChainHasher
+    block_ids: list[int]
+    saved_blocks: int
+    save: bool
+
+
+def _request_flags(request: Request) -> tuple[bool, bool]:
+    """(load, save) allowed for this request by its `kv_transfer_params.ownerserve`."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    ours = params.get("ownerserve") if isinstance(params, dict) else None
+    if not isinstance(ours, dict):
+        return True, True
+    return ours.get("load", True) is not False, ours.get("save", True) is not False
+
+
+def _layer_order(names: list[str]) -> list[str]:
+    """Layer names in model order (the artifact's layer axis must mean the same everywhere)."""
+
+    def index(name: str) -> tuple[int, str]:
+        m = _LAYER_INDEX.search(name)
+        return (int(m.group(1)) if m else 1 << 30, name)
+
+    return sorted(names, key=index)
+
+
+class _RateLimitedLog:
+    """Warn at most once per `period_s` per topic (a dead sidecar must not flood the log)."""
+
+    def __init__(self, period_s: float = 30.0) -> None:
+        self.period_s = period_s
+        self._last: dict[str, float] = {}
+
+    def warning(self, topic: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(topic, -1e9) >= self.period_s:
+            self._last[topic] = now
+            logger.warning(msg, *args)
+
+
+class OwnerServeConnector(KVConnectorBase_V1):
+    """vLLM KV connector backed by the worker's OwnerServe sidecar (see the module docstring)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        model_config = vllm_config.model_config
+        served = model_config.served_model_name
+        default_model = served[0] if isinstance(served, list) and served else served
+        self.settings = ConnectorSettings.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config or {},
+            default_model=str(default_model or model_config.model),
+            block_size=vllm_config.cache_config.block_size,
+        )
+        self._mla = bool(model_config.use_mla)
+        self._total_heads = 1 if self._mla else int(model_config.get_total_num_kv_heads())
+        self._all_heads = list(range(self._total_heads))
+        self._client = SidecarClient(self.settings.sidecar_url, self.settings.timeout_s)
+        self._warn = _RateLimitedLog()
+        # scheduler side
+        self._lookups: dict[str, _Lookup] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending_loads: list[BlockTransfer] = []
+        self._inflight_loads: dict[str, BlockTransfer] = {}
+        # worker side
+        self._paged: PagedKV | None = None
+        self._local_heads: tuple[int, ...] = ()
+        self._store_heads: tuple[int, ...] = ()
+        self._lock = threading.Lock()
+        self._done_loads: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._load_queue: queue.Queue[BlockTransfer | None] = queue.Queue()
+        self._save_queue: queue.Queue[tuple[BlockTransfer, torch.Tensor] | None] = queue.Queue(
+            SAVE_QUEUE_DEPTH
+        )
+        self._threads: list[threading.Thread] = []
+        logger.info(
+            "OwnerServeConnector (%s): sidecar %s, model %r, block_size %d, %d KV heads",
+            role.name,
+            self.settings.sidecar_url,
+            self.settings.model,
+            self.settings.block_size,
+            self._total_heads,
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a save lost to preemption is just a future miss.
+        return False
+
+    # ==============================
+    # Worker side
+    # ==============================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layers = [kv_caches[name] for name in _layer_order(list(kv_caches))]
+        self._paged = cpu_attn_paged_kv(layers, mla=self._mla)
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        self._local_heads = (0,) if self._mla else heads_for_rank(self._total_heads, tp, rank)
+        if self._mla:
+            self._store_heads = (0,) if rank == 0 else ()
+        else:
+            self._store_heads = store_heads_for_rank(self._total_heads, tp, rank)
+        g = self._paged.geometry
+        if g.num_kv_heads != len(self._local_heads):
+            raise ValueError(
+                f"KV cache holds {g.num_kv_heads} heads, TP rank {rank}/{tp} expects "
+                f"{len(self._local_heads)}"
+            )
+        logger.info(
+            "OwnerServeConnector: %d layers, %d blocks of %d tokens, heads %s (stores %s), %s",
+            g.num_layers,
+            g.num_blocks,
+            g.block_size,
+            list(self._local_heads),
+            list(self._store_heads),
+            g.dtype,
+        )
+        self._threads = [
+            threading.Thread(target=self._load_loop, name="ownerserve-kv-load", daemon=True),
+            threading.Thread(target=self._save_loop, name="ownerserve-kv-save", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._bound_metadata()
+        if meta is None:
+            return
+        for transfer in meta.loads:
+            self._load_queue.put(transfer)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous between scheduler steps: a request waits in vLLM's
+        # WAITING_FOR_REMOTE_KVS state until `get_finished` reports its load done.
+        return
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        # All layers of a block go into one artifact per head, gathered in `wait_for_save`.
+        return
+
+    def wait_for_save(self) -> None:
+        meta = self._bound_metadata()
+        if meta is None or not meta.saves or self._paged is None or not self._store_heads:
+            return
+        for transfer in meta.saves:
+            # The copy happens now, so the blocks may be reused as soon as this step ends.
+            buffers = gather_head_payloads(self._paged, transfer.block_ids)
+            try:
+                self._save_queue.put_nowait((transfer, buffers))
+            except queue.Full:
+                self._warn.warning("save-full", "OwnerServeConnector: save queue full, dropping")
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        with self._lock:
+            done, self._done_loads = self._done_loads, set()
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def shutdown(self) -> None:
+        self._load_queue.put(None)
+        with contextlib.suppress(queue.Full):
+            self._save_queue.put(None, timeout=1.0)
+        for t in self._threads:
+            t.join(timeout=5.0)
+        self._client.close()
+
+    def _bound_metadata(self) -> OwnerServeConnectorMetadata | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, OwnerServeConnectorMetadata)
+        return meta
+
+    def _load_loop(self) -> None:
+        while (transfer := self._load_queue.get()) is not None:
+            failed: list[int] = []
+            try:
+                failed = self._load(transfer)
+            except Exception:  # never leave a request waiting for its KV forever
+                logger.exception("OwnerServeConnector: load for %s failed", transfer.req_id)
+                failed = list(transfer.block_ids)
+            with self._lock:
+                self._failed_blocks.update(failed)
+                self._done_loads.add(transfer.req_id)
+
+    def _load(self, transfer: BlockTransfer) -> list[int]:
+        """Fetch and scatter `transfer`'s blocks; returns the block ids that were not loaded."""
+        assert self._paged is not None
+        started = time.monotonic()
+        payloads: list[list[bytes]] = []
+        refused: str | None = None
+        for chunk_hash in transfer.chunk_hashes:
+            try:
+                row = [
+                    self._client.get(key)
+                    for key in block_keys(self.settings.model, chunk_hash, self._local_heads)
+                ]
+            except SidecarError as exc:
+                refused = str(exc)
+                break
+            payloads.append(row)
+        good = len(payloads)
+        if good:
+            scatter_head_payloads(payloads, self._paged, transfer.block_ids[:good])
+        nbytes = sum(len(p) for row in payloads for p in row)
+        logger.info(
+            "OwnerServeConnector: loaded %d/%d blocks (%d bytes) for %s in %.3f s",
+            good,
+            len(transfer.block_ids),
+            nbytes,
+            transfer.req_id,
+            time.monotonic() - started,
+        )
+        if refused is not None:
+            logger.warning(
+                "OwnerServeConnector: rejected artifact (%s); blocks %d.. of request %s "
+                "will be recomputed",
+                refused,
+                transfer.first_index + good,
+                transfer.req_id,
+            )
+        return list(transfer.block_ids[good:])
+
+    def _save_loop(self) -> None:
+        while (item := self._save_queue.get()) is not None:
+            transfer, buffers = item
+            try:
+                for i, chunk_hash in enumerate(transfer.chunk_hashes):
+                    keys = block_keys(self.settings.model, chunk_hash, self._store_heads)
+                    for head, key in zip(self._store_heads, keys, strict=True):
+                        local = self._local_heads.index(head)
+                        self._client.put(key, payload_of(buffers, local, i))
+            except SidecarError as exc:
+                self._warn.warning("save", "OwnerServeConnector: save failed: %s", exc)
+
+    # ==============================
+    # Scheduler side
+    # ==============================
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        allow_load, allow_save = _request_flags(request)
+        prompt = request.prompt_token_ids
+        if prompt is None or not (
+            (self.settings.load and allow_load) or (self.settings.save and allow_save)
+        ):
+            return 0, False
+        bs = self.settings.block_size
+        hashes = chunk_hashes(prompt, bs, self.settings.root(request.cache_salt))
+        try:
+            present = self._client.lookup(lookup_keys(self.settings.model, hashes, self._all_heads))
+            stored = present_blocks(present, len(self._all_heads))
+        except SidecarError as exc:
+            self._warn.warning("lookup", "OwnerServeConnector: sidecar lookup failed: %s", exc)
+            stored = 0
+        ext = 0
+        if self.settings.load and allow_load:
+            ext = external_tokens(stored, len(prompt), num_computed_tokens, bs)
+        self._lookups[request.request_id] = _Lookup(num_computed_tokens, ext, stored, hashes)
+        return ext, ext > 0
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        req_id = request.request_id
+        lookup = self._lookups.pop(req_id, None)
+        self._track(request, lookup)
+        if num_external_tokens <= 0 or lookup is None:
+            return
+        transfer = plan_load(
+            req_id,
+            blocks.get_block_ids()[0],
+            lookup.hashes,
+            lookup.local_tokens,
+            num_external_tokens,
+            self.settings.block_size,
+        )
+        self._pending_loads.append(transfer)
+        self._inflight_loads[req_id] = transfer
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = OwnerServeConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            self._plan_save(tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tracked.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                tracked.block_ids.extend(new_ids[0])
+            computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+            self._plan_save(tracked, computed, meta)
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        invalid = set(connector_output.invalid_block_ids or ())
+        if invalid:
+            for req_id, transfer in self._inflight_loads.items():
+                index = first_failed_index(transfer, invalid)
+                tracked = self._tracked.get(req_id)
+                if index is not None and tracked is not None:
+                    # The sidecar dropped what it refused: save the recomputed blocks again.
+                    tracked.saved_blocks = min(tracked.saved_blocks, index)
+        for req_id in connector_output.finished_recving or ():
+            self._inflight_loads.pop(req_id, None)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._tracked.pop(req_id, None)
+        self._lookups.pop(req_id, None)
+        self._inflight_loads.pop(req_id, None)
+        return False, None
+
+    def _track(self, request: Request, lookup: _Lookup | None) -> None:
+        stored = lookup.stored_blocks if lookup is not None else 0
+        tracked = self._tracked.get(request.request_id)
+        if tracked is not None:
+            tracked.saved_blocks = max(tracked.saved_blocks, stored)
+            return
+        _, allow_save = _request_flags(request)
+        self._tracked[request.request_id] = _Tracked(
+            request=request,
+            hasher=ChainHasher(self.settings.block_size, self.settings.root(request.cache_salt)),
+            block_ids=[],
+            saved_blocks=stored,
+            save=self.settings.save and allow_save,
+        )
+
+    def _plan_save(
+        self, tracked: _Tracked, computed_tokens: int, meta: OwnerServeConnectorMetadata
+    ) -> None:
+        if not tracked.save:
+            return
+        bs = self.settings.block_size
+        tokens = tracked.request.all_token_ids
+        full = min(computed_tokens, len(tokens)) // bs
+        if full <= tracked.saved_blocks:
+            return
+        if full > len(tracked.hasher.hashes):
+            tracked.hasher.update(list(tokens[: full * bs]))
+        transfer = plan_save(
+            tracked.request.request_id,
+            tracked.block_ids,
+            tracked.hasher.hashes,
+            tracked.saved_blocks,
+            computed_tokens,
+            bs,
+        )
+        if transfer is not None:
+            meta.saves.append(transfer)
+            tracked.saved_blocks = transfer.first_index + len(transfer.block_ids)

@@ -1,0 +1,193 @@
+"""The connector's pure decisions: which artifact keys hold a block, how many prompt tokens the
+sidecar can supply, and which engine blocks a load fills or a save reads. No I/O, no vLLM.
+
+A block's identity is the OwnerServe chain hash of its tokens (`ownerserve.hashing`, the same
+chain the router computes from the same token ids, block size and root), so a block saved by one
+worker is found by every other worker and by the router's directory. Its KV is stored as one
+artifact per KV head (seed 000): key `HeadArtifactKey(model, head, chunk_hash)` with all layers of
+that head in the one artifact (`layer` left unset); MLA models have one head (head 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ownerserve.hashing import block_hash_chain, chain_root
+from ownerserve.kvstate.heads import HeadArtifactKey
+
+
+class ConnectorConfigError(ValueError):
+    """`kv_connector_extra_config` does not describe a usable connector."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """What the connector reads from `kv_connector_extra_config` (plus the engine's block size).
+
+    `model` and `salt` fix the hash chain's root (`chain_root(model, salt)`) and the artifact
+    keys' model name: they must equal the router's model settings (`name`, `salt`) for the
+    router's directory and the sidecars to agree on block identities.
+    """
+
+    sidecar_url: str
+    model: str
+    block_size: int
+    salt: str = ""
+    timeout_s: float = 10.0
+    load: bool = True
+    save: bool = True
+
+    @classmethod
+    def from_extra_config(
+        cls, extra: Mapping[str, object], *, default_model: str, block_size: int
+    ) -> ConnectorSettings:
+        url = extra.get("sidecar_url")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConnectorConfigError(
+                "kv_connector_extra_config.sidecar_url must be the local sidecar's http:// URL"
+            )
+        model = extra.get("model", default_model)
+        salt = extra.get("salt", "")
+        timeout = extra.get("timeout_s", 10.0)
+        if not isinstance(model, str) or not model:
+            raise ConnectorConfigError("kv_connector_extra_config.model must be a non-empty str")
+        if not isinstance(salt, str):
+            raise ConnectorConfigError("kv_connector_extra_config.salt must be a str")
+        if not isinstance(timeout, int | float) or timeout <= 0:
+            raise ConnectorConfigError("kv_connector_extra_config.timeout_s must be > 0")
+        if block_size <= 0:
+            raise ConnectorConfigError("block_size must be positive")
+        flags = {}
+        for name in ("load", "save"):
+            value = extra.get(name, True)
+            if not isinstance(value, bool):
+                raise ConnectorConfigError(f"kv_connector_extra_config.{name} must be a bool")
+            flags[name] = value
+        return cls(
+            sidecar_url=url.rstrip("/"),
+            model=model,
+            block_size=block_size,
+            salt=salt,
+            timeout_s=float(timeout),
+            load=flags["load"],
+            save=flags["save"],
+        )
+
+    def root(self, cache_salt: str | None = None) -> int:
+        """Parent hash of a chain's first block; a request's vLLM `cache_salt` (tenant
+        isolation) joins the configured salt, so salted requests never share artifacts with
+        unsalted ones."""
+        salt = self.salt if not cache_salt else f"{self.salt}\x00{cache_salt}"
+        return chain_root(self.model, salt)
+
+
+def chunk_hashes(token_ids: Sequence[int], block_size: int, root: int) -> list[int]:
+    """Chain hashes of every full block of `token_ids` (a trailing partial block has none)."""
+    return block_hash_chain(token_ids, block_size, root)
+
+
+def block_keys(model: str, chunk_hash: int, heads: Sequence[int]) -> list[str]:
+    """Artifact keys of one block: one per KV head, all layers in each."""
+    return [HeadArtifactKey(model, h, chunk_hash).to_string() for h in heads]
+
+
+def lookup_keys(model: str, hashes: Sequence[int], heads: Sequence[int]) -> list[str]:
+    """Keys of `hashes` block after block, `len(heads)` keys per block (one lookup request)."""
+    return [k for c in hashes for k in block_keys(model, c, heads)]
+
+
+def present_blocks(present: Sequence[bool], heads_per_block: int) -> int:
+    """Leading blocks whose every head is present, from `lookup_keys`' answer."""
+    if heads_per_block <= 0:
+        raise ValueError("heads_per_block must be positive")
+    n = len(present) // heads_per_block
+    for i in range(n):
+        if not all(present[i * heads_per_block : (i + 1) * heads_per_block]):
+            return i
+    return n
+
+
+def loadable_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Full prompt blocks the connector may supply: vLLM must compute at least the prompt's
+    last token itself (its logits start the answer), so a prompt that ends on a block boundary
+    leaves its last block to compute."""
+    return max(0, num_prompt_tokens - 1) // block_size
+
+
+def external_tokens(
+    stored_blocks: int, num_prompt_tokens: int, local_computed_tokens: int, block_size: int
+) -> int:
+    """Prompt tokens to load beyond vLLM's own (block-aligned) prefix-cache hit."""
+    supply = min(stored_blocks, loadable_blocks(num_prompt_tokens, block_size)) * block_size
+    return max(0, supply - local_computed_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTransfer:
+    """Engine blocks of one request to fill from (load) or copy into (save) the sidecar: block
+    `block_ids[i]` holds the block whose chain hash is `chunk_hashes[i]`; `first_index` is its
+    position in the request's block list."""
+
+    req_id: str
+    first_index: int
+    block_ids: tuple[int, ...]
+    chunk_hashes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.block_ids) != len(self.chunk_hashes):
+            raise ValueError("block_ids and chunk_hashes differ in length")
+
+
+def plan_load(
+    req_id: str,
+    request_block_ids: Sequence[int],
+    hashes: Sequence[int],
+    local_computed_tokens: int,
+    num_external_tokens: int,
+    block_size: int,
+) -> BlockTransfer:
+    """The blocks vLLM allocated for `num_external_tokens` tokens after its local hit."""
+    if local_computed_tokens % block_size or num_external_tokens % block_size:
+        raise ValueError("loads start and end on block boundaries")
+    first = local_computed_tokens // block_size
+    end = first + num_external_tokens // block_size
+    if end > len(request_block_ids) or end > len(hashes):
+        raise ValueError(
+            f"load of blocks [{first}, {end}) exceeds the request's "
+            f"{len(request_block_ids)} blocks / {len(hashes)} hashes"
+        )
+    return BlockTransfer(
+        req_id, first, tuple(request_block_ids[first:end]), tuple(hashes[first:end])
+    )
+
+
+def plan_save(
+    req_id: str,
+    request_block_ids: Sequence[int],
+    hashes: Sequence[int],
+    saved_blocks: int,
+    computed_tokens: int,
+    block_size: int,
+) -> BlockTransfer | None:
+    """Blocks sealed by the end of this step that are not saved yet: every full block below
+    `computed_tokens` (tokens whose KV exists after the step) from index `saved_blocks` on, as far
+    as the request has both block ids and hashes for. None when there is nothing new."""
+    end = min(computed_tokens // block_size, len(request_block_ids), len(hashes))
+    if end <= saved_blocks:
+        return None
+    return BlockTransfer(
+        req_id,
+        saved_blocks,
+        tuple(request_block_ids[saved_blocks:end]),
+        tuple(hashes[saved_blocks:end]),
+    )
+
+
+def first_failed_index(transfer: BlockTransfer, invalid_block_ids: set[int]) -> int | None:
+    """Position in the request's block list of the first block of `transfer` that failed to
+    load, or None when none did."""
+    for i, b in enumerate(transfer.block_ids):
+        if b in invalid_block_ids:
+            return transfer.first_index + i
+    return None
