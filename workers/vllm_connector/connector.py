@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -154,8 +155,13 @@ class _RateLimitedLog:
             logger.warning(msg, *args)
 
 
-class OwnerServeConnector(KVConnectorBase_V1):
-    """vLLM KV connector backed by the worker's OwnerServe sidecar (see the module docstring)."""
+class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM KV connector backed by the worker's OwnerServe sidecar (see the module docstring).
+
+    Declares `SupportsHMA` so that vLLM keeps its hybrid KV cache manager on (as NixlConnector
+    does: NIXL refuses a handshake between instances that differ in it), but handles only models
+    with one KV cache group; others are refused at start.
+    """
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -163,6 +169,11 @@ class OwnerServeConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        groups = len(kv_cache_config.kv_cache_groups)
+        if groups != 1:
+            raise ValueError(
+                f"OwnerServeConnector handles one KV cache group (full attention); got {groups}"
+            )
         model_config = vllm_config.model_config
         served = model_config.served_model_name
         default_model = served[0] if isinstance(served, list) and served else served
@@ -458,6 +469,11 @@ class OwnerServeConnector(KVConnectorBase_V1):
         self._lookups.pop(req_id, None)
         self._inflight_loads.pop(req_id, None)
         return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def _track(self, request: Request, lookup: _Lookup | None) -> None:
         stored = lookup.stored_blocks if lookup is not None else 0
