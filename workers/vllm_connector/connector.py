@@ -51,15 +51,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kernels import PagedKV
 from ownerserve.hashing import ChainHasher
 from ownerserve.kvstate.heads import heads_for_rank, store_heads_for_rank
-from workers.vllm_connector.client import SidecarClient, SidecarError
+from workers.vllm_connector.client import ArtifactRejected, SidecarClient, SidecarError
 from workers.vllm_connector.payload import (
-    cpu_attn_paged_kv,
-    gather_head_payloads,
+    CpuAttnKV,
+    PageOrder,
+    calibrate_page_order,
     payload_of,
-    scatter_head_payloads,
+    scatter_payloads,
 )
 from workers.vllm_connector.plan import (
     BlockTransfer,
@@ -193,7 +193,7 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_loads: list[BlockTransfer] = []
         self._inflight_loads: dict[str, BlockTransfer] = {}
         # worker side
-        self._paged: PagedKV | None = None
+        self._kv: CpuAttnKV | None = None
         self._local_heads: tuple[int, ...] = ()
         self._store_heads: tuple[int, ...] = ()
         self._lock = threading.Lock()
@@ -224,32 +224,36 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = [kv_caches[name] for name in _layer_order(list(kv_caches))]
-        self._paged = cpu_attn_paged_kv(layers, mla=self._mla)
+        if self._mla or any(t.device.type != "cpu" for t in layers):
+            raise NotImplementedError(
+                "OwnerServeConnector knows vLLM's CPU attention layout only (no MLA, no GPU)"
+            )
+        order = self._page_order(layers[0])
+        self._kv = CpuAttnKV(layers, order)
         from vllm.distributed.parallel_state import (
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
         )
 
         tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
-        self._local_heads = (0,) if self._mla else heads_for_rank(self._total_heads, tp, rank)
-        if self._mla:
-            self._store_heads = (0,) if rank == 0 else ()
-        else:
-            self._store_heads = store_heads_for_rank(self._total_heads, tp, rank)
-        g = self._paged.geometry
-        if g.num_kv_heads != len(self._local_heads):
+        self._local_heads = heads_for_rank(self._total_heads, tp, rank)
+        self._store_heads = store_heads_for_rank(self._total_heads, tp, rank)
+        kv = self._kv
+        if kv.num_kv_heads != len(self._local_heads):
             raise ValueError(
-                f"KV cache holds {g.num_kv_heads} heads, TP rank {rank}/{tp} expects "
+                f"KV cache holds {kv.num_kv_heads} heads, TP rank {rank}/{tp} expects "
                 f"{len(self._local_heads)}"
             )
         logger.info(
-            "OwnerServeConnector: %d layers, %d blocks of %d tokens, heads %s (stores %s), %s",
-            g.num_layers,
-            g.num_blocks,
-            g.block_size,
+            "OwnerServeConnector: %d layers, %d-token blocks of %d-dim heads %s (stores %s), "
+            "%s, K page order %s",
+            kv.num_layers,
+            kv.block_size,
+            kv.head_size,
             list(self._local_heads),
             list(self._store_heads),
-            g.dtype,
+            kv.dtype,
+            "token-major" if order.is_token_major else "converted from the ISA's",
         )
         self._threads = [
             threading.Thread(target=self._load_loop, name="ownerserve-kv-load", daemon=True),
@@ -257,6 +261,28 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
         ]
         for t in self._threads:
             t.start()
+
+    def _page_order(self, layer: torch.Tensor) -> PageOrder:
+        """The CPU attention ISA's in-page element order, measured with its own cache write."""
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
+        if cache_dtype != "auto":
+            raise NotImplementedError(f"OwnerServeConnector: kv_cache_dtype {cache_dtype}")
+        _, _, bs, c = layer.shape
+        head_size = c // 2
+        isa = _get_attn_isa(layer.dtype, bs, head_size, cache_dtype)
+
+        def write(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+            cache = torch.zeros(1, 1, bs, c, dtype=layer.dtype)
+            k_cache, v_cache = cache.view(1, 1, 2 * bs, head_size).chunk(2, dim=2)
+            slots = torch.arange(bs, dtype=torch.int64)
+            ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa)
+            return cache
+
+        logger.info("OwnerServeConnector: CPU attention ISA %s", isa)
+        return calibrate_page_order(write, bs, head_size, layer.dtype)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._bound_metadata()
@@ -282,11 +308,11 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         meta = self._bound_metadata()
-        if meta is None or not meta.saves or self._paged is None or not self._store_heads:
+        if meta is None or not meta.saves or self._kv is None or not self._store_heads:
             return
         for transfer in meta.saves:
             # The copy happens now, so the blocks may be reused as soon as this step ends.
-            buffers = gather_head_payloads(self._paged, transfer.block_ids)
+            buffers = self._kv.gather(transfer.block_ids)
             try:
                 self._save_queue.put_nowait((transfer, buffers))
             except queue.Full:
@@ -331,23 +357,26 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _load(self, transfer: BlockTransfer) -> list[int]:
         """Fetch and scatter `transfer`'s blocks; returns the block ids that were not loaded."""
-        assert self._paged is not None
+        assert self._kv is not None
         started = time.monotonic()
         payloads: list[list[bytes]] = []
         refused: str | None = None
+        size = self._kv.payload_nbytes
         for chunk_hash in transfer.chunk_hashes:
             try:
-                row = [
-                    self._client.get(key)
-                    for key in block_keys(self.settings.model, chunk_hash, self._local_heads)
-                ]
+                row = []
+                for key in block_keys(self.settings.model, chunk_hash, self._local_heads):
+                    data = self._client.get(key)
+                    if len(data) != size:
+                        raise ArtifactRejected(f"{key}: {len(data)} bytes, expected {size}")
+                    row.append(data)
             except SidecarError as exc:
                 refused = str(exc)
                 break
             payloads.append(row)
         good = len(payloads)
         if good:
-            scatter_head_payloads(payloads, self._paged, transfer.block_ids[:good])
+            scatter_payloads(payloads, self._kv, transfer.block_ids[:good])
         nbytes = sum(len(p) for row in payloads for p in row)
         logger.info(
             "OwnerServeConnector: loaded %d/%d blocks (%d bytes) for %s in %.3f s",

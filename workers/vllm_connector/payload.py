@@ -1,91 +1,210 @@
-"""vLLM's paged KV cache seen through `kernels`, and one block's per-head artifact payload.
+"""vLLM's CPU KV cache seen through `kernels`, and one block's per-head artifact payload.
 
-vLLM 0.32 hands a connector one tensor per attention layer, logically `[num_blocks, num_kv_heads,
-block_size, C]` (layout LBHNC, the only one the CPU backend takes) with `C = 2 * head_size`. The CPU
-attention kernel (`CPU_ATTN`) reinterprets each (block, head) page as `[2 * block_size, head_size]`:
-the K of the block's tokens, then their V. Physically a layer is therefore
-`[num_blocks, num_kv_heads, 2 (K, V), block_size, head_size]` — heads before tokens inside a block,
-as TRT-LLM stores them — and `cpu_attn_paged_kv` registers exactly that as a `kernels.PagedKV`
-(strided views, no copy). MLA layers (`[num_blocks, block_size, latent]`, or with a head axis of
-one) are one latent head.
+**vLLM 0.32 CPU backend (`CPU_ATTN`) KV layout.** The connector gets one tensor per attention
+layer, logically `[num_blocks, num_kv_heads, block_size, 2 * head_size]` (layout LBHNC, the only
+one the backend takes). The attention kernel reads each (block, head) *page* of
+`2 * block_size * head_size` elements as K then V (`view(..., 2 * block_size, head_size)
+.chunk(2)`), and the element order inside each half is the ISA's: on AVX-512 ("vec") V is
+token-major `[block_size, head_size]` but K is stored transposed, `[head_size, block_size]`
+(measured against K and V recomputed from the weights); AMX and other ISAs pack differently.
+Physically a layer is `[num_blocks, num_kv_heads, 2 (K, V), page half in the ISA's order]`.
 
-Payload of the artifact (head `h`, block `b`): that head's slice of the block in the block-first
-staging layout of `kernels.layouts`, `[num_layers, kv_factor, block_size, head_size]` contiguous,
-raw little-endian elements of the cache dtype (`KVGeometry.head_buffer_shape(n)[j, i]`), so the
-bytes do not depend on the TP size that wrote them. The size is checked on unpack; integrity is
-the sidecar's SHA-256 checksum.
+`CpuAttnKV` registers the layers with the kernels as raw pages (one `PagedKV` "head" unit per
+(block, head), no copy) so gather/scatter run on the kernels' reference path, and converts between
+the ISA's order and token-major with a `PageOrder` that `calibrate_page_order` measures once by
+writing probe tokens through the engine's own cache-write op.
+
+**Payload** of the artifact (head `h`, block `b`): that head's slice of the block in the block-first
+staging layout of `kernels.layouts`, `[num_layers, 2 (K, V), block_size, head_size]` token-major,
+contiguous, raw little-endian elements of the cache dtype — the same bytes whatever TP size or CPU
+ISA wrote them. The size is checked on unpack; integrity is the sidecar's SHA-256 checksum.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from kernels import KVGeometry, LayoutError, PagedKV, merge_heads, split_heads, vllm_kv
+from kernels import LayoutError, PagedKV, merge_heads, split_heads
+
+# Probe values must be exact in the cache dtype: bf16 holds integers up to 256 exactly.
+_MAX_PROBE = 256
 
 
-def cpu_attn_paged_kv(layers: Sequence[torch.Tensor], *, mla: bool = False) -> PagedKV:
-    """Register vLLM CPU-backend layer caches (in model layer order) with the kernels."""
-    if not layers:
-        raise LayoutError("no KV cache layers")
-    if mla:
-        return vllm_kv([t.reshape(t.shape[0], t.shape[-2], t.shape[-1]) for t in layers], mla=True)
-    views: list[torch.Tensor] = []
-    for t in layers:
-        if t.dim() != 4 or t.shape[-1] % 2:
-            raise LayoutError(
-                f"expected [blocks, kv_heads, block_size, 2*head_size], got {tuple(t.shape)}"
+@dataclass(frozen=True, slots=True)
+class PageOrder:
+    """Where each element of a page half sits: `k_to_native[j]` is the native position of the
+    token-major K element `j = token * head_size + dim` (likewise V); `*_from_native` invert."""
+
+    k_to_native: torch.Tensor
+    v_to_native: torch.Tensor
+    k_from_native: torch.Tensor
+    v_from_native: torch.Tensor
+
+    @classmethod
+    def from_native(cls, k_to_native: torch.Tensor, v_to_native: torch.Tensor) -> PageOrder:
+        def inverse(p: torch.Tensor) -> torch.Tensor:
+            n = p.numel()
+            if sorted(p.tolist()) != list(range(n)):
+                raise LayoutError("a page order must be a permutation")
+            inv = torch.empty_like(p)
+            inv[p] = torch.arange(n, dtype=p.dtype)
+            return inv
+
+        k = k_to_native.to(torch.int64)
+        v = v_to_native.to(torch.int64)
+        return cls(k, v, inverse(k), inverse(v))
+
+    @classmethod
+    def token_major(cls, block_size: int, head_size: int) -> PageOrder:
+        ident = torch.arange(block_size * head_size)
+        return cls.from_native(ident, ident)
+
+    @property
+    def is_token_major(self) -> bool:
+        ident = torch.arange(self.k_to_native.numel())
+        return bool(torch.equal(self.k_to_native, ident) and torch.equal(self.v_to_native, ident))
+
+
+# Writes K and V `[block_size, 1, head_size]` of one block into a zeroed one-block, one-head cache
+# `[1, 1, block_size, 2 * head_size]` the way the engine does, and returns that cache.
+PageWriter = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def calibrate_page_order(
+    write: PageWriter, block_size: int, head_size: int, dtype: torch.dtype
+) -> PageOrder:
+    """Measure the engine's in-page element order: write tokens whose every element is its token
+    index (then its dim index) and see where each lands."""
+    if block_size > _MAX_PROBE or head_size > _MAX_PROBE:
+        raise LayoutError(f"page order probing needs block_size and head_size <= {_MAX_PROBE}")
+    half = block_size * head_size
+    tok = torch.arange(block_size, dtype=torch.float32)[:, None].expand(block_size, head_size)
+    dim = torch.arange(head_size, dtype=torch.float32)[None, :].expand(block_size, head_size)
+
+    def probe(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = values.reshape(block_size, 1, head_size).to(dtype).contiguous()
+        page = write(x, (x + 0).contiguous()).reshape(-1).float()
+        if page.numel() != 2 * half:
+            raise LayoutError(f"probe page holds {page.numel()} elements, expected {2 * half}")
+        return page[:half].round().long(), page[half:].round().long()
+
+    k_tok, v_tok = probe(tok)
+    k_dim, v_dim = probe(dim)
+    k_to_native = torch.empty(half, dtype=torch.int64)
+    v_to_native = torch.empty(half, dtype=torch.int64)
+    # native position i holds token-major element tok * head_size + dim
+    k_to_native[k_tok * head_size + k_dim] = torch.arange(half)
+    v_to_native[v_tok * head_size + v_dim] = torch.arange(half)
+    if sorted((k_tok * head_size + k_dim).tolist()) != list(range(half)) or sorted(
+        (v_tok * head_size + v_dim).tolist()
+    ) != list(range(half)):
+        raise LayoutError("the engine's cache write is not a permutation of the page")
+    return PageOrder.from_native(k_to_native, v_to_native)
+
+
+class CpuAttnKV:
+    """vLLM CPU-backend layer caches (model layer order) registered with the kernels."""
+
+    __slots__ = ("block_size", "head_size", "num_kv_heads", "num_layers", "order", "pages")
+
+    def __init__(self, layers: Sequence[torch.Tensor], order: PageOrder | None = None) -> None:
+        if not layers:
+            raise LayoutError("no KV cache layers")
+        views: list[torch.Tensor] = []
+        for t in layers:
+            if t.dim() != 4 or t.shape[-1] % 2 or t.shape != layers[0].shape:
+                raise LayoutError(
+                    f"expected [blocks, kv_heads, block_size, 2*head_size], got {tuple(t.shape)}"
+                )
+            nb, heads, bs, c = t.shape
+            s_b, s_h, s_n, s_c = t.stride()
+            # The kernel's [2*block_size, head_size] reading of a page needs it contiguous.
+            if s_c != 1 or s_n != c:
+                raise LayoutError(f"a (block, head) page is not contiguous: strides {t.stride()}")
+            # One page per (block, head) as a single "token" of 2*bs*D elements.
+            views.append(t.as_strided((nb, 1, heads, bs * c), (s_b, bs * c, s_h, 1)))
+        self.pages = PagedKV(views, len(layers), 1)
+        self.num_layers = len(layers)
+        self.num_kv_heads = layers[0].shape[1]
+        self.block_size = layers[0].shape[2]
+        self.head_size = layers[0].shape[3] // 2
+        self.order = order or PageOrder.token_major(self.block_size, self.head_size)
+        if self.order.k_to_native.numel() != self.block_size * self.head_size:
+            raise LayoutError("page order does not match the page size")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pages.geometry.dtype
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes of one (head, block) artifact."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.head_size * itemsize
+
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Copy blocks out of the cache (staging gather): token-major per-head buffers
+        `[local_heads, n, layers, 2, block_size, head_size]`, owned by the caller."""
+        raw = split_heads(self.pages, list(block_ids))  # [H, n, L, 1, 1, 2*bs*D]
+        h, n, half = self.num_kv_heads, len(block_ids), self.block_size * self.head_size
+        halves = raw.view(h, n, self.num_layers, 2, half)
+        if not self.order.is_token_major:
+            halves = torch.stack(
+                (
+                    halves[..., 0, :].index_select(-1, self.order.k_to_native),
+                    halves[..., 1, :].index_select(-1, self.order.v_to_native),
+                ),
+                dim=3,
             )
-        nb, heads, bs, c = t.shape
-        d = c // 2
-        s_b, s_h, s_n, s_c = t.stride()
-        # The kernel's [2*block_size, head_size] reading of a page needs the page contiguous.
-        if s_c != 1 or s_n != c:
-            raise LayoutError(f"a (block, head) page is not contiguous: strides {t.stride()}")
-        pages = t.as_strided((nb, heads, 2, bs, d), (s_b, s_h, bs * d, d, 1))
-        for kv in (0, 1):
-            views.append(pages[:, :, kv].permute(0, 2, 1, 3))  # [blocks, block_size, heads, dim]
-    return PagedKV(views, len(layers), 2)
+        return halves.reshape(h, n, self.num_layers, 2, self.block_size, self.head_size)
+
+    def scatter(self, buffers: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Write token-major per-head buffers (as `gather` returns) into the cache's blocks."""
+        h, n, half = self.num_kv_heads, len(block_ids), self.block_size * self.head_size
+        expected = (h, n, self.num_layers, 2, self.block_size, self.head_size)
+        if tuple(buffers.shape) != expected or buffers.dtype != self.dtype:
+            raise LayoutError(f"buffers must be {expected} of {self.dtype}")
+        halves = buffers.reshape(h, n, self.num_layers, 2, half)
+        if not self.order.is_token_major:
+            halves = torch.stack(
+                (
+                    halves[..., 0, :].index_select(-1, self.order.k_from_native),
+                    halves[..., 1, :].index_select(-1, self.order.v_from_native),
+                ),
+                dim=3,
+            )
+        raw = halves.reshape(h, n, self.num_layers, 1, 1, 2 * half).contiguous()
+        merge_heads(raw.to(self.pages.device), self.pages, list(block_ids))
 
 
-def payload_nbytes(geometry: KVGeometry) -> int:
-    """Bytes of one (head, block) artifact."""
-    g = geometry
-    itemsize = torch.empty((), dtype=g.dtype).element_size()
-    return g.num_layers * g.kv_factor * g.block_size * g.head_dim * itemsize
-
-
-def gather_head_payloads(paged: PagedKV, block_ids: Sequence[int]) -> torch.Tensor:
-    """Copy the blocks out of the engine's cache (staging gather): per-head buffers
-    `[local_heads, n, layers, kv, block_size, head_size]`, contiguous, owned by the caller."""
-    return split_heads(paged, list(block_ids))
-
-
-def payload_of(head_buffers: torch.Tensor, local_head: int, index: int) -> bytes:
-    """The artifact bytes of local head `local_head`, block `index` of `head_buffers`."""
-    unit = head_buffers[local_head, index].contiguous()
+def payload_of(buffers: torch.Tensor, local_head: int, index: int) -> bytes:
+    """The artifact bytes of local head `local_head`, block `index` of `buffers`."""
+    unit = buffers[local_head, index].contiguous()
     return unit.view(torch.uint8).numpy().tobytes()
 
 
-def scatter_head_payloads(
-    payloads: Sequence[Sequence[bytes]], paged: PagedKV, block_ids: Sequence[int]
+def scatter_payloads(
+    payloads: Sequence[Sequence[bytes]], kv: CpuAttnKV, block_ids: Sequence[int]
 ) -> None:
-    """Write blocks into the engine's cache (staging scatter): `payloads[i][j]` is the artifact of
-    block `block_ids[i]` for local head `j`. Raises `LayoutError` (writing nothing) if any payload
-    has the wrong size."""
-    g = paged.geometry
+    """Write blocks into the cache (staging scatter): `payloads[i][j]` is the artifact of block
+    `block_ids[i]` for local head `j`. Raises `LayoutError`, writing nothing, if any payload has
+    the wrong size."""
     n = len(block_ids)
     if len(payloads) != n:
         raise LayoutError(f"{len(payloads)} payload rows for {n} blocks")
-    expected = payload_nbytes(g)
-    buf = torch.empty(g.head_buffer_shape(n), dtype=g.dtype)
-    flat = buf.view(g.num_kv_heads, n, -1).view(torch.uint8)
+    expected = kv.payload_nbytes
+    buf = torch.empty(
+        (kv.num_kv_heads, n, kv.num_layers, 2, kv.block_size, kv.head_size), dtype=kv.dtype
+    )
+    flat = buf.view(kv.num_kv_heads, n, -1).view(torch.uint8)
     for i, row in enumerate(payloads):
-        if len(row) != g.num_kv_heads:
-            raise LayoutError(f"block {i}: {len(row)} head payloads for {g.num_kv_heads} heads")
+        if len(row) != kv.num_kv_heads:
+            raise LayoutError(f"block {i}: {len(row)} head payloads for {kv.num_kv_heads} heads")
         for j, data in enumerate(row):
             if len(data) != expected:
                 raise LayoutError(f"payload of {len(data)} bytes, expected {expected}")
             flat[j, i] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    merge_heads(buf.to(paged.device), paged, list(block_ids))
+    kv.scatter(buf, block_ids)
