@@ -186,6 +186,10 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
         self._total_heads = 1 if self._mla else int(model_config.get_total_num_kv_heads())
         self._all_heads = list(range(self._total_heads))
         self._client = SidecarClient(self.settings.sidecar_url, self.settings.timeout_s)
+        self._lookup_client = SidecarClient(
+            self.settings.sidecar_url, self.settings.lookup_timeout_s
+        )
+        self._lookups_paused_until = 0.0
         self._warn = _RateLimitedLog()
         # scheduler side
         self._lookups: dict[str, _Lookup] = {}
@@ -335,6 +339,7 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
         for t in self._threads:
             t.join(timeout=5.0)
         self._client.close()
+        self._lookup_client.close()
 
     def _bound_metadata(self) -> OwnerServeConnectorMetadata | None:
         if not self.has_connector_metadata():
@@ -423,12 +428,14 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         bs = self.settings.block_size
         hashes = chunk_hashes(prompt, bs, self.settings.root(request.cache_salt))
-        try:
-            present = self._client.lookup(lookup_keys(self.settings.model, hashes, self._all_heads))
-            stored = present_blocks(present, len(self._all_heads))
-        except SidecarError as exc:
-            self._warn.warning("lookup", "OwnerServeConnector: sidecar lookup failed: %s", exc)
-            stored = 0
+        stored = 0
+        if time.monotonic() >= self._lookups_paused_until:
+            keys = lookup_keys(self.settings.model, hashes, self._all_heads)
+            try:
+                stored = present_blocks(self._lookup_client.lookup(keys), len(self._all_heads))
+            except SidecarError as exc:
+                self._lookups_paused_until = time.monotonic() + self.settings.lookup_backoff_s
+                self._warn.warning("lookup", "OwnerServeConnector: sidecar lookup failed: %s", exc)
         ext = 0
         if self.settings.load and allow_load:
             ext = external_tokens(stored, len(prompt), num_computed_tokens, bs)

@@ -35,6 +35,10 @@ class ConnectorSettings:
     block_size: int
     salt: str = ""
     timeout_s: float = 10.0
+    # The scheduler loop waits for lookups: keep them short, and skip them for a while after a
+    # failure (`lookup_backoff_s`) rather than stall every new request on a dead sidecar.
+    lookup_timeout_s: float = 1.0
+    lookup_backoff_s: float = 5.0
     load: bool = True
     save: bool = True
 
@@ -50,12 +54,21 @@ class ConnectorSettings:
         model = extra.get("model", default_model)
         salt = extra.get("salt", "")
         timeout = extra.get("timeout_s", 10.0)
+        lookup_timeout = extra.get("lookup_timeout_s", 1.0)
+        backoff = extra.get("lookup_backoff_s", 5.0)
         if not isinstance(model, str) or not model:
             raise ConnectorConfigError("kv_connector_extra_config.model must be a non-empty str")
         if not isinstance(salt, str):
             raise ConnectorConfigError("kv_connector_extra_config.salt must be a str")
-        if not isinstance(timeout, int | float) or timeout <= 0:
-            raise ConnectorConfigError("kv_connector_extra_config.timeout_s must be > 0")
+        seconds: dict[str, float] = {}
+        for name, value in (
+            ("timeout_s", timeout),
+            ("lookup_timeout_s", lookup_timeout),
+            ("lookup_backoff_s", backoff),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConnectorConfigError(f"kv_connector_extra_config.{name} must be > 0")
+            seconds[name] = float(value)
         if block_size <= 0:
             raise ConnectorConfigError("block_size must be positive")
         flags = {}
@@ -69,7 +82,9 @@ class ConnectorSettings:
             model=model,
             block_size=block_size,
             salt=salt,
-            timeout_s=float(timeout),
+            timeout_s=seconds["timeout_s"],
+            lookup_timeout_s=seconds["lookup_timeout_s"],
+            lookup_backoff_s=seconds["lookup_backoff_s"],
             load=flags["load"],
             save=flags["save"],
         )

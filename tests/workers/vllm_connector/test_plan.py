@@ -51,6 +51,8 @@ def test_settings_default_to_the_served_model_and_strip_the_url() -> None:
         {"model": ""},
         {"salt": 3},
         {"timeout_s": 0},
+        {"lookup_timeout_s": True},
+        {"lookup_backoff_s": -1},
         {"load": "yes"},
     ],
 )
