@@ -11,9 +11,10 @@ Load it with::
 (the repo on the engine's PYTHONPATH; `workers.vllm_cpu.server` does this) or as one entry of
 MultiConnector's `connectors` list, e.g. after NixlConnector. `kv_load_failure_policy:
 "recompute"` makes vLLM recompute blocks whose artifact was refused instead of failing the
-request. Extra config: `sidecar_url` (required), `model` and `salt` (hash-chain root and key model
-name; default: the served model name and ""), `timeout_s`, `load`, `save`. A request may opt out
-with `kv_transfer_params: {"ownerserve": {"load": false, "save": false}}`.
+request. Extra config: `sidecar_url` (required), `model` and `salt` (hash-chain root and key
+model name; default: the served model name and ""), `timeout_s` (loads and saves),
+`lookup_timeout_s` and `lookup_backoff_s` (scheduler-side lookups), `load`, `save`. A request
+may opt out with `kv_transfer_params: {"ownerserve": {"load": false, "save": false}}`.
 
 Scheduler side (in vLLM's scheduler loop): `get_num_new_matched_tokens` hashes the prompt into
 OwnerServe chain hashes, asks the sidecar which per-head artifacts it holds (one lookup) and
