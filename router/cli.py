@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import logging
 import os
-import signal
 
 from ownerserve.config import load_settings, settings_from_dict
 
@@ -42,12 +41,8 @@ def run(args: argparse.Namespace) -> int:
     )
     import uvloop
 
-    def _stop(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; with this
-    # handler that ends the process with status 0 instead of "killed by SIGTERM"
-    signal.signal(signal.SIGTERM, _stop)
+    # `serve` handles SIGINT/SIGTERM itself: it stops accepting, lets requests in flight
+    # finish and exits with status 0
     with contextlib.suppress(KeyboardInterrupt):
         uvloop.run(serve(settings))
     return 0

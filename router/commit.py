@@ -52,12 +52,14 @@ async def commit_plan(
     kv_bytes_per_block: int,
     fork_from_blocks: int = 0,
     refresh: bool = True,
+    concurrent: bool = True,
 ) -> Lease | None:
     """Commit one served plan; returns the decode worker's lease on the new blocks, if any.
 
     With `refresh=False` (the caller refreshed this session recently) records that are
     already in place — same session owner, an unexpired replica, a lease on the whole
-    prompt — are not written again."""
+    prompt — are not written again. With `concurrent=False` the writes run one after the
+    other (for the in-process directory, whose calls never wait: no task per write)."""
     decode = plan.chosen.decode_worker
     steps: list[Awaitable[Any]] = []
     if session_id is not None and (refresh or match.session_owner != decode):
@@ -87,11 +89,34 @@ async def commit_plan(
         first = _claim(directory, full, owned, decode, match, lease_s, kv_bytes_per_block)
     elif refresh and match.owner == decode and match.owner_artifact_id is not None:
         first = _renew(directory, match.owner_artifact_id, decode, match.owner_epoch, lease_s)
-    # one concurrent round: a failing write must not leave the others un-awaited
     if first is not None and not steps:
         return await first
+    if not concurrent:
+        return await _in_order(first, steps)
+    # one concurrent round: a failing write must not leave the others un-awaited
     results = await asyncio.gather(*([first] if first is not None else []), *steps)
     return results[0] if first is not None else None
+
+
+async def _in_order(
+    first: Awaitable[Lease | None] | None, steps: list[Awaitable[Any]]
+) -> Lease | None:
+    """Await every write in turn; the first failure is raised after the rest ran."""
+    lease = None
+    error: BaseException | None = None
+    if first is not None:
+        try:
+            lease = await first
+        except Exception as exc:
+            error = exc
+    for step in steps:
+        try:
+            await step
+        except Exception as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+    return lease
 
 
 async def _renew(

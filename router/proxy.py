@@ -98,36 +98,78 @@ class _Disconnected(Exception):
     pass
 
 
-class _Progress:
-    """Wraps ASGI `send` to know how far the response got when something fails."""
+class ResponseWriter:
+    """Where one completion response goes. The router's own server (`router.httpserver`)
+    writes to the socket; `_ASGIResponseWriter` turns the calls into ASGI messages. Tracks how
+    far the response got, so a failure can end it properly."""
 
-    __slots__ = ("_send", "ended", "sse", "started")
+    __slots__ = ("disconnected", "ended", "sse", "started")
 
-    def __init__(self, send: Send) -> None:
-        self._send = send
+    def __init__(self) -> None:
         self.started = False
-        self.sse = False
         self.ended = False
+        self.sse = False
+        self.disconnected = False
+        """Set by the server when the client went away (the request task is cancelled)."""
 
-    async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            self.started = True
-            for k, v in message["headers"]:
-                if k == b"content-type" and v.startswith(b"text/event-stream"):
-                    self.sse = True
-        elif not message.get("more_body", False):
-            self.ended = True
-        await self._send(message)
+    async def start(
+        self, status: int, headers: list[tuple[bytes, bytes]], body: bytes | None = None
+    ) -> None:
+        """Status and headers; with `body`, the whole response (its length is added)."""
+        raise NotImplementedError
+
+    async def write(self, chunk: bytes) -> None:
+        """A piece of a streamed body."""
+        raise NotImplementedError
+
+    async def end(self) -> None:
+        """End a streamed body."""
+        raise NotImplementedError
+
+    def detach(self) -> None:
+        """Stop watching for the client's disconnect (what follows must not be cancelled)."""
 
     async def fail(self, exc: BaseException) -> None:
         """End a response that already started: an SSE error event if it streams events."""
         if self.ended:
             return
         if self.sse:
-            await self.send(
-                {"type": "http.response.body", "body": sse_error_event(exc), "more_body": True}
-            )
-        await self.send({"type": "http.response.body", "body": b""})
+            await self.write(sse_error_event(exc))
+        await self.end()
+
+
+class _ASGIResponseWriter(ResponseWriter):
+    """A `ResponseWriter` over ASGI `send` (the app run by any ASGI server)."""
+
+    __slots__ = ("_send", "watcher")
+
+    def __init__(self, send: Send) -> None:
+        super().__init__()
+        self._send = send
+        self.watcher: asyncio.Task[None] | None = None
+
+    async def start(
+        self, status: int, headers: list[tuple[bytes, bytes]], body: bytes | None = None
+    ) -> None:
+        self.started = True
+        if body is not None:
+            headers = [*headers, (b"content-length", str(len(body)).encode())]
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        if body is not None:
+            self.ended = True
+            await self._send({"type": "http.response.body", "body": body})
+
+    async def write(self, chunk: bytes) -> None:
+        await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            await self._send({"type": "http.response.body", "body": b""})
+
+    def detach(self) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
 
 
 async def read_body(receive: Receive, limit: int, content_length: str | None) -> bytes:
@@ -192,6 +234,7 @@ class Router:
         self._background: set[asyncio.Task[Any]] = set()
         self._subscribers: list[Any] = []
         self._started = False
+        self._inline_commit = False
         self._start_lock = asyncio.Lock()
         self._api_keys = tuple(k.encode() for k in settings.server.api_keys)
         profile = load_profile(settings.planner.profile)
@@ -211,6 +254,9 @@ class Router:
                 from ownerserve.directory import open_directory
 
                 self.directory = open_directory(self.settings.directory)
+            from ownerserve.directory.memory import InMemoryDirectory
+
+            self._inline_commit = type(self.directory) is InMemoryDirectory
             self.http = UpstreamPool(self.settings.server.connect_timeout_s)
             self.executor = PlanExecutor(self.pool, self.http, self.telemetry.start_span)
             for w in self.pool.all():
@@ -398,71 +444,85 @@ class Router:
     async def handle_completion(
         self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint
     ) -> None:
-        """ASGI handler of `/v1/chat/completions` and `/v1/completions`."""
+        """ASGI handler of `/v1/chat/completions` and `/v1/completions` (the app under any
+        ASGI server; the router's own server calls `respond` directly)."""
         t0 = time.perf_counter()
+        out = _ASGIResponseWriter(send)
+        task = asyncio.current_task()
+        raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
+
+        async def read() -> bytes:
+            length = None
+            for k, v in raw_headers:
+                if k == b"content-length":
+                    length = v.decode("latin-1")
+            body = await read_body(receive, self.settings.server.max_body_bytes, length)
+            out.watcher = asyncio.create_task(self._watch_disconnect(receive, task, out))
+            return body
+
+        try:
+            await self.respond(endpoint, raw_headers, out, t0, read=read)
+        finally:
+            out.detach()
+
+    async def respond(
+        self,
+        endpoint: Endpoint,
+        raw_headers: list[tuple[bytes, bytes]],
+        out: ResponseWriter,
+        t0: float,
+        *,
+        body: bytes | None = None,
+        read: Callable[[], Awaitable[bytes]] | None = None,
+    ) -> None:
+        """Serve one completion request: `body` already read, or `read()` reads it (after the
+        API key check). Every failure becomes an OpenAI error response, or an SSE error event
+        when the response already started; a client disconnect ends it quietly."""
         if not self._started:
             await self.start()
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        task = asyncio.current_task()
-        watcher: asyncio.Task[None] | None = None
-        disconnected = asyncio.Event()
-        progress = _Progress(send)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
         model = "?"
         try:
             self._check_auth(headers)
-            raw = await read_body(
-                receive, self.settings.server.max_body_bytes, headers.get("content-length")
-            )
-            req = parse_request(raw, endpoint)
+            if body is None:
+                assert read is not None
+                body = await read()
+            req = parse_request(body, endpoint)
             # a metric label only for configured models (client input must not grow labels)
             model = req.model if req.model in self.tokenizers else "unknown"
-            watcher = asyncio.create_task(self._watch_disconnect(receive, task, disconnected))
             async with asyncio.timeout(self.settings.server.request_timeout_s):
-                await self._serve(req, headers, scope["headers"], progress.send, t0)
+                await self._serve(req, headers, raw_headers, out, t0)
             self.metrics.of(self.metrics.requests, model, "ok").inc()
         except _Disconnected:
             return
         except asyncio.CancelledError:
-            if disconnected.is_set() and task is not None:
+            task = asyncio.current_task()
+            if out.disconnected and task is not None:
                 task.uncancel()
                 self.metrics.of(self.metrics.requests, model, "client_disconnected").inc()
                 return
             raise
         except BaseException as exc:
-            if watcher is not None:
-                watcher.cancel()  # what follows must not be cancelled by a late disconnect
+            out.detach()  # what follows must not be cancelled by a late disconnect
             if isinstance(exc, TimeoutError):
                 exc = UpstreamTimeoutError("request timed out")
             if not isinstance(exc, Exception):
                 raise
-            status, body = error_status_and_body(exc)
+            status, err = error_status_and_body(exc)
             self.metrics.of(self.metrics.requests, model, str(status)).inc()
-            if progress.started:
-                await progress.fail(exc)
+            if out.started:
+                await out.fail(exc)
                 return
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": status,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
-        finally:
-            if watcher is not None:
-                watcher.cancel()
+            await out.start(status, [(b"content-type", b"application/json")], err)
 
     @staticmethod
     async def _watch_disconnect(
-        receive: Receive, task: asyncio.Task[Any] | None, flag: asyncio.Event
+        receive: Receive, task: asyncio.Task[Any] | None, out: ResponseWriter
     ) -> None:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                flag.set()
+                out.disconnected = True
                 if task is not None:
                     task.cancel()
                 return
@@ -472,7 +532,7 @@ class Router:
         req: CompletionRequest,
         headers: Mapping[str, str],
         raw_headers: list[tuple[bytes, bytes]],
-        send: Send,
+        out: ResponseWriter,
         t0: float,
     ) -> None:
         """Route and stream one request."""
@@ -505,7 +565,7 @@ class Router:
                 info.inflight += 1
             try:
                 await self._plan_and_stream(
-                    req, raw_headers, send, t0, mt, tok, session, match, rview, policy
+                    req, raw_headers, out, t0, mt, tok, session, match, rview, policy
                 )
             finally:
                 if sid and info is not None:
@@ -559,7 +619,7 @@ class Router:
         self,
         req: CompletionRequest,
         raw_headers: list[tuple[bytes, bytes]],
-        send: Send,
+        out: ResponseWriter,
         t0: float,
         mt: ModelTokenizer,
         tok: Tokenized,
@@ -622,7 +682,7 @@ class Router:
             if last_error is not None:
                 raise UpstreamError(f"no worker could serve the request: {last_error}")
             raise NoWorkerAvailableError(f"no healthy worker serves model '{req.model}'")
-        await self._stream(req, send, t0, tok, session, match, rview, plan, opened)
+        await self._stream(req, out, t0, tok, session, match, rview, plan, opened)
 
     def _involved(self, plan: Plan) -> list[Any]:
         ids = {plan.chosen.prefill_worker, plan.chosen.decode_worker}
@@ -640,7 +700,7 @@ class Router:
     async def _stream(
         self,
         req: CompletionRequest,
-        send: Send,
+        out: ResponseWriter,
         t0: float,
         tok: Tokenized,
         session: SessionKey,
@@ -657,52 +717,69 @@ class Router:
         for w in opened.workers:
             w.inflight += 1
         ok = opened.status == 200
-        record = PlanRecord.of(plan, session.session_id, opened.fetched)
-        self.recent_plans.append(record)
+        self.recent_plans.append(PlanRecord.of(plan, session.session_id, opened.fetched))
+        streaming = req.stream and ok
         try:
             resp_headers = [
                 (b"content-type", opened.content_type),
                 (PLAN_HEADER, plan_header(plan, opened.fetched)),
             ]
-            if not (req.stream and ok):
-                resp_headers.append((b"content-length", str(len(opened.first)).encode()))
-            await send(
-                {"type": "http.response.start", "status": opened.status, "headers": resp_headers}
-            )
-            first_at = time.perf_counter()
-            if ok:
-                if req.stream:
-                    # a non-streamed answer arrives whole: no TTFT/TPOT to learn from
-                    timings.ttft_s = first_at - t0
-                self._spawn(self._commit(plan, tok, session, match, rview))
-                if plan.add_replica_on and match.owner and match.owner_blocks:
-                    self._spawn(self._replicate(plan.add_replica_on, match, req, tok, rview))
-            if not (req.stream and ok):
-                await send({"type": "http.response.body", "body": opened.first})
+            out.sse = streaming and opened.content_type.startswith(b"text/event-stream")
+            if not streaming:
+                # a non-streamed answer arrives whole: no TTFT/TPOT to learn from
+                if ok:
+                    await self._after_first_bytes(plan, tok, session, match, req, rview)
+                await out.start(opened.status, resp_headers, opened.first)
             else:
+                await out.start(opened.status, resp_headers)
+                timings.ttft_s = time.perf_counter() - t0
                 events = opened.first.count(b"data: ")
-                await send({"type": "http.response.body", "body": opened.first, "more_body": True})
+                await out.write(opened.first)
+                await self._after_first_bytes(plan, tok, session, match, req, rview)
+                response = opened.response
                 try:
-                    async for chunk in opened.rest():
+                    while response is not None and not opened.finished:
+                        chunk = await response.readany()
+                        if not chunk:
+                            opened.finished = True
+                            break
                         events += chunk.count(b"data: ")
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        await out.write(chunk)
                 except OSError as exc:
                     ok = False
                     metrics.stream_errors.labels(worker.worker_id).inc()
                     log.warning("worker %s failed mid-stream: %r", worker.worker_id, exc)
                     err = UpstreamError(f"worker {worker.worker_id} failed mid-stream")
-                    tail = sse_error_event(err)
-                    await send({"type": "http.response.body", "body": tail, "more_body": True})
+                    await out.write(sse_error_event(err))
                     worker.breaker.record_failure()
                     self._spawn(self.pool.check(worker))
                 timings.output_events = max(0, events - 1)
-                await send({"type": "http.response.body", "body": b""})
+                await out.end()
         finally:
             for w in opened.workers:
                 w.inflight -= 1
             await opened.aclose()
         timings.e2e_s = time.perf_counter() - t0
         self._observe(plan, rview, match, timings, ok)
+
+    async def _after_first_bytes(
+        self,
+        plan: Plan,
+        tok: Tokenized,
+        session: SessionKey,
+        match: Match,
+        req: CompletionRequest,
+        rview: RequestView,
+    ) -> None:
+        """The answer is there: commit ownership (inline with the in-process directory, whose
+        calls never wait, so a client's next turn always sees it; concurrently with the
+        response otherwise) and start a replica copy if the plan asked for one."""
+        if self._inline_commit:
+            await self._commit(plan, tok, session, match, rview)
+        else:
+            self._spawn(self._commit(plan, tok, session, match, rview))
+        if plan.add_replica_on and match.owner and match.owner_blocks:
+            self._spawn(self._replicate(plan.add_replica_on, match, req, tok, rview))
 
     def _observe(
         self, plan: Plan, rview: RequestView, match: Match, t: ObservedTimings, ok: bool
@@ -787,6 +864,7 @@ class Router:
                     kv_bytes_per_block=self._kv_bytes_per_token * rview.block_size,
                     fork_from_blocks=tok.common_blocks if rview.is_fork else 0,
                     refresh=refresh,
+                    concurrent=not self._inline_commit,
                 )
         except OwnerServeError as exc:
             self.metrics.commit_errors.inc()

@@ -198,34 +198,46 @@ class InMemoryDirectory:
 
         owner: _ArtifactRecord | None = None
         owner_blocks = 0
-        seen: set[int] = set()
-        own = self._owner_of_block
-        for i in range(n - 1, -1, -1):
-            aid = own.get(chain[i])
-            if aid is None or aid in seen:
-                continue
-            seen.add(aid)
-            rec = self._live(aid, now)
-            if rec is None:
-                continue
-            rec.last_access = now
-            rec.reuse_count += 1
-            hold(rec.worker, rec.tier, HoldKind.OWNER, i + 1)
-            if owner is None:
-                owner, owner_blocks = rec, i + 1
+        # One C-level probe per block (`map`), then work per distinct artifact only: the
+        # deepest block each one owns in this chain, deepest first.
+        hits = list(map(self._owner_of_block.get, chain))
+        misses = hits.count(None)
+        if misses < n:
+            last = hits[-1]
+            if last is not None and hits.count(last) + misses == n:
+                depths: list[tuple[int, int]] = [
+                    (n, last)
+                ]  # one artifact owns every owned block, the last included
+            else:
+                rev = hits[::-1]
+                depths = sorted(
+                    ((n - rev.index(a), a) for a in set(hits) if a is not None), reverse=True
+                )
+            for depth, aid in depths:
+                rec = self._live(aid, now)
+                if rec is None:
+                    continue
+                rec.last_access = now
+                rec.reuse_count += 1
+                hold(rec.worker, rec.tier, HoldKind.OWNER, depth)
+                if owner is None:
+                    owner, owner_blocks = rec, depth
 
-        replica_seen: set[tuple[str, Tier]] = set()
-        for i in range(n - 1, -1, -1):
-            entries = self._replicas.get(chain[i])
-            if not entries:
-                continue
-            for key, (expires, _ro) in entries.items():
-                if expires > now and key not in replica_seen:
-                    replica_seen.add(key)
-                    hold(key[0], key[1], HoldKind.REPLICA, i + 1)
+        if self._replicas:
+            replica_seen: set[tuple[str, Tier]] = set()
+            replica_hits = list(map(self._replicas.get, chain))
+            if replica_hits.count(None) < n:
+                for i in range(n - 1, -1, -1):
+                    entries = replica_hits[i]
+                    if not entries or replica_seen.issuperset(entries):
+                        continue
+                    for key, (expires, _ro) in entries.items():
+                        if expires > now and key not in replica_seen:
+                            replica_seen.add(key)
+                            hold(key[0], key[1], HoldKind.REPLICA, i + 1)
 
         cached = self._cached
-        prev = cached.get(chain[0]) or {}
+        prev = (cached.get(chain[0]) if cached else None) or {}
         alive = dict(prev)
         length = n
         for i in range(1, n):
@@ -414,16 +426,19 @@ class InMemoryDirectory:
         if blocks is None:
             rec = self._artifacts.get(artifact_id)
             blocks = rec.blocks if rec is not None else (artifact_id,)
-        wrec = self._worker(worker)
+        key = (worker, tier)
+        value = (now + ttl_s, read_only)
+        replicas = self._replicas
         for b in blocks:
-            entries = self._replicas.get(b)
+            entries = replicas.get(b)
             if entries is None:
-                entries = self._replicas[b] = {}
-            else:
-                for key in [k for k, (x, _) in entries.items() if x <= now]:
-                    del entries[key]
-            entries[(worker, tier)] = (now + ttl_s, read_only)
-            wrec.replica_blocks.add(b)
+                replicas[b] = {key: value}
+                continue
+            if len(entries) > 1 or key not in entries:
+                for k in [k for k, (x, _) in entries.items() if x <= now]:
+                    del entries[k]
+            entries[key] = value
+        self._worker(worker).replica_blocks.update(blocks)
 
     def _session(self, session_id: str, now: float) -> str | None:
         entry = self._sessions.get(session_id)

@@ -115,10 +115,9 @@ async def test_tcp_nodelay_on_upstream_and_accepted_sockets():
     import gc
     import socket
 
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
     from ownerserve.config import settings_from_dict
     from router.app import create_app
+    from router.httpserver import _Connection as HttpToolsProtocol
     from router.server import running_app
 
     worker = await FakeWorker("w").start()
