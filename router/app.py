@@ -6,9 +6,10 @@ The two completion endpoints are served by a raw ASGI layer in front of FastAPI 
 pays for no routing or request objects); everything else goes through FastAPI.
 
     from router.app import create_app
-    app = create_app(load_settings("configs/cluster.sample.yaml"))   # then uvicorn.run(app)
+    app = create_app(load_settings("configs/cluster.sample.yaml"))   # any ASGI server runs it
 
-`router.server.serve(settings)` runs it in-process with the tuned uvicorn settings.
+`router.server.serve(settings)` runs it in-process on the router's own HTTP server
+(`router.httpserver`), which serves the completion endpoints without the ASGI layer.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 from ownerserve.config import WorkerSettings
 from ownerserve.types import Role
@@ -83,6 +84,8 @@ class WorkerState:
     inflight_prefill_tokens: int = 0
     load: WorkerLoad = field(default_factory=WorkerLoad)
     last_seen: float = 0.0
+    view_cache: tuple[Any, Any] | None = None
+    """The router's last planner view of this worker, with the inputs it was built from."""
 
     @property
     def worker_id(self) -> str:
@@ -127,6 +130,7 @@ class WorkerPool:
         dead_after_failures: int = 2,
     ) -> None:
         self._workers: dict[str, WorkerState] = {}
+        self._by_model: dict[str, list[WorkerState]] = {}
         for w in workers:
             self.add(w)
         self.health_interval_s = health_interval_s
@@ -143,9 +147,11 @@ class WorkerPool:
             raise ValueError(f"worker {settings.id!r} already exists")
         state = worker_state(settings)
         self._workers[settings.id] = state
+        self._by_model.clear()
         return state
 
     def remove(self, worker_id: str) -> WorkerState | None:
+        self._by_model.clear()
         return self._workers.pop(worker_id, None)
 
     def drain(self, worker_id: str, draining: bool = True) -> WorkerState | None:
@@ -164,7 +170,13 @@ class WorkerPool:
         return list(self._workers.values())
 
     def for_model(self, model: str) -> list[WorkerState]:
-        return [w for w in self._workers.values() if w.serves(model)]
+        """Workers configured for `model` (healthy or not); cached until membership changes."""
+        found = self._by_model.get(model)
+        if found is None:
+            found = [w for w in self._workers.values() if w.serves(model)]
+            if len(self._by_model) < 1024:  # client input must not grow it without bound
+                self._by_model[model] = found
+        return list(found)
 
     def models(self) -> list[str]:
         seen: dict[str, None] = {}

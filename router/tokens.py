@@ -68,17 +68,21 @@ def hash_blocks(tokens: Sequence[int], block_size: int, parent: int, start: int 
     if n_blocks <= 0:
         return []
     packed = token_array(tokens)
-    buf = memoryview(packed)[start : start + n_blocks * block_size].cast("B")
     step = 4 * block_size
-    out: list[int] = []
-    append = out.append
-    from_bytes = int.from_bytes
+    raw = memoryview(packed)[start : start + n_blocks * block_size].tobytes()
+    digests: list[bytes] = []
+    append = digests.append
     digest = parent.to_bytes(8, "little")
     for i in range(0, n_blocks * step, step):
         # hash_block(parent, block) = blake2b(parent as 8 LE bytes ‖ block as uint32 LE)
-        digest = blake2b(digest + buf[i : i + step], digest_size=8).digest()
-        append(from_bytes(digest, "little"))
-    return out
+        digest = blake2b(digest + raw[i : i + step], digest_size=8).digest()
+        append(digest)
+    # the digests read as little-endian uint64 are the hashes: one conversion for all
+    out = array("Q")
+    out.frombytes(b"".join(digests))
+    if sys.byteorder != "little":
+        out.byteswap()
+    return out.tolist()
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +132,9 @@ class _SessionState:
     ends: list[int] = field(default_factory=list)
     """Token offset where each message's rendering ends."""
     ids: array[int] = field(default_factory=lambda: array("I"))
-    chain: array[int] = field(default_factory=lambda: array("Q"))
+    chain: tuple[int, ...] = ()
+    """A tuple (ints only, so the cyclic collector untracks it): each turn's chain reuses the
+    previous one's int objects, and an unchanged prompt reuses the tuple itself."""
     text: str = ""
 
 
@@ -202,16 +208,15 @@ class ModelTokenizer:
         old = state.chain
         keep = min(keep_tokens // bs, len(old), len(ids) // bs)
         parent = old[keep - 1] if keep else self.root
-        chain = old[:keep]
-        chain.extend(hash_blocks(ids, bs, parent, keep * bs))
+        new = hash_blocks(ids, bs, parent, keep * bs)
+        chain = old if not new and keep == len(old) else old[:keep] + tuple(new)
         common = keep
         limit = min(len(old), len(chain))
         while common < limit and old[common] == chain[common]:
             common += 1
-        previous = len(old)
         state.ids = ids
         state.chain = chain
-        return Tokenized(ids, tuple(chain), previous, common)
+        return Tokenized(ids, chain, len(old), common)
 
     # --- chat --------------------------------------------------------------------------------
 
@@ -235,6 +240,10 @@ class ModelTokenizer:
         limit = min(len(old_keys), len(keys))
         while same < limit and old_keys[same] == keys[same]:
             same += 1
+        if same == len(keys) == len(old_keys):
+            # the same prompt again (a retry, another sample): same ids, same chain
+            n = len(state.chain)
+            return Tokenized(state.ids, state.chain, n, n)
         if same:
             keep_tokens = state.ends[same - 1]
             ids = state.ids[:keep_tokens]

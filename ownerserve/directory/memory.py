@@ -224,17 +224,21 @@ class InMemoryDirectory:
                     owner, owner_blocks = rec, depth
 
         if self._replicas:
-            replica_seen: set[tuple[str, Tier]] = set()
             replica_hits = list(map(self._replicas.get, chain))
             if replica_hits.count(None) < n:
+                # every (worker, tier) with a replica somewhere on the chain; the scan from the
+                # deepest block stops once each has its deepest live block
+                remaining: set[tuple[str, Tier]] = set().union(*filter(None, replica_hits))
                 for i in range(n - 1, -1, -1):
                     entries = replica_hits[i]
-                    if not entries or replica_seen.issuperset(entries):
+                    if not entries or remaining.isdisjoint(entries):
                         continue
                     for key, (expires, _ro) in entries.items():
-                        if expires > now and key not in replica_seen:
-                            replica_seen.add(key)
+                        if expires > now and key in remaining:
+                            remaining.discard(key)
                             hold(key[0], key[1], HoldKind.REPLICA, i + 1)
+                    if not remaining:
+                        break
 
         cached = self._cached
         prev = (cached.get(chain[0]) if cached else None) or {}

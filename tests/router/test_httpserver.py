@@ -1,0 +1,195 @@
+"""The router's own HTTP/1.1 server at the byte level (raw sockets, a real `FakeWorker`
+behind it): keep-alive and pipelining, chunked streaming, HTTP/1.0, `Expect: 100-continue`,
+bodies over the limit refused while reading, malformed requests, the ASGI bridge's routes,
+and the ASGI handler of the same core under another server (httpx's ASGI transport)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from ownerserve.config import settings_from_dict
+from router.app import create_app
+from router.server import running_app
+from tests.router.fake_worker import FakeWorker
+
+MODEL = "tiny"
+
+
+def _chat(stream: bool = False) -> bytes:
+    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 30}]}
+    if stream:
+        body["stream"] = True
+    return orjson.dumps(body)
+
+
+def _post(body: bytes, extra: bytes = b"", version: bytes = b"1.1") -> bytes:
+    return (
+        b"POST /v1/chat/completions HTTP/%s\r\nhost: t\r\ncontent-type: application/json\r\n"
+        b"%scontent-length: %d\r\n\r\n%s" % (version, extra, len(body), body)
+    )
+
+
+@contextlib.asynccontextmanager
+async def served(**server: Any) -> AsyncIterator[tuple[str, int, Any]]:
+    worker = await FakeWorker("w0").start()
+    settings = settings_from_dict(
+        {
+            "server": {"port": 0, "health_interval_s": 60, **server},
+            "models": [{"name": MODEL, "block_size": 4}],
+            "workers": [{"id": "w0", "url": worker.url, "role": "hybrid", "kind": "vllm"}],
+        }
+    )
+    app = create_app(settings)
+    try:
+        async with running_app(app, "127.0.0.1", 0) as url:
+            host, port = url[7:].split(":")
+            yield host, int(port), app
+    finally:
+        await worker.stop()
+
+
+async def _response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One response: status, headers, body (content-length, chunked, or until EOF)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:] if x)}
+    if "content-length" in headers:
+        body = await reader.readexactly(int(headers["content-length"]))
+    elif headers.get("transfer-encoding") == "chunked":
+        parts = []
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            data = await reader.readexactly(size + 2)
+            if size == 0:
+                break
+            parts.append(data[:-2])
+        body = b"".join(parts)
+    else:
+        body = await asyncio.wait_for(reader.read(), 10)
+    return status, headers, body
+
+
+async def test_keep_alive_serves_pipelined_requests_in_order():
+    async with served() as (host, port, _):
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(_post(_chat()) + b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n" + _post(_chat()))
+        got = [await _response(reader) for _ in range(3)]
+        assert [s for s, _, _ in got] == [200, 200, 200]
+        assert orjson.loads(got[0][2])["object"] == "chat.completion"
+        assert "x-ownerserve-plan" in got[0][1]
+        assert orjson.loads(got[1][2])["status"] == "ok"
+        assert orjson.loads(got[2][2])["object"] == "chat.completion"
+        writer.close()
+
+
+async def test_a_stream_is_chunked_on_http11_and_ends_with_done():
+    async with served() as (host, port, _):
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(_post(_chat(stream=True)))
+        status, headers, body = await _response(reader)
+        assert status == 200
+        assert headers["transfer-encoding"] == "chunked"
+        assert headers["content-type"].startswith("text/event-stream")
+        assert body.rstrip().endswith(b"data: [DONE]")
+        writer.write(_post(_chat()))  # the connection stays usable
+        assert (await _response(reader))[0] == 200
+        writer.close()
+
+
+async def test_http10_gets_an_unchunked_body_and_the_connection_closes():
+    async with served() as (host, port, _):
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(_post(_chat(stream=True), version=b"1.0"))
+        status, headers, body = await _response(reader)
+        assert status == 200 and "transfer-encoding" not in headers
+        assert body.rstrip().endswith(b"data: [DONE]")
+        assert reader.at_eof()
+        writer.close()
+
+
+async def test_expect_100_continue_is_answered_before_the_body():
+    async with served() as (host, port, _):
+        reader, writer = await asyncio.open_connection(host, port)
+        body = _chat()
+        head, _, _ = _post(body, b"expect: 100-continue\r\n").partition(b"\r\n\r\n")
+        writer.write(head + b"\r\n\r\n")
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert interim.startswith(b"HTTP/1.1 100")
+        writer.write(body)
+        assert (await _response(reader))[0] == 200
+        writer.close()
+
+
+@pytest.mark.parametrize("declared", [True, False])
+async def test_a_body_over_the_limit_gets_413_while_reading(declared: bool):
+    async with served(max_body_bytes=1024) as (host, port, _):
+        reader, writer = await asyncio.open_connection(host, port)
+        big = orjson.dumps({"model": MODEL, "prompt": "x" * 4096})
+        if declared:
+            writer.write(_post(big))
+        else:  # chunked upload: no length to check up front
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+                b"%x\r\n%s\r\n0\r\n\r\n" % (len(big), big)
+            )
+        status, headers, body = await _response(reader)
+        assert status == 413
+        assert orjson.loads(body)["error"]["type"]
+        assert headers["connection"] == "close"
+        writer.close()
+
+
+async def test_a_malformed_request_gets_400_and_the_connection_closes():
+    async with served() as (host, port, _):
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        status, _, body = await _response(reader)
+        assert status == 400
+        assert "error" in orjson.loads(body)
+        writer.close()
+
+
+async def test_asgi_bridge_serves_the_other_routes_with_openai_errors():
+    async with (
+        served() as (host, port, _),
+        httpx.AsyncClient(base_url=f"http://{host}:{port}") as c,
+    ):
+        assert (await c.get("/metrics")).text.startswith("#")
+        missing = await c.get("/nope")
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "not_found"
+        wrong = await c.get("/v1/chat/completions")
+        assert wrong.status_code == 404 and "error" in wrong.json()  # POST only
+
+
+async def test_the_completion_core_also_serves_under_any_asgi_server():
+    worker = await FakeWorker("w0").start()
+    settings = settings_from_dict(
+        {
+            "server": {"port": 0, "health_interval_s": 60},
+            "models": [{"name": MODEL, "block_size": 4}],
+            "workers": [{"id": "w0", "url": worker.url, "role": "hybrid", "kind": "vllm"}],
+        }
+    )
+    app = create_app(settings)
+    try:
+        await app.state.router.start()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            ok = await c.post("/v1/chat/completions", content=_chat())
+            assert ok.status_code == 200 and "x-ownerserve-plan" in ok.headers
+            streamed = await c.post("/v1/chat/completions", content=_chat(stream=True))
+            assert streamed.text.rstrip().endswith("data: [DONE]")
+            bad = await c.post("/v1/chat/completions", content=b"{")
+            assert bad.status_code == 400 and bad.json()["error"]["type"]
+    finally:
+        await app.state.router.close()
+        await worker.stop()
