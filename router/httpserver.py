@@ -151,6 +151,20 @@ class _Writer(ResponseWriter):
         if self._chunked and not conn.closed:
             conn.transport.write(b"0\r\n\r\n")
 
+    direct = True
+
+    def write_nowait(self, chunk: bytes) -> bool:
+        conn = self._conn
+        if chunk and not conn.closed:
+            if self._chunked:
+                conn.transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            else:
+                conn.transport.write(chunk)
+        return conn.write_paused and not conn.closed
+
+    async def drain(self) -> None:
+        await self._conn.drain()
+
 
 class _Connection(asyncio.Protocol):
     """One client connection: parses requests, runs one at a time (pipelined ones wait)."""

@@ -129,6 +129,17 @@ class ResponseWriter:
     def detach(self) -> None:
         """Stop watching for the client's disconnect (what follows must not be cancelled)."""
 
+    direct = False
+    """True when `write_nowait`/`drain` work: chunks can be written from a callback."""
+
+    def write_nowait(self, chunk: bytes) -> bool:
+        """Write a piece of a streamed body now; True if the client is not keeping up (then
+        `drain()` before writing more)."""
+        raise NotImplementedError
+
+    async def drain(self) -> None:
+        """Wait until the client has taken enough of what was written."""
+
     async def fail(self, exc: BaseException) -> None:
         """End a response that already started: an SSE error event if it streams events."""
         if self.ended:
@@ -760,6 +771,19 @@ class Router:
                 await self._after_first_bytes(plan, tok, session, match, req, rview)
                 response = opened.response
                 try:
+                    if response is not None and not opened.finished and out.direct:
+                        write_nowait = out.write_nowait
+                        counted = [events]
+
+                        def sink(chunk: bytes) -> bool:
+                            counted[0] += chunk.count(b"data: ")
+                            return write_nowait(chunk)
+
+                        try:
+                            await response.pipe(sink, out.drain)
+                        finally:
+                            events = counted[0]
+                        opened.finished = True
                     while response is not None and not opened.finished:
                         chunk = await response.readany()
                         if not chunk:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import urlparse
 
@@ -51,6 +51,7 @@ class _Connection(asyncio.Protocol):
         self.buffered = 0
         self.paused = False
         self.waiter: asyncio.Future[None] | None = None
+        self.sink: Callable[[bytes], bool] | None = None
         self.headers_done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     # --- protocol callbacks ------------------------------------------------------------------
@@ -68,6 +69,17 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(UpstreamConnectionError(f"malformed response: {exc}"))
             self.transport.close()
+        sink = self.sink
+        if sink is not None and self.chunks:
+            # piped: straight to the receiver, one write per read, no task switch
+            chunks = self.chunks
+            piece = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            self.buffered = 0
+            if sink(piece) and not self.paused:
+                self.paused = True
+                self.transport.pause_reading()
+                self._wake()
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name.lower(), value))
@@ -80,6 +92,8 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
+        if self.sink is not None:
+            return  # piped: data_received hands what this read brought over in one piece
         self.buffered += len(body)
         if self.buffered > MAX_BUFFERED and not self.paused:
             self.paused = True
@@ -149,6 +163,40 @@ class UpstreamResponse:
             conn.paused = False
             conn.transport.resume_reading()
         return data
+
+    async def pipe(
+        self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Hand the rest of the body to `sink` as it arrives, from the connection's own
+        callback (no task wake-up per chunk); return at its end, raise on a failure.
+        `sink` returns True when its receiver is congested: reading pauses until `drain()`."""
+        conn = self._conn
+        if conn.chunks:
+            data = b"".join(conn.chunks)
+            conn.chunks.clear()
+            conn.buffered = 0
+            if sink(data):
+                await drain()
+        if conn.paused:
+            conn.paused = False
+            conn.transport.resume_reading()
+        conn.sink = sink
+        try:
+            while True:
+                if conn.error is not None and not conn.complete:
+                    raise conn.error
+                if conn.complete:
+                    return
+                if conn.paused:
+                    await drain()
+                    conn.paused = False
+                    if not conn.closed:
+                        conn.transport.resume_reading()
+                    continue
+                conn.waiter = asyncio.get_running_loop().create_future()
+                await conn.waiter
+        finally:
+            conn.sink = None
 
     async def read(self) -> bytes:
         """The whole (rest of the) body."""

@@ -42,6 +42,7 @@ class _ArtifactRecord:
         "expires_at",
         "kv_type",
         "last_access",
+        "mapped",
         "reuse_count",
         "size_bytes",
         "start",
@@ -62,6 +63,9 @@ class _ArtifactRecord:
         self.created_at = now
         self.last_access = now
         self.reuse_count = 0
+        self.mapped = 0
+        """How many of `blocks` the directory maps to this artifact (all: no other artifact
+        owns a block inside its range, so a lookup may skip the range)."""
 
     def lease(self) -> Lease:
         return Lease(self.artifact_id, self.worker, self.epoch, self.expires_at)
@@ -137,6 +141,7 @@ class InMemoryDirectory:
         for b in rec.blocks:
             if self._owner_of_block.get(b) == rec.artifact_id:
                 del self._owner_of_block[b]
+        rec.mapped = 0
 
     def _delete_artifact(self, rec: _ArtifactRecord) -> None:
         self._unmap(rec)
@@ -198,30 +203,41 @@ class InMemoryDirectory:
 
         owner: _ArtifactRecord | None = None
         owner_blocks = 0
-        # One C-level probe per block (`map`), then work per distinct artifact only: the
-        # deepest block each one owns in this chain, deepest first.
-        hits = list(map(self._owner_of_block.get, chain))
-        misses = hits.count(None)
-        if misses < n:
-            last = hits[-1]
-            if last is not None and hits.count(last) + misses == n:
-                depths: list[tuple[int, int]] = [
-                    (n, last)
-                ]  # one artifact owns every owned block, the last included
-            else:
-                rev = hits[::-1]
-                depths = sorted(
-                    ((n - rev.index(a), a) for a in set(hits) if a is not None), reverse=True
-                )
-            for depth, aid in depths:
-                rec = self._live(aid, now)
-                if rec is None:
-                    continue
+        # From the deepest block towards the root, one probe per block, except that an
+        # artifact whose every block is still mapped to it has its whole range skipped (its
+        # blocks cannot name another artifact): a session's chain of k turns costs about
+        # k probes plus its new blocks, not one per block.
+        if not isinstance(chain, tuple):
+            chain = tuple(chain)
+        own_get = self._owner_of_block.get
+        artifacts = self._artifacts
+        seen: set[int] = set()
+        i = n - 1
+        while i >= 0:
+            aid = own_get(chain[i])
+            if aid is None or aid in seen:
+                i -= 1
+                continue
+            seen.add(aid)
+            rec = artifacts.get(aid)
+            if rec is None:
+                i -= 1
+                continue
+            if rec.expires_at > now:
                 rec.last_access = now
                 rec.reuse_count += 1
-                hold(rec.worker, rec.tier, HoldKind.OWNER, depth)
+                hold(rec.worker, rec.tier, HoldKind.OWNER, i + 1)
                 if owner is None:
-                    owner, owner_blocks = rec, depth
+                    owner, owner_blocks = rec, i + 1
+            start = rec.start
+            if (
+                rec.mapped == len(rec.blocks)
+                and start <= i
+                and chain[start : i + 1] == rec.blocks[: i + 1 - start]
+            ):
+                i = start - 1
+            else:
+                i -= 1
 
         if self._replicas:
             replica_hits = list(map(self._replicas.get, chain))
@@ -322,10 +338,19 @@ class InMemoryDirectory:
         rec.reuse_count = reuse
         self._artifacts[aid] = rec
         own = self._owner_of_block
+        mapped = 0
         for b in rec.blocks:
             cur = own.get(b)
-            if cur is None or cur == aid or self._live(cur, now) is None:
+            if cur is None:
                 own[b] = aid
+                mapped += 1
+            elif cur != aid and self._live(cur, now) is None:
+                own[b] = aid
+                mapped += 1
+                displaced = self._artifacts.get(cur)
+                if displaced is not None:
+                    displaced.mapped -= 1
+        rec.mapped = mapped
         self._worker(worker).artifacts.add(aid)
         return rec.lease()
 
