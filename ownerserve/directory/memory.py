@@ -463,7 +463,9 @@ class InMemoryDirectory:
             if entries is None:
                 replicas[b] = {key: value}
                 continue
-            if len(entries) > 1 or key not in entries:
+            if len(entries) >= 8:
+                # expired entries are skipped by lookups and purged by `sweep`; prune them here
+                # only when they pile up, not on every write
                 for k in [k for k, (x, _) in entries.items() if x <= now]:
                     del entries[k]
             entries[key] = value
