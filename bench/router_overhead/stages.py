@@ -1,0 +1,133 @@
+"""The router's routing steps timed one by one, in one process, over the overhead bench's own
+prompts: parse, session id, tokenize (+ block hashes), directory lookup, planner views, plan,
+plan header, commit, metrics. No HTTP: this isolates what the request path computes from what
+the server and the upstream client cost (`bench.router_overhead.servers`).
+
+    .venv/bin/python -m bench.router_overhead.stages [--prompts repeated|new|agent]
+
+`repeated`: 256 single-message prompts cycled (the bench's non-stream c=1 steady state);
+`new`: 16 connections' prompts, each seen once (every one hashed and claimed afresh);
+`agent`: 16 connections' 8-turn agent sessions with `x-session-id`, as the bench sends them.
+Prints µs per request per step (perf_counter; the first pass over the prompts is warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import uvloop
+
+from bench.router_overhead.load import bodies
+from bench.router_overhead.run import MODEL
+from ownerserve.config import settings_from_dict
+from ownerserve.directory import open_directory
+from router.plans import PlanRecord, plan_header
+from router.proxy import ObservedTimings, Router
+from router.requests import Endpoint, parse_request
+from router.session import identify_session
+
+
+def _requests(kind: str) -> tuple[list[tuple[bytes, str | None]], int]:
+    """(body, session header) per request, and how many of them are warm-up."""
+    unkeyed: list[tuple[bytes, str | None]]
+    if kind == "repeated":
+        raw = bodies(MODEL, 0, 256, False, "h")
+        unkeyed = [(r.split(b"\r\n\r\n", 1)[1], None) for r in raw]
+        return unkeyed * 8, 256
+    if kind == "new":
+        raw = [r for c in range(16) for r in bodies(MODEL, c, 256, False, "h")]
+        unkeyed = [(r.split(b"\r\n\r\n", 1)[1], None) for r in raw]
+        return unkeyed, 1024
+    raw = [r for c in range(16) for r in bodies(MODEL, c, 256, True, "h", 8)]
+    out = []
+    for r in raw:
+        found = re.search(rb"x-session-id: (\S+)", r)
+        out.append((r.split(b"\r\n\r\n", 1)[1], found.group(1).decode() if found else None))
+    return out, 1024
+
+
+async def _run(kind: str) -> dict[str, float]:
+    settings = settings_from_dict(
+        {
+            "server": {"host": "127.0.0.1", "port": 0},
+            "planner": {"policy": "ownerserve", "profile": "fast-test"},
+            "models": [{"name": MODEL, "tokenizer": "byte", "block_size": 16}],
+            "workers": [
+                {"id": f"b{i}", "url": f"http://127.0.0.1:{9000 + i}", "role": "hybrid",
+                 "kind": "vllm", "models": [MODEL]}
+                for i in range(2)
+            ],
+        }
+    )  # fmt: skip
+    router = Router(settings)
+    router.directory = open_directory(settings.directory)
+    router._inline_commit = True
+    directory = router.directory
+    mt = router.tokenizers.get(MODEL)
+    assert mt is not None
+    requests, warmup = _requests(kind)
+    totals: dict[str, float] = {}
+    clock = time.perf_counter
+
+    def timed(name: str, start: float) -> float:
+        now = clock()
+        totals[name] = totals.get(name, 0.0) + (now - start)
+        return now
+
+    step: Callable[[str, float], float] = timed
+    for k, (body, sid_header) in enumerate(requests):
+        if k == warmup:
+            totals.clear()
+        headers: dict[str, Any] = {"host": "h", "content-type": "application/json"}
+        if sid_header:
+            headers["x-session-id"] = sid_header
+        t = clock()
+        req = parse_request(body, Endpoint.CHAT)
+        t = step("parse", t)
+        session = identify_session(
+            headers, req.body, req.model, req.messages, derived=router._derived_sessions
+        )
+        t = step("session id", t)
+        tok = mt.tokenize_chat(session.session_id, req.messages, req.body.get("tools"))
+        t = step("tokenize + hash", t)
+        match = await directory.lookup(tok.chain, session.session_id)
+        t = step("directory lookup", t)
+        sid = session.session_id
+        info = router._sessions.get(sid) if sid else None
+        rview = router.request_view(req, tok, mt.block_size, session, match, info, False, None)
+        if sid:
+            router._touch_session(sid, tok.prompt_tokens)
+        cluster = router.cluster_view(req.model, match, set())
+        t = step("planner views", t)
+        plan = router.policy.plan(rview, cluster)
+        t = step("plan (planner)", t)
+        plan_header(plan, None)
+        PlanRecord.of(plan, sid, None)
+        t = step("plan header + record", t)
+        await router._commit(plan, tok, session, match, rview)
+        t = step("commit", t)
+        router._observe(plan, rview, match, ObservedTimings(), True)
+        step("metrics", t)
+    n = len(requests) - warmup
+    return {name: total * 1e6 / n for name, total in totals.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", choices=("repeated", "new", "agent"), default="repeated")
+    args = ap.parse_args(argv)
+    result = uvloop.run(_run(args.prompts))
+    print(f"| step ({args.prompts} prompts) | µs/request |")
+    print("| --- | ---: |")
+    for name, us in result.items():
+        print(f"| {name} | {us:.1f} |")
+    print(f"| total | {sum(result.values()):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
