@@ -171,17 +171,15 @@ class UpstreamResponse:
         callback (no task wake-up per chunk); return at its end, raise on a failure.
         `sink` returns True when its receiver is congested: reading pauses until `drain()`."""
         conn = self._conn
-        if conn.chunks:
-            data = b"".join(conn.chunks)
-            conn.chunks.clear()
-            conn.buffered = 0
-            if sink(data):
-                await drain()
-        if conn.paused:
-            conn.paused = False
-            conn.transport.resume_reading()
         conn.sink = sink
         try:
+            if conn.chunks:
+                data = b"".join(conn.chunks)
+                conn.chunks.clear()
+                conn.buffered = 0
+                if sink(data) and not conn.paused:
+                    conn.paused = True
+                    conn.transport.pause_reading()
             while True:
                 if conn.error is not None and not conn.complete:
                     raise conn.error
@@ -197,6 +195,11 @@ class UpstreamResponse:
                 await conn.waiter
         finally:
             conn.sink = None
+            if conn.paused and not conn.closed:
+                # the body ended while the receiver was congested: a pooled connection must
+                # read again
+                conn.paused = False
+                conn.transport.resume_reading()
 
     async def read(self) -> bytes:
         """The whole (rest of the) body."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -193,3 +194,104 @@ async def test_the_completion_core_also_serves_under_any_asgi_server():
     finally:
         await app.state.router.close()
         await worker.stop()
+
+
+class _FloodWorker:
+    """A worker that answers every completion with a large SSE stream written as fast as the
+    socket takes it (numbered events, then `[DONE]`), and notes when a client goes away."""
+
+    EVENTS = 40000  # ~2.4 MB
+
+    def __init__(self, endless: bool = False) -> None:
+        self.endless = endless
+        self.port = 0
+        self.aborted = asyncio.Event()
+        self._server: asyncio.Server | None = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                await reader.readexactly(length)
+                if head.startswith(b"GET"):
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                    continue
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                )
+                batch = []
+                i = 0
+                while i < self.EVENTS or self.endless:
+                    batch.append(b'data: {"n":%d}\n\n' % i)
+                    i += 1
+                    if len(batch) == 500:
+                        data = b"".join(batch)
+                        writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                        batch = []
+                        await writer.drain()
+                done = b"data: [DONE]\n\n"
+                writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            self.aborted.set()
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> _FloodWorker:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+
+@contextlib.asynccontextmanager
+async def _flood_router(endless: bool = False) -> AsyncIterator[tuple[_FloodWorker, str, int]]:
+    async with _FloodWorker(endless) as flood:
+        settings = settings_from_dict(
+            {
+                "server": {"port": 0, "health_interval_s": 60},
+                "models": [{"name": MODEL, "block_size": 4}],
+                "workers": [{"id": "f", "url": f"http://127.0.0.1:{flood.port}", "kind": "vllm"}],
+            }
+        )
+        async with running_app(create_app(settings), "127.0.0.1", 0) as url:
+            host, port = url[7:].split(":")
+            yield flood, host, int(port)
+
+
+async def test_a_slow_reader_gets_a_large_stream_whole_and_in_order():
+    """The piped stream with a client that stops reading for a while (a small receive
+    buffer, so the router's writes back up): everything arrives, in order."""
+    async with _flood_router() as (_, host, port):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, port))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
+        writer.write(_post(_chat(stream=True)))
+        await asyncio.sleep(0.5)  # not reading: the router must hold back, not buffer it all
+        status, _, body = await _response(reader)
+        assert status == 200
+        events = body.split(b"\n\n")
+        numbers = [orjson.loads(e[6:])["n"] for e in events if e.startswith(b'data: {"n"')]
+        assert numbers == list(range(_FloodWorker.EVENTS))
+        assert body.rstrip().endswith(b"data: [DONE]")
+        writer.close()
+
+
+async def test_a_client_leaving_mid_stream_closes_the_worker_connection():
+    async with _flood_router(endless=True) as (flood, host, port):
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(_post(_chat(stream=True)))
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.read(4096)  # the stream is flowing
+        writer.transport.abort()
+        await asyncio.wait_for(flood.aborted.wait(), 10)

@@ -150,3 +150,37 @@ async def test_tcp_nodelay_on_upstream_and_accepted_sockets():
     finally:
         await pool.close()
         await worker.stop()
+
+
+async def test_pipe_pauses_reading_while_the_receiver_is_congested():
+    worker = await FakeWorker("w").start()
+    pool = UpstreamPool()
+    try:
+        body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
+        resp = await pool.request(
+            worker.url, b"POST", "/v1/chat/completions", header_block({"x": "y"}), body
+        )
+        got: list[bytes] = []
+        reading_while_drained: list[bool] = []
+
+        def sink(chunk: bytes) -> bool:
+            got.append(chunk)
+            return True  # always congested: every piece is followed by a drain
+
+        async def drain() -> None:
+            reading_while_drained.append(resp._conn.transport.is_reading())
+            await asyncio.sleep(0.01)
+
+        await resp.pipe(sink, drain)
+        assert reading_while_drained and not any(reading_while_drained)
+        assert b"".join(got).rstrip().endswith(b"data: [DONE]")
+        resp.release()
+        # the connection went back to the pool reading again: the next request works on it
+        again = await pool.request(worker.url, b"GET", "/health")
+        assert again._conn is resp._conn
+        assert again.status == 200
+        await again.read()
+        again.release()
+    finally:
+        await pool.close()
+        await worker.stop()
