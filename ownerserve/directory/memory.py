@@ -339,6 +339,13 @@ class InMemoryDirectory:
         self._artifacts[aid] = rec
         own = self._owner_of_block
         mapped = 0
+        if own.keys().isdisjoint(rec.blocks):
+            # nothing of it is owned yet (a new prefix, a delta): map it all in one C call
+            fresh = dict.fromkeys(rec.blocks, aid)
+            own.update(fresh)
+            rec.mapped = len(fresh)
+            self._worker(worker).artifacts.add(aid)
+            return rec.lease()
         for b in rec.blocks:
             cur = own.get(b)
             if cur is None:

@@ -103,10 +103,10 @@ async def decode_load(client: httpx.AsyncClient, router: Any, worker: str, strea
         # health interval)
         state = router.pool.get(worker)
         for _ in range(1000):
-            if state.inflight == 0 and state.load.running == 0:
+            if state.inflight == 0 and state.load.running == 0 and state.load.waiting == 0:
                 break
             await asyncio.sleep(0.01)
-        assert state.inflight == 0 and state.load.running == 0
+        assert state.inflight == 0 and state.load.running == 0 and state.load.waiting == 0
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """The in-memory lookup's shortcuts (it skips the range of an artifact whose blocks are all
-still mapped to it) answer exactly what a scan of every block answers: random claims over
+still mapped to it; the replica scan stops once every holder is found) answer exactly what a
+scan of every block answers: random claims over
 shared prefixes, deltas, overlapping and expired artifacts, replicas, then lookups of random
 chains, checked against a reference that probes every block from the deepest."""
 
@@ -32,13 +33,19 @@ def reference_owners(d: InMemoryDirectory, chain: tuple[int, ...], now: float) -
         held[key] = max(held.get(key, 0), i + 1)
         if owner is None:
             owner = (rec.worker, i + 1, rec.epoch)
-    return {"held": held, "owner": owner}
+    replicas: dict[tuple[str, Tier], int] = {}
+    for i in range(len(chain) - 1, -1, -1):
+        for key, (expires, _) in (d._replicas.get(chain[i]) or {}).items():
+            if expires > now and key not in replicas:
+                replicas[key] = i + 1
+    return {"held": held, "owner": owner, "replicas": replicas}
 
 
 def observed(match: Match) -> dict:
     held = {(h.worker, h.tier): h.blocks for h in match.holdings if h.kind is HoldKind.OWNER}
     owner = (match.owner, match.owner_blocks, match.owner_epoch) if match.owner else None
-    return {"held": held, "owner": owner}
+    replicas = {(h.worker, h.tier): h.blocks for h in match.holdings if h.kind is HoldKind.REPLICA}
+    return {"held": held, "owner": owner, "replicas": replicas}
 
 
 async def test_lookup_matches_a_full_scan_over_random_claims():
@@ -64,7 +71,8 @@ async def test_lookup_matches_a_full_scan_over_random_claims():
             )
         elif op < 0.7:
             k = rnd.randrange(1, len(chain) + 1)
-            await d.add_replica(chain[k - 1], worker, Tier.GPU, 30.0, True, chain[:k])
+            ttl = rnd.choice((5.0, 30.0, 300.0))
+            await d.add_replica(chain[k - 1], worker, rnd.choice(list(Tier)), ttl, True, chain[:k])
         elif op < 0.8:
             await d.drop_worker(worker)
         elif op < 0.9:
