@@ -94,6 +94,7 @@ class WorkerSettings(_Strict):
     profile: str | None = None
     bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
     kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
     sidecar_url: str | None = None
 
     @field_validator("url", "sidecar_url")
@@ -101,7 +102,7 @@ class WorkerSettings(_Strict):
     def _url(cls, v: str | None) -> str | None:
         return None if v is None else _check_url(v)
 
-    @field_validator("kv_events_endpoint")
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
     @classmethod
     def _zmq(cls, v: str | None) -> str | None:
         return None if v is None else _check_url(v, ("tcp", "ipc"))

@@ -318,7 +318,10 @@ class Router:
                 and endpoint.startswith("tcp://")
                 and "*" not in endpoint
             )
-            sub = KVEventSubscriber(worker_id, endpoint, self.directory, bind=bind)
+            replay = state.settings.kv_events_replay_endpoint
+            sub = KVEventSubscriber(
+                worker_id, endpoint, self.directory, bind=bind, replay_endpoint=replay
+            )
             try:
                 await sub.start()
                 self._subscribers.append(sub)

@@ -125,16 +125,9 @@ async def test_openai_client_sees_openai_errors(hybrids):
 
 
 async def test_an_unkeyed_session_sticks_to_its_owner_and_forks_are_recognised(hybrids):
-    # Without KV event subscriptions: the workers outlive earlier tests' routers, and a fresh
-    # subscriber that sees their event seq mid-stream resyncs with `drop_worker`, which also
-    # drops the session owner this test's first turn committed (a known issue of the
-    # subscriber, reported; stickiness itself does not depend on KV events).
+    # The workers outlive earlier tests' routers: this router's subscribers join their event
+    # streams mid-sequence, which must not cost the session owner the first turn commits.
     settings = router_settings(hybrids)
-    settings = settings.model_copy(
-        update={
-            "workers": [w.model_copy(update={"kv_events_endpoint": None}) for w in settings.workers]
-        }
-    )
     async with proxy(settings) as (url, router):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         messages: list[Any] = [

@@ -197,12 +197,18 @@ class KVEventSubscriber:
     """Subscribes to one worker's KV event publisher and applies every batch to a sink in order.
 
     Sequence handling: a jump past the next expected seq is a gap, filled from the replay socket
-    when the worker has one; a gap that replay cannot fill, or a lower seq with a newer timestamp
-    (the engine restarted, its cache is empty), makes the worker's directory state
-    untrustworthy, so the subscriber drops the worker (`sink.drop_worker`) and continues from
-    the new batch. With a replay socket it also catches up on start (PUB/SUB loses whatever
-    was published before the connection was up) and after `catch_up_interval_s` of silence (a
-    lost last batch shows no gap until the next one arrives).
+    when the worker has one. A gap that replay cannot fill makes the worker's *cached blocks*
+    unknown: the subscriber applies an `AllBlocksCleared` batch numbered just before the new
+    one (the directory forgets what the worker caches, and takes the new batch without seeing
+    another gap) and continues; the worker's artifacts, leases and session ownership stay, as
+    the worker is alive. A lower seq with a newer timestamp means the engine restarted with an
+    empty cache: the subscriber drops the worker (`sink.drop_worker`, which also resets the
+    directory's sequence) and continues from the new batch. The first batch a subscriber sees
+    without a replay socket is its starting point, not a gap (what was published before the
+    subscription is unknowable; the directory still detects a jump from a seq it already
+    applied). With a replay socket it also catches up on start (PUB/SUB loses whatever was
+    published before the connection was up) and after `catch_up_interval_s` of silence (a lost
+    last batch shows no gap until the next one arrives).
 
     `bind=True` binds `endpoint` and lets the publisher connect, which is how a vLLM instance
     configured with a non-wildcard endpoint (e.g. `tcp://127.0.0.1:PORT`) publishes.
@@ -292,44 +298,55 @@ class KVEventSubscriber:
                 return  # a duplicate (replayed and also published)
             # Lower seq, newer timestamp: the engine restarted and its cache is empty.
             log.warning("worker %s: KV event seq restarted; dropping its blocks", self.worker)
-            await self._resync()
+            self.stats.resyncs += 1
+            await self._sink.drop_worker(self.worker)
             self._expected = None
-        start = self._expected or 0
-        if batch.seq != start:
-            self.stats.gaps += 1
+        start = 0 if self._expected is None else self._expected
+        if batch.seq != start and (self._expected is not None or self.replay_endpoint):
+            self.stats.gaps += self._expected is not None
             got = await self._fetch_replay(start, stop=batch.seq)
-            if got is not None and [b.seq for b in got] == list(range(start, batch.seq)):
+            if got and [b.seq for b in got] == list(range(got[0].seq, batch.seq)):
+                if got[0].seq != start and self._expected is not None:
+                    await self._lost(start, got[0].seq)
                 for b in got:
                     await self._apply(b)
                 self.stats.replayed += len(got)
-            else:
-                log.warning(
-                    "worker %s: KV events %d..%d lost; dropping its blocks",
-                    self.worker,
-                    start,
-                    batch.seq - 1,
-                )
-                await self._resync()
+            elif self._expected is not None:
+                await self._lost(start, batch.seq)
         await self._apply(batch)
 
     async def catch_up(self) -> None:
         """Apply every batch the publisher buffered beyond the last one applied (needs the
-        replay socket); if the buffer no longer reaches back that far, resync first."""
+        replay socket); where the buffer no longer reaches back that far, forget the worker's
+        cached blocks first."""
         if self.replay_endpoint is None:
             return
-        start = self._expected or 0
+        start = 0 if self._expected is None else self._expected
         got = await self._fetch_replay(start, stop=None)
         if not got:
             return
-        if got[0].seq != start:
-            self.stats.gaps += 1
-            await self._resync()
-        for i, b in enumerate(got):
-            if i and b.seq != got[i - 1].seq + 1:
+        for b in got:
+            if self._expected is not None and b.seq > self._expected:
                 self.stats.gaps += 1
-                await self._resync()
+                await self._lost(self._expected, b.seq)
             await self._apply(b)
         self.stats.replayed += len(got)
+
+    async def _lost(self, start: int, stop: int) -> None:
+        """Batches `start..stop-1` are gone for good: the worker's cached blocks are unknown, so
+        the directory forgets them (an `AllBlocksCleared` batch numbered `stop - 1`); nothing
+        else of the worker is touched."""
+        log.warning(
+            "worker %s: KV events %d..%d lost; forgetting its cached blocks",
+            self.worker,
+            start,
+            stop - 1,
+        )
+        self.stats.resyncs += 1
+        await self._sink.apply_events(
+            self.worker, EventBatch(stop - 1, self._last_ts, (AllBlocksCleared(),))
+        )
+        self._expected = stop
 
     async def _apply(self, batch: EventBatch) -> None:
         result = await self._sink.apply_events(self.worker, batch)
@@ -349,10 +366,6 @@ class KVEventSubscriber:
         self.stats.batches += 1
         self.stats.events += len(batch.events)
         self.stats.last_seq = batch.seq
-
-    async def _resync(self) -> None:
-        self.stats.resyncs += 1
-        await self._sink.drop_worker(self.worker)
 
     async def _fetch_replay(self, start: int, stop: int | None) -> list[EventBatch] | None:
         """Buffered batches with `start <= seq` (and `< stop`), in seq order; None when the

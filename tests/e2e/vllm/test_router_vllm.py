@@ -53,7 +53,10 @@ def router_settings(
                     "kind": "vllm",
                     "models": [MODEL],
                     **(
-                        {"kv_events_endpoint": s.spec.kv_events_endpoint}
+                        {
+                            "kv_events_endpoint": s.spec.kv_events_endpoint,
+                            "kv_events_replay_endpoint": s.spec.kv_events_replay_endpoint,
+                        }
                         if s.spec.kv_events_endpoint
                         else {}
                     ),

@@ -15,10 +15,10 @@ import msgpack
 import pytest
 import zmq
 
-from ownerserve.directory.base import EventApplyResult
+from ownerserve.directory.base import Artifact, EventApplyResult
 from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from ownerserve.hashing import chain_root
+from ownerserve.hashing import chain_root, hash_block
 from ownerserve.types import Tier
 from workers.adapters.vllm_events import (
     KVEventSubscriber,
@@ -245,7 +245,7 @@ async def test_a_lost_last_batch_is_fetched_after_a_quiet_interval(
         await sub.close()
 
 
-async def test_unfillable_gap_drops_the_worker_then_continues(
+async def test_unfillable_gap_forgets_the_cached_blocks_then_continues(
     publisher: VllmLikePublisher,
 ) -> None:
     sink = RecordingSink()
@@ -254,9 +254,70 @@ async def test_unfillable_gap_drops_the_worker_then_continues(
         publisher.publish(0, range(4))
         publisher.publish(1, range(4, 8), send=False, keep=False)  # gone from the buffer too
         publisher.publish(2, range(8, 12))
+        await _until(lambda: len(sink.applied) == 3)
+        # in place of the lost batch 1: "whatever the worker caches is unknown now"
+        assert [b.seq for b in sink.applied] == [0, 1, 2]
+        assert sink.applied[1].events == (AllBlocksCleared(),)
+        assert sink.dropped == 0  # the worker is alive: its sessions and leases stay
+        assert sub.stats.gaps == 1 and sub.stats.resyncs == 1
+    finally:
+        await sub.close()
+
+
+async def test_first_batch_without_replay_is_the_start_not_a_gap(
+    publisher: VllmLikePublisher,
+) -> None:
+    """A router that subscribes to a running engine (no replay socket) sees seq N first."""
+    sink = RecordingSink()
+    sub = KVEventSubscriber(
+        "w1", publisher.pub.getsockopt_string(zmq.LAST_ENDPOINT), sink, topic=b"kv"
+    )
+    await sub.start()
+    await asyncio.sleep(0.3)
+    try:
+        publisher.publish(7, range(4))
+        publisher.publish(8, range(4, 8))
         await _until(lambda: len(sink.applied) == 2)
-        assert [b.seq for b in sink.applied] == [0, 2]
-        assert sink.dropped == 1 and sub.stats.resyncs == 1
+        assert [b.seq for b in sink.applied] == [7, 8]
+        assert sub.stats.gaps == 0 and sub.stats.resyncs == 0 and sink.dropped == 0
+    finally:
+        await sub.close()
+
+
+async def test_lost_events_keep_the_workers_sessions_and_leases(
+    publisher: VllmLikePublisher,
+) -> None:
+    """With the real in-memory directory: after an unfillable gap the worker's cached blocks
+    are forgotten, but the router's commits (artifact lease, session owner) survive."""
+    directory = InMemoryDirectory()
+    root = chain_root("m")
+    await directory.register_worker("w1", root, 4)
+    sub = KVEventSubscriber(
+        "w1",
+        publisher.pub.getsockopt_string(zmq.LAST_ENDPOINT),
+        directory,
+        replay_endpoint=f"tcp://127.0.0.1:{publisher.replay_port}",
+        topic=b"kv",
+    )
+    await sub.start()
+    await asyncio.sleep(0.3)
+    try:
+        publisher.publish(0, range(4))  # the engine caches block [0..4)
+        await _until(lambda: sub.stats.batches == 1)
+        cached = (hash_block(root, list(range(4))),)
+        assert (await directory.lookup(cached)).longest("w1", Tier.GPU) == 1
+        owned = (hash_block(root, [9, 9, 9, 9]),)
+        lease = await directory.claim(Artifact(owned), "w1", 60.0)
+        assert lease.worker == "w1"
+        await directory.set_session_owner("s1", "w1", 60.0)
+        publisher.publish(1, range(4, 8), send=False, keep=False)  # lost for good
+        publisher.publish(2, range(100, 104))
+        await _until(lambda: sub.stats.batches == 2)
+        assert (await directory.lookup(cached)).longest("w1", Tier.GPU) == 0
+        assert (await directory.lookup(owned, "s1")).owner == "w1"
+        assert await directory.get_session_owner("s1") == "w1"
+        info = await directory.artifact_info(owned[0])
+        assert info is not None and info.worker == "w1"
     finally:
         await sub.close()
 
