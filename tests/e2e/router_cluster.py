@@ -67,7 +67,7 @@ class EmulatedWorker:
         )  # fmt: skip
         return self
 
-    def wait_healthy(self, timeout_s: float = 30.0) -> None:
+    def wait_healthy(self, timeout_s: float = 90.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             assert self.proc is not None

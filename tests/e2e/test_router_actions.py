@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -69,6 +69,19 @@ async def chat(
     return plan, "".join(text), usage
 
 
+async def until(cond: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Poll `cond` until it holds or `timeout_s` passes (the caller asserts it after)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+
+
+async def until_async(cond: Callable[[], Awaitable[bool]], timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await cond() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+
+
 @contextlib.asynccontextmanager
 async def decode_load(client: httpx.AsyncClient, router: Any, worker: str, streams: int = 20):
     """Keep `streams` long decodes running on `worker` (the router counts them in flight), as
@@ -89,10 +102,7 @@ async def decode_load(client: httpx.AsyncClient, router: Any, worker: str, strea
 
     tasks = [asyncio.create_task(one(i)) for i in range(streams)]
     try:
-        for _ in range(500):
-            if router.pool.get(worker).inflight >= streams:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: router.pool.get(worker).inflight >= streams)
         assert router.pool.get(worker).inflight >= streams
         yield
     finally:
@@ -102,10 +112,9 @@ async def decode_load(client: httpx.AsyncClient, router: Any, worker: str, strea
         # until the router sees the worker idle again (its scraped gauges lag by up to one
         # health interval)
         state = router.pool.get(worker)
-        for _ in range(1000):
-            if state.inflight == 0 and state.load.running == 0 and state.load.waiting == 0:
-                break
-            await asyncio.sleep(0.01)
+        await until(
+            lambda: state.inflight == 0 and state.load.running == 0 and state.load.waiting == 0
+        )
         assert state.inflight == 0 and state.load.running == 0 and state.load.waiting == 0
 
 
@@ -138,10 +147,16 @@ async def test_remote_prefill_vllm_protocol_then_decode_continuation_on_the_owne
                             kind="pd") > 300  # fmt: skip
         assert metric_value(p0.metrics(), "ownerserve_emulator_kv_sent_blocks_total",
                             kind="pd") > 300  # fmt: skip
-        await asyncio.sleep(0.1)  # the commit runs concurrently with the stream's tail
-        match = await router.directory.lookup(
-            router.tokenizers.get(MODEL).tokenize_chat(None, messages).chain, "agent-1"
-        )
+        # the commit runs concurrently with the stream's tail: wait for it (a loaded machine
+        # can delay it well past any fixed sleep)
+        chain = router.tokenizers.get(MODEL).tokenize_chat(None, messages).chain
+
+        async def committed() -> bool:
+            match = await router.directory.lookup(chain, "agent-1")
+            return match.owner == "d0" and match.session_owner == "d0"
+
+        await until_async(committed)
+        match = await router.directory.lookup(chain, "agent-1")
         assert match.owner == "d0" and match.session_owner == "d0"
 
         turn2 = [*messages, {"role": "assistant", "content": text[:20]},
