@@ -21,6 +21,7 @@ from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from ownerserve.hashing import chain_root, hash_block
 from ownerserve.types import Tier
 from workers.adapters.vllm_events import (
+    KVEventSink,
     KVEventSubscriber,
     KVEventWireError,
     decode_message,
@@ -176,13 +177,16 @@ def publisher() -> Iterator[VllmLikePublisher]:
 
 
 async def _subscribed(
-    pub: VllmLikePublisher, sink: RecordingSink, catch_up_interval_s: float | None = None
+    pub: VllmLikePublisher,
+    sink: KVEventSink,
+    catch_up_interval_s: float | None = None,
+    replay: bool = True,
 ) -> KVEventSubscriber:
     sub = KVEventSubscriber(
         "w1",
         pub.pub.getsockopt_string(zmq.LAST_ENDPOINT),
         sink,
-        replay_endpoint=f"tcp://127.0.0.1:{pub.replay_port}",
+        replay_endpoint=f"tcp://127.0.0.1:{pub.replay_port}" if replay else None,
         topic=b"kv",
         catch_up_interval_s=catch_up_interval_s,
     )
@@ -269,11 +273,7 @@ async def test_first_batch_without_replay_is_the_start_not_a_gap(
 ) -> None:
     """A router that subscribes to a running engine (no replay socket) sees seq N first."""
     sink = RecordingSink()
-    sub = KVEventSubscriber(
-        "w1", publisher.pub.getsockopt_string(zmq.LAST_ENDPOINT), sink, topic=b"kv"
-    )
-    await sub.start()
-    await asyncio.sleep(0.3)
+    sub = await _subscribed(publisher, sink, replay=False)
     try:
         publisher.publish(7, range(4))
         publisher.publish(8, range(4, 8))
@@ -292,15 +292,7 @@ async def test_lost_events_keep_the_workers_sessions_and_leases(
     directory = InMemoryDirectory()
     root = chain_root("m")
     await directory.register_worker("w1", root, 4)
-    sub = KVEventSubscriber(
-        "w1",
-        publisher.pub.getsockopt_string(zmq.LAST_ENDPOINT),
-        directory,
-        replay_endpoint=f"tcp://127.0.0.1:{publisher.replay_port}",
-        topic=b"kv",
-    )
-    await sub.start()
-    await asyncio.sleep(0.3)
+    sub = await _subscribed(publisher, directory)
     try:
         publisher.publish(0, range(4))  # the engine caches block [0..4)
         await _until(lambda: sub.stats.batches == 1)
@@ -366,15 +358,7 @@ async def test_block_size_mismatch_is_counted_and_named_once(
     the log says which setting to fix (the directory is the real in-memory one)."""
     directory = InMemoryDirectory()
     await directory.register_worker("w1", chain_root("m"), 8)
-    sub = KVEventSubscriber(
-        "w1",
-        publisher.pub.getsockopt_string(zmq.LAST_ENDPOINT),
-        directory,
-        replay_endpoint=f"tcp://127.0.0.1:{publisher.replay_port}",
-        topic=b"kv",
-    )
-    await sub.start()
-    await asyncio.sleep(0.3)
+    sub = await _subscribed(publisher, directory)
     try:
         publisher.publish(0, range(4))
         publisher.publish(1, range(4, 8))
