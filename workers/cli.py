@@ -1,6 +1,8 @@
-"""`ownerserve worker ...`: worker-side processes. Subcommands: `emulate` (an emulated engine).
+"""`ownerserve worker ...`: worker-side processes. Subcommands: `emulate` (an emulated engine)
+and `sidecar` (a worker's KV artifact store and transfer server, `workers.sidecar.server`).
 
 ownerserve worker emulate --role decode --port 8102 --profile h100-llama3-8b --speed 10
+ownerserve worker sidecar --worker-id w0 --port 8200 --store-dir /tmp/w0-kv
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import sys
 
 from workers.emulator.config import add_arguments as add_emulator_arguments
 from workers.emulator.config import config_from_args
+from workers.sidecar.cli import add_arguments as add_sidecar_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +23,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="Run an emulated vLLM/SGLang engine: OpenAI API, P/D protocols, KV events.",
     )
     add_emulator_arguments(emulate)
+    sidecar = sub.add_parser(
+        "sidecar",
+        help="run a worker's KV sidecar (artifact store, HTTP KV API, transfer server)",
+        description=(
+            "Run a worker's KV sidecar: a checksummed artifact store (memory tier over files in "
+            "--store-dir) behind an HTTP API the vLLM connector and the router use, a transfer "
+            "server peers pull artifacts from, and replicas published to the directory."
+        ),
+    )
+    add_sidecar_arguments(sidecar)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,5 +46,12 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"ownerserve worker emulate: error: {exc}", file=sys.stderr)
             return 1
-    print("usage: ownerserve worker {emulate} ...  (see ownerserve worker --help)", file=sys.stderr)
+    if args.worker_command == "sidecar":
+        from workers.sidecar.cli import run as run_sidecar
+
+        return run_sidecar(args)
+    print(
+        "usage: ownerserve worker {emulate,sidecar} ...  (see ownerserve worker --help)",
+        file=sys.stderr,
+    )
     return 2

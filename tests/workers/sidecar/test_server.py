@@ -1,0 +1,207 @@
+"""The sidecar's HTTP API over real sockets: two sidecars served in this event loop (uvicorn),
+artifacts moved between them by `POST /ownerserve/kv/fetch` over the real TCP transport."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ownerserve.kvstate.heads import head_keys
+from workers.sidecar.server import Sidecar, SidecarConfig, serving
+from workers.sidecar.transports import TCP
+
+MODEL = "m"
+HEADS = range(2)
+
+
+def keys_of(chunk: int) -> list[str]:
+    return head_keys(MODEL, chunk, HEADS)
+
+
+def payload(key: str, size: int = 3000) -> bytes:
+    seed = hashlib.sha256(key.encode()).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+@contextlib.asynccontextmanager
+async def sidecar(tmp_path: Path, name: str, **overrides: Any) -> AsyncIterator[Sidecar]:
+    config = SidecarConfig(worker_id=name, store_dir=tmp_path / name, port=0, **overrides)
+    async with serving(config, TCP) as sc:
+        yield sc
+
+
+async def put_chunks(http: httpx.AsyncClient, sc: Sidecar, chunks: list[int]) -> None:
+    for chunk in chunks:
+        for key in keys_of(chunk):
+            r = await http.put(f"{sc.url}/ownerserve/kv/artifacts/{key}", content=payload(key))
+            assert r.status_code == 201, r.text
+
+
+def fetch_body(src: Sidecar, chunks: list[int]) -> dict[str, Any]:
+    return {
+        "source_url": src.url,
+        "source_worker": src.config.worker_id,
+        "model": MODEL,
+        "block_hashes": chunks,
+        "token_ids": list(range(16 * len(chunks))),
+        "block_size": 16,
+    }
+
+
+def assert_openai_error(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return dict(err)
+
+
+async def test_put_get_lookup_and_health(tmp_path: Path) -> None:
+    async with sidecar(tmp_path, "a") as a, httpx.AsyncClient() as http:
+        key = keys_of(0xABC)[1]
+        data = os.urandom(5000)
+        digest = hashlib.sha256(data).hexdigest()
+        r = await http.put(
+            f"{a.url}/ownerserve/kv/artifacts/{key}",
+            content=data,
+            headers={"x-ownerserve-checksum": digest},
+        )
+        assert r.status_code == 201 and r.json()["checksum"] == digest
+        r = await http.get(f"{a.url}/ownerserve/kv/artifacts/{key}")
+        assert r.content == data and r.headers["x-ownerserve-checksum"] == digest
+        r = await http.post(f"{a.url}/ownerserve/kv/lookup", json={"keys": ["x", key, "y"]})
+        assert r.json() == {"present": [False, True, False]}
+        h = (await http.get(f"{a.url}/health")).json()
+        assert h["worker_id"] == "a" and h["transport"] == "tcp" and h["transfer_port"] > 0
+        assert (h["artifacts"], h["bytes"]) == (1, 5000)
+
+
+async def test_bad_requests_get_openai_errors(tmp_path: Path) -> None:
+    async with sidecar(tmp_path, "a") as a, httpx.AsyncClient() as http:
+        kv = f"{a.url}/ownerserve/kv"
+        err = assert_openai_error(await http.get(f"{kv}/artifacts/absent"), 404)
+        assert err["code"] == "artifact_not_found"
+        wrong = hashlib.sha256(b"other").hexdigest()
+        r = await http.put(
+            f"{kv}/artifacts/k", content=b"data", headers={"x-ownerserve-checksum": wrong}
+        )
+        assert_openai_error(r, 400)
+        r = await http.put(
+            f"{kv}/artifacts/k", content=b"data", headers={"x-ownerserve-checksum": "zz"}
+        )
+        assert_openai_error(r, 400)
+        assert (await http.post(f"{kv}/lookup", json={"keys": ["k"]})).json()["present"] == [False]
+        assert_openai_error(await http.post(f"{kv}/lookup", content=b"{not json"), 400)
+        assert_openai_error(await http.post(f"{kv}/lookup", json={"keys": 3}), 400)
+        bad_fetch = {"source_url": "ftp://x", "model": MODEL, "block_hashes": [1]}
+        assert_openai_error(await http.post(f"{kv}/fetch", json=bad_fetch), 400)
+        negative = {**fetch_body(a, [1]), "block_hashes": [-1]}
+        assert_openai_error(await http.post(f"{kv}/fetch", json=negative), 400)
+        assert_openai_error(await http.get(f"{a.url}/nope"), 404)
+        assert_openai_error(await http.delete(f"{kv}/lookup"), 405)
+
+
+async def test_artifact_larger_than_the_limit_is_refused_with_413(tmp_path: Path) -> None:
+    async with (
+        sidecar(tmp_path, "a", max_artifact_bytes=1000) as a,
+        httpx.AsyncClient() as http,
+    ):
+        r = await http.put(f"{a.url}/ownerserve/kv/artifacts/k", content=b"x" * 1001)
+        assert_openai_error(r, 413)
+        assert not a.store.has("k")
+
+
+async def test_a_corrupted_file_is_dropped_and_answered_404(tmp_path: Path) -> None:
+    async with sidecar(tmp_path, "a", memory_bytes=0) as a, httpx.AsyncClient() as http:
+        key = keys_of(7)[0]
+        await http.put(f"{a.url}/ownerserve/kv/artifacts/{key}", content=payload(key))
+        (path,) = (tmp_path / "a").rglob("*.kv")  # --memory-bytes 0: every artifact in a file
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0x01
+        path.write_bytes(bytes(raw))
+        err = assert_openai_error(await http.get(f"{a.url}/ownerserve/kv/artifacts/{key}"), 404)
+        assert "checksum" in err["message"]
+        r = await http.post(f"{a.url}/ownerserve/kv/lookup", json={"keys": [key]})
+        assert r.json() == {"present": [False]}
+        metrics = (await http.get(f"{a.url}/metrics")).text
+        assert "ownerserve_sidecar_corrupted_artifacts 1.0" in metrics
+
+
+async def test_fetch_pulls_every_head_of_the_stored_prefix(tmp_path: Path) -> None:
+    async with (
+        sidecar(tmp_path, "a") as a,
+        sidecar(tmp_path, "b", memory_bytes=4000) as b,  # small: some land in files
+        httpx.AsyncClient() as http,
+    ):
+        chunks = [0x11, 0x22, 0x33, 0x44, 0x55]
+        await put_chunks(http, a, [0x11, 0x22, 0x33, 0x55])  # 0x44 missing: prefix of 3
+        r = await http.post(f"{b.url}/ownerserve/kv/fetch", json=fetch_body(a, chunks))
+        assert r.status_code == 200, r.text
+        assert r.json() == {"blocks": 3, "artifacts": 6, "bytes": 6 * 3000}
+        for chunk in chunks[:3]:
+            for key in keys_of(chunk):
+                got = await http.get(f"{b.url}/ownerserve/kv/artifacts/{key}")
+                assert got.content == payload(key)
+        r = await http.post(
+            f"{b.url}/ownerserve/kv/lookup", json={"keys": keys_of(0x44) + keys_of(0x55)}
+        )
+        assert not any(r.json()["present"])
+        # again: everything is already here, nothing moves
+        r = await http.post(f"{b.url}/ownerserve/kv/fetch", json=fetch_body(a, chunks[:3]))
+        assert r.json() == {"blocks": 3, "artifacts": 0, "bytes": 0}
+        metrics = (await http.get(f"{b.url}/metrics")).text
+        assert 'ownerserve_sidecar_fetches_total{result="ok"} 2.0' in metrics
+        assert "ownerserve_sidecar_fetched_bytes_total 18000.0" in metrics
+        assert 'ownerserve_sidecar_bytes{tier="ssd"}' in metrics
+
+
+async def test_fetch_from_a_dead_source_is_502_and_stores_nothing(tmp_path: Path) -> None:
+    async with sidecar(tmp_path, "b") as b, httpx.AsyncClient() as http:
+        async with sidecar(tmp_path, "a") as a:
+            await put_chunks(http, a, [1, 2])
+            body = fetch_body(a, [1, 2])
+        r = await http.post(f"{b.url}/ownerserve/kv/fetch", json=body)  # `a` is gone
+        err = assert_openai_error(r, 502)
+        assert err["type"] == "upstream_error" and err["code"] == "kv_fetch_failed"
+        assert b.store.keys() == []
+        metrics = (await http.get(f"{b.url}/metrics")).text
+        assert 'ownerserve_sidecar_fetches_total{result="failed"} 1.0' in metrics
+
+
+async def test_transfer_server_gone_after_the_index_is_502_and_keeps_no_partial_block(
+    tmp_path: Path,
+) -> None:
+    """The source answers its index, then its transfer server is gone (closed here, as a
+    crash between the two steps would leave it)."""
+    async with (
+        sidecar(tmp_path, "a") as a,
+        sidecar(tmp_path, "b") as b,
+        httpx.AsyncClient() as http,
+    ):
+        await put_chunks(http, a, [1, 2])
+        await a.transfer_server.close()
+        r = await http.post(f"{b.url}/ownerserve/kv/fetch", json=fetch_body(a, [1, 2]))
+        assert_openai_error(r, 502)
+        assert b.store.keys() == []
+
+
+def test_drop_incomplete_deletes_only_what_this_fetch_brought_of_an_unfinished_block(
+    tmp_path: Path,
+) -> None:
+    """A source dying mid-block leaves some heads of a block here: they go, whole blocks stay
+    (the kill itself is in tests/e2e/test_sidecar.py)."""
+    sc = Sidecar.create(SidecarConfig(worker_id="b", store_dir=tmp_path / "b"), TCP)
+    blocks = [keys_of(1), keys_of(2), keys_of(3)]
+    for key in [*blocks[0], blocks[1][0], blocks[2][0]]:
+        sc.store.put(key, payload(key))
+    # blocks[2][0] was here before this fetch; blocks[1][0] came with it
+    whole = sc._drop_incomplete(blocks, {*blocks[0], blocks[1][0]})
+    assert whole == 1
+    assert all(sc.store.has(k) for k in blocks[0])
+    assert not sc.store.has(blocks[1][0])
+    assert sc.store.has(blocks[2][0])

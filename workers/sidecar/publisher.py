@@ -1,0 +1,126 @@
+"""Publishes the blocks a sidecar holds to the ownership directory as read-only replicas of its
+worker (tier `cpu` for the memory tier, `ssd` for files), and keeps them alive.
+
+Replicas expire after `ttl_s` unless renewed: every `renew_every_s` the publisher writes every
+held block again, and a sidecar that dies stops renewing, so its replicas disappear from
+lookups within one TTL (this is the worker's liveness as the directory sees it). New blocks
+are published within `flush_every_s`, batched into one `add_replica` call per tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from ownerserve.directory import Directory
+from ownerserve.types import Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PublishStats:
+    """Counters of a publisher."""
+
+    published_blocks: int
+    publish_calls: int
+    failures: int
+
+
+@dataclass(slots=True)
+class ReplicaPublisher:
+    """Writes `holdings()` (chunk hash -> tier) to `directory` as replicas of `worker`."""
+
+    directory: Directory
+    worker: str
+    holdings: Callable[[], Mapping[int, Tier]]
+    ttl_s: float = 30.0
+    flush_every_s: float = 0.2
+    _dirty: dict[int, Tier] = field(default_factory=dict)
+    _task: asyncio.Task[None] | None = None
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _published_blocks: int = 0
+    _calls: int = 0
+    _failures: int = 0
+
+    @property
+    def renew_every_s(self) -> float:
+        return self.ttl_s / 3
+
+    def note(self, blocks: Mapping[int, Tier]) -> None:
+        """Blocks newly stored (or moved between tiers): publish them soon."""
+        if blocks:
+            self._dirty.update(blocks)
+            self._wake.set()
+
+    def stats(self) -> PublishStats:
+        return PublishStats(self._published_blocks, self._calls, self._failures)
+
+    async def publish(self, blocks: Mapping[int, Tier]) -> None:
+        """One `add_replica` per tier for `blocks`; raises what the directory raises."""
+        by_tier: dict[Tier, list[int]] = {}
+        for block, tier in blocks.items():
+            by_tier.setdefault(tier, []).append(block)
+        for tier, hashes in by_tier.items():
+            await self.directory.add_replica(
+                hashes[-1], self.worker, tier, self.ttl_s, True, hashes
+            )
+            self._calls += 1
+            self._published_blocks += len(hashes)
+
+    async def flush(self) -> None:
+        """Publish the blocks noted since the last flush (kept for the next try on failure)."""
+        if not self._dirty:
+            return
+        batch, self._dirty = self._dirty, {}
+        try:
+            await self.publish(batch)
+        except Exception as exc:
+            self._failures += 1
+            for block, tier in batch.items():
+                self._dirty.setdefault(block, tier)
+            log.warning("publishing %d replicas of %s failed: %r", len(batch), self.worker, exc)
+
+    async def renew(self) -> None:
+        """Write every held block again (extends the TTL of what is still stored)."""
+        held = dict(self.holdings())
+        self._dirty.clear()
+        try:
+            await self.publish(held)
+        except Exception as exc:
+            self._failures += 1
+            self._dirty.update(held)
+            log.warning("renewing %d replicas of %s failed: %r", len(held), self.worker, exc)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_renew = loop.time() + self.renew_every_s
+        while True:
+            timeout = max(0.0, next_renew - loop.time())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            if loop.time() >= next_renew:
+                await self.renew()
+                next_renew = loop.time() + self.renew_every_s
+            else:
+                await self.flush()
+                # batch what arrives in a burst (a connector saving block after block)
+                await asyncio.sleep(self.flush_every_s)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        """Stop the loop after one last flush (replicas then expire on their own)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        with contextlib.suppress(Exception):
+            await self.flush()

@@ -1,0 +1,671 @@
+"""The sidecar process of one worker: its KV artifact store behind an HTTP API (the vLLM
+connector saves and loads artifacts through it; the router asks it to pull a prefix from another
+worker's sidecar), a transfer server peers pull artifacts from, and the replicas it publishes
+to the ownership directory.
+
+HTTP API (JSON unless said otherwise; every error is OpenAI-shaped, `ownerserve.errors`):
+
+- `GET /health` -> `{"worker_id", "transport", "transfer_port", "artifacts", "bytes", "url"}`
+- `POST /ownerserve/kv/lookup {"keys": [str]}` -> `{"present": [bool]}` (same order)
+- `GET /ownerserve/kv/artifacts/{key}` -> raw bytes + `x-ownerserve-checksum: <sha256 hex>`
+  (verified against the stored checksum first: a corrupted artifact is dropped and answered 404)
+- `PUT /ownerserve/kv/artifacts/{key}` raw bytes (optional `x-ownerserve-checksum` verified)
+  -> 201 `{"key", "bytes", "checksum", "tier"}`
+- `POST /ownerserve/kv/index {"model", "chunk_hashes": [int]}` -> `{"keys": [[str], ...],
+  "transport", "transfer_port", "transfer_host"}`: the keys held per chunk (what a peer's fetch
+  asks first)
+- `POST /ownerserve/kv/fetch {source_url, source_worker, model, block_hashes, token_ids,
+  block_size}` -> 200 `{"blocks", "artifacts", "bytes"}`; 502 when the source is unreachable,
+  dies mid-transfer or sends bytes failing their checksum (blocks left incomplete are deleted)
+- `GET /metrics` -> Prometheus text
+
+Run it with `ownerserve worker sidecar --worker-id ID --port N --store-dir DIR ...`
+(`workers/cli.py`); `serving(config)` runs one inside an event loop (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ownerserve.config import DirectorySettings
+from ownerserve.directory import Directory, open_directory
+from ownerserve.errors import (
+    InvalidRequestError,
+    OwnerServeError,
+    PayloadTooLargeError,
+    UpstreamError,
+    error_body_for,
+    openai_error_body,
+)
+from ownerserve.types import Tier
+from workers.sidecar.index import ChunkId, ChunkIndex, stored_prefix, valid_key
+from workers.sidecar.publisher import ReplicaPublisher
+from workers.sidecar.store import (
+    ArtifactCorrupted,
+    ArtifactMissing,
+    ArtifactStore,
+    ArtifactTooLarge,
+)
+from workers.sidecar.store import Tier as StoreTier
+from workers.sidecar.transports import Transport, TransportUnavailable, transport_for_peer
+
+log = logging.getLogger(__name__)
+
+CHECKSUM_HEADER = "x-ownerserve-checksum"
+KV_PREFIX = "/ownerserve/kv"
+GiB = 1 << 30
+MAX_BLOCKS_PER_FETCH = 100_000
+
+
+class ArtifactNotFoundError(OwnerServeError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "artifact_not_found"
+
+
+class NotFoundError(OwnerServeError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "not_found"
+
+
+class MethodNotAllowedError(OwnerServeError):
+    status_code = 405
+    error_type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class FetchFailedError(UpstreamError):
+    code = "kv_fetch_failed"
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarConfig:
+    """Settings of one sidecar process (`ownerserve worker sidecar` flags)."""
+
+    worker_id: str
+    store_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8200
+    memory_bytes: int = 2 * GiB
+    ssd_bytes: int = 16 * GiB
+    directory: str = "memory"
+    """`memory` (in-process, visible only to this process) or a `redis://` URL."""
+    directory_prefix: str = "os"
+    transfer_port: int = 0
+    transport: str = "auto"
+    advertise_url: str | None = None
+    replica_ttl_s: float = 30.0
+    fetch_timeout_s: float = 60.0
+    max_artifact_bytes: int = 1 * GiB
+
+    def directory_settings(self) -> DirectorySettings:
+        if self.directory == "memory":
+            return DirectorySettings(backend="memory")
+        return DirectorySettings(
+            backend="redis", redis_url=self.directory, key_prefix=self.directory_prefix
+        )
+
+
+# --- request bodies ---------------------------------------------------------------------------
+
+U64 = Annotated[int, Field(ge=0, lt=1 << 64)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class LookupBody(_Body):
+    keys: list[str] = Field(max_length=1_000_000)
+
+
+class IndexBody(_Body):
+    model: str = Field(min_length=1)
+    chunk_hashes: list[U64] = Field(max_length=MAX_BLOCKS_PER_FETCH)
+
+
+class FetchBody(_Body):
+    source_url: str
+    source_worker: str | None = None
+    model: str = Field(min_length=1)
+    block_hashes: list[U64] = Field(max_length=MAX_BLOCKS_PER_FETCH)
+    token_ids: list[int] | None = None
+    block_size: int | None = Field(default=None, gt=0)
+
+    @field_validator("source_url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http(s) URL")
+        return v.rstrip("/")
+
+
+@dataclass(frozen=True, slots=True)
+class FetchOutcome:
+    """What one `POST /ownerserve/kv/fetch` did."""
+
+    blocks: int
+    artifacts: int
+    bytes: int
+
+    def as_json(self) -> dict[str, int]:
+        return {"blocks": self.blocks, "artifacts": self.artifacts, "bytes": self.bytes}
+
+
+# --- the sidecar --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Counters:
+    registry: CollectorRegistry
+    fetches: Counter
+    fetched_bytes: Counter
+    fetched_artifacts: Counter
+    served: Counter
+    served_bytes: Counter
+    stored: Counter
+    not_found: Counter
+
+    @classmethod
+    def new(cls) -> _Counters:
+        r = CollectorRegistry(auto_describe=True)
+        p = "ownerserve_sidecar_"
+        return cls(
+            r,
+            Counter(p + "fetches", "Fetches from peer sidecars", ["result"], registry=r),
+            Counter(p + "fetched_bytes", "Artifact bytes pulled from peers", registry=r),
+            Counter(p + "fetched_artifacts", "Artifacts pulled from peers", registry=r),
+            Counter(p + "served_artifacts", "Artifacts answered to GET", registry=r),
+            Counter(p + "served_bytes", "Artifact bytes answered to GET", registry=r),
+            Counter(p + "stored_artifacts", "Artifacts stored by PUT", registry=r),
+            Counter(p + "lookup_misses", "GETs of artifacts not stored", registry=r),
+        )
+
+
+class _StoreCollector(Collector):
+    """Gauges read from the store at scrape time."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        s = self.sidecar.store.stats()
+        p = "ownerserve_sidecar_"
+        yield GaugeMetricFamily(p + "artifacts", "Artifacts stored", value=s.artifacts)
+        tier = GaugeMetricFamily(p + "bytes", "Artifact bytes stored per tier", labels=["tier"])
+        tier.add_metric(["memory"], s.memory_bytes)
+        tier.add_metric(["ssd"], s.ssd_bytes)
+        yield tier
+        yield GaugeMetricFamily(
+            p + "corrupted_artifacts", "Artifacts that failed their checksum", value=s.corrupted
+        )
+        yield GaugeMetricFamily(p + "demoted_artifacts", "Moved memory -> SSD", value=s.demoted)
+        yield GaugeMetricFamily(p + "dropped_artifacts", "Evicted for room", value=s.dropped)
+        pub = self.sidecar.publisher.stats() if self.sidecar.publisher else None
+        yield GaugeMetricFamily(
+            p + "replica_publish_failures",
+            "Directory writes of replicas that failed",
+            value=pub.failures if pub else 0,
+        )
+
+
+@dataclass(slots=True)
+class Sidecar:
+    """State of one sidecar: store, chunk index, transport, directory publisher, metrics."""
+
+    config: SidecarConfig
+    transport: Transport
+    store: ArtifactStore
+    index: ChunkIndex = field(default_factory=ChunkIndex)
+    counters: _Counters = field(default_factory=_Counters.new)
+    directory: Directory | None = None
+    publisher: ReplicaPublisher | None = None
+    transfer_server: Any = None
+    transfer_port: int = 0
+    bound_port: int = 0
+    http: httpx.AsyncClient | None = None
+
+    @classmethod
+    def create(cls, config: SidecarConfig, transport: Transport) -> Sidecar:
+        ssd_dir = config.store_dir / "ssd"
+        # The SSD tier does not survive a restart (the store keeps its index in memory): files
+        # of a previous run would only leak disk.
+        if ssd_dir.is_dir():
+            shutil.rmtree(ssd_dir)
+        store = ArtifactStore(
+            memory_capacity_bytes=config.memory_bytes,
+            ssd_dir=ssd_dir,
+            ssd_capacity_bytes=config.ssd_bytes,
+        )
+        sidecar = cls(config, transport, store)
+        sidecar.counters.registry.register(_StoreCollector(sidecar))
+        for result in ("ok", "failed"):
+            sidecar.counters.fetches.labels(result)
+        return sidecar
+
+    @property
+    def url(self) -> str:
+        if self.config.advertise_url:
+            return self.config.advertise_url.rstrip("/")
+        host = self.config.host if self.config.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        return f"http://{host}:{self.bound_port or self.config.port}"
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.transfer_server = self.transport.server_factory(self.store)
+        self.transfer_port = int(
+            await self.transfer_server.start(self.config.host, self.config.transfer_port)
+        )
+        self.http = httpx.AsyncClient(timeout=self.config.fetch_timeout_s)
+        self.directory = open_directory(self.config.directory_settings(), resilient=False)
+        self.publisher = ReplicaPublisher(
+            self.directory, self.config.worker_id, self.holdings, ttl_s=self.config.replica_ttl_s
+        )
+        self.publisher.start()
+
+    async def close(self) -> None:
+        if self.publisher is not None:
+            await self.publisher.close()
+        if self.directory is not None:
+            with contextlib.suppress(Exception):
+                await self.directory.close()
+        if self.http is not None:
+            await self.http.aclose()
+        if self.transfer_server is not None:
+            await self.transfer_server.close()
+
+    # --- the store, indexed -------------------------------------------------------------------
+
+    def _tier(self, keys: Iterable[str]) -> Tier:
+        tiers = {self.store.meta(k).tier for k in keys if self.store.has(k)}
+        return Tier.CPU if StoreTier.MEMORY in tiers else Tier.SSD
+
+    def holdings(self) -> dict[int, Tier]:
+        """Every chunk with an artifact stored -> the fastest tier one of them is in."""
+        out: dict[int, Tier] = {}
+        for chunk in self.index.chunks():
+            keys = self.index.keys_of(chunk, self.store.has)
+            if keys:
+                out[chunk.chunk_hash] = self._tier(keys)
+        return out
+
+    def _note(self, keys: Iterable[str]) -> None:
+        chunks: dict[int, Tier] = {}
+        for key in keys:
+            chunk = self.index.add(key)
+            if chunk is not None and chunk.chunk_hash not in chunks:
+                chunks[chunk.chunk_hash] = self._tier(self.index.keys_of(chunk, self.store.has))
+        if self.publisher is not None:
+            self.publisher.note(chunks)
+
+    def put(self, key: str, data: bytes, expected: bytes | None) -> dict[str, Any]:
+        try:
+            meta = self.store.put(key, data, expected_checksum=expected)
+        except ArtifactCorrupted as exc:
+            raise InvalidRequestError(f"{key}: body does not match {CHECKSUM_HEADER}") from exc
+        except ArtifactTooLarge as exc:
+            raise PayloadTooLargeError(str(exc)) from exc
+        self.counters.stored.inc()
+        self._note([key])
+        tier = "memory" if meta.tier is StoreTier.MEMORY else "ssd"
+        return {"key": key, "bytes": meta.size_bytes, "checksum": meta.checksum.hex(), "tier": tier}
+
+    def get(self, key: str) -> tuple[bytes, bytes]:
+        try:
+            data, digest = self.store.get_verified(key)
+        except ArtifactMissing:
+            self.counters.not_found.inc()
+            raise ArtifactNotFoundError(f"artifact {key!r} is not stored") from None
+        except ArtifactCorrupted:
+            self.index.discard(key)
+            self.counters.not_found.inc()
+            raise ArtifactNotFoundError(
+                f"artifact {key!r} failed its checksum and was dropped"
+            ) from None
+        self.counters.served.inc()
+        self.counters.served_bytes.inc(len(data))
+        return data, digest
+
+    def keys_of_chunks(self, model: str, chunk_hashes: Sequence[int]) -> list[list[str]]:
+        return [self.index.keys_of(ChunkId(model, h), self.store.has) for h in chunk_hashes]
+
+    # --- fetch from a peer --------------------------------------------------------------------
+
+    async def _source_index(self, body: FetchBody) -> dict[str, Any]:
+        assert self.http is not None
+        url = body.source_url + KV_PREFIX + "/index"
+        req = {"model": body.model, "chunk_hashes": body.block_hashes}
+        try:
+            resp = await self.http.post(url, json=req)
+        except httpx.HTTPError as exc:
+            raise FetchFailedError(
+                f"source sidecar {body.source_url} unreachable: {exc!r}"
+            ) from exc
+        if resp.status_code != 200:
+            raise FetchFailedError(
+                f"source sidecar {body.source_url} answered {resp.status_code} to its index: "
+                f"{resp.text[:200]}"
+            )
+        try:
+            answer = resp.json()
+            keys = answer["keys"]
+            assert isinstance(keys, list) and len(keys) == len(body.block_hashes)
+            assert all(isinstance(k, list) for k in keys)
+            int(answer["transfer_port"])
+        except (ValueError, KeyError, TypeError, AssertionError) as exc:
+            raise FetchFailedError(f"source sidecar {body.source_url}: bad index answer") from exc
+        return dict(answer)
+
+    def _drop_incomplete(self, blocks: Sequence[Sequence[str]], fetched_now: set[str]) -> int:
+        """Delete what this fetch stored of blocks it did not complete; returns whole blocks
+        (leading) now present."""
+        whole = 0
+        counting = True
+        for keys in blocks:
+            complete = all(self.store.has(k) for k in keys)
+            if not complete:
+                for k in keys:
+                    if k in fetched_now and self.store.delete(k):
+                        self.index.discard(k)
+                counting = False
+            elif counting:
+                whole += 1
+        return whole
+
+    async def fetch(self, body: FetchBody) -> FetchOutcome:
+        """Pull the stored prefix of `body.block_hashes` from the source sidecar; raises
+        `FetchFailedError` (502) when the source cannot deliver it whole."""
+        try:
+            outcome = await self._fetch(body)
+        except FetchFailedError:
+            self.counters.fetches.labels("failed").inc()
+            raise
+        self.counters.fetches.labels("ok").inc()
+        return outcome
+
+    async def _fetch(self, body: FetchBody) -> FetchOutcome:
+        if not body.block_hashes:
+            return FetchOutcome(0, 0, 0)
+        answer = await self._source_index(body)
+        per_block: list[list[str]] = [[str(k) for k in ks] for ks in answer["keys"]]
+        n = stored_prefix(per_block)
+        blocks = per_block[:n]
+        for keys in blocks:
+            if not all(valid_key(k) for k in keys):
+                raise FetchFailedError("source sidecar listed an invalid artifact key")
+        wanted = [k for keys in blocks for k in keys if not self.store.has(k)]
+        if wanted:
+            host = answer.get("transfer_host") or urlsplit(body.source_url).hostname or ""
+            port = int(answer["transfer_port"])
+            try:
+                transport = transport_for_peer(self.transport, str(answer.get("transport")))
+            except TransportUnavailable as exc:
+                raise FetchFailedError(str(exc)) from exc
+            before = set(self.store.keys())
+            try:
+                await transport.fetch_keys(
+                    self.store, host, port, wanted, self.config.fetch_timeout_s
+                )
+            except transport.errors as exc:
+                got = {k for k in wanted if k not in before and self.store.has(k)}
+                self._drop_incomplete(blocks, got)
+                self._account(got)
+                raise FetchFailedError(
+                    f"fetch from {body.source_worker or body.source_url} failed: {exc}"
+                ) from exc
+            got = {k for k in wanted if k not in before and self.store.has(k)}
+            whole = self._drop_incomplete(blocks, got)
+            got = {k for k in got if self.store.has(k)}
+        else:
+            got, whole = set(), n
+        size = self._account(got)
+        # also chunks that were already here count as replicas of the fetched prefix
+        self._note(k for keys in blocks[:whole] for k in keys)
+        return FetchOutcome(whole, len(got), size)
+
+    def _account(self, keys: set[str]) -> int:
+        size = sum(self.store.meta(k).size_bytes for k in keys if self.store.has(k))
+        self._note(keys)
+        self.counters.fetched_artifacts.inc(len(keys))
+        self.counters.fetched_bytes.inc(size)
+        return size
+
+    def health(self) -> dict[str, Any]:
+        s = self.store.stats()
+        return {
+            "worker_id": self.config.worker_id,
+            "transport": self.transport.name,
+            "transfer_port": self.transfer_port,
+            "artifacts": s.artifacts,
+            "bytes": s.memory_bytes + s.ssd_bytes,
+            "url": self.url,
+        }
+
+
+# --- HTTP ---------------------------------------------------------------------------------------
+
+
+def _error(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, OwnerServeError):
+        return JSONResponse(error_body_for(exc), status_code=exc.status_code)
+    log.exception("unexpected error", exc_info=exc)
+    return JSONResponse(
+        openai_error_body(f"internal error: {exc!r}", "internal_error"), status_code=500
+    )
+
+
+def _checked_key(key: str) -> str:
+    if not valid_key(key):
+        raise InvalidRequestError("artifact key: 1 to 1024 characters, no control characters")
+    return key
+
+
+def _checksum_header(value: str | None) -> bytes | None:
+    if value is None:
+        return None
+    try:
+        digest = bytes.fromhex(value.strip())
+    except ValueError:
+        digest = b""
+    if len(digest) != 32:
+        raise InvalidRequestError(f"{CHECKSUM_HEADER}: must be a SHA-256 hex digest")
+    return digest
+
+
+def create_app(sidecar: Sidecar) -> FastAPI:
+    """The sidecar's HTTP app; its lifespan starts and stops the transfer server, the directory
+    connection and the replica publisher."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await sidecar.start()
+        try:
+            yield
+        finally:
+            await sidecar.close()
+
+    app = FastAPI(
+        title="OwnerServe sidecar",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.sidecar = sidecar
+
+    @app.exception_handler(OwnerServeError)
+    async def _owner_error(_: Request, exc: OwnerServeError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        where = ".".join(str(p) for p in errs[0]["loc"]) if errs else "body"
+        msg = errs[0]["msg"] if errs else "invalid body"
+        return _error(InvalidRequestError(f"invalid request: {where}: {msg}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return _error(NotFoundError("no such endpoint"))
+        if exc.status_code == 405:
+            return _error(MethodNotAllowedError("method not allowed"))
+        return _error(InvalidRequestError(str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return _error(exc)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse(sidecar.health())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(
+            generate_latest(sidecar.counters.registry),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
+        )
+
+    @app.post(KV_PREFIX + "/lookup")
+    async def lookup(body: LookupBody) -> JSONResponse:
+        return JSONResponse({"present": sidecar.store.has_many(body.keys)})
+
+    @app.post(KV_PREFIX + "/index")
+    async def index(body: IndexBody) -> JSONResponse:
+        host = (
+            urlsplit(sidecar.config.advertise_url).hostname
+            if sidecar.config.advertise_url
+            else None
+        )
+        return JSONResponse(
+            {
+                "keys": sidecar.keys_of_chunks(body.model, body.chunk_hashes),
+                "transport": sidecar.transport.name,
+                "transfer_port": sidecar.transfer_port,
+                "transfer_host": host,
+            }
+        )
+
+    @app.get(KV_PREFIX + "/artifacts/{key:path}")
+    async def get_artifact(key: str) -> Response:
+        data, digest = sidecar.get(_checked_key(key))
+        return Response(
+            data,
+            media_type="application/octet-stream",
+            headers={CHECKSUM_HEADER: digest.hex()},
+        )
+
+    @app.put(KV_PREFIX + "/artifacts/{key:path}")
+    async def put_artifact(key: str, request: Request) -> JSONResponse:
+        key = _checked_key(key)
+        expected = _checksum_header(request.headers.get(CHECKSUM_HEADER))
+        limit = sidecar.config.max_artifact_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLargeError(f"artifact of {declared} bytes exceeds {limit}")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLargeError(f"artifact exceeds {limit} bytes")
+            chunks.append(chunk)
+        return JSONResponse(sidecar.put(key, b"".join(chunks), expected), status_code=201)
+
+    @app.post(KV_PREFIX + "/fetch")
+    async def fetch(body: FetchBody) -> JSONResponse:
+        started = time.perf_counter()
+        outcome = await sidecar.fetch(body)
+        log.info(
+            "fetched %d blocks (%d artifacts, %d bytes) from %s in %.3f s",
+            outcome.blocks,
+            outcome.artifacts,
+            outcome.bytes,
+            body.source_worker or body.source_url,
+            time.perf_counter() - started,
+        )
+        return JSONResponse(outcome.as_json())
+
+    return app
+
+
+# --- running it ---------------------------------------------------------------------------------
+
+
+def build(config: SidecarConfig, transport: Transport) -> tuple[Sidecar, FastAPI]:
+    sidecar = Sidecar.create(config, transport)
+    return sidecar, create_app(sidecar)
+
+
+class _InLoopServer(uvicorn.Server):
+    """A uvicorn server that leaves the process's signal handlers alone (it runs inside
+    someone else's event loop)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@contextlib.asynccontextmanager
+async def serving(config: SidecarConfig, transport: Transport) -> AsyncIterator[Sidecar]:
+    """Run a sidecar in this event loop (port 0 = any free port); yields it once it serves."""
+    sidecar, app = build(config, transport)
+    server = _InLoopServer(
+        uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")
+    )
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+                raise RuntimeError("sidecar server exited before it started")
+            await asyncio.sleep(0.01)
+        sidecar.bound_port = int(server.servers[0].sockets[0].getsockname()[1])
+        yield sidecar
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await task
+
+
+def run_forever(config: SidecarConfig, transport: Transport) -> int:
+    """Process entry point: serve until SIGINT/SIGTERM."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    sidecar, app = build(config, transport)
+    sidecar.bound_port = config.port
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")
+    )
+    log.info(
+        "sidecar %s on %s, transport %s, store %s",
+        config.worker_id,
+        sidecar.url,
+        transport.name,
+        config.store_dir,
+    )
+    server.run()
+    return 0 if server.started else 1
