@@ -180,7 +180,9 @@ def vllm_pd_pair(
 
 SIDECAR_SERVER_PRESENT = importlib.util.find_spec("workers.sidecar.server") is not None
 # Extra `ownerserve worker sidecar` flags; the corrupted-artifact test needs artifacts in files.
-SIDECAR_FILE_TIER_ARGS: tuple[str, ...] = ()
+# `--memory-bytes 0`: the memory tier holds nothing, so every artifact is written to (and every
+# load read back from and verified against its checksum from) a file under --store-dir.
+SIDECAR_FILE_TIER_ARGS: tuple[str, ...] = ("--memory-bytes", "0")
 
 
 def _sidecar_url(request: pytest.FixtureRequest, fixture: str) -> str | None:
