@@ -1,0 +1,287 @@
+"""`ownerserve worker sidecar` processes end to end: a source sidecar SIGKILLed mid-transfer
+fails the destination's fetch cleanly (502, only whole verified blocks kept); through the router
+with emulated workers whose `sidecar_url` points at real sidecars, an artifact fetch moves the
+prefix between the sidecars and the shared Redis directory records the destination's replica,
+and with the source's sidecar dead the plan falls back to recomputing and the request succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from ownerserve.config import Settings, settings_from_dict
+from ownerserve.directory import HoldKind
+from ownerserve.kvstate.heads import head_keys
+from ownerserve.types import Tier
+from tests.conftest import RedisServer
+from tests.e2e.router_cluster import (
+    FAST_DECODE_PROFILE,
+    MODEL,
+    EmulatedWorker,
+    emulated_workers,
+    metric_value,
+    proxy_client,
+)
+from tests.e2e.test_router_actions import REPO, chat, long_turn
+
+pytestmark = pytest.mark.timeout(120)
+
+HEADS = range(2)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class SidecarProcess:
+    """One `ownerserve worker sidecar` process (its own process group)."""
+
+    worker_id: str
+    store_dir: Path
+    extra: tuple[str, ...] = ()
+    transport: str = "tcp"
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> SidecarProcess:
+        cmd = [
+            sys.executable, "-m", "ownerserve", "worker", "sidecar",
+            "--worker-id", self.worker_id, "--port", str(self.port),
+            "--store-dir", str(self.store_dir), "--transport", self.transport, *self.extra,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                raise RuntimeError(f"sidecar {self.worker_id} exited: {err[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            time.sleep(0.05)
+        raise RuntimeError(f"sidecar {self.worker_id} not healthy in {timeout_s}s")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+@contextlib.contextmanager
+def sidecars(*procs: SidecarProcess) -> Iterator[tuple[SidecarProcess, ...]]:
+    try:
+        for p in procs:
+            p.start()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def payload(key: str, size: int) -> bytes:
+    seed = hashlib.sha256(key.encode()).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+async def put_blocks(
+    http: httpx.AsyncClient, sidecar: SidecarProcess, chain: list[int], size: int
+) -> dict[str, bytes]:
+    stored: dict[str, bytes] = {}
+    for chunk in chain:
+        for key in head_keys(MODEL, chunk, HEADS):
+            data = stored[key] = payload(key, size)
+            r = await http.put(f"{sidecar.url}/ownerserve/kv/artifacts/{key}", content=data)
+            assert r.status_code == 201, r.text
+    return stored
+
+
+# --- the owner's sidecar killed mid-transfer ---------------------------------------------------
+
+
+async def test_source_sidecar_killed_mid_transfer_is_502_and_nothing_corrupt_is_kept(
+    tmp_path: Path,
+) -> None:
+    chain = [0x5000 + i for i in range(24)]
+    size = 4 << 20  # 24 blocks x 2 heads x 4 MiB = 192 MiB to move
+    src = SidecarProcess("src", tmp_path / "src")
+    dst = SidecarProcess("dst", tmp_path / "dst")
+    with sidecars(src, dst):
+        async with httpx.AsyncClient(timeout=60.0) as http:
+            stored = await put_blocks(http, src, chain, size)
+            body = {
+                "source_url": src.url,
+                "source_worker": "src",
+                "model": MODEL,
+                "block_hashes": chain,
+                "token_ids": [],
+                "block_size": 16,
+            }
+            fetch = asyncio.create_task(http.post(dst.url + "/ownerserve/kv/fetch", json=body))
+
+            async def arrived() -> int:
+                return int((await http.get(dst.url + "/health")).json()["artifacts"])
+
+            deadline = time.monotonic() + 60
+            # a few artifacts in: at least one whole block, and (most likely) one half-done
+            while await arrived() < 3 and time.monotonic() < deadline and not fetch.done():
+                await asyncio.sleep(0.002)
+            src.kill()  # the owner's sidecar dies while artifacts are in flight
+            r = await fetch
+            assert r.status_code == 502, r.text
+            err = r.json()["error"]
+            assert err["type"] == "upstream_error" and "src" in err["message"]
+
+            keys = list(stored)
+            present = (
+                await http.post(dst.url + "/ownerserve/kv/lookup", json={"keys": keys})
+            ).json()["present"]
+            assert 0 < sum(present) < len(keys)
+            per_block = len(HEADS)
+            for i in range(0, len(keys), per_block):
+                # a block is there whole or not at all
+                assert len(set(present[i : i + per_block])) == 1
+            for key, here in zip(keys, present, strict=True):
+                if here:  # every kept artifact is whole and verified
+                    got = await http.get(f"{dst.url}/ownerserve/kv/artifacts/{key}")
+                    assert got.status_code == 200 and got.content == stored[key]
+            metrics = (await http.get(dst.url + "/metrics")).text
+            assert 'ownerserve_sidecar_fetches_total{result="failed"} 1.0' in metrics
+            assert "ownerserve_sidecar_corrupted_artifacts 0.0" in metrics
+
+
+# --- through the router -----------------------------------------------------------------------
+
+
+def other_repo_turn(question: str) -> list[dict[str, Any]]:
+    """A long first turn with another prefix than `long_turn`'s."""
+    text = REPO.replace("handler", "worker_task")
+    return [{"role": "user", "content": "Other repository:\n" + text + question}]
+
+
+@pytest.fixture
+def cluster(
+    tmp_path: Path, redis_server: RedisServer
+) -> Iterator[tuple[tuple[EmulatedWorker, ...], SidecarProcess, SidecarProcess, str]]:
+    """Emulated h0 (slow decoder) and h1 (fast decoder), each with a real sidecar, sharing a
+    Redis directory namespace with the router."""
+    prefix = f"sc-{uuid.uuid4().hex[:8]}"
+    shared = ("--directory", redis_server.url, "--directory-prefix", prefix)
+    s0 = SidecarProcess("h0", tmp_path / "s0", shared)
+    s1 = SidecarProcess("h1", tmp_path / "s1", shared)
+    slow = EmulatedWorker("h0", "hybrid", speed=20)
+    fast = EmulatedWorker("h1", "hybrid", profile=FAST_DECODE_PROFILE, speed=20)
+    with sidecars(s0, s1), emulated_workers(slow, fast) as ws:
+        yield ws, s0, s1, prefix
+
+
+def settings_for(
+    ws: tuple[EmulatedWorker, ...], s0: SidecarProcess, s1: SidecarProcess, redis: str, ns: str
+) -> Settings:
+    urls = {"h0": s0.url, "h1": s1.url}
+    return settings_from_dict(
+        {
+            "server": {"port": 0, "health_interval_s": 0.5, "admin_token": "adm"},
+            "planner": {"policy": "ownerserve"},
+            "directory": {"backend": "redis", "redis_url": redis, "key_prefix": ns},
+            "models": [{"name": MODEL}],
+            "workers": [{**w.worker_settings(), "sidecar_url": urls[w.worker_id]} for w in ws],
+        }
+    )
+
+
+async def first_turn_on_h0(client: httpx.AsyncClient, turn: list[dict[str, Any]]) -> None:
+    """h1 joins later, so the prefix is computed on h0."""
+    admin = {"x-admin-token": "adm"}
+    assert (await client.post("/admin/workers/h1/drain", headers=admin)).is_success
+    plan, _, _ = await chat(client, turn, f"first-{uuid.uuid4().hex[:6]}")
+    assert (plan["action"], plan["d"]) == ("colocated_prefill", "h0")
+    assert (await client.post("/admin/workers/h1/undrain", headers=admin)).is_success
+    await asyncio.sleep(0.1)
+
+
+async def test_router_artifact_fetch_moves_the_prefix_between_sidecars_and_records_the_replica(
+    cluster: Any, redis_server: RedisServer
+) -> None:
+    ws, s0, s1, ns = cluster
+    settings = settings_for(ws, s0, s1, redis_server.url, ns)
+    async with proxy_client(settings) as (client, router), httpx.AsyncClient() as http:
+        await first_turn_on_h0(client, long_turn("Question A?"))
+        # h0's connector would have saved the prefix's blocks to its sidecar; here the test does
+        chain = list(router.tokenizers.get(MODEL).tokenize_chat(None, long_turn("?")).chain)
+        await put_blocks(http, s0, chain, 4096)
+
+        plan, text, _ = await chat(client, long_turn("Question B?"), "session-b")
+        assert plan["action"] == "artifact_fetch"
+        assert (plan["src"], plan["d"], plan["fetched"]) == ("h0", "h1", "1")
+        assert text
+        moved = (await http.get(s1.url + "/health")).json()
+        assert moved["artifacts"] >= 300 * len(HEADS)
+
+        async def sidecar_replica() -> int:
+            match = await router.directory.lookup(tuple(chain))
+            return max(
+                (
+                    h.blocks
+                    for h in match.holdings
+                    if (h.worker, h.tier, h.kind) == ("h1", Tier.CPU, HoldKind.REPLICA)
+                ),
+                default=0,
+            )
+
+        deadline = time.monotonic() + 10
+        while await sidecar_replica() < 300 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert await sidecar_replica() == moved["artifacts"] // len(HEADS)
+
+
+async def test_router_falls_back_to_recompute_when_the_source_sidecar_is_dead(
+    cluster: Any, redis_server: RedisServer
+) -> None:
+    ws, s0, s1, ns = cluster
+    settings = settings_for(ws, s0, s1, redis_server.url, ns)
+    async with proxy_client(settings) as (client, _), httpx.AsyncClient() as http:
+        await first_turn_on_h0(client, other_repo_turn("Question C?"))
+        s0.kill()
+        plan, text, usage = await chat(client, other_repo_turn("Question D?"), "session-d")
+        assert plan["action"] == "artifact_fetch"
+        assert (plan["src"], plan["d"], plan["fetched"]) == ("h0", "h1", "0")
+        assert text and usage["completion_tokens"] > 0
+        metrics = (await http.get(s1.url + "/metrics")).text
+        failed = metric_value(metrics, "ownerserve_sidecar_fetches_total", result="failed")
+        assert failed >= 1  # the plan's fetch (and possibly a background replication's)
+        assert (await http.get(s1.url + "/health")).json()["artifacts"] == 0
