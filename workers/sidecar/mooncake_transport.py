@@ -1,0 +1,698 @@
+"""Artifact transport between sidecars over Mooncake Transfer Engine (TCP here, RDMA in
+production): the same `TransportServer(store)` / `fetch(...)` / `TransferError` contract as the
+plain-TCP `workers.sidecar.transport`, with the payload bytes moved by the engine's one-sided
+reads instead of the control socket.
+
+Flow of one fetch (seed 003's staged transfer, seed 004's batched key lookup):
+
+1. The destination opens a control connection (length-prefixed JSON frames, the helpers of
+   `transport.py`) and asks for its keys.
+2. The source takes a *region* of its staging buffer (a bounded, engine-registered memory area,
+   `MooncakeSettings.staging_bytes`, split into regions of `region_bytes`), copies the next
+   artifacts into it back to back (many small artifacts share one region; an artifact larger than
+   a region is chunked over several) and answers one batch frame: its engine session id, the
+   region's address, the artifacts that start in this batch (index, size, SHA-256) or are
+   missing, and where each part lies in the region.
+3. The destination reads the batch with the engine's synchronous batch read (in a thread) into
+   its own registered memory: small parts into a reusable receive buffer in one contiguous read
+   (then copied out), large parts straight into the artifact's final buffer. It acknowledges the
+   batch, so the source frees the region; while it reads batch k + 1, batch k is hashed on a
+   thread and the source stages batch k + 2 (two regions in flight per request).
+4. Every artifact is verified against the SHA-256 the source stored with it before it enters the
+   destination's store; a mismatch, a failed engine read, a closed control connection or a
+   timeout is a `TransferError`, and only whole, verified artifacts are ever stored.
+
+Requests that find no free region wait for one (a request never holds a region while waiting for
+another, so concurrent requests cannot deadlock). One `TransferEngine` serves the whole process,
+configured by the first `MooncakeSettings` used (`from_env()` by default: `OWNERSERVE_MOONCAKE_*`).
+
+`AVAILABLE` / `UNAVAILABLE_REASON` say whether `mooncake.engine` imports here; this module itself
+always imports (the sidecar picks it lazily for `--transport auto|mooncake`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import ctypes
+import hashlib
+import ipaddress
+import mmap
+import os
+import socket
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.sidecar.store import ArtifactCorrupted, ArtifactMissing, ArtifactStore
+from workers.sidecar.transport import FetchResult, TransferError, _frame, _read_frame
+
+__all__ = [
+    "AVAILABLE",
+    "UNAVAILABLE_REASON",
+    "FetchResult",
+    "MooncakeSettings",
+    "TransferError",
+    "TransportServer",
+    "fetch",
+]
+
+
+def _probe() -> tuple[Any, str]:
+    try:
+        from mooncake.engine import TransferEngine
+    except Exception as exc:  # ImportError, or OSError of a missing libibverbs
+        return None, f"mooncake.engine does not import: {exc!r}"
+    return TransferEngine, ""
+
+
+_TransferEngine, UNAVAILABLE_REASON = _probe()
+AVAILABLE: bool = _TransferEngine is not None
+
+MiB = 1 << 20
+DIRECT_MIN = 256 << 10
+"""Parts at least this large are read straight into the artifact's final buffer."""
+MAX_ITEMS_PER_BATCH = 2048
+"""Bounds a batch frame's header (each artifact costs ~100 bytes of JSON)."""
+_WILDCARDS = ("", "0.0.0.0", "::")
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeSettings:
+    """How this process's Transfer Engine runs and how big the source's staging buffer is."""
+
+    protocol: str = "tcp"
+    """"tcp" (works anywhere) or "rdma" (production NICs)."""
+    metadata: str = "P2PHANDSHAKE"
+    """Engine metadata: peer-to-peer handshake, or a metadata server URL."""
+    device_name: str = ""
+    """RDMA device filter (e.g. "mlx5_0"); empty for TCP or auto-detection."""
+    local_hostname: str = ""
+    """Address peers reach this engine at; empty: the host the server binds, else the address
+    the first control connection left from."""
+    staging_bytes: int = 256 * MiB
+    region_bytes: int = 16 * MiB
+    hash_threads: int = 0
+    """Threads that verify checksums; 0 = min(4, CPU count)."""
+
+    def __post_init__(self) -> None:
+        if self.region_bytes <= 0 or self.staging_bytes < 2 * self.region_bytes:
+            raise ValueError("staging_bytes must hold at least two regions of region_bytes > 0")
+
+    @classmethod
+    def from_env(cls) -> MooncakeSettings:
+        env = os.environ
+        return cls(
+            protocol=env.get("OWNERSERVE_MOONCAKE_PROTOCOL", "tcp"),
+            metadata=env.get("OWNERSERVE_MOONCAKE_METADATA", "P2PHANDSHAKE"),
+            device_name=env.get("OWNERSERVE_MOONCAKE_DEVICE", ""),
+            local_hostname=env.get("OWNERSERVE_MOONCAKE_HOST", ""),
+            staging_bytes=int(env.get("OWNERSERVE_MOONCAKE_STAGING_BYTES", 256 * MiB)),
+            region_bytes=int(env.get("OWNERSERVE_MOONCAKE_REGION_BYTES", 16 * MiB)),
+            hash_threads=int(env.get("OWNERSERVE_MOONCAKE_HASH_THREADS", 0)),
+        )
+
+
+# --- the process's engine -------------------------------------------------------------------
+
+
+def _address_of(buf: bytes | mmap.mmap) -> int:
+    if isinstance(buf, bytes):
+        addr = ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value
+    else:
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    assert addr is not None
+    return addr
+
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+
+
+def _uninitialized_bytes(size: int) -> bytes:
+    """A fresh `bytes` of `size` unset bytes, filled in place before anyone else sees it
+    (CPython's own idiom for building bytes in C); it saves a copy of every large artifact."""
+    obj = _new_bytes(None, size)
+    assert isinstance(obj, bytes)
+    return obj
+
+
+class _Engine:
+    """The process's TransferEngine plus the bookkeeping both roles share."""
+
+    def __init__(self, settings: MooncakeSettings, hostname: str) -> None:
+        if _TransferEngine is None:
+            raise TransferError(f"Mooncake Transfer Engine is unavailable: {UNAVAILABLE_REASON}")
+        self.settings = settings
+        self.hostname = hostname
+        self.te = _TransferEngine()
+        rc = self.te.initialize(
+            hostname, settings.metadata, settings.protocol, settings.device_name
+        )
+        if rc != 0:
+            raise TransferError(
+                f"Mooncake engine initialize({hostname!r}, {settings.metadata!r}, "
+                f"{settings.protocol!r}) failed: {rc}"
+            )
+        if settings.metadata == "P2PHANDSHAKE":
+            self.session_id = f"{_host_for_url(hostname)}:{self.te.get_rpc_port()}"
+        else:
+            self.session_id = hostname
+        self.hash_pool = concurrent.futures.ThreadPoolExecutor(
+            settings.hash_threads or min(4, os.cpu_count() or 1),
+            thread_name_prefix="mooncake-verify",
+        )
+        self.read_pool = concurrent.futures.ThreadPoolExecutor(
+            4, thread_name_prefix="mooncake-read"
+        )
+        self._recv_lock = threading.Lock()
+        self._recv_free: list[_Buffer] = []
+
+    def register(self, addr: int, size: int) -> None:
+        rc = self.te.register_memory(addr, size, "cpu:0")
+        if rc != 0:
+            raise TransferError(f"Mooncake register_memory of {size} bytes failed: {rc}")
+
+    def unregister(self, addr: int) -> None:
+        self.te.unregister_memory(addr)
+
+    # receive buffers: registered, reused (warm pages), returned by the thread that read into them
+    def take_receive_buffer(self, size: int) -> _Buffer:
+        with self._recv_lock:
+            for i, buf in enumerate(self._recv_free):
+                if buf.size >= size:
+                    return self._recv_free.pop(i)
+        return _Buffer(self, max(size, 4 * MiB))
+
+    def give_back_receive_buffer(self, buf: _Buffer) -> None:
+        with self._recv_lock:
+            if len(self._recv_free) < 4:
+                self._recv_free.append(buf)
+                return
+        buf.retire()
+
+
+_ENGINE: _Engine | None = None
+_ENGINE_LOCK = threading.Lock()
+_RETIRED: list[mmap.mmap] = []
+
+
+def _host_for_url(host: str) -> str:
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            return f"[{host}]"
+    except ValueError:
+        pass
+    return host
+
+
+def _engine(settings: MooncakeSettings | None, hostname_hint: str) -> _Engine:
+    """The process's engine, created on first use (later settings are ignored)."""
+    global _ENGINE
+    with _ENGINE_LOCK:
+        if _ENGINE is None:
+            s = settings or MooncakeSettings.from_env()
+            host = s.local_hostname or hostname_hint
+            if host in _WILDCARDS:
+                host = socket.gethostbyname(socket.gethostname())
+            _ENGINE = _Engine(s, host)
+        return _ENGINE
+
+
+class _Buffer:
+    """Anonymous memory (pages are only backed once written) registered with the engine."""
+
+    def __init__(self, engine: _Engine, size: int) -> None:
+        self.engine = engine
+        self.size = size
+        self.mem = mmap.mmap(-1, size)
+        self.addr = _address_of(self.mem)
+        self.view = memoryview(self.mem)
+        engine.register(self.addr, size)
+
+    def retire(self) -> None:
+        """Unregister and give the pages back. The mapping itself stays (a peer's read racing
+        the unregister reads zeros, never unmapped memory)."""
+        self.engine.unregister(self.addr)
+        self.view.release()
+        with contextlib.suppress(ValueError, OSError):
+            self.mem.madvise(mmap.MADV_DONTNEED)
+        _RETIRED.append(self.mem)
+
+
+# --- source side ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Staged:
+    """One batch staged in a region: what the frame announces and the copies to make."""
+
+    new: list[list[object]] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)
+    parts: list[list[int]] = field(default_factory=list)
+    copies: list[tuple[int, bytes, int, int]] = field(default_factory=list)
+    used: int = 0
+
+
+def _copy_all(copies: Sequence[tuple[int, bytes, int, int]]) -> None:
+    for dst, data, pos, n in copies:
+        ctypes.memmove(dst, _address_of(data) + pos, n)
+
+
+class TransportServer:
+    """Serves artifacts of a store to peers: control over TCP, bytes through the engine."""
+
+    def __init__(self, store: ArtifactStore, *, settings: MooncakeSettings | None = None) -> None:
+        self.store = store
+        self.settings = settings
+        self._server: asyncio.Server | None = None
+        self._engine: _Engine | None = None
+        self._staging: _Buffer | None = None
+        self._free: asyncio.Queue[int] | None = None
+        self._region_bytes = 0
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._peers: set[asyncio.StreamWriter] = set()
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        self._engine = _engine(self.settings, host)
+        s = self.settings or self._engine.settings
+        self._region_bytes = s.region_bytes
+        regions = s.staging_bytes // s.region_bytes
+        self._staging = _Buffer(self._engine, regions * s.region_bytes)
+        self._free = asyncio.Queue()
+        for i in range(regions):
+            self._free.put_nowait(i)
+        self._server = await asyncio.start_server(self._handle, host, port)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for writer in list(self._peers):  # their handlers end on the closed connection
+                writer.transport.abort()
+            if self._handlers:
+                await asyncio.wait(list(self._handlers), timeout=5.0)
+            await self._server.wait_closed()
+            self._server = None
+        if self._staging is not None:
+            self._staging.retire()
+            self._staging = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        self._peers.add(writer)
+        held: deque[int | None] = deque()
+        try:
+            while True:
+                try:
+                    req = await _read_frame(reader)
+                except asyncio.IncompleteReadError:
+                    return
+                keys = req.get("keys")
+                if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                    writer.write(_frame({"error": "request needs 'keys': [str, ...]"}))
+                    await writer.drain()
+                    return
+                await self._serve(keys, reader, writer, held)
+        except (asyncio.IncompleteReadError, OSError, TransferError, ValueError):
+            return
+        finally:
+            self._handlers.discard(task)
+            self._peers.discard(writer)
+            assert self._free is not None
+            for region in held:  # the peer is gone or done: no read of ours is in flight
+                if region is not None:
+                    self._free.put_nowait(region)
+            writer.close()
+
+    async def _serve(
+        self,
+        keys: list[str],
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        held: deque[int | None],
+    ) -> None:
+        assert self._engine is not None and self._staging is not None and self._free is not None
+        free = self._free
+        sent = acked = 0
+
+        async def take_ack() -> None:
+            nonlocal acked
+            ack = await _read_frame(reader)
+            if ack.get("ack") != acked:
+                raise TransferError(f"peer acknowledged {ack.get('ack')!r}, expected {acked}")
+            acked += 1
+            region = held.popleft()
+            if region is not None:
+                free.put_nowait(region)
+
+        nxt = 0  # next key to look up
+        current: tuple[int, bytes, int] | None = None  # key index, bytes, bytes already staged
+        while True:
+            while len(held) >= 2 or (held and free.empty()):
+                await take_ack()
+            region = await free.get()
+            held.append(region)
+            base = self._staging.addr + region * self._region_bytes
+            staged = _Staged()
+            while staged.used < self._region_bytes and len(staged.parts) < MAX_ITEMS_PER_BATCH:
+                if current is None:
+                    if nxt == len(keys):
+                        break
+                    try:
+                        data, digest = self.store.read_for_transfer(keys[nxt])
+                    except (ArtifactMissing, ArtifactCorrupted):
+                        staged.missing.append(nxt)
+                        nxt += 1
+                        continue
+                    data = bytes(data)
+                    staged.new.append([nxt, len(data), digest.hex()])
+                    current = (nxt, data, 0)
+                    nxt += 1
+                idx, data, pos = current
+                n = min(len(data) - pos, self._region_bytes - staged.used)
+                if n:
+                    staged.parts.append([idx, pos, n, staged.used])
+                    staged.copies.append((base + staged.used, data, pos, n))
+                staged.used += n
+                current = None if pos + n == len(data) else (idx, data, pos + n)
+            if staged.used > MiB:
+                await asyncio.to_thread(_copy_all, staged.copies)
+            else:
+                _copy_all(staged.copies)
+            if not staged.parts:  # nothing for the peer to read from this region
+                held[-1] = None
+                free.put_nowait(region)
+            last = current is None and nxt == len(keys)
+            writer.write(
+                _frame(
+                    {
+                        "batch": sent,
+                        "session": self._engine.session_id,
+                        "addr": base,
+                        "region": self._region_bytes,
+                        "new": staged.new,
+                        "missing": staged.missing,
+                        "parts": staged.parts,
+                        "last": last,
+                    }
+                )
+            )
+            await writer.drain()
+            sent += 1
+            if last:
+                break
+        while held:
+            await take_ack()
+
+
+# --- destination side -----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Incoming:
+    """One artifact being received: its final buffer, checksum state and last hash job."""
+
+    key: str
+    size: int
+    expected: bytes
+    data: bytes
+    addr: int
+    registered: bool = False
+    hasher: Any = field(default_factory=hashlib.sha256)
+    received: int = 0
+    hashed: concurrent.futures.Future[None] | None = None
+
+
+def _hash_parts(
+    updates: Sequence[tuple[Any, memoryview]],
+    waits: Sequence[concurrent.futures.Future[None]],
+) -> None:
+    for w in waits:  # earlier parts of the same artifacts (submitted before this job)
+        w.result()
+    for hasher, view in updates:
+        hasher.update(view)
+
+
+def _read_batch(
+    engine: _Engine,
+    session: str,
+    segments: Sequence[tuple[int, int, int]],
+    recv: _Buffer | None,
+    copy_out: Sequence[tuple[int, int, int]],
+    keep_alive: object,
+) -> int:
+    """Blocking: one engine read of (local, remote, length) segments, then the small parts
+    copied out of the receive buffer to their artifacts. Returns the engine's status.
+    `keep_alive` holds the destination buffers until the engine has finished writing, and the
+    receive buffer goes back to the pool only here, for the same reason."""
+    try:
+        if len(segments) == 1:
+            (local, remote, length) = segments[0]
+            rc = int(engine.te.transfer_sync_read(session, local, remote, length))
+        else:
+            rc = int(
+                engine.te.batch_transfer_sync_read(
+                    session,
+                    [s[0] for s in segments],
+                    [s[1] for s in segments],
+                    [s[2] for s in segments],
+                )
+            )
+        if rc == 0:
+            for dst, src, n in copy_out:
+                ctypes.memmove(dst, src, n)
+        return rc
+    finally:
+        if recv is not None:
+            engine.give_back_receive_buffer(recv)
+        del keep_alive
+
+
+@dataclass(slots=True)
+class _Batch:
+    """A batch frame, checked."""
+
+    number: int
+    session: str
+    base: int
+    new: list[tuple[int, int, bytes]]
+    missing: list[int]
+    parts: list[tuple[int, int, int, int]]
+    last: bool
+
+    @classmethod
+    def parse(cls, frame: dict[str, object], n_keys: int) -> _Batch:
+        if "error" in frame:
+            raise TransferError(f"peer refused: {frame['error']}")
+        try:
+            number, session, base = frame["batch"], frame["session"], frame["addr"]
+            span = frame["region"]
+            assert isinstance(number, int) and isinstance(session, str)
+            assert isinstance(base, int) and isinstance(span, int)
+            new = [(int(i), int(n), bytes.fromhex(d)) for i, n, d in frame["new"]]  # type: ignore[attr-defined]
+            missing = [int(i) for i in frame["missing"]]  # type: ignore[attr-defined]
+            parts = [
+                (int(i), int(p), int(n), int(o))
+                for i, p, n, o in frame["parts"]  # type: ignore[attr-defined]
+            ]
+        except (KeyError, TypeError, ValueError, AssertionError) as e:
+            raise TransferError(f"bad batch frame: {e!r}") from None
+        idx = [i for i, _, _ in new] + missing + [p[0] for p in parts]
+        if any(not 0 <= i < n_keys for i in idx) or any(n < 0 for _, n, _ in new):
+            raise TransferError("bad batch frame: index or size out of range")
+        if any(n <= 0 or o < 0 or o + n > span for _, _, n, o in parts):
+            raise TransferError("bad batch frame: part outside the region")
+        return cls(number, session, base, new, missing, parts, bool(frame.get("last")))
+
+
+async def fetch(
+    store: ArtifactStore,
+    host: str,
+    port: int,
+    keys: Sequence[str],
+    *,
+    timeout_s: float = 30.0,
+    settings: MooncakeSettings | None = None,
+) -> FetchResult:
+    """Pull `keys` from the peer sidecar whose control server is at host:port into `store`.
+    Raises `TransferError` when the peer is unreachable, dies or times out mid-transfer, an
+    engine read fails, or bytes fail their checksum; artifacts verified before that stay stored,
+    nothing partial or unverified is."""
+    if not AVAILABLE:
+        raise TransferError(f"Mooncake Transfer Engine is unavailable: {UNAVAILABLE_REASON}")
+    keys = list(keys)
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (OSError, TimeoutError) as e:
+        raise TransferError(f"cannot reach sidecar {host}:{port}: {e}") from e
+    receiving = _Receiving(store, keys)
+    try:
+        sockname = writer.get_extra_info("sockname")
+        hint = str(sockname[0]) if sockname else "127.0.0.1"
+        receiving.engine = await asyncio.to_thread(_engine, settings, hint)
+        writer.write(_frame({"keys": keys}))
+        await writer.drain()
+        while True:
+            frame = await asyncio.wait_for(_read_frame(reader), timeout_s)
+            batch = _Batch.parse(frame, len(keys))
+            await receiving.read(batch, timeout_s)
+            writer.write(_frame({"ack": batch.number}))
+            await writer.drain()
+            receiving.verify(batch)
+            if batch.last:
+                break
+        receiving.settle(block=True)
+    except asyncio.IncompleteReadError as e:
+        receiving.fail()
+        raise TransferError(
+            f"sidecar {host}:{port} closed mid-transfer "
+            f"({len(receiving.fetched)}/{len(keys)} artifacts)"
+        ) from e
+    except (ConnectionError, TimeoutError, ValueError) as e:
+        receiving.fail()
+        raise TransferError(f"fetch from {host}:{port} failed: {e!r}") from e
+    except BaseException:
+        receiving.fail()
+        raise
+    finally:
+        writer.close()
+    return FetchResult(tuple(receiving.fetched), tuple(receiving.missing), receiving.bytes)
+
+
+class _Receiving:
+    """The destination's state of one fetch."""
+
+    def __init__(self, store: ArtifactStore, keys: list[str]) -> None:
+        self.store = store
+        self.keys = keys
+        self.engine: _Engine | None = None
+        self.incoming: dict[int, _Incoming] = {}
+        self.complete: deque[_Incoming] = deque()  # fully read, checksum job submitted
+        self.fetched: list[str] = []
+        self.missing: list[str] = []
+        self.bytes = 0
+        self.reading: concurrent.futures.Future[int] | None = None
+
+    async def read(self, batch: _Batch, timeout_s: float) -> None:
+        """Announce the batch's new artifacts and read its parts with the engine."""
+        engine = self.engine
+        assert engine is not None
+        self.missing.extend(self.keys[i] for i in batch.missing)
+        for i, size, digest in batch.new:
+            if i in self.incoming:
+                raise TransferError(f"peer announced {self.keys[i]!r} twice")
+            data = _uninitialized_bytes(size)
+            inc = _Incoming(self.keys[i], size, digest, data, _address_of(data))
+            if size >= DIRECT_MIN:
+                engine.register(inc.addr, size)
+                inc.registered = True
+            self.incoming[i] = inc
+        # large parts straight into their artifact; the small ones as one packed run
+        segments: list[tuple[int, int, int]] = []
+        small: list[tuple[_Incoming, int, int, int]] = []
+        for i, pos, n, off in batch.parts:
+            got = self.incoming.get(i)
+            if got is None or pos != got.received or pos + n > got.size:
+                raise TransferError(f"bad batch frame: part of key #{i} at {pos}")
+            inc = got
+            if inc.registered:
+                segments.append((inc.addr + pos, batch.base + off, n))
+            else:
+                small.append((inc, pos, n, off))
+            inc.received += n
+        recv: _Buffer | None = None
+        copy_out: list[tuple[int, int, int]] = []
+        if small:
+            lo = min(off for *_, off in small)
+            hi = max(off + n for _, _, n, off in small)
+            recv = engine.take_receive_buffer(hi - lo)
+            segments.append((recv.addr, batch.base + lo, hi - lo))
+            copy_out = [(inc.addr + pos, recv.addr + off - lo, n) for inc, pos, n, off in small]
+        if not segments:
+            return
+        keep = [self.incoming[i].data for i, *_ in batch.parts]
+        job = engine.read_pool.submit(
+            _read_batch, engine, batch.session, segments, recv, copy_out, keep
+        )
+        self.reading = job
+        try:
+            rc = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job)), timeout_s)
+        except TimeoutError as e:
+            raise TransferError(
+                f"engine read from {batch.session} timed out after {timeout_s} s"
+            ) from e
+        if rc != 0:
+            raise TransferError(
+                f"engine read from {batch.session} failed ({rc}): the source died mid-transfer?"
+            )
+        self.reading = None
+
+    def verify(self, batch: _Batch) -> None:
+        """Hash the batch's parts on the verify threads (overlapping the next read); store the
+        artifacts whose checksums are done."""
+        engine = self.engine
+        assert engine is not None
+        updates: list[tuple[Any, memoryview]] = []
+        waits: list[concurrent.futures.Future[None]] = []
+        touched: dict[int, _Incoming] = {}
+        for i, pos, n, _ in batch.parts:
+            inc = self.incoming[i]
+            updates.append((inc.hasher, memoryview(inc.data)[pos : pos + n]))
+            if inc.hashed is not None and i not in touched:
+                waits.append(inc.hashed)
+            touched[i] = inc
+        for i, size, _ in batch.new:
+            if size == 0:
+                touched[i] = self.incoming[i]
+        job = engine.hash_pool.submit(_hash_parts, updates, waits)
+        for inc in touched.values():
+            inc.hashed = job
+            if inc.received == inc.size:
+                if inc.registered:
+                    engine.unregister(inc.addr)
+                    inc.registered = False
+                self.complete.append(inc)
+        self.settle(block=False)
+
+    def settle(self, *, block: bool) -> None:
+        """Store the completely read artifacts whose checksum jobs are done, in arrival order;
+        `TransferError` at the first that does not match."""
+        while self.complete:
+            inc = self.complete[0]
+            assert inc.hashed is not None
+            if not block and not inc.hashed.done():
+                return
+            inc.hashed.result()
+            self.complete.popleft()
+            if inc.hasher.digest() != inc.expected:
+                raise TransferError(f"payload of {inc.key!r} does not match its checksum")
+            self.store.put(inc.key, inc.data, expected_checksum=inc.expected, already_verified=True)
+            self.fetched.append(inc.key)
+            self.bytes += inc.size
+
+    def fail(self) -> None:
+        """After an error: keep what arrived whole and verified, unregister the rest's buffers
+        once no engine read writes into them any more."""
+        with contextlib.suppress(TransferError, ArtifactCorrupted):
+            while self.complete:
+                self.settle(block=True)
+        engine = self.engine
+        if engine is None:
+            return
+        leftovers = [inc for inc in self.incoming.values() if inc.registered]
+
+        def unregister(_: object = None) -> None:
+            for inc in leftovers:
+                engine.unregister(inc.addr)
+
+        if self.reading is None or self.reading.done():
+            unregister()
+        else:
+            self.reading.add_done_callback(unregister)
