@@ -246,6 +246,7 @@ class Sidecar:
     transfer_port: int = 0
     bound_port: int = 0
     http: httpx.AsyncClient | None = None
+    _inflight: dict[str, asyncio.Future[None]] = field(default_factory=dict)
 
     @classmethod
     def create(cls, config: SidecarConfig, transport: Transport) -> Sidecar:
@@ -417,34 +418,52 @@ class Sidecar:
             if not all(valid_key(k) for k in keys):
                 raise FetchFailedError("source sidecar listed an invalid artifact key")
         wanted = [k for keys in blocks for k in keys if not self.store.has(k)]
-        if wanted:
-            host = answer.get("transfer_host") or urlsplit(body.source_url).hostname or ""
-            port = int(answer["transfer_port"])
+        # Single flight: keys another fetch is already pulling are waited for, not pulled twice
+        # (the router may ask for the same prefix from a plan and a background replication).
+        mine = [k for k in wanted if k not in self._inflight]
+        theirs = {self._inflight[k] for k in wanted if k in self._inflight}
+        got: set[str] = set()
+        if mine:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            for k in mine:
+                self._inflight[k] = done
             try:
-                transport = transport_for_peer(self.transport, str(answer.get("transport")))
-            except TransportUnavailable as exc:
-                raise FetchFailedError(str(exc)) from exc
-            before = set(self.store.keys())
-            try:
-                await transport.fetch_keys(
-                    self.store, host, port, wanted, self.config.fetch_timeout_s
-                )
-            except transport.errors as exc:
-                got = {k for k in wanted if k not in before and self.store.has(k)}
+                await self._pull(body, answer, mine)
+            except FetchFailedError:
+                got = {k for k in mine if self.store.has(k)}
                 self._drop_incomplete(blocks, got)
                 self._account(got)
-                raise FetchFailedError(
-                    f"fetch from {body.source_worker or body.source_url} failed: {exc}"
-                ) from exc
-            got = {k for k in wanted if k not in before and self.store.has(k)}
-            whole = self._drop_incomplete(blocks, got)
-            got = {k for k in got if self.store.has(k)}
-        else:
-            got, whole = set(), n
+                raise
+            finally:
+                for k in mine:
+                    if self._inflight.get(k) is done:
+                        del self._inflight[k]
+                done.set_result(None)
+            got = {k for k in mine if self.store.has(k)}
+        if theirs:
+            await asyncio.gather(*theirs)
+        whole = self._drop_incomplete(blocks, got)
+        got = {k for k in got if self.store.has(k)}
         size = self._account(got)
-        # also chunks that were already here count as replicas of the fetched prefix
+        # chunks that were already here count as replicas of the fetched prefix too
         self._note(k for keys in blocks[:whole] for k in keys)
         return FetchOutcome(whole, len(got), size)
+
+    async def _pull(self, body: FetchBody, answer: dict[str, Any], keys: list[str]) -> None:
+        """Move `keys` from the source's transfer server into the store (whole, verified
+        artifacts only); `FetchFailedError` when the transport fails."""
+        host = answer.get("transfer_host") or urlsplit(body.source_url).hostname or ""
+        port = int(answer["transfer_port"])
+        try:
+            transport = transport_for_peer(self.transport, str(answer.get("transport")))
+        except TransportUnavailable as exc:
+            raise FetchFailedError(str(exc)) from exc
+        try:
+            await transport.fetch_keys(self.store, host, port, keys, self.config.fetch_timeout_s)
+        except transport.errors as exc:
+            raise FetchFailedError(
+                f"fetch from {body.source_worker or body.source_url} failed: {exc}"
+            ) from exc
 
     def _account(self, keys: set[str]) -> int:
         size = sum(self.store.meta(k).size_bytes for k in keys if self.store.has(k))

@@ -3,6 +3,7 @@ artifacts moved between them by `POST /ownerserve/kv/fetch` over the real TCP tr
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import os
@@ -205,3 +206,22 @@ def test_drop_incomplete_deletes_only_what_this_fetch_brought_of_an_unfinished_b
     assert all(sc.store.has(k) for k in blocks[0])
     assert not sc.store.has(blocks[1][0])
     assert sc.store.has(blocks[2][0])
+
+
+async def test_concurrent_fetches_of_one_prefix_move_it_once(tmp_path: Path) -> None:
+    async with (
+        sidecar(tmp_path, "a") as a,
+        sidecar(tmp_path, "b") as b,
+        httpx.AsyncClient() as http,
+    ):
+        chunks = list(range(100, 140))
+        await put_chunks(http, a, chunks)
+        url = f"{b.url}/ownerserve/kv/fetch"
+        first, second = await asyncio.gather(
+            http.post(url, json=fetch_body(a, chunks)), http.post(url, json=fetch_body(a, chunks))
+        )
+        answers = [first.json(), second.json()]
+        assert [x["blocks"] for x in answers] == [40, 40]
+        assert sum(x["artifacts"] for x in answers) == 80  # each artifact pulled by one of them
+        metrics = (await http.get(f"{b.url}/metrics")).text
+        assert f"ownerserve_sidecar_fetched_bytes_total {80 * 3000}.0" in metrics
