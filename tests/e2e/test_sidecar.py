@@ -38,6 +38,7 @@ from tests.e2e.router_cluster import (
     proxy_client,
 )
 from tests.e2e.test_router_actions import REPO, chat, long_turn
+from workers.sidecar.transports import mooncake_status
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -133,13 +134,18 @@ async def put_blocks(
 # --- the owner's sidecar killed mid-transfer ---------------------------------------------------
 
 
+@pytest.mark.parametrize("transport", ["tcp", "mooncake"])
 async def test_source_sidecar_killed_mid_transfer_is_502_and_nothing_corrupt_is_kept(
-    tmp_path: Path,
+    tmp_path: Path, transport: str
 ) -> None:
+    if transport == "mooncake":
+        module, reason = mooncake_status()
+        if module is None:
+            pytest.skip(reason)
     chain = [0x5000 + i for i in range(24)]
     size = 4 << 20  # 24 blocks x 2 heads x 4 MiB = 192 MiB to move
-    src = SidecarProcess("src", tmp_path / "src")
-    dst = SidecarProcess("dst", tmp_path / "dst")
+    src = SidecarProcess("src", tmp_path / "src", transport=transport)
+    dst = SidecarProcess("dst", tmp_path / "dst", transport=transport)
     with sidecars(src, dst):
         async with httpx.AsyncClient(timeout=60.0) as http:
             stored = await put_blocks(http, src, chain, size)

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from ownerserve.kvstate.heads import head_keys
 from workers.sidecar.server import Sidecar, SidecarConfig, serving
-from workers.sidecar.transports import TCP
+from workers.sidecar.transports import TCP, Transport, mooncake_status, select_transport
 
 MODEL = "m"
 HEADS = range(2)
@@ -30,10 +31,22 @@ def payload(key: str, size: int = 3000) -> bytes:
     return (seed * (size // len(seed) + 1))[:size]
 
 
+def transport_named(name: str) -> Transport:
+    """TCP always; Mooncake when it runs here, else the test skips saying why."""
+    if name == "tcp":
+        return TCP
+    module, reason = mooncake_status()
+    if module is None:
+        pytest.skip(reason)
+    return select_transport("mooncake")
+
+
 @contextlib.asynccontextmanager
-async def sidecar(tmp_path: Path, name: str, **overrides: Any) -> AsyncIterator[Sidecar]:
+async def sidecar(
+    tmp_path: Path, name: str, transport: Transport = TCP, **overrides: Any
+) -> AsyncIterator[Sidecar]:
     config = SidecarConfig(worker_id=name, store_dir=tmp_path / name, port=0, **overrides)
-    async with serving(config, TCP) as sc:
+    async with serving(config, transport) as sc:
         yield sc
 
 
@@ -133,12 +146,15 @@ async def test_a_corrupted_file_is_dropped_and_answered_404(tmp_path: Path) -> N
         assert "ownerserve_sidecar_corrupted_artifacts 1.0" in metrics
 
 
-async def test_fetch_pulls_every_head_of_the_stored_prefix(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["tcp", "mooncake"])
+async def test_fetch_pulls_every_head_of_the_stored_prefix(tmp_path: Path, transport: str) -> None:
+    tr = transport_named(transport)
     async with (
-        sidecar(tmp_path, "a") as a,
-        sidecar(tmp_path, "b", memory_bytes=4000) as b,  # small: some land in files
+        sidecar(tmp_path, "a", tr) as a,
+        sidecar(tmp_path, "b", tr, memory_bytes=4000) as b,  # small: some land in files
         httpx.AsyncClient() as http,
     ):
+        assert (await http.get(f"{b.url}/health")).json()["transport"] == transport
         chunks = [0x11, 0x22, 0x33, 0x44, 0x55]
         await put_chunks(http, a, [0x11, 0x22, 0x33, 0x55])  # 0x44 missing: prefix of 3
         r = await http.post(f"{b.url}/ownerserve/kv/fetch", json=fetch_body(a, chunks))
