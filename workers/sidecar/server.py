@@ -686,5 +686,9 @@ def run_forever(config: SidecarConfig, transport: Transport) -> int:
         transport.name,
         config.store_dir,
     )
-    server.run()
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits 3 when a port cannot be bound or startup fails
+        log.error("sidecar %s did not start (uvicorn exit %s)", config.worker_id, exc.code)
+        return 1
     return 0 if server.started else 1

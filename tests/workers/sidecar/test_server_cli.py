@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import types
@@ -68,3 +69,18 @@ def test_mooncake_unavailable_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) 
     assert select_transport("auto") is TCP
     with pytest.raises(TransportUnavailable, match=r"mooncake\.engine does not import"):
         select_transport("mooncake")
+
+
+def test_a_port_in_use_exits_1(tmp_path: object) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        run = subprocess.run(
+            [sys.executable, "-m", "ownerserve", "worker", "sidecar", "--worker-id", "a",
+             "--store-dir", str(tmp_path), "--port", str(port), "--transport", "tcp"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )  # fmt: skip
+    assert run.returncode == 1 and "address already in use" in run.stderr
