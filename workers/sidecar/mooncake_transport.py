@@ -75,6 +75,8 @@ AVAILABLE: bool = _TransferEngine is not None
 MiB = 1 << 20
 DIRECT_MIN = 256 << 10
 """Parts at least this large are read straight into the artifact's final buffer."""
+MAX_SMALL_SPAN = 1 << 30
+"""Sanity bound on the span of one batch's staged parts (the source keeps them in one region)."""
 MAX_ITEMS_PER_BATCH = 2048
 """Bounds a batch frame's header (each artifact costs ~100 bytes of JSON)."""
 _WILDCARDS = ("", "0.0.0.0", "::")
@@ -95,12 +97,17 @@ class MooncakeSettings:
     the first control connection left from."""
     staging_bytes: int = 256 * MiB
     region_bytes: int = 16 * MiB
+    batch_bytes: int = 4 * MiB
+    """Bytes per batch (one engine read, one acknowledgement): small enough that hashing batch k
+    overlaps reading batch k + 1, large enough to amortize the control round trip."""
     hash_threads: int = 0
     """Threads that verify checksums; 0 = min(4, CPU count)."""
 
     def __post_init__(self) -> None:
         if self.region_bytes <= 0 or self.staging_bytes < 2 * self.region_bytes:
             raise ValueError("staging_bytes must hold at least two regions of region_bytes > 0")
+        if self.batch_bytes <= 0:
+            raise ValueError("batch_bytes must be > 0")
 
     @classmethod
     def from_env(cls) -> MooncakeSettings:
@@ -112,6 +119,7 @@ class MooncakeSettings:
             local_hostname=env.get("OWNERSERVE_MOONCAKE_HOST", ""),
             staging_bytes=int(env.get("OWNERSERVE_MOONCAKE_STAGING_BYTES", 256 * MiB)),
             region_bytes=int(env.get("OWNERSERVE_MOONCAKE_REGION_BYTES", 16 * MiB)),
+            batch_bytes=int(env.get("OWNERSERVE_MOONCAKE_BATCH_BYTES", 4 * MiB)),
             hash_threads=int(env.get("OWNERSERVE_MOONCAKE_HASH_THREADS", 0)),
         )
 
@@ -162,8 +170,9 @@ class _Engine:
             self.session_id = f"{_host_for_url(hostname)}:{self.te.get_rpc_port()}"
         else:
             self.session_id = hostname
+        self.hash_threads = settings.hash_threads or min(4, os.cpu_count() or 1)
         self.hash_pool = concurrent.futures.ThreadPoolExecutor(
-            settings.hash_threads or min(4, os.cpu_count() or 1),
+            self.hash_threads,
             thread_name_prefix="mooncake-verify",
         )
         self.read_pool = concurrent.futures.ThreadPoolExecutor(
@@ -171,6 +180,8 @@ class _Engine:
         )
         self._recv_lock = threading.Lock()
         self._recv_free: list[_Buffer] = []
+        self._pin_lock = threading.Lock()
+        self._pins: dict[int, tuple[bytes, int]] = {}
 
     def register(self, addr: int, size: int) -> None:
         rc = self.te.register_memory(addr, size, "cpu:0")
@@ -179,6 +190,27 @@ class _Engine:
 
     def unregister(self, addr: int) -> None:
         self.te.unregister_memory(addr)
+
+    def pin(self, data: bytes) -> int:
+        """Register an artifact's bytes in place (shared by concurrent requests: counted)."""
+        addr = _address_of(data)
+        with self._pin_lock:
+            held = self._pins.get(addr)
+            if held is None:
+                self.register(addr, len(data))
+                self._pins[addr] = (data, 1)
+            else:
+                self._pins[addr] = (data, held[1] + 1)
+        return addr
+
+    def unpin(self, addr: int) -> None:
+        with self._pin_lock:
+            data, n = self._pins[addr]
+            if n > 1:
+                self._pins[addr] = (data, n - 1)
+                return
+            del self._pins[addr]
+            self.unregister(addr)
 
     # receive buffers: registered, reused (warm pages), returned by the thread that read into them
     def take_receive_buffer(self, size: int) -> _Buffer:
@@ -213,6 +245,8 @@ def _host_for_url(host: str) -> str:
 def _engine(settings: MooncakeSettings | None, hostname_hint: str) -> _Engine:
     """The process's engine, created on first use (later settings are ignored)."""
     global _ENGINE
+    if _ENGINE is not None:
+        return _ENGINE
     with _ENGINE_LOCK:
         if _ENGINE is None:
             s = settings or MooncakeSettings.from_env()
@@ -248,19 +282,23 @@ class _Buffer:
 
 
 @dataclass(slots=True)
-class _Staged:
-    """One batch staged in a region: what the frame announces and the copies to make."""
+class _Lease:
+    """What one batch in flight holds at the source until the peer acknowledges it: a staging
+    region (for small artifacts) and in-place registrations (large artifacts whose last part it
+    carries)."""
 
-    new: list[list[object]] = field(default_factory=list)
-    missing: list[int] = field(default_factory=list)
-    parts: list[list[int]] = field(default_factory=list)
-    copies: list[tuple[int, bytes, int, int]] = field(default_factory=list)
-    used: int = 0
+    region: int | None = None
+    pins: list[int] = field(default_factory=list)
 
 
 def _copy_all(copies: Sequence[tuple[int, bytes, int, int]]) -> None:
     for dst, data, pos, n in copies:
         ctypes.memmove(dst, _address_of(data) + pos, n)
+
+
+PIN_GRACE_S = 40.0
+"""After a peer vanished mid-batch, in-place registrations stay (and their bytes alive) this
+long: longer than the engine's own 30 s no-progress limit on a read still in flight."""
 
 
 class TransportServer:
@@ -274,6 +312,7 @@ class TransportServer:
         self._staging: _Buffer | None = None
         self._free: asyncio.Queue[int] | None = None
         self._region_bytes = 0
+        self._batch_bytes = 0
         self._handlers: set[asyncio.Task[None]] = set()
         self._peers: set[asyncio.StreamWriter] = set()
 
@@ -281,6 +320,7 @@ class TransportServer:
         self._engine = _engine(self.settings, host)
         s = self.settings or self._engine.settings
         self._region_bytes = s.region_bytes
+        self._batch_bytes = min(s.batch_bytes, s.region_bytes)
         regions = s.staging_bytes // s.region_bytes
         self._staging = _Buffer(self._engine, regions * s.region_bytes)
         self._free = asyncio.Queue()
@@ -304,10 +344,12 @@ class TransportServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
-        assert task is not None
+        assert task is not None and self._engine is not None and self._free is not None
+        engine, free = self._engine, self._free
         self._handlers.add(task)
         self._peers.add(writer)
-        held: deque[int | None] = deque()
+        held: deque[_Lease] = deque()
+        open_pins: list[int] = []  # in-place artifacts whose last part is not sent yet
         try:
             while True:
                 try:
@@ -319,16 +361,26 @@ class TransportServer:
                     writer.write(_frame({"error": "request needs 'keys': [str, ...]"}))
                     await writer.drain()
                     return
-                await self._serve(keys, reader, writer, held)
+                await self._serve(keys, reader, writer, held, open_pins)
         except (asyncio.IncompleteReadError, OSError, TransferError, ValueError):
             return
         finally:
             self._handlers.discard(task)
             self._peers.discard(writer)
-            assert self._free is not None
-            for region in held:  # the peer is gone or done: no read of ours is in flight
-                if region is not None:
-                    self._free.put_nowait(region)
+            # the peer is gone or done; a read of it may still be in flight: regions go back
+            # (a late read gets other bytes and fails its checksum), in-place bytes stay
+            # registered and alive for a grace period
+            pins = [addr for lease in held for addr in lease.pins] + open_pins
+            for lease in held:
+                if lease.region is not None:
+                    free.put_nowait(lease.region)
+            if pins:
+
+                def unpin_all() -> None:
+                    for addr in pins:
+                        engine.unpin(addr)
+
+                asyncio.get_running_loop().call_later(PIN_GRACE_S, unpin_all)
             writer.close()
 
     async def _serve(
@@ -336,10 +388,11 @@ class TransportServer:
         keys: list[str],
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
-        held: deque[int | None],
+        held: deque[_Lease],
+        open_pins: list[int],
     ) -> None:
         assert self._engine is not None and self._staging is not None and self._free is not None
-        free = self._free
+        engine, free, region_bytes = self._engine, self._free, self._region_bytes
         sent = acked = 0
 
         async def take_ack() -> None:
@@ -348,58 +401,80 @@ class TransportServer:
             if ack.get("ack") != acked:
                 raise TransferError(f"peer acknowledged {ack.get('ack')!r}, expected {acked}")
             acked += 1
-            region = held.popleft()
-            if region is not None:
-                free.put_nowait(region)
+            lease = held.popleft()
+            if lease.region is not None:
+                free.put_nowait(lease.region)
+            for addr in lease.pins:
+                engine.unpin(addr)
 
         nxt = 0  # next key to look up
-        current: tuple[int, bytes, int] | None = None  # key index, bytes, bytes already staged
+        # the artifact being sent: key index, bytes, bytes sent, in-place address (or 0)
+        current: tuple[int, bytes, int, int] | None = None
         while True:
-            while len(held) >= 2 or (held and free.empty()):
+            while len(held) >= 2:
                 await take_ack()
-            region = await free.get()
-            held.append(region)
-            base = self._staging.addr + region * self._region_bytes
-            staged = _Staged()
-            while staged.used < self._region_bytes and len(staged.parts) < MAX_ITEMS_PER_BATCH:
+            lease = _Lease()
+            held.append(lease)
+            new: list[list[object]] = []
+            missing: list[int] = []
+            parts: list[list[int]] = []
+            copies: list[tuple[int, bytes, int, int]] = []
+            budget = self._batch_bytes  # bytes per batch, staged or in place
+            staged = 0
+            while budget > 0 and len(parts) + len(new) + len(missing) < MAX_ITEMS_PER_BATCH:
                 if current is None:
                     if nxt == len(keys):
                         break
                     try:
                         data, digest = self.store.read_for_transfer(keys[nxt])
                     except (ArtifactMissing, ArtifactCorrupted):
-                        staged.missing.append(nxt)
+                        missing.append(nxt)
                         nxt += 1
                         continue
                     data = bytes(data)
-                    staged.new.append([nxt, len(data), digest.hex()])
-                    current = (nxt, data, 0)
+                    new.append([nxt, len(data), digest.hex()])
+                    addr = 0
+                    if len(data) >= DIRECT_MIN:
+                        addr = engine.pin(data)
+                        open_pins.append(addr)
+                    current = (nxt, data, 0, addr)
                     nxt += 1
-                idx, data, pos = current
-                n = min(len(data) - pos, self._region_bytes - staged.used)
-                if n:
-                    staged.parts.append([idx, pos, n, staged.used])
-                    staged.copies.append((base + staged.used, data, pos, n))
-                staged.used += n
-                current = None if pos + n == len(data) else (idx, data, pos + n)
-            if staged.used > MiB:
-                await asyncio.to_thread(_copy_all, staged.copies)
+                idx, data, pos, addr = current
+                n = min(len(data) - pos, budget)
+                if n and addr:
+                    parts.append([idx, pos, n, addr + pos])
+                elif n:
+                    if lease.region is None:
+                        if free.empty() and parts:
+                            break  # send what is ready; stage these once a region is free
+                        while free.empty() and any(x.region is not None for x in held):
+                            await take_ack()  # never wait for a region while holding one
+                        lease.region = await free.get()
+                    dst = self._staging.addr + lease.region * region_bytes + staged
+                    parts.append([idx, pos, n, dst])
+                    copies.append((dst, data, pos, n))
+                    staged += n
+                budget -= n
+                if pos + n == len(data):
+                    current = None
+                    if addr:
+                        open_pins.remove(addr)
+                        lease.pins.append(addr)
+                else:
+                    current = (idx, data, pos + n, addr)
+            if staged > MiB:
+                await asyncio.to_thread(_copy_all, copies)
             else:
-                _copy_all(staged.copies)
-            if not staged.parts:  # nothing for the peer to read from this region
-                held[-1] = None
-                free.put_nowait(region)
+                _copy_all(copies)
             last = current is None and nxt == len(keys)
             writer.write(
                 _frame(
                     {
                         "batch": sent,
-                        "session": self._engine.session_id,
-                        "addr": base,
-                        "region": self._region_bytes,
-                        "new": staged.new,
-                        "missing": staged.missing,
-                        "parts": staged.parts,
+                        "session": engine.session_id,
+                        "new": new,
+                        "missing": missing,
+                        "parts": parts,
                         "last": last,
                     }
                 )
@@ -477,11 +552,11 @@ def _read_batch(
 
 @dataclass(slots=True)
 class _Batch:
-    """A batch frame, checked."""
+    """A batch frame, checked: artifacts it starts, keys the source lacks, and parts as
+    (key index, offset in the artifact, length, address in the source's registered memory)."""
 
     number: int
     session: str
-    base: int
     new: list[tuple[int, int, bytes]]
     missing: list[int]
     parts: list[tuple[int, int, int, int]]
@@ -492,24 +567,22 @@ class _Batch:
         if "error" in frame:
             raise TransferError(f"peer refused: {frame['error']}")
         try:
-            number, session, base = frame["batch"], frame["session"], frame["addr"]
-            span = frame["region"]
+            number, session = frame["batch"], frame["session"]
             assert isinstance(number, int) and isinstance(session, str)
-            assert isinstance(base, int) and isinstance(span, int)
             new = [(int(i), int(n), bytes.fromhex(d)) for i, n, d in frame["new"]]  # type: ignore[attr-defined]
             missing = [int(i) for i in frame["missing"]]  # type: ignore[attr-defined]
             parts = [
-                (int(i), int(p), int(n), int(o))
-                for i, p, n, o in frame["parts"]  # type: ignore[attr-defined]
+                (int(i), int(p), int(n), int(a))
+                for i, p, n, a in frame["parts"]  # type: ignore[attr-defined]
             ]
         except (KeyError, TypeError, ValueError, AssertionError) as e:
             raise TransferError(f"bad batch frame: {e!r}") from None
         idx = [i for i, _, _ in new] + missing + [p[0] for p in parts]
         if any(not 0 <= i < n_keys for i in idx) or any(n < 0 for _, n, _ in new):
             raise TransferError("bad batch frame: index or size out of range")
-        if any(n <= 0 or o < 0 or o + n > span for _, _, n, o in parts):
-            raise TransferError("bad batch frame: part outside the region")
-        return cls(number, session, base, new, missing, parts, bool(frame.get("last")))
+        if any(n <= 0 or a <= 0 for _, _, n, a in parts):
+            raise TransferError("bad batch frame: empty part or bad address")
+        return cls(number, session, new, missing, parts, bool(frame.get("last")))
 
 
 async def fetch(
@@ -597,24 +670,26 @@ class _Receiving:
         # large parts straight into their artifact; the small ones as one packed run
         segments: list[tuple[int, int, int]] = []
         small: list[tuple[_Incoming, int, int, int]] = []
-        for i, pos, n, off in batch.parts:
+        for i, pos, n, remote in batch.parts:
             got = self.incoming.get(i)
             if got is None or pos != got.received or pos + n > got.size:
                 raise TransferError(f"bad batch frame: part of key #{i} at {pos}")
             inc = got
             if inc.registered:
-                segments.append((inc.addr + pos, batch.base + off, n))
+                segments.append((inc.addr + pos, remote, n))
             else:
-                small.append((inc, pos, n, off))
+                small.append((inc, pos, n, remote))
             inc.received += n
         recv: _Buffer | None = None
         copy_out: list[tuple[int, int, int]] = []
-        if small:
-            lo = min(off for *_, off in small)
-            hi = max(off + n for _, _, n, off in small)
+        if small:  # staged back to back by the source: one read of their span
+            lo = min(remote for *_, remote in small)
+            hi = max(remote + n for _, _, n, remote in small)
+            if hi - lo > MAX_SMALL_SPAN:
+                raise TransferError("bad batch frame: small parts spread too far apart")
             recv = engine.take_receive_buffer(hi - lo)
-            segments.append((recv.addr, batch.base + lo, hi - lo))
-            copy_out = [(inc.addr + pos, recv.addr + off - lo, n) for inc, pos, n, off in small]
+            segments.append((recv.addr, lo, hi - lo))
+            copy_out = [(inc.addr + pos, recv.addr + r - lo, n) for inc, pos, n, r in small]
         if not segments:
             return
         keep = [self.incoming[i].data for i, *_ in batch.parts]
@@ -639,21 +714,26 @@ class _Receiving:
         artifacts whose checksums are done."""
         engine = self.engine
         assert engine is not None
-        updates: list[tuple[Any, memoryview]] = []
-        waits: list[concurrent.futures.Future[None]] = []
+        # artifacts spread over the verify threads; one artifact's parts stay in order
+        groups = engine.hash_threads
+        updates: list[list[tuple[Any, memoryview]]] = [[] for _ in range(groups)]
+        waits: list[list[concurrent.futures.Future[None]]] = [[] for _ in range(groups)]
         touched: dict[int, _Incoming] = {}
         for i, pos, n, _ in batch.parts:
             inc = self.incoming[i]
-            updates.append((inc.hasher, memoryview(inc.data)[pos : pos + n]))
+            updates[i % groups].append((inc.hasher, memoryview(inc.data)[pos : pos + n]))
             if inc.hashed is not None and i not in touched:
-                waits.append(inc.hashed)
+                waits[i % groups].append(inc.hashed)
             touched[i] = inc
         for i, size, _ in batch.new:
             if size == 0:
                 touched[i] = self.incoming[i]
-        job = engine.hash_pool.submit(_hash_parts, updates, waits)
-        for inc in touched.values():
-            inc.hashed = job
+        jobs = {
+            g: engine.hash_pool.submit(_hash_parts, updates[g], waits[g])
+            for g in {i % groups for i in touched}
+        }
+        for i, inc in touched.items():
+            inc.hashed = jobs[i % groups]
             if inc.received == inc.size:
                 if inc.registered:
                     engine.unregister(inc.addr)
