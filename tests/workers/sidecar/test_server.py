@@ -241,3 +241,23 @@ async def test_concurrent_fetches_of_one_prefix_move_it_once(tmp_path: Path) -> 
         assert sum(x["artifacts"] for x in answers) == 80  # each artifact pulled by one of them
         metrics = (await http.get(f"{b.url}/metrics")).text
         assert f"ownerserve_sidecar_fetched_bytes_total {80 * 3000}.0" in metrics
+
+
+async def test_the_advertised_host_is_the_transfer_host_peers_use(tmp_path: Path) -> None:
+    async with (
+        sidecar(tmp_path, "a", advertise_url="http://localhost:9") as a,
+        sidecar(tmp_path, "b") as b,
+        httpx.AsyncClient() as http,
+    ):
+        real = f"http://127.0.0.1:{a.bound_port}"
+        assert (await http.get(f"{real}/health")).json()["url"] == "http://localhost:9"
+        for key in keys_of(1):
+            await http.put(f"{real}/ownerserve/kv/artifacts/{key}", content=payload(key))
+        index = await http.post(
+            f"{real}/ownerserve/kv/index", json={"model": MODEL, "chunk_hashes": [1, 2]}
+        )
+        assert index.json()["keys"] == [keys_of(1), []]
+        assert index.json()["transfer_host"] == "localhost"
+        body = {**fetch_body(a, [1]), "source_url": real}
+        r = await http.post(f"{b.url}/ownerserve/kv/fetch", json=body)
+        assert r.json() == {"blocks": 1, "artifacts": 2, "bytes": 6000}
