@@ -8,6 +8,7 @@ import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -47,7 +48,11 @@ async def test_stored_and_fetched_blocks_show_up_as_replicas_and_expire(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     prefix = f"sc-{uuid.uuid4().hex[:8]}"
-    shared = {"directory": redis_server.url, "directory_prefix": prefix, "replica_ttl_s": 1.5}
+    shared: dict[str, Any] = {
+        "directory": redis_server.url,
+        "directory_prefix": prefix,
+        "replica_ttl_s": 1.5,
+    }
     router_view = RedisDirectory.from_url(redis_server.url, prefix)
     try:
         async with (
