@@ -65,6 +65,7 @@ from workers.sidecar.store import (
     ArtifactMissing,
     ArtifactStore,
     ArtifactTooLarge,
+    StoreError,
 )
 from workers.sidecar.store import Tier as StoreTier
 from workers.sidecar.transports import Transport, TransportUnavailable, transport_for_peer
@@ -429,7 +430,7 @@ class Sidecar:
                 self._inflight[k] = done
             try:
                 await self._pull(body, answer, mine)
-            except FetchFailedError:
+            except BaseException:  # failed, or cancelled (shutdown): no incomplete block stays
                 got = {k for k in mine if self.store.has(k)}
                 self._drop_incomplete(blocks, got)
                 self._account(got)
@@ -463,6 +464,10 @@ class Sidecar:
         except transport.errors as exc:
             raise FetchFailedError(
                 f"fetch from {body.source_worker or body.source_url} failed: {exc}"
+            ) from exc
+        except (StoreError, OSError) as exc:  # e.g. an artifact larger than every tier here
+            raise FetchFailedError(
+                f"fetch from {body.source_worker or body.source_url}: cannot store: {exc!r}"
             ) from exc
 
     def _account(self, keys: set[str]) -> int:

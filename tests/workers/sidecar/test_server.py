@@ -261,3 +261,17 @@ async def test_the_advertised_host_is_the_transfer_host_peers_use(tmp_path: Path
         body = {**fetch_body(a, [1]), "source_url": real}
         r = await http.post(f"{b.url}/ownerserve/kv/fetch", json=body)
         assert r.json() == {"blocks": 1, "artifacts": 2, "bytes": 6000}
+
+
+async def test_artifacts_too_large_for_the_destination_are_a_502_not_a_crash(
+    tmp_path: Path,
+) -> None:
+    async with (
+        sidecar(tmp_path, "a") as a,
+        sidecar(tmp_path, "b", memory_bytes=1000, ssd_bytes=1000) as b,
+        httpx.AsyncClient() as http,
+    ):
+        await put_chunks(http, a, [1])  # 3000-byte artifacts
+        r = await http.post(f"{b.url}/ownerserve/kv/fetch", json=fetch_body(a, [1]))
+        assert_openai_error(r, 502)
+        assert b.store.keys() == []
