@@ -1,6 +1,6 @@
 """The mission's cost model:
 
-    C(a) = T_queue + T_compute + T_network + T_restore + λ·M_HBM + μ·I_decode
+    C(a) = T_queue + T_compute + T_network + T_restore + λ·M_HBM + μ·I_decode + H_move
 
 Each term is its own function below, with its formula in its docstring, exactly as computed (the
 same formulas are in `planner/README.md`). Times come from `ownerserve.profiles` timing profiles,
@@ -43,12 +43,14 @@ _FETCH, _MIG, _REMOTE = Action.ARTIFACT_FETCH, Action.STATE_MIGRATION, Action.RE
 class CostConfig:
     """Weights, thresholds and profile names of the planner (`planner:` section of the config).
 
-    `lam` (λ) is seconds per duplicated HBM byte, `mu` (μ) the weight of decode interference.
+    `lam` (λ) is seconds per duplicated HBM byte, `mu` (μ) the weight of decode interference;
+    `migration_margin_s` and `migration_margin_rel` are the hysteresis a state migration pays
+    (`h_move`).
     `profile` is the default timing profile; `profiles` are extra ones workers may name in
     `WorkerView.profile` (an unknown name falls back to the default).
     """
 
-    lam: float = 1e-11
+    lam: float = 5e-11
     mu: float = 1.0
     profile: str = "h100-llama3-8b"
     profiles: tuple[str, ...] = ()
@@ -64,6 +66,10 @@ class CostConfig:
     decode_horizon_tokens: int = 64
     # fixed cost of the two-phase P->D protocol (extra request round trip + KV handshake)
     pd_handshake_s: float = 0.005
+    # state migration hysteresis: a move must beat staying by this margin plus this share of
+    # its own cost (`h_move`)
+    migration_margin_s: float = 0.05
+    migration_margin_rel: float = 0.1
     # prefix-multi-owner baseline: "imbalanced" when max-min load > abs and max > rel·min
     imbalance_abs: int = 32
     imbalance_rel: float = 1.5
@@ -73,6 +79,8 @@ class CostConfig:
             raise ConfigError("planner: lambda_hbm and mu_interference must be >= 0")
         if self.decode_horizon_tokens < 0 or self.pd_handshake_s < 0:
             raise ConfigError("planner: decode_horizon_tokens and pd_handshake_s must be >= 0")
+        if self.migration_margin_s < 0 or self.migration_margin_rel < 0:
+            raise ConfigError("planner: migration_margin_s and migration_margin_rel must be >= 0")
 
     @classmethod
     def from_settings(cls, settings: PlannerSettings, kv_spec: str | None = None) -> CostConfig:
@@ -83,6 +91,8 @@ class CostConfig:
             mu=settings.mu_interference,
             profile=settings.profile,
             kv_spec=kv_spec,
+            migration_margin_s=settings.migration_margin_s,
+            migration_margin_rel=settings.migration_margin_rel,
         )
 
 
@@ -377,12 +387,15 @@ def m_hbm(
 ) -> float:
     """M_HBM, duplicate KV bytes the action creates:
     REMOTE_PREFILL: (N − r) · K  (P's copy of what it computed)  + dup(D, gpu(D));
-    STATE_MIGRATION: 0  (the session's blocks move; the source releases them);
+    STATE_MIGRATION: moved_blocks · block_size · K  (the copy made on P; the source keeps its
+    own: the router does not free it, so after the move both hold the prefix);
     otherwise (colocated, fetch): dup(P, held(P)), the fetched replica or recomputed owned prefix;
     dup(w, h) = [w ≠ owner] · max(0, owner_blocks − h) · block_size · K.
     `reused` (tokens) and `held` (held(P)) when already known."""
     if route.action is _MIG:
-        return 0.0
+        return float(moved_blocks(request, route, held) * request.block_size) * (
+            request.kv_bytes_per_token
+        )
     if route.action is _REMOTE:
         n = max(request.prompt_tokens, 1)
         r = reused_tokens(request, route) if reused is None else reused
@@ -397,14 +410,29 @@ def m_hbm(
 def i_decode(
     model: CostModel, request: RequestView, route: Route, prefill: float | None = None
 ) -> float:
-    """I_decode = prefill_s(P, N − r, r) · min(1, running(P) / max_num_seqs(P)): the stall the
-    prefill imposes on the prefill worker's running decode batch (0 on an idle or P-only worker).
-    `prefill` is t_prefill when already computed."""
+    """I_decode = running(P) · prefill_s(P, N − r, r): every decode running on the prefill
+    worker waits for the whole prefill (0 on an idle or prefill-only worker). An engine step
+    computes a prefill chunk and one token of each running decode together (the emulated
+    engine's step lasts decode_step_s + prefill_s of its chunk, as vLLM's does), so each of the
+    running(P) decodes gets its next tokens prefill_s later. `prefill` is t_prefill when already
+    computed."""
     p = route.prefill
     if p.running <= 0:
         return 0.0
-    share = min(1.0, p.running / model.profile_of(p).max_num_seqs)
-    return (t_prefill(model, request, route) if prefill is None else prefill) * share
+    return (t_prefill(model, request, route) if prefill is None else prefill) * p.running
+
+
+def h_move(model: CostModel, route: Route, others: float) -> float:
+    """H_move, the hysteresis of a move: STATE_MIGRATION: migration_margin_s +
+    migration_margin_rel · C₀, C₀ = the sum of the route's other terms; 0 for every other
+    action. A session moves only when staying costs more than moving by this much: loads
+    seen by the planner are a scrape old and swap within a tool gap, so a move that wins by
+    less is as likely to be undone by the next turn (which copies the prefix back), while
+    each move leaves a copy behind (M_HBM)."""
+    if route.action is not _MIG:
+        return 0.0
+    cfg = model.config
+    return cfg.migration_margin_s + cfg.migration_margin_rel * others
 
 
 def evaluate(model: CostModel, request: RequestView, route: Route) -> CostBreakdown:
@@ -428,17 +456,17 @@ def _evaluate(
     pre = t_prefill(model, request, route, r)
     dec = t_decode(model, request, route)
     o = decode_tokens(request, cfg)
+    tq = t_queue(model, request, route)
+    tn = t_network(model, request, route, moved)
+    tr = t_restore(model, request, route, tiers)
+    m = m_hbm(model, request, route, r, held)
+    i = i_decode(model, request, route, pre)
+    h = 0.0
+    if route.action is _MIG:
+        # the other terms summed as CostBreakdown.total sums them
+        h = h_move(model, route, tq + (pre + dec) + tn + tr + cfg.lam * m + cfg.mu * i)
     return CostBreakdown(
-        t_queue(model, request, route),
-        pre + dec,
-        t_network(model, request, route, moved),
-        t_restore(model, request, route, tiers),
-        m_hbm(model, request, route, r, held),
-        i_decode(model, request, route, pre),
-        cfg.lam,
-        cfg.mu,
-        pre,
-        dec / o if o else 0.0,
+        tq, pre + dec, tn, tr, m, i, cfg.lam, cfg.mu, pre, dec / o if o else 0.0, h
     )
 
 

@@ -69,6 +69,7 @@ def candidate_to_dict(c: Candidate) -> dict[str, Any]:
             "t_restore_s": b.t_restore,
             "m_hbm_bytes": b.m_hbm_bytes,
             "i_decode_s": b.i_decode,
+            "h_move_s": b.h_move,
             "lambda": b.lam,
             "mu": b.mu,
         },

@@ -97,7 +97,8 @@ class ClusterView:
 
 @dataclass(frozen=True, slots=True)
 class CostBreakdown:
-    """C(a) = T_queue + T_compute + T_network + T_restore + λ·M_HBM + μ·I_decode (seconds)."""
+    """C(a) = T_queue + T_compute + T_network + T_restore + λ·M_HBM + μ·I_decode + H_move
+    (seconds)."""
 
     t_queue: float = 0.0
     t_compute: float = 0.0
@@ -111,6 +112,8 @@ class CostBreakdown:
     # t_compute, and one decode step of this request on its decode worker (predicted TPOT)
     t_prefill: float = 0.0
     t_decode_step: float = 0.0
+    # a state migration's hysteresis (planner.cost.h_move); 0 for every other action
+    h_move: float = 0.0
 
     @property
     def total(self) -> float:
@@ -121,6 +124,7 @@ class CostBreakdown:
             + self.t_restore
             + self.lam * self.m_hbm_bytes
             + self.mu * self.i_decode
+            + self.h_move
         )
 
 

@@ -58,7 +58,6 @@ class OwnerServePolicy:
                 p.decode.per_seq_s,
                 p.decode.per_ctx_token_s,
                 p.hbm_kv_bytes / p.kv_bytes_per_token,
-                1.0 / p.max_num_seqs,
                 p.link.latency_s,
                 p.link.intra_node_bps,
                 p.link.inter_node_bps,
@@ -66,16 +65,23 @@ class OwnerServePolicy:
         self._default_profile = self.model.config.profile
 
     def _request_consts(
-        self, profile: str, n: int, o: int, rt_fetch: int, rt_mig: int
+        self, profile: str, n: int, o: int, rt_fetch: int, rt_mig: int, fetch: bool, mig: bool
     ) -> tuple[float, ...]:
         """Per-profile constants for one request: prompt of n tokens, o decode steps, rt_fetch /
-        rt_mig tokens reused after a fetch / migration into a worker holding nothing."""
+        rt_mig tokens reused after a fetch / migration into a worker holding nothing (`fetch`,
+        `mig`: whether those candidates exist)."""
         c = self._prof.get(profile) or self._prof[self._default_profile]
-        pbase, ptok, pctx, dbase, dseq, dctx, cap, inv_seqs, lat, intra, inter = c
+        pbase, ptok, pctx, dbase, dseq, dctx, cap, lat, intra, inter = c
         pf_full = pbase + ptok * n + pctx * n * (n / 2.0)
         nf, nmig = n - rt_fetch, n - rt_mig
         pf_fetch = pbase + ptok * nf + pctx * nf * (rt_fetch + nf / 2.0)
         pf_mig = pbase + ptok * nmig + pctx * nmig * (rt_mig + nmig / 2.0)
+        # the least prefill of any candidate on a worker holding nothing (a lower bound)
+        pf_lo = pf_full
+        if fetch and pf_fetch < pf_lo:
+            pf_lo = pf_fetch
+        if mig and pf_mig < pf_lo:
+            pf_lo = pf_mig
         # q(w) = s_p · (per_token_s · inflight + base_s · waiting): the prefill constants again
         return (
             ptok,
@@ -87,12 +93,12 @@ class OwnerServePolicy:
             o * (dbase + dseq + dctx * n),
             o * dseq,
             o * dctx * cap,
-            inv_seqs,
             lat,
             intra,
             inter,
             pf_fetch,
             pf_mig,
+            pf_lo,
         )
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
@@ -109,6 +115,9 @@ class OwnerServePolicy:
         lam = cfg.lam
         mu = cfg.mu
         handshake = cfg.pd_handshake_s
+        # H_move: a migration's cost C₀ becomes C₀ · (1 + migration_margin_rel) + margin_s
+        mig_rel = 1.0 + cfg.migration_margin_rel
+        mig_abs = cfg.migration_margin_s
         owner_id = request.owner
         ob = request.owner_blocks if owner_id is not None else 0
         sess_id = request.session_owner
@@ -161,16 +170,17 @@ class OwnerServePolicy:
             if prof is not cur_prof:
                 pc = consts.get(prof)
                 if pc is None:
-                    pc = consts[prof] = self._request_consts(prof, n, o, rt_f, rt_m)
-                (qtok, qbase, pbase, ptok, pctx, pf_full, d_a, d_b, d_c, inv_seqs,
-                 lat, intra, inter, pf_fetch, pf_mig) = pc  # fmt: skip
+                    pc = consts[prof] = self._request_consts(
+                        prof, n, o, rt_f, rt_m, src_f is not None, src_m is not None
+                    )
+                (qtok, qbase, pbase, ptok, pctx, pf_full, d_a, d_b, d_c,
+                 lat, intra, inter, pf_fetch, pf_mig, pf_lo) = pc  # fmt: skip
                 cur_prof = prof
             sp = w.prefill_scale
             q = sp * (qtok * w.inflight_prefill_tokens + qbase * w.waiting)
             running = w.running
-            share = running * inv_seqs
-            if share > 1.0:
-                share = 1.0
+            # I_decode: each running decode waits for the whole prefill
+            share = running if running > 0 else 0
             role = w.role
             cb = w.cached_blocks
 
@@ -184,18 +194,23 @@ class OwnerServePolicy:
                     # colocated + fetch + migration (src_m holds GPU blocks: never on this path)
                     considered += fm_count if w is not src_f else fm_count - 1
                     dup = dup_miss if w is not owner_w else 0.0
-                    if qd < c2 or (dflt_here and qd < cdef):
-                        ms = 1.0 + mu * share
-                        cost = qd + pf * ms + dup
-                        if dflt is _COL and cost < cdef:
-                            cdef, rdef = cost, (_COL, w, w, None)
-                        if cost < c2:
-                            if cost < c1:
-                                c2, r2 = c1, r1
-                                c1, r1 = cost, (_COL, w, w, None)
-                            else:
-                                c2, r2 = cost, (_COL, w, w, None)
-                        if src_f is not None and w is not src_f:
+                    # every candidate on w costs at least lb: skip w if none can enter the top
+                    # two (the prefill, stretched by the decodes it stalls, dominates)
+                    ms = 1.0 + mu * share
+                    lb = qd + sp * pf_lo * ms
+                    top = lb < c2
+                    if top or (dflt_here and lb < cdef):
+                        if top or dflt is _COL:
+                            cost = qd + pf * ms + dup
+                            if dflt is _COL and cost < cdef:
+                                cdef, rdef = cost, (_COL, w, w, None)
+                            if cost < c2:
+                                if cost < c1:
+                                    c2, r2 = c1, r1
+                                    c1, r1 = cost, (_COL, w, w, None)
+                                else:
+                                    c2, r2 = cost, (_COL, w, w, None)
+                        if src_f is not None and w is not src_f and (top or dflt is _FETCH):
                             bw = intra if w.node == f_node else inter
                             cost = qd + sp * pf_fetch * ms + w.link_scale * (lat + ob * bk / bw)
                             cost += lam * ob * bk
@@ -207,9 +222,10 @@ class OwnerServePolicy:
                                     c1, r1 = cost, (_FETCH, w, w, src_f)
                                 else:
                                     c2, r2 = cost, (_FETCH, w, w, src_f)
-                        if src_m is not None:
+                        if src_m is not None and (top or dflt is _MIG):
                             bw = intra if w.node == m_node else inter
                             cost = qd + sp * pf_mig * ms + w.link_scale * (lat + g_m * bk / bw)
+                            cost = (cost + lam * g_m * bk) * mig_rel + mig_abs
                             if dflt is _MIG and cost < cdef:
                                 cdef, rdef = cost, (_MIG, w, w, src_m)
                             if cost < c2:
@@ -306,6 +322,7 @@ class OwnerServePolicy:
                         pf2 = sp * (pbase + ptok * new2 + pctx * new2 * (rt2 + new2 / 2.0))
                         bw = intra if w.node == m_node else inter
                         cost = qdr + pf2 * ms + w.link_scale * (lat + moved * bk / bw)
+                        cost = (cost + lam * moved * bk) * mig_rel + mig_abs
                         if dflt is _MIG and cost < cdef:
                             cdef, rdef = cost, (_MIG, w, w, src_m)
                         if cost < c2:

@@ -62,7 +62,7 @@ def test_bad_config_is_rejected() -> None:
 def test_observe_plan_feeds_prefill_decode_and_link_of_the_plan_workers() -> None:
     req, cl = example()
     policy = OwnerServePolicy(model=unit_model())
-    plan = policy.plan(req, cl)  # colocated on d0: t_queue 0.01 + t_prefill 0.0532
+    plan = policy.plan(req, cl)  # colocated on d0: t_queue 0.01 + t_prefill 0.0572
     cal = Calibrator(CalibrationConfig(alpha=1.0))
     b = plan.chosen.cost
     used = cal.observe_plan(

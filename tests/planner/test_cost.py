@@ -16,6 +16,7 @@ from planner.cost import (
     Route,
     enumerate_routes,
     evaluate,
+    h_move,
     i_decode,
     m_hbm,
     t_compute,
@@ -64,16 +65,17 @@ def test_colocated_on_the_busy_owner_term_by_term() -> None:
     req, _ = example()
     r = _routes()[("colocated_prefill", "d0", "d0")]
     assert t_queue(M, req, r) == pytest.approx(0.01)  # 0.01 · 1 waiting
-    assert t_prefill(M, req, r) == pytest.approx(0.0532)  # 400 new on 600 cached
-    assert t_decode(M, req, r) == pytest.approx(0.0811)  # 10 · (0.005 + 1e-4·21 + 1e-8·101000)
-    assert t_compute(M, req, r) == pytest.approx(0.1343)
+    assert t_prefill(M, req, r) == pytest.approx(0.0572)  # 0.01 + 0.04 + 1e-8·400·(1600 + 200)
+    assert t_decode(M, req, r) == pytest.approx(0.0632)  # 10 · (0.005 + 1e-4·3 + 1e-8·102000)
+    assert t_compute(M, req, r) == pytest.approx(0.1204)
     assert t_network(M, req, r) == 0.0
     assert t_restore(M, req, r) == 0.0
     assert m_hbm(M, req, r) == 0.0  # d0 owns the prefix
-    assert i_decode(M, req, r) == pytest.approx(0.01064)  # 0.0532 · 20/100
+    assert i_decode(M, req, r) == pytest.approx(0.1144)  # both running decodes wait 0.0572
     b = evaluate(M, req, r)
-    assert b.total == pytest.approx(0.15494)
-    assert b.t_decode_step == pytest.approx(0.00811)
+    assert b.h_move == 0.0
+    assert b.total == pytest.approx(0.2448)
+    assert b.t_decode_step == pytest.approx(0.00632)
     assert (b.lam, b.mu) == (1e-9, 1.0)
 
 
@@ -81,11 +83,11 @@ def test_colocated_on_a_non_owner_pays_for_the_duplicate() -> None:
     req, _ = example()
     r = _routes()[("colocated_prefill", "d1", "d1")]
     b = evaluate(M, req, r)
-    assert b.t_prefill == pytest.approx(0.115)  # 0.01 + 0.1 + 1e-8·1000·500
-    assert b.t_compute == pytest.approx(0.2661)  # + 10 · (0.005 + 1e-4·51 + 1e-8·501000)
-    assert b.m_hbm_bytes == 600_000  # 6 owned blocks · 100 tokens · 1000 B recomputed on d1
-    assert b.i_decode == pytest.approx(0.0575)  # 0.115 · 50/100
-    assert b.total == pytest.approx(0.3242)
+    assert b.t_prefill == pytest.approx(0.23)  # 0.01 + 0.2 + 1e-8·2000·1000
+    assert b.t_compute == pytest.approx(0.3322)  # + 10 · (0.005 + 1e-4·2 + 1e-8·502000)
+    assert b.m_hbm_bytes == 1_600_000  # 16 owned blocks · 100 tokens · 1000 B recomputed on d1
+    assert b.i_decode == pytest.approx(0.23)  # d1's one running decode waits the whole prefill
+    assert b.total == pytest.approx(0.5638)
 
 
 def test_remote_prefill_same_node_moves_only_what_d_lacks() -> None:
@@ -93,30 +95,59 @@ def test_remote_prefill_same_node_moves_only_what_d_lacks() -> None:
     r = _routes()[("remote_prefill", "p0", "d0")]
     b = evaluate(M, req, r)
     assert b.t_queue == pytest.approx(0.01)  # q(p0) = 0 + q(d0) = 0.01
-    assert b.t_compute == pytest.approx(0.1961)  # 0.115 on p0 + 0.0811 on d0
-    # handshake 0.002 + 1e-3 + (1000 − 600 tokens)·1000 B / 1e11
+    assert b.t_compute == pytest.approx(0.2932)  # 0.23 on p0 + 0.0632 on d0
+    # handshake 0.002 + 1e-3 + (2000 − 1600 tokens)·1000 B / 1e11
     assert b.t_network == pytest.approx(0.003004)
-    assert b.m_hbm_bytes == 1_000_000  # p0's transient copy of all 1000 tokens
-    assert b.i_decode == 0.0
-    assert b.total == pytest.approx(0.210104)
+    assert b.m_hbm_bytes == 2_000_000  # p0's transient copy of all 2000 tokens
+    assert b.i_decode == 0.0  # p0 runs no decodes; d0's decodes do not wait for p0
+    assert b.total == pytest.approx(0.308204)
 
 
 def test_remote_prefill_across_nodes_to_a_non_owner() -> None:
     req, _ = example()
     b = evaluate(M, req, _routes()[("remote_prefill", "p0", "d1")])
-    assert b.t_network == pytest.approx(0.0031)  # 0.002 + 1e-3 + 1e6 / 1e10
-    assert b.m_hbm_bytes == 1_600_000  # 1e6 transient on p0 + 6e5 owned prefix now on d1
-    assert b.total == pytest.approx(0.2708)
+    assert b.t_network == pytest.approx(0.0032)  # 0.002 + 1e-3 + 2e6 / 1e10
+    assert b.m_hbm_bytes == 3_600_000  # 2e6 transient on p0 + 1.6e6 owned prefix now on d1
+    assert b.total == pytest.approx(0.339)
 
 
-def test_state_migration_moves_the_owner_blocks_without_a_duplicate() -> None:
+def test_state_migration_counts_the_copy_left_behind_and_pays_the_hysteresis() -> None:
     req, _ = example()
     b = evaluate(M, req, _routes()[("state_migration", "d1", "d1")])
-    assert b.t_prefill == pytest.approx(0.0532)  # d1 reuses the 600 moved tokens
-    assert b.t_network == pytest.approx(0.00106)  # 1e-3 + 6e5 / 1e10
-    assert b.m_hbm_bytes == 0.0
-    assert b.i_decode == pytest.approx(0.0266)  # 0.0532 · 50/100
-    assert b.total == pytest.approx(0.23196)
+    assert b.t_prefill == pytest.approx(0.0572)  # d1 reuses the 1600 moved tokens
+    assert b.t_network == pytest.approx(0.00116)  # 1e-3 + 1.6e6 / 1e10
+    assert b.m_hbm_bytes == 1_600_000  # d0 keeps its copy: the moved blocks are a duplicate
+    assert b.i_decode == pytest.approx(0.0572)  # d1's one running decode
+    # C0 = 0.1594 + 0.00116 + λ·1.6e6 + 0.0572 = 0.21936; H = 0.05 + 0.1 · 0.21936
+    assert b.h_move == pytest.approx(0.071936)
+    assert b.total == pytest.approx(0.291296)
+    assert h_move(M, _routes()[("state_migration", "d1", "d1")], 1.0) == pytest.approx(0.15)
+    # no hysteresis for any other action
+    r = _routes()[("remote_prefill", "p0", "d1")]
+    assert h_move(M, r, 1.0) == 0.0 and evaluate(M, req, r).h_move == 0.0
+
+
+def test_moving_back_to_a_worker_holding_an_old_copy_duplicates_only_the_delta() -> None:
+    # d1 held the session before (12 of its 16 blocks): moving back copies 4 blocks
+    req, cl = example()
+    d0, d1 = cl.workers[1], worker("d1", Role.DECODE, "node1", gpu=12, running=1, kv_usage=0.5)
+    r = Route(Action.STATE_MIGRATION, d1, d1, d0)
+    b = evaluate(M, req, r)
+    assert b.t_network == pytest.approx(1e-3 + 4e5 / 1e10)
+    assert b.m_hbm_bytes == 400_000
+    fresh = evaluate(M, req, _routes()[("state_migration", "d1", "d1")])
+    assert b.total < fresh.total
+
+
+def test_interference_is_each_running_decode_waiting_for_the_whole_prefill() -> None:
+    # not capped by max_num_seqs (100 in the unit profile): 300 decodes each wait the prefill
+    req = request(1000)
+    for running in (0, 1, 7, 300):
+        w = worker("h", Role.HYBRID, running=running)
+        r = Route(Action.COLOCATED_PREFILL, w, w)
+        assert i_decode(M, req, r) == pytest.approx(running * 0.115)  # prefill of 1000 tokens
+    p = worker("p", Role.PREFILL)
+    assert i_decode(M, req, Route(Action.REMOTE_PREFILL, p, worker("d", Role.DECODE))) == 0.0
 
 
 def test_artifact_fetch_creates_a_replica() -> None:
@@ -162,17 +193,24 @@ def test_cold_restore_uses_the_restore_planner_when_a_kv_spec_is_configured() ->
 def test_decode_horizon_caps_the_counted_decode_steps() -> None:
     req, _ = example()
     r = _routes()[("colocated_prefill", "d0", "d0")]
-    assert t_decode(M, replace(req, max_tokens=2), r) == pytest.approx(2 * 0.00811)
-    assert t_decode(M, replace(req, max_tokens=10_000), r) == pytest.approx(10 * 0.00811)
+    assert t_decode(M, replace(req, max_tokens=2), r) == pytest.approx(2 * 0.00632)
+    assert t_decode(M, replace(req, max_tokens=10_000), r) == pytest.approx(10 * 0.00632)
 
 
 def test_config_from_settings_and_bad_configs() -> None:
-    cfg = CostConfig.from_settings(PlannerSettings(lambda_hbm=2e-11, mu_interference=0.5))
+    cfg = CostConfig.from_settings(
+        PlannerSettings(
+            lambda_hbm=2e-11, mu_interference=0.5, migration_margin_s=0.2, migration_margin_rel=0.3
+        )
+    )
     assert (cfg.lam, cfg.mu, cfg.profile, cfg.kv_spec) == (2e-11, 0.5, "h100-llama3-8b", None)
+    assert (cfg.migration_margin_s, cfg.migration_margin_rel) == (0.2, 0.3)
+    assert CostConfig.from_settings(PlannerSettings()) == CostConfig()  # one set of defaults
     cfg = CostConfig.from_settings(PlannerSettings(), kv_spec="llama3-8b")
     assert CostModel(cfg).spec is not None
-    with pytest.raises(ConfigError):
-        CostConfig(lam=-1.0)
+    for kw in ({"lam": -1.0}, {"migration_margin_s": -0.1}, {"migration_margin_rel": -1.0}):
+        with pytest.raises(ConfigError):
+            CostConfig(**kw)  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         CostModel(CostConfig(profile="missing"), {"unit": UNIT})
     with pytest.raises(ConfigError):

@@ -19,7 +19,7 @@ def test_header_of_the_worked_example() -> None:
     h = plan_to_header(POLICY.plan(req, cl))
     assert h == (
         "policy=ownerserve;class=small_incremental_turn;action=colocated_prefill;p=d0;d=d0;"
-        "cost=0.15494;runner_up=remote_prefill@p0>d0:0.210104;margin=0.055164"
+        "cost=0.2448;runner_up=state_migration@d1:0.291296;margin=0.046496"
     )
     assert h.isascii() and "\n" not in h
 
@@ -48,7 +48,9 @@ def test_dict_is_json_ready_and_complete() -> None:
     assert d["action"] == "colocated_prefill"
     assert d["chosen"]["cost"]["total_s"] == plan.chosen.cost.total
     assert d["chosen"]["cost"]["t_queue_s"] == 0.01
-    assert d["runner_up"]["action"] == "remote_prefill"
+    assert d["runner_up"]["action"] == "state_migration"
+    assert d["runner_up"]["cost"]["h_move_s"] == plan.runner_up.cost.h_move > 0  # type: ignore[union-attr]
+    assert d["chosen"]["cost"]["h_move_s"] == 0.0
     assert d["margin_s"] == plan.margin_s
     assert d["candidates_considered"] == 5
     assert d["default_action"] == "colocated_prefill" and d["overrides_default"] is False

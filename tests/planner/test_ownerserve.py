@@ -46,12 +46,39 @@ def test_small_incremental_turn_colocates_on_the_owner() -> None:
     p = plan(req, cl)
     assert p.request_class is RequestClass.SMALL_INCREMENTAL_TURN
     assert (p.action, p.chosen.decode_worker) == (Action.COLOCATED_PREFILL, "d0")
-    assert p.chosen.cost.total == pytest.approx(0.15494)
+    assert p.chosen.cost.total == pytest.approx(0.2448)
     assert p.runner_up is not None
-    assert (p.runner_up.action, p.runner_up.prefill_worker) == (Action.REMOTE_PREFILL, "p0")
-    assert p.margin_s == pytest.approx(0.210104 - 0.15494)
+    # moving to d1 would cost 0.21936 before its hysteresis: it does not win by 0.05 + 10%
+    assert (p.runner_up.action, p.runner_up.decode_worker) == (Action.STATE_MIGRATION, "d1")
+    assert p.runner_up.cost.total - p.runner_up.cost.h_move == pytest.approx(0.21936)
+    assert p.margin_s == pytest.approx(0.291296 - 0.2448)
     assert p.candidates_considered == 5
     assert p.add_replica_on is None
+
+
+def test_without_hysteresis_the_same_turn_would_move() -> None:
+    req, cl = example()
+    free = replace(UNIT_CONFIG, migration_margin_s=0.0, migration_margin_rel=0.0)
+    p = OwnerServePolicy(model=unit_model(free)).plan(req, cl)
+    assert (p.action, p.chosen.source_worker, p.chosen.decode_worker) == (
+        Action.STATE_MIGRATION, "d0", "d1",
+    )  # fmt: skip
+    assert p.chosen.cost.total == pytest.approx(0.21936)
+    assert p.margin_s == pytest.approx(0.2448 - 0.21936)  # less than 0.05 + 10%: a flip-flop
+
+
+def test_a_move_must_beat_staying_by_the_margin() -> None:
+    # with the margins above, d1 wins exactly when staying on d0 costs more than
+    # 1.1 · C0(move) + 0.05; vary d0's queue (waiting requests, 0.01 s each) around that point
+    req, cl = example()
+    move0 = 0.21936
+    stay0 = 0.2448 - 0.01  # without d0's one waiting request
+    threshold = 1.1 * move0 + 0.05 - stay0  # d0's queue at which moving starts to pay
+    below = int(threshold / 0.01)
+    for waiting, moves in ((1, False), (below, False), (below + 1, True)):
+        d0 = replace(cl.workers[1], waiting=waiting)
+        p = plan(req, replace(cl, workers=(cl.workers[0], d0, cl.workers[2])))
+        assert (p.action is Action.STATE_MIGRATION) is moves, waiting
 
 
 def test_long_tool_output_goes_to_remote_prefill() -> None:
@@ -61,20 +88,22 @@ def test_long_tool_output_goes_to_remote_prefill() -> None:
     )  # fmt: skip
     cl = cluster(
         worker("p0", Role.PREFILL, "node0"),
-        worker("d0", Role.DECODE, "node0", gpu=6, running=50),
-        worker("d1", Role.DECODE, "node1", running=50),
+        worker("d0", Role.DECODE, "node0", gpu=6, running=5),
+        worker("d1", Role.DECODE, "node1", running=5),
     )
     p = plan(req, cl)
     assert p.request_class is RequestClass.LONG_TOOL_OUTPUT
     assert (p.action, p.chosen.prefill_worker, p.chosen.decode_worker) == (
         Action.REMOTE_PREFILL, "p0", "d0",
     )  # fmt: skip
-    # p0: 0.01 + 0.37 + 1e-8·3700·1850 = 0.44845; d0: 10·(0.005 + 1e-4·51 + 1e-8·3700)
-    # = 0.10137; 0.002 + 1e-3 + 3.1e6/1e11 = 0.003031; λ·3.7e6 = 0.0037
-    assert p.chosen.cost.total == pytest.approx(0.556551)
-    # colocated on d0 would pay 0.38665·0.5 of interference: 0.681345
+    # p0: 0.01 + 0.37 + 1e-8·3700·1850 = 0.44845; d0: 10·(0.005 + 1e-4·6 + 1e-8·3700)
+    # = 0.05637; 0.002 + 1e-3 + 3.1e6/1e11 = 0.003031; λ·3.7e6 = 0.0037
+    assert p.chosen.cost.total == pytest.approx(0.511551)
+    # colocated on d0: 3100 new tokens on 600 take 0.38665 s, and d0's 5 running decodes each
+    # wait that long: 0.38665 + 0.05637 + 5 · 0.38665 = 2.37627
     col = evaluate(MODEL, req, Route(Action.COLOCATED_PREFILL, cl.workers[1], cl.workers[1]))
-    assert col.total == pytest.approx(0.681345)
+    assert col.i_decode == pytest.approx(1.93325)
+    assert col.total == pytest.approx(2.37627)
 
 
 def continuation_case() -> tuple[RequestView, ClusterView]:
@@ -84,8 +113,8 @@ def continuation_case() -> tuple[RequestView, ClusterView]:
     )  # fmt: skip
     cl = cluster(
         worker("p0", Role.PREFILL, "node0"),
-        worker("d0", Role.DECODE, "node0", gpu=10, running=20, kv_usage=0.1),
-        worker("d1", Role.DECODE, "node0", running=20, kv_usage=0.1),
+        worker("d0", Role.DECODE, "node0", gpu=10, running=2, kv_usage=0.1),
+        worker("d1", Role.DECODE, "node0", running=2, kv_usage=0.1),
     )
     return req, cl
 
@@ -95,12 +124,14 @@ def test_decode_continuation_stays_on_the_session_owner() -> None:
     p = plan(req, cl)
     assert p.request_class is RequestClass.DECODE_CONTINUATION
     assert (p.action, p.chosen.decode_worker) == (Action.DECODE_CONTINUATION, "d0")
-    # 0.01 + 0.003 + 1e-8·30·1015 = 0.0133045; 10·(0.005 + 1e-4·21 + 1e-8·101030) = 0.081103;
-    # interference 0.0133045 · 0.2
-    assert p.chosen.cost.total == pytest.approx(0.0970684)
+    # 0.01 + 0.003 + 1e-8·30·1015 = 0.0133045; 10·(0.005 + 1e-4·3 + 1e-8·101030) = 0.063103;
+    # interference 2 · 0.0133045
+    assert p.chosen.cost.total == pytest.approx(0.1030165)
     assert p.runner_up is not None
-    assert p.runner_up.action is Action.STATE_MIGRATION  # + 1e-3 + 1e6/1e11 to move to d1
-    assert p.margin_s == pytest.approx(0.00101)
+    # moving to the identical d1: + 1e-3 + 1e6/1e11 of transfer + λ·1e6 of the copy left on d0,
+    # then the hysteresis: 1.1 · 0.1050265 + 0.05
+    assert p.runner_up.action is Action.STATE_MIGRATION
+    assert p.runner_up.cost.total == pytest.approx(0.16552915)
 
 
 def test_overloaded_session_owner_sheds_the_session_by_migration() -> None:

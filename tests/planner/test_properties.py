@@ -113,9 +113,69 @@ def test_chosen_plan_costs_no_more_than_any_candidate(
 
 
 @st.composite
-def no_cache_cluster(draw: st.DrawFn) -> ClusterView:
-    """Decode-capable workers with a running batch of 25-50% of max_num_seqs (256), prefill
-    workers idle, no queues, nothing cached anywhere, random nodes and sizes."""
+def session_turn(draw: st.DrawFn) -> tuple[RequestView, ClusterView]:
+    """A session turn whose decode owner w0 holds the prefix in GPU and may be overloaded;
+    the other decode workers hold nothing or an older part of it (a move lands there)."""
+    prefix = draw(st.integers(10, 2000))
+    new = draw(st.integers(1, 3000))
+    ws = [
+        WorkerView(
+            worker_id="w0",
+            role=Role.DECODE,
+            running=draw(st.integers(0, 100)),
+            waiting=draw(st.integers(0, 30)),
+            inflight_prefill_tokens=draw(st.integers(0, 100_000)),
+            kv_usage=draw(st.floats(0.0, 1.0)),
+            cached_blocks={Tier.GPU: prefix},
+            node=f"n{draw(st.integers(0, 1))}",
+        )
+    ]
+    for i in range(1, draw(st.integers(2, 5))):
+        old = draw(st.integers(0, prefix))
+        ws.append(
+            WorkerView(
+                worker_id=f"w{i}",
+                role=draw(st.sampled_from(list(Role))),
+                running=draw(st.integers(0, 100)),
+                waiting=draw(st.integers(0, 3)),
+                kv_usage=draw(st.floats(0.0, 1.0)),
+                cached_blocks={Tier.GPU: old} if old else {},
+                node=f"n{draw(st.integers(0, 1))}",
+            )
+        )
+    n = prefix * BLOCK + new
+    req = RequestView(
+        model="m", prompt_tokens=n, block_size=BLOCK, chain_blocks=n // BLOCK,
+        session_owner="w0", owner="w0", owner_blocks=prefix,
+        previous_prompt_tokens=prefix * BLOCK,
+    )  # fmt: skip
+    return req, ClusterView(workers=tuple(ws))
+
+
+@PROPS
+@given(session_turn(), st.sampled_from(sorted(MODELS)))
+def test_a_session_moves_only_when_staying_costs_more_by_the_hysteresis(
+    case: tuple[RequestView, ClusterView], model_name: str
+) -> None:
+    req, cl = case
+    model = MODELS[model_name]
+    p = OwnerServePolicy(model=model).plan(req, cl)
+    if p.action is not Action.STATE_MIGRATION:
+        return
+    cfg = model.config
+    src = cl.by_id(p.chosen.source_worker or "")
+    assert src is not None and src.worker_id == req.session_owner
+    stay = evaluate(model, req, Route(Action.COLOCATED_PREFILL, src, src)).total
+    move = p.chosen.cost.total - p.chosen.cost.h_move  # C0: the move without its hysteresis
+    assert stay - move >= cfg.migration_margin_s + cfg.migration_margin_rel * move - 1e-9
+    assert p.chosen.cost.m_hbm_bytes > 0  # the copy left on the source is counted
+
+
+@st.composite
+def no_cache_cluster(draw: st.DrawFn, running: tuple[int, int] = (64, 128)) -> ClusterView:
+    """Decode-capable workers with a running batch of `running` decodes (default 25-50% of
+    max_num_seqs, 256), prefill workers idle, no queues, nothing cached anywhere, random nodes
+    and sizes."""
     n_p = draw(st.integers(1, 3))
     n_d = draw(st.integers(1, 4))
     n_h = draw(st.integers(0, 2))
@@ -126,7 +186,7 @@ def no_cache_cluster(draw: st.DrawFn) -> ClusterView:
             WorkerView(
                 worker_id=f"w{i}",
                 role=role,
-                running=0 if role is Role.PREFILL else draw(st.integers(64, 128)),
+                running=0 if role is Role.PREFILL else draw(st.integers(*running)),
                 kv_usage=draw(st.floats(0.0, 0.5)),
                 node=f"n{draw(st.integers(0, 2))}",
             )
@@ -139,12 +199,16 @@ def no_cache_cluster(draw: st.DrawFn) -> ClusterView:
 def test_without_any_cached_prefix_long_prompts_go_remote_and_short_ones_colocate(
     data: st.DataObject, long_n: int, short_n: int
 ) -> None:
-    cl = data.draw(no_cache_cluster())
     policy = OwnerServePolicy(model=H100)
     long_req = RequestView(model="m", prompt_tokens=long_n, block_size=BLOCK, chain_blocks=0)
     short_req = replace(long_req, prompt_tokens=short_n)
-    assert policy.plan(long_req, cl).action is Action.REMOTE_PREFILL
-    assert policy.plan(short_req, cl).action is Action.COLOCATED_PREFILL
+    busy = data.draw(no_cache_cluster())
+    assert policy.plan(long_req, busy).action is Action.REMOTE_PREFILL
+    # a short turn colocates where no decode would wait for it; on busy decode workers
+    # every running decode would wait its prefill (4-9 ms each), so an idle P takes it
+    light = data.draw(no_cache_cluster(running=(0, 0)))
+    assert policy.plan(short_req, light).action is Action.COLOCATED_PREFILL
+    assert policy.plan(short_req, busy).action is Action.REMOTE_PREFILL
 
 
 @PROPS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,8 @@ import pytest
 from planner.cost import enumerate_routes, evaluate
 from planner.explain import plan_to_header
 from planner.policies import OwnerServePolicy
-from tests.planner.util import example, unit_model
+from planner.types import Action
+from tests.planner.util import UNIT_CONFIG, example, unit_model
 
 README = Path(__file__).resolve().parents[2] / "planner" / "README.md"
 
@@ -32,7 +34,10 @@ def test_readme_table_is_what_evaluate_computes() -> None:
     assert len(rows) == len(routes) == 5
     for action, p, d, *nums in rows:
         b = evaluate(model, req, routes[(action, p, d)])
-        got = [b.t_queue, b.t_compute, b.t_network, b.t_restore, b.m_hbm_bytes, b.i_decode, b.total]
+        got = [
+            b.t_queue, b.t_compute, b.t_network, b.t_restore, b.m_hbm_bytes, b.i_decode, b.h_move,
+            b.total,
+        ]  # fmt: skip
         assert got == pytest.approx([float(x) for x in nums], abs=1e-12), (action, p, d)
 
 
@@ -42,10 +47,14 @@ def test_readme_plan_and_header() -> None:
     text = README.read_text()
     header = plan_to_header(plan)
     assert header in text
-    assert plan.chosen.cost.total == pytest.approx(0.15494)
-    assert plan.margin_s == pytest.approx(0.055164)
-    assert "margin 0.055164 s, 5 candidates" in text
+    assert plan.chosen.cost.total == pytest.approx(0.2448)
+    assert plan.margin_s == pytest.approx(0.046496)
+    assert "margin 0.046496 s, 5 candidates" in text
     assert plan.candidates_considered == 5
+    free = replace(UNIT_CONFIG, migration_margin_s=0.0, migration_margin_rel=0.0)
+    moved = OwnerServePolicy(model=unit_model(free)).plan(req, cl)
+    assert moved.action is Action.STATE_MIGRATION
+    assert f"to save {moved.margin_s:.5f} s" in " ".join(text.split())
 
 
 def test_readme_hot_spot_numbers_are_the_tests_numbers() -> None:

@@ -25,7 +25,13 @@ UNIT = TimingProfile(
 )
 
 UNIT_CONFIG = CostConfig(
-    lam=1e-9, mu=1.0, profile="unit", decode_horizon_tokens=10, pd_handshake_s=0.002
+    lam=1e-9,
+    mu=1.0,
+    profile="unit",
+    decode_horizon_tokens=10,
+    pd_handshake_s=0.002,
+    migration_margin_s=0.05,
+    migration_margin_rel=0.1,
 )
 
 
@@ -71,17 +77,17 @@ def request(prompt_tokens: int, **kw: object) -> RequestView:
     )
 
 
-# The worked example of planner/README.md: a session turn of 400 new tokens on a 600-token
-# prefix owned by its decode owner d0 (busy: 20 running, 1 waiting), an idle P worker on d0's
-# node and a busier decode worker d1 on another node.
+# The worked example of planner/README.md: a session turn of 400 new tokens on a 1600-token
+# prefix owned by its decode owner d0 (2 running, 1 waiting), an idle P worker on d0's node and
+# a decode worker d1 on another node with one running decode of a large context.
 def example() -> tuple[RequestView, ClusterView]:
     req = request(
-        1000, session_id="s", session_owner="d0", owner="d0", owner_blocks=6,
-        previous_prompt_tokens=600,
+        2000, session_id="s", session_owner="d0", owner="d0", owner_blocks=16,
+        previous_prompt_tokens=1600,
     )  # fmt: skip
     cl = cluster(
         worker("p0", Role.PREFILL, "node0"),
-        worker("d0", Role.DECODE, "node0", gpu=6, running=20, waiting=1, kv_usage=0.1),
-        worker("d1", Role.DECODE, "node1", running=50, kv_usage=0.5),
+        worker("d0", Role.DECODE, "node0", gpu=16, running=2, waiting=1, kv_usage=0.1),
+        worker("d1", Role.DECODE, "node1", running=1, kv_usage=0.5),
     )
     return req, cl
