@@ -23,7 +23,9 @@ pytestmark = pytest.mark.skipif(
     not mt.AVAILABLE, reason=f"Mooncake Transfer Engine unavailable: {mt.UNAVAILABLE_REASON}"
 )
 
-SMALL_STAGING = mt.MooncakeSettings(staging_bytes=256 << 10, region_bytes=64 << 10)
+SMALL_STAGING = mt.MooncakeSettings(
+    staging_bytes=256 << 10, region_bytes=64 << 10, in_place_bytes=512 << 10
+)
 
 
 def _store() -> ArtifactStore:
@@ -33,8 +35,11 @@ def _store() -> ArtifactStore:
 async def test_fetch_between_two_stores() -> None:
     src, dst = _store(), _store()
     payloads = {f"m@head:{i}": os.urandom(1000 * (i + 1)) for i in range(3)}
-    payloads["big"] = os.urandom(3 << 20)  # read straight into its final buffer
+    payloads["big"] = os.urandom(3 << 20)  # staged, read straight into its final buffer
+    payloads["huge"] = os.urandom(9 << 20)  # sent in place, in batches
     payloads["empty"] = b""
+    for i in range(200):  # 600 KB of small artifacts in one batch: hashed by several threads
+        payloads[f"s{i}"] = os.urandom(3000)
     for k, v in payloads.items():
         src.put(k, v)
     server = mt.TransportServer(src)
@@ -52,7 +57,8 @@ async def test_fetch_between_two_stores() -> None:
 
 async def test_many_keys_and_chunked_artifacts_through_a_small_staging_buffer() -> None:
     """Four regions of 64 KiB: 600 small artifacts are packed many per region, artifacts of up
-    to 1 MiB are chunked over several batches, and three concurrent fetches share the regions."""
+    to 1 MiB are chunked over several batches (staged, or from 512 KiB on sent in place), and
+    three concurrent fetches share the regions."""
     src = _store()
     small = {f"s{i}": os.urandom(1 + (i * 37) % 3000) for i in range(600)}
     large = {f"l{i}": os.urandom((64 << 10) * (i + 1) + i) for i in range(1, 16, 4)}
