@@ -6,6 +6,7 @@ Skipped, with the reason, where `mooncake.engine` does not import."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -175,6 +176,42 @@ async def test_payload_failing_its_checksum_in_transit_is_not_stored() -> None:
         server.close()
         await server.wait_closed()
         staged.retire()
+    assert dst.keys() == []
+
+
+@pytest.mark.parametrize(
+    ("new", "missing", "match"),
+    [
+        ([], [], "ended the transfer early"),  # a key left unanswered
+        ([[0, 10, checksum(b"x" * 10).hex()]], [], "ended the transfer early"),  # no bytes
+        ([[0, 1 << 40, checksum(b"").hex()]], [], "exceed every tier"),  # absurd size
+        ([[5, 1, checksum(b"").hex()]], [], "out of range"),  # not a key asked for
+    ],
+)
+async def test_a_peer_breaking_the_protocol_is_a_typed_error(
+    new: list[object], missing: list[int], match: str
+) -> None:
+    """Frames no real source sends (so a hand-written peer sends them)."""
+    engine = mt._engine(None, "127.0.0.1")
+
+    async def bad_peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await mt._read_frame(reader)
+        frame = {"batch": 0, "session": engine.session_id, "new": new, "missing": missing}
+        writer.write(mt._frame(frame | {"parts": [], "last": True}))
+        await writer.drain()
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await mt._read_frame(reader)
+        writer.close()
+
+    server = await asyncio.start_server(bad_peer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    dst = _store()
+    try:
+        with pytest.raises(TransferError, match=match):
+            await mt.fetch(dst, "127.0.0.1", port, ["k"], timeout_s=5)
+    finally:
+        server.close()
+        await server.wait_closed()
     assert dst.keys() == []
 
 
