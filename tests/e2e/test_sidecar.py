@@ -222,7 +222,8 @@ def settings_for(
     return settings_from_dict(
         {
             "server": {"port": 0, "health_interval_s": 0.5, "admin_token": "adm"},
-            "planner": {"policy": "ownerserve"},
+            # no price on the duplicated HBM bytes a fetch leaves behind: the fast decoder wins
+            "planner": {"policy": "ownerserve", "lambda_hbm": 0.0},
             "directory": {"backend": "redis", "redis_url": redis, "key_prefix": ns},
             "models": [{"name": MODEL}],
             "workers": [{**w.worker_settings(), "sidecar_url": urls[w.worker_id]} for w in ws],
