@@ -69,7 +69,7 @@ class DirectorySettings(_Strict):
 class PlannerSettings(_Strict):
     policy: str = "ownerserve"
     profile: str = "h100-llama3-8b"
-    lambda_hbm: float = Field(default=5e-11, ge=0, description="seconds per duplicated HBM byte")
+    lambda_hbm: float = Field(default=1e-11, ge=0, description="seconds per duplicated HBM byte")
     mu_interference: float = Field(default=1.0, ge=0, description="weight of decode interference")
     migration_margin_s: float = Field(
         default=0.05, ge=0, description="hysteresis of a state migration: fixed margin, seconds"

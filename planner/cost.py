@@ -50,7 +50,7 @@ class CostConfig:
     `WorkerView.profile` (an unknown name falls back to the default).
     """
 
-    lam: float = 5e-11
+    lam: float = 1e-11
     mu: float = 1.0
     profile: str = "h100-llama3-8b"
     profiles: tuple[str, ...] = ()
