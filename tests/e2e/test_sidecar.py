@@ -188,6 +188,10 @@ async def test_source_sidecar_killed_mid_transfer_is_502_and_nothing_corrupt_is_
             metrics = (await http.get(dst.url + "/metrics")).text
             assert 'ownerserve_sidecar_fetches_total{result="failed"} 1.0' in metrics
             assert "ownerserve_sidecar_corrupted_artifacts 0.0" in metrics
+            # what it counts as fetched is exactly what it kept
+            kept = sum(present)
+            assert metric_value(metrics, "ownerserve_sidecar_fetched_artifacts_total") == kept
+            assert await arrived() == kept
 
 
 # --- through the router -----------------------------------------------------------------------

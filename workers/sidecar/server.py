@@ -433,7 +433,7 @@ class Sidecar:
             except BaseException:  # failed, or cancelled (shutdown): no incomplete block stays
                 got = {k for k in mine if self.store.has(k)}
                 self._drop_incomplete(blocks, got)
-                self._account(got)
+                self._account({k for k in got if self.store.has(k)})
                 raise
             finally:
                 for k in mine:
@@ -471,6 +471,7 @@ class Sidecar:
             ) from exc
 
     def _account(self, keys: set[str]) -> int:
+        """Index, publish and count artifacts this fetch stored (all present); their bytes."""
         size = sum(self.store.meta(k).size_bytes for k in keys if self.store.has(k))
         self._note(keys)
         self.counters.fetched_artifacts.inc(len(keys))
