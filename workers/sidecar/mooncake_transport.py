@@ -349,7 +349,7 @@ class TransportServer:
         self._server: asyncio.Server | None = None
         self._engine: _Engine | None = None
         self._staging: _Buffer | None = None
-        self._free: asyncio.Queue[int] | None = None
+        self._free: asyncio.LifoQueue[int] | None = None
         self._region_bytes = 0
         self._batch_bytes = 0
         self._in_place_bytes = 0
@@ -364,7 +364,7 @@ class TransportServer:
         self._in_place_bytes = s.in_place_bytes
         regions = s.staging_bytes // s.region_bytes
         self._staging = _Buffer(self._engine, regions * s.region_bytes)
-        self._free = asyncio.Queue()
+        self._free = asyncio.LifoQueue()  # the last region freed is warm: reuse it first
         for i in range(regions):
             self._free.put_nowait(i)
         self._server = await asyncio.start_server(self._handle, host, port)
