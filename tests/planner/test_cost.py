@@ -147,7 +147,11 @@ def test_interference_is_each_running_decode_waiting_for_the_whole_prefill() -> 
         r = Route(Action.COLOCATED_PREFILL, w, w)
         assert i_decode(M, req, r) == pytest.approx(running * 0.115)  # prefill of 1000 tokens
     p = worker("p", Role.PREFILL)
-    assert i_decode(M, req, Route(Action.REMOTE_PREFILL, p, worker("d", Role.DECODE))) == 0.0
+    d = worker("d", Role.DECODE, running=40)
+    assert i_decode(M, req, Route(Action.REMOTE_PREFILL, p, d)) == 0.0  # D gets the KV, no stall
+    # a hybrid P stalls its own decodes
+    h = worker("h", Role.HYBRID, running=3)
+    assert i_decode(M, req, Route(Action.REMOTE_PREFILL, h, d)) == pytest.approx(3 * 0.115)
 
 
 def test_artifact_fetch_creates_a_replica() -> None:

@@ -160,6 +160,9 @@ def test_a_session_moves_only_when_staying_costs_more_by_the_hysteresis(
     req, cl = case
     model = MODELS[model_name]
     p = OwnerServePolicy(model=model).plan(req, cl)
+    # the exact search prices migrations (hysteresis included) as the reference does
+    best = min(evaluate(model, req, r).total for r in enumerate_routes(req, cl))
+    assert p.chosen.cost.total <= best + 1e-9 * max(1.0, best)
     if p.action is not Action.STATE_MIGRATION:
         return
     cfg = model.config
