@@ -577,50 +577,68 @@ class _ReadPlan:
 
 
 def _read_batch(engine: _Engine, plan: _ReadPlan) -> int:
-    """Blocking: the batch's engine reads, each piece's hashing queued as soon as it has landed
-    (so verifying overlaps the rest of the read). Returns the engine's status. The plan holds the
-    destination buffers until the engine has finished writing; the receive buffer goes back to
-    the pool only here, for the same reason."""
+    """Blocking: the batch's engine reads, all submitted at once (the engine moves them in
+    parallel), then awaited in order, each piece hashed as soon as it has landed (so verifying
+    overlaps the rest of the transfer). Returns 0, or the engine's failure status. It returns
+    only once the engine has stopped writing into the plan's buffers (the plan holds them until
+    then); the receive buffer goes back to the pool only here, for the same reason."""
     te = engine.te
+    pieces: list[tuple[int, int, int, _Incoming | None]] = []  # local, remote, length, artifact
+    for target, pos, n, remote in plan.direct:
+        for off in range(0, n, READ_CHUNK):
+            pieces.append((target.addr + pos + off, remote + off, min(READ_CHUNK, n - off), target))
+    if plan.recv is not None:
+        pieces.append((plan.recv.addr, plan.lo, plan.span, None))
+    submitted: list[int] = []
+    rc = 0
     try:
-        for inc, pos, n, remote in plan.direct:
-            for off in range(0, n, READ_CHUNK):
-                m = min(READ_CHUNK, n - off)
-                rc = int(te.transfer_sync_read(plan.session, inc.addr + pos + off, remote + off, m))
-                if rc != 0:
-                    return rc
-                _hash_later(engine, inc, pos + off, m)
-        if plan.recv is not None:
-            recv = plan.recv
-            rc = int(te.transfer_sync_read(plan.session, recv.addr, plan.lo, plan.span))
-            if rc != 0:
-                return rc
-            for inc, pos, n, remote in plan.small:
-                ctypes.memmove(inc.addr + pos, recv.addr + remote - plan.lo, n)
-            if plan.span <= INLINE_HASH_BYTES:  # cheaper here than a hop to another thread
-                for inc, pos, n, _ in plan.small:
-                    if inc.hashed is not None:
-                        inc.hashed.result()
-                        inc.hashed = None
-                    inc.hasher.update(memoryview(inc.data)[pos : pos + n])
-            else:  # one job per verify thread (an artifact has one part per batch)
-                groups = engine.hash_threads
-                updates: list[list[tuple[Any, memoryview]]] = [[] for _ in range(groups)]
-                waits: list[list[concurrent.futures.Future[None]]] = [[] for _ in range(groups)]
-                for j, (inc, pos, n, _) in enumerate(plan.small):
-                    if inc.hashed is not None:
-                        waits[j % groups].append(inc.hashed)
-                    updates[j % groups].append((inc.hasher, memoryview(inc.data)[pos : pos + n]))
-                jobs = [
-                    engine.hash_pool.submit(_hash_parts, updates[g], waits[g])
-                    for g in range(min(groups, len(plan.small)))
-                ]
-                for j, (inc, *_) in enumerate(plan.small):
-                    inc.hashed = jobs[j % groups]
-        return 0
+        for local, remote, n, _ in pieces:
+            batch_id = int(te.batch_transfer_async_read(plan.session, [local], [remote], [n]))
+            if batch_id <= 0:  # could not submit (peer unreachable): wait for the rest, fail
+                rc = -1
+                break
+            submitted.append(batch_id)
+        for (local, _, n, artifact), batch_id in zip(pieces, submitted, strict=False):
+            status = int(te.get_batch_transfer_status([batch_id]))
+            if status != 0:
+                rc = rc or status
+            elif rc == 0 and artifact is not None:
+                _hash_later(engine, artifact, local - artifact.addr, n)
+        if rc == 0 and plan.recv is not None:
+            _land_small(engine, plan)
+        return rc
     finally:
         if plan.recv is not None:
             engine.give_back_receive_buffer(plan.recv)
+
+
+def _land_small(engine: _Engine, plan: _ReadPlan) -> None:
+    """Copy the packed small parts out of the receive buffer and hash them."""
+    assert plan.recv is not None
+    recv = plan.recv
+    for inc, pos, n, remote in plan.small:
+        ctypes.memmove(inc.addr + pos, recv.addr + remote - plan.lo, n)
+    if plan.span <= INLINE_HASH_BYTES:  # cheaper here than a hop to another thread
+        for inc, pos, n, _ in plan.small:
+            if inc.hashed is not None:
+                inc.hashed.result()
+                inc.hashed = None
+            inc.hasher.update(memoryview(inc.data)[pos : pos + n])
+        return
+    # one job per verify thread (an artifact has one part per batch)
+    groups = engine.hash_threads
+    updates: list[list[tuple[Any, memoryview]]] = [[] for _ in range(groups)]
+    waits: list[list[concurrent.futures.Future[None]]] = [[] for _ in range(groups)]
+    for j, (inc, pos, n, _) in enumerate(plan.small):
+        if inc.hashed is not None:
+            waits[j % groups].append(inc.hashed)
+        updates[j % groups].append((inc.hasher, memoryview(inc.data)[pos : pos + n]))
+    jobs = [
+        engine.hash_pool.submit(_hash_parts, updates[g], waits[g])
+        for g in range(min(groups, len(plan.small)))
+    ]
+    for j, (inc, *_) in enumerate(plan.small):
+        inc.hashed = jobs[j % groups]
 
 
 @dataclass(slots=True)
