@@ -253,9 +253,11 @@ def test_decode_continuation_sticks_to_the_session_owner_holding_the_prefix(
 @given(st.lists(st.integers(100, 20_000), min_size=10, max_size=30), st.integers(0, 3))
 def test_a_worker_whose_observed_times_double_loses_traffic(prompts: list[int], slow: int) -> None:
     # four hybrids; the one that turns out slow is the least loaded, so it starts with traffic
+    # (12 running decodes against 16: a prefill there stalls 12 decodes; twice as slow, it
+    # would stall them for the time of 24, more than the others' 16)
     ws = tuple(
         WorkerView(
-            worker_id=f"h{i}", role=Role.HYBRID, running=8 if i == slow else 16, kv_usage=0.2
+            worker_id=f"h{i}", role=Role.HYBRID, running=12 if i == slow else 16, kv_usage=0.2
         )
         for i in range(4)
     )
