@@ -411,13 +411,14 @@ def i_decode(
     model: CostModel, request: RequestView, route: Route, prefill: float | None = None
 ) -> float:
     """I_decode = running(P) · prefill_s(P, N − r, r): every decode running on the prefill
-    worker waits for the whole prefill (0 on an idle or prefill-only worker). An engine step
+    worker waits for the whole prefill (0 on an idle or PREFILL worker: what runs there are
+    prefills, which the queue term covers). An engine step
     computes a prefill chunk and one token of each running decode together (the emulated
     engine's step lasts decode_step_s + prefill_s of its chunk, as vLLM's does), so each of the
     running(P) decodes gets its next tokens prefill_s later. `prefill` is t_prefill when already
     computed."""
     p = route.prefill
-    if p.running <= 0:
+    if p.running <= 0 or p.role is _PREFILL:
         return 0.0
     return (t_prefill(model, request, route) if prefill is None else prefill) * p.running
 

@@ -179,9 +179,10 @@ class OwnerServePolicy:
             sp = w.prefill_scale
             q = sp * (qtok * w.inflight_prefill_tokens + qbase * w.waiting)
             running = w.running
-            # I_decode: each running decode waits for the whole prefill
-            share = running if running > 0 else 0
             role = w.role
+            # I_decode: each running decode waits for the whole prefill (a prefill-only
+            # worker's running requests are prefills, not decodes)
+            share = running if running > 0 and role is not _PREFILL else 0
             cb = w.cached_blocks
 
             if not cb:

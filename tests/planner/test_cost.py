@@ -149,6 +149,11 @@ def test_interference_is_each_running_decode_waiting_for_the_whole_prefill() -> 
     p = worker("p", Role.PREFILL)
     d = worker("d", Role.DECODE, running=40)
     assert i_decode(M, req, Route(Action.REMOTE_PREFILL, p, d)) == 0.0  # D gets the KV, no stall
+    # a busy prefill worker's running requests are prefills: nothing to stall
+    assert (
+        i_decode(M, req, Route(Action.REMOTE_PREFILL, worker("p", Role.PREFILL, running=9), d))
+        == 0.0
+    )
     # a hybrid P stalls its own decodes
     h = worker("h", Role.HYBRID, running=3)
     assert i_decode(M, req, Route(Action.REMOTE_PREFILL, h, d)) == pytest.approx(3 * 0.115)

@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 
 from ownerserve.errors import NoWorkerAvailableError
-from ownerserve.types import Role
+from ownerserve.types import Role, Tier
 from planner.cost import CostModel, Route, enumerate_routes, evaluate
 from planner.policies import OwnerServePolicy
-from planner.types import Action, ClusterView, Plan, RequestClass, RequestView
+from planner.types import Action, ClusterView, Plan, RequestClass, RequestView, WorkerView
 from tests.planner.util import UNIT, UNIT_CONFIG, cluster, example, request, unit_model, worker
 
 MODEL = unit_model()
@@ -132,6 +132,28 @@ def test_decode_continuation_stays_on_the_session_owner() -> None:
     # then the hysteresis: 1.1 · 0.1050265 + 0.05
     assert p.runner_up.action is Action.STATE_MIGRATION
     assert p.runner_up.cost.total == pytest.approx(0.16552915)
+
+
+def test_a_continuation_on_a_short_prefix_leaves_a_very_busy_owner_for_an_idle_p() -> None:
+    # h100 profile: 300 decodes on d0 would each wait 4.04 ms for a 1-token prefill (1.2 s in
+    # all); recomputing the 3201 tokens on idle p0 takes 0.14 s
+    req = RequestView(
+        model="m", prompt_tokens=3201, block_size=16, chain_blocks=200, session_id="s",
+        session_owner="d0", owner="d0", owner_blocks=200, previous_prompt_tokens=3200,
+    )  # fmt: skip
+    cl = ClusterView(
+        workers=(
+            WorkerView("p0", Role.PREFILL),
+            WorkerView("d0", Role.DECODE, running=300, cached_blocks={Tier.GPU: 200}),
+        )
+    )
+    p = OwnerServePolicy().plan(req, cl)
+    assert p.request_class is RequestClass.DECODE_CONTINUATION
+    assert (p.action, p.chosen.prefill_worker, p.chosen.decode_worker) == (
+        Action.REMOTE_PREFILL, "p0", "d0",
+    )  # fmt: skip
+    quiet = replace(cl, workers=(cl.workers[0], replace(cl.workers[1], running=10)))
+    assert OwnerServePolicy().plan(req, quiet).action is Action.DECODE_CONTINUATION
 
 
 def test_overloaded_session_owner_sheds_the_session_by_migration() -> None:
