@@ -1,35 +1,63 @@
-"""Sidecar-path transfer throughput against a raw transfer of the same bytes, in one run.
+"""Sidecar-path transfer throughput against raw transfers of the same bytes, in one run.
 
-Sidecar path: `workers.sidecar.transport.fetch` from a peer `TransportServer` (another process)
-into an `ArtifactStore`: framing, the owner's checksum verification on load, the receiver's
-checksum verification while receiving, the store put. Raw: the same bytes from the same peer
-process over a plain TCP connection, no framing, no checksum. Mooncake Transfer Engine is not
-installed here, so the raw baseline is a TCP socket. Both over loopback, interleaved per repeat.
+One owner process per row holds `keys` artifacts of `size` random bytes in an `ArtifactStore`
+behind both sidecar transports, plus the same bytes, contiguous, in a Mooncake-registered buffer
+and behind a plain TCP socket. The fetching process measures, interleaved per repeat (so every
+path sees the same machine noise):
 
-    .venv/bin/python -m bench.sidecar.transfer [--repeats N]
+- mooncake sidecar: `workers.sidecar.mooncake_transport.fetch` of all the row's keys in one
+  fetch into a fresh store (control frames, staging at the owner, engine read, SHA-256
+  verification, store put);
+- tcp sidecar: `workers.sidecar.transport.fetch` of the same keys (framing, SHA-256, put);
+- raw mooncake: one `TransferEngine.transfer_sync_read` of all the row's bytes into a registered
+  buffer, nothing around it (the strongest raw baseline: one contiguous read); for rows of many
+  keys also `raw per-artifact`: one `batch_transfer_sync_read` with a segment per artifact;
+- raw tcp: the same bytes over a plain TCP connection, no framing, no checksum;
+- sha256: hashing the row's bytes once in this process (a ceiling for any path that verifies
+  a SHA-256 per artifact on one core); `vs bound` is the Mooncake sidecar against
+  min(raw mooncake, sha256), what perfect overlap of reading and hashing would reach.
+
+Loopback, medians. Rows with many keys show batching: small artifacts packed into one staging
+region and moved by one engine read.
+
+    .venv/bin/python -m bench.sidecar.transfer [--repeats N] [--rows SIZExKEYS,...]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 
+from workers.sidecar import mooncake_transport as mt
 from workers.sidecar.store import ArtifactStore
 from workers.sidecar.transport import TransportServer, fetch
 
-SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+KiB, MiB = 1 << 10, 1 << 20
+ROWS = [
+    (4 * KiB, 1),
+    (64 * KiB, 1),
+    (1 * MiB, 1),
+    (16 * MiB, 1),
+    (64 * MiB, 1),
+    (4 * KiB, 256),
+    (64 * KiB, 64),
+    (1 * MiB, 16),
+]
 
 
-async def peer(size: int) -> None:
-    """The owner process: one artifact of `size` random bytes behind both servers."""
-    payload = os.urandom(size)
-    store = ArtifactStore(memory_capacity_bytes=1 << 30, pin_memory=False)
-    store.put("a", payload)
+async def peer(size: int, keys: int) -> None:
+    """The owner process: `keys` artifacts of `size` random bytes behind every server."""
+    payload = os.urandom(size * keys)
+    store = ArtifactStore(memory_capacity_bytes=2 << 30, pin_memory=False)
+    for i in range(keys):
+        store.put(f"a{i}", payload[i * size : (i + 1) * size])
 
     async def raw(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -43,7 +71,15 @@ async def peer(size: int) -> None:
 
     side_port = await TransportServer(store).start()
     raw_server = await asyncio.start_server(raw, "127.0.0.1", 0)
-    print(side_port, raw_server.sockets[0].getsockname()[1], flush=True)
+    raw_port = raw_server.sockets[0].getsockname()[1]
+    mc_port, session, raw_addr = 0, "-", 0
+    if mt.AVAILABLE:
+        mc_port = await mt.TransportServer(store).start()
+        engine = mt._engine(None, "127.0.0.1")
+        raw_buf = mt._Buffer(engine, len(payload))
+        raw_buf.view[:] = payload
+        session, raw_addr = engine.session_id, raw_buf.addr
+    print(side_port, raw_port, mc_port, session, raw_addr, flush=True)
     await asyncio.Event().wait()
 
 
@@ -55,38 +91,127 @@ async def raw_fetch(port: int, size: int) -> None:
     writer.close()
 
 
-async def main(repeats: int) -> None:
-    print(f"{'size':>10} {'sidecar MB/s':>13} {'raw tcp MB/s':>13} {'ratio':>6}")
-    for size in SIZES:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.sidecar.transfer", "--peer", str(size)],
-            stdout=subprocess.PIPE,
-            text=True,
+def _rate(nbytes: int, times: list[float]) -> float:
+    return nbytes / statistics.median(times) / 1e6
+
+
+async def row(size: int, keys: int, repeats: int) -> dict[str, float]:
+    total = size * keys
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.sidecar.transfer", "--peer", f"{size}x{keys}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    names = [f"a{i}" for i in range(keys)]
+    t: dict[str, list[float]] = {}
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.to_thread(proc.stdout.readline)
+        side, raw_port, mc_port, session, raw_addr = line.split()
+        engine = mt._engine(None, "127.0.0.1") if mt.AVAILABLE else None
+        local = mt._Buffer(engine, total) if engine is not None else None
+        blob = os.urandom(total)
+        offsets = [i * size for i in range(keys)]
+
+        async def tcp_sidecar() -> None:
+            dst = ArtifactStore(memory_capacity_bytes=2 << 30, pin_memory=False)
+            assert (await fetch(dst, "127.0.0.1", int(side), names)).bytes == total
+
+        async def raw_tcp() -> None:
+            await raw_fetch(int(raw_port), total)
+
+        async def sha() -> None:
+            hashlib.sha256(blob).digest()
+
+        async def mc_sidecar() -> None:
+            dst = ArtifactStore(memory_capacity_bytes=2 << 30, pin_memory=False)
+            assert (await mt.fetch(dst, "127.0.0.1", int(mc_port), names)).bytes == total
+
+        async def raw_mc() -> None:
+            assert engine is not None and local is not None
+            rc = engine.te.transfer_sync_read(session, local.addr, int(raw_addr), total)
+            assert rc == 0
+
+        async def raw_seg() -> None:
+            assert engine is not None and local is not None
+            rc = engine.te.batch_transfer_sync_read(
+                session,
+                [local.addr + o for o in offsets],
+                [int(raw_addr) + o for o in offsets],
+                [size] * keys,
+            )
+            assert rc == 0
+
+        paths: dict[str, Callable[[], Awaitable[None]]] = {
+            "tcp": tcp_sidecar,
+            "raw_tcp": raw_tcp,
+            "sha": sha,
+        }
+        if engine is not None:
+            paths |= {"mc": mc_sidecar, "raw_mc": raw_mc}
+            if keys > 1:
+                paths["raw_seg"] = raw_seg
+        order = list(paths)
+        reps = max(5, min(repeats, (1 << 30) // total))
+        for rep in range(reps + 1):  # the first round warms connections and pages, not counted
+            k = rep % len(order)  # rotated, so no path always follows the same one
+            for name in order[k:] + order[:k]:
+                t0 = time.perf_counter()
+                await paths[name]()
+                if rep:
+                    t.setdefault(name, []).append(time.perf_counter() - t0)
+        if local is not None:
+            local.retire()
+    finally:
+        proc.kill()
+        proc.wait()
+    return {k: _rate(total, v) for k, v in t.items()}
+
+
+def _label(size: int, keys: int) -> str:
+    s = f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
+    return s if keys == 1 else f"{keys} x {s}"
+
+
+async def main(repeats: int, rows: list[tuple[int, int]]) -> None:
+    if not mt.AVAILABLE:
+        print(f"# Mooncake unavailable ({mt.UNAVAILABLE_REASON}): TCP columns only")
+    print(
+        "| artifacts | mooncake sidecar MB/s | raw mooncake MB/s | ratio "
+        "| raw per-artifact MB/s | ratio | tcp sidecar MB/s | raw tcp MB/s | ratio "
+        "| sha256 MB/s | vs bound |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    nan = float("nan")
+    for size, keys in rows:
+        r = await row(size, keys, repeats)
+        mc, raw_mc, seg = r.get("mc", nan), r.get("raw_mc", nan), r.get("raw_seg", nan)
+        seg_cols = f"{seg:.1f} | {mc / seg:.2f}" if keys > 1 else "- | -"
+        print(
+            f"| {_label(size, keys)} | {mc:.1f} | {raw_mc:.1f} | {mc / raw_mc:.2f} "
+            f"| {seg_cols} | {r['tcp']:.1f} | {r['raw_tcp']:.1f} | {r['tcp'] / r['raw_tcp']:.2f} "
+            f"| {r['sha']:.1f} | {mc / min(raw_mc, r['sha']):.2f} |",
+            flush=True,
         )
-        try:
-            assert proc.stdout is not None
-            side_port, raw_port = map(int, proc.stdout.readline().split())
-            reps = max(5, min(repeats, (512 << 20) // size))
-            t_side: list[float] = []
-            t_raw: list[float] = []
-            for _ in range(reps):  # interleaved so both see the same machine noise
-                dst = ArtifactStore(memory_capacity_bytes=1 << 30, pin_memory=False)
-                t0 = time.perf_counter()
-                await fetch(dst, "127.0.0.1", side_port, ["a"])
-                t_side.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                await raw_fetch(raw_port, size)
-                t_raw.append(time.perf_counter() - t0)
-        finally:
-            proc.kill()
-            proc.wait()
-        s, r = statistics.median(t_side), statistics.median(t_raw)
-        print(f"{size:>10} {size / s / 1e6:>13.1f} {size / r / 1e6:>13.1f} {r / s:>6.2f}")
+
+
+def _rows(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        size, _, keys = item.partition("x")
+        out.append((int(size), int(keys or 1)))
+    return out
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--repeats", type=int, default=50)
-    p.add_argument("--peer", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--rows", type=_rows, default=ROWS, help="SIZExKEYS,... (bytes x artifacts)")
+    p.add_argument("--peer", type=str, default="", help=argparse.SUPPRESS)
     a = p.parse_args()
-    asyncio.run(peer(a.peer) if a.peer else main(a.repeats))
+    if a.peer:
+        size, keys = map(int, a.peer.split("x"))
+        asyncio.run(peer(size, keys))
+    else:
+        asyncio.run(main(a.repeats, a.rows))
