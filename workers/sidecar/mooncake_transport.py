@@ -47,6 +47,7 @@ import mmap
 import os
 import socket
 import threading
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -676,6 +677,36 @@ class _Batch:
         return cls(number, session, new, missing, parts, bool(frame.get("last")))
 
 
+_Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+_IDLE: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, int], list[_Conn]]]
+_IDLE = weakref.WeakKeyDictionary()
+MAX_IDLE_PER_PEER = 4
+"""Control connections kept open per peer (and event loop) between fetches."""
+
+
+class _StaleConnection(Exception):
+    """A pooled control connection the peer had closed before this fetch used it."""
+
+
+def _take_idle(host: str, port: int) -> _Conn | None:
+    conns = _IDLE.get(asyncio.get_running_loop(), {}).get((host, port))
+    while conns:
+        reader, writer = conns.pop()
+        if not writer.is_closing() and not reader.at_eof() and reader.exception() is None:
+            return reader, writer
+        writer.close()
+    return None
+
+
+def _give_back(host: str, port: int, conn: _Conn) -> None:
+    reader, writer = conn
+    conns = _IDLE.setdefault(asyncio.get_running_loop(), {}).setdefault((host, port), [])
+    if writer.is_closing() or reader.at_eof() or len(conns) >= MAX_IDLE_PER_PEER:
+        writer.close()
+    else:
+        conns.append(conn)
+
+
 async def fetch(
     store: ArtifactStore,
     host: str,
@@ -688,15 +719,36 @@ async def fetch(
     """Pull `keys` from the peer sidecar whose control server is at host:port into `store`.
     Raises `TransferError` when the peer is unreachable, dies or times out mid-transfer, an
     engine read fails, or bytes fail their checksum; artifacts verified before that stay stored,
-    nothing partial or unverified is."""
+    nothing partial or unverified is. Control connections are reused between fetches."""
     if not AVAILABLE:
         raise TransferError(f"Mooncake Transfer Engine is unavailable: {UNAVAILABLE_REASON}")
     keys = list(keys)
+    conn = _take_idle(host, port)
+    if conn is not None:
+        try:
+            return await _fetch_on(conn, store, host, port, keys, timeout_s, settings, True)
+        except _StaleConnection:
+            pass  # closed while idle (peer restarted): once more on a fresh connection
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+        conn = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
     except (OSError, TimeoutError) as e:
         raise TransferError(f"cannot reach sidecar {host}:{port}: {e}") from e
+    return await _fetch_on(conn, store, host, port, keys, timeout_s, settings, False)
+
+
+async def _fetch_on(
+    conn: _Conn,
+    store: ArtifactStore,
+    host: str,
+    port: int,
+    keys: list[str],
+    timeout_s: float,
+    settings: MooncakeSettings | None,
+    pooled: bool,
+) -> FetchResult:
+    reader, writer = conn
     receiving = _Receiving(store, keys)
+    answered = False  # whether the peer has said anything on this connection yet
     try:
         sockname = writer.get_extra_info("sockname")
         hint = str(sockname[0]) if sockname else "127.0.0.1"
@@ -705,6 +757,7 @@ async def fetch(
         await writer.drain()
         while True:
             frame = await asyncio.wait_for(_read_frame(reader), timeout_s)
+            answered = True
             batch = _Batch.parse(frame, len(keys))
             await receiving.read(batch, timeout_s)
             writer.write(_frame({"ack": batch.number}))
@@ -714,20 +767,26 @@ async def fetch(
                 break
         receiving.check_complete()
         receiving.settle(block=True)
-    except asyncio.IncompleteReadError as e:
+    except (asyncio.IncompleteReadError, ConnectionError) as e:
+        writer.close()
+        if pooled and not answered:
+            raise _StaleConnection from e
         receiving.fail()
-        raise TransferError(
-            f"sidecar {host}:{port} closed mid-transfer "
-            f"({len(receiving.fetched)}/{len(keys)} artifacts)"
-        ) from e
-    except (ConnectionError, TimeoutError, ValueError) as e:
+        if isinstance(e, asyncio.IncompleteReadError):
+            raise TransferError(
+                f"sidecar {host}:{port} closed mid-transfer "
+                f"({len(receiving.fetched)}/{len(keys)} artifacts)"
+            ) from e
+        raise TransferError(f"fetch from {host}:{port} failed: {e!r}") from e
+    except (TimeoutError, ValueError) as e:
+        writer.close()
         receiving.fail()
         raise TransferError(f"fetch from {host}:{port} failed: {e!r}") from e
     except BaseException:
+        writer.close()
         receiving.fail()
         raise
-    finally:
-        writer.close()
+    _give_back(host, port, conn)
     return FetchResult(tuple(receiving.fetched), tuple(receiving.missing), receiving.bytes)
 
 

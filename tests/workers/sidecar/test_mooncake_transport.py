@@ -89,6 +89,26 @@ async def test_many_keys_and_chunked_artifacts_through_a_small_staging_buffer() 
     assert list(again.fetched) == keys[:5]
 
 
+async def test_control_connections_are_reused_and_a_restarted_peer_is_reconnected() -> None:
+    src = _store()
+    src.put("k", b"v" * 5000)
+    server = mt.TransportServer(src)
+    port = await server.start()
+    try:
+        for _ in range(3):
+            assert (await mt.fetch(_store(), "127.0.0.1", port, ["k"])).fetched == ("k",)
+        assert len(server._handlers) == 1  # one control connection served all three
+    finally:
+        await server.close()  # the idle pooled connection is now dead
+    server = mt.TransportServer(src)
+    assert await server.start(port=port) == port
+    try:
+        res = await mt.fetch(_store(), "127.0.0.1", port, ["k"])
+    finally:
+        await server.close()
+    assert res.fetched == ("k",)
+
+
 async def test_only_missing_keys() -> None:
     server = mt.TransportServer(_store())
     port = await server.start()
