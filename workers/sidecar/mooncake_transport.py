@@ -104,8 +104,9 @@ class MooncakeSettings:
     device_name: str = ""
     """RDMA device filter (e.g. "mlx5_0"); empty for TCP or auto-detection."""
     local_hostname: str = ""
-    """Address peers reach this engine at; empty: the host the server binds, else the address
-    the first control connection left from."""
+    """Address peers reach this engine at; empty: the host the server binds (for a wildcard,
+    the address of the default route), else the address the first control connection left
+    from."""
     staging_bytes: int = 256 * MiB
     region_bytes: int = 16 * MiB
     batch_bytes: int = 16 * MiB
@@ -282,6 +283,20 @@ def _host_for_url(host: str) -> str:
     return host
 
 
+def _primary_address() -> str:
+    """This host's address on its default route (peers must reach the engine there; a server
+    bound to a wildcard cannot advertise that). UDP connect sends nothing."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # TEST-NET-1: only selects a route
+        address = str(s.getsockname()[0])
+        if address != "0.0.0.0":
+            return address
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
 def _engine(settings: MooncakeSettings | None, hostname_hint: str) -> _Engine:
     """The process's engine, created on first use (later settings are ignored)."""
     global _ENGINE
@@ -292,7 +307,7 @@ def _engine(settings: MooncakeSettings | None, hostname_hint: str) -> _Engine:
             s = settings or MooncakeSettings.from_env()
             host = s.local_hostname or hostname_hint
             if host in _WILDCARDS:
-                host = socket.gethostbyname(socket.gethostname())
+                host = _primary_address()
             _ENGINE = _Engine(s, host)
         return _ENGINE
 

@@ -245,16 +245,16 @@ async def main():
     for i in range(N):
         s.put(f"k{i}", i.to_bytes(4, "big") + base[4:])
     settings = MooncakeSettings(staging_bytes=64 << 20, region_bytes=4 << 20)
-    port = await TransportServer(s, settings=settings).start()
+    port = await TransportServer(s, settings=settings).start(HOST)
     print(port, flush=True)
     await asyncio.Event().wait()
 asyncio.run(main())
 """
 
 
-def _spawn_source(n: int, size: int) -> tuple[subprocess.Popen[str], int]:
+def _spawn_source(n: int, size: int, host: str = "127.0.0.1") -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", f"N={n}\nSIZE={size}\n" + SERVE],
+        [sys.executable, "-c", f"N={n}\nSIZE={size}\nHOST={host!r}\n" + SERVE],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -285,6 +285,26 @@ async def test_owner_killed_mid_transfer() -> None:
         data = dst.get(k)
         assert len(data) == size and data[:4] == int(k[1:]).to_bytes(4, "big")
     assert dst.stats().corrupted == 0
+
+
+@pytest.mark.timeout(60)
+async def test_a_source_bound_to_all_interfaces_advertises_a_reachable_engine() -> None:
+    """Bound to 0.0.0.0, the source's engine takes the default route's address (peers cannot
+    reach "0.0.0.0"); the fetch reaches the control port on loopback and the engine there."""
+    proc, port = await asyncio.to_thread(_spawn_source, 3, 300 << 10, "0.0.0.0")
+    dst = _store()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(mt._frame({"keys": []}))
+        session = (await mt._read_frame(reader))["session"]
+        writer.close()
+        res = await mt.fetch(dst, "127.0.0.1", port, ["k0", "k1", "k2"], timeout_s=20)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert isinstance(session, str) and not session.startswith(("0.0.0.0:", ":"))
+    assert res.fetched == ("k0", "k1", "k2")
+    assert dst.get("k2")[:4] == (2).to_bytes(4, "big")
 
 
 @pytest.mark.timeout(60)
