@@ -6,7 +6,7 @@ reads instead of the control socket.
 Flow of one fetch (seed 003's staged transfer, seed 004's batched key lookup):
 
 1. The destination opens a control connection (length-prefixed JSON frames, the helpers of
-   `transport.py`) and asks for its keys.
+   `transport.py`; kept and reused for later fetches from the same peer) and asks for its keys.
 2. The source takes a *region* of its staging buffer (a bounded, engine-registered memory area,
    `MooncakeSettings.staging_bytes`, split into regions of `region_bytes`), copies the next
    artifacts into it back to back (many small artifacts share one region; an artifact larger than
@@ -14,18 +14,27 @@ Flow of one fetch (seed 003's staged transfer, seed 004's batched key lookup):
    the artifacts that start in this batch (index, size, SHA-256) or are missing, and where each
    part lies in its registered memory. Artifacts of `in_place_bytes` and more are not copied:
    they are registered where they lie until the peer has read them.
-3. The destination reads the batch with the engine's synchronous reads (in a thread) into its
-   own registered memory: the packed small parts in one read of their span into a reused
-   receive buffer (then copied out), large parts straight into the artifact's final buffer in
-   1 MiB pieces, each hashed on a verify thread while the next one is read. It acknowledges
-   the batch, so the source frees the region (two batches in flight per request: the source
-   stages batch k + 1 while batch k is read).
+3. The destination reads the batch with the engine (all its reads submitted at once, in a
+   thread) into its own registered memory: the packed small parts in one read of their span into
+   a reused receive buffer (then copied out), large parts straight into the artifact's final
+   buffer in 1 MiB pieces, each hashed on a verify thread as soon as it has landed. It
+   acknowledges the batch, so the source frees the region (two batches in flight per request:
+   the source stages batch k + 1 while batch k is read).
 4. Every artifact is verified against the SHA-256 the source stored with it before it enters the
    destination's store; a mismatch, a failed engine read, a closed control connection or a
    timeout is a `TransferError`, and only whole, verified artifacts are ever stored.
 
-Measured on a 2-core VM with both ends on loopback (bench/RESULTS.md, `## Sidecar`): SHA-256
-(~1.9 GB/s on one core) and per-artifact Python work bound this path, not the engine.
+Control frames (u32 length + JSON, as in `transport.py`):
+
+    request:  {"keys": [key, ...]}
+    batch:    {"batch": k, "session": engine session id, "last": bool,
+               "new": [[key index, size, sha256 hex], ...], "missing": [key index, ...],
+               "parts": [[key index, offset in artifact, length, source address], ...]}
+    ack:      {"ack": k}          (destination -> source, after reading batch k)
+    error:    {"error": message}  (source -> destination, bad request)
+
+Measured with both ends on loopback (bench/RESULTS.md, `## Sidecar`): SHA-256 (one core per
+artifact) and per-fetch / per-artifact Python work bound this path, not the engine.
 
 Requests that find no free region wait for one (a request never holds a region while waiting for
 another, so concurrent requests cannot deadlock). One `TransferEngine` serves the whole process,
