@@ -2,8 +2,8 @@
 
 One owner process per row holds `keys` artifacts of `size` random bytes in an `ArtifactStore`
 behind both sidecar transports, plus the same bytes, contiguous, in a Mooncake-registered buffer
-and behind a plain TCP socket. The fetching process measures, interleaved per repeat (so every
-path sees the same machine noise):
+and behind a plain TCP socket. The fetching process measures, interleaved per repeat in rotating
+order (so every path sees the same machine noise):
 
 - mooncake sidecar: `workers.sidecar.mooncake_transport.fetch` of all the row's keys in one
   fetch into a fresh store (control frames, staging at the owner, engine read, SHA-256
