@@ -109,6 +109,35 @@ async def test_control_connections_are_reused_and_a_restarted_peer_is_reconnecte
     assert res.fetched == ("k",)
 
 
+async def test_concurrent_fetches_through_the_smallest_staging_buffer_all_complete() -> None:
+    """Two regions (the minimum) for six concurrent fetches of staged and in-place artifacts:
+    requests wait for regions without ever holding one while waiting (no deadlock)."""
+    src = _store()
+    payloads = {f"s{i}": os.urandom(5000 + i) for i in range(40)}
+    payloads |= {f"b{i}": os.urandom((600 << 10) + i) for i in range(4)}
+    for k, v in payloads.items():
+        src.put(k, v)
+    tiny = mt.MooncakeSettings(
+        staging_bytes=2 * (32 << 10), region_bytes=32 << 10, in_place_bytes=512 << 10
+    )
+    server = mt.TransportServer(src, settings=tiny)
+    port = await server.start()
+    keys = list(payloads)
+    dsts = [_store() for _ in range(6)]
+    try:
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                *(mt.fetch(d, "127.0.0.1", port, keys[j:] + keys[:j]) for j, d in enumerate(dsts))
+            ),
+            30,
+        )
+    finally:
+        await server.close()
+    for d, res in zip(dsts, results, strict=True):
+        assert sorted(res.fetched) == sorted(keys)
+        assert all(d.get(k) == v for k, v in payloads.items())
+
+
 async def test_only_missing_keys() -> None:
     server = mt.TransportServer(_store())
     port = await server.start()
