@@ -11,7 +11,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # mooncake.engine needs libibverbs at import (TCP works without RDMA hardware); best effort
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
-  && ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+  && ! ldconfig -p 2>/dev/null | grep 'libibverbs\.so\.1' >/dev/null; then
   { apt-get install -y -q libibverbs1 || { apt-get update -q && apt-get install -y -q libibverbs1; }; } \
     >/dev/null 2>&1 || echo "note: libibverbs1 not installed (the sidecar falls back to TCP)" >&2
 fi
