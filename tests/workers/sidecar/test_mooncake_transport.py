@@ -172,12 +172,19 @@ async def test_a_plain_tcp_peer_is_refused_not_misread() -> None:
     assert not dst.has("k")
 
 
-async def test_artifact_corrupted_at_the_owner_is_refused_by_the_receiver() -> None:
+@pytest.mark.parametrize(
+    "size",
+    [5000, 600 << 10, 9 << 20],  # staged; read straight into its buffer; in place, 3 batches
+)
+async def test_artifact_corrupted_at_the_owner_is_refused_by_the_receiver(size: int) -> None:
     src = _store()
     src.put("ok", b"o" * 100)
-    src.put("k", b"x" * 5000)
-    src._mem["k"] = b"x" * 4999 + b"y"  # bit flip in the owner's memory (not reachable via API)
-    server = mt.TransportServer(src)
+    src.put("k", b"x" * size)
+    flipped = bytearray(b"x" * size)
+    flipped[size // 2] ^= 1  # bit flip in the owner's memory (not reachable via the API)
+    src._mem["k"] = bytes(flipped)
+    settings = mt.MooncakeSettings(region_bytes=4 << 20, staging_bytes=16 << 20)
+    server = mt.TransportServer(src, settings=settings)
     port = await server.start()
     dst = _store()
     try:
