@@ -23,6 +23,14 @@ class InvalidRequestError(OwnerServeError):
     error_type = "invalid_request_error"
 
 
+class NotFoundError(OwnerServeError):
+    """No such endpoint or resource (a worker id, an artifact)."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "not_found"
+
+
 class ModelNotFoundError(OwnerServeError):
     status_code = 404
     error_type = "invalid_request_error"

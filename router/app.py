@@ -30,6 +30,7 @@ from ownerserve.directory.base import Directory
 from ownerserve.errors import (
     AuthenticationError,
     InvalidRequestError,
+    NotFoundError,
     OwnerServeError,
 )
 from planner.calibration import Calibrator
@@ -54,12 +55,6 @@ class CompletionsASGI:
                 await self.router.handle_completion(scope, receive, send, endpoint)
                 return
         await self.app(scope, receive, send)
-
-
-class NotFoundError(OwnerServeError):
-    status_code = 404
-    error_type = "invalid_request_error"
-    code = "not_found"
 
 
 class HTTPStatusError(OwnerServeError):

@@ -51,6 +51,7 @@ from ownerserve.config import DirectorySettings
 from ownerserve.directory import Directory, open_directory
 from ownerserve.errors import (
     InvalidRequestError,
+    NotFoundError,
     OwnerServeError,
     PayloadTooLargeError,
     UpstreamError,
@@ -82,12 +83,6 @@ class ArtifactNotFoundError(OwnerServeError):
     status_code = 404
     error_type = "invalid_request_error"
     code = "artifact_not_found"
-
-
-class NotFoundError(OwnerServeError):
-    status_code = 404
-    error_type = "invalid_request_error"
-    code = "not_found"
 
 
 class MethodNotAllowedError(OwnerServeError):
