@@ -34,6 +34,38 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, name: str, timeout_s: float) -> None:
+    """Poll `url`/health until 200; raise with the process's stderr tail if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            raise RuntimeError(f"{name} exited: {err[-2000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"{name} not healthy in {timeout_s}s")
+
+
+def kill_group(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGKILL the process group `proc` leads (started with `start_new_session=True`)."""
+    if proc is not None and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def stop_group(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM the process group, SIGKILL it if it is still there after 10 s."""
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+
+
 @dataclass
 class EmulatedWorker:
     """One `python -m workers.emulator` process."""
@@ -68,32 +100,15 @@ class EmulatedWorker:
         return self
 
     def wait_healthy(self, timeout_s: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-                raise RuntimeError(f"emulator {self.worker_id} exited: {err[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            time.sleep(0.05)
-        raise RuntimeError(f"emulator {self.worker_id} not healthy in {timeout_s}s")
+        assert self.proc is not None
+        wait_healthy(self.proc, self.url, f"emulator {self.worker_id}", timeout_s)
 
     def kill(self) -> None:
         """SIGKILL: the worker dies as a crashed engine would, mid-request."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        kill_group(self.proc)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        stop_group(self.proc)
 
     def metrics(self) -> str:
         return httpx.get(self.url + "/metrics", timeout=5.0).text

@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -34,8 +32,11 @@ from tests.e2e.router_cluster import (
     MODEL,
     EmulatedWorker,
     emulated_workers,
+    kill_group,
     metric_value,
     proxy_client,
+    stop_group,
+    wait_healthy,
 )
 from tests.e2e.test_router_actions import REPO, chat, long_turn
 from workers.sidecar.transports import mooncake_status
@@ -77,30 +78,14 @@ class SidecarProcess:
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
         )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-                raise RuntimeError(f"sidecar {self.worker_id} exited: {err[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            time.sleep(0.05)
-        raise RuntimeError(f"sidecar {self.worker_id} not healthy in {timeout_s}s")
+        wait_healthy(self.proc, self.url, f"sidecar {self.worker_id}", timeout_s)
+        return self
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        kill_group(self.proc)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        stop_group(self.proc)
 
 
 @contextlib.contextmanager
