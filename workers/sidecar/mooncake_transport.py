@@ -11,7 +11,7 @@ Flow of one fetch (seed 003's staged transfer, seed 004's batched key lookup):
    `MooncakeSettings.staging_bytes`, split into regions of `region_bytes`), copies the next
    artifacts into it back to back (many small artifacts share one region; an artifact larger than
    a batch is chunked over several batches) and answers one batch frame: its engine session id,
-   the artifacts that start in this batch (index, size, SHA-256) or are missing, and where each
+   the artifacts that start in this batch (index, size, checksum) or are missing, and where each
    part lies in its registered memory. Artifacts of `in_place_bytes` and more are not copied:
    they are registered where they lie until the peer has read them.
 3. The destination reads the batch with the engine (all its reads submitted at once, in a
@@ -20,7 +20,7 @@ Flow of one fetch (seed 003's staged transfer, seed 004's batched key lookup):
    buffer in 1 MiB pieces, each hashed on a verify thread as soon as it has landed. It
    acknowledges the batch, so the source frees the region (two batches in flight per request:
    the source stages batch k + 1 while batch k is read).
-4. Every artifact is verified against the SHA-256 the source stored with it before it enters the
+4. Every artifact is verified against the checksum the source stored with it before it enters the
    destination's store; a mismatch, a failed engine read, a closed control connection or a
    timeout is a `TransferError`, and only whole, verified artifacts are ever stored.
 
@@ -28,7 +28,7 @@ Control frames (u32 length + JSON, as in `transport.py`):
 
     request:  {"keys": [key, ...]}
     batch:    {"batch": k, "session": engine session id, "last": bool,
-               "new": [[key index, size, sha256 hex], ...], "missing": [key index, ...],
+               "new": [[key index, size, checksum hex], ...], "missing": [key index, ...],
                "parts": [[key index, offset in artifact, length, source address], ...]}
     ack:      {"ack": k}          (destination -> source, after reading batch k)
     error:    {"error": message}  (source -> destination, bad request)
@@ -50,7 +50,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import ctypes
-import hashlib
 import ipaddress
 import mmap
 import os
@@ -62,7 +61,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.sidecar.store import ArtifactCorrupted, ArtifactMissing, ArtifactStore
+from workers.sidecar.store import ArtifactCorrupted, ArtifactMissing, ArtifactStore, new_hasher
 from workers.sidecar.transport import FetchResult, TransferError, _frame, _read_frame
 
 __all__ = [
@@ -566,7 +565,7 @@ class _Incoming:
     data: bytes
     addr: int
     registered: bool = False
-    hasher: Any = field(default_factory=hashlib.sha256)
+    hasher: Any = field(default_factory=new_hasher)
     received: int = 0
     hashed: concurrent.futures.Future[None] | None = None
 

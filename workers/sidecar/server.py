@@ -7,7 +7,7 @@ HTTP API (JSON unless said otherwise; every error is OpenAI-shaped, `ownerserve.
 
 - `GET /health` -> `{"worker_id", "transport", "transfer_port", "artifacts", "bytes", "url"}`
 - `POST /ownerserve/kv/lookup {"keys": [str]}` -> `{"present": [bool]}` (same order)
-- `GET /ownerserve/kv/artifacts/{key}` -> raw bytes + `x-ownerserve-checksum: <sha256 hex>`
+- `GET /ownerserve/kv/artifacts/{key}` -> raw bytes + `x-ownerserve-checksum: <XXH3-128 hex>`
   (verified against the stored checksum first: a corrupted artifact is dropped and answered 404)
 - `PUT /ownerserve/kv/artifacts/{key}` raw bytes (optional `x-ownerserve-checksum` verified)
   -> 201 `{"key", "bytes", "checksum", "tier"}`
@@ -62,6 +62,8 @@ from ownerserve.types import Tier
 from workers.sidecar.index import ChunkId, ChunkIndex, stored_prefix, valid_key
 from workers.sidecar.publisher import ReplicaPublisher
 from workers.sidecar.store import (
+    CHECKSUM_BYTES,
+    CHECKSUM_NAME,
     ArtifactCorrupted,
     ArtifactMissing,
     ArtifactStore,
@@ -510,8 +512,11 @@ def _checksum_header(value: str | None) -> bytes | None:
         digest = bytes.fromhex(value.strip())
     except ValueError:
         digest = b""
-    if len(digest) != 32:
-        raise InvalidRequestError(f"{CHECKSUM_HEADER}: must be a SHA-256 hex digest")
+    if len(digest) != CHECKSUM_BYTES:
+        raise InvalidRequestError(
+            f"{CHECKSUM_HEADER}: must be a {CHECKSUM_NAME} hex digest "
+            f"({2 * CHECKSUM_BYTES} hex digits)"
+        )
     return digest
 
 

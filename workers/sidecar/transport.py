@@ -17,13 +17,12 @@ ever stored.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from workers.sidecar.store import ArtifactCorrupted, ArtifactMissing, ArtifactStore
+from workers.sidecar.store import ArtifactCorrupted, ArtifactMissing, ArtifactStore, new_hasher
 
 _LEN = struct.Struct(">I")
 MAX_HEADER = 1 << 20
@@ -56,7 +55,7 @@ async def _read_frame(reader: asyncio.StreamReader) -> dict[str, object]:
 async def _read_hashed(reader: asyncio.StreamReader, size: int, expected: bytes) -> bytes:
     """`size` payload bytes, hashed chunk by chunk as they arrive (overlapping the hash with
     the peer's sending); `TransferError` unless the hash equals `expected`."""
-    hasher = hashlib.sha256()
+    hasher = new_hasher()
     parts: list[bytes] = []
     left = size
     while left:

@@ -1,21 +1,23 @@
 """Blocking HTTP client of the local sidecar's KV API, for the connector's threads (the vLLM
-scheduler loop, the load and save threads). Standard library only, one keep-alive connection per
-thread, so it imports in the vLLM venv without our HTTP stack.
+scheduler loop, the load and save threads). Standard library plus `xxhash` (the artifact checksum),
+one keep-alive connection per thread, so it imports in the vLLM venv without our HTTP stack.
 
 API (`workers/sidecar/server.py`): `POST /ownerserve/kv/lookup {"keys": [...]}` -> `{"present":
-[bool]}`; `GET /ownerserve/kv/artifacts/{key}` -> bytes with `x-ownerserve-checksum` (SHA-256 hex),
-404 when missing; `PUT /ownerserve/kv/artifacts/{key}` -> 201.
+[bool]}`; `GET /ownerserve/kv/artifacts/{key}` -> bytes with `x-ownerserve-checksum`
+(XXH3-128 hex, as `workers.sidecar.store.checksum`), 404 when missing;
+`PUT /ownerserve/kv/artifacts/{key}` -> 201.
 """
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import json
 import socket
 import threading
 from collections.abc import Sequence
 from urllib.parse import quote, urlsplit
+
+import xxhash
 
 CHECKSUM_HEADER = "x-ownerserve-checksum"
 KV_PREFIX = "/ownerserve/kv"
@@ -124,7 +126,7 @@ class SidecarClient:
         expected = headers.get(CHECKSUM_HEADER)
         if not expected:
             raise ArtifactRejected(f"{key}: no {CHECKSUM_HEADER} header")
-        if hashlib.sha256(data).hexdigest() != expected.strip().lower():
+        if xxhash.xxh3_128_hexdigest(data) != expected.strip().lower():
             raise ArtifactRejected(f"{key}: bytes do not match their checksum")
         return data
 

@@ -26,6 +26,8 @@ VLLM_VERSION = "0.32.0"
 TORCH_PIN = "torch==2.13.0"
 NIXL_PINS = ("nixl-cu12==1.5.1", "nixl==1.5.1")
 # No CPU builds exist for these and a text model needs none of them; any of them pulls CUDA torch.
+CONNECTOR_REQUIREMENTS = ("xxhash>=3.0",)
+"""What `workers/vllm_connector` needs in the vLLM venv beyond vLLM (the artifact checksum)."""
 _SKIPPED_REQUIREMENTS = ("torch", "torchaudio", "torchvision", "torchcodec")
 READY_MARKER = ".ownerserve-ready"
 
@@ -52,7 +54,14 @@ def default_cache_root(env: dict[str, str] | None = None) -> Path:
 
 def _install_spec() -> str:
     """Changes whenever what the venv should contain changes, so a stale marker is not trusted."""
-    parts = [VLLM_VERSION, TORCH_PIN, *NIXL_PINS, *_SKIPPED_REQUIREMENTS, "v1"]
+    parts = [
+        VLLM_VERSION,
+        TORCH_PIN,
+        *NIXL_PINS,
+        *_SKIPPED_REQUIREMENTS,
+        *CONNECTOR_REQUIREMENTS,
+        "v1",
+    ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -150,11 +159,12 @@ def install_venv(root: Path) -> Path:
         _run([*pip, "-r", str(reqs), "-c", str(constraints)])
         # nixl's meta package depends on a CUDA flavour; the cu12 build's UCX runs without a GPU.
         _run([*pip, "--no-deps", *NIXL_PINS])
+        _run([*pip, *CONNECTOR_REQUIREMENTS, "-c", str(constraints)])
         _run(
             [
                 str(venv / "bin" / "python"),
                 "-c",
-                "import vllm, nixl, torch; print('vllm', vllm.__file__, torch.__version__)",
+                "import vllm, nixl, torch, xxhash; print('vllm', vllm.__file__, torch.__version__)",
             ]
         )
         marker.write_text(spec + "\n")

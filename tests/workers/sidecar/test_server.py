@@ -16,6 +16,7 @@ import pytest
 
 from ownerserve.kvstate.heads import head_keys
 from workers.sidecar.server import Sidecar, SidecarConfig, serving
+from workers.sidecar.store import checksum
 from workers.sidecar.transports import TCP, Transport, mooncake_status, select_transport
 
 MODEL = "m"
@@ -79,7 +80,7 @@ async def test_put_get_lookup_and_health(tmp_path: Path) -> None:
     async with sidecar(tmp_path, "a") as a, httpx.AsyncClient() as http:
         key = keys_of(0xABC)[1]
         data = os.urandom(5000)
-        digest = hashlib.sha256(data).hexdigest()
+        digest = checksum(data).hex()
         r = await http.put(
             f"{a.url}/ownerserve/kv/artifacts/{key}",
             content=data,
@@ -100,15 +101,17 @@ async def test_bad_requests_get_openai_errors(tmp_path: Path) -> None:
         kv = f"{a.url}/ownerserve/kv"
         err = assert_openai_error(await http.get(f"{kv}/artifacts/absent"), 404)
         assert err["code"] == "artifact_not_found"
-        wrong = hashlib.sha256(b"other").hexdigest()
+        wrong = checksum(b"other").hex()
         r = await http.put(
             f"{kv}/artifacts/k", content=b"data", headers={"x-ownerserve-checksum": wrong}
         )
         assert_openai_error(r, 400)
-        r = await http.put(
-            f"{kv}/artifacts/k", content=b"data", headers={"x-ownerserve-checksum": "zz"}
-        )
-        assert_openai_error(r, 400)
+        sha256 = hashlib.sha256(b"data").hexdigest()  # right bytes, wrong algorithm
+        for bad in ("zz", sha256):
+            r = await http.put(
+                f"{kv}/artifacts/k", content=b"data", headers={"x-ownerserve-checksum": bad}
+            )
+            assert "XXH3-128 hex digest (32 hex digits)" in assert_openai_error(r, 400)["message"]
         assert (await http.post(f"{kv}/lookup", json={"keys": ["k"]})).json()["present"] == [False]
         assert_openai_error(await http.post(f"{kv}/lookup", content=b"{not json"), 400)
         assert_openai_error(await http.post(f"{kv}/lookup", json={"keys": 3}), 400)
