@@ -50,7 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--store-dir",
         type=Path,
         required=True,
-        help="directory of the SSD tier (files in <dir>/ssd, cleared at start)",
+        help="directory of the SSD tier (files in <dir>/ssd, recovered at start)",
+    )
+    parser.add_argument(
+        "--clear-ssd",
+        action="store_true",
+        help="delete the SSD tier's files of an earlier run at start instead of recovering them",
     )
     parser.add_argument(
         "--memory-bytes",
@@ -134,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         advertise_url=args.advertise_url,
         replica_ttl_s=args.replica_ttl_s,
         fetch_timeout_s=args.fetch_timeout_s,
+        clear_ssd=args.clear_ssd,
     )
     try:
         config.store_dir.mkdir(parents=True, exist_ok=True)

@@ -116,6 +116,8 @@ class SidecarConfig:
     replica_ttl_s: float = 30.0
     fetch_timeout_s: float = 60.0
     max_artifact_bytes: int = 1 * GiB
+    clear_ssd: bool = False
+    """Delete the SSD tier's files of an earlier run at start instead of recovering them."""
 
     def directory_settings(self) -> DirectorySettings:
         if self.directory == "memory":
@@ -249,9 +251,7 @@ class Sidecar:
     @classmethod
     def create(cls, config: SidecarConfig, transport: Transport) -> Sidecar:
         ssd_dir = config.store_dir / "ssd"
-        # The SSD tier does not survive a restart (the store keeps its index in memory): files
-        # of a previous run would only leak disk.
-        if ssd_dir.is_dir():
+        if config.clear_ssd and ssd_dir.is_dir():
             shutil.rmtree(ssd_dir)
         store = ArtifactStore(
             memory_capacity_bytes=config.memory_bytes,
@@ -259,6 +259,9 @@ class Sidecar:
             ssd_capacity_bytes=config.ssd_bytes,
         )
         sidecar = cls(config, transport, store)
+        # the SSD tier survives a restart: its files are indexed again (and published at start)
+        for key in store.recover_ssd():
+            sidecar.index.add(key)
         sidecar.counters.registry.register(_StoreCollector(sidecar))
         for result in ("ok", "failed"):
             sidecar.counters.fetches.labels(result)
@@ -283,6 +286,7 @@ class Sidecar:
         self.publisher = ReplicaPublisher(
             self.directory, self.config.worker_id, self.holdings, ttl_s=self.config.replica_ttl_s
         )
+        self.publisher.note(self.holdings())  # what the SSD tier kept over a restart
         self.publisher.start()
 
     async def close(self) -> None:

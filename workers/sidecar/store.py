@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import struct
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -33,6 +34,9 @@ import xxhash
 CHECKSUM_NAME = "XXH3-128"
 CHECKSUM_BYTES = 16
 _MAGIC = b"OSKV2\n"
+_KEY_LEN = struct.Struct("<H")
+_TAIL = struct.Struct(f"<{CHECKSUM_BYTES}sdd")  # checksum, recompute_s, load_s
+_MAX_HEADER = len(_MAGIC) + _KEY_LEN.size + 4 * 1024 + _TAIL.size
 
 
 class StoreError(Exception):
@@ -126,6 +130,37 @@ def _as_bytes(buf: object) -> bytes:
 
 
 _SAFE = re.compile(r"[^A-Za-z0-9._@:-]")
+
+
+def _ssd_header(meta: ArtifactMeta) -> bytes:
+    """An SSD file's header: magic, u16 key length, key (UTF-8), checksum, recompute_s, load_s;
+    the payload follows (its size is the file's size less the header)."""
+    key = meta.key.encode()
+    return (
+        _MAGIC
+        + _KEY_LEN.pack(len(key))
+        + key
+        + _TAIL.pack(meta.checksum, meta.recompute_s, meta.load_s)
+    )
+
+
+def _parse_ssd_header(raw: bytes) -> tuple[str, bytes, float, float, int] | None:
+    """(key, checksum, recompute_s, load_s, header length) of an SSD file, or None when `raw`
+    does not start with a whole, well-formed header."""
+    at = len(_MAGIC)
+    if not raw.startswith(_MAGIC) or len(raw) < at + _KEY_LEN.size:
+        return None
+    (n,) = _KEY_LEN.unpack_from(raw, at)
+    at += _KEY_LEN.size
+    end = at + n + _TAIL.size
+    if len(raw) < end:
+        return None
+    try:
+        key = raw[at : at + n].decode()
+    except UnicodeDecodeError:
+        return None
+    digest, recompute_s, load_s = _TAIL.unpack_from(raw, at + n)
+    return key, digest, recompute_s, load_s, end
 
 
 @dataclass(slots=True)
@@ -234,7 +269,7 @@ class ArtifactStore:
             self._meta[key] = meta
         else:
             self._make_room(Tier.SSD, size, protect=key)
-            self._write_ssd(key, data, digest)
+            self._write_ssd(meta, data)
             self._meta[key] = replace(meta, tier=Tier.SSD)
         return self._meta[key]
 
@@ -295,12 +330,11 @@ class ArtifactStore:
         name = _SAFE.sub("_", key)
         return self.ssd_dir / f"{name}.{checksum(key.encode()).hex()[:12]}.kv"
 
-    def _write_ssd(self, key: str, data: bytes, digest: bytes) -> None:
-        path = self._path(key)
+    def _write_ssd(self, meta: ArtifactMeta, data: bytes) -> None:
+        path = self._path(meta.key)
         tmp = path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
-            f.write(_MAGIC)
-            f.write(digest)
+            f.write(_ssd_header(meta))
             f.write(data)
         os.replace(tmp, path)
         self._ssd_bytes += len(data)
@@ -310,10 +344,54 @@ class ArtifactStore:
             raw = self._path(key).read_bytes()
         except FileNotFoundError:
             raw = b""
-        head = len(_MAGIC) + CHECKSUM_BYTES
-        if len(raw) < head or not raw.startswith(_MAGIC):
+        head = _parse_ssd_header(raw[:_MAX_HEADER])
+        if head is None or head[0] != key:
             return b""  # fails the checksum check in `get`
-        return raw[head:]
+        return raw[head[4] :]
+
+    def recover_ssd(self) -> list[str]:
+        """Index the SSD tier's files an earlier run left (the sidecar's restart): headers only,
+        payloads are verified on every load as always. Unreadable, foreign or duplicate files
+        and unfinished `.tmp` writes are deleted, and so are the oldest files beyond the SSD
+        capacity. Returns the keys recovered, newest first."""
+        if self.ssd_dir is None:
+            return []
+        found: list[tuple[float, ArtifactMeta, Path]] = []
+        for path in self.ssd_dir.iterdir():
+            if path.suffix not in (".kv", ".tmp") or not path.is_file():
+                continue
+            try:
+                with open(path, "rb") as f:
+                    head = _parse_ssd_header(f.read(_MAX_HEADER))
+                st = path.stat()
+            except OSError:
+                continue
+            if (
+                path.suffix == ".tmp"
+                or head is None
+                or path != self._path(head[0])
+                or head[0] in self._meta
+            ):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
+            key, digest, recompute_s, load_s, header_bytes = head
+            size = st.st_size - header_bytes
+            meta = ArtifactMeta(key, size, digest, recompute_s, load_s, 0, 0.0, Tier.SSD)
+            found.append((st.st_mtime, meta, path))
+        found.sort(key=lambda f: f[0], reverse=True)
+        keys: list[str] = []
+        now = self.clock()
+        for _, meta, path in found:
+            if self._ssd_bytes + meta.size_bytes > self.ssd_capacity_bytes:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                self._dropped += 1
+                continue
+            self._meta[meta.key] = replace(meta, last_access_s=now)
+            self._ssd_bytes += meta.size_bytes
+            keys.append(meta.key)
+        return keys
 
     def _victims(self, tier: Tier, bytes_needed: int, protect: str) -> list[str]:
         now = self.clock()
@@ -350,6 +428,6 @@ class ArtifactStore:
             self._dropped += 1
             return
         self._make_room(Tier.SSD, meta.size_bytes, protect=key)
-        self._write_ssd(key, data, meta.checksum)
+        self._write_ssd(meta, data)
         self._meta[key] = replace(meta, tier=Tier.SSD)
         self._demoted += 1

@@ -23,7 +23,7 @@ def test_help_lists_the_flags() -> None:
     ).stdout
     for flag in (
         "--worker-id", "--port", "--store-dir", "--memory-bytes", "--ssd-bytes", "--directory",
-        "--transfer-port", "--transport", "--advertise-url",
+        "--transfer-port", "--transport", "--advertise-url", "--clear-ssd",
     ):  # fmt: skip
         assert flag in out
 

@@ -1,6 +1,7 @@
 """Sidecars publish the blocks they hold to a real Redis directory as replicas of their worker
 (tier `cpu` for memory, `ssd` for files), and the router's view of that directory sees them; a
-sidecar that stops renewing drops out of lookups within its TTL."""
+sidecar that stops renewing drops out of lookups within its TTL, and one restarted on the same
+store directory publishes and serves its SSD tier again."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ownerserve.directory import HoldKind, Match
 from ownerserve.directory.redis import RedisDirectory
 from ownerserve.types import Tier
 from tests.conftest import RedisServer
-from tests.workers.sidecar.test_server import fetch_body, put_chunks, sidecar
+from tests.workers.sidecar.test_server import fetch_body, keys_of, payload, put_chunks, sidecar
 
 pytestmark = pytest.mark.redis
 
@@ -89,5 +90,15 @@ async def test_stored_and_fetched_blocks_show_up_as_replicas_and_expire(
                 )
 
             assert await until(b_gone, timeout_s=5.0)
+
+            # b restarts on the same store directory: its SSD tier is back, published and served
+            async with sidecar(tmp_path, "b", memory_bytes=0, **shared) as b:
+                assert await until(b_published)
+                key = keys_of(CHAIN[2])[1]
+                r = await http.get(f"{b.url}/ownerserve/kv/artifacts/{key}")
+                assert r.status_code == 200 and r.content == payload(key)
+            async with sidecar(tmp_path, "b", memory_bytes=0, clear_ssd=True, **shared) as b:
+                r = await http.post(f"{b.url}/ownerserve/kv/lookup", json={"keys": [key]})
+                assert r.json() == {"present": [False]}
     finally:
         await router_view.close()

@@ -3,6 +3,7 @@ dropping, typed errors."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -77,7 +78,7 @@ def test_demotion_to_ssd_and_corruption_on_disk(tmp_path: Path) -> None:
     assert not s.has("cold")
     # truncated file: also typed
     (g,) = [p for p in tmp_path.iterdir() if p.name.startswith("hot.")]
-    g.write_bytes(b"OSKV1\n")
+    g.write_bytes(b"OSKV2\n")
     with pytest.raises(ArtifactCorrupted):
         s.get("hot")
 
@@ -104,3 +105,49 @@ def test_too_large_and_replace() -> None:
     s.put("k", b"y" * 5)
     assert s.get("k") == b"y" * 5 and s.stats().memory_bytes == 5
     assert s.delete("k") and not s.delete("k")
+
+
+def test_ssd_tier_is_recovered_by_a_new_store(tmp_path: Path) -> None:
+    clock = Clock()
+    old = ArtifactStore(
+        memory_capacity_bytes=0, ssd_dir=tmp_path, ssd_capacity_bytes=1000, clock=clock
+    )
+    old.put("m@pcp0@dcp0@head:0@pp_rank:0@00000000000000aa", b"x" * 100, recompute_s=2.0)
+    clock.t = 1.0
+    old.put("key/with spaces", b"y" * 200, load_s=0.5)
+    clock.t = 2.0
+    old.put("gone", b"z" * 50)
+    (tmp_path / "gone.half-written.tmp").write_bytes(b"OSKV2\n")  # a write cut short
+    (tmp_path / "foreign.kv").write_bytes(b"not an artifact")
+    (gone,) = tmp_path.glob("gone.*.kv")
+    gone.write_bytes(gone.read_bytes()[:8])  # truncated inside its header
+
+    new = ArtifactStore(
+        memory_capacity_bytes=0, ssd_dir=tmp_path, ssd_capacity_bytes=1000, clock=clock
+    )
+    recovered = new.recover_ssd()
+    assert sorted(recovered) == ["key/with spaces", "m@pcp0@dcp0@head:0@pp_rank:0@00000000000000aa"]
+    assert new.get("key/with spaces") == b"y" * 200
+    meta = new.meta("m@pcp0@dcp0@head:0@pp_rank:0@00000000000000aa")
+    assert (meta.size_bytes, meta.recompute_s, meta.tier) == (100, 2.0, Tier.SSD)
+    assert new.meta("key/with spaces").load_s == 0.5
+    assert new.stats().ssd_bytes == 300 and not new.has("gone")
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".kv", ".kv"]  # the rest deleted
+    # a recovered payload that was corrupted on disk is still refused on load
+    (f,) = [p for p in tmp_path.iterdir() if p.name.startswith("key_with_spaces.")]
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 1
+    f.write_bytes(bytes(raw))
+    with pytest.raises(ArtifactCorrupted):
+        new.get("key/with spaces")
+
+
+def test_recovery_keeps_the_newest_files_that_fit(tmp_path: Path) -> None:
+    old = ArtifactStore(memory_capacity_bytes=0, ssd_dir=tmp_path, ssd_capacity_bytes=1000)
+    for i, name in enumerate(["old", "mid", "new"]):
+        old.put(name, bytes([i]) * 100)
+        (f,) = tmp_path.glob(f"{name}.*.kv")
+        os.utime(f, (1000.0 + i, 1000.0 + i))
+    new = ArtifactStore(memory_capacity_bytes=0, ssd_dir=tmp_path, ssd_capacity_bytes=250)
+    assert new.recover_ssd() == ["new", "mid"]
+    assert new.stats().dropped == 1 and len(list(tmp_path.glob("*.kv"))) == 2
