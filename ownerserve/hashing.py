@@ -3,29 +3,32 @@
 Block i's hash is H(parent_i, tokens of block i) where parent_0 is a root derived from the model
 name and a salt, so equal hashes mean equal prefixes of the same model. The router, the emulated
 engine and the directory (which rebuilds hashes from the token ids in vLLM's KV events) all use
-this one scheme. Hashes are unsigned 64-bit integers (blake2b, 8-byte digest).
+this one scheme. Hashes are unsigned 64-bit integers: XXH3-64 of the block's token ids as
+little-endian uint32, seeded with the parent's hash (~5x faster than the 8-byte blake2b digest
+it replaced, with the same 64 bits). `router/tokens.py` and `workers/emulator/kv_cache.py` hold
+packed-buffer copies of `block_hash_chain` for their hot paths; tests pin them equal.
 """
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Sequence
-from hashlib import blake2b
 
-_MASK64 = (1 << 64) - 1
+import xxhash
 
 
 def chain_root(model: str, salt: str = "") -> int:
     """The parent hash of a chain's first block for `model` and `salt`."""
-    digest = blake2b(f"ownerserve:{model}:{salt}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+    return xxhash.xxh3_64_intdigest(f"ownerserve:{model}:{salt}".encode())
 
 
 def hash_block(parent: int, tokens: Sequence[int]) -> int:
     """Hash of one full block given its parent's hash."""
-    h = blake2b(parent.to_bytes(8, "little"), digest_size=8)
-    h.update(array("I", tokens).tobytes())
-    return int.from_bytes(h.digest(), "little") & _MASK64
+    data = array("I", tokens)
+    if sys.byteorder != "little":
+        data.byteswap()
+    return xxhash.xxh3_64_intdigest(data.tobytes(), parent)
 
 
 def block_hash_chain(

@@ -20,10 +20,10 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from hashlib import blake2b
 from typing import Any
 
 import orjson
+from xxhash import xxh3_64_intdigest
 
 from ownerserve.config import ModelSettings
 from ownerserve.hashing import chain_root
@@ -68,21 +68,19 @@ def hash_blocks(tokens: Sequence[int], block_size: int, parent: int, start: int 
     if n_blocks <= 0:
         return []
     packed = token_array(tokens)
-    step = 4 * block_size
-    raw = memoryview(packed)[start : start + n_blocks * block_size].tobytes()
-    digests: list[bytes] = []
-    append = digests.append
-    digest = parent.to_bytes(8, "little")
-    for i in range(0, n_blocks * step, step):
-        # hash_block(parent, block) = blake2b(parent as 8 LE bytes ‖ block as uint32 LE)
-        digest = blake2b(digest + raw[i : i + step], digest_size=8).digest()
-        append(digest)
-    # the digests read as little-endian uint64 are the hashes: one conversion for all
-    out = array("Q")
-    out.frombytes(b"".join(digests))
     if sys.byteorder != "little":
-        out.byteswap()
-    return out.tolist()
+        packed = array("I", packed)
+        packed.byteswap()
+    step = 4 * block_size
+    raw = memoryview(packed)[start : start + n_blocks * block_size].cast("B")
+    out: list[int] = []
+    append = out.append
+    h = xxh3_64_intdigest
+    # hash_block(parent, block) = XXH3-64(block as uint32 LE, seed=parent)
+    for i in range(0, n_blocks * step, step):
+        parent = h(raw[i : i + step], parent)
+        append(parent)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

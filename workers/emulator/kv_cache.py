@@ -10,11 +10,13 @@ drains and publishes once per step. Pure logic: no I/O, no clock.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from hashlib import blake2b
+
+from xxhash import xxh3_64_intdigest
 
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from ownerserve.types import Tier
@@ -26,14 +28,15 @@ def prompt_block_hashes(tokens: Sequence[int], block_size: int, root: int) -> li
     n_blocks = len(tokens) // block_size
     if n_blocks <= 0:
         return []
-    buf = memoryview(array("I", tokens[: n_blocks * block_size])).cast("B")
+    packed = array("I", tokens[: n_blocks * block_size])
+    if sys.byteorder != "little":
+        packed.byteswap()
+    buf = memoryview(packed).cast("B")
     step = 4 * block_size
     parent = root
     out: list[int] = []
     for i in range(0, n_blocks * step, step):
-        h = blake2b(parent.to_bytes(8, "little"), digest_size=8)
-        h.update(buf[i : i + step])
-        parent = int.from_bytes(h.digest(), "little")
+        parent = xxh3_64_intdigest(buf[i : i + step], parent)
         out.append(parent)
     return out
 

@@ -779,7 +779,8 @@ async def _fetch_on(
         writer.write(_frame({"keys": keys}))
         await writer.drain()
         while True:
-            frame = await asyncio.wait_for(_read_frame(reader), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                frame = await _read_frame(reader)
             answered = True
             batch = _Batch.parse(frame, len(keys))
             await receiving.read(batch, timeout_s)
@@ -865,7 +866,8 @@ class _Receiving:
         job = engine.read_pool.submit(_read_batch, engine, plan)
         self.reading = job
         try:
-            rc = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job)), timeout_s)
+            async with asyncio.timeout(timeout_s):  # no task per await, unlike wait_for
+                rc = await asyncio.shield(asyncio.wrap_future(job))
         except TimeoutError as e:
             raise TransferError(
                 f"engine read from {batch.session} timed out after {timeout_s} s"

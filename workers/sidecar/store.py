@@ -107,17 +107,31 @@ class StoreStats:
     dropped: int
 
 
+_CUDA: list[bool] = []
+
+
+def _cuda_available() -> bool:
+    """Whether torch sees a GPU, asked once per process (it is on every put's path)."""
+    if not _CUDA:
+        try:
+            import torch
+
+            _CUDA.append(bool(torch.cuda.is_available()))
+        except Exception:  # pragma: no cover - torch missing or broken
+            _CUDA.append(False)
+    return _CUDA[0]
+
+
 def _pinned_buffer(data: bytes) -> object:
     """Page-locked copy of `data` when CUDA exists (fast H2D), else the bytes themselves."""
+    if not _cuda_available():
+        return data
     try:
         import torch
 
-        if torch.cuda.is_available():
-            t = torch.frombuffer(bytearray(data), dtype=torch.uint8).pin_memory()
-            return t
-    except Exception:  # pragma: no cover - torch without CUDA or pinning failure
-        pass
-    return data
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).pin_memory()
+    except Exception:  # pragma: no cover - pinning failure
+        return data
 
 
 def _as_bytes(buf: object) -> bytes:

@@ -148,7 +148,8 @@ async def fetch(
         writer.write(_frame({"keys": list(keys)}))
         await writer.drain()
         for want in keys:
-            head = await asyncio.wait_for(_read_frame(reader), timeout_s)
+            async with asyncio.timeout(timeout_s):  # per frame; no task per await (wait_for)
+                head = await _read_frame(reader)
             if head.get("key") != want:
                 raise TransferError(f"peer answered {head.get('key')!r} for {want!r}")
             if not head.get("found"):
@@ -159,7 +160,8 @@ async def fetch(
             if not isinstance(size, int) or not isinstance(digest, str) or size < 0:
                 raise TransferError(f"bad frame header for {want!r}")
             expected = bytes.fromhex(digest)
-            data = await asyncio.wait_for(_read_hashed(reader, size, expected), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                data = await _read_hashed(reader, size, expected)
             store.put(want, data, expected_checksum=expected, already_verified=True)
             fetched.append(want)
             total += size
