@@ -17,7 +17,7 @@ writing probe tokens through the engine's own cache-write op.
 **Payload** of the artifact (head `h`, block `b`): that head's slice of the block in the block-first
 staging layout of `kernels.layouts`, `[num_layers, 2 (K, V), block_size, head_size]` token-major,
 contiguous, raw little-endian elements of the cache dtype — the same bytes whatever TP size or CPU
-ISA wrote them. The size is checked on unpack; integrity is the sidecar's SHA-256 checksum.
+ISA wrote them. The size is checked on unpack; integrity is the sidecar's XXH3-128 checksum.
 """
 
 from __future__ import annotations

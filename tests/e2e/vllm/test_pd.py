@@ -124,7 +124,9 @@ async def test_streamed_decode_after_remote_prefill_yields_the_colocated_text(
             if chunk.get("choices")
         ]
         local = await colocated.post("/v1/chat/completions", body)
-        assert len([p for p in pieces if p]) > 1
+        # SSE events, not non-empty deltas: on a busy 2-core box vLLM's API server can run only
+        # after the engine finished, and then sends all 12 tokens in one content delta
+        assert len(pieces) > 1
         assert "".join(pieces) == local["choices"][0]["message"]["content"]
     finally:
         await prefill.aclose()
