@@ -26,6 +26,14 @@ class Clock:
         return self.t
 
 
+def corrupt_file_of(ssd_dir: Path, name_prefix: str) -> None:
+    """Flip the last payload byte of the one SSD file whose name starts with `name_prefix`."""
+    (f,) = [p for p in ssd_dir.iterdir() if p.name.startswith(name_prefix)]
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0xFF
+    f.write_bytes(bytes(raw))
+
+
 def test_put_get_roundtrip_memory() -> None:
     s = ArtifactStore(memory_capacity_bytes=1024)
     s.put("k", b"abc")
@@ -69,10 +77,7 @@ def test_demotion_to_ssd_and_corruption_on_disk(tmp_path: Path) -> None:
     s.put("cold2", b"d" * 60)
     assert s.meta("cold").tier is Tier.SSD
     # corrupt the file of "cold" on disk: the load fails typed and the artifact is dropped
-    (f,) = [p for p in tmp_path.iterdir() if p.name.startswith("cold.")]
-    raw = bytearray(f.read_bytes())
-    raw[-1] ^= 0xFF
-    f.write_bytes(bytes(raw))
+    corrupt_file_of(tmp_path, "cold.")
     with pytest.raises(ArtifactCorrupted):
         s.get("cold")
     assert not s.has("cold")
@@ -134,10 +139,7 @@ def test_ssd_tier_is_recovered_by_a_new_store(tmp_path: Path) -> None:
     assert new.stats().ssd_bytes == 300 and not new.has("gone")
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".kv", ".kv"]  # the rest deleted
     # a recovered payload that was corrupted on disk is still refused on load
-    (f,) = [p for p in tmp_path.iterdir() if p.name.startswith("key_with_spaces.")]
-    raw = bytearray(f.read_bytes())
-    raw[-1] ^= 1
-    f.write_bytes(bytes(raw))
+    corrupt_file_of(tmp_path, "key_with_spaces.")
     with pytest.raises(ArtifactCorrupted):
         new.get("key/with spaces")
 
