@@ -13,11 +13,13 @@ Flow of one fetch (seed 003's staged transfer, seed 004's batched key lookup):
    a batch is chunked over several batches) and answers one batch frame: its engine session id,
    the artifacts that start in this batch (index, size, checksum) or are missing, and where each
    part lies in its registered memory. Artifacts of `in_place_bytes` and more are not copied:
-   they are registered where they lie until the peer has read them.
+   they are registered where they lie (and stay registered afterwards, within
+   `pin_cache_bytes`, so serving them again costs no registration).
 3. The destination reads the batch with the engine (all its reads submitted at once, in a
    thread) into its own registered memory: the packed small parts in one read of their span into
    a reused receive buffer (then copied out), large parts straight into the artifact's final
-   buffer in 1 MiB pieces, each hashed on a verify thread as soon as it has landed. It
+   buffer in 1 MiB pieces, each hashed on a verify thread as soon as it has landed (buffers of
+   `PREFAULT_MIN` and more are faulted in ahead of the engine by helper threads). It
    acknowledges the batch, so the source frees the region (two batches in flight per request:
    the source stages batch k + 1 while batch k is read).
 4. Every artifact is verified against the checksum the source stored with it before it enters the
@@ -33,8 +35,8 @@ Control frames (u32 length + JSON, as in `transport.py`):
     ack:      {"ack": k}          (destination -> source, after reading batch k)
     error:    {"error": message}  (source -> destination, bad request)
 
-Measured with both ends on loopback (bench/RESULTS.md, `## Sidecar`): SHA-256 (one core per
-artifact) and per-fetch / per-artifact Python work bound this path, not the engine.
+Measured with both ends on loopback (bench/RESULTS.md, `## Sidecar`): fresh destination memory
+for large artifacts and per-fetch / per-artifact Python work for small ones bound this path.
 
 Requests that find no free region wait for one (a request never holds a region while waiting for
 another, so concurrent requests cannot deadlock). One `TransferEngine` serves the whole process,
@@ -56,7 +58,7 @@ import os
 import socket
 import threading
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,12 +127,18 @@ class MooncakeSettings:
     engine's segment metadata (~0.5-3 ms measured on loopback), which a copy of a few MiB beats."""
     hash_threads: int = 0
     """Threads that verify checksums; 0 = min(4, CPU count)."""
+    pin_cache_bytes: int = 256 * MiB
+    """In-place registrations of artifacts no request uses any more stay, up to this many bytes
+    (oldest dropped first), so serving the same artifact again needs no new registration; the
+    cache keeps those bytes alive even after the store dropped them. 0 unregisters at once."""
 
     def __post_init__(self) -> None:
         if self.region_bytes <= 0 or self.staging_bytes < 2 * self.region_bytes:
             raise ValueError("staging_bytes must hold at least two regions of region_bytes > 0")
         if self.batch_bytes <= 0:
             raise ValueError("batch_bytes must be > 0")
+        if self.pin_cache_bytes < 0:
+            raise ValueError("pin_cache_bytes must be >= 0")
 
     @classmethod
     def from_env(cls) -> MooncakeSettings:
@@ -145,6 +153,7 @@ class MooncakeSettings:
             batch_bytes=int(env.get("OWNERSERVE_MOONCAKE_BATCH_BYTES", 16 * MiB)),
             in_place_bytes=int(env.get("OWNERSERVE_MOONCAKE_IN_PLACE_BYTES", 4 * MiB)),
             hash_threads=int(env.get("OWNERSERVE_MOONCAKE_HASH_THREADS", 0)),
+            pin_cache_bytes=int(env.get("OWNERSERVE_MOONCAKE_PIN_CACHE_BYTES", 256 * MiB)),
         )
 
 
@@ -182,11 +191,50 @@ except (OSError, AttributeError):  # pragma: no cover - not Linux
     _MADV_HUGEPAGE = None
 
 
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without writing them
+PREFAULT_MIN = 8 << 20
+"""Buffers at least this large are faulted in ahead of the engine by helper threads (hosts of
+4 or more CPUs), in pieces of `_PREFAULT_PIECE`: faulting fresh memory (the kernel zeroes every
+page) costs as much as writing it, 16 ms for 64 MiB measured on a 16-core host."""
+_PREFAULT_PIECE = 4 << 20
+_PREFAULT_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _prefault_threads() -> int:
+    """Helper threads for faulting in (0 on hosts of fewer than 4 CPUs: they would compete with
+    the engine's own threads for the cores)."""
+    cpus = os.cpu_count() or 1
+    return min(4, cpus - 2) if cpus >= 4 else 0
+
+
+def _populate(obj: bytes, addr: int, n: int) -> None:
+    """Fault in [addr, addr + n) of `obj`, which the pool's job holds (and so keeps alive) for
+    as long as this runs."""
+    assert obj
+    _libc.madvise(addr, n, _MADV_POPULATE_WRITE)  # advice only: failure is harmless
+
+
+def _prefault(obj: bytes, lo: int, hi: int) -> None:
+    """Fault [lo, hi) of `obj`'s memory in on helper threads, front first (the engine writes
+    from the front: a page either side touches first is simply there for the other)."""
+    if not _PREFAULT_POOL:
+        threads = _prefault_threads()
+        if threads == 0:
+            return
+        _PREFAULT_POOL.append(
+            concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="mooncake-fault")
+        )
+    pool = _PREFAULT_POOL[0]
+    for start in range(lo, hi, _PREFAULT_PIECE):
+        pool.submit(_populate, obj, start, min(_PREFAULT_PIECE, hi - start))
+
+
 def _uninitialized_bytes(size: int) -> bytes:
     """A fresh `bytes` of `size` unset bytes, filled in place before anyone else sees it
     (CPython's own idiom for building bytes in C); it saves a copy of every large artifact.
     Large ones ask for transparent huge pages (untouched yet): writing fresh memory costs a page
-    fault per 4 KiB otherwise, measured ~3 ms per 16 MiB here, ~1 ms with huge pages."""
+    fault per 4 KiB otherwise, measured ~3 ms per 16 MiB here, ~1 ms with huge pages; from
+    `PREFAULT_MIN` on, helper threads fault the pages in ahead of the engine."""
     obj = _new_bytes(None, size)
     assert isinstance(obj, bytes)
     if size >= 2 * _HUGE and _MADV_HUGEPAGE is not None:
@@ -195,6 +243,8 @@ def _uninitialized_bytes(size: int) -> bytes:
         hi = (addr + size) & ~(_HUGE - 1)
         if hi > lo:
             _libc.madvise(lo, hi - lo, _MADV_HUGEPAGE)  # advice only: failure is harmless
+            if size >= PREFAULT_MIN:
+                _prefault(obj, lo, hi)
     return obj
 
 
@@ -231,6 +281,9 @@ class _Engine:
         self._recv_free: list[_Buffer] = []
         self._pin_lock = threading.Lock()
         self._pins: dict[int, tuple[bytes, int]] = {}
+        # registrations of artifacts no request uses now, kept for the next one (oldest first)
+        self._idle_pins: OrderedDict[int, bytes] = OrderedDict()
+        self._idle_bytes = 0
 
     def register(self, addr: int, size: int) -> None:
         rc = self.te.register_memory(addr, size, "cpu:0")
@@ -241,25 +294,39 @@ class _Engine:
         self.te.unregister_memory(addr)
 
     def pin(self, data: bytes) -> int:
-        """Register an artifact's bytes in place (shared by concurrent requests: counted)."""
+        """Register an artifact's bytes in place (shared by concurrent requests: counted).
+        An artifact served recently is still registered (`unpin`): no new registration, and
+        peers need no fresh segment metadata to read it."""
         addr = _address_of(data)
         with self._pin_lock:
             held = self._pins.get(addr)
-            if held is None:
-                self.register(addr, len(data))
-                self._pins[addr] = (data, 1)
-            else:
+            if held is not None:
                 self._pins[addr] = (data, held[1] + 1)
+                return addr
+            # the cache holds its bytes alive, so an entry at this address is this very object
+            idle = self._idle_pins.pop(addr, None)
+            if idle is not None:
+                self._idle_bytes -= len(idle)
+            else:
+                self.register(addr, len(data))
+            self._pins[addr] = (data, 1)
         return addr
 
     def unpin(self, addr: int) -> None:
+        """Drop a request's hold; the last one leaves the registration (and the bytes) in a
+        cache of `MooncakeSettings.pin_cache_bytes`, oldest unregistered first."""
         with self._pin_lock:
             data, n = self._pins[addr]
             if n > 1:
                 self._pins[addr] = (data, n - 1)
                 return
             del self._pins[addr]
-            self.unregister(addr)
+            self._idle_pins[addr] = data
+            self._idle_bytes += len(data)
+            while self._idle_bytes > self.settings.pin_cache_bytes:
+                old, old_data = self._idle_pins.popitem(last=False)
+                self._idle_bytes -= len(old_data)
+                self.unregister(old)
 
     # receive buffers: registered, reused (warm pages), returned by the thread that read into them
     def take_receive_buffer(self, size: int) -> _Buffer:

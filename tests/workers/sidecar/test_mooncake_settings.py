@@ -21,9 +21,11 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OWNERSERVE_MOONCAKE_HOST", "10.0.0.7")
     monkeypatch.setenv("OWNERSERVE_MOONCAKE_STAGING_BYTES", str(64 << 20))
     monkeypatch.setenv("OWNERSERVE_MOONCAKE_REGION_BYTES", str(8 << 20))
+    monkeypatch.setenv("OWNERSERVE_MOONCAKE_PIN_CACHE_BYTES", "0")
     s = mt.MooncakeSettings.from_env()
     assert (s.protocol, s.device_name, s.local_hostname) == ("rdma", "mlx5_0", "10.0.0.7")
     assert (s.staging_bytes, s.region_bytes, s.metadata) == (64 << 20, 8 << 20, "P2PHANDSHAKE")
+    assert s.pin_cache_bytes == 0
 
 
 @pytest.mark.parametrize(
@@ -32,6 +34,7 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         {"staging_bytes": 1 << 20, "region_bytes": 1 << 20},  # fewer than two regions
         {"region_bytes": 0},
         {"batch_bytes": 0},
+        {"pin_cache_bytes": -1},
     ],
 )
 def test_unusable_settings_are_refused(kwargs: dict[str, int]) -> None:

@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -27,6 +29,13 @@ pytestmark = pytest.mark.skipif(
 SMALL_STAGING = mt.MooncakeSettings(
     staging_bytes=256 << 10, region_bytes=64 << 10, in_place_bytes=512 << 10
 )
+
+
+async def _soon(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return cond()
 
 
 def _store() -> ArtifactStore:
@@ -107,6 +116,48 @@ async def test_control_connections_are_reused_and_a_restarted_peer_is_reconnecte
     finally:
         await server.close()
     assert res.fetched == ("k",)
+
+
+async def test_an_artifact_served_in_place_stays_registered_within_the_pin_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    src = _store()
+    big = os.urandom(5 << 20)  # at least in_place_bytes (4 MiB): registered where it lies
+    src.put("big", big)
+    server = mt.TransportServer(src)
+    port = await server.start()
+    engine = mt._engine(None, "127.0.0.1")
+    at = mt._address_of(src.read_for_transfer("big")[0])
+    calls: list[tuple[str, int]] = []
+    register, unregister = engine.register, engine.unregister
+
+    def counted_register(addr: int, size: int) -> None:
+        calls.append(("register", addr))
+        register(addr, size)
+
+    def counted_unregister(addr: int) -> None:
+        calls.append(("unregister", addr))
+        unregister(addr)
+
+    monkeypatch.setattr(engine, "register", counted_register)
+    monkeypatch.setattr(engine, "unregister", counted_unregister)
+    try:
+        for _ in range(3):
+            dst = _store()
+            assert (await mt.fetch(dst, "127.0.0.1", port, ["big"])).fetched == ("big",)
+            assert dst.get("big") == big
+        # registered once for three fetches, and still registered (idle) after them (the
+        # owner lets go once it has read the last acknowledgement)
+        assert calls.count(("register", at)) == 1 and ("unregister", at) not in calls
+        assert await _soon(lambda: at in engine._idle_pins)
+        # a cache of 0 bytes unregisters as soon as no request holds it
+        monkeypatch.setattr(engine, "settings", replace(engine.settings, pin_cache_bytes=0))
+        dst = _store()
+        assert (await mt.fetch(dst, "127.0.0.1", port, ["big"])).fetched == ("big",)
+        assert await _soon(lambda: calls.count(("unregister", at)) == 1)
+        assert at not in engine._idle_pins and engine._idle_bytes == 0
+    finally:
+        await server.close()
 
 
 async def test_concurrent_fetches_through_the_smallest_staging_buffer_all_complete() -> None:
