@@ -65,6 +65,30 @@ async def test_fetch_between_two_stores() -> None:
     assert dst.stats().corrupted == 0
 
 
+async def test_prefaulting_helper_threads_leave_received_bytes_intact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Hosts of 4+ CPUs fault large receive buffers in on helper threads while the engine writes
+    into them; forced on here (CI has 2 CPUs), every byte must still arrive as sent."""
+    monkeypatch.setattr(mt, "_prefault_threads", lambda: 2)
+    monkeypatch.setattr(mt, "_PREFAULT_POOL", [])
+    src, dst = _store(), _store()
+    payloads = {f"big{i}": os.urandom((9 << 20) + i * 4097) for i in range(3)}
+    for k, v in payloads.items():
+        src.put(k, v)
+    server = mt.TransportServer(src)
+    port = await server.start()
+    try:
+        res = await mt.fetch(dst, "127.0.0.1", port, list(payloads))
+    finally:
+        await server.close()
+    (pool,) = mt._PREFAULT_POOL  # the helper threads did run
+    pool.shutdown(wait=True)
+    assert set(res.fetched) == set(payloads)
+    for k, v in payloads.items():
+        assert dst.get(k) == v
+
+
 async def test_many_keys_and_chunked_artifacts_through_a_small_staging_buffer() -> None:
     """Four regions of 64 KiB: 600 small artifacts are packed many per region, artifacts of up
     to 1 MiB are chunked over several batches (staged, or from 512 KiB on sent in place), and
