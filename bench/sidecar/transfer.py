@@ -1,13 +1,19 @@
 """Sidecar-path transfer throughput against raw transfers of the same bytes, in one run.
 
-One owner process per row holds `keys` artifacts of `size` random bytes in an `ArtifactStore`
-behind both sidecar transports, plus the same bytes, contiguous, in a Mooncake-registered buffer
-and behind a plain TCP socket. The fetching process measures, interleaved per repeat in rotating
-order (so every path sees the same machine noise):
+One owner process per row holds `keys` artifacts of `size` random bytes in `ArtifactStore`s
+behind both sidecar transports (over Mooncake, the store keeps them in its engine-registered
+arena, as a Mooncake sidecar does), plus the same bytes, contiguous, in a Mooncake-registered
+buffer and behind a plain TCP socket. The fetching process measures, interleaved per repeat in
+rotating order (so every path sees the same machine noise):
 
 - mooncake sidecar: `workers.sidecar.mooncake_transport.fetch` of all the row's keys in one
-  fetch into a fresh store (control frames, staging at the owner, engine read, checksum
-  verification, store put);
+  fetch into a long-lived store with an arena, as a sidecar has, the keys deleted again after
+  each fetch. After the first (uncounted) round the owner's catalog has arrived: the fetch
+  reads the artifacts one-sided into arena slots, verifies their checksums and stores them;
+  no control round trip;
+- mooncake control path: the same fetch into a fresh store without an arena, which always
+  takes the control path (a request frame, staging at the owner, engine reads into fresh
+  memory, checksum verification, store put);
 - tcp sidecar: `workers.sidecar.transport.fetch` of the same keys (framing, checksum, put);
 - raw mooncake: one `TransferEngine.transfer_sync_read` of all the row's bytes into a registered
   buffer, nothing around it (the strongest raw baseline: one contiguous read); for rows of many
@@ -18,8 +24,9 @@ order (so every path sees the same machine noise):
   artifact on one core); `vs bound` is the Mooncake sidecar against min(raw mooncake, checksum),
   what perfect overlap of reading and hashing would reach.
 
-Loopback, medians. Rows with many keys show batching: small artifacts packed into one staging
-region and moved by one engine read.
+Loopback, medians. Rows with many keys show batching: on the direct path, artifacts stored one
+after another at both ends are moved by one engine read; on the control path, small artifacts
+are packed into one staging region and moved by one engine read.
 
     .venv/bin/python -m bench.sidecar.transfer [--repeats N] [--rows SIZExKEYS,...]
 """
@@ -36,6 +43,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from workers.sidecar import mooncake_transport as mt
+from workers.sidecar.arena import Arena
 from workers.sidecar.store import ArtifactStore, checksum
 from workers.sidecar.transport import TransportServer, fetch
 
@@ -56,8 +64,11 @@ async def peer(size: int, keys: int) -> None:
     """The owner process: `keys` artifacts of `size` random bytes behind every server."""
     payload = os.urandom(size * keys)
     store = ArtifactStore(memory_capacity_bytes=2 << 30, pin_memory=False)
+    arena = Arena(len(payload) + keys * 64 + (1 << 20))
+    in_arena = ArtifactStore(memory_capacity_bytes=2 << 30, pin_memory=False, arena=arena)
     for i in range(keys):
         store.put(f"a{i}", payload[i * size : (i + 1) * size])
+        in_arena.put(f"a{i}", payload[i * size : (i + 1) * size])
 
     async def raw(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -74,7 +85,7 @@ async def peer(size: int, keys: int) -> None:
     raw_port = raw_server.sockets[0].getsockname()[1]
     mc_port, session, raw_addr = 0, "-", 0
     if mt.AVAILABLE:
-        mc_port = await mt.TransportServer(store).start()
+        mc_port = await mt.TransportServer(in_arena).start()
         engine = mt._engine(None, "127.0.0.1")
         raw_buf = mt._Buffer(engine, len(payload))
         raw_buf.view[:] = payload
@@ -124,7 +135,18 @@ async def row(size: int, keys: int, repeats: int) -> dict[str, float]:
         async def sha() -> None:
             checksum(blob)
 
+        sidecar_store = ArtifactStore(
+            memory_capacity_bytes=2 << 30,
+            pin_memory=False,
+            arena=Arena(total + keys * 64 + (1 << 20)),
+        )
+
         async def mc_sidecar() -> None:
+            assert (await mt.fetch(sidecar_store, "127.0.0.1", int(mc_port), names)).bytes == total
+            for name in names:
+                sidecar_store.delete(name)
+
+        async def mc_control() -> None:
             dst = ArtifactStore(memory_capacity_bytes=2 << 30, pin_memory=False)
             assert (await mt.fetch(dst, "127.0.0.1", int(mc_port), names)).bytes == total
 
@@ -149,7 +171,7 @@ async def row(size: int, keys: int, repeats: int) -> dict[str, float]:
             "sha": sha,
         }
         if engine is not None:
-            paths |= {"mc": mc_sidecar, "raw_mc": raw_mc}
+            paths |= {"mc": mc_sidecar, "mc_ctl": mc_control, "raw_mc": raw_mc}
             if keys > 1:
                 paths["raw_seg"] = raw_seg
         order = list(paths)
@@ -179,18 +201,20 @@ async def main(repeats: int, rows: list[tuple[int, int]]) -> None:
         print(f"# Mooncake unavailable ({mt.UNAVAILABLE_REASON}): TCP columns only")
     print(
         "| artifacts | mooncake sidecar MB/s | raw mooncake MB/s | ratio "
-        "| raw per-artifact MB/s | ratio | tcp sidecar MB/s | raw tcp MB/s | ratio "
-        "| checksum MB/s | vs bound |"
+        "| raw per-artifact MB/s | ratio | control path MB/s | ratio "
+        "| tcp sidecar MB/s | raw tcp MB/s | ratio | checksum MB/s | vs bound |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     nan = float("nan")
     for size, keys in rows:
         r = await row(size, keys, repeats)
         mc, raw_mc, seg = r.get("mc", nan), r.get("raw_mc", nan), r.get("raw_seg", nan)
+        ctl = r.get("mc_ctl", nan)
         seg_cols = f"{seg:.1f} | {mc / seg:.2f}" if keys > 1 else "- | -"
         print(
             f"| {_label(size, keys)} | {mc:.1f} | {raw_mc:.1f} | {mc / raw_mc:.2f} "
-            f"| {seg_cols} | {r['tcp']:.1f} | {r['raw_tcp']:.1f} | {r['tcp'] / r['raw_tcp']:.2f} "
+            f"| {seg_cols} | {ctl:.1f} | {ctl / raw_mc:.2f} "
+            f"| {r['tcp']:.1f} | {r['raw_tcp']:.1f} | {r['tcp'] / r['raw_tcp']:.2f} "
             f"| {r['sha']:.1f} | {mc / min(raw_mc, r['sha']):.2f} |",
             flush=True,
         )

@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--memory-bytes",
         type=_size,
         default=2 * GiB,
-        help="memory tier capacity, e.g. 2G (default); 0 keeps every artifact in files",
+        help="memory tier capacity, e.g. 2G (default); 0 keeps every artifact in files; over "
+        "Mooncake the tier is one arena of this size, registered with the engine at start",
     )
     parser.add_argument(
         "--ssd-bytes", type=_size, default=16 * GiB, help="SSD tier capacity (default 16G)"

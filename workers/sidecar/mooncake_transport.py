@@ -57,13 +57,21 @@ import mmap
 import os
 import socket
 import threading
+import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.sidecar.store import ArtifactCorrupted, ArtifactMissing, ArtifactStore, new_hasher
+from workers.sidecar.arena import Arena
+from workers.sidecar.store import (
+    ArtifactCorrupted,
+    ArtifactLocation,
+    ArtifactMissing,
+    ArtifactStore,
+    new_hasher,
+)
 from workers.sidecar.transport import FetchResult, TransferError, _frame, _read_frame
 
 __all__ = [
@@ -100,6 +108,21 @@ INLINE_HASH_BYTES = 256 << 10
 """A batch's packed small parts up to this size are hashed by the reading thread itself."""
 MAX_ITEMS_PER_BATCH = 2048
 """Bounds a batch frame's header (each artifact costs ~100 bytes of JSON)."""
+CATALOG_ENTRIES_PER_FRAME = 2048
+"""Bounds a catalog frame likewise."""
+CATALOG_HEARTBEAT_S = 0.5
+"""A source sends its watchers an empty catalog frame after this long without a change."""
+CATALOG_FRESH_S = 1.5
+"""A catalog heard from within this long is fresh: its source is taken to be alive, and
+small direct reads from it run on the event loop itself (see `INLINE_READ_BYTES`)."""
+MAX_CATALOG_BACKLOG = 16 * MiB
+"""A watching peer whose unread catalog frames exceed this is disconnected."""
+INLINE_READ_BYTES = 256 << 10
+"""A direct fetch of at most this many bytes from a source whose catalog is fresh is read on
+the event loop itself: one engine call, like a raw read (the hop to a reading thread and back
+costs more than such a read: 4 KiB in ~0.1 ms). The price: a source that freezes within
+`CATALOG_FRESH_S` of such a read stalls this loop until the engine gives up
+(`MC_TRANSFER_TIMEOUT`, 30 s by default), once; its catalog is dropped then."""
 _WILDCARDS = ("", "0.0.0.0", "::")
 
 
@@ -284,6 +307,15 @@ class _Engine:
         # registrations of artifacts no request uses now, kept for the next one (oldest first)
         self._idle_pins: OrderedDict[int, bytes] = OrderedDict()
         self._idle_bytes = 0
+        self._arenas: dict[int, Arena] = {}  # registered for good (their memory never goes)
+
+    def register_arena(self, arena: Arena) -> int:
+        """Register a store's arena once (idempotent); returns its address."""
+        with self._pin_lock:
+            if id(arena) not in self._arenas:
+                self.register(arena.addr, arena.size)
+                self._arenas[id(arena)] = arena
+        return arena.addr
 
     def register(self, addr: int, size: int) -> None:
         rc = self.te.register_memory(addr, size, "cpu:0")
@@ -421,9 +453,10 @@ class _Lease:
     pins: list[int] = field(default_factory=list)
 
 
-def _copy_all(copies: Sequence[tuple[int, bytes, int, int]]) -> None:
-    for dst, data, pos, n in copies:
-        ctypes.memmove(dst, _address_of(data) + pos, n)
+def _copy_all(copies: Sequence[tuple[int, int, int, object]]) -> None:
+    """(destination, source address, length, the object that keeps the source alive)."""
+    for dst, src, n, _ in copies:
+        ctypes.memmove(dst, src, n)
 
 
 PIN_GRACE_S = 40.0
@@ -446,6 +479,10 @@ class TransportServer:
         self._in_place_bytes = 0
         self._handlers: set[asyncio.Task[None]] = set()
         self._peers: set[asyncio.StreamWriter] = set()
+        self._arena_addr = 0
+        self._watchers: set[asyncio.StreamWriter] = set()
+        self._changes: dict[str, ArtifactLocation | None] = {}
+        self._unwatch: Callable[[], None] | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         self._engine = _engine(self.settings, host)
@@ -458,10 +495,16 @@ class TransportServer:
         self._free = asyncio.LifoQueue()  # the last region freed is warm: reuse it first
         for i in range(regions):
             self._free.put_nowait(i)
+        if self.store.arena is not None:
+            self._arena_addr = self._engine.register_arena(self.store.arena)
+            self._unwatch = self.store.watch(self._changed)
         self._server = await asyncio.start_server(self._handle, host, port)
         return int(self._server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
         if self._server is not None:
             self._server.close()
             for writer in list(self._peers):  # their handlers end on the closed connection
@@ -487,6 +530,9 @@ class TransportServer:
                 try:
                     req = await _read_frame(reader)
                 except asyncio.IncompleteReadError:
+                    return
+                if req.get("watch") is True:  # (a source without an arena lists nothing)
+                    await self._stream_catalog(reader, writer)
                     return
                 keys = req.get("keys")
                 if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
@@ -515,6 +561,63 @@ class TransportServer:
                 asyncio.get_running_loop().call_later(PIN_GRACE_S, unpin_all)
             writer.close()
 
+    # --- the catalog: arena locations pushed to the peers that watch -------------------------
+
+    def _catalog_frames(self, entries: Sequence[tuple[str, ArtifactLocation | None]]) -> bytes:
+        assert self._engine is not None
+        out = []
+        for i in range(0, max(1, len(entries)), CATALOG_ENTRIES_PER_FRAME):
+            put, gone = [], []
+            for key, where in entries[i : i + CATALOG_ENTRIES_PER_FRAME]:
+                if where is None:
+                    gone.append(key)
+                else:
+                    addr = self._arena_addr + where.offset
+                    put.append([key, addr, where.size_bytes, where.checksum.hex()])
+            frame = {"catalog": self._engine.session_id, "put": put, "gone": gone}
+            out.append(_frame(frame))
+        return b"".join(out)
+
+    async def _stream_catalog(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """A watching peer: every arena location now, then every change, until it hangs up."""
+        snapshot = [(loc.key, loc) for loc in self.store.locations()]
+        writer.write(self._catalog_frames(snapshot))
+        self._watchers.add(writer)
+        heartbeat = self._catalog_frames([])
+        try:
+            await writer.drain()
+            while True:  # the peer sends nothing more; EOF ends the stream
+                try:
+                    async with asyncio.timeout(CATALOG_HEARTBEAT_S):
+                        if not await reader.read(4096):
+                            return
+                except TimeoutError:  # nothing to say: say that this source is alive
+                    if writer.transport.get_write_buffer_size() > MAX_CATALOG_BACKLOG:
+                        return
+                    writer.write(heartbeat)
+        finally:
+            self._watchers.discard(writer)
+
+    def _changed(self, key: str, where: ArtifactLocation | None) -> None:
+        """Store watcher: collect changes, pushed to the watching peers once per loop turn."""
+        if not self._watchers:
+            return
+        if not self._changes:
+            asyncio.get_running_loop().call_soon(self._push_changes)
+        self._changes[key] = where
+
+    def _push_changes(self) -> None:
+        data = self._catalog_frames(list(self._changes.items()))
+        self._changes.clear()
+        for writer in list(self._watchers):
+            if writer.transport.get_write_buffer_size() > MAX_CATALOG_BACKLOG:
+                writer.transport.abort()  # a peer that does not read: it re-subscribes anew
+                self._watchers.discard(writer)
+            else:
+                writer.write(data)
+
     async def _serve(
         self,
         keys: list[str],
@@ -540,8 +643,10 @@ class TransportServer:
                 engine.unpin(addr)
 
         nxt = 0  # next key to look up
-        # the artifact being sent: key index, bytes, bytes sent, in-place address (or 0)
-        current: tuple[int, bytes, int, int] | None = None
+        # the artifact being sent: key index, size, bytes sent, where its bytes lie, whether it
+        # is served in place (from that address) and pinned (registered for this request)
+        current: tuple[int, int, int, int, bool, bool] | None = None
+        keep: object = None  # keeps the bytes of the artifact being sent alive
         while True:
             while len(held) >= 2:
                 await take_ack()
@@ -550,31 +655,37 @@ class TransportServer:
             new: list[list[object]] = []
             missing: list[int] = []
             parts: list[list[int]] = []
-            copies: list[tuple[int, bytes, int, int]] = []
+            copies: list[tuple[int, int, int, object]] = []
             budget = self._batch_bytes  # bytes per batch, staged or in place
             staged = 0
             while budget > 0 and len(parts) + len(new) + len(missing) < MAX_ITEMS_PER_BATCH:
                 if current is None:
                     if nxt == len(keys):
                         break
-                    try:
-                        data, digest = self.store.read_for_transfer(keys[nxt])
-                    except (ArtifactMissing, ArtifactCorrupted):
-                        missing.append(nxt)
-                        nxt += 1
-                        continue
-                    data = bytes(data)
-                    new.append([nxt, len(data), digest.hex()])
-                    addr = 0
-                    if len(data) >= self._in_place_bytes:
-                        addr = engine.pin(data)
-                        open_pins.append(addr)
-                    current = (nxt, data, 0, addr)
+                    where = self.store.location(keys[nxt], touch=True)
+                    if where is not None:  # in the registered arena: no registration needed
+                        size, digest = where.size_bytes, where.checksum
+                        src = self._arena_addr + where.offset
+                        keep, pinned = self.store.arena, False
+                    else:
+                        try:
+                            data, digest = self.store.read_for_transfer(keys[nxt])
+                        except (ArtifactMissing, ArtifactCorrupted):
+                            missing.append(nxt)
+                            nxt += 1
+                            continue
+                        keep = data = bytes(data)
+                        size, pinned = len(data), len(data) >= self._in_place_bytes
+                        src = engine.pin(data) if pinned else _address_of(data)
+                        if pinned:
+                            open_pins.append(src)
+                    new.append([nxt, size, digest.hex()])
+                    current = (nxt, size, 0, src, size >= self._in_place_bytes, pinned)
                     nxt += 1
-                idx, data, pos, addr = current
-                n = min(len(data) - pos, budget)
-                if n and addr:
-                    parts.append([idx, pos, n, addr + pos])
+                idx, size, pos, src, in_place, pinned = current
+                n = min(size - pos, budget)
+                if n and in_place:
+                    parts.append([idx, pos, n, src + pos])
                 elif n:
                     if lease.region is None:
                         if free.empty() and parts:
@@ -584,16 +695,16 @@ class TransportServer:
                         lease.region = await free.get()
                     dst = self._staging.addr + lease.region * region_bytes + staged
                     parts.append([idx, pos, n, dst])
-                    copies.append((dst, data, pos, n))
+                    copies.append((dst, src + pos, n, keep))
                     staged += n
                 budget -= n
-                if pos + n == len(data):
+                if pos + n == size:
                     current = None
-                    if addr:
-                        open_pins.remove(addr)
-                        lease.pins.append(addr)
+                    if pinned:
+                        open_pins.remove(src)
+                        lease.pins.append(src)
                 else:
-                    current = (idx, data, pos + n, addr)
+                    current = (idx, size, pos + n, src, in_place, pinned)
             if staged > MiB:
                 await asyncio.to_thread(_copy_all, copies)
             else:
@@ -629,9 +740,11 @@ class _Incoming:
     key: str
     size: int
     expected: bytes
-    data: bytes
+    data: bytes | memoryview
     addr: int
-    registered: bool = False
+    direct: bool = False  # read straight into `data` (else through a receive buffer)
+    registered: bool = False  # `data` registered for this artifact alone (unregister after)
+    slot: int | None = None  # the destination store's arena slot `data` lies in, until stored
     hasher: Any = field(default_factory=new_hasher)
     received: int = 0
     hashed: concurrent.futures.Future[None] | None = None
@@ -797,6 +910,228 @@ def _give_back(host: str, port: int, conn: _Conn) -> None:
         conns.append(conn)
 
 
+# --- the catalog of a peer, and direct reads ------------------------------------------------
+
+
+class _Catalog:
+    """What one peer's arena holds, as it pushes it (`{"watch": true}` on a control
+    connection): key -> (engine session, address, size, checksum). A background task keeps it
+    current; when the connection ends the catalog is dropped (the next fetch watches anew)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.entries: dict[str, tuple[str, int, int, bytes]] = {}
+        self.task: asyncio.Task[None] | None = None
+        self.heard_s = 0.0  # when the source last sent a frame (time.monotonic)
+
+    def fresh(self) -> bool:
+        return time.monotonic() - self.heard_s < CATALOG_FRESH_S
+
+    def drop(self) -> None:
+        """Forget this catalog (after a failed read): the next fetch watches anew."""
+        self.entries = {}
+        if self.task is not None:
+            self.task.cancel()
+
+    async def run(self, registry: dict[tuple[str, int], _Catalog]) -> None:
+        writer: asyncio.StreamWriter | None = None
+        try:
+            reader, w = await asyncio.wait_for(
+                asyncio.open_connection(self.host, self.port), CATALOG_CONNECT_TIMEOUT_S
+            )
+            writer = w
+            w.write(_frame({"watch": True}))
+            await w.drain()
+            while True:
+                self.apply(await _read_frame(reader))
+                self.heard_s = time.monotonic()
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, TransferError, ValueError):
+            pass  # no catalog: fetches from this peer go through the control path
+        finally:
+            self.entries = {}
+            if registry.get((self.host, self.port)) is self:
+                del registry[(self.host, self.port)]
+            if writer is not None:
+                writer.close()
+
+    def apply(self, frame: dict[str, object]) -> None:
+        session, put, gone = frame.get("catalog"), frame.get("put"), frame.get("gone")
+        if not isinstance(session, str) or not isinstance(put, list) or not isinstance(gone, list):
+            raise TransferError("bad catalog frame")
+        entries = self.entries
+        for key in gone:
+            entries.pop(key, None)
+        for key, addr, size, digest in put:
+            if not isinstance(key, str) or int(addr) <= 0 or int(size) <= 0:
+                raise TransferError("bad catalog entry")
+            entries[key] = (session, int(addr), int(size), bytes.fromhex(digest))
+
+
+CATALOG_CONNECT_TIMEOUT_S = 5.0
+_CATALOGS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, int], _Catalog]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _catalog(host: str, port: int) -> _Catalog:
+    """The catalog of the peer at host:port, watched from now on (empty until it arrives)."""
+    registry = _CATALOGS.setdefault(asyncio.get_running_loop(), {})
+    cat = registry.get((host, port))
+    if cat is None:
+        cat = registry[(host, port)] = _Catalog(host, port)
+        cat.task = asyncio.get_running_loop().create_task(cat.run(registry))
+    return cat
+
+
+@dataclass(slots=True)
+class _Direct:
+    """A direct fetch: the catalog entries read one-sided into reserved arena slots."""
+
+    session: str
+    items: list[_Incoming]
+    remote: list[int]
+    segments: list[tuple[int, int, int, list[tuple[_Incoming, int, int]]]] = field(
+        default_factory=list
+    )  # local address, remote address, length, the (artifact, offset, length) spans it brings
+
+
+def _plan_direct(d: _Direct) -> None:
+    """Merge reads that are adjacent at both ends (artifacts stored one after another), and
+    cut large ones into `READ_CHUNK` pieces (each hashed while the next is read)."""
+    merged: list[list[Any]] = []
+    for inc, remote in zip(d.items, d.remote, strict=True):
+        if merged:
+            last = merged[-1]
+            if last[0] + last[2] == inc.addr and last[1] + last[2] == remote:
+                last[2] += inc.size
+                last[3].append((inc, 0, inc.size))
+                continue
+        merged.append([inc.addr, remote, inc.size, [(inc, 0, inc.size)]])
+    for local, remote, n, spans in merged:
+        if n <= READ_CHUNK or len(spans) > 1:
+            d.segments.append((local, remote, n, spans))
+            continue
+        ((inc, _, _),) = spans
+        for off in range(0, n, READ_CHUNK):
+            k = min(READ_CHUNK, n - off)
+            d.segments.append((local + off, remote + off, k, [(inc, off, k)]))
+
+
+def _read_direct(engine: _Engine, d: _Direct) -> int:
+    """Blocking: every segment submitted at once, then awaited in order, each hashed as it
+    lands (small ones here, large pieces on the verify threads). Returns 0 or the engine's
+    failure status, only once the engine no longer writes into the slots."""
+    te = engine.te
+    if len(d.segments) == 1 or sum(n for _, _, n, _ in d.segments) <= INLINE_READ_BYTES:
+        rc = int(
+            te.batch_transfer_sync_read(
+                d.session,
+                [s[0] for s in d.segments],
+                [s[1] for s in d.segments],
+                [s[2] for s in d.segments],
+            )
+        )
+        if rc == 0:
+            _hash_spans(engine, [span for *_, spans in d.segments for span in spans])
+        return rc
+    submitted: list[int] = []
+    rc = 0
+    for local, remote, n, _ in d.segments:
+        batch_id = int(te.batch_transfer_async_read(d.session, [local], [remote], [n]))
+        if batch_id <= 0:
+            rc = -1
+            break
+        submitted.append(batch_id)
+    for (_, _, _, spans), batch_id in zip(d.segments, submitted, strict=False):
+        status = int(te.get_batch_transfer_status([batch_id]))
+        if status != 0:
+            rc = rc or status
+        elif rc == 0:
+            _hash_spans(engine, spans)
+    return rc
+
+
+def _hash_spans(engine: _Engine, spans: Sequence[tuple[_Incoming, int, int]]) -> None:
+    for inc, pos, n in spans:
+        if n >= INLINE_HASH_BYTES:
+            _hash_later(engine, inc, pos, n)
+        else:
+            if inc.hashed is not None:
+                inc.hashed.result()
+                inc.hashed = None
+            inc.hasher.update(memoryview(inc.data)[pos : pos + n])
+
+
+async def _fetch_direct(
+    store: ArtifactStore, cat: _Catalog, keys: list[str], timeout_s: float
+) -> tuple[list[str], list[str], int]:
+    """Read the keys the peer's catalog lists one-sided into this store's arena: (keys stored,
+    keys left to the control path, bytes stored). Keys whose catalog entry was stale (bytes
+    failing their checksum: the peer has evicted or replaced them) are left to the control
+    path too, as are all of them when an engine read fails."""
+    assert store.arena is not None
+    engine = _ENGINE
+    assert engine is not None
+    base = engine.register_arena(store.arena)
+    by_session: dict[str, _Direct] = {}
+    left: list[str] = []
+    for key in keys:
+        entry = cat.entries.get(key)
+        slot = store.reserve(entry[2]) if entry is not None else None
+        if entry is None or slot is None:
+            left.append(key)
+            continue
+        session, remote, size, digest = entry
+        inc = _Incoming(key, size, digest, store.slot_view(slot, size), base + slot, slot=slot)
+        d = by_session.setdefault(session, _Direct(session, [], []))
+        d.items.append(inc)
+        d.remote.append(remote)
+    fetched: list[str] = []
+    nbytes = 0
+    for d in by_session.values():
+        _plan_direct(d)
+        total = sum(inc.size for inc in d.items)
+        if total <= INLINE_READ_BYTES and cat.fresh():
+            rc = _read_direct(engine, d)
+        else:
+            job = engine.read_pool.submit(_read_direct, engine, d)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    rc = await asyncio.shield(asyncio.wrap_future(job))
+            except BaseException as exc:  # timed out or cancelled: the read may still run
+                loop = asyncio.get_running_loop()
+
+                def release(
+                    _: object, d: _Direct = d, loop: asyncio.AbstractEventLoop = loop
+                ) -> None:
+                    for inc in d.items:
+                        with contextlib.suppress(RuntimeError):
+                            loop.call_soon_threadsafe(store.release, inc.addr - base)
+
+                job.add_done_callback(release)
+                cat.drop()
+                if isinstance(exc, TimeoutError):
+                    raise TransferError(
+                        f"engine read from {d.session} timed out after {timeout_s} s"
+                    ) from exc
+                raise
+        for inc in d.items:
+            if inc.hashed is not None:
+                inc.hashed.result()
+            if rc == 0 and inc.hasher.digest() == inc.expected:
+                store.commit(inc.key, inc.addr - base, inc.size, inc.expected)
+                fetched.append(inc.key)
+                nbytes += inc.size
+            else:
+                store.release(inc.addr - base)
+                if rc == 0:
+                    cat.entries.pop(inc.key, None)  # stale: the control path knows better
+                left.append(inc.key)
+        if rc != 0:
+            cat.drop()
+    return fetched, left, nbytes
+
+
 async def fetch(
     store: ArtifactStore,
     host: str,
@@ -813,6 +1148,28 @@ async def fetch(
     if not AVAILABLE:
         raise TransferError(f"Mooncake Transfer Engine is unavailable: {UNAVAILABLE_REASON}")
     keys = list(keys)
+    fetched: list[str] = []
+    nbytes = 0
+    if store.arena is not None:
+        cat = _catalog(host, port)
+        if cat.entries and _ENGINE is not None:
+            fetched, keys, nbytes = await _fetch_direct(store, cat, keys, timeout_s)
+            if not keys:
+                return FetchResult(tuple(fetched), (), nbytes)
+    res = await _fetch_control(store, host, port, keys, timeout_s, settings)
+    if not fetched:
+        return res
+    return FetchResult((*fetched, *res.fetched), res.missing, nbytes + res.bytes)
+
+
+async def _fetch_control(
+    store: ArtifactStore,
+    host: str,
+    port: int,
+    keys: list[str],
+    timeout_s: float,
+    settings: MooncakeSettings | None,
+) -> FetchResult:
     conn = _take_idle(host, port)
     if conn is not None:
         try:
@@ -908,18 +1265,26 @@ class _Receiving:
                 raise TransferError(
                     f"{self.keys[i]!r}: {size} bytes exceed every tier of this store"
                 )
-            data = _uninitialized_bytes(size)
-            inc = _Incoming(self.keys[i], size, digest, data, _address_of(data))
-            if size >= DIRECT_MIN:
-                engine.register(inc.addr, size)
-                inc.registered = True
+            slot = self.store.reserve(size)
+            if slot is not None:  # straight into this store's arena (registered once)
+                assert self.store.arena is not None
+                base = engine.register_arena(self.store.arena)
+                view = self.store.slot_view(slot, size)
+                inc = _Incoming(self.keys[i], size, digest, view, base + slot, slot=slot)
+                inc.direct = size >= DIRECT_MIN
+            else:
+                data = _uninitialized_bytes(size)
+                inc = _Incoming(self.keys[i], size, digest, data, _address_of(data))
+                if size >= DIRECT_MIN:
+                    engine.register(inc.addr, size)
+                    inc.direct = inc.registered = True
             self.incoming[i] = inc
         plan = _ReadPlan(batch.session, [], [])
         for i, pos, n, remote in batch.parts:
             got = self.incoming.get(i)
             if got is None or pos != got.received or pos + n > got.size:
                 raise TransferError(f"bad batch frame: part of key #{i} at {pos}")
-            (plan.direct if got.registered else plan.small).append((got, pos, n, remote))
+            (plan.direct if got.direct else plan.small).append((got, pos, n, remote))
             got.received += n
         if plan.small:  # staged back to back by the source: one read of their span
             lo = min(remote for *_, remote in plan.small)
@@ -971,8 +1336,17 @@ class _Receiving:
             if inc.hashed is not None:
                 inc.hashed.result()
             if inc.hasher.digest() != inc.expected:
+                if inc.slot is not None:
+                    self.store.release(inc.slot)
+                    inc.slot = None
                 raise TransferError(f"payload of {inc.key!r} does not match its checksum")
-            self.store.put(inc.key, inc.data, expected_checksum=inc.expected, already_verified=True)
+            if inc.slot is not None:
+                self.store.commit(inc.key, inc.slot, inc.size, inc.expected)
+                inc.slot = None
+            else:
+                data = inc.data
+                assert isinstance(data, bytes)
+                self.store.put(inc.key, data, expected_checksum=inc.expected, already_verified=True)
             self.fetched.append(inc.key)
             self.bytes += inc.size
 
@@ -995,11 +1369,17 @@ class _Receiving:
         if engine is None:
             return
         leftovers = [inc for inc in self.incoming.values() if inc.registered]
+        slots = [inc.slot for inc in self.incoming.values() if inc.slot is not None]
+        store = self.store
 
         def unregister(_: object = None) -> None:
             for inc in leftovers:
                 engine.unregister(inc.addr)
+            for slot in slots:  # on the loop's thread: the store is not thread-safe
+                with contextlib.suppress(RuntimeError):  # the loop is gone, and the store too
+                    loop.call_soon_threadsafe(store.release, slot)
 
+        loop = asyncio.get_running_loop()
         if self.reading is None or self.reading.done():
             unregister()
         else:

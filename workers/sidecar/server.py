@@ -59,6 +59,7 @@ from ownerserve.errors import (
     openai_error_body,
 )
 from ownerserve.types import Tier
+from workers.sidecar.arena import Arena
 from workers.sidecar.index import ChunkId, ChunkIndex, stored_prefix, valid_key
 from workers.sidecar.publisher import ReplicaPublisher
 from workers.sidecar.store import (
@@ -253,10 +254,15 @@ class Sidecar:
         ssd_dir = config.store_dir / "ssd"
         if config.clear_ssd and ssd_dir.is_dir():
             shutil.rmtree(ssd_dir)
+        # over Mooncake the memory tier is one arena the engine registers once: peers read
+        # what it holds one-sided (workers.sidecar.arena), fetches land in it in place
+        mooncake = transport.name == "mooncake" and config.memory_bytes > 0
+        arena = Arena(config.memory_bytes) if mooncake else None
         store = ArtifactStore(
             memory_capacity_bytes=config.memory_bytes,
             ssd_dir=ssd_dir,
             ssd_capacity_bytes=config.ssd_bytes,
+            arena=arena,
         )
         sidecar = cls(config, transport, store)
         # the SSD tier survives a restart: its files are indexed again (and published at start)

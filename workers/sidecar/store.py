@@ -14,6 +14,12 @@ state model's expected seconds saved per byte kept (same formula as `planner.res
 
     (1 + reuse_count) * 2^(-age / half_life) * max(recompute_s - load_s, 0) / size_bytes
 
+With an `arena` (`workers.sidecar.arena`, what the Mooncake transport uses) the memory tier keeps
+artifacts in one pre-allocated area at fixed offsets: `location(key)` says where, watchers
+(`watch`) hear of every artifact that appears there or leaves, and a destination can read a
+peer's artifact straight into a slot (`reserve`, then `commit` or `release`). Artifacts that
+find no free slot are kept as ordinary memory (and have no location).
+
 Pure in-process logic plus file I/O on its own directory; no network.
 """
 
@@ -30,6 +36,8 @@ from enum import StrEnum
 from pathlib import Path
 
 import xxhash
+
+from workers.sidecar.arena import Arena
 
 CHECKSUM_NAME = "XXH3-128"
 CHECKSUM_BYTES = 16
@@ -143,6 +151,29 @@ def _as_bytes(buf: object) -> bytes:
     return bytes(buf.numpy().tobytes())
 
 
+@dataclass(frozen=True, slots=True)
+class ArtifactLocation:
+    """Where an arena-resident artifact lies: its slot's offset in the arena, its size and
+    checksum (what a peer needs to read and verify it one-sided)."""
+
+    key: str
+    offset: int
+    size_bytes: int
+    checksum: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """The memory tier's handle of an artifact kept in the arena."""
+
+    offset: int
+    size: int
+
+
+Watcher = Callable[[str, ArtifactLocation | None], None]
+"""Called with (key, its new location) when an artifact enters the arena, (key, None) when it
+leaves it (deleted, replaced, demoted or dropped)."""
+
 _SAFE = re.compile(r"[^A-Za-z0-9._@:-]")
 
 
@@ -187,6 +218,8 @@ class ArtifactStore:
     half_life_s: float = 600.0
     pin_memory: bool = True
     clock: Callable[[], float] = time.monotonic
+    arena: Arena | None = None
+    _watchers: list[Watcher] = field(default_factory=list, init=False)
     _meta: dict[str, ArtifactMeta] = field(default_factory=dict)
     _mem: dict[str, object] = field(default_factory=dict)
     _mem_bytes: int = 0
@@ -222,6 +255,37 @@ class ArtifactStore:
 
     def keys(self) -> list[str]:
         return list(self._meta)
+
+    def location(self, key: str, *, touch: bool = False) -> ArtifactLocation | None:
+        """Where the artifact lies in the arena, or None when it is not there (absent, on
+        SSD, or kept outside the arena). `touch=True` counts a reuse, as serving it does."""
+        slot = self._mem.get(key)
+        if not isinstance(slot, _Slot):
+            return None
+        meta = self._meta[key]
+        if touch:
+            self._hits += 1
+            self._meta[key] = replace(
+                meta, reuse_count=meta.reuse_count + 1, last_access_s=self.clock()
+            )
+        return ArtifactLocation(key, slot.offset, slot.size, meta.checksum)
+
+    def locations(self) -> list[ArtifactLocation]:
+        """Every arena-resident artifact's location."""
+        return [
+            ArtifactLocation(k, v.offset, v.size, self._meta[k].checksum)
+            for k, v in self._mem.items()
+            if isinstance(v, _Slot)
+        ]
+
+    def watch(self, watcher: Watcher) -> Callable[[], None]:
+        """Call `watcher` on every change of an arena location; returns the unsubscribe."""
+        self._watchers.append(watcher)
+        return lambda: self._watchers.remove(watcher) if watcher in self._watchers else None
+
+    def _announce(self, key: str, where: ArtifactLocation | None) -> None:
+        for watcher in list(self._watchers):
+            watcher(key, where)
 
     def stats(self) -> StoreStats:
         return StoreStats(
@@ -278,6 +342,12 @@ class ArtifactStore:
         )
         if size <= self.memory_capacity_bytes:
             self._make_room(Tier.MEMORY, size, protect=key)
+            offset = self.arena.alloc(size) if self.arena is not None and size else None
+            if offset is not None:
+                assert self.arena is not None
+                self.arena.view[offset : offset + size] = data
+                self._keep_slot(meta, offset)
+                return meta
             self._mem[key] = _pinned_buffer(data) if self.pin_memory else data
             self._mem_bytes += size
             self._meta[key] = meta
@@ -286,6 +356,78 @@ class ArtifactStore:
             self._write_ssd(meta, data)
             self._meta[key] = replace(meta, tier=Tier.SSD)
         return self._meta[key]
+
+    def reserve(self, size: int) -> int | None:
+        """An arena slot of `size` bytes to receive an artifact into (then `commit` or
+        `release` it), or None without an arena or a free slot. Counted against the memory
+        tier's capacity only once committed."""
+        if self.arena is None or size <= 0 or size > self.memory_capacity_bytes:
+            return None
+        return self.arena.alloc(size)
+
+    def release(self, offset: int) -> None:
+        """Give back a reserved slot that was not committed."""
+        assert self.arena is not None
+        self.arena.free(offset)
+
+    def slot_view(self, offset: int, size: int) -> memoryview:
+        """The arena bytes of a reserved slot (to hash what was read into it)."""
+        assert self.arena is not None
+        return self.arena.view[offset : offset + size]
+
+    def commit(
+        self,
+        key: str,
+        offset: int,
+        size: int,
+        digest: bytes,
+        *,
+        recompute_s: float | None = None,
+        load_s: float | None = None,
+    ) -> ArtifactMeta:
+        """Store the artifact of `size` bytes that was read into the reserved slot at `offset`
+        and verified by the caller against `digest` (replacing any old value)."""
+        assert self.arena is not None and self.arena.slot_size(offset) >= size
+        if key in self._meta:
+            self.delete(key)
+        meta = ArtifactMeta(
+            key,
+            size,
+            digest,
+            recompute_s if recompute_s is not None else size / 1e9,
+            load_s if load_s is not None else size / 1e10,
+            0,
+            self.clock(),
+        )
+        self._make_room(Tier.MEMORY, size, protect=key)
+        self._keep_slot(meta, offset)
+        return meta
+
+    def _keep_slot(self, meta: ArtifactMeta, offset: int) -> None:
+        self._mem[meta.key] = _Slot(offset, meta.size_bytes)
+        self._mem_bytes += meta.size_bytes
+        self._meta[meta.key] = meta
+        if self._watchers:
+            self._announce(
+                meta.key, ArtifactLocation(meta.key, offset, meta.size_bytes, meta.checksum)
+            )
+
+    def _memory_bytes_of(self, key: str) -> bytes:
+        buf = self._mem[key]
+        if isinstance(buf, _Slot):
+            assert self.arena is not None
+            return bytes(self.arena.view[buf.offset : buf.offset + buf.size])
+        return _as_bytes(buf)
+
+    def _forget_memory(self, key: str) -> object:
+        """Take an artifact out of the memory tier; its slot, if any, is freed (announced)."""
+        buf = self._mem.pop(key)
+        if isinstance(buf, _Slot):
+            assert self.arena is not None
+            self.arena.free(buf.offset)
+            if self._watchers:
+                self._announce(key, None)
+        return buf
 
     def get(self, key: str) -> bytes:
         """The artifact's bytes, checksum-verified; counts a reuse. Raises `ArtifactMissing`, or
@@ -298,7 +440,7 @@ class ArtifactStore:
         if meta is None:
             self._misses += 1
             raise ArtifactMissing(key)
-        data = _as_bytes(self._mem[key]) if meta.tier is Tier.MEMORY else self._read_ssd(key)
+        data = self._memory_bytes_of(key) if meta.tier is Tier.MEMORY else self._read_ssd(key)
         if checksum(data) != meta.checksum:
             self._corrupted += 1
             self.delete(key)
@@ -317,7 +459,7 @@ class ArtifactStore:
         if meta is None:
             self._misses += 1
             raise ArtifactMissing(key)
-        data = _as_bytes(self._mem[key]) if meta.tier is Tier.MEMORY else self._read_ssd(key)
+        data = self._memory_bytes_of(key) if meta.tier is Tier.MEMORY else self._read_ssd(key)
         self._hits += 1
         self._meta[key] = replace(
             meta, reuse_count=meta.reuse_count + 1, last_access_s=self.clock()
@@ -329,7 +471,7 @@ class ArtifactStore:
         if meta is None:
             return False
         if meta.tier is Tier.MEMORY:
-            self._mem.pop(key, None)
+            self._forget_memory(key)
             self._mem_bytes -= meta.size_bytes
         else:
             self._ssd_bytes -= meta.size_bytes
@@ -435,7 +577,8 @@ class ArtifactStore:
 
     def _demote(self, key: str) -> None:
         meta = self._meta[key]
-        data = _as_bytes(self._mem.pop(key))
+        data = self._memory_bytes_of(key)
+        self._forget_memory(key)
         self._mem_bytes -= meta.size_bytes
         if self.ssd_dir is None or meta.size_bytes > self.ssd_capacity_bytes:
             del self._meta[key]

@@ -18,6 +18,7 @@ from dataclasses import replace
 import pytest
 
 from workers.sidecar import mooncake_transport as mt
+from workers.sidecar.arena import Arena
 from workers.sidecar.store import ArtifactStore, checksum
 from workers.sidecar.transport import TransferError
 from workers.sidecar.transport import TransportServer as TcpTransportServer
@@ -40,6 +41,120 @@ async def _soon(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
 
 def _store() -> ArtifactStore:
     return ArtifactStore(memory_capacity_bytes=1 << 30, pin_memory=False)
+
+
+def _arena_store(arena_bytes: int = 64 << 20) -> ArtifactStore:
+    return ArtifactStore(memory_capacity_bytes=1 << 30, pin_memory=False, arena=Arena(arena_bytes))
+
+
+async def _watched(port: int, keys: list[str]) -> mt._Catalog:
+    """The catalog of the source at `port` once it lists `keys` (watching starts now)."""
+    cat = mt._catalog("127.0.0.1", port)
+    assert await _soon(lambda: all(k in cat.entries for k in keys))
+    return cat
+
+
+def _no_control_path() -> None:
+    """Close every pooled control connection: a fetch that needs one opens a new one."""
+    for pools in list(mt._IDLE.values()):
+        for conns in pools.values():
+            for _, writer in conns:
+                writer.close()
+        pools.clear()
+
+
+async def test_catalog_listed_artifacts_are_read_one_sided_without_a_control_round_trip() -> None:
+    src, dst = _arena_store(), _arena_store()
+    payloads = {"tiny": os.urandom(4096), "mid": os.urandom(300 << 10), "big": os.urandom(3 << 20)}
+    for i in range(10):  # stored one after another at both ends: one merged engine read
+        payloads[f"run{i}"] = os.urandom(1000 + i)
+    for k, v in payloads.items():
+        src.put(k, v)
+    server = mt.TransportServer(src)
+    port = await server.start()
+    try:
+        first = await mt.fetch(dst, "127.0.0.1", port, ["tiny"])  # control path; watching starts
+        assert first.fetched == ("tiny",)
+        dst.delete("tiny")
+        await _watched(port, list(payloads))
+        assert server._server is not None
+        server._server.close()  # no new control connection can be made from here on
+        _no_control_path()
+        for keys in (["tiny"], [f"run{i}" for i in range(10)], list(payloads)):
+            res = await mt.fetch(dst, "127.0.0.1", port, keys)
+            assert res.fetched == tuple(keys) and res.missing == ()
+            assert res.bytes == sum(len(payloads[k]) for k in keys)
+            for k in keys:
+                assert dst.get(k) == payloads[k] and dst.location(k) is not None
+                dst.delete(k)
+        with pytest.raises(TransferError, match="cannot reach"):  # unlisted: control path
+            await mt.fetch(dst, "127.0.0.1", port, ["absent"], timeout_s=2)
+    finally:
+        await server.close()
+    assert dst.arena is not None and dst.arena.used_bytes == 0 and dst.stats().corrupted == 0
+
+
+async def test_the_catalog_follows_puts_and_deletes_and_hears_heartbeats() -> None:
+    src = _arena_store()
+    src.put("a", b"a" * 100)
+    server = mt.TransportServer(src)
+    port = await server.start()
+    try:
+        await mt.fetch(_arena_store(), "127.0.0.1", port, ["a"])
+        cat = await _watched(port, ["a"])
+        src.put("b", b"b" * 200)
+        assert await _soon(lambda: "b" in cat.entries)
+        assert cat.entries["b"][2:] == (200, checksum(b"b" * 200))
+        src.delete("a")
+        assert await _soon(lambda: "a" not in cat.entries)
+        heard = cat.heard_s
+        assert await _soon(lambda: cat.heard_s > heard, timeout_s=3 * mt.CATALOG_HEARTBEAT_S)
+        assert cat.fresh()
+    finally:
+        await server.close()
+    assert await _soon(lambda: not cat.entries)  # the source went away: the catalog is dropped
+
+
+async def test_a_stale_catalog_entry_fails_its_checksum_and_the_control_path_serves() -> None:
+    """The source replaced what a catalog entry points at (its push not yet seen): the direct
+    read brings other bytes, which are never stored; the control path brings the right ones."""
+    src, dst = _arena_store(), _arena_store()
+    k, other = os.urandom(5000), os.urandom(5000)
+    src.put("k", k)
+    src.put("other", other)
+    server = mt.TransportServer(src)
+    port = await server.start()
+    try:
+        await mt.fetch(dst, "127.0.0.1", port, ["other"])
+        cat = await _watched(port, ["k", "other"])
+        session, _, size, digest = cat.entries["k"]
+        cat.entries["k"] = (session, cat.entries["other"][1], size, digest)  # stale address
+        res = await mt.fetch(dst, "127.0.0.1", port, ["k"])
+    finally:
+        await server.close()
+    assert res.fetched == ("k",) and dst.get("k") == k and dst.stats().corrupted == 0
+    assert dst.arena is not None
+    assert dst.arena.used_bytes == sum(dst.arena.slot_size(x.offset) for x in dst.locations())
+
+
+async def test_arena_artifacts_are_served_in_place_on_the_control_path() -> None:
+    """Large arena artifacts need no copy and no registration at the source; small ones are
+    staged from the arena; both arrive intact (also into a store without an arena)."""
+    src = _arena_store(128 << 20)
+    payloads = {"huge": os.urandom(9 << 20), "small": os.urandom(3000)}
+    for k, v in payloads.items():
+        src.put(k, v)
+    server = mt.TransportServer(src)
+    port = await server.start()
+    try:
+        for dst in (_store(), _arena_store()):
+            res = await mt.fetch(dst, "127.0.0.1", port, list(payloads))
+            assert set(res.fetched) == set(payloads)
+            for k, v in payloads.items():
+                assert dst.get(k) == v
+        assert server._engine is not None and not server._engine._idle_pins
+    finally:
+        await server.close()
 
 
 async def test_fetch_between_two_stores() -> None:
@@ -348,10 +463,12 @@ async def test_a_peer_breaking_the_protocol_is_a_typed_error(
 
 SERVE = """
 import asyncio, os, sys
+from workers.sidecar.arena import Arena
 from workers.sidecar.store import ArtifactStore
 from workers.sidecar.mooncake_transport import MooncakeSettings, TransportServer
 async def main():
-    s = ArtifactStore(memory_capacity_bytes=1 << 30, pin_memory=False)
+    arena = Arena(N * SIZE + (1 << 20)) if ARENA else None
+    s = ArtifactStore(memory_capacity_bytes=1 << 30, pin_memory=False, arena=arena)
     base = os.urandom(SIZE)
     for i in range(N):
         s.put(f"k{i}", i.to_bytes(4, "big") + base[4:])
@@ -363,9 +480,11 @@ asyncio.run(main())
 """
 
 
-def _spawn_source(n: int, size: int, host: str = "127.0.0.1") -> tuple[subprocess.Popen[str], int]:
+def _spawn_source(
+    n: int, size: int, host: str = "127.0.0.1", *, arena: bool = False
+) -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", f"N={n}\nSIZE={size}\nHOST={host!r}\n" + SERVE],
+        [sys.executable, "-c", f"N={n}\nSIZE={size}\nHOST={host!r}\nARENA={arena}\n" + SERVE],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -396,6 +515,31 @@ async def test_owner_killed_mid_transfer() -> None:
         data = dst.get(k)
         assert len(data) == size and data[:4] == int(k[1:]).to_bytes(4, "big")
     assert dst.stats().corrupted == 0
+
+
+@pytest.mark.timeout(60)
+async def test_owner_killed_during_a_direct_read() -> None:
+    """The owner dies while a fetch reads its arena one-sided: the fetch fails with a typed
+    error, nothing is stored, every reserved slot goes back, and the catalog is dropped."""
+    n, size = 48, 8 << 20
+    proc, port = await asyncio.to_thread(_spawn_source, n, size, arena=True)
+    dst = _arena_store((n + 1) * size)
+    keys = [f"k{i}" for i in range(n)]
+    try:
+        assert (await mt.fetch(dst, "127.0.0.1", port, ["k0"])).fetched == ("k0",)
+        dst.delete("k0")
+        cat = await _watched(port, keys)
+        task = asyncio.create_task(mt.fetch(dst, "127.0.0.1", port, keys))
+        await asyncio.sleep(0.005)
+        proc.kill()
+        with pytest.raises(TransferError):
+            await task
+    finally:
+        proc.kill()
+        proc.wait()
+    assert dst.keys() == [] and not cat.entries
+    assert dst.arena is not None
+    assert await _soon(lambda: dst.arena is not None and dst.arena.used_bytes == 0)
 
 
 @pytest.mark.timeout(60)
