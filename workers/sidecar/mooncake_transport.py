@@ -104,6 +104,8 @@ MAX_SMALL_SPAN = 1 << 30
 """Sanity bound on the span of one batch's staged parts (the source keeps them in one region)."""
 READ_CHUNK = 1 << 20
 """Large parts are read in pieces of this size, each hashed while the next one is read."""
+INLINE_PIECE = 256 << 10
+"""The same for direct reads on the event loop (`INLINE_READ_BYTES`)."""
 INLINE_HASH_BYTES = 256 << 10
 """A batch's packed small parts up to this size are hashed by the reading thread itself."""
 MAX_ITEMS_PER_BATCH = 2048
@@ -117,10 +119,11 @@ CATALOG_FRESH_S = 1.5
 small direct reads from it run on the event loop itself (see `INLINE_READ_BYTES`)."""
 MAX_CATALOG_BACKLOG = 16 * MiB
 """A watching peer whose unread catalog frames exceed this is disconnected."""
-INLINE_READ_BYTES = 256 << 10
+INLINE_READ_BYTES = 2 * MiB
 """A direct fetch of at most this many bytes from a source whose catalog is fresh is read on
 the event loop itself: one engine call, like a raw read (the hop to a reading thread and back
-costs more than such a read: 4 KiB in ~0.1 ms). The price: a source that freezes within
+costs more than such a read: 4 KiB in ~0.1 ms), in submissions of `INLINE_PIECE`, each
+hashed while the engine reads the next. The price: a source that freezes within
 `CATALOG_FRESH_S` of such a read stalls this loop until the engine gives up
 (`MC_TRANSFER_TIMEOUT`, 30 s by default), once; its catalog is dropped then."""
 _WILDCARDS = ("", "0.0.0.0", "::")
@@ -984,76 +987,99 @@ def _catalog(host: str, port: int) -> _Catalog:
 
 
 @dataclass(slots=True)
+class _Group:
+    """One engine submission of a direct fetch: its segments (local address, remote address,
+    length) and the (artifact, offset, length) spans they bring, in order."""
+
+    local: list[int] = field(default_factory=list)
+    remote: list[int] = field(default_factory=list)
+    length: list[int] = field(default_factory=list)
+    spans: list[tuple[_Incoming, int, int]] = field(default_factory=list)
+    bytes: int = 0
+
+
+@dataclass(slots=True)
 class _Direct:
-    """A direct fetch: the catalog entries read one-sided into reserved arena slots."""
+    """A direct fetch from one engine session: the catalog entries to read one-sided into
+    reserved arena slots, and the engine submissions that bring them."""
 
     session: str
     items: list[_Incoming]
     remote: list[int]
-    segments: list[tuple[int, int, int, list[tuple[_Incoming, int, int]]]] = field(
-        default_factory=list
-    )  # local address, remote address, length, the (artifact, offset, length) spans it brings
+    groups: list[_Group] = field(default_factory=list)
 
 
-def _plan_direct(d: _Direct) -> None:
-    """Merge reads that are adjacent at both ends (artifacts stored one after another), and
-    cut large ones into `READ_CHUNK` pieces (each hashed while the next is read)."""
-    merged: list[list[Any]] = []
+def _plan_direct(d: _Direct, piece: int) -> None:
+    """Merge reads that are adjacent at both ends (artifacts stored one after another), then
+    pack them into submissions of `piece` bytes (a longer run is cut), so each submission is
+    hashed while the next ones are read."""
+    runs: list[tuple[int, int, int, list[_Incoming]]] = []
     for inc, remote in zip(d.items, d.remote, strict=True):
-        if merged:
-            last = merged[-1]
-            if last[0] + last[2] == inc.addr and last[1] + last[2] == remote:
-                last[2] += inc.size
-                last[3].append((inc, 0, inc.size))
+        if runs:
+            local0, remote0, n0, incs = runs[-1]
+            if local0 + n0 == inc.addr and remote0 + n0 == remote:
+                incs.append(inc)
+                runs[-1] = (local0, remote0, n0 + inc.size, incs)
                 continue
-        merged.append([inc.addr, remote, inc.size, [(inc, 0, inc.size)]])
-    for local, remote, n, spans in merged:
-        if n <= READ_CHUNK or len(spans) > 1:
-            d.segments.append((local, remote, n, spans))
-            continue
-        ((inc, _, _),) = spans
-        for off in range(0, n, READ_CHUNK):
-            k = min(READ_CHUNK, n - off)
-            d.segments.append((local + off, remote + off, k, [(inc, off, k)]))
+        runs.append((inc.addr, remote, inc.size, [inc]))
+    groups = [_Group()]
+    for local, remote, n, incs in runs:
+        i = at = done = 0  # artifact of the run, offset in it, bytes of the run planned
+        while done < n:
+            g = groups[-1]
+            if g.bytes >= piece:
+                g = _Group()
+                groups.append(g)
+            k = min(piece - g.bytes, n - done)
+            g.local.append(local + done)
+            g.remote.append(remote + done)
+            g.length.append(k)
+            g.bytes += k
+            done += k
+            while k:
+                take = min(incs[i].size - at, k)
+                g.spans.append((incs[i], at, take))
+                at += take
+                k -= take
+                if at == incs[i].size:
+                    i, at = i + 1, 0
+    d.groups = [g for g in groups if g.bytes]
 
 
-def _read_direct(engine: _Engine, d: _Direct) -> int:
-    """Blocking: every segment submitted at once, then awaited in order, each hashed as it
-    lands (small ones here, large pieces on the verify threads). Returns 0 or the engine's
-    failure status, only once the engine no longer writes into the slots."""
+def _read_direct(engine: _Engine, d: _Direct, *, hash_here: bool) -> int:
+    """Blocking: every submission at once, then awaited in order, each hashed as soon as it
+    has landed (here, or with `hash_here=False` large spans on the verify threads) while the
+    engine reads the next ones. Returns 0 or the engine's failure status, only once the
+    engine no longer writes into the slots."""
     te = engine.te
-    if len(d.segments) == 1 or sum(n for _, _, n, _ in d.segments) <= INLINE_READ_BYTES:
-        rc = int(
-            te.batch_transfer_sync_read(
-                d.session,
-                [s[0] for s in d.segments],
-                [s[1] for s in d.segments],
-                [s[2] for s in d.segments],
-            )
-        )
+    if len(d.groups) == 1:
+        g = d.groups[0]
+        rc = int(te.batch_transfer_sync_read(d.session, g.local, g.remote, g.length))
         if rc == 0:
-            _hash_spans(engine, [span for *_, spans in d.segments for span in spans])
+            _hash_spans(engine, g.spans, hash_here)
         return rc
     submitted: list[int] = []
     rc = 0
-    for local, remote, n, _ in d.segments:
-        batch_id = int(te.batch_transfer_async_read(d.session, [local], [remote], [n]))
+    for g in d.groups:
+        batch_id = int(te.batch_transfer_async_read(d.session, g.local, g.remote, g.length))
         if batch_id <= 0:
             rc = -1
             break
         submitted.append(batch_id)
-    for (_, _, _, spans), batch_id in zip(d.segments, submitted, strict=False):
+    for g, batch_id in zip(d.groups, submitted, strict=False):
         status = int(te.get_batch_transfer_status([batch_id]))
         if status != 0:
             rc = rc or status
         elif rc == 0:
-            _hash_spans(engine, spans)
+            _hash_spans(engine, g.spans, hash_here)
     return rc
 
 
-def _hash_spans(engine: _Engine, spans: Sequence[tuple[_Incoming, int, int]]) -> None:
+def _hash_spans(
+    engine: _Engine, spans: Sequence[tuple[_Incoming, int, int]], hash_here: bool
+) -> None:
     for inc, pos, n in spans:
-        if n >= INLINE_HASH_BYTES:
+        if not hash_here and n >= INLINE_HASH_BYTES:
             _hash_later(engine, inc, pos, n)
         else:
             if inc.hashed is not None:
@@ -1089,12 +1115,13 @@ async def _fetch_direct(
     fetched: list[str] = []
     nbytes = 0
     for d in by_session.values():
-        _plan_direct(d)
         total = sum(inc.size for inc in d.items)
         if total <= INLINE_READ_BYTES and cat.fresh():
-            rc = _read_direct(engine, d)
+            _plan_direct(d, INLINE_PIECE)
+            rc = _read_direct(engine, d, hash_here=True)
         else:
-            job = engine.read_pool.submit(_read_direct, engine, d)
+            _plan_direct(d, READ_CHUNK)
+            job = engine.read_pool.submit(_read_direct, engine, d, hash_here=False)
             try:
                 async with asyncio.timeout(timeout_s):
                     rc = await asyncio.shield(asyncio.wrap_future(job))

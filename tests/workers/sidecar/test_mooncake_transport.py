@@ -600,3 +600,24 @@ async def test_bad_requests_get_an_error_frame_and_the_server_keeps_serving() ->
     finally:
         await server.close()
     assert res.fetched == ("k",)
+
+
+def test_direct_reads_merge_adjacent_artifacts_and_cut_submissions_to_the_piece_size() -> None:
+    def inc(addr: int, size: int) -> mt._Incoming:
+        return mt._Incoming(f"k{addr}", size, b"", b"", addr)
+
+    items = [inc(1000, 300), inc(1300, 300), inc(5000, 900), inc(9000, 100)]
+    remote = [70_000, 70_300, 80_000, 70_600]  # the first two adjacent at both ends
+    d = mt._Direct("s", items, remote)
+    mt._plan_direct(d, 512)
+    assert [g.bytes for g in d.groups] == [512, 512, 512, 64]
+    assert d.groups[0].local == [1000] and d.groups[0].remote == [70_000]
+    assert [(s[0].addr, s[1], s[2]) for s in d.groups[0].spans] == [(1000, 0, 300), (1300, 0, 212)]
+    assert d.groups[1].local == [1512, 5000] and d.groups[1].length == [88, 424]
+    got: dict[int, int] = {}
+    for g in d.groups:
+        assert sum(g.length) == g.bytes == sum(n for *_, n in g.spans)
+        for it, pos, n in g.spans:
+            assert pos == got.get(it.addr, 0)  # every artifact's spans in order, no gaps
+            got[it.addr] = pos + n
+    assert got == {it.addr: it.size for it in items}
