@@ -314,6 +314,8 @@ class _Engine:
 
     def register_arena(self, arena: Arena) -> int:
         """Register a store's arena once (idempotent); returns its address."""
+        if id(arena) in self._arenas:
+            return arena.addr
         with self._pin_lock:
             if id(arena) not in self._arenas:
                 self.register(arena.addr, arena.size)
@@ -921,8 +923,8 @@ class _Catalog:
     connection): key -> (engine session, address, size, checksum). A background task keeps it
     current; when the connection ends the catalog is dropped (the next fetch watches anew)."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.host, self.port, self.loop = host, port, loop
         self.entries: dict[str, tuple[str, int, int, bytes]] = {}
         self.task: asyncio.Task[None] | None = None
         self.heard_s = 0.0  # when the source last sent a frame (time.monotonic)
@@ -971,18 +973,16 @@ class _Catalog:
 
 
 CATALOG_CONNECT_TIMEOUT_S = 5.0
-_CATALOGS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, int], _Catalog]] = (
-    weakref.WeakKeyDictionary()
-)
+_CATALOGS: dict[tuple[str, int], _Catalog] = {}
 
 
 def _catalog(host: str, port: int) -> _Catalog:
     """The catalog of the peer at host:port, watched from now on (empty until it arrives)."""
-    registry = _CATALOGS.setdefault(asyncio.get_running_loop(), {})
-    cat = registry.get((host, port))
-    if cat is None:
-        cat = registry[(host, port)] = _Catalog(host, port)
-        cat.task = asyncio.get_running_loop().create_task(cat.run(registry))
+    loop = asyncio.get_running_loop()
+    cat = _CATALOGS.get((host, port))
+    if cat is None or cat.loop is not loop:  # (one from a loop that has ended is replaced)
+        cat = _CATALOGS[(host, port)] = _Catalog(host, port, loop)
+        cat.task = loop.create_task(cat.run(_CATALOGS))
     return cat
 
 
@@ -1013,6 +1013,10 @@ def _plan_direct(d: _Direct, piece: int) -> None:
     """Merge reads that are adjacent at both ends (artifacts stored one after another), then
     pack them into submissions of `piece` bytes (a longer run is cut), so each submission is
     hashed while the next ones are read."""
+    if len(d.items) == 1 and d.items[0].size <= piece:  # the common small fetch, directly
+        inc = d.items[0]
+        d.groups = [_Group([inc.addr], d.remote, [inc.size], [(inc, 0, inc.size)], inc.size)]
+        return
     runs: list[tuple[int, int, int, list[_Incoming]]] = []
     for inc, remote in zip(d.items, d.remote, strict=True):
         if runs:
