@@ -3,7 +3,22 @@ production): the same `TransportServer(store)` / `fetch(...)` / `TransferError` 
 plain-TCP `workers.sidecar.transport`, with the payload bytes moved by the engine's one-sided
 reads instead of the control socket.
 
-Flow of one fetch (seed 003's staged transfer, seed 004's batched key lookup):
+Two paths. **Direct** (one-sided, no control round trip): when both stores keep their memory
+tier in an arena (`workers.sidecar.arena`, registered with the engine once), the source pushes
+a *catalog* to every peer that watches it (`{"watch": true}` on a control connection): each
+arena artifact's key, address, size and checksum, then every change, batched once per loop
+turn, and an empty frame as a heartbeat every `CATALOG_HEARTBEAT_S`. A fetch of keys the
+catalog lists reserves slots in the destination's arena, reads the bytes straight into them
+(adjacent artifacts merged into one read, submissions hashed as they land), verifies and
+commits them. Small fetches (`INLINE_READ_BYTES`) are read on the event loop itself, the others
+on a reading thread. Bytes that fail their checksum mean the catalog was stale (the source
+evicted or replaced the artifact since its last push): those keys take the control path, as
+do keys the catalog does not list yet, and every key after a failed engine read.
+
+    catalog:  {"catalog": engine session id, "put": [[key, address, size, checksum hex], ...],
+               "gone": [key, ...]}     (source -> watching peer; the first frames list all)
+
+**Control** path, one fetch (seed 003's staged transfer, seed 004's batched key lookup):
 
 1. The destination opens a control connection (length-prefixed JSON frames, the helpers of
    `transport.py`; kept and reused for later fetches from the same peer) and asks for its keys.
@@ -13,15 +28,17 @@ Flow of one fetch (seed 003's staged transfer, seed 004's batched key lookup):
    a batch is chunked over several batches) and answers one batch frame: its engine session id,
    the artifacts that start in this batch (index, size, checksum) or are missing, and where each
    part lies in its registered memory. Artifacts of `in_place_bytes` and more are not copied:
-   they are registered where they lie (and stay registered afterwards, within
-   `pin_cache_bytes`, so serving them again costs no registration).
+   arena artifacts are read where they lie, others are registered where they lie (and stay
+   registered afterwards, within `pin_cache_bytes`, so serving them again costs no
+   registration).
 3. The destination reads the batch with the engine (all its reads submitted at once, in a
    thread) into its own registered memory: the packed small parts in one read of their span into
    a reused receive buffer (then copied out), large parts straight into the artifact's final
    buffer in 1 MiB pieces, each hashed on a verify thread as soon as it has landed (buffers of
    `PREFAULT_MIN` and more are faulted in ahead of the engine by helper threads). It
    acknowledges the batch, so the source frees the region (two batches in flight per request:
-   the source stages batch k + 1 while batch k is read).
+   the source stages batch k + 1 while batch k is read). A destination with an arena receives
+   into slots of it (then committed), else into fresh buffers.
 4. Every artifact is verified against the checksum the source stored with it before it enters the
    destination's store; a mismatch, a failed engine read, a closed control connection or a
    timeout is a `TransferError`, and only whole, verified artifacts are ever stored.
@@ -35,8 +52,9 @@ Control frames (u32 length + JSON, as in `transport.py`):
     ack:      {"ack": k}          (destination -> source, after reading batch k)
     error:    {"error": message}  (source -> destination, bad request)
 
-Measured with both ends on loopback (bench/RESULTS.md, `## Sidecar`): fresh destination memory
-for large artifacts and per-fetch / per-artifact Python work for small ones bound this path.
+Measured with both ends on loopback (bench/RESULTS.md, `## Sidecar`): per-fetch and
+per-artifact Python work bounds the direct path for small artifacts; fresh destination memory
+and the control round trips bound the control path.
 
 Requests that find no free region wait for one (a request never holds a region while waiting for
 another, so concurrent requests cannot deadlock). One `TransferEngine` serves the whole process,

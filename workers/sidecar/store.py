@@ -342,7 +342,9 @@ class ArtifactStore:
         )
         if size <= self.memory_capacity_bytes:
             self._make_room(Tier.MEMORY, size, protect=key)
-            offset = self.arena.alloc(size) if self.arena is not None and size else None
+            offset = None
+            if self.arena is not None and size:
+                offset = self._alloc_slot(size, protect=key)
             if offset is not None:
                 assert self.arena is not None
                 self.arena.view[offset : offset + size] = data
@@ -359,11 +361,32 @@ class ArtifactStore:
 
     def reserve(self, size: int) -> int | None:
         """An arena slot of `size` bytes to receive an artifact into (then `commit` or
-        `release` it), or None without an arena or a free slot. Counted against the memory
-        tier's capacity only once committed."""
+        `release` it), or None without an arena or when no slot can be freed. Like a put, it
+        makes room first (demoting the lowest-utility artifacts); the slot counts against the
+        memory tier's capacity once committed."""
         if self.arena is None or size <= 0 or size > self.memory_capacity_bytes:
             return None
-        return self.arena.alloc(size)
+        self._make_room(Tier.MEMORY, size, protect="")
+        return self._alloc_slot(size, protect="")
+
+    def _alloc_slot(self, size: int, protect: str) -> int | None:
+        """An arena slot; when none is free (reserved slots, or free space in pieces), the
+        lowest-utility arena artifacts are demoted one by one until one is."""
+        assert self.arena is not None
+        offset = self.arena.alloc(size)
+        if offset is not None:
+            return offset
+        now = self.clock()
+        ranked = sorted(
+            (self._meta[k] for k, v in self._mem.items() if isinstance(v, _Slot) and k != protect),
+            key=lambda m: artifact_utility(m, now, half_life_s=self.half_life_s),
+        )
+        for meta in ranked:
+            self._demote(meta.key)
+            offset = self.arena.alloc(size)
+            if offset is not None:
+                return offset
+        return None
 
     def release(self, offset: int) -> None:
         """Give back a reserved slot that was not committed."""

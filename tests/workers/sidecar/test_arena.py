@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.workers.sidecar.test_store import Clock
 from workers.sidecar.arena import ALIGN, Arena
 from workers.sidecar.store import (
     ArtifactCorrupted,
@@ -145,3 +146,30 @@ def test_arena_bytes_are_verified_on_every_load() -> None:
     s.put("k2", b"w" * 10)
     touched = s.location("k2", touch=True)
     assert touched is not None and s.meta("k2").reuse_count == 1
+
+
+def test_a_full_arena_demotes_its_lowest_utility_artifacts_to_make_a_slot(tmp_path: Path) -> None:
+    """A sidecar's memory tier is full in steady state: receiving into the arena (reserve) and
+    putting into it demote the lowest-utility artifacts until a slot is free, as a put makes
+    room by capacity; the demoted ones stay loadable from SSD."""
+    clock = Clock()
+    s = ArtifactStore(
+        memory_capacity_bytes=1 << 20,
+        ssd_dir=tmp_path,
+        ssd_capacity_bytes=1 << 30,
+        pin_memory=False,
+        clock=clock,
+        arena=Arena(8 * ALIGN * 64),  # eight slots of 4 KiB
+    )
+    blobs = {f"k{i}": os.urandom(4096) for i in range(8)}
+    for k, v in blobs.items():
+        s.put(k, v, recompute_s=1.0 + int(k[1:]), load_s=0.0)  # k0 is worth the least
+        clock.t += 1
+    assert s.arena is not None and s.arena.alloc(1) is None
+    off = s.reserve(4096)
+    assert off is not None and s.meta("k0").tier is Tier.SSD and s.location("k0") is None
+    s.release(off)
+    s.put("late", b"L" * 8000)  # two slots' worth in one piece: k0's hole is too small
+    assert s.location("late") is not None and s.meta("k1").tier is Tier.SSD
+    for k, v in blobs.items():
+        assert s.get(k) == v
