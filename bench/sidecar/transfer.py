@@ -29,6 +29,7 @@ after another at both ends are moved by one engine read; on the control path, sm
 are packed into one staging region and moved by one engine read.
 
     .venv/bin/python -m bench.sidecar.transfer [--repeats N] [--rows SIZExKEYS,...]
+        [--mooncake-only]
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def _rate(nbytes: int, times: list[float]) -> float:
     return nbytes / statistics.median(times) / 1e6
 
 
-async def row(size: int, keys: int, repeats: int) -> dict[str, float]:
+async def row(size: int, keys: int, repeats: int, mooncake_only: bool) -> dict[str, float]:
     total = size * keys
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.sidecar.transfer", "--peer", f"{size}x{keys}"],
@@ -174,6 +175,9 @@ async def row(size: int, keys: int, repeats: int) -> dict[str, float]:
             paths |= {"mc": mc_sidecar, "mc_ctl": mc_control, "raw_mc": raw_mc}
             if keys > 1:
                 paths["raw_seg"] = raw_seg
+        if mooncake_only:
+            for name in ("tcp", "raw_tcp", "sha"):
+                del paths[name]
         order = list(paths)
         reps = max(5, min(repeats, (1 << 30) // total))
         for rep in range(reps + 1):  # the first round warms connections and pages, not counted
@@ -196,7 +200,7 @@ def _label(size: int, keys: int) -> str:
     return s if keys == 1 else f"{keys} x {s}"
 
 
-async def main(repeats: int, rows: list[tuple[int, int]]) -> None:
+async def main(repeats: int, rows: list[tuple[int, int]], mooncake_only: bool = False) -> None:
     if not mt.AVAILABLE:
         print(f"# Mooncake unavailable ({mt.UNAVAILABLE_REASON}): TCP columns only")
     print(
@@ -207,15 +211,15 @@ async def main(repeats: int, rows: list[tuple[int, int]]) -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     nan = float("nan")
     for size, keys in rows:
-        r = await row(size, keys, repeats)
+        r = await row(size, keys, repeats, mooncake_only)
         mc, raw_mc, seg = r.get("mc", nan), r.get("raw_mc", nan), r.get("raw_seg", nan)
-        ctl = r.get("mc_ctl", nan)
+        ctl, tcp, raw_tcp, sha = (r.get(k, nan) for k in ("mc_ctl", "tcp", "raw_tcp", "sha"))
         seg_cols = f"{seg:.1f} | {mc / seg:.2f}" if keys > 1 else "- | -"
         print(
             f"| {_label(size, keys)} | {mc:.1f} | {raw_mc:.1f} | {mc / raw_mc:.2f} "
             f"| {seg_cols} | {ctl:.1f} | {ctl / raw_mc:.2f} "
-            f"| {r['tcp']:.1f} | {r['raw_tcp']:.1f} | {r['tcp'] / r['raw_tcp']:.2f} "
-            f"| {r['sha']:.1f} | {mc / min(raw_mc, r['sha']):.2f} |",
+            f"| {tcp:.1f} | {raw_tcp:.1f} | {tcp / raw_tcp:.2f} "
+            f"| {sha:.1f} | {mc / min(raw_mc, sha):.2f} |",
             flush=True,
         )
 
@@ -232,10 +236,15 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--rows", type=_rows, default=ROWS, help="SIZExKEYS,... (bytes x artifacts)")
+    p.add_argument(
+        "--mooncake-only",
+        action="store_true",
+        help="measure only the Mooncake paths (no TCP and checksum paths between them)",
+    )
     p.add_argument("--peer", type=str, default="", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.peer:
         size, keys = map(int, a.peer.split("x"))
         asyncio.run(peer(size, keys))
     else:
-        asyncio.run(main(a.repeats, a.rows))
+        asyncio.run(main(a.repeats, a.rows, a.mooncake_only))

@@ -1131,6 +1131,10 @@ async def _fetch_direct(
     nbytes = 0
     for d in by_session.values():
         total = sum(inc.size for inc in d.items)
+        for _ in range(3):  # a busy loop may not have read the source's last heartbeat yet
+            if total > INLINE_READ_BYTES or cat.fresh():
+                break
+            await asyncio.sleep(0)
         if total <= INLINE_READ_BYTES and cat.fresh():
             _plan_direct(d, INLINE_PIECE)
             rc = _read_direct(engine, d)
