@@ -987,10 +987,16 @@ class _Catalog:
         for key, addr, size, digest in put:
             if not isinstance(key, str) or int(addr) <= 0 or int(size) <= 0:
                 raise TransferError("bad catalog entry")
+            entries.pop(key, None)  # a replaced artifact counts as new (kept longest)
             entries[key] = (session, int(addr), int(size), bytes.fromhex(digest))
+        while len(entries) > MAX_CATALOG_ENTRIES:  # the source's oldest: the control path's
+            del entries[next(iter(entries))]
 
 
 CATALOG_CONNECT_TIMEOUT_S = 5.0
+MAX_CATALOG_ENTRIES = 1 << 18
+"""Entries kept per watched source (~250 bytes each: ~64 MiB); beyond it the oldest go (fetches
+of those take the control path)."""
 _CATALOGS: dict[tuple[str, int], _Catalog] = {}
 
 

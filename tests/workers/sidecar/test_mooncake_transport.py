@@ -621,3 +621,26 @@ def test_direct_reads_merge_adjacent_artifacts_and_cut_submissions_to_the_piece_
             assert pos == got.get(it.addr, 0)  # every artifact's spans in order, no gaps
             got[it.addr] = pos + n
     assert got == {it.addr: it.size for it in items}
+
+
+def test_a_catalog_keeps_the_newest_entries_up_to_its_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(mt, "MAX_CATALOG_ENTRIES", 3)
+    loop = asyncio.new_event_loop()
+    try:
+        cat = mt._Catalog("127.0.0.1", 1, loop)
+    finally:
+        loop.close()
+    d = checksum(b"x").hex()
+    cat.apply({"catalog": "s", "put": [[f"k{i}", 100 + i, 10, d] for i in range(4)], "gone": []})
+    assert list(cat.entries) == ["k1", "k2", "k3"]
+    cat.apply({"catalog": "s", "put": [["k1", 500, 10, d], ["k4", 600, 10, d]], "gone": ["k3"]})
+    assert list(cat.entries) == ["k2", "k1", "k4"] and cat.entries["k1"][1] == 500
+    bad_frames: list[dict[str, object]] = [
+        {"catalog": "s", "put": [["k", 0, 10, d]], "gone": []},
+        {"put": [], "gone": []},
+    ]
+    for bad in bad_frames:
+        with pytest.raises(mt.TransferError):
+            cat.apply(bad)
