@@ -328,18 +328,7 @@ class ArtifactStore:
         size = len(data)
         if size > max(self.memory_capacity_bytes, self.ssd_capacity_bytes):
             raise ArtifactTooLarge(f"{key}: {size} bytes exceed every tier")
-        if key in self._meta:
-            self.delete(key)
-        # defaults: recompute ~ 1 GB/s of KV, reload ~ 10 GB/s (only the ratio ranks artifacts)
-        meta = ArtifactMeta(
-            key,
-            size,
-            digest,
-            recompute_s if recompute_s is not None else size / 1e9,
-            load_s if load_s is not None else size / 1e10,
-            0,
-            self.clock(),
-        )
+        meta = self._replacing(key, size, digest, recompute_s, load_s)
         if size <= self.memory_capacity_bytes:
             self._make_room(Tier.MEMORY, size, protect=key)
             offset = None
@@ -411,9 +400,19 @@ class ArtifactStore:
         """Store the artifact of `size` bytes that was read into the reserved slot at `offset`
         and verified by the caller against `digest` (replacing any old value)."""
         assert self.arena is not None and self.arena.slot_size(offset) >= size
+        meta = self._replacing(key, size, digest, recompute_s, load_s)
+        self._make_room(Tier.MEMORY, size, protect=key)
+        self._keep_slot(meta, offset)
+        return meta
+
+    def _replacing(
+        self, key: str, size: int, digest: bytes, recompute_s: float | None, load_s: float | None
+    ) -> ArtifactMeta:
+        """The metadata of a new value of `key`; any old value is deleted."""
         if key in self._meta:
             self.delete(key)
-        meta = ArtifactMeta(
+        # defaults: recompute ~ 1 GB/s of KV, reload ~ 10 GB/s (only the ratio ranks artifacts)
+        return ArtifactMeta(
             key,
             size,
             digest,
@@ -422,9 +421,6 @@ class ArtifactStore:
             0,
             self.clock(),
         )
-        self._make_room(Tier.MEMORY, size, protect=key)
-        self._keep_slot(meta, offset)
-        return meta
 
     def _keep_slot(self, meta: ArtifactMeta, offset: int) -> None:
         self._mem[meta.key] = _Slot(offset, meta.size_bytes)
