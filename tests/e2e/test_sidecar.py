@@ -179,6 +179,54 @@ async def test_source_sidecar_killed_mid_transfer_is_502_and_nothing_corrupt_is_
             assert await arrived() == kept
 
 
+async def test_later_fetches_from_a_mooncake_source_read_its_arena_one_sided(
+    tmp_path: Path,
+) -> None:
+    """Two sidecar processes over Mooncake: the first fetch from a source takes the control path
+    and starts watching the source's catalog; later fetches of what it lists read the source's
+    arena one-sided (counted as direct), and every artifact arrives intact."""
+    module, reason = mooncake_status()
+    if module is None:
+        pytest.skip(reason)
+    src = SidecarProcess("src", tmp_path / "src", transport="mooncake")
+    dst = SidecarProcess("dst", tmp_path / "dst", transport="mooncake")
+    with sidecars(src, dst):
+        async with httpx.AsyncClient(timeout=60.0) as http:
+
+            async def fetch(chain: list[int]) -> float:
+                body = {
+                    "source_url": src.url,
+                    "source_worker": "src",
+                    "model": MODEL,
+                    "block_hashes": chain,
+                    "token_ids": [],
+                    "block_size": 16,
+                }
+                r = await http.post(dst.url + "/ownerserve/kv/fetch", json=body)
+                assert r.status_code == 200 and r.json()["blocks"] == len(chain), r.text
+                metrics = (await http.get(dst.url + "/metrics")).text
+                return metric_value(metrics, "ownerserve_sidecar_direct_fetched_artifacts_total")
+
+            stored: dict[str, bytes] = {}
+            chains = [[0x7000 + 16 * n + i for i in range(3)] for n in range(20)]
+            for chain in chains:
+                stored |= await put_blocks(http, src, chain, 64 << 10)
+            assert await fetch(chains[0]) == 0  # the control path; watching starts
+            direct = 0.0
+            for chain in chains[1:]:  # the catalog arrives within moments
+                direct = await fetch(chain)
+                if direct:
+                    break
+                await asyncio.sleep(0.2)
+            assert direct == 3 * len(HEADS)  # a whole chain, in one fetch
+            for key, data in stored.items():
+                got = await http.get(f"{dst.url}/ownerserve/kv/artifacts/{key}")
+                if got.status_code == 200:
+                    assert got.content == data
+            metrics = (await http.get(dst.url + "/metrics")).text
+            assert "ownerserve_sidecar_corrupted_artifacts 0.0" in metrics
+
+
 # --- through the router -----------------------------------------------------------------------
 
 

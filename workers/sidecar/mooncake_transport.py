@@ -1205,11 +1205,11 @@ async def fetch(
         if cat.entries and _ENGINE is not None:
             fetched, keys, nbytes = await _fetch_direct(store, cat, keys, timeout_s)
             if not keys:
-                return FetchResult(tuple(fetched), (), nbytes)
+                return FetchResult(tuple(fetched), (), nbytes, len(fetched))
     res = await _fetch_control(store, host, port, keys, timeout_s, settings)
     if not fetched:
         return res
-    return FetchResult((*fetched, *res.fetched), res.missing, nbytes + res.bytes)
+    return FetchResult((*fetched, *res.fetched), res.missing, nbytes + res.bytes, len(fetched))
 
 
 async def _fetch_control(

@@ -184,6 +184,7 @@ class _Counters:
     fetches: Counter
     fetched_bytes: Counter
     fetched_artifacts: Counter
+    direct_artifacts: Counter
     served: Counter
     served_bytes: Counter
     stored: Counter
@@ -198,6 +199,11 @@ class _Counters:
             Counter(p + "fetches", "Fetches from peer sidecars", ["result"], registry=r),
             Counter(p + "fetched_bytes", "Artifact bytes pulled from peers", registry=r),
             Counter(p + "fetched_artifacts", "Artifacts pulled from peers", registry=r),
+            Counter(
+                p + "direct_fetched_artifacts",
+                "Artifacts pulled by one-sided reads of a peer's arena (no control round trip)",
+                registry=r,
+            ),
             Counter(p + "served_artifacts", "Artifacts answered to GET", registry=r),
             Counter(p + "served_bytes", "Artifact bytes answered to GET", registry=r),
             Counter(p + "stored_artifacts", "Artifacts stored by PUT", registry=r),
@@ -467,7 +473,9 @@ class Sidecar:
         except TransportUnavailable as exc:
             raise FetchFailedError(str(exc)) from exc
         try:
-            await transport.fetch_keys(self.store, host, port, keys, self.config.fetch_timeout_s)
+            res = await transport.fetch_keys(
+                self.store, host, port, keys, self.config.fetch_timeout_s
+            )
         except transport.errors as exc:
             raise FetchFailedError(
                 f"fetch from {body.source_worker or body.source_url} failed: {exc}"
@@ -476,6 +484,7 @@ class Sidecar:
             raise FetchFailedError(
                 f"fetch from {body.source_worker or body.source_url}: cannot store: {exc!r}"
             ) from exc
+        self.counters.direct_artifacts.inc(getattr(res, "direct", 0))
 
     def _account(self, keys: set[str]) -> int:
         """Index, publish and count artifacts this fetch stored (all present); their bytes."""

@@ -40,6 +40,9 @@ class FetchResult:
     fetched: tuple[str, ...]
     missing: tuple[str, ...]
     bytes: int
+    direct: int = 0
+    """How many of `fetched` were read one-sided from the source's arena (Mooncake's direct
+    path: no control round trip)."""
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> dict[str, object]:

@@ -74,7 +74,7 @@ async def test_catalog_listed_artifacts_are_read_one_sided_without_a_control_rou
     port = await server.start()
     try:
         first = await mt.fetch(dst, "127.0.0.1", port, ["tiny"])  # control path; watching starts
-        assert first.fetched == ("tiny",)
+        assert first.fetched == ("tiny",) and first.direct == 0
         dst.delete("tiny")
         await _watched(port, list(payloads))
         assert server._server is not None
@@ -82,7 +82,7 @@ async def test_catalog_listed_artifacts_are_read_one_sided_without_a_control_rou
         _no_control_path()
         for keys in (["tiny"], [f"run{i}" for i in range(10)], list(payloads)):
             res = await mt.fetch(dst, "127.0.0.1", port, keys)
-            assert res.fetched == tuple(keys) and res.missing == ()
+            assert res.fetched == tuple(keys) and res.missing == () and res.direct == len(keys)
             assert res.bytes == sum(len(payloads[k]) for k in keys)
             for k in keys:
                 assert dst.get(k) == payloads[k] and dst.location(k) is not None
@@ -132,7 +132,8 @@ async def test_a_stale_catalog_entry_fails_its_checksum_and_the_control_path_ser
         res = await mt.fetch(dst, "127.0.0.1", port, ["k"])
     finally:
         await server.close()
-    assert res.fetched == ("k",) and dst.get("k") == k and dst.stats().corrupted == 0
+    assert res.fetched == ("k",) and res.direct == 0  # the control path brought it
+    assert dst.get("k") == k and dst.stats().corrupted == 0
     assert dst.arena is not None
     assert dst.arena.used_bytes == sum(dst.arena.slot_size(x.offset) for x in dst.locations())
 
