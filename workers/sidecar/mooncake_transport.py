@@ -984,11 +984,16 @@ class _Catalog:
         entries = self.entries
         for key in gone:
             entries.pop(key, None)
-        for key, addr, size, digest in put:
-            if not isinstance(key, str) or int(addr) <= 0 or int(size) <= 0:
-                raise TransferError("bad catalog entry")
+        for entry in put:
+            try:
+                key, addr, size, digest = entry
+                where = (session, int(addr), int(size), bytes.fromhex(digest))
+            except (TypeError, ValueError):
+                raise TransferError(f"bad catalog entry {entry!r:.200}") from None
+            if not isinstance(key, str) or where[1] <= 0 or where[2] <= 0:
+                raise TransferError(f"bad catalog entry {entry!r:.200}")
             entries.pop(key, None)  # a replaced artifact counts as new (kept longest)
-            entries[key] = (session, int(addr), int(size), bytes.fromhex(digest))
+            entries[key] = where
         while len(entries) > MAX_CATALOG_ENTRIES:  # the source's oldest: the control path's
             del entries[next(iter(entries))]
 

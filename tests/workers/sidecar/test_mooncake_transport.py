@@ -641,6 +641,10 @@ def test_a_catalog_keeps_the_newest_entries_up_to_its_bound(
     bad_frames: list[dict[str, object]] = [
         {"catalog": "s", "put": [["k", 0, 10, d]], "gone": []},
         {"put": [], "gone": []},
+        {"catalog": "s", "put": [["k", 1, 10]], "gone": []},
+        {"catalog": "s", "put": [["k", "x", 10, d]], "gone": []},
+        {"catalog": "s", "put": [["k", 1, 10, "zz"]], "gone": []},
+        {"catalog": "s", "put": [7], "gone": []},
     ]
     for bad in bad_frames:
         with pytest.raises(mt.TransferError):
