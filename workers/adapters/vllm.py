@@ -132,6 +132,12 @@ class VLLMAdapter(VLLMRequestFlow):
         return parse_metrics(metrics_text)
 
 
+# vLLM's API server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default);
+# httpx's default expiry is also 5 s, so a request could go out on a connection the server was
+# closing at that moment and fail with an empty ReadError. Drop idle connections well before.
+KEEPALIVE_EXPIRY_S = 2.0
+
+
 class VllmClient:
     """HTTP client for one vLLM server (`base_url` like `http://127.0.0.1:8000`)."""
 
@@ -144,7 +150,10 @@ class VllmClient:
     ) -> None:
         self.name = name
         self.base_url = base_url.rstrip("/")
-        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self._client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
+        )
         self._owns_client = client is None
         self.adapter = VLLMAdapter()
 

@@ -665,6 +665,21 @@ def build(config: SidecarConfig, transport: Transport) -> tuple[Sidecar, FastAPI
     return sidecar, create_app(sidecar)
 
 
+# Connections from the connector, peers and the router stay open this long when idle: longer than
+# any client's expiry (httpx: 5 s), so a client never sends on a connection the sidecar is closing.
+KEEPALIVE_S = 75
+
+
+def _uvicorn_config(app: FastAPI, config: SidecarConfig) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        timeout_keep_alive=KEEPALIVE_S,
+    )
+
+
 class _InLoopServer(uvicorn.Server):
     """A uvicorn server that leaves the process's signal handlers alone (it runs inside
     someone else's event loop)."""
@@ -678,9 +693,7 @@ class _InLoopServer(uvicorn.Server):
 async def serving(config: SidecarConfig, transport: Transport) -> AsyncIterator[Sidecar]:
     """Run a sidecar in this event loop (port 0 = any free port); yields it once it serves."""
     sidecar, app = build(config, transport)
-    server = _InLoopServer(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")
-    )
+    server = _InLoopServer(_uvicorn_config(app, config))
     task = asyncio.create_task(server.serve())
     try:
         while not server.started:
@@ -701,9 +714,7 @@ def run_forever(config: SidecarConfig, transport: Transport) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     sidecar, app = build(config, transport)
     sidecar.bound_port = config.port
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")
-    )
+    server = uvicorn.Server(_uvicorn_config(app, config))
     log.info(
         "sidecar %s on %s, transport %s, store %s",
         config.worker_id,

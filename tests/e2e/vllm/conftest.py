@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,6 +214,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     end = ours[-1]
     head = [item for item in items[: end + 1] if item not in last]
     items[:] = head + last + items[end + 1 :]
+
+
+LOG_TAIL_CHARS = 6000
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test of this package carries the tails of its servers' and sidecars' logs in its
+    report: CI keeps no files, and a worker that crashed says why only in its log."""
+    report = yield
+    if report.failed:
+        funcargs = getattr(item, "funcargs", {})
+        for name, value in funcargs.items():
+            parts = (value.prefill, value.decode) if isinstance(value, PDPair) else (value,)
+            for part in parts:
+                path = getattr(part, "log_path", None)
+                if isinstance(path, Path) and path.exists():
+                    tail = path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+                    report.sections.append((f"log of {name}: {path.name}", tail))
+    return report
 
 
 @dataclass(slots=True)
