@@ -88,6 +88,7 @@ from workers.sidecar.store import (
     ArtifactLocation,
     ArtifactMissing,
     ArtifactStore,
+    checksum,
     new_hasher,
 )
 from workers.sidecar.transport import FetchResult, TransferError, _frame, _read_frame
@@ -1114,6 +1115,35 @@ def _hash_spans(spans: Sequence[tuple[_Incoming, int, int]]) -> None:
         inc.hasher.update(memoryview(inc.data)[pos : pos + n])
 
 
+def _fetch_one(
+    store: ArtifactStore,
+    cat: _Catalog,
+    engine: _Engine,
+    key: str,
+    entry: tuple[str, int, int, bytes],
+) -> bool:
+    """The common small fetch, `_fetch_direct` for one listed artifact of at most
+    `INLINE_PIECE` bytes with less around it: one engine read on the loop into a reserved slot,
+    hashed in one call. True when stored; False leaves the key to the control path (no slot
+    free, a failed read, which drops the catalog, or a stale entry, which is forgotten)."""
+    session, remote, size, digest = entry
+    slot = store.reserve(size)
+    if slot is None:
+        return False
+    assert store.arena is not None
+    base = engine.register_arena(store.arena)
+    rc = int(engine.te.transfer_sync_read(session, base + slot, remote, size))
+    if rc == 0 and checksum(store.slot_view(slot, size)) == digest:
+        store.commit(key, slot, size, digest)
+        return True
+    store.release(slot)
+    if rc == 0:
+        cat.entries.pop(key, None)
+    else:
+        cat.drop()
+    return False
+
+
 async def _fetch_direct(
     store: ArtifactStore, cat: _Catalog, keys: list[str], timeout_s: float
 ) -> tuple[list[str], list[str], int]:
@@ -1207,6 +1237,12 @@ async def fetch(
     nbytes = 0
     if store.arena is not None:
         cat = _catalog(host, port)
+        if len(keys) == 1 and _ENGINE is not None:
+            entry = cat.entries.get(keys[0])
+            if entry is not None and entry[2] <= INLINE_PIECE and cat.fresh():
+                if _fetch_one(store, cat, _ENGINE, keys[0], entry):
+                    return FetchResult((keys[0],), (), entry[2], 1)
+                return await _fetch_control(store, host, port, keys, timeout_s, settings)
         if cat.entries and _ENGINE is not None:
             fetched, keys, nbytes = await _fetch_direct(store, cat, keys, timeout_s)
             if not keys:

@@ -544,6 +544,29 @@ async def test_owner_killed_during_a_direct_read() -> None:
 
 
 @pytest.mark.timeout(60)
+async def test_a_small_direct_read_from_a_dead_owner_fails_cleanly() -> None:
+    """A single small artifact (the one-call path): the owner is dead before the destination's
+    loop has seen its catalog end, so the engine read itself fails. Nothing is stored, the
+    slot goes back, the catalog is dropped, and the control path reports the dead peer."""
+    proc, port = await asyncio.to_thread(_spawn_source, 2, 4096, arena=True)
+    dst = _arena_store()
+    try:
+        assert (await mt.fetch(dst, "127.0.0.1", port, ["k0"])).fetched == ("k0",)
+        dst.delete("k0")
+        cat = await _watched(port, ["k0", "k1"])
+        proc.kill()
+        proc.wait()  # blocking: the loop has not run since, so the catalog still lists k1
+        assert "k1" in cat.entries and cat.fresh()
+        with pytest.raises(TransferError):
+            await mt.fetch(dst, "127.0.0.1", port, ["k1"], timeout_s=5)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert dst.keys() == [] and not cat.entries
+    assert dst.arena is not None and dst.arena.used_bytes == 0
+
+
+@pytest.mark.timeout(60)
 async def test_a_source_bound_to_all_interfaces_advertises_a_reachable_engine() -> None:
     """Bound to 0.0.0.0, the source's engine takes the default route's address (peers cannot
     reach "0.0.0.0"); the fetch reaches the control port on loopback and the engine there."""
