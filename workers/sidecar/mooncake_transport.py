@@ -11,7 +11,8 @@ turn, and an empty frame as a heartbeat every `CATALOG_HEARTBEAT_S`. A fetch of 
 catalog lists reserves slots in the destination's arena, reads the bytes straight into them
 (adjacent artifacts merged into one read, submissions hashed as they land), verifies and
 commits them. Small fetches (`INLINE_READ_BYTES`) are read on the event loop itself, the others
-on a reading thread. Bytes that fail their checksum mean the catalog was stale (the source
+on a reading thread; one artifact of at most `INLINE_PIECE` takes one engine call and one
+checksum call (`_fetch_one`). Bytes that fail their checksum mean the catalog was stale (the source
 evicted or replaced the artifact since its last push): those keys take the control path, as
 do keys the catalog does not list yet, and every key after a failed engine read.
 
