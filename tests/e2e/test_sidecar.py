@@ -104,6 +104,18 @@ def payload(key: str, size: int) -> bytes:
     return (seed * (size // len(seed) + 1))[:size]
 
 
+def fetch_body(src: SidecarProcess, chain: list[int]) -> dict[str, Any]:
+    """A `POST /ownerserve/kv/fetch` body: every artifact of `chain`'s blocks from `src`."""
+    return {
+        "source_url": src.url,
+        "source_worker": src.worker_id,
+        "model": MODEL,
+        "block_hashes": chain,
+        "token_ids": [],
+        "block_size": 16,
+    }
+
+
 async def put_blocks(
     http: httpx.AsyncClient, sidecar: SidecarProcess, chain: list[int], size: int
 ) -> dict[str, bytes]:
@@ -134,14 +146,7 @@ async def test_source_sidecar_killed_mid_transfer_is_502_and_nothing_corrupt_is_
     with sidecars(src, dst):
         async with httpx.AsyncClient(timeout=60.0) as http:
             stored = await put_blocks(http, src, chain, size)
-            body = {
-                "source_url": src.url,
-                "source_worker": "src",
-                "model": MODEL,
-                "block_hashes": chain,
-                "token_ids": [],
-                "block_size": 16,
-            }
+            body = fetch_body(src, chain)
             fetch = asyncio.create_task(http.post(dst.url + "/ownerserve/kv/fetch", json=body))
 
             async def arrived() -> int:
@@ -194,15 +199,7 @@ async def test_later_fetches_from_a_mooncake_source_read_its_arena_one_sided(
         async with httpx.AsyncClient(timeout=60.0) as http:
 
             async def fetch(chain: list[int]) -> float:
-                body = {
-                    "source_url": src.url,
-                    "source_worker": "src",
-                    "model": MODEL,
-                    "block_hashes": chain,
-                    "token_ids": [],
-                    "block_size": 16,
-                }
-                r = await http.post(dst.url + "/ownerserve/kv/fetch", json=body)
+                r = await http.post(dst.url + "/ownerserve/kv/fetch", json=fetch_body(src, chain))
                 assert r.status_code == 200 and r.json()["blocks"] == len(chain), r.text
                 metrics = (await http.get(dst.url + "/metrics")).text
                 return metric_value(metrics, "ownerserve_sidecar_direct_fetched_artifacts_total")
