@@ -40,17 +40,32 @@ def valid_key(key: str) -> bool:
     return 0 < len(key) <= MAX_KEY_CHARS and not any(ord(c) < 32 or c == "\x7f" for c in key)
 
 
+MAX_BLOCK_ARTIFACTS = 4096
+"""Bound on a declared number of artifacts per block (KV heads x pipeline stages x parts)."""
+
+
 @dataclass(slots=True)
 class ChunkIndex:
     """(model, chunk hash) -> keys stored for it. The store may evict behind the index's back,
-    so readers pass the store's `has` and stale keys are forgotten as they are met."""
+    so readers pass the store's `has` and stale keys are forgotten as they are met.
+
+    A block is *whole* once as many of its keys are present as its writer declared it has
+    (`add(key, whole=N)`: the connector knows the model's KV heads; a fetch knows the source's
+    list). Readers see only whole blocks, so a block being written head by head is neither
+    published nor served before its last head. A block nobody declared is whole with one key
+    (writers that do not declare, and blocks recovered from the SSD tier after a restart)."""
 
     _keys: dict[ChunkId, set[str]] = field(default_factory=dict)
+    _whole: dict[ChunkId, int] = field(default_factory=dict)
 
-    def add(self, key: str) -> ChunkId | None:
+    def add(self, key: str, whole: int | None = None) -> ChunkId | None:
+        """Index `key`; `whole`: how many keys make its block whole (the largest declared
+        counts)."""
         chunk = chunk_of(key)
         if chunk is not None:
             self._keys.setdefault(chunk, set()).add(key)
+            if whole is not None and whole > self._whole.get(chunk, 1):
+                self._whole[chunk] = whole
         return chunk
 
     def discard(self, key: str) -> None:
@@ -61,10 +76,15 @@ class ChunkIndex:
         if keys is not None:
             keys.discard(key)
             if not keys:
-                del self._keys[chunk]
+                self._forget(chunk)
+
+    def _forget(self, chunk: ChunkId) -> None:
+        del self._keys[chunk]
+        self._whole.pop(chunk, None)
 
     def keys_of(self, chunk: ChunkId, present: Callable[[str], bool]) -> list[str]:
-        """The chunk's keys still `present`, sorted (stale ones are dropped from the index)."""
+        """The keys of a whole chunk still `present`, sorted; [] while the chunk is not whole
+        (stale keys are dropped from the index)."""
         keys = self._keys.get(chunk)
         if not keys:
             return []
@@ -72,7 +92,9 @@ class ChunkIndex:
         for k in stale:
             keys.discard(k)
         if not keys:
-            del self._keys[chunk]
+            self._forget(chunk)
+            return []
+        if len(keys) < self._whole.get(chunk, 1):
             return []
         return sorted(keys)
 

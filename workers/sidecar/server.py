@@ -9,11 +9,12 @@ HTTP API (JSON unless said otherwise; every error is OpenAI-shaped, `ownerserve.
 - `POST /ownerserve/kv/lookup {"keys": [str]}` -> `{"present": [bool]}` (same order)
 - `GET /ownerserve/kv/artifacts/{key}` -> raw bytes + `x-ownerserve-checksum: <XXH3-128 hex>`
   (verified against the stored checksum first: a corrupted artifact is dropped and answered 404)
-- `PUT /ownerserve/kv/artifacts/{key}` raw bytes (optional `x-ownerserve-checksum` verified)
+- `PUT /ownerserve/kv/artifacts/{key}` raw bytes (optional `x-ownerserve-checksum` verified;
+  optional `x-ownerserve-block-artifacts: N`, how many artifacts make the key's block whole)
   -> 201 `{"key", "bytes", "checksum", "tier"}`
 - `POST /ownerserve/kv/index {"model", "chunk_hashes": [int]}` -> `{"keys": [[str], ...],
-  "transport", "transfer_port", "transfer_host"}`: the keys held per chunk (what a peer's fetch
-  asks first)
+  "transport", "transfer_port", "transfer_host"}`: the keys held per whole chunk, [] for a
+  chunk not (yet) whole (what a peer's fetch asks first)
 - `POST /ownerserve/kv/fetch {source_url, source_worker, model, block_hashes, token_ids,
   block_size}` -> 200 `{"blocks", "artifacts", "bytes"}`; 502 when the source is unreachable,
   dies mid-transfer or sends bytes failing their checksum (blocks left incomplete are deleted)
@@ -60,7 +61,13 @@ from ownerserve.errors import (
 )
 from ownerserve.types import Tier
 from workers.sidecar.arena import Arena
-from workers.sidecar.index import ChunkId, ChunkIndex, stored_prefix, valid_key
+from workers.sidecar.index import (
+    MAX_BLOCK_ARTIFACTS,
+    ChunkId,
+    ChunkIndex,
+    stored_prefix,
+    valid_key,
+)
 from workers.sidecar.publisher import ReplicaPublisher
 from workers.sidecar.store import (
     CHECKSUM_BYTES,
@@ -77,6 +84,7 @@ from workers.sidecar.transports import Transport, TransportUnavailable, transpor
 log = logging.getLogger(__name__)
 
 CHECKSUM_HEADER = "x-ownerserve-checksum"
+BLOCK_ARTIFACTS_HEADER = "x-ownerserve-block-artifacts"
 KV_PREFIX = "/ownerserve/kv"
 GiB = 1 << 30
 MAX_BLOCKS_PER_FETCH = 100_000
@@ -327,16 +335,24 @@ class Sidecar:
                 out[chunk.chunk_hash] = self._tier(keys)
         return out
 
-    def _note(self, keys: Iterable[str]) -> None:
+    def _note(self, keys: Iterable[tuple[str, int | None]]) -> None:
+        """Index stored (key, artifacts that make its block whole) and publish the blocks that
+        are whole now."""
         chunks: dict[int, Tier] = {}
-        for key in keys:
-            chunk = self.index.add(key)
+        for key, whole in keys:
+            chunk = self.index.add(key, whole)
             if chunk is not None and chunk.chunk_hash not in chunks:
-                chunks[chunk.chunk_hash] = self._tier(self.index.keys_of(chunk, self.store.has))
-        if self.publisher is not None:
+                present = self.index.keys_of(chunk, self.store.has)
+                if present:
+                    chunks[chunk.chunk_hash] = self._tier(present)
+        if self.publisher is not None and chunks:
             self.publisher.note(chunks)
 
-    def put(self, key: str, data: bytes, expected: bytes | None) -> dict[str, Any]:
+    def put(
+        self, key: str, data: bytes, expected: bytes | None, whole: int | None = None
+    ) -> dict[str, Any]:
+        """Store one artifact; `whole`: how many artifacts make its block whole, as the writer
+        declared (`x-ownerserve-block-artifacts`)."""
         try:
             meta = self.store.put(key, data, expected_checksum=expected)
         except ArtifactCorrupted as exc:
@@ -344,7 +360,7 @@ class Sidecar:
         except ArtifactTooLarge as exc:
             raise PayloadTooLargeError(str(exc)) from exc
         self.counters.stored.inc()
-        self._note([key])
+        self._note([(key, whole)])
         tier = "memory" if meta.tier is StoreTier.MEMORY else "ssd"
         return {"key": key, "bytes": meta.size_bytes, "checksum": meta.checksum.hex(), "tier": tier}
 
@@ -460,7 +476,7 @@ class Sidecar:
         got = {k for k in got if self.store.has(k)}
         size = self._account(got)
         # chunks that were already here count as replicas of the fetched prefix too
-        self._note(k for keys in blocks[:whole] for k in keys)
+        self._note((k, len(keys)) for keys in blocks[:whole] for k in keys)
         return FetchOutcome(whole, len(got), size)
 
     async def _pull(self, body: FetchBody, answer: dict[str, Any], keys: list[str]) -> None:
@@ -487,9 +503,10 @@ class Sidecar:
         self.counters.direct_artifacts.inc(getattr(res, "direct", 0))
 
     def _account(self, keys: set[str]) -> int:
-        """Index, publish and count artifacts this fetch stored (all present); their bytes."""
+        """Index, publish and count artifacts this fetch stored (all present, of whole blocks:
+        `_drop_incomplete` ran first); their bytes."""
         size = sum(self.store.meta(k).size_bytes for k in keys if self.store.has(k))
-        self._note(keys)
+        self._note((k, None) for k in keys)
         self.counters.fetched_artifacts.inc(len(keys))
         self.counters.fetched_bytes.inc(size)
         return size
@@ -537,6 +554,17 @@ def _checksum_header(value: str | None) -> bytes | None:
             f"({2 * CHECKSUM_BYTES} hex digits)"
         )
     return digest
+
+
+def _block_artifacts_header(value: str | None) -> int | None:
+    if value is None:
+        return None
+    value = value.strip()
+    if not value.isdigit() or not 1 <= int(value) <= MAX_BLOCK_ARTIFACTS:
+        raise InvalidRequestError(
+            f"{BLOCK_ARTIFACTS_HEADER}: must be an integer from 1 to {MAX_BLOCK_ARTIFACTS}"
+        )
+    return int(value)
 
 
 def create_app(sidecar: Sidecar) -> FastAPI:
@@ -627,6 +655,7 @@ def create_app(sidecar: Sidecar) -> FastAPI:
     async def put_artifact(key: str, request: Request) -> JSONResponse:
         key = _checked_key(key)
         expected = _checksum_header(request.headers.get(CHECKSUM_HEADER))
+        whole = _block_artifacts_header(request.headers.get(BLOCK_ARTIFACTS_HEADER))
         limit = sidecar.config.max_artifact_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -638,7 +667,7 @@ def create_app(sidecar: Sidecar) -> FastAPI:
             if size > limit:
                 raise PayloadTooLargeError(f"artifact exceeds {limit} bytes")
             chunks.append(chunk)
-        return JSONResponse(sidecar.put(key, b"".join(chunks), expected), status_code=201)
+        return JSONResponse(sidecar.put(key, b"".join(chunks), expected, whole), status_code=201)
 
     @app.post(KV_PREFIX + "/fetch")
     async def fetch(body: FetchBody) -> JSONResponse:

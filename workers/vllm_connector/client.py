@@ -130,10 +130,13 @@ class SidecarClient:
             raise ArtifactRejected(f"{key}: bytes do not match their checksum")
         return data
 
-    def put(self, key: str, data: bytes) -> None:
-        status, _, body = self._request(
-            "PUT", self._key_path(key), data, {"content-type": "application/octet-stream"}
-        )
+    def put(self, key: str, data: bytes, block_artifacts: int | None = None) -> None:
+        """Store one artifact; `block_artifacts`: how many artifacts make its block whole (the
+        sidecar publishes and serves the block only once they are all stored)."""
+        headers = {"content-type": "application/octet-stream"}
+        if block_artifacts is not None:
+            headers["x-ownerserve-block-artifacts"] = str(block_artifacts)
+        status, _, body = self._request("PUT", self._key_path(key), data, headers)
         if status not in (200, 201, 204):
             raise SidecarError(f"PUT {key} answered {status}: {body[:200]!r}")
 

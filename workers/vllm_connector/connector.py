@@ -410,7 +410,8 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
                     keys = block_keys(self.settings.model, chunk_hash, self._store_heads)
                     for head, key in zip(self._store_heads, keys, strict=True):
                         local = self._local_heads.index(head)
-                        self._client.put(key, payload_of(buffers, local, i))
+                        # every rank's heads together make the block whole
+                        self._client.put(key, payload_of(buffers, local, i), self._total_heads)
             except SidecarError as exc:
                 self._warn.warning("save", "OwnerServeConnector: save failed: %s", exc)
 

@@ -29,6 +29,24 @@ def test_index_lists_present_keys_and_forgets_stale_ones() -> None:
     assert index.chunks() == []  # every key was stale: the chunk is gone
 
 
+def test_a_block_is_listed_only_once_it_has_as_many_keys_as_declared() -> None:
+    index = ChunkIndex()
+    chunk = ChunkId("m", 9)
+    keys = head_keys("m", 9, range(4))
+    index.add(keys[0], 4)
+    index.add(keys[1])  # undeclared: the largest declared count stands
+    present = set(keys)
+    assert index.keys_of(chunk, present.__contains__) == []
+    index.add(keys[2], 2)
+    index.add(keys[3], 4)
+    assert index.keys_of(chunk, present.__contains__) == sorted(keys)
+    present.discard(keys[3])  # evicted: the block is not whole any more
+    assert index.keys_of(chunk, present.__contains__) == []
+    assert index.keys_of(chunk, lambda _: False) == [] and index.chunks() == []
+    index.add(keys[0])  # indexed again from scratch: the old count went with the chunk
+    assert index.keys_of(chunk, present.__contains__) == [keys[0]]
+
+
 def test_stored_prefix_stops_at_the_first_block_without_artifacts() -> None:
     assert stored_prefix([["a"], ["b", "c"], [], ["d"]]) == 2
     assert stored_prefix([["a"]]) == 1

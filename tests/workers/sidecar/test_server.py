@@ -180,6 +180,45 @@ async def test_fetch_pulls_every_head_of_the_stored_prefix(tmp_path: Path, trans
         assert 'ownerserve_sidecar_bytes{tier="ssd"}' in metrics
 
 
+async def test_a_block_is_served_and_published_only_once_every_declared_head_is_stored(
+    tmp_path: Path,
+) -> None:
+    """The writer declares two artifacts per block (`x-ownerserve-block-artifacts`) and stores
+    them one at a time: until the second one, the block is in no index answer, no holding to
+    publish and no fetch, though its first key is stored and can be looked up."""
+    async with (
+        sidecar(tmp_path, "a") as a,
+        sidecar(tmp_path, "b") as b,
+        httpx.AsyncClient() as http,
+    ):
+        first, second = keys_of(0x77)
+
+        async def put(key: str, declared: str) -> httpx.Response:
+            return await http.put(
+                f"{a.url}/ownerserve/kv/artifacts/{key}",
+                content=payload(key),
+                headers={"x-ownerserve-block-artifacts": declared},
+            )
+
+        assert (await put(first, "2")).status_code == 201
+        index = {"model": MODEL, "chunk_hashes": [0x77]}
+        r = await http.post(f"{a.url}/ownerserve/kv/index", json=index)
+        assert r.json()["keys"] == [[]] and 0x77 not in a.holdings()
+        r = await http.post(f"{a.url}/ownerserve/kv/lookup", json={"keys": [first]})
+        assert r.json() == {"present": [True]}
+        r = await http.post(f"{b.url}/ownerserve/kv/fetch", json=fetch_body(a, [0x77]))
+        assert r.json() == {"blocks": 0, "artifacts": 0, "bytes": 0}
+
+        assert (await put(second, "2")).status_code == 201
+        r = await http.post(f"{a.url}/ownerserve/kv/index", json=index)
+        assert r.json()["keys"] == [sorted([first, second])] and 0x77 in a.holdings()
+        r = await http.post(f"{b.url}/ownerserve/kv/fetch", json=fetch_body(a, [0x77]))
+        assert r.json() == {"blocks": 1, "artifacts": 2, "bytes": 2 * 3000}
+        assert 0x77 in b.holdings()
+        for bad in ("0", "-1", "two", "4097"):
+            assert_openai_error(await put(first, bad), 400)
+
+
 async def test_fetch_from_a_dead_source_is_502_and_stores_nothing(tmp_path: Path) -> None:
     async with sidecar(tmp_path, "b") as b, httpx.AsyncClient() as http:
         async with sidecar(tmp_path, "a") as a:

@@ -19,8 +19,10 @@ async def test_connector_client_saves_looks_up_and_loads(tmp_path: Path) -> None
         try:
             assert await asyncio.to_thread(client.health)
             assert await asyncio.to_thread(client.lookup, keys) == [False, False]
-            for key in keys:
-                await asyncio.to_thread(client.put, key, payload(key))
+            for i, key in enumerate(keys):
+                # the connector declares how many heads make a block whole
+                await asyncio.to_thread(client.put, key, payload(key), len(keys))
+                assert (0x77 in a.holdings()) == (i == len(keys) - 1)
             assert await asyncio.to_thread(client.lookup, keys) == [True, True]
             assert await asyncio.to_thread(client.get, keys[1]) == payload(keys[1])
 
