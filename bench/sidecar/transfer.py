@@ -4,13 +4,15 @@ One owner process per row holds `keys` artifacts of `size` random bytes in `Arti
 behind both sidecar transports (over Mooncake, the store keeps them in its engine-registered
 arena, as a Mooncake sidecar does), plus the same bytes, contiguous, in a Mooncake-registered
 buffer and behind a plain TCP socket. The fetching process measures, interleaved per repeat in
-rotating order (so every path sees the same machine noise):
+an order shuffled anew each repeat (so every path sees the same machine noise, and each path
+follows each other one about equally often: what a path leaves behind, such as the owner still
+closing a TCP connection, falls on all of them alike):
 
 - mooncake sidecar: `workers.sidecar.mooncake_transport.fetch` of all the row's keys in one
   fetch into a long-lived store with an arena, as a sidecar has, the keys deleted again after
-  each fetch. After the first (uncounted) round the owner's catalog has arrived: the fetch
-  reads the artifacts one-sided into arena slots, verifies their checksums and stores them;
-  no control round trip;
+  each fetch (untimed). After the first (uncounted) round the owner's catalog has arrived: the
+  fetch reads the artifacts one-sided into arena slots, verifies their checksums and stores
+  them; no control round trip;
 - mooncake control path: the same fetch into a fresh store without an arena, which always
   takes the control path (a request frame, staging at the owner, engine reads into fresh
   memory, checksum verification, store put);
@@ -22,7 +24,9 @@ rotating order (so every path sees the same machine noise):
 - checksum: hashing the row's bytes once in this process with the store's checksum
   (`workers.sidecar.store.checksum`, XXH3-128; a ceiling for any path that verifies every
   artifact on one core); `vs bound` is the Mooncake sidecar against min(raw mooncake, checksum),
-  what perfect overlap of reading and hashing would reach.
+  what perfect overlap of reading and hashing would reach; `one-sided` is the share of the
+  Mooncake sidecar's counted artifacts that came over the direct path (the rest took the
+  control path: a stale catalog, no free slot).
 
 Loopback, medians. Rows with many keys show batching: on the direct path, artifacts stored one
 after another at both ends are moved by one engine read; on the control path, small artifacts
@@ -37,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -117,6 +122,7 @@ async def row(size: int, keys: int, repeats: int, mooncake_only: bool) -> dict[s
     )
     names = [f"a{i}" for i in range(keys)]
     t: dict[str, list[float]] = {}
+    direct = [0, 0]  # artifacts the Mooncake sidecar fetched one-sided, and fetched in all
     try:
         assert proc.stdout is not None
         line = await asyncio.to_thread(proc.stdout.readline)
@@ -143,7 +149,12 @@ async def row(size: int, keys: int, repeats: int, mooncake_only: bool) -> dict[s
         )
 
         async def mc_sidecar() -> None:
-            assert (await mt.fetch(sidecar_store, "127.0.0.1", int(mc_port), names)).bytes == total
+            res = await mt.fetch(sidecar_store, "127.0.0.1", int(mc_port), names)
+            assert res.bytes == total
+            direct[0] += res.direct
+            direct[1] += len(res.fetched)
+
+        def mc_sidecar_after() -> None:  # not timed: the next round must fetch them again
             for name in names:
                 sidecar_store.delete(name)
 
@@ -178,21 +189,30 @@ async def row(size: int, keys: int, repeats: int, mooncake_only: bool) -> dict[s
         if mooncake_only:
             for name in ("tcp", "raw_tcp", "sha"):
                 del paths[name]
+        after: dict[str, Callable[[], None]] = {"mc": mc_sidecar_after}
         order = list(paths)
+        shuffle = random.Random(size * 7919 + keys).shuffle
         reps = max(5, min(repeats, (1 << 30) // total))
         for rep in range(reps + 1):  # the first round warms connections and pages, not counted
-            k = rep % len(order)  # rotated, so no path always follows the same one
-            for name in order[k:] + order[:k]:
+            if rep == 1:
+                direct[:] = [0, 0]
+            shuffle(order)  # so each path follows each other one about equally often
+            for name in order:
                 t0 = time.perf_counter()
                 await paths[name]()
                 if rep:
                     t.setdefault(name, []).append(time.perf_counter() - t0)
+                if name in after:
+                    after[name]()
         if local is not None:
             local.retire()
     finally:
         proc.kill()
         proc.wait()
-    return {k: _rate(total, v) for k, v in t.items()}
+    rates = {k: _rate(total, v) for k, v in t.items()}
+    if direct[1]:
+        rates["direct_share"] = direct[0] / direct[1]
+    return rates
 
 
 def _label(size: int, keys: int) -> str:
@@ -206,9 +226,9 @@ async def main(repeats: int, rows: list[tuple[int, int]], mooncake_only: bool = 
     print(
         "| artifacts | mooncake sidecar MB/s | raw mooncake MB/s | ratio "
         "| raw per-artifact MB/s | ratio | control path MB/s | ratio "
-        "| tcp sidecar MB/s | raw tcp MB/s | ratio | checksum MB/s | vs bound |"
+        "| tcp sidecar MB/s | raw tcp MB/s | ratio | checksum MB/s | vs bound | one-sided |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     nan = float("nan")
     for size, keys in rows:
         r = await row(size, keys, repeats, mooncake_only)
@@ -219,7 +239,7 @@ async def main(repeats: int, rows: list[tuple[int, int]], mooncake_only: bool = 
             f"| {_label(size, keys)} | {mc:.1f} | {raw_mc:.1f} | {mc / raw_mc:.2f} "
             f"| {seg_cols} | {ctl:.1f} | {ctl / raw_mc:.2f} "
             f"| {tcp:.1f} | {raw_tcp:.1f} | {tcp / raw_tcp:.2f} "
-            f"| {sha:.1f} | {mc / min(raw_mc, sha):.2f} |",
+            f"| {sha:.1f} | {mc / min(raw_mc, sha):.2f} | {r.get('direct_share', nan):.2f} |",
             flush=True,
         )
 
