@@ -544,11 +544,17 @@ async def test_owner_killed_during_a_direct_read() -> None:
 
 
 @pytest.mark.timeout(60)
-async def test_a_small_direct_read_from_a_dead_owner_fails_cleanly() -> None:
-    """A single small artifact (the one-call path): the owner is dead before the destination's
-    loop has seen its catalog end, so the engine read itself fails. Nothing is stored, the
-    slot goes back, the catalog is dropped, and the control path reports the dead peer."""
-    proc, port = await asyncio.to_thread(_spawn_source, 2, 4096, arena=True)
+@pytest.mark.parametrize(
+    "size",
+    [4096, mt.INLINE_PIECE + 4096, 3 << 20],
+    ids=["one-read", "one-call-pieces", "loop-pieces"],
+)
+async def test_a_small_direct_read_from_a_dead_owner_fails_cleanly(size: int) -> None:
+    """A single artifact read on the loop (the one-call path, as one read or in pieces, and the
+    general direct path's polled pieces): the owner is dead before the destination's loop has
+    seen its catalog end, so the engine reads themselves fail. Nothing is stored, the slot goes
+    back, the catalog is dropped, and the control path reports the dead peer."""
+    proc, port = await asyncio.to_thread(_spawn_source, 2, size, arena=True)
     dst = _arena_store()
     try:
         assert (await mt.fetch(dst, "127.0.0.1", port, ["k0"])).fetched == ("k0",)
@@ -673,3 +679,42 @@ def test_a_catalog_keeps_the_newest_entries_up_to_its_bound(
     for bad in bad_frames:
         with pytest.raises(mt.TransferError):
             cat.apply(bad)
+
+
+async def test_a_read_awaited_past_its_polling_budget_completes_through_the_engines_wait() -> None:
+    """`_await_read` polls, then hands the wait to the engine's blocking one: with the budget
+    already spent, every piece of a read still lands whole, and the bytes are the source's."""
+    src, dst = _arena_store(), _arena_store()
+    payload = os.urandom(4 * mt.INLINE_PIECE + 123)
+    src.put("k", payload)
+    server = mt.TransportServer(src)
+    port = await server.start()
+    try:
+        await mt.fetch(dst, "127.0.0.1", port, ["k"])  # starts the engine and the watch
+        dst.delete("k")
+        cat = await _watched(port, ["k"])
+        session, remote, size, _ = cat.entries["k"]
+        assert mt._ENGINE is not None and dst.arena is not None
+        te = mt._ENGINE.te
+        slot = dst.reserve(size)
+        assert slot is not None
+        local = mt._ENGINE.register_arena(dst.arena) + slot
+        for spin_until in (0.0, time.perf_counter() + 10.0):  # fallback at once; polling only
+            dst.slot_view(slot, size)[:] = bytes(size)
+            ids = [
+                int(te.batch_transfer_async_read(session, [local + o], [remote + o], [n]))
+                for o, n in ((0, size // 2), (size // 2, size - size // 2))
+            ]
+            assert all(mt._submitted(i) for i in ids)
+            assert [mt._await_read(te, i, spin_until) for i in ids] == [0, 0]
+            assert bytes(dst.slot_view(slot, size)) == payload
+        dst.release(slot)
+    finally:
+        await server.close()
+
+
+def test_engine_submission_ids_that_mean_failure_are_recognised() -> None:
+    assert not mt._submitted(0)  # the engine could not submit
+    assert not mt._submitted((1 << 64) - 1)  # -1 as uint64: the peer's segment did not open
+    assert not mt._submitted(-1)
+    assert mt._submitted(0x7F00_DEAD_BEEF)
