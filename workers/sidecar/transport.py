@@ -22,6 +22,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ownerserve.records import fast_init
 from workers.sidecar.store import ArtifactCorrupted, ArtifactMissing, ArtifactStore, new_hasher
 
 _LEN = struct.Struct(">I")
@@ -33,6 +34,7 @@ class TransferError(Exception):
     """A fetch from a peer sidecar failed (peer unreachable or gone, bad frame, bad checksum)."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class FetchResult:
     """What a fetch brought: keys stored locally and keys the peer did not have."""
