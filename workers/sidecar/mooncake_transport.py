@@ -129,7 +129,8 @@ INLINE_PIECE = 256 << 10
 """The same for direct reads on the event loop (`INLINE_READ_BYTES`), and for a one-call fetch
 above this size (`_fetch_one`). 16-core host, one artifact read and hashed as 2 / 4 / 8 pieces
 against one read then one hash, as a share of a raw read: 1 MiB 0.84-0.86 / 0.86-0.87 / 0.82-0.83
-against 0.81-0.83; 2 MiB 0.83 / 0.90 / 0.90 against 0.82."""
+against 0.81-0.83; 2 MiB 0.83 / 0.90 / 0.90 against 0.82. Below 256 KiB a second submission
+costs more than it overlaps (64 KiB: 0.81-0.83 as two pieces, 0.92 as one read)."""
 SPIN_WAIT_S = 0.005
 """On the event loop, a one-segment submission is awaited by polling its status for up to this
 long from the first wait (`_await_read`), then by the engine's blocking wait. The blocking
