@@ -254,7 +254,13 @@ def _rows(text: str) -> list[tuple[int, int]]:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=400,
+        help="repeats per row, at most 1 GiB per path and row (small rows need hundreds for a "
+        "steady median)",
+    )
     p.add_argument("--rows", type=_rows, default=ROWS, help="SIZExKEYS,... (bytes x artifacts)")
     p.add_argument(
         "--mooncake-only",

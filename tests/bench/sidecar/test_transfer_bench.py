@@ -1,0 +1,36 @@
+"""`bench.sidecar.transfer` runs end to end (a smoke test, not a measurement): a few repeats of
+two small rows against a real owner process print one table row each, and over Mooncake every
+counted sidecar fetch came one-sided (the direct path the bench is there to measure)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from workers.sidecar import mooncake_transport as mt
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_the_transfer_bench_prints_a_row_per_size() -> None:
+    argv = ["--repeats", "5", "--rows", "4096x1,65536x4"]
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.sidecar.transfer", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    ).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| 4 KiB") or "x 64 KiB" in line]
+    assert len(rows) == 2, out
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 14, row
+        tcp, raw_tcp = float(cells[8]), float(cells[9])
+        assert tcp > 0 and raw_tcp > 0
+        if mt.AVAILABLE:
+            mooncake, raw = float(cells[1]), float(cells[2])
+            assert mooncake > 0 and raw > 0
+            assert cells[13] == "1.00", row  # every counted fetch read one-sided
