@@ -10,9 +10,18 @@ from planner.types import Action, Candidate, Plan
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:/@+-]")
 
 
+_SAFE: dict[str, str] = {}
+"""`_safe`'s answers: worker ids and policy names recur on every request."""
+
+
 def _safe(text: str) -> str:
     """Header-safe: only [A-Za-z0-9._:/@+-]; anything else (';', '=', spaces, non-ASCII) → '_'."""
-    return _UNSAFE.sub("_", text)
+    safe = _SAFE.get(text)
+    if safe is None:
+        safe = _UNSAFE.sub("_", text)
+        if len(_SAFE) < 4096:  # bounded: names come from config and the admin API
+            _SAFE[text] = safe
+    return safe
 
 
 def _workers(c: Candidate) -> str:

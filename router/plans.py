@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ownerserve.records import fast_init
 from planner import plan_to_dict, plan_to_header
 from planner.types import Plan
 
@@ -26,6 +27,7 @@ def plan_header(plan: Plan, fetched: bool | None = None) -> bytes:
     return text.encode("latin-1", errors="replace")
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PlanRecord:
     """One executed plan, as `GET /admin/plans` lists it (the dict is built lazily)."""
