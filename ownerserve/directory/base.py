@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 from ownerserve.events import EventBatch
+from ownerserve.records import fast_init
 from ownerserve.types import Tier
 
 
@@ -26,6 +27,7 @@ class HoldKind(StrEnum):
     CACHED = "cached"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Artifact:
     """An immutable run of blocks `chain[start:]` of a prefix chain, plus its metadata."""
@@ -45,6 +47,7 @@ class Artifact:
         return self.chain[self.start :]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Lease:
     """Ownership of an artifact by `worker` until `expires_at` (unix seconds), fenced by `epoch`."""
@@ -55,6 +58,7 @@ class Lease:
     expires_at: float
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Holding:
     """`worker` holds the first `blocks` blocks of the looked-up chain in `tier`."""
@@ -65,6 +69,7 @@ class Holding:
     kind: HoldKind
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Match:
     """Answer of one `lookup`: every worker's longest held prefix per tier, the owner of the
