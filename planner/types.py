@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
+from ownerserve.records import fast_init
 from ownerserve.types import BackendKind, Role, Tier
 
 
@@ -61,6 +62,7 @@ class WorkerView:
     link_scale: float = 1.0
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class RequestView:
     """One agent step as the planner sees it."""
@@ -82,6 +84,7 @@ class RequestView:
     policy_override: str | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ClusterView:
     workers: tuple[WorkerView, ...]
@@ -95,6 +98,7 @@ class ClusterView:
         return None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CostBreakdown:
     """C(a) = T_queue + T_compute + T_network + T_restore + λ·M_HBM + μ·I_decode + H_move
@@ -128,6 +132,7 @@ class CostBreakdown:
         )
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """One (action, workers) option with its cost."""
@@ -140,6 +145,7 @@ class Candidate:
     reused_blocks: int = 0
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Plan:
     """The policy's decision: the chosen candidate, the runner-up and the margin between them."""
