@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 
 from ownerserve.errors import UpstreamError
+from ownerserve.records import fast_init
 from ownerserve.types import BackendKind
 from planner.types import Action, Plan
 from router.pool import WorkerPool, WorkerState
@@ -53,6 +54,7 @@ class UpstreamTimeoutError(UpstreamError):
     code = "upstream_timeout"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class FetchSpec:
     """What an artifact fetch moves: the first `len(block_hashes)` blocks of the prompt."""

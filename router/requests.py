@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from ownerserve.errors import InvalidRequestError
+from ownerserve.records import fast_init
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -27,6 +28,7 @@ class _BadRequest(InvalidRequestError):
         self.param = param
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
     """One OpenAI completion request: the original bytes and their parsed dict."""

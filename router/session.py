@@ -27,6 +27,8 @@ from typing import Any
 
 import orjson
 
+from ownerserve.records import fast_init
+
 SESSION_HEADERS: tuple[str, ...] = (
     "x-session-id",
     "x-claude-code-session-id",
@@ -53,6 +55,7 @@ class SessionSource(StrEnum):
     NONE = "none"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class SessionKey:
     """A session id and where it came from."""

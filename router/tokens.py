@@ -27,6 +27,7 @@ from xxhash import xxh3_64_intdigest
 
 from ownerserve.config import ModelSettings
 from ownerserve.hashing import chain_root
+from ownerserve.records import fast_init
 from ownerserve.tokenizer import (
     ByteTokenizer,
     ChatTemplate,
@@ -83,6 +84,7 @@ def hash_blocks(tokens: Sequence[int], block_size: int, parent: int, start: int 
     return out
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Tokenized:
     """A prompt as routing sees it."""
