@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ownerserve.records import fast_init
 from ownerserve.types import Tier
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class BlockStored:
     """Blocks became resident on a worker; `parent_engine_hash` is None at a chain start."""
@@ -25,6 +27,7 @@ class BlockStored:
     lora_id: int | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     """Blocks were evicted from a worker's tier."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from ownerserve.errors import ConfigError
 from ownerserve.kvstate import KVStateSpec, load_spec
 from ownerserve.profiles import TimingProfile, load_profile
+from ownerserve.records import fast_init
 from ownerserve.types import Role, Tier
 from planner.restore import DEFAULT_SWA_POLICY, SwaPolicy, plan_restore
 from planner.types import (
@@ -224,6 +225,7 @@ class CostModel:
 # Routes: one (action, workers) option, and the quantities every term derives from it.
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Route:
     """An action with its workers: prefill on `prefill`, decode on `decode`; `source` is the
