@@ -6,7 +6,8 @@ A frozen dataclass's generated `__init__` sets every field with `object.__setatt
 slotted dataclass an `__init__` that sets each field through its slot's descriptor instead, as
 fast as the mutable one's, and changes nothing else: the instance stays immutable, and
 defaults, equality, hashing, `repr` and `dataclasses.replace` are the dataclass's own. For
-records made on a hot path (the sidecar store's metadata, made on every commit).
+records made on a hot path: the router's per-request records (request, session, tokens,
+planner views, candidates, plan, directory match), KV events, the sidecar store's metadata.
 """
 
 from __future__ import annotations
