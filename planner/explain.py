@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -10,18 +11,10 @@ from planner.types import Action, Candidate, Plan
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:/@+-]")
 
 
-_SAFE: dict[str, str] = {}
-"""`_safe`'s answers: worker ids and policy names recur on every request."""
-
-
+@functools.lru_cache(maxsize=4096)  # worker ids and policy names recur on every request
 def _safe(text: str) -> str:
     """Header-safe: only [A-Za-z0-9._:/@+-]; anything else (';', '=', spaces, non-ASCII) → '_'."""
-    safe = _SAFE.get(text)
-    if safe is None:
-        safe = _UNSAFE.sub("_", text)
-        if len(_SAFE) < 4096:  # bounded: names come from config and the admin API
-            _SAFE[text] = safe
-    return safe
+    return _UNSAFE.sub("_", text)
 
 
 def _workers(c: Candidate) -> str:
