@@ -154,7 +154,7 @@ async def row(size: int, keys: int, repeats: int, mooncake_only: bool) -> dict[s
             direct[0] += res.direct
             direct[1] += len(res.fetched)
 
-        def mc_sidecar_after() -> None:  # not timed: the next round must fetch them again
+        def mc_sidecar_forget() -> None:  # not timed: the next round must fetch them again
             for name in names:
                 sidecar_store.delete(name)
 
@@ -189,7 +189,6 @@ async def row(size: int, keys: int, repeats: int, mooncake_only: bool) -> dict[s
         if mooncake_only:
             for name in ("tcp", "raw_tcp", "sha"):
                 del paths[name]
-        after: dict[str, Callable[[], None]] = {"mc": mc_sidecar_after}
         order = list(paths)
         shuffle = random.Random(size * 7919 + keys).shuffle
         reps = max(5, min(repeats, (1 << 30) // total))
@@ -202,8 +201,8 @@ async def row(size: int, keys: int, repeats: int, mooncake_only: bool) -> dict[s
                 await paths[name]()
                 if rep:
                     t.setdefault(name, []).append(time.perf_counter() - t0)
-                if name in after:
-                    after[name]()
+                if name == "mc":
+                    mc_sidecar_forget()
         if local is not None:
             local.retire()
     finally:
