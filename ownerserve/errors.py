@@ -4,11 +4,18 @@ from __future__ import annotations
 
 
 class OwnerServeError(Exception):
-    """Base of every error OwnerServe raises on purpose."""
+    """Base of every error OwnerServe raises on purpose. `param` names the request field at
+    fault, when there is one (the OpenAI error body's `param`)."""
 
     status_code = 500
     error_type = "internal_error"
     code: str | None = None
+    param: str | None = None
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        if param is not None:
+            self.param = param
 
 
 class ConfigError(OwnerServeError):
@@ -82,4 +89,4 @@ def openai_error_body(
 
 def error_body_for(exc: OwnerServeError) -> dict[str, object]:
     """The OpenAI-shaped body for one of our exceptions."""
-    return openai_error_body(str(exc), exc.error_type, exc.code)
+    return openai_error_body(str(exc), exc.error_type, exc.code, exc.param)

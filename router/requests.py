@@ -22,12 +22,6 @@ class Endpoint(StrEnum):
     COMPLETIONS = "/v1/completions"
 
 
-class _BadRequest(InvalidRequestError):
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 @fast_init
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
@@ -53,9 +47,9 @@ def _opt_int(body: Mapping[str, Any], key: str, minimum: int) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _BadRequest(f"'{key}' must be an integer", key)
+        raise InvalidRequestError(f"'{key}' must be an integer", param=key)
     if value < minimum:
-        raise _BadRequest(f"'{key}' must be >= {minimum}, got {value}", key)
+        raise InvalidRequestError(f"'{key}' must be >= {minimum}, got {value}", param=key)
     return value
 
 
@@ -64,28 +58,32 @@ def parse_request(raw: bytes, endpoint: Endpoint) -> CompletionRequest:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise _BadRequest(f"request body is not valid JSON: {exc}") from None
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise _BadRequest("request body must be a JSON object")
+        raise InvalidRequestError("request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _BadRequest("'model' is required and must be a string", "model")
+        raise InvalidRequestError("'model' is required and must be a string", param="model")
     if endpoint is Endpoint.CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise _BadRequest("'messages' must be a non-empty array", "messages")
+            raise InvalidRequestError("'messages' must be a non-empty array", param="messages")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise _BadRequest(f"messages[{i}] must be an object with a 'role'", "messages")
+                raise InvalidRequestError(
+                    f"messages[{i}] must be an object with a 'role'", param="messages"
+                )
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
-            raise _BadRequest("'prompt' must be a string or a non-empty array", "prompt")
+            raise InvalidRequestError(
+                "'prompt' must be a string or a non-empty array", param="prompt"
+            )
     stream = body.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise _BadRequest("'stream' must be a boolean", "stream")
+        raise InvalidRequestError("'stream' must be a boolean", param="stream")
     max_tokens = _opt_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", 1)

@@ -290,7 +290,9 @@ class ModelTokenizer:
                 except OverflowError:
                     from ownerserve.errors import InvalidRequestError
 
-                    raise InvalidRequestError("prompt token ids must be in [0, 2^32)") from None
+                    raise InvalidRequestError(
+                        "prompt token ids must be in [0, 2^32)", param="prompt"
+                    ) from None
                 keep = 0
                 old = state.ids
                 if old and len(ids) >= len(old) and ids[: len(old)] == old:

@@ -260,6 +260,7 @@ async def test_bad_input_gets_openai_errors(workers):
         _,
     ):
         malformed = await c.post("/v1/chat/completions", content=b"{nope")
+        bad_field = await c.post("/v1/chat/completions", json={**CHAT, "stream": "yes"})
         unknown = await c.post("/v1/chat/completions", json={**CHAT, "model": "gpt-9"})
         big = await c.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 5000})
 
@@ -271,6 +272,7 @@ async def test_bad_input_gets_openai_errors(workers):
         from_worker = await c.post("/v1/chat/completions", json={**CHAT, "model": "bad-for-worker"})
         no_route = await c.get("/v2/nothing")
     assert malformed.status_code == 400 and malformed.json()["error"]["type"]
+    assert bad_field.status_code == 400 and bad_field.json()["error"]["param"] == "stream"
     assert unknown.status_code == 404
     assert unknown.json()["error"]["code"] == "model_not_found"
     assert big.status_code == 413 and chunked.status_code == 413

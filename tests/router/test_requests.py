@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from ownerserve.errors import InvalidRequestError
+from ownerserve.errors import InvalidRequestError, error_body_for
 from router.requests import DEFAULT_MAX_TOKENS, Endpoint, parse_request
 
 
@@ -33,22 +33,31 @@ def test_max_completion_tokens_wins_over_max_tokens():
     assert (req.max_tokens, req.n) == (9, 2)
 
 
+_C = Endpoint.COMPLETIONS
+
+
 @pytest.mark.parametrize(
-    "raw, endpoint, fragment",
+    "raw, endpoint, fragment, param",
     [
-        (b"{not json", Endpoint.CHAT, "not valid JSON"),
-        (b"[1, 2]", Endpoint.CHAT, "JSON object"),
-        (b'{"messages": [{"role": "user"}]}', Endpoint.CHAT, "'model'"),
-        (b'{"model": "m", "messages": []}', Endpoint.CHAT, "'messages'"),
-        (b'{"model": "m", "messages": ["hi"]}', Endpoint.CHAT, "messages[0]"),
-        (b'{"model": "m"}', Endpoint.COMPLETIONS, "'prompt'"),
-        (b'{"model": "m", "prompt": "x", "stream": "yes"}', Endpoint.COMPLETIONS, "'stream'"),
-        (b'{"model": "m", "prompt": "x", "max_tokens": -1}', Endpoint.COMPLETIONS, "max_tokens"),
-        (b'{"model": "m", "prompt": "x", "n": 1.5}', Endpoint.COMPLETIONS, "'n'"),
+        (b"{not json", Endpoint.CHAT, "not valid JSON", None),
+        (b"[1, 2]", Endpoint.CHAT, "JSON object", None),
+        (b'{"messages": [{"role": "user"}]}', Endpoint.CHAT, "'model'", "model"),
+        (b'{"model": "m", "messages": []}', Endpoint.CHAT, "'messages'", "messages"),
+        (b'{"model": "m", "messages": ["hi"]}', Endpoint.CHAT, "messages[0]", "messages"),
+        (b'{"model": "m"}', Endpoint.COMPLETIONS, "'prompt'", "prompt"),
+        (b'{"model": "m", "prompt": "x", "stream": "yes"}', _C, "'stream'", "stream"),
+        (b'{"model": "m", "prompt": "x", "max_tokens": -1}', _C, "max_tokens", "max_tokens"),
+        (b'{"model": "m", "prompt": "x", "n": 1.5}', _C, "'n'", "n"),
     ],
-)
-def test_bad_requests_raise_invalid_request(raw, endpoint, fragment):
+)  # fmt: skip
+def test_bad_requests_raise_invalid_request_naming_the_field(raw, endpoint, fragment, param):
     with pytest.raises(InvalidRequestError) as info:
         parse_request(raw, endpoint)
     assert fragment in str(info.value)
     assert info.value.status_code == 400
+    assert error_body_for(info.value)["error"] == {
+        "message": str(info.value),
+        "type": "invalid_request_error",
+        "param": param,
+        "code": None,
+    }
