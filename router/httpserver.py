@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 * 1024
 """Request line and headers larger than this get 431 and the connection closes."""
+MAX_HEADERS = 100
+"""Requests with more header lines than this get 431 too: as many as hyper (behind the Rust
+routers) allows. Workers refuse requests with many more in their own error shape, not
+OpenAI's (aiohttp past 128)."""
 
 _HOT_PATHS = {e.value.encode(): e for e in Endpoint}
 _REASONS = {
@@ -251,6 +255,9 @@ class _Connection(asyncio.Protocol):
         self._header_bytes += len(name) + len(value)
         if self._header_bytes > MAX_HEADER_BYTES:
             self._refuse(431, "request line and headers too large")
+            return
+        if len(self._headers) >= MAX_HEADERS:
+            self._refuse(431, f"more than {MAX_HEADERS} request headers")
             return
         self._headers.append((name.lower(), value))
 

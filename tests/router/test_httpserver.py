@@ -148,6 +148,31 @@ async def test_a_body_over_the_limit_gets_413_while_reading(declared: bool):
         writer.close()
 
 
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (b"x-big: " + b"a" * (70 << 10) + b"\r\n", "too large"),
+        (b"".join(b"x-h%d: v\r\n" % i for i in range(120)), "more than 100 request headers"),
+    ],
+    ids=["bytes", "count"],
+)
+async def test_too_many_header_bytes_or_lines_get_431_in_the_openai_shape(
+    extra: bytes, fragment: str
+):
+    async with served() as (host, port, _):
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(_post(_chat(), extra))
+        status, headers, body = await _response(reader)
+        assert status == 431 and headers["connection"] == "close"
+        assert fragment in orjson.loads(body)["error"]["message"]
+        writer.close()
+        reader, writer = await asyncio.open_connection(host, port)  # 100 lines still pass
+        writer.write(_post(_chat(), b"".join(b"x-h%d: v\r\n" % i for i in range(97))))
+        status, _, _ = await _response(reader)
+        assert status == 200
+        writer.close()
+
+
 async def test_a_malformed_request_gets_400_and_the_connection_closes():
     async with served() as (host, port, _):
         reader, writer = await asyncio.open_connection(host, port)
