@@ -90,8 +90,14 @@ class ModelSettings(_Strict):
     max_model_len: int = Field(default=131072, gt=0)
 
 
+WORKER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$"
+"""Worker ids: a letter or digit, then letters, digits and `._:@+-`, at most 128 characters.
+They name workers in URL paths (the admin API), the plan header, metric labels and directory
+keys, so none of those needs escaping."""
+
+
 class WorkerSettings(_Strict):
-    id: str = Field(min_length=1)
+    id: str = Field(pattern=WORKER_ID_PATTERN)
     url: str
     role: Role = Role.HYBRID
     kind: BackendKind = BackendKind.EMULATOR

@@ -31,6 +31,8 @@ def test_sample_config_loads() -> None:
             "duplicate worker id 'a'",
         ),
         ("workers: [{id: a, url: 'http://h:99999'}]\n", "workers.0.url"),
+        ("workers: [{id: 'a/b', url: 'http://h:1'}]\n", "workers.0.id"),  # the admin API's path
+        ("workers: [{id: 'a b', url: 'http://h:1'}]\n", "workers.0.id"),
         ("directory: {backend: redis}\n", "needs redis_url"),
         ("server: [1, 2\n", "invalid YAML"),
         ("- 1\n", "top level must be a mapping"),

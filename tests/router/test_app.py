@@ -302,6 +302,8 @@ async def test_admin_api_adds_drains_and_removes_workers(workers):
         assert dup.status_code == 400
         bad = await c.post("/admin/workers", json={"id": "x", "url": "ftp://h"}, headers=auth)
         assert bad.status_code == 400
+        slash = await c.post("/admin/workers", json={**new, "id": "w/2"}, headers=auth)
+        assert slash.status_code == 400 and "id" in slash.json()["error"]["message"]
         drained = await c.post("/admin/workers/w0/drain", headers=auth)
         assert drained.json()["draining"] is True
         resp = await c.post("/v1/chat/completions", json=CHAT)

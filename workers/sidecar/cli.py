@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
+
+from ownerserve.config import WORKER_ID_PATTERN
 
 GiB = 1 << 30
 
@@ -42,8 +45,21 @@ def _directory(text: str) -> str:
     raise argparse.ArgumentTypeError(f"expected 'memory' or a redis:// URL, got {text!r}")
 
 
+def _worker_id(text: str) -> str:
+    if re.fullmatch(WORKER_ID_PATTERN, text):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"expected a letter or digit, then letters, digits and ._:@+- (at most 128), got {text!r}"
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--worker-id", required=True, help="id of the worker this sidecar serves")
+    parser.add_argument(
+        "--worker-id",
+        type=_worker_id,
+        required=True,
+        help="id of the worker this sidecar serves, as the router's config names it",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (HTTP and transfer)")
     parser.add_argument("--port", type=_port, default=8200, help="HTTP port (default 8200)")
     parser.add_argument(

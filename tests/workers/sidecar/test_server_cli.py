@@ -28,14 +28,21 @@ def test_help_lists_the_flags() -> None:
         assert flag in out
 
 
-def test_bad_flags_exit_2_with_a_message(tmp_path: object) -> None:
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--worker-id", "a", "--directory", "postgres://x"], "redis://"),
+        (["--worker-id", "a/b"], "--worker-id: expected a letter or digit"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_message(tmp_path: object, flags: list[str], message: str) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "ownerserve", "worker", "sidecar", "--worker-id", "a",
-         "--store-dir", str(tmp_path), "--directory", "postgres://x"],
+        [sys.executable, "-m", "ownerserve", "worker", "sidecar", "--store-dir", str(tmp_path),
+         *flags],
         capture_output=True,
         text=True,
     )  # fmt: skip
-    assert run.returncode == 2 and "redis://" in run.stderr
+    assert run.returncode == 2 and message in run.stderr
 
 
 def test_sizes() -> None:
