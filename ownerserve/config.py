@@ -52,6 +52,8 @@ class DirectorySettings(_Strict):
     redis_url: str | None = None
     lease_s: float = Field(default=300.0, gt=0)
     session_ttl_s: float = Field(default=3600.0, gt=0)
+    sweep_interval_s: float = Field(default=30.0, ge=0)
+    """How often the router purges expired leases, replicas and sessions (0: never)."""
     key_prefix: str = "os"
 
     @field_validator("redis_url")

@@ -243,6 +243,7 @@ class Router:
         self._derived_sessions = DerivedSessionCache()
         self._max_sessions = 65536
         self._background: set[asyncio.Task[Any]] = set()
+        self._sweeper: asyncio.Task[None] | None = None
         self._subscribers: list[Any] = []
         self._started = False
         self._inline_commit = False
@@ -273,9 +274,33 @@ class Router:
             for w in self.pool.all():
                 await self._register(w.worker_id)
             await self.pool.start(self.http)
+            if self.settings.directory.sweep_interval_s > 0:
+                self._sweeper = asyncio.create_task(self._sweep_loop(), name="directory-sweep")
             self._started = True
 
+    async def _sweep_loop(self) -> None:
+        """Purge what expired from the directory every `directory.sweep_interval_s`: leases,
+        replicas and sessions are never read once expired, but without this they would stay in
+        memory (in-process) or in Redis for good. With Redis every router replica sweeps; a
+        sweep of what another one already purged finds nothing."""
+        interval = self.settings.directory.sweep_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            directory = self.directory
+            if directory is None:
+                continue
+            try:
+                self.metrics.swept.inc(await directory.sweep())
+            except Exception as exc:
+                self.metrics.sweep_errors.inc()
+                log.warning("directory sweep failed: %r", exc)
+
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(BaseException):
+                await self._sweeper
+            self._sweeper = None
         await self.pool.close()
         for sub in self._subscribers:
             with contextlib.suppress(Exception):

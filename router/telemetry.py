@@ -156,6 +156,14 @@ class RouterMetrics:
         self.commit_errors = Counter(
             "ownerserve_directory_commit_errors_total", "Failed directory commits", registry=r
         )
+        self.swept = Counter(
+            "ownerserve_directory_swept_total",
+            "Expired leases and replicas the router's periodic sweep purged",
+            registry=r,
+        )
+        self.sweep_errors = Counter(
+            "ownerserve_directory_sweep_errors_total", "Periodic sweeps that failed", registry=r
+        )
 
     def of(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, memoised: the hot path skips prometheus_client's label

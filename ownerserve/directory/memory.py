@@ -6,9 +6,11 @@ against both). Time comes from an injectable clock so tests can expire leases wi
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ownerserve.directory.base import (
     Artifact,
@@ -31,6 +33,17 @@ from ownerserve.errors import InvalidRequestError, StaleEpochError
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import hash_block
 from ownerserve.types import TIER_ORDER, Tier
+
+SWEEP_SLICE = 4096
+"""Records `InMemoryDirectory.sweep` handles between yields to the event loop."""
+
+
+_T = TypeVar("_T")
+
+
+def _slices(items: list[_T]) -> Iterator[list[_T]]:
+    for i in range(0, len(items), SWEEP_SLICE):
+        yield items[i : i + SWEEP_SLICE]
 
 
 class _ArtifactRecord:
@@ -147,6 +160,17 @@ class InMemoryDirectory:
         self._unmap(rec)
         del self._artifacts[rec.artifact_id]
         self._worker(rec.worker).artifacts.discard(rec.artifact_id)
+
+    def _unindex_replicas(
+        self,
+        block: int,
+        entries: dict[tuple[str, Tier], tuple[float, bool]],
+        gone: list[tuple[str, Tier]],
+    ) -> None:
+        """`gone` replica entries of `block` were deleted: workers left with none of it there
+        no longer list it (their index is what `drop_worker` undoes)."""
+        for worker in {w for w, _ in gone if not any(k[0] == w for k in entries)}:
+            self._worker(worker).replica_blocks.discard(block)
 
     def _set_cached(self, block: int, worker: str, bit: int, on: bool) -> bool:
         holders = self._cached.get(block)
@@ -473,8 +497,10 @@ class InMemoryDirectory:
             if len(entries) >= 8:
                 # expired entries are skipped by lookups and purged by `sweep`; prune them here
                 # only when they pile up, not on every write
-                for k in [k for k, (x, _) in entries.items() if x <= now]:
+                gone = [k for k, (x, _) in entries.items() if x <= now]
+                for k in gone:
                     del entries[k]
+                self._unindex_replicas(b, entries, gone)
             entries[key] = value
         self._worker(worker).replica_blocks.update(blocks)
 
@@ -484,6 +510,7 @@ class InMemoryDirectory:
             return None
         if entry[1] <= now:
             del self._sessions[session_id]
+            self._worker(entry[0]).sessions.discard(session_id)
             return None
         return entry[0]
 
@@ -619,21 +646,50 @@ class InMemoryDirectory:
         )
 
     async def sweep(self) -> int:
-        now = self._clock()
+        """Purge expired leases, replicas and sessions, the fork refs of sessions that ended
+        (they count live branches), and the per-worker index entries that pointed at them.
+        Works through `SWEEP_SLICE` records at a time and yields to the event loop between
+        slices, so a large directory does not stall the router; each record is checked again
+        when its slice runs."""
         dropped = 0
-        for rec in [r for r in self._artifacts.values() if r.expires_at <= now]:
-            self._delete_artifact(rec)
-            dropped += 1
-        for b in list(self._replicas):
-            entries = self._replicas[b]
-            for key in [k for k, (x, _) in entries.items() if x <= now]:
-                del entries[key]
-                dropped += 1
-            if not entries:
-                del self._replicas[b]
+        for ids in _slices(list(self._artifacts)):
+            now = self._clock()
+            for aid in ids:
+                rec = self._artifacts.get(aid)
+                if rec is not None and rec.expires_at <= now:
+                    self._delete_artifact(rec)
+                    dropped += 1
+            await asyncio.sleep(0)
+        for ids in _slices(list(self._forks)):
+            now = self._clock()
+            for aid in ids:
+                refs = self._forks.get(aid)
+                if refs is None:
+                    continue
+                refs.difference_update([s for s in refs if self._session(s, now) is None])
+                if not refs:
+                    del self._forks[aid]
+            await asyncio.sleep(0)
+        for blocks in _slices(list(self._replicas)):
+            now = self._clock()
+            for b in blocks:
+                entries = self._replicas.get(b)
+                if entries is None:
+                    continue
+                gone = [k for k, (x, _) in entries.items() if x <= now]
+                for key in gone:
+                    del entries[key]
+                    dropped += 1
+                self._unindex_replicas(b, entries, gone)
+                if not entries:
+                    del self._replicas[b]
+            await asyncio.sleep(0)
         # sessions expire on their own (as Redis keys do): purged here, not counted
-        for sid in [s for s, (_, x) in self._sessions.items() if x <= now]:
-            del self._sessions[sid]
+        for sids in _slices(list(self._sessions)):
+            now = self._clock()
+            for sid in sids:
+                self._session(sid, now)
+            await asyncio.sleep(0)
         return dropped
 
     async def health(self) -> DirectoryHealth:

@@ -91,6 +91,7 @@ SCRIPT_NAMES = (
     "drop_worker",
     "artifact_info",
     "sweep",
+    "sweep_index",
     "boot",
     "raise_epoch",
     "restore_cached",
@@ -600,6 +601,9 @@ class RedisDirectory:
         )
 
     async def sweep(self, batch: int = 500) -> int:
+        """Expired leases and replica lines (counted), then the index sets that pointed at
+        them: each worker's sessions that ended or moved on, fork refs of ended sessions (not
+        counted, as sessions are not). One script step per `batch` records."""
         await self.flush_touches()
         cursors = ["0", "0"]
         dropped = 0
@@ -609,7 +613,17 @@ class RedisDirectory:
             )
             dropped += int(n)
             cursors = [c if c not in ("0", 0) else "-" for c in (_s(c1), _s(c2))]
+        for worker in await self._client.smembers(self.key("wsess")):
+            await self._sweep_index(self.key(f"w:{_s(worker)}:sess"), "sess", _s(worker), batch)
+        await self._sweep_index(self.key("forks"), "forks", "", batch)
         return dropped
+
+    async def _sweep_index(self, key: str, kind: str, worker: str, batch: int) -> None:
+        cursor = "0"
+        while True:
+            cursor, _ = await self._run("sweep_index", [key], [kind, worker, cursor, batch])
+            if _s(cursor) == "0":
+                return
 
     # --- recovery after a data loss (used by ResilientDirectory) ------------------------------
 

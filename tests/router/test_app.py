@@ -418,3 +418,34 @@ async def test_framework_errors_are_openai_shaped_too(workers):
     assert wrong_method.status_code == 405
     assert wrong_method.json()["error"]["type"] == "invalid_request_error"
     assert get_completion.status_code in (404, 405) and "error" in get_completion.json()
+
+
+async def test_the_router_sweeps_what_expired_from_the_directory(workers):
+    """Leases, replicas and sessions end; the router's periodic sweep purges them (an
+    in-process directory would otherwise keep every prompt's blocks for good)."""
+    w0, _ = workers
+    settings = settings_from_dict(
+        {
+            "server": {"port": 0, "health_interval_s": 60},
+            "directory": {"lease_s": 0.3, "session_ttl_s": 0.3, "sweep_interval_s": 0.1},
+            "models": [{"name": MODEL, "block_size": 4}],
+            "workers": [{"id": "w0", "url": w0.url}],
+        }
+    )
+    policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+    app = create_app(settings, policy_factory=lambda name: policy)
+    async with running_app(app, "127.0.0.1", 0) as url, httpx.AsyncClient(timeout=30) as c:
+        router = app.state.router
+        resp = await c.post(url + "/v1/chat/completions", json=CHAT)
+        assert resp.status_code == 200
+        stats = (await router.directory.health()).stats
+        assert stats["artifacts"] == 1 and stats["sessions"] == 1
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            stats = (await router.directory.health()).stats
+            if stats["artifacts"] == 0 and stats["sessions"] == 0:
+                break
+        metrics = (await c.get(url + "/metrics")).text
+    assert stats["artifacts"] == stats["owned_blocks"] == stats["sessions"] == 0
+    assert "ownerserve_directory_swept_total 1.0" in metrics
+    assert router._sweeper is None  # stopped with the router

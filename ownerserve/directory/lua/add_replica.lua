@@ -14,15 +14,27 @@ else
 end
 local worker, tier = ARGV[3], ARGV[4]
 local entry = worker .. '\t' .. tier .. '\t' .. fmt(now + tonumber(ARGV[5])) .. '\t' .. ARGV[6] .. '\n'
-update_blocks(blocks, function(_, own, cache, reps)
-  local keep = {}
+update_blocks(blocks, function(i, own, cache, reps)
+  local keep, lost, kept = {}, {}, { [worker] = true }
   for line in string.gmatch(reps, '[^\n]*\n') do
     local w, t, x = string.match(line, '^([^\t]*)\t(%a+)\t(%d+)\t[01]\n$')
     if w and tonumber(x) > now and not (w == worker and t == tier) then
       keep[#keep + 1] = line
+      kept[w] = true
+    elseif w then
+      lost[#lost + 1] = w
     end
   end
   keep[#keep + 1] = entry
+  -- expired lines of other workers go here too: unlist the block from their `:reps` sets
+  local orphans = {}
+  for _, w in ipairs(lost) do
+    if not kept[w] then
+      kept[w] = true
+      orphans[#orphans + 1] = w
+    end
+  end
+  unindex_reps(blocks[i], orphans)
   return own, cache, table.concat(keep)
 end)
 multi('SADD', P .. 'w:' .. worker .. ':reps', blocks)

@@ -171,14 +171,31 @@ end
 
 -- replica lines without those of `worker` (and, given `now`, without expired ones)
 local function reps_without(reps, worker, now)
-  local keep, gone = {}, 0
+  local keep, gone, lost, kept = {}, 0, {}, {}
   for line in string.gmatch(reps, '[^\n]*\n') do
     local w, x = string.match(line, '^([^\t]*)\t%a+\t(%d+)\t[01]\n$')
     if w == worker or (now and tonumber(x) <= now) then
       gone = gone + 1
+      lost[#lost + 1] = w
     else
       keep[#keep + 1] = line
+      kept[w] = true
     end
   end
-  return table.concat(keep), gone
+  -- workers left with no line in this record: their `w:<worker>:reps` sets still list it
+  local orphans = {}
+  for _, w in ipairs(lost) do
+    if not kept[w] then
+      kept[w] = true
+      orphans[#orphans + 1] = w
+    end
+  end
+  return table.concat(keep), gone, orphans
+end
+
+-- forget `block` in the `:reps` sets of `workers`
+local function unindex_reps(block, workers)
+  for _, w in ipairs(workers) do
+    redis.call('SREM', P .. 'w:' .. w .. ':reps', block)
+  end
 end

@@ -5,4 +5,5 @@ if old and old ~= ARGV[3] then
 end
 redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
 redis.call('SADD', P .. 'w:' .. ARGV[3] .. ':sess', ARGV[2])
+redis.call('SADD', P .. 'wsess', ARGV[3]) -- workers whose `:sess` sets `sweep` prunes
 return 1

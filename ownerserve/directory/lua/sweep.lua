@@ -25,10 +25,11 @@ if ARGV[3] ~= '-' then
       blocks[#blocks + 1] = kv[k]
     end
   end
-  update_blocks(blocks, function(_, own, cache, reps)
-    local keep, gone = reps_without(reps, nil, now)
+  update_blocks(blocks, function(i, own, cache, reps)
+    local keep, gone, orphans = reps_without(reps, nil, now)
     if gone > 0 then
       dropped = dropped + gone
+      unindex_reps(blocks[i], orphans)
       return own, cache, keep
     end
   end)

@@ -253,6 +253,20 @@ async def test_fork_refs_count_branches_sharing_a_prefix(backend: Backend) -> No
     assert await d.drop_fork_ref(CHAIN[7], "branch-b") == 0
 
 
+async def test_sweep_drops_the_fork_refs_of_sessions_that_ended(backend: Backend) -> None:
+    d = backend.directory
+    await d.claim(art(8), "w1", LONG)
+    await d.set_session_owner("ends", "w1", SHORT)
+    await d.set_session_owner("lives", "w2", LONG)
+    await d.add_fork_ref(CHAIN[7], "ends")
+    assert await d.add_fork_ref(CHAIN[7], "lives") == 2
+    await backend.advance(SHORT + 0.1)
+    await d.sweep()
+    info = await d.artifact_info(CHAIN[7])
+    assert info is not None and info.fork_refs == 1
+    assert await d.drop_fork_ref(CHAIN[7], "lives") == 0
+
+
 async def test_artifact_metadata_and_reuse_count(backend: Backend) -> None:
     d = backend.directory
     lease = await d.claim(art(8, size_bytes=123_456, kv_type="csa_main", tier=Tier.CPU), "w1", LONG)

@@ -71,3 +71,35 @@ async def test_scripts_are_reloaded_after_a_script_flush(
     lease = await a.claim(Artifact(CHAIN[:4]), "w1", 60)
     await a.client.script_flush()
     assert (await a.lookup(CHAIN[:4])).owner_epoch == lease.epoch
+
+
+async def test_sweep_empties_the_index_sets_of_what_ended(
+    pair: tuple[RedisDirectory, RedisDirectory],
+) -> None:
+    """Each worker's `:sess` and `:reps` sets (what `drop_worker` undoes) and the fork-ref ids
+    lose what expired; without it they grow with every session and replica for good."""
+    a, _ = pair
+    short, long = 0.2, 60.0
+    await a.claim(Artifact(CHAIN[:8]), "w1", long)
+    await a.set_session_owner("s-ends", "w1", short)
+    await a.set_session_owner("s-moves", "w1", long)
+    await a.set_session_owner("s-moves", "w2", long)  # now w2's (and off w1's set)
+    await a.add_fork_ref(CHAIN[7], "s-ends")
+    await a.add_replica(CHAIN[7], "w2", Tier.CPU, short)
+    await a.add_replica(CHAIN[3], "w3", Tier.CPU, long)  # not an artifact id: that block
+    await a.add_replica(CHAIN[11], "w4", Tier.CPU, short, blocks=CHAIN[8:12])
+    await asyncio.sleep(short + 0.1)
+    await a.add_replica(CHAIN[11], "w5", Tier.GPU, long, blocks=CHAIN[8:12])  # prunes w4's
+    c = a.client
+    assert await c.scard(a.key("w:w1:sess")) == 1 and await c.scard(a.key("w:w2:reps")) == 8
+    assert await c.scard(a.key("w:w4:reps")) == 0  # unlisted by w5's write over them
+
+    await a.sweep()
+
+    assert await c.smembers(a.key("w:w1:sess")) == set()
+    assert await c.smembers(a.key("w:w2:sess")) == {"s-moves"}
+    assert await c.smembers(a.key("wsess")) == {"w2"}
+    assert await c.scard(a.key("w:w2:reps")) == 0 and await c.scard(a.key("w:w3:reps")) == 1
+    assert await c.scard(a.key("w:w5:reps")) == 4
+    assert await c.smembers(a.key("forks")) == set()
+    assert not await c.exists(a.key("f:" + format(CHAIN[7], "016x")))
