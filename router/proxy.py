@@ -281,8 +281,8 @@ class Router:
     async def _sweep_loop(self) -> None:
         """Purge what expired from the directory every `directory.sweep_interval_s`: leases,
         replicas and sessions are never read once expired, but without this they would stay in
-        memory (in-process) or in Redis for good. With Redis every router replica sweeps; a
-        sweep of what another one already purged finds nothing."""
+        memory (in-process) or in Redis for good. Router replicas sharing a Redis directory
+        take turns: about one sweep per interval among them all."""
         interval = self.settings.directory.sweep_interval_s
         while True:
             await asyncio.sleep(interval)
@@ -290,7 +290,7 @@ class Router:
             if directory is None:
                 continue
             try:
-                self.metrics.swept.inc(await directory.sweep())
+                self.metrics.swept.inc(await directory.sweep(min_interval_s=0.9 * interval))
             except Exception as exc:
                 self.metrics.sweep_errors.inc()
                 log.warning("directory sweep failed: %r", exc)

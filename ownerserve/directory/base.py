@@ -192,8 +192,10 @@ class Directory(Protocol):
         """The artifact's lease and metadata, or None if it was never claimed or released."""
         ...
 
-    async def sweep(self) -> int:
-        """Garbage-collect expired leases and replicas; returns how many records went."""
+    async def sweep(self, min_interval_s: float = 0.0) -> int:
+        """Garbage-collect expired leases and replicas; returns how many records went. With
+        `min_interval_s` > 0 a backend shared by several routers sweeps only when no sweep
+        began within that time (the others return 0 at once)."""
         ...
 
     async def set_session_owner(self, session_id: str, worker: str, ttl_s: float) -> None: ...

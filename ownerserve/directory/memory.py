@@ -645,12 +645,12 @@ class InMemoryDirectory:
             fork_refs=len(self._forks.get(artifact_id, ())),
         )
 
-    async def sweep(self) -> int:
+    async def sweep(self, min_interval_s: float = 0.0) -> int:
         """Purge expired leases, replicas and sessions, the fork refs of sessions that ended
         (they count live branches), and the per-worker index entries that pointed at them.
         Works through `SWEEP_SLICE` records at a time and yields to the event loop between
         slices, so a large directory does not stall the router; each record is checked again
-        when its slice runs."""
+        when its slice runs. `min_interval_s` does not apply: one process, one sweeper."""
         dropped = 0
         for ids in _slices(list(self._artifacts)):
             now = self._clock()

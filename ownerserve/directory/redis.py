@@ -600,10 +600,16 @@ class RedisDirectory:
             fork_refs=int(refs),
         )
 
-    async def sweep(self, batch: int = 500) -> int:
+    async def sweep(self, min_interval_s: float = 0.0, batch: int = 500) -> int:
         """Expired leases and replica lines (counted), then the index sets that pointed at
         them: each worker's sessions that ended or moved on, fork refs of ended sessions (not
-        counted, as sessions are not). One script step per `batch` records."""
+        counted, as sessions are not). One script step per `batch` records. With
+        `min_interval_s`, router replicas take turns: a sweep starts only if it can set the
+        namespace's `sweep` key, which expires after that time."""
+        if min_interval_s > 0 and not await self._client.set(
+            self.key("sweep"), "1", nx=True, px=_ms(min_interval_s)
+        ):
+            return 0
         await self.flush_touches()
         cursors = ["0", "0"]
         dropped = 0

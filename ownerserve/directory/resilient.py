@@ -369,9 +369,11 @@ class ResilientDirectory:
         )
         return info
 
-    async def sweep(self) -> int:
+    async def sweep(self, min_interval_s: float = 0.0) -> int:
         await self.local.sweep()
-        dropped: int = await self._read(self.primary.sweep, self.local.sweep)
+        dropped: int = await self._read(
+            lambda: self.primary.sweep(min_interval_s), self.local.sweep
+        )
         return dropped
 
     async def health(self) -> DirectoryHealth:

@@ -103,3 +103,16 @@ async def test_sweep_empties_the_index_sets_of_what_ended(
     assert await c.scard(a.key("w:w5:reps")) == 4
     assert await c.smembers(a.key("forks")) == set()
     assert not await c.exists(a.key("f:" + format(CHAIN[7], "016x")))
+
+
+async def test_router_replicas_take_turns_to_sweep(
+    pair: tuple[RedisDirectory, RedisDirectory],
+) -> None:
+    a, b = pair
+    await a.claim(Artifact(CHAIN[:4]), "w1", 0.1)
+    await asyncio.sleep(0.2)
+    assert await a.sweep(min_interval_s=30) == 1
+    await a.claim(Artifact(CHAIN[:8], start=4), "w1", 0.1)
+    await asyncio.sleep(0.2)
+    assert await b.sweep(min_interval_s=30) == 0  # a swept within the interval
+    assert await b.sweep() == 1  # without one: always
