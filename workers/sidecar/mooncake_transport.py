@@ -132,11 +132,19 @@ against one read then one hash, as a share of a raw read: 1 MiB 0.84-0.86 / 0.86
 against 0.81-0.83; 2 MiB 0.83 / 0.90 / 0.90 against 0.82. Below 256 KiB a second submission
 costs more than it overlaps (64 KiB: 0.81-0.83 as two pieces, 0.92 as one read)."""
 SPIN_WAIT_S = 0.005
-"""On the event loop, a one-segment submission is awaited by polling its status for up to this
-long from the first wait (`_await_read`), then by the engine's blocking wait. The blocking
-`get_batch_transfer_status` costs 6-8 us more per batch than polling (1 MiB reads on the 2-core
-VM; it also writes an INFO log line for every batch it sees complete): awaited with it, pieces
-cost more than the overlap of reading and hashing saved."""
+"""On the event loop, a one-segment submission is awaited by polling its status without pause
+for up to this long from the first wait (`_await_read`), then with short sleeps. The engine's
+blocking `get_batch_transfer_status` costs 6-8 us more per batch than polling (1 MiB reads on
+the 2-core VM; it also writes an INFO log line for every batch it sees complete): awaited with
+it, pieces cost more than the overlap of reading and hashing saved."""
+LOOP_WAIT_S = 0.1
+"""The longest reads on the event loop may hold it. Reads still running then (a source that
+froze) are given up: a thread waits for the engine to let go of them (its own timeout,
+`MC_TRANSFER_TIMEOUT`, is 30 s by default) and only then is their memory given back; the
+fetch goes on as after a failed read (catalog dropped, control path)."""
+POLL_SLEEP_S = 50e-6
+READ_ABANDONED = -1000
+"""`_read_all`'s answer when it gave reads up to a thread (`LOOP_WAIT_S`)."""
 INLINE_HASH_BYTES = 256 << 10
 """A batch's packed small parts up to this size are hashed by the reading thread itself."""
 MAX_ITEMS_PER_BATCH = 2048
@@ -154,9 +162,10 @@ INLINE_READ_BYTES = 4 * MiB
 """A direct fetch of at most this many bytes from a source whose catalog is fresh is read on
 the event loop itself: one engine call, like a raw read (the hop to a reading thread and back
 costs more than such a read: 4 KiB in ~0.1 ms), in submissions of `INLINE_PIECE`, each
-hashed while the engine reads the next. The price: a source that freezes within
-`CATALOG_FRESH_S` of such a read stalls this loop until the engine gives up
-(`MC_TRANSFER_TIMEOUT`, 30 s by default), once; its catalog is dropped then."""
+hashed while the engine reads the next (when each submission is one contiguous range at both
+ends; scattered ones go to a reading thread). The price: a source that freezes within
+`CATALOG_FRESH_S` of such a read stalls this loop for `LOOP_WAIT_S`, once; its catalog is
+dropped then."""
 ONE_READ_BYTES = 1 * MiB
 """A fetch of one listed artifact up to this size takes the shortest path (`_fetch_one`): up to
 `INLINE_PIECE`, one engine read on the loop and one checksum call after it; above, pieces of
@@ -337,6 +346,10 @@ class _Engine:
         )
         self.read_pool = concurrent.futures.ThreadPoolExecutor(
             4, thread_name_prefix="mooncake-read"
+        )
+        # waits out reads the event loop gave up on (a frozen source: rare, and long)
+        self.settle_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="mooncake-settle"
         )
         self._recv_lock = threading.Lock()
         self._recv_free: list[_Buffer] = []
@@ -1091,15 +1104,21 @@ def _plan_direct(d: _Direct, piece: int) -> None:
     d.groups = [g for g in groups if g.bytes]
 
 
-def _read_direct(engine: _Engine, d: _Direct, spin: bool = False) -> int:
+def _read_direct(
+    engine: _Engine,
+    d: _Direct,
+    spin: bool = False,
+    abandon: Callable[[list[int]], None] | None = None,
+) -> int:
     """Blocking: every submission at once, then awaited in order, each hashed by this thread
     as soon as it has landed while the engine reads the next ones (one core hashes ~10 GB/s,
     more than the TCP engine moves here; measured faster than handing pieces to the verify
-    threads). `spin` on the event loop (`_read_all`). Returns 0 or the engine's failure status,
-    only once the engine no longer writes into the slots."""
+    threads). `spin` on the event loop (`_read_all`, one-segment submissions only; reads still
+    running after `LOOP_WAIT_S` go to `abandon` and the answer is `READ_ABANDONED`). Returns 0
+    or the engine's failure status, only once the engine no longer writes into the slots."""
     te = engine.te
     groups = d.groups
-    if len(groups) == 1:
+    if len(groups) == 1 and not spin:
         g = groups[0]
         rc = int(te.batch_transfer_sync_read(d.session, g.local, g.remote, g.length))
         if rc == 0:
@@ -1111,6 +1130,7 @@ def _read_direct(engine: _Engine, d: _Direct, spin: bool = False) -> int:
         [(g.local, g.remote, g.length) for g in groups],
         lambda i: _hash_spans(groups[i].spans),
         spin,
+        abandon=abandon,
     )
 
 
@@ -1121,13 +1141,19 @@ def _read_all(
     landed: Callable[[int], object],
     spin: bool,
     reading: Callable[[], object] | None = None,
+    abandon: Callable[[list[int]], None] | None = None,
 ) -> int:
     """Submit every read (local addresses, remote addresses, lengths) at once, then await them
     in order, calling `landed(i)` as soon as submission i has landed, while the engine reads the
-    next ones; `reading()` is called once all are submitted, before the first wait. With `spin`
-    (reads on the event loop, which waits anyway) a one-segment submission is awaited by
-    polling (`_await_read`), others by the engine's blocking wait. Returns 0 or the engine's
-    failure status, only once the engine no longer writes into any of the submissions' memory."""
+    next ones; `reading()` is called once all are submitted, before the first wait. Returns 0 or
+    the engine's failure status, only once the engine no longer writes into any of the
+    submissions' memory.
+
+    With `spin` (reads on the event loop, which waits anyway; one-segment submissions only)
+    each is awaited by polling (`_await_read`); reads still running `LOOP_WAIT_S` after the
+    first wait are handed to `abandon` (their batch ids: the engine may still write into their
+    memory) and the answer is `READ_ABANDONED`. Without it, by the engine's blocking wait."""
+    assert not spin or (abandon is not None and all(len(s[0]) == 1 for s in submissions))
     submitted: list[int] = []
     rc = 0
     for local, remote, length in submissions:
@@ -1138,10 +1164,16 @@ def _read_all(
         submitted.append(batch_id)
     if rc == 0 and reading is not None:
         reading()
-    spin_until = time.perf_counter() + SPIN_WAIT_S if spin else 0.0
+    now = time.perf_counter()
+    spin_until, give_up_at = now + SPIN_WAIT_S, now + LOOP_WAIT_S
     for i, batch_id in enumerate(submitted):
-        if spin and len(submissions[i][0]) == 1:
-            status = _await_read(te, batch_id, spin_until)
+        if spin:
+            waited = _await_read(te, batch_id, spin_until, give_up_at)
+            if waited is None:
+                assert abandon is not None
+                abandon(submitted[i:])
+                return READ_ABANDONED
+            status = waited
         else:
             status = int(te.get_batch_transfer_status([batch_id]))
         if status != 0:
@@ -1157,12 +1189,12 @@ def _submitted(batch_id: int) -> bool:
     return 0 < batch_id < (1 << 64) - 1
 
 
-def _await_read(te: Any, batch_id: int, spin_until: float) -> int:
+def _await_read(te: Any, batch_id: int, spin_until: float, give_up_at: float) -> int | None:
     """Wait for a one-segment submission: 0 once it has completed, else the engine's failure
     status. Polls `transfer_check_status` (which frees the batch once it completed or failed,
-    and looks at the batch's first segment only) until `spin_until` (`time.perf_counter`),
-    then leaves the wait to `get_batch_transfer_status` (the engine's own, with its transfer
-    timeout; it also frees a batch that timed out, which polling does not)."""
+    and looks at the batch's first segment only) without pause until `spin_until`, then with
+    `POLL_SLEEP_S` sleeps until `give_up_at` (`time.perf_counter`): None if it is still
+    running then (not freed: the engine may still write into its memory)."""
     check = te.transfer_check_status
     while True:
         status = int(check(batch_id))
@@ -1170,9 +1202,31 @@ def _await_read(te: Any, batch_id: int, spin_until: float) -> int:
             return 0
         if status == -1:
             return -1
-        if status != 0 or time.perf_counter() > spin_until:  # -2: timed out, not freed
+        if status != 0:  # -2: the engine's own timeout; the batch is not freed then
             rc = int(te.get_batch_transfer_status([batch_id]))
-            return rc if status == 0 else (rc or status)
+            return rc or status
+        now = time.perf_counter()
+        if now > spin_until:
+            if now > give_up_at:
+                return None
+            time.sleep(POLL_SLEEP_S)
+
+
+def _settle_later(engine: _Engine, batch_ids: list[int], release: Callable[[], None]) -> None:
+    """Reads given up on the event loop (`LOOP_WAIT_S`): a thread waits until the engine has
+    finished with each (its own timeout bounds that), then `release` runs on the loop and
+    their memory can be reused."""
+    loop = asyncio.get_running_loop()
+    te = engine.te
+
+    def wait() -> None:
+        for batch_id in batch_ids:
+            with contextlib.suppress(Exception):
+                te.get_batch_transfer_status([batch_id])
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nothing to give back
+            loop.call_soon_threadsafe(release)
+
+    engine.settle_pool.submit(wait)
 
 
 def _hash_spans(spans: Sequence[tuple[_Incoming, int, int]]) -> None:
@@ -1191,13 +1245,14 @@ def _fetch_one(
     `ONE_READ_BYTES` with less around it, on the loop into a reserved slot: up to
     `INLINE_PIECE` one engine read hashed in one call, above it pieces hashed as they land
     (`_read_all`). True when stored; False leaves the key to the control path (no slot
-    free, a failed read, which drops the catalog, or a stale entry, which is forgotten).
+    free, a failed or given-up read, which drops the catalog, or a stale entry, which is
+    forgotten).
 
     A key the store does not hold yet is committed while the engine reads (the store's
     bookkeeping then costs no time: on the lent 16-core host 2-3 us of a 47-62 us fetch of
-    4-64 KiB), and deleted again if the read fails or the bytes fail their checksum. Nothing
-    can see it in between: this runs on the event loop from submission to verdict without
-    yielding, and the catalog pushes that tell peers about the slot go out only after it
+    4-64 KiB), and deleted again if the read or its checksum fails. Nothing can see it in
+    between: this runs on the event loop from submission to verdict without yielding, and the
+    catalog pushes that tell peers about the slot go out only after it
     (`TransportServer._changed` defers them to the next loop turn, by then final)."""
     session, remote, size, digest = entry
     slot = store.reserve(size)
@@ -1207,24 +1262,37 @@ def _fetch_one(
     local = engine.register_arena(store.arena) + slot
     view = store.slot_view(slot, size)
     early = not store.has(key)
+    committed = False
     te = engine.te
+
+    def abandon(batch_ids: list[int]) -> None:
+        # the engine may still write into the slot: reserved until it lets go
+        if committed:
+            store.uncommit(key)
+        _settle_later(engine, batch_ids, lambda: store.release(slot))
+
     if size <= INLINE_PIECE:
         batch_id = int(te.batch_transfer_async_read(session, [local], [remote], [size]))
         if _submitted(batch_id):
             if early:
                 store.commit(key, slot, size, digest)
-            rc = _await_read(te, batch_id, time.perf_counter() + SPIN_WAIT_S)
+                committed = True
+            now = time.perf_counter()
+            waited = _await_read(te, batch_id, now + SPIN_WAIT_S, now + LOOP_WAIT_S)
+            if waited is None:
+                abandon([batch_id])
+            rc = READ_ABANDONED if waited is None else waited
         else:
-            rc, early = -1, False
+            rc = -1
         ok = rc == 0 and checksum(view) == digest
     else:
         hasher = new_hasher()
         starts = range(0, size, INLINE_PIECE)
-        committed = [False]
 
         def reading() -> None:
+            nonlocal committed
             store.commit(key, slot, size, digest)
-            committed[0] = True
+            committed = True
 
         rc = _read_all(
             te,
@@ -1233,14 +1301,17 @@ def _fetch_one(
             lambda i: hasher.update(view[starts[i] : starts[i] + INLINE_PIECE]),
             True,
             reading if early else None,
+            abandon,
         )
-        early = committed[0]
         ok = rc == 0 and hasher.digest() == digest
     if ok:
-        if not early:
+        if not committed:
             store.commit(key, slot, size, digest)
         return True
-    if early:
+    if rc == READ_ABANDONED:
+        cat.drop()  # the slot goes back once the engine lets go of it (`abandon`)
+        return False
+    if committed:
         store.delete(key)  # frees the slot
     else:
         store.release(slot)
@@ -1283,9 +1354,24 @@ async def _fetch_direct(
             if total > INLINE_READ_BYTES or cat.fresh():
                 break
             await asyncio.sleep(0)
-        if total <= INLINE_READ_BYTES and cat.fresh():
+        inline = total <= INLINE_READ_BYTES and cat.fresh()
+        if inline:
             _plan_direct(d, INLINE_PIECE)
-            rc = _read_direct(engine, d, spin=True)
+            inline = all(len(g.local) == 1 for g in d.groups)  # else scattered: a thread
+        if inline:
+
+            def abandon(batch_ids: list[int], d: _Direct = d) -> None:
+                def give_back() -> None:
+                    for inc in d.items:
+                        store.release(inc.addr - base)
+
+                _settle_later(engine, batch_ids, give_back)
+
+            rc = _read_direct(engine, d, True, abandon)
+            if rc == READ_ABANDONED:  # the slots go back once the engine lets go of them
+                left.extend(inc.key for inc in d.items)
+                cat.drop()
+                continue
         else:
             _plan_direct(d, READ_CHUNK)
             job = engine.read_pool.submit(_read_direct, engine, d)

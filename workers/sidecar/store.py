@@ -412,6 +412,20 @@ class ArtifactStore:
         self._keep_slot(meta, offset)
         return meta
 
+    def uncommit(self, key: str) -> int:
+        """Undo the `commit` of `key` (an arena artifact): it is gone, as after `delete`, but
+        its slot stays reserved, as `reserve` returned it, until `release` (a read may still
+        be writing into it). Returns the slot's offset."""
+        slot = self._mem.get(key)
+        if not isinstance(slot, _Slot):
+            raise ArtifactMissing(key)
+        meta = self._meta.pop(key)
+        del self._mem[key]
+        self._mem_bytes -= meta.size_bytes
+        if self._watchers:
+            self._announce(key, None)
+        return slot.offset
+
     def _replacing(
         self, key: str, size: int, digest: bytes, recompute_s: float | None, load_s: float | None
     ) -> ArtifactMeta:

@@ -568,8 +568,10 @@ async def test_owner_killed_during_a_direct_read() -> None:
 async def test_a_small_direct_read_from_a_dead_owner_fails_cleanly(size: int) -> None:
     """A single artifact read on the loop (the one-call path, as one read or in pieces, and the
     general direct path's polled pieces): the owner is dead before the destination's loop has
-    seen its catalog end, so the engine reads themselves fail. Nothing is stored, the slot goes
-    back, the catalog is dropped, and the control path reports the dead peer."""
+    seen its catalog end, so the engine reads themselves fail (or, while the engine retries
+    the refused connection, are given up after `LOOP_WAIT_S`). Nothing is stored, the slot goes
+    back (once the engine lets go of it), the catalog is dropped, and the control path reports
+    the dead peer."""
     proc, port = await asyncio.to_thread(_spawn_source, 2, size, arena=True)
     dst = _arena_store()
     try:
@@ -586,7 +588,7 @@ async def test_a_small_direct_read_from_a_dead_owner_fails_cleanly(size: int) ->
         proc.kill()
         proc.wait()
     assert dst.keys() == [] and not cat.entries
-    assert dst.arena is not None and dst.arena.used_bytes == 0
+    assert await _soon(lambda: dst.arena is not None and dst.arena.used_bytes == 0, 40)
 
 
 @pytest.mark.timeout(60)
@@ -624,6 +626,54 @@ async def test_stopped_owner_times_out() -> None:
         proc.kill()
         proc.wait()
     assert dst.keys() == []
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "size, keys",
+    [(4096, 1), (mt.INLINE_PIECE + 4096, 1), (64 << 10, 3)],
+    ids=["one-read", "one-call-pieces", "loop-read"],
+)
+async def test_a_source_frozen_during_a_read_on_the_loop_stalls_it_briefly(
+    size: int, keys: int
+) -> None:
+    """The source freezes (SIGSTOP) while its catalog is still fresh, so the destination reads
+    it one-sided on its event loop and the engine waits for bytes that do not come. The loop
+    gives the read up after `LOOP_WAIT_S` (the engine itself would wait 30 s) and the fetch
+    goes on, awaiting, to the control path, which times out. The slots stay reserved until the
+    engine lets go of them, then go back; nothing is stored."""
+    proc, port = await asyncio.to_thread(_spawn_source, keys + 1, size, arena=True)
+    dst = _arena_store()
+    names = [f"k{i}" for i in range(1, keys + 1)]
+    gaps = [0.0]
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.005)
+            now = time.monotonic()
+            gaps[0] = max(gaps[0], now - last)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    try:
+        assert (await mt.fetch(dst, "127.0.0.1", port, ["k0"])).fetched == ("k0",)
+        cat = await _watched(port, ["k0", *names])
+        proc.send_signal(signal.SIGSTOP)
+        cat.heard_s = time.monotonic()  # fresh: the reads run on the loop
+        gaps[0] = 0.0
+        with pytest.raises(TransferError):
+            await mt.fetch(dst, "127.0.0.1", port, names, timeout_s=1.0)
+        assert gaps[0] < 1.0  # the engine's own wait would have held the loop for 30 s
+    finally:
+        tick.cancel()
+        proc.kill()
+        proc.wait()
+    assert dst.keys() == ["k0"] and not cat.entries
+    k0 = dst.location("k0")
+    arena = dst.arena
+    assert k0 is not None and arena is not None
+    assert await _soon(lambda: arena.used_bytes == arena.slot_size(k0.offset), timeout_s=40)
 
 
 async def test_bad_requests_get_an_error_frame_and_the_server_keeps_serving() -> None:
@@ -698,7 +748,7 @@ def test_a_catalog_keeps_the_newest_entries_up_to_its_bound(
 
 
 async def test_a_read_awaited_past_its_polling_budget_completes_through_the_engines_wait() -> None:
-    """`_await_read` polls, then hands the wait to the engine's blocking one: with the budget
+    """`_await_read` polls without pause, then with short sleeps: with the spinning budget
     already spent, every piece of a read still lands whole, and the bytes are the source's."""
     src, dst = _arena_store(), _arena_store()
     payload = os.urandom(4 * mt.INLINE_PIECE + 123)
@@ -722,7 +772,8 @@ async def test_a_read_awaited_past_its_polling_budget_completes_through_the_engi
                 for o, n in ((0, size // 2), (size // 2, size - size // 2))
             ]
             assert all(mt._submitted(i) for i in ids)
-            assert [mt._await_read(te, i, spin_until) for i in ids] == [0, 0]
+            waits = [mt._await_read(te, i, spin_until, time.perf_counter() + 10.0) for i in ids]
+            assert waits == [0, 0]
             assert bytes(dst.slot_view(slot, size)) == payload
         dst.release(slot)
     finally:
