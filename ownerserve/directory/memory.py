@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -41,9 +41,14 @@ SWEEP_SLICE = 4096
 _T = TypeVar("_T")
 
 
-def _slices(items: list[_T]) -> Iterator[list[_T]]:
+async def _slices(
+    items: list[_T], clock: Callable[[], float]
+) -> AsyncIterator[tuple[list[_T], float]]:
+    """`items` in slices of `SWEEP_SLICE`, each with the time it starts at; the event loop runs
+    between slices."""
     for i in range(0, len(items), SWEEP_SLICE):
-        yield items[i : i + SWEEP_SLICE]
+        yield items[i : i + SWEEP_SLICE], clock()
+        await asyncio.sleep(0)
 
 
 class _ArtifactRecord:
@@ -652,16 +657,14 @@ class InMemoryDirectory:
         slices, so a large directory does not stall the router; each record is checked again
         when its slice runs. `min_interval_s` does not apply: one process, one sweeper."""
         dropped = 0
-        for ids in _slices(list(self._artifacts)):
-            now = self._clock()
+        clock = self._clock
+        async for ids, now in _slices(list(self._artifacts), clock):
             for aid in ids:
                 rec = self._artifacts.get(aid)
                 if rec is not None and rec.expires_at <= now:
                     self._delete_artifact(rec)
                     dropped += 1
-            await asyncio.sleep(0)
-        for ids in _slices(list(self._forks)):
-            now = self._clock()
+        async for ids, now in _slices(list(self._forks), clock):
             for aid in ids:
                 refs = self._forks.get(aid)
                 if refs is None:
@@ -669,9 +672,7 @@ class InMemoryDirectory:
                 refs.difference_update([s for s in refs if self._session(s, now) is None])
                 if not refs:
                     del self._forks[aid]
-            await asyncio.sleep(0)
-        for blocks in _slices(list(self._replicas)):
-            now = self._clock()
+        async for blocks, now in _slices(list(self._replicas), clock):
             for b in blocks:
                 entries = self._replicas.get(b)
                 if entries is None:
@@ -683,13 +684,10 @@ class InMemoryDirectory:
                 self._unindex_replicas(b, entries, gone)
                 if not entries:
                     del self._replicas[b]
-            await asyncio.sleep(0)
         # sessions expire on their own (as Redis keys do): purged here, not counted
-        for sids in _slices(list(self._sessions)):
-            now = self._clock()
+        async for sids, now in _slices(list(self._sessions), clock):
             for sid in sids:
                 self._session(sid, now)
-            await asyncio.sleep(0)
         return dropped
 
     async def health(self) -> DirectoryHealth:

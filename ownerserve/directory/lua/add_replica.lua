@@ -27,14 +27,7 @@ update_blocks(blocks, function(i, own, cache, reps)
   end
   keep[#keep + 1] = entry
   -- expired lines of other workers go here too: unlist the block from their `:reps` sets
-  local orphans = {}
-  for _, w in ipairs(lost) do
-    if not kept[w] then
-      kept[w] = true
-      orphans[#orphans + 1] = w
-    end
-  end
-  unindex_reps(blocks[i], orphans)
+  unindex_reps(blocks[i], orphans_of(lost, kept))
   return own, cache, table.concat(keep)
 end)
 multi('SADD', P .. 'w:' .. worker .. ':reps', blocks)

@@ -170,6 +170,19 @@ local function clear_cached(worker, j)
 end
 
 -- replica lines without those of `worker` (and, given `now`, without expired ones)
+-- workers of the `lost` lines with none `kept` in the record: their `w:<worker>:reps` sets
+-- still list it (`kept` is a set of workers; it is extended)
+local function orphans_of(lost, kept)
+  local orphans = {}
+  for _, w in ipairs(lost) do
+    if not kept[w] then
+      kept[w] = true
+      orphans[#orphans + 1] = w
+    end
+  end
+  return orphans
+end
+
 local function reps_without(reps, worker, now)
   local keep, gone, lost, kept = {}, 0, {}, {}
   for line in string.gmatch(reps, '[^\n]*\n') do
@@ -182,15 +195,7 @@ local function reps_without(reps, worker, now)
       kept[w] = true
     end
   end
-  -- workers left with no line in this record: their `w:<worker>:reps` sets still list it
-  local orphans = {}
-  for _, w in ipairs(lost) do
-    if not kept[w] then
-      kept[w] = true
-      orphans[#orphans + 1] = w
-    end
-  end
-  return table.concat(keep), gone, orphans
+  return table.concat(keep), gone, orphans_of(lost, kept)
 end
 
 -- forget `block` in the `:reps` sets of `workers`
