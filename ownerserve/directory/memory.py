@@ -166,16 +166,17 @@ class InMemoryDirectory:
         del self._artifacts[rec.artifact_id]
         self._worker(rec.worker).artifacts.discard(rec.artifact_id)
 
-    def _unindex_replicas(
-        self,
-        block: int,
-        entries: dict[tuple[str, Tier], tuple[float, bool]],
-        gone: list[tuple[str, Tier]],
-    ) -> None:
-        """`gone` replica entries of `block` were deleted: workers left with none of it there
-        no longer list it (their index is what `drop_worker` undoes)."""
+    def _prune_replicas(
+        self, block: int, entries: dict[tuple[str, Tier], tuple[float, bool]], now: float
+    ) -> int:
+        """Delete `block`'s replica entries expired at `now`; workers left with none of it no
+        longer list it (their index is what `drop_worker` undoes). Returns how many went."""
+        gone = [k for k, (x, _) in entries.items() if x <= now]
+        for key in gone:
+            del entries[key]
         for worker in {w for w, _ in gone if not any(k[0] == w for k in entries)}:
             self._worker(worker).replica_blocks.discard(block)
+        return len(gone)
 
     def _set_cached(self, block: int, worker: str, bit: int, on: bool) -> bool:
         holders = self._cached.get(block)
@@ -502,10 +503,7 @@ class InMemoryDirectory:
             if len(entries) >= 8:
                 # expired entries are skipped by lookups and purged by `sweep`; prune them here
                 # only when they pile up, not on every write
-                gone = [k for k, (x, _) in entries.items() if x <= now]
-                for k in gone:
-                    del entries[k]
-                self._unindex_replicas(b, entries, gone)
+                self._prune_replicas(b, entries, now)
             entries[key] = value
         self._worker(worker).replica_blocks.update(blocks)
 
@@ -677,11 +675,7 @@ class InMemoryDirectory:
                 entries = self._replicas.get(b)
                 if entries is None:
                     continue
-                gone = [k for k, (x, _) in entries.items() if x <= now]
-                for key in gone:
-                    del entries[key]
-                    dropped += 1
-                self._unindex_replicas(b, entries, gone)
+                dropped += self._prune_replicas(b, entries, now)
                 if not entries:
                     del self._replicas[b]
         # sessions expire on their own (as Redis keys do): purged here, not counted
