@@ -416,14 +416,12 @@ class ArtifactStore:
         """Undo the `commit` of `key` (an arena artifact): it is gone, as after `delete`, but
         its slot stays reserved, as `reserve` returned it, until `release` (a read may still
         be writing into it). Returns the slot's offset."""
-        slot = self._mem.get(key)
-        if not isinstance(slot, _Slot):
+        if not isinstance(self._mem.get(key), _Slot):
             raise ArtifactMissing(key)
         meta = self._meta.pop(key)
-        del self._mem[key]
+        slot = self._forget_memory(key, free_slot=False)
         self._mem_bytes -= meta.size_bytes
-        if self._watchers:
-            self._announce(key, None)
+        assert isinstance(slot, _Slot)
         return slot.offset
 
     def _replacing(
@@ -459,12 +457,14 @@ class ArtifactStore:
             return bytes(self.arena.view[buf.offset : buf.offset + buf.size])
         return _as_bytes(buf)
 
-    def _forget_memory(self, key: str) -> object:
-        """Take an artifact out of the memory tier; its slot, if any, is freed (announced)."""
+    def _forget_memory(self, key: str, free_slot: bool = True) -> object:
+        """Take an artifact out of the memory tier; its slot, if any, is freed unless
+        `free_slot` is false (announced either way)."""
         buf = self._mem.pop(key)
         if isinstance(buf, _Slot):
             assert self.arena is not None
-            self.arena.free(buf.offset)
+            if free_slot:
+                self.arena.free(buf.offset)
             if self._watchers:
                 self._announce(key, None)
         return buf
