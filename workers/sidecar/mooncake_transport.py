@@ -93,7 +93,13 @@ from workers.sidecar.store import (
     checksum,
     new_hasher,
 )
-from workers.sidecar.transport import FetchResult, TransferError, _frame, _read_frame
+from workers.sidecar.transport import (
+    FetchResult,
+    TransferError,
+    _frame,
+    _read_frame,
+    read_for_transfer,
+)
 
 __all__ = [
     "AVAILABLE",
@@ -722,7 +728,7 @@ class TransportServer:
                         keep, pinned = self.store.arena, False
                     else:
                         try:
-                            data, digest = self.store.read_for_transfer(keys[nxt])
+                            data, digest = await read_for_transfer(self.store, keys[nxt])
                         except (ArtifactMissing, ArtifactCorrupted):
                             missing.append(nxt)
                             nxt += 1

@@ -238,6 +238,16 @@ class _StoreCollector(Collector):
         )
         yield GaugeMetricFamily(p + "demoted_artifacts", "Moved memory -> SSD", value=s.demoted)
         yield GaugeMetricFamily(p + "dropped_artifacts", "Evicted for room", value=s.dropped)
+        yield GaugeMetricFamily(
+            p + "ssd_pending_bytes",
+            "Bytes on their way to the SSD tier (written behind, held in memory until then)",
+            value=s.ssd_pending_bytes,
+        )
+        yield GaugeMetricFamily(
+            p + "ssd_write_errors",
+            "SSD tier writes that failed (their artifacts are dropped on their next load)",
+            value=s.ssd_write_errors,
+        )
         pub = self.sidecar.publisher.stats() if self.sidecar.publisher else None
         yield GaugeMetricFamily(
             p + "replica_publish_failures",
@@ -277,6 +287,7 @@ class Sidecar:
             ssd_dir=ssd_dir,
             ssd_capacity_bytes=config.ssd_bytes,
             arena=arena,
+            write_behind=True,  # SSD writes in the store's thread: the loop never waits on disk
         )
         sidecar = cls(config, transport, store)
         # the SSD tier survives a restart: its files are indexed again (and published at start)
@@ -319,6 +330,7 @@ class Sidecar:
             await self.http.aclose()
         if self.transfer_server is not None:
             await self.transfer_server.close()
+        await asyncio.to_thread(self.store.close)  # SSD writes still waiting reach their files
 
     # --- the store, indexed -------------------------------------------------------------------
 
@@ -364,9 +376,13 @@ class Sidecar:
         tier = "memory" if meta.tier is StoreTier.MEMORY else "ssd"
         return {"key": key, "bytes": meta.size_bytes, "checksum": meta.checksum.hex(), "tier": tier}
 
-    def get(self, key: str) -> tuple[bytes, bytes]:
+    async def get(self, key: str) -> tuple[bytes, bytes]:
+        """An artifact's bytes and checksum, verified (an SSD file read and hashed in a
+        thread, off the event loop)."""
         try:
-            data, digest = self.store.get_verified(key)
+            reader = self.store.ssd_reader(key, verify=True)
+            loaded = None if reader is None else await asyncio.to_thread(reader)
+            data, digest = self.store.get_verified(key, loaded=loaded)
         except ArtifactMissing:
             self.counters.not_found.inc()
             raise ArtifactNotFoundError(f"artifact {key!r} is not stored") from None
@@ -644,7 +660,7 @@ def create_app(sidecar: Sidecar) -> FastAPI:
 
     @app.get(KV_PREFIX + "/artifacts/{key:path}")
     async def get_artifact(key: str) -> Response:
-        data, digest = sidecar.get(_checked_key(key))
+        data, digest = await sidecar.get(_checked_key(key))
         return Response(
             data,
             media_type="application/octet-stream",

@@ -14,6 +14,16 @@ state model's expected seconds saved per byte kept (same formula as `planner.res
 
     (1 + reuse_count) * 2^(-age / half_life) * max(recompute_s - load_s, 0) / size_bytes
 
+With `write_behind` (what the sidecar uses) the SSD tier's file writes and deletions are done by
+one thread of the store, in the order they were asked for, while the caller goes on: demoting
+a 256 MiB artifact no longer holds the sidecar's event loop for the ~0.8 s its write takes.
+Bytes on their way to a file stay readable from memory until the file is whole; at most
+`max_pending_bytes` wait at a time (beyond that the caller waits for the oldest writes), and
+`flush()` waits for all. A write that fails (disk full, I/O error) is logged and counted
+(`StoreStats.ssd_write_errors`); its artifact then fails its checksum on the next load and is
+dropped, as a file corrupted on disk is. `ssd_reader` hands the reading of an SSD file to
+another thread in the same way.
+
 With an `arena` (`workers.sidecar.arena`, what the Mooncake transport uses) the memory tier keeps
 artifacts in one pre-allocated area at fixed offsets: `location(key)` says where, watchers
 (`watch`) hear of every artifact that appears there or leaves, and a destination can read a
@@ -26,11 +36,15 @@ Pure in-process logic plus file I/O on its own directory; no network.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import struct
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
@@ -46,6 +60,10 @@ _MAGIC = b"OSKV2\n"
 _KEY_LEN = struct.Struct("<H")
 _TAIL = struct.Struct(f"<{CHECKSUM_BYTES}sdd")  # checksum, recompute_s, load_s
 _MAX_HEADER = len(_MAGIC) + _KEY_LEN.size + 4 * 1024 + _TAIL.size
+MAX_PENDING_BYTES = 1 << 30
+"""Default bytes of write-behind SSD writes that may wait at a time (held in memory)."""
+
+log = logging.getLogger(__name__)
 
 
 class StoreError(Exception):
@@ -115,6 +133,10 @@ class StoreStats:
     corrupted: int
     demoted: int
     dropped: int
+    ssd_pending_bytes: int = 0
+    """Bytes of write-behind SSD writes not yet in their files."""
+    ssd_write_errors: int = 0
+    """Write-behind SSD writes that failed (their artifacts fail their next load)."""
 
 
 _CUDA: list[bool] = []
@@ -211,6 +233,39 @@ def _parse_ssd_header(raw: bytes) -> tuple[str, bytes, float, float, int] | None
     return key, digest, recompute_s, load_s, end
 
 
+def _write_file(path: Path, header: bytes, data: bytes) -> None:
+    """Write an SSD file whole: a temporary file, then renamed over the final name."""
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header)
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _read_file(path: Path, key: str) -> bytes:
+    """The payload of `key`'s SSD file; b"" (which fails any checksum) when the file is gone,
+    unreadable or not that key's."""
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return b""
+    head = _parse_ssd_header(raw[:_MAX_HEADER])
+    if head is None or head[0] != key:
+        return b""
+    return raw[head[4] :]
+
+
+def _unlink(path: Path) -> None:
+    """Delete an SSD file; one that cannot be deleted is logged (the store has forgotten its
+    artifact either way)."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("cannot delete SSD file %s: %s", path, exc)
+
+
 @dataclass(slots=True)
 class ArtifactStore:
     """Two-tier KV artifact store. Not thread-safe: one owner (the sidecar's event loop)."""
@@ -222,7 +277,16 @@ class ArtifactStore:
     pin_memory: bool = True
     clock: Callable[[], float] = time.monotonic
     arena: Arena | None = None
+    write_behind: bool = False
+    max_pending_bytes: int = MAX_PENDING_BYTES
     _watchers: list[Watcher] = field(default_factory=list, init=False)
+    # write-behind: the writer thread, its jobs in order, and the bytes not yet in their files
+    _writer: ThreadPoolExecutor | None = field(default=None, init=False)
+    _jobs: deque[Future[None]] = field(default_factory=deque, init=False)
+    _io_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _pending: dict[str, bytes] = field(default_factory=dict, init=False)
+    _pending_bytes: int = field(default=0, init=False)
+    _write_errors: int = field(default=0, init=False)
     _meta: dict[str, ArtifactMeta] = field(default_factory=dict)
     _mem: dict[str, object] = field(default_factory=dict)
     _mem_bytes: int = 0
@@ -300,6 +364,8 @@ class ArtifactStore:
             self._corrupted,
             self._demoted,
             self._dropped,
+            self._pending_bytes,
+            self._write_errors,
         )
 
     # --- put / get / delete ----------------------------------------------------------------
@@ -474,37 +540,56 @@ class ArtifactStore:
         `ArtifactCorrupted` (and drops the artifact) when the bytes do not match."""
         return self.get_verified(key)[0]
 
-    def get_verified(self, key: str) -> tuple[bytes, bytes]:
-        """`get` plus the checksum the bytes were just verified against (to send to a peer)."""
+    def get_verified(
+        self, key: str, *, loaded: tuple[bytes, bytes | None] | None = None
+    ) -> tuple[bytes, bytes]:
+        """`get` plus the checksum the bytes were just verified against (to send to a peer).
+        `loaded`: what an `ssd_reader(key)` returned (bytes, and their checksum when it took
+        it), used when they are still the artifact's."""
         meta = self._meta.get(key)
         if meta is None:
             self._misses += 1
             raise ArtifactMissing(key)
-        data = self._memory_bytes_of(key) if meta.tier is Tier.MEMORY else self._read_ssd(key)
-        if checksum(data) != meta.checksum:
-            self._corrupted += 1
-            self.delete(key)
-            raise ArtifactCorrupted(f"checksum mismatch for {key} ({meta.tier})")
+        data: bytes | None = None
+        if loaded is not None and meta.tier is Tier.SSD:
+            data, digest = loaded
+            if (digest or checksum(data)) != meta.checksum:
+                data = None  # changed while it was read elsewhere: read it here
+        if data is None:
+            data = self._load(key, meta)
+            if checksum(data) != meta.checksum:
+                self._corrupted += 1
+                self.delete(key)
+                raise ArtifactCorrupted(f"checksum mismatch for {key} ({meta.tier})")
         self._hits += 1
         self._meta[key] = replace(
             meta, reuse_count=meta.reuse_count + 1, last_access_s=self.clock()
         )
         return data, meta.checksum
 
-    def read_for_transfer(self, key: str) -> tuple[bytes, bytes]:
+    def read_for_transfer(
+        self, key: str, *, loaded: tuple[bytes, bytes | None] | None = None
+    ) -> tuple[bytes, bytes]:
         """The artifact's bytes and the checksum taken when it was stored, NOT verified here:
         for sending to a peer, which verifies while receiving (so a corrupted artifact is still
-        never loaded, and the owner does not hash the payload a second time). Counts a reuse."""
+        never loaded, and the owner does not hash the payload a second time). Counts a reuse.
+        `loaded` as for `get_verified` (used when its size is still the artifact's)."""
         meta = self._meta.get(key)
         if meta is None:
             self._misses += 1
             raise ArtifactMissing(key)
-        data = self._memory_bytes_of(key) if meta.tier is Tier.MEMORY else self._read_ssd(key)
+        if loaded is not None and meta.tier is Tier.SSD and len(loaded[0]) == meta.size_bytes:
+            data = loaded[0]
+        else:
+            data = self._load(key, meta)
         self._hits += 1
         self._meta[key] = replace(
             meta, reuse_count=meta.reuse_count + 1, last_access_s=self.clock()
         )
         return data, meta.checksum
+
+    def _load(self, key: str, meta: ArtifactMeta) -> bytes:
+        return self._memory_bytes_of(key) if meta.tier is Tier.MEMORY else self._read_ssd(key)
 
     def delete(self, key: str) -> bool:
         meta = self._meta.pop(key, None)
@@ -515,8 +600,10 @@ class ArtifactStore:
             self._mem_bytes -= meta.size_bytes
         else:
             self._ssd_bytes -= meta.size_bytes
-            with contextlib.suppress(FileNotFoundError):
-                self._path(key).unlink()
+            if self.write_behind:  # after any write of it still waiting
+                self._submit(_unlink, self._path(key))
+            else:
+                _unlink(self._path(key))
         return True
 
     # --- tiers -----------------------------------------------------------------------------
@@ -527,23 +614,83 @@ class ArtifactStore:
         return self.ssd_dir / f"{name}.{checksum(key.encode()).hex()[:12]}.kv"
 
     def _write_ssd(self, meta: ArtifactMeta, data: bytes) -> None:
-        path = self._path(meta.key)
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(_ssd_header(meta))
-            f.write(data)
-        os.replace(tmp, path)
+        path, header = self._path(meta.key), _ssd_header(meta)
         self._ssd_bytes += len(data)
+        if not self.write_behind:
+            _write_file(path, header, data)
+            return
+        with self._io_lock:
+            self._pending[meta.key] = data
+            self._pending_bytes += len(data)
+        self._submit(self._write_behind, meta.key, path, header, data)
+        while self._pending_bytes > self.max_pending_bytes and self._jobs:
+            self._jobs.popleft().result()  # too much waiting in memory: wait for the oldest
+
+    def _write_behind(self, key: str, path: Path, header: bytes, data: bytes) -> None:
+        """The writer thread's job: the file, then the bytes are no longer held (a newer value
+        of the key, queued meanwhile, stays pending)."""
+        try:
+            _write_file(path, header, data)
+        except OSError as exc:
+            self._write_errors += 1  # only this thread counts them
+            log.warning("SSD write of %s (%d bytes) failed: %s", key, len(data), exc)
+            _unlink(path.with_suffix(".tmp"))
+        finally:
+            with self._io_lock:
+                if self._pending.get(key) is data:
+                    del self._pending[key]
+                self._pending_bytes -= len(data)
+
+    def _submit(self, fn: Callable[..., None], *args: object) -> None:
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="store-ssd")
+        while self._jobs and self._jobs[0].done():
+            self._jobs.popleft()
+        self._jobs.append(self._writer.submit(fn, *args))
+
+    def flush(self) -> None:
+        """Wait until every write-behind SSD write and deletion asked for so far is done."""
+        while self._jobs:
+            self._jobs.popleft().result()
+
+    def close(self) -> None:
+        """`flush`, then stop the writer thread (a later write starts a new one)."""
+        self.flush()
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
 
     def _read_ssd(self, key: str) -> bytes:
-        try:
-            raw = self._path(key).read_bytes()
-        except FileNotFoundError:
-            raw = b""
-        head = _parse_ssd_header(raw[:_MAX_HEADER])
-        if head is None or head[0] != key:
-            return b""  # fails the checksum check in `get`
-        return raw[head[4] :]
+        if self.write_behind:
+            with self._io_lock:
+                data = self._pending.get(key)
+            if data is not None:
+                return data
+        return _read_file(self._path(key), key)
+
+    def ssd_reader(
+        self, key: str, *, verify: bool
+    ) -> Callable[[], tuple[bytes, bytes | None]] | None:
+        """For an artifact whose bytes must come from its SSD file: a function that reads
+        them (and, with `verify`, takes their checksum), to run in another thread: it touches
+        only the file, while this store is not thread-safe. What it returns goes to
+        `get_verified(key, loaded=...)` or `read_for_transfer(key, loaded=...)` back on the
+        store's thread. None when no file must be read (the artifact is missing, in memory,
+        or still being written): call those directly."""
+        meta = self._meta.get(key)
+        if meta is None or meta.tier is not Tier.SSD:
+            return None
+        if self.write_behind:
+            with self._io_lock:
+                if key in self._pending:
+                    return None
+        path = self._path(key)
+
+        def read() -> tuple[bytes, bytes | None]:
+            data = _read_file(path, key)
+            return data, checksum(data) if verify else None
+
+        return read
 
     def recover_ssd(self) -> list[str]:
         """Index the SSD tier's files an earlier run left (the sidecar's restart): headers only,

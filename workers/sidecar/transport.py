@@ -73,6 +73,15 @@ async def _read_hashed(reader: asyncio.StreamReader, size: int, expected: bytes)
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
+async def read_for_transfer(store: ArtifactStore, key: str) -> tuple[bytes, bytes]:
+    """`ArtifactStore.read_for_transfer`, with an SSD file read in a thread: serving an
+    artifact from the SSD tier does not hold the event loop for the file's read."""
+    reader = store.ssd_reader(key, verify=False)
+    if reader is None:
+        return store.read_for_transfer(key)
+    return store.read_for_transfer(key, loaded=await asyncio.to_thread(reader))
+
+
 def _frame(obj: object) -> bytes:
     body = json.dumps(obj).encode()
     return _LEN.pack(len(body)) + body
@@ -107,7 +116,7 @@ class TransportServer:
                     return
                 for key in keys:
                     try:
-                        data, digest = self.store.read_for_transfer(str(key))
+                        data, digest = await read_for_transfer(self.store, str(key))
                     except (ArtifactMissing, ArtifactCorrupted):
                         writer.write(_frame({"key": key, "found": False}))
                         continue

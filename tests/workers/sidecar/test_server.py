@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -317,3 +318,51 @@ async def test_artifacts_too_large_for_the_destination_are_a_502_not_a_crash(
         r = await http.post(f"{b.url}/ownerserve/kv/fetch", json=fetch_body(a, [1]))
         assert_openai_error(r, 502)
         assert b.store.keys() == []
+
+
+@pytest.mark.parametrize("transport", ["tcp", "mooncake"])
+async def test_ssd_writes_wait_in_the_stores_thread_and_the_artifacts_are_served_meanwhile(
+    tmp_path: Path, transport: str
+) -> None:
+    """The sidecar's store writes its SSD tier behind (workers.sidecar.store): a PUT that
+    demotes returns while the file is not written yet, the artifact is served from memory
+    meanwhile and from its file (read in a thread) after, and closing waits for the files."""
+    async with (
+        sidecar(
+            tmp_path, "a", transport_named(transport), memory_bytes=4000, ssd_bytes=100_000
+        ) as a,
+        sidecar(tmp_path, "b", transport_named(transport)) as b,
+        httpx.AsyncClient() as http,
+    ):
+        ssd = tmp_path / "a" / "ssd"
+        held = threading.Event()
+        a.store._submit(held.wait)  # the writer thread is busy: every SSD write waits
+        await put_chunks(http, a, [1])  # two 3000-byte artifacts: the first is demoted
+        first, second = keys_of(1)
+        assert a.store.meta(first).tier.value == "ssd" and list(ssd.glob("*.kv")) == []
+        assert a.store.stats().ssd_pending_bytes == 3000
+        r = await http.get(f"{a.url}/ownerserve/kv/artifacts/{first}")
+        assert r.status_code == 200 and r.content == payload(first)
+        r = await http.post(f"{b.url}/ownerserve/kv/fetch", json=fetch_body(a, [1]))
+        assert r.json() == {"blocks": 1, "artifacts": 2, "bytes": 6000}
+        held.set()
+        await asyncio.to_thread(a.store.flush)
+        (path,) = ssd.glob("*.kv")
+        b.store.delete(first)
+        r = await http.post(f"{b.url}/ownerserve/kv/fetch", json=fetch_body(a, [1]))
+        assert r.json()["artifacts"] == 1 and b.store.get(first) == payload(first)
+        r = await http.get(f"{a.url}/ownerserve/kv/artifacts/{first}")
+        assert r.status_code == 200 and r.content == payload(first)
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        r = await http.get(f"{a.url}/ownerserve/kv/artifacts/{first}")
+        assert "failed its checksum" in assert_openai_error(r, 404)["message"]
+        assert not a.store.has(first)
+        held.clear()
+        a.store._submit(held.wait)
+        await put_chunks(http, a, [2])  # demotes the second of chunk 1, then the first of 2
+        assert a.store.stats().ssd_pending_bytes == 6000
+        threading.Timer(0.2, held.set).start()
+    # closed: the writes that waited are in their files
+    assert len(list(ssd.glob("*.kv"))) == 2 and held.is_set()

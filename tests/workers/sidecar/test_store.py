@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,107 @@ def test_artifact_metadata_keeps_its_dataclass_contract_with_the_fast_constructo
     with pytest.raises(TypeError):
         ArtifactMeta("k", 10)  # type: ignore[call-arg]
     assert repr(a).startswith("ArtifactMeta(key='k', size_bytes=10")
+
+
+# --- write-behind SSD tier ------------------------------------------------------------------
+
+
+def hold_writer(s: ArtifactStore) -> threading.Event:
+    """Keep the store's SSD writer thread busy until the returned event is set (its jobs run
+    in order: every write asked for after this waits)."""
+    go = threading.Event()
+    s._submit(go.wait)
+    return go
+
+
+def files_of(ssd_dir: Path) -> list[str]:
+    return sorted(p.name.split(".")[0] for p in ssd_dir.glob("*.kv"))
+
+
+def test_write_behind_demotion_returns_before_the_file_and_serves_from_memory_meanwhile(
+    tmp_path: Path,
+) -> None:
+    s = ArtifactStore(
+        memory_capacity_bytes=100, ssd_dir=tmp_path, ssd_capacity_bytes=1000, write_behind=True
+    )
+    s.put("a", b"a" * 60)
+    go = hold_writer(s)
+    s.put("b", b"b" * 60)  # demotes "a": its write waits behind the held writer
+    assert s.meta("a").tier is Tier.SSD and files_of(tmp_path) == []
+    assert s.stats().ssd_pending_bytes == 60 and s.stats().ssd_bytes == 60
+    assert s.get("a") == b"a" * 60  # from the bytes on their way to the file
+    assert s.ssd_reader("a", verify=True) is None  # nothing to read from disk yet
+    go.set()
+    s.flush()
+    assert files_of(tmp_path) == ["a"] and s.stats().ssd_pending_bytes == 0
+    reader = s.ssd_reader("a", verify=True)
+    assert reader is not None
+    loaded = reader()
+    assert loaded == (b"a" * 60, checksum(b"a" * 60))
+    assert s.get_verified("a", loaded=loaded) == (b"a" * 60, checksum(b"a" * 60))
+    s.close()
+
+
+def test_write_behind_keeps_the_order_of_writes_and_deletions(tmp_path: Path) -> None:
+    s = ArtifactStore(
+        memory_capacity_bytes=0, ssd_dir=tmp_path, ssd_capacity_bytes=1000, write_behind=True
+    )
+    go = hold_writer(s)
+    s.put("k", b"1" * 50)  # straight to SSD: queued
+    assert s.delete("k")  # its deletion queued after the write
+    s.put("k", b"2" * 40)  # a new value, queued after both
+    s.put("gone", b"g" * 30)
+    assert s.delete("gone")
+    assert s.get("k") == b"2" * 40  # the newest value, while all of it waits
+    go.set()
+    s.close()
+    assert files_of(tmp_path) == ["k"]
+    new = ArtifactStore(memory_capacity_bytes=0, ssd_dir=tmp_path, ssd_capacity_bytes=1000)
+    assert new.recover_ssd() == ["k"] and new.get("k") == b"2" * 40
+
+
+def test_write_behind_waits_for_the_oldest_writes_beyond_its_pending_bound(
+    tmp_path: Path,
+) -> None:
+    s = ArtifactStore(
+        memory_capacity_bytes=0,
+        ssd_dir=tmp_path,
+        ssd_capacity_bytes=1000,
+        write_behind=True,
+        max_pending_bytes=100,
+    )
+    go = hold_writer(s)
+    s.put("a", b"a" * 80)  # within the bound: returns at once
+    assert not go.is_set() and s.stats().ssd_pending_bytes == 80
+    threading.Timer(0.2, go.set).start()
+    s.put("b", b"b" * 80)  # 160 pending: waits until the writer got through the oldest jobs
+    assert go.is_set() and s.stats().ssd_pending_bytes <= 100
+    s.close()
+    assert files_of(tmp_path) == ["a", "b"]
+
+
+def test_a_failed_write_behind_is_counted_and_its_artifact_never_served(tmp_path: Path) -> None:
+    s = ArtifactStore(
+        memory_capacity_bytes=0, ssd_dir=tmp_path, ssd_capacity_bytes=1000, write_behind=True
+    )
+    s._path("k").mkdir()  # a directory where the file goes: the rename fails for real
+    s.put("k", b"k" * 50)
+    s.flush()
+    assert s.stats().ssd_write_errors == 1 and s.stats().ssd_pending_bytes == 0
+    assert list(tmp_path.glob("*.tmp")) == []  # the half-done write is cleaned up
+    with pytest.raises(ArtifactCorrupted):
+        s.get("k")
+    assert not s.has("k") and s.stats().ssd_bytes == 0
+    s.close()
+
+
+def test_bytes_loaded_elsewhere_that_no_longer_match_are_read_again(tmp_path: Path) -> None:
+    s = ArtifactStore(memory_capacity_bytes=0, ssd_dir=tmp_path, ssd_capacity_bytes=1000)
+    s.put("k", b"old" * 10)
+    reader = s.ssd_reader("k", verify=True)
+    assert reader is not None and s.ssd_reader("missing", verify=True) is None
+    stale = reader()
+    s.put("k", b"new" * 10)  # replaced while the stale bytes were read in a thread
+    assert s.get_verified("k", loaded=stale)[0] == b"new" * 10
+    assert s.read_for_transfer("k", loaded=(b"short", None))[0] == b"new" * 10
+    assert s.stats().corrupted == 0
