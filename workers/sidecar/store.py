@@ -17,12 +17,14 @@ state model's expected seconds saved per byte kept (same formula as `planner.res
 With `write_behind` (what the sidecar uses) the SSD tier's file writes and deletions are done by
 one thread of the store, in the order they were asked for, while the caller goes on: demoting
 a 256 MiB artifact no longer holds the sidecar's event loop for the ~0.8 s its write takes.
-Bytes on their way to a file stay readable from memory until the file is whole; at most
-`max_pending_bytes` wait at a time (beyond that the caller waits for the oldest writes), and
-`flush()` waits for all. A write that fails (disk full, I/O error) is logged and counted
-(`StoreStats.ssd_write_errors`); its artifact then fails its checksum on the next load and is
-dropped, as a file corrupted on disk is. `ssd_reader` hands the reading of an SSD file to
-another thread in the same way.
+That thread syncs each file to disk (`fdatasync`) before renaming it into place, so after a
+crash the tier holds whole files (and `.tmp` leftovers, deleted by `recover_ssd`), and the
+page cache does not fill with dirty KV. Bytes on their way to a file stay readable from memory
+until the file is whole; at most `max_pending_bytes` wait at a time (beyond that the caller
+waits for the oldest writes), and `flush()` waits for all. A write that fails (disk full, I/O
+error) is logged and counted (`StoreStats.ssd_write_errors`); its artifact then fails its
+checksum on the next load and is dropped, as a file corrupted on disk is. `ssd_reader` hands
+the reading of an SSD file to another thread in the same way.
 
 With an `arena` (`workers.sidecar.arena`, what the Mooncake transport uses) the memory tier keeps
 artifacts in one pre-allocated area at fixed offsets: `location(key)` says where, watchers
@@ -233,12 +235,16 @@ def _parse_ssd_header(raw: bytes) -> tuple[str, bytes, float, float, int] | None
     return key, digest, recompute_s, load_s, end
 
 
-def _write_file(path: Path, header: bytes, data: bytes) -> None:
-    """Write an SSD file whole: a temporary file, then renamed over the final name."""
+def _write_file(path: Path, header: bytes, data: bytes, durable: bool = False) -> None:
+    """Write an SSD file whole: a temporary file, then renamed over the final name;
+    `durable`: its bytes reach the disk before the rename."""
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
         f.write(header)
         f.write(data)
+        if durable:
+            f.flush()
+            os.fdatasync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -282,7 +288,7 @@ class ArtifactStore:
     _watchers: list[Watcher] = field(default_factory=list, init=False)
     # write-behind: the writer thread, its jobs in order, and the bytes not yet in their files
     _writer: ThreadPoolExecutor | None = field(default=None, init=False)
-    _jobs: deque[Future[None]] = field(default_factory=deque, init=False)
+    _jobs: deque[Future[object]] = field(default_factory=deque, init=False)
     _io_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     _pending: dict[str, bytes] = field(default_factory=dict, init=False)
     _pending_bytes: int = field(default=0, init=False)
@@ -630,7 +636,7 @@ class ArtifactStore:
         """The writer thread's job: the file, then the bytes are no longer held (a newer value
         of the key, queued meanwhile, stays pending)."""
         try:
-            _write_file(path, header, data)
+            _write_file(path, header, data, durable=True)
         except OSError as exc:
             self._write_errors += 1  # only this thread counts them
             log.warning("SSD write of %s (%d bytes) failed: %s", key, len(data), exc)
@@ -641,7 +647,7 @@ class ArtifactStore:
                     del self._pending[key]
                 self._pending_bytes -= len(data)
 
-    def _submit(self, fn: Callable[..., None], *args: object) -> None:
+    def _submit(self, fn: Callable[..., object], *args: object) -> None:
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="store-ssd")
         while self._jobs and self._jobs[0].done():

@@ -253,9 +253,15 @@ class Sidecar:
         return f"http://127.0.0.1:{self.port}"
 
     def artifact_file(self, key: str) -> Path:
-        """The SSD-tier file holding `key` (named after the key by the artifact store)."""
+        """The SSD-tier file holding `key` (named after the key by the artifact store; the
+        sidecar writes it behind, so it may take a moment to appear)."""
         safe = re.sub(r"[^A-Za-z0-9._@:-]", "_", key)
-        found = [p for p in self.store_dir.rglob(f"{glob.escape(safe)}.*.kv") if p.is_file()]
+        deadline = time.monotonic() + 10
+        while True:
+            found = [p for p in self.store_dir.rglob(f"{glob.escape(safe)}.*.kv") if p.is_file()]
+            if found or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert len(found) == 1, f"{key}: {found}"
         return found[0]
 

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -629,6 +630,16 @@ async def test_stopped_owner_times_out() -> None:
 
 
 @pytest.mark.timeout(90)
+def _all_stopped(pid: int) -> bool:
+    """Whether every thread of the process is stopped (SIGSTOP reaches them a while after
+    `send_signal` returns; an engine thread still running could answer one more read)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        with contextlib.suppress(OSError):
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+    return bool(states) and all(s in ("T", "t") for s in states)
+
+
 @pytest.mark.parametrize(
     "size, keys",
     [(4096, 1), (mt.INLINE_PIECE + 4096, 1), (64 << 10, 3)],
@@ -660,6 +671,7 @@ async def test_a_source_frozen_during_a_read_on_the_loop_stalls_it_briefly(
         assert (await mt.fetch(dst, "127.0.0.1", port, ["k0"])).fetched == ("k0",)
         cat = await _watched(port, ["k0", *names])
         proc.send_signal(signal.SIGSTOP)
+        assert await _soon(lambda: _all_stopped(proc.pid), timeout_s=10)
         cat.heard_s = time.monotonic()  # fresh: the reads run on the loop
         gaps[0] = 0.0
         with pytest.raises(TransferError):

@@ -138,6 +138,7 @@ async def test_a_corrupted_file_is_dropped_and_answered_404(tmp_path: Path) -> N
     async with sidecar(tmp_path, "a", memory_bytes=0) as a, httpx.AsyncClient() as http:
         key = keys_of(7)[0]
         await http.put(f"{a.url}/ownerserve/kv/artifacts/{key}", content=payload(key))
+        await asyncio.to_thread(a.store.flush)  # the file is written behind
         (path,) = (tmp_path / "a").rglob("*.kv")  # --memory-bytes 0: every artifact in a file
         raw = bytearray(path.read_bytes())
         raw[-1] ^= 0x01
@@ -338,7 +339,7 @@ async def test_ssd_writes_wait_in_the_stores_thread_and_the_artifacts_are_served
         held = threading.Event()
         a.store._submit(held.wait)  # the writer thread is busy: every SSD write waits
         await put_chunks(http, a, [1])  # two 3000-byte artifacts: the first is demoted
-        first, second = keys_of(1)
+        first = keys_of(1)[0]
         assert a.store.meta(first).tier.value == "ssd" and list(ssd.glob("*.kv")) == []
         assert a.store.stats().ssd_pending_bytes == 3000
         r = await http.get(f"{a.url}/ownerserve/kv/artifacts/{first}")

@@ -26,6 +26,7 @@ async def test_connector_client_saves_looks_up_and_loads(tmp_path: Path) -> None
             assert await asyncio.to_thread(client.lookup, keys) == [True, True]
             assert await asyncio.to_thread(client.get, keys[1]) == payload(keys[1])
 
+            await asyncio.to_thread(a.store.flush)  # the files are written behind
             (path, _) = sorted((tmp_path / "a").rglob("*.kv"))
             raw = bytearray(path.read_bytes())
             raw[-1] ^= 0x7F
