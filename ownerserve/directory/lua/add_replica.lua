@@ -13,7 +13,8 @@ else
   blocks = split16(ARGV[7])
 end
 local worker, tier = ARGV[3], ARGV[4]
-local entry = worker .. '\t' .. tier .. '\t' .. fmt(now + tonumber(ARGV[5])) .. '\t' .. ARGV[6] .. '\n'
+local exp = now + tonumber(ARGV[5])
+local entry = worker .. '\t' .. tier .. '\t' .. fmt(exp) .. '\t' .. ARGV[6] .. '\n'
 update_blocks(blocks, function(i, own, cache, reps)
   local keep, lost, kept = {}, {}, { [worker] = true }
   for line in string.gmatch(reps, '[^\n]*\n') do
@@ -31,4 +32,10 @@ update_blocks(blocks, function(i, own, cache, reps)
   return own, cache, table.concat(keep)
 end)
 multi('SADD', P .. 'w:' .. worker .. ':reps', blocks)
+local hints = {}
+for i = 1, #blocks do
+  hints[#hints + 1] = exp
+  hints[#hints + 1] = worker .. '\t' .. blocks[i]
+end
+multi('ZADD', RX, hints)
 return 1

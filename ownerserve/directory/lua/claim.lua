@@ -34,6 +34,7 @@ if w then
     local nx = math.max(x, now + lease_ms)
     if nx ~= x then
       redis.call('HSET', KEYS[2], id, pack_lease(w, e, nx, t))
+      hint_lease(id, nx)
     end
     return { 'ok', id, w, e, nx }
   end
@@ -47,6 +48,7 @@ end
 local epoch = redis.call('INCR', KEYS[3])
 local exp = now + lease_ms
 redis.call('HSET', KEYS[2], id, pack_lease(worker, epoch, exp, ARGV[5]))
+hint_lease(id, exp)
 local blocks = split16(ARGV[9])
 local alive = {}
 update_blocks(blocks, function(_, own, cache, reps)

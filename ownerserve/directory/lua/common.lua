@@ -136,10 +136,20 @@ local function unmap(id, hex)
   end)
 end
 
+-- expiry hints for `sweep`: `lx` (artifact id -> lease expiry ms) and `rx` ("worker \t block"
+-- -> replica line expiry ms). Hints only: `art` and `blk` stay the truth, and the sweep mends
+-- a hint that is early or stale; a later expiry overwrites an earlier one.
+local LX, RX = P .. 'lx', P .. 'rx'
+
+local function hint_lease(id, x)
+  redis.call('ZADD', LX, x, id)
+end
+
 local function delete_artifact(id, worker, keep_use)
   local ak = P .. 'a:' .. id
   unmap(id, redis.call('HGET', ak, 'blocks'))
   redis.call('HDEL', P .. 'art', id)
+  redis.call('ZREM', LX, id)
   redis.call('DEL', ak)
   if not keep_use then
     redis.call('HDEL', P .. 'reuse', id)

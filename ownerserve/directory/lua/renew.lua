@@ -13,4 +13,5 @@ if x <= now then
 end
 local nx = now + tonumber(ARGV[5])
 redis.call('HSET', KEYS[1], ARGV[2], pack_lease(w, e, nx, t))
+hint_lease(ARGV[2], nx)
 return { 'ok', nx }

@@ -1,4 +1,5 @@
--- sweep: one HSCAN step over leases and block records, deleting what expired. KEYS: art, blk
+-- sweep: one HSCAN step over leases and block records, deleting what expired and writing the
+-- expiry hints of what lives (`sweep_due` then only visits what is due). KEYS: art, blk
 -- ARGV: P, lease cursor ('-' = done), block cursor ('-' = done), count
 local now = now_ms()
 local dropped = 0
@@ -12,6 +13,8 @@ if ARGV[2] ~= '-' then
     if x <= now then
       delete_artifact(kv[k], w)
       dropped = dropped + 1
+    else
+      hint_lease(kv[k], x)
     end
   end
 end
@@ -25,13 +28,22 @@ if ARGV[3] ~= '-' then
       blocks[#blocks + 1] = kv[k]
     end
   end
+  local hints = {}
   update_blocks(blocks, function(i, own, cache, reps)
     local keep, gone, orphans = reps_without(reps, nil, now)
+    for line in string.gmatch(keep, '[^\n]*\n') do
+      local w, x = string.match(line, '^([^\t]*)\t%a+\t(%d+)\t[01]\n$')
+      if w then
+        hints[#hints + 1] = x
+        hints[#hints + 1] = w .. '\t' .. blocks[i]
+      end
+    end
     if gone > 0 then
       dropped = dropped + gone
       unindex_reps(blocks[i], orphans)
       return own, cache, keep
     end
   end)
+  multi('ZADD', RX, hints)
 end
 return { c1, c2, dropped }

@@ -26,4 +26,5 @@ def test_the_sweep_bench_drops_the_expired_half_on_both_backends() -> None:
         for cells in [[c.strip() for c in line.strip("|").split("|")]]
     }
     # 20 expired sessions: 4 artifacts and a 2-block replica each
-    assert rows["memory"][0] == rows["redis"][0] == str(20 * (4 + 2)), out
+    dropped = {rows[k][0] for k in ("memory", "redis, by expiry hints", "redis, full scan")}
+    assert dropped == {str(20 * (4 + 2))}, out

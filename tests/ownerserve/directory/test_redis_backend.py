@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -116,3 +117,56 @@ async def test_router_replicas_take_turns_to_sweep(
     await asyncio.sleep(0.2)
     assert await b.sweep(min_interval_s=30) == 0  # a swept within the interval
     assert await b.sweep() == 1  # without one: always
+
+
+def _hex(block: int) -> str:
+    return format(block, "016x")
+
+
+async def test_sweeps_follow_expiry_hints_once_a_full_scan_has_written_them(
+    pair: tuple[RedisDirectory, RedisDirectory],
+) -> None:
+    """Between full scans a sweep visits only leases and replica lines whose expiry hint is
+    due: what expired goes, a renewed one stays (its hint moves to its real expiry), a hint
+    whose record went another way is dropped. A record without a hint waits for the next full
+    scan, which finds it and writes the hints anew."""
+    a, _ = pair
+    c = a.client
+    assert await a.sweep() == 0  # an empty namespace: the full scan, hints from now on
+    assert await c.exists(a.key("xidx"))
+    short, long = 0.3, 60.0
+    await a.claim(Artifact(CHAIN[:4]), "w1", short)  # expires
+    kept = await a.claim(Artifact(CHAIN[:8], start=4), "w1", short)
+    await a.renew(kept.artifact_id, "w1", kept.epoch, long)  # renewed before it expired
+    gone = await a.claim(Artifact(CHAIN[:12], start=8), "w1", long)
+    await a.release(gone.artifact_id, "w1", gone.epoch)  # its hint goes with it
+    await a.add_replica(CHAIN[3], "w2", Tier.CPU, short)  # expires
+    await a.add_replica(CHAIN[3], "w3", Tier.SSD, long)  # w3 keeps a line, but its hints
+    await a.add_replica(CHAIN[3], "w3", Tier.CPU, short)  # follow this later, shorter one
+    await a.add_replica(CHAIN[15], "w4", Tier.CPU, short, blocks=CHAIN[12:16])
+    await a.drop_worker("w4")  # its lines go now; its hints are left stale
+    assert await c.zscore(a.key("lx"), _hex(gone.artifact_id)) is None
+    await c.zadd(a.key("lx"), {_hex(kept.artifact_id): 1000})  # an early hint (an old writer's)
+    await asyncio.sleep(short + 0.1)
+
+    assert await a.sweep() == 1 + 4 + 4  # one lease, w2's and w3's short lines on 4 blocks
+
+    assert set(await c.hkeys(a.key("art"))) == {_hex(kept.artifact_id)}
+    assert await c.zrange(a.key("lx"), 0, -1) == [_hex(kept.artifact_id)]
+    lease = str(await c.hget(a.key("art"), _hex(kept.artifact_id)))
+    assert await c.zscore(a.key("lx"), _hex(kept.artifact_id)) == int(lease.split("\t")[2])
+    scored: list[Any] = await c.zrange(a.key("rx"), 0, -1, withscores=True)
+    rx = [(str(m), float(x)) for m, x in scored]
+    assert sorted(m for m, _ in rx) == sorted(f"w3\t{_hex(b)}" for b in CHAIN[:4])
+    now_ms = int((await c.time())[0]) * 1000
+    assert all(x > now_ms + 50_000 for _, x in rx)  # moved on to the SSD line's expiry
+    assert await c.scard(a.key("w:w2:reps")) == 0 and await c.scard(a.key("w:w3:reps")) == 4
+
+    # a lease written without a hint (another writer's, or one lost): only a full scan sees it
+    await c.hset(a.key("art"), _hex(CHAIN[20 % len(CHAIN)]), "w9\t1\t1000\tgpu")
+    assert await a.sweep() == 0
+    assert await c.hexists(a.key("art"), _hex(CHAIN[20 % len(CHAIN)]))
+    await c.delete(a.key("xidx"))  # as after FULL_SWEEP_S
+    assert await a.sweep() == 1
+    assert await c.exists(a.key("xidx"))
+    assert await c.zrange(a.key("lx"), 0, -1) == [_hex(kept.artifact_id)]

@@ -1,0 +1,61 @@
+-- sweep_due: one step of the sweep by expiry hints (`lx`, `rx`; see common.lua): up to
+-- ARGV[2] due lease hints, then up to ARGV[2] due replica hints. Deletes what expired, mends a
+-- hint that was early (the lease or line was renewed: its real expiry), drops a stale one (the
+-- record is gone). KEYS: lx, rx. ARGV: P, count. Returns { hints handled, records dropped }.
+local now = now_ms()
+local n = tonumber(ARGV[2])
+local handled, dropped = 0, 0
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', LX, '-inf', now, 'LIMIT', 0, n)) do
+  handled = handled + 1
+  local rec = redis.call('HGET', P .. 'art', id)
+  if not rec then
+    redis.call('ZREM', LX, id)
+  else
+    local w, _, x = parse_lease(rec)
+    if x <= now then
+      delete_artifact(id, w)
+      dropped = dropped + 1
+    else
+      hint_lease(id, x)
+    end
+  end
+end
+local blocks, due = {}, {}
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', RX, '-inf', now, 'LIMIT', 0, n)) do
+  handled = handled + 1
+  local w, b = string.match(m, '^(.*)\t(%x+)$')
+  if not due[b] then
+    due[b] = {}
+    blocks[#blocks + 1] = b
+  end
+  due[b][#due[b] + 1] = w
+end
+local latest = {} -- block -> worker -> its latest live line's expiry
+update_blocks(blocks, function(i, own, cache, reps)
+  local keep, gone, orphans = reps_without(reps, nil, now)
+  local mine = {}
+  for line in string.gmatch(keep, '[^\n]*\n') do
+    local w, x = string.match(line, '^([^\t]*)\t%a+\t(%d+)\t[01]\n$')
+    x = tonumber(x)
+    if w and (mine[w] == nil or x > mine[w]) then
+      mine[w] = x
+    end
+  end
+  latest[blocks[i]] = mine
+  if gone > 0 then
+    dropped = dropped + gone
+    unindex_reps(blocks[i], orphans)
+    return own, cache, keep
+  end
+end)
+for _, b in ipairs(blocks) do
+  for _, w in ipairs(due[b]) do
+    local x = latest[b][w]
+    if x then
+      redis.call('ZADD', RX, x, w .. '\t' .. b)
+    else
+      redis.call('ZREM', RX, w .. '\t' .. b)
+    end
+  end
+end
+return { handled, dropped }
