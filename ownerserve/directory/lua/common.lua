@@ -214,3 +214,24 @@ local function unindex_reps(block, workers)
     redis.call('SREM', P .. 'w:' .. w .. ':reps', block)
   end
 end
+
+-- drop the expired replica lines of `blocks` (unlisting them from their workers' `:reps`
+-- sets); live(i, worker, expires_ms) is called for each line that stays. Returns lines dropped.
+local function prune_reps(blocks, now, live)
+  local dropped = 0
+  update_blocks(blocks, function(i, own, cache, reps)
+    local keep, gone, orphans = reps_without(reps, nil, now)
+    for line in string.gmatch(keep, '[^\n]*\n') do
+      local w, x = string.match(line, '^([^\t]*)\t%a+\t(%d+)\t[01]\n$')
+      if w then
+        live(i, w, tonumber(x))
+      end
+    end
+    if gone > 0 then
+      dropped = dropped + gone
+      unindex_reps(blocks[i], orphans)
+      return own, cache, keep
+    end
+  end)
+  return dropped
+end

@@ -29,20 +29,9 @@ if ARGV[3] ~= '-' then
     end
   end
   local hints = {}
-  update_blocks(blocks, function(i, own, cache, reps)
-    local keep, gone, orphans = reps_without(reps, nil, now)
-    for line in string.gmatch(keep, '[^\n]*\n') do
-      local w, x = string.match(line, '^([^\t]*)\t%a+\t(%d+)\t[01]\n$')
-      if w then
-        hints[#hints + 1] = x
-        hints[#hints + 1] = w .. '\t' .. blocks[i]
-      end
-    end
-    if gone > 0 then
-      dropped = dropped + gone
-      unindex_reps(blocks[i], orphans)
-      return own, cache, keep
-    end
+  dropped = dropped + prune_reps(blocks, now, function(i, w, x)
+    hints[#hints + 1] = x
+    hints[#hints + 1] = w .. '\t' .. blocks[i]
   end)
   multi('ZADD', RX, hints)
 end

@@ -31,21 +31,13 @@ for _, m in ipairs(redis.call('ZRANGEBYSCORE', RX, '-inf', now, 'LIMIT', 0, n)) 
   due[b][#due[b] + 1] = w
 end
 local latest = {} -- block -> worker -> its latest live line's expiry
-update_blocks(blocks, function(i, own, cache, reps)
-  local keep, gone, orphans = reps_without(reps, nil, now)
-  local mine = {}
-  for line in string.gmatch(keep, '[^\n]*\n') do
-    local w, x = string.match(line, '^([^\t]*)\t%a+\t(%d+)\t[01]\n$')
-    x = tonumber(x)
-    if w and (mine[w] == nil or x > mine[w]) then
-      mine[w] = x
-    end
-  end
-  latest[blocks[i]] = mine
-  if gone > 0 then
-    dropped = dropped + gone
-    unindex_reps(blocks[i], orphans)
-    return own, cache, keep
+for _, b in ipairs(blocks) do
+  latest[b] = {}
+end
+dropped = dropped + prune_reps(blocks, now, function(i, w, x)
+  local mine = latest[blocks[i]]
+  if mine[w] == nil or x > mine[w] then
+    mine[w] = x
   end
 end)
 for _, b in ipairs(blocks) do

@@ -3,22 +3,11 @@ directory both backends drop exactly the expired half's records."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[3]
+from tests.bench import run_bench
 
 
 def test_the_sweep_bench_drops_the_expired_half_on_both_backends() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.directory.sweep", "--sessions", "40", "--blocks", "8"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
+    out = run_bench("bench.directory.sweep", ["--sessions", "40", "--blocks", "8"], 120)
     rows = {
         cells[0]: cells[1:]
         for line in out.splitlines()

@@ -3,23 +3,14 @@ each having demoted every artifact beyond the two the memory tier holds."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+from tests.bench import run_bench
 
 
 def test_the_demotion_bench_prints_both_modes(tmp_path: Path) -> None:
     argv = ["--sizes", "64K", "--puts", "5", "--rounds", "1", "--dir", str(tmp_path)]
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.sidecar.demotion", *argv],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
+    out = run_bench("bench.sidecar.demotion", argv, 120)
     rows = [line for line in out.splitlines() if line.startswith("| 64 KiB")]
     assert [r.split("|")[2].strip() for r in rows] == ["on the loop", "behind"], out
     for row in rows:

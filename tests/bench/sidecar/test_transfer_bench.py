@@ -4,25 +4,13 @@ sidecar's fetches come one-sided (the direct path the bench is there to measure)
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
+from tests.bench import run_bench
 from workers.sidecar import mooncake_transport as mt
-
-REPO = Path(__file__).resolve().parents[3]
 
 
 def test_the_transfer_bench_prints_a_row_per_size() -> None:
     argv = ["--repeats", "5", "--rows", "4096x1,65536x4"]
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.sidecar.transfer", *argv],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=True,
-    ).stdout
+    out = run_bench("bench.sidecar.transfer", argv, 240)
     rows = [line for line in out.splitlines() if line.startswith("| 4 KiB") or "x 64 KiB" in line]
     assert len(rows) == 2, out
     for row in rows:
