@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Sequence
 from importlib import resources
@@ -611,39 +612,54 @@ class RedisDirectory:
         `min_interval_s`, router replicas take turns: a sweep starts only if it can set the
         namespace's `sweep` key, which expires after that time.
 
-        Leases and replica lines are found by their expiry hints (`lx`, `rx`: sorted sets by
-        expiry time, written with them), so a sweep visits what is due, not every record.
-        Once per `FULL_SWEEP_S` (and first on a dataset written before the hints existed) it
-        scans every lease and block record instead, writing the hints anew."""
+        Everything is found by expiry hints (`lx`, `rx`, `sx`, `fx`: sorted sets by expiry
+        time, written with leases, replica lines, sessions and fork refs), so a sweep visits
+        what is due, not every record. Once per `FULL_SWEEP_S` (and first on a dataset written
+        before the hints existed) it scans every record and index set instead, writing the
+        hints anew."""
         if min_interval_s > 0 and not await self._client.set(
             self.key("sweep"), "1", nx=True, px=_ms(min_interval_s)
         ):
             return 0
         await self.flush_touches()
         dropped = 0
+        hinted = [self.key(k) for k in ("lx", "rx", "sx", "fx")]
         if await self._client.exists(self.key("xidx")):
             # every due hint leaves the due range when handled; the bound only guards the loop
-            hints = await self._client.zcard(self.key("lx")) + await self._client.zcard(
-                self.key("rx")
-            )
+            hints = sum([await self._client.zcard(k) for k in hinted])
             for _ in range(hints // batch + 2):
-                handled, n = await self._run("sweep_due", [self.key("lx"), self.key("rx")], [batch])
+                handled, n = await self._run("sweep_due", hinted, [batch])
                 dropped += int(n)
                 if int(handled) == 0:
                     break
-        else:
-            cursors = ["0", "0"]
-            while cursors != ["-", "-"]:
-                c1, c2, n = await self._run(
-                    "sweep", [self.key("art"), self.key("blk")], [*cursors, batch]
-                )
-                dropped += int(n)
-                cursors = [c if c not in ("0", 0) else "-" for c in (_s(c1), _s(c2))]
-            await self._client.set(self.key("xidx"), "1", px=_ms(FULL_SWEEP_S))
+            return dropped
+        cursors = ["0", "0"]
+        while cursors != ["-", "-"]:
+            c1, c2, n = await self._run(
+                "sweep", [self.key("art"), self.key("blk")], [*cursors, batch]
+            )
+            dropped += int(n)
+            cursors = [c if c not in ("0", 0) else "-" for c in (_s(c1), _s(c2))]
         for worker in await self._client.smembers(self.key("wsess")):
             await self._sweep_index(self.key(f"w:{_s(worker)}:sess"), "sess", _s(worker), batch)
+        await self._list_fork_sets(batch)
         await self._sweep_index(self.key("forks"), "forks", "", batch)
+        await self._client.set(self.key("xidx"), "1", px=_ms(FULL_SWEEP_S))
         return dropped
+
+    async def _list_fork_sets(self, batch: int) -> None:
+        """List every fork-ref set of the namespace in `forks` (sets written before that
+        index existed were not): a SCAN of the keyspace, so only in the daily full sweep."""
+        head = self.key("f:")
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", head) + "*"
+        ids: list[str] = []
+        async for key in self._client.scan_iter(match=pattern, count=1000):
+            ids.append(_s(key)[len(head) :])
+            if len(ids) >= batch:
+                await self._client.sadd(self.key("forks"), *ids)
+                ids.clear()
+        if ids:
+            await self._client.sadd(self.key("forks"), *ids)
 
     async def _sweep_index(self, key: str, kind: str, worker: str, batch: int) -> None:
         cursor = "0"

@@ -139,7 +139,18 @@ end
 -- expiry hints for `sweep`: `lx` (artifact id -> lease expiry ms) and `rx` ("worker \t block"
 -- -> replica line expiry ms). Hints only: `art` and `blk` stay the truth, and the sweep mends
 -- a hint that is early or stale; a later expiry overwrites an earlier one.
-local LX, RX = P .. 'lx', P .. 'rx'
+-- `sx` ("worker \t session" -> the session's expiry) and `fx` ("artifact id \t session" of a
+-- fork ref -> its session's expiry) do the same for the index sets `sweep` prunes.
+local LX, RX, SX, FX = P .. 'lx', P .. 'rx', P .. 'sx', P .. 'fx'
+
+-- when session `sid` ends (ms): now if it has no owner
+local function session_end(sid, now)
+  local ttl = redis.call('PTTL', P .. 's:' .. sid)
+  if ttl < 0 then
+    return now
+  end
+  return now + ttl
+end
 
 local function hint_lease(id, x)
   redis.call('ZADD', LX, x, id)

@@ -4,8 +4,10 @@ local id = string.sub(KEYS[1], #P + 3)
 if ARGV[2] == 'add' then
   redis.call('SADD', KEYS[1], ARGV[3])
   redis.call('SADD', P .. 'forks', id)
+  redis.call('ZADD', FX, session_end(ARGV[3], now_ms()), id .. '\t' .. ARGV[3])
 else
   redis.call('SREM', KEYS[1], ARGV[3])
+  redis.call('ZREM', FX, id .. '\t' .. ARGV[3])
 end
 local n = redis.call('SCARD', KEYS[1])
 if n == 0 then

@@ -1,7 +1,8 @@
--- sweep_due: one step of the sweep by expiry hints (`lx`, `rx`; see common.lua): up to
--- ARGV[2] due lease hints, then up to ARGV[2] due replica hints. Deletes what expired, mends a
--- hint that was early (the lease or line was renewed: its real expiry), drops a stale one (the
--- record is gone). KEYS: lx, rx. ARGV: P, count. Returns { hints handled, records dropped }.
+-- sweep_due: one step of the sweep by expiry hints (`lx`, `rx`, `sx`, `fx`; see common.lua):
+-- up to ARGV[2] due hints of each. Deletes what expired (leases, replica lines: counted) and
+-- the index entries of what ended (sessions in their workers' `:sess` sets, fork refs of ended
+-- sessions), mends a hint that was early (renewed since: its real expiry), drops a stale one.
+-- KEYS: lx, rx, sx, fx. ARGV: P, count. Returns { hints handled, records dropped }.
 local now = now_ms()
 local n = tonumber(ARGV[2])
 local handled, dropped = 0, 0
@@ -47,6 +48,34 @@ for _, b in ipairs(blocks) do
       redis.call('ZADD', RX, x, w .. '\t' .. b)
     else
       redis.call('ZREM', RX, w .. '\t' .. b)
+    end
+  end
+end
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', SX, '-inf', now, 'LIMIT', 0, n)) do
+  handled = handled + 1
+  local w, sid = string.match(m, '^([^\t]*)\t(.*)$')
+  if redis.call('GET', P .. 's:' .. sid) == w then
+    redis.call('ZADD', SX, session_end(sid, now), m)
+  else
+    local sk = P .. 'w:' .. w .. ':sess'
+    redis.call('SREM', sk, sid)
+    redis.call('ZREM', SX, m)
+    if redis.call('SCARD', sk) == 0 then
+      redis.call('SREM', P .. 'wsess', w)
+    end
+  end
+end
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', FX, '-inf', now, 'LIMIT', 0, n)) do
+  handled = handled + 1
+  local id, sid = string.match(m, '^([^\t]*)\t(.*)$')
+  if redis.call('EXISTS', P .. 's:' .. sid) == 1 then
+    redis.call('ZADD', FX, session_end(sid, now), m)
+  else
+    local fk = P .. 'f:' .. id
+    redis.call('SREM', fk, sid)
+    redis.call('ZREM', FX, m)
+    if redis.call('SCARD', fk) == 0 then
+      redis.call('SREM', P .. 'forks', id)
     end
   end
 end

@@ -1,7 +1,9 @@
 -- sweep_index: one SSCAN step over an index set, dropping members that point at nothing live.
 -- KEYS: the set (`w:<worker>:sess` or `forks`). ARGV: P, 'sess'|'forks', worker, cursor, count
 -- sess: sessions no longer owned by the worker (expired or moved on); forks: fork refs of
--- sessions that ended, and the ids left without refs. Returns { cursor, members removed }.
+-- sessions that ended, and the ids left without refs. What stays gets its expiry hint (`sx`,
+-- `fx`: the sweeps between full scans follow them). Returns { cursor, members removed }.
+local now = now_ms()
 local res = redis.call('SSCAN', KEYS[1], ARGV[4], 'COUNT', ARGV[5])
 local removed = 0
 if ARGV[2] == 'sess' then
@@ -9,6 +11,8 @@ if ARGV[2] == 'sess' then
     if redis.call('GET', P .. 's:' .. sid) ~= ARGV[3] then
       redis.call('SREM', KEYS[1], sid)
       removed = removed + 1
+    else
+      redis.call('ZADD', SX, session_end(sid, now), ARGV[3] .. '\t' .. sid)
     end
   end
   if res[1] == '0' and redis.call('SCARD', KEYS[1]) == 0 then
@@ -21,6 +25,8 @@ else
       if redis.call('EXISTS', P .. 's:' .. sid) == 0 then
         redis.call('SREM', fk, sid)
         removed = removed + 1
+      else
+        redis.call('ZADD', FX, session_end(sid, now), id .. '\t' .. sid)
       end
     end
     if redis.call('SCARD', fk) == 0 then

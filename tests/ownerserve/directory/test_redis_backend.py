@@ -170,3 +170,41 @@ async def test_sweeps_follow_expiry_hints_once_a_full_scan_has_written_them(
     assert await a.sweep() == 1
     assert await c.exists(a.key("xidx"))
     assert await c.zrange(a.key("lx"), 0, -1) == [_hex(kept.artifact_id)]
+
+
+async def test_sweeps_by_hints_prune_the_index_entries_of_ended_sessions(
+    pair: tuple[RedisDirectory, RedisDirectory],
+) -> None:
+    """Between full scans, sessions leave their worker's `:sess` set and fork refs go once
+    the session ended, found by their hints (`sx`, `fx`); a fork ref whose session was renewed
+    after the ref was taken stays. A fork-ref set written before `forks` listed them is found
+    by the next full scan."""
+    a, _ = pair
+    c = a.client
+    await a.sweep()  # the full scan: hints from now on
+    short, long = 0.3, 60.0
+    await a.set_session_owner("s-ends", "w1", short)
+    await a.set_session_owner("s-moves", "w1", long)
+    await a.set_session_owner("s-moves", "w2", long)
+    await a.set_session_owner("s-renewed", "w1", short)
+    await a.add_fork_ref(CHAIN[3], "s-ends")
+    await a.add_fork_ref(CHAIN[3], "s-renewed")  # its hint: the session's end then
+    await a.set_session_owner("s-renewed", "w1", long)  # ... which moves on
+    await asyncio.sleep(short + 0.1)
+
+    await a.sweep()
+
+    assert await c.smembers(a.key("w:w1:sess")) == {"s-renewed"}
+    assert await c.smembers(a.key("w:w2:sess")) == {"s-moves"}
+    assert await c.smembers(a.key("f:" + _hex(CHAIN[3]))) == {"s-renewed"}
+    assert await c.zrange(a.key("fx"), 0, -1) == [f"{_hex(CHAIN[3])}\ts-renewed"]
+    assert sorted(await c.zrange(a.key("sx"), 0, -1)) == ["w1\ts-renewed", "w2\ts-moves"]
+
+    # a fork-ref set from before `forks` existed, its session ended: the full scan finds it
+    legacy = a.key("f:" + _hex(CHAIN[5]))
+    await c.sadd(legacy, "s-gone")
+    await a.sweep()
+    assert await c.exists(legacy)  # hints only: not seen
+    await c.delete(a.key("xidx"))
+    await a.sweep()
+    assert not await c.exists(legacy) and await c.smembers(a.key("forks")) == {_hex(CHAIN[3])}
