@@ -51,32 +51,33 @@ for _, b in ipairs(blocks) do
     end
   end
 end
-for _, m in ipairs(redis.call('ZRANGEBYSCORE', SX, '-inf', now, 'LIMIT', 0, n)) do
-  handled = handled + 1
-  local w, sid = string.match(m, '^([^\t]*)\t(.*)$')
-  if redis.call('GET', P .. 's:' .. sid) == w then
-    redis.call('ZADD', SX, session_end(sid, now), m)
-  else
-    local sk = P .. 'w:' .. w .. ':sess'
-    redis.call('SREM', sk, sid)
-    redis.call('ZREM', SX, m)
-    if redis.call('SCARD', sk) == 0 then
-      redis.call('SREM', P .. 'wsess', w)
+-- a due session or fork-ref hint ("owner \t session"): mended while alive(owner, session),
+-- else the session leaves the owner's set (set_of(owner)), and the owner leaves `list` once
+-- that set is empty
+local function due_index(Z, alive, set_of, list)
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', Z, '-inf', now, 'LIMIT', 0, n)) do
+    handled = handled + 1
+    local owner, sid = string.match(m, '^([^\t]*)\t(.*)$')
+    if alive(owner, sid) then
+      redis.call('ZADD', Z, session_end(sid, now), m)
+    else
+      local k = set_of(owner)
+      redis.call('SREM', k, sid)
+      redis.call('ZREM', Z, m)
+      if redis.call('SCARD', k) == 0 then
+        redis.call('SREM', list, owner)
+      end
     end
   end
 end
-for _, m in ipairs(redis.call('ZRANGEBYSCORE', FX, '-inf', now, 'LIMIT', 0, n)) do
-  handled = handled + 1
-  local id, sid = string.match(m, '^([^\t]*)\t(.*)$')
-  if redis.call('EXISTS', P .. 's:' .. sid) == 1 then
-    redis.call('ZADD', FX, session_end(sid, now), m)
-  else
-    local fk = P .. 'f:' .. id
-    redis.call('SREM', fk, sid)
-    redis.call('ZREM', FX, m)
-    if redis.call('SCARD', fk) == 0 then
-      redis.call('SREM', P .. 'forks', id)
-    end
-  end
-end
+due_index(SX, function(w, sid)
+  return redis.call('GET', P .. 's:' .. sid) == w
+end, function(w)
+  return P .. 'w:' .. w .. ':sess'
+end, P .. 'wsess')
+due_index(FX, function(_, sid)
+  return redis.call('EXISTS', P .. 's:' .. sid) == 1
+end, function(id)
+  return P .. 'f:' .. id
+end, P .. 'forks')
 return { handled, dropped }
