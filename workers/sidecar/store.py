@@ -290,8 +290,9 @@ class ArtifactStore:
     _writer: ThreadPoolExecutor | None = field(default=None, init=False)
     _jobs: deque[Future[object]] = field(default_factory=deque, init=False)
     _io_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
-    _pending: dict[str, bytes] = field(default_factory=dict, init=False)
+    _pending: dict[str, tuple[int, bytes]] = field(default_factory=dict, init=False)
     _pending_bytes: int = field(default=0, init=False)
+    _writes: int = field(default=0, init=False)  # numbers each write (the same bytes may recur)
     _write_errors: int = field(default=0, init=False)
     _meta: dict[str, ArtifactMeta] = field(default_factory=dict)
     _mem: dict[str, object] = field(default_factory=dict)
@@ -625,16 +626,17 @@ class ArtifactStore:
         if not self.write_behind:
             _write_file(path, header, data)
             return
+        self._writes += 1
         with self._io_lock:
-            self._pending[meta.key] = data
+            self._pending[meta.key] = (self._writes, data)
             self._pending_bytes += len(data)
-        self._submit(self._write_behind, meta.key, path, header, data)
+        self._submit(self._write_behind, meta.key, self._writes, path, header, data)
         while self._pending_bytes > self.max_pending_bytes and self._jobs:
             self._jobs.popleft().result()  # too much waiting in memory: wait for the oldest
 
-    def _write_behind(self, key: str, path: Path, header: bytes, data: bytes) -> None:
-        """The writer thread's job: the file, then the bytes are no longer held (a newer value
-        of the key, queued meanwhile, stays pending)."""
+    def _write_behind(self, key: str, n: int, path: Path, header: bytes, data: bytes) -> None:
+        """The writer thread's job (write number `n`): the file, then the bytes are no longer
+        held (a newer write of the key, queued meanwhile, stays pending)."""
         try:
             _write_file(path, header, data, durable=True)
         except OSError as exc:
@@ -643,7 +645,7 @@ class ArtifactStore:
             _unlink(path.with_suffix(".tmp"))
         finally:
             with self._io_lock:
-                if self._pending.get(key) is data:
+                if self._pending.get(key, (0,))[0] == n:
                     del self._pending[key]
                 self._pending_bytes -= len(data)
 
@@ -669,9 +671,9 @@ class ArtifactStore:
     def _read_ssd(self, key: str) -> bytes:
         if self.write_behind:
             with self._io_lock:
-                data = self._pending.get(key)
-            if data is not None:
-                return data
+                pending = self._pending.get(key)
+            if pending is not None:
+                return pending[1]
         return _read_file(self._path(key), key)
 
     def ssd_reader(

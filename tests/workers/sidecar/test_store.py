@@ -233,6 +233,30 @@ def test_write_behind_keeps_the_order_of_writes_and_deletions(tmp_path: Path) ->
     assert new.recover_ssd() == ["k"] and new.get("k") == b"2" * 40
 
 
+def test_the_same_bytes_written_again_stay_served_until_their_second_write_lands(
+    tmp_path: Path,
+) -> None:
+    """A key written, deleted and written again with the very same bytes object: the first
+    write landing must not end the second one's pending state (its file is deleted next)."""
+    s = ArtifactStore(
+        memory_capacity_bytes=0, ssd_dir=tmp_path, ssd_capacity_bytes=1000, write_behind=True
+    )
+    data = b"s" * 64
+    go = hold_writer(s)
+    s.put("k", data)
+    s.delete("k")
+    mid = hold_writer(s)  # the writer stops again after the first write and the deletion
+    s.put("k", data)  # bytes(data) is data itself
+    go.set()
+    while len(s._jobs) > 2:  # the first write and the deletion have run
+        s._jobs[0].result()
+        s._jobs.popleft()
+    assert s.get("k") == data and files_of(tmp_path) == []  # still the second write's bytes
+    mid.set()
+    s.close()
+    assert s.get("k") == data and files_of(tmp_path) == ["k"]
+
+
 def test_write_behind_waits_for_the_oldest_writes_beyond_its_pending_bound(
     tmp_path: Path,
 ) -> None:
