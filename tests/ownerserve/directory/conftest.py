@@ -1,4 +1,6 @@
-"""Fixtures of the directory tests: each contract test runs on both backends."""
+"""Fixtures of the directory tests: each contract test runs on both backends (Redis twice:
+sweeping by a full scan, as a namespace's first sweep does, and by expiry hints, as every
+sweep does until the next daily full scan)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ class Backend:
     advance: Callable[[float], Awaitable[None]]
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-hints"])
 async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     if request.param == "memory":
         clock = FakeClock()
@@ -46,6 +48,8 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     directory = RedisDirectory.from_url(
         server.url, namespace=f"t-{uuid.uuid4().hex[:12]}", socket_timeout_s=10.0
     )
+    if request.param == "redis-hints":  # as if a full scan had run: sweeps follow the hints
+        await directory.client.set(directory.key("xidx"), "1")
 
     async def sleep(seconds: float) -> None:
         # Redis leases run on the server's clock: real time has to pass
