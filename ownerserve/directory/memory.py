@@ -7,11 +7,10 @@ against both). Time comes from an injectable clock so tests can expire leases wi
 from __future__ import annotations
 
 import asyncio
-import heapq
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 from ownerserve.directory.base import (
     Artifact,
@@ -36,10 +35,20 @@ from ownerserve.hashing import hash_block
 from ownerserve.types import TIER_ORDER, Tier
 
 SWEEP_SLICE = 4096
-"""Due records `InMemoryDirectory.sweep` handles between yields to the event loop."""
+"""Records `InMemoryDirectory.sweep` handles between yields to the event loop."""
 
-# what a due entry of the sweep's heap points at
-_LEASE, _REPS, _SESS, _FORK = 0, 1, 2, 3
+
+_T = TypeVar("_T")
+
+
+async def _slices(
+    items: list[_T], clock: Callable[[], float]
+) -> AsyncIterator[tuple[list[_T], float]]:
+    """`items` in slices of `SWEEP_SLICE`, each with the time it starts at; the event loop runs
+    between slices."""
+    for i in range(0, len(items), SWEEP_SLICE):
+        yield items[i : i + SWEEP_SLICE], clock()
+        await asyncio.sleep(0)
 
 
 class _ArtifactRecord:
@@ -130,13 +139,6 @@ class InMemoryDirectory:
         self._worker_index: dict[str, _WorkerRecord] = {}  # every worker ever seen
         self._sessions: dict[str, tuple[str, float]] = {}
         self._forks: dict[int, set[str]] = {}
-        # the sweep's schedule: a heap of (when, n, kind, key), what comes due first on top;
-        # leases, sessions and fork-ref sets have one live entry each (the time in `_due_at`:
-        # an entry at another time was superseded), and are checked again when it comes due
-        # (a renewal moves them on then); each replica write has its own entry (its blocks)
-        self._due: list[tuple[float, int, int, object]] = []
-        self._due_n = 0
-        self._due_at: dict[int, dict[Any, float]] = {_LEASE: {}, _SESS: {}, _FORK: {}}
 
     # --- helpers -----------------------------------------------------------------------
 
@@ -146,15 +148,6 @@ class InMemoryDirectory:
             rec = _WorkerRecord(0, 0)
             self._worker_index[worker] = rec
         return rec
-
-    def _schedule(self, kind: int, key: object, when: float) -> None:
-        """Have the sweep look at a lease, session or fork-ref set at `when` (or earlier)."""
-        at = self._due_at[kind]
-        cur = at.get(key)
-        if cur is None or when < cur:
-            at[key] = when
-            self._due_n += 1
-            heapq.heappush(self._due, (when, self._due_n, kind, key))
 
     def _live(self, artifact_id: int | None, now: float) -> _ArtifactRecord | None:
         if artifact_id is None:
@@ -374,7 +367,6 @@ class InMemoryDirectory:
         rec = _ArtifactRecord(artifact, worker, epoch, expires_at, now)
         rec.reuse_count = reuse
         self._artifacts[aid] = rec
-        self._schedule(_LEASE, aid, expires_at)
         own = self._owner_of_block
         mapped = 0
         if own.keys().isdisjoint(rec.blocks):
@@ -415,7 +407,6 @@ class InMemoryDirectory:
         current = self._artifacts.get(lease.artifact_id)
         if current is not None and (current.worker, current.epoch) == (lease.worker, lease.epoch):
             current.expires_at = lease.expires_at
-            self._schedule(_LEASE, current.artifact_id, lease.expires_at)
             return
         if artifact is None:
             artifact = Artifact((lease.artifact_id,))
@@ -473,7 +464,6 @@ class InMemoryDirectory:
         if rec.expires_at <= now:
             raise StaleEpochError(f"lease of {worker} at epoch {epoch} has expired")
         rec.expires_at = now + lease_s
-        self._schedule(_LEASE, artifact_id, rec.expires_at)  # (a shorter lease: sooner)
         return rec.lease()
 
     async def release(self, artifact_id: int, worker: str, epoch: int) -> None:
@@ -504,8 +494,6 @@ class InMemoryDirectory:
             blocks = rec.blocks if rec is not None else (artifact_id,)
         key = (worker, tier)
         value = (now + ttl_s, read_only)
-        self._due_n += 1
-        heapq.heappush(self._due, (now + ttl_s, self._due_n, _REPS, tuple(blocks)))
         replicas = self._replicas
         for b in blocks:
             entries = replicas.get(b)
@@ -535,10 +523,8 @@ class InMemoryDirectory:
         old = self._sessions.get(session_id)
         if old is not None and old[0] != worker:
             self._worker(old[0]).sessions.discard(session_id)
-        expires = self._clock() + ttl_s
-        self._sessions[session_id] = (worker, expires)
+        self._sessions[session_id] = (worker, self._clock() + ttl_s)
         self._worker(worker).sessions.add(session_id)
-        self._schedule(_SESS, session_id, expires)
 
     async def get_session_owner(self, session_id: str) -> str | None:
         return self._session(session_id, self._clock())
@@ -546,8 +532,6 @@ class InMemoryDirectory:
     async def add_fork_ref(self, artifact_id: int, session_id: str) -> int:
         refs = self._forks.setdefault(artifact_id, set())
         refs.add(session_id)
-        session = self._sessions.get(session_id)
-        self._schedule(_FORK, artifact_id, session[1] if session else self._clock())
         return len(refs)
 
     async def drop_fork_ref(self, artifact_id: int, session_id: str) -> int:
@@ -667,61 +651,38 @@ class InMemoryDirectory:
     async def sweep(self, min_interval_s: float = 0.0) -> int:
         """Purge expired leases, replicas and sessions, the fork refs of sessions that ended
         (they count live branches), and the per-worker index entries that pointed at them.
-        Visits only what is due, in the order of its schedule (a heap by expiry time, see
-        `__init__`): a lease, session or fork-ref set renewed since is scheduled again at its
-        new expiry. Handles `SWEEP_SLICE` due entries at a time and yields to the event loop
-        between slices, so a large purge does not stall the router; each is checked at the time
-        its slice runs. `min_interval_s` does not apply: one process, one sweeper."""
+        Works through `SWEEP_SLICE` records at a time and yields to the event loop between
+        slices, so a large directory does not stall the router; each record is checked again
+        when its slice runs. `min_interval_s` does not apply: one process, one sweeper."""
         dropped = 0
-        due = self._due
-        while True:
-            now = self._clock()
-            n = 0
-            while n < SWEEP_SLICE and due and due[0][0] <= now:
-                when, _, kind, key = heapq.heappop(due)
-                n += 1
-                dropped += self._settle(kind, key, when, now)
-            if n < SWEEP_SLICE:
-                return dropped
-            await asyncio.sleep(0)
-
-    def _settle(self, kind: int, key: Any, when: float, now: float) -> int:
-        """One due entry of the sweep's schedule: purge what expired, schedule again what was
-        renewed. Returns the leases and replica entries dropped."""
-        if kind == _REPS:
-            dropped = 0
-            for b in key:
+        clock = self._clock
+        async for ids, now in _slices(list(self._artifacts), clock):
+            for aid in ids:
+                rec = self._artifacts.get(aid)
+                if rec is not None and rec.expires_at <= now:
+                    self._delete_artifact(rec)
+                    dropped += 1
+        async for ids, now in _slices(list(self._forks), clock):
+            for aid in ids:
+                refs = self._forks.get(aid)
+                if refs is None:
+                    continue
+                refs.difference_update([s for s in refs if self._session(s, now) is None])
+                if not refs:
+                    del self._forks[aid]
+        async for blocks, now in _slices(list(self._replicas), clock):
+            for b in blocks:
                 entries = self._replicas.get(b)
-                if entries is not None:
-                    dropped += self._prune_replicas(b, entries, now)
-                    if not entries:
-                        del self._replicas[b]
-            return dropped  # a later replica write has its own entry
-        at = self._due_at[kind]
-        if at.get(key) != when:
-            return 0  # superseded by an earlier entry, already handled
-        del at[key]
-        if kind == _LEASE:
-            rec = self._artifacts.get(key)
-            if rec is not None and rec.expires_at <= now:
-                self._delete_artifact(rec)
-                return 1
-            if rec is not None:
-                self._schedule(_LEASE, key, rec.expires_at)
-        elif kind == _SESS:
-            if self._session(key, now) is not None:
-                self._schedule(_SESS, key, self._sessions[key][1])
-        else:
-            refs = self._forks.get(key)
-            if refs is None:
-                return 0
-            ends = {s: self._sessions[s][1] for s in refs if self._session(s, now) is not None}
-            refs.intersection_update(ends)
-            if refs:
-                self._schedule(_FORK, key, min(ends.values()))
-            else:
-                del self._forks[key]
-        return 0
+                if entries is None:
+                    continue
+                dropped += self._prune_replicas(b, entries, now)
+                if not entries:
+                    del self._replicas[b]
+        # sessions expire on their own (as Redis keys do): purged here, not counted
+        async for sids, now in _slices(list(self._sessions), clock):
+            for sid in sids:
+                self._session(sid, now)
+        return dropped
 
     async def health(self) -> DirectoryHealth:
         return DirectoryHealth(

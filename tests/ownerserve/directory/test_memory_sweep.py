@@ -100,37 +100,3 @@ async def test_replicas_pruned_by_a_write_leave_their_workers_index() -> None:
     for i in range(4):
         assert d._worker_index[f"w{i}"].replica_blocks == set()
     assert d._worker_index["w4"].replica_blocks == {chain[-1]}
-
-
-async def test_a_sweep_visits_only_what_is_due_and_moves_renewed_records_on() -> None:
-    """The sweep follows its schedule (a heap by expiry): records not due are not visited,
-    and a lease, session or fork-ref set renewed since it was scheduled is scheduled again at
-    its new expiry instead of being purged."""
-    clock = [0.0]
-    d = InMemoryDirectory(clock=lambda: clock[0])
-    for i in range(50):  # long-lived: never due in this test
-        chain = _chain(100 + i)
-        await d.claim(Artifact(chain), "w1", 1000.0)
-        await d.set_session_owner(f"long{i}", "w1", 1000.0)
-        await d.add_fork_ref(chain[3], f"long{i}")
-    renewed = _chain(1)
-    lease = await d.claim(Artifact(renewed), "w2", 5.0)
-    await d.set_session_owner("s", "w2", 5.0)
-    await d.add_fork_ref(renewed[3], "s")
-    await d.add_replica(renewed[-1], "w3", Tier.CPU, 5.0, True, renewed)
-    clock[0] = 4.0
-    await d.renew(lease.artifact_id, "w2", lease.epoch, 10.0)  # now until 14
-    await d.set_session_owner("s", "w2", 10.0)
-    await d.add_replica(renewed[-1], "w3", Tier.CPU, 10.0, True, renewed)
-    not_due = sorted(e for e in d._due if e[0] > 500)
-    clock[0] = 6.0
-
-    assert await d.sweep() == 0  # due: the first lease, session, fork and replica entries
-
-    assert sorted(e for e in d._due if e[0] > 500) == not_due  # the rest untouched
-    assert (await d.lookup(renewed)).owner == "w2" and d._forks[renewed[3]] == {"s"}
-    assert min(d._due)[0] == 14.0  # each moved on to its new expiry
-    clock[0] = 15.0
-    assert await d.sweep() == 1 + len(renewed)  # the lease, the replica entries
-    assert d._forks.get(renewed[3]) is None and "s" not in d._sessions
-    assert all(e[0] > 500 for e in d._due)
