@@ -32,10 +32,5 @@ update_blocks(blocks, function(i, own, cache, reps)
   return own, cache, table.concat(keep)
 end)
 multi('SADD', P .. 'w:' .. worker .. ':reps', blocks)
-local hints = {}
-for i = 1, #blocks do
-  hints[#hints + 1] = exp
-  hints[#hints + 1] = worker .. '\t' .. blocks[i]
-end
-multi('ZADD', RX, hints)
+hint_reps(blocks, exp)
 return 1

@@ -136,12 +136,12 @@ local function unmap(id, hex)
   end)
 end
 
--- expiry hints for `sweep`: `lx` (artifact id -> lease expiry ms) and `rx` ("worker \t block"
--- -> replica line expiry ms). Hints only: `art` and `blk` stay the truth, and the sweep mends
--- a hint that is early or stale; a later expiry overwrites an earlier one.
--- `sx` ("worker \t session" -> the session's expiry) and `fx` ("artifact id \t session" of a
--- fork ref -> its session's expiry) do the same for the index sets `sweep` prunes.
-local LX, RX, SX, FX = P .. 'lx', P .. 'rx', P .. 'sx', P .. 'fx'
+-- expiry hints for `sweep`: `lx` (artifact id -> lease expiry ms); `rx` (one per replica
+-- write: its number -> expiry ms, its blocks in the `rxb` hash); `sx` ("worker \t session" ->
+-- the session's expiry) and `fx` ("artifact id \t session" of a fork ref -> its session's
+-- expiry). Hints only: the records stay the truth, and the sweep mends a hint that is early (a
+-- renewal it missed) or stale. A replica line renewed is written again, with its own hint.
+local LX, RX, RXB, SX, FX = P .. 'lx', P .. 'rx', P .. 'rxb', P .. 'sx', P .. 'fx'
 
 -- when session `sid` ends (ms): now if it has no owner
 local function session_end(sid, now)
@@ -154,6 +154,14 @@ end
 
 local function hint_lease(id, x)
   redis.call('ZADD', LX, x, id)
+end
+
+-- one hint for a replica write over `blocks` expiring at x (per write, not per block: a
+-- sorted-set member per block cost Redis ~2 us each)
+local function hint_reps(blocks, x)
+  local n = redis.call('INCR', P .. 'rxn')
+  redis.call('ZADD', RX, x, n)
+  redis.call('HSET', RXB, n, table.concat(blocks))
 end
 
 local function delete_artifact(id, worker, keep_use)
@@ -227,17 +235,11 @@ local function unindex_reps(block, workers)
 end
 
 -- drop the expired replica lines of `blocks` (unlisting them from their workers' `:reps`
--- sets); live(i, worker, expires_ms) is called for each line that stays. Returns lines dropped.
-local function prune_reps(blocks, now, live)
+-- sets). Returns the lines dropped.
+local function prune_reps(blocks, now)
   local dropped = 0
   update_blocks(blocks, function(i, own, cache, reps)
     local keep, gone, orphans = reps_without(reps, nil, now)
-    for line in string.gmatch(keep, '[^\n]*\n') do
-      local w, x = string.match(line, '^([^\t]*)\t%a+\t(%d+)\t[01]\n$')
-      if w then
-        live(i, w, tonumber(x))
-      end
-    end
     if gone > 0 then
       dropped = dropped + gone
       unindex_reps(blocks[i], orphans)

@@ -1,5 +1,6 @@
 -- sweep: one HSCAN step over leases and block records, deleting what expired and writing the
--- expiry hints of what lives (`sweep_due` then only visits what is due). KEYS: art, blk
+-- leases' expiry hints (`sweep_due` then only visits what is due; replica lines written before
+-- the hints existed are left to the next full scan). KEYS: art, blk
 -- ARGV: P, lease cursor ('-' = done), block cursor ('-' = done), count
 local now = now_ms()
 local dropped = 0
@@ -28,11 +29,6 @@ if ARGV[3] ~= '-' then
       blocks[#blocks + 1] = kv[k]
     end
   end
-  local hints = {}
-  dropped = dropped + prune_reps(blocks, now, function(i, w, x)
-    hints[#hints + 1] = x
-    hints[#hints + 1] = w .. '\t' .. blocks[i]
-  end)
-  multi('ZADD', RX, hints)
+  dropped = dropped + prune_reps(blocks, now)
 end
 return { c1, c2, dropped }

@@ -2,6 +2,7 @@
 -- up to ARGV[2] due hints of each. Deletes what expired (leases, replica lines: counted) and
 -- the index entries of what ended (sessions in their workers' `:sess` sets, fork refs of ended
 -- sessions), mends a hint that was early (renewed since: its real expiry), drops a stale one.
+-- A due replica write's hint goes once its blocks' expired lines are pruned.
 -- KEYS: lx, rx, sx, fx. ARGV: P, count. Returns { hints handled, records dropped }.
 local now = now_ms()
 local n = tonumber(ARGV[2])
@@ -21,36 +22,19 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', LX, '-inf', now, 'LIMIT', 0, n))
     end
   end
 end
-local blocks, due = {}, {}
-for _, m in ipairs(redis.call('ZRANGEBYSCORE', RX, '-inf', now, 'LIMIT', 0, n)) do
+local blocks, seen = {}, {}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', RX, '-inf', now, 'LIMIT', 0, n)) do
   handled = handled + 1
-  local w, b = string.match(m, '^(.*)\t(%x+)$')
-  if not due[b] then
-    due[b] = {}
-    blocks[#blocks + 1] = b
-  end
-  due[b][#due[b] + 1] = w
-end
-local latest = {} -- block -> worker -> its latest live line's expiry
-for _, b in ipairs(blocks) do
-  latest[b] = {}
-end
-dropped = dropped + prune_reps(blocks, now, function(i, w, x)
-  local mine = latest[blocks[i]]
-  if mine[w] == nil or x > mine[w] then
-    mine[w] = x
-  end
-end)
-for _, b in ipairs(blocks) do
-  for _, w in ipairs(due[b]) do
-    local x = latest[b][w]
-    if x then
-      redis.call('ZADD', RX, x, w .. '\t' .. b)
-    else
-      redis.call('ZREM', RX, w .. '\t' .. b)
+  for _, b in ipairs(split16(redis.call('HGET', RXB, id) or '')) do
+    if not seen[b] then
+      seen[b] = true
+      blocks[#blocks + 1] = b
     end
   end
+  redis.call('ZREM', RX, id)
+  redis.call('HDEL', RXB, id)
 end
+dropped = dropped + prune_reps(blocks, now)
 -- a due session or fork-ref hint ("owner \t session"): mended while alive(owner, session),
 -- else the session leaves the owner's set (set_of(owner)), and the owner leaves `list` once
 -- that set is empty
