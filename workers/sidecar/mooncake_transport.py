@@ -1268,60 +1268,100 @@ def _fetch_one(
     arena = store.arena
     assert arena is not None
     local = engine.register_arena(arena) + slot
+    if size > INLINE_PIECE:
+        return _fetch_one_pieces(store, cat, engine, key, entry, slot, local)
+    # no closure and no helper call before the submission: this is the 4-64 KiB hot path
     te = engine.te
     committed = False
-
-    def abandon(batch_ids: list[int]) -> None:
-        # the engine may still write into the slot: reserved until it lets go
-        if committed:
-            store.uncommit(key)
-        _settle_later(engine, batch_ids, lambda: store.release(slot))
-
-    if size <= INLINE_PIECE:
-        batch_id = int(te.batch_transfer_async_read(session, [local], [remote], [size]))
-        if _submitted(batch_id):  # from here to the poll, the engine reads meanwhile
-            if not store.has(key):
-                store.commit(key, slot, size, digest)
-                committed = True
-            done = FetchResult((key,), (), size, 1)
-            view = arena.view[slot : slot + size]
-            now = time.perf_counter()
-            waited = _await_read(te, batch_id, now + SPIN_WAIT_S, now + LOOP_WAIT_S)
-            if waited is None:
-                abandon([batch_id])
-            rc = READ_ABANDONED if waited is None else waited
-        else:
-            rc = -1
-        ok = rc == 0 and checksum(view) == digest
-    else:
-        hasher = new_hasher()
-        starts = range(0, size, INLINE_PIECE)
-        view = arena.view[slot : slot + size]
-        done = FetchResult((key,), (), size, 1)
-
-        def reading() -> None:
-            nonlocal committed
-            if not store.has(key):
-                store.commit(key, slot, size, digest)
-                committed = True
-
-        rc = _read_all(
-            te,
-            session,
-            [([local + o], [remote + o], [min(INLINE_PIECE, size - o)]) for o in starts],
-            lambda i: hasher.update(view[starts[i] : starts[i] + INLINE_PIECE]),
-            True,
-            reading,
-            abandon,
-        )
-        ok = rc == 0 and hasher.digest() == digest
-    if ok:
+    batch_id = int(te.batch_transfer_async_read(session, [local], [remote], [size]))
+    if not _submitted(batch_id):
+        _fetch_one_failed(store, cat, key, slot, False, -1)
+        return None
+    # from here to the poll, the engine reads meanwhile
+    if not store.has(key):
+        store.commit(key, slot, size, digest)
+        committed = True
+    done = FetchResult((key,), (), size, 1)
+    view = arena.view[slot : slot + size]
+    now = time.perf_counter()
+    rc = _await_read(te, batch_id, now + SPIN_WAIT_S, now + LOOP_WAIT_S)
+    if rc is None:
+        _abandon_slot(store, engine, key, slot, committed, [batch_id])
+        rc = READ_ABANDONED
+    elif rc == 0 and checksum(view) == digest:
         if not committed:
             store.commit(key, slot, size, digest)
         return done
+    _fetch_one_failed(store, cat, key, slot, committed, rc)
+    return None
+
+
+def _fetch_one_pieces(
+    store: ArtifactStore,
+    cat: _Catalog,
+    engine: _Engine,
+    key: str,
+    entry: tuple[str, int, int, bytes],
+    slot: int,
+    local: int,
+) -> FetchResult | None:
+    """`_fetch_one` above `INLINE_PIECE`: pieces read at once, each hashed as it lands."""
+    session, remote, size, digest = entry
+    arena = store.arena
+    assert arena is not None
+    hasher = new_hasher()
+    starts = range(0, size, INLINE_PIECE)
+    view = arena.view[slot : slot + size]
+    done = FetchResult((key,), (), size, 1)
+    committed = False
+
+    def reading() -> None:
+        nonlocal committed
+        if not store.has(key):
+            store.commit(key, slot, size, digest)
+            committed = True
+
+    rc = _read_all(
+        engine.te,
+        session,
+        [([local + o], [remote + o], [min(INLINE_PIECE, size - o)]) for o in starts],
+        lambda i: hasher.update(view[starts[i] : starts[i] + INLINE_PIECE]),
+        True,
+        reading,
+        lambda batch_ids: _abandon_slot(store, engine, key, slot, committed, batch_ids),
+    )
+    if rc == 0 and hasher.digest() == digest:
+        if not committed:
+            store.commit(key, slot, size, digest)
+        return done
+    _fetch_one_failed(store, cat, key, slot, committed, rc)
+    return None
+
+
+def _abandon_slot(
+    store: ArtifactStore,
+    engine: _Engine,
+    key: str,
+    slot: int,
+    committed: bool,
+    batch_ids: list[int],
+) -> None:
+    """A one-call fetch's read was given up on the loop: the engine may still write into the
+    slot, so it stays reserved until the engine lets go (an early commit is undone now)."""
+    if committed:
+        store.uncommit(key)
+    _settle_later(engine, batch_ids, lambda: store.release(slot))
+
+
+def _fetch_one_failed(
+    store: ArtifactStore, cat: _Catalog, key: str, slot: int, committed: bool, rc: int
+) -> None:
+    """Undo a one-call fetch that failed (`rc`: 0 when the bytes failed their checksum, the
+    engine's status, or `READ_ABANDONED`) and leave the key to the control path: a stale
+    catalog entry is forgotten, a failed or given-up read drops the whole catalog."""
     if rc == READ_ABANDONED:
-        cat.drop()  # the slot goes back once the engine lets go of it (`abandon`)
-        return None
+        cat.drop()  # the slot goes back once the engine lets go of it (`_abandon_slot`)
+        return
     if committed:
         store.delete(key)  # frees the slot
     else:
@@ -1330,7 +1370,6 @@ def _fetch_one(
         cat.entries.pop(key, None)
     else:
         cat.drop()
-    return None
 
 
 async def _fetch_direct(
@@ -1443,7 +1482,9 @@ async def fetch(
         if len(keys) == 1 and _ENGINE is not None:
             key = keys[0]
             entry = cat.entries.get(key)
-            if entry is not None and entry[2] <= ONE_READ_BYTES and cat.fresh():
+            # `cat.fresh()` inline: the hot path of a small fetch
+            fresh = time.monotonic() - cat.heard_s < CATALOG_FRESH_S
+            if entry is not None and entry[2] <= ONE_READ_BYTES and fresh:
                 done = _fetch_one(store, cat, _ENGINE, key, entry)
                 if done is not None:
                     return done
