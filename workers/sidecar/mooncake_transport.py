@@ -1482,9 +1482,11 @@ async def fetch(
         if len(keys) == 1 and _ENGINE is not None:
             key = keys[0]
             entry = cat.entries.get(key)
-            # `cat.fresh()` inline: the hot path of a small fetch
-            fresh = time.monotonic() - cat.heard_s < CATALOG_FRESH_S
-            if entry is not None and entry[2] <= ONE_READ_BYTES and fresh:
+            if (
+                entry is not None
+                and entry[2] <= ONE_READ_BYTES
+                and time.monotonic() - cat.heard_s < CATALOG_FRESH_S  # `cat.fresh()`, inline
+            ):
                 done = _fetch_one(store, cat, _ENGINE, key, entry)
                 if done is not None:
                     return done
