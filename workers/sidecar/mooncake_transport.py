@@ -1269,26 +1269,29 @@ def _fetch_one(
     assert arena is not None
     local = engine.register_arena(arena) + slot
     if size > INLINE_PIECE:
-        return _fetch_one_pieces(store, cat, engine, key, entry, slot, local)
-    # no closure and no helper call before the submission: this is the 4-64 KiB hot path
-    te = engine.te
-    committed = False
-    batch_id = int(te.batch_transfer_async_read(session, [local], [remote], [size]))
-    if not _submitted(batch_id):
-        _fetch_one_failed(store, cat, key, slot, False, -1)
-        return None
-    # from here to the poll, the engine reads meanwhile
-    if not store.has(key):
-        store.commit(key, slot, size, digest)
-        committed = True
-    done = FetchResult((key,), (), size, 1)
-    view = arena.view[slot : slot + size]
-    now = time.perf_counter()
-    rc = _await_read(te, batch_id, now + SPIN_WAIT_S, now + LOOP_WAIT_S)
-    if rc is None:
-        _abandon_slot(store, engine, key, slot, committed, [batch_id])
-        rc = READ_ABANDONED
-    elif rc == 0 and checksum(view) == digest:
+        rc, ok, committed = _read_pieces(store, engine, key, entry, slot, local)
+        done = FetchResult((key,), (), size, 1)
+    else:  # no closure and no helper call before the submission: the 4-64 KiB hot path
+        te = engine.te
+        committed = False
+        batch_id = int(te.batch_transfer_async_read(session, [local], [remote], [size]))
+        if not _submitted(batch_id):
+            rc, ok = -1, False
+        else:  # from here to the poll, the engine reads meanwhile
+            if not store.has(key):
+                store.commit(key, slot, size, digest)
+                committed = True
+            done = FetchResult((key,), (), size, 1)
+            view = arena.view[slot : slot + size]
+            now = time.perf_counter()
+            waited = _await_read(te, batch_id, now + SPIN_WAIT_S, now + LOOP_WAIT_S)
+            if waited is None:
+                _abandon_slot(store, engine, key, slot, committed, [batch_id])
+                rc = READ_ABANDONED
+            else:
+                rc = waited
+            ok = rc == 0 and checksum(view) == digest
+    if ok:
         if not committed:
             store.commit(key, slot, size, digest)
         return done
@@ -1296,23 +1299,23 @@ def _fetch_one(
     return None
 
 
-def _fetch_one_pieces(
+def _read_pieces(
     store: ArtifactStore,
-    cat: _Catalog,
     engine: _Engine,
     key: str,
     entry: tuple[str, int, int, bytes],
     slot: int,
     local: int,
-) -> FetchResult | None:
-    """`_fetch_one` above `INLINE_PIECE`: pieces read at once, each hashed as it lands."""
+) -> tuple[int, bool, bool]:
+    """`_fetch_one`'s read above `INLINE_PIECE`: pieces submitted at once, each hashed as it
+    lands. Returns `_read_all`'s status, whether the bytes matched their checksum, and whether
+    the key was committed meanwhile."""
     session, remote, size, digest = entry
     arena = store.arena
     assert arena is not None
     hasher = new_hasher()
     starts = range(0, size, INLINE_PIECE)
     view = arena.view[slot : slot + size]
-    done = FetchResult((key,), (), size, 1)
     committed = False
 
     def reading() -> None:
@@ -1330,12 +1333,7 @@ def _fetch_one_pieces(
         reading,
         lambda batch_ids: _abandon_slot(store, engine, key, slot, committed, batch_ids),
     )
-    if rc == 0 and hasher.digest() == digest:
-        if not committed:
-            store.commit(key, slot, size, digest)
-        return done
-    _fetch_one_failed(store, cat, key, slot, committed, rc)
-    return None
+    return rc, rc == 0 and hasher.digest() == digest, committed
 
 
 def _abandon_slot(
