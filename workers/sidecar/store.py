@@ -409,7 +409,9 @@ class ArtifactStore:
             self._make_room(Tier.MEMORY, size, protect=key)
             offset = None
             if self.arena is not None and size:
-                offset = self._alloc_slot(size, protect=key)
+                offset = self.arena.alloc(size)
+                if offset is None:
+                    offset = self._demote_for_slot(size, protect=key)
             if offset is not None:
                 assert self.arena is not None
                 self.arena.view[offset : offset + size] = data
@@ -435,16 +437,13 @@ class ArtifactStore:
         # ~0.3 us (reserve and commit both do this: 0.6 us of a 4.7 us small fetch, VM)
         if self._mem_bytes + size > self.memory_capacity_bytes:
             self._make_room(Tier.MEMORY, size, protect="")
-        offset = self.arena.alloc(size)  # the common case, without `_alloc_slot`'s call
-        return offset if offset is not None else self._alloc_slot(size, protect="")
-
-    def _alloc_slot(self, size: int, protect: str) -> int | None:
-        """An arena slot; when none is free (reserved slots, or free space in pieces), the
-        lowest-utility arena artifacts are demoted one by one until one is."""
-        assert self.arena is not None
         offset = self.arena.alloc(size)
-        if offset is not None:
-            return offset
+        return offset if offset is not None else self._demote_for_slot(size, protect="")
+
+    def _demote_for_slot(self, size: int, protect: str) -> int | None:
+        """An arena slot when `Arena.alloc` found none free (reserved slots, or free space in
+        pieces): the lowest-utility arena artifacts are demoted one by one until one is."""
+        assert self.arena is not None
         now = self.clock()
         ranked = sorted(
             (self._meta[k] for k, v in self._mem.items() if isinstance(v, _Slot) and k != protect),
