@@ -532,7 +532,8 @@ class RouterServer:
             conn.transport.close()
         if self._server is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await self._server.wait_closed()
         if self._lifespan is not None:
             await self._lifespan.shutdown()
 

@@ -308,7 +308,8 @@ class Router:
         self._subscribers.clear()
         for task in list(self._background):
             with contextlib.suppress(BaseException):
-                await asyncio.wait_for(task, 2.0)
+                async with asyncio.timeout(2.0):
+                    await task
         if self.http is not None:
             await self.http.close()
             self.http = None

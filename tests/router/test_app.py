@@ -248,7 +248,8 @@ async def test_client_disconnect_cancels_the_upstream_request(workers):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        await asyncio.wait_for(w0.cancelled.wait(), 5.0)
+        async with asyncio.timeout(5.0):
+            await w0.cancelled.wait()
         assert router.pool.get("w0").inflight == 0
 
 

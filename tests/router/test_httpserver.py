@@ -58,7 +58,8 @@ async def served(**server: Any) -> AsyncIterator[tuple[str, int, Any]]:
 
 async def _response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
     """One response: status, headers, body (content-length, chunked, or until EOF)."""
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    async with asyncio.timeout(10):
+        head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split()[1])
     headers = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:] if x)}
@@ -74,7 +75,8 @@ async def _response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], 
             parts.append(data[:-2])
         body = b"".join(parts)
     else:
-        body = await asyncio.wait_for(reader.read(), 10)
+        async with asyncio.timeout(10):
+            body = await reader.read()
     return status, headers, body
 
 
@@ -122,7 +124,8 @@ async def test_expect_100_continue_is_answered_before_the_body():
         body = _chat()
         head, _, _ = _post(body, b"expect: 100-continue\r\n").partition(b"\r\n\r\n")
         writer.write(head + b"\r\n\r\n")
-        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        async with asyncio.timeout(10):
+            interim = await reader.readuntil(b"\r\n\r\n")
         assert interim.startswith(b"HTTP/1.1 100")
         writer.write(body)
         assert (await _response(reader))[0] == 200
@@ -319,4 +322,5 @@ async def test_a_client_leaving_mid_stream_closes_the_worker_connection():
         await reader.readuntil(b"\r\n\r\n")
         await reader.read(4096)  # the stream is flowing
         writer.transport.abort()
-        await asyncio.wait_for(flood.aborted.wait(), 10)
+        async with asyncio.timeout(10):
+            await flood.aborted.wait()

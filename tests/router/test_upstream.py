@@ -105,7 +105,8 @@ async def test_closing_a_response_early_tells_the_server():
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.wait_for(worker.cancelled.wait(), 5.0)
+        async with asyncio.timeout(5.0):
+            await worker.cancelled.wait()
     finally:
         await pool.close()
         await worker.stop()

@@ -256,7 +256,8 @@ class TransferHolds:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(key, []).append(fut)
         try:
-            await asyncio.wait_for(fut, timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await fut
         except TimeoutError:
             waiters = self._waiters.get(key)
             if waiters is not None and fut in waiters:

@@ -990,9 +990,8 @@ class _Catalog:
     async def run(self, registry: dict[tuple[str, int], _Catalog]) -> None:
         writer: asyncio.StreamWriter | None = None
         try:
-            reader, w = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port), CATALOG_CONNECT_TIMEOUT_S
-            )
+            async with asyncio.timeout(CATALOG_CONNECT_TIMEOUT_S):
+                reader, w = await asyncio.open_connection(self.host, self.port)
             writer = w
             w.write(_frame({"watch": True}))
             await w.drain()
@@ -1515,7 +1514,8 @@ async def _fetch_control(
         except _StaleConnection:
             pass  # closed while idle (peer restarted): once more on a fresh connection
     try:
-        conn = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            conn = await asyncio.open_connection(host, port)
     except (OSError, TimeoutError) as e:
         raise TransferError(f"cannot reach sidecar {host}:{port}: {e}") from e
     return await _fetch_on(conn, store, host, port, keys, timeout_s, settings, False)

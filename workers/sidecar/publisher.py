@@ -100,8 +100,11 @@ class ReplicaPublisher:
         next_renew = loop.time() + self.renew_every_s
         while True:
             timeout = max(0.0, next_renew - loop.time())
+            # `asyncio.timeout`, not `wait_for`: on 3.11 `wait_for` swallows a cancel that lands
+            # just after its inner wait finished, and `close` would then wait forever
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
             self._wake.clear()
             if loop.time() >= next_renew:
                 await self.renew()
@@ -119,8 +122,7 @@ class ReplicaPublisher:
         """Stop the loop after one last flush (replicas then expire on their own)."""
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait([self._task])  # a cancel of close() itself still propagates
             self._task = None
         with contextlib.suppress(Exception):
             await self.flush()

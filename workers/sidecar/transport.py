@@ -155,7 +155,8 @@ async def fetch(
     missing: list[str] = []
     total = 0
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(host, port)
     except (OSError, TimeoutError) as e:
         raise TransferError(f"cannot reach sidecar {host}:{port}: {e}") from e
     try:

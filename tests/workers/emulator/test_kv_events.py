@@ -119,7 +119,8 @@ async def test_replay_socket_resends_missed_batches(
         await dealer.send_multipart([b"", (1).to_bytes(8, "big")])
         got: list[int] = []
         while True:
-            frames = await asyncio.wait_for(dealer.recv_multipart(), 5)
+            async with asyncio.timeout(5):
+                frames = await dealer.recv_multipart()
             seq = int.from_bytes(frames[2], "big", signed=True)
             if seq == -1:
                 break

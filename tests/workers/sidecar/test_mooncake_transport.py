@@ -333,12 +333,10 @@ async def test_concurrent_fetches_through_the_smallest_staging_buffer_all_comple
     keys = list(payloads)
     dsts = [_store() for _ in range(6)]
     try:
-        results = await asyncio.wait_for(
-            asyncio.gather(
+        async with asyncio.timeout(30):
+            results = await asyncio.gather(
                 *(mt.fetch(d, "127.0.0.1", port, keys[j:] + keys[:j]) for j, d in enumerate(dsts))
-            ),
-            30,
-        )
+            )
     finally:
         await server.close()
     for d, res in zip(dsts, results, strict=True):

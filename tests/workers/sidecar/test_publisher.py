@@ -1,0 +1,47 @@
+"""The replica publisher's loop: what it writes to the directory, and that closing it always
+stops it (a close racing a wake-up once left the sidecar's shutdown waiting forever)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ownerserve.directory.memory import InMemoryDirectory
+from ownerserve.types import Tier
+from workers.sidecar.publisher import ReplicaPublisher
+
+
+async def test_new_blocks_are_published_in_one_call_per_tier() -> None:
+    directory = InMemoryDirectory()
+    held = {1: Tier.CPU, 2: Tier.CPU, 3: Tier.SSD}
+    pub = ReplicaPublisher(directory, "w0", lambda: held, ttl_s=30.0, flush_every_s=0.01)
+    pub.start()
+    pub.note(held)
+    for _ in range(200):
+        if pub.stats().published_blocks == 3:
+            break
+        await asyncio.sleep(0.01)
+    await pub.close()
+    assert pub.stats().published_blocks == 3 and pub.stats().publish_calls == 2
+    assert (await directory.lookup([1, 2])).longest("w0", Tier.CPU) == 2
+    assert (await directory.lookup([3])).longest("w0", Tier.SSD) == 1
+
+
+async def test_close_stops_the_loop_however_it_races_a_wake_up() -> None:
+    """`note` wakes the loop; `close` cancels it k event-loop turns later. On Python 3.11 a
+    cancel that lands after the wake-up completed `asyncio.wait_for`'s inner wait, but before
+    the loop resumed, was swallowed by `wait_for`: the loop ran on and `close` never returned.
+    Each k must close within 2 s here."""
+    for k in range(8):
+        pub = ReplicaPublisher(InMemoryDirectory(), "w0", dict, ttl_s=300.0, flush_every_s=5.0)
+        pub.start()
+        await asyncio.sleep(0.01)  # the loop is waiting for a wake-up
+        pub.note({k: Tier.CPU})
+        for _ in range(k):
+            await asyncio.sleep(0)
+        # not `asyncio.timeout(...)` around `close()`: that would cancel the loop and pass
+        closing = asyncio.create_task(pub.close())
+        done, _ = await asyncio.wait([closing], timeout=2.0)
+        if not done:
+            closing.cancel()
+            await asyncio.wait([closing])
+        assert done, f"close() still waiting for the loop 2 s after a wake-up {k} turns before"
