@@ -147,11 +147,12 @@ class VllmClient:
         base_url: str,
         client: httpx.AsyncClient | None = None,
         timeout_s: float = 300.0,
+        connect_timeout_s: float = 5.0,
     ) -> None:
         self.name = name
         self.base_url = base_url.rstrip("/")
         self._client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
         self._owns_client = client is None

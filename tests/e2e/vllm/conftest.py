@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from workers.adapters.vllm import VLLMAdapter
+from workers.adapters.vllm import VLLMAdapter, VllmClient
 from workers.vllm_cpu.model import SERVED_NAME
 from workers.vllm_cpu.server import VllmRole, VllmServer, VllmServerSpec, free_port
 from workers.vllm_cpu.setup import VllmCpuInstall, ensure
@@ -37,6 +37,12 @@ READY_TIMEOUT_S = 300.0
 # Small enough that a few long prompts force evictions (BlockRemoved events); 2048-token
 # requests need 64 blocks of 32.
 HYBRID_KV_BLOCKS = 160
+
+
+def vllm_client(name: str, url: str) -> VllmClient:
+    """A client of one of these tests' vLLM servers. Its connect may wait out a stall of this
+    shared VM: a 34 s one once outlasted the 5 s connect timeout a router uses."""
+    return VllmClient(name, url, connect_timeout_s=60.0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,7 @@ from ownerserve.directory.base import EventApplyResult
 from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.events import BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
-from tests.e2e.vllm.conftest import HYBRID_KV_BLOCKS
-from workers.adapters.vllm import VllmClient
+from tests.e2e.vllm.conftest import HYBRID_KV_BLOCKS, vllm_client
 from workers.adapters.vllm_events import subscriber_for_source
 from workers.vllm_cpu.server import VllmServer
 
@@ -63,7 +62,7 @@ def _tokens(seed: int, n: int) -> list[int]:
 async def test_stored_blocks_become_directory_holdings_and_evictions_remove_them(
     vllm_hybrid: VllmServer,
 ) -> None:
-    client = VllmClient("hybrid", vllm_hybrid.url)
+    client = vllm_client("hybrid", vllm_hybrid.url)
     sink = RecordingDirectory()
     root = chain_root(MODEL)
     await sink.directory.register_worker("hybrid", root, BLOCK)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.e2e.vllm.conftest import vllm_client
 from workers.adapters.vllm import VllmClient
 from workers.vllm_cpu.server import VllmServer
 
@@ -11,7 +12,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
 async def test_a_repeated_prompt_shows_up_as_prefix_cache_hits(vllm_hybrid: VllmServer) -> None:
-    client = VllmClient("hybrid", vllm_hybrid.url)
+    client = vllm_client("hybrid", vllm_hybrid.url)
     try:
         assert await client.health()
         prompt = " ".join(f"metrics probe {i} sit amet" for i in range(40))

@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.vllm.conftest import PDPair
-from workers.adapters.vllm import VllmClient
+from tests.e2e.vllm.conftest import PDPair, vllm_client
 from workers.vllm_cpu.server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -43,9 +42,9 @@ def _tokens_and_logprobs(resp: dict[str, Any]) -> tuple[list[str], list[float]]:
 async def test_decode_continues_from_transferred_kv_and_matches_colocated(
     vllm_pd_pair: PDPair, vllm_hybrid: VllmServer
 ) -> None:
-    prefill = VllmClient("prefill", vllm_pd_pair.prefill.url)
-    decode = VllmClient("decode", vllm_pd_pair.decode.url)
-    colocated = VllmClient("hybrid", vllm_hybrid.url)
+    prefill = vllm_client("prefill", vllm_pd_pair.prefill.url)
+    decode = vllm_client("decode", vllm_pd_pair.decode.url)
+    colocated = vllm_client("hybrid", vllm_hybrid.url)
     try:
         body = _body(_prompt("pd-match"))
         before = await decode.load()
@@ -79,9 +78,9 @@ async def test_decode_from_the_wrong_remote_blocks_diverges(
 ) -> None:
     """Control for the test above: pointing the decoder at the prefill's blocks in reverse
     order must change its output, so equality there means the transferred KV was used."""
-    prefill = VllmClient("prefill", vllm_pd_pair.prefill.url)
-    decode = VllmClient("decode", vllm_pd_pair.decode.url)
-    colocated = VllmClient("hybrid", vllm_hybrid.url)
+    prefill = vllm_client("prefill", vllm_pd_pair.prefill.url)
+    decode = vllm_client("decode", vllm_pd_pair.decode.url)
+    colocated = vllm_client("hybrid", vllm_hybrid.url)
     try:
         body = _body(_prompt("pd-tamper"))
         params = await prefill.prefill_for_remote_decode("/v1/completions", body)
@@ -103,9 +102,9 @@ async def test_decode_from_the_wrong_remote_blocks_diverges(
 async def test_streamed_decode_after_remote_prefill_yields_the_colocated_text(
     vllm_pd_pair: PDPair, vllm_hybrid: VllmServer
 ) -> None:
-    prefill = VllmClient("prefill", vllm_pd_pair.prefill.url)
-    decode = VllmClient("decode", vllm_pd_pair.decode.url)
-    colocated = VllmClient("hybrid", vllm_hybrid.url)
+    prefill = vllm_client("prefill", vllm_pd_pair.prefill.url)
+    decode = vllm_client("decode", vllm_pd_pair.decode.url)
+    colocated = vllm_client("hybrid", vllm_hybrid.url)
     try:
         messages = [{"role": "user", "content": _prompt("pd-chat")}]
         body = {

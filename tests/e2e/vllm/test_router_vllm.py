@@ -18,8 +18,7 @@ import pytest
 
 from ownerserve.config import Settings, settings_from_dict
 from tests.e2e.router_cluster import plan_fields, proxy_client
-from tests.e2e.vllm.conftest import PDPair
-from workers.adapters.vllm import VllmClient
+from tests.e2e.vllm.conftest import PDPair, vllm_client
 from workers.vllm_cpu.server import VllmServer
 from workers.vllm_cpu.setup import VllmCpuInstall
 
@@ -160,7 +159,7 @@ async def test_next_turn_goes_to_the_worker_whose_kv_events_hold_the_prefix(
     settings = router_settings(
         vllm_install, [("a", vllm_hybrid), ("b", vllm_hybrid_b)], "ownerserve"
     )
-    b_direct = VllmClient("b", vllm_hybrid_b.url)
+    b_direct = vllm_client("b", vllm_hybrid_b.url)
     async with proxy_client(settings) as (client, router):
         client.timeout = httpx.Timeout(300.0)
         tokenizer = router.tokenizers.get(MODEL)
@@ -247,7 +246,7 @@ async def test_worker_killed_mid_stream_ends_the_stream_cleanly_and_loses_its_bl
         assert warm.status_code == 200
         owner = plan_fields(warm.headers["x-ownerserve-plan"])["d"]
         (other,) = set(servers) - {owner}
-        await VllmClient(other, servers[other].url).post(
+        await vllm_client(other, servers[other].url).post(
             "/v1/chat/completions", body(messages, False, 1)
         )
 

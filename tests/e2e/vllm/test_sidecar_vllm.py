@@ -25,7 +25,7 @@ import torch
 
 from kernels.rope import RopeSpec, apply_rope
 from ownerserve.hashing import chain_root
-from tests.e2e.vllm.conftest import PDPair, Sidecar
+from tests.e2e.vllm.conftest import PDPair, Sidecar, vllm_client
 from workers.adapters.vllm import VllmClient, VllmLoad
 from workers.vllm_connector.plan import chunk_hashes, loadable_blocks, lookup_keys
 from workers.vllm_cpu.model import CONFIG, SERVED_NAME
@@ -186,8 +186,8 @@ async def test_a_prefix_computed_on_a_is_fetched_by_b_and_loaded_without_recompu
     vllm_hybrid: VllmServer,
     vllm_hybrid_b: VllmServer,
 ) -> None:
-    a = VllmClient("a", vllm_hybrid.url)
-    b = VllmClient("b", vllm_hybrid_b.url)
+    a = vllm_client("a", vllm_hybrid.url)
+    b = vllm_client("b", vllm_hybrid_b.url)
     async with httpx.AsyncClient(timeout=60.0) as http:
         try:
             prompt = _prompt("fetch")
@@ -239,8 +239,8 @@ def _flip_a_byte(store_file: Path) -> None:
 async def test_a_corrupted_artifact_is_never_loaded_and_vllm_recomputes_the_same_tokens(
     sidecar_a: Sidecar, sidecar_b: Sidecar, vllm_hybrid: VllmServer, vllm_hybrid_b: VllmServer
 ) -> None:
-    a = VllmClient("a", vllm_hybrid.url)
-    b = VllmClient("b", vllm_hybrid_b.url)
+    a = vllm_client("a", vllm_hybrid.url)
+    b = vllm_client("b", vllm_hybrid_b.url)
     async with httpx.AsyncClient(timeout=60.0) as http:
         try:
             prompt = _prompt("corrupt", 50)
@@ -276,8 +276,8 @@ async def test_multiconnector_nixl_and_ownerserve_serve_a_pd_request_and_save_it
 ) -> None:
     """The decode instance runs MultiConnector [NixlConnector, OwnerServeConnector]: the P/D
     request's KV arrives over NIXL, and the OwnerServe half saves its blocks to the sidecar."""
-    prefill = VllmClient("prefill", vllm_pd_pair.prefill.url)
-    decode = VllmClient("decode", vllm_pd_pair.decode.url)
+    prefill = vllm_client("prefill", vllm_pd_pair.prefill.url)
+    decode = vllm_client("decode", vllm_pd_pair.decode.url)
     async with httpx.AsyncClient(timeout=60.0) as http:
         try:
             prompt = _prompt("multi", 40)
