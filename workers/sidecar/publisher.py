@@ -121,8 +121,11 @@ class ReplicaPublisher:
     async def close(self) -> None:
         """Stop the loop after one last flush (replicas then expire on their own)."""
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait([self._task])  # a cancel of close() itself still propagates
+            task = self._task
+            task.cancel()
+            await asyncio.wait([task])  # a cancel of close() itself still propagates
+            if not task.cancelled():
+                task.result()  # a loop that had died of an error raises it here
             self._task = None
         with contextlib.suppress(Exception):
             await self.flush()

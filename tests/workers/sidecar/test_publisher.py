@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.types import Tier
 from workers.sidecar.publisher import ReplicaPublisher
@@ -45,3 +47,17 @@ async def test_close_stops_the_loop_however_it_races_a_wake_up() -> None:
             closing.cancel()
             await asyncio.wait([closing])
         assert done, f"close() still waiting for the loop 2 s after a wake-up {k} turns before"
+
+
+async def test_close_raises_what_stopped_the_loop() -> None:
+    """A loop that died of an error (here: `holdings` failing at a renew) is not hidden by
+    `close`."""
+
+    def holdings() -> dict[int, Tier]:
+        raise RuntimeError("holdings failed")
+
+    pub = ReplicaPublisher(InMemoryDirectory(), "w0", holdings, ttl_s=0.03)
+    pub.start()
+    await asyncio.sleep(0.1)  # past the first renew (every ttl_s / 3)
+    with pytest.raises(RuntimeError, match="holdings failed"):
+        await pub.close()
