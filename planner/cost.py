@@ -161,13 +161,22 @@ class CostModel:
         dt = self._profiles.get(worker.profile, self._default).decode
         return worker.decode_scale * (dt.base_s + dt.per_seq_s * batch + dt.per_ctx_token_s * ctx)
 
-    def transfer_s(self, src: WorkerView, dst: WorkerView, nbytes: float) -> float:
+    def link_s(self, src: WorkerView, dst: WorkerView, nbytes: float) -> float:
         """dst.link_scale · (latency_s + bytes / bw), bw = intra- or inter-node bandwidth of the
         destination's profile; 0 when nothing moves."""
         if nbytes <= 0:
             return 0.0
         link = self._profiles.get(dst.profile, self._default).link
         return dst.link_scale * link.transfer_s(nbytes, src.node == dst.node)
+
+    def transfer_s(self, src: WorkerView, dst: WorkerView, nbytes: float) -> float:
+        """link_s(src, dst, bytes) + [src.node ≠ dst.node] · src.nic_backlog_s: a transfer
+        between nodes first waits for what is queued on the source node's NIC; 0 when nothing
+        moves."""
+        t = self.link_s(src, dst, nbytes)
+        if nbytes > 0 and src.node != dst.node:
+            return t + src.nic_backlog_s
+        return t
 
     def restore_s(self, worker: WorkerView, cpu_bytes: float, ssd_bytes: float) -> float:
         """Tier load into HBM: cpu_bytes / cpu_load_bps + ssd_bytes / ssd_load_bps."""
@@ -345,25 +354,56 @@ def t_compute(model: CostModel, request: RequestView, route: Route) -> float:
     return t_prefill(model, request, route) + t_decode(model, request, route)
 
 
-def t_network(
-    model: CostModel, request: RequestView, route: Route, moved: int | None = None
-) -> float:
-    """KV moved over links:
-    REMOTE_PREFILL: pd_handshake_s + transfer_s(P, D, max(0, N − gpu(D)·block_size) · K);
-    ARTIFACT_FETCH / STATE_MIGRATION: transfer_s(S, P, moved_blocks · block_size · K);
-    colocated actions: 0.  (K = kv_bytes_per_token; `moved` = moved_blocks when known)"""
+def kv_transfer(
+    request: RequestView, route: Route, moved: int | None = None
+) -> tuple[WorkerView, WorkerView, int] | None:
+    """The route's KV transfer over a link, (from, to, bytes):
+    REMOTE_PREFILL: (P, D, max(0, N − gpu(D)·block_size) · K);
+    ARTIFACT_FETCH / STATE_MIGRATION: (S, P, moved_blocks · block_size · K);
+    colocated actions: None.  (K = kv_bytes_per_token; `moved` = moved_blocks when known)"""
     k = request.kv_bytes_per_token
     if route.action is _REMOTE:
         n = max(request.prompt_tokens, 1)
         gpu_d = tier_blocks(route.decode)[0] * request.block_size
-        return model.config.pd_handshake_s + model.transfer_s(
-            route.prefill, route.decode, max(0, n - gpu_d) * k
-        )
+        return route.prefill, route.decode, max(0, n - gpu_d) * k
     if route.source is not None:
         mb = moved_blocks(request, route) if moved is None else moved
-        nbytes = mb * request.block_size * k
-        return model.transfer_s(route.source, route.prefill, nbytes)
-    return 0.0
+        return route.source, route.prefill, mb * request.block_size * k
+    return None
+
+
+def t_network(
+    model: CostModel, request: RequestView, route: Route, moved: int | None = None
+) -> float:
+    """KV moved over links, (S, D, bytes) = `kv_transfer`:
+    REMOTE_PREFILL: pd_handshake_s + transfer_s(P, D, bytes);
+    ARTIFACT_FETCH / STATE_MIGRATION: transfer_s(S, P, bytes);
+    colocated actions: 0."""
+    return _network(model, request, route, moved)[0]
+
+
+def t_nic(model: CostModel, request: RequestView, route: Route, moved: int | None = None) -> float:
+    """T_NIC, the time the route's transfer adds to its source node's NIC backlog
+    (informational, not part of C(a); the router queues it, `WorkerView.nic_backlog_s`):
+    link_s(S, D, bytes) for (S, D, bytes) = `kv_transfer` with S and D on different nodes;
+    else 0."""
+    return _network(model, request, route, moved)[1]
+
+
+def _network(
+    model: CostModel, request: RequestView, route: Route, moved: int | None
+) -> tuple[float, float]:
+    """(t_network, t_nic), from one `kv_transfer`."""
+    moves = kv_transfer(request, route, moved)
+    if moves is None:
+        return 0.0, 0.0
+    src, dst, nbytes = moves
+    link = model.link_s(src, dst, nbytes)
+    cross = nbytes > 0 and src.node != dst.node
+    t = link + src.nic_backlog_s if cross else link  # model.transfer_s, link_s computed once
+    return (model.config.pd_handshake_s + t if route.action is _REMOTE else t), (
+        link if cross else 0.0
+    )
 
 
 def t_restore(
@@ -460,7 +500,7 @@ def _evaluate(
     dec = t_decode(model, request, route)
     o = decode_tokens(request, cfg)
     tq = t_queue(model, request, route)
-    tn = t_network(model, request, route, moved)
+    tn, nic = _network(model, request, route, moved)
     tr = t_restore(model, request, route, tiers)
     m = m_hbm(model, request, route, r, held)
     i = i_decode(model, request, route, pre)
@@ -469,7 +509,7 @@ def _evaluate(
         # the other terms summed as CostBreakdown.total sums them
         h = h_move(model, route, tq + (pre + dec) + tn + tr + cfg.lam * m + cfg.mu * i)
     return CostBreakdown(
-        tq, pre + dec, tn, tr, m, i, cfg.lam, cfg.mu, pre, dec / o if o else 0.0, h
+        tq, pre + dec, tn, tr, m, i, cfg.lam, cfg.mu, pre, dec / o if o else 0.0, h, nic
     )
 
 

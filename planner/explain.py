@@ -68,6 +68,7 @@ def candidate_to_dict(c: Candidate) -> dict[str, Any]:
             "t_prefill_s": b.t_prefill,
             "t_decode_step_s": b.t_decode_step,
             "t_network_s": b.t_network,
+            "t_nic_s": b.t_nic,
             "t_restore_s": b.t_restore,
             "m_hbm_bytes": b.m_hbm_bytes,
             "i_decode_s": b.i_decode,

@@ -60,6 +60,11 @@ class WorkerView:
     decode_scale: float = 1.0
     # online calibration of KV transfers *into* this worker (observed/predicted)
     link_scale: float = 1.0
+    # seconds of KV transfers already queued to leave this worker's node over its inter-node
+    # link (the node's NIC), as far as the router knows them (the transfers it started): a
+    # transfer from this worker to another node starts only after them. A property of the
+    # node: every worker of a node carries the same value.
+    nic_backlog_s: float = 0.0
 
 
 @fast_init
@@ -118,6 +123,9 @@ class CostBreakdown:
     t_decode_step: float = 0.0
     # a state migration's hysteresis (planner.cost.h_move); 0 for every other action
     h_move: float = 0.0
+    # informational: the time the transfer adds to its source node's NIC backlog (planner.cost
+    # .t_nic; 0 when no KV crosses nodes)
+    t_nic: float = 0.0
 
     @property
     def total(self) -> float:

@@ -15,6 +15,7 @@ pays for no routing or request objects); everything else goes through FastAPI.
 from __future__ import annotations
 
 import hmac
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -250,5 +251,10 @@ def create_app(
         return JSONResponse(
             {w: {"prefill": s.prefill, "decode": s.decode, "link": s.link} for w, s in snap.items()}
         )
+
+    @app.get("/admin/links")
+    async def links(request: Request) -> JSONResponse:
+        admin_auth(request)
+        return JSONResponse({"nic_backlog_s": router.nics.snapshot(time.monotonic())})
 
     return app

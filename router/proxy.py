@@ -43,6 +43,7 @@ from router.executor import (
     UpstreamTimeoutError,
     forward_headers,
 )
+from router.links import NicLedger
 from router.plans import PlanRecord, plan_header
 from router.pool import WorkerPool
 from router.requests import CompletionRequest, Endpoint, parse_request
@@ -236,6 +237,8 @@ class Router:
         self._policies: dict[str, Policy] = {}
         self.policy = self._policy(settings.planner.policy)
         self.calibrator = calibrator if calibrator is not None else Calibrator()
+        # the KV transfers this router's plans queued on each node's NIC (T_network's backlog)
+        self.nics = NicLedger()
         self.http: UpstreamPool | None = None
         self.executor: PlanExecutor | None = None
         self.recent_plans: deque[PlanRecord] = deque(maxlen=256)
@@ -411,6 +414,7 @@ class Router:
         views = []
         scales = self.calibrator.scales
         owner, session_owner = match.owner, match.session_owner
+        backlog = self.nics.backlog
         for w in self.pool.for_model(model):
             if w.worker_id in excluded or not w.routable(now):
                 continue
@@ -419,7 +423,7 @@ class Router:
             held = cached.get(wid)
             load = w.load
             # the view is rebuilt only when something it shows changed (a frozen dataclass of
-            # 17 fields costs ~2 µs to build)
+            # 18 fields costs ~2 µs to build)
             key = (
                 max(load.running, w.inflight),
                 load.waiting,
@@ -432,6 +436,7 @@ class Router:
                 sc.decode,
                 sc.link,
                 w.settings,
+                backlog(w.settings.node, now),
             )
             last = w.view_cache
             if last is not None and last[0] == key:
@@ -453,6 +458,7 @@ class Router:
                 prefill_scale=sc.prefill,
                 decode_scale=sc.decode,
                 link_scale=sc.link,
+                nic_backlog_s=key[11],
             )
             w.view_cache = (key, view)
             views.append(view)
@@ -707,6 +713,7 @@ class Router:
                 break
             with tel.start_span("ownerserve.plan", attempt=attempt):
                 plan = policy.plan(rview, cluster)
+            nic = self._queue_transfer(plan)
             fetch = self._fetch_spec(plan, match, tok, mt.block_size)
             involved = self._involved(plan)
             for w in involved:
@@ -724,6 +731,7 @@ class Router:
                     decode=plan.chosen.decode_worker,
                 ):
                     opened = await self.executor.open_plan(plan, req, out_headers, fetch)
+                nic = None  # opened: its KV moves (or has moved)
             except RetryableUpstreamError as exc:
                 last_error = exc
                 excluded.add(exc.worker)
@@ -735,6 +743,8 @@ class Router:
                 log.warning("retrying without %s: %s", exc.worker, exc.reason)
                 continue
             finally:
+                if nic is not None:  # the plan failed before it opened: its KV never moved
+                    self.nics.release(nic[0], nic[1], time.monotonic())
                 for w in involved:
                     w.inflight -= 1
                 if prefill_worker is not None:
@@ -745,6 +755,21 @@ class Router:
                 raise UpstreamError(f"no worker could serve the request: {last_error}")
             raise NoWorkerAvailableError(f"no healthy worker serves model '{req.model}'")
         await self._stream(req, out, t0, tok, session, match, rview, plan, opened)
+
+    def _queue_transfer(self, plan: Plan) -> tuple[str, float] | None:
+        """Queue the plan's inter-node KV transfer on its source node's NIC (`t_nic` seconds:
+        P for a remote prefill, the source for a fetch or migration); (node, seconds) or None."""
+        c = plan.chosen
+        seconds = c.cost.t_nic
+        if seconds <= 0:
+            return None
+        src = c.prefill_worker if c.action is Action.REMOTE_PREFILL else c.source_worker
+        state = self.pool.get(src) if src else None
+        if state is None:
+            return None
+        node = state.settings.node
+        self.nics.reserve(node, seconds, time.monotonic())
+        return node, seconds
 
     def _involved(self, plan: Plan) -> list[Any]:
         ids = {plan.chosen.prefill_worker, plan.chosen.decode_worker}

@@ -7,8 +7,9 @@ KV blocks with the worker's HBM capacity, and decode interference as the emulate
 vLLM's chunked prefill) has it: a prefill shares its worker's steps with running decodes, so the
 decodes make no progress while it computes (their end moves later by the overlap) and each
 prefill chunk also pays one decode step. KV transfers queue FIFO on the
-sending node's NIC (bandwidth sharing as serialisation). The directory is exact: the sim knows
-every worker's cache, as the router learns it from KV events.
+sending node's NIC (bandwidth sharing as serialisation); the policies see each node's queue
+(`WorkerView.nic_backlog_s`), as the router knows the transfers it started. The directory is
+exact: the sim knows every worker's cache, as the router learns it from KV events.
 
 Assumptions, stated once: decode steps are not re-timed when the batch changes mid-request;
 transient prefill copies stay in P's cache (evictable) exactly as vLLM's prefix cache keeps
@@ -379,6 +380,7 @@ class Simulator:
             is_owner=owner == w.idx,
             is_session_owner=sess_owner == w.idx,
             node=w.node,
+            nic_backlog_s=max(0.0, self.nic_free_at.get(w.node, 0.0) - now),
         )
 
     def _kv_usage(self, w: _Worker, now: float) -> float:

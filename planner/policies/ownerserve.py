@@ -125,8 +125,10 @@ class OwnerServePolicy:
 
         src_f = fetch_source(request, cluster)
         f_node = src_f.node if src_f is not None else None
+        f_wait = src_f.nic_backlog_s if src_f is not None else 0.0
         src_m = migration_source(request, cluster)
         m_node = src_m.node if src_m is not None else None
+        m_wait = src_m.nic_backlog_s if src_m is not None else 0.0
         g_m = tier_blocks(src_m)[0] if src_m is not None else 0
         # the owner's view (identity tests below); None when it is not in the cluster
         owner_w: WorkerView | None = None
@@ -212,8 +214,11 @@ class OwnerServePolicy:
                                 else:
                                     c2, r2 = cost, (_COL, w, w, None)
                         if src_f is not None and w is not src_f and (top or dflt is _FETCH):
-                            bw = intra if w.node == f_node else inter
-                            cost = qd + sp * pf_fetch * ms + w.link_scale * (lat + ob * bk / bw)
+                            if w.node == f_node:
+                                lt = w.link_scale * (lat + ob * bk / intra)
+                            else:
+                                lt = w.link_scale * (lat + ob * bk / inter) + f_wait
+                            cost = qd + sp * pf_fetch * ms + lt
                             cost += lam * ob * bk
                             if dflt is _FETCH and cost < cdef:
                                 cdef, rdef = cost, (_FETCH, w, w, src_f)
@@ -224,8 +229,11 @@ class OwnerServePolicy:
                                 else:
                                     c2, r2 = cost, (_FETCH, w, w, src_f)
                         if src_m is not None and (top or dflt is _MIG):
-                            bw = intra if w.node == m_node else inter
-                            cost = qd + sp * pf_mig * ms + w.link_scale * (lat + g_m * bk / bw)
+                            if w.node == m_node:
+                                lt = w.link_scale * (lat + g_m * bk / intra)
+                            else:
+                                lt = w.link_scale * (lat + g_m * bk / inter) + m_wait
+                            cost = qd + sp * pf_mig * ms + lt
                             cost = (cost + lam * g_m * bk) * mig_rel + mig_abs
                             if dflt is _MIG and cost < cdef:
                                 cdef, rdef = cost, (_MIG, w, w, src_m)
@@ -303,8 +311,11 @@ class OwnerServePolicy:
                         new2 = n - rt2
                         pf2 = sp * (pbase + ptok * new2 + pctx * new2 * (rt2 + new2 / 2.0))
                         fbytes = moved * bk
-                        bw = intra if w.node == f_node else inter
-                        cost = qdr + pf2 * ms + w.link_scale * (lat + fbytes / bw) + lam * fbytes
+                        if w.node == f_node:
+                            lt = w.link_scale * (lat + fbytes / intra)
+                        else:
+                            lt = w.link_scale * (lat + fbytes / inter) + f_wait
+                        cost = qdr + pf2 * ms + lt + lam * fbytes
                         if dflt is _FETCH and cost < cdef:
                             cdef, rdef = cost, (_FETCH, w, w, src_f)
                         if cost < c2:
@@ -321,8 +332,11 @@ class OwnerServePolicy:
                             rt2 = nm1
                         new2 = n - rt2
                         pf2 = sp * (pbase + ptok * new2 + pctx * new2 * (rt2 + new2 / 2.0))
-                        bw = intra if w.node == m_node else inter
-                        cost = qdr + pf2 * ms + w.link_scale * (lat + moved * bk / bw)
+                        if w.node == m_node:
+                            lt = w.link_scale * (lat + moved * bk / intra)
+                        else:
+                            lt = w.link_scale * (lat + moved * bk / inter) + m_wait
+                        cost = qdr + pf2 * ms + lt
                         cost = (cost + lam * moved * bk) * mig_rel + mig_abs
                         if dflt is _MIG and cost < cdef:
                             cdef, rdef = cost, (_MIG, w, w, src_m)
@@ -350,7 +364,10 @@ class OwnerServePolicy:
                 elif a < t[2]:
                     nodes[w.node] = (a, w, t[0], t[1]) if a < t[0] else (t[0], t[1], a, w)
 
-        # the best two P parts overall, from the best two of each node
+        # the best two P parts overall, from the best two of each node: as they are (a pair
+        # that moves nothing) and with the node's NIC backlog added (one that moves KV to
+        # another node; a node's workers share its backlog, so its best two stay its best two)
+        waits = False
         for a1, w1, a2, w2 in nodes.values():
             if a1 < ga2:
                 if a1 < ga1:
@@ -359,6 +376,22 @@ class OwnerServePolicy:
                     ga2, gw2 = a1, w1
                 if a2 < ga2:
                     ga2, gw2 = a2, w2
+            if w1.nic_backlog_s:
+                waits = True
+        ba1, bw1, ba2, bw2 = ga1, gw1, ga2, gw2
+        if waits:
+            ba1 = ba2 = _INF
+            for a1, w1, a2, w2 in nodes.values():
+                wait = w1.nic_backlog_s
+                a1 += wait
+                if a1 < ba2:
+                    if a1 < ba1:
+                        ba1, bw1, ba2, bw2 = a1, w1, ba1, bw1
+                    else:
+                        ba2, bw2 = a1, w1
+                    a2 += wait
+                    if a2 < ba2:
+                        ba2, bw2 = a2, w2
         # remote prefill: for each D, the best P on its node (intra-node link) and overall;
         # bd + ga1 is a lower bound of every pair into D
         p: WorkerView | None
@@ -388,10 +421,10 @@ class OwnerServePolicy:
                                 c2, r2 = cost, rec
                         if track_def and cost < cdef:
                             cdef, rdef = cost, (_REMOTE, p, d, None)
-                if gw1 is not d:
-                    a, p = ga1, gw1
+                if nbytes <= 0:  # nothing moves: no link, no backlog
+                    a, p = (ga1, gw1) if gw1 is not d else (ga2, gw2)
                 else:
-                    a, p = ga2, gw2
+                    a, p = (ba1, bw1) if bw1 is not d else (ba2, bw2)
                 if p is not None and p.node != node:
                     cost = bd + a
                     if nbytes > 0:

@@ -61,6 +61,18 @@ def test_primitives_scale_with_calibration() -> None:
     assert M.context_tokens(replace(w, kv_usage=0.25)) == pytest.approx(250_000)
 
 
+def test_a_transfer_between_nodes_waits_for_the_source_nodes_nic_backlog() -> None:
+    src = worker("s", Role.DECODE, "node1", nic_backlog_s=0.25)
+    dst = worker("d", Role.DECODE, "node0", nic_backlog_s=7.0)
+    # the source's backlog, then 1e-3 + 6e5 / 1e10; the destination's own backlog is not paid
+    assert M.transfer_s(src, dst, 6e5) == pytest.approx(0.25106)
+    # the other way round waits for d's NIC
+    assert M.transfer_s(dst, src, 6e5) == pytest.approx(7.00106)
+    # within a node no NIC is crossed; nothing moved waits for nothing
+    assert M.transfer_s(src, replace(dst, node="node1"), 6e5) == pytest.approx(0.001006)
+    assert M.transfer_s(src, dst, 0) == 0.0
+
+
 def test_colocated_on_the_busy_owner_term_by_term() -> None:
     req, _ = example()
     r = _routes()[("colocated_prefill", "d0", "d0")]
@@ -107,8 +119,17 @@ def test_remote_prefill_across_nodes_to_a_non_owner() -> None:
     req, _ = example()
     b = evaluate(M, req, _routes()[("remote_prefill", "p0", "d1")])
     assert b.t_network == pytest.approx(0.0032)  # 0.002 + 1e-3 + 2e6 / 1e10
+    assert b.t_nic == pytest.approx(0.0012)  # what p0's node NIC is busy with: the link part
     assert b.m_hbm_bytes == 3_600_000  # 2e6 transient on p0 + 1.6e6 owned prefix now on d1
     assert b.total == pytest.approx(0.339)
+    # with 0.5 s already queued on p0's node NIC, the KV leaves after it; the NIC time is the same
+    r = _routes()[("remote_prefill", "p0", "d1")]
+    busy = evaluate(M, req, replace(r, prefill=replace(r.prefill, nic_backlog_s=0.5)))
+    assert busy.t_network == pytest.approx(0.5032) and busy.t_nic == pytest.approx(0.0012)
+    assert busy.total == pytest.approx(0.839)
+    # on one node nothing crosses a NIC
+    same = evaluate(M, req, _routes()[("remote_prefill", "p0", "d0")])
+    assert same.t_nic == 0.0
 
 
 def test_state_migration_counts_the_copy_left_behind_and_pays_the_hysteresis() -> None:

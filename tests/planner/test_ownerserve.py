@@ -41,6 +41,37 @@ def test_new_long_prefix_goes_to_remote_prefill() -> None:
     assert p.default_cost_s == pytest.approx(0.74455)
 
 
+def test_remote_prefill_avoids_a_p_whose_node_nic_is_backlogged() -> None:
+    req = request(5000, session_id="s")
+    p0 = worker("p0", Role.PREFILL, "node0")
+    p1 = worker("p1", Role.PREFILL, "node1", waiting=1)  # queue 0.01 s more than p0
+    d2 = worker("d2", Role.DECODE, "node2", running=50)
+    assert plan(req, cluster(p0, p1, d2)).chosen.prefill_worker == "p0"
+    # p0's node has 0.1 s of KV queued on its NIC: p1 is now the cheaper sender
+    busy = cluster(replace(p0, nic_backlog_s=0.1), p1, d2)
+    p = plan(req, busy)
+    assert (p.action, p.chosen.prefill_worker, p.chosen.decode_worker) == (
+        Action.REMOTE_PREFILL, "p1", "d2",
+    )  # fmt: skip
+    assert p.chosen.cost.t_network == pytest.approx(0.002 + 1e-3 + 5e6 / 1e10)
+    # a D on p0's own node receives over the node's fast link, past the backlog
+    d0 = worker("d0", Role.DECODE, "node0", running=50)
+    p = plan(req, cluster(replace(p0, nic_backlog_s=0.1), p1, d0))
+    assert (p.chosen.prefill_worker, p.chosen.decode_worker) == ("p0", "d0")
+
+
+def test_a_fetch_from_an_owner_behind_a_busy_nic_loses_to_recomputing() -> None:
+    # a fork of a long owned prefix: the hot owner's replica is fetched to the idle d1 ...
+    req = request(20_000, session_id="s", owner="d0", owner_blocks=190, is_fork=True)
+    d0 = worker("d0", Role.DECODE, "node0", gpu=190, running=90)
+    d1 = worker("d1", Role.DECODE, "node1")
+    assert plan(req, cluster(d0, d1)).action is Action.ARTIFACT_FETCH
+    # ... unless the owner's node NIC has 5 s queued: computing it again is cheaper
+    p = plan(req, cluster(replace(d0, nic_backlog_s=5.0), d1))
+    assert p.action is not Action.ARTIFACT_FETCH
+    assert p.runner_up is not None
+
+
 def test_small_incremental_turn_colocates_on_the_owner() -> None:
     req, cl = example()
     p = plan(req, cl)

@@ -31,12 +31,15 @@ PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthC
 @st.composite
 def workers(draw: st.DrawFn, chain: int, n_max: int = 10) -> tuple[WorkerView, ...]:
     n = draw(st.integers(1, n_max))
+    # each node's NIC backlog (shared by its workers): mostly none, sometimes seconds
+    backlog = [draw(st.sampled_from([0.0, 0.0, 0.003, 0.2, 5.0])) for _ in range(3)]
     out = []
     for i in range(n):
         cached: dict[Tier, int] = {}
         for tier in Tier:
             if draw(st.booleans()):
                 cached[tier] = draw(st.integers(0, chain))
+        node = draw(st.integers(0, 2))
         out.append(
             WorkerView(
                 worker_id=f"w{i}",
@@ -47,7 +50,8 @@ def workers(draw: st.DrawFn, chain: int, n_max: int = 10) -> tuple[WorkerView, .
                 inflight_prefill_tokens=draw(st.integers(0, 50_000)),
                 kv_usage=draw(st.floats(0.0, 1.0)),
                 cached_blocks=cached,
-                node=f"n{draw(st.integers(0, 2))}",
+                node=f"n{node}",
+                nic_backlog_s=backlog[node],
                 prefill_scale=draw(st.floats(0.5, 3.0)),
                 decode_scale=draw(st.floats(0.5, 3.0)),
                 link_scale=draw(st.floats(0.5, 3.0)),

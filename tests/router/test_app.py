@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,15 +31,21 @@ class FixedPolicy:
 
     name = "fixed"
 
-    def __init__(self, action: Action, p: str, d: str, src: str | None = None) -> None:
+    def __init__(
+        self, action: Action, p: str, d: str, src: str | None = None, t_nic: float = 0.0
+    ) -> None:
         self.action, self.p, self.d, self.src = action, p, d, src
+        self.t_nic = t_nic
         self.requests: list[Any] = []
+        self.clusters: list[Any] = []
 
     def plan(self, request: Any, cluster: Any) -> Plan:
         self.requests.append(request)
+        self.clusters.append(cluster)
         live = [w.worker_id for w in cluster.workers]
         if self.p in live and self.d in live:
-            cand = Candidate(self.action, self.p, self.d, CostBreakdown(t_compute=0.01), self.src)
+            cost = CostBreakdown(t_compute=0.01, t_nic=self.t_nic)
+            cand = Candidate(self.action, self.p, self.d, cost, self.src)
         else:
             w = live[0]
             cand = Candidate(Action.COLOCATED_PREFILL, w, w, CostBreakdown())
@@ -50,6 +57,7 @@ async def router_for(
     workers: list[tuple[FakeWorker, str, str]],
     policy: FixedPolicy,
     server: dict[str, Any] | None = None,
+    nodes: dict[str, str] | None = None,
 ) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
     data = {
         "server": {"port": 0, "health_interval_s": 60, **(server or {})},
@@ -61,6 +69,7 @@ async def router_for(
                 "role": role,
                 "kind": kind,
                 "bootstrap_port": 9999,
+                "node": (nodes or {}).get(w.name, "node0"),
             }
             for w, role, kind in workers
         ],
@@ -180,6 +189,40 @@ async def test_artifact_fetch_asks_the_destination_to_pull_from_the_source(worke
     assert fetch["block_size"] == 4
     assert _plan_fields(resp)["fetched"] == "1"
     assert not src.completions() and dst.completions()
+
+
+async def test_a_transfer_between_nodes_queues_on_the_senders_nic_until_it_drains(workers):
+    p, d = workers
+    policy = FixedPolicy(Action.REMOTE_PREFILL, "w0", "w1", t_nic=30.0)
+    pair = [(p, "prefill", "emulator"), (d, "decode", "emulator")]
+    auth = {"authorization": "Bearer adm"}
+    nodes = {"w0": "n0", "w1": "n1"}
+    async with router_for(pair, policy, {"admin_token": "adm"}, nodes) as (c, router):
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        links = (await c.get("/admin/links", headers=auth)).json()["nic_backlog_s"]
+        # the first plan saw idle NICs; the second saw P's node 30 s behind (less what passed)
+        first, second = (
+            {w.worker_id: w.nic_backlog_s for w in cl.workers} for cl in policy.clusters
+        )
+        assert first == {"w0": 0.0, "w1": 0.0}
+        assert 29.0 < second["w0"] <= 30.0 and second["w1"] == 0.0
+        # two transfers queued one after the other on n0, nothing on the receiving node
+        assert set(links) == {"n0"} and 59.0 < links["n0"] <= 60.0
+        # drained once the queued time has passed
+        assert router.nics.backlog("n0", time.monotonic() + 60.0) == 0.0
+
+
+async def test_a_plan_that_fails_before_it_opens_takes_its_transfer_back(workers):
+    p, d = workers
+    p.mode = "fail500"
+    policy = FixedPolicy(Action.REMOTE_PREFILL, "w0", "w1", t_nic=30.0)
+    pair = [(p, "prefill", "emulator"), (d, "decode", "emulator")]
+    async with router_for(pair, policy, nodes={"w0": "n0", "w1": "n1"}) as (c, router):
+        resp = await c.post("/v1/chat/completions", json=CHAT)
+        assert resp.status_code == 200  # retried colocated on w1, without w0
+        assert _plan_fields(resp)["action"] == "colocated_prefill"
+        assert router.nics.snapshot(time.monotonic()) == {}
 
 
 async def test_5xx_before_first_byte_is_retried_on_another_worker(workers):

@@ -237,3 +237,24 @@ def test_scraped_kv_usage_lags_by_up_to_one_scrape_period() -> None:
         Simulator(spec, PROFILE, _Spy(Action.COLOCATED_PREFILL, "h0", "h0")).run(sessions)
         assert seen[0] == 0.0 and seen[2] > 0.0
         assert (seen[1] == 0.0) == stale  # B sees the usage of the scrape at t=0
+
+
+def test_policies_see_the_nic_backlog_of_each_senders_node() -> None:
+    seen: list[dict[str, float]] = []
+
+    class _Spy(_Fixed):
+        def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+            seen.append({w.worker_id: w.nic_backlog_s for w in cluster.workers})
+            return super().plan(request, cluster)
+
+    # p0 on node n0 sends a long prompt's KV to d1 on n1; a second session arrives at once
+    spec = ClusterSpec(1, 1, 0, workers_per_node=1)
+    sim = Simulator(spec, PROFILE, _Spy(Action.REMOTE_PREFILL, "p0", "d1"))
+    chain = tuple(range(1, 33))  # 32 blocks of 512 tokens
+    sim.run([_session([chain]), SimSession(1, 1e-6, (SimTurn((99, *chain), 512, 1, 0.0),))])
+    assert seen[0] == {"p0": 0.0, "d1": 0.0}
+    # the first transfer is queued on n0's NIC when the second plan is made (it leaves after
+    # p0's prefill): p0's view shows it, the receiver's does not
+    ship = PROFILE.link.transfer_s(32 * 512 * PROFILE.kv_bytes_per_token, same_node=False)
+    assert seen[1]["d1"] == 0.0
+    assert seen[1]["p0"] >= ship
