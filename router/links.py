@@ -6,9 +6,10 @@ The router does not see the bytes on the wire, but it started every transfer its
 how long its transfer keeps the source node's NIC busy (`CostBreakdown.t_nic`, from the
 timing profile and the destination's link calibration). `NicLedger` queues those FIFO per
 node, as the cluster simulator's NIC model does, and answers how long a new transfer from a
-node would wait (`WorkerView.nic_backlog_s`). A transfer that never started (its plan failed
-before the first byte) is taken back out. The estimate errs where the profile does; the
-link calibration corrects the per-transfer time, not the queue.
+node would wait (`WorkerView.nic_backlog_s`). A transfer that did not happen (its plan failed
+before the first byte, or its fetch failed and the worker recomputed) is taken back out. The
+estimate errs where the profile does; the link calibration corrects the per-transfer time,
+not the queue.
 """
 
 from __future__ import annotations

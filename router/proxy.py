@@ -731,7 +731,8 @@ class Router:
                     decode=plan.chosen.decode_worker,
                 ):
                     opened = await self.executor.open_plan(plan, req, out_headers, fetch)
-                nic = None  # opened: its KV moves (or has moved)
+                if opened.fetched is not False:
+                    nic = None  # opened: its KV moves (or has moved); a failed fetch moved none
             except RetryableUpstreamError as exc:
                 last_error = exc
                 excluded.add(exc.worker)

@@ -39,6 +39,7 @@ class FakeWorker:
     name: str
     mode: str = "ok"
     chunks: int = 4
+    fetch_status: int = 200  # what `POST /ownerserve/kv/fetch` answers (non-200: the fetch failed)
     requests: list[Recorded] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     port: int = 0
@@ -78,6 +79,10 @@ class FakeWorker:
 
     async def _fetch(self, request: web.Request) -> web.Response:
         self.requests.append(Recorded(request.path, dict(request.headers), await request.read()))
+        if self.fetch_status != 200:
+            return web.json_response(
+                {"error": {"message": "source gone"}}, status=self.fetch_status
+            )
         return web.json_response({"fetched": 1})
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:

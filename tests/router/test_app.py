@@ -225,6 +225,21 @@ async def test_a_plan_that_fails_before_it_opens_takes_its_transfer_back(workers
         assert router.nics.snapshot(time.monotonic()) == {}
 
 
+async def test_a_failed_fetch_takes_its_transfer_back_and_a_good_one_keeps_it(workers):
+    src, dst = workers
+    policy = FixedPolicy(Action.ARTIFACT_FETCH, "w1", "w1", src="w0", t_nic=30.0)
+    pair = [(src, "hybrid", "emulator"), (dst, "hybrid", "emulator")]
+    async with router_for(pair, policy, nodes={"w0": "n0", "w1": "n1"}) as (c, router):
+        dst.fetch_status = 502
+        resp = await c.post("/v1/chat/completions", json=CHAT)
+        assert resp.status_code == 200 and _plan_fields(resp)["fetched"] == "0"  # recomputed
+        assert router.nics.snapshot(time.monotonic()) == {}
+        dst.fetch_status = 200
+        resp = await c.post("/v1/chat/completions", json=CHAT)
+        assert _plan_fields(resp)["fetched"] == "1"
+        assert 29.0 < router.nics.backlog("n0", time.monotonic()) <= 30.0  # the source's node
+
+
 async def test_5xx_before_first_byte_is_retried_on_another_worker(workers):
     bad, good = workers
     bad.mode = "fail500"
