@@ -246,9 +246,11 @@ async def test_worker_killed_mid_stream_ends_the_stream_cleanly_and_loses_its_bl
         assert warm.status_code == 200
         owner = plan_fields(warm.headers["x-ownerserve-plan"])["d"]
         (other,) = set(servers) - {owner}
-        await vllm_client(other, servers[other].url).post(
-            "/v1/chat/completions", body(messages, False, 1)
-        )
+        direct = vllm_client(other, servers[other].url)
+        try:
+            await direct.post("/v1/chat/completions", body(messages, False, 1))
+        finally:
+            await direct.aclose()
 
         async def both_hold() -> bool:
             match = await router.directory.lookup(chain)
