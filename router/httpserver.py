@@ -25,6 +25,7 @@ from urllib.parse import unquote
 import httptools
 
 from ownerserve.errors import PayloadTooLargeError
+from ownerserve.tasks import cancel_and_wait
 from router.errors import error_status_and_body
 from router.proxy import Message, ResponseWriter, Router
 from router.requests import Endpoint
@@ -517,10 +518,7 @@ class RouterServer:
         then run the app's shutdown."""
         if self._server is not None:
             self._server.close()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        await cancel_and_wait(self._sweeper)
         for conn in list(self.connections):
             conn.close_if_idle(float("inf"))
         deadline = time.monotonic() + grace_s
@@ -536,6 +534,10 @@ class RouterServer:
                     await self._server.wait_closed()
         if self._lifespan is not None:
             await self._lifespan.shutdown()
+
+
+SHUTDOWN_TIMEOUT_S = 60.0
+"""How long the server waits for the app's lifespan shutdown (the router's close) to finish."""
 
 
 class _Lifespan:
@@ -593,7 +595,14 @@ class _Lifespan:
             return
         await self._events.put({"type": "lifespan.shutdown"})
         assert self._shutdown is not None
-        await asyncio.wait({self._shutdown, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {self._shutdown, self._task},
+            timeout=SHUTDOWN_TIMEOUT_S,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        if not done:  # the app's shutdown hangs: the server still stops
+            log.error("the app's shutdown did not finish within %.0f s", SHUTDOWN_TIMEOUT_S)
+            return
         if self._shutdown.done() and self._shutdown.exception() is not None:
             log.error("shutdown failed: %s", self._shutdown.exception())
 

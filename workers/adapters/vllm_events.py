@@ -18,7 +18,6 @@ Replay: when the publisher has a `replay_endpoint` (a ROUTER socket), a client s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
@@ -31,6 +30,7 @@ import zmq.asyncio
 
 from ownerserve.directory.base import EventApplyResult
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
+from ownerserve.tasks import cancel_and_wait
 from ownerserve.types import Tier
 
 log = logging.getLogger(__name__)
@@ -255,11 +255,8 @@ class KVEventSubscriber:
         self._task = asyncio.create_task(self._run(), name=f"kv-events:{self.worker}")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._sub is not None:
             self._sub.close(linger=0)
             self._sub = None
