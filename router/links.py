@@ -24,6 +24,10 @@ class NicLedger:
     def __init__(self) -> None:
         self._free_at: dict[str, float] = {}
 
+    def __len__(self) -> int:
+        """Nodes with transfers queued (some may have drained since: `backlog` drops them)."""
+        return len(self._free_at)
+
     def backlog(self, node: str, now: float) -> float:
         """Seconds before a transfer queued on `node`'s NIC now would start."""
         free_at = self._free_at.get(node)

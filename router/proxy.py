@@ -412,7 +412,7 @@ class Router:
         views = []
         scales = self.calibrator.scales
         owner, session_owner = match.owner, match.session_owner
-        backlog = self.nics.backlog
+        nics = self.nics if self.nics else None  # most of the time no transfer is queued
         for w in self.pool.for_model(model):
             if w.worker_id in excluded or not w.routable(now):
                 continue
@@ -434,7 +434,7 @@ class Router:
                 sc.decode,
                 sc.link,
                 w.settings,
-                backlog(w.settings.node, now),
+                0.0 if nics is None else nics.backlog(w.settings.node, now),
             )
             last = w.view_cache
             if last is not None and last[0] == key:

@@ -9,14 +9,15 @@ from router.links import NicLedger
 
 def test_transfers_queue_one_after_another_and_drain_with_time() -> None:
     nics = NicLedger()
-    assert nics.backlog("n0", 100.0) == 0.0
+    assert nics.backlog("n0", 100.0) == 0.0 and not nics
     nics.reserve("n0", 2.0, 100.0)
+    assert len(nics) == 1
     nics.reserve("n0", 3.0, 100.5)  # waits for the first: n0 is busy until 105
     assert nics.backlog("n0", 101.0) == pytest.approx(4.0)
     assert nics.backlog("n1", 101.0) == 0.0
     assert nics.snapshot(101.0) == pytest.approx({"n0": 4.0})
     assert nics.backlog("n0", 105.0) == 0.0
-    assert nics.snapshot(105.0) == {}
+    assert nics.snapshot(105.0) == {} and not nics
 
 
 def test_a_transfer_queued_on_an_idle_nic_starts_now() -> None:
