@@ -27,6 +27,7 @@ from enum import IntEnum
 from ownerserve.events import KVEvent
 from ownerserve.hashing import hash_block
 from ownerserve.profiles import TimingProfile
+from ownerserve.tasks import cancel_and_wait
 from workers.emulator.kv_cache import BlockPool, NewBlock
 from workers.emulator.metrics import EngineMetrics
 from workers.emulator.textgen import OutputText
@@ -318,11 +319,8 @@ class Engine:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-steps")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         for seq in [*self.running, *self.waiting]:
             self._finish(seq, "abort")
         self.running.clear()

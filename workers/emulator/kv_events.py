@@ -9,7 +9,6 @@ batches, so a subscriber that missed messages can catch up.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -19,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from ownerserve.events import EventBatch, KVEvent
+from ownerserve.tasks import cancel_and_wait
 from workers.adapters.vllm_events import encode_message
 
 log = logging.getLogger(__name__)
@@ -92,11 +92,8 @@ class KVEventPublisher:
             await self._replay.send_multipart([client, b"", b"", END_SEQ, b""])
 
     async def close(self) -> None:
-        if self._replay_task is not None:
-            self._replay_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._replay_task
-            self._replay_task = None
+        await cancel_and_wait(self._replay_task)
+        self._replay_task = None
         if self._replay is not None:
             self._replay.close(linger=0)
             self._replay = None
