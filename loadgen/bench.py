@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import importlib
 import platform
 import sys
 import time
@@ -23,7 +22,6 @@ from pathlib import Path
 from loadgen.client import RunOptions, RunResult, run_workload
 from loadgen.cluster import (
     PEER_MODES,
-    REPO_ROOT,
     ClusterSpec,
     EmulatedCluster,
     ProcessFailedError,
@@ -32,6 +30,7 @@ from loadgen.cluster import (
     start_peer,
 )
 from loadgen.metrics import DuplicateSampler, cluster_stats, snapshot_all
+from loadgen.peers import peer_binary
 from loadgen.report import RunSummary, markdown_tables, summarize, write_records, write_report
 from loadgen.workloads import Workload
 
@@ -76,15 +75,6 @@ class WorkloadOutcome:
     summaries: list[RunSummary]
     results: list[RunResult]
     skipped: dict[str, str]
-
-
-def peer_binary(peer: str) -> Path:
-    """The peer's console script from `bench/peers` (installs it into its own venv once)."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    mod = importlib.import_module("bench.peers.peers")
-    path: Path = mod.peer_binary(peer)
-    return path
 
 
 def _start_target(
@@ -255,6 +245,8 @@ def write_outputs(
     results_md: Path | None = None,
 ) -> str:
     """Write per-workload reports to `plan.out_dir` and return the Markdown section."""
+    from loadgen.plots import plot_runs  # matplotlib: only when writing
+
     stamp = started.strftime("%Y%m%dT%H%M%SZ")
     spec = plan.spec
     head = [
@@ -271,7 +263,8 @@ def write_outputs(
     for o in outcomes:
         stem = f"agentic_{o.name}_{stamp}"
         header = f"# {o.name}\n\n`{command}`, {started.isoformat(timespec='seconds')}"
-        paths = write_report(o.summaries, plan.out_dir, stem, results=o.results, header=header)
+        images = plot_runs(o.summaries, o.results, plan.out_dir, stem)
+        paths = write_report(o.summaries, plan.out_dir, stem, header=header, images=images)
         rel = Path("results")
         body += ["", f"### {o.name}", "", markdown_tables(o.summaries), ""]
         goals = evaluate_goals(o.summaries)

@@ -25,14 +25,14 @@ from loadgen.bench import (
     run_bench,
     write_outputs,
 )
-from loadgen.cluster import REPO_ROOT, ClusterSpec
+from loadgen.cluster import REPO_ROOT, ClusterSpec, sigterm_as_interrupt
 from loadgen.trace import (
     TraceScaling,
     load_trace,
     prefix_sharing,
     trace_workload,
 )
-from loadgen.workloads import Workload, generate
+from loadgen.workloads import GENERATORS, Workload, generate
 from ownerserve.config import settings_from_dict
 from ownerserve.errors import ConfigError
 
@@ -53,8 +53,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-blocks", type=int, default=None, help="KV blocks per worker (default: the profile's)"
     )
-    p.add_argument("--workload", default="mixed", help="generated workload (default mixed)")
-    p.add_argument("--scale", type=float, default=1.0, help="multiply the session count")
+    p.add_argument(
+        "--workload",
+        default="mixed",
+        help=f"generated workload: {'|'.join(sorted(GENERATORS))} (default mixed)",
+    )
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiply the session count (agentic-long: the token counts)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--time-scale",
@@ -197,7 +206,9 @@ def run(args: argparse.Namespace) -> int:
     command = "ownerserve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     started = dt.datetime.now(dt.UTC)
     t0 = time.monotonic()
-    outcomes = run_bench(plan)
+    # SIGTERM stops the workers and routers as Ctrl-C does (the main CLI turns it into exit 130)
+    with sigterm_as_interrupt():
+        outcomes = run_bench(plan)
     section = write_outputs(
         outcomes,
         plan,

@@ -35,7 +35,12 @@ WORKLOAD_HELP = f"{'|'.join(sorted(GENERATORS))}|trace:FILE"
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="agentic", help=f"{WORKLOAD_HELP} (default agentic)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    p.add_argument("--scale", type=float, default=1.0, help="multiply the session count")
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiply the session count (agentic-long: the token counts)",
+    )
     g = p.add_argument_group("trace replay (--workload trace:FILE)")
     g.add_argument("--trace-start", type=int, default=0, help="first row to replay")
     g.add_argument("--trace-limit", type=int, default=None, help="replay at most this many rows")
@@ -164,9 +169,12 @@ def _run(args: argparse.Namespace) -> int:
         stem = f"loadgen_{workload.name}_{stamp}"
         cmd = "ownerserve " + " ".join(sys.argv[1:]) if sys.argv else ""
         header = f"`{cmd}` — {result.started_at}, target {opts.target}"
-        paths = write_report(
-            [summary], args.out, stem, results=[result], header=header, plots=not args.no_plots
-        )
+        images: dict[str, Path] = {}
+        if not args.no_plots:
+            from loadgen.plots import plot_runs  # matplotlib: only when plotting
+
+            images = plot_runs([summary], [result], args.out, stem)
+        paths = write_report([summary], args.out, stem, header=header, images=images)
         if args.records:
             write_records(result, args.out / f"{stem}_requests.jsonl")
         print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)

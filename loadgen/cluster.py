@@ -1,53 +1,68 @@
-"""Local processes for benchmarks: an emulated xPyD cluster and the routers put in front of it.
+"""The one launcher of a local emulated cluster: emulated engines, and the OwnerServe proxy or a
+peer router (vllm-router, sglang-router) in front of them, as real processes on loopback ports.
 
-Everything runs as real processes on loopback ports: emulated engines (`python -m
-workers.emulator`), the OwnerServe proxy (`python -m ownerserve serve --config FILE`) with one
-policy, or a peer router (vllm-router, sglang-router) from its own venv. Each process writes its
-output to a log file; `stop()` ends its whole process group.
+The demo, the benchmarks and the e2e tests all start their workers here. Each child runs in its
+own process group with its output in a log file; `stop()` ends the whole group. A child still
+running when this process exits (normally, on an exception, or on SIGTERM inside
+`sigterm_as_interrupt()`) is stopped then, so no emulated worker outlives its launcher holding
+its ports (only a SIGKILLed launcher, which runs nothing more, leaves them).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from types import FrameType
+from typing import IO, Any
 
 import httpx
 import yaml
 
+from ownerserve.ports import free_port
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+MODEL = "ownerserve-tiny"
+DEFAULT_PROFILE = "h100-llama3-8b"
 
 
 class ProcessFailedError(RuntimeError):
-    """A benchmark process exited or never became healthy; the message carries its log's tail."""
+    """A launched process exited or never became healthy; the message carries its log's tail."""
 
 
-@dataclass
+# Every started, not yet stopped child, by id(): stopped at exit, by the process that started it
+# (a forked copy of this process, e.g. a process pool's worker, inherits the table, not them).
+_RUNNING: dict[int, ManagedProcess] = {}
+
+
+@dataclass(eq=False)
 class ManagedProcess:
-    """One child process in its own process group, its output in `log_path`."""
+    """One child process in its own process group, its output in `log_path` (a temporary file,
+    removed at `stop()`, when None)."""
 
     name: str
     cmd: list[str]
-    log_path: Path
+    log_path: Path | None = None
     env: dict[str, str] | None = None
     proc: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = field(default=None, repr=False)
+    _temp_log: bool = field(default=False, repr=False)
+    _parent_pid: int = field(default=0, repr=False)
 
     def start(self) -> ManagedProcess:
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="ownerserve-", suffix=".log")
+            os.close(fd)
+            self.log_path, self._temp_log = Path(name), True
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
         self._log.write(f"$ {' '.join(self.cmd)}\n".encode())
@@ -61,6 +76,8 @@ class ManagedProcess:
             cwd=REPO_ROOT,
             env={**os.environ, **(self.env or {})},
         )
+        self._parent_pid = os.getpid()
+        _RUNNING[id(self)] = self
         return self
 
     @property
@@ -71,12 +88,24 @@ class ManagedProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, n: int = 1500) -> str:
+        if self.log_path is None:
+            return ""
         try:
             return self.log_path.read_text(errors="replace")[-n:]
         except OSError:
             return ""
 
+    def kill(self) -> None:
+        """SIGKILL the whole group: the process dies as a crashed one would (`stop()` still
+        closes its log)."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
     def stop(self, timeout_s: float = 8.0) -> None:
+        """SIGTERM the whole group, SIGKILL it if still there after `timeout_s`."""
         proc = self.proc
         if proc is not None and proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -84,12 +113,42 @@ class ManagedProcess:
             try:
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=timeout_s)
+                self.kill()
+        _RUNNING.pop(id(self), None)
         if self._log is not None:
             self._log.close()
             self._log = None
+            if self._temp_log and self.log_path is not None:
+                self.log_path.unlink(missing_ok=True)
+
+
+@atexit.register
+def _stop_running() -> None:
+    for p in list(_RUNNING.values()):
+        if p._parent_pid == os.getpid():
+            p.stop(timeout_s=5.0)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While inside (in the main thread), SIGTERM raises `KeyboardInterrupt` as Ctrl-C does, so
+    the caller's `finally` blocks and the at-exit stop of every child run. Python's default
+    SIGTERM ends the process at once and would leave the children running, holding their
+    ports. A second SIGTERM is ignored while the first one's cleanup runs (bounded by
+    `ManagedProcess.stop`'s timeouts)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def wait_healthy(
@@ -116,6 +175,107 @@ def wait_healthy(
             time.sleep(0.1)
 
 
+@dataclass(eq=False)
+class EmulatedWorker:
+    """One emulated engine (`python -m workers.emulator`) on loopback ports picked when it is
+    made (so its URL is known before it starts, and stays the same over restarts)."""
+
+    worker_id: str
+    role: str
+    kind: str = "emulator"
+    """The router's worker kind: `emulator` or `sglang` (the emulator speaks both)."""
+    profile: str = DEFAULT_PROFILE
+    speed: float = 1.0
+    model: str = MODEL
+    extra: tuple[str, ...] = ()
+    log_path: Path | None = None
+    port: int = field(default_factory=free_port)
+    bootstrap_port: int = field(default_factory=free_port)
+    events_port: int = field(default_factory=free_port)
+    process: ManagedProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        # the child runs in REPO_ROOT: a profile given as a relative path means the caller's
+        profile = (
+            str(Path(self.profile).resolve()) if Path(self.profile).is_file() else self.profile
+        )
+        return [
+            sys.executable, "-m", "workers.emulator",
+            "--role", self.role, "--port", str(self.port), "--profile", profile,
+            "--speed", str(self.speed), "--model", self.model, "--worker-id", self.worker_id,
+            "--bootstrap-port", str(self.bootstrap_port),
+            "--kv-events-port", str(self.events_port), *self.extra,
+        ]  # fmt: skip
+
+    def start(self) -> EmulatedWorker:
+        """Start the process (a fresh one, with cold caches, on the same ports)."""
+        name = f"worker {self.worker_id}"
+        self.process = ManagedProcess(name, self.command(), self.log_path).start()
+        return self
+
+    def wait_healthy(self, timeout_s: float = 90.0) -> None:
+        assert self.process is not None, "start() first"
+        wait_healthy([(self.process, self.url)], timeout_s=timeout_s)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.alive()
+
+    def kill(self) -> None:
+        """SIGKILL: the worker dies as a crashed engine would, mid-request."""
+        if self.process is not None:
+            self.process.kill()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+    def metrics(self) -> str:
+        """Its Prometheus exposition text."""
+        return httpx.get(self.url + "/metrics", timeout=5.0).text
+
+    def worker_settings(self) -> dict[str, Any]:
+        """Its entry in the router's `workers` settings."""
+        out: dict[str, Any] = {
+            "id": self.worker_id,
+            "url": self.url,
+            "role": self.role,
+            "kind": self.kind,
+            "models": [self.model],
+            "bootstrap_port": self.bootstrap_port,
+            "kv_events_endpoint": f"tcp://127.0.0.1:{self.events_port}",
+        }
+        if self.profile != DEFAULT_PROFILE:
+            out["profile"] = self.profile
+        return out
+
+
+def start_workers(workers: Sequence[EmulatedWorker], timeout_s: float = 90.0) -> None:
+    """Start every worker, then wait until all are healthy; on a failure stop them all."""
+    try:
+        for w in workers:
+            w.start()
+        wait_healthy([(w.process, w.url) for w in workers if w.process], timeout_s=timeout_s)
+    except BaseException:
+        for w in workers:
+            w.stop()
+        raise
+
+
+@contextlib.contextmanager
+def emulated_workers(*workers: EmulatedWorker) -> Iterator[tuple[EmulatedWorker, ...]]:
+    """The workers, started and healthy, inside; stopped on the way out."""
+    start_workers(workers)
+    try:
+        yield workers
+    finally:
+        for w in workers:
+            w.stop()
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
     """An emulated xPyD cluster: how many workers of each role and their timing."""
@@ -123,23 +283,10 @@ class ClusterSpec:
     prefill: int = 2
     decode: int = 2
     hybrid: int = 2
-    profile: str = "h100-llama3-8b"
+    profile: str = DEFAULT_PROFILE
     speed: float = 1.0
-    model: str = "ownerserve-tiny"
+    model: str = MODEL
     extra_args: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    worker_id: str
-    role: str
-    port: int
-    bootstrap_port: int
-    events_port: int
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
 
 class EmulatedCluster:
@@ -154,71 +301,41 @@ class EmulatedCluster:
             + [("h", "hybrid")] * spec.hybrid
         )
         counts: dict[str, int] = {}
-        self.workers: list[WorkerInfo] = []
+        self.workers: list[EmulatedWorker] = []
         for prefix, role in roles:
             i = counts[prefix] = counts.get(prefix, -1) + 1
+            wid = f"{prefix}{i}"
             self.workers.append(
-                WorkerInfo(f"{prefix}{i}", role, free_port(), free_port(), free_port())
+                EmulatedWorker(
+                    wid,
+                    role,
+                    profile=spec.profile,
+                    speed=spec.speed,
+                    model=spec.model,
+                    extra=spec.extra_args,
+                    log_path=log_dir / f"worker_{wid}.log",
+                )
             )
-        self.procs: list[ManagedProcess] = []
         self.generation = 0
-
-    def _cmd(self, w: WorkerInfo) -> list[str]:
-        s = self.spec
-        return [
-            sys.executable,
-            "-m",
-            "workers.emulator",
-            "--role",
-            w.role,
-            "--port",
-            str(w.port),
-            "--profile",
-            s.profile,
-            "--speed",
-            str(s.speed),
-            "--model",
-            s.model,
-            "--worker-id",
-            w.worker_id,
-            "--bootstrap-port",
-            str(w.bootstrap_port),
-            "--kv-events-port",
-            str(w.events_port),
-            *s.extra_args,
-        ]
 
     def start(self) -> EmulatedCluster:
         self.generation += 1
-        self.procs = [
-            ManagedProcess(
-                f"worker {w.worker_id}",
-                self._cmd(w),
-                self.log_dir / f"worker_{w.worker_id}.log",
-            ).start()
-            for w in self.workers
-        ]
-        try:
-            wait_healthy(list(zip(self.procs, (w.url for w in self.workers), strict=True)))
-        except Exception:
-            self.stop()
-            raise
+        start_workers(self.workers)
         return self
 
     def stop(self) -> None:
-        for p in self.procs:
-            p.stop()
-        self.procs = []
+        for w in self.workers:
+            w.stop()
 
     def restart(self) -> None:
         self.stop()
         self.start()
 
-    def by_role(self, *roles: str) -> list[WorkerInfo]:
+    def by_role(self, *roles: str) -> list[EmulatedWorker]:
         return [w for w in self.workers if w.role in roles]
 
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs if p.pid is not None]
+        return [w.process.pid for w in self.workers if w.process and w.process.pid is not None]
 
 
 def ownerserve_config(

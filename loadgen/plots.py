@@ -89,6 +89,9 @@ def plot_bars(summaries: Sequence[RunSummary], path: Path) -> Path:
 def plot_runs(
     summaries: Sequence[RunSummary], results: Sequence[RunResult], out_dir: Path, stem: str
 ) -> dict[str, Path]:
+    """`<stem>_cdf.png` and `<stem>_bars.png` in `out_dir` (those it has data for), by key
+    (`cdf`, `bars`): what `loadgen.report.write_report` shows as `images`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     if results:
         paths["cdf"] = plot_cdfs(results, out_dir / f"{stem}_cdf.png")

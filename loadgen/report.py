@@ -2,7 +2,8 @@
 
 `summarize(result)` turns one `RunResult` into a `RunSummary` (plain numbers); a benchmark adds the
 cluster's counters (`ClusterStats`, from worker metrics) under `cluster`. `markdown_tables` puts
-several runs side by side; `write_report` writes `<stem>.json`, `<stem>.md` and the plots.
+several runs side by side; `write_report` writes `<stem>.json` and `<stem>.md` (showing the
+plots `loadgen.plots.plot_runs` drew; this module does not import that one).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -264,21 +265,17 @@ def write_report(
     out_dir: Path,
     stem: str,
     *,
-    results: Iterable[RunResult] = (),
     header: str = "",
-    plots: bool = True,
+    images: Mapping[str, Path] | None = None,
 ) -> dict[str, Path]:
-    """Write `<stem>.json`, `<stem>.md` and (with matplotlib) the plots; return their paths."""
+    """Write `<stem>.json` and `<stem>.md` (showing `images`, e.g. what
+    `loadgen.plots.plot_runs` drew); return their paths and the images'."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     js = out_dir / f"{stem}.json"
     js.write_text(json.dumps([s.to_json() for s in summaries], indent=1, default=str) + "\n")
     paths["json"] = js
-    results = list(results)
-    if plots:
-        from loadgen.plots import plot_runs
-
-        paths.update(plot_runs(summaries, results, out_dir, stem))
+    paths.update(images or {})
     md = out_dir / f"{stem}.md"
     body = [header] if header else []
     body.append(markdown_tables(summaries))

@@ -1,4 +1,5 @@
-"""The project's exception hierarchy; `router` maps these to the OpenAI error shape in one place."""
+"""The project's exception hierarchy (one for the router and the workers);
+`ownerserve.http.error_status_and_body` maps these to the OpenAI error shape in one place."""
 
 from __future__ import annotations
 
@@ -38,6 +39,24 @@ class NotFoundError(OwnerServeError):
     code = "not_found"
 
 
+class MethodNotAllowedError(OwnerServeError):
+    """The path exists but not for this HTTP method."""
+
+    status_code = 405
+    error_type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class HTTPStatusError(OwnerServeError):
+    """Another HTTP error raised by the web framework (an unknown status), with its status."""
+
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
 class ModelNotFoundError(OwnerServeError):
     status_code = 404
     error_type = "invalid_request_error"
@@ -48,6 +67,14 @@ class PayloadTooLargeError(OwnerServeError):
     status_code = 413
     error_type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class ClientDisconnected(OwnerServeError):
+    """The client went away before its request body was read whole. Nobody is left to read
+    an answer: a server that catches it sends nothing; mapped anyway, it is nginx's 499."""
+
+    status_code = 499
+    error_type = "client_closed_request"
 
 
 class AuthenticationError(OwnerServeError):

@@ -2,8 +2,8 @@
 
 Mirrors vLLM's KV event stream (BlockStored / BlockRemoved / AllBlocksCleared, in sequenced
 batches). `engine_hashes` are the worker's own block hashes (opaque to us); `token_ids` let the
-directory rebuild OwnerServe's chained hashes (`ownerserve.hashing`). Wire codecs live with the
-workers (`workers/adapters/vllm_events.py`).
+directory rebuild OwnerServe's chained hashes (`ownerserve.hashing`). vLLM's wire codec:
+`ownerserve/vllm_events.py`.
 """
 
 from __future__ import annotations

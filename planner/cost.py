@@ -2,15 +2,17 @@
 
     C(a) = T_queue + T_compute + T_network + T_restore + λ·M_HBM + μ·I_decode + H_move
 
-Each term is its own function below, with its formula in its docstring, exactly as computed (the
-same formulas are in `planner/README.md`). Times come from `ownerserve.profiles` timing profiles,
-scaled per worker by online calibration (`WorkerView.prefill_scale/decode_scale/link_scale`).
-Profiles are read once when a `CostModel` is built; evaluating a cost never does I/O.
+Every formula is implemented once, in `RequestCosts` (one request's terms on any worker or
+route), with the formula in its docstring exactly as computed (the same formulas are in
+`planner/README.md`); `evaluate` and the ownerserve policy's search both call it. Times come
+from `ownerserve.profiles` timing profiles, scaled per worker by online calibration
+(`WorkerView.prefill_scale/decode_scale/link_scale`). Profiles are read once when a `CostModel`
+is built; evaluating a cost never does I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -98,11 +100,9 @@ class CostConfig:
 
 
 class CostModel:
-    """Timing profiles per worker, corrected by the worker's calibration scales.
-
-    `prefill_s`, `decode_step_s`, `transfer_s` and `restore_s` are the primitives every cost
-    term is made of.
-    """
+    """The deployment's timing profiles (a worker's by `WorkerView.profile`) and KV spec, and
+    restores into HBM (`tier_restore_s`). Built once: the terms of a request are computed by
+    `RequestCosts`."""
 
     __slots__ = ("_cold", "_default", "_profiles", "config", "spec", "swa_policy")
 
@@ -148,36 +148,6 @@ class CostModel:
         """The worker's profile by `WorkerView.profile`; the default one if unknown."""
         return self._profiles.get(worker.profile, self._default)
 
-    def prefill_s(self, worker: WorkerView, new_tokens: int, cached_tokens: int) -> float:
-        """prefill_scale · profile.prefill_s(new, cached)."""
-        prof = self._profiles.get(worker.profile, self._default)
-        return worker.prefill_scale * prof.prefill.seconds(new_tokens, cached_tokens)
-
-    def decode_step_s(self, worker: WorkerView, batch: int, ctx: float) -> float:
-        """decode_scale · (base_s + per_seq_s · batch + per_ctx_token_s · ctx), the profile's
-        decode step (`DecodeTiming.step_seconds`) for a fractional context; 0 for an empty batch."""
-        if batch <= 0:
-            return 0.0
-        dt = self._profiles.get(worker.profile, self._default).decode
-        return worker.decode_scale * (dt.base_s + dt.per_seq_s * batch + dt.per_ctx_token_s * ctx)
-
-    def link_s(self, src: WorkerView, dst: WorkerView, nbytes: float) -> float:
-        """dst.link_scale · (latency_s + bytes / bw), bw = intra- or inter-node bandwidth of the
-        destination's profile; 0 when nothing moves."""
-        if nbytes <= 0:
-            return 0.0
-        link = self._profiles.get(dst.profile, self._default).link
-        return dst.link_scale * link.transfer_s(nbytes, src.node == dst.node)
-
-    def transfer_s(self, src: WorkerView, dst: WorkerView, nbytes: float) -> float:
-        """link_s(src, dst, bytes) + [src.node ≠ dst.node] · src.nic_backlog_s: a transfer
-        between nodes first waits for what is queued on the source node's NIC; 0 when nothing
-        moves."""
-        t = self.link_s(src, dst, nbytes)
-        if nbytes > 0 and src.node != dst.node:
-            return t + src.nic_backlog_s
-        return t
-
     def restore_s(self, worker: WorkerView, cpu_bytes: float, ssd_bytes: float) -> float:
         """Tier load into HBM: cpu_bytes / cpu_load_bps + ssd_bytes / ssd_load_bps."""
         link = self.profile_of(worker).link
@@ -216,19 +186,6 @@ class CostModel:
         gc = cpu if cpu > gpu else gpu
         return self.restore_s(worker, (gc - gpu) * bk, (ssd - gc if ssd > gc else 0) * bk)
 
-    def context_tokens(self, worker: WorkerView) -> float:
-        """Tokens held by the worker's running sequences:
-        kv_usage · hbm_kv_bytes / kv_bytes_per_token (of its profile)."""
-        prof = self._profiles.get(worker.profile, self._default)
-        return worker.kv_usage * prof.hbm_kv_bytes / prof.kv_bytes_per_token
-
-    def queue_s(self, worker: WorkerView) -> float:
-        """q(w) = prefill_scale · (per_token_s · inflight_prefill_tokens + base_s · waiting)."""
-        pf = self._profiles.get(worker.profile, self._default).prefill
-        return worker.prefill_scale * (
-            pf.per_token_s * worker.inflight_prefill_tokens + pf.base_s * worker.waiting
-        )
-
 
 # --------------------------------------------------------------------------------------------
 # Routes: one (action, workers) option, and the quantities every term derives from it.
@@ -266,35 +223,7 @@ def tier_blocks(worker: WorkerView) -> tuple[int, int, int]:
 def held_blocks(worker: WorkerView) -> int:
     """Longest prefix the worker can reuse from any of its tiers: max(gpu, cpu, ssd)."""
     g, c, s = tier_blocks(worker)
-    return max(g, c, s)
-
-
-def moved_blocks(request: RequestView, route: Route, held: int | None = None) -> int:
-    """Blocks pulled over the network into the prefill worker before it computes:
-    ARTIFACT_FETCH: max(0, owner_blocks − held(P)); STATE_MIGRATION: max(0, gpu(S) − held(P)).
-    `held` is held(P) when already known."""
-    action = route.action
-    if action is _FETCH:
-        h = held_blocks(route.prefill) if held is None else held
-        return max(0, request.owner_blocks - h)
-    if action is _MIG and route.source is not None:
-        h = held_blocks(route.prefill) if held is None else held
-        return max(0, tier_blocks(route.source)[0] - h)
-    return 0
-
-
-def reused_blocks(request: RequestView, route: Route) -> int:
-    """Prefix blocks the prefill worker does not recompute: held(P) + moved blocks."""
-    held = held_blocks(route.prefill)
-    return held + moved_blocks(request, route, held)
-
-
-def reused_tokens(request: RequestView, route: Route, blocks: int | None = None) -> int:
-    """min(reused_blocks · block_size, N − 1): the last prompt token is always computed.
-    `blocks` is reused_blocks when already known."""
-    n = request.prompt_tokens if request.prompt_tokens > 1 else 1
-    rb = reused_blocks(request, route) if blocks is None else blocks
-    return min(rb * request.block_size, n - 1)
+    return g if g >= c and g >= s else (c if c >= s else s)
 
 
 def decode_tokens(request: RequestView, config: CostConfig) -> int:
@@ -306,226 +235,259 @@ def decode_tokens(request: RequestView, config: CostConfig) -> int:
     return o if o > 0 else 0
 
 
-def owner_duplicate_bytes(request: RequestView, worker: WorkerView, held: int) -> int:
-    """KV of the owned prefix a non-owner worker newly materialises:
-    [w ≠ owner] · max(0, owner_blocks − held) · block_size · kv_bytes_per_token."""
-    if request.owner is None or worker.worker_id == request.owner:
-        return 0
-    return max(0, request.owner_blocks - held) * request.block_size * request.kv_bytes_per_token
-
-
 # --------------------------------------------------------------------------------------------
-# The cost terms.
+# The cost terms: one implementation, per request.
+
+# What `RequestCosts.consts` holds per timing profile, by index (a tuple: indexing is the
+# cheapest read on the search's hot path).
+_PF_BASE, _PF_TOK, _PF_CTX = 0, 1, 2  # PrefillTiming base_s, per_token_s, per_token_ctx_s
+_DEC_A, _DEC_B, _DEC_C = 3, 4, 5  # decode(w) = s_d · (A + B · running + C · kv_usage)
+_LAT, _INTRA, _INTER = 6, 7, 8  # LinkTiming latency_s, intra_node_bps, inter_node_bps
+_PF_ALL = 9  # prefill of the whole prompt on nothing, unscaled
 
 
-def t_queue(model: CostModel, request: RequestView, route: Route) -> float:
-    """T_queue = q(P) + [D ≠ P] · q(D), with
-    q(w) = prefill_scale(w) · (per_token_s · inflight_prefill_tokens(w) + base_s · waiting(w)).
-
-    Conservative for remote prefill: the decode worker's backlog is assumed not to drain while
-    P computes."""
-    p, d = route.prefill, route.decode
-    q = model.queue_s(p)
-    if d is not p and d.worker_id != p.worker_id:
-        q += model.queue_s(d)
-    return q
+WorkerTerms = tuple[float, float, float, int, int, int, int, float, int, int]
+"""`RequestCosts.worker`: (q, decode, prefill, stalled, gpu blocks, held blocks, reused tokens
+r, restore, dup(w, gpu), dup(w, held))."""
 
 
-def t_prefill(
-    model: CostModel, request: RequestView, route: Route, reused: int | None = None
-) -> float:
-    """Prefill part of T_compute: prefill_s(P, N − r, r), r = reused_tokens (`reused` if given)."""
-    n = max(request.prompt_tokens, 1)
-    r = reused_tokens(request, route) if reused is None else reused
-    return model.prefill_s(route.prefill, n - r, r)
+class RequestCosts:
+    """The cost terms of one request on any worker or route: the one implementation of every
+    formula of C(a). `evaluate` (a route's full breakdown) and the ownerserve policy's search
+    both call it. What depends only on the request and a timing profile is computed once per
+    profile (`consts`), so a term on one worker is a few multiplications.
 
+    Notation (planner/README.md): N = prompt tokens (at least 1), bs = block size, K =
+    kv_bytes_per_token, O = `decode_tokens`; s_p, s_d, s_l = the worker's prefill_scale,
+    decode_scale, link_scale."""
 
-def t_decode(model: CostModel, request: RequestView, route: Route) -> float:
-    """Decode part of T_compute: O · decode_step_s(D, running(D) + 1, ctx(D) + N),
-    ctx(D) = kv_usage(D) · hbm_kv_bytes / kv_bytes_per_token (profile of D)."""
-    d = route.decode
-    o = decode_tokens(request, model.config)
-    ctx = model.context_tokens(d) + max(request.prompt_tokens, 1)
-    return o * model.decode_step_s(d, d.running + 1, ctx)
-
-
-def t_compute(model: CostModel, request: RequestView, route: Route) -> float:
-    """T_compute = prefill_s(P, N − r, r) + O · decode_step_s(D, running(D) + 1, ctx(D) + N)."""
-    return t_prefill(model, request, route) + t_decode(model, request, route)
-
-
-def kv_transfer(
-    request: RequestView, route: Route, moved: int | None = None
-) -> tuple[WorkerView, WorkerView, int] | None:
-    """The route's KV transfer over a link, (from, to, bytes):
-    REMOTE_PREFILL: (P, D, max(0, N − gpu(D)·block_size) · K);
-    ARTIFACT_FETCH / STATE_MIGRATION: (S, P, moved_blocks · block_size · K);
-    colocated actions: None.  (K = kv_bytes_per_token; `moved` = moved_blocks when known)"""
-    k = request.kv_bytes_per_token
-    if route.action is _REMOTE:
-        n = max(request.prompt_tokens, 1)
-        gpu_d = tier_blocks(route.decode)[0] * request.block_size
-        return route.prefill, route.decode, max(0, n - gpu_d) * k
-    if route.source is not None:
-        mb = moved_blocks(request, route) if moved is None else moved
-        return route.source, route.prefill, mb * request.block_size * k
-    return None
-
-
-def t_network(
-    model: CostModel, request: RequestView, route: Route, moved: int | None = None
-) -> float:
-    """KV moved over links, (S, D, bytes) = `kv_transfer`:
-    REMOTE_PREFILL: pd_handshake_s + transfer_s(P, D, bytes);
-    ARTIFACT_FETCH / STATE_MIGRATION: transfer_s(S, P, bytes);
-    colocated actions: 0."""
-    return _network(model, request, route, moved)[0]
-
-
-def t_nic(model: CostModel, request: RequestView, route: Route, moved: int | None = None) -> float:
-    """T_NIC, the time the route's transfer adds to its source node's NIC backlog
-    (informational, not part of C(a); the router queues it, `WorkerView.nic_backlog_s`):
-    link_s(S, D, bytes) for (S, D, bytes) = `kv_transfer` with S and D on different nodes;
-    else 0."""
-    return _network(model, request, route, moved)[1]
-
-
-def _network(
-    model: CostModel, request: RequestView, route: Route, moved: int | None
-) -> tuple[float, float]:
-    """(t_network, t_nic), from one `kv_transfer`."""
-    moves = kv_transfer(request, route, moved)
-    if moves is None:
-        return 0.0, 0.0
-    src, dst, nbytes = moves
-    link = model.link_s(src, dst, nbytes)
-    cross = nbytes > 0 and src.node != dst.node
-    t = link + src.nic_backlog_s if cross else link  # model.transfer_s, link_s computed once
-    return (model.config.pd_handshake_s + t if route.action is _REMOTE else t), (
-        link if cross else 0.0
+    __slots__ = (
+        "_consts",
+        "_terms",
+        "bk",
+        "config",
+        "lam",
+        "model",
+        "mu",
+        "n",
+        "o",
+        "ob",
+        "owner",
+        "request",
     )
 
+    def __init__(self, model: CostModel, request: RequestView) -> None:
+        cfg = model.config
+        self.model = model
+        self.request = request
+        self.config = cfg
+        self.n = request.prompt_tokens if request.prompt_tokens > 1 else 1
+        self.o = decode_tokens(request, cfg)
+        self.bk = request.block_size * request.kv_bytes_per_token
+        self.owner = request.owner
+        self.ob = request.owner_blocks if request.owner is not None else 0
+        self.lam = cfg.lam
+        self.mu = cfg.mu
+        self._consts: dict[str, tuple[float, ...]] = {}
+        self._terms: dict[str, Callable[[WorkerView], WorkerTerms]] = {}
 
-def t_restore(
-    model: CostModel,
-    request: RequestView,
-    route: Route,
-    tiers: tuple[int, int, int] | None = None,
-) -> float:
-    """Bringing the prefill worker's own held prefix into HBM, `CostModel.tier_restore_s`:
-    tier loads restore_s(P, max(0, cpu − gpu)·bs·K, max(0, ssd − max(gpu, cpu))·bs·K),
-    or — with a KV spec and nothing in GPU (a cold resume) — planner.restore's plan for loading
-    or recomputing each state type. gpu/cpu/ssd: P's longest held prefix per tier (blocks)."""
-    g, c, s = tier_blocks(route.prefill) if tiers is None else tiers
-    return model.tier_restore_s(route.prefill, g, c, s, request)
+    def consts(self, profile: str) -> tuple[float, ...]:
+        """The request's constants for a profile name (unknown → the default profile)."""
+        c = self._consts.get(profile)
+        if c is None:
+            p = self.model.profiles.get(profile) or self.model.profiles[self.config.profile]
+            pf, dt, link = p.prefill, p.decode, p.link
+            o, n = self.o, self.n
+            c = (
+                pf.base_s,
+                pf.per_token_s,
+                pf.per_token_ctx_s,
+                o * (dt.base_s + dt.per_seq_s + dt.per_ctx_token_s * n),
+                o * dt.per_seq_s,
+                o * dt.per_ctx_token_s * (p.hbm_kv_bytes / p.kv_bytes_per_token),
+                link.latency_s,
+                link.intra_node_bps,
+                link.inter_node_bps,
+            )
+            c = self._consts[profile] = (*c, self.prefill_base(c, 0))
+        return c
 
+    def worker(self, w: WorkerView) -> WorkerTerms:
+        """What w costs this request whatever the route: `terms(w.profile)(w)`."""
+        return self.terms(w.profile)(w)
 
-def m_hbm(
-    model: CostModel,
-    request: RequestView,
-    route: Route,
-    reused: int | None = None,
-    held: int | None = None,
-) -> float:
-    """M_HBM, duplicate KV bytes the action creates:
-    REMOTE_PREFILL: (N − r) · K  (P's copy of what it computed)  + dup(D, gpu(D));
-    STATE_MIGRATION: moved_blocks · block_size · K  (the copy made on P; the source keeps its
-    own: the router does not free it, so after the move both hold the prefix);
-    otherwise (colocated, fetch): dup(P, held(P)), the fetched replica or recomputed owned prefix;
-    dup(w, h) = [w ≠ owner] · max(0, owner_blocks − h) · block_size · K.
-    `reused` (tokens) and `held` (held(P)) when already known."""
-    if route.action is _MIG:
-        return float(moved_blocks(request, route, held) * request.block_size) * (
-            request.kv_bytes_per_token
+    def terms(self, profile: str) -> Callable[[WorkerView], WorkerTerms]:
+        """The function giving what a worker of `profile` costs this request whatever the
+        route (`WorkerTerms`), with the profile's constants bound once (the search calls it
+        for every worker):
+
+            q(w)       = s_p · (per_token_s · inflight_prefill_tokens + base_s · waiting)
+            decode(w)  = O · decode_step_s(w, running + 1, ctx(w) + N)
+                       = s_d · O · (base_s + per_seq_s · (running + 1) + per_ctx_token_s ·
+                         (ctx(w) + N)),  ctx(w) = kv_usage · hbm_kv_bytes / kv_bytes_per_token
+            prefill    = prefill(w, r): the prompt on top of what w holds itself,
+                         r = reused(held(w))
+            stalled(w) = running(w), or 0 on a PREFILL worker (its running requests are
+                         prefills): the decodes a prefill on w stalls (I_decode)
+            restore    = CostModel.tier_restore_s(w, gpu, cpu, ssd): its held prefix into HBM
+            dup        = dup(w, gpu(w)) and dup(w, held(w))
+        """
+        f = self._terms.get(profile)
+        if f is not None:
+            return f
+        c = self.consts(profile)
+        pbase, ptok, _, da, db, dc, _, _, _, pf_all = c
+        owner, dup_none = self.owner, self.dup(True, 0)
+        dup, reused, prefill_base = self.dup, self.reused, self.prefill_base
+        restore, request = self.model.tier_restore_s, self.request
+
+        def terms(w: WorkerView) -> WorkerTerms:
+            sp = w.prefill_scale
+            running = w.running
+            q = sp * (ptok * w.inflight_prefill_tokens + pbase * w.waiting)
+            dec = w.decode_scale * (da + db * running + dc * w.kv_usage)
+            stalled = running if running > 0 and w.role is not _PREFILL else 0
+            cb = w.cached_blocks
+            if cb:
+                g, cpu, ssd = cb.get(_GPU, 0), cb.get(_CPU, 0), cb.get(_SSD, 0)
+                held = g if g >= cpu and g >= ssd else (cpu if cpu >= ssd else ssd)
+                if held:
+                    r = reused(held)
+                    rest = restore(w, g, cpu, ssd, request) if held > g else 0.0
+                    other = w.worker_id != owner
+                    return (
+                        q,
+                        dec,
+                        sp * prefill_base(c, r),
+                        stalled,
+                        g,
+                        held,
+                        r,
+                        rest,
+                        dup(other, g),
+                        dup(other, held),
+                    )
+            d = dup_none if owner is not None and w.worker_id != owner else 0
+            return q, dec, sp * pf_all, stalled, 0, 0, 0, 0.0, d, d
+
+        self._terms[profile] = terms
+        return terms
+
+    def reused(self, blocks: int) -> int:
+        """r = min(blocks · bs, N − 1): tokens reused from `blocks` held prefix blocks; the last
+        prompt token is always computed."""
+        r = blocks * self.request.block_size
+        return r if r < self.n else self.n - 1
+
+    def prefill(self, w: WorkerView, r: int, c: tuple[float, ...] | None = None) -> float:
+        """prefill_s(w, N − r, r) = s_p · `prefill_base`: computing the prompt on top of r
+        reused tokens (`c`: the constants of w's profile, when at hand)."""
+        return w.prefill_scale * self.prefill_base(c or self.consts(w.profile), r)
+
+    def prefill_base(self, c: tuple[float, ...], r: int) -> float:
+        """prefill_s(N − r, r) of a profile (`c`) at scale 1: base_s + per_token_s·new +
+        per_token_ctx_s·new·(r + new/2), new = N − r."""
+        new = self.n - r
+        return c[_PF_BASE] + c[_PF_TOK] * new + c[_PF_CTX] * new * (r + new / 2.0)
+
+    def link(
+        self, dst: WorkerView, nbytes: float, same_node: bool, c: tuple[float, ...] | None = None
+    ) -> float:
+        """link_s = s_l(dst) · (latency_s + bytes / bw), bw = intra_node_bps within a node, else
+        inter_node_bps (of dst's profile; `c` when at hand); 0 when nothing moves."""
+        if nbytes <= 0:
+            return 0.0
+        if c is None:
+            c = self.consts(dst.profile)
+        return dst.link_scale * (c[_LAT] + nbytes / (c[_INTRA] if same_node else c[_INTER]))
+
+    def transfer(self, src: WorkerView, dst: WorkerView, nbytes: float) -> tuple[float, float]:
+        """(transfer_s, NIC time) of `nbytes` from src to dst: transfer_s = link_s + [src.node ≠
+        dst.node] · nic_backlog_s(src) (a transfer between nodes first waits for what is
+        queued on the source node's NIC); NIC time = link_s when it crosses nodes, else 0."""
+        same = src.node == dst.node
+        t = self.link(dst, nbytes, same)
+        if same or nbytes <= 0:
+            return t, 0.0
+        return t + src.nic_backlog_s, t
+
+    def dup(self, non_owner: bool, held: int) -> int:
+        """dup(w, h) = [w ≠ owner] · max(0, owner_blocks − h) · bs · K: KV of the owned prefix
+        a non-owner (`non_owner` = [w ≠ owner]) holding h blocks of it newly materialises
+        (bytes; 0 when the request has no owner, as owner_blocks counts as 0 then)."""
+        return (self.ob - held) * self.bk if non_owner and held < self.ob else 0
+
+    def hysteresis(self, others: float) -> float:
+        """H_move of a state migration whose other terms sum to C₀ = `others`:
+        migration_margin_s + migration_margin_rel · C₀."""
+        return self.config.migration_margin_s + self.config.migration_margin_rel * others
+
+    def breakdown(self, route: Route) -> CostBreakdown:
+        """Every term of C(route) (planner/README.md, *The cost*); `.total` is C(a)."""
+        return self._breakdown(route)[0]
+
+    def candidate(self, route: Route) -> Candidate:
+        """The route as a `Candidate` with its full breakdown."""
+        b, reused_blocks = self._breakdown(route)
+        src = route.source
+        return Candidate(
+            route.action,
+            route.prefill.worker_id,
+            route.decode.worker_id,
+            b,
+            None if src is None else src.worker_id,
+            reused_blocks,
         )
-    if route.action is _REMOTE:
-        n = max(request.prompt_tokens, 1)
-        r = reused_tokens(request, route) if reused is None else reused
-        gpu_d = tier_blocks(route.decode)[0]
-        return float((n - r) * request.kv_bytes_per_token) + owner_duplicate_bytes(
-            request, route.decode, gpu_d
+
+    def _breakdown(self, route: Route) -> tuple[CostBreakdown, int]:
+        """(breakdown, blocks reused by P) of a route."""
+        cfg = self.config
+        action = route.action
+        p, d = route.prefill, route.decode
+        q_p, dec, pre, stalled, gpu_d, held, _, tr, dup_d, dup_p = self.worker(p)
+        # blocks pulled over the network into P before it computes: a fetch max(0,
+        # owner_blocks − held(P)), a migration max(0, gpu(S) − held(P)); otherwise 0
+        moved = 0
+        if action is _FETCH:
+            moved = max(0, self.request.owner_blocks - held)
+        elif action is _MIG and route.source is not None:
+            moved = max(0, tier_blocks(route.source)[0] - held)
+        if moved:  # P reuses what it holds and what moves in
+            pre = self.prefill(p, self.reused(held + moved))
+        if d is p or d.worker_id == p.worker_id:
+            tq = q_p  # T_queue = q(P) + [D ≠ P] · q(D); D's terms are P's
+        else:
+            q_d, dec, _, _, gpu_d, _, _, _, dup_d, _ = self.worker(d)
+            tq = q_p + q_d
+        # T_network and M_HBM by action; the NIC time is informational
+        nic = 0.0
+        if action is _REMOTE:
+            k = self.request.kv_bytes_per_token
+            tn, nic = self.transfer(p, d, max(0, self.n - gpu_d * self.request.block_size) * k)
+            tn += cfg.pd_handshake_s
+            m = float((self.n - self.reused(held)) * k + dup_d)
+        elif route.source is not None:
+            tn, nic = self.transfer(route.source, p, moved * self.bk)
+            m = float(moved * self.bk if action is _MIG else dup_p)
+        else:
+            tn = 0.0
+            m = float(dup_p)
+        i = stalled * pre
+        h = 0.0
+        if action is _MIG:
+            # the other terms summed as CostBreakdown.total sums them
+            h = self.hysteresis(tq + (pre + dec) + tn + tr + cfg.lam * m + cfg.mu * i)
+        o = self.o
+        b = CostBreakdown(
+            tq, pre + dec, tn, tr, m, i, cfg.lam, cfg.mu, pre, dec / o if o else 0.0, h, nic
         )
-    h = held_blocks(route.prefill) if held is None else held
-    return float(owner_duplicate_bytes(request, route.prefill, h))
-
-
-def i_decode(
-    model: CostModel, request: RequestView, route: Route, prefill: float | None = None
-) -> float:
-    """I_decode = running(P) · prefill_s(P, N − r, r): every decode running on the prefill
-    worker waits for the whole prefill (0 on an idle or PREFILL worker: what runs there are
-    prefills, which the queue term covers). An engine step
-    computes a prefill chunk and one token of each running decode together (the emulated
-    engine's step lasts decode_step_s + prefill_s of its chunk, as vLLM's does), so each of the
-    running(P) decodes gets its next tokens prefill_s later. `prefill` is t_prefill when already
-    computed."""
-    p = route.prefill
-    if p.running <= 0 or p.role is _PREFILL:
-        return 0.0
-    return (t_prefill(model, request, route) if prefill is None else prefill) * p.running
-
-
-def h_move(model: CostModel, route: Route, others: float) -> float:
-    """H_move, the hysteresis of a move: STATE_MIGRATION: migration_margin_s +
-    migration_margin_rel · C₀, C₀ = the sum of the route's other terms; 0 for every other
-    action. A session moves only when staying costs more than moving by this much: loads
-    seen by the planner are a scrape old and swap within a tool gap, so a move that wins by
-    less is as likely to be undone by the next turn (which copies the prefix back), while
-    each move leaves a copy behind (M_HBM)."""
-    if route.action is not _MIG:
-        return 0.0
-    cfg = model.config
-    return cfg.migration_margin_s + cfg.migration_margin_rel * others
+        return b, held + moved
 
 
 def evaluate(model: CostModel, request: RequestView, route: Route) -> CostBreakdown:
-    """The full breakdown of C(route); `CostBreakdown.total` is C(a)."""
-    return _evaluate(model, request, route, tier_blocks(route.prefill))
-
-
-def _held(tiers: tuple[int, int, int]) -> int:
-    g, c, s = tiers
-    return g if g >= c and g >= s else (c if c >= s else s)
-
-
-def _evaluate(
-    model: CostModel, request: RequestView, route: Route, tiers: tuple[int, int, int]
-) -> CostBreakdown:
-    # every term, with the values they share (P's tiers, held, moved, reused) computed once
-    cfg = model.config
-    held = _held(tiers)
-    moved = moved_blocks(request, route, held)
-    r = reused_tokens(request, route, held + moved)
-    pre = t_prefill(model, request, route, r)
-    dec = t_decode(model, request, route)
-    o = decode_tokens(request, cfg)
-    tq = t_queue(model, request, route)
-    tn, nic = _network(model, request, route, moved)
-    tr = t_restore(model, request, route, tiers)
-    m = m_hbm(model, request, route, r, held)
-    i = i_decode(model, request, route, pre)
-    h = 0.0
-    if route.action is _MIG:
-        # the other terms summed as CostBreakdown.total sums them
-        h = h_move(model, route, tq + (pre + dec) + tn + tr + cfg.lam * m + cfg.mu * i)
-    return CostBreakdown(
-        tq, pre + dec, tn, tr, m, i, cfg.lam, cfg.mu, pre, dec / o if o else 0.0, h, nic
-    )
-
-
-def to_candidate(model: CostModel, request: RequestView, route: Route) -> Candidate:
-    """The route as a `Candidate` with its full breakdown."""
-    tiers = tier_blocks(route.prefill)
-    held = _held(tiers)
-    src = route.source
-    return Candidate(
-        route.action,
-        route.prefill.worker_id,
-        route.decode.worker_id,
-        _evaluate(model, request, route, tiers),
-        None if src is None else src.worker_id,
-        held + moved_blocks(request, route, held),
-    )
+    """The full breakdown of C(route) (`RequestCosts.breakdown`); `CostBreakdown.total` is
+    C(a)."""
+    return RequestCosts(model, request).breakdown(route)
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from ownerserve.records import fast_init
-from ownerserve.types import BackendKind, Role, Tier
+from ownerserve.types import Role, Tier
 
 
 class Action(StrEnum):
@@ -42,18 +42,14 @@ class WorkerView:
 
     worker_id: str
     role: Role
-    kind: BackendKind = BackendKind.EMULATOR
     healthy: bool = True
     profile: str = "default"
     running: int = 0
     waiting: int = 0
     inflight_prefill_tokens: int = 0
     kv_usage: float = 0.0
-    hbm_bytes: int = 0
     # longest prefix of this request's chain held on this worker, in blocks, per tier
     cached_blocks: dict[Tier, int] = field(default_factory=dict)
-    is_owner: bool = False
-    is_session_owner: bool = False
     node: str = "node0"
     # online calibration: observed/predicted ratios (1.0 = profile is exact)
     prefill_scale: float = 1.0
@@ -93,8 +89,6 @@ class RequestView:
 @dataclass(frozen=True, slots=True)
 class ClusterView:
     workers: tuple[WorkerView, ...]
-    intra_node_gbps: float = 400.0
-    inter_node_gbps: float = 100.0
 
     def by_id(self, worker_id: str) -> WorkerView | None:
         for w in self.workers:

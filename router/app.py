@@ -21,23 +21,18 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ownerserve.config import Settings, WorkerSettings
 from ownerserve.directory.base import Directory
-from ownerserve.errors import (
-    AuthenticationError,
-    InvalidRequestError,
-    NotFoundError,
-    OwnerServeError,
-)
+from ownerserve.errors import AuthenticationError, InvalidRequestError, NotFoundError
+from ownerserve.http import install_error_handlers
 from planner.calibration import Calibrator
-from router.errors import error_status_and_body
-from router.proxy import PolicyFactory, Receive, Router, Scope, Send
+from router import membership
+from router.asgi import Receive, Scope, Send, handle_completion
 from router.requests import Endpoint
+from router.state import PolicyFactory, Router
 
 _HOT_PATHS = {e.value: e for e in Endpoint}
 
@@ -53,24 +48,9 @@ class CompletionsASGI:
         if scope["type"] == "http":
             endpoint = _HOT_PATHS.get(scope["path"])
             if endpoint is not None and scope["method"] == "POST":
-                await self.router.handle_completion(scope, receive, send, endpoint)
+                await handle_completion(self.router, scope, receive, send, endpoint)
                 return
         await self.app(scope, receive, send)
-
-
-class HTTPStatusError(OwnerServeError):
-    """Another HTTP error raised by the framework (405 and the like), with its status."""
-
-    error_type = "invalid_request_error"
-
-    def __init__(self, message: str, status_code: int) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-
-
-def _error(exc: BaseException) -> JSONResponse:
-    status, body = error_status_and_body(exc)
-    return Response(body, status_code=status, media_type="application/json")  # type: ignore[return-value]
 
 
 def create_app(
@@ -103,30 +83,13 @@ def create_app(
     )
     app.state.router = router
     app.add_middleware(CompletionsASGI, router=router)
-
-    @app.exception_handler(OwnerServeError)
-    async def _owner_error(_: Request, exc: OwnerServeError) -> JSONResponse:
-        return _error(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(InvalidRequestError(f"invalid request: {exc.errors()[:1]}"))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 404:
-            return _error(NotFoundError("no such endpoint"))
-        return _error(HTTPStatusError(str(exc.detail), exc.status_code))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return _error(exc)
+    install_error_handlers(app)
 
     # --- OpenAI API -----------------------------------------------------------------------
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
-        router._check_auth({k.lower(): v for k, v in request.headers.items()})
+        router.check_auth({k.lower(): v for k, v in request.headers.items()})
         served = set(router.pool.models())
         if any(not w.settings.models for w in router.pool.all()):
             served |= {m.name for m in settings.models}
@@ -212,7 +175,7 @@ def create_app(
             raise InvalidRequestError(f"invalid worker: unknown model {unknown[0]!r}")
         if router.pool.get(ws.id) is not None:
             raise InvalidRequestError(f"worker {ws.id!r} already exists")
-        await router.add_worker(ws)
+        await membership.add_worker(router, ws)
         state = router.pool.get(ws.id)
         return JSONResponse(worker_json(state), status_code=201)
 
@@ -235,7 +198,7 @@ def create_app(
     @app.delete("/admin/workers/{worker_id}")
     async def remove(worker_id: str, request: Request) -> JSONResponse:
         admin_auth(request)
-        if not await router.remove_worker(worker_id):
+        if not await membership.remove_worker(router, worker_id):
             raise NotFoundError(f"no worker {worker_id!r}")
         return JSONResponse({"removed": worker_id})
 

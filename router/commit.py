@@ -11,12 +11,45 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ownerserve.directory.base import Artifact, Directory, Lease, Match
 from ownerserve.errors import StaleEpochError
 from ownerserve.types import Tier
 from planner.types import Action, Plan
+
+
+@dataclass(frozen=True, slots=True)
+class Lifetimes:
+    """How long what a commit writes lives (seconds)."""
+
+    lease_s: float
+    session_ttl_s: float
+    replica_ttl_s: float
+    """The transient copy a remote prefill leaves on the prefill worker."""
+
+
+class Served(Protocol):
+    """One served request, as its commit needs it (the router's `RequestContext`)."""
+
+    @property
+    def plan(self) -> Plan: ...
+    @property
+    def chain(self) -> Sequence[int]: ...
+    @property
+    def session_id(self) -> str | None: ...
+    @property
+    def match(self) -> Match: ...
+    @property
+    def kv_bytes_per_block(self) -> int: ...
+    @property
+    def fork_from_blocks(self) -> int:
+        """Leading blocks a forked branch shares with its session's previous prompt (else 0)."""
+
+    @property
+    def refresh(self) -> bool:
+        """False when this session's unchanged records were rewritten recently."""
 
 
 async def _claim(
@@ -40,30 +73,21 @@ async def _claim(
 
 
 async def commit_plan(
-    directory: Directory,
-    plan: Plan,
-    chain: Sequence[int],
-    session_id: str | None,
-    match: Match,
-    *,
-    lease_s: float,
-    session_ttl_s: float,
-    replica_ttl_s: float,
-    kv_bytes_per_block: int,
-    fork_from_blocks: int = 0,
-    refresh: bool = True,
-    concurrent: bool = True,
+    directory: Directory, served: Served, lifetimes: Lifetimes, *, concurrent: bool = True
 ) -> Lease | None:
     """Commit one served plan; returns the decode worker's lease on the new blocks, if any.
 
-    With `refresh=False` (the caller refreshed this session recently) records that are
-    already in place — same session owner, an unexpired replica, a lease on the whole
+    With `served.refresh` False (the caller refreshed this session recently) records that
+    are already in place — same session owner, an unexpired replica, a lease on the whole
     prompt — are not written again. With `concurrent=False` the writes run one after the
     other (for the in-process directory, whose calls never wait: no task per write)."""
+    plan, chain, session_id, match = served.plan, served.chain, served.session_id, served.match
+    refresh = served.refresh
+    lease_s = lifetimes.lease_s
     decode = plan.chosen.decode_worker
     steps: list[Awaitable[Any]] = []
     if session_id is not None and (refresh or match.session_owner != decode):
-        steps.append(directory.set_session_owner(session_id, decode, session_ttl_s))
+        steps.append(directory.set_session_owner(session_id, decode, lifetimes.session_ttl_s))
     if not chain:
         for step in steps:
             await step
@@ -74,7 +98,12 @@ async def commit_plan(
     if plan.action is Action.REMOTE_PREFILL and plan.chosen.prefill_worker != decode:
         steps.append(
             directory.add_replica(
-                full[-1], plan.chosen.prefill_worker, Tier.GPU, replica_ttl_s, True, full
+                full[-1],
+                plan.chosen.prefill_worker,
+                Tier.GPU,
+                lifetimes.replica_ttl_s,
+                True,
+                full,
             )
         )
     if owned and match.owner != decode and (refresh or match.longest(decode) < owned):
@@ -82,11 +111,12 @@ async def commit_plan(
         steps.append(
             directory.add_replica(full[owned - 1], decode, Tier.GPU, lease_s, True, full[:owned])
         )
+    fork_from_blocks = served.fork_from_blocks
     if session_id is not None and fork_from_blocks > 0:
         steps.append(directory.add_fork_ref(full[min(fork_from_blocks, n) - 1], session_id))
     first: Awaitable[Lease | None] | None = None
     if owned < n:
-        first = _claim(directory, full, owned, decode, match, lease_s, kv_bytes_per_block)
+        first = _claim(directory, full, owned, decode, match, lease_s, served.kv_bytes_per_block)
     elif refresh and match.owner == decode and match.owner_artifact_id is not None:
         first = _renew(directory, match.owner_artifact_id, decode, match.owner_epoch, lease_s)
     if first is not None and not steps:

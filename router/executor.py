@@ -2,11 +2,12 @@
 
 Every action ends in one *final* upstream response whose bytes stream to the client:
 - colocated prefill, decode continuation, tail recompute: one call to the chosen worker;
-- remote prefill: vLLM's two-step flow (prefill with `max_tokens=1` + `kv_transfer_params`,
-  then decode with the returned params) or SGLang's (both at once with a bootstrap room),
-  chosen by the prefill worker's kind;
-- artifact fetch and state migration: ask the destination's worker-side KV API to pull the
-  prefix from the source, then one call there (a failed fetch degrades to recomputing).
+- remote prefill: the prefill worker's backend builds both bodies, and its `PDHandoff` sets
+  the order: P first, then D with what P's answer hands over (vLLM's `kv_transfer_params`), or
+  both at once meeting at a room on P (SGLang's bootstrap room);
+- artifact fetch and state migration: ask the destination's worker-side KV API (where its
+  backend says) to pull the prefix from the source, then one call there (a failed fetch
+  degrades to recomputing).
 
 `open_plan` does everything up to and including the final response's first bytes, so any
 failure before that is retryable on other workers (`RetryableUpstreamError`); after it the
@@ -19,22 +20,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from ownerserve.errors import UpstreamError
+from ownerserve.kvfetch import FETCH_PATH, KVFetchRequest
 from ownerserve.records import fast_init
-from ownerserve.types import BackendKind
 from planner.types import Action, Plan
+from router.backends import PDHandoff
 from router.pool import WorkerPool, WorkerState
 from router.requests import CompletionRequest
 from router.upstream import UpstreamPool, UpstreamResponse, header_block
-from workers.adapters.emulator import FETCH_PATH, EmulatorAdapter
-from workers.adapters.sglang import SGLangAdapter, new_bootstrap_room
-from workers.adapters.vllm import VLLMRequestFlow
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +65,8 @@ class FetchSpec:
 
 @dataclass(slots=True)
 class OpenedResponse:
-    """The final upstream response, opened: status, first bytes, the rest to stream."""
+    """The final upstream response, opened: status, first bytes, and (streaming) the response
+    whose rest the caller streams."""
 
     status: int
     content_type: bytes
@@ -79,18 +79,6 @@ class OpenedResponse:
     """Duration of the KV movement phase (remote prefill until KV ready, or the fetch)."""
     fetched: bool | None = None
     finished: bool = False
-
-    async def rest(self) -> AsyncIterator[bytes]:
-        """Remaining body bytes as they arrive; raises on an upstream failure mid-stream."""
-        if self.response is None or self.finished:
-            return
-        response = self.response
-        while True:
-            chunk = await response.readany()
-            if not chunk:
-                break
-            yield chunk
-        self.finished = True
 
     async def aclose(self) -> None:
         """Release the connection (or abort it if the body was not fully read: that cancels
@@ -228,9 +216,9 @@ class PlanExecutor:
         action = chosen.action
         if action is Action.REMOTE_PREFILL and chosen.prefill_worker != chosen.decode_worker:
             prefill = self._worker(chosen.prefill_worker)
-            if prefill.settings.kind is BackendKind.SGLANG:
-                return await self._sglang_pd(prefill, decode, req, headers)
-            return await self._vllm_pd(prefill, decode, req, headers)
+            if prefill.backend.pd_handoff is PDHandoff.RENDEZVOUS:
+                return await self._pd_rendezvous(prefill, decode, req, headers)
+            return await self._pd_after_prefill(prefill, decode, req, headers)
         fetched: bool | None = None
         transfer_s: float | None = None
         if action in (Action.ARTIFACT_FETCH, Action.STATE_MIGRATION) and chosen.source_worker:
@@ -243,20 +231,22 @@ class PlanExecutor:
         opened.transfer_s = transfer_s
         return opened
 
-    # --- remote prefill, vLLM protocol ------------------------------------------------------
+    # --- remote prefill, D after P's answer (vLLM's protocol) -------------------------------
 
-    async def _vllm_pd(
+    async def _pd_after_prefill(
         self,
         prefill: WorkerState,
         decode: WorkerState,
         req: CompletionRequest,
         headers: bytes,
     ) -> OpenedResponse:
-        flow: VLLMRequestFlow = (
-            prefill.adapter if isinstance(prefill.adapter, VLLMRequestFlow) else VLLMRequestFlow()
-        )
+        backend = prefill.backend
         t = time.perf_counter()
-        p_body = orjson.dumps(flow.prefill_body(req.body))
+        try:
+            p_json = backend.prefill_body(req.body, prefill.address)
+        except ValueError as exc:
+            raise RetryableUpstreamError(prefill.worker_id, str(exc)) from None
+        p_body = orjson.dumps(p_json)
         with self.span("ownerserve.transfer", protocol="vllm", prefill=prefill.worker_id):
             resp = await self._post(prefill, req.endpoint.value, p_body, headers)
             try:
@@ -279,33 +269,33 @@ class PlanExecutor:
                 workers=[prefill],
             )
         try:
-            params = flow.transfer_params_of(orjson.loads(data))
+            d_json = backend.decode_body(req.body, p_json, orjson.loads(data))
         except (orjson.JSONDecodeError, UpstreamError) as exc:
             raise RetryableUpstreamError(prefill.worker_id, str(exc)) from None
-        d_body = orjson.dumps(flow.decode_body(req.body, params))
+        d_body = orjson.dumps(d_json)
         transfer_s = time.perf_counter() - t
         opened = await self._final_call(decode, req, d_body, headers)
         opened.transfer_s = transfer_s
         opened.workers = [prefill, decode]
         return opened
 
-    # --- remote prefill, SGLang protocol ----------------------------------------------------
+    # --- remote prefill, P and D at once (SGLang's protocol) --------------------------------
 
-    async def _sglang_pd(
+    async def _pd_rendezvous(
         self,
         prefill: WorkerState,
         decode: WorkerState,
         req: CompletionRequest,
         headers: bytes,
     ) -> OpenedResponse:
-        adapter = prefill.adapter if isinstance(prefill.adapter, SGLangAdapter) else None
-        adapter = adapter or SGLangAdapter()
+        backend = prefill.backend
         try:
-            both = adapter.bootstrap_body(req.body, prefill.address, new_bootstrap_room())
+            p_json = backend.prefill_body(req.body, prefill.address)
         except ValueError as exc:
             raise RetryableUpstreamError(prefill.worker_id, str(exc)) from None
+        d_bytes = orjson.dumps(backend.decode_body(req.body, p_json, None))
         t = time.perf_counter()
-        p_bytes = orjson.dumps(adapter.prefill_body(both))
+        p_bytes = orjson.dumps(p_json)
 
         async def run_prefill() -> float:
             with self.span("ownerserve.transfer", protocol="sglang", prefill=prefill.worker_id):
@@ -321,7 +311,7 @@ class PlanExecutor:
             return time.perf_counter() - t
 
         p_task = asyncio.create_task(run_prefill())
-        d_task = asyncio.create_task(self._final_call(decode, req, orjson.dumps(both), headers))
+        d_task = asyncio.create_task(self._final_call(decode, req, d_bytes, headers))
         try:
             done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
             if p_task in done and p_task.exception() is not None and not d_task.done():
@@ -354,21 +344,27 @@ class PlanExecutor:
         req: CompletionRequest,
         fetch: FetchSpec | None,
     ) -> bool:
-        """Ask `destination` to pull the prefix from `source`; False (recompute) on failure."""
+        """Ask `destination` to pull the prefix from `source`; False (recompute) on failure or
+        when either has no KV API."""
         source = self.pool.get(source_id)
-        adapter = destination.adapter
         if source is None or fetch is None or not fetch.block_hashes:
             return False
-        if not isinstance(adapter, EmulatorAdapter) and destination.settings.sidecar_url is None:
+        base = destination.backend.kv_api_url(destination.address)
+        source_url = source.backend.kv_api_url(source.address)
+        if base is None or source_url is None:
             return False
-        fetcher = adapter if isinstance(adapter, EmulatorAdapter) else EmulatorAdapter()
-        body = fetcher.fetch_body(
-            source.address, req.model, fetch.block_hashes, fetch.token_ids, fetch.block_size
+        n = len(fetch.block_hashes) * fetch.block_size
+        body = KVFetchRequest(
+            source_url=source_url,
+            block_hashes=fetch.block_hashes,
+            model=req.model,
+            source_worker=source.worker_id,
+            token_ids=tuple(fetch.token_ids[:n]),
+            block_size=fetch.block_size,
         )
-        base = destination.address.sidecar_url or destination.address.url
         try:
             resp = await self.http.request(
-                base, b"POST", FETCH_PATH, _JSON_HEADER, orjson.dumps(body)
+                base, b"POST", FETCH_PATH, _JSON_HEADER, orjson.dumps(body.to_json())
             )
             await resp.read()
             resp.release()

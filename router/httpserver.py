@@ -5,7 +5,9 @@ goes to the ASGI app (FastAPI: health, metrics, models, admin) through a small A
 
 Chosen over uvicorn on CPU per request (`bench/router_overhead`, numbers in bench/RESULTS.md).
 What it does besides parsing: `TCP_NODELAY` on accepted sockets, `server.max_body_bytes`
-enforced while reading (413, then the connection closes), `Expect: 100-continue`, flow control
+enforced while reading (413, then a lingering close: the rest of the body is read and dropped,
+within `linger_bytes` and `linger_s`, so that the client can read the 413 before the
+connection closes), `Expect: 100-continue`, flow control
 on slow readers, idle keep-alive connections closed after `keep_alive_s`, a client that goes
 away cancels its request (which cancels upstream work), graceful shutdown, ASGI lifespan.
 """
@@ -24,11 +26,18 @@ from urllib.parse import unquote
 
 import httptools
 
-from ownerserve.errors import PayloadTooLargeError
+from ownerserve.errors import (
+    HTTPStatusError,
+    InvalidRequestError,
+    OwnerServeError,
+    PayloadTooLargeError,
+)
+from ownerserve.http import DRAIN_BYTES, DRAIN_S, error_status_and_body
 from ownerserve.tasks import cancel_and_wait
-from router.errors import error_status_and_body
-from router.proxy import Message, ResponseWriter, Router
+from router.asgi import Message
 from router.requests import Endpoint
+from router.state import Router
+from router.streaming import ResponseWriter
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +202,8 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_bytes = 0
         self._refused = False
+        self._linger_left = 0
+        self._linger_timer: asyncio.TimerHandle | None = None
 
     # --- transport callbacks -----------------------------------------------------------------
 
@@ -206,17 +217,23 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_active = time.monotonic()
+        if self._refused:  # lingering: the parser still finds where the refused request ends
+            self._linger_left -= len(data)
+            if self._linger_left < 0:
+                self.transport.abort()
+                return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._refuse(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
-            if not self._refused:
-                self._refuse(400, f"malformed HTTP request: {exc}")
+            self._refuse(400, f"malformed HTTP request: {exc}")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
         if self.task is not None and not self.task.done():
@@ -247,12 +264,16 @@ class _Connection(asyncio.Protocol):
         self._body_bytes = 0
 
     def on_url(self, url: bytes) -> None:
+        if self._refused:  # lingering: keep nothing of what follows
+            return
         self._url += url
         self._header_bytes += len(url)
         if self._header_bytes > MAX_HEADER_BYTES:
             self._refuse(431, "request line and headers too large")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._refused:
+            return
         self._header_bytes += len(name) + len(value)
         if self._header_bytes > MAX_HEADER_BYTES:
             self._refuse(431, "request line and headers too large")
@@ -263,6 +284,8 @@ class _Connection(asyncio.Protocol):
         self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        if self._refused:
+            return
         limit = self.server.max_body_bytes
         for name, value in self._headers:
             if name == b"content-length":
@@ -275,6 +298,8 @@ class _Connection(asyncio.Protocol):
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
+        if self._refused:
+            return
         self._body_bytes += len(body)
         if self._body_bytes > self.server.max_body_bytes:
             self._refuse(413, f"request body exceeds {self.server.max_body_bytes} bytes")
@@ -282,7 +307,8 @@ class _Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        if self._refused:
+        if self._refused:  # the client sent the refused request whole: closing resets nothing
+            self.transport.close()
             return
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         req = _Request(
@@ -303,27 +329,40 @@ class _Connection(asyncio.Protocol):
     # --- requests ----------------------------------------------------------------------------
 
     def _refuse(self, status: int, message: str) -> None:
-        """Answer an unreadable request with an OpenAI error and close the connection."""
+        """Answer an unreadable request with an OpenAI error, then close the connection."""
         if self._refused:
             return
         self._refused = True
         self.keep_alive = False
-        if self.task is None and not self.closed:
-            from ownerserve.errors import InvalidRequestError
+        if self.task is not None or self.closed:  # a response in flight: no room for ours
+            self.transport.close()
+            return
+        exc: OwnerServeError
+        if status == 413:
+            exc = PayloadTooLargeError(message)
+        elif status == 400:
+            exc = InvalidRequestError(message)
+        else:
+            exc = HTTPStatusError(message, status)
+        _, body = error_status_and_body(exc)
+        head = _status_line(status, False) + (
+            b"content-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n" % len(body)
+        )
+        self.transport.write(head + body)
+        self._linger()
 
-            exc: Exception
-            if status == 413:
-                exc = PayloadTooLargeError(message)
-            else:
-                exc = InvalidRequestError(message)
-                exc.status_code = status
-            _, body = error_status_and_body(exc)
-            head = _status_line(status, False) + (
-                b"content-type: application/json\r\nconnection: close\r\n"
-                b"content-length: %d\r\n\r\n" % len(body)
-            )
-            self.transport.write(head + body)
-        self.transport.close()
+    def _linger(self) -> None:
+        """Close after the answer the way servers do: closing with unread request bytes
+        resets the connection, and a client that writes its whole body before it reads
+        (`http.client`, so `urllib` and `requests`) then sees the reset, never the answer. So
+        half-close (the client reads the answer and EOF), read and drop what the client still
+        sends until its request ends, and abort at the server's byte or time bound."""
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._linger_left = self.server.linger_bytes
+        loop = asyncio.get_running_loop()
+        self._linger_timer = loop.call_later(self.server.linger_s, self.transport.abort)
 
     def _dispatch(self, req: _Request) -> None:
         self.keep_alive = req.keep_alive
@@ -468,6 +507,8 @@ class RouterServer:
         max_body_bytes: int | None = None,
         keep_alive_s: float = 75.0,
         backlog: int = 4096,
+        linger_bytes: int = DRAIN_BYTES,
+        linger_s: float = DRAIN_S,
     ) -> None:
         self.app = app
         self.router: Router | None = getattr(getattr(app, "state", None), "router", None)
@@ -480,6 +521,8 @@ class RouterServer:
         self.max_body_bytes = max_body_bytes
         self.keep_alive_s = keep_alive_s
         self.backlog = backlog
+        self.linger_bytes = linger_bytes
+        self.linger_s = linger_s
         self.connections: set[_Connection] = set()
         self._state: dict[str, Any] = {}
         self.bridge = ASGIBridge(app, self._state)

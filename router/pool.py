@@ -16,12 +16,8 @@ from typing import Any
 from ownerserve.config import WorkerSettings
 from ownerserve.tasks import cancel_and_wait
 from ownerserve.types import Role
+from router.backends import Backend, WorkerAddress, WorkerLoad, backend_for
 from router.upstream import UpstreamPool
-from workers.adapters import adapter_for
-from workers.adapters.base import WorkerAddress, WorkerLoad
-from workers.adapters.emulator import EmulatorAdapter
-from workers.adapters.sglang import SGLangAdapter
-from workers.adapters.vllm import VLLMAdapter
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +68,10 @@ class CircuitBreaker:
 
 @dataclass(slots=True)
 class WorkerState:
-    """One worker: its settings, adapter, health, load and breaker."""
+    """One worker: its settings, backend, health, load and breaker."""
 
     settings: WorkerSettings
-    adapter: EmulatorAdapter | VLLMAdapter | SGLangAdapter
+    backend: Backend
     address: WorkerAddress
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     healthy: bool = True
@@ -108,12 +104,10 @@ def worker_state(settings: WorkerSettings) -> WorkerState:
     address = WorkerAddress(
         worker_id=settings.id,
         url=settings.url,
-        role=settings.role,
-        kind=settings.kind,
         bootstrap_port=settings.bootstrap_port,
         sidecar_url=settings.sidecar_url,
     )
-    return WorkerState(settings=settings, adapter=adapter_for(settings.kind), address=address)
+    return WorkerState(settings=settings, backend=backend_for(settings.kind), address=address)
 
 
 WorkerDeathHook = Callable[[str], Awaitable[None]]
@@ -216,7 +210,7 @@ class WorkerPool:
         ok = False
         try:
             async with asyncio.timeout(self.health_timeout_s):
-                resp = await http.request(url, b"GET", state.adapter.health_path)
+                resp = await http.request(url, b"GET", state.backend.health_path)
                 await resp.read()
                 resp.release()
                 ok = resp.status == 200
@@ -232,11 +226,11 @@ class WorkerPool:
                 log.info("worker %s is healthy again", state.worker_id)
             with contextlib.suppress(OSError, TimeoutError):
                 async with asyncio.timeout(self.health_timeout_s):
-                    resp = await http.request(url, b"GET", state.adapter.metrics_path)
+                    resp = await http.request(url, b"GET", state.backend.metrics_path)
                     text = (await resp.read()).decode("utf-8", errors="replace")
                     resp.release()
                     if resp.status == 200:
-                        state.load = state.adapter.parse_load(text)
+                        state.load = state.backend.parse_load(text)
             return
         state.health_failures += 1
         if state.healthy and state.health_failures >= self.dead_after_failures:

@@ -15,10 +15,14 @@ Explicit keys win, in this order (sources for each agent framework's header):
 Otherwise the session is derived from the conversation itself: a hash of its stable prefix
 (the system prompt and the first user turn; for raw completions, the first blocks of the
 prompt's hash chain), so an unkeyed multi-turn session still sticks to its owner.
+
+`SessionTable` is what the router remembers of each recent session between its turns.
 """
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -173,9 +177,57 @@ def identify_session(
         return SessionKey(
             derived_session_id(model, stable_chat_prefix(messages)), SessionSource.DERIVED
         )
-    if chain:
-        anchor = chain[min(len(chain), DERIVED_PREFIX_BLOCKS) - 1]
-        return SessionKey(
-            derived_session_id(model, anchor.to_bytes(8, "little")), SessionSource.DERIVED
-        )
-    return SessionKey(None, SessionSource.NONE)
+    return chain_session(model, chain)
+
+
+NO_SESSION = SessionKey(None, SessionSource.NONE)
+
+
+def chain_session(model: str, chain: Sequence[int]) -> SessionKey:
+    """The derived session of a raw completion prompt without explicit key: a hash of the
+    first blocks of its chain (no session for a prompt shorter than a block)."""
+    if not chain:
+        return NO_SESSION
+    anchor = chain[min(len(chain), DERIVED_PREFIX_BLOCKS) - 1]
+    return SessionKey(
+        derived_session_id(model, anchor.to_bytes(8, "little")), SessionSource.DERIVED
+    )
+
+
+@dataclass(slots=True)
+class SessionInfo:
+    """What the router remembers of one session between its requests."""
+
+    last_seen: float
+    inflight: int = 0
+    prompt_tokens: int = 0
+    committed_at: float = -1e18
+    """When the directory records of this session were last written in full."""
+
+
+class SessionTable:
+    """The most recent sessions' `SessionInfo`, least recently seen dropped first."""
+
+    __slots__ = ("_capacity", "_infos")
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self._capacity = capacity
+        self._infos: OrderedDict[str, SessionInfo] = OrderedDict()
+
+    def get(self, session_id: str | None) -> SessionInfo | None:
+        return self._infos.get(session_id) if session_id else None
+
+    def touch(self, session_id: str, prompt_tokens: int) -> SessionInfo:
+        """The session was seen now with a prompt of `prompt_tokens`."""
+        infos = self._infos
+        info = infos.get(session_id)
+        now = time.monotonic()
+        if info is None:
+            info = infos[session_id] = SessionInfo(last_seen=now)
+            if len(infos) > self._capacity:
+                infos.popitem(last=False)
+        else:
+            infos.move_to_end(session_id)
+        info.last_seen = now
+        info.prompt_tokens = prompt_tokens
+        return info

@@ -164,6 +164,16 @@ class RouterMetrics:
         self.sweep_errors = Counter(
             "ownerserve_directory_sweep_errors_total", "Periodic sweeps that failed", registry=r
         )
+        self.drop_worker_errors = Counter(
+            "ownerserve_directory_drop_worker_errors_total",
+            "Removed workers the directory failed to forget (their leases stay until retried)",
+            registry=r,
+        )
+        self.subscriber_close_errors = Counter(
+            "ownerserve_kv_subscriber_close_errors_total",
+            "KV event subscriptions that failed to close",
+            registry=r,
+        )
 
     def of(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, memoised: the hot path skips prometheus_client's label

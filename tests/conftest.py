@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.vllm_cpu.server import free_port as _free_port_below_ephemeral
+from ownerserve.ports import free_port
 
 
 def find_redis_binary(name: str = "redis-server") -> str | None:
@@ -43,15 +43,6 @@ def find_redis_binary(name: str = "redis-server") -> str | None:
     except ImportError:
         pass
     return shutil.which(name)
-
-
-def free_port() -> int:
-    """A free loopback TCP port below the ephemeral range (`workers.vllm_cpu.server.free_port`):
-    a port from that range (what binding port 0 gives) can become the local end of any
-    outgoing connection before the process it is meant for binds it. The suite's Mooncake
-    transfers open many connections, and an emulator once died of exactly that
-    ("Address already in use" on its KV-event port)."""
-    return _free_port_below_ephemeral()
 
 
 class RedisServer:

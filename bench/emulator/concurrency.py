@@ -23,9 +23,7 @@ import contextlib
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -35,15 +33,11 @@ from typing import Any
 import httpx
 import orjson
 
+from loadgen.cluster import ManagedProcess, wait_healthy
+from ownerserve.ports import free_port
 from ownerserve.profiles import load_profile
 
 HZ = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_seconds(pid: int) -> float:
@@ -245,22 +239,18 @@ def run_clients(
 
 def start_engine(
     profile: str, speed: float, max_num_seqs: int, stream_interval: int = 1
-) -> tuple[subprocess.Popen[bytes], int]:
+) -> tuple[ManagedProcess, int]:
     port = free_port()
     cmd = [sys.executable, "-m", "workers.emulator", "--port", str(port), "--profile", profile,
            "--speed", str(speed), "--max-num-seqs", str(max_num_seqs),
            "--stream-interval", str(stream_interval)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stderr.read().decode() if proc.stderr else "engine died")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc, port
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("engine did not start")
+    proc = ManagedProcess("emulated engine", cmd).start()
+    try:
+        wait_healthy([(proc, f"http://127.0.0.1:{port}")], timeout_s=60)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, port
 
 
 def run_one(args: argparse.Namespace, concurrency: int) -> dict[str, Any]:
@@ -269,6 +259,7 @@ def run_one(args: argparse.Namespace, concurrency: int) -> dict[str, Any]:
         # Warm-up: a few requests so imports and caches are hot.
         asyncio.run(run_load(port, 4, 1.0, args.prompt_words, 8))
         before = scrape(port)
+        assert proc.pid is not None
         cpu0 = cpu_seconds(proc.pid)
         stats, wall = run_clients(
             port, concurrency, args.seconds, args.prompt_words, args.max_tokens, args.client_procs
@@ -277,8 +268,7 @@ def run_one(args: argparse.Namespace, concurrency: int) -> dict[str, Any]:
         after = scrape(port)
         rss = rss_mb(proc.pid)
     finally:
-        proc.terminate()
-        proc.wait(10)
+        proc.stop()
 
     def delta(name: str) -> float:
         return after[name] - before[name]

@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,8 @@ from typing import Any
 
 import httpx
 
+from ownerserve.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 HZ = os.sysconf("SC_CLK_TCK")
 MODEL = "bench-model"
@@ -45,12 +46,6 @@ SCENARIOS: tuple[tuple[str, bool, int, int], ...] = (
     ("stream c=16", True, 16, 0),
     ("agent sessions stream c=16", True, 16, 8),
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def proc_tree(pid: int) -> list[int]:

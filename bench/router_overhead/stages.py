@@ -1,7 +1,8 @@
 """The router's routing steps timed one by one, in one process, over the overhead bench's own
-prompts: parse, session id, tokenize (+ block hashes), directory lookup, planner views, plan,
-plan header, commit, metrics. No HTTP: this isolates what the request path computes from what
-the server and the upstream client cost (`bench.router_overhead.servers`).
+prompts, through the request pipeline's own stages (`router.pipeline`, `router.aftermath`):
+parse, identify, tokenize (+ block hashes), directory lookup, request view, plan (cluster
+view + policy), plan header, commit, observe. No HTTP: this isolates what the request path
+computes from what the server and the upstream client cost (`bench.router_overhead.servers`).
 
     .venv/bin/python -m bench.router_overhead.stages [--prompts repeated|new|agent]
 
@@ -17,18 +18,18 @@ import argparse
 import re
 import time
 from collections.abc import Callable
-from typing import Any
 
 import uvloop
 
 from bench.router_overhead.load import bodies
 from bench.router_overhead.run import MODEL
 from ownerserve.config import settings_from_dict
-from ownerserve.directory import open_directory
+from router.aftermath import commit, observe
+from router.pipeline import RequestContext, identify, look_up, parse, plan, tokenize, view
 from router.plans import PlanRecord, plan_header
-from router.proxy import ObservedTimings, Router
-from router.requests import Endpoint, parse_request
-from router.session import identify_session
+from router.requests import Endpoint
+from router.state import Router
+from router.streaming import ResponseWriter
 
 
 def _requests(kind: str) -> tuple[list[tuple[bytes, str | None]], int]:
@@ -64,11 +65,8 @@ async def _run(kind: str) -> dict[str, float]:
         }
     )  # fmt: skip
     router = Router(settings)
-    router.directory = open_directory(settings.directory)
-    router._inline_commit = True
-    directory = router.directory
-    mt = router.tokenizers.get(MODEL)
-    assert mt is not None
+    await router.open_directory()  # the in-process directory: commits run inline
+    out = ResponseWriter()  # never written: the steps stop before the upstream request
     requests, warmup = _requests(kind)
     totals: dict[str, float] = {}
     clock = time.perf_counter
@@ -82,36 +80,30 @@ async def _run(kind: str) -> dict[str, float]:
     for k, (body, sid_header) in enumerate(requests):
         if k == warmup:
             totals.clear()
-        headers: dict[str, Any] = {"host": "h", "content-type": "application/json"}
+        headers = [(b"host", b"h"), (b"content-type", b"application/json")]
         if sid_header:
-            headers["x-session-id"] = sid_header
+            headers.append((b"x-session-id", sid_header.encode()))
         t = clock()
-        req = parse_request(body, Endpoint.CHAT)
+        ctx = RequestContext(router, Endpoint.CHAT, headers, out, t)
+        parse(ctx, body)
         t = step("parse", t)
-        session = identify_session(
-            headers, req.body, req.model, req.messages, derived=router._derived_sessions
-        )
-        t = step("session id", t)
-        tok = mt.tokenize_chat(session.session_id, req.messages, req.body.get("tools"))
+        identify(ctx)
+        t = step("identify (session id)", t)
+        tokenize(ctx)
         t = step("tokenize + hash", t)
-        match = await directory.lookup(tok.chain, session.session_id)
+        await look_up(ctx)
         t = step("directory lookup", t)
-        sid = session.session_id
-        info = router._sessions.get(sid) if sid else None
-        rview = router.request_view(req, tok, mt.block_size, session, match, info, False, None)
-        if sid:
-            router._touch_session(sid, tok.prompt_tokens)
-        cluster = router.cluster_view(req.model, match, set())
-        t = step("planner views", t)
-        plan = router.policy.plan(rview, cluster)
-        t = step("plan (planner)", t)
-        plan_header(plan, None)
-        PlanRecord.of(plan, sid, None)
+        view(ctx)
+        t = step("request view", t)
+        plan(ctx)
+        t = step("plan (cluster view + planner)", t)
+        plan_header(ctx.plan, None)
+        PlanRecord.of(ctx.plan, ctx.session.session_id, None)
         t = step("plan header + record", t)
-        await router._commit(plan, tok, session, match, rview)
+        await commit(ctx)
         t = step("commit", t)
-        router._observe(plan, rview, match, ObservedTimings(), True)
-        step("metrics", t)
+        observe(ctx, True)
+        step("observe (metrics)", t)
     n = len(requests) - warmup
     return {name: total * 1e6 / n for name, total in totals.items()}
 

@@ -10,8 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.sim.engine import ClusterSpec, Simulator
+from loadgen.sim.from_workload import Rendering, workload_sessions
 from loadgen.sim.workload import SimSession, agentic_sessions, trace_sessions
+from loadgen.workloads import GENERATORS, generate
 from ownerserve.profiles import load_profile
+
+# the load generator's named workloads, but for its `agentic`: here that is the simulator's own
+LOADGEN_WORKLOADS = tuple(sorted(name for name in GENERATORS if name != "agentic"))
 
 TABLE_COLUMNS = (
     ("policy", "policy", "{}"),
@@ -37,7 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workload",
         default="agentic",
-        help="'agentic' (generated coding-agent sessions) or 'trace:FILE' (Mooncake JSONL)",
+        help="'agentic' (generated coding-agent sessions), 'trace:FILE' (Mooncake JSONL) or a "
+        f"load-generator workload ({'|'.join(LOADGEN_WORKLOADS)}), block for block as the "
+        "emulated cluster sees it (--sessions keeps the first N)",
+    )
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="load-generator workloads: generate's scale"
     )
     parser.add_argument(
         "--rate", type=float, default=None, help="session arrivals per second (agentic)"
@@ -45,7 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace-repeat", type=int, default=1, help="tile the trace N times (disjoint ids)"
     )
-    parser.add_argument("--time-scale", type=float, default=1.0, help="trace time multiplier")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="time multiplier of traces and load-generator workloads",
+    )
     parser.add_argument(
         "--policies",
         default="ownerserve,static-pd,colocated,round-robin,prefix-multi-owner,least-loaded,oracle",
@@ -69,6 +84,10 @@ def _workload(args: argparse.Namespace) -> list[SimSession]:
         return trace_sessions(
             args.workload[6:], time_scale=args.time_scale, repeat=args.trace_repeat
         )[: args.sessions]
+    if args.workload in LOADGEN_WORKLOADS:
+        w = generate(args.workload, args.seed, args.scale).scaled(args.time_scale)
+        block = ClusterSpec.of_size(args.workers).block_tokens  # the spec `run_policies` builds
+        return workload_sessions(w, Rendering(block_size=block))[: args.sessions]
     if args.workload != "agentic":
         raise SystemExit(f"ownerserve sim: unknown workload {args.workload!r}")
     rate = args.rate if args.rate is not None else max(0.01, args.workers * 0.01)

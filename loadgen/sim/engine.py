@@ -358,14 +358,7 @@ class Simulator:
 
     # -- views -------------------------------------------------------------------------------
 
-    def _view(
-        self,
-        w: _Worker,
-        now: float,
-        held: _Held,
-        sess_owner: int | None,
-        owner: int | None,
-    ) -> WorkerView:
+    def _view(self, w: _Worker, now: float, held: _Held) -> WorkerView:
         jobs, tokens = w.pending_tokens(now)
         n = held.depth(w.idx)
         return WorkerView(
@@ -375,10 +368,7 @@ class Simulator:
             waiting=jobs,
             inflight_prefill_tokens=tokens,
             kv_usage=self._kv_usage(w, now),
-            hbm_bytes=w.capacity * self.block_bytes,
             cached_blocks={Tier.GPU: n} if n else {},
-            is_owner=owner == w.idx,
-            is_session_owner=sess_owner == w.idx,
             node=w.node,
             nic_backlog_s=max(0.0, self.nic_free_at.get(w.node, 0.0) - now),
         )
@@ -493,9 +483,7 @@ class Simulator:
             owner_idx = self.owner.get(turn.chain[best_avail - 1]) if best_avail else None
             so = self.session_owner.get(si if sess.fork_of is None else sess.fork_of)
             cands = self._candidates(held, so)
-            view = ClusterView(
-                workers=tuple(self._view(w, now, held, so, owner_idx) for w in cands)
-            )
+            view = ClusterView(workers=tuple(self._view(w, now, held) for w in cands))
             req = RequestView(
                 model=self.model,
                 prompt_tokens=turn.input_tokens,

@@ -1,33 +1,29 @@
 """`ownerserve demo`: the embedded default deployment, end to end on one machine.
 
-Starts three emulated engines (1 prefill, 1 decode, 1 hybrid) as real processes, the proxy with
-the in-process ownership directory on 127.0.0.1:8000, sends a short multi-turn agentic session
-through the proxy's OpenAI endpoint, prints what the planner chose for each turn, and keeps
-serving until Ctrl-C (or exits after the report with `--once`).
+Starts three emulated engines (1 prefill, 1 decode, 1 hybrid) as real processes (through
+`loadgen.cluster`), the proxy with the in-process ownership directory on 127.0.0.1:8000, sends a
+short multi-turn agentic session through the proxy's OpenAI endpoint, prints what the planner
+chose for each turn, and keeps serving until Ctrl-C or SIGTERM (or exits after the report with
+`--once`); either stops the engines too.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import orjson
 
-from ownerserve.config import ModelSettings, Settings, WorkerSettings, settings_from_dict
+from loadgen.cluster import MODEL, EmulatedWorker, emulated_workers, sigterm_as_interrupt
+from ownerserve.config import Settings, settings_from_dict
 from ownerserve.errors import ConfigError
+from ownerserve.ports import check_bindable
 
-MODEL = "ownerserve-tiny"
 ROLES = (("p0", "prefill"), ("d0", "decode"), ("h0", "hybrid"))
 
 
@@ -45,108 +41,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=int, default=6, help="agent turns in the demo session")
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def demo_workers(profile: str, speed: float) -> list[EmulatedWorker]:
+    """The demo's three emulated engines (not started)."""
+    return [EmulatedWorker(wid, role, profile=profile, speed=speed) for wid, role in ROLES]
 
 
-@dataclass(frozen=True, slots=True)
-class _Worker:
-    worker_id: str
-    role: str
-    port: int
-    bootstrap_port: int
-    events_port: int
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-@contextlib.contextmanager
-def _emulated_cluster(profile: str, speed: float) -> Iterator[list[_Worker]]:
-    workers = [_Worker(wid, role, _free_port(), _free_port(), _free_port()) for wid, role in ROLES]
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for w in workers:
-            cmd = [
-                sys.executable,
-                "-m",
-                "workers.emulator",
-                "--role",
-                w.role,
-                "--port",
-                str(w.port),
-                "--profile",
-                profile,
-                "--speed",
-                str(speed),
-                "--model",
-                MODEL,
-                "--worker-id",
-                w.worker_id,
-                "--bootstrap-port",
-                str(w.bootstrap_port),
-                "--kv-events-port",
-                str(w.events_port),
-            ]
-            procs.append(
-                subprocess.Popen(
-                    cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-                )
-            )
-        _wait_healthy(workers, procs)
-        yield workers
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-
-
-def _wait_healthy(
-    workers: list[_Worker], procs: list[subprocess.Popen[bytes]], timeout_s: float = 60.0
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    pending = dict(zip((w.url for w in workers), procs, strict=True))
-    while pending:
-        for url, proc in list(pending.items()):
-            if proc.poll() is not None:
-                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                raise RuntimeError(f"emulated worker at {url} exited: {err.strip()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    del pending[url]
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"emulated workers not healthy after {timeout_s:.0f}s: {pending}")
-        if pending:
-            time.sleep(0.1)
-
-
-def demo_settings(workers: list[_Worker], host: str, port: int, policy: str) -> Settings:
+def demo_settings(workers: Sequence[EmulatedWorker], host: str, port: int, policy: str) -> Settings:
     return settings_from_dict(
         {
             "server": {"host": host, "port": port},
             "planner": {"policy": policy},
-            "models": [ModelSettings(name=MODEL).model_dump()],
-            "workers": [
-                WorkerSettings(
-                    id=w.worker_id,
-                    url=w.url,
-                    role=w.role,
-                    kind="emulator",
-                    models=(MODEL,),
-                    bootstrap_port=w.bootstrap_port,
-                    kv_events_endpoint=f"tcp://127.0.0.1:{w.events_port}",
-                ).model_dump(mode="json")
-                for w in workers
-            ],
+            "models": [{"name": MODEL}],
+            "workers": [w.worker_settings() for w in workers],
         },
         source="<demo>",
     )
@@ -267,7 +173,7 @@ def format_report(results: list[TurnResult]) -> str:
     return "\n".join(lines)
 
 
-async def _main(args: argparse.Namespace, workers: list[_Worker]) -> int:
+async def _main(args: argparse.Namespace, workers: Sequence[EmulatedWorker]) -> int:
     from router.server import running
 
     settings = demo_settings(workers, args.host, args.port, args.policy)
@@ -276,22 +182,26 @@ async def _main(args: argparse.Namespace, workers: list[_Worker]) -> int:
         print(format_report(results), flush=True)
         if args.once:
             return 0
-        print(f"\nServing the OpenAI API at {base_url}/v1 (model {MODEL!r}); Ctrl-C to stop.")
+        print(
+            f"\nServing the OpenAI API at {base_url}/v1 (model {MODEL!r}); Ctrl-C to stop.",
+            flush=True,
+        )
         await asyncio.Event().wait()
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
     if args.port:
-        with socket.socket() as s:
-            try:
-                s.bind((args.host, args.port))
-            except OSError as exc:
-                raise ConfigError(
-                    f"--port {args.port}: cannot bind {args.host}:{args.port} ({exc.strerror})"
-                ) from None
-    with _emulated_cluster(args.profile, args.speed) as workers:
         try:
+            check_bindable(args.host, args.port)
+        except OSError as exc:
+            raise ConfigError(
+                f"--port {args.port}: cannot bind {args.host}:{args.port} ({exc.strerror})"
+            ) from None
+    workers = demo_workers(args.profile, args.speed)
+    try:
+        # SIGTERM (`kill`, a service manager) stops the workers as Ctrl-C does
+        with sigterm_as_interrupt(), emulated_workers(*workers):
             return asyncio.run(_main(args, workers))
-        except KeyboardInterrupt:
-            return 0
+    except KeyboardInterrupt:
+        return 0

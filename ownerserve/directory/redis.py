@@ -154,6 +154,8 @@ class RedisDirectory:
         self._engine_map: dict[str, dict[int, int]] = {}
         self._worker_names: dict[int, str] = {}  # cached-byte index -> worker (from `widx`)
         self._touches: dict[str, int] = {}  # artifact id hex -> reuses not yet sent
+        self.touches_lost = 0
+        """Reuse counts dropped because Redis could not take them at close."""
         self._touch_deadline = 0.0
         self._touch_task: asyncio.Task[None] | None = None
 
@@ -723,8 +725,18 @@ class RedisDirectory:
 
     async def close(self) -> None:
         if self._touch_task is not None:
-            with contextlib.suppress(Exception):
+            # its own failures are caught (and retried by the flush below); only a cancel lands
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._touch_task
-        with contextlib.suppress(Exception):
+        try:
             await self.flush_touches()
+        except Exception as exc:
+            # reuse counts only steer eviction: lose them, but say how many and why
+            self.touches_lost += sum(self._touches.values())
+            log.warning(
+                "directory: %d reuse counts not sent at close: %r",
+                sum(self._touches.values()),
+                exc,
+            )
+            self._touches.clear()
         await self._client.aclose()

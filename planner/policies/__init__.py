@@ -1,13 +1,15 @@
 """Every routing policy behind one protocol, `Policy.plan(request, cluster) -> Plan`.
 
-`get_policy(name, config)` builds one by name (names in `POLICY_NAMES`); `Planner` holds one of
-each for a deployment and honours a per-request override (`RequestView.policy_override`).
+`get_policy(name, config)` builds one by name (names in `POLICY_NAMES`); `Planner` holds a
+deployment's policies around one shared cost model and resolves a request's policy by name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from ownerserve.errors import ConfigError, InvalidRequestError
 from planner.cost import CostConfig, CostModel
@@ -17,7 +19,10 @@ from planner.policies.ownerserve import OwnerServePolicy
 from planner.policies.prefix_multi_owner import PrefixMultiOwnerPolicy
 from planner.policies.round_robin import RoundRobinPolicy
 from planner.policies.static_pd import StaticPDPolicy
-from planner.types import ClusterView, Plan, Policy, RequestView
+from planner.types import Policy
+
+if TYPE_CHECKING:  # pydantic stays out of the planner's import path
+    from ownerserve.config import Settings
 
 PolicyFactory = Callable[[CostConfig | None, CostModel | None], Policy]
 
@@ -48,48 +53,60 @@ def get_policy(
 
 
 class Planner:
-    """A deployment's policies: `default` plans every request unless the request names another
-    (`policy_override`, from the router's header when allowed). One instance of each policy, so
-    stateful baselines (round-robin turns) keep their state across requests. `extra` adds policies
-    built elsewhere (the simulator's `oracle`)."""
+    """A deployment's policies by name, sharing one `CostModel` (profiles and KV spec loaded
+    once): `default` plans every request unless the request names another. Each policy is built
+    on first use and kept, so stateful baselines (round-robin turns) keep their state across
+    requests. `extra` adds policies built elsewhere (the simulator's `oracle`, a test's stub)."""
 
     def __init__(
         self,
-        default: str = "ownerserve",
         config: CostConfig | None = None,
         *,
         model: CostModel | None = None,
+        default: str = "ownerserve",
         extra: Mapping[str, Policy] | None = None,
-        allow_override: bool = True,
     ) -> None:
         self.model = model or CostModel(config)
-        self.allow_override = allow_override
-        self._policies: dict[str, Policy] = {
-            n: f(self.model.config, self.model) for n, f in _FACTORIES.items()
-        }
-        self._policies.update(extra or {})
-        if default not in self._policies:
-            raise ConfigError(
-                f"planner: unknown policy {default!r} (one of {', '.join(self._policies)})"
-            )
-        self.default = default
+        self._policies: dict[str, Policy] = dict(extra or {})
+        self.default = self.policy(default)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, extra: Mapping[str, Policy] | None = None
+                      ) -> Planner:  # fmt: skip
+        """The planner of a deployment: the `planner:` section, the served model's KV spec
+        (HeteroCache restore planning for cold CPU/SSD hits; one planner serves the deployment,
+        so only a single-model deployment's spec is taken) and every profile its workers name."""
+        kv_spec = settings.models[0].kv_spec if len(settings.models) == 1 else None
+        config = CostConfig.from_settings(settings.planner, kv_spec=kv_spec)
+        profiles = tuple(sorted({w.profile for w in settings.workers if w.profile}))
+        if profiles:
+            config = replace(config, profiles=profiles)
+        return cls(config, default=settings.planner.policy, extra=extra)
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(self._policies)
+        """Every name `policy` accepts."""
+        return tuple(dict.fromkeys((*POLICY_NAMES, *self._policies)))
 
     def policy(self, name: str) -> Policy:
-        """The policy named `name`; an unknown name is the client's mistake (400)."""
+        """The policy named `name`, built once; an unknown name raises `ConfigError`."""
         p = self._policies.get(name)
         if p is None:
-            raise InvalidRequestError(
-                f"unknown routing policy {name!r}; one of: {', '.join(self._policies)}"
-            )
+            p = self._policies[name] = get_policy(name, self.model.config, self.model)
         return p
 
-    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
-        name = request.policy_override if self.allow_override else None
-        return self.policy(name or self.default).plan(request, cluster)
+    def for_request(self, override: str | None) -> Policy:
+        """The policy for one request: `override` (the router's `x-ownerserve-policy` header,
+        when allowed) or the default. An unknown override is the client's mistake:
+        `InvalidRequestError` (a 400)."""
+        if not override:
+            return self.default
+        try:
+            return self.policy(override)
+        except ConfigError as exc:
+            raise InvalidRequestError(
+                f"unknown routing policy {override!r}; one of: {', '.join(self.names)}"
+            ) from exc
 
 
 __all__ = [

@@ -1,16 +1,22 @@
-"""Helpers every policy shares: worker pools, least-loaded picking, and turning routes into a
-`Plan` whose breakdown comes from `planner.cost.evaluate` (so baselines are costed exactly like
-the ownerserve policy and their plans can be compared)."""
+"""Helpers every policy shares: worker pools, the top-two pick (`TopTwo`: chosen and runner-up,
+with its tie rule), and turning routes into a `Plan` whose breakdown comes from
+`planner.cost.RequestCosts` (so baselines are costed exactly like the ownerserve policy and
+their plans can be compared)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar, cast
 
 from ownerserve.errors import NoWorkerAvailableError
 from ownerserve.types import Role
 from planner.classify import DEFAULT_ACTION, classify
-from planner.cost import CostModel, Route, can_decode, can_prefill, colocated_action, to_candidate
+from planner.cost import CostModel, RequestCosts, Route, can_decode, can_prefill, colocated_action
 from planner.types import Action, ClusterView, Plan, RequestClass, RequestView, WorkerView
+
+K = TypeVar("K", float, tuple[float, float])
+T = TypeVar("T")
+_INF = float("inf")
 
 
 def prefill_pool(cluster: ClusterView) -> list[WorkerView]:
@@ -43,25 +49,50 @@ def prefill_load(w: WorkerView) -> tuple[int, int]:
     return (w.inflight_prefill_tokens, w.waiting)
 
 
+class TopTwo(Generic[K, T]):
+    """The pick every policy makes: the chosen item and the runner-up, the two least keys
+    offered. An equal key keeps the item offered first (callers that rotate the order spread
+    equal loads round-robin); `prefer` lets the request class's default win an exact tie.
+    `limit` is a key above every real one."""
+
+    __slots__ = ("first", "first_key", "second", "second_key")
+
+    def __init__(self, limit: K) -> None:
+        self.first: T | None = None
+        self.second: T | None = None
+        self.first_key: K = limit
+        self.second_key: K = limit
+
+    def offer(self, key: K, item: T) -> None:
+        if key < self.second_key:
+            if key < self.first_key:
+                self.second, self.second_key = self.first, self.first_key
+                self.first, self.first_key = item, key
+            else:
+                self.second, self.second_key = item, key
+
+    def prefer(self, cost: float, item: T, differs: bool) -> None:
+        """Make `item` (the class default, costing `cost`) the choice when it ties the first
+        one within a relative 1e-12 (rounding) and `differs` from it; the first becomes the
+        runner-up. For float keys."""
+        best = cast(float, self.first_key)
+        if differs and cost - best <= 1e-12 * (best if best > 1.0 else 1.0):
+            self.second, self.second_key = self.first, self.first_key
+            self.first, self.first_key = item, cast(K, cost)
+
+
 def least_two(
     pool: Sequence[WorkerView], key: Callable[[WorkerView], tuple[int, int]], offset: int = 0
 ) -> tuple[WorkerView, WorkerView | None]:
     """The two least-loaded workers of a non-empty pool; ties go to the first seen when
     scanning from `offset` (callers rotate it so equal loads spread round-robin)."""
     n = len(pool)
-    best: WorkerView | None = None
-    second: WorkerView | None = None
-    kb = ks = None
+    top: TopTwo[tuple[float, float], WorkerView] = TopTwo((_INF, _INF))
     for i in range(n):
         w = pool[(offset + i) % n]
-        k = key(w)
-        if kb is None or k < kb:
-            second, ks = best, kb
-            best, kb = w, k
-        elif ks is None or k < ks:
-            second, ks = w, k
-    assert best is not None
-    return best, second
+        top.offer(key(w), w)
+    assert top.first is not None
+    return top.first, top.second
 
 
 def is_continuation(request: RequestView, model: CostModel) -> bool:
@@ -92,13 +123,17 @@ def make_plan(
     candidates_considered: int = 1,
     add_replica_on: str | None = None,
     default_cost_s: float | None = None,
+    costs: RequestCosts | None = None,
 ) -> Plan:
+    """The plan of `chosen` (and `runner_up`), each with its full breakdown from
+    `RequestCosts.candidate` (`costs`: the request's, when the policy already built it)."""
     rclass = request_class or classify(request, model.config)
+    k = costs or RequestCosts(model, request)
     return Plan(
         policy=policy,
         request_class=rclass,
-        chosen=to_candidate(model, request, chosen),
-        runner_up=None if runner_up is None else to_candidate(model, request, runner_up),
+        chosen=k.candidate(chosen),
+        runner_up=None if runner_up is None else k.candidate(runner_up),
         add_replica_on=add_replica_on,
         candidates_considered=candidates_considered,
         default_action=DEFAULT_ACTION[rclass],

@@ -1,14 +1,25 @@
-"""The `ownerserve` CLI as a user runs it: the demo end to end, config errors, help texts."""
+"""The `ownerserve` CLI as a user runs it: the demo end to end (and stopped with SIGTERM, and
+restarted at once), config errors, help texts."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
+import httpx
 import pytest
 
+from ownerserve.ports import check_bindable, free_port
+
 REPO = Path(__file__).resolve().parents[2]
+WORKER_PORT_FLAGS = ("--port", "--bootstrap-port", "--kv-events-port")
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -40,6 +51,97 @@ def test_demo_once_prints_a_report_of_every_turn_and_exits_zero() -> None:
     # columns: turn class action P= D= ttft e2e prompt cached out runner-up
     assert all(int(ln.split()[8]) > 0 for ln in lines[1:])
     assert int(lines[0].split()[8]) == 0
+
+
+class _Demo:
+    """`ownerserve demo` (serving until stopped) as a child process of the test."""
+
+    def __init__(self, port: int, log: IO[str]) -> None:
+        cmd = [sys.executable, "-m", "ownerserve", "demo", "--port", str(port), "--speed", "8",
+               "--turns", "1"]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True
+        )
+        self.log = log
+
+    def wait_serving(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:  # ends at EOF if the demo exits
+            if "Serving the OpenAI API at" in line:
+                return
+        self.log.seek(0)
+        pytest.fail(f"demo exited {self.proc.wait()} before serving:\n{self.log.read()[-3000:]}")
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def _demo(port: int, tmp_path: Path) -> Iterator[_Demo]:
+    with (tmp_path / f"demo-{port}-{time.monotonic_ns()}.log").open("w+") as log:
+        demo = _Demo(port, log)
+        try:
+            yield demo
+        finally:
+            if demo.proc.poll() is None:  # a failed test: leave nothing behind
+                demo.proc.send_signal(signal.SIGTERM)
+                try:
+                    demo.proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(demo.proc.pid, signal.SIGKILL)
+                    demo.proc.wait()
+
+
+def _emulator_children(pid: int) -> dict[int, list[str]]:
+    """The command lines of `pid`'s child processes that are emulated workers, by pid."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            args = (stat.parent / "cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue  # it exited meanwhile
+        if ppid == pid and "workers.emulator" in args:
+            out[int(stat.parent.name)] = args
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_demo_stops_its_workers_on_sigterm(tmp_path: Path) -> None:
+    with _demo(free_port(), tmp_path) as demo:
+        demo.wait_serving()
+        workers = _emulator_children(demo.proc.pid)
+        ports = [
+            int(args[i + 1])
+            for args in workers.values()
+            for i, a in enumerate(args[:-1])
+            if a in WORKER_PORT_FLAGS
+        ]
+        assert len(workers) == 3 and len(ports) == 9
+        assert demo.stop() == 0
+    deadline = time.monotonic() + 5
+    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+    for port in ports:
+        check_bindable("127.0.0.1", port)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_demo_restarted_at_once_on_the_same_port_binds(tmp_path: Path) -> None:
+    """A client still connected when the demo stops leaves the proxy's side of the connection
+    in TIME_WAIT on the demo's port (the server closes first); the restart binds all the same."""
+    port = free_port()
+    with _demo(port, tmp_path) as first, httpx.Client(timeout=10) as client:
+        first.wait_serving()
+        assert client.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200
+        assert first.stop() == 0
+    again = _cli("demo", "--once", "--port", str(port), "--speed", "8", "--turns", "1", timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "cannot bind" not in again.stderr
 
 
 def test_malformed_config_is_one_line_exit_2_without_traceback(tmp_path: Path) -> None:

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from loadgen.client import RunOptions, run_workload
-from loadgen.cluster import ManagedProcess, free_port, wait_healthy
+from loadgen.cluster import ManagedProcess, wait_healthy
 from loadgen.metrics import snapshot_all
 from loadgen.text import template_overhead
 from loadgen.trace import TraceRequest, TraceScaling, load_trace, prefix_sharing, trace_workload
 from loadgen.workloads import generate
+from ownerserve.ports import free_port
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_synthetic_trace.jsonl"
 MODEL = "ownerserve-tiny"

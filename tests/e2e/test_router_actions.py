@@ -13,11 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
+from loadgen.cluster import EmulatedWorker, emulated_workers
 from tests.e2e.router_cluster import (
     FAST_DECODE_PROFILE,
     MODEL,
-    EmulatedWorker,
-    emulated_workers,
     metric_value,
     plan_fields,
     proxy_client,

@@ -13,7 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.router_cluster import MODEL, REPO, EmulatedWorker, emulated_workers, free_port
+from loadgen.cluster import EmulatedWorker, emulated_workers
+from ownerserve.ports import free_port
+from tests.e2e.router_cluster import MODEL, REPO
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,10 +10,9 @@ from typing import Any
 import openai
 import pytest
 
+from loadgen.cluster import EmulatedWorker, emulated_workers
 from tests.e2e.router_cluster import (
     MODEL,
-    EmulatedWorker,
-    emulated_workers,
     plan_fields,
     proxy,
     router_settings,

@@ -9,13 +9,12 @@ import uuid
 
 import pytest
 
+from loadgen.cluster import EmulatedWorker, emulated_workers
 from ownerserve.config import DirectorySettings
 from ownerserve.directory import open_directory
 from ownerserve.directory.base import HoldKind
 from tests.e2e.router_cluster import (
     MODEL,
-    EmulatedWorker,
-    emulated_workers,
     plan_fields,
     proxy_client,
     router_settings,

@@ -10,10 +10,9 @@ import time
 import orjson
 import pytest
 
+from loadgen.cluster import EmulatedWorker, emulated_workers
 from tests.e2e.router_cluster import (
     MODEL,
-    EmulatedWorker,
-    emulated_workers,
     metric_value,
     plan_fields,
     proxy_client,

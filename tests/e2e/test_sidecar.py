@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import subprocess
 import sys
 import time
 import uuid
@@ -22,36 +21,20 @@ from typing import Any
 import httpx
 import pytest
 
+from loadgen.cluster import EmulatedWorker, ManagedProcess, emulated_workers, wait_healthy
 from ownerserve.config import Settings, settings_from_dict
 from ownerserve.directory import HoldKind
 from ownerserve.kvstate.heads import head_keys
+from ownerserve.ports import free_port
 from ownerserve.types import Tier
 from tests.conftest import RedisServer
-from tests.e2e.router_cluster import (
-    FAST_DECODE_PROFILE,
-    MODEL,
-    EmulatedWorker,
-    emulated_workers,
-    kill_group,
-    metric_value,
-    proxy_client,
-    stop_group,
-    wait_healthy,
-)
+from tests.e2e.router_cluster import FAST_DECODE_PROFILE, MODEL, metric_value, proxy_client
 from tests.e2e.test_router_actions import REPO, chat, long_turn
 from workers.sidecar.transports import mooncake_status
 
 pytestmark = pytest.mark.timeout(120)
 
 HEADS = range(2)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -63,7 +46,7 @@ class SidecarProcess:
     extra: tuple[str, ...] = ()
     transport: str = "tcp"
     port: int = field(default_factory=free_port)
-    proc: subprocess.Popen[bytes] | None = None
+    process: ManagedProcess | None = None
 
     @property
     def url(self) -> str:
@@ -75,17 +58,17 @@ class SidecarProcess:
             "--worker-id", self.worker_id, "--port", str(self.port),
             "--store-dir", str(self.store_dir), "--transport", self.transport, *self.extra,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-        )
-        wait_healthy(self.proc, self.url, f"sidecar {self.worker_id}", timeout_s)
+        self.process = ManagedProcess(f"sidecar {self.worker_id}", cmd).start()
+        wait_healthy([(self.process, self.url)], timeout_s=timeout_s)
         return self
 
     def kill(self) -> None:
-        kill_group(self.proc)
+        if self.process is not None:
+            self.process.kill()
 
     def stop(self) -> None:
-        stop_group(self.proc)
+        if self.process is not None:
+            self.process.stop()
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from loadgen.client import RequestRecord, RunResult, SessionRecord
+from loadgen.plots import plot_runs
 from loadgen.report import (
     ClusterStats,
     Dist,
@@ -113,7 +114,8 @@ def test_markdown_tables_show_each_run_and_cluster_columns() -> None:
 def test_write_report_writes_json_markdown_and_pngs(tmp_path: Path) -> None:
     results = [_result("ownerserve"), _result("round-robin", 1.5)]
     summaries = [summarize(r, cluster=ClusterStats(duplicate_factor=1.0)) for r in results]
-    paths = write_report(summaries, tmp_path, "bench", results=results, header="# hdr")
+    images = plot_runs(summaries, results, tmp_path, "bench")
+    paths = write_report(summaries, tmp_path, "bench", header="# hdr", images=images)
     data = json.loads(paths["json"].read_text())
     assert [d["label"] for d in data] == ["ownerserve", "round-robin"]
     assert data[0]["session_e2e"]["mean"] == pytest.approx(1.5)

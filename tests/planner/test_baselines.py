@@ -1,4 +1,4 @@
-"""The baseline policies of mission 3.8 and the policy registry / per-request override."""
+"""The baseline policies of mission 3.8, the policy registry and the `Planner`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from ownerserve.config import Settings
 from ownerserve.errors import ConfigError, InvalidRequestError, NoWorkerAvailableError
 from ownerserve.types import Role
 from planner.cost import Route, evaluate
@@ -117,25 +118,47 @@ def test_prefix_multi_owner_in_pd_mode_is_cache_aware_on_prefill_workers() -> No
     assert p.chosen.cost.m_hbm_bytes == pytest.approx(200 * 1000 + 800 * 1000)
 
 
-def test_planner_honours_the_per_request_override() -> None:
-    planner = Planner("ownerserve", model=MODEL)
+def test_planner_resolves_the_per_request_override() -> None:
+    planner = Planner(model=MODEL)
     req, cl = example()
-    assert planner.plan(req, cl).policy == "ownerserve"
-    assert planner.plan(replace(req, policy_override="static-pd"), cl).policy == "static-pd"
-    with pytest.raises(InvalidRequestError, match="unknown routing policy"):
-        planner.plan(replace(req, policy_override="nope"), cl)
-    locked = Planner("colocated", model=MODEL, allow_override=False)
-    assert locked.plan(replace(req, policy_override="static-pd"), cl).policy == "colocated"
+    assert planner.for_request(None).plan(req, cl).policy == "ownerserve"
+    assert planner.for_request("static-pd").plan(req, cl).policy == "static-pd"
+    assert planner.for_request("static-pd") is planner.policy("static-pd")  # built once
+    with pytest.raises(InvalidRequestError, match="unknown routing policy 'nope'"):
+        planner.for_request("nope")
     with pytest.raises(ConfigError):
-        Planner("nope", model=MODEL)
+        planner.policy("nope")
+    with pytest.raises(ConfigError):
+        Planner(model=MODEL, default="nope")
+    assert Planner(model=MODEL, default="colocated").for_request("").name == "colocated"
 
 
 def test_planner_keeps_round_robin_state_and_accepts_extra_policies() -> None:
     rr = get_policy("round-robin", model=MODEL)
-    planner = Planner("round-robin", model=MODEL, extra={"oracle": rr})
-    assert "oracle" in planner.names
-    firsts = [planner.plan(request(500), pd_cluster()).chosen.prefill_worker for _ in range(2)]
+    planner = Planner(model=MODEL, default="oracle", extra={"oracle": rr})
+    assert planner.default is rr and planner.names[-1] == "oracle"
+    assert set(POLICY_NAMES) < set(planner.names)
+    firsts = [planner.default.plan(request(500), pd_cluster()).chosen.prefill_worker
+              for _ in range(2)]  # fmt: skip
     assert firsts == ["p0", "p1"]
+
+
+def test_planner_from_settings_shares_the_deployments_model() -> None:
+    settings = Settings.model_validate(
+        {
+            "planner": {"policy": "least-loaded", "lambda_hbm": 1e-9},
+            "models": [{"name": "m", "kv_spec": "llama3-8b"}],
+            "workers": [
+                {"id": "w0", "url": "http://127.0.0.1:1", "profile": "h100-llama3-8b"},
+            ],
+        }
+    )
+    planner = Planner.from_settings(settings)
+    assert planner.default.name == "least-loaded"
+    assert planner.model.config.lam == 1e-9
+    assert planner.model.config.kv_spec == "llama3-8b" and planner.model.spec is not None
+    assert planner.model.config.profiles == ("h100-llama3-8b",)
+    assert planner.policy("ownerserve").model is planner.model  # type: ignore[attr-defined]
 
 
 def test_baselines_never_pick_unhealthy_workers() -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from ownerserve.types import Role
 from planner.calibration import CalibrationConfig, Calibrator, WorkerScales
-from planner.cost import Route, to_candidate
+from planner.cost import RequestCosts, Route
 from planner.policies import OwnerServePolicy
 from planner.types import Action, Plan, RequestClass
 from tests.planner.util import cluster, example, unit_model, worker
@@ -76,7 +76,7 @@ def test_observe_plan_feeds_prefill_decode_and_link_of_the_plan_workers() -> Non
 def test_observe_plan_transfer_sample_goes_to_the_receiving_worker() -> None:
     req, cl = example()
     p0, d0 = cl.workers[0], cl.workers[1]
-    remote = to_candidate(unit_model(), req, Route(Action.REMOTE_PREFILL, p0, d0))
+    remote = RequestCosts(unit_model(), req).candidate(Route(Action.REMOTE_PREFILL, p0, d0))
     plan = Plan(policy="x", request_class=RequestClass.NEW_LONG_PREFIX, chosen=remote)
     cal = Calibrator(CalibrationConfig(alpha=1.0))
     assert cal.observe_plan(plan, transfer_s=2 * remote.cost.t_network) == 1

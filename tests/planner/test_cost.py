@@ -13,18 +13,10 @@ from ownerserve.types import Role, Tier
 from planner.cost import (
     CostConfig,
     CostModel,
+    RequestCosts,
     Route,
     enumerate_routes,
     evaluate,
-    h_move,
-    i_decode,
-    m_hbm,
-    t_compute,
-    t_decode,
-    t_network,
-    t_prefill,
-    t_queue,
-    t_restore,
 )
 from planner.restore import plan_restore
 from planner.types import Action
@@ -41,50 +33,55 @@ def _routes() -> dict[tuple[str, str, str], Route]:
     }
 
 
-def test_primitives_scale_with_calibration() -> None:
+def test_per_worker_terms_scale_with_calibration() -> None:
     w = worker("h", Role.HYBRID, prefill_scale=1.5, decode_scale=2.0, link_scale=3.0)
+    k = RequestCosts(M, request(1000))  # N = 1000, O = 10
     # 1.5 · (0.01 + 1e-4·400 + 1e-8·400·(600 + 200)) = 1.5 · 0.0532
-    assert M.prefill_s(w, 400, 600) == pytest.approx(0.0798)
-    # 2 · (0.005 + 1e-4·21 + 1e-8·101000)
-    assert M.decode_step_s(w, 21, 101_000) == pytest.approx(0.01622)
-    assert M.decode_step_s(w, 0, 5) == 0.0
+    assert k.prefill(w, 600) == pytest.approx(0.0798)
+    busy = replace(w, running=20, kv_usage=0.1, inflight_prefill_tokens=2000, waiting=3)
+    q, dec, pf, stalled, *_ = k.worker(busy)
+    assert q == pytest.approx(0.345)  # 1.5 · (1e-4 · 2000 + 0.01 · 3)
+    # 2 · 10 · (0.005 + 1e-4·21 + 1e-8·(0.1 · 1e6 + 1000))
+    assert dec == pytest.approx(0.1622)
+    assert pf == pytest.approx(1.5 * 0.115) and stalled == 20  # all 1000 tokens on nothing
+    assert k.worker(replace(busy, role=Role.PREFILL))[3] == 0  # a P worker stalls no decode
     other = worker("x", Role.DECODE, "node1")
     # 3 · (1e-3 + 6e5 / 1e10) into w across nodes
-    assert M.transfer_s(other, w, 6e5) == pytest.approx(0.00318)
-    # into `other` (link scale 1) on the same node would be 1e-3 + 6e5/1e11
-    assert M.transfer_s(w, replace(other, node="node0"), 6e5) == pytest.approx(0.001006)
-    assert M.transfer_s(other, w, 0) == 0.0
+    assert k.transfer(other, w, 6e5) == pytest.approx((0.00318, 0.00318))
+    # into `other` (link scale 1) on the same node would be 1e-3 + 6e5/1e11, no NIC crossed
+    assert k.transfer(w, replace(other, node="node0"), 6e5) == pytest.approx((0.001006, 0.0))
+    assert k.transfer(other, w, 0) == (0.0, 0.0)
     # 3e5 / 1e9 + 3e5 / 1e8
     assert M.restore_s(w, 3e5, 3e5) == pytest.approx(0.0033)
-    # 1.5 · (1e-4 · 2000 + 0.01 · 3)
-    assert M.queue_s(replace(w, inflight_prefill_tokens=2000, waiting=3)) == pytest.approx(0.345)
-    assert M.context_tokens(replace(w, kv_usage=0.25)) == pytest.approx(250_000)
+    assert k.hysteresis(1.0) == pytest.approx(0.15)  # 0.05 + 0.1 · 1
 
 
 def test_a_transfer_between_nodes_waits_for_the_source_nodes_nic_backlog() -> None:
     src = worker("s", Role.DECODE, "node1", nic_backlog_s=0.25)
     dst = worker("d", Role.DECODE, "node0", nic_backlog_s=7.0)
+    k = RequestCosts(M, request(1000))
     # the source's backlog, then 1e-3 + 6e5 / 1e10; the destination's own backlog is not paid
-    assert M.transfer_s(src, dst, 6e5) == pytest.approx(0.25106)
+    assert k.transfer(src, dst, 6e5)[0] == pytest.approx(0.25106)
     # the other way round waits for d's NIC
-    assert M.transfer_s(dst, src, 6e5) == pytest.approx(7.00106)
+    assert k.transfer(dst, src, 6e5)[0] == pytest.approx(7.00106)
     # within a node no NIC is crossed; nothing moved waits for nothing
-    assert M.transfer_s(src, replace(dst, node="node1"), 6e5) == pytest.approx(0.001006)
-    assert M.transfer_s(src, dst, 0) == 0.0
+    assert k.transfer(src, replace(dst, node="node1"), 6e5)[0] == pytest.approx(0.001006)
+    assert k.transfer(src, dst, 0)[0] == 0.0
 
 
 def test_colocated_on_the_busy_owner_term_by_term() -> None:
     req, _ = example()
     r = _routes()[("colocated_prefill", "d0", "d0")]
-    assert t_queue(M, req, r) == pytest.approx(0.01)  # 0.01 · 1 waiting
-    assert t_prefill(M, req, r) == pytest.approx(0.0572)  # 0.01 + 0.04 + 1e-8·400·(1600 + 200)
-    assert t_decode(M, req, r) == pytest.approx(0.0632)  # 10 · (0.005 + 1e-4·3 + 1e-8·102000)
-    assert t_compute(M, req, r) == pytest.approx(0.1204)
-    assert t_network(M, req, r) == 0.0
-    assert t_restore(M, req, r) == 0.0
-    assert m_hbm(M, req, r) == 0.0  # d0 owns the prefix
-    assert i_decode(M, req, r) == pytest.approx(0.1144)  # both running decodes wait 0.0572
     b = evaluate(M, req, r)
+    assert b.t_queue == pytest.approx(0.01)  # 0.01 · 1 waiting
+    assert b.t_prefill == pytest.approx(0.0572)  # 0.01 + 0.04 + 1e-8·400·(1600 + 200)
+    # decode: 10 · (0.005 + 1e-4·3 + 1e-8·102000)
+    assert b.t_compute - b.t_prefill == pytest.approx(0.0632)
+    assert b.t_compute == pytest.approx(0.1204)
+    assert b.t_network == 0.0
+    assert b.t_restore == 0.0
+    assert b.m_hbm_bytes == 0.0  # d0 owns the prefix
+    assert b.i_decode == pytest.approx(0.1144)  # both running decodes wait 0.0572
     assert b.h_move == 0.0
     assert b.total == pytest.approx(0.2448)
     assert b.t_decode_step == pytest.approx(0.00632)
@@ -142,10 +139,8 @@ def test_state_migration_counts_the_copy_left_behind_and_pays_the_hysteresis() -
     # C0 = 0.1594 + 0.00116 + λ·1.6e6 + 0.0572 = 0.21936; H = 0.05 + 0.1 · 0.21936
     assert b.h_move == pytest.approx(0.071936)
     assert b.total == pytest.approx(0.291296)
-    assert h_move(M, _routes()[("state_migration", "d1", "d1")], 1.0) == pytest.approx(0.15)
     # no hysteresis for any other action
-    r = _routes()[("remote_prefill", "p0", "d1")]
-    assert h_move(M, r, 1.0) == 0.0 and evaluate(M, req, r).h_move == 0.0
+    assert evaluate(M, req, _routes()[("remote_prefill", "p0", "d1")]).h_move == 0.0
 
 
 def test_moving_back_to_a_worker_holding_an_old_copy_duplicates_only_the_delta() -> None:
@@ -166,18 +161,16 @@ def test_interference_is_each_running_decode_waiting_for_the_whole_prefill() -> 
     for running in (0, 1, 7, 300):
         w = worker("h", Role.HYBRID, running=running)
         r = Route(Action.COLOCATED_PREFILL, w, w)
-        assert i_decode(M, req, r) == pytest.approx(running * 0.115)  # prefill of 1000 tokens
+        assert evaluate(M, req, r).i_decode == pytest.approx(running * 0.115)  # 1000 tokens
     p = worker("p", Role.PREFILL)
     d = worker("d", Role.DECODE, running=40)
-    assert i_decode(M, req, Route(Action.REMOTE_PREFILL, p, d)) == 0.0  # D gets the KV, no stall
+    assert evaluate(M, req, Route(Action.REMOTE_PREFILL, p, d)).i_decode == 0.0  # D: no stall
     # a busy prefill worker's running requests are prefills: nothing to stall
-    assert (
-        i_decode(M, req, Route(Action.REMOTE_PREFILL, worker("p", Role.PREFILL, running=9), d))
-        == 0.0
-    )
+    busy_p = worker("p", Role.PREFILL, running=9)
+    assert evaluate(M, req, Route(Action.REMOTE_PREFILL, busy_p, d)).i_decode == 0.0
     # a hybrid P stalls its own decodes
     h = worker("h", Role.HYBRID, running=3)
-    assert i_decode(M, req, Route(Action.REMOTE_PREFILL, h, d)) == pytest.approx(3 * 0.115)
+    assert evaluate(M, req, Route(Action.REMOTE_PREFILL, h, d)).i_decode == pytest.approx(3 * 0.115)
 
 
 def test_artifact_fetch_creates_a_replica() -> None:
@@ -198,11 +191,12 @@ def test_restore_loads_cpu_and_ssd_parts_beyond_the_gpu_prefix() -> None:
     w = worker("d0", Role.DECODE, gpu=2, cpu=5, ssd=8)
     r = Route(Action.TAIL_RECOMPUTE, w, w)
     # CPU blocks 2..5: 3·100·1000 B / 1e9; SSD blocks 5..8: 3e5 / 1e8
-    assert t_restore(M, req, r) == pytest.approx(0.0033)
-    assert t_prefill(M, req, r) == pytest.approx(0.01 + 0.02 + 1e-8 * 200 * 900)  # 800 reused
+    b = evaluate(M, req, r)
+    assert b.t_restore == pytest.approx(0.0033)
+    assert b.t_prefill == pytest.approx(0.01 + 0.02 + 1e-8 * 200 * 900)  # 800 reused
     # the whole prompt cached: the last token is still computed
     w9 = worker("d0", Role.DECODE, gpu=10)
-    assert t_prefill(M, req, Route(Action.COLOCATED_PREFILL, w9, w9)) == pytest.approx(
+    assert evaluate(M, req, Route(Action.COLOCATED_PREFILL, w9, w9)).t_prefill == pytest.approx(
         0.01 + 1e-4 + 1e-8 * 1 * 999.5
     )
 
@@ -214,17 +208,21 @@ def test_cold_restore_uses_the_restore_planner_when_a_kv_spec_is_configured() ->
     w = worker("d0", Role.DECODE, cpu=10)
     expected = plan_restore(spec, 1000, Tier.CPU, UNIT).restore_s
     assert expected > 0
-    assert t_restore(model, req, Route(Action.TAIL_RECOMPUTE, w, w)) == pytest.approx(expected)
+    b = evaluate(model, req, Route(Action.TAIL_RECOMPUTE, w, w))
+    assert b.t_restore == pytest.approx(expected)
     # with part of the prefix in GPU, the plain tier load applies
     w2 = worker("d0", Role.DECODE, gpu=4, cpu=10)
-    assert t_restore(model, req, Route(Action.TAIL_RECOMPUTE, w2, w2)) == pytest.approx(6e5 / 1e9)
+    b2 = evaluate(model, req, Route(Action.TAIL_RECOMPUTE, w2, w2))
+    assert b2.t_restore == pytest.approx(6e5 / 1e9)
 
 
 def test_decode_horizon_caps_the_counted_decode_steps() -> None:
     req, _ = example()
     r = _routes()[("colocated_prefill", "d0", "d0")]
-    assert t_decode(M, replace(req, max_tokens=2), r) == pytest.approx(2 * 0.00632)
-    assert t_decode(M, replace(req, max_tokens=10_000), r) == pytest.approx(10 * 0.00632)
+    for max_tokens, steps in ((2, 2), (10_000, 10)):
+        b = evaluate(M, replace(req, max_tokens=max_tokens), r)
+        assert b.t_compute - b.t_prefill == pytest.approx(steps * 0.00632)
+        assert b.t_decode_step == pytest.approx(0.00632)
 
 
 def test_config_from_settings_and_bad_configs() -> None:

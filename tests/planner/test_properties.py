@@ -13,7 +13,7 @@ from ownerserve.profiles import load_profile
 from ownerserve.types import Role, Tier
 from planner.calibration import Calibrator
 from planner.classify import classify
-from planner.cost import CostConfig, CostModel, Route, enumerate_routes, evaluate
+from planner.cost import CostConfig, CostModel, RequestCosts, Route, enumerate_routes, evaluate
 from planner.policies import POLICY_NAMES, OwnerServePolicy, get_policy
 from planner.types import Action, ClusterView, RequestClass, RequestView, WorkerView
 from tests.planner.util import UNIT, UNIT_CONFIG
@@ -286,10 +286,11 @@ def test_a_worker_whose_observed_times_double_loses_traffic(prompts: list[int], 
     raw = ws[slow]
     for n in prompts:
         planned = cal.apply(raw)
-        cal.observe_prefill(name, 2.0 * H100.prefill_s(raw, n, 0), H100.prefill_s(planned, n, 0))
-        cal.observe_decode(
-            name, 2.0 * H100.decode_step_s(raw, 9, 0), H100.decode_step_s(planned, 9, 0)
+        k = RequestCosts(
+            H100, RequestView(model="m", prompt_tokens=n, block_size=BLOCK, chain_blocks=0)
         )
+        cal.observe_prefill(name, 2.0 * k.prefill(raw, 0), k.prefill(planned, 0))
+        cal.observe_decode(name, 2.0 * k.worker(raw)[1], k.worker(planned)[1])
     if len(prompts) >= 15:
         assert 1.9 < cal.scales(name).prefill <= 2.0 + 1e-9
     after = traffic(cal.apply_all(cl))

@@ -1,4 +1,4 @@
-"""The restore planner: load vs recompute per state type, SWA caching policies, utility."""
+"""The restore planner: load vs recompute per state type, under each SWA caching policy."""
 
 from dataclasses import replace
 
@@ -10,19 +10,11 @@ from ownerserve.kvstate import SEALED_TYPES, StateType, load_spec
 from ownerserve.profiles import TimingProfile, load_profile
 from ownerserve.types import Tier
 from planner.restore import (
-    ArtifactStats,
     Decision,
     RestoreAction,
-    SwaCaching,
     SwaPolicy,
-    artifact_utility,
-    best_swa_policy,
-    choose_drops,
     load_bandwidth,
     plan_restore,
-    swa_restore,
-    swa_tradeoff,
-    swa_write_bytes,
 )
 
 H100 = load_profile("h100-llama3-8b")
@@ -235,90 +227,6 @@ def test_the_plan_is_never_worse_than_loading_all_or_recomputing_all(
     assert plan.restore_s <= plan.load_s + plan.queue_s + plan.recompute_s + 1e-9
     assert plan.recomputed_tokens >= plan.tail_tokens
     assert all(s.start <= s.end for s in plan.steps)
-
-
-# --- SWA caching policies ------------------------------------------------------------------
-
-
-def test_swa_write_bytes_per_policy() -> None:
-    n = 100_000
-    per_token = 61 * 576
-    assert swa_write_bytes(V4, SwaPolicy.full(), n) == n * per_token
-    assert swa_write_bytes(V4, SwaPolicy.zero(), n) == 0
-    # a 128-entry window snapshot every 1024 tokens
-    assert swa_write_bytes(V4, SwaPolicy.periodic(1024), n) == (n // 1024) * 128 * per_token
-    # snapshots closer than a window share entries: as much as full caching, never more
-    assert swa_write_bytes(V4, SwaPolicy.periodic(64), n) == (n // 64) * 64 * per_token
-    assert swa_write_bytes(LLAMA, SwaPolicy.full(), n) == 0  # no windows, nothing to keep
-
-
-def test_swa_restore_picks_checkpoint_or_recompute() -> None:
-    s = 128 * 1000
-    full = swa_restore(V4, SwaPolicy.full(), s, H100)
-    assert full.decision is Decision.LOAD and full.recompute_tokens == 0
-    assert full.load_bytes == V4.swa_bytes(s)
-    zero = swa_restore(V4, SwaPolicy.zero(), s, H100)
-    assert zero.decision is Decision.RECOMPUTE and zero.recompute_tokens == 7808
-    assert zero.seconds == pytest.approx(H100.prefill_s(7808, s - 7808))
-    short = swa_restore(V4, SwaPolicy.zero(), 1000, H100)
-    assert short.recompute_tokens == 1000  # fewer tokens than n_win·L: recompute them all
-    assert swa_restore(LLAMA, SwaPolicy.zero(), s, H100).decision is Decision.NONE
-
-
-def test_the_swa_tradeoff_moves_with_the_checkpoint_period() -> None:
-    n = 200_000
-    offs = [swa_tradeoff(V4, SwaPolicy.periodic(p), n, H100) for p in (512, 2048, 8192)]
-    writes = [t.write_bytes for t in offs]
-    restores = [t.restore_s for t in offs]
-    assert writes == sorted(writes, reverse=True)  # rarer checkpoints write less...
-    assert restores == sorted(restores)  # ...and restore slower
-    full = swa_tradeoff(V4, SwaPolicy.full(), n, H100)
-    zero = swa_tradeoff(V4, SwaPolicy.zero(), n, H100)
-    assert full.write_bytes > writes[0] and zero.write_bytes == 0
-    assert full.restore_s < restores[0] < restores[-1] < zero.restore_s
-
-
-def test_best_swa_policy_follows_the_weights() -> None:
-    n = 200_000
-    free_writes, _ = best_swa_policy(V4, n, H100, alpha=0.0)
-    assert free_writes.policy.caching is SwaCaching.FULL
-    costly_writes, _ = best_swa_policy(V4, n, H100, alpha=1.0)
-    assert costly_writes.policy.caching is SwaCaching.ZERO
-    default, every = best_swa_policy(V4, n, H100)
-    assert default.objective == min(t.objective for t in every)
-    assert len(every) == 2 + 7
-
-
-# --- artifact utility ----------------------------------------------------------------------
-
-
-def _stats(**kw: float) -> ArtifactStats:
-    base = dict(size_bytes=10**9, reuse_count=3, last_access_s=100.0, recompute_s=2.0, load_s=0.5)
-    base.update(kw)
-    return ArtifactStats(**base)  # type: ignore[arg-type]
-
-
-def test_artifact_utility_rewards_reuse_recency_savings_and_small_size() -> None:
-    now = 200.0
-    u = artifact_utility(_stats(), now)
-    assert u == pytest.approx(4 * 2 ** (-100 / 600) * 1.5 / 1e9)
-    assert artifact_utility(_stats(reuse_count=10), now) > u
-    assert artifact_utility(_stats(last_access_s=0.0), now) < u
-    assert artifact_utility(_stats(size_bytes=2 * 10**9), now) < u
-    assert artifact_utility(_stats(recompute_s=0.1), now) == 0.0  # cheaper to recompute
-
-
-def test_choose_drops_frees_enough_bytes_lowest_utility_first() -> None:
-    arts = {
-        "hot": _stats(reuse_count=50),
-        "cold": _stats(reuse_count=0, last_access_s=-5000.0),
-        "useless": _stats(recompute_s=0.0),
-        "mid": _stats(),
-    }
-    assert choose_drops(arts, 1, 200.0) == ["useless"]
-    assert choose_drops(arts, 15 * 10**8, 200.0) == ["useless", "cold"]
-    assert choose_drops(arts, 0, 200.0) == []
-    assert len(choose_drops(arts, 10**12, 200.0)) == 4
 
 
 @pytest.mark.parametrize("spec", [LLAMA, V4, QWEN], ids=lambda s: s.name)

@@ -13,6 +13,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from ownerserve.errors import InvalidRequestError
+from ownerserve.kvfetch import FETCH_PATH, KVFetchRequest
 from tests.conftest import free_port
 
 
@@ -51,7 +53,7 @@ class FakeWorker:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_post("/v1/completions", self._complete)
-        app.router.add_post("/ownerserve/kv/fetch", self._fetch)
+        app.router.add_post(FETCH_PATH, self._fetch)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -73,7 +75,12 @@ class FakeWorker:
         return web.Response(text="vllm:num_requests_running 0\n")
 
     async def _fetch(self, request: web.Request) -> web.Response:
-        self.requests.append(Recorded(request.path, dict(request.headers), await request.read()))
+        raw = await request.read()
+        self.requests.append(Recorded(request.path, dict(request.headers), raw))
+        try:  # the router's body must be one the real workers accept
+            KVFetchRequest.from_json(orjson.loads(raw))
+        except InvalidRequestError as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=400)
         if self.fetch_status != 200:
             return web.json_response(
                 {"error": {"message": "source gone"}}, status=self.fetch_status

@@ -508,3 +508,45 @@ async def test_the_router_sweeps_what_expired_from_the_directory(workers):
     assert stats["artifacts"] == stats["owned_blocks"] == stats["sessions"] == 0
     assert "ownerserve_directory_swept_total 1.0" in metrics
     assert router._sweeper is None  # stopped with the router
+
+
+async def test_removing_a_worker_the_directory_cannot_forget_answers_503(workers):
+    w0, _ = workers
+    policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+    auth = {"authorization": "Bearer adm"}
+    async with router_for([(w0, "hybrid", "emulator")], policy, {"admin_token": "adm"}) as (
+        c,
+        router,
+    ):
+        real_drop = router.directory.drop_worker
+
+        async def failing_drop(worker_id: str) -> None:
+            raise ConnectionError("directory down")
+
+        router.directory.drop_worker = failing_drop
+        failed = await c.delete("/admin/workers/w0", headers=auth)
+        metrics = (await c.get("/metrics")).text
+        router.directory.drop_worker = real_drop
+        retried = await c.delete("/admin/workers/w0", headers=auth)
+    assert failed.status_code == 503
+    assert failed.json()["error"]["type"] == "directory_unavailable"
+    assert "ownerserve_directory_drop_worker_errors_total 1.0" in metrics
+    assert retried.status_code == 200
+
+
+async def test_in_flight_counts_return_to_zero_after_retried_and_streamed_requests(workers):
+    bad, good = workers
+    bad.mode = "fail500"
+    policy = FixedPolicy(Action.REMOTE_PREFILL, "w0", "w1")
+    async with router_for([(bad, "prefill", "vllm"), (good, "decode", "vllm")], policy) as (
+        c,
+        router,
+    ):
+        for stream in (False, True):
+            body = {**CHAT, "stream": stream}
+            resp = await c.post("/v1/chat/completions", json=body, headers={"x-session-id": "s1"})
+            assert resp.status_code == 200
+        inflight = [(w.inflight, w.inflight_prefill_tokens) for w in router.pool.all()]
+        session = router.sessions.get("s1")
+    assert inflight == [(0, 0), (0, 0)]
+    assert session is not None and session.inflight == 0

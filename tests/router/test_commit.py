@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from ownerserve.directory.base import HoldKind
+from dataclasses import dataclass
+
+from ownerserve.directory.base import HoldKind, Match
 from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.types import Tier
 from planner.types import Action, Candidate, CostBreakdown, Plan, RequestClass
-from router.commit import commit_plan
+from router.commit import Lifetimes, commit_plan
 
 CHAIN = tuple(range(1000, 1010))
 
@@ -19,19 +21,20 @@ def _plan(action: Action, p: str, d: str) -> Plan:
     )
 
 
+@dataclass(frozen=True)
+class _Served:
+    plan: Plan
+    chain: tuple[int, ...]
+    session_id: str | None
+    match: Match
+    kv_bytes_per_block: int = 100
+    fork_from_blocks: int = 0
+    refresh: bool = True
+
+
 async def _commit(directory, plan, chain, session, match, fork=0):
-    return await commit_plan(
-        directory,
-        plan,
-        chain,
-        session,
-        match,
-        lease_s=60,
-        session_ttl_s=60,
-        replica_ttl_s=5,
-        kv_bytes_per_block=100,
-        fork_from_blocks=fork,
-    )
+    served = _Served(plan, chain, session, match, fork_from_blocks=fork)
+    return await commit_plan(directory, served, Lifetimes(60, 60, 5))
 
 
 async def test_remote_prefill_commit_makes_decode_owner_and_prefill_a_replica():
@@ -103,13 +106,8 @@ async def test_without_refresh_unchanged_records_are_not_rewritten():
             return await _original(*args, **kwargs)
 
         setattr(directory, name, spy)
-    await commit_plan(
-        directory, plan, CHAIN[:4], "s1", match, lease_s=60, session_ttl_s=60,
-        replica_ttl_s=5, kv_bytes_per_block=100, refresh=False,
-    )  # fmt: skip
+    lifetimes = Lifetimes(60, 60, 5)
+    await commit_plan(directory, _Served(plan, CHAIN[:4], "s1", match, refresh=False), lifetimes)
     assert calls == []
-    await commit_plan(
-        directory, plan, CHAIN[:4], "s1", match, lease_s=60, session_ttl_s=60,
-        replica_ttl_s=5, kv_bytes_per_block=100, refresh=True,
-    )  # fmt: skip
+    await commit_plan(directory, _Served(plan, CHAIN[:4], "s1", match, refresh=True), lifetimes)
     assert sorted(calls) == ["renew", "set_session_owner"]

@@ -1,14 +1,19 @@
 """The router's own HTTP/1.1 server at the byte level (raw sockets, a real `FakeWorker`
 behind it): keep-alive and pipelining, chunked streaming, HTTP/1.0, `Expect: 100-continue`,
-bodies over the limit refused while reading, malformed requests, the ASGI bridge's routes,
-and the ASGI handler of the same core under another server (httpx's ASGI transport)."""
+bodies over the limit refused while reading (and the refused body read and dropped, within
+bounds, so that clients that write it whole before reading get the 413), malformed requests,
+the ASGI bridge's routes, and the ASGI handler of the same core under another server (httpx's
+ASGI transport)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -17,6 +22,7 @@ import pytest
 
 from ownerserve.config import settings_from_dict
 from router.app import create_app
+from router.httpserver import RouterServer
 from router.server import running_app
 from tests.router.fake_worker import FakeWorker
 
@@ -54,6 +60,23 @@ async def served(**server: Any) -> AsyncIterator[tuple[str, int, Any]]:
             yield host, int(port), app
     finally:
         await worker.stop()
+
+
+@contextlib.asynccontextmanager
+async def lingering(linger_bytes: int, linger_s: float) -> AsyncIterator[int]:
+    """A router server (no workers: nothing gets that far) with these lingering bounds and a
+    64 KiB body limit; yields its port."""
+    settings = settings_from_dict(
+        {"server": {"port": 0, "max_body_bytes": 1 << 16}, "models": [{"name": MODEL}]}
+    )
+    server = RouterServer(
+        create_app(settings), "127.0.0.1", 0, linger_bytes=linger_bytes, linger_s=linger_s
+    )
+    await server.start()
+    try:
+        yield server.bound_port
+    finally:
+        await server.shutdown()
 
 
 async def _response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
@@ -149,6 +172,63 @@ async def test_a_body_over_the_limit_gets_413_while_reading(declared: bool):
         assert orjson.loads(body)["error"]["type"]
         assert headers["connection"] == "close"
         writer.close()
+
+
+def _urllib_post(url: str, body: bytes | Iterator[bytes]) -> tuple[int, bytes]:
+    """POST with `urllib` (`http.client`: the whole body goes out before the answer is read)."""
+    req = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+async def test_a_64_mib_body_from_urllib_gets_the_413_not_a_reset(declared: bool):
+    mib = b"x" * (1 << 20)
+    body: bytes | Iterator[bytes] = mib * 64 if declared else iter([mib] * 64)
+    async with served() as (host, port, _):  # the default limit: 32 MiB
+        url = f"http://{host}:{port}/v1/chat/completions"
+        status, answer = await asyncio.to_thread(_urllib_post, url, body)
+    assert status == 413
+    assert orjson.loads(answer)["error"]["code"] == "payload_too_large"
+
+
+async def _flood_after_refusal(port: int, pause_s: float) -> tuple[bytes, float]:
+    """Declare a 1 TiB body and send it without end (1 KiB every `pause_s`, or as fast as the
+    socket takes it); returns the answer's head and how long after it the router kept taking
+    the body before the connection broke."""
+    loop = asyncio.get_running_loop()
+    with socket.socket() as sock:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-length: %d\r\n\r\n"
+        await loop.sock_sendall(sock, head % (1 << 40))
+        async with asyncio.timeout(10):
+            answer = await loop.sock_recv(sock, 4096)
+        answered = time.monotonic()
+        chunk = b"x" * (1024 if pause_s else 1 << 16)
+        with pytest.raises(OSError):  # reset or broken pipe: the router closed
+            async with asyncio.timeout(30):
+                while True:
+                    await loop.sock_sendall(sock, chunk)
+                    await asyncio.sleep(pause_s)
+        return answer, time.monotonic() - answered
+
+
+async def test_a_client_sending_forever_is_cut_off_at_the_byte_bound():
+    async with lingering(linger_bytes=4 << 20, linger_s=60) as port:
+        answer, kept_s = await _flood_after_refusal(port, pause_s=0)
+    assert answer.startswith(b"HTTP/1.1 413")
+    assert kept_s < 10  # far below the time bound: the 4 MiB did it
+
+
+async def test_a_client_trickling_forever_is_cut_off_at_the_time_bound():
+    async with lingering(linger_bytes=1 << 40, linger_s=1.0) as port:
+        answer, kept_s = await _flood_after_refusal(port, pause_s=0.02)
+    assert answer.startswith(b"HTTP/1.1 413")
+    assert 0.8 < kept_s < 5  # the body was taken for the linger time, then no longer
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ownerserve.config import WorkerSettings
+from router.backends import parse_load_metrics
 from router.pool import BreakerState, CircuitBreaker, WorkerPool
-from workers.adapters.base import parse_load_metrics
 
 
 def test_breaker_opens_after_threshold_and_half_opens_after_cooldown():

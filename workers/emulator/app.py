@@ -10,9 +10,10 @@ writes every body, a stream chunk carries every token produced since the client 
 | `GET /server_info`, `/model_info`, `/get_load` (+ `/get_*` aliases) | SGLang's probes |
 | `GET /kv_blocks`, `POST /reset_prefix_cache` | held block hashes; drop the prefix cache |
 | `POST /ownerserve/kv/pull`, `/ownerserve/kv/read` | a peer pulls held KV (P->D, fetch source) |
+| `POST /ownerserve/kv/heartbeat` | a decode side renews the lease on KV held for it here |
 | `POST /ownerserve/kv/fetch` (alias `/ownerserve/fetch`) | pull blocks from `source_url` here |
 
-Every error, wherever raised, leaves as the OpenAI error shape via `ownerserve.errors`.
+Every error, wherever raised, leaves as the OpenAI error shape via `ownerserve.http`.
 """
 
 from __future__ import annotations
@@ -28,19 +29,27 @@ from typing import Any
 import orjson
 
 from ownerserve.errors import (
+    ClientDisconnected,
     InvalidRequestError,
+    MethodNotAllowedError,
     ModelNotFoundError,
+    NotFoundError,
     OwnerServeError,
-    PayloadTooLargeError,
-    error_body_for,
-    openai_error_body,
 )
 from ownerserve.hashing import chain_root, hash_block
+from ownerserve.http import (
+    read_request_body,
+    send_body,
+    send_error,
+    send_json,
+    sse_error_event,
+)
+from ownerserve.kvfetch import FETCH_PATH, KVFetchRequest
 from ownerserve.profiles import TimingProfile
 from ownerserve.tokenizer import ChatTemplate, Tokenizer, load_chat_template, load_tokenizer
 from ownerserve.types import Role
 from workers.emulator.config import EmulatorConfig
-from workers.emulator.engine import Engine, SamplingParams, Sequence
+from workers.emulator.engine import Engine, RemotePrefill, SamplingParams, Sequence
 from workers.emulator.kv_cache import BlockPool, prompt_block_hashes
 from workers.emulator.kv_events import KVEventPublisher
 from workers.emulator.metrics import EngineMetrics
@@ -66,7 +75,6 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
-_JSON = [(b"content-type", b"application/json")]
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -75,50 +83,9 @@ _SSE_HEADERS = [
 _DONE = b"data: [DONE]\n\n"
 
 
-class ClientGoneError(Exception):
-    """The client disconnected while its request body was being read."""
-
-
-class NotFoundError(OwnerServeError):
-    status_code = 404
-    error_type = "not_found_error"
-
-
 class EngineAbortError(OwnerServeError):
     status_code = 500
     error_type = "aborted"
-
-
-class MethodNotAllowedError(OwnerServeError):
-    status_code = 405
-    error_type = "invalid_request_error"
-
-
-async def send_json(send: Send, status: int, obj: Any) -> None:
-    body = orjson.dumps(obj)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [*_JSON, (b"content-length", str(len(body)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
-async def send_text(send: Send, status: int, text: str, content_type: bytes) -> None:
-    body = text.encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", content_type),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
 
 
 def _sse(obj: Any) -> bytes:
@@ -219,7 +186,7 @@ class EmulatorApp:
             transfer_timeout_s=config.transfer_timeout_s,
             publish=self._publish,
         )
-        self.mover = KVMover(self.engine, config.node, self.worker_id)
+        self.mover = KVMover(self.engine, config.node, self.worker_id, config.kv_lease_s)
         self.publisher: KVEventPublisher | None = None
         self._started = False
         self.routes: dict[tuple[str, str], Handler] = {}
@@ -242,8 +209,9 @@ class EmulatorApp:
             ("GET", "/kv_blocks", self.kv_blocks),
             ("POST", "/reset_prefix_cache", self.reset_prefix_cache),
             ("POST", "/ownerserve/kv/pull", self.kv_pull),
+            ("POST", "/ownerserve/kv/heartbeat", self.kv_heartbeat),
             ("POST", "/ownerserve/kv/read", self.kv_read),
-            ("POST", "/ownerserve/kv/fetch", self.kv_fetch),
+            ("POST", FETCH_PATH, self.kv_fetch),
             ("POST", "/ownerserve/fetch", self.kv_fetch),
         ):
             self.routes[(method, path)] = handler
@@ -325,41 +293,14 @@ class EmulatorApp:
                     raise MethodNotAllowedError(f"method {scope['method']} not allowed on {path}")
                 raise NotFoundError(f"no route {path}")
             await handler(scope, receive, tracked)
-        except ClientGoneError:
+        except ClientDisconnected:
             return
-        except OwnerServeError as exc:
-            if not started:
-                await send_json(send, exc.status_code, error_body_for(exc))
         except Exception as exc:  # the server must answer, not crash
-            log.exception("unhandled error on %s", path)
             if not started:
-                body = openai_error_body(f"internal error: {exc!r}", "internal_error")
-                await send_json(send, 500, body)
+                await send_error(send, exc)
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.config.max_body_bytes
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    raise InvalidRequestError("bad content-length header") from None
-                if declared > limit:
-                    raise PayloadTooLargeError(f"request body of {declared} bytes exceeds {limit}")
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGoneError
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return await read_request_body(scope, receive, self.config.max_body_bytes)
 
     async def _json_body(self, scope: Scope, receive: Receive) -> dict[str, Any]:
         raw = await self._body(scope, receive)
@@ -496,14 +437,11 @@ class EmulatorApp:
 
         bs = c.block_size
         hashes = [prompt_block_hashes(p, bs, self.root_hash) for p in prompts]
-        pinned: list[int] = []
-        external = 0
+        remote: RemotePrefill | None = None
         if remote_prefill or sglang_decode:
             if len(prompts) != 1:
                 raise InvalidRequestError("a remote-prefilled decode takes one prompt")
-            pulled = await self._pull(req, ktp, prompts[0], hashes[0], sglang_decode)
-            pinned = pulled.pinned_blocks
-            external = pulled.received_blocks * bs
+            remote = self._remote_prefill(req, ktp, sglang_decode)
 
         notify = asyncio.Event()
         seqs: list[Sequence] = []
@@ -525,9 +463,9 @@ class EmulatorApp:
         every = c.stream_interval if req.stream else 0
         for seq in seqs:
             seq.notify_every = every
-        seqs[0].pinned = pinned
-        seqs[0].external_tokens = external
+        seqs[0].remote = remote
         seqs[0].hold_key = hold_key
+        seqs[0].hold_s = c.transfer_timeout_s if sglang_prefill else c.kv_lease_s
 
         gen = _Generation(
             request_id=request_id,
@@ -565,6 +503,12 @@ class EmulatorApp:
         try:
             for seq in seqs:
                 engine.submit(seq)
+            if remote is not None:
+                self.mover.track(remote)
+                # The pull runs once the scheduler has blocks for it; its failure is a 400.
+                await seqs[0].remote_ready.wait()
+                if seqs[0].error is not None:
+                    raise seqs[0].error
             if gen.stream:
                 await self._stream(gen, send)
             else:
@@ -576,28 +520,26 @@ class EmulatorApp:
                 if not seq.finished:
                     engine.abort(seq)
 
-    async def _pull(
+    def _remote_prefill(
         self,
         req: ChatCompletionRequest | CompletionRequest,
         ktp: dict[str, Any],
-        prompt: list[int],
-        hashes: list[int],
         sglang: bool,
-    ) -> Any:
+    ) -> RemotePrefill:
+        """Where this decode request's prompt KV lies; malformed parameters are a 400 now."""
         c = self.config
         if sglang:
             host = req.bootstrap_host
             if not host:
                 raise InvalidRequestError("bootstrap_room given without bootstrap_host")
             port = req.bootstrap_port or SGLANG_DEFAULT_BOOTSTRAP_PORT
-            return await self.mover.pull_prefix(
-                prompt,
-                hashes,
+            return RemotePrefill(
                 f"http://{host}:{port}",
                 f"room:{req.bootstrap_room}",
+                None,
                 wait_s=c.transfer_timeout_s,
-                engine_id=None,
                 what=f"bootstrap room {req.bootstrap_room}",
+                renews_lease=False,
             )
         missing = [k for k in ("remote_host", "remote_port", "remote_request_id") if not ktp.get(k)]
         if missing:
@@ -609,14 +551,13 @@ class EmulatorApp:
             raise InvalidRequestError(
                 "kv_transfer_params: remote_host must be a string and remote_port a port number"
             )
-        return await self.mover.pull_prefix(
-            prompt,
-            hashes,
+        return RemotePrefill(
             f"http://{host}:{port}",
             f"req:{ktp['remote_request_id']}",
+            ktp.get("remote_engine_id"),
             wait_s=0.0,
-            engine_id=ktp.get("remote_engine_id"),
             what="kv_transfer_params",
+            renews_lease=True,
         )
 
     def _transfer_params(self, gen: _Generation) -> dict[str, Any] | None:
@@ -760,8 +701,8 @@ class EmulatorApp:
                 if done[k]:
                     continue
                 if seq.finish_reason == "abort":
-                    body = openai_error_body(f"request {rid} was aborted", "aborted")
-                    await send({"type": "http.response.body", "body": _sse(body) + _DONE})
+                    event = sse_error_event(EngineAbortError(f"request {rid} was aborted"))
+                    await send({"type": "http.response.body", "body": event})
                     return
                 text, lo, hi = self._new_output(gen, k, seq)
                 finished = seq.finished
@@ -864,11 +805,12 @@ class EmulatorApp:
             "block_bytes": self.config.block_size * self.profile.kv_bytes_per_token,
             "evicted": pool.evicted_blocks,
             "held_transfers": len(self.engine.holds),
+            "expired_transfers": self.engine.holds.expired,
         }
 
     async def prometheus(self, scope: Scope, receive: Receive, send: Send) -> None:
         text = self.metrics.render(self.gauges)
-        await send_text(send, 200, text, b"text/plain; version=0.0.4; charset=utf-8")
+        await send_body(send, 200, text.encode(), b"text/plain; version=0.0.4; charset=utf-8")
 
     async def tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await self._json_body(scope, receive)
@@ -1040,6 +982,17 @@ class EmulatorApp:
             },
         )
 
+    async def kv_heartbeat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A decode side's requests still wait on these transfers: extend their holds by 2/3
+        of the lease (vLLM NixlConnector's heartbeat handling)."""
+        body = await self._json_body(scope, receive)
+        ids = body.get("transfer_ids")
+        if not isinstance(ids, list) or not all(isinstance(k, str) for k in ids):
+            raise InvalidRequestError("transfer_ids: must be a list of transfer ids")
+        extension = self.config.kv_lease_s * 2 / 3
+        renewed = sum(self.engine.holds.renew(k, extension) for k in ids)
+        await send_json(send, 200, {"renewed": renewed})
+
     async def kv_read(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Another worker copies cached blocks from here (artifact fetch source side)."""
         body = await self._json_body(scope, receive)
@@ -1068,19 +1021,16 @@ class EmulatorApp:
 
     async def kv_fetch(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Pull `block_hashes` from the worker at `source_url` into this worker's cache."""
-        body = await self._json_body(scope, receive)
-        source = body.get("source_url")
-        if not isinstance(source, str) or not source.startswith(("http://", "https://")):
-            raise InvalidRequestError("source_url: must be an http(s) URL")
-        hashes = self._hash_list(body)
-        if body.get("model") is not None:
-            self._check_model(body["model"])
-        block_size = body.get("block_size")
-        if block_size is not None and block_size != self.config.block_size:
+        req = KVFetchRequest.from_json(await self._json_body(scope, receive))
+        if req.model is not None:
+            self._check_model(req.model)
+        if req.block_size is not None and req.block_size != self.config.block_size:
             raise InvalidRequestError(
-                f"block_size: {block_size} differs from this worker's {self.config.block_size}"
+                f"block_size: {req.block_size} differs from this worker's {self.config.block_size}"
             )
-        result = await self.mover.fetch(source, hashes, self.config.transfer_timeout_s)
+        result = await self.mover.fetch(
+            req.source_url, list(req.block_hashes), self.config.transfer_timeout_s
+        )
         await send_json(send, 200, result.as_json())
 
 

@@ -47,8 +47,14 @@ class EmulatorConfig:
     kv_events_topic: str = ""
     kv_events_replay_port: int | None = None
     transfer_timeout_s: float = 30.0
-    """How long a decode side waits for its prefill's KV (SGLang room) and how long a prefill
-    side holds blocks for a decode that has not pulled them yet."""
+    """How long an SGLang-style decode side waits for its prefill's room, and how long a
+    prefill side holds a room's blocks for a decode that has not pulled them yet."""
+    kv_lease_s: float = 30.0
+    """How long a prefill side holds a vLLM-style (`kv_transfer_params`) result for a decode
+    that has not pulled it: vLLM NixlConnector's `kv_lease_duration` (kv_connector_extra_config,
+    default 30 s). A decode side where the request waits renews it every `kv_lease_s / 6` by
+    `2/3 * kv_lease_s` (its heartbeat), so the KV is freed this long after the decode side let go
+    of it or died."""
     max_body_bytes: int = 32 * 1024 * 1024
 
     def __post_init__(self) -> None:
@@ -68,6 +74,8 @@ class EmulatorConfig:
             raise ConfigError(f"--stream-interval must be positive, got {self.stream_interval}")
         if self.transfer_timeout_s <= 0:
             raise ConfigError("--transfer-timeout-s must be positive")
+        if self.kv_lease_s <= 0:
+            raise ConfigError("--kv-lease-duration must be positive")
 
     @property
     def name(self) -> str:
@@ -128,6 +136,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-events-topic", default=d.kv_events_topic)
     parser.add_argument("--kv-events-replay-port", type=int, default=None, help="ZMQ ROUTER port")
     parser.add_argument("--transfer-timeout-s", type=float, default=d.transfer_timeout_s)
+    parser.add_argument(
+        "--kv-lease-duration",
+        type=float,
+        default=d.kv_lease_s,
+        help="seconds a prefill holds unpulled KV unless its decode renews the lease "
+        "(vLLM NixlConnector's kv_lease_duration)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
 
 
@@ -158,5 +173,6 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         kv_events_topic=args.kv_events_topic,
         kv_events_replay_port=args.kv_events_replay_port,
         transfer_timeout_s=args.transfer_timeout_s,
+        kv_lease_s=args.kv_lease_duration,
         max_body_bytes=args.max_body_bytes,
     )

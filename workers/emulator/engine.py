@@ -10,7 +10,12 @@ Full blocks are cached under their chained hashes as they are computed, and the 
 events are published as one KV event batch.
 
 Prefill results for a remote decode are *held* (their blocks stay referenced) under a transfer
-key until the decode side pulls them or the hold times out (`TransferHolds`).
+key until the decode side pulls them or the hold times out (`TransferHolds`; a vLLM-style hold
+is a lease the decode side renews while the request waits there, as NixlConnector's heartbeats
+do). On the decode side a remote-prefilled request is admitted like vLLM's async KV load: the
+scheduler allocates blocks for its whole prompt first (waiting, first come first served, while
+they are not free), then the pull runs with the request parked (`SeqState.LOADING`, not
+preemptible), then it runs with the pulled tokens computed.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
+from ownerserve.errors import OwnerServeError, UpstreamError
 from ownerserve.events import KVEvent
 from ownerserve.hashing import hash_block
 from ownerserve.profiles import TimingProfile
@@ -45,6 +51,28 @@ class SeqState(IntEnum):
     WAITING = 0
     RUNNING = 1
     FINISHED = 2
+    LOADING = 3
+    """Blocks allocated, remote KV being pulled into them (vLLM's WAITING_FOR_REMOTE_KVS)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefill:
+    """Where a decode request's prompt KV lies, to pull once its blocks are allocated here."""
+
+    source_url: str
+    transfer_id: str
+    engine_id: str | None
+    wait_s: float
+    """How long the source may wait for the transfer to appear (SGLang rooms); 0 for vLLM."""
+    what: str
+    """How errors name the transfer (`kv_transfer_params`, `bootstrap room N`)."""
+    renews_lease: bool
+    """The source holds the KV under a lease this side renews while the request waits (vLLM)."""
+
+
+Loader = Callable[["Sequence", RemotePrefill, list[int]], Awaitable[list[int]]]
+"""Pulls the listed prompt block hashes of a sequence from its source; returns the leading
+ones received (the transfer time has passed). Raises `OwnerServeError` when the pull fails."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,14 +97,17 @@ class Sequence:
         "arrival",
         "blocks",
         "cached_tokens",
+        "error",
         "external_tokens",
         "finish_reason",
         "finished_at",
         "first_token_at",
         "hashes",
         "hold_key",
+        "hold_s",
         "index",
         "last_token_at",
+        "load_task",
         "notify",
         "notify_every",
         "num_computed",
@@ -86,8 +117,9 @@ class Sequence:
         "out_ids",
         "params",
         "pieces",
-        "pinned",
         "prompt_ids",
+        "remote",
+        "remote_ready",
         "request_id",
         "state",
         "stop_reason",
@@ -116,7 +148,6 @@ class Sequence:
         self.arrival = arrival
         self.state = SeqState.WAITING
         self.blocks: list[int] = []
-        self.pinned: list[int] = []
         self.num_computed = 0
         self.num_hashed = 0
         self.out_ids: list[int] = []
@@ -134,6 +165,15 @@ class Sequence:
         self.last_token_at = 0.0
         self.finished_at = 0.0
         self.hold_key: str | None = None
+        self.hold_s = 0.0
+        """How long the prefill result stays held for its decode side (unless renewed)."""
+        self.remote: RemotePrefill | None = None
+        """Prompt KV to pull before running; None once pulled (a preempted request then
+        recomputes, as vLLM triggers one KV transfer per request)."""
+        self.remote_ready = asyncio.Event()
+        """Set when the remote KV is in (or the sequence finished without it)."""
+        self.load_task: asyncio.Task[None] | None = None
+        self.error: OwnerServeError | None = None
         self.on_finish: Callable[[Sequence], None] | None = None
         self._tail = ""
 
@@ -189,11 +229,15 @@ class TransferHold:
     key: str
     block_ids: list[int]
     block_hashes: list[int]
+    expires_at: float
     handle: asyncio.TimerHandle | None = None
 
 
 class TransferHolds:
-    """Prefill results waiting for their decode side, with waiters for keys not there yet."""
+    """Prefill results waiting for their decode side, with waiters for keys not there yet.
+
+    A hold ends when taken, or when it expires unclaimed (as vLLM's NIXL producer frees blocks
+    whose lease ran out: `_reap_expired_send_leases`); `expired` counts the latter."""
 
     def __init__(
         self, pool: BlockPool, timeout_s: float, on_release: Callable[[], None] | None = None
@@ -201,6 +245,7 @@ class TransferHolds:
         self._pool = pool
         self._timeout_s = timeout_s
         self._on_release = on_release
+        self.expired = 0
         self._held: dict[str, TransferHold] = {}
         self._failed: dict[str, str] = {}
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
@@ -208,14 +253,36 @@ class TransferHolds:
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, key: str, block_hashes: list[int]) -> None:
-        """Reference the cached blocks `block_hashes` until taken or timed out."""
+    def hold(self, key: str, block_hashes: list[int], timeout_s: float | None = None) -> None:
+        """Reference the cached blocks `block_hashes` until taken or `timeout_s` passes
+        (default: the transfer timeout)."""
         self.release(key)
         ids = self._pool.touch(block_hashes)
         loop = asyncio.get_running_loop()
-        handle = loop.call_later(self._timeout_s, self.release, key)
-        self._held[key] = TransferHold(key, ids, list(block_hashes), handle)
+        ttl = self._timeout_s if timeout_s is None else timeout_s
+        handle = loop.call_later(ttl, self._expire, key)
+        self._held[key] = TransferHold(key, ids, list(block_hashes), loop.time() + ttl, handle)
         self._wake(key)
+
+    def renew(self, key: str, extension_s: float) -> bool:
+        """Keep the hold for `key` at least `extension_s` from now (a consumer's heartbeat: vLLM
+        `NixlBaseConnectorWorker._handle_heartbeat`); False if there is no such hold."""
+        hold = self._held.get(key)
+        if hold is None:
+            return False
+        loop = asyncio.get_running_loop()
+        expires_at = loop.time() + extension_s
+        if expires_at > hold.expires_at:
+            if hold.handle is not None:
+                hold.handle.cancel()
+            hold.expires_at = expires_at
+            hold.handle = loop.call_at(expires_at, self._expire, key)
+        return True
+
+    def _expire(self, key: str) -> None:
+        if key in self._held:
+            self.expired += 1
+            self.release(key)
 
     def fail(self, key: str, reason: str) -> None:
         """The prefill for `key` will never come (aborted, failed)."""
@@ -306,6 +373,15 @@ class Engine:
         self.holds = TransferHolds(pool, transfer_timeout_s, on_release=self.poke)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: list[Sequence] = []
+        """Sequences whose remote KV is being pulled into their allocated blocks."""
+        self.loaded: deque[Sequence] = deque()
+        """Sequences whose remote KV is in, holding their blocks: admitted before `waiting`."""
+        self.loader: Loader | None = None
+        """Pulls remote prompt KV (`KVMover.load`); needed for sequences with `remote`."""
+        self.on_abandon: Callable[[RemotePrefill], None] | None = None
+        """Told of a remote prefill that finished here without being pulled, so the source
+        frees it now (vLLM's consumer notifies the producer for a request it aborts)."""
         self._publish = publish
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -321,10 +397,8 @@ class Engine:
     async def close(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
-        for seq in [*self.running, *self.waiting]:
-            self._finish(seq, "abort")
-        self.running.clear()
-        self.waiting.clear()
+        for seq in [*self.running, *self.waiting, *self.loading, *self.loaded]:
+            self.abort(seq)
         self.holds.release_all()
 
     # --- requests ------------------------------------------------------------------------------
@@ -337,7 +411,7 @@ class Engine:
 
     def poke(self) -> None:
         """Blocks were freed outside a step: let waiting sequences try again."""
-        if self._wake is not None and (self.waiting or self.running):
+        if self._wake is not None and (self.waiting or self.running or self.loaded):
             self._wake.set()
 
     def abort(self, seq: Sequence) -> None:
@@ -347,6 +421,13 @@ class Engine:
         if seq.state == SeqState.WAITING:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(seq)
+            with contextlib.suppress(ValueError):
+                self.loaded.remove(seq)
+        elif seq.state == SeqState.LOADING:
+            with contextlib.suppress(ValueError):
+                self.loading.remove(seq)
+            if seq.load_task is not None:
+                seq.load_task.cancel()
         else:
             with contextlib.suppress(ValueError):
                 self.running.remove(seq)
@@ -360,7 +441,12 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Queued sequences, those pulling remote KV included (as vLLM counts them)."""
+        return len(self.waiting) + len(self.loading) + len(self.loaded)
+
+    def awaiting_remote(self) -> list[Sequence]:
+        """Sequences whose remote KV is not in yet (waiting for blocks, or being pulled)."""
+        return [s for s in (*self.waiting, *self.loading) if s.remote is not None]
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -439,47 +525,122 @@ class Engine:
             budget -= n
             i += 1
 
+        # vLLM admits nothing new in a step that preempted. Sequences holding blocks (remote
+        # KV in) go first, as vLLM drains its kv_holding_waiting queue before the waiting one.
+        loaded = self.loaded
+        while loaded and budget > 0 and not preempted and len(running) < self.max_num_seqs:
+            seq = loaded[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            need = -(-(seq.num_computed + n) // bs) - len(seq.blocks)
+            if need > pool.num_free:
+                break
+            loaded.popleft()
+            if need > 0:
+                got = pool.allocate(need)
+                assert got is not None
+                seq.blocks.extend(got)
+            self._start_running(seq, seq.num_computed)
+            items.append((seq, n))
+            budget -= n
+
+        # First come, first served: the head waits until blocks for its whole sequence are
+        # free (vLLM's scheduler_reserve_full_isl admission), the others wait behind it.
         waiting = self.waiting
-        skip = 0
-        while (
-            len(waiting) > skip
-            and budget > 0
-            and not preempted
-            and len(running) < self.max_num_seqs
-        ):
-            seq = waiting[skip]
+        while waiting and budget > 0 and not preempted and len(running) < self.max_num_seqs:
+            seq = waiting[0]
             hit = self._prefix_hit_blocks(seq)
             hit_hashes = seq.hashes[:hit]
             computed = hit * bs
+            whole = -(-seq.num_tokens // bs) - hit
+            if whole > pool.free_after_touch(hit_hashes):
+                break
+            if seq.remote is not None:
+                # An async KV load: allocate the whole prompt, park the request while it
+                # pulls (no token budget spent). vLLM pulls even when every full block is
+                # cached here (the partial last block is still remote; here it is recomputed).
+                waiting.popleft()
+                blocks = pool.touch(hit_hashes)  # before allocating, which could evict them
+                got = pool.allocate(whole)
+                assert got is not None
+                seq.blocks = blocks + got
+                seq.num_computed = computed
+                seq.num_hashed = hit
+                self._start_load(seq)
+                continue
+            waiting.popleft()
             n = min(seq.num_tokens - computed, budget)
             need = -(-(computed + n) // bs) - hit
-            if need > pool.free_after_touch(hit_hashes):
-                if running or items:
-                    break
-                # Nothing runs, so nothing will free blocks: blocks pinned by later waiting
-                # sequences (pulled KV) are all there is. Let the next one try (FIFO otherwise).
-                skip += 1
-                continue
-            del waiting[skip]
             blocks = pool.touch(hit_hashes)
             got = pool.allocate(need)
             assert got is not None
             seq.blocks = blocks + got
-            if seq.pinned:
-                pool.free(seq.pinned)
-                seq.pinned = []
             seq.num_computed = computed
             seq.num_hashed = hit
-            seq.state = SeqState.RUNNING
-            if seq.cached_tokens < 0:
-                self._count_prompt(seq, computed)
-            running.append(seq)
+            self._start_running(seq, computed)
             items.append((seq, n))
             budget -= n
 
         if not items:
             return None
         return _Step(items, self._step_seconds(items))
+
+    def _start_running(self, seq: Sequence, computed: int) -> None:
+        seq.state = SeqState.RUNNING
+        if seq.cached_tokens < 0:
+            self._count_prompt(seq, computed)
+        self.running.append(seq)
+
+    def _pull_limit(self, seq: Sequence) -> int:
+        """Prompt blocks a pull may bring: full blocks short of the last prompt token, which
+        is always computed here (it samples the first output token)."""
+        return (len(seq.prompt_ids) - 1) // self.block_size
+
+    def _start_load(self, seq: Sequence) -> None:
+        seq.state = SeqState.LOADING
+        self.loading.append(seq)
+        missing = seq.hashes[seq.num_hashed : self._pull_limit(seq)]
+        seq.load_task = asyncio.get_running_loop().create_task(
+            self._load(seq, missing), name=f"kv-load-{seq.request_id}"
+        )
+
+    async def _load(self, seq: Sequence, missing: list[int]) -> None:
+        """Pull `missing` into the sequence's allocated blocks, then queue it to run."""
+        remote = seq.remote
+        assert remote is not None and self.loader is not None
+        try:
+            got = await self.loader(seq, remote, missing)
+        except Exception as exc:  # a malformed answer too: the request must not stay parked
+            if seq.state == SeqState.LOADING:  # vLLM's kv_load_failure_policy "fail"
+                self.loading.remove(seq)
+                seq.remote = None
+                seq.error = (
+                    exc
+                    if isinstance(exc, OwnerServeError)
+                    else UpstreamError(f"{remote.what}: KV pull failed: {exc!r}")
+                )
+                self._finish(seq, "error")
+                self.poke()
+            return
+        if seq.state != SeqState.LOADING:
+            return  # aborted while pulling
+        self.loading.remove(seq)
+        seq.remote = None
+        if got:
+            self._register(seq, seq.num_hashed + len(got))
+            self.flush_events()
+        seq.num_computed = seq.num_hashed * self.block_size
+        seq.external_tokens = len(got) * self.block_size
+        seq.state = SeqState.WAITING
+        self.loaded.append(seq)
+        seq.remote_ready.set()
+        self.poke()
+
+    def _abandon(self, seq: Sequence) -> None:
+        """The sequence no longer needs its remote KV: let the source free it now."""
+        remote, seq.remote = seq.remote, None
+        seq.remote_ready.set()
+        if remote is not None and self.on_abandon is not None:
+            self.on_abandon(remote)
 
     def _count_prompt(self, seq: Sequence, hit_tokens: int) -> None:
         m = self.metrics
@@ -582,15 +743,15 @@ class Engine:
             if seq.finish_reason in ("stop", "length") and not was_waiting:
                 prompt_blocks = min(len(seq.prompt_ids) // self.block_size, seq.num_hashed)
                 held = self.pool.match_prefix(seq.hashes[:prompt_blocks])
-                self.holds.hold(seq.hold_key, seq.hashes[:held])
+                self.holds.hold(seq.hold_key, seq.hashes[:held], seq.hold_s or None)
             else:
                 self.holds.fail(seq.hold_key, f"prefill ended with {seq.finish_reason}")
         if seq.blocks:
             self.pool.free(seq.blocks)
             seq.blocks = []
-        if seq.pinned:
-            self.pool.free(seq.pinned)
-            seq.pinned = []
+        if seq.remote is not None:  # never pulled (aborted while waiting or pulling)
+            self._abandon(seq)
+        seq.remote_ready.set()
         m = self.metrics
         reason_key = seq.finish_reason if seq.finish_reason in m.request_success else "abort"
         m.request_success[reason_key] += 1

@@ -1,7 +1,7 @@
 """Publishes an emulated engine's KV events over ZMQ exactly as vLLM does.
 
 A PUB socket bound to `tcp://HOST:PORT` sends one multipart message `[topic, seq, payload]` per
-engine step that changed the cache (codec: `workers.adapters.vllm_events`); seq counts from 0.
+engine step that changed the cache (codec: `ownerserve.vllm_events`); seq counts from 0.
 With a replay port, a ROUTER socket answers vLLM-style replay requests from a buffer of recent
 batches, so a subscriber that missed messages can catch up.
 """
@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from ownerserve.events import EventBatch, KVEvent
 from ownerserve.tasks import cancel_and_wait
-from workers.adapters.vllm_events import encode_message
+from ownerserve.vllm_events import encode_message
 
 log = logging.getLogger(__name__)
 

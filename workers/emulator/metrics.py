@@ -153,6 +153,8 @@ class EngineMetrics:
         out.append(f"{p}kv_blocks_evicted_total{{{own}}} {g['evicted']}")
         metric(f"{p}kv_transfers_held", "gauge", "Prefill results held for a remote decode.")
         out.append(f"{p}kv_transfers_held{{{own}}} {g['held_transfers']}")
+        metric(f"{p}kv_transfers_expired", "counter", "Held prefill results never pulled in time.")
+        out.append(f"{p}kv_transfers_expired_total{{{own}}} {g['expired_transfers']}")
         metric(f"{p}prefill_tokens_computed", "counter", "Prompt tokens computed (not reused).")
         out.append(f"{p}prefill_tokens_computed_total{{{own}}} {self.prefill_tokens_computed}")
         metric(f"{p}decode_tokens_computed", "counter", "Tokens computed by decode steps.")

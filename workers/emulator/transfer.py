@@ -4,8 +4,12 @@ No KV bytes travel: a pull asks the source for the blocks it holds (hashes, and 
 fetch), then the receiver sleeps `link.transfer_s(bytes)` / speed and inserts the blocks in its
 cache, so they show up in its prefix cache, its KV events and its byte counters.
 
-- P->D (vLLM style): the decode side calls `POST {remote}/ownerserve/kv/pull` with the prefill's
-  `remote_request_id`; the prefill side answers with the held blocks and releases them.
+- P->D (vLLM style): once the decode side's scheduler has allocated the request's blocks, it
+  calls `POST {remote}/ownerserve/kv/pull` with the prefill's `remote_request_id`; the prefill
+  side answers with the held blocks and releases them. While the request waits, the decode side
+  renews the prefill side's lease on them every `lease_s / 6` (`POST .../kv/heartbeat`, as
+  NixlConnector's heartbeats do); a request that ends unpulled releases them at once (a pull of
+  no blocks).
 - P->D (SGLang style): the same call to the prefill's bootstrap port with the `bootstrap_room`;
   the prefill side waits up to the transfer timeout for that room's prefill to finish.
 - Artifact fetch: the destination calls `POST {source}/ownerserve/kv/read` for chosen hashes.
@@ -18,6 +22,8 @@ concurrent pulls share the modelled bandwidth instead of each getting all of it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,23 +32,16 @@ import httpx
 import orjson
 
 from ownerserve.errors import InvalidRequestError, UpstreamError
-from workers.emulator.engine import Engine
+from ownerserve.tasks import cancel_and_wait
+from workers.emulator.engine import Engine, RemotePrefill, Sequence
 from workers.emulator.kv_cache import CachedBlock
+
+log = logging.getLogger(__name__)
 
 PULL_PATH = "/ownerserve/kv/pull"
 READ_PATH = "/ownerserve/kv/read"
+HEARTBEAT_PATH = "/ownerserve/kv/heartbeat"
 CONNECT_TIMEOUT_S = 3.0
-
-
-@dataclass(frozen=True, slots=True)
-class PulledPrefix:
-    """What a pull left in the decode side's cache for one request."""
-
-    pinned_blocks: list[int]
-    local_blocks: int
-    received_blocks: int
-    received_bytes: int
-    seconds: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,13 +77,18 @@ def _error_message(resp: httpx.Response) -> str:
 class KVMover:
     """The receiving side of KV movement for one engine."""
 
-    def __init__(self, engine: Engine, node: str, worker_id: str) -> None:
+    def __init__(self, engine: Engine, node: str, worker_id: str, lease_s: float = 30.0) -> None:
         self.engine = engine
         self.node = node
         self.worker_id = worker_id
+        self.lease_s = lease_s
         self._client: httpx.AsyncClient | None = None
         # When this engine's inbound links (same node, other nodes) are next free.
         self._link_free_at = {True: 0.0, False: 0.0}
+        self._renewer: asyncio.Task[None] | None = None
+        self._releases: set[asyncio.Task[None]] = set()
+        engine.loader = self.load
+        engine.on_abandon = self.abandon
 
     @property
     def block_bytes(self) -> int:
@@ -99,6 +103,10 @@ class KVMover:
         return self._client
 
     async def close(self) -> None:
+        await cancel_and_wait(self._renewer)
+        self._renewer = None
+        for task in list(self._releases):
+            await cancel_and_wait(task)
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -143,57 +151,85 @@ class KVMover:
         await asyncio.sleep(end - now)
         return (end - now) * speed
 
-    async def pull_prefix(
-        self,
-        prompt_ids: list[int],
-        prompt_hashes: list[int],
-        source_url: str,
-        transfer_id: str,
-        *,
-        wait_s: float,
-        engine_id: str | None,
-        what: str,
-    ) -> PulledPrefix:
-        """Make the prompt's prefix computed by the prefill side resident here, pinned."""
-        engine = self.engine
-        pool = engine.pool
-        bs = engine.block_size
-        chain = prompt_hashes[: (len(prompt_ids) - 1) // bs]
-        local = pool.match_prefix(chain)
-        pinned = pool.touch(chain[:local])
-        missing = chain[local:]
+    async def load(self, seq: Sequence, remote: RemotePrefill, missing: list[int]) -> list[int]:
+        """Pull the prompt blocks `missing` of `seq` from its prefill side (the engine has
+        allocated their blocks); returns the leading hashes received, after their transfer."""
         body = {
-            "transfer_id": transfer_id,
-            "engine_id": engine_id,
+            "transfer_id": remote.transfer_id,
+            "engine_id": remote.engine_id,
             "block_hashes": missing,
-            "wait_s": wait_s,
+            "wait_s": remote.wait_s,
             "requester": self.worker_id,
         }
-        try:
-            answer = await self._post(source_url + PULL_PATH, body, wait_s, what)
-            got = answer.get("block_hashes")
-            if not isinstance(got, list) or got != missing[: len(got)]:
-                raise InvalidRequestError(f"{what}: source answered blocks of another prompt")
-            nbytes = len(got) * self.block_bytes
-            seconds = await self._transfer_sleep(nbytes, answer.get("node"))
-        except BaseException:
-            pool.free(pinned)
-            engine.poke()
-            raise
-        blocks = [
-            CachedBlock(
-                h,
-                chain[local + k - 1] if local + k else None,
-                tuple(prompt_ids[(local + k) * bs : (local + k + 1) * bs]),
-            )
-            for k, h in enumerate(got)
-        ]
-        inserted = pool.insert(blocks)
-        m = engine.metrics
+        answer = await self._post(remote.source_url + PULL_PATH, body, remote.wait_s, remote.what)
+        got = answer.get("block_hashes")
+        if not isinstance(got, list) or got != missing[: len(got)]:
+            raise InvalidRequestError(f"{remote.what}: source answered blocks of another prompt")
+        nbytes = len(got) * self.block_bytes
+        await self._transfer_sleep(nbytes, answer.get("node"))
+        m = self.engine.metrics
         m.kv_received_bytes["pd"] += nbytes
         m.kv_received_blocks["pd"] += len(got)
-        engine.flush_events()
-        return PulledPrefix(pinned + inserted, local, len(inserted), nbytes, seconds)
+        return got
+
+    def track(self, remote: RemotePrefill) -> None:
+        """A request waits here on `remote`: keep renewing its lease until it is pulled."""
+        if remote.renews_lease and (self._renewer is None or self._renewer.done()):
+            self._renewer = asyncio.get_running_loop().create_task(
+                self._renew_leases(), name="kv-lease-renewal"
+            )
+
+    async def _renew_leases(self) -> None:
+        """Every `lease_s / 6`, tell each prefill side which of its holds requests here still
+        wait on (vLLM's NixlConnector heartbeat; the holder extends them by 2/3 of its lease).
+        Ends when none is left."""
+        interval = self.lease_s / 6
+        while True:
+            await asyncio.sleep(interval)
+            by_source: dict[str, list[str]] = {}
+            for seq in self.engine.awaiting_remote():
+                remote = seq.remote
+                if remote is not None and remote.renews_lease:
+                    by_source.setdefault(remote.source_url, []).append(remote.transfer_id)
+            if not by_source:
+                return
+            await asyncio.gather(*(self._heartbeat(url, ids) for url, ids in by_source.items()))
+
+    async def _heartbeat(self, source_url: str, transfer_ids: list[str]) -> None:
+        try:
+            await self.client().post(
+                source_url + HEARTBEAT_PATH,
+                content=orjson.dumps({"transfer_ids": transfer_ids}),
+                headers={"content-type": "application/json"},
+                timeout=httpx.Timeout(self.lease_s / 6, connect=CONNECT_TIMEOUT_S),
+            )
+        except httpx.HTTPError as exc:  # the lease then runs out, as in vLLM
+            log.warning("KV lease heartbeat to %s failed: %r", source_url, exc)
+
+    def abandon(self, remote: RemotePrefill) -> None:
+        """A request here ended without pulling `remote`: the source frees it now (a pull of
+        no blocks), instead of when its lease runs out."""
+        if not remote.renews_lease:
+            return
+        task = asyncio.get_running_loop().create_task(self._release(remote))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, remote: RemotePrefill) -> None:
+        body: dict[str, Any] = {
+            "transfer_id": remote.transfer_id,
+            "engine_id": remote.engine_id,
+            "block_hashes": [],
+            "wait_s": 0.0,
+            "requester": self.worker_id,
+        }
+        with contextlib.suppress(httpx.HTTPError):  # unreachable: its lease runs out instead
+            await self.client().post(
+                remote.source_url + PULL_PATH,
+                content=orjson.dumps(body),
+                headers={"content-type": "application/json"},
+                timeout=httpx.Timeout(5.0, connect=CONNECT_TIMEOUT_S),
+            )
 
     async def fetch(self, source_url: str, hashes: list[int], timeout_s: float) -> FetchResult:
         """Copy the blocks `hashes` that this engine lacks from the worker at `source_url`."""

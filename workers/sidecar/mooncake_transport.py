@@ -1226,6 +1226,8 @@ def _settle_later(engine: _Engine, batch_ids: list[int], release: Callable[[], N
 
     def wait() -> None:
         for batch_id in batch_ids:
+            # only waiting for the engine to let go: the fetch already failed with its own
+            # error, and a failed status read means the batch is finished with too
             with contextlib.suppress(Exception):
                 te.get_batch_transfer_status([batch_id])
         with contextlib.suppress(RuntimeError):  # the loop has closed: nothing to give back

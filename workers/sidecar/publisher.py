@@ -119,7 +119,8 @@ class ReplicaPublisher:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
-        """Stop the loop after one last flush (replicas then expire on their own)."""
+        """Stop the loop, then one last flush (replicas then expire on their own). A failed last
+        flush is counted and logged with its error, as every flush is, and not retried."""
         if self._task is not None:
             task = self._task
             task.cancel()
@@ -127,5 +128,10 @@ class ReplicaPublisher:
             if not task.cancelled():
                 task.result()  # a loop that had died of an error raises it here
             self._task = None
-        with contextlib.suppress(Exception):
-            await self.flush()
+        await self.flush()
+        if self._dirty:
+            log.warning(
+                "closing with %d replicas of %s unpublished (they are not retried)",
+                len(self._dirty),
+                self.worker,
+            )

@@ -3,7 +3,7 @@ connector saves and loads artifacts through it; the router asks it to pull a pre
 worker's sidecar), a transfer server peers pull artifacts from, and the replicas it publishes
 to the ownership directory.
 
-HTTP API (JSON unless said otherwise; every error is OpenAI-shaped, `ownerserve.errors`):
+HTTP API (JSON unless said otherwise; every error is OpenAI-shaped, `ownerserve.http`):
 
 - `GET /health` -> `{"worker_id", "transport", "transfer_port", "artifacts", "bytes", "url"}`
 - `POST /ownerserve/kv/lookup {"keys": [str]}` -> `{"present": [bool]}` (same order)
@@ -38,27 +38,25 @@ from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 import httpx
+import orjson
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic import BaseModel, ConfigDict, Field
 
 from ownerserve.config import DirectorySettings
 from ownerserve.directory import Directory, open_directory
 from ownerserve.errors import (
     InvalidRequestError,
     NotFoundError,
-    OwnerServeError,
     PayloadTooLargeError,
     UpstreamError,
-    error_body_for,
-    openai_error_body,
 )
+from ownerserve.http import install_error_handlers, read_request_body
+from ownerserve.kvfetch import FETCH_PATH, MAX_FETCH_BODY_BYTES, KVFetchRequest
 from ownerserve.types import Tier
 from workers.sidecar.arena import Arena
 from workers.sidecar.index import (
@@ -90,16 +88,8 @@ GiB = 1 << 30
 MAX_BLOCKS_PER_FETCH = 100_000
 
 
-class ArtifactNotFoundError(OwnerServeError):
-    status_code = 404
-    error_type = "invalid_request_error"
+class ArtifactNotFoundError(NotFoundError):
     code = "artifact_not_found"
-
-
-class MethodNotAllowedError(OwnerServeError):
-    status_code = 405
-    error_type = "invalid_request_error"
-    code = "method_not_allowed"
 
 
 class FetchFailedError(UpstreamError):
@@ -152,23 +142,6 @@ class LookupBody(_Body):
 class IndexBody(_Body):
     model: str = Field(min_length=1)
     chunk_hashes: list[U64] = Field(max_length=MAX_BLOCKS_PER_FETCH)
-
-
-class FetchBody(_Body):
-    source_url: str
-    source_worker: str | None = None
-    model: str = Field(min_length=1)
-    block_hashes: list[U64] = Field(max_length=MAX_BLOCKS_PER_FETCH)
-    token_ids: list[int] | None = None
-    block_size: int | None = Field(default=None, gt=0)
-
-    @field_validator("source_url")
-    @classmethod
-    def _http_url(cls, v: str) -> str:
-        parts = urlsplit(v)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("must be an http(s) URL")
-        return v.rstrip("/")
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,8 +297,11 @@ class Sidecar:
         if self.publisher is not None:
             await self.publisher.close()
         if self.directory is not None:
-            with contextlib.suppress(Exception):
+            try:
                 await self.directory.close()
+            except Exception:
+                # closing must go on (HTTP client, transfer server); the failure is reported
+                log.exception("sidecar %s: closing the directory failed", self.config.worker_id)
         if self.http is not None:
             await self.http.aclose()
         if self.transfer_server is not None:
@@ -401,7 +377,7 @@ class Sidecar:
 
     # --- fetch from a peer --------------------------------------------------------------------
 
-    async def _source_index(self, body: FetchBody) -> dict[str, Any]:
+    async def _source_index(self, body: KVFetchRequest) -> dict[str, Any]:
         assert self.http is not None
         url = body.source_url + KV_PREFIX + "/index"
         req = {"model": body.model, "chunk_hashes": body.block_hashes}
@@ -442,7 +418,7 @@ class Sidecar:
                 whole += 1
         return whole
 
-    async def fetch(self, body: FetchBody) -> FetchOutcome:
+    async def fetch(self, body: KVFetchRequest) -> FetchOutcome:
         """Pull the stored prefix of `body.block_hashes` from the source sidecar; raises
         `FetchFailedError` (502) when the source cannot deliver it whole."""
         try:
@@ -453,7 +429,7 @@ class Sidecar:
         self.counters.fetches.labels("ok").inc()
         return outcome
 
-    async def _fetch(self, body: FetchBody) -> FetchOutcome:
+    async def _fetch(self, body: KVFetchRequest) -> FetchOutcome:
         if not body.block_hashes:
             return FetchOutcome(0, 0, 0)
         answer = await self._source_index(body)
@@ -495,7 +471,7 @@ class Sidecar:
         self._note((k, len(keys)) for keys in blocks[:whole] for k in keys)
         return FetchOutcome(whole, len(got), size)
 
-    async def _pull(self, body: FetchBody, answer: dict[str, Any], keys: list[str]) -> None:
+    async def _pull(self, body: KVFetchRequest, answer: dict[str, Any], keys: list[str]) -> None:
         """Move `keys` from the source's transfer server into the store (whole, verified
         artifacts only); `FetchFailedError` when the transport fails."""
         host = answer.get("transfer_host") or urlsplit(body.source_url).hostname or ""
@@ -540,15 +516,6 @@ class Sidecar:
 
 
 # --- HTTP ---------------------------------------------------------------------------------------
-
-
-def _error(exc: BaseException) -> JSONResponse:
-    if isinstance(exc, OwnerServeError):
-        return JSONResponse(error_body_for(exc), status_code=exc.status_code)
-    log.exception("unexpected error", exc_info=exc)
-    return JSONResponse(
-        openai_error_body(f"internal error: {exc!r}", "internal_error"), status_code=500
-    )
 
 
 def _checked_key(key: str) -> str:
@@ -603,29 +570,7 @@ def create_app(sidecar: Sidecar) -> FastAPI:
         openapi_url=None,
     )
     app.state.sidecar = sidecar
-
-    @app.exception_handler(OwnerServeError)
-    async def _owner_error(_: Request, exc: OwnerServeError) -> JSONResponse:
-        return _error(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errs = exc.errors()
-        where = ".".join(str(p) for p in errs[0]["loc"]) if errs else "body"
-        msg = errs[0]["msg"] if errs else "invalid body"
-        return _error(InvalidRequestError(f"invalid request: {where}: {msg}"))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 404:
-            return _error(NotFoundError("no such endpoint"))
-        if exc.status_code == 405:
-            return _error(MethodNotAllowedError("method not allowed"))
-        return _error(InvalidRequestError(str(exc.detail)))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return _error(exc)
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -673,20 +618,19 @@ def create_app(sidecar: Sidecar) -> FastAPI:
         expected = _checksum_header(request.headers.get(CHECKSUM_HEADER))
         whole = _block_artifacts_header(request.headers.get(BLOCK_ARTIFACTS_HEADER))
         limit = sidecar.config.max_artifact_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise PayloadTooLargeError(f"artifact of {declared} bytes exceeds {limit}")
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLargeError(f"artifact exceeds {limit} bytes")
-            chunks.append(chunk)
-        return JSONResponse(sidecar.put(key, b"".join(chunks), expected, whole), status_code=201)
+        data = await read_request_body(request.scope, request.receive, limit)
+        return JSONResponse(sidecar.put(key, data, expected, whole), status_code=201)
 
-    @app.post(KV_PREFIX + "/fetch")
-    async def fetch(body: FetchBody) -> JSONResponse:
+    @app.post(FETCH_PATH)
+    async def fetch(request: Request) -> JSONResponse:
+        try:
+            raw = await read_request_body(request.scope, request.receive, MAX_FETCH_BODY_BYTES)
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequestError(f"malformed JSON body: {exc}") from None
+        body = KVFetchRequest.from_json(data)
+        if body.model is None:
+            raise InvalidRequestError("model: required (artifacts are kept per model)")
         started = time.perf_counter()
         outcome = await sidecar.fetch(body)
         log.info(
@@ -750,8 +694,10 @@ async def serving(config: SidecarConfig, transport: Transport) -> AsyncIterator[
         yield sidecar
     finally:
         server.should_exit = True
-        with contextlib.suppress(Exception):
+        try:
             await task
+        except Exception:
+            log.exception("sidecar server ended with an error")
 
 
 def run_forever(config: SidecarConfig, transport: Transport) -> int:

@@ -115,7 +115,12 @@ class ArtifactMeta:
 
 
 def artifact_utility(meta: ArtifactMeta, now_s: float, *, half_life_s: float = 600.0) -> float:
-    """Expected seconds saved per byte kept (see the module docstring)."""
+    """Expected seconds saved per byte kept, the eviction rank (lowest goes first):
+
+        (1 + reuse_count) · 2^(−age / half_life) · max(recompute_s − load_s, 0) / size_bytes
+
+    Reuse count and recency estimate the chance of another hit; recompute minus load is what a
+    hit saves; dividing by size ranks artifacts by value per byte of the tier they occupy."""
     if meta.size_bytes <= 0:
         return float("inf")
     age = max(0.0, now_s - meta.last_access_s)
@@ -142,6 +147,7 @@ class StoreStats:
 
 
 _CUDA: list[bool] = []
+_PIN_FAILED: list[bool] = []
 
 
 def _cuda_available() -> bool:
@@ -152,6 +158,7 @@ def _cuda_available() -> bool:
 
             _CUDA.append(bool(torch.cuda.is_available()))
         except Exception:  # pragma: no cover - torch missing or broken
+            log.warning("torch unusable: CPU-tier artifacts are kept unpinned", exc_info=True)
             _CUDA.append(False)
     return _CUDA[0]
 
@@ -165,6 +172,9 @@ def _pinned_buffer(data: bytes) -> object:
 
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).pin_memory()
     except Exception:  # pragma: no cover - pinning failure
+        if not _PIN_FAILED:
+            _PIN_FAILED.append(True)  # once: it fails the same way for every artifact
+            log.warning("pinning host memory failed: artifacts are kept unpinned", exc_info=True)
         return data
 
 

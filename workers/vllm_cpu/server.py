@@ -10,9 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Mapping
@@ -45,46 +43,10 @@ class VllmStartError(RuntimeError):
     """The server exited or did not become healthy in time; carries the log tail."""
 
 
-_HANDED_OUT: set[int] = set()
-
-
-def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
-    try:
-        return int(Path(path).read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now, below the ephemeral range.
-
-    vLLM binds some ports late (the KV-event replay socket and the NIXL side channel only after
-    loading the model, minutes on a busy CPU box); a port from the ephemeral range (what binding
-    port 0 gives) can meanwhile become the local end of any process's outgoing connection, and
-    the engine then dies with "Address already in use". Ports below the range are never taken
-    that way. Random within 20000..(range start - 1), checked free, never handed out twice by
-    this process; binding port 0 is the fallback."""
-    high = _ephemeral_low() - 1
-    for _ in range(64):
-        port = random.randint(20000, high) if high > 20000 else 0
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            port = int(s.getsockname()[1])
-        _HANDED_OUT.add(port)
-        return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass(frozen=True, slots=True)
 class VllmServerSpec:
-    """One vLLM instance; ports are loopback TCP ports (pick them with `free_port`)."""
+    """One vLLM instance; ports are loopback TCP ports (pick them with
+    `ownerserve.ports.free_port`)."""
 
     name: str
     port: int

@@ -28,9 +28,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from workers.adapters.vllm import VLLMAdapter, VllmClient
+from ownerserve.ports import free_port
+from router.backends.vllm import (
+    VllmClient,
+    for_remote_decode,
+    transfer_params_of,
+    with_transfer_params,
+)
 from workers.vllm_cpu.model import SERVED_NAME
-from workers.vllm_cpu.server import VllmRole, VllmServer, VllmServerSpec, free_port
+from workers.vllm_cpu.server import VllmRole, VllmServer, VllmServerSpec
 from workers.vllm_cpu.setup import VllmCpuInstall, ensure
 
 READY_TIMEOUT_S = 300.0
@@ -130,13 +136,12 @@ def _warm_up_pd(prefill: VllmServer, decode: VllmServer) -> float:
     """One remote-prefill round trip: the first NIXL handshake and transfer (seen to take from
     a second to well over a minute on a loaded 2-core box) happen here, not in a test."""
     started = time.monotonic()
-    flow = VLLMAdapter()
     body = {"model": SERVED_NAME, "prompt": "warm up the transfer " * 30, "max_tokens": 2}
     with httpx.Client(timeout=READY_TIMEOUT_S) as client:
-        r = client.post(prefill.url + "/v1/completions", json=flow.prefill_body(body))
+        r = client.post(prefill.url + "/v1/completions", json=for_remote_decode(body))
         r.raise_for_status()
-        params = flow.transfer_params_of(r.json())
-        r = client.post(decode.url + "/v1/completions", json=flow.decode_body(body, params))
+        params = transfer_params_of(r.json())
+        r = client.post(decode.url + "/v1/completions", json=with_transfer_params(body, params))
         r.raise_for_status()
     return time.monotonic() - started
 

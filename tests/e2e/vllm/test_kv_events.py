@@ -13,8 +13,8 @@ from ownerserve.directory.base import EventApplyResult
 from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.events import BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
+from router.backends.kv_events import subscriber_for_source
 from tests.e2e.vllm.conftest import HYBRID_KV_BLOCKS, vllm_client
-from workers.adapters.vllm_events import subscriber_for_source
 from workers.vllm_cpu.server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

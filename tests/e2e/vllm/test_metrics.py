@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from router.backends.vllm import VllmClient
 from tests.e2e.vllm.conftest import vllm_client
-from workers.adapters.vllm import VllmClient
 from workers.vllm_cpu.server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -38,7 +38,7 @@ async def test_a_repeated_prompt_shows_up_as_prefix_cache_hits(vllm_hybrid: Vllm
 
 
 async def test_health_is_false_for_a_port_nobody_serves() -> None:
-    from workers.vllm_cpu.server import free_port
+    from ownerserve.ports import free_port
 
     client = VllmClient("nobody", f"http://127.0.0.1:{free_port()}")
     try:

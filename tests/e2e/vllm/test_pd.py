@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from router.backends.vllm import with_transfer_params
 from tests.e2e.vllm.conftest import PDPair, vllm_client
 from workers.vllm_cpu.server import VllmServer
 
@@ -51,7 +52,7 @@ async def test_decode_continues_from_transferred_kv_and_matches_colocated(
         params = await prefill.prefill_for_remote_decode("/v1/completions", body)
         assert params.get("do_remote_prefill") is True
         assert params.get("remote_block_ids")
-        remote = await decode.post("/v1/completions", decode.adapter.decode_body(body, params))
+        remote = await decode.post("/v1/completions", with_transfer_params(body, params))
         after = await decode.load()
         local = await colocated.post("/v1/completions", body)
 
@@ -88,7 +89,7 @@ async def test_decode_from_the_wrong_remote_blocks_diverges(
         blocks = tampered["remote_block_ids"]
         tampered["remote_block_ids"] = [list(reversed(group)) for group in blocks]
         assert tampered["remote_block_ids"] != blocks
-        remote = await decode.post("/v1/completions", decode.adapter.decode_body(body, tampered))
+        remote = await decode.post("/v1/completions", with_transfer_params(body, tampered))
         local = await colocated.post("/v1/completions", body)
         _, r_lp = _tokens_and_logprobs(remote)
         _, l_lp = _tokens_and_logprobs(local)
@@ -118,7 +119,7 @@ async def test_streamed_decode_after_remote_prefill_yields_the_colocated_text(
         pieces = [
             chunk["choices"][0]["delta"].get("content") or ""
             async for chunk in decode.stream(
-                "/v1/chat/completions", decode.adapter.decode_body(body, params)
+                "/v1/chat/completions", with_transfer_params(body, params)
             )
             if chunk.get("choices")
         ]

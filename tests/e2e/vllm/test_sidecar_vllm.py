@@ -25,8 +25,8 @@ import torch
 
 from kernels.rope import RopeSpec, apply_rope
 from ownerserve.hashing import chain_root
+from router.backends.vllm import VllmClient, VllmLoad, with_transfer_params
 from tests.e2e.vllm.conftest import PDPair, Sidecar, vllm_client
-from workers.adapters.vllm import VllmClient, VllmLoad
 from workers.vllm_connector.plan import chunk_hashes, loadable_blocks, lookup_keys
 from workers.vllm_cpu.model import CONFIG, SERVED_NAME
 from workers.vllm_cpu.server import VllmServer
@@ -285,7 +285,7 @@ async def test_multiconnector_nixl_and_ownerserve_serve_a_pd_request_and_save_it
             body = _body(prompt)
             before = await decode.load()
             params = await prefill.prefill_for_remote_decode("/v1/completions", body)
-            await decode.post("/v1/completions", decode.adapter.decode_body(body, params))
+            await decode.post("/v1/completions", with_transfer_params(body, params))
             pulled = _delta(before, await decode.load())["external_kv_transfer"]
             assert pulled >= len(session.token_ids) - 1
 

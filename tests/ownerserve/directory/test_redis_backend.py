@@ -209,3 +209,17 @@ async def test_sweeps_by_hints_prune_the_index_entries_of_ended_sessions(
     await c.delete(a.key("xidx"))
     await a.sweep()
     assert not await c.exists(legacy) and await c.smembers(a.key("forks")) == {_hex(CHAIN[3])}
+
+
+async def test_reuse_counts_redis_cannot_take_at_close_are_counted_and_logged(
+    redis_server_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = redis_server_factory()
+    d = RedisDirectory.from_url(server.url, f"rb-{uuid.uuid4().hex[:8]}", socket_timeout_s=2)
+    await d.claim(Artifact(CHAIN[:4]), "w1", 60)
+    for _ in range(3):
+        await d.lookup(CHAIN[:4])  # three reuses of one artifact, batched and not sent yet
+    server.stop()
+    await d.close()
+    assert d.touches_lost == 3
+    assert "3 reuse counts not sent at close" in caplog.text

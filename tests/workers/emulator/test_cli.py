@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import time
 import httpx
 
 from tests.conftest import free_port
+from workers.emulator.config import add_arguments, config_from_args
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
@@ -56,3 +58,10 @@ def test_bad_profile_is_a_one_line_error_with_exit_code_2() -> None:
         assert proc.returncode == 2, proc.stderr
         assert "no-such-profile" in proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_kv_lease_duration_defaults_to_vllms_and_is_a_flag() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args([])).kv_lease_s == 30.0  # NixlConnector's default
+    assert config_from_args(parser.parse_args(["--kv-lease-duration", "2.5"])).kv_lease_s == 2.5

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import urllib.error
+import urllib.request
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from tests.workers.emulator.conftest import StartEmulator
@@ -105,3 +109,23 @@ async def test_malformed_json_oversized_body_and_unknown_routes(
     assert (await http.get(url + "/health")).status_code == 200
     ok = await http.post(url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1})
     assert ok.status_code == 200
+
+
+def _urllib_post(url: str, body: bytes) -> tuple[int, bytes]:
+    """POST with `urllib`: the whole body goes out before the answer is read, and the server
+    is asked to close the connection after it (`connection: close`)."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=30) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+async def test_a_64_mib_body_from_urllib_gets_the_413_not_a_reset(
+    start_emulator: StartEmulator,
+) -> None:
+    server = await start_emulator(max_body_bytes=1 << 20)
+    url = server.url + "/v1/chat/completions"
+    status, body = await asyncio.to_thread(_urllib_post, url, b"x" * (64 << 20))
+    assert status == 413
+    assert orjson.loads(body)["error"]["code"] == "payload_too_large"

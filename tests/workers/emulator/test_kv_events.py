@@ -12,9 +12,9 @@ import zmq.asyncio
 
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root, hash_block
+from ownerserve.vllm_events import decode_message
 from tests.conftest import free_port
 from tests.workers.emulator.conftest import StartEmulator
-from workers.adapters.vllm_events import decode_message
 
 MODEL = "ownerserve-tiny"
 
@@ -137,7 +137,7 @@ async def test_directory_learns_holdings_and_evictions_from_the_emulator_events(
     """Emulator PUB -> the project's KVEventSubscriber (with replay) -> InMemoryDirectory."""
     from ownerserve.directory.memory import InMemoryDirectory
     from ownerserve.tokenizer import ByteTokenizer, ChatTemplate
-    from workers.adapters.vllm_events import KVEventSubscriber
+    from router.backends.kv_events import KVEventSubscriber
 
     port, replay_port = free_port(), free_port()
     server = await start_emulator(

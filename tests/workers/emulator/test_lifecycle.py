@@ -47,10 +47,10 @@ async def test_client_disconnect_aborts_the_request_and_frees_its_blocks(
     assert metric_value(text, "vllm:generation_tokens_total") < 1000
 
 
-async def test_unclaimed_prefill_kv_is_released_after_the_transfer_timeout(
+async def test_unclaimed_prefill_kv_is_released_when_its_lease_runs_out(
     start_emulator: StartEmulator, http: httpx.AsyncClient
 ) -> None:
-    p = await start_emulator(role="prefill", transfer_timeout_s=0.3)
+    p = await start_emulator(role="prefill", kv_lease_s=0.3)
     d = await start_emulator(role="decode")
     body = {
         "messages": [{"role": "user", "content": "prefill me and forget me " * 5}],
@@ -65,6 +65,7 @@ async def test_unclaimed_prefill_kv_is_released_after_the_transfer_timeout(
     await asyncio.sleep(0.5)
     text = await scrape(http, p)
     assert metric_value(text, "ownerserve_emulator_kv_transfers_held") == 0
+    assert metric_value(text, "ownerserve_emulator_kv_transfers_expired_total") == 1
     assert metric_value(text, "ownerserve_emulator_kv_blocks_in_use") == 0
     late = await http.post(
         d.url + "/v1/chat/completions", json={**body, "kv_transfer_params": ktp, "max_tokens": 4}
@@ -91,7 +92,7 @@ async def test_speed_divides_emulated_time(
 async def test_a_request_waiting_for_blocks_held_for_a_transfer_runs_once_they_expire(
     start_emulator: StartEmulator, http: httpx.AsyncClient
 ) -> None:
-    p = await start_emulator(role="prefill", num_blocks=20, transfer_timeout_s=0.5)
+    p = await start_emulator(role="prefill", num_blocks=20, kv_lease_s=0.5)
     first = {
         "messages": [{"role": "user", "content": "a" * 230}],  # 15 full blocks, held
         "max_tokens": 1,

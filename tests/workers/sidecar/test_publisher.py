@@ -4,6 +4,7 @@ stops it (a close racing a wake-up once left the sidecar's shutdown waiting fore
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -61,3 +62,21 @@ async def test_close_raises_what_stopped_the_loop() -> None:
     await asyncio.sleep(0.1)  # past the first renew (every ttl_s / 3)
     with pytest.raises(RuntimeError, match="holdings failed"):
         await pub.close()
+
+
+class _FailingDirectory(InMemoryDirectory):
+    async def add_replica(self, *args: object, **kwargs: object) -> None:
+        raise ConnectionError("directory down")
+
+
+async def test_a_failed_last_flush_at_close_is_counted_and_logged_with_its_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pub = ReplicaPublisher(_FailingDirectory(), "w0", dict, ttl_s=300.0)
+    pub.note({1: Tier.CPU, 2: Tier.SSD})
+    with caplog.at_level(logging.WARNING, logger="workers.sidecar.publisher"):
+        await pub.close()
+    assert pub.stats().failures == 1 and pub.stats().published_blocks == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("directory down" in m for m in messages), messages
+    assert any("2 replicas of w0 unpublished" in m for m in messages), messages

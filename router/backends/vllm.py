@@ -1,13 +1,13 @@
-"""What the router needs to drive a real vLLM worker: health, load from `/metrics`, the P/D
-protocol over a KV connector (NixlConnector), and where its KV events are published.
+"""The vLLM backend: health, load from `/metrics`, the P/D protocol over a KV connector
+(NixlConnector), and vLLM's KV events.
 
 P/D protocol (vLLM's disaggregated prefill, as vllm-router speaks it): the prefill worker gets
 the request with `max_tokens=1`, `stream=false` and `kv_transfer_params={"do_remote_decode":
 true, ...}`; its response carries `kv_transfer_params` naming the KV blocks it holds for pickup.
 The decode worker gets the original request plus those params unchanged and pulls the KV before
-decoding. KV events: `vllm_events` has the wire codec and subscriber.
+decoding. KV events: codec in `ownerserve.vllm_events`, subscriber in `router.backends.kv_events`.
 
-`VLLMAdapter` is the stateless part the router's plan executor calls (bodies in, answers parsed);
+`VLLMBackend` is what the router's pool and plan executor call (bodies in, answers parsed);
 `VllmClient` is a small async HTTP client over the same pieces for tests and tools.
 """
 
@@ -21,9 +21,11 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from ownerserve.config import WorkerSettings
 from ownerserve.errors import UpstreamError
 from ownerserve.types import BackendKind
-from workers.adapters.base import WorkerLoad, parse_load_metrics
+from router.backends.base import PDHandoff, WorkerAddress, WorkerLoad, parse_load_metrics
+from router.backends.kv_events import KVEventSink, KVEventSubscriber, subscriber_for
 
 # Prefill-side request for a remote decode; the engine fills in the rest.
 REMOTE_DECODE_PARAMS: dict[str, Any] = {
@@ -88,48 +90,75 @@ def parse_metrics(text: str) -> VllmLoad:
     return VllmLoad(prompt_tokens_by_source=by_source, **values)
 
 
+def for_remote_decode(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The prefill worker's copy of an OpenAI body: one token, no stream, remote decode."""
+    out = dict(body)
+    out.update(max_tokens=1, stream=False, kv_transfer_params=dict(REMOTE_DECODE_PARAMS))
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    if "min_tokens" in out:
+        out["min_tokens"] = 1
+    out.pop("stream_options", None)
+    return out
+
+
+def transfer_params_of(prefill_answer: Mapping[str, Any]) -> dict[str, Any]:
+    """The `kv_transfer_params` a prefill answer hands to the decoder."""
+    params = prefill_answer.get("kv_transfer_params")
+    if not isinstance(params, Mapping):
+        raise UpstreamError("prefill answer has no kv_transfer_params (not a kv_producer?)")
+    return dict(params)
+
+
+def with_transfer_params(
+    body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The decode worker's copy: the original body plus the prefill's params, unchanged."""
+    return dict(body, kv_transfer_params=dict(kv_transfer_params))
+
+
 class VLLMRequestFlow:
-    """vLLM's request flow: colocated bodies pass through; P/D splits into prefill and decode."""
+    """What vLLM and the emulated engine share: vLLM's health and metrics endpoints, and P/D by
+    handing the prefill's `kv_transfer_params` to the decoder."""
 
-    def prefill_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        """The prefill worker's copy of an OpenAI body: one token, no stream, remote decode."""
-        out = dict(body)
-        out.update(max_tokens=1, stream=False, kv_transfer_params=dict(REMOTE_DECODE_PARAMS))
-        if "max_completion_tokens" in out:
-            out["max_completion_tokens"] = 1
-        if "min_tokens" in out:
-            out["min_tokens"] = 1
-        out.pop("stream_options", None)
-        return out
-
-    def transfer_params_of(self, prefill_response: Mapping[str, Any]) -> dict[str, Any]:
-        """The `kv_transfer_params` a prefill answer hands to the decoder."""
-        params = prefill_response.get("kv_transfer_params")
-        if not isinstance(params, Mapping):
-            raise UpstreamError("prefill answer has no kv_transfer_params (not a kv_producer?)")
-        return dict(params)
-
-    def decode_body(
-        self, body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any]
-    ) -> dict[str, Any]:
-        """The decode worker's copy: the original body plus the prefill's params, unchanged."""
-        return dict(body, kv_transfer_params=dict(kv_transfer_params))
-
-
-class VLLMAdapter(VLLMRequestFlow):
-    """Adapter for real vLLM servers."""
-
-    kind = BackendKind.VLLM
     health_path = "/health"
     metrics_path = "/metrics"
-    kv_event_sources_path = "/kv_event_sources"
+    pd_handoff = PDHandoff.AFTER_PREFILL
 
     def parse_load(self, metrics_text: str) -> WorkerLoad:
         return parse_load_metrics(metrics_text)
 
-    def parse_cache_usage(self, metrics_text: str) -> VllmLoad:
-        """The fuller vLLM view, with prompt tokens by source."""
-        return parse_metrics(metrics_text)
+    def prefill_body(self, body: Mapping[str, Any], prefill: WorkerAddress) -> dict[str, Any]:
+        return for_remote_decode(body)
+
+    def decode_body(
+        self,
+        body: Mapping[str, Any],
+        prefill_body: Mapping[str, Any],
+        prefill_answer: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
+        if not isinstance(prefill_answer, Mapping):
+            raise UpstreamError("prefill answer is not a JSON object")
+        return with_transfer_params(body, transfer_params_of(prefill_answer))
+
+
+class VLLMBackend(VLLMRequestFlow):
+    """Real vLLM servers; an artifact fetch goes through the worker's sidecar."""
+
+    kind = BackendKind.VLLM
+    kv_event_sources_path = "/kv_event_sources"
+
+    def kv_event_subscriber(
+        self, settings: WorkerSettings, sink: KVEventSink
+    ) -> KVEventSubscriber | None:
+        endpoint = settings.kv_events_endpoint or ""
+        # vLLM binds wildcard and ipc:// endpoints and connects to host:port ones (then the
+        # subscriber binds)
+        bind = endpoint.startswith("tcp://") and "*" not in endpoint
+        return subscriber_for(settings, sink, bind=bind)
+
+    def kv_api_url(self, address: WorkerAddress) -> str | None:
+        return address.sidecar_url
 
 
 # vLLM's API server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default);
@@ -156,7 +185,7 @@ class VllmClient:
             limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
         self._owns_client = client is None
-        self.adapter = VLLMAdapter()
+        self.backend = VLLMBackend()
 
     async def aclose(self) -> None:
         if self._owns_client:
@@ -165,7 +194,7 @@ class VllmClient:
     async def health(self, timeout_s: float = 2.0) -> bool:
         """True when `/health` answers 200 within `timeout_s`."""
         try:
-            r = await self._client.get(self.base_url + self.adapter.health_path, timeout=timeout_s)
+            r = await self._client.get(self.base_url + self.backend.health_path, timeout=timeout_s)
         except httpx.HTTPError:
             return False
         return r.status_code == 200
@@ -173,7 +202,7 @@ class VllmClient:
     async def load(self, timeout_s: float = 2.0) -> VllmLoad:
         """Scrape `/metrics`."""
         try:
-            r = await self._client.get(self.base_url + self.adapter.metrics_path, timeout=timeout_s)
+            r = await self._client.get(self.base_url + self.backend.metrics_path, timeout=timeout_s)
             r.raise_for_status()
         except httpx.HTTPError as exc:
             raise UpstreamError(f"{self.name}: /metrics failed: {exc}") from exc
@@ -183,7 +212,7 @@ class VllmClient:
         """`/kv_event_sources`: per data-parallel rank, the publisher's resolved KV events config
         (`endpoint`, `replay_endpoint`, `topic`)."""
         try:
-            r = await self._client.get(self.base_url + self.adapter.kv_event_sources_path)
+            r = await self._client.get(self.base_url + self.backend.kv_event_sources_path)
             r.raise_for_status()
         except httpx.HTTPError as exc:
             raise UpstreamError(f"{self.name}: /kv_event_sources failed: {exc}") from exc
@@ -222,5 +251,5 @@ class VllmClient:
 
     async def prefill_for_remote_decode(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         """Run the prefill half of P/D here; returns the `kv_transfer_params` for the decoder."""
-        resp = await self.post(path, self.adapter.prefill_body(body))
-        return self.adapter.transfer_params_of(resp)
+        resp = await self.post(path, for_remote_decode(body))
+        return transfer_params_of(resp)

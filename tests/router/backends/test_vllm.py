@@ -1,4 +1,4 @@
-"""The vLLM adapter's pure parts: `/metrics` parsing and the P/D request bodies."""
+"""The vLLM backend's pure parts: `/metrics` parsing and the P/D request bodies."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 
 from ownerserve.errors import UpstreamError
-from workers.adapters.vllm import REMOTE_DECODE_PARAMS, VLLMAdapter, parse_metrics
+from router.backends.vllm import (
+    REMOTE_DECODE_PARAMS,
+    for_remote_decode,
+    parse_metrics,
+    transfer_params_of,
+    with_transfer_params,
+)
 
 DATA = Path(__file__).parent / "data"
 
@@ -61,7 +67,7 @@ def test_prefill_body_asks_for_one_token_and_a_remote_decode() -> None:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    out = VLLMAdapter().prefill_body(body)
+    out = for_remote_decode(body)
     assert out["max_tokens"] == 1 and out["max_completion_tokens"] == 1
     assert out["stream"] is False and "stream_options" not in out
     assert out["kv_transfer_params"] == REMOTE_DECODE_PARAMS
@@ -69,10 +75,9 @@ def test_prefill_body_asks_for_one_token_and_a_remote_decode() -> None:
 
 
 def test_decode_body_carries_the_prefills_params_unchanged() -> None:
-    adapter = VLLMAdapter()
     params = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_port": 5600}
     body = {"model": "m", "prompt": "x", "max_tokens": 8}
-    assert adapter.transfer_params_of({"kv_transfer_params": params}) == params
-    assert adapter.decode_body(body, params) == dict(body, kv_transfer_params=params)
+    assert transfer_params_of({"kv_transfer_params": params}) == params
+    assert with_transfer_params(body, params) == dict(body, kv_transfer_params=params)
     with pytest.raises(UpstreamError):
-        adapter.transfer_params_of({"choices": []})
+        transfer_params_of({"choices": []})

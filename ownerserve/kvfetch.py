@@ -1,0 +1,101 @@
+"""The KV fetch request: what the router sends a worker's KV API (the emulated engine's, or the
+worker's sidecar) to make it pull a prompt prefix from another worker. Path and JSON schema,
+defined once for the router (builds it), the emulator and the sidecar (parse it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from ownerserve.errors import InvalidRequestError
+from ownerserve.records import fast_init
+
+FETCH_PATH = "/ownerserve/kv/fetch"
+"""Where a worker's KV API takes `POST` of a `KVFetchRequest`."""
+
+MAX_FETCH_BLOCKS = 100_000
+"""Most blocks one request may name (a bound on the work one request body can ask for)."""
+
+MAX_FETCH_BODY_BYTES = 64 << 20
+"""Largest fetch body a KV API reads (MAX_FETCH_BLOCKS hashes and a long prompt's token ids
+fit with room to spare); a larger one is a 413."""
+
+_U64 = 1 << 64
+
+
+def _is_http_url(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
+@fast_init  # the router makes one per fetch, on the request path
+@dataclass(frozen=True, slots=True)
+class KVFetchRequest:
+    """Pull the first `len(block_hashes)` blocks of a prompt from the worker at `source_url`."""
+
+    source_url: str
+    """Base URL of the source's KV API (its sidecar, or the emulated engine), no trailing `/`."""
+    block_hashes: tuple[int, ...]
+    """The prompt's chained block hashes (unsigned 64-bit), first block first."""
+    model: str | None = None
+    source_worker: str | None = None
+    """The source's worker id, for logs."""
+    token_ids: tuple[int, ...] | None = None
+    """The tokens of those blocks (`len(block_hashes) * block_size` of them)."""
+    block_size: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object sent as the request body."""
+        return {
+            "source_url": self.source_url,
+            "source_worker": self.source_worker,
+            "model": self.model,
+            "block_hashes": self.block_hashes,
+            "token_ids": self.token_ids,
+            "block_size": self.block_size,
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> KVFetchRequest:
+        """A request from a decoded JSON body (unknown keys are ignored); `InvalidRequestError`
+        names the first field that is missing or malformed."""
+        if not isinstance(data, Mapping):
+            raise InvalidRequestError("request body must be a JSON object")
+        source_url = data.get("source_url")
+        if not isinstance(source_url, str) or not _is_http_url(source_url):
+            raise InvalidRequestError("source_url: must be an http(s) URL")
+        hashes = data.get("block_hashes")
+        if not isinstance(hashes, list) or not all(
+            type(h) is int and 0 <= h < _U64 for h in hashes
+        ):
+            raise InvalidRequestError("block_hashes: must be a list of unsigned 64-bit hashes")
+        if len(hashes) > MAX_FETCH_BLOCKS:
+            raise InvalidRequestError(f"block_hashes: at most {MAX_FETCH_BLOCKS} per request")
+        model = data.get("model")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise InvalidRequestError("model: must be a non-empty string")
+        source_worker = data.get("source_worker")
+        if source_worker is not None and not isinstance(source_worker, str):
+            raise InvalidRequestError("source_worker: must be a string")
+        token_ids = data.get("token_ids")
+        if token_ids is not None and (
+            not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids)
+        ):
+            raise InvalidRequestError("token_ids: must be a list of token ids")
+        block_size = data.get("block_size")
+        if block_size is not None and (type(block_size) is not int or block_size <= 0):
+            raise InvalidRequestError("block_size: must be a positive integer")
+        return cls(
+            source_url=source_url.rstrip("/"),
+            block_hashes=tuple(hashes),
+            model=model,
+            source_worker=source_worker,
+            token_ids=None if token_ids is None else tuple(token_ids),
+            block_size=block_size,
+        )

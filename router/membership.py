@@ -1,0 +1,103 @@
+"""Which workers the router serves with, at runtime: registering a worker with the directory
+and subscribing to its KV events, adding and removing workers (admin API), and forgetting a
+worker that died."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ownerserve.config import WorkerSettings
+from ownerserve.errors import DirectoryUnavailableError
+from router.pool import WorkerState
+
+if TYPE_CHECKING:
+    from router.state import Router
+
+log = logging.getLogger(__name__)
+
+
+async def register(router: Router, worker_id: str) -> None:
+    """Tell the directory the worker's chain root and block size; subscribe to its KV
+    events when it publishes them."""
+    state = router.pool.get(worker_id)
+    if state is None or router.directory is None:
+        return
+    models = state.settings.models or tuple(m.name for m in router.settings.models)
+    model = router.tokenizers.get(models[0]) if models else None
+    if model is not None:
+        try:
+            await router.directory.register_worker(worker_id, model.root, model.block_size)
+        except Exception as exc:
+            # serve anyway; KV events of this worker cannot be mapped until it registers
+            log.warning("worker %s: directory registration failed: %r", worker_id, exc)
+    if state.settings.kv_events_endpoint:
+        await _subscribe_kv_events(router, state)
+
+
+async def _subscribe_kv_events(router: Router, state: WorkerState) -> None:
+    """Feed the worker's KV events (`kv_events_endpoint`) into the directory, through the
+    subscriber its backend makes."""
+    assert router.directory is not None
+    sub = state.backend.kv_event_subscriber(state.settings, router.directory)
+    if sub is None:
+        return
+    try:
+        await sub.start()
+        router.subscribers.append(sub)
+    except Exception:
+        log.warning("worker %s: cannot subscribe to KV events at %s", state.worker_id, sub.endpoint)
+
+
+async def add_worker(router: Router, worker: WorkerSettings) -> None:
+    router.pool.add(worker)
+    if router.started:
+        await register(router, worker.id)
+        state = router.pool.get(worker.id)
+        if state is not None:
+            await router.pool.check(state)
+
+
+async def remove_worker(router: Router, worker_id: str) -> bool:
+    """Take the worker out of the pool, stop its KV events and make the directory forget
+    what it held; False if there is no such worker. When the directory fails to forget it,
+    raises `DirectoryUnavailableError` (the worker stays out of the pool; removing it again
+    retries the directory)."""
+    state = router.pool.remove(worker_id)
+    if state is None and worker_id not in router.undropped:
+        return False
+    for sub in [s for s in router.subscribers if s.worker == worker_id]:
+        router.subscribers.remove(sub)
+        await close_subscriber(router, sub)
+    if router.directory is not None:
+        try:
+            await router.directory.drop_worker(worker_id)
+        except Exception as exc:
+            router.undropped.add(worker_id)
+            router.metrics.drop_worker_errors.inc()
+            log.warning("worker %s: the directory failed to drop it", worker_id, exc_info=True)
+            raise DirectoryUnavailableError(
+                f"worker {worker_id!r} is out of the pool but the directory still holds its "
+                f"leases ({exc!r}); remove it again to retry"
+            ) from exc
+    router.undropped.discard(worker_id)
+    return True
+
+
+async def on_worker_dead(router: Router, worker_id: str) -> None:
+    """The health loop found the worker dead: forget its calibration and what it held."""
+    router.calibrator.forget(worker_id)
+    if router.directory is not None:
+        await router.directory.drop_worker(worker_id)
+
+
+async def close_subscriber(router: Router, sub: Any) -> None:
+    """Close a KV event subscription; a failure is logged and counted, not raised (the
+    worker is going away either way)."""
+    try:
+        await sub.close()
+    except Exception:
+        router.metrics.subscriber_close_errors.inc()
+        log.warning(
+            "worker %s: closing its KV event subscription failed", sub.worker, exc_info=True
+        )

@@ -1,0 +1,401 @@
+"""One completion request as a pipeline of named stages over its `RequestContext`:
+
+    parse -> identify -> tokenize -> look_up -> view -> (plan -> execute, retried)
+          -> stream (streaming.py) -> commit, observe (aftermath.py)
+
+`respond` runs them for one request and turns every failure into an OpenAI error (or an SSE
+error event once the response started). Each stage is a function of the context, so a bench
+or a test can run any of them alone (`bench/router_overhead/stages.py` times them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from typing import TYPE_CHECKING
+
+from ownerserve.directory.base import Match
+from ownerserve.errors import (
+    ClientDisconnected,
+    ModelNotFoundError,
+    NoWorkerAvailableError,
+    UpstreamError,
+)
+from ownerserve.http import error_status_and_body
+from planner.types import Action, Plan, Policy, RequestView
+from router.executor import (
+    FetchSpec,
+    OpenedResponse,
+    RetryableUpstreamError,
+    UpstreamTimeoutError,
+    forward_headers,
+)
+from router.inflight import hold, hold_session, release, release_session
+from router.pool import WorkerState
+from router.requests import CompletionRequest, Endpoint, parse_request
+from router.session import SessionInfo, SessionKey, chain_session, identify_session
+from router.streaming import ResponseWriter, stream
+from router.tokens import ModelTokenizer, Tokenized
+from router.views import cluster_view, request_view
+
+if TYPE_CHECKING:
+    from router.state import Router
+
+log = logging.getLogger(__name__)
+
+POLICY_HEADER = "x-ownerserve-policy"
+
+_NONE_EXCLUDED: frozenset[str] = frozenset()
+
+
+class RequestContext:
+    """One request's state, filled in stage by stage (a field is set by the stage that
+    computes it and read only by later ones)."""
+
+    __slots__ = (
+        "e2e_s",
+        "endpoint",
+        "excluded",
+        "headers",
+        "held",
+        "held_prefill",
+        "info",
+        "is_fork",
+        "match",
+        "model_label",
+        "mt",
+        "opened",
+        "out",
+        "output_events",
+        "override",
+        "plan",
+        "policy",
+        "raw_headers",
+        "refresh",
+        "req",
+        "router",
+        "rview",
+        "session",
+        "t0",
+        "tok",
+        "transfer_s",
+        "ttft_s",
+    )
+
+    # set by parse
+    req: CompletionRequest
+    mt: ModelTokenizer
+    # by identify and tokenize
+    session: SessionKey
+    tok: Tokenized
+    info: SessionInfo | None
+    is_fork: bool
+    # by look_up and view
+    match: Match
+    override: str | None
+    policy: Policy
+    rview: RequestView
+    # by plan, execute and commit
+    plan: Plan
+    refresh: bool
+
+    def __init__(
+        self,
+        router: Router,
+        endpoint: Endpoint,
+        raw_headers: list[tuple[bytes, bytes]],
+        out: ResponseWriter,
+        t0: float,
+    ) -> None:
+        self.router = router
+        self.endpoint = endpoint
+        self.raw_headers = raw_headers
+        self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
+        self.out = out
+        self.t0 = t0
+        """`time.perf_counter()` when the request's bytes arrived."""
+        self.model_label = "?"
+        """The model as a metric label: only configured models (client input must not grow
+        labels)."""
+        self.excluded: Collection[str] = _NONE_EXCLUDED
+        """Workers that failed this request before its first byte."""
+        self.opened: OpenedResponse | None = None
+        self.held: Sequence[WorkerState] = ()
+        self.held_prefill: WorkerState | None = None
+        self.ttft_s: float | None = None
+        self.e2e_s = 0.0
+        self.transfer_s: float | None = None
+        self.output_events = 0
+
+    # what the directory commit reads (`router.commit.Served`)
+
+    @property
+    def chain(self) -> tuple[int, ...]:
+        return self.tok.chain
+
+    @property
+    def session_id(self) -> str | None:
+        return self.session.session_id
+
+    @property
+    def fork_from_blocks(self) -> int:
+        return self.tok.common_blocks if self.rview.is_fork else 0
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.router.kv_bytes_per_token * self.rview.block_size
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Seconds per output event after the first (None without two of them)."""
+        if self.ttft_s is None or self.output_events < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_events - 1)
+
+
+# --- the stages, in order ---------------------------------------------------------------------
+
+
+def parse(ctx: RequestContext, body: bytes) -> None:
+    """Parse and validate the body (400); an unknown model, or one no worker serves, is 404."""
+    router = ctx.router
+    ctx.req = req = parse_request(body, ctx.endpoint)
+    ctx.model_label = req.model if req.model in router.tokenizers else "unknown"
+    mt = router.tokenizers.get(req.model)
+    if mt is None or not router.pool.for_model(req.model):
+        raise ModelNotFoundError(f"The model '{req.model}' does not exist")
+    ctx.mt = mt
+
+
+def identify(ctx: RequestContext) -> None:
+    """The request's session: an explicit key, or derived from a chat's stable prefix. A raw
+    completion prompt without a key gets its session from its chain (`tokenize`)."""
+    req = ctx.req
+    if req.endpoint is Endpoint.CHAT:
+        ctx.session = identify_session(
+            ctx.headers, req.body, req.model, req.messages, derived=ctx.router.derived_sessions
+        )
+    else:
+        ctx.session = identify_session(ctx.headers, req.body, req.model, None)
+
+
+def tokenize(ctx: RequestContext) -> None:
+    """Token ids and block hashes of the prompt (only what changed since the session's
+    previous turn), and whether the request forks its session: `n > 1`, another request of
+    the session in flight, or a prompt that does not extend the previous one."""
+    req, mt, session = ctx.req, ctx.mt, ctx.session
+    if req.endpoint is Endpoint.CHAT:
+        tok = mt.tokenize_chat(session.session_id, req.messages, req.body.get("tools"))
+    elif session.session_id is None:
+        # its session derives from its chain, so there is no previous turn to start from:
+        # hashed whole, once
+        tok = mt.tokenize_prompt(None, req.body.get("prompt"))
+        ctx.session = session = chain_session(req.model, tok.chain)
+    else:
+        tok = mt.tokenize_prompt(session.session_id, req.body.get("prompt"))
+    ctx.tok = tok
+    ctx.info = info = ctx.router.sessions.get(session.session_id)
+    ctx.is_fork = req.n > 1 or (
+        info is not None
+        and (info.inflight > 0 or (tok.previous_chain_len > 0 and not tok.extends_previous))
+    )
+
+
+async def look_up(ctx: RequestContext) -> None:
+    """The directory's answer for the chain; without one (backend down and no local view)
+    the request is still routed, as if nothing were cached anywhere."""
+    router = ctx.router
+    assert router.directory is not None
+    chain = ctx.tok.chain
+    try:
+        ctx.match = await router.directory.lookup(chain, ctx.session.session_id)
+    except Exception as exc:
+        router.metrics.directory_errors.inc()
+        log.warning("directory lookup failed, routing without it: %r", exc)
+        ctx.match = Match(chain_len=len(chain))
+
+
+def view(ctx: RequestContext) -> None:
+    """The policy (`x-ownerserve-policy` when allowed) and the request as it sees it; then
+    the session is marked seen with this prompt."""
+    router = ctx.router
+    override = None
+    if router.settings.planner.allow_policy_header:
+        override = ctx.headers.get(POLICY_HEADER)
+    ctx.override = override
+    ctx.policy = router.policy_named(override) if override else router.policy
+    ctx.rview = request_view(ctx)
+    sid = ctx.session.session_id
+    if sid:
+        ctx.info = router.sessions.touch(sid, ctx.tok.prompt_tokens)
+
+
+def plan(ctx: RequestContext, attempt: int = 0) -> bool:
+    """Ask the policy for a plan over the routable workers not yet excluded; False when
+    there is none left."""
+    router = ctx.router
+    cluster = cluster_view(router, ctx.req.model, ctx.match, ctx.excluded)
+    if not cluster.workers:
+        return False
+    with router.telemetry.start_span("ownerserve.plan", attempt=attempt):
+        ctx.plan = ctx.policy.plan(ctx.rview, cluster)
+    return True
+
+
+async def execute(ctx: RequestContext) -> None:
+    """Plan and open the plan's final response (`ctx.opened`); up to `server.retries` times
+    more without each worker that failed before the first byte."""
+    router = ctx.router
+    tel = router.telemetry
+    metrics = router.metrics
+    executor = router.executor
+    assert executor is not None
+    trace: dict[str, str] = {}
+    tel.inject(trace)
+    out_headers = forward_headers(ctx.raw_headers, bool(router.api_keys), trace)
+    last_error: RetryableUpstreamError | None = None
+    for attempt in range(router.settings.server.retries + 1):
+        if not plan(ctx, attempt):
+            break
+        chosen = ctx.plan.chosen
+        nic = _queue_transfer(router, ctx.plan)
+        hold(ctx, _involved(router, ctx.plan), router.pool.get(chosen.prefill_worker))
+        if attempt == 0:
+            metrics.overhead.observe(time.perf_counter() - ctx.t0)
+        try:
+            with tel.start_span(
+                "ownerserve.upstream",
+                action=ctx.plan.action.value,
+                prefill=chosen.prefill_worker,
+                decode=chosen.decode_worker,
+            ):
+                opened = await executor.open_plan(ctx.plan, ctx.req, out_headers, _fetch_spec(ctx))
+            if opened.fetched is not False:
+                nic = None  # opened: its KV moves (or has moved); a failed fetch moved none
+        except RetryableUpstreamError as exc:
+            last_error = exc
+            if not isinstance(ctx.excluded, set):
+                ctx.excluded = set()
+            ctx.excluded.add(exc.worker)
+            failed = router.pool.get(exc.worker)
+            if failed is not None:
+                failed.breaker.record_failure()
+                metrics.breaker.labels(exc.worker).set(int(failed.breaker.state))
+            metrics.retries.labels(exc.worker, "before_first_byte").inc()
+            log.warning("retrying without %s: %s", exc.worker, exc.reason)
+            continue
+        finally:
+            if nic is not None:  # the plan failed before it opened: its KV never moved
+                router.nics.release(nic[0], nic[1], time.monotonic())
+            release(ctx)
+        ctx.opened = opened
+        return
+    if last_error is not None:
+        raise UpstreamError(f"no worker could serve the request: {last_error}")
+    raise NoWorkerAvailableError(f"no healthy worker serves model '{ctx.req.model}'")
+
+
+def _queue_transfer(router: Router, plan: Plan) -> tuple[str, float] | None:
+    """Queue the plan's inter-node KV transfer on its source node's NIC (`t_nic` seconds:
+    P for a remote prefill, the source for a fetch or migration); (node, seconds) or None."""
+    c = plan.chosen
+    seconds = c.cost.t_nic
+    if seconds <= 0:
+        return None
+    src = c.prefill_worker if c.action is Action.REMOTE_PREFILL else c.source_worker
+    state = router.pool.get(src) if src else None
+    if state is None:
+        return None
+    node = state.settings.node
+    router.nics.reserve(node, seconds, time.monotonic())
+    return node, seconds
+
+
+def _involved(router: Router, plan: Plan) -> list[WorkerState]:
+    ids = {plan.chosen.prefill_worker, plan.chosen.decode_worker}
+    return [w for w in (router.pool.get(i) for i in ids if i) if w is not None]
+
+
+def _fetch_spec(ctx: RequestContext) -> FetchSpec | None:
+    plan, tok = ctx.plan, ctx.tok
+    src = plan.chosen.source_worker
+    if plan.action not in (Action.ARTIFACT_FETCH, Action.STATE_MIGRATION) or not src:
+        return None
+    blocks = plan.chosen.reused_blocks or ctx.match.longest(src)
+    blocks = min(blocks or len(tok.chain), len(tok.chain))
+    return FetchSpec(tuple(tok.chain[:blocks]), tok.token_ids, ctx.mt.block_size)
+
+
+# --- one request, end to end ------------------------------------------------------------------
+
+
+async def route(ctx: RequestContext) -> None:
+    """Every stage after `parse`, with their trace spans."""
+    router = ctx.router
+    tel = router.telemetry
+    with tel.start_span(
+        "ownerserve.request", context=tel.extract(ctx.headers), model=ctx.req.model
+    ):
+        with tel.start_span("ownerserve.tokenize"):
+            identify(ctx)
+            tokenize(ctx)
+        with tel.start_span("ownerserve.directory.lookup", blocks=len(ctx.tok.chain)):
+            await look_up(ctx)
+        view(ctx)
+        hold_session(ctx)
+        try:
+            await execute(ctx)
+            await stream(ctx)
+        finally:
+            release_session(ctx)
+
+
+async def respond(
+    router: Router,
+    endpoint: Endpoint,
+    raw_headers: list[tuple[bytes, bytes]],
+    out: ResponseWriter,
+    t0: float,
+    *,
+    body: bytes | None = None,
+    read: Callable[[], Awaitable[bytes]] | None = None,
+) -> None:
+    """Serve one completion request: `body` already read, or `read()` reads it (after the
+    API key check). Every failure becomes an OpenAI error response, or an SSE error event
+    when the response already started; a client disconnect ends it quietly."""
+    if not router.started:
+        await router.start()
+    ctx = RequestContext(router, endpoint, raw_headers, out, t0)
+    metrics = router.metrics
+    try:
+        router.check_auth(ctx.headers)
+        if body is None:
+            assert read is not None
+            body = await read()
+        parse(ctx, body)
+        async with asyncio.timeout(router.settings.server.request_timeout_s):
+            await route(ctx)
+        metrics.of(metrics.requests, ctx.model_label, "ok").inc()
+    except ClientDisconnected:
+        return
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if out.disconnected and task is not None:
+            task.uncancel()
+            metrics.of(metrics.requests, ctx.model_label, "client_disconnected").inc()
+            return
+        raise
+    except BaseException as exc:
+        out.detach()  # what follows must not be cancelled by a late disconnect
+        if isinstance(exc, TimeoutError):
+            exc = UpstreamTimeoutError("request timed out")
+        if not isinstance(exc, Exception):
+            raise
+        status, err = error_status_and_body(exc)
+        metrics.of(metrics.requests, ctx.model_label, str(status)).inc()
+        if out.started:
+            await out.fail(exc)
+            return
+        await out.start(status, [(b"content-type", b"application/json")], err)

@@ -1,0 +1,215 @@
+"""`Router`: what one router process shares between requests (pool, directory, caches, HTTP
+connection pool, telemetry), its lifecycle, and the policies by name. The request path is
+`router.pipeline`; worker membership is `router.membership`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from ownerserve.config import Settings
+from ownerserve.directory.base import Directory
+from ownerserve.errors import AuthenticationError, ConfigError, InvalidRequestError
+from ownerserve.profiles import load_profile
+from ownerserve.tasks import cancel_and_wait
+from planner.calibration import Calibrator
+from planner.types import Policy
+from router import membership, pipeline
+from router.aftermath import REPLICA_TTL_S
+from router.commit import Lifetimes
+from router.executor import PlanExecutor
+from router.links import NicLedger
+from router.plans import PlanRecord
+from router.pool import WorkerPool
+from router.session import DerivedSessionCache, SessionTable
+from router.telemetry import Telemetry
+from router.tokens import TokenizationCache
+from router.upstream import UpstreamPool
+
+log = logging.getLogger(__name__)
+
+PolicyFactory = Callable[[str], Policy]
+
+
+class Router:
+    """Shared state of one router process."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        directory: Directory | None = None,
+        policy_factory: PolicyFactory | None = None,
+        calibrator: Calibrator | None = None,
+    ) -> None:
+        self.settings = settings
+        self.pool = WorkerPool(
+            settings.workers,
+            health_interval_s=settings.server.health_interval_s,
+            health_timeout_s=settings.server.connect_timeout_s,
+        )
+        self.pool.on_worker_dead = functools.partial(membership.on_worker_dead, self)
+        self.tokenizers = TokenizationCache(settings.models)
+        self.telemetry = Telemetry(settings.telemetry)
+        self.metrics = self.telemetry.metrics
+        self.directory: Directory | None = directory
+        self._owns_directory = directory is None
+        self._policy_factory = policy_factory or default_policy_factory(settings)
+        self._policies: dict[str, Policy] = {}
+        self.policy = self.policy_named(settings.planner.policy)
+        self.calibrator = calibrator if calibrator is not None else Calibrator()
+        # the KV transfers this router's plans queued on each node's NIC (T_network's backlog)
+        self.nics = NicLedger()
+        self.http: UpstreamPool | None = None
+        self.executor: PlanExecutor | None = None
+        self.recent_plans: deque[PlanRecord] = deque(maxlen=256)
+        self.sessions = SessionTable()
+        self.derived_sessions = DerivedSessionCache()
+        self.background: set[asyncio.Task[Any]] = set()
+        self.subscribers: list[Any] = []
+        """KV event subscriptions, one per worker that publishes its events."""
+        self.undropped: set[str] = set()
+        """Removed workers the directory failed to forget (removing them again retries)."""
+        self.started = False
+        self.inline_commit = False
+        """True with the in-process directory: commits run inline (its calls never wait)."""
+        self._sweeper: asyncio.Task[None] | None = None
+        self._start_lock = asyncio.Lock()
+        self.api_keys = tuple(k.encode() for k in settings.server.api_keys)
+        self.kv_bytes_per_token = load_profile(settings.planner.profile).kv_bytes_per_token
+        d = settings.directory
+        self.lifetimes = Lifetimes(d.lease_s, d.session_ttl_s, REPLICA_TTL_S)
+        self.refresh_period_s = min(d.lease_s, d.session_ttl_s) / 4
+        """A session's unchanged directory records are rewritten at most this often."""
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def open_directory(self) -> None:
+        """Open `settings.directory` unless a directory was given."""
+        if self.directory is None:
+            from ownerserve.directory import open_directory
+
+            self.directory = open_directory(self.settings.directory)
+        from ownerserve.directory.memory import InMemoryDirectory
+
+        self.inline_commit = type(self.directory) is InMemoryDirectory
+
+    async def start(self) -> None:
+        if self.started:
+            return
+        async with self._start_lock:
+            if self.started:
+                return
+            await self.open_directory()
+            self.http = UpstreamPool(self.settings.server.connect_timeout_s)
+            self.executor = PlanExecutor(self.pool, self.http, self.telemetry.start_span)
+            for w in self.pool.all():
+                await membership.register(self, w.worker_id)
+            await self.pool.start(self.http)
+            if self.settings.directory.sweep_interval_s > 0:
+                self._sweeper = asyncio.create_task(self._sweep_loop(), name="directory-sweep")
+            self.started = True
+
+    async def _sweep_loop(self) -> None:
+        """Purge what expired from the directory every `directory.sweep_interval_s`: leases,
+        replicas and sessions are never read once expired, but without this they would stay in
+        memory (in-process) or in Redis for good. Router replicas sharing a Redis directory
+        take turns: about one sweep per interval among them all."""
+        interval = self.settings.directory.sweep_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            directory = self.directory
+            if directory is None:
+                continue
+            try:
+                self.metrics.swept.inc(await directory.sweep(min_interval_s=0.9 * interval))
+            except Exception as exc:
+                self.metrics.sweep_errors.inc()
+                log.warning("directory sweep failed: %r", exc)
+
+    async def close(self) -> None:
+        await cancel_and_wait(self._sweeper)
+        self._sweeper = None
+        await self.pool.close()
+        for sub in self.subscribers:
+            await membership.close_subscriber(self, sub)
+        self.subscribers.clear()
+        for task in list(self.background):
+            with contextlib.suppress(BaseException):
+                async with asyncio.timeout(2.0):
+                    await task
+        if self.http is not None:
+            await self.http.close()
+            self.http = None
+        if self.directory is not None and self._owns_directory:
+            await self.directory.close()
+        # exporters flush synchronously over HTTP: not on the event loop
+        await asyncio.to_thread(self.telemetry.shutdown)
+        self.started = False
+
+    # --- shared services of the request path -----------------------------------------------
+
+    def policy_named(self, name: str) -> Policy:
+        """The policy `name` (built once); an unknown name is a client error, except for the
+        configured default policy (a config error)."""
+        policy = self._policies.get(name)
+        if policy is None:
+            try:
+                policy = self._policy_factory(name)
+            except ConfigError as exc:
+                if not self._policies:
+                    raise  # the configured default policy: a config error
+                raise InvalidRequestError(f"unknown routing policy {name!r}") from exc
+            self._policies[name] = policy
+        return policy
+
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        """Run `coro` in the background; `close` waits for it a little."""
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
+
+    def check_auth(self, headers: Mapping[str, str]) -> None:
+        """The client API key (`Authorization: Bearer …`), when `server.api_keys` are set."""
+        if not self.api_keys:
+            return
+        auth = headers.get("authorization", "")
+        key = auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
+        ok = False
+        for k in self.api_keys:
+            ok |= hmac.compare_digest(key, k)
+        if not ok:
+            raise AuthenticationError("missing or invalid API key")
+
+    respond = pipeline.respond
+    """Serve one completion request (`router.pipeline.respond`; what `router.httpserver`
+    calls)."""
+
+
+def default_policy_factory(settings: Settings) -> PolicyFactory:
+    """Policies from `planner.policies`, sharing one cost model (profiles loaded once)."""
+    from dataclasses import replace
+
+    from planner.cost import CostConfig, CostModel
+    from planner.policies import get_policy
+
+    # the served model's KV spec turns on HeteroCache restore planning for cold (CPU/SSD) hits;
+    # one planner serves the deployment, so it takes the spec of a single-model deployment
+    kv_spec = settings.models[0].kv_spec if len(settings.models) == 1 else None
+    config = CostConfig.from_settings(settings.planner, kv_spec=kv_spec)
+    profiles = tuple(sorted({w.profile for w in settings.workers if w.profile}))
+    if profiles:
+        config = replace(config, profiles=profiles)
+    model = CostModel(config)
+
+    def factory(name: str) -> Policy:
+        return get_policy(name, config, model)
+
+    return factory

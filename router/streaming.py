@@ -1,0 +1,144 @@
+"""Streaming the answer: `ResponseWriter` (where one completion response goes) and the
+`stream` stage, which sends the opened upstream response to the client unbuffered and times
+it for calibration."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from ownerserve.errors import UpstreamError
+from ownerserve.http import sse_error_event
+from router.aftermath import after_first_bytes, observe
+from router.inflight import hold, release
+from router.plans import PlanRecord, plan_header
+
+if TYPE_CHECKING:
+    from router.pipeline import RequestContext
+
+log = logging.getLogger(__name__)
+
+PLAN_HEADER = b"x-ownerserve-plan"
+
+
+class ResponseWriter:
+    """Where one completion response goes. The router's own server (`router.httpserver`)
+    writes to the socket; `router.asgi.ASGIResponseWriter` turns the calls into ASGI
+    messages. Tracks how far the response got, so a failure can end it properly."""
+
+    __slots__ = ("disconnected", "ended", "sse", "started")
+
+    def __init__(self) -> None:
+        self.started = False
+        self.ended = False
+        self.sse = False
+        self.disconnected = False
+        """Set by the server when the client went away (the request task is cancelled)."""
+
+    async def start(
+        self, status: int, headers: list[tuple[bytes, bytes]], body: bytes | None = None
+    ) -> None:
+        """Status and headers; with `body`, the whole response (its length is added)."""
+        raise NotImplementedError
+
+    async def write(self, chunk: bytes) -> None:
+        """A piece of a streamed body."""
+        raise NotImplementedError
+
+    async def end(self) -> None:
+        """End a streamed body."""
+        raise NotImplementedError
+
+    def detach(self) -> None:
+        """Stop watching for the client's disconnect (what follows must not be cancelled)."""
+
+    direct = False
+    """True when `write_nowait`/`drain` work: chunks can be written from a callback."""
+
+    def write_nowait(self, chunk: bytes) -> bool:
+        """Write a piece of a streamed body now; True if the client is not keeping up (then
+        `drain()` before writing more)."""
+        raise NotImplementedError
+
+    async def drain(self) -> None:
+        """Wait until the client has taken enough of what was written."""
+
+    async def fail(self, exc: BaseException) -> None:
+        """End a response that already started: an SSE error event if it streams events."""
+        if self.ended:
+            return
+        if self.sse:
+            await self.write(sse_error_event(exc))
+        await self.end()
+
+
+async def stream(ctx: RequestContext) -> None:
+    """Send the opened response to the client (whole, or streamed as it arrives), commit once
+    its first bytes are there, then observe how it went."""
+    router = ctx.router
+    out = ctx.out
+    opened = ctx.opened
+    plan = ctx.plan
+    assert opened is not None and plan is not None
+    ctx.transfer_s = opened.transfer_s
+    worker = opened.final_worker
+    worker.breaker.record_success()
+    hold(ctx, opened.workers)
+    ok = opened.status == 200
+    router.recent_plans.append(PlanRecord.of(plan, ctx.session.session_id, opened.fetched))
+    streaming = ctx.req.stream and ok
+    try:
+        resp_headers = [
+            (b"content-type", opened.content_type),
+            (PLAN_HEADER, plan_header(plan, opened.fetched)),
+        ]
+        out.sse = streaming and opened.content_type.startswith(b"text/event-stream")
+        if not streaming:
+            # a non-streamed answer arrives whole: no TTFT/TPOT to learn from
+            if ok:
+                await after_first_bytes(ctx)
+            await out.start(opened.status, resp_headers, opened.first)
+        else:
+            await out.start(opened.status, resp_headers)
+            ctx.ttft_s = time.perf_counter() - ctx.t0
+            events = opened.first.count(b"data: ")
+            await out.write(opened.first)
+            await after_first_bytes(ctx)
+            response = opened.response
+            try:
+                if response is not None and not opened.finished and out.direct:
+                    write_nowait = out.write_nowait
+                    counted = [events]
+
+                    def sink(chunk: bytes) -> bool:
+                        counted[0] += chunk.count(b"data: ")
+                        return write_nowait(chunk)
+
+                    try:
+                        await response.pipe(sink, out.drain)
+                    finally:
+                        events = counted[0]
+                    opened.finished = True
+                while response is not None and not opened.finished:
+                    chunk = await response.readany()
+                    if not chunk:
+                        opened.finished = True
+                        break
+                    events += chunk.count(b"data: ")
+                    await out.write(chunk)
+            except OSError as exc:
+                ok = False
+                router.metrics.stream_errors.labels(worker.worker_id).inc()
+                log.warning("worker %s failed mid-stream: %r", worker.worker_id, exc)
+                err = UpstreamError(f"worker {worker.worker_id} failed mid-stream")
+                await out.write(sse_error_event(err))
+                worker.breaker.record_failure()
+                router.spawn(router.pool.check(worker))
+            ctx.output_events = max(0, events - 1)
+            await out.end()
+    finally:
+        release(ctx)
+        await opened.aclose()
+    ctx.e2e_s = time.perf_counter() - ctx.t0
+    observe(ctx, ok)

@@ -1,0 +1,243 @@
+"""The shared HTTP plumbing: the one exception -> OpenAI error mapping, FastAPI's errors in that
+shape, reading a body within its limit (and draining a refused one, within bounds), and a
+64 MiB body from `urllib` answered 413 under uvicorn, as the workers serve."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from ownerserve.errors import (
+    ClientDisconnected,
+    InvalidRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+)
+from ownerserve.http import (
+    error_status_and_body,
+    install_error_handlers,
+    read_body,
+    read_request_body,
+    sse_error_event,
+)
+
+# --- the mapping ---------------------------------------------------------------------------------
+
+
+def test_our_errors_map_to_their_status_and_the_openai_shape():
+    status, body = error_status_and_body(InvalidRequestError("bad n", param="n"))
+    assert status == 400
+    assert orjson.loads(body) == {
+        "error": {"message": "bad n", "type": "invalid_request_error", "param": "n", "code": None}
+    }
+    status, body = error_status_and_body(NotFoundError("no worker 'x'"))
+    assert status == 404 and orjson.loads(body)["error"]["code"] == "not_found"
+
+
+def test_an_unexpected_exception_is_a_500_that_leaks_nothing():
+    status, body = error_status_and_body(RuntimeError("password=hunter2"))
+    assert status == 500
+    err = orjson.loads(body)["error"]
+    assert err["type"] == "internal_error" and "hunter2" not in err["message"]
+
+
+def test_an_sse_error_event_carries_the_error_then_done():
+    event = sse_error_event(PayloadTooLargeError("too big"))
+    first, done, rest = event.split(b"\n\n")
+    assert orjson.loads(first.removeprefix(b"data: "))["error"]["message"] == "too big"
+    assert (done, rest) == (b"data: [DONE]", b"")
+
+
+# --- FastAPI -------------------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    n: int
+
+
+def _app() -> FastAPI:
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/ours")
+    async def ours() -> None:
+        raise NotFoundError("no artifact 'k'")
+
+    @app.get("/crash")
+    async def crash() -> None:
+        raise RuntimeError("secret internals")
+
+    @app.post("/typed")
+    async def typed(body: _Body) -> JSONResponse:
+        return JSONResponse({"n": body.n})
+
+    @app.post("/upload")
+    async def upload(request: Request) -> JSONResponse:
+        data = await read_request_body(request.scope, request.receive, 1 << 20)
+        return JSONResponse({"bytes": len(data)})
+
+    return app
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "code", "words"),
+    [
+        ("GET", "/ours", None, 404, "not_found", "no artifact"),
+        ("GET", "/nowhere", None, 404, "not_found", "no such endpoint"),
+        ("DELETE", "/ours", None, 405, "method_not_allowed", "not allowed"),
+        ("POST", "/typed", {"n": "x"}, 400, None, "invalid request: body.n"),
+        ("GET", "/crash", None, 500, None, "internal server error"),
+    ],
+)
+async def test_every_error_a_fastapi_app_answers_is_openai_shaped(
+    method: str, path: str, body: Any, status: int, code: str | None, words: str
+):
+    transport = httpx.ASGITransport(app=_app(), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        resp = await client.request(method, path, json=body)
+    assert resp.status_code == status
+    assert resp.headers["content-type"] == "application/json"
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == code and words in err["message"]
+    assert "secret" not in err["message"]
+
+
+# --- reading a body ------------------------------------------------------------------------------
+
+
+class _Client:
+    """An ASGI `receive` for a body sent in `chunks` (then the client waits, or sends forever
+    when `endless`), `pause_s` between chunks; counts what the server took."""
+
+    def __init__(self, chunks: list[bytes], *, endless: bool = False, pause_s: float = 0.0) -> None:
+        self.chunks = chunks
+        self.endless = endless
+        self.pause_s = pause_s
+        self.taken = 0
+
+    async def __call__(self) -> dict[str, Any]:
+        await asyncio.sleep(self.pause_s)
+        if self.taken < len(self.chunks) or self.endless:
+            chunk = self.chunks[min(self.taken, len(self.chunks) - 1)]
+            self.taken += 1
+            more = self.endless or self.taken < len(self.chunks)
+            return {"type": "http.request", "body": chunk, "more_body": more}
+        await asyncio.Event().wait()  # a server's receive blocks once the body is read
+        raise AssertionError("unreachable")
+
+
+async def test_a_body_within_the_limit_is_read_whole():
+    assert await read_body(_Client([b"ab", b"", b"cd"]), 4, None) == b"abcd"
+    assert await read_body(_Client([b"abcd"]), 4, b"4") == b"abcd"
+
+
+async def test_a_declared_body_over_the_limit_is_refused_after_draining_it():
+    client = _Client([b"x" * 10] * 5)
+    with pytest.raises(PayloadTooLargeError, match="of 50 bytes exceeds 20"):
+        await read_body(client, 20, "50")
+    assert client.taken == 5  # all of it read: the server can close without a reset
+
+
+async def test_a_client_waiting_for_100_continue_is_refused_before_it_sends():
+    client = _Client([b"x" * 10] * 5)
+    with pytest.raises(PayloadTooLargeError):
+        await read_body(client, 20, "50", expects_continue=True)
+    assert client.taken == 0
+
+
+async def test_a_streamed_body_over_the_limit_is_refused_after_draining_the_rest():
+    client = _Client([b"x" * 10] * 5)
+    with pytest.raises(PayloadTooLargeError, match="exceeds 20 bytes"):
+        await read_body(client, 20, None)
+    assert client.taken == 5
+
+
+async def test_draining_a_refused_body_stops_at_the_byte_bound():
+    client = _Client([b"x" * 1000], endless=True)
+    with pytest.raises(PayloadTooLargeError):
+        await read_body(client, 100, None, drain_bytes=50_000, drain_s=60)
+    assert 50 <= client.taken <= 52
+
+
+async def test_draining_a_refused_body_stops_at_the_time_bound():
+    client = _Client([b"x" * 1000], endless=True, pause_s=0.01)
+    started = time.monotonic()
+    with pytest.raises(PayloadTooLargeError):
+        await read_body(client, 100, None, drain_bytes=1 << 40, drain_s=0.3)
+    assert 0.25 < time.monotonic() - started < 3
+
+
+async def test_a_client_gone_mid_body_raises_client_disconnected():
+    messages = iter([{"type": "http.request", "body": b"ab", "more_body": True}])
+
+    async def receive() -> dict[str, Any]:
+        return next(messages, {"type": "http.disconnect"})
+
+    with pytest.raises(ClientDisconnected):
+        await read_body(receive, 100, None)
+
+
+async def test_an_unreadable_content_length_is_a_400():
+    with pytest.raises(InvalidRequestError, match="content-length"):
+        await read_body(_Client([b"x"]), 100, "ten")
+
+
+# --- under uvicorn -------------------------------------------------------------------------------
+
+
+class _InLoopServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@contextlib.asynccontextmanager
+async def _uvicorn(app: FastAPI) -> AsyncIterator[str]:
+    server = _InLoopServer(
+        uvicorn.Config(app, host="127.0.0.1", port=0, http="httptools", log_level="warning")
+    )
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            assert not task.done()
+            await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+def _urllib_post(url: str, body: bytes | Iterator[bytes]) -> tuple[int, bytes]:
+    """POST with `urllib`: `http.client` writes the whole body before it reads the answer,
+    and urllib asks the server to close the connection after it (`connection: close`)."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=30) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+async def test_a_64_mib_body_from_urllib_gets_the_413_under_uvicorn(declared: bool):
+    mib = b"x" * (1 << 20)
+    body: bytes | Iterator[bytes] = mib * 64 if declared else iter([mib] * 64)
+    async with _uvicorn(_app()) as url:
+        status, answer = await asyncio.to_thread(_urllib_post, url + "/upload", body)
+        assert status == 413
+        assert orjson.loads(answer)["error"]["code"] == "payload_too_large"
+        ok = await asyncio.to_thread(_urllib_post, url + "/upload", b"x" * 1000)
+        assert ok == (200, b'{"bytes":1000}')

@@ -1,0 +1,71 @@
+"""Worker membership: removing a worker whose directory records or KV event subscription
+cannot be cleaned up is reported (error, log, metric), not passed off as success."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from ownerserve.config import settings_from_dict
+from ownerserve.directory.memory import InMemoryDirectory
+from ownerserve.errors import DirectoryUnavailableError
+from router import membership
+from router.state import Router
+
+
+class _FlakyDirectory(InMemoryDirectory):
+    """Fails `drop_worker` as many times as told."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def drop_worker(self, worker_id: str) -> int:
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionError("redis down")
+        return await super().drop_worker(worker_id)
+
+
+def _router(directory: InMemoryDirectory) -> Router:
+    settings = settings_from_dict(
+        {
+            "models": [{"name": "tiny", "block_size": 4}],
+            "workers": [{"id": "w0", "url": "http://127.0.0.1:9"}],
+        }
+    )
+    return Router(settings, directory=directory)
+
+
+class _FailingSubscriber:
+    worker = "w0"
+
+    async def close(self) -> None:
+        raise OSError("socket already gone")
+
+
+def _count(counter) -> float:
+    return counter._value.get()
+
+
+async def test_a_failing_directory_drop_is_an_error_and_removing_again_retries_it(caplog):
+    router = _router(_FlakyDirectory(failures=1))
+    with caplog.at_level(logging.WARNING), pytest.raises(DirectoryUnavailableError):
+        await membership.remove_worker(router, "w0")
+    assert router.pool.get("w0") is None and "w0" in router.undropped
+    assert _count(router.metrics.drop_worker_errors) == 1
+    assert any(r.exc_info and "redis down" in str(r.exc_info[1]) for r in caplog.records)
+    assert await membership.remove_worker(router, "w0")  # the retry reaches the directory
+    assert not router.undropped
+    assert not await membership.remove_worker(router, "w0")
+
+
+async def test_a_subscription_that_fails_to_close_is_logged_and_counted(caplog):
+    router = _router(InMemoryDirectory())
+    router.subscribers.append(_FailingSubscriber())
+    with caplog.at_level(logging.WARNING):
+        assert await membership.remove_worker(router, "w0")
+    assert router.subscribers == []
+    assert _count(router.metrics.subscriber_close_errors) == 1
+    assert any(isinstance(r.exc_info[1], OSError) for r in caplog.records if r.exc_info)

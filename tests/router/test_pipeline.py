@@ -1,0 +1,79 @@
+"""The request pipeline's stages on a `RequestContext`, without HTTP: what each stage sets,
+and that a raw completion prompt is identified and tokenized once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from ownerserve.config import settings_from_dict
+from router.pipeline import RequestContext, identify, look_up, parse, plan, tokenize, view
+from router.requests import Endpoint
+from router.session import SessionSource
+from router.state import Router
+from router.streaming import ResponseWriter
+from router.tokens import Tokenized
+
+MODEL = "tiny"
+PROMPT = "def add(a, b):\n    return a + b\n" * 10  # beyond the 64 blocks a session hashes
+
+
+def _router() -> Router:
+    return Router(
+        settings_from_dict(
+            {
+                "models": [{"name": MODEL, "block_size": 4}],
+                "workers": [{"id": "w0", "url": "http://127.0.0.1:9"}],
+            }
+        )
+    )
+
+
+def _context(router: Router, endpoint: Endpoint, body: dict, headers=()) -> RequestContext:
+    ctx = RequestContext(router, endpoint, list(headers), ResponseWriter(), 0.0)
+    parse(ctx, orjson.dumps(body))
+    return ctx
+
+
+async def test_stages_fill_the_context_up_to_a_plan():
+    router = _router()
+    await router.open_directory()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 10}]}
+    ctx = _context(router, Endpoint.CHAT, body, [(b"x-session-id", b"s1")])
+    identify(ctx)
+    tokenize(ctx)
+    await look_up(ctx)
+    view(ctx)
+    assert plan(ctx)
+    assert ctx.session.session_id == "s1" and ctx.tok.chain
+    assert ctx.rview.chain_blocks == len(ctx.tok.chain) and not ctx.is_fork
+    assert ctx.plan.chosen.decode_worker == "w0"
+    info = router.sessions.get("s1")
+    assert info is not None and info is ctx.info
+    assert info.prompt_tokens == len(ctx.tok.token_ids)
+
+
+async def test_a_raw_prompt_without_key_is_tokenized_once_and_its_session_derived_from_it():
+    router = _router()
+    mt = router.tokenizers.get(MODEL)
+    assert mt is not None
+    calls: list[str | None] = []
+    original = mt.tokenize_prompt
+
+    def counting(session_id: str | None, prompt: Any) -> Tokenized:
+        calls.append(session_id)
+        return original(session_id, prompt)
+
+    mt.tokenize_prompt = counting  # type: ignore[method-assign]
+    ctx = _context(router, Endpoint.COMPLETIONS, {"model": MODEL, "prompt": PROMPT})
+    identify(ctx)
+    tokenize(ctx)
+    assert calls == [None]
+    assert ctx.session.source is SessionSource.DERIVED and ctx.tok.previous_chain_len == 0
+    nxt = _context(router, Endpoint.COMPLETIONS, {"model": MODEL, "prompt": PROMPT + "# more"})
+    identify(nxt)
+    tokenize(nxt)
+    assert nxt.session == ctx.session  # the same leading blocks: the same derived session
+    assert calls == [None, None]
+    assert nxt.tok.chain[: len(ctx.tok.chain)] == ctx.tok.chain
