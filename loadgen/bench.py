@@ -5,13 +5,15 @@ For each target the workers are restarted (caches start cold), the router is sta
 them, the workload is replayed, and the workers' counters give prefill tokens computed, prefix hit
 rate, KV bytes moved and the HBM duplicate factor (sampled during the run). The same is done for
 the Mooncake trace, scaled to fit the machine. Results: JSON, Markdown tables and plots under
-`bench/results/`, and a section of `bench/RESULTS.md`.
+`bench/results/`, and a dated section appended to `bench/history/agentic.md` (the current table in
+`bench/RESULTS.md` is updated by hand from it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import os
 import platform
 import sys
 import time
@@ -249,8 +251,9 @@ def write_outputs(
 
     stamp = started.strftime("%Y%m%dT%H%M%SZ")
     spec = plan.spec
+    heading = f"## Agentic benchmark, {started.isoformat(timespec='seconds')}"
     head = [
-        "## Agentic benchmark (issue 8)",
+        heading,
         "",
         f"Command: `{command}`  ",
         f"Date: {started.isoformat(timespec='seconds')}, wall time {wall_s / 60:.1f} min  ",
@@ -265,7 +268,8 @@ def write_outputs(
         header = f"# {o.name}\n\n`{command}`, {started.isoformat(timespec='seconds')}"
         images = plot_runs(o.summaries, o.results, plan.out_dir, stem)
         paths = write_report(o.summaries, plan.out_dir, stem, header=header, images=images)
-        rel = Path("results")
+        # image and raw-data links relative to the Markdown file they are written into
+        rel = Path(os.path.relpath(plan.out_dir, results_md.parent)) if results_md else plan.out_dir
         body += ["", f"### {o.name}", "", markdown_tables(o.summaries), ""]
         goals = evaluate_goals(o.summaries)
         if goals:
@@ -278,7 +282,7 @@ def write_outputs(
         body.append(f"\nRaw: `{rel / paths['json'].name}`")
     section = "\n".join(head + body + (["", *notes] if notes else [])) + "\n"
     if results_md is not None:
-        replace_section(results_md, "## Agentic benchmark (issue 8)", section)
+        replace_section(results_md, heading, section)  # a new heading: appended
     return section
 
 

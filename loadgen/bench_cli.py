@@ -98,8 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--run-limit", type=float, default=90.0, help="seconds at most per run")
     p.add_argument("--quick", action="store_true", help="smoke run: small workload, 2 targets")
     p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
-    p.add_argument("--results-md", type=Path, default=REPO_ROOT / "bench" / "RESULTS.md")
-    p.add_argument("--no-results-md", action="store_true", help="do not edit bench/RESULTS.md")
+    p.add_argument(
+        "--results-md",
+        type=Path,
+        default=REPO_ROOT / "bench" / "history" / "agentic.md",
+        help="Markdown file the run's dated section is appended to (default: %(default)s)",
+    )
+    p.add_argument("--no-results-md", action="store_true", help="write no Markdown section")
     p.add_argument(
         "--analysis",
         type=Path,

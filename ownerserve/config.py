@@ -42,7 +42,23 @@ class ServerSettings(_Strict):
     admin_token: str | None = None
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     request_timeout_s: float = Field(default=600.0, gt=0)
+    """Bounds a whole request, stream included (then a 504, or an SSE error event)."""
     connect_timeout_s: float = Field(default=3.0, gt=0)
+    """Opening a connection to a worker (then the request goes to another worker)."""
+    first_byte_timeout_s: float = Field(default=120.0, gt=0)
+    """From sending a streamed request to a worker until its first body bytes: its queueing
+    and prefill (then another worker). 120 s: a 128K-token prefill is ~16 s on one H100 for
+    an 8B model (`h100-llama3-8b`) and several times that for a bigger model, a slower card or
+    behind a queue. A non-streamed answer's first byte is its last: only `request_timeout_s`
+    bounds it."""
+    kv_transfer_timeout_s: float = Field(default=120.0, gt=0)
+    """A KV hand-over until its answer is complete: the prefill call of a P/D plan (queueing
+    and prefill on P, as `first_byte_timeout_s`) and an artifact fetch or state migration
+    (then the decode worker computes the prompt itself)."""
+    stream_gap_timeout_s: float = Field(default=120.0, gt=0)
+    """Most seconds between two pieces of a streamed answer, while the client keeps up (then
+    the stream ends with an error event). A preempted request recomputes its whole context
+    before its next token: as long as a prefill, so the same bound."""
     retries: int = Field(default=2, ge=0)
     health_interval_s: float = Field(default=2.0, gt=0)
 

@@ -3,7 +3,7 @@ online calibration. Pure code: no I/O while planning. Imports only `ownerserve`.
 
 from planner.calibration import CalibrationConfig, Calibrator, WorkerScales
 from planner.classify import DEFAULT_ACTION, classify
-from planner.cost import CostConfig, CostModel, Route, evaluate
+from planner.cost import CostConfig, CostModel, RequestCosts, Route, evaluate
 from planner.explain import parse_plan_header, plan_to_dict, plan_to_header
 from planner.policies import POLICY_NAMES, Planner, get_policy
 from planner.types import (
@@ -33,6 +33,7 @@ __all__ = [
     "Planner",
     "Policy",
     "RequestClass",
+    "RequestCosts",
     "RequestView",
     "Route",
     "WorkerScales",

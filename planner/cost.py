@@ -12,7 +12,7 @@ is built; evaluating a cost never does I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -238,12 +238,12 @@ def decode_tokens(request: RequestView, config: CostConfig) -> int:
 # --------------------------------------------------------------------------------------------
 # The cost terms: one implementation, per request.
 
-# What `RequestCosts.consts` holds per timing profile, by index (a tuple: indexing is the
-# cheapest read on the search's hot path).
-_PF_BASE, _PF_TOK, _PF_CTX = 0, 1, 2  # PrefillTiming base_s, per_token_s, per_token_ctx_s
-_DEC_A, _DEC_B, _DEC_C = 3, 4, 5  # decode(w) = s_d · (A + B · running + C · kv_usage)
-_LAT, _INTRA, _INTER = 6, 7, 8  # LinkTiming latency_s, intra_node_bps, inter_node_bps
-_PF_ALL = 9  # prefill of the whole prompt on nothing, unscaled
+# What `RequestCosts.consts` holds per timing profile (a tuple: the cheapest read on the
+# search's hot path): 0-2 PrefillTiming base_s, per_token_s, per_token_ctx_s; 3-5 A, B, C of
+# decode(w) = s_d · (A + B · running + C · kv_usage); 6-8 LinkTiming latency_s,
+# intra_node_bps, inter_node_bps; 9 prefill_base(·, 0), the whole prompt on nothing.
+_PF_BASE, _PF_TOK, _PF_CTX = 0, 1, 2
+_LAT, _INTRA, _INTER = 6, 7, 8
 
 
 WorkerTerms = tuple[float, float, float, int, int, int, int, float, int, int]
@@ -263,7 +263,6 @@ class RequestCosts:
 
     __slots__ = (
         "_consts",
-        "_terms",
         "bk",
         "config",
         "lam",
@@ -289,7 +288,6 @@ class RequestCosts:
         self.lam = cfg.lam
         self.mu = cfg.mu
         self._consts: dict[str, tuple[float, ...]] = {}
-        self._terms: dict[str, Callable[[WorkerView], WorkerTerms]] = {}
 
     def consts(self, profile: str) -> tuple[float, ...]:
         """The request's constants for a profile name (unknown → the default profile)."""
@@ -313,13 +311,14 @@ class RequestCosts:
         return c
 
     def worker(self, w: WorkerView) -> WorkerTerms:
-        """What w costs this request whatever the route: `terms(w.profile)(w)`."""
-        return self.terms(w.profile)(w)
+        """What w costs this request whatever the route (`scan` of w alone)."""
+        return self.scan((w,))[0]
 
-    def terms(self, profile: str) -> Callable[[WorkerView], WorkerTerms]:
-        """The function giving what a worker of `profile` costs this request whatever the
-        route (`WorkerTerms`), with the profile's constants bound once (the search calls it
-        for every worker):
+    def scan(self, workers: Sequence[WorkerView]) -> list[WorkerTerms]:
+        """What each worker costs this request whatever the route (`WorkerTerms`, in order),
+        with each profile's constants looked up once per run of workers sharing it. The
+        search takes every worker's terms from one call (a call per worker would cost more
+        than the terms themselves):
 
             q(w)       = s_p · (per_token_s · inflight_prefill_tokens + base_s · waiting)
             decode(w)  = O · decode_step_s(w, running + 1, ctx(w) + N)
@@ -332,16 +331,18 @@ class RequestCosts:
             restore    = CostModel.tier_restore_s(w, gpu, cpu, ssd): its held prefix into HBM
             dup        = dup(w, gpu(w)) and dup(w, held(w))
         """
-        f = self._terms.get(profile)
-        if f is not None:
-            return f
-        c = self.consts(profile)
-        pbase, ptok, _, da, db, dc, _, _, _, pf_all = c
-        owner, dup_none = self.owner, self.dup(True, 0)
-        dup, reused, prefill_base = self.dup, self.reused, self.prefill_base
-        restore, request = self.model.tier_restore_s, self.request
-
-        def terms(w: WorkerView) -> WorkerTerms:
+        n, bs, ob, bk, owner = self.n, self.request.block_size, self.ob, self.bk, self.owner
+        dup_none = _dup(True, 0, ob, bk) if owner is not None else 0
+        out: list[WorkerTerms] = []
+        append = out.append
+        profile: str | None = None
+        c: tuple[float, ...] = ()
+        pbase = ptok = da = db = dc = pf_all = 0.0
+        for w in workers:
+            if w.profile is not profile:
+                profile = w.profile
+                c = self.consts(profile)
+                pbase, ptok, _, da, db, dc, _, _, _, pf_all = c
             sp = w.prefill_scale
             running = w.running
             q = sp * (ptok * w.inflight_prefill_tokens + pbase * w.waiting)
@@ -352,32 +353,34 @@ class RequestCosts:
                 g, cpu, ssd = cb.get(_GPU, 0), cb.get(_CPU, 0), cb.get(_SSD, 0)
                 held = g if g >= cpu and g >= ssd else (cpu if cpu >= ssd else ssd)
                 if held:
-                    r = reused(held)
-                    rest = restore(w, g, cpu, ssd, request) if held > g else 0.0
-                    other = w.worker_id != owner
-                    return (
-                        q,
-                        dec,
-                        sp * prefill_base(c, r),
-                        stalled,
-                        g,
-                        held,
-                        r,
-                        rest,
-                        dup(other, g),
-                        dup(other, held),
+                    r = _reused(held, bs, n)
+                    rest = (
+                        self.model.tier_restore_s(w, g, cpu, ssd, self.request) if held > g else 0.0
                     )
-            d = dup_none if owner is not None and w.worker_id != owner else 0
-            return q, dec, sp * pf_all, stalled, 0, 0, 0, 0.0, d, d
-
-        self._terms[profile] = terms
-        return terms
+                    other = w.worker_id != owner
+                    append(
+                        (
+                            q,
+                            dec,
+                            sp * _prefill_base(c, n, r),
+                            stalled,
+                            g,
+                            held,
+                            r,
+                            rest,
+                            _dup(other, g, ob, bk),
+                            _dup(other, held, ob, bk),
+                        )
+                    )
+                    continue
+            d = dup_none if dup_none and w.worker_id != owner else 0
+            append((q, dec, sp * pf_all, stalled, 0, 0, 0, 0.0, d, d))
+        return out
 
     def reused(self, blocks: int) -> int:
         """r = min(blocks · bs, N − 1): tokens reused from `blocks` held prefix blocks; the last
         prompt token is always computed."""
-        r = blocks * self.request.block_size
-        return r if r < self.n else self.n - 1
+        return _reused(blocks, self.request.block_size, self.n)
 
     def prefill(self, w: WorkerView, r: int, c: tuple[float, ...] | None = None) -> float:
         """prefill_s(w, N − r, r) = s_p · `prefill_base`: computing the prompt on top of r
@@ -387,8 +390,7 @@ class RequestCosts:
     def prefill_base(self, c: tuple[float, ...], r: int) -> float:
         """prefill_s(N − r, r) of a profile (`c`) at scale 1: base_s + per_token_s·new +
         per_token_ctx_s·new·(r + new/2), new = N − r."""
-        new = self.n - r
-        return c[_PF_BASE] + c[_PF_TOK] * new + c[_PF_CTX] * new * (r + new / 2.0)
+        return _prefill_base(c, self.n, r)
 
     def link(
         self, dst: WorkerView, nbytes: float, same_node: bool, c: tuple[float, ...] | None = None
@@ -415,7 +417,7 @@ class RequestCosts:
         """dup(w, h) = [w ≠ owner] · max(0, owner_blocks − h) · bs · K: KV of the owned prefix
         a non-owner (`non_owner` = [w ≠ owner]) holding h blocks of it newly materialises
         (bytes; 0 when the request has no owner, as owner_blocks counts as 0 then)."""
-        return (self.ob - held) * self.bk if non_owner and held < self.ob else 0
+        return _dup(non_owner, held, self.ob, self.bk)
 
     def hysteresis(self, others: float) -> float:
         """H_move of a state migration whose other terms sum to C₀ = `others`:
@@ -482,6 +484,24 @@ class RequestCosts:
             tq, pre + dec, tn, tr, m, i, cfg.lam, cfg.mu, pre, dec / o if o else 0.0, h, nic
         )
         return b, held + moved
+
+
+# The formulas `RequestCosts` shares with its per-worker `terms` (module functions, so that
+# those hold no reference to their kernel).
+
+
+def _reused(blocks: int, bs: int, n: int) -> int:
+    r = blocks * bs
+    return r if r < n else n - 1
+
+
+def _prefill_base(c: tuple[float, ...], n: int, r: int) -> float:
+    new = n - r
+    return c[_PF_BASE] + c[_PF_TOK] * new + c[_PF_CTX] * new * (r + new / 2.0)
+
+
+def _dup(non_owner: bool, held: int, ob: int, bk: int) -> int:
+    return (ob - held) * bk if non_owner and held < ob else 0
 
 
 def evaluate(model: CostModel, request: RequestView, route: Route) -> CostBreakdown:

@@ -82,7 +82,6 @@ class RequestView:
     n: int = 1
     is_fork: bool = False
     kv_bytes_per_token: int = 131072
-    policy_override: str | None = None
 
 
 @fast_init

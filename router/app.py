@@ -29,10 +29,11 @@ from ownerserve.directory.base import Directory
 from ownerserve.errors import AuthenticationError, InvalidRequestError, NotFoundError
 from ownerserve.http import install_error_handlers
 from planner.calibration import Calibrator
+from planner.policies import Planner
 from router import membership
 from router.asgi import Receive, Scope, Send, handle_completion
 from router.requests import Endpoint
-from router.state import PolicyFactory, Router
+from router.state import Router
 
 _HOT_PATHS = {e.value: e for e in Endpoint}
 
@@ -57,13 +58,13 @@ def create_app(
     settings: Settings,
     *,
     directory: Directory | None = None,
-    policy_factory: PolicyFactory | None = None,
+    planner: Planner | None = None,
     calibrator: Calibrator | None = None,
 ) -> FastAPI:
     """The router app for `settings`. `directory` defaults to `open_directory(settings.directory)`,
     policies to `planner.policies.get_policy`; the `Router` is at `app.state.router`."""
     router = Router(
-        settings, directory=directory, policy_factory=policy_factory, calibrator=calibrator
+        settings, directory=directory, planner=planner, calibrator=calibrator
     )
 
     @asynccontextmanager

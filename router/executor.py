@@ -9,6 +9,14 @@ Every action ends in one *final* upstream response whose bytes stream to the cli
   backend says) to pull the prefix from the source, then one call there (a failed fetch
   degrades to recomputing).
 
+Every hop is bounded (`HopLimits`: the connect timeout is the connection pool's): a P/D
+hand-over or fetch given up (timed out or failed) falls back to a colocated run on the decode
+worker (`OpenedResponse.fallback`); a final call given up before its first bytes raises
+`RetryableUpstreamError`, and the caller plans again without that worker. Giving up on a call
+closes its connection, which aborts the request on the worker; a decode given up after P
+answered also tells P to free the KV it holds for it, where the protocol can
+(`Backend.handoff_release`).
+
 `open_plan` does everything up to and including the final response's first bytes, so any
 failure before that is retryable on other workers (`RetryableUpstreamError`); after it the
 caller owns streaming and must `aclose()` the result, which cancels work on every worker.
@@ -22,29 +30,63 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
+from ownerserve.config import ServerSettings
 from ownerserve.errors import UpstreamError
 from ownerserve.kvfetch import FETCH_PATH, KVFetchRequest
 from ownerserve.records import fast_init
 from planner.types import Action, Plan
 from router.backends import PDHandoff
+from router.plans import GaveUp
 from router.pool import WorkerPool, WorkerState
 from router.requests import CompletionRequest
-from router.upstream import UpstreamPool, UpstreamResponse, header_block
+from router.upstream import (
+    Hop,
+    UpstreamConnectError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+    header_block,
+)
 
 log = logging.getLogger(__name__)
 
 
-class RetryableUpstreamError(UpstreamError):
-    """A worker failed before any byte reached the client: try again without it."""
+class HopLimits(Protocol):
+    """The bounds of each hop, in seconds (`ownerserve.config.ServerSettings` has them)."""
 
-    def __init__(self, worker: str, reason: str) -> None:
+    @property
+    def first_byte_timeout_s(self) -> float: ...
+    @property
+    def kv_transfer_timeout_s(self) -> float: ...
+    @property
+    def stream_gap_timeout_s(self) -> float: ...
+
+
+class RetryableUpstreamError(UpstreamError):
+    """A worker failed before any byte reached the client: try again without it. `cause` says
+    how, in `GaveUp`'s words; `after` is a hop given up earlier in the same plan (its P/D
+    hand-over or fetch, before the colocated run that failed here)."""
+
+    def __init__(self, worker: str, reason: str, cause: str = "upstream_failed") -> None:
         super().__init__(f"worker {worker}: {reason}")
         self.worker = worker
         self.reason = reason
+        self.cause = cause
+        self.after: GaveUp | None = None
+
+
+def cause_of(exc: OSError, otherwise: str) -> str:
+    """`GaveUp.reason` for a failed call: the hop that timed out, a connection that could not
+    be opened, else `otherwise`."""
+    if isinstance(exc, UpstreamTimeout):
+        return f"{exc.hop}_timeout"
+    if isinstance(exc, UpstreamConnectError):
+        return "connect_failed"
+    return otherwise
 
 
 class UpstreamTimeoutError(UpstreamError):
@@ -79,6 +121,8 @@ class OpenedResponse:
     """Duration of the KV movement phase (remote prefill until KV ready, or the fetch)."""
     fetched: bool | None = None
     finished: bool = False
+    fallback: GaveUp | None = None
+    """The P/D hand-over or fetch given up: this is then a colocated run on the decode worker."""
 
     async def aclose(self) -> None:
         """Release the connection (or abort it if the body was not fully read: that cancels
@@ -132,17 +176,22 @@ _HOP_BYTES_AUTH = _HOP_BYTES | {b"authorization"}
 
 
 class PlanExecutor:
-    """Runs plans against the pool's workers over one shared HTTP connection pool."""
+    """Runs plans against the pool's workers over one shared HTTP connection pool, each hop
+    within `limits` (per call, `open_plan`'s `limits`)."""
 
     def __init__(
         self,
         pool: WorkerPool,
         http: UpstreamPool,
         span: Callable[..., Any] | None = None,
+        limits: HopLimits | None = None,
     ) -> None:
         self.pool = pool
         self.http = http
         self.span = span or (lambda *_a, **_k: contextlib.nullcontext())
+        self.limits: HopLimits = limits if limits is not None else ServerSettings()
+        self._releases: set[asyncio.Task[None]] = set()
+        """`handoff_release` calls in flight (a task holds no reference to itself)."""
 
     def _worker(self, worker_id: str | None) -> WorkerState:
         state = self.pool.get(worker_id) if worker_id else None
@@ -151,20 +200,28 @@ class PlanExecutor:
         return state
 
     async def _post(
-        self, worker: WorkerState, path: str, body: bytes, headers: bytes
+        self,
+        worker: WorkerState,
+        path: str,
+        body: bytes,
+        headers: bytes,
+        bound: tuple[Hop, float] | None,
+        failed: str,
     ) -> UpstreamResponse:
+        """POST within `bound`; a failure raises `RetryableUpstreamError` with its cause
+        (`failed` when it is neither a timeout nor a connect failure)."""
         worker.breaker.on_attempt()
         try:
-            resp = await self.http.request(worker.address.url, b"POST", path, headers, body)
+            resp = await self.http.request(worker.address.url, b"POST", path, headers, body, bound)
         except OSError as exc:
-            raise RetryableUpstreamError(worker.worker_id, f"connect failed: {exc}") from None
-        except TimeoutError:
-            raise RetryableUpstreamError(worker.worker_id, "connect timed out") from None
+            raise RetryableUpstreamError(
+                worker.worker_id, f"request failed: {exc}", cause_of(exc, failed)
+            ) from None
         if resp.status >= 500:
             with contextlib.suppress(Exception):
                 await resp.read()
             resp.release()
-            raise RetryableUpstreamError(worker.worker_id, f"status {resp.status}")
+            raise RetryableUpstreamError(worker.worker_id, f"status {resp.status}", failed)
         return resp
 
     async def _first_bytes(
@@ -177,7 +234,9 @@ class PlanExecutor:
         except OSError as exc:
             resp.close()
             raise RetryableUpstreamError(
-                worker.worker_id, f"failed before the first byte: {exc!r}"
+                worker.worker_id,
+                f"failed before the first byte: {exc!r}",
+                cause_of(exc, "upstream_failed"),
             ) from None
 
     async def _final_call(
@@ -186,12 +245,23 @@ class PlanExecutor:
         req: CompletionRequest,
         body: bytes,
         headers: bytes,
+        limits: HopLimits,
     ) -> OpenedResponse:
+        """The call whose answer goes to the client. Streamed, its first body bytes must come
+        within `first_byte_timeout_s`, then no gap may pass `stream_gap_timeout_s`; a whole
+        (non-streamed) answer's first byte is its last: the request's own timeout bounds it."""
+        bound: tuple[Hop, float] | None = None
+        if req.stream:
+            bound = ("first_byte", limits.first_byte_timeout_s)
         with self.span("ownerserve.upstream.call", worker=worker.worker_id):
-            resp = await self._post(worker, req.endpoint.value, body, headers)
+            resp = await self._post(
+                worker, req.endpoint.value, body, headers, bound, "upstream_failed"
+            )
             first = await self._first_bytes(worker, resp, req.stream)
         streaming = req.stream and resp.status == 200
-        if not streaming:
+        if streaming:
+            resp.watch_gaps(limits.stream_gap_timeout_s)
+        else:
             resp.release()
         return OpenedResponse(
             status=resp.status,
@@ -203,33 +273,64 @@ class PlanExecutor:
             workers=[worker],
         )
 
+    async def _colocated(
+        self,
+        decode: WorkerState,
+        req: CompletionRequest,
+        headers: bytes,
+        limits: HopLimits,
+        gave_up: GaveUp,
+    ) -> OpenedResponse:
+        """The plan's KV hand-over was given up (`gave_up`): the decode worker computes the
+        prompt itself, from the client's own body."""
+        log.warning(
+            "%s gave up on %s (%s): colocated on %s instead",
+            req.endpoint.value, gave_up.worker, gave_up.reason, decode.worker_id,
+        )  # fmt: skip
+        try:
+            opened = await self._final_call(decode, req, req.raw, headers, limits)
+        except RetryableUpstreamError as exc:
+            exc.after = gave_up
+            raise
+        opened.fallback = gave_up
+        return opened
+
     async def open_plan(
         self,
         plan: Plan,
         req: CompletionRequest,
         headers: bytes,
         fetch: FetchSpec | None = None,
+        limits: HopLimits | None = None,
     ) -> OpenedResponse:
-        """Execute `plan` up to the final response's first bytes."""
+        """Execute `plan` up to the final response's first bytes, each hop within `limits`
+        (default: the executor's)."""
+        if limits is None:
+            limits = self.limits
         chosen = plan.chosen
         decode = self._worker(chosen.decode_worker)
         action = chosen.action
         if action is Action.REMOTE_PREFILL and chosen.prefill_worker != chosen.decode_worker:
             prefill = self._worker(chosen.prefill_worker)
             if prefill.backend.pd_handoff is PDHandoff.RENDEZVOUS:
-                return await self._pd_rendezvous(prefill, decode, req, headers)
-            return await self._pd_after_prefill(prefill, decode, req, headers)
-        fetched: bool | None = None
-        transfer_s: float | None = None
+                return await self._pd_rendezvous(prefill, decode, req, headers, limits)
+            return await self._pd_after_prefill(prefill, decode, req, headers, limits)
         if action in (Action.ARTIFACT_FETCH, Action.STATE_MIGRATION) and chosen.source_worker:
             t = time.perf_counter()
             with self.span("ownerserve.transfer", source=chosen.source_worker, to=decode.worker_id):
-                fetched = await self.fetch(decode, chosen.source_worker, req, fetch)
+                failed = await self._fetch(
+                    decode, chosen.source_worker, req, fetch, limits.kv_transfer_timeout_s
+                )
             transfer_s = time.perf_counter() - t
-        opened = await self._final_call(decode, req, req.raw, headers)
-        opened.fetched = fetched
-        opened.transfer_s = transfer_s
-        return opened
+            if failed is not None:
+                opened = await self._colocated(decode, req, headers, limits, failed)
+                opened.fetched = False
+                return opened
+            opened = await self._final_call(decode, req, req.raw, headers, limits)
+            opened.fetched = True
+            opened.transfer_s = transfer_s
+            return opened
+        return await self._final_call(decode, req, req.raw, headers, limits)
 
     # --- remote prefill, D after P's answer (vLLM's protocol) -------------------------------
 
@@ -239,6 +340,7 @@ class PlanExecutor:
         decode: WorkerState,
         req: CompletionRequest,
         headers: bytes,
+        limits: HopLimits,
     ) -> OpenedResponse:
         backend = prefill.backend
         t = time.perf_counter()
@@ -247,17 +349,25 @@ class PlanExecutor:
         except ValueError as exc:
             raise RetryableUpstreamError(prefill.worker_id, str(exc)) from None
         p_body = orjson.dumps(p_json)
-        with self.span("ownerserve.transfer", protocol="vllm", prefill=prefill.worker_id):
-            resp = await self._post(prefill, req.endpoint.value, p_body, headers)
-            try:
-                data = await resp.read()
-            except OSError as exc:
-                resp.close()
-                raise RetryableUpstreamError(
-                    prefill.worker_id, f"prefill failed: {exc!r}"
-                ) from None
-            finally:
-                resp.release()
+        bound: tuple[Hop, float] = ("kv_transfer", limits.kv_transfer_timeout_s)
+        try:
+            with self.span("ownerserve.transfer", protocol="vllm", prefill=prefill.worker_id):
+                resp = await self._post(
+                    prefill, req.endpoint.value, p_body, headers, bound, "kv_transfer_failed"
+                )
+                try:
+                    data = await resp.read()
+                except OSError as exc:
+                    raise RetryableUpstreamError(
+                        prefill.worker_id,
+                        f"prefill failed: {exc!r}",
+                        cause_of(exc, "kv_transfer_failed"),
+                    ) from None
+                finally:
+                    resp.release()  # closes the connection (aborting P) unless read whole
+        except RetryableUpstreamError as exc:
+            gave_up = GaveUp(prefill.worker_id, exc.cause)
+            return await self._colocated(decode, req, headers, limits, gave_up)
         if resp.status != 200:
             # the client's request is at fault (4xx): pass the worker's answer through
             return OpenedResponse(
@@ -269,15 +379,48 @@ class PlanExecutor:
                 workers=[prefill],
             )
         try:
-            d_json = backend.decode_body(req.body, p_json, orjson.loads(data))
+            p_answer = orjson.loads(data)
+            d_json = backend.decode_body(req.body, p_json, p_answer)
         except (orjson.JSONDecodeError, UpstreamError) as exc:
-            raise RetryableUpstreamError(prefill.worker_id, str(exc)) from None
+            log.warning("prefill %s handed nothing over: %s", prefill.worker_id, exc)
+            gave_up = GaveUp(prefill.worker_id, "kv_transfer_failed")
+            return await self._colocated(decode, req, headers, limits, gave_up)
         d_body = orjson.dumps(d_json)
         transfer_s = time.perf_counter() - t
-        opened = await self._final_call(decode, req, d_body, headers)
+        try:
+            opened = await self._final_call(decode, req, d_body, headers, limits)
+        except BaseException:
+            # given up (or the request ended) before the decode took P's KV
+            self._release_handoff(prefill, p_answer)
+            raise
+        if opened.status != 200:
+            self._release_handoff(prefill, p_answer)
         opened.transfer_s = transfer_s
         opened.workers = [prefill, decode]
         return opened
+
+    def _release_handoff(self, prefill: WorkerState, p_answer: Any) -> None:
+        """Tell P to free the KV it holds for a decode the router gave up on, in the
+        background, within the connect timeout (a call P answers at once; if it cannot, its
+        own timeout frees the KV)."""
+        call = prefill.backend.handoff_release(p_answer)
+        if call is None:
+            return
+        path, body = call
+        task = asyncio.get_running_loop().create_task(self._release(prefill, path, body))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, prefill: WorkerState, path: str, body: bytes) -> None:
+        bound: tuple[Hop, float] = ("kv_transfer", self.http.connect_timeout_s)
+        try:
+            resp = await self.http.request(
+                prefill.address.url, b"POST", path, _JSON_HEADER, body, bound
+            )
+            await resp.read()
+            resp.release()
+        except OSError as exc:
+            log.warning("could not tell %s to free a KV hand-over: %r", prefill.worker_id, exc)
 
     # --- remote prefill, P and D at once (SGLang's protocol) --------------------------------
 
@@ -287,6 +430,7 @@ class PlanExecutor:
         decode: WorkerState,
         req: CompletionRequest,
         headers: bytes,
+        limits: HopLimits,
     ) -> OpenedResponse:
         backend = prefill.backend
         try:
@@ -296,30 +440,44 @@ class PlanExecutor:
         d_bytes = orjson.dumps(backend.decode_body(req.body, p_json, None))
         t = time.perf_counter()
         p_bytes = orjson.dumps(p_json)
+        bound: tuple[Hop, float] = ("kv_transfer", limits.kv_transfer_timeout_s)
 
         async def run_prefill() -> float:
             with self.span("ownerserve.transfer", protocol="sglang", prefill=prefill.worker_id):
-                resp = await self._post(prefill, req.endpoint.value, p_bytes, headers)
+                resp = await self._post(
+                    prefill, req.endpoint.value, p_bytes, headers, bound, "kv_transfer_failed"
+                )
                 try:
                     await resp.read()
                 except OSError as exc:
-                    raise RetryableUpstreamError(prefill.worker_id, f"prefill: {exc!r}") from None
+                    raise RetryableUpstreamError(
+                        prefill.worker_id, f"prefill: {exc!r}", cause_of(exc, "kv_transfer_failed")
+                    ) from None
                 finally:
                     resp.release()
             if resp.status != 200:
-                raise RetryableUpstreamError(prefill.worker_id, f"prefill status {resp.status}")
+                raise RetryableUpstreamError(
+                    prefill.worker_id, f"prefill status {resp.status}", "kv_transfer_failed"
+                )
             return time.perf_counter() - t
 
         p_task = asyncio.create_task(run_prefill())
-        d_task = asyncio.create_task(self._final_call(decode, req, d_bytes, headers))
+        d_task = asyncio.create_task(self._final_call(decode, req, d_bytes, headers, limits))
+        gave_up: GaveUp | None = None
         try:
             done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
             if p_task in done and p_task.exception() is not None and not d_task.done():
+                # the hand-over failed before D answered: D's side of the room is aborted
                 d_task.cancel()
                 with contextlib.suppress(BaseException):
                     await d_task
-                raise p_task.exception()  # type: ignore[misc]
-            opened = await d_task
+                failure = p_task.exception()
+                if not isinstance(failure, RetryableUpstreamError):
+                    assert failure is not None
+                    raise failure
+                gave_up = GaveUp(prefill.worker_id, failure.cause)
+            else:
+                opened = await d_task
         except BaseException:
             for task in (p_task, d_task):
                 task.cancel()
@@ -328,6 +486,8 @@ class PlanExecutor:
             with contextlib.suppress(BaseException):
                 await p_task
             raise
+        if gave_up is not None:
+            return await self._colocated(decode, req, headers, limits, gave_up)
         opened.workers = [prefill, decode]
         if p_task.done() and p_task.exception() is None:
             opened.transfer_s = p_task.result()
@@ -344,15 +504,30 @@ class PlanExecutor:
         req: CompletionRequest,
         fetch: FetchSpec | None,
     ) -> bool:
-        """Ask `destination` to pull the prefix from `source`; False (recompute) on failure or
-        when either has no KV API."""
+        """Ask `destination` to pull the prefix from `source`, within the executor's
+        `kv_transfer_timeout_s`; False (recompute) on failure or when either has no KV API."""
+        failed = await self._fetch(
+            destination, source_id, req, fetch, self.limits.kv_transfer_timeout_s
+        )
+        return failed is None
+
+    async def _fetch(
+        self,
+        destination: WorkerState,
+        source_id: str,
+        req: CompletionRequest,
+        fetch: FetchSpec | None,
+        timeout_s: float,
+    ) -> GaveUp | None:
+        """`fetch` within `timeout_s`: None when it succeeded, else what was given up."""
+        failed = GaveUp(destination.worker_id, "kv_transfer_failed")
         source = self.pool.get(source_id)
         if source is None or fetch is None or not fetch.block_hashes:
-            return False
+            return failed
         base = destination.backend.kv_api_url(destination.address)
         source_url = source.backend.kv_api_url(source.address)
         if base is None or source_url is None:
-            return False
+            return failed
         n = len(fetch.block_hashes) * fetch.block_size
         body = KVFetchRequest(
             source_url=source_url,
@@ -364,14 +539,21 @@ class PlanExecutor:
         )
         try:
             resp = await self.http.request(
-                base, b"POST", FETCH_PATH, _JSON_HEADER, orjson.dumps(body.to_json())
+                base,
+                b"POST",
+                FETCH_PATH,
+                _JSON_HEADER,
+                orjson.dumps(body.to_json()),
+                ("kv_transfer", timeout_s),
             )
-            await resp.read()
-            resp.release()
-            ok = resp.status == 200
-        except (OSError, TimeoutError) as exc:
+            try:
+                await resp.read()
+            finally:
+                resp.release()  # closes the connection (aborting the pull) unless read whole
+        except OSError as exc:
             log.warning("fetch %s -> %s failed: %r", source_id, destination.worker_id, exc)
-            return False
-        if not ok:
+            return GaveUp(destination.worker_id, cause_of(exc, "kv_transfer_failed"))
+        if resp.status != 200:
             log.warning("fetch %s -> %s: status %s", source_id, destination.worker_id, resp.status)
-        return ok
+            return failed
+        return None

@@ -3,7 +3,8 @@ The completion endpoints go straight to `Router.respond` with a `ResponseWriter`
 to the socket (no ASGI messages, no task per request besides the handler); every other path
 goes to the ASGI app (FastAPI: health, metrics, models, admin) through a small ASGI bridge.
 
-Chosen over uvicorn on CPU per request (`bench/router_overhead`, numbers in bench/RESULTS.md).
+Chosen over uvicorn on CPU per request (`bench/router_overhead`, numbers in
+bench/history/router_overhead.md).
 What it does besides parsing: `TCP_NODELAY` on accepted sockets, `server.max_body_bytes`
 enforced while reading (413, then a lingering close: the rest of the body is read and dropped,
 within `linger_bytes` and `linger_s`, so that the client can read the 413 before the

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ownerserve.directory.base import Match
@@ -24,7 +25,7 @@ from ownerserve.errors import (
     UpstreamError,
 )
 from ownerserve.http import error_status_and_body
-from planner.types import Action, Plan, Policy, RequestView
+from planner.types import Action, Candidate, CostBreakdown, Plan, Policy, RequestView
 from router.executor import (
     FetchSpec,
     OpenedResponse,
@@ -33,6 +34,7 @@ from router.executor import (
     forward_headers,
 )
 from router.inflight import hold, hold_session, release, release_session
+from router.plans import Fallback, GaveUp
 from router.pool import WorkerState
 from router.requests import CompletionRequest, Endpoint, parse_request
 from router.session import SessionInfo, SessionKey, chain_session, identify_session
@@ -58,6 +60,7 @@ class RequestContext:
         "e2e_s",
         "endpoint",
         "excluded",
+        "fallback",
         "headers",
         "held",
         "held_prefill",
@@ -69,8 +72,8 @@ class RequestContext:
         "opened",
         "out",
         "output_events",
-        "override",
         "plan",
+        "planned",
         "policy",
         "raw_headers",
         "refresh",
@@ -94,7 +97,6 @@ class RequestContext:
     is_fork: bool
     # by look_up and view
     match: Match
-    override: str | None
     policy: Policy
     rview: RequestView
     # by plan, execute and commit
@@ -121,6 +123,11 @@ class RequestContext:
         labels)."""
         self.excluded: Collection[str] = _NONE_EXCLUDED
         """Workers that failed this request before its first byte."""
+        self.fallback: Fallback | None = None
+        """What ran instead of the plan, when hops were given up before the first byte."""
+        self.planned: Plan | None = None
+        """The plan as the policy made it, when what ran (`plan`) differs: a P/D plan run
+        colocated on its decode worker."""
         self.opened: OpenedResponse | None = None
         self.held: Sequence[WorkerState] = ()
         self.held_prefill: WorkerState | None = None
@@ -224,8 +231,7 @@ def view(ctx: RequestContext) -> None:
     override = None
     if router.settings.planner.allow_policy_header:
         override = ctx.headers.get(POLICY_HEADER)
-    ctx.override = override
-    ctx.policy = router.policy_named(override) if override else router.policy
+    ctx.policy = router.planner.for_request(override)
     ctx.rview = request_view(ctx)
     sid = ctx.session.session_id
     if sid:
@@ -246,7 +252,9 @@ def plan(ctx: RequestContext, attempt: int = 0) -> bool:
 
 async def execute(ctx: RequestContext) -> None:
     """Plan and open the plan's final response (`ctx.opened`); up to `server.retries` times
-    more without each worker that failed before the first byte."""
+    more without each worker that failed before the first byte. Each hop is bounded by the
+    `server.*_timeout_s` settings; a P/D hand-over or fetch given up runs colocated on the
+    plan's decode worker instead (`ctx.fallback` says what ran and why)."""
     router = ctx.router
     tel = router.telemetry
     metrics = router.metrics
@@ -256,7 +264,9 @@ async def execute(ctx: RequestContext) -> None:
     tel.inject(trace)
     out_headers = forward_headers(ctx.raw_headers, bool(router.api_keys), trace)
     last_error: RetryableUpstreamError | None = None
-    for attempt in range(router.settings.server.retries + 1):
+    limits = router.settings.server
+    retries = limits.retries
+    for attempt in range(retries + 1):
         if not plan(ctx, attempt):
             break
         chosen = ctx.plan.chosen
@@ -271,18 +281,21 @@ async def execute(ctx: RequestContext) -> None:
                 prefill=chosen.prefill_worker,
                 decode=chosen.decode_worker,
             ):
-                opened = await executor.open_plan(ctx.plan, ctx.req, out_headers, _fetch_spec(ctx))
-            if opened.fetched is not False:
-                nic = None  # opened: its KV moves (or has moved); a failed fetch moved none
+                opened = await executor.open_plan(
+                    ctx.plan, ctx.req, out_headers, _fetch_spec(ctx), limits
+                )
+            if opened.fallback is None:
+                nic = None  # opened: its KV moves (or has moved); a hand-over given up moved none
         except RetryableUpstreamError as exc:
             last_error = exc
+            if exc.after is not None:
+                _give_up(ctx, exc.after, "colocated")
             if not isinstance(ctx.excluded, set):
                 ctx.excluded = set()
             ctx.excluded.add(exc.worker)
-            failed = router.pool.get(exc.worker)
-            if failed is not None:
-                failed.breaker.record_failure()
-                metrics.breaker.labels(exc.worker).set(int(failed.breaker.state))
+            _give_up(
+                ctx, GaveUp(exc.worker, exc.cause), "other_worker" if attempt < retries else None
+            )
             metrics.retries.labels(exc.worker, "before_first_byte").inc()
             log.warning("retrying without %s: %s", exc.worker, exc.reason)
             continue
@@ -290,11 +303,45 @@ async def execute(ctx: RequestContext) -> None:
             if nic is not None:  # the plan failed before it opened: its KV never moved
                 router.nics.release(nic[0], nic[1], time.monotonic())
             release(ctx)
+        if opened.fallback is not None:
+            _give_up(ctx, opened.fallback, "colocated")
+            if ctx.plan.action is Action.REMOTE_PREFILL:
+                ctx.planned = ctx.plan
+                ctx.plan = _ran_colocated(ctx.plan)
         ctx.opened = opened
         return
     if last_error is not None:
         raise UpstreamError(f"no worker could serve the request: {last_error}")
     raise NoWorkerAvailableError(f"no healthy worker serves model '{ctx.req.model}'")
+
+
+def _give_up(ctx: RequestContext, gave_up: GaveUp, ran: str | None) -> None:
+    """Record a hop given up before the first byte: its worker's breaker, the timeout and
+    fallback counters and, when something ran instead (`ran`), `ctx.fallback`."""
+    router = ctx.router
+    metrics = router.metrics
+    worker = router.pool.get(gave_up.worker)
+    if worker is not None:
+        worker.breaker.record_failure()
+        metrics.breaker.labels(gave_up.worker).set(int(worker.breaker.state))
+    reason = gave_up.reason
+    if reason.endswith("_timeout"):
+        metrics.upstream_timeouts.labels(gave_up.worker, reason.removesuffix("_timeout")).inc()
+    if ran is None:
+        return
+    metrics.fallbacks.labels(ran, reason).inc()
+    fb = ctx.fallback
+    ctx.fallback = Fallback(ran, (gave_up,)) if fb is None else fb.then(ran, gave_up)
+
+
+def _ran_colocated(plan: Plan) -> Plan:
+    """A P/D plan as it ran after its hand-over was given up: colocated on its decode
+    worker. Unpriced (zero costs), so the calibrator learns nothing from it: its TTFT
+    includes the hop given up."""
+    d = plan.chosen.decode_worker
+    return replace(
+        plan, chosen=Candidate(Action.COLOCATED_PREFILL, d, d, CostBreakdown()), runner_up=None
+    )
 
 
 def _queue_transfer(router: Router, plan: Plan) -> tuple[str, float] | None:

@@ -1,6 +1,6 @@
 """How a plan is shown to clients and operators: the `x-ownerserve-plan` response header
-(the planner's `plan_to_header` plus the chosen candidate's cost breakdown) and the record
-kept for `GET /admin/plans`."""
+(the planner's `plan_to_header`, the chosen candidate's cost breakdown and what ran instead
+when a hop was given up) and the record kept for `GET /admin/plans`."""
 
 from __future__ import annotations
 
@@ -13,9 +13,47 @@ from planner import plan_to_dict, plan_to_header
 from planner.types import Plan
 
 
-def plan_header(plan: Plan, fetched: bool | None = None) -> bytes:
+@dataclass(frozen=True, slots=True)
+class GaveUp:
+    """A worker the router gave up on before the answer's first byte, and why: one of
+    `connect_timeout`, `connect_failed`, `first_byte_timeout`, `kv_transfer_timeout`,
+    `kv_transfer_failed` (a P/D hand-over or fetch that failed otherwise), `upstream_failed`
+    (a 5xx, or the connection lost before the first byte)."""
+
+    worker: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Fallback:
+    """What ran instead of the plan, and the hops given up on the way (in order). `ran` is
+    `colocated` (the plan's decode worker computed the prompt itself: its P/D hand-over or
+    fetch was given up) or `other_worker` (the request was planned again without the workers
+    that failed it)."""
+
+    ran: str
+    gave_up: tuple[GaveUp, ...]
+
+    @property
+    def reason(self) -> str:
+        """Why the last fallback happened."""
+        return self.gave_up[-1].reason
+
+    def then(self, ran: str, gave_up: GaveUp) -> Fallback:
+        return Fallback(ran, (*self.gave_up, gave_up))
+
+
+def fallback_fields(fallback: Fallback) -> str:
+    """`fallback=RAN;reason=WHY;gave_up=WHY:WORKER,...` (worker ids hold no `,`; reasons no
+    `:`)."""
+    gave_up = ",".join(f"{g.reason}:{g.worker}" for g in fallback.gave_up)
+    return f"fallback={fallback.ran};reason={fallback.reason};gave_up={gave_up}"
+
+
+def plan_header(plan: Plan, fetched: bool | None = None, fallback: Fallback | None = None) -> bytes:
     """`key=value;...`: policy, class, action, workers, cost and runner-up, then the cost
-    terms of the chosen candidate (seconds; `m_hbm` in bytes) and whether a fetch succeeded."""
+    terms of the chosen candidate (seconds; `m_hbm` in bytes), whether a fetch succeeded and,
+    when something else ran, `fallback_fields`."""
     b = plan.chosen.cost
     text = (
         f"{plan_to_header(plan)};t_queue={b.t_queue:.6g};t_compute={b.t_compute:.6g}"
@@ -24,6 +62,8 @@ def plan_header(plan: Plan, fetched: bool | None = None) -> bytes:
     )
     if fetched is not None:
         text += f";fetched={'1' if fetched else '0'}"
+    if fallback is not None:
+        text += ";" + fallback_fields(fallback)
     return text.encode("latin-1", errors="replace")
 
 
@@ -36,12 +76,25 @@ class PlanRecord:
     session_id: str | None
     plan: Plan
     fetched: bool | None
+    fallback: Fallback | None = None
 
     @classmethod
-    def of(cls, plan: Plan, session_id: str | None, fetched: bool | None) -> PlanRecord:
-        return cls(time.time(), session_id, plan, fetched)
+    def of(
+        cls,
+        plan: Plan,
+        session_id: str | None,
+        fetched: bool | None,
+        fallback: Fallback | None = None,
+    ) -> PlanRecord:
+        return cls(time.time(), session_id, plan, fetched, fallback)
 
     def as_dict(self) -> dict[str, Any]:
         out = plan_to_dict(self.plan)
         out.update(at=self.at, session_id=self.session_id, fetched=self.fetched)
+        fb = self.fallback
+        out["fallback"] = None if fb is None else {
+            "ran": fb.ran,
+            "reason": fb.reason,
+            "gave_up": [{"worker": g.worker, "reason": g.reason} for g in fb.gave_up],
+        }  # fmt: skip
         return out

@@ -1,5 +1,5 @@
 """`Router`: what one router process shares between requests (pool, directory, caches, HTTP
-connection pool, telemetry), its lifecycle, and the policies by name. The request path is
+connection pool, telemetry, the planner), its lifecycle. The request path is
 `router.pipeline`; worker membership is `router.membership`."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ import functools
 import hmac
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
 from ownerserve.config import Settings
 from ownerserve.directory.base import Directory
-from ownerserve.errors import AuthenticationError, ConfigError, InvalidRequestError
+from ownerserve.errors import AuthenticationError
 from ownerserve.profiles import load_profile
 from ownerserve.tasks import cancel_and_wait
 from planner.calibration import Calibrator
-from planner.types import Policy
+from planner.policies import Planner
 from router import membership, pipeline
 from router.aftermath import REPLICA_TTL_S
 from router.commit import Lifetimes
@@ -34,9 +34,6 @@ from router.upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
 
-PolicyFactory = Callable[[str], Policy]
-
-
 class Router:
     """Shared state of one router process."""
 
@@ -45,7 +42,7 @@ class Router:
         settings: Settings,
         *,
         directory: Directory | None = None,
-        policy_factory: PolicyFactory | None = None,
+        planner: Planner | None = None,
         calibrator: Calibrator | None = None,
     ) -> None:
         self.settings = settings
@@ -60,9 +57,8 @@ class Router:
         self.metrics = self.telemetry.metrics
         self.directory: Directory | None = directory
         self._owns_directory = directory is None
-        self._policy_factory = policy_factory or default_policy_factory(settings)
-        self._policies: dict[str, Policy] = {}
-        self.policy = self.policy_named(settings.planner.policy)
+        self.planner = planner if planner is not None else Planner.from_settings(settings)
+        """The policies by name over one cost model (the default and per-request overrides)."""
         self.calibrator = calibrator if calibrator is not None else Calibrator()
         # the KV transfers this router's plans queued on each node's NIC (T_network's backlog)
         self.nics = NicLedger()
@@ -155,20 +151,6 @@ class Router:
 
     # --- shared services of the request path -----------------------------------------------
 
-    def policy_named(self, name: str) -> Policy:
-        """The policy `name` (built once); an unknown name is a client error, except for the
-        configured default policy (a config error)."""
-        policy = self._policies.get(name)
-        if policy is None:
-            try:
-                policy = self._policy_factory(name)
-            except ConfigError as exc:
-                if not self._policies:
-                    raise  # the configured default policy: a config error
-                raise InvalidRequestError(f"unknown routing policy {name!r}") from exc
-            self._policies[name] = policy
-        return policy
-
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         """Run `coro` in the background; `close` waits for it a little."""
         task: asyncio.Task[Any] = asyncio.ensure_future(coro)
@@ -191,25 +173,3 @@ class Router:
     respond = pipeline.respond
     """Serve one completion request (`router.pipeline.respond`; what `router.httpserver`
     calls)."""
-
-
-def default_policy_factory(settings: Settings) -> PolicyFactory:
-    """Policies from `planner.policies`, sharing one cost model (profiles loaded once)."""
-    from dataclasses import replace
-
-    from planner.cost import CostConfig, CostModel
-    from planner.policies import get_policy
-
-    # the served model's KV spec turns on HeteroCache restore planning for cold (CPU/SSD) hits;
-    # one planner serves the deployment, so it takes the spec of a single-model deployment
-    kv_spec = settings.models[0].kv_spec if len(settings.models) == 1 else None
-    config = CostConfig.from_settings(settings.planner, kv_spec=kv_spec)
-    profiles = tuple(sorted({w.profile for w in settings.workers if w.profile}))
-    if profiles:
-        config = replace(config, profiles=profiles)
-    model = CostModel(config)
-
-    def factory(name: str) -> Policy:
-        return get_policy(name, config, model)
-
-    return factory

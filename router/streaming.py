@@ -1,6 +1,7 @@
 """Streaming the answer: `ResponseWriter` (where one completion response goes) and the
 `stream` stage, which sends the opened upstream response to the client unbuffered and times
-it for calibration."""
+it for calibration. A worker that fails or stalls mid-stream (no bytes for
+`server.stream_gap_timeout_s`) ends the stream with an error event."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from typing import TYPE_CHECKING
 from ownerserve.errors import UpstreamError
 from ownerserve.http import sse_error_event
 from router.aftermath import after_first_bytes, observe
+from router.executor import UpstreamTimeoutError
 from router.inflight import hold, release
 from router.plans import PlanRecord, plan_header
+from router.upstream import UpstreamTimeout
 
 if TYPE_CHECKING:
     from router.pipeline import RequestContext
@@ -86,12 +89,16 @@ async def stream(ctx: RequestContext) -> None:
     worker.breaker.record_success()
     hold(ctx, opened.workers)
     ok = opened.status == 200
-    router.recent_plans.append(PlanRecord.of(plan, ctx.session.session_id, opened.fetched))
+    shown = ctx.planned or plan
+    fallback = ctx.fallback
+    router.recent_plans.append(
+        PlanRecord.of(shown, ctx.session.session_id, opened.fetched, fallback)
+    )
     streaming = ctx.req.stream and ok
     try:
         resp_headers = [
             (b"content-type", opened.content_type),
-            (PLAN_HEADER, plan_header(plan, opened.fetched)),
+            (PLAN_HEADER, plan_header(shown, opened.fetched, fallback)),
         ]
         out.sse = streaming and opened.content_type.startswith(b"text/event-stream")
         if not streaming:
@@ -129,9 +136,17 @@ async def stream(ctx: RequestContext) -> None:
                     await out.write(chunk)
             except OSError as exc:
                 ok = False
-                router.metrics.stream_errors.labels(worker.worker_id).inc()
-                log.warning("worker %s failed mid-stream: %r", worker.worker_id, exc)
-                err = UpstreamError(f"worker {worker.worker_id} failed mid-stream")
+                wid = worker.worker_id
+                router.metrics.stream_errors.labels(wid).inc()
+                log.warning("worker %s failed mid-stream: %r", wid, exc)
+                err: UpstreamError
+                if isinstance(exc, UpstreamTimeout):
+                    router.metrics.upstream_timeouts.labels(wid, exc.hop).inc()
+                    err = UpstreamTimeoutError(
+                        f"worker {wid} sent nothing for {exc.timeout_s:g} s mid-stream"
+                    )
+                else:
+                    err = UpstreamError(f"worker {wid} failed mid-stream")
                 await out.write(sse_error_event(err))
                 worker.breaker.record_failure()
                 router.spawn(router.pool.check(worker))

@@ -96,6 +96,19 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self.fallbacks = Counter(
+            "ownerserve_fallbacks_total",
+            "Hops given up before the first byte, by what ran instead (colocated on the "
+            "plan's decode worker, or another worker) and why",
+            ["fallback", "reason"],
+            registry=r,
+        )
+        self.upstream_timeouts = Counter(
+            "ownerserve_upstream_timeouts_total",
+            "Bounded waits on a worker that ran out (connect, first_byte, kv_transfer, stream_gap)",
+            ["worker", "hop"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "ownerserve_ttft_seconds",
             "Time to first token seen by the router",

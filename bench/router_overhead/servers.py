@@ -24,7 +24,8 @@ from typing import Any
 import httptools
 import uvloop
 
-from bench.router_overhead.run import REPO, free_port, started, wait_http
+from bench.router_overhead.run import REPO, started, wait_http
+from ownerserve.ports import free_port
 
 VARIANTS = ("uvicorn canned", "raw canned", "uvicorn proxy", "raw proxy")
 CANNED = b'{"id":"x","object":"chat.completion","choices":[{"message":{"content":"hi"}}]}'

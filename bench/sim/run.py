@@ -1,5 +1,6 @@
-"""Simulator results for bench/RESULTS.md: every policy at 64 and 1,000 workers on the agentic
-generator and the Mooncake trace (scaled), plus the 100k-session scale run.
+"""Simulator results for bench/history/sim.md (current table in bench/RESULTS.md): every policy
+at 64 and 1,000 workers on the agentic generator and the Mooncake trace (scaled), plus the
+100k-session scale run.
 
     .venv/bin/python -m bench.sim.run [--quick] [--out bench/results/sim]
 

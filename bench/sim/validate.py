@@ -3,7 +3,7 @@ emulated cluster and through the cluster simulator, policy by policy, side by si
 
     .venv/bin/python -m bench.sim.validate [--speed 1] [--sessions 24] [--rate 1.0]
         [--policies ownerserve,static-pd,...] [--out bench/results/sim-validation]
-        [--results-md bench/RESULTS.md]
+        [--results-md bench/history/sim_validation.md]
 
 Emulated side: a 2P/2D/2H cluster of `python -m workers.emulator` processes (profile
 h100-llama3-8b at `--speed`), restarted cold before each policy, `ownerserve serve` with that

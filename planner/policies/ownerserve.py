@@ -12,8 +12,6 @@ choice against the full reference enumeration).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from ownerserve.errors import NoWorkerAvailableError
 from ownerserve.types import Role, Tier
 from planner.classify import DEFAULT_ACTION, classify
@@ -22,7 +20,6 @@ from planner.cost import (
     CostModel,
     RequestCosts,
     Route,
-    WorkerTerms,
     fetch_source,
     migration_source,
     tier_blocks,
@@ -101,38 +98,35 @@ class OwnerServePolicy:
         considered = n_p = n_d = n_both = 0
         nodes: dict[str, _NodeBest] = {}
         dparts: list[_DPart] = []
-        # whether the default can be a candidate of the worker pass, or a remote one
-        dflt_remote = pick.default is _REMOTE
-        dflt_here = not dflt_remote
-
         # what a candidate must cost less than to matter: to enter the top two (`top_bound`),
-        # to be the cheapest of the default's action (`dflt_bound`, -inf when the worker pass
-        # has none of it), and either for a remote one (`_Pick.bound`); bounds only fall, and
-        # only when a candidate is offered
+        # to be the cheapest of the default's action (`dflt_bound`; -inf when the default is
+        # remote prefill, which the worker pass does not generate), and a remote one
+        # (`bound_remote`, `_Pick.bound`); bounds only fall, and only when a candidate is offered
         dflt = pick.default
+        dflt_here = dflt is not _REMOTE
         dflt_colocated = dflt is _COL or dflt is _CONT or dflt is _TAIL
         top_bound = bound_remote = _INF
         dflt_bound = _INF if dflt_here else -_INF
         # candidates on a worker holding nothing: colocated, a fetch, a migration
         per_none = 1 + (src_f is not None) + (src_m is not None)
-        # per profile, in the order workers come: the terms function, the constants and, for a
-        # worker holding nothing, the least prefill (at scale 1) of its candidates
+        # per profile, in the order workers come: the constants and, for a worker holding
+        # nothing, the least prefill (at scale 1) of its candidates
         cur_prof: str | None = None
         c: tuple[float, ...] = ()
-        terms: Callable[[WorkerView], WorkerTerms] = k.worker
         least_none = pf_fetch = pf_mig = 0.0
-        for w in cluster.workers:
+        workers = cluster.workers
+        for w, (q, dec, pf, stalled, g, held, r, rest, dup_g, dup_h) in zip(
+            workers, k.scan(workers), strict=True
+        ):
             if not w.healthy:
                 continue
             if w.profile is not cur_prof:
                 cur_prof = w.profile
-                terms = k.terms(cur_prof)
                 c = k.consts(cur_prof)
                 least_none = k.prefill_base(c, r_lo)
                 # prefill after a fetch / a migration (reusing owner_blocks / gpu(S)), scale 1
                 pf_fetch = k.prefill_base(c, r_fetch)
                 pf_mig = k.prefill_base(c, r_mig)
-            q, dec, pf, stalled, g, held, r, rest, dup_g, dup_h = terms(w)
             role = w.role
             if role is not _PREFILL:
                 n_d += 1
@@ -187,9 +181,8 @@ class OwnerServePolicy:
                             offered = True
                     if offered:
                         top_bound = pick.second_key
-                        if dflt_here:
+                        if dflt_here:  # else no remote candidate yet: no remote bound
                             dflt_bound = pick.default_cost
-                        if dflt_here:  # (a remote default has no candidate yet: no bound)
                             bound_remote = top_bound
                 # the D part of remote prefill into w: q(D) + decode(D) + handshake + λ·dup(D)
                 bd = q + dec + handshake + lam * dup_g

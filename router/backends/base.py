@@ -103,8 +103,9 @@ class Backend(Protocol):
     Pool side (between requests): `health_path`, `metrics_path`, `parse_load` and, when the
     worker joins the router, `kv_event_subscriber`. Request side, on the prefill worker's backend
     when the plan is a remote prefill: `prefill_body`, then `decode_body` (in the order
-    `pd_handoff` says); on a worker that is the destination or source of an artifact fetch or
-    state migration: `kv_api_url`.
+    `pd_handoff` says), and `handoff_release` if the router gives up on the decode after P
+    answered; on a worker that is the destination or source of an artifact fetch or state
+    migration: `kv_api_url`.
     """
 
     kind: BackendKind
@@ -136,6 +137,12 @@ class Backend(Protocol):
     ) -> dict[str, Any]:
         """The body D receives: built from P's answer (`AFTER_PREFILL`; raises `UpstreamError`
         when the answer hands nothing over) or from P's body alone (`RENDEZVOUS`, answer None)."""
+        ...
+
+    def handoff_release(self, prefill_answer: Mapping[str, Any]) -> tuple[str, bytes] | None:
+        """The router gave up on the decode that was to take the KV P holds since answering
+        `prefill_answer` (`AFTER_PREFILL`): (path, JSON body) of the POST that tells P to free
+        it now, or None when the protocol has none (P then frees it after its own timeout)."""
         ...
 
     def kv_api_url(self, address: WorkerAddress) -> str | None:

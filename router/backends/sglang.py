@@ -65,5 +65,10 @@ class SGLangBackend:
             out[name] = prefill_body[name]
         return out
 
+    def handoff_release(self, prefill_answer: Mapping[str, Any]) -> tuple[str, bytes] | None:
+        """None: P and D meet at the room at once (no hand-over after P answered); closing
+        P's connection aborts its side."""
+        return None
+
     def kv_api_url(self, address: WorkerAddress) -> str | None:
         return address.sidecar_url

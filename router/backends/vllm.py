@@ -141,6 +141,11 @@ class VLLMRequestFlow:
             raise UpstreamError("prefill answer is not a JSON object")
         return with_transfer_params(body, transfer_params_of(prefill_answer))
 
+    def handoff_release(self, prefill_answer: Mapping[str, Any]) -> tuple[str, bytes] | None:
+        """None: vLLM's API has no call for it; its NixlConnector frees KV that no decoder
+        read after its abort timeout (`VLLM_NIXL_ABORT_REQUEST_TIMEOUT`)."""
+        return None
+
 
 class VLLMBackend(VLLMRequestFlow):
     """Real vLLM servers; an artifact fetch goes through the worker's sidecar."""

@@ -4,6 +4,7 @@ metrics and the report files (one policy, no peers, so it stays short)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,9 @@ def test_bench_agentic_runs_a_policy_and_writes_results(tmp_path: Path) -> None:
     assert runs[1]["cluster"]["kv_bytes_pd"] > 0
     assert len(list(out.glob("*.png"))) == 4
     text = md.read_text()
-    assert "kept" in text and "## Agentic benchmark (issue 8)" in text
+    assert "kept" in text and "## Agentic benchmark, " in text
+    # the section's image links resolve from the file it was appended to
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert len(links) == 4 and all((md.parent / link).is_file() for link in links)
     assert "| ownerserve | " in text and "goal (ownerserve)" in text
     assert len(list((tmp_path / "logs").glob("records_*.jsonl"))) == 4

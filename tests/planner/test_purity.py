@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import builtins
 import socket
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,4 +44,3 @@ def test_no_file_or_socket_is_touched_while_planning(monkeypatch: pytest.MonkeyP
         plan = p.plan(req, cal.apply_all(ClusterView(workers=ws)))
         cal.observe_plan(plan, ttft_s=0.1, tpot_s=0.01, transfer_s=0.001)
         assert plan_to_header(plan) and plan_to_dict(plan)
-        assert p.plan(replace(req, policy_override="x"), ClusterView(workers=ws)) is not None

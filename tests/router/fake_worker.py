@@ -15,7 +15,7 @@ from aiohttp import web
 
 from ownerserve.errors import InvalidRequestError
 from ownerserve.kvfetch import FETCH_PATH, KVFetchRequest
-from tests.conftest import free_port
+from ownerserve.ports import free_port
 
 
 @dataclass

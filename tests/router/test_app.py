@@ -15,9 +15,10 @@ import httpx
 import orjson
 import pytest
 
-from ownerserve.config import settings_from_dict
+from ownerserve.config import Settings, settings_from_dict
 from planner.explain import parse_plan_header
-from planner.types import Action, Candidate, CostBreakdown, Plan, RequestClass
+from planner.policies import Planner
+from planner.types import Action, Candidate, CostBreakdown, Plan, Policy, RequestClass
 from router.app import create_app
 from router.server import running_app
 from tests.router.fake_worker import FakeWorker, free_port
@@ -52,6 +53,11 @@ class FixedPolicy:
         return Plan("fixed", RequestClass.NEW_LONG_PREFIX, cand)
 
 
+def fixed_planner(settings: Settings, policy: Policy) -> Planner:
+    """The deployment's planner with `policy` as its default."""
+    return Planner.from_settings(settings, extra={settings.planner.policy: policy})
+
+
 @contextlib.asynccontextmanager
 async def router_for(
     workers: list[tuple[FakeWorker, str, str]],
@@ -75,7 +81,7 @@ async def router_for(
         ],
     }
     settings = settings_from_dict(data)
-    app = create_app(settings, policy_factory=lambda name: policy)
+    app = create_app(settings, planner=fixed_planner(settings, policy))
     async with (
         running_app(app, "127.0.0.1", 0) as url,
         httpx.AsyncClient(base_url=url, timeout=10) as client,
@@ -459,7 +465,7 @@ async def test_requests_are_still_served_when_the_directory_is_unreachable(worke
         }
     )
     policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
-    app = create_app(settings, directory=dead_redis, policy_factory=lambda name: policy)
+    app = create_app(settings, directory=dead_redis, planner=fixed_planner(settings, policy))
     async with running_app(app, "127.0.0.1", 0) as url, httpx.AsyncClient(timeout=30) as c:
         resp = await c.post(url + "/v1/chat/completions", json=CHAT)
         metrics = (await c.get(url + "/metrics")).text
@@ -492,7 +498,7 @@ async def test_the_router_sweeps_what_expired_from_the_directory(workers):
         }
     )
     policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
-    app = create_app(settings, policy_factory=lambda name: policy)
+    app = create_app(settings, planner=fixed_planner(settings, policy))
     async with running_app(app, "127.0.0.1", 0) as url, httpx.AsyncClient(timeout=30) as c:
         router = app.state.router
         resp = await c.post(url + "/v1/chat/completions", json=CHAT)

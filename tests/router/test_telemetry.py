@@ -18,7 +18,7 @@ from planner.types import Action
 from router.app import create_app
 from router.server import running_app
 from tests.router.fake_worker import FakeWorker, free_port
-from tests.router.test_app import CHAT, MODEL, FixedPolicy
+from tests.router.test_app import CHAT, MODEL, FixedPolicy, fixed_planner
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "configs" / "grafana" / "ownerserve-router.json"
 
@@ -55,7 +55,7 @@ async def test_spans_reach_an_otlp_receiver_and_trace_context_reaches_the_worker
             }
         )
         policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
-        app = create_app(settings, policy_factory=lambda name: policy)
+        app = create_app(settings, planner=fixed_planner(settings, policy))
         async with running_app(app, "127.0.0.1", 0) as url, httpx.AsyncClient() as client:
             resp = await client.post(url + "/v1/chat/completions", json=CHAT)
             assert resp.status_code == 200
@@ -96,7 +96,7 @@ async def test_every_metric_on_the_dashboard_is_exported():
             }
         )
         policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
-        app = create_app(settings, policy_factory=lambda name: policy)
+        app = create_app(settings, planner=fixed_planner(settings, policy))
         async with running_app(app, "127.0.0.1", 0) as url, httpx.AsyncClient() as client:
             await client.post(url + "/v1/chat/completions", json={**CHAT, "stream": True})
             exported = (await client.get(url + "/metrics")).text

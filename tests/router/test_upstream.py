@@ -1,13 +1,16 @@
 """The router's HTTP/1.1 client against real servers: keep-alive reuse, a stale pooled
-connection retried, refused connections, bodies streamed as they arrive, truncated bodies."""
+connection retried, refused connections, bodies streamed as they arrive, truncated bodies, and
+each bounded wait (connect, first byte, KV transfer, stream gap) against a server that stalls."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 
 import pytest
 
-from router.upstream import UpstreamConnectionError, UpstreamPool, header_block
+from router.upstream import UpstreamConnectionError, UpstreamPool, UpstreamTimeout, header_block
 from tests.router.fake_worker import FakeWorker, free_port
 
 HEADERS = header_block({"content-type": "application/json"})
@@ -187,3 +190,172 @@ async def test_pipe_pauses_reading_while_the_receiver_is_congested():
     finally:
         await pool.close()
         await worker.stop()
+
+
+# --- bounded waits: each against a real socket server that stalls where the test says --------
+
+
+async def _stalling_server(
+    *parts: bytes, then_wait_s: float = 60.0
+) -> tuple[asyncio.AbstractServer, str, asyncio.Event]:
+    """Answers every request with `parts` (0.05 s apart), then sends nothing more; the event
+    is set once the router's side closed the connection."""
+    closed = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        for part in parts:
+            writer.write(part)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        try:
+            async with asyncio.timeout(then_wait_s):
+                await reader.read()  # b"" once the client closed
+            closed.set()
+        finally:
+            writer.close()
+
+    server, url = await _raw_server(handler)
+    return server, url, closed
+
+
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def test_no_first_byte_within_the_bound_times_out_and_closes_the_connection():
+    # headers come at once, as vLLM sends them for a stream, but no body: the bound is on
+    # the first body bytes
+    server, url, closed = await _stalling_server(SSE_HEAD)
+    pool = UpstreamPool()
+    try:
+        t0 = time.monotonic()
+        resp = await pool.request(url, b"POST", "/v1/completions", HEADERS, b"{}",
+                                  ("first_byte", 0.3))  # fmt: skip
+        with pytest.raises(UpstreamTimeout) as err:
+            await resp.readany()
+        assert err.value.hop == "first_byte"
+        assert 0.3 <= time.monotonic() - t0 < 1.0
+        async with asyncio.timeout(2.0):
+            await closed.wait()  # the worker sees the request abandoned
+    finally:
+        await pool.close()
+        server.close()
+
+
+async def test_first_bytes_in_time_end_the_first_byte_bound():
+    server, url, _ = await _stalling_server(SSE_HEAD + _chunk(b"data: 1\n\n"))
+    pool = UpstreamPool()
+    try:
+        resp = await pool.request(url, b"POST", "/v1/completions", HEADERS, b"{}",
+                                  ("first_byte", 0.3))  # fmt: skip
+        assert await resp.readany() == b"data: 1\n\n"
+        # no bound any more: the read is still waiting well after 0.3 s
+        pending = asyncio.ensure_future(resp.readany())
+        await asyncio.sleep(0.6)
+        assert not pending.done()
+        pending.cancel()
+        resp.close()
+    finally:
+        await pool.close()
+        server.close()
+
+
+async def test_a_kv_transfer_bound_covers_the_whole_answer():
+    # headers and half the body in time, the rest never: a KV hand-over must be whole
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhello"
+    server, url, closed = await _stalling_server(head)
+    pool = UpstreamPool()
+    try:
+        t0 = time.monotonic()
+        resp = await pool.request(url, b"POST", "/v1/completions", HEADERS, b"{}",
+                                  ("kv_transfer", 0.4))  # fmt: skip
+        with pytest.raises(UpstreamTimeout) as err:
+            await resp.read()
+        assert err.value.hop == "kv_transfer"
+        assert 0.4 <= time.monotonic() - t0 < 1.2
+        async with asyncio.timeout(2.0):
+            await closed.wait()
+    finally:
+        await pool.close()
+        server.close()
+
+
+async def test_a_stalled_stream_fails_after_the_gap_but_a_steady_one_does_not():
+    steady = [_chunk(b"data: %d\n\n" % i) for i in range(12)]  # one every 0.05 s
+    server, url, closed = await _stalling_server(SSE_HEAD, *steady)
+    pool = UpstreamPool()
+    try:
+        resp = await pool.request(url, b"POST", "/v1/completions", HEADERS, b"{}")
+        resp.watch_gaps(0.3)
+        got: list[bytes] = []
+        t_last = time.monotonic()
+
+        def sink(chunk: bytes) -> bool:
+            nonlocal t_last
+            got.append(chunk)
+            t_last = time.monotonic()
+            return False
+
+        async def drain() -> None:
+            pass
+
+        with pytest.raises(UpstreamTimeout) as err:
+            await resp.pipe(sink, drain)
+        assert err.value.hop == "stream_gap"
+        assert b"data: 11" in b"".join(got)  # 0.6 s of steady chunks passed the 0.3 s bound
+        assert 0.3 <= time.monotonic() - t_last < 0.8
+        async with asyncio.timeout(2.0):
+            await closed.wait()
+    finally:
+        await pool.close()
+        server.close()
+
+
+async def test_the_stream_gap_does_not_count_while_the_router_waits_on_its_client():
+    parts = [_chunk(b"data: %d\n\n" % i) for i in range(3)]
+    server, url, _ = await _stalling_server(SSE_HEAD, *parts, _chunk(b""), then_wait_s=5.0)
+    pool = UpstreamPool()
+    try:
+        resp = await pool.request(url, b"POST", "/v1/completions", HEADERS, b"{}")
+        resp.watch_gaps(0.2)
+        got: list[bytes] = []
+
+        def sink(chunk: bytes) -> bool:
+            got.append(chunk)
+            return True  # congested after every piece
+
+        async def drain() -> None:
+            await asyncio.sleep(0.5)  # a slow client: longer than the gap each time
+
+        await resp.pipe(sink, drain)  # ends normally: no timeout
+        assert b"data: 2" in b"".join(got)
+        resp.release()
+    finally:
+        await pool.close()
+        server.close()
+
+
+async def test_a_connect_that_gets_no_answer_times_out():
+    # a listener whose accept queue is full: the kernel drops further SYNs, so connecting
+    # hangs (a worker host that stopped answering)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    filler = socket.create_connection(listener.getsockname(), timeout=1.0)
+    pool = UpstreamPool(connect_timeout_s=0.3)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(UpstreamTimeout) as err:
+            await pool.request(f"http://127.0.0.1:{listener.getsockname()[1]}", b"GET", "/")
+        assert err.value.hop == "connect"
+        assert 0.3 <= time.monotonic() - t0 < 1.0
+    finally:
+        filler.close()
+        listener.close()
+        await pool.close()

@@ -54,7 +54,7 @@ Control frames (u32 length + JSON, as in `transport.py`):
     ack:      {"ack": k}          (destination -> source, after reading batch k)
     error:    {"error": message}  (source -> destination, bad request)
 
-Measured with both ends on loopback (bench/RESULTS.md, `## Sidecar`): per-fetch and
+Measured with both ends on loopback (bench/history/sidecar.md): per-fetch and
 per-artifact Python work bounds the direct path for small artifacts; fresh destination memory
 and the control round trips bound the control path.
 

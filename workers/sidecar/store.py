@@ -8,11 +8,8 @@ returned. The checksum is XXH3-128, a 128-bit non-cryptographic hash (~10-45 GB/
 here, SHA-256 ~1.5 GB/s, so verifying never bounds a transfer): it guards against corruption,
 truncation and stale reads inside a trusted cluster, not against a malicious peer.
 Capacity is per tier in bytes; when the memory tier is full the lowest-utility artifacts
-are demoted to SSD, and when SSD is full the lowest-utility ones are dropped. Utility is the KV
-state model's expected seconds saved per byte kept (same formula as `planner.restore
-.artifact_utility`, restated here because workers import only the core):
-
-    (1 + reuse_count) * 2^(-age / half_life) * max(recompute_s - load_s, 0) / size_bytes
+are demoted to SSD, and when SSD is full the lowest-utility ones are dropped (utility:
+`artifact_utility`, expected seconds saved per byte kept).
 
 With `write_behind` (what the sidecar uses) the SSD tier's file writes and deletions are done by
 one thread of the store, in the order they were asked for, while the caller goes on: demoting

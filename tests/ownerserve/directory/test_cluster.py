@@ -20,8 +20,9 @@ from ownerserve.directory.resilient import ResilientDirectory
 from ownerserve.errors import StaleEpochError
 from ownerserve.events import BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
+from ownerserve.ports import free_port
 from ownerserve.types import Tier
-from tests.conftest import RedisServer, find_redis_binary, free_port
+from tests.conftest import RedisServer, find_redis_binary
 
 BS = 4
 ROOT = chain_root("cluster-model")

@@ -15,10 +15,10 @@ from ownerserve.directory.base import Artifact, EventApplyResult
 from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.events import AllBlocksCleared, BlockStored, EventBatch
 from ownerserve.hashing import chain_root, hash_block
+from ownerserve.ports import free_port
 from ownerserve.types import Tier
 from ownerserve.vllm_events import encode_message, encode_payload
 from router.backends.kv_events import KVEventSink, KVEventSubscriber
-from tests.conftest import free_port
 
 
 class RecordingSink:

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from tests.conftest import free_port
+from ownerserve.ports import free_port
 from workers.emulator.config import add_arguments, config_from_args
 
 

@@ -12,8 +12,8 @@ import zmq.asyncio
 
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root, hash_block
+from ownerserve.ports import free_port
 from ownerserve.vllm_events import decode_message
-from tests.conftest import free_port
 from tests.workers.emulator.conftest import StartEmulator
 
 MODEL = "ownerserve-tiny"

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.peers.peers import PeerUnavailableError, peer_binary
-from tests.conftest import free_port
+from loadgen.peers import PeerUnavailableError, peer_binary
+from ownerserve.ports import free_port
 from tests.workers.emulator.conftest import StartEmulator, metric_value, scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

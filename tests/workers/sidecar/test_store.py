@@ -19,6 +19,7 @@ from workers.sidecar.store import (
     ArtifactStore,
     ArtifactTooLarge,
     Tier,
+    artifact_utility,
     checksum,
 )
 
@@ -357,3 +358,29 @@ def test_write_behind_under_random_traffic_never_serves_wrong_or_corrupted_bytes
     new = ArtifactStore(memory_capacity_bytes=0, ssd_dir=tmp_path, ssd_capacity_bytes=1 << 20)
     assert set(new.recover_ssd()) == on_ssd
     assert all(new.get(k) == model[k] for k in on_ssd)
+
+
+def _meta(**kw: float) -> ArtifactMeta:
+    base: dict[str, float] = dict(
+        size_bytes=10**9, reuse_count=3, last_access_s=100.0, recompute_s=2.0, load_s=0.5
+    )
+    base.update(kw)
+    return ArtifactMeta(
+        key="k",
+        checksum=b"",
+        size_bytes=int(base["size_bytes"]),
+        reuse_count=int(base["reuse_count"]),
+        last_access_s=base["last_access_s"],
+        recompute_s=base["recompute_s"],
+        load_s=base["load_s"],
+    )
+
+
+def test_artifact_utility_rewards_reuse_recency_savings_and_small_size() -> None:
+    now = 200.0
+    u = artifact_utility(_meta(), now)
+    assert u == pytest.approx(4 * 2 ** (-100 / 600) * 1.5 / 1e9)
+    assert artifact_utility(_meta(reuse_count=10), now) > u
+    assert artifact_utility(_meta(last_access_s=0.0), now) < u
+    assert artifact_utility(_meta(size_bytes=2 * 10**9), now) < u
+    assert artifact_utility(_meta(recompute_s=0.1), now) == 0.0  # cheaper to recompute
