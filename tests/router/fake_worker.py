@@ -37,6 +37,7 @@ class FakeWorker:
     mode: str = "ok"
     chunks: int = 4
     fetch_status: int = 200  # what `POST /ownerserve/kv/fetch` answers (non-200: the fetch failed)
+    fetch_delay_s: float = 0.0  # how long a fetch takes (`cancelled` is set if given up)
     requests: list[Recorded] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     port: int = 0
@@ -81,6 +82,12 @@ class FakeWorker:
             KVFetchRequest.from_json(orjson.loads(raw))
         except InvalidRequestError as exc:
             return web.json_response({"error": {"message": str(exc)}}, status=400)
+        if self.fetch_delay_s:
+            try:
+                await asyncio.sleep(self.fetch_delay_s)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
         if self.fetch_status != 200:
             return web.json_response(
                 {"error": {"message": "source gone"}}, status=self.fetch_status

@@ -219,16 +219,36 @@ async def test_a_transfer_between_nodes_queues_on_the_senders_nic_until_it_drain
         assert router.nics.backlog("n0", time.monotonic() + 60.0) == 0.0
 
 
-async def test_a_plan_that_fails_before_it_opens_takes_its_transfer_back(workers):
+async def test_a_failed_hand_over_runs_colocated_on_d_and_takes_its_transfer_back(workers):
     p, d = workers
     p.mode = "fail500"
     policy = FixedPolicy(Action.REMOTE_PREFILL, "w0", "w1", t_nic=30.0)
     pair = [(p, "prefill", "emulator"), (d, "decode", "emulator")]
     async with router_for(pair, policy, nodes={"w0": "n0", "w1": "n1"}) as (c, router):
         resp = await c.post("/v1/chat/completions", json=CHAT)
-        assert resp.status_code == 200  # retried colocated on w1, without w0
-        assert _plan_fields(resp)["action"] == "colocated_prefill"
+        metrics = (await c.get("/metrics")).text
+        assert resp.status_code == 200
+        # planned P/D, ran colocated on w1 with the client's own body
+        plan = _plan_fields(resp)
+        assert (plan["action"], plan["p"], plan["d"]) == ("remote_prefill", "w0", "w1")
+        assert plan["fallback"] == "colocated" and plan["reason"] == "kv_transfer_failed"
+        assert plan["gave_up"] == "kv_transfer_failed:w0"
+        assert d.completions()[0].json == CHAT
         assert router.nics.snapshot(time.monotonic()) == {}
+        # the commit is the colocated run's: no transient copy recorded on w0
+        await asyncio.sleep(0.05)
+        match = await router.directory.lookup(
+            router.tokenizers.get(MODEL).tokenize_chat(None, CHAT["messages"]).chain
+        )
+        assert match.owner == "w1" and all(h.worker != "w0" for h in match.holdings)
+        assert router.pool.get("w0").breaker.failures == 1
+        assert router.recent_plans[-1].as_dict()["fallback"] == {
+            "ran": "colocated",
+            "reason": "kv_transfer_failed",
+            "gave_up": [{"worker": "w0", "reason": "kv_transfer_failed"}],
+        }
+    labels = 'fallback="colocated",reason="kv_transfer_failed"'
+    assert f"ownerserve_fallbacks_total{{{labels}}} 1.0" in metrics
 
 
 async def test_a_failed_fetch_takes_its_transfer_back_and_a_good_one_keeps_it(workers):
@@ -239,11 +259,38 @@ async def test_a_failed_fetch_takes_its_transfer_back_and_a_good_one_keeps_it(wo
         dst.fetch_status = 502
         resp = await c.post("/v1/chat/completions", json=CHAT)
         assert resp.status_code == 200 and _plan_fields(resp)["fetched"] == "0"  # recomputed
+        assert _plan_fields(resp)["fallback"] == "colocated"
+        assert _plan_fields(resp)["gave_up"] == "kv_transfer_failed:w1"
         assert router.nics.snapshot(time.monotonic()) == {}
         dst.fetch_status = 200
         resp = await c.post("/v1/chat/completions", json=CHAT)
         assert _plan_fields(resp)["fetched"] == "1"
         assert 29.0 < router.nics.backlog("n0", time.monotonic()) <= 30.0  # the source's node
+
+
+async def test_a_fetch_past_its_bound_is_abandoned_and_the_prompt_recomputed(workers):
+    src, dst = workers
+    dst.fetch_delay_s = 30.0
+    policy = FixedPolicy(Action.ARTIFACT_FETCH, "w1", "w1", src="w0")
+    pair = [(src, "hybrid", "emulator"), (dst, "hybrid", "emulator")]
+    async with router_for(pair, policy, {"kv_transfer_timeout_s": 0.3}) as (c, _):
+        t0 = time.monotonic()
+        resp = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        elapsed = time.monotonic() - t0
+        metrics = (await c.get("/metrics")).text
+        async with asyncio.timeout(2.0):
+            await dst.cancelled.wait()  # the router closed the fetch: the worker stopped it
+    assert resp.status_code == 200 and "t3" in resp.text
+    assert elapsed < 0.3 + 2.0
+    plan = _plan_fields(resp)
+    assert (plan["action"], plan["fetched"], plan["fallback"]) == (
+        "artifact_fetch",
+        "0",
+        "colocated",
+    )
+    assert plan["gave_up"] == "kv_transfer_timeout:w1"
+    assert 'ownerserve_upstream_timeouts_total{hop="kv_transfer",worker="w1"} 1.0' in metrics
+    assert dst.completions() and not src.completions()
 
 
 async def test_5xx_before_first_byte_is_retried_on_another_worker(workers):
@@ -376,7 +423,7 @@ async def test_admin_api_adds_drains_and_removes_workers(workers):
         listed = (await c.get("/admin/workers", headers=auth)).json()["workers"]
         assert {w["id"] for w in listed} == {"w0", "w1"}
         plans = (await c.get("/admin/plans", headers=auth)).json()["plans"]
-        assert plans[-1]["chosen"]["decode_worker"] == "w1"
+        assert plans[-1]["chosen"]["decode_worker"] == "w1" and plans[-1]["fallback"] is None
         assert (await c.delete("/admin/workers/w1", headers=auth)).status_code == 200
         assert (await c.delete("/admin/workers/w1", headers=auth)).status_code == 404
         assert router.pool.get("w1") is None
