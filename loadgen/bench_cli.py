@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-blocks", type=int, default=None, help="KV blocks per worker (default: the profile's)"
     )
     p.add_argument(
+        "--cpu-num-blocks",
+        type=int,
+        default=0,
+        help="blocks of each worker's CPU KV tier behind HBM (vLLM-style offloading; 0: none)",
+    )
+    p.add_argument(
         "--workload",
         default="mixed",
         help=f"generated workload: {'|'.join(sorted(GENERATORS))} (default mixed)",
@@ -192,7 +198,9 @@ def run(args: argparse.Namespace) -> int:
         peers = peers[:1]
     targets = [Target(p, "own") for p in policies] + [Target(p, "peer") for p in peers]
     workloads, notes = _workloads(args)
-    extra = ("--num-blocks", str(args.num_blocks)) if args.num_blocks else ()
+    extra: tuple[str, ...] = ("--num-blocks", str(args.num_blocks)) if args.num_blocks else ()
+    if args.cpu_num_blocks:
+        extra += ("--cpu-num-blocks", str(args.cpu_num_blocks))
     spec = ClusterSpec(
         args.prefill, args.decode, args.hybrid, args.profile, args.speed, extra_args=extra
     )

@@ -56,6 +56,7 @@ class LinkTiming:
     inter_node_bps: float
     latency_s: float
     cpu_load_bps: float
+    """Host memory -> HBM (PCIe; H100 Gen5 x16 ~50 GB/s effective): CPU-tier KV loads."""
     ssd_load_bps: float
 
     def transfer_s(self, nbytes: float, same_node: bool) -> float:

@@ -12,7 +12,7 @@ is built; evaluating a cost never does I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -101,8 +101,8 @@ class CostConfig:
 
 class CostModel:
     """The deployment's timing profiles (a worker's by `WorkerView.profile`) and KV spec, and
-    restores into HBM (`tier_restore_s`). Built once: the terms of a request are computed by
-    `RequestCosts`."""
+    cold restores into HBM (`cold_restore_s`). Built once: the terms of a request are computed
+    by `RequestCosts`."""
 
     __slots__ = ("_cold", "_default", "_profiles", "config", "spec", "swa_policy")
 
@@ -148,11 +148,6 @@ class CostModel:
         """The worker's profile by `WorkerView.profile`; the default one if unknown."""
         return self._profiles.get(worker.profile, self._default)
 
-    def restore_s(self, worker: WorkerView, cpu_bytes: float, ssd_bytes: float) -> float:
-        """Tier load into HBM: cpu_bytes / cpu_load_bps + ssd_bytes / ssd_load_bps."""
-        link = self.profile_of(worker).link
-        return cpu_bytes / link.cpu_load_bps + ssd_bytes / link.ssd_load_bps
-
     def cold_restore_s(self, worker: WorkerView, cached_tokens: int, tier: Tier) -> float:
         """`planner.restore.plan_restore(spec, cached_tokens, tier, profile(worker)).restore_s`:
         bring a prefix held only in `tier` (CPU/SSD) of `worker` back into its HBM, loading or
@@ -167,24 +162,6 @@ class CostModel:
             plan = plan_restore(self.spec, cached_tokens, tier, prof, swa_policy=self.swa_policy)
             val = self._cold[key] = plan.restore_s
         return val
-
-    def tier_restore_s(
-        self, worker: WorkerView, gpu: int, cpu: int, ssd: int, request: RequestView
-    ) -> float:
-        """T_restore of a worker holding the request's prefix up to `gpu`/`cpu`/`ssd` blocks:
-        0 when the GPU copy is the longest; with a KV spec and nothing in GPU,
-        cold_restore_s(worker, min(max(cpu, ssd)·block_size, N − 1), SSD if ssd > cpu else CPU);
-        otherwise restore_s(worker, max(0, cpu − gpu)·block_size·K,
-        max(0, ssd − max(gpu, cpu))·block_size·K)."""
-        if cpu <= gpu and ssd <= gpu:
-            return 0.0
-        if self.spec is not None and gpu == 0:
-            held = cpu if cpu >= ssd else ssd
-            cached = min(held * request.block_size, max(request.prompt_tokens, 1) - 1)
-            return self.cold_restore_s(worker, cached, _SSD if ssd > cpu else _CPU)
-        bk = request.block_size * request.kv_bytes_per_token
-        gc = cpu if cpu > gpu else gpu
-        return self.restore_s(worker, (gc - gpu) * bk, (ssd - gc if ssd > gc else 0) * bk)
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,14 +218,20 @@ def decode_tokens(request: RequestView, config: CostConfig) -> int:
 # What `RequestCosts.consts` holds per timing profile (a tuple: the cheapest read on the
 # search's hot path): 0-2 PrefillTiming base_s, per_token_s, per_token_ctx_s; 3-5 A, B, C of
 # decode(w) = s_d · (A + B · running + C · kv_usage); 6-8 LinkTiming latency_s,
-# intra_node_bps, inter_node_bps; 9 prefill_base(·, 0), the whole prompt on nothing.
+# intra_node_bps, inter_node_bps; 9-10 cpu_load_bps, ssd_load_bps; 11 prefill_base(·, 0), the
+# whole prompt on nothing.
 _PF_BASE, _PF_TOK, _PF_CTX = 0, 1, 2
-_LAT, _INTRA, _INTER = 6, 7, 8
+_LAT, _INTRA, _INTER, _CPU_BPS, _SSD_BPS = 6, 7, 8, 9, 10
 
 
-WorkerTerms = tuple[float, float, float, int, int, int, int, float, int, int]
-"""`RequestCosts.worker`: (q, decode, prefill, stalled, gpu blocks, held blocks, reused tokens
-r, restore, dup(w, gpu), dup(w, held))."""
+HeldTerms = tuple[int, int, int, float, int]
+"""What a worker holding part of the request's prefix adds to its `WorkerTerms`: (gpu blocks,
+held blocks, reused tokens r = reused(held), restore, dup(w, gpu))."""
+
+WorkerTerms = tuple[WorkerView, float, float, float, int, int, HeldTerms | None]
+"""`RequestCosts.scan` of one worker w: (w, q, decode, prefill, stalled, dup(w, held), held
+terms), the held terms None when w holds nothing of the prefix (gpu = held = r = 0, no
+restore, dup(w, gpu) = dup(w, held))."""
 
 
 class RequestCosts:
@@ -306,19 +289,21 @@ class RequestCosts:
                 link.latency_s,
                 link.intra_node_bps,
                 link.inter_node_bps,
+                link.cpu_load_bps,
+                link.ssd_load_bps,
             )
             c = self._consts[profile] = (*c, self.prefill_base(c, 0))
         return c
 
     def worker(self, w: WorkerView) -> WorkerTerms:
         """What w costs this request whatever the route (`scan` of w alone)."""
-        return self.scan((w,))[0]
+        return next(self.scan((w,)))
 
-    def scan(self, workers: Sequence[WorkerView]) -> list[WorkerTerms]:
-        """What each worker costs this request whatever the route (`WorkerTerms`, in order),
-        with each profile's constants looked up once per run of workers sharing it. The
-        search takes every worker's terms from one call (a call per worker would cost more
-        than the terms themselves):
+    def scan(self, workers: Iterable[WorkerView]) -> Iterator[WorkerTerms]:
+        """What each worker costs this request whatever the route (`WorkerTerms`, in order, as
+        the caller takes them), with each profile's constants looked up once per run of workers
+        sharing it. The search takes every worker's terms from one generator (a call per
+        worker would cost more than the terms themselves):
 
             q(w)       = s_p · (per_token_s · inflight_prefill_tokens + base_s · waiting)
             decode(w)  = O · decode_step_s(w, running + 1, ctx(w) + N)
@@ -328,13 +313,11 @@ class RequestCosts:
                          r = reused(held(w))
             stalled(w) = running(w), or 0 on a PREFILL worker (its running requests are
                          prefills): the decodes a prefill on w stalls (I_decode)
-            restore    = CostModel.tier_restore_s(w, gpu, cpu, ssd): its held prefix into HBM
-            dup        = dup(w, gpu(w)) and dup(w, held(w))
+            restore    = restore(w, gpu, cpu, ssd): its held prefix into HBM
+            dup        = dup(w, held(w)) and dup(w, gpu(w))
         """
         n, bs, ob, bk, owner = self.n, self.request.block_size, self.ob, self.bk, self.owner
-        dup_none = _dup(True, 0, ob, bk) if owner is not None else 0
-        out: list[WorkerTerms] = []
-        append = out.append
+        dup_none = _dup(True, 0, ob, bk)  # dup(w, 0) of a non-owner (0 without an owner)
         profile: str | None = None
         c: tuple[float, ...] = ()
         pbase = ptok = da = db = dc = pf_all = 0.0
@@ -342,7 +325,7 @@ class RequestCosts:
             if w.profile is not profile:
                 profile = w.profile
                 c = self.consts(profile)
-                pbase, ptok, _, da, db, dc, _, _, _, pf_all = c
+                pbase, ptok, _, da, db, dc, *_, pf_all = c
             sp = w.prefill_scale
             running = w.running
             q = sp * (ptok * w.inflight_prefill_tokens + pbase * w.waiting)
@@ -354,28 +337,47 @@ class RequestCosts:
                 held = g if g >= cpu and g >= ssd else (cpu if cpu >= ssd else ssd)
                 if held:
                     r = _reused(held, bs, n)
-                    rest = (
-                        self.model.tier_restore_s(w, g, cpu, ssd, self.request) if held > g else 0.0
-                    )
                     other = w.worker_id != owner
-                    append(
+                    dh = _dup(other, held, ob, bk)
+                    yield (
+                        w,
+                        q,
+                        dec,
+                        sp * _prefill_base(c, n, r),
+                        stalled,
+                        dh,
                         (
-                            q,
-                            dec,
-                            sp * _prefill_base(c, n, r),
-                            stalled,
                             g,
                             held,
                             r,
-                            rest,
-                            _dup(other, g, ob, bk),
-                            _dup(other, held, ob, bk),
-                        )
+                            self.restore(w, g, cpu, ssd, c) if held > g else 0.0,
+                            dh if g == held else _dup(other, g, ob, bk),
+                        ),
                     )
                     continue
             d = dup_none if dup_none and w.worker_id != owner else 0
-            append((q, dec, sp * pf_all, stalled, 0, 0, 0, 0.0, d, d))
-        return out
+            yield w, q, dec, sp * pf_all, stalled, d, None
+
+    def restore(
+        self, w: WorkerView, gpu: int, cpu: int, ssd: int, c: tuple[float, ...] | None = None
+    ) -> float:
+        """T_restore of w holding the request's prefix up to `gpu`/`cpu`/`ssd` blocks (`c`: the
+        constants of w's profile, when at hand): 0 when the GPU copy is the longest; with a KV
+        spec and nothing in GPU, CostModel.cold_restore_s(w, min(max(cpu, ssd)·bs, N − 1),
+        SSD if ssd > cpu else CPU); otherwise restore_s(w, max(0, cpu − gpu)·bs·K,
+        max(0, ssd − max(gpu, cpu))·bs·K), restore_s(w, cpu_bytes, ssd_bytes) =
+        cpu_bytes / cpu_load_bps + ssd_bytes / ssd_load_bps (of w's profile)."""
+        if cpu <= gpu and ssd <= gpu:
+            return 0.0
+        if self.model.spec is not None and gpu == 0:
+            held = cpu if cpu >= ssd else ssd
+            cached = _reused(held, self.request.block_size, self.n)
+            return self.model.cold_restore_s(w, cached, _SSD if ssd > cpu else _CPU)
+        if c is None:
+            c = self.consts(w.profile)
+        bk = self.bk
+        gc = cpu if cpu > gpu else gpu
+        return (gc - gpu) * bk / c[_CPU_BPS] + (ssd - gc if ssd > gc else 0) * bk / c[_SSD_BPS]
 
     def reused(self, blocks: int) -> int:
         """r = min(blocks · bs, N − 1): tokens reused from `blocks` held prefix blocks; the last
@@ -392,6 +394,17 @@ class RequestCosts:
         per_token_ctx_s·new·(r + new/2), new = N − r."""
         return _prefill_base(c, self.n, r)
 
+    def prompt_copy(self, r: int) -> int:
+        """(N − r)·K: the bytes of the prompt a remote prefill worker reusing r tokens computes
+        and holds until they move to D (its transient copy, M_HBM)."""
+        return (self.n - r) * self.request.kv_bytes_per_token
+
+    def kv_to_decode(self, gpu_d: int) -> int:
+        """max(0, N − gpu(D)·bs)·K: the bytes of the prompt's KV a remote prefill sends to a
+        decode worker holding gpu(D) blocks of it in GPU."""
+        nbytes = (self.n - gpu_d * self.request.block_size) * self.request.kv_bytes_per_token
+        return nbytes if nbytes > 0 else 0
+
     def link(
         self, dst: WorkerView, nbytes: float, same_node: bool, c: tuple[float, ...] | None = None
     ) -> float:
@@ -403,12 +416,15 @@ class RequestCosts:
             c = self.consts(dst.profile)
         return dst.link_scale * (c[_LAT] + nbytes / (c[_INTRA] if same_node else c[_INTER]))
 
-    def transfer(self, src: WorkerView, dst: WorkerView, nbytes: float) -> tuple[float, float]:
+    def transfer(
+        self, src: WorkerView, dst: WorkerView, nbytes: float, c: tuple[float, ...] | None = None
+    ) -> tuple[float, float]:
         """(transfer_s, NIC time) of `nbytes` from src to dst: transfer_s = link_s + [src.node ≠
         dst.node] · nic_backlog_s(src) (a transfer between nodes first waits for what is
-        queued on the source node's NIC); NIC time = link_s when it crosses nodes, else 0."""
+        queued on the source node's NIC); NIC time = link_s when it crosses nodes, else 0 (`c`:
+        the constants of dst's profile, when at hand)."""
         same = src.node == dst.node
-        t = self.link(dst, nbytes, same)
+        t = self.link(dst, nbytes, same, c)
         if same or nbytes <= 0:
             return t, 0.0
         return t + src.nic_backlog_s, t
@@ -426,11 +442,14 @@ class RequestCosts:
 
     def breakdown(self, route: Route) -> CostBreakdown:
         """Every term of C(route) (planner/README.md, *The cost*); `.total` is C(a)."""
-        return self._breakdown(route)[0]
+        return self._breakdown(route, None, None)[0]
 
-    def candidate(self, route: Route) -> Candidate:
-        """The route as a `Candidate` with its full breakdown."""
-        b, reused_blocks = self._breakdown(route)
+    def candidate(
+        self, route: Route, p: WorkerTerms | None = None, d: WorkerTerms | None = None
+    ) -> Candidate:
+        """The route as a `Candidate` with its full breakdown (`p`, `d`: the `scan` terms of
+        its prefill and decode workers, when at hand)."""
+        b, reused_blocks = self._breakdown(route, p, d)
         src = route.source
         return Candidate(
             route.action,
@@ -441,12 +460,19 @@ class RequestCosts:
             reused_blocks,
         )
 
-    def _breakdown(self, route: Route) -> tuple[CostBreakdown, int]:
-        """(breakdown, blocks reused by P) of a route."""
+    def _breakdown(
+        self, route: Route, tp: WorkerTerms | None, td: WorkerTerms | None
+    ) -> tuple[CostBreakdown, int]:
+        """(breakdown, blocks reused by P) of a route (`tp`, `td`: P's and D's terms)."""
         cfg = self.config
         action = route.action
         p, d = route.prefill, route.decode
-        q_p, dec, pre, stalled, gpu_d, held, _, tr, dup_d, dup_p = self.worker(p)
+        _, q_p, dec, pre, stalled, dup_p, hp = tp if tp is not None else self.worker(p)
+        gpu_d = held = r = 0
+        tr = 0.0
+        dup_d = dup_p
+        if hp is not None:
+            gpu_d, held, r, tr, dup_d = hp
         # blocks pulled over the network into P before it computes: a fetch max(0,
         # owner_blocks − held(P)), a migration max(0, gpu(S) − held(P)); otherwise 0
         moved = 0
@@ -459,15 +485,17 @@ class RequestCosts:
         if d is p or d.worker_id == p.worker_id:
             tq = q_p  # T_queue = q(P) + [D ≠ P] · q(D); D's terms are P's
         else:
-            q_d, dec, _, _, gpu_d, _, _, _, dup_d, _ = self.worker(d)
+            _, q_d, dec, _, _, dup_d, hd = td if td is not None else self.worker(d)
+            gpu_d = 0
+            if hd is not None:
+                gpu_d, dup_d = hd[0], hd[4]
             tq = q_p + q_d
         # T_network and M_HBM by action; the NIC time is informational
         nic = 0.0
         if action is _REMOTE:
-            k = self.request.kv_bytes_per_token
-            tn, nic = self.transfer(p, d, max(0, self.n - gpu_d * self.request.block_size) * k)
+            tn, nic = self.transfer(p, d, self.kv_to_decode(gpu_d))
             tn += cfg.pd_handshake_s
-            m = float((self.n - self.reused(held)) * k + dup_d)
+            m = float(self.prompt_copy(r) + dup_d)
         elif route.source is not None:
             tn, nic = self.transfer(route.source, p, moved * self.bk)
             m = float(moved * self.bk if action is _MIG else dup_p)
@@ -486,8 +514,8 @@ class RequestCosts:
         return b, held + moved
 
 
-# The formulas `RequestCosts` shares with its per-worker `terms` (module functions, so that
-# those hold no reference to their kernel).
+# The formulas `RequestCosts` shares with its generator `scan` (module functions: the cheapest
+# call).
 
 
 def _reused(blocks: int, bs: int, n: int) -> int:
@@ -515,15 +543,23 @@ def evaluate(model: CostModel, request: RequestView, route: Route) -> CostBreakd
 
 
 def colocated_action(request: RequestView, worker: WorkerView, continuation: bool) -> Action:
-    """How a colocated candidate on `worker` is named: TAIL_RECOMPUTE when part of its held
-    prefix must be loaded from CPU/SSD (restore the artifact, recompute the tail);
-    DECODE_CONTINUATION on the session owner holding the prefix in GPU when the request is a
-    decode continuation (`continuation`); else COLOCATED_PREFILL. The name never changes the
-    cost: all three prefill and decode on `worker` with what it holds."""
+    """How a colocated candidate on `worker` is named (`colocated_kind` of its held blocks)."""
     g, c, s = tier_blocks(worker)
-    if c > g or s > g:
+    return colocated_kind(request, worker, g, g if g >= c and g >= s else max(c, s), continuation)
+
+
+def colocated_kind(
+    request: RequestView, worker: WorkerView, gpu: int, held: int, continuation: bool
+) -> Action:
+    """How a colocated candidate on `worker`, holding `held` blocks of the prefix of which `gpu`
+    in GPU, is named: TAIL_RECOMPUTE when part of its held prefix must be loaded from CPU/SSD
+    (held > gpu: restore the artifact, recompute the tail); DECODE_CONTINUATION on the session
+    owner holding the prefix in GPU when the request is a decode continuation
+    (`continuation`); else COLOCATED_PREFILL. The name never changes the cost: all three
+    prefill and decode on `worker` with what it holds."""
+    if held > gpu:
         return _TAIL
-    if continuation and g > 0 and worker.worker_id == request.session_owner:
+    if continuation and gpu > 0 and worker.worker_id == request.session_owner:
         return _CONT
     return _COL
 

@@ -82,6 +82,9 @@ class RequestView:
     n: int = 1
     is_fork: bool = False
     kv_bytes_per_token: int = 131072
+    # the prompt's block hashes as the router computes them (each names its whole prefix):
+    # what the peer routers' own prefix trees are keyed by (planner.policies.peers)
+    chain: tuple[int, ...] = ()
 
 
 @fast_init

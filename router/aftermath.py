@@ -109,4 +109,6 @@ def observe(ctx: RequestContext, ok: bool) -> None:
     transfer = ctx.transfer_s
     if transfer is not None:
         m.of(m.transfer, action).observe(transfer)
-    ctx.router.calibrator.observe_plan(plan, ttft_s=ttft, tpot_s=tpot, transfer_s=transfer)
+    if ctx.fallback is None:
+        # after a fallback the timings include the hops given up: not the plan's to learn from
+        ctx.router.calibrator.observe_plan(plan, ttft_s=ttft, tpot_s=tpot, transfer_s=transfer)

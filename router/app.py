@@ -63,9 +63,7 @@ def create_app(
 ) -> FastAPI:
     """The router app for `settings`. `directory` defaults to `open_directory(settings.directory)`,
     policies to `planner.policies.get_policy`; the `Router` is at `app.state.router`."""
-    router = Router(
-        settings, directory=directory, planner=planner, calibrator=calibrator
-    )
+    router = Router(settings, directory=directory, planner=planner, calibrator=calibrator)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

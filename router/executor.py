@@ -284,8 +284,8 @@ class PlanExecutor:
         """The plan's KV hand-over was given up (`gave_up`): the decode worker computes the
         prompt itself, from the client's own body."""
         log.warning(
-            "%s gave up on %s (%s): colocated on %s instead",
-            req.endpoint.value, gave_up.worker, gave_up.reason, decode.worker_id,
+            "gave up on %s (%s): the prompt runs colocated on %s instead",
+            gave_up.worker, gave_up.reason, decode.worker_id,
         )  # fmt: skip
         try:
             opened = await self._final_call(decode, req, req.raw, headers, limits)

@@ -34,7 +34,7 @@ from router.executor import (
     forward_headers,
 )
 from router.inflight import hold, hold_session, release, release_session
-from router.plans import Fallback, GaveUp
+from router.plans import Fallback, GaveUp, Ran
 from router.pool import WorkerState
 from router.requests import CompletionRequest, Endpoint, parse_request
 from router.session import SessionInfo, SessionKey, chain_session, identify_session
@@ -126,8 +126,8 @@ class RequestContext:
         self.fallback: Fallback | None = None
         """What ran instead of the plan, when hops were given up before the first byte."""
         self.planned: Plan | None = None
-        """The plan as the policy made it, when what ran (`plan`) differs: a P/D plan run
-        colocated on its decode worker."""
+        """The plan as the policy made it, when what ran (`plan`) differs: a P/D hand-over
+        or fetch given up, run colocated on its decode worker."""
         self.opened: OpenedResponse | None = None
         self.held: Sequence[WorkerState] = ()
         self.held_prefill: WorkerState | None = None
@@ -305,9 +305,8 @@ async def execute(ctx: RequestContext) -> None:
             release(ctx)
         if opened.fallback is not None:
             _give_up(ctx, opened.fallback, "colocated")
-            if ctx.plan.action is Action.REMOTE_PREFILL:
-                ctx.planned = ctx.plan
-                ctx.plan = _ran_colocated(ctx.plan)
+            ctx.planned = ctx.plan
+            ctx.plan = _ran_colocated(ctx.plan)
         ctx.opened = opened
         return
     if last_error is not None:
@@ -315,7 +314,7 @@ async def execute(ctx: RequestContext) -> None:
     raise NoWorkerAvailableError(f"no healthy worker serves model '{ctx.req.model}'")
 
 
-def _give_up(ctx: RequestContext, gave_up: GaveUp, ran: str | None) -> None:
+def _give_up(ctx: RequestContext, gave_up: GaveUp, ran: Ran | None) -> None:
     """Record a hop given up before the first byte: its worker's breaker, the timeout and
     fallback counters and, when something ran instead (`ran`), `ctx.fallback`."""
     router = ctx.router
@@ -335,9 +334,9 @@ def _give_up(ctx: RequestContext, gave_up: GaveUp, ran: str | None) -> None:
 
 
 def _ran_colocated(plan: Plan) -> Plan:
-    """A P/D plan as it ran after its hand-over was given up: colocated on its decode
-    worker. Unpriced (zero costs), so the calibrator learns nothing from it: its TTFT
-    includes the hop given up."""
+    """A plan as it ran after its P/D hand-over or fetch was given up: colocated on its
+    decode worker (what the commit records). Unpriced (zero costs), so the calibrator learns
+    nothing from it: its TTFT includes the hop given up."""
     d = plan.chosen.decode_worker
     return replace(
         plan, chosen=Candidate(Action.COLOCATED_PREFILL, d, d, CostBreakdown()), runner_up=None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ownerserve.records import fast_init
 from planner import plan_to_dict, plan_to_header
@@ -24,14 +24,18 @@ class GaveUp:
     reason: str
 
 
+Ran = Literal["colocated", "other_worker"]
+"""What ran instead of a plan: its decode worker computing the prompt itself (its P/D
+hand-over or fetch given up), or another worker (the request planned again without those
+that failed it)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Fallback:
-    """What ran instead of the plan, and the hops given up on the way (in order). `ran` is
-    `colocated` (the plan's decode worker computed the prompt itself: its P/D hand-over or
-    fetch was given up) or `other_worker` (the request was planned again without the workers
-    that failed it)."""
+    """What ran instead of the plan (`Ran`: the last fallback's), and the hops given up on
+    the way, in order."""
 
-    ran: str
+    ran: Ran
     gave_up: tuple[GaveUp, ...]
 
     @property
@@ -39,7 +43,7 @@ class Fallback:
         """Why the last fallback happened."""
         return self.gave_up[-1].reason
 
-    def then(self, ran: str, gave_up: GaveUp) -> Fallback:
+    def then(self, ran: Ran, gave_up: GaveUp) -> Fallback:
         return Fallback(ran, (*self.gave_up, gave_up))
 
 

@@ -34,6 +34,7 @@ from router.upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
 
+
 class Router:
     """Shared state of one router process."""
 
@@ -104,7 +105,9 @@ class Router:
                 return
             await self.open_directory()
             self.http = UpstreamPool(self.settings.server.connect_timeout_s)
-            self.executor = PlanExecutor(self.pool, self.http, self.telemetry.start_span)
+            self.executor = PlanExecutor(
+                self.pool, self.http, self.telemetry.start_span, limits=self.settings.server
+            )
             for w in self.pool.all():
                 await membership.register(self, w.worker_id)
             await self.pool.start(self.http)

@@ -4,7 +4,9 @@ written in one `write`, responses parsed by httptools and streamed chunk by chun
 Chosen over aiohttp and httpx on CPU per request (bench/router_overhead/clients.py, numbers in
 bench/history/router_overhead.md): the proxy needs only POST/GET with a byte body, a status,
 two headers and the body as it arrives. Closing a response before its end closes the
-connection, which is how the worker learns that the client went away.
+connection, which is how the worker learns that the client went away. Every wait can be
+bounded (`Hop`: connect, first byte, a whole answer, the gap between chunks) by one timer per
+response; a wait that runs out closes the connection (`UpstreamTimeout`).
 """
 
 from __future__ import annotations

@@ -96,4 +96,5 @@ def request_view(ctx: RequestContext) -> RequestView:
         n=req.n,
         is_fork=ctx.is_fork,
         kv_bytes_per_token=ctx.router.kv_bytes_per_token,
+        chain=tok.chain,
     )

@@ -33,6 +33,7 @@ TABLE_COLUMNS = (
     ("decode_interference_s", "interf. s", "{:.0f}"),
     ("owner_hit_rate", "owner hit", "{:.2f}"),
     ("max_concurrent_sessions", "max sessions", "{:.0f}"),
+    ("rejected", "rejected", "{}"),
 )
 
 
@@ -64,7 +65,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies",
         default="ownerserve,static-pd,colocated,round-robin,prefix-multi-owner,least-loaded,oracle",
-        help="comma-separated policies ('oracle' = ownerserve with future knowledge)",
+        help="comma-separated policies ('oracle' = ownerserve with future knowledge); the peer "
+        "routers' models: sglang-cache-aware[-pd], vllm-cache-aware[-pd], vllm-consistent-hash, "
+        "vllm-power-of-two, dynamo-kv[-disagg], llm-d[-pd], mooncake-conductor",
+    )
+    parser.add_argument(
+        "--peer-cluster",
+        choices=("native", "same"),
+        default="native",
+        help="the cluster the peers run on: 'native' = the same worker count in the peer's own "
+        "deployment shape (aggregated peers: every worker hybrid; P/D peers: half prefill, half "
+        "decode), 'same' = OwnerServe's P:D:H split",
     )
     parser.add_argument("--profile", default="h100-llama3-8b", help="timing profile")
     parser.add_argument("--hbm-gb", type=float, default=None, help="KV HBM per worker, GB")
@@ -111,8 +122,20 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def peer_spec(spec: ClusterSpec, name: str) -> ClusterSpec:
+    """The peer's own deployment shape with `spec`'s worker count: aggregated peers on hybrid
+    workers only, P/D peers on half prefill and half decode workers."""
+    from planner.policies.peers import DISAGGREGATED
+
+    n = spec.total
+    if name in DISAGGREGATED:
+        return replace(spec, prefill=n // 2, decode=n - n // 2, hybrid=0)
+    return replace(spec, prefill=0, decode=0, hybrid=n)
+
+
 def run_policies(args: argparse.Namespace, sessions: list[SimSession]) -> list[dict[str, Any]]:
     from planner.policies import get_policy
+    from planner.policies.peers import PEERS
 
     profile = load_profile(args.profile)
     hbm = int(args.hbm_gb * 1e9) if args.hbm_gb else None
@@ -125,7 +148,16 @@ def run_policies(args: argparse.Namespace, sessions: list[SimSession]) -> list[d
     for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
         oracle = name == "oracle"
         policy = get_policy("ownerserve" if oracle else name)
-        sim = Simulator(spec, profile, policy, seed=args.seed, oracle=oracle)
+        peer = name in PEERS
+        # a peer's binary weighs every worker it routes to: its model sees them all
+        sim = Simulator(
+            peer_spec(spec, name) if peer and args.peer_cluster == "native" else spec,
+            profile,
+            policy,
+            seed=args.seed,
+            oracle=oracle,
+            full_view=peer,
+        )
         summary = sim.run(sessions).summary()
         summary["policy"] = name
         rows.append(summary)

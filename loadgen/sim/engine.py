@@ -14,7 +14,10 @@ exact: the sim knows every worker's cache, as the router learns it from KV event
 Assumptions, stated once: decode steps are not re-timed when the batch changes mid-request;
 transient prefill copies stay in P's cache (evictable) exactly as vLLM's prefix cache keeps
 them; at clusters above `full_view_max` workers a policy sees a candidate subset (the workers
-holding the prefix, the session owner, and a power-of-d sample of the least loaded per role).
+holding the prefix, the session owner, and a power-of-d sample of the least loaded per role),
+unless it is run with `full_view` (the peer routers' models: their binaries weigh every worker).
+A policy may refuse a request (`RequestRejectedError`, Mooncake's early rejection): it is
+counted apart and its session ends there.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 from loadgen.sim.workload import SimSession
 from ownerserve.profiles import TimingProfile
 from ownerserve.types import Role, Tier
+from planner.policies.peers import RequestRejectedError
 from planner.types import Action, ClusterView, Plan, Policy, RequestView, WorkerView
 
 _ARRIVE = 0
@@ -166,6 +170,82 @@ class _Worker:
         return len(self.pending), sum(t for _, t in self.pending)
 
 
+class _FullView:
+    """Every worker's view, for the policies that weigh them all (`Simulator(full_view=True)`),
+    kept from request to request and rebuilt only where something it shows changed: the
+    worker's load (a plan put work on it, a decode ended there, a prefill of its queue
+    finished), its node's NIC backlog (while one is queued), the scraped kv_usage (a new scrape
+    period) or how much of this request's chain it holds. The views are exactly
+    `Simulator._view`'s; a 1,000-worker cluster costs a few hundred µs a request, not ms."""
+
+    __slots__ = ("cache", "nic_busy", "node_workers", "period", "sim", "version", "wakeups")
+
+    def __init__(self, sim: Simulator) -> None:
+        self.sim = sim
+        n = len(sim.workers)
+        self.version = [0] * n
+        self.cache: list[tuple[int, int, WorkerView] | None] = [None] * n
+        self.wakeups: list[tuple[float, int]] = []  # (prefill end, worker): its queue shrinks
+        self.nic_busy: set[str] = set()
+        self.node_workers: dict[str, list[int]] = {}
+        for w in sim.workers:
+            self.node_workers.setdefault(w.node, []).append(w.idx)
+        self.period = -1.0
+
+    def changed(self, *idx: int, until: float | None = None) -> None:
+        """Workers `idx` changed; with `until`, the first of them changes again then."""
+        for i in idx:
+            self.version[i] += 1
+        if until is not None:
+            heapq.heappush(self.wakeups, (until, idx[0]))
+
+    def depths(self, held: _Held) -> dict[int, int]:
+        """Blocks of the chain each holder holds (`_Held.depth` of every holder at once):
+        holder sets shrink along the chain, so walking it from its deepest held block assigns
+        each holder its depth the first time it is met."""
+        chain, best = held.chain, held.best
+        if best == 0:
+            return {}
+        holders = self.sim.holders
+        total = len(holders[chain[0]])
+        depth: dict[int, int] = {}
+        for k in range(best - 1, -1, -1):
+            for wi in holders[chain[k]]:
+                if wi not in depth:
+                    depth[wi] = k + 1
+            if len(depth) == total:
+                break
+        return depth
+
+    def view(self, now: float, held: _Held) -> ClusterView:
+        sim = self.sim
+        version = self.version
+        wakeups = self.wakeups
+        while wakeups and wakeups[0][0] <= now:
+            version[heapq.heappop(wakeups)[1]] += 1
+        for node in list(self.nic_busy):
+            for i in self.node_workers[node]:
+                version[i] += 1  # the backlog shown falls with time
+            if sim.nic_free_at.get(node, 0.0) <= now:
+                self.nic_busy.discard(node)
+        period = sim.spec.load_scrape_s
+        if period > 0 and now // period != self.period:
+            self.period = now // period
+            for i in range(len(version)):
+                version[i] += 1
+        depth = self.depths(held)
+        cache = self.cache
+        views = []
+        for w in sim.workers:
+            i = w.idx
+            n = depth.get(i, 0)
+            c = cache[i]
+            if c is None or c[0] != version[i] or c[1] != n:
+                c = cache[i] = (version[i], n, sim._view_at(w, now, n))
+            views.append(c[2])
+        return ClusterView(workers=tuple(views))
+
+
 @dataclass
 class SimResult:
     """Per-policy outcome of one simulation run."""
@@ -190,6 +270,7 @@ class SimResult:
     owner_opportunities: int = 0
     dup_factor: float = 1.0
     max_concurrent_sessions: float = 0.0
+    rejected: int = 0
     actions: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
@@ -207,6 +288,7 @@ class SimResult:
             "workers": self.workers,
             "sessions": self.sessions,
             "requests": self.requests,
+            "rejected": self.rejected,
             "events": self.events,
             "events_per_s": self.events / self.wall_s if self.wall_s else 0.0,
             "wall_s": self.wall_s,
@@ -244,11 +326,13 @@ class Simulator:
         seed: int = 0,
         oracle: bool = False,
         model: str = "sim-model",
+        full_view: bool = False,
     ) -> None:
         self.spec = spec
         self.profile = profile
         self.policy = policy
         self.oracle = oracle
+        self.full_view = full_view
         self.model = model
         self.rng = random.Random(seed)
         bt = spec.block_tokens
@@ -278,6 +362,7 @@ class Simulator:
         self.nic_free_at: dict[str, float] = {}
         self.cached_blocks = 0
         self._clock = 0
+        self._full = _FullView(self) if full_view else None
 
     # -- cache -------------------------------------------------------------------------------
 
@@ -359,8 +444,11 @@ class Simulator:
     # -- views -------------------------------------------------------------------------------
 
     def _view(self, w: _Worker, now: float, held: _Held) -> WorkerView:
+        return self._view_at(w, now, held.depth(w.idx))
+
+    def _view_at(self, w: _Worker, now: float, n: int) -> WorkerView:
+        """The view of `w` at `now` for a request whose chain it holds `n` blocks of."""
         jobs, tokens = w.pending_tokens(now)
-        n = held.depth(w.idx)
         return WorkerView(
             worker_id=w.wid,
             role=w.role,
@@ -385,7 +473,7 @@ class Simulator:
         return w.scraped[1]
 
     def _candidates(self, held: _Held, sess_owner: int | None) -> list[_Worker]:
-        if len(self.workers) <= self.spec.full_view_max:
+        if self.full_view or len(self.workers) <= self.spec.full_view_max:
             return self.workers
         picked: dict[int, _Worker] = {}
         for wi in held.top(8):
@@ -463,6 +551,8 @@ class Simulator:
                     continue
                 del live[a]
                 w.decode_active -= 1
+                if self._full is not None:
+                    self._full.changed(wi)
                 w.decode_ctx -= ctx
                 sess = sessions[si]
                 if ti + 1 < len(sess.turns):
@@ -482,8 +572,11 @@ class Simulator:
             best_avail = held.best
             owner_idx = self.owner.get(turn.chain[best_avail - 1]) if best_avail else None
             so = self.session_owner.get(si if sess.fork_of is None else sess.fork_of)
-            cands = self._candidates(held, so)
-            view = ClusterView(workers=tuple(self._view(w, now, held) for w in cands))
+            if self._full is not None:
+                view = self._full.view(now, held)
+            else:
+                cands = self._candidates(held, so)
+                view = ClusterView(workers=tuple(self._view(w, now, held) for w in cands))
             req = RequestView(
                 model=self.model,
                 prompt_tokens=turn.input_tokens,
@@ -498,8 +591,13 @@ class Simulator:
                 idle_s=turn.gap_s,
                 is_fork=sess.fork_of is not None,
                 kv_bytes_per_token=prof.kv_bytes_per_token,
+                chain=turn.chain,
             )
-            plan = self.policy.plan(req, view)
+            try:
+                plan = self.policy.plan(req, view)
+            except RequestRejectedError:
+                res.rejected += 1  # the client got a 429: its session ends here
+                continue
             wi, ctx, ds, need = self._execute(plan, turn, held, best_avail, now, res)
             live[seq] = (si, ti, wi, ctx, ds, need)
             heapq.heappush(heap, (ds + need, seq, _DECODE_END, seq, 0))
@@ -530,6 +628,8 @@ class Simulator:
         start = max(ready, self.nic_free_at.get(key, 0.0))
         done = start + self.profile.link.transfer_s(nbytes, same_node=same)
         self.nic_free_at[key] = done
+        if self._full is not None and not same:
+            self._full.nic_busy.add(src.node)
         return done
 
     def _execute(
@@ -575,6 +675,8 @@ class Simulator:
         prefill_end = start + dur
         p.prefill_free_at = prefill_end
         p.pending.append((prefill_end, new_tokens))
+        if self._full is not None:
+            self._full.changed(p.idx, d.idx, until=prefill_end)
         res.prefill_tokens += new_tokens
         res.reused_tokens += reused_tokens
         if p.decode_active:

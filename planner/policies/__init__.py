@@ -1,7 +1,8 @@
 """Every routing policy behind one protocol, `Policy.plan(request, cluster) -> Plan`.
 
-`get_policy(name, config)` builds one by name (names in `POLICY_NAMES`); `Planner` holds a
-deployment's policies around one shared cost model and resolves a request's policy by name.
+`get_policy(name, config)` builds one by name (names in `POLICY_NAMES`, and the peer routers'
+models in `PEER_POLICY_NAMES`); `Planner` holds a deployment's policies around one shared cost
+model and resolves a request's policy by name.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from planner.cost import CostConfig, CostModel
 from planner.policies.colocated import ColocatedPolicy
 from planner.policies.least_loaded import LeastLoadedPolicy
 from planner.policies.ownerserve import OwnerServePolicy
+from planner.policies.peers import PEERS
 from planner.policies.prefix_multi_owner import PrefixMultiOwnerPolicy
 from planner.policies.round_robin import RoundRobinPolicy
 from planner.policies.static_pd import StaticPDPolicy
@@ -40,15 +42,19 @@ _FACTORIES: Mapping[str, PolicyFactory] = MappingProxyType(
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 """ownerserve, static-pd, colocated, round-robin, prefix-multi-owner, least-loaded."""
 
+PEER_POLICY_NAMES: tuple[str, ...] = tuple(PEERS)
+"""The peer routers' models (planner.policies.peers), by the names `get_policy` also takes."""
+
 
 def get_policy(
     name: str, config: CostConfig | None = None, model: CostModel | None = None
 ) -> Policy:
     """A new policy by name; `model` shares one loaded `CostModel` between policies.
     Unknown names raise `ConfigError`."""
-    factory = _FACTORIES.get(name)
+    factory = _FACTORIES.get(name) or PEERS.get(name)
     if factory is None:
-        raise ConfigError(f"planner: unknown policy {name!r} (one of {', '.join(POLICY_NAMES)})")
+        names = ", ".join((*POLICY_NAMES, *PEER_POLICY_NAMES))
+        raise ConfigError(f"planner: unknown policy {name!r} (one of {names})")
     return factory(config, model)
 
 
@@ -86,7 +92,7 @@ class Planner:
     @property
     def names(self) -> tuple[str, ...]:
         """Every name `policy` accepts."""
-        return tuple(dict.fromkeys((*POLICY_NAMES, *self._policies)))
+        return tuple(dict.fromkeys((*POLICY_NAMES, *PEER_POLICY_NAMES, *self._policies)))
 
     def policy(self, name: str) -> Policy:
         """The policy named `name`, built once; an unknown name raises `ConfigError`."""
@@ -110,6 +116,7 @@ class Planner:
 
 
 __all__ = [
+    "PEER_POLICY_NAMES",
     "POLICY_NAMES",
     "ColocatedPolicy",
     "LeastLoadedPolicy",

@@ -12,7 +12,15 @@ from ownerserve.errors import NoWorkerAvailableError
 from ownerserve.types import Role
 from planner.classify import DEFAULT_ACTION, classify
 from planner.cost import CostModel, RequestCosts, Route, can_decode, can_prefill, colocated_action
-from planner.types import Action, ClusterView, Plan, RequestClass, RequestView, WorkerView
+from planner.types import (
+    Action,
+    Candidate,
+    ClusterView,
+    Plan,
+    RequestClass,
+    RequestView,
+    WorkerView,
+)
 
 K = TypeVar("K", float, tuple[float, float])
 T = TypeVar("T")
@@ -129,13 +137,35 @@ def make_plan(
     `RequestCosts.candidate` (`costs`: the request's, when the policy already built it)."""
     rclass = request_class or classify(request, model.config)
     k = costs or RequestCosts(model, request)
-    return Plan(
-        policy=policy,
-        request_class=rclass,
-        chosen=k.candidate(chosen),
-        runner_up=None if runner_up is None else k.candidate(runner_up),
-        add_replica_on=add_replica_on,
+    return plan_of(
+        policy,
+        rclass,
+        k.candidate(chosen),
+        None if runner_up is None else k.candidate(runner_up),
         candidates_considered=candidates_considered,
-        default_action=DEFAULT_ACTION[rclass],
+        add_replica_on=add_replica_on,
         default_cost_s=default_cost_s,
+    )
+
+
+def plan_of(
+    policy: str,
+    request_class: RequestClass,
+    chosen: Candidate,
+    runner_up: Candidate | None = None,
+    *,
+    candidates_considered: int = 1,
+    add_replica_on: str | None = None,
+    default_cost_s: float | None = None,
+) -> Plan:
+    """The plan of candidates that already carry their breakdowns (`make_plan` costs routes)."""
+    return Plan(
+        policy,
+        request_class,
+        chosen,
+        runner_up,
+        add_replica_on,
+        candidates_considered,
+        DEFAULT_ACTION[request_class],
+        default_cost_s,
     )

@@ -142,8 +142,9 @@ class VLLMRequestFlow:
         return with_transfer_params(body, transfer_params_of(prefill_answer))
 
     def handoff_release(self, prefill_answer: Mapping[str, Any]) -> tuple[str, bytes] | None:
-        """None: vLLM's API has no call for it; its NixlConnector frees KV that no decoder
-        read after its abort timeout (`VLLM_NIXL_ABORT_REQUEST_TIMEOUT`)."""
+        """None: vLLM's API has no call for it; its NIXL connector frees KV that no decoder
+        holds when its lease runs out (`kv_lease_duration` in `kv_connector_extra_config`,
+        30 s by default, renewed by the decode side's heartbeats)."""
         return None
 
 

@@ -39,20 +39,21 @@ def test_per_worker_terms_scale_with_calibration() -> None:
     # 1.5 · (0.01 + 1e-4·400 + 1e-8·400·(600 + 200)) = 1.5 · 0.0532
     assert k.prefill(w, 600) == pytest.approx(0.0798)
     busy = replace(w, running=20, kv_usage=0.1, inflight_prefill_tokens=2000, waiting=3)
-    q, dec, pf, stalled, *_ = k.worker(busy)
+    _, q, dec, pf, stalled, *_ = k.worker(busy)
     assert q == pytest.approx(0.345)  # 1.5 · (1e-4 · 2000 + 0.01 · 3)
     # 2 · 10 · (0.005 + 1e-4·21 + 1e-8·(0.1 · 1e6 + 1000))
     assert dec == pytest.approx(0.1622)
     assert pf == pytest.approx(1.5 * 0.115) and stalled == 20  # all 1000 tokens on nothing
-    assert k.worker(replace(busy, role=Role.PREFILL))[3] == 0  # a P worker stalls no decode
+    assert k.worker(replace(busy, role=Role.PREFILL))[4] == 0  # a P worker stalls no decode
     other = worker("x", Role.DECODE, "node1")
     # 3 · (1e-3 + 6e5 / 1e10) into w across nodes
     assert k.transfer(other, w, 6e5) == pytest.approx((0.00318, 0.00318))
     # into `other` (link scale 1) on the same node would be 1e-3 + 6e5/1e11, no NIC crossed
     assert k.transfer(w, replace(other, node="node0"), 6e5) == pytest.approx((0.001006, 0.0))
     assert k.transfer(other, w, 0) == (0.0, 0.0)
-    # 3e5 / 1e9 + 3e5 / 1e8
-    assert M.restore_s(w, 3e5, 3e5) == pytest.approx(0.0033)
+    # 3 blocks from CPU, 3 more from SSD: 3e5 / 1e9 + 3e5 / 1e8
+    assert k.restore(w, 0, 3, 6) == pytest.approx(0.0033)
+    assert k.restore(w, 6, 3, 6) == 0.0  # the GPU copy is the longest
     assert k.hysteresis(1.0) == pytest.approx(0.15)  # 0.05 + 0.1 · 1
 
 

@@ -293,6 +293,34 @@ async def test_a_fetch_past_its_bound_is_abandoned_and_the_prompt_recomputed(wor
     assert dst.completions() and not src.completions()
 
 
+async def test_no_first_byte_within_its_bound_is_retried_on_another_worker(workers):
+    stuck, good = workers
+    stuck.mode = "hang"
+    policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+    pair = [(stuck, "hybrid", "emulator"), (good, "hybrid", "emulator")]
+    async with router_for(pair, policy, {"first_byte_timeout_s": 0.3}) as (c, router):
+        t0 = time.monotonic()
+        resp = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        elapsed = time.monotonic() - t0
+        metrics = (await c.get("/metrics")).text
+        async with asyncio.timeout(2.0):
+            await stuck.cancelled.wait()  # the router closed the connection: w0 stopped
+    assert resp.status_code == 200 and "t3" in resp.text
+    assert elapsed < 0.3 + 2.0
+    plan = _plan_fields(resp)
+    assert (plan["d"], plan["fallback"], plan["reason"]) == (
+        "w1",
+        "other_worker",
+        "first_byte_timeout",
+    )
+    assert plan["gave_up"] == "first_byte_timeout:w0"
+    assert (
+        'ownerserve_fallbacks_total{fallback="other_worker",reason="first_byte_timeout"} 1.0'
+        in metrics
+    )
+    assert router.pool.get("w0").breaker.failures == 1
+
+
 async def test_5xx_before_first_byte_is_retried_on_another_worker(workers):
     bad, good = workers
     bad.mode = "fail500"

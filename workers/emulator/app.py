@@ -9,6 +9,7 @@ writes every body, a stream chunk carries every token produced since the client 
 | `GET /v1/models`, `/health`, `/metrics`, `POST /tokenize`, `/detokenize` | as vLLM |
 | `GET /server_info`, `/model_info`, `/get_load` (+ `/get_*` aliases) | SGLang's probes |
 | `GET /kv_blocks`, `POST /reset_prefix_cache` | held block hashes; drop the prefix cache |
+| `POST /reset_prefix_cache?reset_external=true` | drop the CPU tier too (as vLLM's connector) |
 | `POST /ownerserve/kv/pull`, `/ownerserve/kv/read` | a peer pulls held KV (P->D, fetch source) |
 | `POST /ownerserve/kv/heartbeat` | a decode side renews the lease on KV held for it here |
 | `POST /ownerserve/kv/fetch` (alias `/ownerserve/fetch`) | pull blocks from `source_url` here |
@@ -25,11 +26,13 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qs
 
 import orjson
 
 from ownerserve.errors import (
     ClientDisconnected,
+    ConfigError,
     InvalidRequestError,
     MethodNotAllowedError,
     ModelNotFoundError,
@@ -50,7 +53,7 @@ from ownerserve.tokenizer import ChatTemplate, Tokenizer, load_chat_template, lo
 from ownerserve.types import Role
 from workers.emulator.config import EmulatorConfig
 from workers.emulator.engine import Engine, RemotePrefill, SamplingParams, Sequence
-from workers.emulator.kv_cache import BlockPool, prompt_block_hashes
+from workers.emulator.kv_cache import BlockPool, HostPool, prompt_block_hashes
 from workers.emulator.kv_events import KVEventPublisher
 from workers.emulator.metrics import EngineMetrics
 from workers.emulator.protocol import (
@@ -175,6 +178,11 @@ class EmulatorApp:
             config.model, self.worker_id, config.role.value, self.profile.name
         )
         self.pool = BlockPool(self.capacity_blocks, config.block_size)
+        self.host: HostPool | None = None
+        if config.cpu_kv_blocks:
+            if self.profile.link.cpu_load_bps <= 0:
+                raise ConfigError(f"profile {self.profile.name}: a CPU tier needs cpu_load_bps > 0")
+            self.host = HostPool(config.cpu_kv_blocks, config.block_size)
         self.engine = Engine(
             self.profile,
             self.pool,
@@ -185,6 +193,7 @@ class EmulatorApp:
             max_batched_tokens=config.max_batched_tokens,
             transfer_timeout_s=config.transfer_timeout_s,
             publish=self._publish,
+            host=self.host,
         )
         self.mover = KVMover(self.engine, config.node, self.worker_id, config.kv_lease_s)
         self.publisher: KVEventPublisher | None = None
@@ -795,6 +804,7 @@ class EmulatorApp:
 
     def gauges(self) -> dict[str, float]:
         pool = self.pool
+        host = self.host
         return {
             "running": self.engine.num_running,
             "waiting": self.engine.num_waiting,
@@ -806,6 +816,12 @@ class EmulatorApp:
             "evicted": pool.evicted_blocks,
             "held_transfers": len(self.engine.holds),
             "expired_transfers": self.engine.holds.expired,
+            "cpu_capacity": 0 if host is None else host.num_blocks,
+            "cpu_held": 0 if host is None else host.num_cached,
+            "cpu_usage": 0.0 if host is None else host.usage,
+            "cpu_evicted": 0 if host is None else host.evicted_blocks,
+            "cpu_stored": 0 if host is None else host.stored_blocks,
+            "cpu_store_failures": 0 if host is None else host.store_failures,
         }
 
     async def prometheus(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -899,25 +915,30 @@ class EmulatorApp:
 
     async def kv_blocks(self, scope: Scope, receive: Receive, send: Send) -> None:
         c = self.config
-        await send_json(
-            send,
-            200,
-            {
-                "worker_id": self.worker_id,
-                "model": c.model,
-                "node": c.node,
-                "block_size": c.block_size,
-                "capacity_blocks": self.capacity_blocks,
-                "block_bytes": c.block_size * self.profile.kv_bytes_per_token,
-                "blocks_held": self.pool.num_cached,
-                "block_hashes": self.pool.cached_hashes(),
-            },
-        )
+        body: dict[str, Any] = {
+            "worker_id": self.worker_id,
+            "model": c.model,
+            "node": c.node,
+            "block_size": c.block_size,
+            "capacity_blocks": self.capacity_blocks,
+            "block_bytes": c.block_size * self.profile.kv_bytes_per_token,
+            "blocks_held": self.pool.num_cached,
+            "block_hashes": self.pool.cached_hashes(),
+        }
+        if self.host is not None:
+            body["cpu_capacity_blocks"] = self.host.num_blocks
+            body["cpu_blocks_held"] = self.host.num_cached
+            body["cpu_block_hashes"] = self.host.cached_hashes()
+        await send_json(send, 200, body)
 
     async def reset_prefix_cache(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._body(scope, receive)
         if not self.pool.reset():
             raise InvalidRequestError("cannot reset the prefix cache while requests hold blocks")
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        external = query.get("reset_external", ["false"])[-1].lower() in ("true", "1", "yes", "on")
+        if external and self.host is not None:
+            self.host.reset()  # vLLM's connector reset publishes no events of its own
         self.engine.flush_events()
         await send_json(send, 200, {"status": "ok"})
 

@@ -34,6 +34,9 @@ class EmulatorConfig:
     salt: str = ""
     block_size: int = 16
     num_blocks: int | None = None
+    cpu_kv_blocks: int = 0
+    """Blocks of the CPU tier behind HBM (vLLM's KV offloading, `--kv-offloading-size` in
+    blocks); 0: no CPU tier."""
     max_num_seqs: int | None = None
     max_batched_tokens: int | None = None
     max_model_len: int = 131072
@@ -70,6 +73,8 @@ class EmulatorConfig:
             raise ConfigError(f"--block-size must be positive, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ConfigError(f"--num-blocks must be positive, got {self.num_blocks}")
+        if self.cpu_kv_blocks < 0:
+            raise ConfigError(f"--cpu-num-blocks must be >= 0, got {self.cpu_kv_blocks}")
         if self.stream_interval <= 0:
             raise ConfigError(f"--stream-interval must be positive, got {self.stream_interval}")
         if self.transfer_timeout_s <= 0:
@@ -121,6 +126,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--salt", default=d.salt, help="block-hash chain salt")
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--num-blocks", type=int, default=None, help="KV capacity in blocks")
+    parser.add_argument(
+        "--cpu-num-blocks",
+        type=int,
+        default=d.cpu_kv_blocks,
+        help="CPU KV tier behind HBM, in blocks (vLLM's KV offloading); 0: none",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
@@ -162,6 +173,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         salt=args.salt,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
+        cpu_kv_blocks=args.cpu_num_blocks,
         max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

@@ -16,6 +16,12 @@ do). On the decode side a remote-prefilled request is admitted like vLLM's async
 scheduler allocates blocks for its whole prompt first (waiting, first come first served, while
 they are not free), then the pull runs with the request parked (`SeqState.LOADING`, not
 preemptible), then it runs with the pulled tokens computed.
+
+With a CPU tier (`HostPool`, vLLM's KV offloading) computed prompt blocks are also written to
+CPU memory, and a waiting request whose prefix continues in CPU past what HBM caches is
+admitted like an async KV load too: blocks for the CPU part are allocated, the request is
+parked while they load at the profile's host-to-device bandwidth (`link.cpu_load_bps`, loads
+queued FIFO on the one PCIe link), then it runs with only the rest to compute.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from ownerserve.events import KVEvent
 from ownerserve.hashing import hash_block
 from ownerserve.profiles import TimingProfile
 from ownerserve.tasks import cancel_and_wait
-from workers.emulator.kv_cache import BlockPool, NewBlock
+from workers.emulator.kv_cache import BlockPool, CachedBlock, HostPool, NewBlock
 from workers.emulator.metrics import EngineMetrics
 from workers.emulator.textgen import OutputText
 
@@ -105,6 +111,7 @@ class Sequence:
         "hashes",
         "hold_key",
         "hold_s",
+        "host_tokens",
         "index",
         "last_token_at",
         "load_task",
@@ -112,6 +119,7 @@ class Sequence:
         "notify_every",
         "num_computed",
         "num_hashed",
+        "num_offloaded",
         "num_tokens",
         "on_finish",
         "out_ids",
@@ -160,6 +168,10 @@ class Sequence:
         self.text_limit: int | None = None
         self.cached_tokens = -1
         self.external_tokens = 0
+        self.host_tokens = 0
+        """Of `external_tokens`, those loaded from the CPU tier."""
+        self.num_offloaded = 0
+        """Leading prompt blocks offered to the CPU tier (vLLM's `next_stored_chunk_idx`)."""
         self.admitted_at = 0.0
         self.first_token_at = 0.0
         self.last_token_at = 0.0
@@ -361,9 +373,14 @@ class Engine:
         max_batched_tokens: int | None = None,
         transfer_timeout_s: float = 30.0,
         publish: Callable[[list[KVEvent]], None] | None = None,
+        host: HostPool | None = None,
     ) -> None:
         self.profile = profile
         self.pool = pool
+        self.host = host
+        """The CPU tier behind `pool`, if any."""
+        self._host_link_free_at = 0.0
+        """When the host-to-device link is next free (CPU-tier loads queue on it)."""
         self.metrics = metrics
         self.root_hash = root_hash
         self.block_size = pool.block_size
@@ -546,6 +563,7 @@ class Engine:
         # First come, first served: the head waits until blocks for its whole sequence are
         # free (vLLM's scheduler_reserve_full_isl admission), the others wait behind it.
         waiting = self.waiting
+        host = self.host
         while waiting and budget > 0 and not preempted and len(running) < self.max_num_seqs:
             seq = waiting[0]
             hit = self._prefix_hit_blocks(seq)
@@ -554,6 +572,21 @@ class Engine:
             whole = -(-seq.num_tokens // bs) - hit
             if whole > pool.free_after_touch(hit_hashes):
                 break
+            if host is not None and seq.remote is None:
+                # vLLM's connector lookup continues where the HBM hit stops, over the same
+                # limit (the last prompt token is always computed).
+                limit = (seq.num_tokens - 1) // bs
+                on_host = host.match_prefix(seq.hashes[hit:limit])
+                if on_host:
+                    waiting.popleft()
+                    blocks = pool.touch(hit_hashes)
+                    got = pool.allocate(on_host)  # vLLM allocates only the loaded tokens
+                    assert got is not None
+                    seq.blocks = blocks + got
+                    seq.num_computed = computed
+                    seq.num_hashed = hit
+                    self._start_host_load(seq, seq.hashes[hit : hit + on_host])
+                    continue
             if seq.remote is not None:
                 # An async KV load: allocate the whole prompt, park the request while it
                 # pulls (no token budget spent). vLLM pulls even when every full block is
@@ -635,6 +668,66 @@ class Engine:
         seq.remote_ready.set()
         self.poke()
 
+    def _start_host_load(self, seq: Sequence, hashes: list[int]) -> None:
+        """Load the CPU-tier blocks `hashes` into the sequence's newly allocated blocks, the
+        sequence parked meanwhile (vLLM's OffloadingConnector loads asynchronously: the request
+        waits in WAITING_FOR_REMOTE_KVS while the copy runs beside the model's steps)."""
+        host = self.host
+        assert host is not None
+        seq.state = SeqState.LOADING
+        self.loading.append(seq)
+        # vLLM does not store the chunks it loaded (next_stored_chunk_idx moves past them).
+        seq.num_offloaded = max(seq.num_offloaded, seq.num_hashed + len(hashes))
+        host.pin(hashes)
+        nbytes = len(hashes) * self.block_size * self.profile.kv_bytes_per_token
+        seconds = nbytes / self.profile.link.cpu_load_bps
+        now = time.perf_counter()
+        end = max(now, self._host_link_free_at) + seconds / self.speed
+        self._host_link_free_at = end
+        m = self.metrics
+        m.kv_offload_load_bytes += nbytes
+        m.kv_offload_load_s += seconds
+        seq.load_task = asyncio.get_running_loop().create_task(
+            self._load_from_host(seq, hashes, end - now), name=f"kv-host-load-{seq.request_id}"
+        )
+
+    async def _load_from_host(self, seq: Sequence, hashes: list[int], delay_s: float) -> None:
+        host = self.host
+        assert host is not None
+        try:
+            await asyncio.sleep(delay_s)
+        finally:
+            host.unpin(hashes)
+        if seq.state != SeqState.LOADING:
+            return
+        self.loading.remove(seq)
+        self._register(seq, seq.num_hashed + len(hashes))  # cached in HBM once loaded
+        self.flush_events()
+        seq.num_computed = seq.num_hashed * self.block_size
+        seq.external_tokens = seq.host_tokens = len(hashes) * self.block_size
+        seq.state = SeqState.WAITING
+        self.loaded.append(seq)
+        self.poke()
+
+    def _offload(self, seq: Sequence) -> None:
+        """Offer the sequence's computed prompt blocks not offered yet to the CPU tier (vLLM's
+        store jobs; `offload_prompt_only` is its default). A refused offer is made again after
+        the next step, as vLLM retries chunks it could not store."""
+        host = self.host
+        assert host is not None
+        bs = self.block_size
+        upto = min(seq.num_hashed, len(seq.prompt_ids) // bs)
+        lo = seq.num_offloaded
+        if upto <= lo:
+            return
+        hashes = seq.hashes
+        blocks = [
+            CachedBlock(hashes[j], hashes[j - 1] if j else None, seq.tokens(j * bs, (j + 1) * bs))
+            for j in range(lo, upto)
+        ]
+        if host.store(blocks):
+            seq.num_offloaded = upto
+
     def _abandon(self, seq: Sequence) -> None:
         """The sequence no longer needs its remote KV: let the source free it now."""
         remote, seq.remote = seq.remote, None
@@ -646,6 +739,7 @@ class Engine:
         m = self.metrics
         p = len(seq.prompt_ids)
         external = min(seq.external_tokens, hit_tokens)
+        host = min(seq.host_tokens, external)
         seq.cached_tokens = hit_tokens
         seq.admitted_at = time.perf_counter()
         m.queue_time.observe(seq.admitted_at - seq.arrival)
@@ -655,6 +749,10 @@ class Engine:
         by["local_cache_hit"] += hit_tokens - external
         by["external_kv_transfer"] += external
         by["local_compute"] += p - hit_tokens
+        cached = m.prompt_tokens_cached_by_source
+        cached["device"] += hit_tokens - external
+        cached["host"] += host
+        cached["p2p"] += external - host  # P/D pulls (NixlConnector reports P2P)
         m.prompt_tokens += p
 
     def _step_seconds(self, items: list[tuple[Sequence, int]]) -> float:
@@ -683,6 +781,7 @@ class Engine:
         now = time.perf_counter()
         m = self.metrics
         bs = self.block_size
+        host = self.host
         finished = False
         for seq, n in step.items:
             if seq.state != SeqState.RUNNING:
@@ -696,6 +795,8 @@ class Engine:
             full = seq.num_computed // bs
             if full > seq.num_hashed:
                 self._register(seq, full)
+            if host is not None and seq.num_offloaded < seq.num_hashed:
+                self._offload(seq)
             if seq.num_computed < seq.num_tokens:
                 continue
             tid, piece = seq.text.next_token()
@@ -749,6 +850,9 @@ class Engine:
         if seq.blocks:
             self.pool.free(seq.blocks)
             seq.blocks = []
+        if self.host is not None and seq.num_offloaded:
+            # vLLM's LRU policy ranks a finished request's chunks as used, its prefix last.
+            self.host.touch(seq.hashes[: seq.num_offloaded])
         if seq.remote is not None:  # never pulled (aborted while waiting or pulling)
             self._abandon(seq)
         seq.remote_ready.set()
@@ -761,6 +865,10 @@ class Engine:
         seq.notify.set()
 
     def flush_events(self) -> None:
+        """Publish the cache's events since the last flush as one batch: HBM's, then the CPU
+        tier's (vLLM's scheduler appends its connector's events after the block pool's)."""
         events = self.pool.drain_events()
+        if self.host is not None:
+            events.extend(self.host.drain_events())
         if events and self._publish is not None:
             self._publish(events)

@@ -1,4 +1,5 @@
-"""The paged KV cache of an emulated engine: fixed-size blocks, prefix caching, LRU eviction.
+"""The paged KV cache of an emulated engine: fixed-size blocks, prefix caching, LRU eviction, and
+an optional CPU tier behind it (`HostPool`, vLLM's KV offloading).
 
 Modelled on vLLM's block pool. A block is a slot of `block_size` tokens. A full block that has
 been computed is *cached* under its chained hash (`ownerserve.hashing`), so a later request with
@@ -274,5 +275,143 @@ class BlockPool:
 
     def drain_events(self) -> list[KVEvent]:
         """The events recorded since the last drain, in order."""
+        events, self._events = self._events, []
+        return events
+
+
+class HostPool:
+    """The CPU tier behind HBM: vLLM's KV offloading (`OffloadingConnector` with the native
+    `CPUOffloadingManager` and its `LRUCachePolicy`), one chunk per block (`blocks_per_chunk`
+    1, the default), `num_blocks` chunks in all.
+
+    Write-through, as vLLM's connector stores: computed prompt blocks are offered as they are
+    computed (`store`), not when HBM evicts them. An offer keeps the blocks already here and
+    takes a slot for each new one, evicting the least recently used blocks that are neither
+    being loaded (`pin`) nor part of the offer; when that cannot make room the whole offer is
+    refused (vLLM's `prepare_store` returning None) and is made again later. Recency, as
+    vLLM's LRU policy keeps it: a block is used when stored and when a request that stored or
+    loaded it finishes (`touch`, the prefix last so it goes last). Stores and evictions are
+    recorded as KV events with the CPU tier (medium "CPU"), one BlockStored per block with its
+    own parent as vLLM's self-describing offloading events carry them.
+    """
+
+    __slots__ = (
+        "_blocks",
+        "_events",
+        "_pinned",
+        "block_size",
+        "evicted_blocks",
+        "num_blocks",
+        "store_failures",
+        "stored_blocks",
+    )
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.evicted_blocks = 0
+        self.stored_blocks = 0
+        self.store_failures = 0
+        # Resident blocks in eviction order: the first is evicted next.
+        self._blocks: OrderedDict[int, CachedBlock] = OrderedDict()
+        self._pinned: dict[int, int] = {}  # block hash -> loads in flight
+        self._events: list[KVEvent] = []
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks being transferred (vLLM's kv_offload_cpu_cache_usage_perc
+        counts chunks with a load or store in flight; stores here complete at once)."""
+        return len(self._pinned) / self.num_blocks
+
+    def contains(self, block_hash: int) -> bool:
+        return block_hash in self._blocks
+
+    def cached_hashes(self) -> list[int]:
+        return list(self._blocks)
+
+    def match_prefix(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of the chain `hashes` are here."""
+        n = 0
+        blocks = self._blocks
+        for h in hashes:
+            if h not in blocks:
+                break
+            n += 1
+        return n
+
+    def store(self, blocks: Sequence[CachedBlock]) -> bool:
+        """Offer computed blocks, in chain order; False (nothing stored) when the new ones
+        cannot all get a slot."""
+        resident = self._blocks
+        new = [b for b in blocks if b.block_hash not in resident]
+        if not new:
+            return True
+        evict = len(resident) + len(new) - self.num_blocks
+        victims: list[int] = []
+        if len(new) > self.num_blocks:
+            self.store_failures += 1
+            return False
+        if evict > 0:
+            offered = {b.block_hash for b in blocks}
+            for h in resident:
+                if h not in self._pinned and h not in offered:
+                    victims.append(h)
+                    if len(victims) == evict:
+                        break
+            if len(victims) < evict:
+                self.store_failures += 1
+                return False
+            for h in victims:
+                del resident[h]
+            self.evicted_blocks += len(victims)
+            self._events.append(BlockRemoved(engine_hashes=tuple(victims), tier=Tier.CPU))
+        for b in new:
+            resident[b.block_hash] = b
+            self._events.append(
+                BlockStored(
+                    engine_hashes=(b.block_hash,),
+                    parent_engine_hash=b.parent_hash,
+                    token_ids=b.token_ids,
+                    block_size=self.block_size,
+                    tier=Tier.CPU,
+                )
+            )
+        self.stored_blocks += len(new)
+        return True
+
+    def touch(self, hashes: Sequence[int]) -> None:
+        """Mark the blocks `hashes` used, the first most recently (absent ones are skipped)."""
+        resident = self._blocks
+        for h in reversed(hashes):
+            if h in resident:
+                resident.move_to_end(h)
+
+    def pin(self, hashes: Sequence[int]) -> None:
+        """Keep the blocks `hashes` (all here) from eviction while they are loaded."""
+        for h in hashes:
+            if h not in self._blocks:
+                raise KeyError(f"block {h:#x} is not in the CPU tier")
+            self._pinned[h] = self._pinned.get(h, 0) + 1
+
+    def unpin(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            n = self._pinned.get(h, 0) - 1
+            if n > 0:
+                self._pinned[h] = n
+            else:
+                self._pinned.pop(h, None)
+
+    def reset(self) -> None:
+        """Drop every block (vLLM's reset_prefix_cache with reset_external: no events)."""
+        self._blocks.clear()
+        self._pinned.clear()
+
+    def drain_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events

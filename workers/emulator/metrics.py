@@ -2,11 +2,14 @@
 
 vLLM names (what routers and dashboards scrape): `vllm:num_requests_running`,
 `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:prefix_cache_queries_total`,
-`vllm:prefix_cache_hits_total`, `vllm:prompt_tokens_by_source_total{source=...}`, TTFT,
-inter-token latency and end-to-end histograms. `ownerserve_emulator_*` counters are what the
-benchmarks need beyond them: KV bytes moved by transfer (P->D and artifact fetch), prefill
-tokens computed, blocks held (resident prefix blocks; summed over workers they give the HBM
-duplicate factor). Plain attributes updated in place and rendered on scrape: an update is an
+`vllm:prefix_cache_hits_total`, `vllm:prompt_tokens_by_source_total{source=...}`,
+`vllm:prompt_tokens_cached_by_source_total{source=device|host|...}`, TTFT, inter-token latency
+and end-to-end histograms; with a CPU tier, vLLM's KV offloading metrics
+(`vllm:kv_offload_cpu_cache_usage_perc`, `vllm:kv_offload_load_bytes_total`, ...).
+`ownerserve_emulator_*` counters are what the benchmarks need beyond them: KV bytes moved by
+transfer (P->D and artifact fetch), prefill tokens computed, blocks held (resident prefix
+blocks; summed over workers they give the HBM duplicate factor; `cpu_kv_blocks_held` for the
+CPU tier). Plain attributes updated in place and rendered on scrape: an update is an
 integer add, and a histogram observation one bisect.
 """
 
@@ -29,6 +32,9 @@ E2E_BUCKETS = (
 )  # fmt: skip
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+"""vLLM's `CacheHitSource`: where cached prompt tokens came from (HBM, CPU tier, another
+instance, disk, a connector that does not say)."""
 FINISH_REASONS = ("stop", "length", "abort", "error")
 TRANSFER_KINDS = ("pd", "fetch")
 
@@ -71,6 +77,7 @@ class EngineMetrics:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.prompt_tokens_by_source = dict.fromkeys(SOURCES, 0)
+        self.prompt_tokens_cached_by_source = dict.fromkeys(CACHE_HIT_SOURCES, 0)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.request_success = dict.fromkeys(FINISH_REASONS, 0)
@@ -91,7 +98,38 @@ class EngineMetrics:
         self.kv_sent_blocks = dict.fromkeys(TRANSFER_KINDS, 0)
         self.transfers_failed = 0
         self.kv_link_queue_s = 0.0
+        self.kv_offload_load_bytes = 0
+        self.kv_offload_load_s = 0.0
+        """Modelled host-to-device copy time of CPU-tier loads (queueing excluded)."""
         self.kv_events_published = 0
+
+    def _render_offload(
+        self,
+        g: dict[str, float],
+        base: str,
+        own: str,
+        metric: Callable[[str, str, str], None],
+        out: list[str],
+    ) -> None:
+        """The CPU tier: vLLM's OffloadingConnector metrics, then OwnerServe's occupancy."""
+        metric("vllm:kv_offload_cpu_cache_usage_perc", "gauge", "CPU KV cache usage.")
+        out.append(f"vllm:kv_offload_cpu_cache_usage_perc{{{base}}} {g['cpu_usage']!r}")
+        metric("vllm:kv_offload_load_bytes", "counter", "Bytes loaded from offload to GPU.")
+        out.append(f"vllm:kv_offload_load_bytes_total{{{base}}} {self.kv_offload_load_bytes}")
+        metric("vllm:kv_offload_load_time", "counter", "Load time from offload to GPU (s).")
+        out.append(f"vllm:kv_offload_load_time_total{{{base}}} {self.kv_offload_load_s!r}")
+        metric("vllm:kv_offload_store_bytes", "counter", "Bytes stored from GPU to offload.")
+        stored = int(g["cpu_stored"] * g["block_bytes"])
+        out.append(f"vllm:kv_offload_store_bytes_total{{{base}}} {stored}")
+        metric("vllm:kv_offload_allocation_failure", "counter", "Offload stores refused.")
+        out.append(f"vllm:kv_offload_allocation_failure_total{{{base}}} {g['cpu_store_failures']}")
+        p = "ownerserve_emulator_"
+        metric(f"{p}cpu_kv_blocks_held", "gauge", "Blocks resident in the CPU tier.")
+        out.append(f"{p}cpu_kv_blocks_held{{{own}}} {g['cpu_held']}")
+        metric(f"{p}cpu_kv_blocks_capacity", "gauge", "CPU tier capacity in blocks.")
+        out.append(f"{p}cpu_kv_blocks_capacity{{{own}}} {g['cpu_capacity']}")
+        metric(f"{p}cpu_kv_blocks_evicted", "counter", "Blocks evicted from the CPU tier.")
+        out.append(f"{p}cpu_kv_blocks_evicted_total{{{own}}} {g['cpu_evicted']}")
 
     def render(self, gauges: Callable[[], dict[str, float]]) -> str:
         """Prometheus text exposition (format 0.0.4) of everything, with current gauges."""
@@ -117,6 +155,13 @@ class EngineMetrics:
         metric("vllm:prompt_tokens_by_source", "counter", "Prompt tokens by source.")
         for src, n in self.prompt_tokens_by_source.items():
             out.append(f'vllm:prompt_tokens_by_source_total{{{base},source="{src}"}} {n}')
+        metric(
+            "vllm:prompt_tokens_cached_by_source",
+            "counter",
+            "Prefix-cache hit tokens by the cache tier that supplied them.",
+        )
+        for src, n in self.prompt_tokens_cached_by_source.items():
+            out.append(f'vllm:prompt_tokens_cached_by_source_total{{{base},source="{src}"}} {n}')
         metric("vllm:prompt_tokens", "counter", "Prefill tokens processed.")
         out.append(f"vllm:prompt_tokens_total{{{base}}} {self.prompt_tokens}")
         metric("vllm:generation_tokens", "counter", "Generation tokens processed.")
@@ -126,6 +171,8 @@ class EngineMetrics:
             out.append(f'vllm:request_success_total{{{base},finished_reason="{reason}"}} {n}')
         metric("vllm:num_preemptions", "counter", "Cumulative number of preemptions.")
         out.append(f"vllm:num_preemptions_total{{{base}}} {self.preemptions}")
+        if g["cpu_capacity"]:
+            self._render_offload(g, base, own, metric, out)
         metric("vllm:time_to_first_token_seconds", "histogram", "Time to first token.")
         self.ttft.render("vllm:time_to_first_token_seconds", base, out)
         metric("vllm:inter_token_latency_seconds", "histogram", "Inter-token latency.")

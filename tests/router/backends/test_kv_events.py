@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import msgpack
 import pytest
 import zmq
 
@@ -281,5 +282,52 @@ async def test_block_size_mismatch_is_counted_and_named_once(
         assert sub.stats.skipped_blocks == 2
         warnings = [r.getMessage() for r in caplog.records if "not mapped" in r.getMessage()]
         assert len(warnings) == 1 and "[4]" in warnings[0] and "block_size" in warnings[0]
+    finally:
+        await sub.close()
+
+
+async def test_cpu_medium_events_fill_and_empty_only_the_directorys_cpu_tier(
+    publisher: VllmLikePublisher,
+) -> None:
+    """vLLM's KV offloading publishes each block it writes to CPU memory as a BlockStored with
+    medium "CPU" (self-describing: its own parent and tokens) and each eviction from there as a
+    BlockRemoved with medium "CPU": they land in, and leave, the CPU tier only."""
+    directory = InMemoryDirectory()
+    root = chain_root("m")
+    await directory.register_worker("w1", root, 4)
+    sub = await _subscribed(publisher, directory)
+    b0 = hash_block(root, [0, 1, 2, 3])
+    b1 = hash_block(b0, [4, 5, 6, 7])
+
+    def send(seq: int, *events: dict[str, object]) -> None:
+        payload = msgpack.packb([time.time(), list(events), 0], use_bin_type=True)
+        publisher.buffer.append((seq, payload))
+        publisher.pub.send_multipart([publisher.topic, seq.to_bytes(8, "big"), payload])
+
+    def stored(h: int, parent: int | None, tokens: range, medium: str) -> dict[str, object]:
+        return {
+            "type": "BlockStored",
+            "block_hashes": [h],
+            "parent_block_hash": parent,
+            "token_ids": list(tokens),
+            "block_size": 4,
+            "lora_id": None,
+            "medium": medium,
+            "lora_name": None,
+            "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
+        }
+
+    try:
+        send(0, stored(b0, None, range(4), "GPU"), stored(b1, b0, range(4, 8), "GPU"))
+        send(1, stored(b0, None, range(4), "CPU"), stored(b1, b0, range(4, 8), "CPU"))
+        send(2, {"type": "BlockRemoved", "block_hashes": [b0, b1], "medium": "GPU"})
+        await _until(lambda: sub.stats.batches == 3)
+        match = await directory.lookup((b0, b1))
+        assert match.longest("w1", Tier.GPU) == 0 and match.longest("w1", Tier.CPU) == 2
+        send(3, {"type": "BlockRemoved", "block_hashes": [b1], "medium": "CPU", "group_idx": 0})
+        await _until(lambda: sub.stats.batches == 4)
+        assert (await directory.lookup((b0, b1))).longest("w1", Tier.CPU) == 1
+        assert sub.stats.skipped_blocks == 0
     finally:
         await sub.close()

@@ -6,7 +6,14 @@ import pytest
 
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored
 from ownerserve.hashing import block_hash_chain, chain_root
-from workers.emulator.kv_cache import BlockPool, CachedBlock, NewBlock, prompt_block_hashes
+from ownerserve.types import Tier
+from workers.emulator.kv_cache import (
+    BlockPool,
+    CachedBlock,
+    HostPool,
+    NewBlock,
+    prompt_block_hashes,
+)
 
 BS = 4
 ROOT = chain_root("m")
@@ -151,3 +158,79 @@ def test_reset_clears_everything_only_when_idle() -> None:
 def test_in_place_prompt_hashing_equals_the_shared_chain(n: int) -> None:
     tokens = [(i * 7919) % 70000 for i in range(n)]
     assert prompt_block_hashes(tokens, 16, ROOT) == block_hash_chain(tokens, 16, ROOT)
+
+
+def blocks_of(tokens: list[int]) -> list[CachedBlock]:
+    """The full blocks of `tokens` as a request offers them to the CPU tier."""
+    hashes = chain(tokens)
+    return [
+        CachedBlock(h, hashes[i - 1] if i else None, tuple(tokens[i * BS : (i + 1) * BS]))
+        for i, h in enumerate(hashes)
+    ]
+
+
+def test_cpu_tier_stores_offered_blocks_once_each_with_a_cpu_stored_event_per_block() -> None:
+    host = HostPool(8, BS)
+    a = blocks_of(list(range(12)))
+    assert host.store(a) and host.store(a)  # the second offer finds them all resident
+    assert host.match_prefix([b.block_hash for b in a]) == 3 and host.num_cached == 3
+    events = host.drain_events()
+    assert events == [
+        BlockStored((b.block_hash,), b.parent_hash, b.token_ids, BS, Tier.CPU) for b in a
+    ]
+    assert host.stored_blocks == 3 and host.usage == 0.0
+
+
+def test_cpu_tier_is_bounded_and_evicts_the_least_recently_used_with_a_cpu_removal() -> None:
+    host = HostPool(4, BS)
+    old, new = blocks_of(list(range(8))), blocks_of(list(range(100, 112)))
+    host.store(old)
+    host.drain_events()
+    assert host.store(new)
+    assert host.num_cached == 4 and host.evicted_blocks == 1
+    events = host.drain_events()
+    assert events[0] == BlockRemoved((old[0].block_hash,), Tier.CPU)
+    assert events[1:] == [
+        BlockStored((b.block_hash,), b.parent_hash, b.token_ids, BS, Tier.CPU) for b in new
+    ]
+    assert not host.contains(old[0].block_hash) and host.contains(old[1].block_hash)
+
+
+def test_a_finished_request_makes_its_blocks_recent_with_its_prefix_evicted_last() -> None:
+    host = HostPool(4, BS)
+    a, b = blocks_of(list(range(8))), blocks_of(list(range(50, 58)))
+    host.store(a)
+    host.store(b)
+    host.touch([x.block_hash for x in a])  # a's request finished: a is now the most recent
+    host.store(blocks_of(list(range(200, 204))))
+    assert not host.contains(b[0].block_hash)  # b's prefix was least recent
+    host.store(blocks_of(list(range(300, 304))))
+    assert not host.contains(b[1].block_hash) and host.num_cached == 4
+    host.store(blocks_of(list(range(400, 404))))
+    assert not host.contains(a[1].block_hash) and host.contains(a[0].block_hash)
+
+
+def test_blocks_being_loaded_and_blocks_of_the_offer_are_never_evicted() -> None:
+    host = HostPool(3, BS)
+    a = blocks_of(list(range(12)))
+    host.store(a)
+    host.pin([a[0].block_hash, a[1].block_hash])
+    assert host.usage == pytest.approx(2 / 3)
+    assert host.store(blocks_of(list(range(100, 104))))  # only a[2] may go
+    assert host.contains(a[0].block_hash) and not host.contains(a[2].block_hash)
+    host.drain_events()
+    # Neither pinned blocks nor the offer's own resident blocks make room: refused whole.
+    offer = [*blocks_of(list(range(100, 104))), *blocks_of(list(range(500, 504)))]
+    assert not host.store(offer)
+    assert host.store_failures == 1 and host.drain_events() == []
+    host.unpin([a[0].block_hash, a[1].block_hash])
+    assert host.usage == 0.0 and host.store(offer)
+    assert host.contains(a[1].block_hash) and not host.contains(a[0].block_hash)
+
+
+def test_cpu_tier_reset_drops_everything_without_events() -> None:
+    host = HostPool(4, BS)
+    host.store(blocks_of(list(range(8))))
+    host.drain_events()
+    host.reset()
+    assert host.num_cached == 0 and host.drain_events() == []
