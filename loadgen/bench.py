@@ -17,8 +17,8 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from loadgen.client import RunOptions, RunResult, run_workload
@@ -31,7 +31,7 @@ from loadgen.cluster import (
     start_ownerserve,
     start_peer,
 )
-from loadgen.metrics import DuplicateSampler, cluster_stats, snapshot_all
+from loadgen.metrics import DuplicateSampler, RouterQueueSampler, cluster_stats, snapshot_all
 from loadgen.peers import peer_binary
 from loadgen.report import RunSummary, markdown_tables, summarize, write_records, write_report
 from loadgen.workloads import Workload
@@ -79,37 +79,79 @@ class WorkloadOutcome:
     skipped: dict[str, str]
 
 
-def _start_target(
-    target: Target, cluster: EmulatedCluster, log_dir: Path, planner: dict[str, object]
+class TargetUnavailableError(RuntimeError):
+    """The target's router (or the restarted workers) did not start; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class MeasureOptions:
+    """How one run drives its router and samples the cluster."""
+
+    max_inflight: int = 64
+    run_limit_s: float = 120.0
+    sample_interval_s: float = 2.0
+
+
+def start_target(
+    target: Target, cluster: EmulatedCluster, log_dir: Path, planner: Mapping[str, object]
 ) -> RouterProcess:
+    """The target's router in front of `cluster` (an own policy through `ownerserve serve`)."""
     if target.kind == "own":
         return start_ownerserve(cluster, target.label, log_dir, planner=planner)
     peer = PEER_MODES[target.label][0]
     return start_peer(peer_binary(peer), target.label, cluster, log_dir)
 
 
-async def _measure(
-    router: RouterProcess, cluster: EmulatedCluster, workload: Workload, plan: BenchPlan
+async def measure(
+    router: RouterProcess, cluster: EmulatedCluster, workload: Workload, opts: MeasureOptions
 ) -> tuple[RunResult, RunSummary]:
+    """Replay `workload` through `router`; the workers' counters over the run (and the HBM
+    duplicate factor and the router's admission queue, sampled while it goes on) go into the
+    summary's `cluster`."""
     urls = [w.url for w in cluster.workers]
     before = await snapshot_all(urls, with_hashes=False)
-    sampler = DuplicateSampler(urls, plan.sample_interval_s)
+    sampler = DuplicateSampler(urls, opts.sample_interval_s)
+    queue = RouterQueueSampler(router.url, opts.sample_interval_s)
     sampler.start()
-    opts = RunOptions(
+    queue.start()
+    run_opts = RunOptions(
         target=router.url,
         model=cluster.spec.model,
-        max_inflight=plan.max_inflight,
-        duration_s=plan.run_limit_s,
-        request_timeout_s=plan.run_limit_s,
+        max_inflight=opts.max_inflight,
+        duration_s=opts.run_limit_s,
+        request_timeout_s=opts.run_limit_s,
         label=router.label,
     )
     try:
-        result = await run_workload(workload, opts)
+        result = await run_workload(workload, run_opts)
     finally:
         samples = await sampler.stop()
+        queue_peak = await queue.stop()
     after = await snapshot_all(urls)
-    stats = cluster_stats(after, before, samples)
+    stats = replace(cluster_stats(after, before, samples), router_queue_peak=queue_peak)
     return result, summarize(result, cluster=stats, meta={"router": router.label})
+
+
+def run_target(
+    cluster: EmulatedCluster,
+    target: Target,
+    workload: Workload,
+    log_dir: Path,
+    planner: Mapping[str, object],
+    opts: MeasureOptions,
+) -> tuple[RunResult, RunSummary]:
+    """One measured run: restart the workers (cold caches), start the target's router, replay
+    `workload` through it, stop the router. `TargetUnavailableError` when nothing could start."""
+    try:
+        cluster.restart()
+        router = start_target(target, cluster, log_dir, planner)
+    except (ProcessFailedError, OSError, RuntimeError) as exc:
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc) else repr(exc)
+        raise TargetUnavailableError(reason) from exc
+    try:
+        return asyncio.run(measure(router, cluster, workload, opts))
+    finally:
+        router.stop()
 
 
 def run_bench(plan: BenchPlan) -> list[WorkloadOutcome]:
@@ -117,6 +159,7 @@ def run_bench(plan: BenchPlan) -> list[WorkloadOutcome]:
     outcomes: list[WorkloadOutcome] = []
     log_dir = plan.log_dir or plan.out_dir / "logs"
     plan.log(f"process logs and request records: {log_dir}")
+    opts = MeasureOptions(plan.max_inflight, plan.run_limit_s, plan.sample_interval_s)
     cluster = EmulatedCluster(plan.spec, log_dir)
     try:
         for wname, workload in plan.workloads:
@@ -124,17 +167,13 @@ def run_bench(plan: BenchPlan) -> list[WorkloadOutcome]:
             for target in plan.targets:
                 t0 = time.monotonic()
                 try:
-                    cluster.restart()
-                    router = _start_target(target, cluster, log_dir, plan.planner)
-                except (ProcessFailedError, OSError, RuntimeError) as exc:
-                    reason = str(exc).strip().splitlines()[0][:200] if str(exc) else repr(exc)
-                    outcome.skipped[target.label] = reason
-                    plan.log(f"[{wname}] {target.label}: skipped ({reason})")
+                    result, summary = run_target(
+                        cluster, target, workload, log_dir, plan.planner, opts
+                    )
+                except TargetUnavailableError as exc:
+                    outcome.skipped[target.label] = str(exc)
+                    plan.log(f"[{wname}] {target.label}: skipped ({exc})")
                     continue
-                try:
-                    result, summary = asyncio.run(_measure(router, cluster, workload, plan))
-                finally:
-                    router.stop()
                 outcome.results.append(result)
                 outcome.summaries.append(summary)
                 slug = f"{wname}_{target.label}".replace(" ", "_")

@@ -1,8 +1,11 @@
-"""`ownerserve bench agentic`: every routing policy and the peer routers on one emulated cluster.
+"""`ownerserve bench agentic`: every routing policy and the peer routers on one emulated cluster;
+`ownerserve bench capacity`: the same targets swept over session arrival rates to overload.
 
 ownerserve bench agentic                      # the full run (about 15-20 minutes here)
 ownerserve bench agentic --quick              # a smoke run: fewer sessions, two targets
 ownerserve bench agentic --policies ownerserve,static-pd --no-peers --no-trace
+ownerserve bench capacity                     # rates × targets on agentic-long
+ownerserve bench capacity --quick --targets ownerserve,static-pd
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import shlex
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -22,8 +26,18 @@ from loadgen.bench import (
     PEER_LABELS,
     BenchPlan,
     Target,
+    machine_line,
     run_bench,
     write_outputs,
+)
+from loadgen.capacity import (
+    RATED_WORKLOADS,
+    CapacityPlan,
+    default_num_blocks,
+    kv_demand,
+    run_capacity,
+    sizing_lines,
+    write_capacity_outputs,
 )
 from loadgen.cluster import REPO_ROOT, ClusterSpec, sigterm_as_interrupt
 from loadgen.trace import (
@@ -35,6 +49,7 @@ from loadgen.trace import (
 from loadgen.workloads import GENERATORS, Workload, generate
 from ownerserve.config import settings_from_dict
 from ownerserve.errors import ConfigError
+from ownerserve.profiles import load_profile
 
 DEFAULT_TRACE = REPO_ROOT / "data" / "mooncake_synthetic_trace.jsonl"
 
@@ -123,6 +138,135 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="process logs and request records (default: a temp dir)",
     )
+    _add_capacity_arguments(sub)
+
+
+CAPACITY_TARGETS: tuple[str, ...] = (
+    "ownerserve",
+    "static-pd",
+    "colocated",
+    "sglang-router cache_aware",
+    "vllm-router cache_aware",
+    "vllm-router consistent_hash",
+    "vllm-router pd cache_aware",
+    "sglang-router pd cache_aware",
+)
+CAPACITY_RATES: tuple[float, ...] = (40.0, 80.0, 160.0, 320.0, 640.0)
+QUICK_RATES: tuple[float, ...] = (60.0, 600.0)
+
+
+def _add_capacity_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "capacity",
+        help="goodput and latency over a sweep of session arrival rates, every target",
+        description="Sweep the session arrival rate from light load to overload on an emulated "
+        "cluster whose HBM holds a third of the top rate's KV working set (behind it a CPU tier), "
+        "every target at every rate with the same sessions. Writes capacity_latest.json (every "
+        "point), a dated copy and PNG curves to --out-dir, appends the table to --results-md and "
+        "prints it.",
+    )
+    p.add_argument(
+        "--targets",
+        default=",".join(CAPACITY_TARGETS),
+        help="own policies and peer router modes, comma list (default: %(default)s)",
+    )
+    p.add_argument(
+        "--rates",
+        default=None,
+        help="session arrival rates, main sessions per minute of wall time, comma list "
+        f"(default {','.join(f'{r:g}' for r in CAPACITY_RATES)}; --quick "
+        f"{','.join(f'{r:g}' for r in QUICK_RATES)})",
+    )
+    p.add_argument(
+        "--workload",
+        default="agentic-long",
+        help=f"{'|'.join(sorted(RATED_WORKLOADS))} (default agentic-long)",
+    )
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=None,
+        help="main sessions per point, the same ones at every rate (subagents come on top; "
+        "default 24, --quick 3)",
+    )
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=None,
+        help="multiply the workload's token counts (default 0.05: 3-6K-token contexts; "
+        "--quick 0.03)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="workload seed, the same for every point")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.005,
+        help="multiply the sessions' tool gaps (default 0.005: p50 10 ms, mean about 0.1 s, "
+        "a session's gaps about 3 s in all on average)",
+    )
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    p.add_argument("--hybrid", type=int, default=2, help="hybrid workers (default 2)")
+    p.add_argument("--profile", default="h100-llama3-8b", help="emulated workers' timing profile")
+    p.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="emulated time runs N× faster than wall time (default 1: latencies are emulated "
+        "time); the TTFT SLO is checked on wall TTFT × N",
+    )
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="HBM KV blocks per worker (default: the working set at the highest rate is 3× the "
+        "cluster's HBM, but a worker holds at least 1.25 of the largest session's context)",
+    )
+    p.add_argument(
+        "--cpu-num-blocks",
+        type=int,
+        default=None,
+        help="CPU KV tier per worker, in blocks (vLLM-style offloading; default: as many as "
+        "--num-blocks, so HBM plus CPU hold two thirds of the top rate's working set and the "
+        "rest must be recomputed)",
+    )
+    p.add_argument(
+        "--slo-ttft-p90-s",
+        type=float,
+        default=2.0,
+        help="a session is good when it completes and the p90 of its steps' TTFT (emulated "
+        "seconds) is at most this (default 2)",
+    )
+    p.add_argument(
+        "--duration-s",
+        type=float,
+        default=None,
+        help="seconds each point may run after its last session's planned start; sessions "
+        "still running then are cut and count as not completed (default 45, --quick 20)",
+    )
+    p.add_argument("--max-inflight", type=int, default=64, help="client's concurrent requests")
+    p.add_argument(
+        "--planner",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="planner setting for the own policies (e.g. lambda_hbm=1e-9); repeatable",
+    )
+    p.add_argument("--quick", action="store_true", help="check the wiring: 2 rates, 3 sessions")
+    p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
+    p.add_argument(
+        "--results-md",
+        type=Path,
+        default=REPO_ROOT / "bench" / "history" / "capacity.md",
+        help="Markdown file the run's dated section is appended to (default: %(default)s)",
+    )
+    p.add_argument("--no-results-md", action="store_true", help="write no Markdown section")
+    p.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="process logs and request records (default: a temp dir)",
+    )
 
 
 def _split(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
@@ -186,8 +330,11 @@ def _workloads(args: argparse.Namespace) -> tuple[list[tuple[str, Workload]], li
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "bench_command", None) != "agentic":
-        print("usage: ownerserve bench agentic [options] (see --help)", file=sys.stderr)
+    command = getattr(args, "bench_command", None)
+    if command == "capacity":
+        return run_capacity_command(args)
+    if command != "agentic":
+        print("usage: ownerserve bench agentic|capacity [options] (see --help)", file=sys.stderr)
         return 2
     if args.speed <= 0 or min(args.prefill, args.decode, args.hybrid) < 0:
         raise ConfigError("--speed must be > 0 and worker counts >= 0")
@@ -233,3 +380,86 @@ def run(args: argparse.Namespace) -> int:
     )
     print(section)
     return 0 if all(o.summaries for o in outcomes) else 1
+
+
+def _rates(value: str | None, quick: bool) -> list[float]:
+    if value is None:
+        return list(QUICK_RATES if quick else CAPACITY_RATES)
+    try:
+        rates = sorted({float(x) for x in value.split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--rates {value!r}: expected numbers, e.g. 6,12,24") from None
+    if not rates or rates[0] <= 0:
+        raise ConfigError("--rates: give at least one rate, every one > 0")
+    return rates
+
+
+def run_capacity_command(args: argparse.Namespace) -> int:
+    """`ownerserve bench capacity`: size the cluster, sweep, write and print the table."""
+    if args.speed <= 0 or args.time_scale <= 0 or min(args.prefill, args.decode, args.hybrid) < 0:
+        raise ConfigError("--speed and --time-scale must be > 0 and worker counts >= 0")
+    labels = _split(args.targets, OWN_POLICIES + PEER_LABELS, "targets")
+    targets = [Target(t, "own" if t in OWN_POLICIES else "peer") for t in labels]
+    rates = _rates(args.rates, args.quick)
+    sessions = args.sessions or (3 if args.quick else 24)
+    scale = args.scale or (0.03 if args.quick else 0.05)
+    if args.workload not in RATED_WORKLOADS:
+        raise ConfigError(f"--workload: choose from {', '.join(sorted(RATED_WORKLOADS))}")
+    try:
+        profile = load_profile(args.profile)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--profile: {exc}") from None
+    plan = CapacityPlan(
+        spec=ClusterSpec(args.prefill, args.decode, args.hybrid, args.profile, args.speed),
+        targets=targets,
+        rates=rates,
+        workload=args.workload,
+        seed=args.seed,
+        scale=scale,
+        sessions=sessions,
+        time_scale=args.time_scale,
+        slo_ttft_p90_s=args.slo_ttft_p90_s,
+        duration_s=args.duration_s or (20.0 if args.quick else 45.0),
+        out_dir=args.out_dir,
+        log_dir=args.log_dir or Path(tempfile.mkdtemp(prefix="ownerserve-capacity-")),
+        max_inflight=args.max_inflight,
+        planner=_planner_settings(args.planner),
+    )
+    spec = plan.spec
+    demands = {r: kv_demand(plan.workload_at(r), profile, spec.speed, spec.model) for r in rates}
+    workers = spec.prefill + spec.decode + spec.hybrid
+    num_blocks = args.num_blocks or default_num_blocks(demands[rates[-1]], workers)
+    cpu_blocks = num_blocks if args.cpu_num_blocks is None else args.cpu_num_blocks
+    extra: tuple[str, ...] = ("--num-blocks", str(num_blocks))
+    if cpu_blocks:
+        extra += ("--cpu-num-blocks", str(cpu_blocks))
+    plan.spec = replace(spec, extra_args=extra)
+    sizing = sizing_lines(plan, demands, num_blocks, cpu_blocks)
+    plan.log("\n".join(sizing))
+    plan.log(f"process logs and request records: {plan.log_dir}")
+    started = dt.datetime.now(dt.UTC)
+    t0 = time.monotonic()
+    with sigterm_as_interrupt():
+        outcome = run_capacity(plan, demands)
+    wall_min = (time.monotonic() - t0) / 60
+    n = len(plan.workload_at(rates[0]).sessions)
+    header = [
+        f"Command: `ownerserve {' '.join(shlex.quote(a) for a in sys.argv[1:])}`  ",
+        f"Date: {started.isoformat(timespec='seconds')}, wall time {wall_min:.1f} min  ",
+        f"Machine: {machine_line()}  ",
+        f"Cluster: {spec.prefill} prefill + {spec.decode} decode + {spec.hybrid} hybrid emulated "
+        f"workers, profile `{spec.profile}`, speed ×{spec.speed:g}.  ",
+        f"Workload: `{args.workload}` seed {args.seed}, scale {scale:g}, {sessions} main sessions "
+        f"({n} with subagents) at every rate, tool gaps ×{args.time_scale:g}; each point may run "
+        f"{plan.duration_s:g} s past its last planned session start.  ",
+        f"SLO: a session is good when it completes and the p90 of its steps' TTFT is at most "
+        f"{args.slo_ttft_p90_s:g} s of emulated time; goodput = offered rate × share of offered "
+        "sessions that were good. Errors exclude 429s.",
+        "",
+        *sizing,
+    ]
+    section = write_capacity_outputs(
+        outcome, plan, header, started, None if args.no_results_md else args.results_md
+    )
+    print(section)
+    return 0 if outcome.points else 1

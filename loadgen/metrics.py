@@ -137,6 +137,8 @@ def cluster_stats(
         computed = delta("vllm:prompt_tokens_by_source_total", source="local_compute")
     queries = delta("vllm:prefix_cache_queries_total")
     hits = delta("vllm:prefix_cache_hits_total")
+    cpu_hits = delta("vllm:prompt_tokens_cached_by_source_total", source="host")
+    cpu_held = [v for s in after if (v := s.get(f"{P}cpu_kv_blocks_held")) is not None]
     pd = delta(f"{P}kv_received_bytes_total", kind="pd")
     fetch = delta(f"{P}kv_received_bytes_total", kind="fetch")
     held = [s.held_hashes for s in after if s.held_hashes is not None]
@@ -154,6 +156,8 @@ def cluster_stats(
         duplicate_factor_peak=max(samples) if samples else None,
         held_blocks=held_blocks,
         distinct_blocks=distinct,
+        cpu_hit_tokens=_int(cpu_hits),
+        cpu_blocks_held=_int(sum(cpu_held)) if cpu_held else None,
     )
 
 
@@ -185,3 +189,41 @@ class DuplicateSampler:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         return self.samples
+
+
+ADMISSION_QUEUED = "ownerserve_admission_queued"
+"""The router's gauge of requests waiting in its admission queue (OwnerServe's router)."""
+
+
+class RouterQueueSampler:
+    """Samples the router's admission queue (`ADMISSION_QUEUED`) every `interval_s` while a run
+    goes on; `stop()` gives the peak, None when the router exposes no such gauge."""
+
+    def __init__(self, router_url: str, interval_s: float = 2.0) -> None:
+        self.url = router_url + "/metrics"
+        self.interval_s = interval_s
+        self.peak: float | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def _loop(self) -> None:
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            while True:
+                await asyncio.sleep(self.interval_s)
+                try:
+                    resp = await client.get(self.url)
+                except httpx.HTTPError:
+                    continue
+                if resp.status_code != 200:
+                    return  # a peer router without /metrics on its serving port
+                queued = metric_sum(parse_prometheus(resp.text), ADMISSION_QUEUED)
+                if queued is not None:
+                    self.peak = queued if self.peak is None else max(self.peak, queued)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> float | None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        return self.peak

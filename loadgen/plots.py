@@ -1,4 +1,5 @@
-"""PNG plots of replay runs (matplotlib, Agg backend): latency CDFs and per-run bars."""
+"""PNG plots of replay runs (matplotlib, Agg backend): latency CDFs, per-run bars, and the
+capacity sweep's curves against the offered rate."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from loadgen.capacity import CapacityPoint
 from loadgen.client import RunResult
 from loadgen.report import RunSummary
 
@@ -98,3 +100,35 @@ def plot_runs(
     if summaries:
         paths["bars"] = plot_bars(summaries, out_dir / f"{stem}_bars.png")
     return paths
+
+
+_Curve = tuple[str, Callable[[CapacityPoint], float | None]]
+
+CAPACITY_CURVES: tuple[_Curve, ...] = (
+    ("goodput (good sessions/min)", lambda p: p.goodput_per_min),
+    ("mean session E2E (s)", lambda p: p.e2e_mean_s),
+    ("prefill computed / ideal", lambda p: p.recompute_ratio),
+)
+
+
+def plot_capacity(points: Sequence[CapacityPoint], path: Path) -> Path:
+    """Goodput, session E2E and recompute against the offered rate, one line per target."""
+    fig, axes = plt.subplots(1, len(CAPACITY_CURVES), figsize=(5 * len(CAPACITY_CURVES), 4.5))
+    targets = list(dict.fromkeys(p.target for p in points))
+    for ax, (title, get) in zip(axes, CAPACITY_CURVES, strict=True):
+        for i, target in enumerate(targets):
+            pts = sorted((p for p in points if p.target == target), key=lambda p: p.rate)
+            xy = [(p.rate, v) for p in pts if (v := get(p)) is not None]
+            if not xy:
+                continue
+            width = 2.2 if target == HIGHLIGHT else 1.2
+            ax.plot(*zip(*xy, strict=True), marker="o", label=target, color=_color(i, target),
+                    linewidth=width)  # fmt: skip
+        ax.set_xlabel("offered rate (sessions/min)")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -58,7 +58,8 @@ class Dist:
 
 @dataclass(frozen=True, slots=True)
 class ClusterStats:
-    """Counters read from the workers after a run (None where the workers do not expose them)."""
+    """Counters read from the workers (and the router's admission queue) over a run; None where
+    they do not expose them."""
 
     prompt_tokens: int | None = None
     prefill_tokens_computed: int | None = None
@@ -69,6 +70,13 @@ class ClusterStats:
     duplicate_factor_peak: float | None = None
     held_blocks: int | None = None
     distinct_blocks: int | None = None
+    cpu_hit_tokens: int | None = None
+    """Prompt tokens served from a worker's CPU KV tier (loaded back into HBM, not computed)."""
+    cpu_blocks_held: int | None = None
+    """Blocks in the workers' CPU tiers at the end of the run."""
+    router_queue_peak: float | None = None
+    """Most requests waiting in the router's admission queue at one sample (OwnerServe's
+    `ownerserve_admission_*` queue gauges; None for a router without them)."""
 
     @property
     def kv_bytes_moved(self) -> int | None:
@@ -86,6 +94,7 @@ class RunSummary:
     wall_s: float
     requests: int
     errors: int
+    """Failed requests, 429s included."""
     error_rate: float
     error_kinds: dict[str, int]
     sessions: int
@@ -101,6 +110,8 @@ class RunSummary:
     cached_tokens: int
     time_limited: bool
     session_idle_mean_s: float | None = None
+    rejected_429: int = 0
+    """Requests the router turned away with HTTP 429 (admission bound reached)."""
     actions: dict[str, int] = field(default_factory=dict)
     """Planner actions from the `x-ownerserve-plan` headers (OwnerServe targets only)."""
     cluster: ClusterStats | None = None
@@ -148,6 +159,7 @@ def summarize(
         cached_tokens=sum(r.cached_tokens for r in ok),
         time_limited=result.time_limited,
         session_idle_mean_s=mean([s.idle_s for s in sessions_done]),
+        rejected_429=sum(1 for r in errors if r.status == 429),
         actions=dict(
             Counter(
                 a for r in ok if r.plan and (a := parse_plan_header(r.plan).get("action"))

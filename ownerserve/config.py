@@ -100,6 +100,33 @@ class PlannerSettings(_Strict):
     allow_policy_header: bool = True
 
 
+class AdmissionSettings(_Strict):
+    """Program-level admission (`router/README.md`, *Admission*): while every worker that could
+    serve a request has its KV working set full, the request waits in the router's queue."""
+
+    enabled: bool = True
+    high_watermark: float = Field(default=0.95, gt=0, le=1)
+    """A worker whose working set (share of its KV pool) reaches this takes no more requests
+    from the queue (ThunderAgent pauses programs at 95%)..."""
+    low_watermark: float = Field(default=0.80, gt=0, le=1)
+    """... until it is back below this (hysteresis)."""
+    max_queued: int = Field(default=1024, ge=0)
+    """Requests the queue holds; one more is answered 429 at once."""
+    max_queue_wait_s: float = Field(default=60.0, gt=0)
+    """A request still queued after this long is answered 429."""
+    aging_s: float = Field(default=10.0, ge=0)
+    """A request queued this long goes before every younger one (oldest first), whatever its
+    session's attained service: nothing starves."""
+    retry_after_s: int = Field(default=2, ge=0)
+    """The `Retry-After` header of a 429."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AdmissionSettings:
+        if self.low_watermark > self.high_watermark:
+            raise ValueError("low_watermark must not exceed high_watermark")
+        return self
+
+
 class ModelSettings(_Strict):
     name: str
     tokenizer: str = "byte"
@@ -156,6 +183,7 @@ class Settings(_Strict):
     directory: DirectorySettings = DirectorySettings()
     planner: PlannerSettings = PlannerSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
+    admission: AdmissionSettings = AdmissionSettings()
     models: tuple[ModelSettings, ...] = (ModelSettings(name="ownerserve-tiny"),)
     workers: tuple[WorkerSettings, ...] = ()
 
@@ -191,7 +219,7 @@ def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
         if not key.startswith(_ENV_PREFIX) or "__" not in key:
             continue
         section, _, field_name = key[len(_ENV_PREFIX) :].lower().partition("__")
-        if section in ("server", "directory", "planner", "telemetry"):
+        if section in ("server", "directory", "planner", "telemetry", "admission"):
             sect = dict(data.get(section) or {})
             sect[field_name] = value
             data[section] = sect

@@ -83,6 +83,19 @@ class AuthenticationError(OwnerServeError):
     code = "invalid_api_key"
 
 
+class RateLimitError(OwnerServeError):
+    """Too many requests for now: the router's admission queue is full, or a request waited
+    its bound in it. Sent with `Retry-After: retry_after_s`."""
+
+    status_code = 429
+    error_type = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, code: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+
 class NoWorkerAvailableError(OwnerServeError):
     status_code = 503
     error_type = "service_unavailable"

@@ -273,26 +273,30 @@ class RequestCosts:
         self._consts: dict[str, tuple[float, ...]] = {}
 
     def consts(self, profile: str) -> tuple[float, ...]:
-        """The request's constants for a profile name (unknown → the default profile)."""
+        """The request's constants for a profile name (unknown → the default profile; names of
+        one profile share them)."""
         c = self._consts.get(profile)
         if c is None:
             p = self.model.profiles.get(profile) or self.model.profiles[self.config.profile]
-            pf, dt, link = p.prefill, p.decode, p.link
-            o, n = self.o, self.n
-            c = (
-                pf.base_s,
-                pf.per_token_s,
-                pf.per_token_ctx_s,
-                o * (dt.base_s + dt.per_seq_s + dt.per_ctx_token_s * n),
-                o * dt.per_seq_s,
-                o * dt.per_ctx_token_s * (p.hbm_kv_bytes / p.kv_bytes_per_token),
-                link.latency_s,
-                link.intra_node_bps,
-                link.inter_node_bps,
-                link.cpu_load_bps,
-                link.ssd_load_bps,
-            )
-            c = self._consts[profile] = (*c, self.prefill_base(c, 0))
+            c = self._consts.get(p.name)
+            if c is None:
+                pf, dt, link = p.prefill, p.decode, p.link
+                o, n = self.o, self.n
+                c = (
+                    pf.base_s,
+                    pf.per_token_s,
+                    pf.per_token_ctx_s,
+                    o * (dt.base_s + dt.per_seq_s + dt.per_ctx_token_s * n),
+                    o * dt.per_seq_s,
+                    o * dt.per_ctx_token_s * (p.hbm_kv_bytes / p.kv_bytes_per_token),
+                    link.latency_s,
+                    link.intra_node_bps,
+                    link.inter_node_bps,
+                    link.cpu_load_bps,
+                    link.ssd_load_bps,
+                )
+                c = self._consts[p.name] = (*c, self.prefill_base(c, 0))
+            self._consts[profile] = c
         return c
 
     def worker(self, w: WorkerView) -> WorkerTerms:
@@ -545,13 +549,14 @@ def evaluate(model: CostModel, request: RequestView, route: Route) -> CostBreakd
 def colocated_action(request: RequestView, worker: WorkerView, continuation: bool) -> Action:
     """How a colocated candidate on `worker` is named (`colocated_kind` of its held blocks)."""
     g, c, s = tier_blocks(worker)
-    return colocated_kind(request, worker, g, g if g >= c and g >= s else max(c, s), continuation)
+    held = g if g >= c and g >= s else max(c, s)
+    return colocated_kind(request, worker.worker_id, g, held, continuation)
 
 
 def colocated_kind(
-    request: RequestView, worker: WorkerView, gpu: int, held: int, continuation: bool
+    request: RequestView, worker_id: str, gpu: int, held: int, continuation: bool
 ) -> Action:
-    """How a colocated candidate on `worker`, holding `held` blocks of the prefix of which `gpu`
+    """How a colocated candidate on a worker holding `held` blocks of the prefix, of which `gpu`
     in GPU, is named: TAIL_RECOMPUTE when part of its held prefix must be loaded from CPU/SSD
     (held > gpu: restore the artifact, recompute the tail); DECODE_CONTINUATION on the session
     owner holding the prefix in GPU when the request is a decode continuation
@@ -559,7 +564,7 @@ def colocated_kind(
     prefill and decode on `worker` with what it holds."""
     if held > gpu:
         return _TAIL
-    if continuation and gpu > 0 and worker.worker_id == request.session_owner:
+    if continuation and gpu > 0 and worker_id == request.session_owner:
         return _CONT
     return _COL
 

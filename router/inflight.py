@@ -1,6 +1,7 @@
 """In-flight counting: the one place the router's counters of requests in flight go up and
 down — per worker, with the prompt tokens waiting for prefill (the planner's views show them
-before the workers' own gauges catch up), and per session (what makes a request a fork)."""
+before the workers' own gauges catch up), per worker's KV working set (what admission
+decides by, `router.admission`), and per session (what makes a request a fork)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,23 @@ def hold(
     ctx: RequestContext, workers: Sequence[WorkerState], prefill: WorkerState | None = None
 ) -> None:
     """Count the request in flight on `workers`, and its prompt's tokens as queued prefill on
-    `prefill`, until `release(ctx)`."""
+    `prefill`, until `release(ctx)`. Its prompt counts in a working set too: sent for the
+    plan's decode worker (`ctx.plan`) while the plan runs, then on the worker streaming the
+    answer (`ctx.opened`)."""
     for w in workers:
         w.inflight += 1
+    tokens = ctx.tok.prompt_tokens
     if prefill is not None:
-        prefill.inflight_prefill_tokens += ctx.tok.prompt_tokens
+        prefill.inflight_prefill_tokens += tokens
     ctx.held = workers
     ctx.held_prefill = prefill
+    admission = ctx.router.admission
+    if admission.enabled:
+        opened = ctx.opened
+        if opened is None:
+            ctx.charged = admission.sent(ctx.plan.chosen.decode_worker, tokens)
+        else:
+            ctx.charged = admission.streaming(opened.final_worker, tokens)
 
 
 def release(ctx: RequestContext) -> None:
@@ -35,6 +46,14 @@ def release(ctx: RequestContext) -> None:
         prefill.inflight_prefill_tokens -= ctx.tok.prompt_tokens
     ctx.held = ()
     ctx.held_prefill = None
+    charged = ctx.charged
+    if charged is not None:
+        ctx.charged = None
+        opened = ctx.opened
+        if opened is None:
+            ctx.router.admission.unsent(charged, ctx.tok.prompt_tokens)
+        else:
+            ctx.router.admission.ended(opened.final_worker, charged, ctx.tok.prompt_tokens)
 
 
 def hold_session(ctx: RequestContext) -> None:

@@ -1,7 +1,7 @@
 """One completion request as a pipeline of named stages over its `RequestContext`:
 
-    parse -> identify -> tokenize -> look_up -> view -> (plan -> execute, retried)
-          -> stream (streaming.py) -> commit, observe (aftermath.py)
+    parse -> identify -> tokenize -> look_up -> view -> admit (admission.py)
+          -> (plan -> execute, retried) -> stream (streaming.py) -> commit, observe (aftermath.py)
 
 `respond` runs them for one request and turns every failure into an OpenAI error (or an SSE
 error event once the response started). Each stage is a function of the context, so a bench
@@ -22,10 +22,12 @@ from ownerserve.errors import (
     ClientDisconnected,
     ModelNotFoundError,
     NoWorkerAvailableError,
+    RateLimitError,
     UpstreamError,
 )
 from ownerserve.http import error_status_and_body
 from planner.types import Action, Candidate, CostBreakdown, Plan, Policy, RequestView
+from router.admission import WorkingSet, record_service
 from router.executor import (
     FetchSpec,
     OpenedResponse,
@@ -57,6 +59,7 @@ class RequestContext:
     computes it and read only by later ones)."""
 
     __slots__ = (
+        "charged",
         "e2e_s",
         "endpoint",
         "excluded",
@@ -75,6 +78,7 @@ class RequestContext:
         "plan",
         "planned",
         "policy",
+        "queued_s",
         "raw_headers",
         "refresh",
         "req",
@@ -131,6 +135,10 @@ class RequestContext:
         self.opened: OpenedResponse | None = None
         self.held: Sequence[WorkerState] = ()
         self.held_prefill: WorkerState | None = None
+        self.charged: WorkingSet | None = None
+        """The working set the request's prompt counts in (`router.inflight`)."""
+        self.queued_s = 0.0
+        """Seconds it waited in the admission queue."""
         self.ttft_s: float | None = None
         self.e2e_s = 0.0
         self.transfer_s: float | None = None
@@ -273,7 +281,7 @@ async def execute(ctx: RequestContext) -> None:
         nic = _queue_transfer(router, ctx.plan)
         hold(ctx, _involved(router, ctx.plan), router.pool.get(chosen.prefill_worker))
         if attempt == 0:
-            metrics.overhead.observe(time.perf_counter() - ctx.t0)
+            metrics.overhead.observe(time.perf_counter() - ctx.t0 - ctx.queued_s)
         try:
             with tel.start_span(
                 "ownerserve.upstream",
@@ -390,10 +398,16 @@ async def route(ctx: RequestContext) -> None:
         with tel.start_span("ownerserve.directory.lookup", blocks=len(ctx.tok.chain)):
             await look_up(ctx)
         view(ctx)
+        admission = router.admission
+        if not admission.admit_now(ctx.req.model):
+            ctx.queued_s = await admission.wait(
+                ctx.req.model, ctx.session.session_id, ctx.tok.prompt_tokens, ctx.out
+            )
         hold_session(ctx)
         try:
             await execute(ctx)
             await stream(ctx)
+            record_service(ctx)
         finally:
             release_session(ctx)
 
@@ -444,4 +458,7 @@ async def respond(
         if out.started:
             await out.fail(exc)
             return
-        await out.start(status, [(b"content-type", b"application/json")], err)
+        headers = [(b"content-type", b"application/json")]
+        if isinstance(exc, RateLimitError):
+            headers.append((b"retry-after", str(exc.retry_after_s).encode()))
+        await out.start(status, headers, err)

@@ -203,6 +203,9 @@ class SessionInfo:
     prompt_tokens: int = 0
     committed_at: float = -1e18
     """When the directory records of this session were last written in full."""
+    attained_tokens: int = 0
+    """Service the session has had: prompt and output tokens of its answered requests (what
+    admission releases its queue by, least first)."""
 
 
 class SessionTable:
@@ -216,6 +219,11 @@ class SessionTable:
 
     def get(self, session_id: str | None) -> SessionInfo | None:
         return self._infos.get(session_id) if session_id else None
+
+    def attained(self, session_id: str | None) -> int:
+        """The session's attained service in tokens (0 for none, or one forgotten)."""
+        info = self._infos.get(session_id) if session_id else None
+        return 0 if info is None else info.attained_tokens
 
     def touch(self, session_id: str, prompt_tokens: int) -> SessionInfo:
         """The session was seen now with a prompt of `prompt_tokens`."""

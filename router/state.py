@@ -21,6 +21,7 @@ from ownerserve.tasks import cancel_and_wait
 from planner.calibration import Calibrator
 from planner.policies import Planner
 from router import membership, pipeline
+from router.admission import Admission
 from router.aftermath import REPLICA_TTL_S
 from router.commit import Lifetimes
 from router.executor import PlanExecutor
@@ -68,6 +69,16 @@ class Router:
         self.recent_plans: deque[PlanRecord] = deque(maxlen=256)
         self.sessions = SessionTable()
         self.derived_sessions = DerivedSessionCache()
+        self.admission = Admission(
+            settings.admission,
+            self.pool,
+            self.sessions,
+            self.metrics,
+            default_profile=settings.planner.profile,
+            # a new scrape comes every health interval: look a few times per interval
+            recheck_s=settings.server.health_interval_s / 4,
+        )
+        """The admission queue: requests wait there while no worker has KV headroom."""
         self.background: set[asyncio.Task[Any]] = set()
         self.subscribers: list[Any] = []
         """KV event subscriptions, one per worker that publishes its events."""
@@ -135,6 +146,7 @@ class Router:
     async def close(self) -> None:
         await cancel_and_wait(self._sweeper)
         self._sweeper = None
+        await self.admission.close()
         await self.pool.close()
         for sub in self.subscribers:
             await membership.close_subscriber(self, sub)

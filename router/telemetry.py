@@ -41,6 +41,7 @@ LATENCY_BUCKETS_S = (
     60.0,
 )
 TPOT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 1.0)
+QUEUE_WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 OVERHEAD_BUCKETS_S = (
     0.00005,
     0.0001,
@@ -182,6 +183,46 @@ class RouterMetrics:
             "Removed workers the directory failed to forget (their leases stay until retried)",
             registry=r,
         )
+        self.admission_queued = Gauge(
+            "ownerserve_admission_queued",
+            "Requests waiting in the router's admission queue (every worker's KV working set full)",
+            registry=r,
+        )
+        self.admission_wait = Histogram(
+            "ownerserve_admission_wait_seconds",
+            "Time requests spent in the admission queue, by how they left it (admitted, "
+            "rejected, client_disconnected, cancelled)",
+            ["outcome"],
+            buckets=QUEUE_WAIT_BUCKETS_S,
+            registry=r,
+        )
+        self.admitted = Counter(
+            "ownerserve_admission_admitted_total",
+            "Requests admitted: at once (a worker had working-set headroom) or after queueing",
+            ["path"],
+            registry=r,
+        )
+        self.admission_rejected = Counter(
+            "ownerserve_admission_rejected_total",
+            "Requests answered 429: the queue was full (queue_full) or they waited their bound "
+            "(queue_timeout)",
+            ["reason"],
+            registry=r,
+        )
+        self.admission_abandoned = Counter(
+            "ownerserve_admission_abandoned_total",
+            "Queued requests removed because their client went away (client_disconnected) or "
+            "they were cancelled (request timeout, shutdown)",
+            ["reason"],
+            registry=r,
+        )
+        self.admission_paused = Gauge(
+            "ownerserve_admission_worker_paused",
+            "1 while a worker's KV working set is over the high watermark and not yet back "
+            "under the low one (it takes nothing from the admission queue)",
+            ["worker"],
+            registry=r,
+        )
         self.subscriber_close_errors = Counter(
             "ownerserve_kv_subscriber_close_errors_total",
             "KV event subscriptions that failed to close",
@@ -265,7 +306,7 @@ class Telemetry:
         )
         meter.create_observable_gauge(
             "ownerserve.gauges",
-            callbacks=[_samples(("_state", "_healthy", "_inflight"))],
+            callbacks=[_samples(("_state", "_healthy", "_inflight", "_queued", "_paused"))],
         )
         self._meter_provider = provider
 

@@ -332,7 +332,6 @@ class Simulator:
         self.profile = profile
         self.policy = policy
         self.oracle = oracle
-        self.full_view = full_view
         self.model = model
         self.rng = random.Random(seed)
         bt = spec.block_tokens
@@ -473,7 +472,7 @@ class Simulator:
         return w.scraped[1]
 
     def _candidates(self, held: _Held, sess_owner: int | None) -> list[_Worker]:
-        if self.full_view or len(self.workers) <= self.spec.full_view_max:
+        if len(self.workers) <= self.spec.full_view_max:
             return self.workers
         picked: dict[int, _Worker] = {}
         for wi in held.top(8):

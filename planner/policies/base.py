@@ -131,12 +131,11 @@ def make_plan(
     candidates_considered: int = 1,
     add_replica_on: str | None = None,
     default_cost_s: float | None = None,
-    costs: RequestCosts | None = None,
 ) -> Plan:
     """The plan of `chosen` (and `runner_up`), each with its full breakdown from
-    `RequestCosts.candidate` (`costs`: the request's, when the policy already built it)."""
+    `RequestCosts.candidate`."""
     rclass = request_class or classify(request, model.config)
-    k = costs or RequestCosts(model, request)
+    k = RequestCosts(model, request)
     return plan_of(
         policy,
         rclass,
@@ -160,12 +159,12 @@ def plan_of(
 ) -> Plan:
     """The plan of candidates that already carry their breakdowns (`make_plan` costs routes)."""
     return Plan(
-        policy,
-        request_class,
-        chosen,
-        runner_up,
-        add_replica_on,
-        candidates_considered,
-        DEFAULT_ACTION[request_class],
-        default_cost_s,
+        policy=policy,
+        request_class=request_class,
+        chosen=chosen,
+        runner_up=runner_up,
+        add_replica_on=add_replica_on,
+        candidates_considered=candidates_considered,
+        default_action=DEFAULT_ACTION[request_class],
+        default_cost_s=default_cost_s,
     )

@@ -56,34 +56,34 @@ _DPart = tuple[float, WorkerTerms]
 class _Pick(TopTwo[float, _Rec]):
     """The top two candidates, the cheapest one of the request class's default action, and
     what the candidates on one worker need (`on_worker`): the fetch and migration sources, the
-    session owner's GPU blocks `g_m`, and per profile the prefill after a fetch and after a
-    migration at scale 1 (`moved`)."""
+    session owner's GPU blocks `g_m`, and per profile its constants and the prefill after a
+    fetch and after a migration at scale 1 (`profiles`)."""
 
     __slots__ = (
-        "cont",
         "costs",
         "default",
         "default_cost",
         "default_rec",
         "g_m",
-        "moved",
+        "profiles",
         "src_f",
         "src_m",
     )
 
-    def __init__(self, default: Action, costs: RequestCosts, cont: bool) -> None:
+    def __init__(self, default: Action, costs: RequestCosts) -> None:
         super().__init__(_INF)
         self.default = default
         self.default_cost = _INF
         self.default_rec: _Rec | None = None
         self.costs = costs
-        self.cont = cont
         self.src_f: WorkerView | None = None
         self.src_m: WorkerView | None = None
         self.g_m = 0
-        self.moved: dict[str, tuple[float, float]] = {}
+        self.profiles: dict[str, tuple[tuple[float, ...], float, float]] = {}
 
     def consider(self, cost: float, rec: _Rec) -> None:
+        """Offer a candidate to the top two, and keep it if it is the cheapest of the
+        default's action."""
         if rec[0] is self.default and cost < self.default_cost:
             self.default_cost, self.default_rec = cost, rec
         if cost < self.second_key:
@@ -96,41 +96,43 @@ class _Pick(TopTwo[float, _Rec]):
         return d if may_be_default and d > self.second_key else self.second_key
 
     def on_worker(
-        self, t: WorkerTerms, base: float, top: bool, fetch_ok: bool, mig_ok: bool
+        self, t: WorkerTerms, kind: Action, base: float, top: bool, fetch_ok: bool, mig_ok: bool
     ) -> None:
-        """Consider the candidates on the worker of terms `t` (`base`: its q + decode +
-        restore): all of them when one may enter the top two (`top`), else only those of the
-        default's action; a fetch if `fetch_ok`, a migration if `mig_ok`."""
+        """Consider the candidates on the worker of terms `t` (`kind`: its colocated candidate's
+        action, `base`: its q + decode + restore): all of them when one may enter the top two
+        (`top`), else only those of the default's action; a fetch if `fetch_ok`, a migration if
+        `mig_ok`."""
         k = self.costs
         w, _, _, pf, stalled, dup, h = t
-        g, held = (0, 0) if h is None else (h[0], h[1])
         dflt = self.default
-        kind = colocated_kind(k.request, w, g, held, self.cont)
         if top or kind is dflt:
             self.consider(_colocated(k, base, pf, stalled, dup), (kind, t, t, None))
         fetch_ok = fetch_ok and (top or dflt is _FETCH)
         mig_ok = mig_ok and (top or dflt is _MIG)
         if not (fetch_ok or mig_ok):
             return
-        c = k.consts(w.profile)
-        moved = self.moved.get(w.profile)
-        if moved is None:
-            # the prefill at scale 1 after a fetch (reusing owner_blocks) and after a migration
-            # (reusing gpu(S))
-            moved = self.moved[w.profile] = (
+        prof = self.profiles.get(w.profile)
+        if prof is None:
+            c = k.consts(w.profile)
+            # the profile's constants, and its prefill at scale 1 after a fetch (reusing
+            # owner_blocks) and after a migration (reusing gpu(S))
+            prof = self.profiles[w.profile] = (
+                c,
                 k.prefill_base(c, k.reused(k.ob)),
                 k.prefill_base(c, k.reused(self.g_m)),
             )
+        c, pf_fetch, pf_mig = prof
         sp = w.prefill_scale
+        held = 0 if h is None else h[1]
         if fetch_ok:
             src = self.src_f
             assert src is not None
-            cost = _fetch(k, w, src, base, stalled, dup, held, sp * moved[0], c)
+            cost = _fetch(k, w, src, base, stalled, dup, held, sp * pf_fetch, c)
             self.consider(cost, (_FETCH, t, t, src))
         if mig_ok:
             src = self.src_m
             assert src is not None
-            cost = _migration(k, w, src, self.g_m, base, stalled, held, sp * moved[1], c)
+            cost = _migration(k, w, src, self.g_m, base, stalled, held, sp * pf_mig, c)
             self.consider(cost, (_MIG, t, t, src))
 
 
@@ -146,7 +148,10 @@ class OwnerServePolicy:
         model = self.model
         rclass = classify(request, model.config)
         k = RequestCosts(model, request)
-        pick = _Pick(DEFAULT_ACTION[rclass], k, rclass is _RC_CONT)
+        cont = rclass is _RC_CONT
+        pick = _Pick(DEFAULT_ACTION[rclass], k)
+        # how a colocated candidate on a worker holding nothing is named
+        kind_none = colocated_kind(request, "", 0, 0, cont)
         lam, mu = k.lam, k.mu
         handshake = model.config.pd_handshake_s
         # λ·M_HBM of remote prefill from a P worker holding nothing: its copy of the prompt
@@ -172,7 +177,9 @@ class OwnerServePolicy:
         dflt_bound = _INF if dflt_here else -_INF
         # the least prefill (at scale 1) of any candidate on a worker holding nothing (the least
         # over the loaded profiles: a lower bound of every worker's)
-        least_lo = min(k.prefill_base(k.consts(name), r_lo) for name in model.profiles)
+        least_lo = _INF
+        for name in model.profiles:
+            least_lo = min(least_lo, k.prefill_base(k.consts(name), r_lo))
         n_lean = 0  # decode-capable workers holding nothing
         for t in k.scan(cluster.workers):
             w, q, dec, pf, stalled, dup, h = t
@@ -190,7 +197,8 @@ class OwnerServePolicy:
                     lb = qd + least + mu * (stalled * least)
                     if lb < top_bound or lb < dflt_bound:
                         fetch_ok = src_f is not None and w is not src_f
-                        pick.on_worker(t, qd, lb < top_bound, fetch_ok, src_m is not None)
+                        top = lb < top_bound
+                        pick.on_worker(t, kind_none, qd, top, fetch_ok, src_m is not None)
                         top_bound = pick.second_key
                         if dflt_here:  # else no remote candidate yet: no remote bound
                             dflt_bound = pick.default_cost
@@ -226,7 +234,8 @@ class OwnerServePolicy:
                     least = w.prefill_scale * least_lo
                 lb = base + least + mu * (stalled * least)
                 if lb < top_bound or lb < dflt_bound:
-                    pick.on_worker(t, base, lb < top_bound, fetch_ok, mig_ok)
+                    kind = colocated_kind(request, w.worker_id, h[0], held, cont)
+                    pick.on_worker(t, kind, base, lb < top_bound, fetch_ok, mig_ok)
                     top_bound = pick.second_key
                     if dflt_here:
                         dflt_bound = pick.default_cost

@@ -10,13 +10,17 @@ local = the prefix p holds, best = the longest prefix any instance holds (on `so
             = T_transfer(best − local: source → p) + T_queue(p) + T_prefill(N, best)   otherwise
 
 and the instance with the least TTFT prefills (fetching the longer prefix first in the second
-case). The decode instance is the one with the least predicted TBT. The request is rejected
+case). The Conductor tracks every copy of a prefix and the transfers it started: `source` is a
+holder of the best prefix on p's node when there is one, else the holder whose node's NIC has
+the least queued (`WorkerView.nic_backlog_s`), and a transfer across nodes waits for that
+queue. The decode instance is the one with the least predicted TBT. The request is rejected
 early (HTTP 429, `RequestRejectedError`) when the least TTFT exceeds the TTFT SLO or that TBT
 exceeds the TBT SLO.
 
 The estimates are the timing profile's (the ones the simulator runs on): T_queue =
 per_token_s · inflight prefill tokens + base_s · waiting prefills; T_prefill(N, r) =
-prefill_s(N − r, r); T_transfer = the link's transfer_s; TBT = decode_step_s(running + 1,
+prefill_s(N − r, r); T_transfer = the link's transfer_s (+ the source node's NIC backlog
+across nodes); TBT = decode_step_s(running + 1,
 context + N), context = kv_usage · KV capacity. The paper sets no value for
 kvcache_balancing_threshold nor universal SLOs (its evaluation scales them from the unloaded
 latencies): here a remote prefix is used once it is 1.25× the local one, and the SLOs are 10×
@@ -87,11 +91,13 @@ class MooncakeConductorPolicy:
         return self.model.profile_of(w).prefill_s(request.prompt_tokens - r, r)
 
     def transfer_s(self, src: WorkerView, dst: WorkerView, blocks: int, bs: int, k: int) -> float:
-        """The link's time for `blocks` blocks from src to dst."""
+        """The link's time for `blocks` blocks from src to dst, after src's node's NIC backlog
+        when they cross nodes."""
         if blocks <= 0:
             return 0.0
-        link = self.model.profile_of(dst).link
-        return link.transfer_s(blocks * bs * k, same_node=src.node == dst.node)
+        same = src.node == dst.node
+        t = self.model.profile_of(dst).link.transfer_s(blocks * bs * k, same_node=same)
+        return t if same else t + src.nic_backlog_s
 
     def option(
         self, p: WorkerView, request: RequestView, best: int, source: WorkerView | None
@@ -109,11 +115,18 @@ class MooncakeConductorPolicy:
         self, pool: Sequence[WorkerView], request: RequestView, cluster: ClusterView
     ) -> PrefillOption:
         """The prefill option with the least TTFT (the first on a tie)."""
-        holder = max(cluster.workers, key=held_blocks)
-        best = held_blocks(holder)
+        best = max(held_blocks(w) for w in cluster.workers)
+        near: dict[str, WorkerView] = {}
+        far: WorkerView | None = None
+        if best:
+            for w in cluster.workers:
+                if held_blocks(w) == best:
+                    near.setdefault(w.node, w)
+                    if far is None or w.nic_backlog_s < far.nic_backlog_s:
+                        far = w
         chosen: PrefillOption | None = None
         for p in pool:
-            o = self.option(p, request, best, holder if best else None)
+            o = self.option(p, request, best, near.get(p.node, far))
             if chosen is None or o.ttft_s < chosen.ttft_s:
                 chosen = o
         assert chosen is not None

@@ -72,3 +72,20 @@ def test_rejects_when_no_instance_meets_the_slo() -> None:
         pol.plan(request(2000), crowded)
     assert pol.plan(request(2000), cluster(worker("p0", Role.PREFILL), worker("d0", Role.DECODE,
                     running=204))).chosen.decode_worker == "d0"  # fmt: skip
+
+
+def test_the_prefix_comes_from_the_nearest_or_least_queued_copy() -> None:
+    pol = conductor()
+    far_busy = worker("h0", Role.DECODE, "node1", gpu=15, nic_backlog_s=5.0)
+    far_idle = worker("h1", Role.DECODE, "node2", gpu=15, nic_backlog_s=0.5)
+    cold = worker("p0", Role.PREFILL, "node0")
+    o = pol.best_prefill([cold], request(2000), cluster(far_busy, far_idle, cold))
+    assert o.source is far_idle
+    transfer = UNIT.link.transfer_s(15 * 100 * 1000, same_node=False)
+    assert o.ttft_s == pytest.approx(0.5 + transfer + UNIT.prefill_s(500, 1500))
+    near = worker("h2", Role.DECODE, "node0", gpu=15, nic_backlog_s=9.0)
+    o = pol.best_prefill([cold], request(2000), cluster(far_busy, far_idle, near, cold))
+    assert o.source is near  # same node: no NIC in the way
+    assert o.ttft_s == pytest.approx(
+        UNIT.link.transfer_s(15 * 100 * 1000, same_node=True) + UNIT.prefill_s(500, 1500)
+    )

@@ -1,0 +1,361 @@
+"""Program-level admission: while every worker that could serve a request has its KV working
+set full, the request waits in the router's queue instead of pushing the engines into
+preemption thrash; the queue releases the least served sessions first, the oldest requests
+first past an aging bound, and answers 429 past its bounds (`router/README.md`, *Admission*)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ownerserve.config import AdmissionSettings
+from ownerserve.errors import RateLimitError
+from ownerserve.profiles import load_profile
+from ownerserve.tasks import cancel_and_wait
+from ownerserve.types import Role
+from router.backends import WorkerLoad
+from router.pool import WorkerPool, WorkerState
+from router.session import SessionTable
+from router.telemetry import RouterMetrics
+
+if TYPE_CHECKING:
+    from router.pipeline import RequestContext
+    from router.streaming import ResponseWriter
+
+
+@dataclass(slots=True)
+class WorkingSet:
+    """One worker's KV working set as the router estimates it, in tokens of its KV pool
+    (`capacity_tokens`): its last scraped usage plus what the router did since."""
+
+    capacity_tokens: int
+    pending: int = 0
+    """Prompt tokens of requests sent to it and not answered yet: in its queue, which its
+    usage gauge does not show, or prefilling."""
+    reserved: int = 0
+    """Prompt tokens of requests released from the queue onto it and not sent yet."""
+    scrape: WorkerLoad | None = None
+    """The scrape `since_scrape` counts from."""
+    since_scrape: int = 0
+    """Prompt tokens of the answers that started streaming since that scrape, less those
+    that ended since (the scrape shows neither)."""
+    paused: bool = False
+    """Over the high watermark and not yet back under the low one."""
+
+    def sync(self, load: WorkerLoad) -> None:
+        """A new scrape shows what happened before it: count from it."""
+        if load is not self.scrape:
+            self.scrape = load
+            self.since_scrape = 0
+
+    def usage(self, load: WorkerLoad) -> float:
+        """Share of the KV pool in use: `kv_usage + (pending + reserved + since_scrape) /
+        capacity_tokens`."""
+        self.sync(load)
+        tokens = self.pending + self.reserved + self.since_scrape
+        return load.kv_usage + tokens / self.capacity_tokens
+
+
+@dataclass(eq=False, slots=True)
+class Waiter:
+    """A request in the admission queue."""
+
+    model: str
+    session_id: str | None
+    tokens: int
+    queued_at: float
+    seq: int
+    granted: asyncio.Future[None]
+    reserved_on: WorkingSet | None = None
+
+
+def release_order(
+    waiters: Iterable[Waiter], attained: Callable[[str | None], int], now: float, aging_s: float
+) -> list[Waiter]:
+    """The order the queue releases `waiters` in: those queued `aging_s` or longer first,
+    oldest first; then the others by their session's attained service (`attained`), least
+    first, ties in arrival order."""
+    aged = now - aging_s
+
+    def key(w: Waiter) -> tuple[int, int, int]:
+        if w.queued_at <= aged:
+            return (0, 0, w.seq)
+        return (1, attained(w.session_id), w.seq)
+
+    return sorted(waiters, key=key)
+
+
+class Admission:
+    """The admission queue of one router, and the working sets it is decided by."""
+
+    def __init__(
+        self,
+        settings: AdmissionSettings,
+        pool: WorkerPool,
+        sessions: SessionTable,
+        metrics: RouterMetrics,
+        *,
+        default_profile: str,
+        recheck_s: float,
+    ) -> None:
+        self.settings = settings
+        self.enabled = settings.enabled
+        self._pool = pool
+        self._sessions = sessions
+        self._metrics = metrics
+        self._default_profile = default_profile
+        self._recheck_s = recheck_s
+        """How often a non-empty queue looks at the workers' scrapes again."""
+        self._sets: dict[str, WorkingSet] = {}
+        self._capacities: dict[str, int] = {}
+        self._queue: dict[Waiter, None] = {}
+        """Insertion-ordered: arrival order, and O(1) removal."""
+        self._models: dict[str, int] = {}
+        """Queued requests per model."""
+        self._seq = itertools.count()
+        self._rechecks: asyncio.Task[None] | None = None
+        self._admitted_now = metrics.admitted.labels("immediate")
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    # --- the working sets --------------------------------------------------------------------
+
+    def working_set(self, worker: WorkerState) -> WorkingSet:
+        ws = self._sets.get(worker.worker_id)
+        if ws is None:
+            profile = worker.settings.profile or self._default_profile
+            capacity = self._capacities.get(profile)
+            if capacity is None:
+                p = load_profile(profile)
+                capacity = self._capacities[profile] = max(
+                    1, int(p.hbm_kv_bytes // p.kv_bytes_per_token)
+                )
+            ws = self._sets[worker.worker_id] = WorkingSet(capacity)
+        return ws
+
+    def sent(self, worker_id: str, tokens: int) -> WorkingSet | None:
+        """A request was sent for `worker_id` to decode (its KV will live there); undo with
+        `unsent` once it is answered or failed."""
+        worker = self._pool.get(worker_id)
+        if worker is None:
+            return None
+        ws = self.working_set(worker)
+        ws.pending += tokens
+        return ws
+
+    def unsent(self, ws: WorkingSet, tokens: int) -> None:
+        ws.pending -= tokens
+
+    def streaming(self, worker: WorkerState, tokens: int) -> WorkingSet:
+        """`worker` started streaming an answer: its prompt's KV is there until `ended`."""
+        ws = self.working_set(worker)
+        ws.sync(worker.load)
+        ws.since_scrape += tokens
+        return ws
+
+    def ended(self, worker: WorkerState, ws: WorkingSet, tokens: int) -> None:
+        """The answer `streaming` counted ended: its KV is free, and the queue may go on."""
+        ws.sync(worker.load)
+        ws.since_scrape -= tokens
+        if self._queue:
+            self.pump()
+
+    def _room(self, model: str, now: float, roomiest: bool) -> tuple[bool, WorkingSet | None]:
+        """Whether a request for `model` may go now, and onto which worker's working set:
+        the first (or, `roomiest`, the emptiest) routable worker that could hold its KV
+        (decode-capable when there are any) and is not paused; (True, None) when no worker is
+        routable (the planner then answers), (False, None) when all are paused."""
+        workers = self._pool.for_model(model)
+        holders = [w for w in workers if w.settings.role is not Role.PREFILL] or workers
+        high, low = self.settings.high_watermark, self.settings.low_watermark
+        best: WorkingSet | None = None
+        best_usage = math.inf
+        routable = False
+        for w in holders:
+            if not w.routable(now):
+                continue
+            routable = True
+            ws = self.working_set(w)
+            usage = ws.usage(w.load)
+            if ws.paused:
+                if usage >= low:
+                    continue
+                ws.paused = False
+                self._metrics.admission_paused.labels(w.worker_id).set(0)
+            elif usage >= high:
+                ws.paused = True
+                self._metrics.admission_paused.labels(w.worker_id).set(1)
+                continue
+            if not roomiest:
+                return True, ws
+            if usage < best_usage:
+                best, best_usage = ws, usage
+        if best is not None:
+            return True, best
+        return not routable, None
+
+    # --- admitting ---------------------------------------------------------------------------
+
+    def admit_now(self, model: str) -> bool:
+        """True when a request for `model` may go at once: admission is off, or nothing is
+        queued and some worker has headroom (or none is routable); else it must `wait`."""
+        if not self.enabled:
+            return True
+        if self._queue or not self._room(model, time.monotonic(), False)[0]:
+            return False
+        self._admitted_now.inc()
+        return True
+
+    async def wait(
+        self, model: str, session_id: str | None, tokens: int, out: ResponseWriter
+    ) -> float:
+        """Queue the request until `pump` releases it; the seconds it waited. `RateLimitError`
+        when the queue is full or the wait outlasts `max_queue_wait_s`; a cancel (the client
+        went away, the request timed out) takes it out of the queue."""
+        s = self.settings
+        m = self._metrics
+        if len(self._queue) >= s.max_queued:
+            m.of(m.admission_rejected, "queue_full").inc()
+            raise RateLimitError(
+                f"the router's admission queue is full ({s.max_queued} requests wait for KV "
+                "capacity)",
+                code="queue_full",
+                retry_after_s=s.retry_after_s,
+            )
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        waiter = Waiter(model, session_id, tokens, t0, next(self._seq), loop.create_future())
+        self._enqueue(waiter)
+        expiry = loop.call_later(s.max_queue_wait_s, self._expire, waiter)
+        outcome = "admitted"
+        try:
+            self.pump()
+            await waiter.granted
+        except RateLimitError:
+            outcome = "rejected"
+            raise
+        except asyncio.CancelledError:
+            outcome = "client_disconnected" if out.disconnected else "cancelled"
+            m.of(m.admission_abandoned, outcome).inc()
+            raise
+        finally:
+            expiry.cancel()
+            if waiter in self._queue:
+                self._dequeue(waiter)
+            # the request is sent right after this (no await in between), so its reservation
+            # gives way to its in-flight count; not sent, it frees the headroom for others
+            ws = waiter.reserved_on
+            if ws is not None:
+                ws.reserved -= tokens
+                waiter.reserved_on = None
+                if outcome != "admitted":
+                    self.pump()
+            waited = time.monotonic() - t0
+            m.of(m.admission_wait, outcome).observe(waited)
+        m.of(m.admitted, "queued").inc()
+        return waited
+
+    def pump(self) -> None:
+        """Release queued requests, in `release_order`, while a worker that could serve them
+        has headroom; each released one reserves its prompt on the emptiest such worker."""
+        if not self._queue:
+            return
+        now = time.monotonic()
+        room = self._rooms(now)
+        if not any(ok for ok, _ in room.values()):
+            return
+        attained = self._sessions.attained
+        for waiter in release_order(self._queue, attained, now, self.settings.aging_s):
+            ok, ws = room.get(waiter.model, (False, None))
+            if not ok:
+                continue
+            self._dequeue(waiter)
+            if ws is not None:
+                ws.reserved += waiter.tokens
+                waiter.reserved_on = ws
+            waiter.granted.set_result(None)
+            if ws is not None:  # models may share workers: look again at them all
+                room = self._rooms(now)
+                if not any(ok for ok, _ in room.values()):
+                    return
+
+    def _rooms(self, now: float) -> dict[str, tuple[bool, WorkingSet | None]]:
+        return {model: self._room(model, now, True) for model in list(self._models)}
+
+    def _expire(self, waiter: Waiter) -> None:
+        if waiter.granted.done():
+            return
+        self._dequeue(waiter)
+        m = self._metrics
+        m.of(m.admission_rejected, "queue_timeout").inc()
+        s = self.settings
+        waiter.granted.set_exception(
+            RateLimitError(
+                f"no worker had KV capacity for the request within {s.max_queue_wait_s:g} s",
+                code="queue_timeout",
+                retry_after_s=s.retry_after_s,
+            )
+        )
+
+    def _enqueue(self, waiter: Waiter) -> None:
+        self._queue[waiter] = None
+        self._models[waiter.model] = self._models.get(waiter.model, 0) + 1
+        self._metrics.admission_queued.set(len(self._queue))
+        if self._rechecks is None:
+            self._rechecks = asyncio.get_running_loop().create_task(
+                self._recheck(), name="admission-recheck"
+            )
+
+    def _dequeue(self, waiter: Waiter) -> None:
+        del self._queue[waiter]
+        left = self._models[waiter.model] - 1
+        if left:
+            self._models[waiter.model] = left
+        else:
+            del self._models[waiter.model]
+        self._metrics.admission_queued.set(len(self._queue))
+
+    async def _recheck(self) -> None:
+        """While requests wait, pump every `recheck_s`: a new scrape of the workers' KV usage
+        (every `server.health_interval_s`) may show the headroom they wait for."""
+        try:
+            while self._queue:
+                await asyncio.sleep(self._recheck_s)
+                self.pump()
+        finally:
+            self._rechecks = None
+
+    async def close(self) -> None:
+        await cancel_and_wait(self._rechecks)
+
+
+def record_service(ctx: RequestContext) -> None:
+    """Add an answered request's prompt and output tokens to its session's attained service."""
+    info = ctx.info
+    opened = ctx.opened
+    if info is None or opened is None or opened.status != 200:
+        return
+    output = ctx.output_events if ctx.req.stream else _completion_tokens(opened.first)
+    info.attained_tokens += ctx.tok.prompt_tokens + output
+
+
+def _completion_tokens(body: bytes) -> int:
+    """`usage.completion_tokens` of a whole OpenAI answer, found without parsing it (0 if
+    absent)."""
+    key = b'"completion_tokens":'
+    i = body.rfind(key)
+    if i < 0:
+        return 0
+    i += len(key)
+    while i < len(body) and body[i] == 0x20:
+        i += 1
+    j = i
+    while j < len(body) and 0x30 <= body[j] <= 0x39:
+        j += 1
+    return int(body[i:j]) if j > i else 0

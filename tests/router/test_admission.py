@@ -1,0 +1,459 @@
+"""Admission (`router.admission`): when a request may go at once, the queue's release order
+(least attained service per session, aging), its bounds (429 with `Retry-After`), requests
+leaving it (client gone, cancelled) and its metrics; the working sets it decides by."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from ownerserve.config import Settings, settings_from_dict
+from ownerserve.errors import ConfigError, RateLimitError
+from ownerserve.profiles import PROFILES_DIR
+from router.admission import Waiter, _completion_tokens, release_order
+from router.app import create_app
+from router.backends import WorkerLoad
+from router.pool import WorkerState
+from router.server import running_app
+from router.state import Router
+from router.streaming import ResponseWriter
+from tests.e2e.router_cluster import metric_value
+from tests.router.fake_worker import FakeWorker
+
+MODEL = "tiny"
+CAPACITY = 1000
+"""Tokens of KV pool each test worker has (its profile's `hbm_kv_bytes`)."""
+PROMPT = 300
+
+
+@pytest.fixture
+def profile(tmp_path: Path) -> str:
+    data = yaml.safe_load((PROFILES_DIR / "fast-test.yaml").read_text())
+    data["hbm_kv_bytes"] = CAPACITY * data["kv_bytes_per_token"]
+    path = tmp_path / "small-kv.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _settings(profile: str, roles: tuple[str, ...] = ("hybrid",), **admission: Any) -> Settings:
+    return settings_from_dict(
+        {
+            "server": {"port": 0, "health_interval_s": 60},
+            "admission": {"aging_s": 60, **admission},
+            "models": [{"name": MODEL, "block_size": 4}],
+            "workers": [
+                {"id": f"w{i}", "url": "http://127.0.0.1:9", "role": role, "profile": profile}
+                for i, role in enumerate(roles)
+            ],
+        }
+    )
+
+
+def _worker(router: Router, worker_id: str = "w0") -> WorkerState:
+    w = router.pool.get(worker_id)
+    assert w is not None
+    return w
+
+
+def _scrape(router: Router, kv_usage: float, worker_id: str = "w0") -> None:
+    """A new scrape of the worker's `/metrics` (a new `WorkerLoad`, as the health loop sets)."""
+    _worker(router, worker_id).load = WorkerLoad(kv_usage=kv_usage)
+
+
+def _metrics(router: Router) -> str:
+    return router.metrics.exposition().decode()
+
+
+async def _settle() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+class Client:
+    """One queued request: waits, then is sent to w0 as the pipeline would (so its prompt
+    counts in w0's working set until `finish`)."""
+
+    def __init__(self, router: Router, session: str | None, order: list[str]) -> None:
+        self.router = router
+        self.session = session
+        self.out = ResponseWriter()
+        self.task = asyncio.create_task(self._run(order))
+
+    async def _run(self, order: list[str]) -> None:
+        admission = self.router.admission
+        await admission.wait(MODEL, self.session, PROMPT, self.out)
+        order.append(str(self.session))
+        self.charged = admission.sent("w0", PROMPT)
+
+    def finish(self) -> None:
+        assert self.charged is not None
+        self.router.admission.unsent(self.charged, PROMPT)
+
+
+def _waiter(session: str, seq: int, queued_at: float) -> Waiter:
+    return Waiter(MODEL, session, 10, queued_at, seq, asyncio.Future())
+
+
+# --- release order (pure) -----------------------------------------------------------------------
+
+
+async def test_release_order_is_least_attained_service_first_then_arrival() -> None:
+    attained = {"heavy": 5000, "light": 10, "mid": 100}
+    waiters = [_waiter(s, i, 100.0) for i, s in enumerate(["heavy", "light", "new", "mid"])]
+    waiters.append(_waiter("light", 4, 100.0))
+    order = release_order(waiters, lambda s: attained.get(s or "", 0), 101.0, aging_s=10)
+    assert [(w.session_id, w.seq) for w in order] == [
+        ("new", 2), ("light", 1), ("light", 4), ("mid", 3), ("heavy", 0)
+    ]  # fmt: skip
+
+
+async def test_release_order_puts_requests_waiting_past_the_aging_bound_first_oldest_first() -> (
+    None
+):
+    attained = {"heavy": 5000, "heavier": 9000}
+    waiters = [
+        _waiter("light", 0, 95.0),
+        _waiter("heavier", 1, 80.0),  # aged
+        _waiter("heavy", 2, 85.0),  # aged
+    ]
+    order = release_order(waiters, lambda s: attained.get(s or "", 0), 100.0, aging_s=10)
+    assert [w.session_id for w in order] == ["heavier", "heavy", "light"]
+
+
+# --- admitting at once --------------------------------------------------------------------------
+
+
+async def test_a_request_goes_at_once_while_a_worker_has_headroom(profile: str) -> None:
+    router = Router(_settings(profile, ("hybrid", "hybrid")))
+    _scrape(router, 0.99, "w0")
+    _scrape(router, 0.5, "w1")
+    assert router.admission.admit_now(MODEL)
+    _scrape(router, 0.99, "w1")
+    assert not router.admission.admit_now(MODEL)
+    assert metric_value(_metrics(router), "ownerserve_admission_admitted_total", path="immediate")
+    assert metric_value(_metrics(router), "ownerserve_admission_worker_paused", worker="w1") == 1
+
+
+async def test_prefill_workers_do_not_count_as_headroom_when_decode_workers_exist(
+    profile: str,
+) -> None:
+    router = Router(_settings(profile, ("prefill", "decode")))
+    _scrape(router, 0.99, "w1")
+    assert not router.admission.admit_now(MODEL)  # the prefill worker w0 is empty
+
+
+async def test_without_a_routable_worker_the_request_goes_on_for_the_planner_to_answer(
+    profile: str,
+) -> None:
+    router = Router(_settings(profile))
+    _scrape(router, 0.99)
+    _worker(router).healthy = False
+    assert router.admission.admit_now(MODEL)
+
+
+async def test_disabled_admission_admits_everything(profile: str) -> None:
+    router = Router(_settings(profile, enabled=False))
+    _scrape(router, 1.0)
+    assert router.admission.admit_now(MODEL)
+
+
+async def test_a_full_worker_takes_requests_again_only_below_the_low_watermark(
+    profile: str,
+) -> None:
+    router = Router(_settings(profile))
+    admission = router.admission
+    _scrape(router, 0.94)
+    assert admission.admit_now(MODEL)
+    _scrape(router, 0.95)
+    assert not admission.admit_now(MODEL)
+    _scrape(router, 0.85)  # under the high watermark, not yet under the low one
+    assert not admission.admit_now(MODEL)
+    _scrape(router, 0.79)
+    assert admission.admit_now(MODEL)
+
+
+async def test_the_working_set_counts_what_the_router_sent_and_streams_since_the_scrape(
+    profile: str,
+) -> None:
+    router = Router(_settings(profile))
+    admission = router.admission
+    worker = _worker(router)
+    _scrape(router, 0.5)
+    ws = admission.working_set(worker)
+    assert ws.capacity_tokens == CAPACITY
+    sent = admission.sent("w0", 500)  # waiting or prefilling: the gauge may not show it
+    assert sent is ws and ws.usage(worker.load) == pytest.approx(1.0)
+    assert not admission.admit_now(MODEL)
+    admission.unsent(ws, 500)
+    admission.streaming(worker, 500)  # answered: streams until it ends
+    assert ws.usage(worker.load) == pytest.approx(1.0)
+    _scrape(router, 0.8)  # the new scrape shows it
+    assert ws.usage(worker.load) == pytest.approx(0.8)
+    admission.ended(worker, ws, 500)  # ended after the scrape: its KV is free
+    assert ws.usage(worker.load) == pytest.approx(0.3)
+    assert admission.admit_now(MODEL)
+
+
+# --- the queue ----------------------------------------------------------------------------------
+
+
+async def test_the_queue_releases_the_least_served_session_first_one_per_freed_slot(
+    profile: str,
+) -> None:
+    router = Router(_settings(profile))
+    admission = router.admission
+    for sid, tokens in (("heavy", 5000), ("light", 10), ("mid", 100)):
+        router.sessions.touch(sid, 0).attained_tokens = tokens
+    _scrape(router, 0.99)
+    order: list[str] = []
+    clients = [Client(router, sid, order) for sid in ("heavy", "light", "new", "mid")]
+    await _settle()
+    assert order == [] and len(admission) == 4
+    assert metric_value(_metrics(router), "ownerserve_admission_queued") == 4
+    for expected in (["new"], ["new", "light"], ["new", "light", "mid"]):
+        # one request's worth of headroom: 0.7 + 300/1000 reaches the high watermark
+        _scrape(router, 0.7)
+        admission.pump()
+        await _settle()
+        assert order == expected
+        next(c for c in clients if c.session == expected[-1]).finish()
+        _scrape(router, 0.4)  # under the low watermark: the worker resumes
+    admission.pump()
+    await _settle()
+    assert order == ["new", "light", "mid", "heavy"]
+    m = _metrics(router)
+    assert metric_value(m, "ownerserve_admission_queued") == 0
+    assert metric_value(m, "ownerserve_admission_admitted_total", path="queued") == 4
+    assert metric_value(m, "ownerserve_admission_wait_seconds_count", outcome="admitted") == 4
+
+
+async def test_a_request_past_the_aging_bound_goes_before_less_served_sessions(
+    profile: str,
+) -> None:
+    router = Router(_settings(profile, aging_s=0.05))
+    router.sessions.touch("heavy", 0).attained_tokens = 10**6
+    _scrape(router, 0.99)
+    order: list[str] = []
+    Client(router, "heavy", order)
+    await asyncio.sleep(0.1)
+    Client(router, "light", order)
+    await _settle()
+    _scrape(router, 0.7)
+    router.admission.pump()
+    await _settle()
+    assert order == ["heavy"]
+
+
+async def test_a_new_request_queues_behind_waiting_ones_even_with_headroom(profile: str) -> None:
+    router = Router(_settings(profile))
+    _scrape(router, 0.99)
+    order: list[str] = []
+    Client(router, "first", order)
+    await _settle()
+    _scrape(router, 0.7)  # room for one request
+    assert not router.admission.admit_now(MODEL)  # not past the one waiting
+    Client(router, "second", order)  # queued; its own pump releases the first
+    await _settle()
+    assert order == ["first"] and len(router.admission) == 1
+
+
+async def test_a_full_queue_answers_429_with_retry_after_at_once(profile: str) -> None:
+    router = Router(_settings(profile, max_queued=1, retry_after_s=7))
+    _scrape(router, 0.99)
+    Client(router, "a", [])
+    await _settle()
+    with pytest.raises(RateLimitError) as info:
+        await router.admission.wait(MODEL, "b", PROMPT, ResponseWriter())
+    assert info.value.status_code == 429 and info.value.code == "queue_full"
+    assert info.value.retry_after_s == 7
+    assert len(router.admission) == 1
+    m = _metrics(router)
+    assert metric_value(m, "ownerserve_admission_rejected_total", reason="queue_full") == 1
+
+
+async def test_a_request_waiting_past_its_bound_is_answered_429_and_leaves_the_queue(
+    profile: str,
+) -> None:
+    router = Router(_settings(profile, max_queue_wait_s=0.05))
+    _scrape(router, 0.99)
+    with pytest.raises(RateLimitError) as info:
+        await router.admission.wait(MODEL, "a", PROMPT, ResponseWriter())
+    assert info.value.code == "queue_timeout"
+    assert len(router.admission) == 0
+    m = _metrics(router)
+    assert metric_value(m, "ownerserve_admission_rejected_total", reason="queue_timeout") == 1
+    assert metric_value(m, "ownerserve_admission_wait_seconds_count", outcome="rejected") == 1
+    assert metric_value(m, "ownerserve_admission_queued") == 0
+
+
+@pytest.mark.parametrize("disconnected", [True, False])
+async def test_a_queued_request_whose_client_goes_away_leaves_the_queue_and_is_counted(
+    profile: str, disconnected: bool
+) -> None:
+    router = Router(_settings(profile))
+    _scrape(router, 0.99)
+    gone = Client(router, "a", [])
+    stays = Client(router, "b", [])
+    await _settle()
+    gone.out.disconnected = disconnected  # what the server sets before it cancels
+    gone.task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone.task
+    assert len(router.admission) == 1 and not stays.task.done()
+    reason = "client_disconnected" if disconnected else "cancelled"
+    m = _metrics(router)
+    assert metric_value(m, "ownerserve_admission_abandoned_total", reason=reason) == 1
+    assert metric_value(m, "ownerserve_admission_wait_seconds_count", outcome=reason) == 1
+    assert metric_value(m, "ownerserve_admission_queued") == 1
+    stays.task.cancel()
+
+
+async def test_a_request_released_then_cancelled_gives_its_headroom_to_the_next(
+    profile: str,
+) -> None:
+    router = Router(_settings(profile))
+    admission = router.admission
+    _scrape(router, 0.99)
+    order: list[str] = []
+    first = Client(router, "first", order)
+    Client(router, "second", order)
+    await _settle()
+    _scrape(router, 0.7)
+    admission.pump()  # room for one: first is released, reserving its prompt on w0
+    ws = admission.working_set(_worker(router))
+    assert ws.reserved == PROMPT
+    first.task.cancel()  # before it could be sent
+    await _settle()
+    assert order == ["second"] and ws.reserved == 0
+
+
+async def test_the_queue_looks_again_at_each_new_scrape_without_a_request_ending(
+    profile: str,
+) -> None:
+    settings = _settings(profile)
+    settings = settings.model_copy(
+        update={"server": settings.server.model_copy(update={"health_interval_s": 0.1})}
+    )
+    router = Router(settings)
+    _scrape(router, 0.99)
+    order: list[str] = []
+    Client(router, "a", order)
+    await _settle()
+    _scrape(router, 0.1)  # as the health loop would; nothing calls pump
+    await asyncio.sleep(0.2)
+    assert order == ["a"]
+    await router.admission.close()
+
+
+# --- settings, service ---------------------------------------------------------------------------
+
+
+def test_admission_settings_are_validated_and_overridable_from_the_environment() -> None:
+    with pytest.raises(ConfigError, match="low_watermark"):
+        settings_from_dict({"admission": {"low_watermark": 0.9, "high_watermark": 0.8}})
+    with pytest.raises(ConfigError, match=r"admission\.max_queued"):
+        settings_from_dict({"admission": {"max_queued": -1}})
+    s = settings_from_dict({}, env={"OWNERSERVE_ADMISSION__MAX_QUEUED": "5"})
+    assert s.admission.max_queued == 5 and s.admission.enabled
+    assert (s.admission.high_watermark, s.admission.low_watermark) == (0.95, 0.80)
+
+
+def test_completion_tokens_are_read_from_a_whole_answers_usage() -> None:
+    body = b'{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens": 34,"total_tokens":46}}'
+    assert _completion_tokens(body) == 34
+    assert _completion_tokens(b'{"choices":[]}') == 0
+
+
+# --- through the router ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def worker() -> Any:
+    w = await FakeWorker("w0").start()
+    yield w
+    await w.stop()
+
+
+def _app_settings(worker: FakeWorker, profile: str, **admission: Any) -> Settings:
+    return settings_from_dict(
+        {
+            "server": {"port": 0, "health_interval_s": 60},
+            "admission": admission,
+            "models": [{"name": MODEL, "block_size": 4}],
+            "workers": [{"id": "w0", "url": worker.url, "role": "hybrid", "profile": profile}],
+        }
+    )
+
+
+async def _scraped(router: Router) -> None:
+    """After the health loop's first round (which would overwrite a load set before it)."""
+    for _ in range(200):
+        if _worker(router).last_seen:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the worker was never probed")
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 20}]}
+
+
+async def test_the_router_answers_429_in_the_openai_shape_with_retry_after(
+    worker: FakeWorker, profile: str
+) -> None:
+    app = create_app(_app_settings(worker, profile, max_queued=0, retry_after_s=3))
+    router: Router = app.state.router
+    async with (
+        running_app(app, "127.0.0.1", 0) as url,
+        httpx.AsyncClient(base_url=url, timeout=10) as client,
+    ):
+        await _scraped(router)
+        _scrape(router, 0.99)
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        metrics = (await client.get("/metrics")).text
+    assert resp.status_code == 429
+    assert resp.headers["retry-after"] == "3"
+    assert resp.json() == {
+        "error": {
+            "message": resp.json()["error"]["message"],
+            "type": "rate_limit_exceeded",
+            "param": None,
+            "code": "queue_full",
+        }
+    }
+    assert worker.completions() == []
+    assert metric_value(metrics, "ownerserve_requests_total", status="429") == 1
+
+
+async def test_the_router_holds_a_request_until_headroom_returns_then_serves_it(
+    worker: FakeWorker, profile: str
+) -> None:
+    app = create_app(_app_settings(worker, profile))
+    router: Router = app.state.router
+    async with (
+        running_app(app, "127.0.0.1", 0) as url,
+        httpx.AsyncClient(base_url=url, timeout=10) as client,
+    ):
+        await _scraped(router)
+        _scrape(router, 0.99)
+        headers = {"x-session-id": "s1"}
+        pending = asyncio.create_task(
+            client.post("/v1/chat/completions", json=CHAT, headers=headers)
+        )
+        for _ in range(100):
+            if len(router.admission):
+                break
+            await asyncio.sleep(0.01)
+        assert len(router.admission) == 1 and worker.completions() == []
+        _scrape(router, 0.1)
+        router.admission.pump()
+        resp = await pending
+        info = router.sessions.get("s1")
+    assert resp.status_code == 200 and len(worker.completions()) == 1
+    assert info is not None and info.attained_tokens > 0
+    ws = router.admission.working_set(_worker(router))
+    assert (ws.pending, ws.reserved, ws.since_scrape) == (0, 0, 0)
