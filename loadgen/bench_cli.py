@@ -151,7 +151,7 @@ CAPACITY_TARGETS: tuple[str, ...] = (
     "vllm-router pd cache_aware",
     "sglang-router pd cache_aware",
 )
-CAPACITY_RATES: tuple[float, ...] = (40.0, 80.0, 160.0, 320.0, 640.0)
+CAPACITY_RATES: tuple[float, ...] = (15.0, 30.0, 60.0, 120.0, 240.0)
 QUICK_RATES: tuple[float, ...] = (60.0, 600.0)
 
 
@@ -187,7 +187,7 @@ def _add_capacity_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPar
         type=int,
         default=None,
         help="main sessions per point, the same ones at every rate (subagents come on top; "
-        "default 24, --quick 3)",
+        "default 12, --quick 3)",
     )
     p.add_argument(
         "--scale",
@@ -242,7 +242,7 @@ def _add_capacity_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPar
         type=float,
         default=None,
         help="seconds each point may run after its last session's planned start; sessions "
-        "still running then are cut and count as not completed (default 45, --quick 20)",
+        "still running then are cut and count as not completed (default 30, --quick 20)",
     )
     p.add_argument("--max-inflight", type=int, default=64, help="client's concurrent requests")
     p.add_argument(
@@ -401,7 +401,7 @@ def run_capacity_command(args: argparse.Namespace) -> int:
     labels = _split(args.targets, OWN_POLICIES + PEER_LABELS, "targets")
     targets = [Target(t, "own" if t in OWN_POLICIES else "peer") for t in labels]
     rates = _rates(args.rates, args.quick)
-    sessions = args.sessions or (3 if args.quick else 24)
+    sessions = args.sessions or (3 if args.quick else 12)
     scale = args.scale or (0.03 if args.quick else 0.05)
     if args.workload not in RATED_WORKLOADS:
         raise ConfigError(f"--workload: choose from {', '.join(sorted(RATED_WORKLOADS))}")
@@ -419,7 +419,7 @@ def run_capacity_command(args: argparse.Namespace) -> int:
         sessions=sessions,
         time_scale=args.time_scale,
         slo_ttft_p90_s=args.slo_ttft_p90_s,
-        duration_s=args.duration_s or (20.0 if args.quick else 45.0),
+        duration_s=args.duration_s or (20.0 if args.quick else 30.0),
         out_dir=args.out_dir,
         log_dir=args.log_dir or Path(tempfile.mkdtemp(prefix="ownerserve-capacity-")),
         max_inflight=args.max_inflight,

@@ -221,7 +221,11 @@ def decode_tokens(request: RequestView, config: CostConfig) -> int:
 # intra_node_bps, inter_node_bps; 9-10 cpu_load_bps, ssd_load_bps; 11 prefill_base(·, 0), the
 # whole prompt on nothing.
 _PF_BASE, _PF_TOK, _PF_CTX = 0, 1, 2
-_LAT, _INTRA, _INTER, _CPU_BPS, _SSD_BPS = 6, 7, 8, 9, 10
+_LAT, _INTRA, _INTER, _CPU_BPS, _SSD_BPS, _CAP = 6, 7, 8, 9, 10, 11
+
+KV_NEVER_S = 1e6
+"""The KV wait of a worker whose whole pool cannot hold the request's KV: it would refuse the
+request (a 400), so every route through it loses to any route that can run."""
 
 
 HeldTerms = tuple[int, int, int, float, int]
@@ -294,6 +298,7 @@ class RequestCosts:
                     link.inter_node_bps,
                     link.cpu_load_bps,
                     link.ssd_load_bps,
+                    p.hbm_kv_bytes / p.kv_bytes_per_token,
                 )
                 c = self._consts[p.name] = (*c, self.prefill_base(c, 0))
             self._consts[profile] = c
@@ -310,6 +315,7 @@ class RequestCosts:
         worker would cost more than the terms themselves):
 
             q(w)       = s_p · (per_token_s · inflight_prefill_tokens + base_s · waiting)
+                         + kv_wait(w, gpu(w), decode(w))
             decode(w)  = O · decode_step_s(w, running + 1, ctx(w) + N)
                        = s_d · O · (base_s + per_seq_s · (running + 1) + per_ctx_token_s ·
                          (ctx(w) + N)),  ctx(w) = kv_usage · hbm_kv_bytes / kv_bytes_per_token
@@ -322,20 +328,25 @@ class RequestCosts:
         """
         n, bs, ob, bk, owner = self.n, self.request.block_size, self.ob, self.bk, self.owner
         dup_none = _dup(True, 0, ob, bk)  # dup(w, 0) of a non-owner (0 without an owner)
+        seq = n + self.o  # the KV the request needs on a worker holding none of it
         profile: str | None = None
         c: tuple[float, ...] = ()
-        pbase = ptok = da = db = dc = pf_all = 0.0
+        pbase = ptok = da = db = dc = pf_all = cap_p = 0.0
         for w in workers:
             if w.profile is not profile:
                 profile = w.profile
                 c = self.consts(profile)
-                pbase, ptok, _, da, db, dc, *_, pf_all = c
+                pbase, ptok, _, da, db, dc, *_, cap_p, pf_all = c
             sp = w.prefill_scale
             running = w.running
             q = sp * (ptok * w.inflight_prefill_tokens + pbase * w.waiting)
             dec = w.decode_scale * (da + db * running + dc * w.kv_usage)
             stalled = running if running > 0 and w.role is not _PREFILL else 0
             cb = w.cached_blocks
+            # the room test of kv_wait, inline: most workers have room and pay nothing more
+            cap = w.kv_capacity_tokens or cap_p
+            if cap * (1.0 - w.kv_usage) - w.inflight_prefill_tokens < seq:
+                q += self.kv_wait(w, cb.get(_GPU, 0) if cb else 0, dec, cap_p)
             if cb:
                 g, cpu, ssd = cb.get(_GPU, 0), cb.get(_CPU, 0), cb.get(_SSD, 0)
                 held = g if g >= cpu and g >= ssd else (cpu if cpu >= ssd else ssd)
@@ -361,6 +372,29 @@ class RequestCosts:
                     continue
             d = dup_none if dup_none and w.worker_id != owner else 0
             yield w, q, dec, sp * pf_all, stalled, d, None
+
+    def kv_wait(self, w: WorkerView, gpu: int, decode: float, cap_p: float) -> float:
+        """kv_wait(w): how long the request waits on w for room for its KV (vLLM admits a
+        request only when its whole sequence fits, after evicting idle cached blocks):
+
+            need = N + O − gpu(w)·bs              the KV it allocates on w
+            cap  = kv_capacity_tokens(w), else hbm_kv_bytes / kv_bytes_per_token (`cap_p`)
+            used = kv_usage(w)·cap + inflight_prefill_tokens(w)
+            kv_wait = 0                              need ≤ cap − used
+                    = KV_NEVER_S                     need > cap (w refuses it)
+                    = (need − (cap − used)) / used · decode(w)   otherwise
+
+        The shortage must be freed by running requests finishing; a running request takes
+        about as long as this one's decode, and frees its share of `used`."""
+        cap = w.kv_capacity_tokens or cap_p
+        need = self.n + self.o - gpu * self.request.block_size
+        used = w.kv_usage * cap + w.inflight_prefill_tokens
+        short = need - (cap - used)
+        if short <= 0:
+            return 0.0
+        if need > cap or used <= 0:
+            return KV_NEVER_S
+        return short / used * decode
 
     def restore(
         self, w: WorkerView, gpu: int, cpu: int, ssd: int, c: tuple[float, ...] | None = None

@@ -61,6 +61,9 @@ class WorkerView:
     # transfer from this worker to another node starts only after them. A property of the
     # node: every worker of a node carries the same value.
     nic_backlog_s: float = 0.0
+    # tokens of KV this worker's pool holds in all (0: unknown, the profile's HBM); with
+    # kv_usage, what a request's KV must fit in (T_queue's wait for KV)
+    kv_capacity_tokens: int = 0
 
 
 @fast_init

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ownerserve.config import AdmissionSettings
+from ownerserve.config import AdmissionSettings, WorkerSettings
 from ownerserve.errors import RateLimitError
 from ownerserve.profiles import load_profile
 from ownerserve.tasks import cancel_and_wait
@@ -33,6 +33,8 @@ class WorkingSet:
     """One worker's KV working set as the router estimates it, in tokens of its KV pool
     (`capacity_tokens`): its last scraped usage plus what the router did since."""
 
+    of: WorkerSettings
+    """The worker it is of (a worker added again under its id gets a new one)."""
     capacity_tokens: int
     pending: int = 0
     """Prompt tokens of requests sent to it and not answered yet: in its queue, which its
@@ -127,8 +129,9 @@ class Admission:
     # --- the working sets --------------------------------------------------------------------
 
     def working_set(self, worker: WorkerState) -> WorkingSet:
+        """The worker's working set; its capacity from its timing profile's `hbm_kv_bytes`."""
         ws = self._sets.get(worker.worker_id)
-        if ws is None:
+        if ws is None or ws.of is not worker.settings:
             profile = worker.settings.profile or self._default_profile
             capacity = self._capacities.get(profile)
             if capacity is None:
@@ -136,7 +139,7 @@ class Admission:
                 capacity = self._capacities[profile] = max(
                     1, int(p.hbm_kv_bytes // p.kv_bytes_per_token)
                 )
-            ws = self._sets[worker.worker_id] = WorkingSet(capacity)
+            ws = self._sets[worker.worker_id] = WorkingSet(worker.settings, capacity)
         return ws
 
     def sent(self, worker_id: str, tokens: int) -> WorkingSet | None:

@@ -52,6 +52,7 @@ def cluster_view(
             sc.link,
             w.settings,
             0.0 if nics is None else nics.backlog(w.settings.node, now),
+            load.kv_capacity_tokens,
         )
         last = w.view_cache
         if last is not None and last[0] == key:
@@ -71,6 +72,7 @@ def cluster_view(
             decode_scale=sc.decode,
             link_scale=sc.link,
             nic_backlog_s=key[9],
+            kv_capacity_tokens=load.kv_capacity_tokens,
         )
         w.view_cache = (key, view)
         views.append(view)

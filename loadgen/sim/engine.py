@@ -458,6 +458,7 @@ class Simulator:
             cached_blocks={Tier.GPU: n} if n else {},
             node=w.node,
             nic_backlog_s=max(0.0, self.nic_free_at.get(w.node, 0.0) - now),
+            kv_capacity_tokens=w.capacity * self.spec.block_tokens,
         )
 
     def _kv_usage(self, w: _Worker, now: float) -> float:

@@ -41,6 +41,9 @@ class WorkerLoad:
     kv_usage: float = 0.0
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
+    kv_capacity_tokens: int = 0
+    """Tokens of KV the worker's pool holds (vLLM's `vllm:cache_config_info`: num_gpu_blocks ·
+    block_size); 0 when the worker does not say."""
 
 
 # vLLM's metric names; the emulated engine exports the same ones.
@@ -58,11 +61,33 @@ _LOAD_METRICS = {
 }
 
 
+_CACHE_INFO = "vllm:cache_config_info{"
+
+
+def _cache_capacity_tokens(line: str) -> int:
+    """num_gpu_blocks · block_size from the labels of a `vllm:cache_config_info` sample (0 when
+    either is missing or not a number, e.g. "None" before the engine profiled its memory)."""
+    labels: dict[str, str] = {}
+    for part in line[len(_CACHE_INFO) : line.rfind("}")].split(","):
+        key, eq, value = part.partition("=")
+        if eq:
+            labels[key.strip()] = value.strip().strip('"')
+    try:
+        return max(0, int(labels["num_gpu_blocks"]) * int(labels["block_size"]))
+    except (KeyError, ValueError):
+        return 0
+
+
 def parse_load_metrics(text: str) -> WorkerLoad:
-    """Sum the load gauges of a Prometheus text exposition (all label sets of one name)."""
+    """Sum the load gauges of a Prometheus text exposition (all label sets of one name); the
+    pool's size from vLLM's cache config info (summed over its engines)."""
     acc: dict[str, float] = {}
+    capacity = 0
     for line in text.splitlines():
         if not line or line[0] == "#":
+            continue
+        if line.startswith(_CACHE_INFO):
+            capacity += _cache_capacity_tokens(line)
             continue
         name_end = len(line)
         for i, ch in enumerate(line):
@@ -85,6 +110,7 @@ def parse_load_metrics(text: str) -> WorkerLoad:
         kv_usage=min(1.0, acc.get("kv_usage", 0.0)),
         prefix_cache_queries=acc.get("prefix_cache_queries", 0.0),
         prefix_cache_hits=acc.get("prefix_cache_hits", 0.0),
+        kv_capacity_tokens=capacity,
     )
 
 

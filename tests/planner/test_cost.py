@@ -11,6 +11,7 @@ from ownerserve.errors import ConfigError
 from ownerserve.kvstate import load_spec
 from ownerserve.types import Role, Tier
 from planner.cost import (
+    KV_NEVER_S,
     CostConfig,
     CostModel,
     RequestCosts,
@@ -273,3 +274,20 @@ def test_enumeration_skips_unhealthy_workers_and_self_pairs() -> None:
         (r.action.value, r.prefill.worker_id, r.decode.worker_id) for r in enumerate_routes(req, cl)
     )
     assert got == [("colocated_prefill", "h0", "h0"), ("remote_prefill", "p0", "h0")]
+
+
+def test_kv_wait_is_zero_with_room_scaled_by_the_shortage_and_prohibitive_past_the_pool() -> None:
+    k = RequestCosts(M, request(1000))  # need = N + O = 1010 tokens
+    w = worker("d", Role.DECODE, kv_capacity_tokens=10_000, running=4)
+    assert k.kv_wait(replace(w, kv_usage=0.5), 0, 0.2, 0.0) == 0.0
+    # used 9,500 + 100 in flight: 1010 − 400 = 610 short, 610 / 9,600 of a 0.2 s decode
+    busy = replace(w, kv_usage=0.95, inflight_prefill_tokens=100)
+    assert k.kv_wait(busy, 0, 0.2, 0.0) == pytest.approx(610 / 9600 * 0.2)
+    # 5 blocks already in GPU need 500 tokens less: then it fits
+    assert k.kv_wait(busy, 5, 0.2, 0.0) == pytest.approx(110 / 9600 * 0.2)
+    assert k.kv_wait(replace(w, kv_capacity_tokens=1000), 0, 0.2, 0.0) == KV_NEVER_S
+    # without a capacity from the worker, the profile's HBM (1e6 tokens here) is the pool
+    _, q, *_ = k.worker(replace(w, kv_capacity_tokens=0, kv_usage=0.5))
+    assert q == 0.0
+    _, q_full, dec, *_ = k.worker(replace(w, kv_capacity_tokens=0, kv_usage=0.9995))
+    assert q_full == pytest.approx((1010 - 500) / 999_500 * dec)

@@ -41,6 +41,26 @@ def test_new_long_prefix_goes_to_remote_prefill() -> None:
     assert p.default_cost_s == pytest.approx(0.74455)
 
 
+def test_a_remote_prefill_is_not_handed_to_a_decode_worker_without_room_for_its_kv() -> None:
+    # the same cluster, but d0's pool (20,000 tokens, from its cache config) is 90% used by
+    # running requests: 5,010 tokens of KV would wait for 3,010 of the 18,000 used to free
+    req = request(5000, session_id="s")
+    cl = cluster(
+        worker("p0", Role.PREFILL, "node0"),
+        worker("d0", Role.DECODE, "node0", running=50, kv_usage=0.9, kv_capacity_tokens=20_000),
+        worker("d1", Role.DECODE, "node1", running=50),
+        worker("h0", Role.HYBRID, "node1", running=50),
+    )
+    p = plan(req, cl)
+    assert (p.action, p.chosen.prefill_worker, p.chosen.decode_worker) == (
+        Action.REMOTE_PREFILL, "p0", "d1",
+    )  # fmt: skip
+    # a pool smaller than the sequence refuses it: no route through d1 either
+    small = replace(cl.workers[2], kv_capacity_tokens=4_000)
+    p2 = plan(req, cluster(cl.workers[0], cl.workers[1], small, cl.workers[3]))
+    assert p2.chosen.decode_worker == "h0"
+
+
 def test_remote_prefill_avoids_a_p_whose_node_nic_is_backlogged() -> None:
     req = request(5000, session_id="s")
     p0 = worker("p0", Role.PREFILL, "node0")

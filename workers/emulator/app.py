@@ -812,6 +812,7 @@ class EmulatorApp:
             "blocks_held": pool.num_cached,
             "blocks_in_use": pool.num_blocks - pool.num_free,
             "capacity": pool.num_blocks,
+            "block_size": self.config.block_size,
             "block_bytes": self.config.block_size * self.profile.kv_bytes_per_token,
             "evicted": pool.evicted_blocks,
             "held_transfers": len(self.engine.holds),

@@ -148,6 +148,13 @@ class EngineMetrics:
         out.append(f"vllm:num_requests_waiting{{{base}}} {g['waiting']}")
         metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.")
         out.append(f"vllm:kv_cache_usage_perc{{{base}}} {g['kv_usage']!r}")
+        # vLLM's info metric (a gauge at 1 whose labels are the cache config): the router reads
+        # the pool's size from it, as from a real engine
+        metric("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig")
+        out.append(
+            f'vllm:cache_config_info{{block_size="{int(g["block_size"])}",engine="0",'
+            f'num_gpu_blocks="{int(g["capacity"])}"}} 1.0'
+        )
         metric("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in tokens.")
         out.append(f"vllm:prefix_cache_queries_total{{{base}}} {self.prefix_cache_queries}")
         metric("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in tokens.")

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from ownerserve.errors import UpstreamError
+from router.backends import parse_load_metrics
 from router.backends.vllm import (
     REMOTE_DECODE_PARAMS,
     for_remote_decode,
@@ -81,3 +82,21 @@ def test_decode_body_carries_the_prefills_params_unchanged() -> None:
     assert with_transfer_params(body, params) == dict(body, kv_transfer_params=params)
     with pytest.raises(UpstreamError):
         transfer_params_of({"choices": []})
+
+
+def test_the_pool_size_comes_from_vllms_cache_config_info() -> None:
+    # vLLM's info gauge carries every CacheConfig field as a label (loggers.log_metrics_info)
+    text = "\n".join(
+        [
+            "# TYPE vllm:cache_config_info gauge",
+            'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",'
+            'gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="2048",'
+            'prefix_caching_hash_algo="sha256"} 1.0',
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5',
+        ]
+    )
+    load = parse_load_metrics(text)
+    assert load.kv_capacity_tokens == 2048 * 16 and load.kv_usage == 0.5
+    # before the engine has profiled its memory the count is "None": unknown, not zero blocks
+    unknown = text.replace('num_gpu_blocks="2048"', 'num_gpu_blocks="None"')
+    assert parse_load_metrics(unknown).kv_capacity_tokens == 0

@@ -29,6 +29,7 @@ from ownerserve.profiles import TimingProfile, profile_from_dict
 from ownerserve.tokenizer import ByteTokenizer, ChatTemplate
 from ownerserve.types import Tier
 from ownerserve.vllm_events import decode_message
+from router.backends import parse_load_metrics
 from tests.workers.emulator.conftest import StartEmulator, metric_value, scrape
 from workers.emulator.config import EmulatorConfig, add_arguments, config_from_args
 from workers.emulator.engine import Engine, SamplingParams, Sequence
@@ -371,3 +372,11 @@ def test_the_cpu_tier_is_off_by_default_and_sized_by_its_flag() -> None:
     assert config_from_args(parser.parse_args(["--cpu-num-blocks", "64"])).cpu_kv_blocks == 64
     with pytest.raises(ConfigError, match="--cpu-num-blocks"):
         EmulatorConfig(cpu_kv_blocks=-1)
+
+
+async def test_metrics_tell_the_router_the_pools_size_as_vllm_does(
+    start_emulator: StartEmulator, http: httpx.AsyncClient
+) -> None:
+    server = await start_emulator(num_blocks=12, block_size=16)
+    load = parse_load_metrics(await scrape_url(http, server.url))
+    assert load.kv_capacity_tokens == 12 * 16
