@@ -160,7 +160,8 @@ def _add_capacity_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPar
         "capacity",
         help="goodput and latency over a sweep of session arrival rates, every target",
         description="Sweep the session arrival rate from light load to overload on an emulated "
-        "cluster whose HBM holds a third of the top rate's KV working set (behind it a CPU tier), "
+        "cluster whose HBM is sized to about a third of the top rate's KV working set (behind "
+        "it a CPU tier), "
         "every target at every rate with the same sessions. Writes capacity_latest.json (every "
         "point), a dated copy and PNG curves to --out-dir, appends the table to --results-md and "
         "prints it.",
@@ -220,7 +221,7 @@ def _add_capacity_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPar
         type=int,
         default=None,
         help="HBM KV blocks per worker (default: the working set at the highest rate is 3× the "
-        "cluster's HBM, but a worker holds at least 1.25 of the largest session's context)",
+        "cluster's HBM, but a worker holds at least the largest session's context)",
     )
     p.add_argument(
         "--cpu-num-blocks",
@@ -252,8 +253,15 @@ def _add_capacity_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPar
         metavar="KEY=VALUE",
         help="planner setting for the own policies (e.g. lambda_hbm=1e-9); repeatable",
     )
-    p.add_argument("--quick", action="store_true", help="check the wiring: 2 rates, 3 sessions")
-    p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
+    p.add_argument(
+        "--quick", action="store_true", help="check the wiring: 2 rates, 3 small sessions"
+    )
+    p.add_argument(
+        "--out-dir",
+        type=Path,
+        default=REPO_ROOT / "bench" / "results",
+        help="capacity_latest.json, its dated copy and the PNG curves (default: %(default)s)",
+    )
     p.add_argument(
         "--results-md",
         type=Path,

@@ -150,8 +150,10 @@ def kv_demand(
         seen.update(p.hashes)
         decode = p.max_tokens * profile.decode_step_s(1, p.tokens)
         busy[p.session_id] += (profile.prefill_s(new, p.tokens - new) + decode) / speed
-    spans = [(s.start_s, s.start_s + s.idle_s + busy[s.session_id], s.session_id) for s in
-             workload.sessions]  # fmt: skip
+    spans = [
+        (s.start_s, s.start_s + s.idle_s + busy[s.session_id], s.session_id)
+        for s in workload.sessions
+    ]
     working = 0
     for t0, _, _ in spans:
         active = [sid for start, end, sid in spans if start <= t0 < end]
@@ -165,7 +167,7 @@ def kv_demand(
     )
 
 
-MIN_SESSIONS_PER_WORKER = 1.25
+MIN_SESSIONS_PER_WORKER = 1.0
 """A worker's HBM holds at least this many of the largest session's context: with less, the
 longest prompts would not fit any worker at all and fail instead of queueing or recomputing."""
 

@@ -30,12 +30,14 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class WorkingSet:
-    """One worker's KV working set as the router estimates it, in tokens of its KV pool
-    (`capacity_tokens`): its last scraped usage plus what the router did since."""
+    """One worker's KV working set as the router estimates it, in tokens of its KV pool: its
+    last scraped usage plus what the router did since."""
 
     of: WorkerSettings
     """The worker it is of (a worker added again under its id gets a new one)."""
-    capacity_tokens: int
+    profile_capacity_tokens: int
+    """The pool's size by the worker's timing profile, where the worker does not say
+    (`WorkerLoad.kv_capacity_tokens`, from `vllm:cache_config_info`)."""
     pending: int = 0
     """Prompt tokens of requests sent to it and not answered yet: in its queue, which its
     usage gauge does not show, or prefilling."""
@@ -57,10 +59,10 @@ class WorkingSet:
 
     def usage(self, load: WorkerLoad) -> float:
         """Share of the KV pool in use: `kv_usage + (pending + reserved + since_scrape) /
-        capacity_tokens`."""
+        capacity_tokens`, the capacity as the worker says, else as its profile does."""
         self.sync(load)
         tokens = self.pending + self.reserved + self.since_scrape
-        return load.kv_usage + tokens / self.capacity_tokens
+        return load.kv_usage + tokens / (load.kv_capacity_tokens or self.profile_capacity_tokens)
 
 
 @dataclass(eq=False, slots=True)
@@ -123,13 +125,15 @@ class Admission:
         self._rechecks: asyncio.Task[None] | None = None
         self._admitted_now = metrics.admitted.labels("immediate")
 
-    def __len__(self) -> int:
+    @property
+    def queued(self) -> int:
+        """Requests waiting in the queue now."""
         return len(self._queue)
 
     # --- the working sets --------------------------------------------------------------------
 
     def working_set(self, worker: WorkerState) -> WorkingSet:
-        """The worker's working set; its capacity from its timing profile's `hbm_kv_bytes`."""
+        """The worker's working set (its profile's pool size: `hbm_kv_bytes` in tokens)."""
         ws = self._sets.get(worker.worker_id)
         if ws is None or ws.of is not worker.settings:
             profile = worker.settings.profile or self._default_profile

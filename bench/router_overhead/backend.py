@@ -136,7 +136,10 @@ class Canned:
         self.metrics = _response(
             200,
             b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
-            b"vllm:kv_cache_usage_perc 0\n",
+            b"vllm:kv_cache_usage_perc 0\n"
+            # a pool no benchmark fills (1M blocks of 16): the router's admission never holds
+            # a request, so the bench measures the router's own work
+            b'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000000"} 1.0\n',
             b"text/plain",
         )
         self.models = _response(

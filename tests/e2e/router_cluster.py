@@ -28,10 +28,9 @@ def router_settings(workers: Sequence[EmulatedWorker], **sections: dict[str, Any
         "models": [{"name": MODEL}],
         "workers": [w.worker_settings() for w in workers],
     }
-    if "directory" in sections:
-        data["directory"] = sections["directory"]
-    if "telemetry" in sections:
-        data["telemetry"] = sections["telemetry"]
+    for name in ("directory", "telemetry", "admission"):
+        if name in sections:
+            data[name] = sections[name]
     return settings_from_dict(data)
 
 

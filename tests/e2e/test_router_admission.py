@@ -74,7 +74,7 @@ async def peaks(router: Router, worker_id: str, until: asyncio.Future[Any]) -> t
     assert worker is not None
     queued = inflight = 0
     while not until.done():
-        queued = max(queued, len(router.admission))
+        queued = max(queued, router.admission.queued)
         inflight = max(inflight, worker.inflight)
         await asyncio.sleep(0.002)
     return queued, inflight
@@ -106,6 +106,21 @@ async def test_sessions_beyond_the_kv_pool_are_held_by_the_router_and_all_comple
     # each session's service is counted: its prompt and its output
     info = router.sessions.get("s0")
     assert info is not None and info.attained_tokens > 40
+
+
+async def test_with_admission_off_the_same_sessions_all_go_to_the_engine_at_once(
+    small_kv_profile: str,
+) -> None:
+    h0 = EmulatedWorker("h0", "hybrid", profile=small_kv_profile)
+    with emulated_workers(h0):
+        async with proxy_client(settings(h0, enabled=False)) as (client, router):
+            batch = asyncio.gather(*(post(client, i) for i in range(SESSIONS)))
+            most_queued, most_inflight = await peaks(router, "h0", batch)
+            responses = await batch
+            metrics = (await client.get("/metrics")).text
+    assert [r.status_code for r in responses] == [200] * SESSIONS
+    assert (most_queued, most_inflight) == (0, SESSIONS)
+    assert metric_value(metrics, "ownerserve_admission_admitted_total") == 0
 
 
 async def test_past_the_queue_bound_the_router_answers_429_with_retry_after(
@@ -141,10 +156,10 @@ async def test_a_client_that_gives_up_while_queued_leaves_the_queue(
             # long answers (~3 s each): more than the pool holds
             long = [asyncio.create_task(post(client, i, max_tokens=300)) for i in range(6)]
             for _ in range(300):
-                if len(router.admission):
+                if router.admission.queued:
                     break
                 await asyncio.sleep(0.01)
-            assert len(router.admission) > 0
+            assert router.admission.queued > 0
             with pytest.raises(httpx.ReadTimeout):
                 await client.post(
                     "/v1/chat/completions",
@@ -159,7 +174,7 @@ async def test_a_client_that_gives_up_while_queued_leaves_the_queue(
                 if metric_value(metrics, "ownerserve_admission_abandoned_total", **gone):
                     break
                 await asyncio.sleep(0.02)
-            queued = len(router.admission)
+            queued = router.admission.queued
     assert [r.status_code for r in responses] == [200] * 6
     assert metric_value(metrics, "ownerserve_admission_abandoned_total", **gone) == 1
     assert (

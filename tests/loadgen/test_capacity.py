@@ -62,9 +62,9 @@ def test_default_num_blocks_sizes_hbm_to_a_third_of_the_working_set_but_fits_a_s
                       ideal_new_tokens={})  # fmt: skip
     assert default_num_blocks(demand, 4) == 1_000
     assert default_num_blocks(demand, 4, pressure=2.0) == 1_500
-    # four workers with 1,000 blocks each could not hold the largest session 1.25 times at 8
-    big = KVDemand(12_000, 20_000, 1_000, {})
-    assert default_num_blocks(big, 4) == 1_250
+    # a worker must hold the largest session whatever the pressure asks
+    big = KVDemand(12_000, 20_000, 1_500, {})
+    assert default_num_blocks(big, 4) == 1_500
 
 
 def _req(sid: str, step: int, ttft: float | None, status: int = 200) -> RequestRecord:

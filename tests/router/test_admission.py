@@ -185,7 +185,7 @@ async def test_the_working_set_counts_what_the_router_sent_and_streams_since_the
     worker = _worker(router)
     _scrape(router, 0.5)
     ws = admission.working_set(worker)
-    assert ws.capacity_tokens == CAPACITY
+    assert ws.profile_capacity_tokens == CAPACITY
     sent = admission.sent("w0", 500)  # waiting or prefilling: the gauge may not show it
     assert sent is ws and ws.usage(worker.load) == pytest.approx(1.0)
     assert not admission.admit_now(MODEL)
@@ -197,6 +197,17 @@ async def test_the_working_set_counts_what_the_router_sent_and_streams_since_the
     admission.ended(worker, ws, 500)  # ended after the scrape: its KV is free
     assert ws.usage(worker.load) == pytest.approx(0.3)
     assert admission.admit_now(MODEL)
+
+
+async def test_the_pool_size_a_worker_reports_outweighs_its_profiles(profile: str) -> None:
+    router = Router(_settings(profile))
+    worker = _worker(router)
+    ws = router.admission.sent("w0", 500)
+    assert ws is not None
+    worker.load = WorkerLoad(kv_usage=0.25)  # a worker that does not say: the profile's 1000
+    assert ws.usage(worker.load) == pytest.approx(0.75)
+    worker.load = WorkerLoad(kv_usage=0.25, kv_capacity_tokens=4000)  # vllm:cache_config_info
+    assert ws.usage(worker.load) == pytest.approx(0.375)
 
 
 # --- the queue ----------------------------------------------------------------------------------
@@ -213,7 +224,7 @@ async def test_the_queue_releases_the_least_served_session_first_one_per_freed_s
     order: list[str] = []
     clients = [Client(router, sid, order) for sid in ("heavy", "light", "new", "mid")]
     await _settle()
-    assert order == [] and len(admission) == 4
+    assert order == [] and admission.queued == 4
     assert metric_value(_metrics(router), "ownerserve_admission_queued") == 4
     for expected in (["new"], ["new", "light"], ["new", "light", "mid"]):
         # one request's worth of headroom: 0.7 + 300/1000 reaches the high watermark
@@ -259,7 +270,7 @@ async def test_a_new_request_queues_behind_waiting_ones_even_with_headroom(profi
     assert not router.admission.admit_now(MODEL)  # not past the one waiting
     Client(router, "second", order)  # queued; its own pump releases the first
     await _settle()
-    assert order == ["first"] and len(router.admission) == 1
+    assert order == ["first"] and router.admission.queued == 1
 
 
 async def test_a_full_queue_answers_429_with_retry_after_at_once(profile: str) -> None:
@@ -271,7 +282,7 @@ async def test_a_full_queue_answers_429_with_retry_after_at_once(profile: str) -
         await router.admission.wait(MODEL, "b", PROMPT, ResponseWriter())
     assert info.value.status_code == 429 and info.value.code == "queue_full"
     assert info.value.retry_after_s == 7
-    assert len(router.admission) == 1
+    assert router.admission.queued == 1
     m = _metrics(router)
     assert metric_value(m, "ownerserve_admission_rejected_total", reason="queue_full") == 1
 
@@ -284,7 +295,7 @@ async def test_a_request_waiting_past_its_bound_is_answered_429_and_leaves_the_q
     with pytest.raises(RateLimitError) as info:
         await router.admission.wait(MODEL, "a", PROMPT, ResponseWriter())
     assert info.value.code == "queue_timeout"
-    assert len(router.admission) == 0
+    assert router.admission.queued == 0
     m = _metrics(router)
     assert metric_value(m, "ownerserve_admission_rejected_total", reason="queue_timeout") == 1
     assert metric_value(m, "ownerserve_admission_wait_seconds_count", outcome="rejected") == 1
@@ -304,7 +315,7 @@ async def test_a_queued_request_whose_client_goes_away_leaves_the_queue_and_is_c
     gone.task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await gone.task
-    assert len(router.admission) == 1 and not stays.task.done()
+    assert router.admission.queued == 1 and not stays.task.done()
     reason = "client_disconnected" if disconnected else "cancelled"
     m = _metrics(router)
     assert metric_value(m, "ownerserve_admission_abandoned_total", reason=reason) == 1
@@ -445,10 +456,10 @@ async def test_the_router_holds_a_request_until_headroom_returns_then_serves_it(
             client.post("/v1/chat/completions", json=CHAT, headers=headers)
         )
         for _ in range(100):
-            if len(router.admission):
+            if router.admission.queued:
                 break
             await asyncio.sleep(0.01)
-        assert len(router.admission) == 1 and worker.completions() == []
+        assert router.admission.queued == 1 and worker.completions() == []
         _scrape(router, 0.1)
         router.admission.pump()
         resp = await pending
