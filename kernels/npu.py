@@ -10,17 +10,19 @@ seed 002 proposes) is future work and must be checked against `kernels.reference
 
 from __future__ import annotations
 
+import functools
 import importlib
-from functools import cache
-
-import torch
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 from kernels import reference
-from kernels.layouts import BackendUnavailable, BlockIds, PagedKV
-from kernels.rope import RopeSpec
+from kernels.layouts import BackendUnavailable
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-@cache
+@functools.cache
 def _require_torch_npu() -> None:
     """Import torch_npu once, which registers the `npu` device with torch."""
     try:
@@ -29,62 +31,20 @@ def _require_torch_npu() -> None:
         raise BackendUnavailable(f"torch_npu cannot be imported: {exc}") from exc
 
 
-def gather_blocks(
-    paged: PagedKV, block_ids: BlockIds, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """See `kernels.reference.gather_blocks`."""
-    _require_torch_npu()
-    return reference.gather_blocks(paged, block_ids, out)
+def _on_npu(op: Callable[P, R]) -> Callable[P, R]:
+    """The reference op, run once torch_npu is imported (its docstring is the reference's)."""
+
+    @functools.wraps(op)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        _require_torch_npu()
+        return op(*args, **kwargs)
+
+    return run
 
 
-def scatter_blocks(
-    staging: torch.Tensor,
-    paged: PagedKV,
-    block_ids: BlockIds,
-    rope: RopeSpec | None = None,
-    delta: int | torch.Tensor = 0,
-    inv_freq: torch.Tensor | None = None,
-) -> None:
-    """See `kernels.reference.scatter_blocks`."""
-    _require_torch_npu()
-    reference.scatter_blocks(staging, paged, block_ids, rope, delta, inv_freq)
-
-
-def copy_blocks(
-    src: PagedKV,
-    dst: PagedKV,
-    src_ids: BlockIds,
-    dst_ids: BlockIds,
-    rope: RopeSpec | None = None,
-    delta: int | torch.Tensor = 0,
-    inv_freq: torch.Tensor | None = None,
-) -> None:
-    """See `kernels.reference.copy_blocks`."""
-    _require_torch_npu()
-    reference.copy_blocks(src, dst, src_ids, dst_ids, rope, delta, inv_freq)
-
-
-def rerotate_blocks(
-    paged: PagedKV,
-    block_ids: BlockIds,
-    rope: RopeSpec,
-    delta: int | torch.Tensor,
-    inv_freq: torch.Tensor | None = None,
-) -> None:
-    """See `kernels.reference.rerotate_blocks`."""
-    _require_torch_npu()
-    reference.rerotate_blocks(paged, block_ids, rope, delta, inv_freq)
-
-
-def split_heads(
-    paged: PagedKV, block_ids: BlockIds, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """See `kernels.reference.split_heads`."""
-    _require_torch_npu()
-    return reference.split_heads(paged, block_ids, out)
-
-
-def merge_heads(head_buffers: torch.Tensor, paged: PagedKV, block_ids: BlockIds) -> None:
-    """See `kernels.reference.merge_heads`."""
-    _require_torch_npu()
-    reference.merge_heads(head_buffers, paged, block_ids)
+gather_blocks = _on_npu(reference.gather_blocks)
+scatter_blocks = _on_npu(reference.scatter_blocks)
+copy_blocks = _on_npu(reference.copy_blocks)
+rerotate_blocks = _on_npu(reference.rerotate_blocks)
+split_heads = _on_npu(reference.split_heads)
+merge_heads = _on_npu(reference.merge_heads)

@@ -9,14 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.layouts import (
-    BlockIds,
-    LayoutError,
-    PagedKV,
-    as_block_ids,
-    check_head_buffers,
-    check_staging,
-)
+from kernels.checks import buffer_for, paired_ids, rerotation_ids
+from kernels.layouts import BlockIds, LayoutError, PagedKV
 from kernels.rope import RopeSpec, rotate, token_deltas
 
 
@@ -40,11 +34,8 @@ def gather_blocks(
     """Paged -> staging: `out[i, l, kv]` = block `block_ids[i]` of layer `l`, side `kv`, flattened
     token-major `[block_size, kv_heads, head_dim]`. Returns `out` (allocated when None)."""
     g = paged.geometry
-    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
+    ids, out = buffer_for(paged, block_ids, out, per_head=False)
     n = ids.numel()
-    if out is None:
-        out = torch.empty(g.staging_shape(n), dtype=g.dtype, device=paged.device)
-    check_staging(out, g, n)
     o = out.view(n, g.num_layers, g.kv_factor, g.block_size, g.num_kv_heads, g.head_dim)
     for lk, view in enumerate(paged.views):
         layer, kv = divmod(lk, g.kv_factor)
@@ -63,9 +54,8 @@ def scatter_blocks(
     """Staging -> paged, the inverse of `gather_blocks`; with `rope`, K is re-rotated by `delta`
     (one int or one value per token, in staging order) on the way."""
     g = paged.geometry
-    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
+    ids, _ = buffer_for(paged, block_ids, staging, per_head=False)
     n = ids.numel()
-    check_staging(staging, g, n)
     deltas = token_deltas(delta, n * g.block_size, paged.device) if rope is not None else None
     s = staging.view(n, g.num_layers, g.kv_factor, g.block_size, g.num_kv_heads, g.head_dim)
     for lk, view in enumerate(paged.views):
@@ -93,10 +83,7 @@ def copy_blocks(
         gd.head_dim,
     ):
         raise LayoutError("copy_blocks needs the same geometry on both sides")
-    sids = as_block_ids(src_ids, src.device, gs.num_blocks)
-    dids = as_block_ids(dst_ids, dst.device, gd.num_blocks)
-    if sids.numel() != dids.numel():
-        raise LayoutError("src_ids and dst_ids differ in length")
+    sids, dids = paired_ids(src, dst, src_ids, dst_ids)
     n = sids.numel()
     deltas = token_deltas(delta, n * gs.block_size, dst.device) if rope is not None else None
     for lk, (sv, dv) in enumerate(zip(src.views, dst.views, strict=True)):
@@ -113,11 +100,8 @@ def rerotate_blocks(
 ) -> None:
     """In place: re-rotate K of the listed blocks, all layers, by `delta` (one int or one value
     per token in block-list order); V is untouched."""
-    g = paged.geometry
-    if g.kv_factor != 2:
-        raise LayoutError("re-rotation needs a K/V cache (MLA's latent is not handled here)")
-    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
-    deltas = token_deltas(delta, ids.numel() * g.block_size, paged.device)
+    ids = rerotation_ids(paged, block_ids)
+    deltas = token_deltas(delta, ids.numel() * paged.geometry.block_size, paged.device)
     for view in paged.views[0::2]:
         view[ids] = _maybe_rotate(view[ids], 0, rope, deltas, inv_freq)
 
@@ -129,11 +113,7 @@ def split_heads(
     `block_ids[i]`, layer `l`, side `kv`, as `[block_size, head_dim]`. The caller keys `out[j]` by
     the global head `rank_kv_heads(...)[j]`."""
     g = paged.geometry
-    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
-    n = ids.numel()
-    if out is None:
-        out = torch.empty(g.head_buffer_shape(n), dtype=g.dtype, device=paged.device)
-    check_head_buffers(out, g, n)
+    ids, out = buffer_for(paged, block_ids, out, per_head=True)
     for lk, view in enumerate(paged.views):
         layer, kv = divmod(lk, g.kv_factor)
         out[:, :, layer, kv] = view[ids].permute(2, 0, 1, 3)  # [H, n, bs, D]
@@ -144,9 +124,7 @@ def merge_heads(head_buffers: torch.Tensor, paged: PagedKV, block_ids: BlockIds)
     """Per-head buffers -> paged, the inverse of `split_heads`: `head_buffers[j]` holds local head
     `j` of the destination rank (gathered from whichever producer ranks held those heads)."""
     g = paged.geometry
-    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
-    n = ids.numel()
-    check_head_buffers(head_buffers, g, n)
+    ids, _ = buffer_for(paged, block_ids, head_buffers, per_head=True)
     for lk, view in enumerate(paged.views):
         layer, kv = divmod(lk, g.kv_factor)
         view[ids] = head_buffers[:, :, layer, kv].permute(1, 2, 0, 3)  # [n, bs, H, D]

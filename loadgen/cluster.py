@@ -175,8 +175,32 @@ def wait_healthy(
             time.sleep(0.1)
 
 
+class LoopbackServer:
+    """A child server on a loopback port (picked when it is made, so its URL is known before it
+    starts and stays the same over restarts) and its process once started."""
+
+    port: int
+    process: ManagedProcess | None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.alive()
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies as a crashed one would, mid-request."""
+        if self.process is not None:
+            self.process.kill()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+
 @dataclass(eq=False)
-class EmulatedWorker:
+class EmulatedWorker(LoopbackServer):
     """One emulated engine (`python -m workers.emulator`) on loopback ports picked when it is
     made (so its URL is known before it starts, and stays the same over restarts)."""
 
@@ -193,10 +217,6 @@ class EmulatedWorker:
     bootstrap_port: int = field(default_factory=free_port)
     events_port: int = field(default_factory=free_port)
     process: ManagedProcess | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
         # the child runs in REPO_ROOT: a profile given as a relative path means the caller's
@@ -220,18 +240,6 @@ class EmulatedWorker:
     def wait_healthy(self, timeout_s: float = 90.0) -> None:
         assert self.process is not None, "start() first"
         wait_healthy([(self.process, self.url)], timeout_s=timeout_s)
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.alive()
-
-    def kill(self) -> None:
-        """SIGKILL: the worker dies as a crashed engine would, mid-request."""
-        if self.process is not None:
-            self.process.kill()
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
 
     def metrics(self) -> str:
         """Its Prometheus exposition text."""

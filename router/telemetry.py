@@ -9,6 +9,7 @@ Nothing here is global: each app owns its registry and tracer provider.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -23,38 +24,18 @@ from ownerserve.config import TelemetrySettings
 
 log = logging.getLogger(__name__)
 
-LATENCY_BUCKETS_S = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
+
+def _one_two_five(first: float, last: float) -> tuple[float, ...]:
+    """Bucket bounds 1, 2.5 and 5 times each power of ten, from `first` to `last` inclusive
+    (parsed from decimal text, so each bound is the float its literal would be)."""
+    bounds = (float(f"{m}e{e}") for e in range(-6, 3) for m in ("1", "2.5", "5"))
+    return tuple(b for b in bounds if first <= b <= last)
+
+
+LATENCY_BUCKETS_S = (*_one_two_five(0.001, 10.0), 30.0, 60.0)
 TPOT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 1.0)
 QUEUE_WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-OVERHEAD_BUCKETS_S = (
-    0.00005,
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-)
+OVERHEAD_BUCKETS_S = _one_two_five(0.00005, 0.1)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _NO_SPAN = contextlib.nullcontext()
@@ -66,167 +47,136 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        r = self.registry
-        self.requests = Counter(
-            "ownerserve_requests_total",
-            "Client requests by outcome",
-            ["model", "status"],
-            registry=r,
+        # every metric registers in this app's own registry
+        counter = functools.partial(Counter, registry=self.registry)
+        gauge = functools.partial(Gauge, registry=self.registry)
+        histogram = functools.partial(Histogram, registry=self.registry)
+        self.requests = counter(
+            "ownerserve_requests_total", "Client requests by outcome", ["model", "status"]
         )
-        self.actions = Counter(
-            "ownerserve_plan_actions_total",
-            "Plans by action and policy",
-            ["policy", "action"],
-            registry=r,
+        self.actions = counter(
+            "ownerserve_plan_actions_total", "Plans by action and policy", ["policy", "action"]
         )
-        self.owner_lookups = Counter(
+        self.owner_lookups = counter(
             "ownerserve_owner_lookups_total",
             "Requests whose prefix had an owner, by whether the plan used it (hit) or not",
             ["result"],
-            registry=r,
         )
-        self.retries = Counter(
+        self.retries = counter(
             "ownerserve_retries_total",
             "Upstream attempts retried before the first byte",
             ["worker", "reason"],
-            registry=r,
         )
-        self.stream_errors = Counter(
+        self.stream_errors = counter(
             "ownerserve_stream_errors_total",
             "Streams ended by an upstream failure mid-stream",
             ["worker"],
-            registry=r,
         )
-        self.fallbacks = Counter(
+        self.fallbacks = counter(
             "ownerserve_fallbacks_total",
             "Hops given up before the first byte, by what ran instead (colocated on the "
             "plan's decode worker, or another worker) and why",
             ["fallback", "reason"],
-            registry=r,
         )
-        self.upstream_timeouts = Counter(
+        self.upstream_timeouts = counter(
             "ownerserve_upstream_timeouts_total",
             "Bounded waits on a worker that ran out (connect, first_byte, kv_transfer, stream_gap)",
             ["worker", "hop"],
-            registry=r,
         )
-        self.ttft = Histogram(
-            "ownerserve_ttft_seconds",
-            "Time to first token seen by the router",
-            ["action"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
+        # the per-request latencies, each by the plan's action
+        self.ttft, self.tpot, self.e2e, self.transfer = (
+            histogram(name, doc, ["action"], buckets=buckets)
+            for name, doc, buckets in (
+                (
+                    "ownerserve_ttft_seconds",
+                    "Time to first token seen by the router",
+                    LATENCY_BUCKETS_S,
+                ),
+                (
+                    "ownerserve_tpot_seconds",
+                    "Time per output token after the first",
+                    TPOT_BUCKETS_S,
+                ),
+                ("ownerserve_e2e_seconds", "Request latency end to end", LATENCY_BUCKETS_S),
+                (
+                    "ownerserve_transfer_seconds",
+                    "KV movement phase: remote prefill until its KV is ready, or an artifact fetch",
+                    LATENCY_BUCKETS_S,
+                ),
+            )
         )
-        self.tpot = Histogram(
-            "ownerserve_tpot_seconds",
-            "Time per output token after the first",
-            ["action"],
-            buckets=TPOT_BUCKETS_S,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "ownerserve_e2e_seconds",
-            "Request latency end to end",
-            ["action"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        )
-        self.transfer = Histogram(
-            "ownerserve_transfer_seconds",
-            "KV movement phase: remote prefill until its KV is ready, or an artifact fetch",
-            ["action"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        )
-        self.overhead = Histogram(
+        self.overhead = histogram(
             "ownerserve_router_overhead_seconds",
             "Router time from request bytes to the upstream request (parse, tokenize, plan)",
             buckets=OVERHEAD_BUCKETS_S,
-            registry=r,
         )
-        self.breaker = Gauge(
-            "ownerserve_breaker_state",
-            "Circuit breaker per worker: 0 closed, 1 half-open, 2 open",
-            ["worker"],
-            registry=r,
+        # the per-worker states
+        self.breaker, self.healthy, self.inflight = (
+            gauge(name, doc, ["worker"])
+            for name, doc in (
+                (
+                    "ownerserve_breaker_state",
+                    "Circuit breaker per worker: 0 closed, 1 half-open, 2 open",
+                ),
+                ("ownerserve_worker_healthy", "1 if the worker answers its health check"),
+                ("ownerserve_worker_inflight", "Requests in flight per worker"),
+            )
         )
-        self.healthy = Gauge(
-            "ownerserve_worker_healthy",
-            "1 if the worker answers its health check",
-            ["worker"],
-            registry=r,
-        )
-        self.inflight = Gauge(
-            "ownerserve_worker_inflight",
-            "Requests in flight per worker",
-            ["worker"],
-            registry=r,
-        )
-        self.directory_errors = Counter(
+        self.directory_errors = counter(
             "ownerserve_directory_lookup_errors_total",
             "Lookups that failed (requests then routed without ownership)",
-            registry=r,
         )
-        self.commit_errors = Counter(
-            "ownerserve_directory_commit_errors_total", "Failed directory commits", registry=r
+        self.commit_errors = counter(
+            "ownerserve_directory_commit_errors_total", "Failed directory commits"
         )
-        self.swept = Counter(
+        self.swept = counter(
             "ownerserve_directory_swept_total",
             "Expired leases and replicas the router's periodic sweep purged",
-            registry=r,
         )
-        self.sweep_errors = Counter(
-            "ownerserve_directory_sweep_errors_total", "Periodic sweeps that failed", registry=r
+        self.sweep_errors = counter(
+            "ownerserve_directory_sweep_errors_total", "Periodic sweeps that failed"
         )
-        self.drop_worker_errors = Counter(
+        self.drop_worker_errors = counter(
             "ownerserve_directory_drop_worker_errors_total",
             "Removed workers the directory failed to forget (their leases stay until retried)",
-            registry=r,
         )
-        self.admission_queued = Gauge(
+        self.admission_queued = gauge(
             "ownerserve_admission_queued",
             "Requests waiting in the router's admission queue (every worker's KV working set full)",
-            registry=r,
         )
-        self.admission_wait = Histogram(
+        self.admission_wait = histogram(
             "ownerserve_admission_wait_seconds",
             "Time requests spent in the admission queue, by how they left it (admitted, "
             "rejected, client_disconnected, cancelled)",
             ["outcome"],
             buckets=QUEUE_WAIT_BUCKETS_S,
-            registry=r,
         )
-        self.admitted = Counter(
+        self.admitted = counter(
             "ownerserve_admission_admitted_total",
             "Requests admitted: at once (a worker had working-set headroom) or after queueing",
             ["path"],
-            registry=r,
         )
-        self.admission_rejected = Counter(
+        self.admission_rejected = counter(
             "ownerserve_admission_rejected_total",
             "Requests answered 429: the queue was full (queue_full) or they waited their bound "
             "(queue_timeout)",
             ["reason"],
-            registry=r,
         )
-        self.admission_abandoned = Counter(
+        self.admission_abandoned = counter(
             "ownerserve_admission_abandoned_total",
             "Queued requests removed because their client went away (client_disconnected) or "
             "they were cancelled (request timeout, shutdown)",
             ["reason"],
-            registry=r,
         )
-        self.admission_paused = Gauge(
+        self.admission_paused = gauge(
             "ownerserve_admission_worker_paused",
             "1 while a worker's KV working set is over the high watermark and not yet back "
             "under the low one (it takes nothing from the admission queue)",
             ["worker"],
-            registry=r,
         )
-        self.subscriber_close_errors = Counter(
+        self.subscriber_close_errors = counter(
             "ownerserve_kv_subscriber_close_errors_total",
             "KV event subscriptions that failed to close",
-            registry=r,
         )
 
     def of(self, metric: Any, *labels: str) -> Any:

@@ -13,14 +13,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels.layouts import (
-    BlockIds,
-    LayoutError,
-    PagedKV,
-    as_block_ids,
-    check_head_buffers,
-    check_staging,
-)
+from kernels.checks import buffer_for, paired_ids, rerotation_ids
+from kernels.layouts import BlockIds, KVGeometry, LayoutError, PagedKV
 from kernels.rope import RopeSpec, token_deltas
 from kernels.triton import _jit
 
@@ -242,6 +236,12 @@ def _freq_table(rope: RopeSpec, device: torch.device, length: int) -> torch.Tens
     return torch.cat((f, f.new_zeros(length - f.numel()))) if f.numel() < length else f
 
 
+def _check_rope(rope: RopeSpec | None, g: KVGeometry) -> None:
+    """Re-rotating on the way needs a K to rotate: a K/V cache, not MLA's latent."""
+    if rope is not None and g.kv_factor != 2:
+        raise LayoutError("re-rotation needs a K/V cache")
+
+
 def _lk(paged: PagedKV) -> int:
     return paged.geometry.num_layers * paged.geometry.kv_factor
 
@@ -251,11 +251,8 @@ def gather_blocks(
 ) -> torch.Tensor:
     """See `kernels.reference.gather_blocks`."""
     g = paged.geometry
-    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
+    ids, out = buffer_for(paged, block_ids, out, per_head=False)
     n = ids.numel()
-    if out is None:
-        out = torch.empty(g.staging_shape(n), dtype=g.dtype, device=paged.device)
-    check_staging(out, g, n)
     _launch(_paged_side(paged, ids), _staging_side(out, paged), paged, n, _lk(paged), g.kv_factor)
     return out
 
@@ -270,13 +267,10 @@ def scatter_blocks(
 ) -> None:
     """See `kernels.reference.scatter_blocks`."""
     g = paged.geometry
-    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
-    n = ids.numel()
-    check_staging(staging, g, n)
-    if rope is not None and g.kv_factor != 2:
-        raise LayoutError("re-rotation needs a K/V cache")
+    ids, _ = buffer_for(paged, block_ids, staging, per_head=False)
+    _check_rope(rope, g)
     src, dst = _staging_side(staging, paged), _paged_side(paged, ids)
-    _launch(src, dst, paged, n, _lk(paged), g.kv_factor, rope, delta, inv_freq)
+    _launch(src, dst, paged, ids.numel(), _lk(paged), g.kv_factor, rope, delta, inv_freq)
 
 
 def copy_blocks(
@@ -295,15 +289,10 @@ def copy_blocks(
         raise LayoutError("copy_blocks needs the same geometry and dtype on both sides")
     if src.device != dst.device:
         raise LayoutError("copy_blocks needs both caches on one device")
-    sids = as_block_ids(src_ids, src.device, gs.num_blocks)
-    dids = as_block_ids(dst_ids, dst.device, gd.num_blocks)
-    if sids.numel() != dids.numel():
-        raise LayoutError("src_ids and dst_ids differ in length")
-    n = sids.numel()
-    if rope is not None and gs.kv_factor != 2:
-        raise LayoutError("re-rotation needs a K/V cache")
+    sids, dids = paired_ids(src, dst, src_ids, dst_ids)
+    _check_rope(rope, gs)
     s, d = _paged_side(src, sids), _paged_side(dst, dids)
-    _launch(s, d, dst, n, _lk(dst), gs.kv_factor, rope, delta, inv_freq)
+    _launch(s, d, dst, sids.numel(), _lk(dst), gs.kv_factor, rope, delta, inv_freq)
 
 
 def rerotate_blocks(
@@ -314,13 +303,9 @@ def rerotate_blocks(
     inv_freq: torch.Tensor | None = None,
 ) -> None:
     """See `kernels.reference.rerotate_blocks`: K only, in place."""
-    g = paged.geometry
-    if g.kv_factor != 2:
-        raise LayoutError("re-rotation needs a K/V cache (MLA's latent is not handled here)")
-    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
-    n = ids.numel()
+    ids = rerotation_ids(paged, block_ids)
     side = _paged_side(paged, ids, kv=0)
-    _launch(side, side, paged, n, g.num_layers, 1, rope, delta, inv_freq)
+    _launch(side, side, paged, ids.numel(), paged.geometry.num_layers, 1, rope, delta, inv_freq)
 
 
 def split_heads(
@@ -328,11 +313,8 @@ def split_heads(
 ) -> torch.Tensor:
     """See `kernels.reference.split_heads`."""
     g = paged.geometry
-    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
+    ids, out = buffer_for(paged, block_ids, out, per_head=True)
     n = ids.numel()
-    if out is None:
-        out = torch.empty(g.head_buffer_shape(n), dtype=g.dtype, device=paged.device)
-    check_head_buffers(out, g, n)
     _launch(_paged_side(paged, ids), _head_side(out, paged, n), paged, n, _lk(paged), g.kv_factor)
     return out
 
@@ -340,8 +322,7 @@ def split_heads(
 def merge_heads(head_buffers: torch.Tensor, paged: PagedKV, block_ids: BlockIds) -> None:
     """See `kernels.reference.merge_heads`."""
     g = paged.geometry
-    ids = as_block_ids(block_ids, paged.device, paged.geometry.num_blocks)
+    ids, _ = buffer_for(paged, block_ids, head_buffers, per_head=True)
     n = ids.numel()
-    check_head_buffers(head_buffers, g, n)
     src, dst = _head_side(head_buffers, paged, n), _paged_side(paged, ids)
     _launch(src, dst, paged, n, _lk(paged), g.kv_factor)

@@ -13,7 +13,7 @@ import hashlib
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,13 @@ from typing import Any
 import httpx
 import pytest
 
-from loadgen.cluster import EmulatedWorker, ManagedProcess, emulated_workers, wait_healthy
+from loadgen.cluster import (
+    EmulatedWorker,
+    LoopbackServer,
+    ManagedProcess,
+    emulated_workers,
+    wait_healthy,
+)
 from ownerserve.config import Settings, settings_from_dict
 from ownerserve.directory import HoldKind
 from ownerserve.kvstate.heads import head_keys
@@ -38,7 +44,7 @@ HEADS = range(2)
 
 
 @dataclass
-class SidecarProcess:
+class SidecarProcess(LoopbackServer):
     """One `ownerserve worker sidecar` process (its own process group)."""
 
     worker_id: str
@@ -47,10 +53,6 @@ class SidecarProcess:
     transport: str = "tcp"
     port: int = field(default_factory=free_port)
     process: ManagedProcess | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> SidecarProcess:
         cmd = [
@@ -61,14 +63,6 @@ class SidecarProcess:
         self.process = ManagedProcess(f"sidecar {self.worker_id}", cmd).start()
         wait_healthy([(self.process, self.url)], timeout_s=timeout_s)
         return self
-
-    def kill(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
 
 
 @contextlib.contextmanager
@@ -232,9 +226,9 @@ def cluster(
         yield ws, s0, s1, prefix
 
 
-def settings_for(
-    ws: tuple[EmulatedWorker, ...], s0: SidecarProcess, s1: SidecarProcess, redis: str, ns: str
-) -> Settings:
+def settings_for(cluster: Any, redis: str) -> Settings:
+    """The router of the `cluster` fixture's workers and sidecars, on the Redis at `redis`."""
+    ws, s0, s1, ns = cluster
     urls = {"h0": s0.url, "h1": s1.url}
     return settings_from_dict(
         {
@@ -258,13 +252,25 @@ async def first_turn_on_h0(client: httpx.AsyncClient, turn: list[dict[str, Any]]
     await asyncio.sleep(0.1)
 
 
+@contextlib.asynccontextmanager
+async def routed(
+    cluster: Any, redis: RedisServer, first_turn: list[dict[str, Any]]
+) -> AsyncIterator[tuple[httpx.AsyncClient, Any, httpx.AsyncClient]]:
+    """A client of the router of `cluster` on `redis` (`settings_for`), the router, and a plain
+    HTTP client for the sidecars; `first_turn` already served, its prefix computed on h0."""
+    async with (
+        proxy_client(settings_for(cluster, redis.url)) as (client, router),
+        httpx.AsyncClient() as http,
+    ):
+        await first_turn_on_h0(client, first_turn)
+        yield client, router, http
+
+
 async def test_router_artifact_fetch_moves_the_prefix_between_sidecars_and_records_the_replica(
     cluster: Any, redis_server: RedisServer
 ) -> None:
-    ws, s0, s1, ns = cluster
-    settings = settings_for(ws, s0, s1, redis_server.url, ns)
-    async with proxy_client(settings) as (client, router), httpx.AsyncClient() as http:
-        await first_turn_on_h0(client, long_turn("Question A?"))
+    _, s0, s1, _ = cluster
+    async with routed(cluster, redis_server, long_turn("Question A?")) as (client, router, http):
         # h0's connector would have saved the prefix's blocks to its sidecar; here the test does
         chain = list(router.tokenizers.get(MODEL).tokenize_chat(None, long_turn("?")).chain)
         await put_blocks(http, s0, chain, 4096)
@@ -296,10 +302,8 @@ async def test_router_artifact_fetch_moves_the_prefix_between_sidecars_and_recor
 async def test_router_falls_back_to_recompute_when_the_source_sidecar_is_dead(
     cluster: Any, redis_server: RedisServer
 ) -> None:
-    ws, s0, s1, ns = cluster
-    settings = settings_for(ws, s0, s1, redis_server.url, ns)
-    async with proxy_client(settings) as (client, _), httpx.AsyncClient() as http:
-        await first_turn_on_h0(client, other_repo_turn("Question C?"))
+    _, s0, s1, _ = cluster
+    async with routed(cluster, redis_server, other_repo_turn("Question C?")) as (client, _, http):
         s0.kill()
         plan, text, usage = await chat(client, other_repo_turn("Question D?"), "session-d")
         assert plan["action"] == "artifact_fetch"

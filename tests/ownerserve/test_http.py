@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -33,6 +31,7 @@ from ownerserve.http import (
     read_request_body,
     sse_error_event,
 )
+from tests.big_body import body_of_64_mib, urllib_post
 
 # --- the mapping ---------------------------------------------------------------------------------
 
@@ -221,23 +220,12 @@ async def _uvicorn(app: FastAPI) -> AsyncIterator[str]:
         await task
 
 
-def _urllib_post(url: str, body: bytes | Iterator[bytes]) -> tuple[int, bytes]:
-    """POST with `urllib`: `http.client` writes the whole body before it reads the answer,
-    and urllib asks the server to close the connection after it (`connection: close`)."""
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=30) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
 @pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
 async def test_a_64_mib_body_from_urllib_gets_the_413_under_uvicorn(declared: bool):
-    mib = b"x" * (1 << 20)
-    body: bytes | Iterator[bytes] = mib * 64 if declared else iter([mib] * 64)
+    body = body_of_64_mib(declared)
     async with _uvicorn(_app()) as url:
-        status, answer = await asyncio.to_thread(_urllib_post, url + "/upload", body)
+        status, answer = await asyncio.to_thread(urllib_post, url + "/upload", body)
         assert status == 413
         assert orjson.loads(answer)["error"]["code"] == "payload_too_large"
-        ok = await asyncio.to_thread(_urllib_post, url + "/upload", b"x" * 1000)
+        ok = await asyncio.to_thread(urllib_post, url + "/upload", b"x" * 1000)
         assert ok == (200, b'{"bytes":1000}')

@@ -5,6 +5,8 @@ leaving it (client gone, cancelled) and its metrics; the working sets it decides
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from router.state import Router
 from router.streaming import ResponseWriter
 from tests.e2e.router_cluster import metric_value
 from tests.router.fake_worker import FakeWorker
+from tests.router.waiting import until
 
 MODEL = "tiny"
 CAPACITY = 1000
@@ -38,6 +41,12 @@ def profile(tmp_path: Path) -> str:
     path = tmp_path / "small-kv.yaml"
     path.write_text(yaml.safe_dump(data))
     return str(path)
+
+
+@pytest.fixture
+def router(profile: str) -> Router:
+    """A router (not serving) of one hybrid worker on `profile`, admission on by default."""
+    return Router(_settings(profile))
 
 
 def _settings(profile: str, roles: tuple[str, ...] = ("hybrid",), **admission: Any) -> Settings:
@@ -148,9 +157,8 @@ async def test_prefill_workers_do_not_count_as_headroom_when_decode_workers_exis
 
 
 async def test_without_a_routable_worker_the_request_goes_on_for_the_planner_to_answer(
-    profile: str,
+    router: Router,
 ) -> None:
-    router = Router(_settings(profile))
     _scrape(router, 0.99)
     _worker(router).healthy = False
     assert router.admission.admit_now(MODEL)
@@ -163,9 +171,8 @@ async def test_disabled_admission_admits_everything(profile: str) -> None:
 
 
 async def test_a_full_worker_takes_requests_again_only_below_the_low_watermark(
-    profile: str,
+    router: Router,
 ) -> None:
-    router = Router(_settings(profile))
     admission = router.admission
     _scrape(router, 0.94)
     assert admission.admit_now(MODEL)
@@ -178,9 +185,8 @@ async def test_a_full_worker_takes_requests_again_only_below_the_low_watermark(
 
 
 async def test_the_working_set_counts_what_the_router_sent_and_streams_since_the_scrape(
-    profile: str,
+    router: Router,
 ) -> None:
-    router = Router(_settings(profile))
     admission = router.admission
     worker = _worker(router)
     _scrape(router, 0.5)
@@ -199,8 +205,7 @@ async def test_the_working_set_counts_what_the_router_sent_and_streams_since_the
     assert admission.admit_now(MODEL)
 
 
-async def test_the_pool_size_a_worker_reports_outweighs_its_profiles(profile: str) -> None:
-    router = Router(_settings(profile))
+async def test_the_pool_size_a_worker_reports_outweighs_its_profiles(router: Router) -> None:
     worker = _worker(router)
     ws = router.admission.sent("w0", 500)
     assert ws is not None
@@ -214,9 +219,8 @@ async def test_the_pool_size_a_worker_reports_outweighs_its_profiles(profile: st
 
 
 async def test_the_queue_releases_the_least_served_session_first_one_per_freed_slot(
-    profile: str,
+    router: Router,
 ) -> None:
-    router = Router(_settings(profile))
     admission = router.admission
     for sid, tokens in (("heavy", 5000), ("light", 10), ("mid", 100)):
         router.sessions.touch(sid, 0).attained_tokens = tokens
@@ -260,8 +264,7 @@ async def test_a_request_past_the_aging_bound_goes_before_less_served_sessions(
     assert order == ["heavy"]
 
 
-async def test_a_new_request_queues_behind_waiting_ones_even_with_headroom(profile: str) -> None:
-    router = Router(_settings(profile))
+async def test_a_new_request_queues_behind_waiting_ones_even_with_headroom(router: Router) -> None:
     _scrape(router, 0.99)
     order: list[str] = []
     Client(router, "first", order)
@@ -304,9 +307,8 @@ async def test_a_request_waiting_past_its_bound_is_answered_429_and_leaves_the_q
 
 @pytest.mark.parametrize("disconnected", [True, False])
 async def test_a_queued_request_whose_client_goes_away_leaves_the_queue_and_is_counted(
-    profile: str, disconnected: bool
+    router: Router, disconnected: bool
 ) -> None:
-    router = Router(_settings(profile))
     _scrape(router, 0.99)
     gone = Client(router, "a", [])
     stays = Client(router, "b", [])
@@ -325,9 +327,8 @@ async def test_a_queued_request_whose_client_goes_away_leaves_the_queue_and_is_c
 
 
 async def test_a_request_released_then_cancelled_gives_its_headroom_to_the_next(
-    profile: str,
+    router: Router,
 ) -> None:
-    router = Router(_settings(profile))
     admission = router.admission
     _scrape(router, 0.99)
     order: list[str] = []
@@ -403,20 +404,19 @@ def _app_settings(worker: FakeWorker, profile: str, **admission: Any) -> Setting
 
 async def _scraped(router: Router) -> None:
     """After the health loop's first round (which would overwrite a load set before it)."""
-    for _ in range(200):
-        if _worker(router).last_seen:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the worker was never probed")
+    await until(lambda: _worker(router).last_seen, timeout_s=2.0)
 
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 20}]}
 
 
-async def test_the_router_answers_429_in_the_openai_shape_with_retry_after(
-    worker: FakeWorker, profile: str
-) -> None:
-    app = create_app(_app_settings(worker, profile, max_queued=0, retry_after_s=3))
+@asynccontextmanager
+async def _router_at_full_kv(
+    worker: FakeWorker, profile: str, **admission: Any
+) -> AsyncIterator[tuple[Router, httpx.AsyncClient]]:
+    """A running router (settings `_app_settings`) and a client of it, its one worker scraped
+    at 99% KV use: every new request has to wait for headroom."""
+    app = create_app(_app_settings(worker, profile, **admission))
     router: Router = app.state.router
     async with (
         running_app(app, "127.0.0.1", 0) as url,
@@ -424,6 +424,13 @@ async def test_the_router_answers_429_in_the_openai_shape_with_retry_after(
     ):
         await _scraped(router)
         _scrape(router, 0.99)
+        yield router, client
+
+
+async def test_the_router_answers_429_in_the_openai_shape_with_retry_after(
+    worker: FakeWorker, profile: str
+) -> None:
+    async with _router_at_full_kv(worker, profile, max_queued=0, retry_after_s=3) as (_, client):
         resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
         metrics = (await client.get("/metrics")).text
     assert resp.status_code == 429
@@ -443,22 +450,12 @@ async def test_the_router_answers_429_in_the_openai_shape_with_retry_after(
 async def test_the_router_holds_a_request_until_headroom_returns_then_serves_it(
     worker: FakeWorker, profile: str
 ) -> None:
-    app = create_app(_app_settings(worker, profile))
-    router: Router = app.state.router
-    async with (
-        running_app(app, "127.0.0.1", 0) as url,
-        httpx.AsyncClient(base_url=url, timeout=10) as client,
-    ):
-        await _scraped(router)
-        _scrape(router, 0.99)
+    async with _router_at_full_kv(worker, profile) as (router, client):
         headers = {"x-session-id": "s1"}
         pending = asyncio.create_task(
             client.post("/v1/chat/completions", json=CHAT, headers=headers)
         )
-        for _ in range(100):
-            if router.admission.queued:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: router.admission.queued, timeout_s=1.0)
         assert router.admission.queued == 1 and worker.completions() == []
         _scrape(router, 0.1)
         router.admission.pump()

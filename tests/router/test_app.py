@@ -22,9 +22,11 @@ from planner.types import Action, Candidate, CostBreakdown, Plan, Policy, Reques
 from router.app import create_app
 from router.server import running_app
 from tests.router.fake_worker import FakeWorker, free_port
+from tests.router.waiting import cancel_once_started, until
 
 MODEL = "tiny"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 20}]}
+ADMIN_AUTH = {"authorization": "Bearer adm"}  # the routers here are given admin_token "adm"
 
 
 class FixedPolicy:
@@ -201,12 +203,11 @@ async def test_a_transfer_between_nodes_queues_on_the_senders_nic_until_it_drain
     p, d = workers
     policy = FixedPolicy(Action.REMOTE_PREFILL, "w0", "w1", t_nic=30.0)
     pair = [(p, "prefill", "emulator"), (d, "decode", "emulator")]
-    auth = {"authorization": "Bearer adm"}
     nodes = {"w0": "n0", "w1": "n1"}
     async with router_for(pair, policy, {"admin_token": "adm"}, nodes) as (c, router):
         assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
         assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
-        links = (await c.get("/admin/links", headers=auth)).json()["nic_backlog_s"]
+        links = (await c.get("/admin/links", headers=ADMIN_AUTH)).json()["nic_backlog_s"]
         # the first plan saw idle NICs; the second saw P's node 30 s behind (less what passed)
         first, second = (
             {w.worker_id: w.nic_backlog_s for w in cl.workers} for cl in policy.clusters
@@ -268,52 +269,55 @@ async def test_a_failed_fetch_takes_its_transfer_back_and_a_good_one_keeps_it(wo
         assert 29.0 < router.nics.backlog("n0", time.monotonic()) <= 30.0  # the source's node
 
 
-async def test_a_fetch_past_its_bound_is_abandoned_and_the_prompt_recomputed(workers):
-    src, dst = workers
-    dst.fetch_delay_s = 30.0
-    policy = FixedPolicy(Action.ARTIFACT_FETCH, "w1", "w1", src="w0")
-    pair = [(src, "hybrid", "emulator"), (dst, "hybrid", "emulator")]
-    async with router_for(pair, policy, {"kv_transfer_timeout_s": 0.3}) as (c, _):
+async def _stream_past_a_stall(
+    workers: tuple[FakeWorker, FakeWorker], policy: FixedPolicy, bound: str, stalled: FakeWorker
+) -> tuple[dict[str, str], str, Any]:
+    """A streamed chat through a router of the two hybrid `workers` whose `stalled` one holds
+    it past the router's 0.3 s `bound` (a server setting): it is answered whole (elsewhere)
+    within 2 s of the bound, its plan says it gave up on `stalled` for that bound, and
+    `stalled` sees its request cancelled (the router closed the connection). Returns the
+    plan's fields, the router's metrics after it, and the router."""
+    pair = [(w, "hybrid", "emulator") for w in workers]
+    async with router_for(pair, policy, {bound: 0.3}) as (c, router):
         t0 = time.monotonic()
         resp = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
         elapsed = time.monotonic() - t0
         metrics = (await c.get("/metrics")).text
         async with asyncio.timeout(2.0):
-            await dst.cancelled.wait()  # the router closed the fetch: the worker stopped it
+            await stalled.cancelled.wait()
     assert resp.status_code == 200 and "t3" in resp.text
     assert elapsed < 0.3 + 2.0
     plan = _plan_fields(resp)
+    assert plan["gave_up"] == f"{bound.removesuffix('_s')}:{stalled.name}"
+    return plan, metrics, router
+
+
+async def test_a_fetch_past_its_bound_is_abandoned_and_the_prompt_recomputed(workers):
+    src, dst = workers
+    dst.fetch_delay_s = 30.0
+    policy = FixedPolicy(Action.ARTIFACT_FETCH, "w1", "w1", src="w0")
+    plan, metrics, _ = await _stream_past_a_stall(workers, policy, "kv_transfer_timeout_s", dst)
     assert (plan["action"], plan["fetched"], plan["fallback"]) == (
         "artifact_fetch",
         "0",
         "colocated",
     )
-    assert plan["gave_up"] == "kv_transfer_timeout:w1"
     assert 'ownerserve_upstream_timeouts_total{hop="kv_transfer",worker="w1"} 1.0' in metrics
     assert dst.completions() and not src.completions()
 
 
 async def test_no_first_byte_within_its_bound_is_retried_on_another_worker(workers):
-    stuck, good = workers
+    stuck, _ = workers
     stuck.mode = "hang"
     policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
-    pair = [(stuck, "hybrid", "emulator"), (good, "hybrid", "emulator")]
-    async with router_for(pair, policy, {"first_byte_timeout_s": 0.3}) as (c, router):
-        t0 = time.monotonic()
-        resp = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
-        elapsed = time.monotonic() - t0
-        metrics = (await c.get("/metrics")).text
-        async with asyncio.timeout(2.0):
-            await stuck.cancelled.wait()  # the router closed the connection: w0 stopped
-    assert resp.status_code == 200 and "t3" in resp.text
-    assert elapsed < 0.3 + 2.0
-    plan = _plan_fields(resp)
+    plan, metrics, router = await _stream_past_a_stall(
+        workers, policy, "first_byte_timeout_s", stuck
+    )
     assert (plan["d"], plan["fallback"], plan["reason"]) == (
         "w1",
         "other_worker",
         "first_byte_timeout",
     )
-    assert plan["gave_up"] == "first_byte_timeout:w0"
     assert (
         'ownerserve_fallbacks_total{fallback="other_worker",reason="first_byte_timeout"} 1.0'
         in metrics
@@ -380,15 +384,7 @@ async def test_client_disconnect_cancels_the_upstream_request(workers):
     policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
     async with router_for([(w0, "hybrid", "emulator")], policy) as (c, router):
         task = asyncio.create_task(c.post("/v1/chat/completions", json={**CHAT, "stream": True}))
-        for _ in range(200):
-            if w0.completions():
-                break
-            await asyncio.sleep(0.01)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        async with asyncio.timeout(5.0):
-            await w0.cancelled.wait()
+        await cancel_once_started(task, w0)
         assert router.pool.get("w0").inflight == 0
 
 
@@ -425,35 +421,42 @@ async def test_bad_input_gets_openai_errors(workers):
     )
 
 
-async def test_admin_api_adds_drains_and_removes_workers(workers):
-    w0, w1 = workers
+@contextlib.asynccontextmanager
+async def _admin_router(w0: FakeWorker) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    """A router with an admin token (`ADMIN_AUTH` carries it) whose one worker `w0` serves
+    everything colocated."""
     policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
-    auth = {"authorization": "Bearer adm"}
     async with router_for([(w0, "hybrid", "emulator")], policy, {"admin_token": "adm"}) as (
         c,
         router,
     ):
+        yield c, router
+
+
+async def test_admin_api_adds_drains_and_removes_workers(workers):
+    w0, w1 = workers
+    async with _admin_router(w0) as (c, router):
         assert (await c.get("/admin/workers")).status_code == 401
         assert (await c.get("/admin/workers", headers={"x-admin-token": "no"})).status_code == 401
         new = {"id": "w1", "url": w1.url, "role": "decode", "models": [MODEL]}
-        added = await c.post("/admin/workers", json=new, headers=auth)
+        added = await c.post("/admin/workers", json=new, headers=ADMIN_AUTH)
         assert added.status_code == 201 and added.json()["healthy"]
-        dup = await c.post("/admin/workers", json=new, headers=auth)
+        dup = await c.post("/admin/workers", json=new, headers=ADMIN_AUTH)
         assert dup.status_code == 400
-        bad = await c.post("/admin/workers", json={"id": "x", "url": "ftp://h"}, headers=auth)
+        bad = await c.post("/admin/workers", json={"id": "x", "url": "ftp://h"}, headers=ADMIN_AUTH)
         assert bad.status_code == 400
-        slash = await c.post("/admin/workers", json={**new, "id": "w/2"}, headers=auth)
+        slash = await c.post("/admin/workers", json={**new, "id": "w/2"}, headers=ADMIN_AUTH)
         assert slash.status_code == 400 and "id" in slash.json()["error"]["message"]
-        drained = await c.post("/admin/workers/w0/drain", headers=auth)
+        drained = await c.post("/admin/workers/w0/drain", headers=ADMIN_AUTH)
         assert drained.json()["draining"] is True
         resp = await c.post("/v1/chat/completions", json=CHAT)
         assert _plan_fields(resp)["d"] == "w1"  # w0 is draining
-        listed = (await c.get("/admin/workers", headers=auth)).json()["workers"]
+        listed = (await c.get("/admin/workers", headers=ADMIN_AUTH)).json()["workers"]
         assert {w["id"] for w in listed} == {"w0", "w1"}
-        plans = (await c.get("/admin/plans", headers=auth)).json()["plans"]
+        plans = (await c.get("/admin/plans", headers=ADMIN_AUTH)).json()["plans"]
         assert plans[-1]["chosen"]["decode_worker"] == "w1" and plans[-1]["fallback"] is None
-        assert (await c.delete("/admin/workers/w1", headers=auth)).status_code == 200
-        assert (await c.delete("/admin/workers/w1", headers=auth)).status_code == 404
+        assert (await c.delete("/admin/workers/w1", headers=ADMIN_AUTH)).status_code == 200
+        assert (await c.delete("/admin/workers/w1", headers=ADMIN_AUTH)).status_code == 404
         assert router.pool.get("w1") is None
 
 
@@ -514,10 +517,7 @@ async def test_a_plan_asking_for_a_replica_copies_the_owners_prefix_there(worker
         await asyncio.sleep(0.1)
         assert not [r for r in spare.requests if r.path == "/ownerserve/kv/fetch"]  # no owner yet
         await c.post("/v1/chat/completions", json=CHAT, headers={"x-session-id": "hot"})
-        for _ in range(100):
-            if [r for r in spare.requests if r.path == "/ownerserve/kv/fetch"]:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: any(r.path == "/ownerserve/kv/fetch" for r in spare.requests))
         fetch = next(r for r in spare.requests if r.path == "/ownerserve/kv/fetch").json
         assert fetch["source_url"] == owner.url
         chain = router.tokenizers.get(MODEL).tokenize_chat(None, CHAT["messages"]).chain
@@ -593,22 +593,17 @@ async def test_the_router_sweeps_what_expired_from_the_directory(workers):
 
 async def test_removing_a_worker_the_directory_cannot_forget_answers_503(workers):
     w0, _ = workers
-    policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
-    auth = {"authorization": "Bearer adm"}
-    async with router_for([(w0, "hybrid", "emulator")], policy, {"admin_token": "adm"}) as (
-        c,
-        router,
-    ):
+    async with _admin_router(w0) as (c, router):
         real_drop = router.directory.drop_worker
 
         async def failing_drop(worker_id: str) -> None:
             raise ConnectionError("directory down")
 
         router.directory.drop_worker = failing_drop
-        failed = await c.delete("/admin/workers/w0", headers=auth)
+        failed = await c.delete("/admin/workers/w0", headers=ADMIN_AUTH)
         metrics = (await c.get("/metrics")).text
         router.directory.drop_worker = real_drop
-        retried = await c.delete("/admin/workers/w0", headers=auth)
+        retried = await c.delete("/admin/workers/w0", headers=ADMIN_AUTH)
     assert failed.status_code == 503
     assert failed.json()["error"]["type"] == "directory_unavailable"
     assert "ownerserve_directory_drop_worker_errors_total 1.0" in metrics

@@ -11,9 +11,7 @@ import asyncio
 import contextlib
 import socket
 import time
-import urllib.error
-import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -24,6 +22,7 @@ from ownerserve.config import settings_from_dict
 from router.app import create_app
 from router.httpserver import RouterServer
 from router.server import running_app
+from tests.big_body import body_of_64_mib, urllib_post
 from tests.router.fake_worker import FakeWorker
 
 MODEL = "tiny"
@@ -155,6 +154,9 @@ async def test_expect_100_continue_is_answered_before_the_body():
         writer.close()
 
 
+JSON_CONTENT = {"content-type": "application/json"}
+
+
 @pytest.mark.parametrize("declared", [True, False])
 async def test_a_body_over_the_limit_gets_413_while_reading(declared: bool):
     async with served(max_body_bytes=1024) as (host, port, _):
@@ -174,23 +176,12 @@ async def test_a_body_over_the_limit_gets_413_while_reading(declared: bool):
         writer.close()
 
 
-def _urllib_post(url: str, body: bytes | Iterator[bytes]) -> tuple[int, bytes]:
-    """POST with `urllib` (`http.client`: the whole body goes out before the answer is read)."""
-    req = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
 @pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
 async def test_a_64_mib_body_from_urllib_gets_the_413_not_a_reset(declared: bool):
-    mib = b"x" * (1 << 20)
-    body: bytes | Iterator[bytes] = mib * 64 if declared else iter([mib] * 64)
+    body = body_of_64_mib(declared)
     async with served() as (host, port, _):  # the default limit: 32 MiB
         url = f"http://{host}:{port}/v1/chat/completions"
-        status, answer = await asyncio.to_thread(_urllib_post, url, body)
+        status, answer = await asyncio.to_thread(urllib_post, url, body, JSON_CONTENT)
     assert status == 413
     assert orjson.loads(answer)["error"]["code"] == "payload_too_large"
 

@@ -7,13 +7,28 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
-from router.upstream import UpstreamConnectionError, UpstreamPool, UpstreamTimeout, header_block
+from router.upstream import (
+    Hop,
+    UpstreamConnectionError,
+    UpstreamPool,
+    UpstreamTimeout,
+    header_block,
+)
 from tests.router.fake_worker import FakeWorker, free_port
+from tests.router.waiting import cancel_once_started
 
 HEADERS = header_block({"content-type": "application/json"})
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[UpstreamPool]:
+    p = UpstreamPool()
+    yield p
+    await p.close()
 
 
 async def _raw_server(handler) -> tuple[asyncio.AbstractServer, str]:
@@ -22,9 +37,8 @@ async def _raw_server(handler) -> tuple[asyncio.AbstractServer, str]:
     return server, f"http://127.0.0.1:{port}"
 
 
-async def test_keep_alive_reuses_one_connection_and_streams_sse():
+async def test_keep_alive_reuses_one_connection_and_streams_sse(pool: UpstreamPool):
     worker = await FakeWorker("w").start()
-    pool = UpstreamPool()
     try:
         for _ in range(3):
             resp = await pool.request(worker.url, b"POST", "/v1/completions", HEADERS,
@@ -41,7 +55,6 @@ async def test_keep_alive_reuses_one_connection_and_streams_sse():
         resp.release()
         assert len(chunks) >= 2 and b"[DONE]" in chunks[-1]
     finally:
-        await pool.close()
         await worker.stop()
 
 
@@ -51,7 +64,7 @@ async def test_refused_connection_raises_a_connection_error():
         await pool.request(f"http://127.0.0.1:{free_port()}", b"GET", "/health")
 
 
-async def test_a_pooled_connection_closed_by_the_server_is_retried_on_a_new_one():
+async def test_a_pooled_connection_closed_by_the_server_is_retried_on_a_new_one(pool: UpstreamPool):
     served = 0
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -63,7 +76,6 @@ async def test_a_pooled_connection_closed_by_the_server_is_retried_on_a_new_one(
         writer.close()  # keep-alive promised, then closed: a stale pooled connection
 
     server, url = await _raw_server(handler)
-    pool = UpstreamPool()
     try:
         for _ in range(2):
             resp = await pool.request(url, b"GET", "/health")
@@ -72,11 +84,10 @@ async def test_a_pooled_connection_closed_by_the_server_is_retried_on_a_new_one(
             await asyncio.sleep(0.05)
         assert served == 2
     finally:
-        await pool.close()
         server.close()
 
 
-async def test_a_body_cut_short_raises_instead_of_ending_quietly():
+async def test_a_body_cut_short_raises_instead_of_ending_quietly(pool: UpstreamPool):
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
@@ -84,38 +95,26 @@ async def test_a_body_cut_short_raises_instead_of_ending_quietly():
         writer.transport.abort()
 
     server, url = await _raw_server(handler)
-    pool = UpstreamPool()
     try:
         resp = await pool.request(url, b"GET", "/stream")
         assert await resp.readany() == b"hello"
         with pytest.raises(UpstreamConnectionError):
             await resp.readany()
     finally:
-        await pool.close()
         server.close()
 
 
-async def test_closing_a_response_early_tells_the_server():
+async def test_closing_a_response_early_tells_the_server(pool: UpstreamPool):
     worker = await FakeWorker("w", mode="hang").start()
-    pool = UpstreamPool()
     try:
         task = asyncio.create_task(pool.request(worker.url, b"POST", "/v1/completions", HEADERS,
                                                 b'{"model": "m", "prompt": "x"}'))  # fmt: skip
-        for _ in range(100):
-            if worker.completions():
-                break
-            await asyncio.sleep(0.01)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        async with asyncio.timeout(5.0):
-            await worker.cancelled.wait()
+        await cancel_once_started(task, worker)
     finally:
-        await pool.close()
         await worker.stop()
 
 
-async def test_tcp_nodelay_on_upstream_and_accepted_sockets():
+async def test_tcp_nodelay_on_upstream_and_accepted_sockets(pool: UpstreamPool):
     import gc
     import socket
 
@@ -125,7 +124,6 @@ async def test_tcp_nodelay_on_upstream_and_accepted_sockets():
     from router.server import running_app
 
     worker = await FakeWorker("w").start()
-    pool = UpstreamPool()
     settings = settings_from_dict(
         {
             "server": {"port": 0},
@@ -154,13 +152,11 @@ async def test_tcp_nodelay_on_upstream_and_accepted_sockets():
             assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in accepted)
             writer.close()
     finally:
-        await pool.close()
         await worker.stop()
 
 
-async def test_pipe_pauses_reading_while_the_receiver_is_congested():
+async def test_pipe_pauses_reading_while_the_receiver_is_congested(pool: UpstreamPool):
     worker = await FakeWorker("w").start()
-    pool = UpstreamPool()
     try:
         body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
         resp = await pool.request(
@@ -188,7 +184,6 @@ async def test_pipe_pauses_reading_while_the_receiver_is_congested():
         await again.read()
         again.release()
     finally:
-        await pool.close()
         await worker.stop()
 
 
@@ -228,29 +223,35 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-async def test_no_first_byte_within_the_bound_times_out_and_closes_the_connection():
-    # headers come at once, as vLLM sends them for a stream, but no body: the bound is on
-    # the first body bytes
-    server, url, closed = await _stalling_server(SSE_HEAD)
-    pool = UpstreamPool()
+@pytest.mark.parametrize(
+    ("head", "hop", "bound_s", "read", "within_s"),
+    [
+        # headers come at once, as vLLM sends them for a stream, but no body: the bound is on
+        # the first body bytes
+        (SSE_HEAD, "first_byte", 0.3, "readany", 1.0),
+        # headers and half the body in time, the rest never: a KV hand-over must be whole
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhello", "kv_transfer", 0.4, "read", 1.2),
+    ],
+)
+async def test_a_bound_that_runs_out_times_out_and_closes_the_connection(
+    pool: UpstreamPool, head: bytes, hop: Hop, bound_s: float, read: str, within_s: float
+):
+    server, url, closed = await _stalling_server(head)
     try:
         t0 = time.monotonic()
-        resp = await pool.request(url, b"POST", "/v1/completions", HEADERS, b"{}",
-                                  ("first_byte", 0.3))  # fmt: skip
+        resp = await pool.request(url, b"POST", "/v1/completions", HEADERS, b"{}", (hop, bound_s))
         with pytest.raises(UpstreamTimeout) as err:
-            await resp.readany()
-        assert err.value.hop == "first_byte"
-        assert 0.3 <= time.monotonic() - t0 < 1.0
+            await getattr(resp, read)()
+        assert err.value.hop == hop
+        assert bound_s <= time.monotonic() - t0 < within_s
         async with asyncio.timeout(2.0):
             await closed.wait()  # the worker sees the request abandoned
     finally:
-        await pool.close()
         server.close()
 
 
-async def test_first_bytes_in_time_end_the_first_byte_bound():
+async def test_first_bytes_in_time_end_the_first_byte_bound(pool: UpstreamPool):
     server, url, _ = await _stalling_server(SSE_HEAD + _chunk(b"data: 1\n\n"))
-    pool = UpstreamPool()
     try:
         resp = await pool.request(url, b"POST", "/v1/completions", HEADERS, b"{}",
                                   ("first_byte", 0.3))  # fmt: skip
@@ -262,34 +263,12 @@ async def test_first_bytes_in_time_end_the_first_byte_bound():
         pending.cancel()
         resp.close()
     finally:
-        await pool.close()
         server.close()
 
 
-async def test_a_kv_transfer_bound_covers_the_whole_answer():
-    # headers and half the body in time, the rest never: a KV hand-over must be whole
-    head = b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhello"
-    server, url, closed = await _stalling_server(head)
-    pool = UpstreamPool()
-    try:
-        t0 = time.monotonic()
-        resp = await pool.request(url, b"POST", "/v1/completions", HEADERS, b"{}",
-                                  ("kv_transfer", 0.4))  # fmt: skip
-        with pytest.raises(UpstreamTimeout) as err:
-            await resp.read()
-        assert err.value.hop == "kv_transfer"
-        assert 0.4 <= time.monotonic() - t0 < 1.2
-        async with asyncio.timeout(2.0):
-            await closed.wait()
-    finally:
-        await pool.close()
-        server.close()
-
-
-async def test_a_stalled_stream_fails_after_the_gap_but_a_steady_one_does_not():
+async def test_a_stalled_stream_fails_after_the_gap_but_a_steady_one_does_not(pool: UpstreamPool):
     steady = [_chunk(b"data: %d\n\n" % i) for i in range(12)]  # one every 0.05 s
     server, url, closed = await _stalling_server(SSE_HEAD, *steady)
-    pool = UpstreamPool()
     try:
         resp = await pool.request(url, b"POST", "/v1/completions", HEADERS, b"{}")
         resp.watch_gaps(0.3)
@@ -313,14 +292,14 @@ async def test_a_stalled_stream_fails_after_the_gap_but_a_steady_one_does_not():
         async with asyncio.timeout(2.0):
             await closed.wait()
     finally:
-        await pool.close()
         server.close()
 
 
-async def test_the_stream_gap_does_not_count_while_the_router_waits_on_its_client():
+async def test_the_stream_gap_does_not_count_while_the_router_waits_on_its_client(
+    pool: UpstreamPool,
+):
     parts = [_chunk(b"data: %d\n\n" % i) for i in range(3)]
     server, url, _ = await _stalling_server(SSE_HEAD, *parts, _chunk(b""), then_wait_s=5.0)
-    pool = UpstreamPool()
     try:
         resp = await pool.request(url, b"POST", "/v1/completions", HEADERS, b"{}")
         resp.watch_gaps(0.2)
@@ -337,7 +316,6 @@ async def test_the_stream_gap_does_not_count_while_the_router_waits_on_its_clien
         assert b"data: 2" in b"".join(got)
         resp.release()
     finally:
-        await pool.close()
         server.close()
 
 

@@ -35,17 +35,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.cost import CostConfig, CostModel
-from planner.policies.base import (
-    decode_capable,
-    decode_pool,
-    is_continuation,
-    make_plan,
-    pd_route,
-    prefill_pool,
-    require,
+from planner.policies.peers.common import (
+    AggregatedPeerPolicy,
+    ApproxTree,
+    PeerPolicy,
+    first_min,
+    pd_plan,
+    queue_load,
+    split_pools,
 )
-from planner.policies.peers.common import ApproxTree, first_min, queue_load
 from planner.types import ClusterView, Plan, RequestView, WorkerView
 
 CHARS_PER_TOKEN = 4
@@ -101,62 +99,46 @@ class CacheAwareSelector:
         return chosen
 
 
-class CacheAwarePolicy:
+class CacheAwarePolicy(AggregatedPeerPolicy[CacheAwareConfig]):
     """Aggregated `cache_aware`: one tree over the workers that prefill and decode (DECODE or
     HYBRID, as the `colocated` baseline), prefill and decode on the chosen one."""
 
     name = "sglang-cache-aware"
-    peer_config = SGLANG
+    default_peer_config = SGLANG
+    # built on the first request: the tree's cap in blocks needs the request's block size
+    _selector: CacheAwareSelector | None = None
 
-    def __init__(self, config: CostConfig | None = None, model: CostModel | None = None) -> None:
-        self.model = model or CostModel(config)
-        self._selector: CacheAwareSelector | None = None
-
-    def _select(self, pool: Sequence[WorkerView], request: RequestView) -> WorkerView:
+    def pick(self, pool: Sequence[WorkerView], request: RequestView) -> WorkerView:
         if self._selector is None:
             self._selector = CacheAwareSelector(self.peer_config, request.block_size)
         return self._selector.select(pool, request)
 
-    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
-        pool = decode_capable(cluster)
-        require(pool, "decode-capable")
-        w = self._select(pool, request)
-        route = pd_route(request, w, w, is_continuation(request, self.model))
-        return make_plan(self.name, self.model, request, route, candidates_considered=len(pool))
 
-
-class CacheAwarePDPolicy:
+class CacheAwarePDPolicy(PeerPolicy[CacheAwareConfig]):
     """P/D `cache_aware`: a prefill instance over the prefill pool and a decode instance over
     the decode pool (PREFILL / DECODE workers, HYBRID ones when a role has none)."""
 
     name = "sglang-cache-aware-pd"
-    peer_config = SGLANG
-
-    def __init__(self, config: CostConfig | None = None, model: CostModel | None = None) -> None:
-        self.model = model or CostModel(config)
-        self._prefill: CacheAwareSelector | None = None
-        self._decode: CacheAwareSelector | None = None
+    default_peer_config = SGLANG
+    # built on the first request, as `CacheAwarePolicy._selector`
+    _prefill: CacheAwareSelector | None = None
+    _decode: CacheAwareSelector | None = None
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
-        ps, ds = prefill_pool(cluster), decode_pool(cluster)
-        require(ps, "prefill")
-        require(ds, "decode")
+        ps, ds = split_pools(cluster)
         if self._prefill is None or self._decode is None:
             self._prefill = CacheAwareSelector(self.peer_config, request.block_size)
             self._decode = CacheAwareSelector(self.peer_config, request.block_size)
         p = self._prefill.select(ps, request)
         d = self._decode.select(ds, request)
-        route = pd_route(request, p, d, is_continuation(request, self.model))
-        return make_plan(
-            self.name, self.model, request, route, candidates_considered=len(ps) * len(ds)
-        )
+        return pd_plan(self, request, p, d, len(ps) * len(ds))
 
 
 class VllmCacheAwarePolicy(CacheAwarePolicy):
     name = "vllm-cache-aware"
-    peer_config = VLLM
+    default_peer_config = VLLM
 
 
 class VllmCacheAwarePDPolicy(CacheAwarePDPolicy):
     name = "vllm-cache-aware-pd"
-    peer_config = VLLM
+    default_peer_config = VLLM

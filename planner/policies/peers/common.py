@@ -1,14 +1,29 @@
-"""What the peer routers' models share: the approximate prefix tree of the SGLang/vLLM routers,
-the rejection a peer answers with (Mooncake's 429), and the few helpers they pick workers
-with."""
+"""What the peer routers' models share: their policy base classes (settings, aggregated and
+conditional P/D plans), the approximate prefix tree of the SGLang/vLLM routers, the rejection a
+peer answers with (Mooncake's 429), and the few helpers they pick workers with."""
 
 from __future__ import annotations
 
+import bisect
 import random
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
 from ownerserve.errors import OwnerServeError
-from planner.types import RequestView, WorkerView
+from planner.cost import CostConfig, CostModel
+from planner.policies.base import (
+    decode_capable,
+    decode_pool,
+    is_continuation,
+    make_plan,
+    pd_route,
+    prefill_pool,
+    require,
+)
+from planner.types import ClusterView, Plan, RequestView, WorkerView
+
+C = TypeVar("C")
 
 
 class RequestRejectedError(OwnerServeError):
@@ -55,6 +70,89 @@ def random_min(
     return best[0] if len(best) == 1 else best[rng.randrange(len(best))]
 
 
+class PeerPolicy(Generic[C]):
+    """A peer's state: the cost model (the timing profiles it predicts with) and the peer's own
+    settings, `default_peer_config` (its shipped defaults) unless given."""
+
+    name: str
+    default_peer_config: C
+
+    def __init__(
+        self,
+        config: CostConfig | None = None,
+        model: CostModel | None = None,
+        peer_config: C | None = None,
+    ) -> None:
+        self.model = model or CostModel(config)
+        self.peer_config = peer_config or self.default_peer_config
+
+
+class AggregatedPeerPolicy(PeerPolicy[C], ABC):
+    """A peer that picks one worker among those that prefill and decode (DECODE or HYBRID),
+    which then runs both halves."""
+
+    @abstractmethod
+    def pick(self, pool: Sequence[WorkerView], request: RequestView) -> WorkerView:
+        """The worker of the non-empty `pool` the peer sends `request` to."""
+
+    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+        pool = decode_capable(cluster)
+        require(pool, "decode-capable")
+        w = self.pick(pool, request)
+        return pd_plan(self, request, w, w, len(pool))
+
+
+class RandomTiesPeerPolicy(AggregatedPeerPolicy[C], ABC):
+    """An aggregated peer whose picker breaks ties at random (Dynamo, llm-d), with its own
+    seeded generator so runs repeat."""
+
+    def __init__(
+        self,
+        config: CostConfig | None = None,
+        model: CostModel | None = None,
+        peer_config: C | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(config, model, peer_config)
+        self.rng = random.Random(seed)
+
+
+def decode_first_plan(
+    policy: AggregatedPeerPolicy[C],
+    request: RequestView,
+    cluster: ClusterView,
+    remote_prefill: Callable[[WorkerView], bool],
+) -> Plan:
+    """Conditional disaggregation (Dynamo's `isl_bounding`, llm-d's `pd-profile-handler`): the
+    policy picks the decode worker d first; when `remote_prefill(d)` it picks a prefill worker
+    too and the KV moves P → D, else d prefills itself."""
+    ds = decode_pool(cluster)
+    require(ds, "decode")
+    d = policy.pick(ds, request)
+    if not remote_prefill(d):
+        return pd_plan(policy, request, d, d, len(ds))
+    ps = prefill_pool(cluster)
+    require(ps, "prefill")
+    return pd_plan(policy, request, policy.pick(ps, request), d, len(ds) + len(ps))
+
+
+def split_pools(cluster: ClusterView) -> tuple[list[WorkerView], list[WorkerView]]:
+    """The prefill and the decode pool of a P/D peer (PREFILL / DECODE workers, HYBRID ones
+    when a role has none), neither empty."""
+    ps, ds = prefill_pool(cluster), decode_pool(cluster)
+    require(ps, "prefill")
+    require(ds, "decode")
+    return ps, ds
+
+
+def pd_plan(
+    policy: PeerPolicy[C], request: RequestView, p: WorkerView, d: WorkerView, considered: int
+) -> Plan:
+    """The policy's plan: prefill on p, decode on d (colocated when they are one worker)."""
+    route = pd_route(request, p, d, is_continuation(request, policy.model))
+    return make_plan(policy.name, policy.model, request, route, candidates_considered=considered)
+
+
 def uncached_tokens(request: RequestView, blocks: int) -> int:
     """Prompt tokens not covered by `blocks` cached prefix blocks: N − min(N, blocks · bs)."""
     return request.prompt_tokens - min(request.prompt_tokens, blocks * request.block_size)
@@ -90,13 +188,7 @@ class ApproxTree:
         the tenants holding all of it the one touched last (None when nothing matches). The
         union of prefix-closed parts along one chain is prefix-closed: binary search."""
         at = self._at
-        lo, hi = 0, len(chain)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if chain[mid] in at:
-                lo = mid + 1
-            else:
-                hi = mid
+        lo = bisect.bisect_left(range(len(chain)), True, key=lambda i: chain[i] not in at)
         if lo == 0:
             return 0, None
         tenants = at[chain[lo - 1]]

@@ -27,21 +27,16 @@ the prefill worker the KV cost picks in the prefill pool (remote prefill, KV mov
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.cost import CostConfig, CostModel, tier_blocks
-from planner.policies.base import (
-    decode_capable,
-    decode_pool,
-    is_continuation,
-    make_plan,
-    pd_route,
-    prefill_pool,
-    require,
+from planner.cost import tier_blocks
+from planner.policies.peers.common import (
+    RandomTiesPeerPolicy,
+    decode_first_plan,
+    random_min,
+    uncached_tokens,
 )
-from planner.policies.peers.common import random_min, uncached_tokens
 from planner.types import ClusterView, Plan, RequestView, WorkerView
 
 
@@ -106,21 +101,11 @@ def isl_bypass(request: RequestView, cached_blocks: int, config: DynamoConfig) -
     )
 
 
-class DynamoKVPolicy:
+class DynamoKVPolicy(RandomTiesPeerPolicy[DynamoConfig]):
     """Aggregated KV routing over the workers that prefill and decode (DECODE or HYBRID)."""
 
     name = "dynamo-kv"
-
-    def __init__(
-        self,
-        config: CostConfig | None = None,
-        model: CostModel | None = None,
-        peer_config: DynamoConfig | None = None,
-        seed: int = 0,
-    ) -> None:
-        self.model = model or CostModel(config)
-        self.peer_config = peer_config or DynamoConfig()
-        self.rng = random.Random(seed)
+    default_peer_config = DynamoConfig()
 
     def capacity_blocks(self, w: WorkerView, request: RequestView) -> float:
         """The worker's KV capacity in blocks (its timing profile's HBM)."""
@@ -128,19 +113,12 @@ class DynamoKVPolicy:
             request.kv_bytes_per_token * request.block_size
         )
 
-    def best(self, pool: Sequence[WorkerView], request: RequestView) -> WorkerView:
+    def pick(self, pool: Sequence[WorkerView], request: RequestView) -> WorkerView:
         """The least-cost worker of `pool`, ties at random."""
         cfg = self.peer_config
         return random_min(
             pool, lambda w: kv_cost(w, request, self.capacity_blocks(w, request), cfg), self.rng
         )
-
-    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
-        pool = decode_capable(cluster)
-        require(pool, "decode-capable")
-        w = self.best(pool, request)
-        route = pd_route(request, w, w, is_continuation(request, self.model))
-        return make_plan(self.name, self.model, request, route, candidates_considered=len(pool))
 
 
 class DynamoKVDisaggPolicy(DynamoKVPolicy):
@@ -150,16 +128,7 @@ class DynamoKVDisaggPolicy(DynamoKVPolicy):
     name = "dynamo-kv-disagg"
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
-        ds = decode_pool(cluster)
-        require(ds, "decode")
-        d = self.best(ds, request)
-        cont = is_continuation(request, self.model)
-        if isl_bypass(request, overlap_blocks(d), self.peer_config):
-            route = pd_route(request, d, d, cont)
-            considered = len(ds)
-        else:
-            ps = prefill_pool(cluster)
-            require(ps, "prefill")
-            route = pd_route(request, self.best(ps, request), d, cont)
-            considered = len(ds) + len(ps)
-        return make_plan(self.name, self.model, request, route, candidates_considered=considered)
+        cfg = self.peer_config
+        return decode_first_plan(
+            self, request, cluster, lambda d: not isl_bypass(request, overlap_blocks(d), cfg)
+        )

@@ -24,21 +24,16 @@ the load-aware and token-load scorers (not in the default profile), predicted-la
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.cost import CostConfig, CostModel, held_blocks
-from planner.policies.base import (
-    decode_capable,
-    decode_pool,
-    is_continuation,
-    make_plan,
-    pd_route,
-    prefill_pool,
-    require,
+from planner.cost import held_blocks
+from planner.policies.peers.common import (
+    RandomTiesPeerPolicy,
+    decode_first_plan,
+    random_min,
+    uncached_tokens,
 )
-from planner.policies.peers.common import random_min, uncached_tokens
 from planner.types import ClusterView, Plan, RequestView, WorkerView
 
 
@@ -84,34 +79,17 @@ def scores(
     }
 
 
-class LlmDPolicy:
+class LlmDPolicy(RandomTiesPeerPolicy[LlmDConfig]):
     """The default scheduling profile over the pods that prefill and decode (DECODE or
     HYBRID)."""
 
     name = "llm-d"
-
-    def __init__(
-        self,
-        config: CostConfig | None = None,
-        model: CostModel | None = None,
-        peer_config: LlmDConfig | None = None,
-        seed: int = 0,
-    ) -> None:
-        self.model = model or CostModel(config)
-        self.peer_config = peer_config or LlmDConfig()
-        self.rng = random.Random(seed)
+    default_peer_config = LlmDConfig()
 
     def pick(self, pool: Sequence[WorkerView], request: RequestView) -> WorkerView:
         """The max-score pod of `pool`, ties at random."""
         s = scores(pool, request, self.peer_config)
         return random_min(pool, lambda w: -s[w.worker_id], self.rng)
-
-    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
-        pool = decode_capable(cluster)
-        require(pool, "decode-capable")
-        w = self.pick(pool, request)
-        route = pd_route(request, w, w, is_continuation(request, self.model))
-        return make_plan(self.name, self.model, request, route, candidates_considered=len(pool))
 
 
 class LlmDPDPolicy(LlmDPolicy):
@@ -121,16 +99,10 @@ class LlmDPDPolicy(LlmDPolicy):
     name = "llm-d-pd"
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
-        ds = decode_pool(cluster)
-        require(ds, "decode")
-        d = self.pick(ds, request)
-        cont = is_continuation(request, self.model)
-        if uncached_tokens(request, held_blocks(d)) >= self.peer_config.pd_threshold:
-            ps = prefill_pool(cluster)
-            require(ps, "prefill")
-            route = pd_route(request, self.pick(ps, request), d, cont)
-            considered = len(ds) + len(ps)
-        else:
-            route = pd_route(request, d, d, cont)
-            considered = len(ds)
-        return make_plan(self.name, self.model, request, route, candidates_considered=considered)
+        threshold = self.peer_config.pd_threshold
+        return decode_first_plan(
+            self,
+            request,
+            cluster,
+            lambda d: uncached_tokens(request, held_blocks(d)) >= threshold,
+        )

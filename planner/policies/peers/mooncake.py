@@ -32,16 +32,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.cost import CostConfig, CostModel, Route, held_blocks
-from planner.policies.base import (
-    decode_pool,
-    is_continuation,
-    make_plan,
-    pd_route,
-    prefill_pool,
-    require,
-)
-from planner.policies.peers.common import RequestRejectedError
+from planner.cost import Route, held_blocks
+from planner.policies.base import is_continuation, make_plan, pd_route
+from planner.policies.peers.common import PeerPolicy, RequestRejectedError, split_pools
 from planner.types import Action, ClusterView, Plan, RequestView, WorkerView
 
 
@@ -65,20 +58,12 @@ class PrefillOption:
     source: WorkerView | None = None
 
 
-class MooncakeConductorPolicy:
+class MooncakeConductorPolicy(PeerPolicy[MooncakeConfig]):
     """The Conductor over the prefill pool (PREFILL workers, HYBRID when none) and the decode
     pool (DECODE, HYBRID when none)."""
 
     name = "mooncake-conductor"
-
-    def __init__(
-        self,
-        config: CostConfig | None = None,
-        model: CostModel | None = None,
-        peer_config: MooncakeConfig | None = None,
-    ) -> None:
-        self.model = model or CostModel(config)
-        self.peer_config = peer_config or MooncakeConfig()
+    default_peer_config = MooncakeConfig()
 
     def queue_s(self, w: WorkerView) -> float:
         """per_token_s · inflight_prefill_tokens + base_s · waiting."""
@@ -139,9 +124,7 @@ class MooncakeConductorPolicy:
         return prof.decode_step_s(d.running + 1, int(ctx) + request.prompt_tokens)
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
-        ps, ds = prefill_pool(cluster), decode_pool(cluster)
-        require(ps, "prefill")
-        require(ds, "decode")
+        ps, ds = split_pools(cluster)
         o = self.best_prefill(ps, request, cluster)
         d = min(ds, key=lambda w: self.tbt_s(w, request))
         cfg = self.peer_config

@@ -14,6 +14,7 @@ P/D instance) does not slow the rest of the suite. Every server binds 127.0.0.1 
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import importlib.util
 import re
@@ -21,9 +22,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -51,10 +54,60 @@ def vllm_client(name: str, url: str) -> VllmClient:
     return VllmClient(name, url, connect_timeout_s=60.0)
 
 
+def completion_body(prompt: str, **extra: Any) -> dict[str, Any]:
+    """A greedy 8-token `/v1/completions` body for the tiny model, with the logprobs the tests
+    compare."""
+    return {
+        "model": SERVED_NAME,
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 1,
+        **extra,
+    }
+
+
+def tokens_and_logprobs(resp: Mapping[str, Any]) -> tuple[list[str], list[float]]:
+    """The tokens and their logprobs of a `completion_body` answer."""
+    lp = resp["choices"][0]["logprobs"]
+    return list(lp["tokens"]), [float(x) for x in lp["token_logprobs"]]
+
+
+async def until(
+    cond: Callable[[], Awaitable[bool]], timeout_s: float = 60.0, poll_s: float = 0.2
+) -> None:
+    """Poll `cond` until it holds; fail the test when `timeout_s` passes first."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not await cond():
+                await asyncio.sleep(poll_s)
+    except TimeoutError:
+        raise AssertionError("condition not reached in time") from None
+
+
 @dataclass(frozen=True, slots=True)
 class PDPair:
     prefill: VllmServer
     decode: VllmServer
+
+
+@asynccontextmanager
+async def pd_clients(
+    pair: PDPair, hybrid: VllmServer
+) -> AsyncIterator[tuple[VllmClient, VllmClient, VllmClient]]:
+    """Clients of the P/D pair's prefill and decode servers and of a colocated server, closed
+    on exit."""
+    clients = (
+        vllm_client("prefill", pair.prefill.url),
+        vllm_client("decode", pair.decode.url),
+        vllm_client("hybrid", hybrid.url),
+    )
+    try:
+        yield clients
+    finally:
+        for c in clients:
+            await c.aclose()
 
 
 @pytest.fixture(scope="package")
@@ -73,6 +126,11 @@ def vllm_work_dir() -> Path:
     path = Path(tempfile.mkdtemp(prefix="ownerserve-vllm-"))
     print(f"\nvLLM logs in {path}")
     return path
+
+
+def _server(install: VllmCpuInstall, work_dir: Path, **spec: Any) -> VllmServer:
+    """A (not yet started) server on a free port, `spec` the rest of its `VllmServerSpec`."""
+    return VllmServer(install, VllmServerSpec(port=free_port(), **spec), work_dir)
 
 
 def _start(servers: list[VllmServer]) -> None:
@@ -97,16 +155,16 @@ def vllm_hybrid(
 ) -> Iterator[VllmServer]:
     """A colocated instance publishing KV events on an ipc:// socket it binds (subscribers
     connect), with a replay socket, and a small KV cache so evictions happen."""
-    spec = VllmServerSpec(
+    server = _server(
+        vllm_install,
+        vllm_work_dir,
         name="hybrid",
-        port=free_port(),
         kv_events_endpoint=f"ipc://{vllm_work_dir}/hybrid-kv-events.sock",
         kv_events_replay_port=free_port(),
         cpu=0,
         extra_args=("--num-gpu-blocks-override", str(HYBRID_KV_BLOCKS)),
         sidecar_url=_sidecar_url(request, "sidecar_a"),
     )
-    server = VllmServer(vllm_install, spec, vllm_work_dir)
     _start([server])
     yield server
     server.stop()
@@ -118,15 +176,15 @@ def vllm_hybrid_b(
 ) -> Iterator[VllmServer]:
     """A second colocated instance (other core, default-sized cache) publishing KV events, so
     the router has a choice of where a session's next turn goes."""
-    spec = VllmServerSpec(
+    server = _server(
+        vllm_install,
+        vllm_work_dir,
         name="hybrid-b",
-        port=free_port(),
         kv_events_endpoint=f"ipc://{vllm_work_dir}/hybrid-b-kv-events.sock",
         kv_events_replay_port=free_port(),
         cpu=1,
         sidecar_url=_sidecar_url(request, "sidecar_b"),
     )
-    server = VllmServer(vllm_install, spec, vllm_work_dir)
     _start([server])
     yield server
     server.stop()
@@ -151,28 +209,21 @@ def vllm_pd_pair(
     vllm_install: VllmCpuInstall, vllm_work_dir: Path, request: pytest.FixtureRequest
 ) -> Iterator[PDPair]:
     """A kv_producer and a kv_consumer over NixlConnector (UCX on loopback), one core each."""
-    prefill = VllmServer(
-        vllm_install,
-        VllmServerSpec(
-            name="prefill",
-            port=free_port(),
-            role=VllmRole.PREFILL,
+    # only the decode side also runs the OwnerServe connector
+    prefill, decode = (
+        _server(
+            vllm_install,
+            vllm_work_dir,
+            name=role.value,
+            role=role,
             nixl_side_channel_port=free_port(),
-            cpu=0,
-        ),
-        vllm_work_dir,
-    )
-    decode = VllmServer(
-        vllm_install,
-        VllmServerSpec(
-            name="decode",
-            port=free_port(),
-            role=VllmRole.DECODE,
-            nixl_side_channel_port=free_port(),
-            cpu=1,
-            sidecar_url=_sidecar_url(request, "sidecar_d"),
-        ),
-        vllm_work_dir,
+            cpu=cpu,
+            sidecar_url=sidecar_url,
+        )
+        for role, cpu, sidecar_url in (
+            (VllmRole.PREFILL, 0, None),
+            (VllmRole.DECODE, 1, _sidecar_url(request, "sidecar_d")),
+        )
     )
     _start([prefill, decode])
     try:

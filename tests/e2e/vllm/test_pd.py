@@ -5,17 +5,16 @@ equal a colocated run of the same prompt."""
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 
 from router.backends.vllm import with_transfer_params
-from tests.e2e.vllm.conftest import PDPair, vllm_client
+from tests.e2e.vllm.conftest import PDPair, completion_body, pd_clients, tokens_and_logprobs
+from workers.vllm_cpu.model import SERVED_NAME
 from workers.vllm_cpu.server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-MODEL = "tiny-llama"
 LOGPROB_TOL = 1e-3
 
 
@@ -23,31 +22,11 @@ def _prompt(tag: str) -> str:
     return " ".join(f"{tag} lorem ipsum {i} dolor sit amet" for i in range(40))
 
 
-def _body(prompt: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": 8,
-        "temperature": 0,
-        "ignore_eos": True,
-        "logprobs": 1,
-        **extra,
-    }
-
-
-def _tokens_and_logprobs(resp: dict[str, Any]) -> tuple[list[str], list[float]]:
-    lp = resp["choices"][0]["logprobs"]
-    return list(lp["tokens"]), [float(x) for x in lp["token_logprobs"]]
-
-
 async def test_decode_continues_from_transferred_kv_and_matches_colocated(
     vllm_pd_pair: PDPair, vllm_hybrid: VllmServer
 ) -> None:
-    prefill = vllm_client("prefill", vllm_pd_pair.prefill.url)
-    decode = vllm_client("decode", vllm_pd_pair.decode.url)
-    colocated = vllm_client("hybrid", vllm_hybrid.url)
-    try:
-        body = _body(_prompt("pd-match"))
+    async with pd_clients(vllm_pd_pair, vllm_hybrid) as (prefill, decode, colocated):
+        body = completion_body(_prompt("pd-match"))
         before = await decode.load()
         params = await prefill.prefill_for_remote_decode("/v1/completions", body)
         assert params.get("do_remote_prefill") is True
@@ -64,14 +43,10 @@ async def test_decode_continues_from_transferred_kv_and_matches_colocated(
         ) - before.prompt_tokens_by_source.get("external_kv_transfer", 0.0)
         assert pulled >= prompt_tokens - 1
 
-        r_tokens, r_lp = _tokens_and_logprobs(remote)
-        l_tokens, l_lp = _tokens_and_logprobs(local)
+        r_tokens, r_lp = tokens_and_logprobs(remote)
+        l_tokens, l_lp = tokens_and_logprobs(local)
         assert r_tokens == l_tokens
         assert max(abs(a - b) for a, b in zip(r_lp, l_lp, strict=True)) <= LOGPROB_TOL
-    finally:
-        await prefill.aclose()
-        await decode.aclose()
-        await colocated.aclose()
 
 
 async def test_decode_from_the_wrong_remote_blocks_diverges(
@@ -79,11 +54,8 @@ async def test_decode_from_the_wrong_remote_blocks_diverges(
 ) -> None:
     """Control for the test above: pointing the decoder at the prefill's blocks in reverse
     order must change its output, so equality there means the transferred KV was used."""
-    prefill = vllm_client("prefill", vllm_pd_pair.prefill.url)
-    decode = vllm_client("decode", vllm_pd_pair.decode.url)
-    colocated = vllm_client("hybrid", vllm_hybrid.url)
-    try:
-        body = _body(_prompt("pd-tamper"))
+    async with pd_clients(vllm_pd_pair, vllm_hybrid) as (prefill, decode, colocated):
+        body = completion_body(_prompt("pd-tamper"))
         params = await prefill.prefill_for_remote_decode("/v1/completions", body)
         tampered = copy.deepcopy(params)
         blocks = tampered["remote_block_ids"]
@@ -91,25 +63,18 @@ async def test_decode_from_the_wrong_remote_blocks_diverges(
         assert tampered["remote_block_ids"] != blocks
         remote = await decode.post("/v1/completions", with_transfer_params(body, tampered))
         local = await colocated.post("/v1/completions", body)
-        _, r_lp = _tokens_and_logprobs(remote)
-        _, l_lp = _tokens_and_logprobs(local)
+        _, r_lp = tokens_and_logprobs(remote)
+        _, l_lp = tokens_and_logprobs(local)
         assert max(abs(a - b) for a, b in zip(r_lp, l_lp, strict=True)) > LOGPROB_TOL
-    finally:
-        await prefill.aclose()
-        await decode.aclose()
-        await colocated.aclose()
 
 
 async def test_streamed_decode_after_remote_prefill_yields_the_colocated_text(
     vllm_pd_pair: PDPair, vllm_hybrid: VllmServer
 ) -> None:
-    prefill = vllm_client("prefill", vllm_pd_pair.prefill.url)
-    decode = vllm_client("decode", vllm_pd_pair.decode.url)
-    colocated = vllm_client("hybrid", vllm_hybrid.url)
-    try:
+    async with pd_clients(vllm_pd_pair, vllm_hybrid) as (prefill, decode, colocated):
         messages = [{"role": "user", "content": _prompt("pd-chat")}]
         body = {
-            "model": MODEL,
+            "model": SERVED_NAME,
             "messages": messages,
             "max_tokens": 12,
             "temperature": 0,
@@ -128,7 +93,3 @@ async def test_streamed_decode_after_remote_prefill_yields_the_colocated_text(
         # after the engine finished, and then sends all 12 tokens in one content delta
         assert len(pieces) > 1
         assert "".join(pieces) == local["choices"][0]["message"]["content"]
-    finally:
-        await prefill.aclose()
-        await decode.aclose()
-        await colocated.aclose()

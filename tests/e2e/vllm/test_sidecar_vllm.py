@@ -12,10 +12,8 @@ P/D decode instance runs MultiConnector [NixlConnector, OwnerServe] and serves P
 
 from __future__ import annotations
 
-import asyncio
 import json
 import struct
-from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,14 @@ import torch
 from kernels.rope import RopeSpec, apply_rope
 from ownerserve.hashing import chain_root
 from router.backends.vllm import VllmClient, VllmLoad, with_transfer_params
-from tests.e2e.vllm.conftest import PDPair, Sidecar, vllm_client
+from tests.e2e.vllm.conftest import (
+    PDPair,
+    Sidecar,
+    completion_body,
+    tokens_and_logprobs,
+    until,
+    vllm_client,
+)
 from workers.vllm_connector.plan import chunk_hashes, loadable_blocks, lookup_keys
 from workers.vllm_cpu.model import CONFIG, SERVED_NAME
 from workers.vllm_cpu.server import VllmServer
@@ -46,38 +51,12 @@ def _prompt(tag: str, n: int = 70) -> str:
     return " ".join(f"{tag} agent step {i} tool result ok" for i in range(n))
 
 
-def _body(prompt: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": 8,
-        "temperature": 0,
-        "ignore_eos": True,
-        "logprobs": 1,
-        **extra,
-    }
-
-
-def _answer(resp: Mapping[str, Any]) -> tuple[list[str], list[float]]:
-    lp = resp["choices"][0]["logprobs"]
-    return list(lp["tokens"]), [float(x) for x in lp["token_logprobs"]]
-
-
 def _delta(before: VllmLoad, after: VllmLoad) -> dict[str, float]:
     keys = ("local_compute", "local_cache_hit", "external_kv_transfer")
     return {
         k: after.prompt_tokens_by_source.get(k, 0.0) - before.prompt_tokens_by_source.get(k, 0.0)
         for k in keys
     }
-
-
-async def _until(cond: Callable[[], Awaitable[bool]], timeout_s: float = 60.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await cond():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.2)
 
 
 async def _token_ids(http: httpx.AsyncClient, server: VllmServer, prompt: str) -> list[int]:
@@ -90,6 +69,16 @@ async def _present(http: httpx.AsyncClient, sidecar: Sidecar, keys: list[str]) -
     r = await http.post(sidecar.url + "/ownerserve/kv/lookup", json={"keys": keys})
     r.raise_for_status()
     return [bool(p) for p in r.json()["present"]]
+
+
+async def _until_saved(http: httpx.AsyncClient, sidecar: Sidecar, keys: list[str]) -> None:
+    """Wait until `sidecar` holds every one of `keys` (the connector PUTs from a background
+    thread)."""
+
+    async def saved() -> bool:
+        return all(await _present(http, sidecar, keys))
+
+    await until(saved)
 
 
 class Session:
@@ -106,12 +95,8 @@ class Session:
 async def _computed_and_saved_on(
     http: httpx.AsyncClient, worker: VllmClient, sidecar: Sidecar, session: Session, prompt: str
 ) -> dict[str, Any]:
-    answer = await worker.post("/v1/completions", _body(prompt))
-
-    async def saved() -> bool:  # the connector PUTs from a background thread
-        return all(await _present(http, sidecar, session.keys))
-
-    await _until(saved)
+    answer = await worker.post("/v1/completions", completion_body(prompt))
+    await _until_saved(http, sidecar, session.keys)
     return answer
 
 
@@ -200,7 +185,7 @@ async def test_a_prefix_computed_on_a_is_fetched_by_b_and_loaded_without_recompu
             # B computing the whole prompt itself: a vLLM cache salt misses B's prefix cache and
             # (the connector hashes it into the chain root) every artifact.
             before = await b.load()
-            alone = await b.post("/v1/completions", _body(prompt, cache_salt="b-alone"))
+            alone = await b.post("/v1/completions", completion_body(prompt, cache_salt="b-alone"))
             computed = _delta(before, await b.load())
             assert computed["local_compute"] == len(session.token_ids)
             assert computed["external_kv_transfer"] == 0
@@ -210,7 +195,7 @@ async def test_a_prefix_computed_on_a_is_fetched_by_b_and_loaded_without_recompu
             assert all(await _present(http, sidecar_b, session.keys))
 
             before = await b.load()
-            loaded = await b.post("/v1/completions", _body(prompt))
+            loaded = await b.post("/v1/completions", completion_body(prompt))
             used = _delta(before, await b.load())
             external = session.loadable * BLOCK
             assert used["external_kv_transfer"] == external
@@ -218,9 +203,9 @@ async def test_a_prefix_computed_on_a_is_fetched_by_b_and_loaded_without_recompu
             # Only the partial last block is computed: none of the fetched blocks.
             assert used["local_compute"] == len(session.token_ids) - external < BLOCK
 
-            l_tokens, l_lp = _answer(loaded)
+            l_tokens, l_lp = tokens_and_logprobs(loaded)
             for reference in (alone, on_a):
-                r_tokens, r_lp = _answer(reference)
+                r_tokens, r_lp = tokens_and_logprobs(reference)
                 assert l_tokens == r_tokens
                 assert max(abs(x - y) for x, y in zip(l_lp, r_lp, strict=True)) <= LOGPROB_TOL
         finally:
@@ -246,26 +231,23 @@ async def test_a_corrupted_artifact_is_never_loaded_and_vllm_recomputes_the_same
             prompt = _prompt("corrupt", 50)
             session = Session(await _token_ids(http, vllm_hybrid, prompt))
             await _computed_and_saved_on(http, a, sidecar_a, session, prompt)
-            alone = await b.post("/v1/completions", _body(prompt, cache_salt="b-alone"))
+            alone = await b.post("/v1/completions", completion_body(prompt, cache_salt="b-alone"))
             await _fetch(http, sidecar_b, sidecar_a, session)
 
             bad_block, bad_head = session.loadable // 2, 2
             bad_key = session.keys[bad_block * len(HEADS) + bad_head]
             _flip_a_byte(sidecar_b.artifact_file(bad_key))
 
-            loaded = await b.post("/v1/completions", _body(prompt))
-            assert _answer(loaded)[0] == _answer(alone)[0]
-            l_lp, r_lp = _answer(loaded)[1], _answer(alone)[1]
+            loaded = await b.post("/v1/completions", completion_body(prompt))
+            assert tokens_and_logprobs(loaded)[0] == tokens_and_logprobs(alone)[0]
+            l_lp, r_lp = tokens_and_logprobs(loaded)[1], tokens_and_logprobs(alone)[1]
             assert max(abs(x - y) for x, y in zip(l_lp, r_lp, strict=True)) <= LOGPROB_TOL
             log = vllm_hybrid_b.log_path.read_text(errors="replace")
             assert f"rejected artifact ({bad_key}" in log
             assert f"loaded {bad_block}/{session.loadable} blocks" in log
 
             # The refused blocks were recomputed and saved again, whole.
-            async def resaved() -> bool:
-                return all(await _present(http, sidecar_b, session.keys))
-
-            await _until(resaved)
+            await _until_saved(http, sidecar_b, session.keys)
         finally:
             await a.aclose()
             await b.aclose()
@@ -282,17 +264,13 @@ async def test_multiconnector_nixl_and_ownerserve_serve_a_pd_request_and_save_it
         try:
             prompt = _prompt("multi", 40)
             session = Session(await _token_ids(http, vllm_pd_pair.decode, prompt))
-            body = _body(prompt)
+            body = completion_body(prompt)
             before = await decode.load()
             params = await prefill.prefill_for_remote_decode("/v1/completions", body)
             await decode.post("/v1/completions", with_transfer_params(body, params))
             pulled = _delta(before, await decode.load())["external_kv_transfer"]
             assert pulled >= len(session.token_ids) - 1
-
-            async def saved() -> bool:
-                return all(await _present(http, sidecar_d, session.keys))
-
-            await _until(saved)
+            await _until_saved(http, sidecar_d, session.keys)
         finally:
             await prefill.aclose()
             await decode.aclose()

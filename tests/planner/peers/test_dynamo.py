@@ -65,17 +65,18 @@ def test_isl_bounding_bypasses_only_below_both_thresholds() -> None:
     assert isl_bypass(request(2000), 7, CFG)  # 1300, ratio 0.65
 
 
-def test_disagg_chooses_decode_first_then_local_or_remote_prefill() -> None:
+@pytest.mark.parametrize(
+    ("d0_cached", "route"),
+    [
+        (20, (Action.COLOCATED_PREFILL, "d0", "d0")),  # effective ISL 2000: bypass
+        (19, (Action.REMOTE_PREFILL, "p0", "d0")),  # 2100 ≥ 2048: remote prefill
+    ],
+)
+def test_disagg_chooses_decode_first_then_local_or_remote_prefill(
+    d0_cached: int, route: tuple[Action, str, str]
+) -> None:
     pol = get_policy("dynamo-kv-disagg", UNIT_CONFIG, MODEL)
-    warm = cluster(worker("p0", Role.PREFILL), worker("d0", Role.DECODE, gpu=20),
-                   worker("d1", Role.DECODE))  # fmt: skip
-    local = pol.plan(request(4000), warm)
-    assert (local.action, local.chosen.prefill_worker, local.chosen.decode_worker) == (
-        Action.COLOCATED_PREFILL, "d0", "d0",
-    )  # fmt: skip
-    cooler = cluster(worker("p0", Role.PREFILL), worker("d0", Role.DECODE, gpu=19),
-                     worker("d1", Role.DECODE))  # fmt: skip
-    remote = pol.plan(request(4000), cooler)
-    assert (remote.action, remote.chosen.prefill_worker, remote.chosen.decode_worker) == (
-        Action.REMOTE_PREFILL, "p0", "d0",
-    )  # fmt: skip
+    c = cluster(worker("p0", Role.PREFILL), worker("d0", Role.DECODE, gpu=d0_cached),
+                worker("d1", Role.DECODE))  # fmt: skip
+    plan = pol.plan(request(4000), c)
+    assert (plan.action, plan.chosen.prefill_worker, plan.chosen.decode_worker) == route

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 
 import msgpack
 import pytest
@@ -20,6 +21,7 @@ from ownerserve.ports import free_port
 from ownerserve.types import Tier
 from ownerserve.vllm_events import encode_message, encode_payload
 from router.backends.kv_events import KVEventSink, KVEventSubscriber
+from tests.router.waiting import until
 
 
 class RecordingSink:
@@ -86,18 +88,25 @@ class VllmLikePublisher:
 
 
 @pytest.fixture
+def sink() -> RecordingSink:
+    return RecordingSink()
+
+
+@pytest.fixture
 def publisher() -> Iterator[VllmLikePublisher]:
     pub = VllmLikePublisher(free_port(), free_port())
     yield pub
     pub.close()
 
 
+@asynccontextmanager
 async def _subscribed(
     pub: VllmLikePublisher,
     sink: KVEventSink,
     catch_up_interval_s: float | None = None,
     replay: bool = True,
-) -> KVEventSubscriber:
+) -> AsyncIterator[KVEventSubscriber]:
+    """A subscriber to `pub` feeding `sink`, closed on exit."""
     sub = KVEventSubscriber(
         "w1",
         pub.pub.getsockopt_string(zmq.LAST_ENDPOINT),
@@ -107,97 +116,73 @@ async def _subscribed(
         catch_up_interval_s=catch_up_interval_s,
     )
     await sub.start()
-    await asyncio.sleep(0.3)  # let the SUB subscription reach the PUB
-    return sub
-
-
-async def _until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.02)
-
-
-async def test_subscriber_fills_a_gap_from_the_replay_socket(publisher: VllmLikePublisher) -> None:
-    sink = RecordingSink()
-    sub = await _subscribed(publisher, sink)
     try:
+        await asyncio.sleep(0.3)  # let the SUB subscription reach the PUB
+        yield sub
+    finally:
+        await sub.close()
+
+
+async def test_subscriber_fills_a_gap_from_the_replay_socket(
+    publisher: VllmLikePublisher, sink: RecordingSink
+) -> None:
+    async with _subscribed(publisher, sink) as sub:
         publisher.publish(0, range(4))
         publisher.publish(1, range(4, 8), send=False)  # lost on the PUB socket
         publisher.publish(2, range(8, 12))
-        await _until(lambda: len(sink.applied) == 3)
+        await until(lambda: len(sink.applied) == 3)
         assert [b.seq for b in sink.applied] == [0, 1, 2]
         assert sub.stats.gaps == 1 and sub.stats.replayed == 1 and sink.dropped == 0
-    finally:
-        await sub.close()
 
 
 async def test_subscriber_joining_late_catches_up_before_any_new_batch(
-    publisher: VllmLikePublisher,
+    publisher: VllmLikePublisher, sink: RecordingSink
 ) -> None:
     publisher.publish(0, range(4))  # before anyone subscribed: only in the replay buffer
     publisher.publish(1, range(4, 8))
-    sink = RecordingSink()
-    sub = await _subscribed(publisher, sink)
-    try:
-        await _until(lambda: len(sink.applied) == 2)
+    async with _subscribed(publisher, sink):
+        await until(lambda: len(sink.applied) == 2)
         publisher.publish(2, range(8, 12))
-        await _until(lambda: len(sink.applied) == 3)
+        await until(lambda: len(sink.applied) == 3)
         assert [b.seq for b in sink.applied] == [0, 1, 2]
         assert sink.dropped == 0
-    finally:
-        await sub.close()
 
 
 async def test_a_lost_last_batch_is_fetched_after_a_quiet_interval(
-    publisher: VllmLikePublisher,
+    publisher: VllmLikePublisher, sink: RecordingSink
 ) -> None:
-    sink = RecordingSink()
-    sub = await _subscribed(publisher, sink, catch_up_interval_s=0.2)
-    try:
+    async with _subscribed(publisher, sink, catch_up_interval_s=0.2):
         publisher.publish(0, range(4))
         publisher.publish(1, range(4, 8), send=False)  # lost, and nothing comes after it
-        await _until(lambda: len(sink.applied) == 2)
+        await until(lambda: len(sink.applied) == 2)
         assert [b.seq for b in sink.applied] == [0, 1]
-    finally:
-        await sub.close()
 
 
 async def test_unfillable_gap_forgets_the_cached_blocks_then_continues(
-    publisher: VllmLikePublisher,
+    publisher: VllmLikePublisher, sink: RecordingSink
 ) -> None:
-    sink = RecordingSink()
-    sub = await _subscribed(publisher, sink)
-    try:
+    async with _subscribed(publisher, sink) as sub:
         publisher.publish(0, range(4))
         publisher.publish(1, range(4, 8), send=False, keep=False)  # gone from the buffer too
         publisher.publish(2, range(8, 12))
-        await _until(lambda: len(sink.applied) == 3)
+        await until(lambda: len(sink.applied) == 3)
         # in place of the lost batch 1: "whatever the worker caches is unknown now"
         assert [b.seq for b in sink.applied] == [0, 1, 2]
         assert sink.applied[1].events == (AllBlocksCleared(),)
         assert sink.dropped == 0  # the worker is alive: its sessions and leases stay
         assert sub.stats.gaps == 1 and sub.stats.resyncs == 1
-    finally:
-        await sub.close()
 
 
 async def test_first_batch_without_replay_is_the_start_not_a_gap(
-    publisher: VllmLikePublisher,
+    publisher: VllmLikePublisher, sink: RecordingSink
 ) -> None:
     """A router that subscribes to a running engine (no replay socket) sees seq N first."""
-    sink = RecordingSink()
-    sub = await _subscribed(publisher, sink, replay=False)
-    try:
+    async with _subscribed(publisher, sink, replay=False) as sub:
         publisher.publish(7, range(4))
         publisher.publish(8, range(4, 8))
-        await _until(lambda: len(sink.applied) == 2)
+        await until(lambda: len(sink.applied) == 2)
         assert [b.seq for b in sink.applied] == [7, 8]
         assert sub.stats.gaps == 0 and sub.stats.resyncs == 0 and sink.dropped == 0
-    finally:
-        await sub.close()
 
 
 async def test_lost_events_keep_the_workers_sessions_and_leases(
@@ -208,10 +193,9 @@ async def test_lost_events_keep_the_workers_sessions_and_leases(
     directory = InMemoryDirectory()
     root = chain_root("m")
     await directory.register_worker("w1", root, 4)
-    sub = await _subscribed(publisher, directory)
-    try:
+    async with _subscribed(publisher, directory) as sub:
         publisher.publish(0, range(4))  # the engine caches block [0..4)
-        await _until(lambda: sub.stats.batches == 1)
+        await until(lambda: sub.stats.batches == 1)
         cached = (hash_block(root, list(range(4))),)
         assert (await directory.lookup(cached)).longest("w1", Tier.GPU) == 1
         owned = (hash_block(root, [9, 9, 9, 9]),)
@@ -220,37 +204,30 @@ async def test_lost_events_keep_the_workers_sessions_and_leases(
         await directory.set_session_owner("s1", "w1", 60.0)
         publisher.publish(1, range(4, 8), send=False, keep=False)  # lost for good
         publisher.publish(2, range(100, 104))
-        await _until(lambda: sub.stats.batches == 2)
+        await until(lambda: sub.stats.batches == 2)
         assert (await directory.lookup(cached)).longest("w1", Tier.GPU) == 0
         assert (await directory.lookup(owned, "s1")).owner == "w1"
         assert await directory.get_session_owner("s1") == "w1"
         info = await directory.artifact_info(owned[0])
         assert info is not None and info.worker == "w1"
-    finally:
-        await sub.close()
 
 
 async def test_seq_restart_means_engine_restart_and_drops_the_worker(
-    publisher: VllmLikePublisher,
+    publisher: VllmLikePublisher, sink: RecordingSink
 ) -> None:
-    sink = RecordingSink()
-    sub = await _subscribed(publisher, sink)
-    try:
+    async with _subscribed(publisher, sink):
         publisher.publish(0, range(4))
         publisher.publish(1, range(4, 8))
-        await _until(lambda: len(sink.applied) == 2)
+        await until(lambda: len(sink.applied) == 2)
         publisher.buffer.clear()
         publisher.publish(0, range(4))  # a restarted engine counts from 0 again
-        await _until(lambda: len(sink.applied) == 3)
+        await until(lambda: len(sink.applied) == 3)
         assert sink.dropped == 1
-    finally:
-        await sub.close()
 
 
-async def test_subscriber_can_bind_for_a_connecting_publisher() -> None:
+async def test_subscriber_can_bind_for_a_connecting_publisher(sink: RecordingSink) -> None:
     """vLLM connects (not binds) when its endpoint names a host, e.g. tcp://127.0.0.1:PORT."""
     port = free_port()
-    sink = RecordingSink()
     sub = KVEventSubscriber("w2", f"tcp://127.0.0.1:{port}", sink, bind=True)
     await sub.start()
     ctx = zmq.Context()
@@ -259,7 +236,7 @@ async def test_subscriber_can_bind_for_a_connecting_publisher() -> None:
     try:
         await asyncio.sleep(0.3)
         pub.send_multipart(encode_message(EventBatch(0, 1.0, (AllBlocksCleared(),))))
-        await _until(lambda: len(sink.applied) == 1)
+        await until(lambda: len(sink.applied) == 1)
         assert sink.applied[0].events == (AllBlocksCleared(),)
     finally:
         pub.close(linger=0)
@@ -274,16 +251,13 @@ async def test_block_size_mismatch_is_counted_and_named_once(
     the log says which setting to fix (the directory is the real in-memory one)."""
     directory = InMemoryDirectory()
     await directory.register_worker("w1", chain_root("m"), 8)
-    sub = await _subscribed(publisher, directory)
-    try:
+    async with _subscribed(publisher, directory) as sub:
         publisher.publish(0, range(4))
         publisher.publish(1, range(4, 8))
-        await _until(lambda: sub.stats.batches == 2)
+        await until(lambda: sub.stats.batches == 2)
         assert sub.stats.skipped_blocks == 2
         warnings = [r.getMessage() for r in caplog.records if "not mapped" in r.getMessage()]
         assert len(warnings) == 1 and "[4]" in warnings[0] and "block_size" in warnings[0]
-    finally:
-        await sub.close()
 
 
 async def test_cpu_medium_events_fill_and_empty_only_the_directorys_cpu_tier(
@@ -295,7 +269,6 @@ async def test_cpu_medium_events_fill_and_empty_only_the_directorys_cpu_tier(
     directory = InMemoryDirectory()
     root = chain_root("m")
     await directory.register_worker("w1", root, 4)
-    sub = await _subscribed(publisher, directory)
     b0 = hash_block(root, [0, 1, 2, 3])
     b1 = hash_block(b0, [4, 5, 6, 7])
 
@@ -318,16 +291,14 @@ async def test_cpu_medium_events_fill_and_empty_only_the_directorys_cpu_tier(
             "kv_cache_spec_kind": "full_attention",
         }
 
-    try:
+    async with _subscribed(publisher, directory) as sub:
         send(0, stored(b0, None, range(4), "GPU"), stored(b1, b0, range(4, 8), "GPU"))
         send(1, stored(b0, None, range(4), "CPU"), stored(b1, b0, range(4, 8), "CPU"))
         send(2, {"type": "BlockRemoved", "block_hashes": [b0, b1], "medium": "GPU"})
-        await _until(lambda: sub.stats.batches == 3)
+        await until(lambda: sub.stats.batches == 3)
         match = await directory.lookup((b0, b1))
         assert match.longest("w1", Tier.GPU) == 0 and match.longest("w1", Tier.CPU) == 2
         send(3, {"type": "BlockRemoved", "block_hashes": [b1], "medium": "CPU", "group_idx": 0})
-        await _until(lambda: sub.stats.batches == 4)
+        await until(lambda: sub.stats.batches == 4)
         assert (await directory.lookup((b0, b1))).longest("w1", Tier.CPU) == 1
         assert sub.stats.skipped_blocks == 0
-    finally:
-        await sub.close()

@@ -17,8 +17,6 @@ from typing import Any
 import httpx
 import msgpack
 import pytest
-import zmq
-import zmq.asyncio
 
 from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.errors import ConfigError
@@ -31,6 +29,7 @@ from ownerserve.types import Tier
 from ownerserve.vllm_events import decode_message
 from router.backends import parse_load_metrics
 from tests.workers.emulator.conftest import StartEmulator, metric_value, scrape
+from tests.workers.emulator.zmq_subscriber import ZmqSubscriber
 from workers.emulator.config import EmulatorConfig, add_arguments, config_from_args
 from workers.emulator.engine import Engine, SamplingParams, Sequence
 from workers.emulator.kv_cache import BlockPool, HostPool
@@ -188,27 +187,18 @@ async def chat(http: httpx.AsyncClient, url: str, msgs: list[dict[str, str]]) ->
     assert resp.status_code == 200, resp.text
 
 
-class RawSubscriber:
+class RawSubscriber(ZmqSubscriber):
     """A ZMQ SUB socket keeping each event's wire map next to its decoded form."""
 
     def __init__(self, endpoint: str) -> None:
-        self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
+        super().__init__(endpoint)
         self.events: list[tuple[dict[str, Any], KVEvent]] = []
 
     async def drain(self, quiet_s: float = 0.3) -> list[tuple[dict[str, Any], KVEvent]]:
-        while await self.sock.poll(int(quiet_s * 1000)):
-            frames = await self.sock.recv_multipart()
+        async for frames in self.messages(quiet_s):
             wire = msgpack.unpackb(frames[2], raw=False)[1]
             self.events.extend(zip(wire, decode_message(frames).events, strict=True))
         return self.events
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
 
 
 async def wait_healthy(http: httpx.AsyncClient, url: str, proc: subprocess.Popen[bytes]) -> None:

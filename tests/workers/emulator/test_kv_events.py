@@ -15,29 +15,22 @@ from ownerserve.hashing import block_hash_chain, chain_root, hash_block
 from ownerserve.ports import free_port
 from ownerserve.vllm_events import decode_message
 from tests.workers.emulator.conftest import StartEmulator
+from tests.workers.emulator.zmq_subscriber import ZmqSubscriber
 
 MODEL = "ownerserve-tiny"
 
 
-class Subscriber:
+class Subscriber(ZmqSubscriber):
     """A real ZMQ SUB socket collecting decoded batches."""
 
     def __init__(self, endpoint: str) -> None:
-        self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
+        super().__init__(endpoint)
         self.batches: list[EventBatch] = []
 
     async def drain(self, quiet_s: float = 0.3) -> list[EventBatch]:
-        while await self.sock.poll(int(quiet_s * 1000)):
-            self.batches.append(decode_message(await self.sock.recv_multipart()))
+        async for frames in self.messages(quiet_s):
+            self.batches.append(decode_message(frames))
         return self.batches
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
 
 
 async def chat(http: httpx.AsyncClient, url: str, content: str, **extra: Any) -> dict[str, Any]:
