@@ -120,6 +120,15 @@ def require(pool: Sequence[WorkerView], what: str) -> None:
         raise NoWorkerAvailableError(f"no healthy {what} worker")
 
 
+def split_pools(cluster: ClusterView) -> tuple[list[WorkerView], list[WorkerView]]:
+    """The prefill and the decode pool of a P/D policy (`prefill_pool`, `decode_pool`), neither
+    empty (else `NoWorkerAvailableError`)."""
+    ps, ds = prefill_pool(cluster), decode_pool(cluster)
+    require(ps, "prefill")
+    require(ds, "decode")
+    return ps, ds
+
+
 def make_plan(
     policy: str,
     model: CostModel,

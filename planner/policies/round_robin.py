@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from planner.cost import CostConfig, CostModel
 from planner.policies.base import (
-    decode_pool,
     is_continuation,
     make_plan,
     pd_route,
-    prefill_pool,
-    require,
+    split_pools,
 )
 from planner.types import ClusterView, Plan, RequestView
 
@@ -26,9 +24,7 @@ class RoundRobinPolicy:
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
         cont = is_continuation(request, self.model)
-        ps, ds = prefill_pool(cluster), decode_pool(cluster)
-        require(ps, "prefill")
-        require(ds, "decode")
+        ps, ds = split_pools(cluster)
         p = ps[self._next_p % len(ps)]
         d = ds[self._next_d % len(ds)]
         self._next_p += 1

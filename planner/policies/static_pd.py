@@ -9,14 +9,12 @@ from __future__ import annotations
 from planner.cost import CostConfig, CostModel
 from planner.policies.base import (
     decode_load,
-    decode_pool,
     is_continuation,
     least_two,
     make_plan,
     pd_route,
     prefill_load,
-    prefill_pool,
-    require,
+    split_pools,
 )
 from planner.types import ClusterView, Plan, RequestView
 
@@ -30,9 +28,7 @@ class StaticPDPolicy:
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
         cont = is_continuation(request, self.model)
-        ps, ds = prefill_pool(cluster), decode_pool(cluster)
-        require(ps, "prefill")
-        require(ds, "decode")
+        ps, ds = split_pools(cluster)
         self._turn += 1
         p, p2 = least_two(ps, prefill_load, self._turn)
         d, d2 = least_two(ds, decode_load, self._turn)

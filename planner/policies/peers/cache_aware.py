@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from planner.policies.base import split_pools
 from planner.policies.peers.common import (
     AggregatedPeerPolicy,
     ApproxTree,
@@ -42,7 +43,6 @@ from planner.policies.peers.common import (
     first_min,
     pd_plan,
     queue_load,
-    split_pools,
 )
 from planner.types import ClusterView, Plan, RequestView, WorkerView
 

@@ -136,15 +136,6 @@ def decode_first_plan(
     return pd_plan(policy, request, policy.pick(ps, request), d, len(ds) + len(ps))
 
 
-def split_pools(cluster: ClusterView) -> tuple[list[WorkerView], list[WorkerView]]:
-    """The prefill and the decode pool of a P/D peer (PREFILL / DECODE workers, HYBRID ones
-    when a role has none), neither empty."""
-    ps, ds = prefill_pool(cluster), decode_pool(cluster)
-    require(ps, "prefill")
-    require(ds, "decode")
-    return ps, ds
-
-
 def pd_plan(
     policy: PeerPolicy[C], request: RequestView, p: WorkerView, d: WorkerView, considered: int
 ) -> Plan:

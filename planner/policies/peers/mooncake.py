@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.cost import Route, held_blocks
-from planner.policies.base import is_continuation, make_plan, pd_route
-from planner.policies.peers.common import PeerPolicy, RequestRejectedError, split_pools
+from planner.policies.base import is_continuation, make_plan, pd_route, split_pools
+from planner.policies.peers.common import PeerPolicy, RequestRejectedError
 from planner.types import Action, ClusterView, Plan, RequestView, WorkerView
 
 

@@ -3,9 +3,7 @@ up by its own block hashes, and evictions take it away again."""
 
 from __future__ import annotations
 
-import asyncio
 import random
-from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -14,7 +12,7 @@ from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.events import BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
 from router.backends.kv_events import subscriber_for_source
-from tests.e2e.vllm.conftest import HYBRID_KV_BLOCKS, vllm_client
+from tests.e2e.vllm.conftest import HYBRID_KV_BLOCKS, until, vllm_client
 from workers.vllm_cpu.server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -45,15 +43,6 @@ class RecordingDirectory:
         ]
 
 
-async def _until(cond: Callable[[], Awaitable[bool]], timeout_s: float = 60.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await cond():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.1)
-
-
 def _tokens(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(4, 1800) for _ in range(n)]
@@ -80,7 +69,7 @@ async def test_stored_blocks_become_directory_holdings_and_evictions_remove_them
             match = await sink.directory.lookup(chain)
             return match.longest("hybrid") == 3
 
-        await _until(held)
+        await until(held)
         stored = [e for e in sink.events() if isinstance(e, BlockStored)]
         ours = [e for e in stored if e.token_ids[:BLOCK] == tuple(prompt[:BLOCK])]
         assert ours and ours[0].parent_engine_hash is None
@@ -97,7 +86,7 @@ async def test_stored_blocks_become_directory_holdings_and_evictions_remove_them
             match = await sink.directory.lookup(chain)
             return match.longest("hybrid") < 3
 
-        await _until(evicted)
+        await until(evicted)
         assert any(isinstance(e, BlockRemoved) for e in sink.events())
         assert sub.stats.malformed == 0
     finally:

@@ -5,10 +5,8 @@ mid-stream ends the client's stream cleanly and loses its blocks in the director
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,7 @@ import pytest
 
 from ownerserve.config import Settings, settings_from_dict
 from tests.e2e.router_cluster import plan_fields, proxy_client
-from tests.e2e.vllm.conftest import PDPair, vllm_client
+from tests.e2e.vllm.conftest import PDPair, until, vllm_client
 from workers.vllm_cpu.server import VllmServer
 from workers.vllm_cpu.setup import VllmCpuInstall
 
@@ -114,15 +112,6 @@ async def complete(
     return plan, tokens, logprobs
 
 
-async def until(cond: Callable[[], Awaitable[bool]], timeout_s: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await cond():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.1)
-
-
 async def test_remote_prefill_and_colocated_give_the_same_greedy_answer(
     vllm_install: VllmCpuInstall, vllm_hybrid: VllmServer, vllm_pd_pair: PDPair
 ) -> None:
@@ -173,17 +162,17 @@ async def test_next_turn_goes_to_the_worker_whose_kv_events_hold_the_prefix(
         probe = turn("probe", 10)
         await b_direct.post("/v1/chat/completions", body(probe, False, 1))
         try:
-            await until(lambda: held_by("b", probe, 1))
+            await until(lambda: held_by("b", probe, 1), 30.0)
         except AssertionError:
             await b_direct.post("/v1/chat/completions", body(turn("probe-again", 10), False, 1))
-            await until(lambda: held_by("b", turn("probe-again", 10), 1))
+            await until(lambda: held_by("b", turn("probe-again", 10), 1), 30.0)
 
         # An earlier turn ran on b behind the router's back: only b's KV events say so.
         first = turn("session-prefix")
         chain_len = len(tokenizer.tokenize_chat(None, first).chain)
         assert chain_len >= 20
         await b_direct.post("/v1/chat/completions", body(first, False, 4))
-        await until(lambda: held_by("b", first, chain_len))
+        await until(lambda: held_by("b", first, chain_len), 30.0)
         assert not await held_by("a", first, 1)
 
         before = await b_direct.load()
