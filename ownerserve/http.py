@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
 import orjson
@@ -107,7 +107,37 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, mapped)
 
 
+def service_app(
+    title: str, start: Callable[[], Awaitable[None]], close: Callable[[], Awaitable[None]]
+) -> FastAPI:
+    """A FastAPI app whose lifespan runs `start` and `close`, with no docs routes and every
+    error in the OpenAI shape (`install_error_handlers`): the router's, the sidecar's."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await start()
+        try:
+            yield
+        finally:
+            await close()
+
+    app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    return app
+
+
 # --- requests ----------------------------------------------------------------------------------
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body that must be one JSON object; `InvalidRequestError` (400) otherwise."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError("request body must be a JSON object")
+    return data
 
 
 def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:

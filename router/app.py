@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,7 +25,7 @@ from pydantic import ValidationError
 from ownerserve.config import Settings, WorkerSettings
 from ownerserve.directory.base import Directory
 from ownerserve.errors import AuthenticationError, InvalidRequestError, NotFoundError
-from ownerserve.http import install_error_handlers
+from ownerserve.http import service_app
 from planner.calibration import Calibrator
 from planner.policies import Planner
 from router import membership
@@ -65,24 +63,9 @@ def create_app(
     policies to `planner.policies.get_policy`; the `Router` is at `app.state.router`."""
     router = Router(settings, directory=directory, planner=planner, calibrator=calibrator)
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await router.start()
-        try:
-            yield
-        finally:
-            await router.close()
-
-    app = FastAPI(
-        title="OwnerServe router",
-        lifespan=lifespan,
-        docs_url=None,
-        redoc_url=None,
-        openapi_url=None,
-    )
+    app = service_app("OwnerServe router", router.start, router.close)
     app.state.router = router
     app.add_middleware(CompletionsASGI, router=router)
-    install_error_handlers(app)
 
     # --- OpenAI API -----------------------------------------------------------------------
 

@@ -9,9 +9,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-import orjson
-
 from ownerserve.errors import InvalidRequestError
+from ownerserve.http import json_object
 from ownerserve.records import fast_init
 
 DEFAULT_MAX_TOKENS = 256
@@ -55,12 +54,7 @@ def _opt_int(body: Mapping[str, Any], key: str, minimum: int) -> int | None:
 
 def parse_request(raw: bytes, endpoint: Endpoint) -> CompletionRequest:
     """Parse and validate what routing needs; raise `InvalidRequestError` (400) otherwise."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequestError("request body must be a JSON object")
+    body = json_object(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequestError("'model' is required and must be a string", param="model")

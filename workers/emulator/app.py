@@ -41,6 +41,7 @@ from ownerserve.errors import (
 )
 from ownerserve.hashing import chain_root, hash_block
 from ownerserve.http import (
+    json_object,
     read_request_body,
     send_body,
     send_error,
@@ -312,14 +313,7 @@ class EmulatorApp:
         return await read_request_body(scope, receive, self.config.max_body_bytes)
 
     async def _json_body(self, scope: Scope, receive: Receive) -> dict[str, Any]:
-        raw = await self._body(scope, receive)
-        try:
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidRequestError(f"malformed JSON body: {exc}") from None
-        if not isinstance(data, dict):
-            raise InvalidRequestError("request body must be a JSON object")
-        return data
+        return json_object(await self._body(scope, receive))
 
     def _check_model(self, model: str | None) -> str:
         if model is None or model == self.config.model:

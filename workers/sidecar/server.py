@@ -38,7 +38,6 @@ from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 import httpx
-import orjson
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -55,7 +54,7 @@ from ownerserve.errors import (
     PayloadTooLargeError,
     UpstreamError,
 )
-from ownerserve.http import install_error_handlers, read_request_body
+from ownerserve.http import json_object, read_request_body, service_app
 from ownerserve.kvfetch import FETCH_PATH, MAX_FETCH_BODY_BYTES, KVFetchRequest
 from ownerserve.types import Tier
 from workers.sidecar.arena import Arena
@@ -554,23 +553,8 @@ def create_app(sidecar: Sidecar) -> FastAPI:
     """The sidecar's HTTP app; its lifespan starts and stops the transfer server, the directory
     connection and the replica publisher."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await sidecar.start()
-        try:
-            yield
-        finally:
-            await sidecar.close()
-
-    app = FastAPI(
-        title="OwnerServe sidecar",
-        lifespan=lifespan,
-        docs_url=None,
-        redoc_url=None,
-        openapi_url=None,
-    )
+    app = service_app("OwnerServe sidecar", sidecar.start, sidecar.close)
     app.state.sidecar = sidecar
-    install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -623,12 +607,8 @@ def create_app(sidecar: Sidecar) -> FastAPI:
 
     @app.post(FETCH_PATH)
     async def fetch(request: Request) -> JSONResponse:
-        try:
-            raw = await read_request_body(request.scope, request.receive, MAX_FETCH_BODY_BYTES)
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidRequestError(f"malformed JSON body: {exc}") from None
-        body = KVFetchRequest.from_json(data)
+        raw = await read_request_body(request.scope, request.receive, MAX_FETCH_BODY_BYTES)
+        body = KVFetchRequest.from_json(json_object(raw))
         if body.model is None:
             raise InvalidRequestError("model: required (artifacts are kept per model)")
         started = time.perf_counter()

@@ -93,7 +93,7 @@ async def test_malformed_json_oversized_body_and_unknown_routes(
     url = server.url
     headers = {"content-type": "application/json"}
     resp = await http.post(url + "/v1/chat/completions", content=b'{"messages": [', headers=headers)
-    assert_openai_error(resp, 400, "malformed JSON")
+    assert_openai_error(resp, 400, "not valid JSON")
     big = {"messages": [{"role": "user", "content": "x" * 20_000}]}
     assert_openai_error(await http.post(url + "/v1/chat/completions", json=big), 413)
 
