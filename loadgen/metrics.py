@@ -158,6 +158,8 @@ def cluster_stats(
         distinct_blocks=distinct,
         cpu_hit_tokens=_int(cpu_hits),
         cpu_blocks_held=_int(sum(cpu_held)) if cpu_held else None,
+        preemptions=_int(delta("vllm:num_preemptions_total")),
+        kv_transfers_expired=_int(delta(f"{P}kv_transfers_expired_total")),
     )
 
 

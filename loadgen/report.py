@@ -74,6 +74,12 @@ class ClusterStats:
     """Prompt tokens served from a worker's CPU KV tier (loaded back into HBM, not computed)."""
     cpu_blocks_held: int | None = None
     """Blocks in the workers' CPU tiers at the end of the run."""
+    preemptions: int | None = None
+    """Running requests the workers preempted (KV freed, recomputed later;
+    `vllm:num_preemptions`)."""
+    kv_transfers_expired: int | None = None
+    """Prefill results held for a P/D pull that no decode side pulled before the lease ran out
+    (the emulated engine's `ownerserve_emulator_kv_transfers_expired_total`)."""
     router_queue_peak: float | None = None
     """Most requests waiting in the router's admission queue at one sample (OwnerServe's
     `ownerserve_admission_*` queue gauges; None for a router without them)."""
@@ -114,6 +120,9 @@ class RunSummary:
     """Requests the router turned away with HTTP 429 (admission bound reached)."""
     actions: dict[str, int] = field(default_factory=dict)
     """Planner actions from the `x-ownerserve-plan` headers (OwnerServe targets only)."""
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    """Requests whose plan was given up before the first byte, by reason (the header's
+    `reason`: a KV hand-over, first byte or connect past its bound, or failed)."""
     cluster: ClusterStats | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -163,6 +172,13 @@ def summarize(
         actions=dict(
             Counter(
                 a for r in ok if r.plan and (a := parse_plan_header(r.plan).get("action"))
+            ).most_common()
+        ),
+        fallbacks=dict(
+            Counter(
+                f"{f.get('fallback')}:{f.get('reason')}"
+                for r in ok
+                if r.plan and "fallback" in (f := parse_plan_header(r.plan))
             ).most_common()
         ),
         cluster=cluster,
@@ -250,10 +266,24 @@ def actions_lines(summaries: Sequence[RunSummary]) -> str:
     return "\n".join(lines)
 
 
+def pressure_lines(summaries: Sequence[RunSummary]) -> str:
+    """Per run: what KV pressure did (preemptions, P/D results never pulled, fallbacks)."""
+    lines = []
+    for s in summaries:
+        c = s.cluster or ClusterStats()
+        fb = ", ".join(f"{k} {n}" for k, n in s.fallbacks.items()) or "0"
+        lines.append(
+            f"- {s.label}: preempted {_num(c.preemptions)}, P/D transfers expired "
+            f"{_num(c.kv_transfers_expired)}, fallbacks {fb}, 429s {s.rejected_429}"
+        )
+    return "\n".join(lines)
+
+
 def markdown_tables(summaries: Sequence[RunSummary]) -> str:
     parts = [latency_table(summaries)]
     if any(s.cluster is not None for s in summaries):
         parts.append(cluster_table(summaries))
+        parts.append(pressure_lines(summaries))
     if any(s.actions for s in summaries):
         parts.append(actions_lines(summaries))
     return "\n\n".join(parts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -125,3 +126,18 @@ def test_write_report_writes_json_markdown_and_pngs(tmp_path: Path) -> None:
         assert png.startswith(b"\x89PNG") and len(png) > 5000
     md = paths["md"].read_text()
     assert md.startswith("# hdr") and "![cdf](bench_cdf.png)" in md
+
+
+def test_fallbacks_and_kv_pressure_counters_are_reported_per_run() -> None:
+    base = _result("ownerserve")
+    fell_back = dataclasses.replace(
+        base.requests[0],
+        plan="policy=ownerserve;action=remote_prefill;fallback=colocated;reason=kv_transfer_timeout",
+    )
+    result = dataclasses.replace(base, requests=(fell_back, *base.requests[1:]))
+    s = summarize(result, cluster=ClusterStats(preemptions=3, kv_transfers_expired=1))
+    assert s.fallbacks == {"colocated:kv_transfer_timeout": 1}
+    assert (
+        "- ownerserve: preempted 3, P/D transfers expired 1, "
+        "fallbacks colocated:kv_transfer_timeout 1, 429s 0"
+    ) in markdown_tables([s]).splitlines()
