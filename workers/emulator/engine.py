@@ -19,7 +19,8 @@ preemptible), then it runs with the pulled tokens computed.
 
 With a CPU tier (`HostPool`, vLLM's KV offloading) computed prompt blocks are also written to
 CPU memory, and a waiting request whose prefix continues in CPU past what HBM caches is
-admitted like an async KV load too: blocks for the CPU part are allocated, the request is
+admitted like an async KV load too: blocks for the CPU part are allocated (once they fit beside
+the blocks that loads and prefills already admitted still need, as vLLM reserves), the request is
 parked while they load at the profile's host-to-device bandwidth (`link.cpu_load_bps`, loads
 queued FIFO on the one PCIe link), then it runs with only the rest to compute.
 """
@@ -578,6 +579,8 @@ class Engine:
                 limit = (seq.num_tokens - 1) // bs
                 on_host = host.match_prefix(seq.hashes[hit:limit])
                 if on_host:
+                    if on_host > pool.free_after_touch(hit_hashes) - self._inflight_reserved():
+                        break
                     waiting.popleft()
                     blocks = pool.touch(hit_hashes)
                     got = pool.allocate(on_host)  # vLLM allocates only the loaded tokens
@@ -591,6 +594,8 @@ class Engine:
                 # An async KV load: allocate the whole prompt, park the request while it
                 # pulls (no token budget spent). vLLM pulls even when every full block is
                 # cached here (the partial last block is still remote; here it is recomputed).
+                if whole > pool.free_after_touch(hit_hashes) - self._inflight_reserved():
+                    break
                 waiting.popleft()
                 blocks = pool.touch(hit_hashes)  # before allocating, which could evict them
                 got = pool.allocate(whole)
@@ -614,8 +619,25 @@ class Engine:
             budget -= n
 
         if not items:
-            return None
+            # A step that only preempted admitted nothing (as in vLLM), but vLLM's engine steps
+            # again at once while requests are unfinished: do so, rather than sleep with nothing
+            # left to wake the loop (sequences whose KV is in wait for the freed blocks).
+            return self._schedule() if preempted else None
         return _Step(items, self._step_seconds(items))
+
+    def _inflight_reserved(self) -> int:
+        """Blocks that admitted sequences not done prefilling still need for their whole
+        sequence: async loads in flight or in, and running prefills (vLLM's
+        `_inflight_prefill_reserved_blocks`). An async load is admitted only if its blocks fit
+        beside these, since it holds them unpreemptible: without this, two loads could each hold
+        part of the pool while waiting for the rest, with nothing running to free any."""
+        bs = self.block_size
+        total = 0
+        for seq in (*self.loading, *self.loaded, *self.running):
+            if seq.state == SeqState.RUNNING and seq.num_computed + 1 >= seq.num_tokens:
+                continue  # decoding: its next block is had by preempting, as vLLM does
+            total += max(0, -(-seq.num_tokens // bs) - len(seq.blocks))
+        return total
 
     def _start_running(self, seq: Sequence, computed: int) -> None:
         seq.state = SeqState.RUNNING

@@ -166,6 +166,48 @@ async def test_a_full_cpu_tier_evicts_its_least_recent_blocks_with_a_cpu_removal
     await h.engine.close()
 
 
+# --- HBM pressure: parked CPU loads must not leave requests waiting for ever ----------------------
+
+
+async def cpu_only(h: Harness, *prompts: list[int]) -> None:
+    """Run `prompts` (writing them through to CPU), then evict them from HBM with other traffic."""
+    for p in prompts:
+        await h.run(p)
+    for i in (91, 92):
+        await h.run(prompt(i, 320))  # 20 blocks each, of a 22-block pool
+    for p in prompts:
+        hashes = block_hash_chain(p, BS, ROOT)
+        assert h.engine.pool.match_prefix(hashes) == 0 and h.host.match_prefix(hashes) == 6
+
+
+async def test_a_cpu_load_waits_for_blocks_an_earlier_load_still_needs() -> None:
+    # Both prompts fit HBM whole on their own, not together. The first load holds 6 blocks and
+    # needs 11 more to run; had the second load taken 6 of the 16 left, both would hold blocks
+    # waiting for more with nothing running to free any. vLLM reserves in-flight loads' blocks.
+    h = Harness(22, 200, profile(cpu_load_bps=1e6))
+    await cpu_only(h, prompt(1, 96), prompt(2, 96))
+    a = prompt(1, 96) + prompt(5, 170)  # 17 blocks whole
+    b = prompt(2, 96) + prompt(6, 154)  # 16 blocks whole
+    async with asyncio.timeout(10):
+        sa, sb = await asyncio.gather(h.run(a), h.run(b))
+    assert sa.host_tokens == sb.host_tokens == 96  # both served their prefix from CPU
+    assert sb.admitted_at >= sa.finished_at  # the second load waited for the first to finish
+    await h.engine.close()
+
+
+async def test_a_loaded_request_runs_once_a_running_one_preempts_itself() -> None:
+    # A loaded request waits for blocks a running one holds; when that one cannot grow and
+    # preempts itself, the freed blocks must be used at once (no later event wakes the engine).
+    h = Harness(22, 200, profile(cpu_load_bps=1e9))  # loaded before the other fills the pool
+    await cpu_only(h, prompt(1, 96))
+    a = prompt(1, 96) + prompt(5, 170)  # 6 blocks loaded, 11 more to run
+    async with asyncio.timeout(10):
+        sa, sx = await asyncio.gather(h.run(a), h.run(prompt(7, 200), max_tokens=100))
+    assert h.engine.metrics.preemptions == 1
+    assert sa.host_tokens == 96 and sx.finish_reason == "length"
+    await h.engine.close()
+
+
 # --- a real emulator process: HTTP, /metrics, KV events over ZMQ ----------------------------------
 
 MODEL = "ownerserve-tiny"
