@@ -144,6 +144,7 @@ def summarize(
     ok = [r for r in reqs if r.ok]
     errors = [r for r in reqs if not r.ok]
     sessions_done = [s for s in result.sessions if s.completed and s.e2e_s is not None]
+    plans = [parse_plan_header(r.plan) for r in ok if r.plan]
     wall = max(result.wall_s, 1e-9)
     return RunSummary(
         label=result.label,
@@ -169,16 +170,10 @@ def summarize(
         time_limited=result.time_limited,
         session_idle_mean_s=mean([s.idle_s for s in sessions_done]),
         rejected_429=sum(1 for r in errors if r.status == 429),
-        actions=dict(
-            Counter(
-                a for r in ok if r.plan and (a := parse_plan_header(r.plan).get("action"))
-            ).most_common()
-        ),
+        actions=dict(Counter(a for f in plans if (a := f.get("action"))).most_common()),
         fallbacks=dict(
             Counter(
-                f"{f.get('fallback')}:{f.get('reason')}"
-                for r in ok
-                if r.plan and "fallback" in (f := parse_plan_header(r.plan))
+                f"{f['fallback']}:{f.get('reason')}" for f in plans if "fallback" in f
             ).most_common()
         ),
         cluster=cluster,
