@@ -1,6 +1,6 @@
 """One completion request as a pipeline of named stages over its `RequestContext`:
 
-    parse -> identify -> tokenize -> look_up -> view -> admit (admission.py)
+    parse -> identify -> tokenize -> admit (admission.py) -> look_up -> view
           -> (plan -> execute, retried) -> stream (streaming.py) -> commit, observe (aftermath.py)
 
 `respond` runs them for one request and turns every failure into an OpenAI error (or an SSE
@@ -395,14 +395,16 @@ async def route(ctx: RequestContext) -> None:
         with tel.start_span("ownerserve.tokenize"):
             identify(ctx)
             tokenize(ctx)
-        with tel.start_span("ownerserve.directory.lookup", blocks=len(ctx.tok.chain)):
-            await look_up(ctx)
-        view(ctx)
+        # admission before the lookup: a request released after a wait is planned on what the
+        # directory and the loads say then, not on what they said when it arrived
         admission = router.admission
         if not admission.admit_now(ctx.req.model):
             ctx.queued_s = await admission.wait(
                 ctx.req.model, ctx.session.session_id, ctx.tok.prompt_tokens, ctx.out
             )
+        with tel.start_span("ownerserve.directory.lookup", blocks=len(ctx.tok.chain)):
+            await look_up(ctx)
+        view(ctx)
         hold_session(ctx)
         try:
             await execute(ctx)
