@@ -86,11 +86,43 @@ class DirectorySettings(_Strict):
         return self
 
 
+class ResponsesSettings(_Strict):
+    """The Responses API's stored conversations (`router/README.md`, *Front doors*): kept in
+    the directory's backend (in-process, or the same Redis), so any router replica continues
+    any conversation."""
+
+    ttl_s: float = Field(default=86400.0, gt=0)
+    """A stored response is forgotten this long after it was made."""
+    max_conversation_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    """A conversation whose stored messages exceed this is not continued (400): a size bound
+    per conversation, as a response stores the whole conversation up to it."""
+    memory_max_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
+    """The in-process store drops its least recently used responses beyond this many bytes."""
+
+
 class PlannerSettings(_Strict):
     policy: str = "ownerserve"
     profile: str = "h100-llama3-8b"
     lambda_hbm: float = Field(default=1e-11, ge=0, description="seconds per duplicated HBM byte")
     mu_interference: float = Field(default=1.0, ge=0, description="weight of decode interference")
+    nu_displacement: float = Field(
+        default=1.0,
+        ge=0,
+        description="weight of the reload of other sessions' working-set KV a placement "
+        "displaces (0: not priced)",
+    )
+    retention_prior_gap_s: float = Field(
+        default=2.0, ge=0, description="predicted tool gap of a session and tool never seen"
+    )
+    retention_max_gap_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="a session's KV stays in its worker's working set through a gap predicted "
+        "at most this long",
+    )
+    retention_factor: float = Field(
+        default=2.0, ge=0, description="kept for this many predicted gaps"
+    )
     migration_margin_s: float = Field(
         default=0.05, ge=0, description="hysteresis of a state migration: fixed margin, seconds"
     )
@@ -184,6 +216,7 @@ class Settings(_Strict):
     planner: PlannerSettings = PlannerSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
     admission: AdmissionSettings = AdmissionSettings()
+    responses: ResponsesSettings = ResponsesSettings()
     models: tuple[ModelSettings, ...] = (ModelSettings(name="ownerserve-tiny"),)
     workers: tuple[WorkerSettings, ...] = ()
 
@@ -219,7 +252,7 @@ def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
         if not key.startswith(_ENV_PREFIX) or "__" not in key:
             continue
         section, _, field_name = key[len(_ENV_PREFIX) :].lower().partition("__")
-        if section in ("server", "directory", "planner", "telemetry", "admission"):
+        if section in ("server", "directory", "planner", "telemetry", "admission", "responses"):
             sect = dict(data.get(section) or {})
             sect[field_name] = value
             data[section] = sect

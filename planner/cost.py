@@ -46,7 +46,8 @@ _FETCH, _MIG, _REMOTE = Action.ARTIFACT_FETCH, Action.STATE_MIGRATION, Action.RE
 class CostConfig:
     """Weights, thresholds and profile names of the planner (`planner:` section of the config).
 
-    `lam` (λ) is seconds per duplicated HBM byte, `mu` (μ) the weight of decode interference;
+    `lam` (λ) is seconds per duplicated HBM byte, `mu` (μ) the weight of decode interference,
+    `nu` (ν) the weight of the reload of displaced working-set KV (W_disp);
     `migration_margin_s` and `migration_margin_rel` are the hysteresis a state migration pays
     (`h_move`).
     `profile` is the default timing profile; `profiles` are extra ones workers may name in
@@ -55,6 +56,7 @@ class CostConfig:
 
     lam: float = 1e-11
     mu: float = 1.0
+    nu: float = 1.0
     profile: str = "h100-llama3-8b"
     profiles: tuple[str, ...] = ()
     # HeteroCache KV state spec (configs/models/NAME.yaml): when set, a cold worker's restore
@@ -78,8 +80,10 @@ class CostConfig:
     imbalance_rel: float = 1.5
 
     def __post_init__(self) -> None:
-        if self.lam < 0 or self.mu < 0:
-            raise ConfigError("planner: lambda_hbm and mu_interference must be >= 0")
+        if self.lam < 0 or self.mu < 0 or self.nu < 0:
+            raise ConfigError(
+                "planner: lambda_hbm, mu_interference and nu_displacement must be >= 0"
+            )
         if self.decode_horizon_tokens < 0 or self.pd_handshake_s < 0:
             raise ConfigError("planner: decode_horizon_tokens and pd_handshake_s must be >= 0")
         if self.migration_margin_s < 0 or self.migration_margin_rel < 0:
@@ -92,6 +96,7 @@ class CostConfig:
         return cls(
             lam=settings.lambda_hbm,
             mu=settings.mu_interference,
+            nu=settings.nu_displacement,
             profile=settings.profile,
             kv_spec=kv_spec,
             migration_margin_s=settings.migration_margin_s,
@@ -232,10 +237,11 @@ HeldTerms = tuple[int, int, int, float, int]
 """What a worker holding part of the request's prefix adds to its `WorkerTerms`: (gpu blocks,
 held blocks, reused tokens r = reused(held), restore, dup(w, gpu))."""
 
-WorkerTerms = tuple[WorkerView, float, float, float, int, int, HeldTerms | None]
-"""`RequestCosts.scan` of one worker w: (w, q, decode, prefill, stalled, dup(w, held), held
-terms), the held terms None when w holds nothing of the prefix (gpu = held = r = 0, no
-restore, dup(w, gpu) = dup(w, held))."""
+WorkerTerms = tuple[WorkerView, float, float, float, int, int, HeldTerms | None, float]
+"""`RequestCosts.scan` of one worker w: (w, q + W_disp(w), decode, prefill, stalled, dup(w,
+held), held terms, W_disp(w)), the held terms None when w holds nothing of the prefix (gpu =
+held = r = 0, no restore, dup(w, gpu) = dup(w, held)). The search adds W_disp wherever it adds
+q (both are charged once per worker of a route), so the second item carries both."""
 
 
 class RequestCosts:
@@ -256,6 +262,7 @@ class RequestCosts:
         "model",
         "mu",
         "n",
+        "nu",
         "o",
         "ob",
         "owner",
@@ -274,6 +281,7 @@ class RequestCosts:
         self.ob = request.owner_blocks if request.owner is not None else 0
         self.lam = cfg.lam
         self.mu = cfg.mu
+        self.nu = cfg.nu
         self._consts: dict[str, tuple[float, ...]] = {}
 
     def consts(self, profile: str) -> tuple[float, ...]:
@@ -325,8 +333,12 @@ class RequestCosts:
                          prefills): the decodes a prefill on w stalls (I_decode)
             restore    = restore(w, gpu, cpu, ssd): its held prefix into HBM
             dup        = dup(w, held(w)) and dup(w, gpu(w))
+            W_disp(w)  = displacement(w, gpu(w)): the reload of the working-set KV its new
+                         KV pushes out (0 on most workers: the room test is inline)
         """
         n, bs, ob, bk, owner = self.n, self.request.block_size, self.ob, self.bk, self.owner
+        home, home_tokens = self.request.home_worker, self.request.home_tokens
+        disp_on = self.nu > 0
         dup_none = _dup(True, 0, ob, bk)  # dup(w, 0) of a non-owner (0 without an owner)
         seq = n + self.o  # the KV the request needs on a worker holding none of it
         profile: str | None = None
@@ -343,10 +355,19 @@ class RequestCosts:
             dec = w.decode_scale * (da + db * running + dc * w.kv_usage)
             stalled = running if running > 0 and w.role is not _PREFILL else 0
             cb = w.cached_blocks
-            # the room test of kv_wait, inline: most workers have room and pay nothing more
+            # the room tests of kv_wait and W_disp, inline: most workers have room and pay
+            # nothing more
             cap = w.kv_capacity_tokens or cap_p
             if cap * (1.0 - w.kv_usage) - w.inflight_prefill_tokens < seq:
                 q += self.kv_wait(w, cb.get(_GPU, 0) if cb else 0, dec, cap_p)
+            disp = 0.0
+            ws = w.ws_tokens
+            if ws and disp_on:
+                if w.worker_id == home:
+                    ws -= home_tokens
+                if ws > 0 and cap - ws < seq:
+                    disp = self.displacement(w, cb.get(_GPU, 0) if cb else 0, ws, cap, c)
+                    q += disp
             if cb:
                 g, cpu, ssd = cb.get(_GPU, 0), cb.get(_CPU, 0), cb.get(_SSD, 0)
                 held = g if g >= cpu and g >= ssd else (cpu if cpu >= ssd else ssd)
@@ -368,10 +389,11 @@ class RequestCosts:
                             self.restore(w, g, cpu, ssd, c) if held > g else 0.0,
                             dh if g == held else _dup(other, g, ob, bk),
                         ),
+                        disp,
                     )
                     continue
             d = dup_none if dup_none and w.worker_id != owner else 0
-            yield w, q, dec, sp * pf_all, stalled, d, None
+            yield w, q, dec, sp * pf_all, stalled, d, None, disp
 
     def kv_wait(self, w: WorkerView, gpu: int, decode: float, cap_p: float) -> float:
         """kv_wait(w): how long the request waits on w for room for its KV (vLLM admits a
@@ -395,6 +417,34 @@ class RequestCosts:
         if need > cap or used <= 0:
             return KV_NEVER_S
         return short / used * decode
+
+    def displacement(
+        self, w: WorkerView, gpu: int, others: int, cap: float, c: tuple[float, ...]
+    ) -> float:
+        """W_disp(w): the reload of the other sessions' working-set KV that this request's KV
+        pushes out of w (issue 23: a placement where the request does not fit evicts KV that
+        sessions active on w will want back within their tool gap):
+
+            need   = N + O − gpu(w)·bs                 the KV it allocates on w (as kv_wait)
+            others = ws_tokens(w) − [w = home_worker]·home_tokens
+            disp   = min(others, need − (cap − others))   tokens displaced, when positive
+            W_disp = ν · reload(w, disp)
+            reload = s_p · (per_token_s + per_token_ctx_s · disp / 2) · disp     recomputed
+                   = min(that, disp · K / cpu_load_bps)                          w offloads
+
+        `cap` as kv_wait's; `c`: the constants of w's profile."""
+        need = self.n + self.o - gpu * self.request.block_size
+        disp = need - (cap - others)
+        if disp <= 0:
+            return 0.0
+        if disp > others:
+            disp = others
+        reload = w.prefill_scale * (c[_PF_TOK] + c[_PF_CTX] * disp / 2) * disp
+        if w.offloads:
+            load = disp * self.request.kv_bytes_per_token / c[_CPU_BPS]
+            if load < reload:
+                reload = load
+        return self.nu * reload
 
     def restore(
         self, w: WorkerView, gpu: int, cpu: int, ssd: int, c: tuple[float, ...] | None = None
@@ -505,7 +555,7 @@ class RequestCosts:
         cfg = self.config
         action = route.action
         p, d = route.prefill, route.decode
-        _, q_p, dec, pre, stalled, dup_p, hp = tp if tp is not None else self.worker(p)
+        _, q_p, dec, pre, stalled, dup_p, hp, wd = tp if tp is not None else self.worker(p)
         gpu_d = held = r = 0
         tr = 0.0
         dup_d = dup_p
@@ -523,11 +573,13 @@ class RequestCosts:
         if d is p or d.worker_id == p.worker_id:
             tq = q_p  # T_queue = q(P) + [D ≠ P] · q(D); D's terms are P's
         else:
-            _, q_d, dec, _, _, dup_d, hd = td if td is not None else self.worker(d)
+            _, q_d, dec, _, _, dup_d, hd, wd_d = td if td is not None else self.worker(d)
             gpu_d = 0
             if hd is not None:
                 gpu_d, dup_d = hd[0], hd[4]
             tq = q_p + q_d
+            wd += wd_d
+        tq -= wd  # the terms' q carries W_disp (WorkerTerms)
         # T_network and M_HBM by action; the NIC time is informational
         nic = 0.0
         if action is _REMOTE:
@@ -544,10 +596,10 @@ class RequestCosts:
         h = 0.0
         if action is _MIG:
             # the other terms summed as CostBreakdown.total sums them
-            h = self.hysteresis(tq + (pre + dec) + tn + tr + cfg.lam * m + cfg.mu * i)
+            h = self.hysteresis(tq + (pre + dec) + tn + tr + cfg.lam * m + cfg.mu * i + wd)
         o = self.o
         b = CostBreakdown(
-            tq, pre + dec, tn, tr, m, i, cfg.lam, cfg.mu, pre, dec / o if o else 0.0, h, nic
+            tq, pre + dec, tn, tr, m, i, cfg.lam, cfg.mu, pre, dec / o if o else 0.0, h, nic, wd
         )
         return b, held + moved
 

@@ -73,6 +73,7 @@ def candidate_to_dict(c: Candidate) -> dict[str, Any]:
             "m_hbm_bytes": b.m_hbm_bytes,
             "i_decode_s": b.i_decode,
             "h_move_s": b.h_move,
+            "w_disp_s": b.w_disp,
             "lambda": b.lam,
             "mu": b.mu,
         },

@@ -64,6 +64,13 @@ class WorkerView:
     # tokens of KV this worker's pool holds in all (0: unknown, the profile's HBM); with
     # kv_usage, what a request's KV must fit in (T_queue's wait for KV)
     kv_capacity_tokens: int = 0
+    # tokens of KV the router counts in this worker's working set (planner.workingset): the
+    # sessions whose KV lives here with a request in flight or inside a tool gap predicted
+    # short — reusable KV that a request needing room here displaces (W_disp)
+    ws_tokens: int = 0
+    # the worker offloads evicted KV to a CPU tier: displaced KV is reloaded from there, not
+    # recomputed (W_disp)
+    offloads: bool = False
 
 
 @fast_init
@@ -88,6 +95,10 @@ class RequestView:
     # the prompt's block hashes as the router computes them (each names its whole prefix):
     # what the peer routers' own prefix trees are keyed by (planner.policies.peers)
     chain: tuple[int, ...] = ()
+    # where this request's own session is counted in a working set (planner.workingset) and
+    # with how many tokens: on that worker they are the request's own KV, not displaced
+    home_worker: str | None = None
+    home_tokens: int = 0
 
 
 @fast_init
@@ -106,7 +117,7 @@ class ClusterView:
 @dataclass(frozen=True, slots=True)
 class CostBreakdown:
     """C(a) = T_queue + T_compute + T_network + T_restore + λ·M_HBM + μ·I_decode + H_move
-    (seconds)."""
+    + W_disp (seconds)."""
 
     t_queue: float = 0.0
     t_compute: float = 0.0
@@ -125,6 +136,9 @@ class CostBreakdown:
     # informational: the time the transfer adds to its source node's NIC backlog (planner.cost
     # .t_nic; 0 when no KV crosses nodes)
     t_nic: float = 0.0
+    # the reload of other sessions' reusable KV the route's new KV displaces (planner.cost
+    # .RequestCosts.displacement, on P and D)
+    w_disp: float = 0.0
 
     @property
     def total(self) -> float:
@@ -136,6 +150,7 @@ class CostBreakdown:
             + self.lam * self.m_hbm_bytes
             + self.mu * self.i_decode
             + self.h_move
+            + self.w_disp
         )
 
 

@@ -345,11 +345,19 @@ class Admission:
 def record_service(ctx: RequestContext) -> None:
     """Add an answered request's prompt and output tokens to its session's attained service."""
     info = ctx.info
-    opened = ctx.opened
-    if info is None or opened is None or opened.status != 200:
+    output = output_tokens(ctx)
+    if info is None or output is None:
         return
-    output = ctx.output_events if ctx.req.stream else _completion_tokens(opened.first)
     info.attained_tokens += ctx.tok.prompt_tokens + output
+
+
+def output_tokens(ctx: RequestContext) -> int | None:
+    """The output tokens of an answered request (streamed: its output events; whole:
+    `usage.completion_tokens`); None when it was not answered."""
+    opened = ctx.opened
+    if opened is None or opened.status != 200:
+        return None
+    return ctx.output_events if ctx.req.stream else _completion_tokens(opened.first)
 
 
 def _completion_tokens(body: bytes) -> int:

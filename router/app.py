@@ -1,5 +1,6 @@
 """The router's ASGI app: `create_app(settings)` returns a FastAPI app serving the OpenAI API
-(`/v1/chat/completions`, `/v1/completions`, `/v1/models`), `/health`, `/metrics` and the
+(`/v1/chat/completions`, `/v1/completions`, `/v1/models`), the front doors
+(`/v1/responses`, `/v1/messages`: `router.frontdoors`), `/health`, `/metrics` and the
 token-protected admin API (`/admin/...`).
 
 The two completion endpoints are served by a raw ASGI layer in front of FastAPI (the hot path
@@ -30,6 +31,7 @@ from planner.calibration import Calibrator
 from planner.policies import Planner
 from router import membership
 from router.asgi import Receive, Scope, Send, handle_completion
+from router.frontdoors import FrontDoors
 from router.requests import Endpoint
 from router.state import Router
 
@@ -39,15 +41,20 @@ _HOT_PATHS = {e.value: e for e in Endpoint}
 class CompletionsASGI:
     """Serves the completion endpoints directly; passes everything else to FastAPI."""
 
-    def __init__(self, app: Any, router: Router) -> None:
+    def __init__(self, app: Any, router: Router, doors: FrontDoors | None = None) -> None:
         self.app = app
         self.router = router
+        self.doors = doors
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             endpoint = _HOT_PATHS.get(scope["path"])
             if endpoint is not None and scope["method"] == "POST":
                 await handle_completion(self.router, scope, receive, send, endpoint)
+                return
+            door = self.doors.handler(scope["method"], scope["path"]) if self.doors else None
+            if door is not None:
+                await door(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -63,9 +70,15 @@ def create_app(
     policies to `planner.policies.get_policy`; the `Router` is at `app.state.router`."""
     router = Router(settings, directory=directory, planner=planner, calibrator=calibrator)
 
-    app = service_app("OwnerServe router", router.start, router.close)
+    doors = FrontDoors(router)
+
+    async def close() -> None:
+        await router.close()
+        await doors.close()
+
+    app = service_app("OwnerServe router", router.start, close)
     app.state.router = router
-    app.add_middleware(CompletionsASGI, router=router)
+    app.add_middleware(CompletionsASGI, router=router, doors=doors)
 
     # --- OpenAI API -----------------------------------------------------------------------
 
@@ -134,7 +147,11 @@ def create_app(
                 "running": w.load.running,
                 "waiting": w.load.waiting,
                 "kv_usage": w.load.kv_usage,
+                "kv_capacity_tokens": w.load.kv_capacity_tokens,
+                "offloads": w.load.offloads,
             },
+            # the sessions' KV the router counts there (planner.workingset)
+            "working_set_tokens": router.working_sets.tokens(w.worker_id, time.monotonic()),
         }
 
     @app.get("/admin/workers")

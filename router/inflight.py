@@ -5,9 +5,11 @@ decides by, `router.admission`), and per session (what makes a request a fork)."
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from router.admission import output_tokens
 from router.pool import WorkerState
 
 if TYPE_CHECKING:
@@ -66,3 +68,76 @@ def hold_session(ctx: RequestContext) -> None:
 def release_session(ctx: RequestContext) -> None:
     if ctx.info is not None:
         ctx.info.inflight -= 1
+
+
+def kv_started(ctx: RequestContext) -> bool:
+    """The request's answer opened: its session's KV now lives on the worker streaming it,
+    counted in that worker's working set (`router.state.Router.working_sets`) until
+    `kv_ended`; False (nothing counted) for a request without a session."""
+    sid = ctx.session.session_id
+    opened = ctx.opened
+    if sid is None or opened is None:
+        return False
+    ctx.router.working_sets.started(
+        sid,
+        opened.final_worker.worker_id,
+        ctx.tok.prompt_tokens,
+        time.monotonic(),
+        after_tool=tool_answered(ctx.req.messages),
+    )
+    return True
+
+
+def kv_ended(ctx: RequestContext) -> None:
+    """The request `kv_started` counted ended: its session stays in the working set with
+    prompt and output tokens while its predicted gap is short (a whole answer that calls a
+    tool names it); a failed one only stops counting as in flight."""
+    ws = ctx.router.working_sets
+    sid = ctx.session.session_id
+    assert sid is not None
+    now = time.monotonic()
+    output = output_tokens(ctx)
+    if output is None:
+        ws.failed(sid, now)
+        return
+    opened = ctx.opened
+    tool = None if opened is None or ctx.req.stream else tool_called(opened.first)
+    ws.ended(sid, ctx.tok.prompt_tokens + output, now, tool)
+
+
+def tool_answered(messages: list[Any] | None) -> str | None:
+    """The name of the tool whose result ends a chat's messages (the tool gap this request
+    closes was that tool's), found through the assistant's call of that id; None otherwise."""
+    if not messages:
+        return None
+    last = messages[-1]
+    if not isinstance(last, dict) or last.get("role") != "tool":
+        return None
+    call_id = last.get("tool_call_id")
+    for m in reversed(messages):
+        if not isinstance(m, dict) or m.get("role") != "assistant":
+            continue
+        for call in m.get("tool_calls") or ():
+            if isinstance(call, dict) and call.get("id") == call_id:
+                fn = call.get("function")
+                name = fn.get("name") if isinstance(fn, dict) else None
+                return name if isinstance(name, str) else None
+        return None
+    return None
+
+
+_TOOL_CALLS = b'"finish_reason":"tool_calls"'
+_NAME = b'"name":"'
+
+
+def tool_called(body: bytes) -> str | None:
+    """The function a whole chat answer calls (its first tool call's name) when it finished
+    with `tool_calls`, found without parsing the body; None otherwise."""
+    if _TOOL_CALLS not in body.replace(b'": "', b'":"'):
+        return None
+    i = body.find(_NAME)
+    if i < 0:
+        return None
+    i += len(_NAME)
+    j = body.find(b'"', i)
+    return body[i:j].decode("utf-8", "replace") if j > i else None

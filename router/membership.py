@@ -66,6 +66,7 @@ async def remove_worker(router: Router, worker_id: str) -> bool:
     state = router.pool.remove(worker_id)
     if state is None and worker_id not in router.undropped:
         return False
+    router.working_sets.forget_worker(worker_id)
     for sub in [s for s in router.subscribers if s.worker == worker_id]:
         router.subscribers.remove(sub)
         await close_subscriber(router, sub)
@@ -87,6 +88,7 @@ async def remove_worker(router: Router, worker_id: str) -> bool:
 async def on_worker_dead(router: Router, worker_id: str) -> None:
     """The health loop found the worker dead: forget its calibration and what it held."""
     router.calibrator.forget(worker_id)
+    router.working_sets.forget_worker(worker_id)
     if router.directory is not None:
         await router.directory.drop_worker(worker_id)
 

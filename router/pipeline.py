@@ -35,7 +35,7 @@ from router.executor import (
     UpstreamTimeoutError,
     forward_headers,
 )
-from router.inflight import hold, hold_session, release, release_session
+from router.inflight import hold, hold_session, kv_ended, kv_started, release, release_session
 from router.plans import Fallback, GaveUp, Ran
 from router.pool import WorkerState
 from router.requests import CompletionRequest, Endpoint, parse_request
@@ -406,11 +406,15 @@ async def route(ctx: RequestContext) -> None:
             await look_up(ctx)
         view(ctx)
         hold_session(ctx)
+        started = False
         try:
             await execute(ctx)
+            started = kv_started(ctx)
             await stream(ctx)
             record_service(ctx)
         finally:
+            if started:
+                kv_ended(ctx)
             release_session(ctx)
 
 

@@ -64,6 +64,8 @@ def plan_header(plan: Plan, fetched: bool | None = None, fallback: Fallback | No
         f";t_network={b.t_network:.6g};t_restore={b.t_restore:.6g};m_hbm={b.m_hbm_bytes:.6g}"
         f";i_decode={b.i_decode:.6g}"
     )
+    if b.w_disp:
+        text += f";w_disp={b.w_disp:.6g}"
     if fetched is not None:
         text += f";fetched={'1' if fetched else '0'}"
     if fallback is not None:

@@ -20,6 +20,7 @@ from ownerserve.profiles import load_profile
 from ownerserve.tasks import cancel_and_wait
 from planner.calibration import Calibrator
 from planner.policies import Planner
+from planner.workingset import RetentionConfig, WorkingSets
 from router import membership, pipeline
 from router.admission import Admission
 from router.aftermath import REPLICA_TTL_S
@@ -68,6 +69,15 @@ class Router:
         self.executor: PlanExecutor | None = None
         self.recent_plans: deque[PlanRecord] = deque(maxlen=256)
         self.sessions = SessionTable()
+        p = settings.planner
+        self.working_sets = WorkingSets(
+            RetentionConfig(
+                prior_gap_s=p.retention_prior_gap_s,
+                max_gap_s=p.retention_max_gap_s,
+                factor=p.retention_factor,
+            )
+        )
+        """The sessions' KV working sets per worker (the planner's W_disp)."""
         self.derived_sessions = DerivedSessionCache()
         self.admission = Admission(
             settings.admission,

@@ -31,6 +31,7 @@ def cluster_view(
     views = []
     scales = router.calibrator.scales
     nics = router.nics if router.nics else None  # most of the time no transfer is queued
+    wsets = router.working_sets
     for w in router.pool.for_model(model):
         if w.worker_id in excluded or not w.routable(now):
             continue
@@ -53,6 +54,8 @@ def cluster_view(
             w.settings,
             0.0 if nics is None else nics.backlog(w.settings.node, now),
             load.kv_capacity_tokens,
+            wsets.tokens(wid, now),
+            load.offloads,
         )
         last = w.view_cache
         if last is not None and last[0] == key:
@@ -73,6 +76,8 @@ def cluster_view(
             link_scale=sc.link,
             nic_backlog_s=key[9],
             kv_capacity_tokens=load.kv_capacity_tokens,
+            ws_tokens=key[11],
+            offloads=load.offloads,
         )
         w.view_cache = (key, view)
         views.append(view)
@@ -83,6 +88,8 @@ def request_view(ctx: RequestContext) -> RequestView:
     """The request as the planner sees it: its prompt, its session (`ctx.info` as it was
     before this request touched it) and what the directory matched."""
     req, tok, match, info = ctx.req, ctx.tok, ctx.match, ctx.info
+    now = time.monotonic()
+    home, home_tokens = ctx.router.working_sets.home(ctx.session.session_id, now)
     return RequestView(
         model=req.model,
         prompt_tokens=tok.prompt_tokens,
@@ -94,9 +101,11 @@ def request_view(ctx: RequestContext) -> RequestView:
         owner=match.owner,
         owner_blocks=match.owner_blocks,
         previous_prompt_tokens=info.prompt_tokens if info else 0,
-        idle_s=(time.monotonic() - info.last_seen) if info else 0.0,
+        idle_s=(now - info.last_seen) if info else 0.0,
         n=req.n,
         is_fork=ctx.is_fork,
         kv_bytes_per_token=ctx.router.kv_bytes_per_token,
         chain=tok.chain,
+        home_worker=home,
+        home_tokens=home_tokens,
     )

@@ -103,7 +103,7 @@ class _Pick(TopTwo[float, _Rec]):
         (`top`), else only those of the default's action; a fetch if `fetch_ok`, a migration if
         `mig_ok`."""
         k = self.costs
-        w, _, _, pf, stalled, dup, h = t
+        w, _, _, pf, stalled, dup, h, _ = t
         dflt = self.default
         if top or kind is dflt:
             self.consider(_colocated(k, base, pf, stalled, dup), (kind, t, t, None))
@@ -182,7 +182,7 @@ class OwnerServePolicy:
             least_lo = min(least_lo, k.prefill_base(k.consts(name), r_lo))
         n_lean = 0  # decode-capable workers holding nothing
         for t in k.scan(cluster.workers):
-            w, q, dec, pf, stalled, dup, h = t
+            w, q, dec, pf, stalled, dup, h, _ = t
             if not w.healthy:
                 continue
             role = w.role

@@ -44,6 +44,9 @@ class WorkerLoad:
     kv_capacity_tokens: int = 0
     """Tokens of KV the worker's pool holds (vLLM's `vllm:cache_config_info`: num_gpu_blocks ·
     block_size); 0 when the worker does not say."""
+    offloads: bool = False
+    """The worker offloads evicted KV to a CPU tier (it exports vLLM's KV-offloading gauge
+    `vllm:kv_offload_cpu_cache_usage_perc`)."""
 
 
 # vLLM's metric names; the emulated engine exports the same ones.
@@ -58,6 +61,7 @@ _LOAD_METRICS = {
     "sglang:num_running_reqs": "running",
     "sglang:num_queue_reqs": "waiting",
     "sglang:token_usage": "kv_usage",
+    "vllm:kv_offload_cpu_cache_usage_perc": "offload_usage",
 }
 
 
@@ -111,6 +115,7 @@ def parse_load_metrics(text: str) -> WorkerLoad:
         prefix_cache_queries=acc.get("prefix_cache_queries", 0.0),
         prefix_cache_hits=acc.get("prefix_cache_hits", 0.0),
         kv_capacity_tokens=capacity,
+        offloads="offload_usage" in acc,
     )
 
 

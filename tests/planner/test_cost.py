@@ -19,6 +19,7 @@ from planner.cost import (
     enumerate_routes,
     evaluate,
 )
+from planner.policies.ownerserve import OwnerServePolicy
 from planner.restore import plan_restore
 from planner.types import Action
 from tests.planner.util import UNIT, UNIT_CONFIG, cluster, example, request, unit_model, worker
@@ -291,3 +292,45 @@ def test_kv_wait_is_zero_with_room_scaled_by_the_shortage_and_prohibitive_past_t
     assert q == 0.0
     _, q_full, dec, *_ = k.worker(replace(w, kv_capacity_tokens=0, kv_usage=0.9995))
     assert q_full == pytest.approx((1010 - 500) / 999_500 * dec)
+
+
+def test_displacement_prices_the_working_set_pushed_out() -> None:
+    k = RequestCosts(M, request(1000))  # need = N + O = 1010 tokens
+    w = worker("d", Role.DECODE, kv_capacity_tokens=10_000, ws_tokens=9_500)
+    # 1010 − (10,000 − 9,500) = 510 tokens displaced, recomputed: (1e-4 + 1e-8·510/2)·510
+    wd = 510 * (1e-4 + 1e-8 * 255)
+    terms = k.worker(w)
+    assert terms[7] == pytest.approx(wd)
+    assert terms[1] == pytest.approx(wd)  # q carries W_disp (no queue, no kv_wait here)
+    b = k.breakdown(Route(Action.COLOCATED_PREFILL, w, w))
+    assert b.w_disp == pytest.approx(wd) and b.t_queue == pytest.approx(0.0)
+    assert b.total == pytest.approx(b.t_compute + wd + b.lam * b.m_hbm_bytes)
+    # 5 blocks already in its GPU need 500 tokens less
+    assert k.displacement(w, 5, 9_500, 10_000, k.consts("unit")) == pytest.approx(
+        10 * (1e-4 + 1e-8 * 5)
+    )
+    # a worker offloading to CPU reloads the displaced KV: 510 · 1000 B / 1e9 B/s
+    assert k.worker(replace(w, offloads=True))[7] == pytest.approx(5.1e-4)
+    # the request's own session counted there is its own KV, not displaced
+    own = RequestCosts(M, request(1000, home_worker="d", home_tokens=2_000))
+    assert own.worker(w)[7] == 0.0
+    assert own.worker(replace(w, worker_id="other"))[7] == pytest.approx(wd)
+    # room for it, or ν = 0: nothing displaced
+    assert k.worker(replace(w, ws_tokens=8_000))[7] == 0.0
+    off = RequestCosts(unit_model(replace(UNIT_CONFIG, nu=0.0)), request(1000))
+    assert off.worker(w)[7] == 0.0
+    with pytest.raises(ConfigError):
+        CostConfig(nu=-1.0)
+
+
+def test_displacement_keeps_a_session_home_when_moving_would_push_others_out() -> None:
+    # the session's home h0 holds 900 of its 1000 tokens but has 15 prefills waiting (0.15 s);
+    # h1 is idle but its pool is full of other sessions' working sets
+    req = request(1000, session_id="s", session_owner="h0", home_worker="h0", home_tokens=900)
+    h0 = worker("h0", Role.HYBRID, gpu=9, waiting=15, kv_capacity_tokens=10_000, ws_tokens=900)
+    h1 = worker("h1", Role.HYBRID, kv_capacity_tokens=10_000, ws_tokens=10_000)
+    blind = OwnerServePolicy(model=unit_model(replace(UNIT_CONFIG, nu=0.0)))
+    assert blind.plan(req, cluster(h0, h1)).chosen.decode_worker == "h1"
+    plan = OwnerServePolicy(model=M).plan(req, cluster(h0, h1))
+    assert plan.chosen.decode_worker == "h0"
+    assert plan.runner_up is not None and plan.runner_up.cost.w_disp > 0.1

@@ -1,0 +1,215 @@
+"""Sessions' KV working sets per worker (issue 23): the KV the router expects to be reused soon
+— a session with a request in flight, or inside a tool gap predicted short — counted on the
+worker that holds it, and the predicted tool gaps that decide how long an idle session is kept.
+
+Pure logic: the router and the simulator feed it their events with their own clock; the planner
+reads `tokens(worker)` (`WorkerView.ws_tokens`) and a session's own share (`home`) to price
+the reusable KV a placement displaces (`planner/README.md`, *W_disp*)."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionConfig:
+    """How long an idle session's KV is kept in its worker's working set (Continuum/CacheTTL's
+    rule, simplified: keep through a gap that is short against its reload, drop it otherwise).
+
+    A session whose answer ended is kept for `factor` × its predicted gap, when that prediction
+    is at most `max_gap_s`; a gap predicted longer releases the KV at once."""
+
+    prior_gap_s: float = 2.0
+    """The predicted gap of a session and tool never seen (Claude Code's turns: p50 ~2 s)."""
+    max_gap_s: float = 60.0
+    """Gaps predicted longer than this are long: the session's KV is not kept through them."""
+    factor: float = 2.0
+    """Kept for this many predicted gaps (a gap a little longer than the last keeps the KV)."""
+    alpha: float = 0.3
+    """Weight of a new gap in the per-session and per-tool moving averages."""
+    idle_forget_s: float = 3600.0
+    """A session idle this long is forgotten (its gap history too): bounds the table."""
+
+    def __post_init__(self) -> None:
+        if self.prior_gap_s < 0 or self.max_gap_s < 0 or self.factor < 0:
+            raise ValueError("retention times and factor must be >= 0")
+        if not 0 < self.alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+        if self.idle_forget_s <= 0:
+            raise ValueError("idle_forget_s must be > 0")
+
+
+class _Session:
+    __slots__ = ("ended_at", "gap_s", "inflight", "keep_until", "seen", "tokens", "tool", "worker")
+
+    def __init__(self, worker: str, now: float) -> None:
+        self.worker = worker
+        self.tokens = 0
+        self.inflight = 0
+        self.ended_at: float | None = None
+        self.keep_until = -1.0  # counted while idle until then (when inflight == 0)
+        self.gap_s: float | None = None  # moving average of the gaps it showed
+        self.tool: str | None = None  # the tool its last answer called
+        self.seen = now
+
+
+class WorkingSets:
+    """Per worker, the tokens of KV of the sessions counted in its working set (`tokens`);
+    per session, where its KV lives and how much (`home`), and its predicted next gap
+    (`predicted_gap_s`)."""
+
+    def __init__(self, config: RetentionConfig | None = None) -> None:
+        self.config = config or RetentionConfig()
+        self._sessions: dict[str, _Session] = {}
+        """Insertion order = least recently active first (a touched session moves to the end)."""
+        self._tokens: dict[str, int] = {}
+        """Per worker: the tokens of the sessions counted now."""
+        self._tools: dict[str, float] = {}
+        """Per tool name: the moving average of the gaps after a call to it."""
+        self._expiries: list[tuple[float, str]] = []
+        """(keep_until, session) of idle sessions, a heap; stale entries are skipped."""
+
+    # --- events ------------------------------------------------------------------------------
+
+    def started(
+        self, session: str, worker: str, tokens: int, now: float, after_tool: str | None = None
+    ) -> None:
+        """A request of `session` went to `worker` (its KV will live there) with a prompt of
+        `tokens`: the session counts there from now, and the gap it ends is learnt (as a gap
+        after `after_tool` when the request carries that tool's result)."""
+        self._expire(now)
+        s = self._touch(session, now)
+        if s.inflight == 0 and s.ended_at is not None:
+            self._learn(s, now - s.ended_at, after_tool or s.tool)
+        self._uncount(s)
+        s.worker = worker
+        s.tokens = max(tokens, 0)
+        s.inflight += 1
+        s.ended_at = None
+        self._count(s)
+
+    def ended(self, session: str, tokens: int, now: float, tool: str | None = None) -> None:
+        """A request of `session` ended with `tokens` of KV (prompt and output) on its worker;
+        `tool`: the tool its answer called (a tool gap follows), if any. With nothing else in
+        flight the session stays counted while its predicted gap is short (`keep_s`)."""
+        s = self._sessions.get(session)
+        if s is None or s.inflight == 0:
+            return
+        self._uncount(s)
+        s.tokens = max(tokens, s.tokens)
+        s.inflight -= 1
+        s.seen = now
+        if s.inflight:
+            self._count(s)
+            return
+        s.ended_at = now
+        s.tool = tool
+        keep = self.keep_s(session)
+        s.keep_until = now + keep
+        if keep > 0:
+            self._count(s)
+            heapq.heappush(self._expiries, (s.keep_until, session))
+
+    def failed(self, session: str, now: float) -> None:
+        """A request of `session` failed: its in-flight count goes, its KV stays as before."""
+        self.ended(session, 0, now)
+
+    def forget_worker(self, worker: str) -> None:
+        """`worker` left: the sessions whose KV lived there hold none now."""
+        for s in self._sessions.values():
+            if s.worker == worker:
+                s.tokens = 0
+        self._tokens.pop(worker, None)
+
+    # --- what the planner reads --------------------------------------------------------------
+
+    def tokens(self, worker: str, now: float) -> int:
+        """The tokens of KV counted in `worker`'s working set at `now`."""
+        self._expire(now)
+        return self._tokens.get(worker, 0)
+
+    def home(self, session: str | None, now: float) -> tuple[str | None, int]:
+        """(worker, tokens) of `session`'s own KV counted in a working set now, (None, 0) when
+        it is counted nowhere."""
+        if session is None:
+            return None, 0
+        self._expire(now)
+        s = self._sessions.get(session)
+        if s is None or not self._counted(s):
+            return None, 0
+        return s.worker, s.tokens
+
+    def predicted_gap_s(self, session: str) -> float:
+        """The gap predicted after `session`'s last answer: after a tool call, the tool's
+        average when it has one; else the session's own average; else `prior_gap_s`."""
+        s = self._sessions.get(session)
+        if s is None:
+            return self.config.prior_gap_s
+        if s.tool is not None:
+            t = self._tools.get(s.tool)
+            if t is not None:
+                return t
+        return s.gap_s if s.gap_s is not None else self.config.prior_gap_s
+
+    def keep_s(self, session: str) -> float:
+        """How long `session`'s KV stays counted after its answer: `factor` × the predicted
+        gap, or 0 when that gap is longer than `max_gap_s`."""
+        gap = self.predicted_gap_s(session)
+        cfg = self.config
+        return 0.0 if gap > cfg.max_gap_s else cfg.factor * gap
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _touch(self, session: str, now: float) -> _Session:
+        s = self._sessions.pop(session, None)
+        if s is None:
+            s = _Session("", now)
+        s.seen = now
+        self._sessions[session] = s
+        # forget the least recently active sessions idle past the horizon (amortised O(1))
+        horizon = now - self.config.idle_forget_s
+        for sid, old in self._sessions.items():
+            if old.seen > horizon or old.inflight:
+                break
+            self._uncount(old)
+            del self._sessions[sid]
+            break
+        return s
+
+    def _learn(self, s: _Session, gap: float, tool: str | None) -> None:
+        a = self.config.alpha
+        s.gap_s = gap if s.gap_s is None else (1 - a) * s.gap_s + a * gap
+        if tool is not None:
+            t = self._tools.get(tool)
+            self._tools[tool] = gap if t is None else (1 - a) * t + a * gap
+
+    @staticmethod
+    def _counted(s: _Session) -> bool:
+        return s.inflight > 0 or (s.ended_at is not None and s.keep_until > s.ended_at)
+
+    def _count(self, s: _Session) -> None:
+        if s.tokens and s.worker:
+            self._tokens[s.worker] = self._tokens.get(s.worker, 0) + s.tokens
+
+    def _uncount(self, s: _Session) -> None:
+        if s.tokens and s.worker and self._counted(s):
+            left = self._tokens.get(s.worker, 0) - s.tokens
+            if left > 0:
+                self._tokens[s.worker] = left
+            else:
+                self._tokens.pop(s.worker, None)
+
+    def _expire(self, now: float) -> None:
+        """Release the idle sessions whose keep time is over."""
+        heap = self._expiries
+        while heap and heap[0][0] <= now:
+            until, sid = heapq.heappop(heap)
+            s = self._sessions.get(sid)
+            if s is None or s.inflight or s.keep_until != until or not self._counted(s):
+                continue  # stale: the session ran again, or was forgotten
+            self._uncount(s)
+            s.keep_until = s.ended_at if s.ended_at is not None else -1.0

@@ -1,0 +1,86 @@
+"""The sessions' working sets (planner.workingset): counting, tool-gap retention and its
+prediction, moves between workers, expiry and forgetting."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.workingset import RetentionConfig, WorkingSets
+
+
+def test_in_flight_then_kept_through_a_short_gap_then_released() -> None:
+    ws = WorkingSets(RetentionConfig(prior_gap_s=2.0, factor=2.0, max_gap_s=60.0))
+    ws.started("s", "w0", 1000, now=0.0)
+    assert ws.tokens("w0", 0.0) == 1000
+    assert ws.home("s", 0.0) == ("w0", 1000)
+    ws.ended("s", 1300, now=1.0)  # prompt + output
+    # kept for factor x the prior gap: 4 s
+    assert ws.tokens("w0", 4.9) == 1300
+    assert ws.home("s", 4.9) == ("w0", 1300)
+    assert ws.tokens("w0", 5.0) == 0
+    assert ws.home("s", 5.0) == (None, 0)
+
+
+def test_gap_predicted_long_releases_at_once() -> None:
+    ws = WorkingSets(RetentionConfig(prior_gap_s=2.0, factor=2.0, max_gap_s=10.0))
+    ws.started("s", "w0", 100, now=0.0)
+    ws.ended("s", 120, now=1.0)
+    ws.started("s", "w0", 200, now=101.0)  # a 100 s gap: the average is now 100 s
+    assert ws.predicted_gap_s("s") == pytest.approx(100.0)
+    ws.ended("s", 220, now=102.0)
+    assert ws.keep_s("s") == 0.0
+    assert ws.tokens("w0", 102.0) == 0
+
+
+def test_gap_average_per_session_and_per_tool() -> None:
+    ws = WorkingSets(RetentionConfig(prior_gap_s=2.0, alpha=0.5))
+    ws.started("a", "w0", 10, now=0.0)
+    ws.ended("a", 10, now=0.0, tool="pytest")
+    ws.started("a", "w0", 10, now=8.0, after_tool="pytest")  # 8 s after pytest
+    assert ws.predicted_gap_s("a") == pytest.approx(8.0)
+    ws.ended("a", 10, now=8.0)
+    ws.started("a", "w0", 10, now=10.0)  # 2 s after an answer without a tool
+    assert ws.predicted_gap_s("a") == pytest.approx(5.0)  # 0.5 * 8 + 0.5 * 2
+    # another session that calls pytest is predicted from the tool's average
+    ws.started("b", "w1", 10, now=0.0)
+    ws.ended("b", 10, now=1.0, tool="pytest")
+    assert ws.predicted_gap_s("b") == pytest.approx(8.0)
+    assert ws.predicted_gap_s("never-seen") == 2.0
+
+
+def test_a_session_moves_with_its_request_and_overlapping_requests_count_once() -> None:
+    ws = WorkingSets()
+    ws.started("s", "w0", 500, now=0.0)
+    ws.ended("s", 600, now=1.0)
+    ws.started("s", "w1", 700, now=1.5)
+    assert ws.tokens("w0", 1.5) == 0
+    assert ws.tokens("w1", 1.5) == 700
+    ws.started("s", "w1", 800, now=1.6)  # a second request of the session (a fork)
+    assert ws.tokens("w1", 1.6) == 800
+    ws.ended("s", 900, now=2.0)
+    assert ws.tokens("w1", 2.0) == 900  # one still in flight
+    ws.failed("s", now=2.1)
+    assert ws.tokens("w1", 2.1) == 900  # kept through the gap that follows
+    ws.ended("s", 1, now=2.2)  # nothing in flight any more: ignored
+    assert ws.tokens("w1", 2.2) == 900
+
+
+def test_forget_worker_and_idle_sessions() -> None:
+    ws = WorkingSets(RetentionConfig(idle_forget_s=100.0))
+    ws.started("a", "w0", 10, now=0.0)
+    ws.started("b", "w1", 20, now=0.0)
+    ws.forget_worker("w0")
+    assert ws.tokens("w0", 0.0) == 0
+    assert ws.tokens("w1", 0.0) == 20
+    ws.ended("b", 20, now=1.0)
+    ws.ended("a", 10, now=1.0)
+    ws.started("c", "w2", 5, now=500.0)  # a and b idle past the horizon: forgotten, one a touch
+    ws.started("d", "w2", 5, now=500.0)
+    assert len(ws) == 2
+
+
+def test_bad_config() -> None:
+    with pytest.raises(ValueError):
+        RetentionConfig(alpha=0.0)
+    with pytest.raises(ValueError):
+        RetentionConfig(max_gap_s=-1.0)
