@@ -18,6 +18,7 @@ from ownerserve.errors import RateLimitError
 from ownerserve.profiles import load_profile
 from ownerserve.tasks import cancel_and_wait
 from ownerserve.types import Role
+from planner.workingset import WorkingSets
 from router.backends import WorkerLoad
 from router.pool import WorkerPool, WorkerState
 from router.session import SessionTable
@@ -50,6 +51,9 @@ class WorkingSet:
     that ended since (the scrape shows neither)."""
     paused: bool = False
     """Over the high watermark and not yet back under the low one."""
+    closed: bool = False
+    """Its sessions' working set (`planner.workingset`) is over the high watermark and not yet
+    back under the low one: it takes no new session (program-level admission)."""
 
     def sync(self, load: WorkerLoad) -> None:
         """A new scrape shows what happened before it: count from it."""
@@ -62,7 +66,11 @@ class WorkingSet:
         capacity_tokens`, the capacity as the worker says, else as its profile does."""
         self.sync(load)
         tokens = self.pending + self.reserved + self.since_scrape
-        return load.kv_usage + tokens / (load.kv_capacity_tokens or self.profile_capacity_tokens)
+        return load.kv_usage + tokens / self.capacity(load)
+
+    def capacity(self, load: WorkerLoad) -> int:
+        """The pool's size in tokens: as the worker says, else as its profile does."""
+        return load.kv_capacity_tokens or self.profile_capacity_tokens
 
 
 @dataclass(eq=False, slots=True)
@@ -75,6 +83,8 @@ class Waiter:
     queued_at: float
     seq: int
     granted: asyncio.Future[None]
+    resident: bool
+    """Its session's KV is counted in a working set already (it only continues a program)."""
     reserved_on: WorkingSet | None = None
 
 
@@ -106,8 +116,11 @@ class Admission:
         *,
         default_profile: str,
         recheck_s: float,
+        working_sets: WorkingSets | None = None,
     ) -> None:
         self.settings = settings
+        self._programs = working_sets if working_sets is not None else WorkingSets()
+        """The sessions' working sets: a new session waits while they fill every worker."""
         self.enabled = settings.enabled
         self._pool = pool
         self._sessions = sessions
@@ -173,11 +186,20 @@ class Admission:
         if self._queue:
             self.pump()
 
-    def _room(self, model: str, now: float, roomiest: bool) -> tuple[bool, WorkingSet | None]:
+    def resident(self, session_id: str | None) -> bool:
+        """True when the session's KV is counted in a working set now: its request continues
+        a program whose KV the engines already hold."""
+        return self._programs.home(session_id, time.monotonic())[0] is not None
+
+    def _room(
+        self, model: str, now: float, roomiest: bool, resident: bool
+    ) -> tuple[bool, WorkingSet | None]:
         """Whether a request for `model` may go now, and onto which worker's working set:
         the first (or, `roomiest`, the emptiest) routable worker that could hold its KV
-        (decode-capable when there are any) and is not paused; (True, None) when no worker is
-        routable (the planner then answers), (False, None) when all are paused."""
+        (decode-capable when there are any) and is not paused — nor, for a request that is
+        not `resident` (a new session, or one whose KV was released), closed to new sessions
+        by its sessions' working set; (True, None) when no worker is routable (the planner
+        then answers), (False, None) when all are paused."""
         workers = self._pool.for_model(model)
         holders = [w for w in workers if w.settings.role is not Role.PREFILL] or workers
         high, low = self.settings.high_watermark, self.settings.low_watermark
@@ -199,6 +221,19 @@ class Admission:
                 ws.paused = True
                 self._metrics.admission_paused.labels(w.worker_id).set(1)
                 continue
+            if not resident:
+                programs = (self._programs.tokens(w.worker_id, now) + ws.reserved) / ws.capacity(
+                    w.load
+                )
+                if ws.closed:
+                    if programs >= low:
+                        continue
+                    ws.closed = False
+                elif programs >= high:
+                    ws.closed = True
+                    continue
+                if programs > usage:
+                    usage = programs
             if not roomiest:
                 return True, ws
             if usage < best_usage:
@@ -209,12 +244,17 @@ class Admission:
 
     # --- admitting ---------------------------------------------------------------------------
 
-    def admit_now(self, model: str) -> bool:
-        """True when a request for `model` may go at once: admission is off, or nothing is
-        queued and some worker has headroom (or none is routable); else it must `wait`."""
+    def admit_now(self, model: str, session_id: str | None = None) -> bool:
+        """True when a request for `model` of `session_id` may go at once: admission is off;
+        or its session is `resident` and some worker has KV headroom; or nothing is queued and
+        some worker has headroom and room for a new session (or none is routable); else it
+        must `wait`."""
         if not self.enabled:
             return True
-        if self._queue or not self._room(model, time.monotonic(), False)[0]:
+        resident = self.resident(session_id)
+        if (self._queue and not resident) or not self._room(
+            model, time.monotonic(), False, resident
+        )[0]:
             return False
         self._admitted_now.inc()
         return True
@@ -237,7 +277,15 @@ class Admission:
             )
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
-        waiter = Waiter(model, session_id, tokens, t0, next(self._seq), loop.create_future())
+        waiter = Waiter(
+            model,
+            session_id,
+            tokens,
+            t0,
+            next(self._seq),
+            loop.create_future(),
+            self.resident(session_id),
+        )
         self._enqueue(waiter)
         expiry = loop.call_later(s.max_queue_wait_s, self._expire, waiter)
         outcome = "admitted"
@@ -279,7 +327,7 @@ class Admission:
             return
         attained = self._sessions.attained
         for waiter in release_order(self._queue, attained, now, self.settings.aging_s):
-            ok, ws = room.get(waiter.model, (False, None))
+            ok, ws = room.get((waiter.model, waiter.resident), (False, None))
             if not ok:
                 continue
             self._dequeue(waiter)
@@ -292,8 +340,12 @@ class Admission:
                 if not any(ok for ok, _ in room.values()):
                     return
 
-    def _rooms(self, now: float) -> dict[str, tuple[bool, WorkingSet | None]]:
-        return {model: self._room(model, now, True) for model in list(self._models)}
+    def _rooms(self, now: float) -> dict[tuple[str, bool], tuple[bool, WorkingSet | None]]:
+        return {
+            (model, resident): self._room(model, now, True, resident)
+            for model in list(self._models)
+            for resident in (False, True)
+        }
 
     def _expire(self, waiter: Waiter) -> None:
         if waiter.granted.done():

@@ -70,28 +70,30 @@ def release_session(ctx: RequestContext) -> None:
         ctx.info.inflight -= 1
 
 
-def kv_started(ctx: RequestContext) -> bool:
-    """The request's answer opened: its session's KV now lives on the worker streaming it,
-    counted in that worker's working set (`router.state.Router.working_sets`) until
-    `kv_ended`; False (nothing counted) for a request without a session."""
+def kv_started(ctx: RequestContext) -> None:
+    """The request's plan is about to run: its session's KV will live on the plan's decode
+    worker, counted in that worker's working set (`router.state.Router.working_sets`) until
+    `kv_ended`. Nothing is counted for a request without a session."""
     sid = ctx.session.session_id
-    opened = ctx.opened
-    if sid is None or opened is None:
-        return False
+    if sid is None:
+        return
     ctx.router.working_sets.started(
         sid,
-        opened.final_worker.worker_id,
+        ctx.plan.chosen.decode_worker,
         ctx.tok.prompt_tokens,
         time.monotonic(),
         after_tool=tool_answered(ctx.req.messages),
     )
-    return True
+    ctx.kv_counted = True
 
 
 def kv_ended(ctx: RequestContext) -> None:
-    """The request `kv_started` counted ended: its session stays in the working set with
-    prompt and output tokens while its predicted gap is short (a whole answer that calls a
-    tool names it); a failed one only stops counting as in flight."""
+    """Undo `kv_started` (nothing if it counted nothing): an answered request's session stays
+    in the working set with prompt and output tokens while its predicted gap is short (a
+    whole answer that calls a tool names it); a failed one only stops counting as in flight."""
+    if not ctx.kv_counted:
+        return
+    ctx.kv_counted = False
     ws = ctx.router.working_sets
     sid = ctx.session.session_id
     assert sid is not None

@@ -69,6 +69,7 @@ class RequestContext:
         "held_prefill",
         "info",
         "is_fork",
+        "kv_counted",
         "match",
         "model_label",
         "mt",
@@ -137,6 +138,8 @@ class RequestContext:
         self.held_prefill: WorkerState | None = None
         self.charged: WorkingSet | None = None
         """The working set the request's prompt counts in (`router.inflight`)."""
+        self.kv_counted = False
+        """Its session's KV is counted in its decode worker's working set (`kv_started`)."""
         self.queued_s = 0.0
         """Seconds it waited in the admission queue."""
         self.ttft_s: float | None = None
@@ -280,6 +283,9 @@ async def execute(ctx: RequestContext) -> None:
         chosen = ctx.plan.chosen
         nic = _queue_transfer(router, ctx.plan)
         hold(ctx, _involved(router, ctx.plan), router.pool.get(chosen.prefill_worker))
+        # counted from now, not from the first byte: a new session admitted meanwhile must
+        # see this one's KV in the working set its prefill is filling
+        kv_started(ctx)
         if attempt == 0:
             metrics.overhead.observe(time.perf_counter() - ctx.t0 - ctx.queued_s)
         try:
@@ -296,6 +302,7 @@ async def execute(ctx: RequestContext) -> None:
                 nic = None  # opened: its KV moves (or has moved); a hand-over given up moved none
         except RetryableUpstreamError as exc:
             last_error = exc
+            kv_ended(ctx)  # a failure: in flight no more; the next attempt counts it again
             if exc.after is not None:
                 _give_up(ctx, exc.after, "colocated")
             if not isinstance(ctx.excluded, set):
@@ -398,7 +405,7 @@ async def route(ctx: RequestContext) -> None:
         # admission before the lookup: a request released after a wait is planned on what the
         # directory and the loads say then, not on what they said when it arrived
         admission = router.admission
-        if not admission.admit_now(ctx.req.model):
+        if not admission.admit_now(ctx.req.model, ctx.session.session_id):
             ctx.queued_s = await admission.wait(
                 ctx.req.model, ctx.session.session_id, ctx.tok.prompt_tokens, ctx.out
             )
@@ -406,15 +413,12 @@ async def route(ctx: RequestContext) -> None:
             await look_up(ctx)
         view(ctx)
         hold_session(ctx)
-        started = False
         try:
             await execute(ctx)
-            started = kv_started(ctx)
             await stream(ctx)
             record_service(ctx)
         finally:
-            if started:
-                kv_ended(ctx)
+            kv_ended(ctx)
             release_session(ctx)
 
 

@@ -87,6 +87,7 @@ class Router:
             default_profile=settings.planner.profile,
             # a new scrape comes every health interval: look a few times per interval
             recheck_s=settings.server.health_interval_s / 4,
+            working_sets=self.working_sets,
         )
         """The admission queue: requests wait there while no worker has KV headroom."""
         self.background: set[asyncio.Task[Any]] = set()

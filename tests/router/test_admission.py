@@ -105,7 +105,7 @@ class Client:
 
 
 def _waiter(session: str, seq: int, queued_at: float) -> Waiter:
-    return Waiter(MODEL, session, 10, queued_at, seq, asyncio.Future())
+    return Waiter(MODEL, session, 10, queued_at, seq, asyncio.Future(), False)
 
 
 # --- release order (pure) -----------------------------------------------------------------------
