@@ -5,6 +5,7 @@ leaving it (client gone, cancelled) and its metrics; the working sets it decides
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -203,6 +204,40 @@ async def test_the_working_set_counts_what_the_router_sent_and_streams_since_the
     admission.ended(worker, ws, 500)  # ended after the scrape: its KV is free
     assert ws.usage(worker.load) == pytest.approx(0.3)
     assert admission.admit_now(MODEL)
+
+
+async def test_a_new_session_waits_while_the_sessions_working_sets_fill_every_worker(
+    router: Router,
+) -> None:
+    """Program-level admission: sessions between turns leave the engines' KV gauge low, but
+    their KV is the working set; a new session waits while it fills the workers (hysteresis on
+    the same watermarks), a session whose KV is counted (resident) goes on."""
+    admission, programs = router.admission, router.working_sets
+    _scrape(router, 0.1)
+    now = time.monotonic()
+    programs.started("old", "w0", 900, now - 1)
+    programs.ended("old", 960, now - 1)  # in a tool gap, kept 4 s (2 × the 2 s prior): 0.96
+    assert admission.resident("old") and not admission.resident("new")
+    assert admission.admit_now(MODEL, "old")
+    assert not admission.admit_now(MODEL, "new")
+    assert not admission.admit_now(MODEL)  # no session: nothing counted for it either
+    assert metric_value(_metrics(router), "ownerserve_admission_worker_paused", worker="w0") == 0
+    # a new session queued is released once the working set drops below the low watermark
+    order: list[str] = []
+    client = Client(router, "new", order)
+    await _settle()
+    assert order == []
+    # the old session's next turn, smaller, after a 1 s gap (then kept 2 s)
+    programs.started("old", "w0", 850, now)
+    programs.ended("old", 850, now)
+    admission.pump()
+    await _settle()
+    assert order == []  # 0.85: under the high watermark, not yet under the low one
+    programs.forget_worker("w0")
+    admission.pump()
+    await _settle()
+    assert order == ["new"]
+    client.task.cancel()
 
 
 async def test_the_pool_size_a_worker_reports_outweighs_its_profiles(router: Router) -> None:
