@@ -205,9 +205,16 @@ def _add_capacity_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPar
         help="multiply the sessions' tool gaps (default 0.005: p50 10 ms, mean about 0.1 s, "
         "a session's gaps about 3 s in all on average)",
     )
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
-    p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
-    p.add_argument("--hybrid", type=int, default=2, help="hybrid workers (default 2)")
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="prefill workers (default 0: every target gets the same four whole engines; a "
+        "prefill-only worker holds no session, so the peers' regular modes, which use it as a "
+        "whole engine, would get a third more KV than ownerserve and static-pd)",
+    )
+    p.add_argument("--decode", type=int, default=0, help="decode workers (default 0)")
+    p.add_argument("--hybrid", type=int, default=4, help="hybrid workers (default 4)")
     p.add_argument("--profile", default="h100-llama3-8b", help="emulated workers' timing profile")
     p.add_argument(
         "--speed",

@@ -12,7 +12,7 @@ is built; evaluating a cost never does I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -300,7 +300,7 @@ class RequestCosts:
                     pf.per_token_ctx_s,
                     o * (dt.base_s + dt.per_seq_s + dt.per_ctx_token_s * n),
                     o * dt.per_seq_s,
-                    o * dt.per_ctx_token_s * (p.hbm_kv_bytes / p.kv_bytes_per_token),
+                    o * dt.per_ctx_token_s,
                     link.latency_s,
                     link.intra_node_bps,
                     link.inter_node_bps,
@@ -314,19 +314,20 @@ class RequestCosts:
 
     def worker(self, w: WorkerView) -> WorkerTerms:
         """What w costs this request whatever the route (`scan` of w alone)."""
-        return next(self.scan((w,)))
+        return self.scan((w,))[0]
 
-    def scan(self, workers: Iterable[WorkerView]) -> Iterator[WorkerTerms]:
-        """What each worker costs this request whatever the route (`WorkerTerms`, in order, as
-        the caller takes them), with each profile's constants looked up once per run of workers
-        sharing it. The search takes every worker's terms from one generator (a call per
-        worker would cost more than the terms themselves):
+    def scan(self, workers: Iterable[WorkerView]) -> list[WorkerTerms]:
+        """What each worker costs this request whatever the route (`WorkerTerms`, in order),
+        with each profile's constants looked up once per run of workers sharing it. The search
+        takes every worker's terms from one call (a call per worker would cost more than the
+        terms themselves; a list, as a generator's resumptions cost more than its appends):
 
             q(w)       = s_p · (per_token_s · inflight_prefill_tokens + base_s · waiting)
                          + kv_wait(w, gpu(w), decode(w))
             decode(w)  = O · decode_step_s(w, running + 1, ctx(w) + N)
                        = s_d · O · (base_s + per_seq_s · (running + 1) + per_ctx_token_s ·
-                         (ctx(w) + N)),  ctx(w) = kv_usage · hbm_kv_bytes / kv_bytes_per_token
+                         (ctx(w) + N)),  ctx(w) = kv_usage · cap(w), cap(w) =
+                         kv_capacity_tokens, else hbm_kv_bytes / kv_bytes_per_token
             prefill    = prefill(w, r): the prompt on top of what w holds itself,
                          r = reused(held(w))
             stalled(w) = running(w), or 0 on a PREFILL worker (its running requests are
@@ -344,6 +345,8 @@ class RequestCosts:
         profile: str | None = None
         c: tuple[float, ...] = ()
         pbase = ptok = da = db = dc = pf_all = cap_p = 0.0
+        terms: list[WorkerTerms] = []
+        add = terms.append
         for w in workers:
             if w.profile is not profile:
                 profile = w.profile
@@ -351,14 +354,16 @@ class RequestCosts:
                 pbase, ptok, _, da, db, dc, *_, cap_p, pf_all = c
             sp = w.prefill_scale
             running = w.running
-            q = sp * (ptok * w.inflight_prefill_tokens + pbase * w.waiting)
-            dec = w.decode_scale * (da + db * running + dc * w.kv_usage)
+            inflight = w.inflight_prefill_tokens
+            usage = w.kv_usage
+            q = sp * (ptok * inflight + pbase * w.waiting)
+            cap = w.kv_capacity_tokens or cap_p
+            dec = w.decode_scale * (da + db * running + dc * usage * cap)
             stalled = running if running > 0 and w.role is not _PREFILL else 0
             cb = w.cached_blocks
             # the room tests of kv_wait and W_disp, inline: most workers have room and pay
             # nothing more
-            cap = w.kv_capacity_tokens or cap_p
-            if cap * (1.0 - w.kv_usage) - w.inflight_prefill_tokens < seq:
+            if cap * (1.0 - usage) - inflight < seq:
                 q += self.kv_wait(w, cb.get(_GPU, 0) if cb else 0, dec, cap_p)
             disp = 0.0
             ws = w.ws_tokens
@@ -375,25 +380,28 @@ class RequestCosts:
                     r = _reused(held, bs, n)
                     other = w.worker_id != owner
                     dh = _dup(other, held, ob, bk)
-                    yield (
-                        w,
-                        q,
-                        dec,
-                        sp * _prefill_base(c, n, r),
-                        stalled,
-                        dh,
+                    add(
                         (
-                            g,
-                            held,
-                            r,
-                            self.restore(w, g, cpu, ssd, c) if held > g else 0.0,
-                            dh if g == held else _dup(other, g, ob, bk),
-                        ),
-                        disp,
+                            w,
+                            q,
+                            dec,
+                            sp * _prefill_base(c, n, r),
+                            stalled,
+                            dh,
+                            (
+                                g,
+                                held,
+                                r,
+                                self.restore(w, g, cpu, ssd, c) if held > g else 0.0,
+                                dh if g == held else _dup(other, g, ob, bk),
+                            ),
+                            disp,
+                        )
                     )
                     continue
             d = dup_none if dup_none and w.worker_id != owner else 0
-            yield w, q, dec, sp * pf_all, stalled, d, None, disp
+            add((w, q, dec, sp * pf_all, stalled, d, None, disp))
+        return terms
 
     def kv_wait(self, w: WorkerView, gpu: int, decode: float, cap_p: float) -> float:
         """kv_wait(w): how long the request waits on w for room for its KV (vLLM admits a
@@ -523,6 +531,13 @@ class RequestCosts:
         (bytes; 0 when the request has no owner, as owner_blocks counts as 0 then)."""
         return _dup(non_owner, held, self.ob, self.bk)
 
+    def moves(self, decode_worker: str) -> bool:
+        """True when decoding on `decode_worker` moves the session off the worker its KV is
+        counted on (`home_worker`, a working set): the route then pays H_move like a
+        migration."""
+        home = self.request.home_worker
+        return home is not None and decode_worker != home
+
     def hysteresis(self, others: float) -> float:
         """H_move of a state migration whose other terms sum to C₀ = `others`:
         migration_margin_s + migration_margin_rel · C₀."""
@@ -594,7 +609,7 @@ class RequestCosts:
             m = float(dup_p)
         i = stalled * pre
         h = 0.0
-        if action is _MIG:
+        if action is _MIG or self.moves(d.worker_id):
             # the other terms summed as CostBreakdown.total sums them
             h = self.hysteresis(tq + (pre + dec) + tn + tr + cfg.lam * m + cfg.mu * i + wd)
         o = self.o

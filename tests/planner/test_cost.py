@@ -334,3 +334,21 @@ def test_displacement_keeps_a_session_home_when_moving_would_push_others_out() -
     plan = OwnerServePolicy(model=M).plan(req, cluster(h0, h1))
     assert plan.chosen.decode_worker == "h0"
     assert plan.runner_up is not None and plan.runner_up.cost.w_disp > 0.1
+
+
+def test_moving_a_resident_session_pays_the_hysteresis_of_a_migration() -> None:
+    # both workers hold the prefix; h1 is a little faster (h0 has one prefill waiting)
+    req = request(1000, session_id="s", home_worker="h0", home_tokens=1000)
+    h0 = worker("h0", Role.HYBRID, gpu=9, waiting=1)
+    h1 = worker("h1", Role.HYBRID, gpu=9)
+    k = RequestCosts(M, req)
+    stay = k.breakdown(Route(Action.COLOCATED_PREFILL, h0, h0))
+    move = k.breakdown(Route(Action.COLOCATED_PREFILL, h1, h1))
+    assert stay.h_move == 0.0
+    # 0.05 s + 0.1 of the move's other terms
+    assert move.h_move == pytest.approx(0.05 + 0.1 * (move.total - move.h_move))
+    plan = OwnerServePolicy(model=M).plan(req, cluster(h0, h1))
+    assert plan.chosen.decode_worker == "h0"
+    # without a home (a session not counted anywhere) the faster worker wins
+    free = OwnerServePolicy(model=M).plan(request(1000, session_id="s"), cluster(h0, h1))
+    assert free.chosen.decode_worker == "h1"

@@ -56,6 +56,9 @@ def workers(draw: st.DrawFn, chain: int, n_max: int = 10) -> tuple[WorkerView, .
                 decode_scale=draw(st.floats(0.5, 3.0)),
                 link_scale=draw(st.floats(0.5, 3.0)),
                 profile=draw(st.sampled_from(["default", "unit", "h100-llama3-8b"])),
+                kv_capacity_tokens=draw(st.sampled_from([0, 10_000, 100_000])),
+                ws_tokens=draw(st.sampled_from([0, 5_000, 90_000])),
+                offloads=draw(st.booleans()),
             )
         )
     return tuple(out)
@@ -79,6 +82,8 @@ def scenario(draw: st.DrawFn) -> tuple[RequestView, ClusterView]:
         previous_prompt_tokens=draw(st.integers(0, prompt)),
         idle_s=draw(st.sampled_from([0.0, 5.0, 1000.0])),
         is_fork=draw(st.booleans()),
+        home_worker=draw(st.sampled_from([None, *ids])),
+        home_tokens=draw(st.sampled_from([0, 4_000])),
     )
     return req, ClusterView(workers=ws)
 
