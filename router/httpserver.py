@@ -36,6 +36,7 @@ from ownerserve.errors import (
 from ownerserve.http import DRAIN_BYTES, DRAIN_S, error_status_and_body
 from ownerserve.tasks import cancel_and_wait
 from router.asgi import Message
+from router.frontdoors.messages import error_body as messages_error_body
 from router.requests import Endpoint
 from router.state import Router
 from router.streaming import ResponseWriter
@@ -346,6 +347,8 @@ class _Connection(asyncio.Protocol):
         else:
             exc = HTTPStatusError(message, status)
         _, body = error_status_and_body(exc)
+        if self._url.split(b"?", 1)[0].startswith(b"/v1/messages"):
+            body = messages_error_body(status, message)  # that route's own error shape
         head = _status_line(status, False) + (
             b"content-type: application/json\r\nconnection: close\r\n"
             b"content-length: %d\r\n\r\n" % len(body)

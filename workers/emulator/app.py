@@ -68,7 +68,13 @@ from workers.emulator.protocol import (
     stop_strings,
     usage,
 )
-from workers.emulator.textgen import OutputText, Vocabulary, text_seed
+from workers.emulator.textgen import (
+    OutputText,
+    ToolCallShape,
+    Vocabulary,
+    text_seed,
+    tool_call_shape,
+)
 from workers.emulator.transfer import KVMover
 
 log = logging.getLogger(__name__)
@@ -96,15 +102,6 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-TOOL_ARGS_HEAD = '{"input": "'
-TOOL_ARGS_TAIL = '"}'
-
-
-def _json_str(text: str) -> str:
-    """`text` escaped for the inside of a JSON string."""
-    return orjson.dumps(text).decode()[1:-1]
-
-
 def forced_tool(req: ChatCompletionRequest) -> str | None:
     """The function the model must call: `tool_choice` "required" (first tool) or named."""
     if not req.tools:
@@ -123,12 +120,38 @@ def forced_tool(req: ChatCompletionRequest) -> str | None:
     return None
 
 
+def auto_tool(req: ChatCompletionRequest, every: int) -> str | None:
+    """The tool-calling mode (`--tool-call-every k`): when tools are offered and the model
+    may choose (`tool_choice` auto or absent), every k-th user turn is answered with a call
+    (the turn's number picks the tool); a turn that ends with tool results is answered in
+    text, so an agent's tool loop ends."""
+    if every <= 0 or not req.tools or req.tool_choice not in (None, "auto"):
+        return None
+    if req.messages[-1].get("role") != "user":
+        return None
+    turns = sum(1 for m in req.messages if m.get("role") == "user")
+    if turns % every:
+        return None
+    tool = req.tools[(turns // every - 1) % len(req.tools)].get("function")
+    name = tool.get("name") if isinstance(tool, dict) else None
+    return name if isinstance(name, str) and name else None
+
+
+def call_shape(req: ChatCompletionRequest, name: str, seed: int) -> ToolCallShape:
+    """How the call of tool `name` looks: arguments drawn from its parameters schema."""
+    fns = [t.get("function") for t in req.tools or ()]
+    fn = next((f for f in fns if isinstance(f, dict) and f.get("name") == name), None)
+    parameters = fn.get("parameters") if fn is not None else None
+    return tool_call_shape(name, parameters, seed)
+
+
 def tool_call(gen: _Generation, seq: Sequence, arguments: str) -> dict[str, Any]:
     """A deterministic tool call whose arguments wrap the choice's pseudo-text."""
+    assert gen.tool is not None
     return {
         "id": f"call_{gen.request_id[-12:]}{seq.index}",
         "type": "function",
-        "function": {"name": gen.tool_name, "arguments": arguments},
+        "function": {"name": gen.tool.name, "arguments": arguments},
     }
 
 
@@ -150,7 +173,7 @@ class _Generation:
     logprobs: int | None
     echo: bool
     hold_key: str | None = None
-    tool_name: str | None = None
+    tool: ToolCallShape | None = None
     emitted: list[int] = field(default_factory=list)
     emitted_chars: list[int] = field(default_factory=list)
 
@@ -333,9 +356,13 @@ class EmulatorApp:
         if req.logprobs:
             top = req.top_logprobs or 0
         max_tokens = req.max_completion_tokens or req.max_tokens
+        name = forced_tool(req) or auto_tool(req, self.config.tool_call_every)
+        tool = None
+        if name is not None:
+            tool = call_shape(req, name, text_seed(hash_block(self.root_hash, ids), req.seed, 0))
         await self._generate(
             receive, send, req, True, model, [ids], [text], max_tokens, top, echo=False,
-            tool_name=forced_tool(req),
+            tool=tool,
         )  # fmt: skip
 
     async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -411,7 +438,7 @@ class EmulatorApp:
         logprobs: int | None,
         *,
         echo: bool,
-        tool_name: str | None = None,
+        tool: ToolCallShape | None = None,
     ) -> None:
         c = self.config
         arrival = time.perf_counter()
@@ -489,7 +516,7 @@ class EmulatorApp:
             logprobs=logprobs,
             echo=echo,
             hold_key=hold_key,
-            tool_name=tool_name,
+            tool=tool,
             emitted=[0] * len(seqs),
             emitted_chars=[0] * len(seqs),
         )
@@ -601,8 +628,8 @@ class EmulatorApp:
             text = seq.output_text()
             choice: dict[str, Any] = {"index": seq.index}
             finish = seq.finish_reason
-            if gen.chat and gen.tool_name is not None:
-                call = tool_call(gen, seq, TOOL_ARGS_HEAD + _json_str(text) + TOOL_ARGS_TAIL)
+            if gen.chat and gen.tool is not None:
+                call = tool_call(gen, seq, gen.tool.arguments(text))
                 choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
                 choice["logprobs"] = None
                 finish = "tool_calls" if finish == "stop" else finish
@@ -721,12 +748,13 @@ class EmulatorApp:
                         else completion_logprobs(ids, pieces, gen.logprobs, 0)
                     )
                 finish = seq.finish_reason
-                if gen.chat and gen.tool_name is not None:
-                    args = _json_str(text)
+                if gen.chat and gen.tool is not None:
+                    shape = gen.tool
+                    args = shape.piece(text)
                     if lo == 0:
-                        args = TOOL_ARGS_HEAD + args
+                        args = shape.head + args
                     if finished:
-                        args += TOOL_ARGS_TAIL
+                        args += shape.tail
                         finish = "tool_calls" if finish == "stop" else finish
                     call: dict[str, Any] = {"index": 0, "function": {"arguments": args}}
                     if lo == 0:

@@ -59,6 +59,9 @@ class EmulatorConfig:
     `2/3 * kv_lease_s` (its heartbeat), so the KV is freed this long after the decode side let go
     of it or died."""
     max_body_bytes: int = 32 * 1024 * 1024
+    tool_call_every: int = 0
+    """Tool-calling mode: when a chat request offers tools (tool_choice auto), every this
+    many user turns is answered with a tool call, arguments drawn from its schema (0: off)."""
 
     def __post_init__(self) -> None:
         try:
@@ -81,6 +84,8 @@ class EmulatorConfig:
             raise ConfigError("--transfer-timeout-s must be positive")
         if self.kv_lease_s <= 0:
             raise ConfigError("--kv-lease-duration must be positive")
+        if self.tool_call_every < 0:
+            raise ConfigError(f"--tool-call-every must be >= 0, got {self.tool_call_every}")
 
     @property
     def name(self) -> str:
@@ -155,6 +160,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(vLLM NixlConnector's kv_lease_duration)",
     )
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    parser.add_argument(
+        "--tool-call-every",
+        type=int,
+        default=d.tool_call_every,
+        help="with tools offered, answer every k-th user turn with a tool call (0: never)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
@@ -187,4 +198,5 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         transfer_timeout_s=args.transfer_timeout_s,
         kv_lease_s=args.kv_lease_duration,
         max_body_bytes=args.max_body_bytes,
+        tool_call_every=args.tool_call_every,
     )

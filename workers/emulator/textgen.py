@@ -3,13 +3,18 @@
 Output is a stream of words drawn from a fixed vocabulary by a PRNG seeded from the prompt's
 hash (and the request's `seed` and choice index), so the same request gets the same text on
 every worker and tests can compare outputs. Each word is tokenized once per tokenizer and
-cached, so producing a token costs a list index, not a tokenizer call.
+cached, so producing a token costs a list index, not a tokenizer call. A tool call's arguments
+are drawn from the tool's schema around that text (`tool_call_shape`).
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from hashlib import blake2b
+from typing import Any
+
+import orjson
 
 from ownerserve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -97,3 +102,77 @@ class OutputText:
             self._pending.reverse()
         self._emitted += 1
         return self._pending.pop()
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallShape:
+    """The JSON arguments of an emulated tool call, split where the emulated text goes: the
+    arguments are `head + json-escaped text + tail` (`carries_text`), else `head + tail`."""
+
+    name: str
+    head: str
+    tail: str
+    carries_text: bool
+
+    def piece(self, text: str) -> str:
+        """What a piece of the emulated text adds to the arguments."""
+        return orjson.dumps(text).decode()[1:-1] if self.carries_text else ""
+
+    def arguments(self, text: str) -> str:
+        return self.head + self.piece(text) + self.tail
+
+
+_TEXT_SLOT = "\x00text\x00"
+
+
+def _bound(schema: dict[str, Any], key: str, default: float) -> float:
+    value = schema.get(key, default)
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else default
+
+
+def _value(schema: Any, rng: random.Random, slot: list[bool]) -> Any:
+    """A value that fits `schema` (a JSON schema): the first string met is the text slot."""
+    if not isinstance(schema, dict):
+        schema = {}
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return rng.choice(schema["enum"])
+    if "const" in schema:
+        return schema["const"]
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind == "object" or (kind is None and "properties" in schema):
+        props = schema.get("properties")
+        if not isinstance(props, dict):
+            return {}
+        return {k: _value(v, rng, slot) for k, v in props.items()}
+    if kind == "array":
+        return [_value(schema.get("items"), rng, slot)]
+    if kind == "integer":
+        lo, hi = int(_bound(schema, "minimum", 0)), int(_bound(schema, "maximum", 100))
+        return rng.randint(lo, max(lo, hi))
+    if kind == "number":
+        low, high = _bound(schema, "minimum", 0), _bound(schema, "maximum", 1)
+        return round(rng.uniform(low, max(low, high)), 3)
+    if kind == "boolean":
+        return rng.random() < 0.5
+    if kind == "null":
+        return None
+    if not slot:
+        slot.append(True)
+        return _TEXT_SLOT
+    return WORDS[rng.randrange(len(WORDS))]
+
+
+def tool_call_shape(name: str, parameters: Any, seed: int) -> ToolCallShape:
+    """Arguments drawn from the tool's `parameters` schema (seeded: the same request gets the
+    same arguments); a schema without properties gets `{"input": <text>}`."""
+    if not isinstance(parameters, dict) or not isinstance(parameters.get("properties"), dict):
+        return ToolCallShape(name, '{"input": "', '"}', True)
+    slot: list[bool] = []
+    args = orjson.dumps(_value(parameters, random.Random(seed), slot)).decode()
+    marker = orjson.dumps(_TEXT_SLOT).decode()
+    if not slot or marker not in args:
+        return ToolCallShape(name, args, "", False)
+    head, _, tail = args.partition(marker)
+    return ToolCallShape(name, head + '"', '"' + tail, True)
