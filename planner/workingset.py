@@ -17,11 +17,13 @@ class RetentionConfig:
     """How long an idle session's KV is kept in its worker's working set (Continuum/CacheTTL's
     rule, simplified: keep through a gap that is short against its reload, drop it otherwise).
 
-    A session whose answer ended is kept for `factor` × its predicted gap, when that prediction
-    is at most `max_gap_s`; a gap predicted longer releases the KV at once."""
+    A session whose answer ended is kept for `factor` × its predicted gap (at least
+    `prior_gap_s`), when that prediction is at most `max_gap_s`; a gap predicted longer
+    releases the KV at once."""
 
     prior_gap_s: float = 2.0
-    """The predicted gap of a session and tool never seen (Claude Code's turns: p50 ~2 s)."""
+    """The predicted gap of a session and tool never seen (Claude Code's turns: p50 ~2 s),
+    and the shortest gap a session is kept for."""
     max_gap_s: float = 60.0
     """Gaps predicted longer than this are long: the session's KV is not kept through them."""
     factor: float = 2.0
@@ -154,10 +156,14 @@ class WorkingSets:
 
     def keep_s(self, session: str) -> float:
         """How long `session`'s KV stays counted after its answer: `factor` × the predicted
-        gap, or 0 when that gap is longer than `max_gap_s`."""
+        gap, taken no shorter than `prior_gap_s` (gaps are heavy-tailed: a session whose last
+        few gaps were 10 ms still often pauses for a second or two), or 0 when that gap is
+        longer than `max_gap_s`."""
         gap = self.predicted_gap_s(session)
         cfg = self.config
-        return 0.0 if gap > cfg.max_gap_s else cfg.factor * gap
+        if gap > cfg.max_gap_s:
+            return 0.0
+        return cfg.factor * (gap if gap > cfg.prior_gap_s else cfg.prior_gap_s)
 
     def __len__(self) -> int:
         return len(self._sessions)

@@ -84,3 +84,14 @@ def test_bad_config() -> None:
         RetentionConfig(alpha=0.0)
     with pytest.raises(ValueError):
         RetentionConfig(max_gap_s=-1.0)
+
+
+def test_a_short_predicted_gap_is_kept_at_least_the_prior() -> None:
+    ws = WorkingSets(RetentionConfig(prior_gap_s=2.0, factor=2.0))
+    ws.started("s", "w0", 100, now=0.0)
+    ws.ended("s", 100, now=0.0)
+    ws.started("s", "w0", 100, now=0.01)  # a 10 ms gap
+    ws.ended("s", 100, now=0.02)
+    assert ws.predicted_gap_s("s") == pytest.approx(0.01)
+    assert ws.keep_s("s") == 4.0  # 2 × max(0.01, 2)
+    assert ws.tokens("w0", 3.9) == 100
