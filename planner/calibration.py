@@ -7,7 +7,17 @@ moves towards observed/predicted by a bounded EWMA in log space,
 
 (predicted already includes s, so s converges to the true observed/raw ratio). The scales go
 into `WorkerView.prefill_scale/decode_scale/link_scale` (`apply`), so a slow or overloaded
-worker's costs rise and it loses traffic. In-memory state, no I/O; one instance per router.
+worker's costs rise and it loses traffic.
+
+A P/D hand-over has a cost no scale captures: P's queue, the pull, D's admission, the
+protocol's round trips, fixed per hand-over. Its TTFT's excess over the prediction is learnt
+per decode worker as an additive overhead (`WorkerView.pd_overhead_s`):
+
+    o ← clamp(o + α · (ttft − predicted_ttft), 0, max_pd_overhead_s)
+
+(predicted_ttft = t_queue + t_prefill + t_network + t_restore already includes o, so o
+converges to the mean excess). A remote prefill's TTFT feeds only that, not P's prefill scale.
+In-memory state, no I/O; one instance per router.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ class CalibrationConfig:
     alpha: float = 0.2
     min_scale: float = 0.25
     max_scale: float = 8.0
+    max_pd_overhead_s: float = 10.0
     max_sample_ratio: float = 4.0
     min_predicted_s: float = 1e-5
 
@@ -46,6 +57,8 @@ class WorkerScales:
     prefill: float = 1.0
     decode: float = 1.0
     link: float = 1.0
+    pd_overhead_s: float = 0.0
+    """Seconds a P/D hand-over into the worker takes beyond its prediction (additive)."""
 
 
 _KINDS = ("prefill", "decode", "link")
@@ -69,7 +82,7 @@ class Calibrator:
             return False
         r = observed_s / predicted_s
         r = min(max(r, 1.0 / cfg.max_sample_ratio), cfg.max_sample_ratio)
-        s = self._scales.setdefault(worker, [1.0, 1.0, 1.0])
+        s = self._scales.setdefault(worker, [1.0, 1.0, 1.0, 0.0])
         s[kind] = min(max(s[kind] * r**cfg.alpha, cfg.min_scale), cfg.max_scale)
         self.samples += 1
         return True
@@ -82,6 +95,20 @@ class Calibrator:
     def observe_decode(self, worker: str, observed_s: float, predicted_s: float) -> bool:
         """A decode step (TPOT) on `worker`: observed vs predicted seconds."""
         return self._update(worker, 1, observed_s, predicted_s)
+
+    def observe_pd(self, decode_worker: str, observed_s: float, predicted_s: float) -> bool:
+        """A remote prefill into `decode_worker` reached its first token in `observed_s`
+        where the plan said `predicted_s`: its excess moves the worker's P/D overhead."""
+        if math.isnan(observed_s) or math.isinf(observed_s) or math.isinf(predicted_s):
+            return False
+        if observed_s <= 0.0 or predicted_s < 0.0:
+            return False
+        cfg = self.config
+        s = self._scales.setdefault(decode_worker, [1.0, 1.0, 1.0, 0.0])
+        o = s[3] + cfg.alpha * (observed_s - predicted_s)
+        s[3] = min(max(o, 0.0), cfg.max_pd_overhead_s)
+        self.samples += 1
+        return True
 
     def observe_transfer(self, worker: str, observed_s: float, predicted_s: float) -> bool:
         """A KV transfer *into* `worker`: observed vs predicted seconds."""
@@ -100,13 +127,19 @@ class Calibrator:
         TTFT: the prefill worker's sample is (ttft − t_network − t_restore) against
         (t_queue + t_prefill), the parts the prefill scale multiplies. TPOT: the decode worker's
         sample against t_decode_step. Transfer: the worker the KV moved into (D for remote
-        prefill, P for fetch/migration) against t_network."""
+        prefill, P for fetch/migration) against t_network. A remote prefill's TTFT goes to
+        D's P/D overhead (`observe_pd`) against t_queue + t_prefill + t_network + t_restore,
+        not to P's prefill scale."""
         c = plan.chosen
         b = c.cost
         used = 0
         if ttft_s is not None:
-            observed = ttft_s - b.t_network - b.t_restore
-            used += self.observe_prefill(c.prefill_worker, observed, b.t_queue + b.t_prefill)
+            if c.action is Action.REMOTE_PREFILL:
+                predicted = b.t_queue + b.t_prefill + b.t_network + b.t_restore
+                used += self.observe_pd(c.decode_worker, ttft_s, predicted)
+            else:
+                observed = ttft_s - b.t_network - b.t_restore
+                used += self.observe_prefill(c.prefill_worker, observed, b.t_queue + b.t_prefill)
         if tpot_s is not None:
             used += self.observe_decode(c.decode_worker, tpot_s, b.t_decode_step)
         if transfer_s is not None and b.t_network > 0.0:
@@ -116,11 +149,11 @@ class Calibrator:
 
     def scales(self, worker: str) -> WorkerScales:
         s = self._scales.get(worker)
-        return WorkerScales() if s is None else WorkerScales(s[0], s[1], s[2])
+        return WorkerScales() if s is None else WorkerScales(s[0], s[1], s[2], s[3])
 
     def snapshot(self) -> dict[str, WorkerScales]:
         """Every calibrated worker's scales (for the admin API and logs)."""
-        return {w: WorkerScales(s[0], s[1], s[2]) for w, s in self._scales.items()}
+        return {w: WorkerScales(s[0], s[1], s[2], s[3]) for w, s in self._scales.items()}
 
     def forget(self, worker: str) -> None:
         """Drop a worker's scales (it restarted or left the pool)."""
@@ -131,7 +164,9 @@ class Calibrator:
         s = self._scales.get(view.worker_id)
         if s is None:
             return view
-        return replace(view, prefill_scale=s[0], decode_scale=s[1], link_scale=s[2])
+        return replace(
+            view, prefill_scale=s[0], decode_scale=s[1], link_scale=s[2], pd_overhead_s=s[3]
+        )
 
     def apply_all(self, cluster: ClusterView) -> ClusterView:
         return replace(cluster, workers=tuple(self.apply(w) for w in cluster.workers))

@@ -599,7 +599,7 @@ class RequestCosts:
         nic = 0.0
         if action is _REMOTE:
             tn, nic = self.transfer(p, d, self.kv_to_decode(gpu_d))
-            tn += cfg.pd_handshake_s
+            tn += cfg.pd_handshake_s + d.pd_overhead_s
             m = float(self.prompt_copy(r) + dup_d)
         elif route.source is not None:
             tn, nic = self.transfer(route.source, p, moved * self.bk)

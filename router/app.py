@@ -211,7 +211,15 @@ def create_app(
         admin_auth(request)
         snap = router.calibrator.snapshot()
         return JSONResponse(
-            {w: {"prefill": s.prefill, "decode": s.decode, "link": s.link} for w, s in snap.items()}
+            {
+                w: {
+                    "prefill": s.prefill,
+                    "decode": s.decode,
+                    "link": s.link,
+                    "pd_overhead_s": s.pd_overhead_s,
+                }
+                for w, s in snap.items()
+            }
         )
 
     @app.get("/admin/links")

@@ -51,6 +51,7 @@ def cluster_view(
             sc.prefill,
             sc.decode,
             sc.link,
+            sc.pd_overhead_s,
             w.settings,
             0.0 if nics is None else nics.backlog(w.settings.node, now),
             load.kv_capacity_tokens,
@@ -74,10 +75,11 @@ def cluster_view(
             prefill_scale=sc.prefill,
             decode_scale=sc.decode,
             link_scale=sc.link,
-            nic_backlog_s=key[9],
+            nic_backlog_s=key[10],
             kv_capacity_tokens=load.kv_capacity_tokens,
-            ws_tokens=key[11],
+            ws_tokens=key[12],
             offloads=load.offloads,
+            pd_overhead_s=sc.pd_overhead_s,
         )
         w.view_cache = (key, view)
         views.append(view)

@@ -210,8 +210,9 @@ class OwnerServePolicy:
                         if dflt_here:  # else no remote candidate yet: no remote bound
                             dflt_bound = pick.default_cost
                             bound_remote = top_bound
-                    # the D part of remote prefill into w: q + decode + handshake + λ·dup(w, 0)
-                    bd = qd + handshake + lam * dup
+                    # the D part of remote prefill into w: q + decode + handshake +
+                    # pd_overhead(w) + λ·dup(w, 0)
+                    bd = qd + handshake + w.pd_overhead_s + lam * dup
                     if bd < bound_remote:
                         dparts.append((bd, t))
                 if role is not _DECODE:
@@ -247,8 +248,8 @@ class OwnerServePolicy:
                     if dflt_here:
                         dflt_bound = pick.default_cost
                         bound_remote = top_bound
-                # the D part: q + decode + handshake + λ·dup(w, gpu(w))
-                bd = q + dec + handshake + lam * dup_g
+                # the D part: q + decode + handshake + pd_overhead(w) + λ·dup(w, gpu(w))
+                bd = q + dec + handshake + w.pd_overhead_s + lam * dup_g
                 if bd < bound_remote:
                     dparts.append((bd, t))
             if role is not _DECODE:

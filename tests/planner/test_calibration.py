@@ -93,3 +93,29 @@ def test_apply_puts_the_scales_into_the_views_and_forget_drops_them() -> None:
     assert out.workers[1] is cl.workers[1]
     cal.forget("a")
     assert cal.apply(cl.workers[0]) is cl.workers[0]
+
+
+def test_a_remote_prefill_ttft_teaches_the_decode_workers_pd_overhead_not_ps_scale() -> None:
+    req, cl = example()
+    p0, d0 = cl.workers[0], cl.workers[1]
+    model = unit_model()
+    remote = RequestCosts(model, req).candidate(Route(Action.REMOTE_PREFILL, p0, d0))
+    b = remote.cost
+    predicted = b.t_queue + b.t_prefill + b.t_network + b.t_restore
+    plan = Plan(policy="x", request_class=RequestClass.NEW_LONG_PREFIX, chosen=remote)
+    cal = Calibrator(CalibrationConfig(alpha=0.5))
+    assert cal.observe_plan(plan, ttft_s=predicted + 0.4) == 1
+    assert cal.scales("d0").pd_overhead_s == pytest.approx(0.2)
+    assert cal.scales("p0") == WorkerScales()  # P's prefill scale learns nothing from it
+    # the overhead reaches the planner: T_network into d0 grows by it
+    view = cal.apply(d0)
+    assert view.pd_overhead_s == pytest.approx(0.2)
+    again = RequestCosts(model, req).candidate(Route(Action.REMOTE_PREFILL, p0, view))
+    assert again.cost.t_network == pytest.approx(b.t_network + 0.2)
+    # faster than predicted brings it down, never below 0; bounded above
+    cal.observe_pd("d0", 0.001, 10.0)
+    assert cal.scales("d0").pd_overhead_s == 0.0
+    for _ in range(60):
+        cal.observe_pd("d0", 1000.0, 0.0)
+    assert cal.scales("d0").pd_overhead_s == CalibrationConfig().max_pd_overhead_s
+    assert not cal.observe_pd("d0", math.nan, 0.1)
