@@ -9,14 +9,15 @@ moves towards observed/predicted by a bounded EWMA in log space,
 into `WorkerView.prefill_scale/decode_scale/link_scale` (`apply`), so a slow or overloaded
 worker's costs rise and it loses traffic.
 
-A P/D hand-over has a cost no scale captures: P's queue, the pull, D's admission, the
-protocol's round trips, fixed per hand-over. Its TTFT's excess over the prediction is learnt
-per decode worker as an additive overhead (`WorkerView.pd_overhead_s`):
+A KV hand-over (a remote prefill into D; a fetch or migration into P) has a cost no scale
+captures: the other engine's queue, the pull, admission, the protocol's round trips, fixed
+per hand-over. Its TTFT's excess over the prediction is learnt per receiving worker as an
+additive overhead (`WorkerView.handover_s`):
 
-    o ← clamp(o + α · (ttft − predicted_ttft), 0, max_pd_overhead_s)
+    o ← clamp(o + α · (ttft − predicted_ttft), 0, max_handover_s)
 
 (predicted_ttft = t_queue + t_prefill + t_network + t_restore already includes o, so o
-converges to the mean excess). A remote prefill's TTFT feeds only that, not P's prefill scale.
+converges to the mean excess). Such a plan's TTFT feeds only that, not the prefill scale.
 In-memory state, no I/O; one instance per router.
 """
 
@@ -37,7 +38,7 @@ class CalibrationConfig:
     alpha: float = 0.2
     min_scale: float = 0.25
     max_scale: float = 8.0
-    max_pd_overhead_s: float = 10.0
+    max_handover_s: float = 10.0
     max_sample_ratio: float = 4.0
     min_predicted_s: float = 1e-5
 
@@ -57,7 +58,7 @@ class WorkerScales:
     prefill: float = 1.0
     decode: float = 1.0
     link: float = 1.0
-    pd_overhead_s: float = 0.0
+    handover_s: float = 0.0
     """Seconds a P/D hand-over into the worker takes beyond its prediction (additive)."""
 
 
@@ -96,17 +97,17 @@ class Calibrator:
         """A decode step (TPOT) on `worker`: observed vs predicted seconds."""
         return self._update(worker, 1, observed_s, predicted_s)
 
-    def observe_pd(self, decode_worker: str, observed_s: float, predicted_s: float) -> bool:
-        """A remote prefill into `decode_worker` reached its first token in `observed_s`
-        where the plan said `predicted_s`: its excess moves the worker's P/D overhead."""
+    def observe_handover(self, worker: str, observed_s: float, predicted_s: float) -> bool:
+        """A plan that moved KV into `worker` reached its first token in `observed_s` where
+        it said `predicted_s`: the excess moves the worker's hand-over overhead."""
         if math.isnan(observed_s) or math.isinf(observed_s) or math.isinf(predicted_s):
             return False
         if observed_s <= 0.0 or predicted_s < 0.0:
             return False
         cfg = self.config
-        s = self._scales.setdefault(decode_worker, [1.0, 1.0, 1.0, 0.0])
+        s = self._scales.setdefault(worker, [1.0, 1.0, 1.0, 0.0])
         o = s[3] + cfg.alpha * (observed_s - predicted_s)
-        s[3] = min(max(o, 0.0), cfg.max_pd_overhead_s)
+        s[3] = min(max(o, 0.0), cfg.max_handover_s)
         self.samples += 1
         return True
 
@@ -128,15 +129,16 @@ class Calibrator:
         (t_queue + t_prefill), the parts the prefill scale multiplies. TPOT: the decode worker's
         sample against t_decode_step. Transfer: the worker the KV moved into (D for remote
         prefill, P for fetch/migration) against t_network. A remote prefill's TTFT goes to
-        D's P/D overhead (`observe_pd`) against t_queue + t_prefill + t_network + t_restore,
-        not to P's prefill scale."""
+        D's hand-over overhead (`observe_handover`) against t_queue + t_prefill + t_network +
+        t_restore, not to P's prefill scale; so does a fetch's or migration's that moved KV,
+        to P's."""
         c = plan.chosen
         b = c.cost
         used = 0
         if ttft_s is not None:
-            if c.action is Action.REMOTE_PREFILL:
+            if c.action is Action.REMOTE_PREFILL or (c.source_worker and b.t_network > 0.0):
                 predicted = b.t_queue + b.t_prefill + b.t_network + b.t_restore
-                used += self.observe_pd(c.decode_worker, ttft_s, predicted)
+                used += self.observe_handover(c.decode_worker, ttft_s, predicted)
             else:
                 observed = ttft_s - b.t_network - b.t_restore
                 used += self.observe_prefill(c.prefill_worker, observed, b.t_queue + b.t_prefill)
@@ -165,7 +167,7 @@ class Calibrator:
         if s is None:
             return view
         return replace(
-            view, prefill_scale=s[0], decode_scale=s[1], link_scale=s[2], pd_overhead_s=s[3]
+            view, prefill_scale=s[0], decode_scale=s[1], link_scale=s[2], handover_s=s[3]
         )
 
     def apply_all(self, cluster: ClusterView) -> ClusterView:

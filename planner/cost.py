@@ -599,10 +599,12 @@ class RequestCosts:
         nic = 0.0
         if action is _REMOTE:
             tn, nic = self.transfer(p, d, self.kv_to_decode(gpu_d))
-            tn += cfg.pd_handshake_s + d.pd_overhead_s
+            tn += cfg.pd_handshake_s + d.handover_s
             m = float(self.prompt_copy(r) + dup_d)
         elif route.source is not None:
             tn, nic = self.transfer(route.source, p, moved * self.bk)
+            if moved:
+                tn += p.handover_s
             m = float(moved * self.bk if action is _MIG else dup_p)
         else:
             tn = 0.0

@@ -71,10 +71,11 @@ class WorkerView:
     # the worker offloads evicted KV to a CPU tier: displaced KV is reloaded from there, not
     # recomputed (W_disp)
     offloads: bool = False
-    # seconds a P/D hand-over into this worker (as D) has taken beyond what the profile
-    # predicts, learnt online (planner.calibration): queueing on two engines, the pull, the
-    # protocol's round trips — T_network of a remote prefill into it adds them
-    pd_overhead_s: float = 0.0
+    # seconds a KV hand-over into this worker (a remote prefill's D, a fetch's or migration's
+    # P) has taken beyond what the profile predicts, learnt online (planner.calibration):
+    # queueing on two engines, the pull, the protocol's round trips — the T_network of a
+    # route moving KV into it adds them
+    handover_s: float = 0.0
 
 
 @fast_init

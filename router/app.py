@@ -216,7 +216,7 @@ def create_app(
                     "prefill": s.prefill,
                     "decode": s.decode,
                     "link": s.link,
-                    "pd_overhead_s": s.pd_overhead_s,
+                    "handover_s": s.handover_s,
                 }
                 for w, s in snap.items()
             }

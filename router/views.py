@@ -51,7 +51,7 @@ def cluster_view(
             sc.prefill,
             sc.decode,
             sc.link,
-            sc.pd_overhead_s,
+            sc.handover_s,
             w.settings,
             0.0 if nics is None else nics.backlog(w.settings.node, now),
             load.kv_capacity_tokens,
@@ -79,7 +79,7 @@ def cluster_view(
             kv_capacity_tokens=load.kv_capacity_tokens,
             ws_tokens=key[12],
             offloads=load.offloads,
-            pd_overhead_s=sc.pd_overhead_s,
+            handover_s=sc.handover_s,
         )
         w.view_cache = (key, view)
         views.append(view)

@@ -211,8 +211,8 @@ class OwnerServePolicy:
                             dflt_bound = pick.default_cost
                             bound_remote = top_bound
                     # the D part of remote prefill into w: q + decode + handshake +
-                    # pd_overhead(w) + λ·dup(w, 0)
-                    bd = qd + handshake + w.pd_overhead_s + lam * dup
+                    # handover(w) + λ·dup(w, 0)
+                    bd = qd + handshake + w.handover_s + lam * dup
                     if bd < bound_remote:
                         dparts.append((bd, t))
                 if role is not _DECODE:
@@ -248,8 +248,8 @@ class OwnerServePolicy:
                     if dflt_here:
                         dflt_bound = pick.default_cost
                         bound_remote = top_bound
-                # the D part: q + decode + handshake + pd_overhead(w) + λ·dup(w, gpu(w))
-                bd = q + dec + handshake + w.pd_overhead_s + lam * dup_g
+                # the D part: q + decode + handshake + handover(w) + λ·dup(w, gpu(w))
+                bd = q + dec + handshake + w.handover_s + lam * dup_g
                 if bd < bound_remote:
                     dparts.append((bd, t))
             if role is not _DECODE:
@@ -322,7 +322,7 @@ def _fetch(
     """C of an artifact fetch from the owner `src` to w (a read-only replica; `c`: the
     constants of w's profile): the missing owner_blocks − held blocks move, w reuses
     owner_blocks (its prefill `pf`) and pays λ·dup(w, held) for the replica."""
-    tn = k.transfer(src, w, (k.ob - held) * k.bk, c)[0]
+    tn = k.transfer(src, w, (k.ob - held) * k.bk, c)[0] + w.handover_s
     return base + pf + tn + k.lam * dup + k.mu * (stalled * pf)
 
 
@@ -341,7 +341,7 @@ def _migration(
     the constants of w's profile): the missing blocks move and stay duplicated (M_HBM), w
     reuses g_src blocks (its prefill `pf`), and the move pays its hysteresis."""
     moved = (g_src - held) * k.bk
-    tn = k.transfer(src, w, moved, c)[0]
+    tn = k.transfer(src, w, moved, c)[0] + w.handover_s
     c0 = base + pf + tn + k.lam * moved + k.mu * (stalled * pf)
     return c0 + k.hysteresis(c0)
 

@@ -8,7 +8,7 @@ import pytest
 
 from ownerserve.types import Role
 from planner.calibration import CalibrationConfig, Calibrator, WorkerScales
-from planner.cost import RequestCosts, Route
+from planner.cost import RequestCosts, Route, enumerate_routes
 from planner.policies import OwnerServePolicy
 from planner.types import Action, Plan, RequestClass
 from tests.planner.util import cluster, example, unit_model, worker
@@ -105,17 +105,35 @@ def test_a_remote_prefill_ttft_teaches_the_decode_workers_pd_overhead_not_ps_sca
     plan = Plan(policy="x", request_class=RequestClass.NEW_LONG_PREFIX, chosen=remote)
     cal = Calibrator(CalibrationConfig(alpha=0.5))
     assert cal.observe_plan(plan, ttft_s=predicted + 0.4) == 1
-    assert cal.scales("d0").pd_overhead_s == pytest.approx(0.2)
+    assert cal.scales("d0").handover_s == pytest.approx(0.2)
     assert cal.scales("p0") == WorkerScales()  # P's prefill scale learns nothing from it
     # the overhead reaches the planner: T_network into d0 grows by it
     view = cal.apply(d0)
-    assert view.pd_overhead_s == pytest.approx(0.2)
+    assert view.handover_s == pytest.approx(0.2)
     again = RequestCosts(model, req).candidate(Route(Action.REMOTE_PREFILL, p0, view))
     assert again.cost.t_network == pytest.approx(b.t_network + 0.2)
     # faster than predicted brings it down, never below 0; bounded above
-    cal.observe_pd("d0", 0.001, 10.0)
-    assert cal.scales("d0").pd_overhead_s == 0.0
+    cal.observe_handover("d0", 0.001, 10.0)
+    assert cal.scales("d0").handover_s == 0.0
     for _ in range(60):
-        cal.observe_pd("d0", 1000.0, 0.0)
-    assert cal.scales("d0").pd_overhead_s == CalibrationConfig().max_pd_overhead_s
-    assert not cal.observe_pd("d0", math.nan, 0.1)
+        cal.observe_handover("d0", 1000.0, 0.0)
+    assert cal.scales("d0").handover_s == CalibrationConfig().max_handover_s
+    assert not cal.observe_handover("d0", math.nan, 0.1)
+
+
+def test_a_migration_that_moved_kv_teaches_the_receiving_workers_handover() -> None:
+    req, cl = example()
+    model = unit_model()
+    route = next(r for r in enumerate_routes(req, cl) if r.action is Action.STATE_MIGRATION)
+    cand = RequestCosts(model, req).candidate(route)
+    b = cand.cost
+    assert b.t_network > 0
+    plan = Plan(policy="x", request_class=RequestClass.NEW_LONG_PREFIX, chosen=cand)
+    cal = Calibrator(CalibrationConfig(alpha=1.0))
+    predicted = b.t_queue + b.t_prefill + b.t_network + b.t_restore
+    assert cal.observe_plan(plan, ttft_s=predicted + 0.3) == 1
+    assert cal.scales(cand.prefill_worker).handover_s == pytest.approx(0.3)
+    assert cal.scales(cand.prefill_worker).prefill == 1.0
+    view = cal.apply(route.prefill)
+    again = RequestCosts(model, req).candidate(type(route)(route.action, view, view, route.source))
+    assert again.cost.t_network == pytest.approx(b.t_network + 0.3)

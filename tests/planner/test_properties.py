@@ -59,7 +59,7 @@ def workers(draw: st.DrawFn, chain: int, n_max: int = 10) -> tuple[WorkerView, .
                 kv_capacity_tokens=draw(st.sampled_from([0, 10_000, 100_000])),
                 ws_tokens=draw(st.sampled_from([0, 5_000, 90_000])),
                 offloads=draw(st.booleans()),
-                pd_overhead_s=draw(st.sampled_from([0.0, 0.3])),
+                handover_s=draw(st.sampled_from([0.0, 0.3])),
             )
         )
     return tuple(out)
