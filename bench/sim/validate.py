@@ -294,7 +294,7 @@ def emulate(
                 records = log_dir / f"records_{name}.jsonl"
                 row = asyncio.run(_emulate_one(router.url, urls, workload, speed, name, records))
                 if not capacity:
-                    capacity = asyncio.run(_capacity_blocks(urls[0]))
+                    capacity = asyncio.run(worker_capacity_blocks(urls[0]))
             finally:
                 router.stop()
             out[name] = row
@@ -308,7 +308,8 @@ def emulate(
     return out, capacity
 
 
-async def _capacity_blocks(url: str) -> int:
+async def worker_capacity_blocks(url: str) -> int:
+    """An emulated worker's HBM KV capacity in blocks (its `/kv_blocks`)."""
     import httpx
 
     async with httpx.AsyncClient(timeout=10.0) as client:

@@ -12,8 +12,10 @@ there, `queue_load`):
 
 1. imbalanced — max_load − min_load > balance_abs_threshold and max_load >
    balance_rel_threshold · min_load: the least-loaded worker (shortest queue);
-2. else the tree's best match, when its match rate (matched / prompt, in tokens here: their
-   gRPC mode; characters in HTTP mode) is > cache_threshold;
+2. else the tree's best match, when its match rate is > cache_threshold: in their HTTP mode
+   (the one measured here) the matched bytes of the routing text — the messages' contents
+   joined, without the template or the tool-call JSON — over its length, when the request's
+   `RoutingText` knows them; else matched tokens over the prompt's (their gRPC mode);
 3. else the least-loaded worker.
 
 Either way the prompt is inserted into the chosen worker's tree. Step 3 is what both binaries
@@ -25,16 +27,31 @@ P/D (`--pd-disaggregation` / `--vllm-pd-disaggregation` with `--policy cache_awa
 prefill and the decode policies are two instances, each with its own tree, choosing in the
 prefill pool and in the decode pool; the KV moves P → D. SGLang sends both halves at once (a
 bootstrap room), vLLM the prefill first then the decode with its `kv_transfer_params`; the
-simulator moves the KV after the prefill in both, so the two differ here only by their tree
-caps. Not modelled: vllm-router's exact-match session map (chat requests carrying a session
-id), its random choice when a model has no tree yet.
+simulator moves the KV after the prefill in both.
+
+Where the binaries depart from that rule (measured against them on the emulated cluster,
+`bench/sim/validate_peers.py`; issue 24):
+- vllm-router 0.1.17 routes a chat request that carries tool messages (a tool result, an
+  assistant `tool_calls` turn) without its tree: its decision counter says `missing_tokens`
+  (it first asks the worker to render the prompt to tokens), the request goes to the least
+  loaded worker and is not inserted. On an agent workload that is every turn but the first, in
+  both of its modes (`tree_skips_tool_turns`).
+- sglang-router 0.3.2 in P/D mode builds its trees when it starts, keyed by the workers' model
+  as known then, and looks them up by the model the workers report later, so every choice
+  logs "No tree found for model ..., using random worker selection": prefill and decode
+  worker uniformly at random (`pd_tree_found` False).
+Not modelled: vllm-router's exact-match session map (newer releases), the random choice of
+an aggregated router before its tree exists.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+from planner.cost import CostConfig, CostModel
 from planner.policies.base import split_pools
 from planner.policies.peers.common import (
     AggregatedPeerPolicy,
@@ -59,10 +76,58 @@ class CacheAwareConfig:
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
     max_tree_size: int = 67_108_864
+    tree_skips_tool_turns: bool = False
+    """A request carrying tool messages goes to the least loaded worker, unrecorded
+    (vllm-router 0.1.17)."""
+    pd_tree_found: bool = True
+    """Whether the P/D mode finds its trees; when not, it picks at random (sglang-router
+    0.3.2)."""
 
 
-SGLANG = CacheAwareConfig()
-VLLM = CacheAwareConfig(max_tree_size=33_554_432)
+SGLANG = CacheAwareConfig(pd_tree_found=False)
+VLLM = CacheAwareConfig(max_tree_size=33_554_432, tree_skips_tool_turns=True)
+
+
+class RoutingText(Protocol):
+    """What the routers read from a request's JSON body that a `RequestView` does not carry."""
+
+    def carries_tools(self, request: RequestView) -> bool:
+        """Whether its messages hold a tool result or an assistant `tool_calls` turn."""
+        ...
+
+    def content_bytes(self, request: RequestView) -> tuple[Sequence[int], int] | None:
+        """Its routing text (the messages' contents, joined) as the HTTP routers match it, in
+        UTF-8 bytes: the bytes of it within the prompt's first k blocks for k = 0 … len(chain),
+        and its whole length; None when unknown (the match rate is then counted in tokens)."""
+        ...
+
+
+class AgentTraffic:
+    """The default `RoutingText` when only the simulator's sessions are known: every turn after
+    a session's first returns the previous turn's tool call and result; the text's bytes are
+    unknown."""
+
+    def carries_tools(self, request: RequestView) -> bool:
+        return request.previous_prompt_tokens > 0
+
+    def content_bytes(self, request: RequestView) -> tuple[Sequence[int], int] | None:
+        return None
+
+
+AGENT_TRAFFIC = AgentTraffic()
+
+
+def match_rate(request: RequestView, matched: int, text: RoutingText) -> float:
+    """The share of the request's routing text its best tree match (`matched` blocks)
+    covers: bytes of the message contents when known (the binaries' HTTP mode: the template's
+    framing and the tool-call JSON are not in the text), else tokens of the prompt (their gRPC
+    mode)."""
+    known = text.content_bytes(request)
+    if known is not None:
+        by_block, total = known
+        return by_block[min(matched, len(by_block) - 1)] / total if total > 0 else 0.0
+    n = request.prompt_tokens
+    return min(matched * request.block_size, n) / n if n > 0 else 0.0
 
 
 def imbalanced(loads: Sequence[int], config: CacheAwareConfig) -> bool:
@@ -74,24 +139,28 @@ def imbalanced(loads: Sequence[int], config: CacheAwareConfig) -> bool:
 class CacheAwareSelector:
     """One `cache_aware` policy object of a router: its tree and its choice in one pool."""
 
-    __slots__ = ("config", "tree")
+    __slots__ = ("config", "text", "tree")
 
-    def __init__(self, config: CacheAwareConfig, block_size: int) -> None:
+    def __init__(
+        self, config: CacheAwareConfig, block_size: int, text: RoutingText = AGENT_TRAFFIC
+    ) -> None:
         self.config = config
+        self.text = text
         self.tree = ApproxTree(config.max_tree_size // CHARS_PER_TOKEN // block_size)
 
     def select(self, pool: Sequence[WorkerView], request: RequestView) -> WorkerView:
-        """The worker for `request` (rule 1–3 of the module), recorded in the tree."""
+        """The worker for `request` (rule 1–3 of the module), recorded in the tree; a tool turn
+        where the tree skips those: the least loaded, unrecorded."""
         cfg = self.config
         chain = request.chain
+        if cfg.tree_skips_tool_turns and self.text.carries_tools(request):
+            return first_min(pool, queue_load)
         if imbalanced([queue_load(w) for w in pool], cfg):
             chosen = first_min(pool, queue_load)
         else:
             matched, tenant = self.tree.match(chain)
-            n = request.prompt_tokens
-            rate = min(matched * request.block_size, n) / n if n > 0 else 0.0
             hit = None
-            if rate > cfg.cache_threshold:
+            if match_rate(request, matched, self.text) > cfg.cache_threshold:
                 hit = next((w for w in pool if w.worker_id == tenant), None)
             chosen = hit if hit is not None else first_min(pool, queue_load)
         if chain:
@@ -108,9 +177,19 @@ class CacheAwarePolicy(AggregatedPeerPolicy[CacheAwareConfig]):
     # built on the first request: the tree's cap in blocks needs the request's block size
     _selector: CacheAwareSelector | None = None
 
+    def __init__(
+        self,
+        config: CostConfig | None = None,
+        model: CostModel | None = None,
+        peer_config: CacheAwareConfig | None = None,
+        text: RoutingText = AGENT_TRAFFIC,
+    ) -> None:
+        super().__init__(config, model, peer_config)
+        self.text = text
+
     def pick(self, pool: Sequence[WorkerView], request: RequestView) -> WorkerView:
         if self._selector is None:
-            self._selector = CacheAwareSelector(self.peer_config, request.block_size)
+            self._selector = CacheAwareSelector(self.peer_config, request.block_size, self.text)
         return self._selector.select(pool, request)
 
 
@@ -124,11 +203,28 @@ class CacheAwarePDPolicy(PeerPolicy[CacheAwareConfig]):
     _prefill: CacheAwareSelector | None = None
     _decode: CacheAwareSelector | None = None
 
+    def __init__(
+        self,
+        config: CostConfig | None = None,
+        model: CostModel | None = None,
+        peer_config: CacheAwareConfig | None = None,
+        text: RoutingText = AGENT_TRAFFIC,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(config, model, peer_config)
+        self.text = text
+        # the random choice of a P/D mode that finds no tree (seeded: runs repeat)
+        self.rng = random.Random(seed)
+
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
         ps, ds = split_pools(cluster)
+        if not self.peer_config.pd_tree_found:
+            p, d = self.rng.choice(ps), self.rng.choice(ds)
+            return pd_plan(self, request, p, d, len(ps) * len(ds))
         if self._prefill is None or self._decode is None:
-            self._prefill = CacheAwareSelector(self.peer_config, request.block_size)
-            self._decode = CacheAwareSelector(self.peer_config, request.block_size)
+            bs = request.block_size
+            self._prefill = CacheAwareSelector(self.peer_config, bs, self.text)
+            self._decode = CacheAwareSelector(self.peer_config, bs, self.text)
         p = self._prefill.select(ps, request)
         d = self._decode.select(ds, request)
         return pd_plan(self, request, p, d, len(ps) * len(ds))

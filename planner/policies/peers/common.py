@@ -176,14 +176,18 @@ class ApproxTree:
 
     def match(self, chain: Sequence[int]) -> tuple[int, str | None]:
         """(blocks matched, tenant): the longest prefix of `chain` any tenant was sent, and of
-        the tenants holding all of it the one touched last (None when nothing matches). The
-        union of prefix-closed parts along one chain is prefix-closed: binary search."""
+        the tenants holding all of it the one that has held it longest (None when nothing
+        matches). The Rust tree answers the first tenant of its node's hash map
+        (`tenant_last_access_time.iter().next()`): an arbitrary one, but one that stays the
+        same as requests touch the node — not the last sent, which would follow each new
+        request. The union of prefix-closed parts along one chain is prefix-closed: binary
+        search."""
         at = self._at
         lo = bisect.bisect_left(range(len(chain)), True, key=lambda i: chain[i] not in at)
         if lo == 0:
             return 0, None
-        tenants = at[chain[lo - 1]]
-        return lo, max(tenants, key=tenants.__getitem__)
+        # dicts keep insertion order; a tenant evicted and sent the block again goes last
+        return lo, next(iter(at[chain[lo - 1]]))
 
     def insert(self, chain: Sequence[int], tenant: str) -> None:
         """Record that `chain` was sent to `tenant` (touching every block of it)."""

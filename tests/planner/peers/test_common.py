@@ -9,14 +9,16 @@ from planner.policies.peers.common import ApproxTree, first_min, random_min
 from tests.planner.util import worker
 
 
-def test_tree_matches_the_longest_prefix_sent_and_its_latest_tenant() -> None:
+def test_tree_matches_the_longest_prefix_sent_and_its_longest_holder() -> None:
     t = ApproxTree(max_blocks=100)
     assert t.match((1, 2, 3)) == (0, None)
     t.insert((1, 2, 3), "a")
     t.insert((1, 2, 4), "b")
     assert t.match((1, 2, 3, 9)) == (3, "a")
-    assert t.match((1, 2, 5)) == (2, "b")  # both hold 1, 2: b was sent it last
-    t.insert((1, 2, 3), "a")
+    assert t.match((1, 2, 4)) == (3, "b")
+    # both hold 1, 2: a had it first, and keeps it though b was sent it last
+    assert t.match((1, 2, 5)) == (2, "a")
+    t.insert((1, 2, 4), "b")
     assert t.match((1, 2)) == (2, "a")
     assert t.match((7,)) == (0, None)
     assert (t.size("a"), t.size("b")) == (3, 3)
