@@ -580,9 +580,11 @@ class RequestCosts:
         # owner_blocks − held(P)), a migration max(0, gpu(S) − held(P)); otherwise 0
         moved = 0
         if action is _FETCH:
-            moved = max(0, self.request.owner_blocks - held)
+            moved = self.request.owner_blocks - held
         elif action is _MIG and route.source is not None:
-            moved = max(0, tier_blocks(route.source)[0] - held)
+            moved = tier_blocks(route.source)[0] - held
+        if moved < 0:
+            moved = 0
         if moved:  # P reuses what it holds and what moves in
             pre = self.prefill(p, self.reused(held + moved))
         if d is p or d.worker_id == p.worker_id:
@@ -621,8 +623,8 @@ class RequestCosts:
         return b, held + moved
 
 
-# The formulas `RequestCosts` shares with its generator `scan` (module functions: the cheapest
-# call).
+# The formulas `RequestCosts` shares with its pass over the workers, `scan` (module functions:
+# the cheapest call).
 
 
 def _reused(blocks: int, bs: int, n: int) -> int:

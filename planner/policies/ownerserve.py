@@ -186,7 +186,9 @@ class OwnerServePolicy:
         # over the loaded profiles: a lower bound of every worker's)
         least_lo = _INF
         for name in model.profiles:
-            least_lo = min(least_lo, k.prefill_base(k.consts(name), r_lo))
+            least = k.prefill_base(k.consts(name), r_lo)
+            if least < least_lo:
+                least_lo = least
         n_lean = 0  # decode-capable workers holding nothing
         for t in k.scan(cluster.workers):
             w, q, dec, pf, stalled, dup, h, _ = t
