@@ -320,7 +320,8 @@ async def worker_capacity_blocks(url: str) -> int:
 # --- report -----------------------------------------------------------------------------------
 
 
-def _fmt(key: str, v: Any) -> str:
+def cell(key: str, v: Any) -> str:
+    """A metric's value for the tables (GB, k tokens, or two decimals; – when missing)."""
     if v is None:
         return "–"
     if key == "kv_bytes":
@@ -330,7 +331,8 @@ def _fmt(key: str, v: Any) -> str:
     return f"{v:.2f}"
 
 
-def _pct(g: float | None) -> str:
+def pct(g: float | None) -> str:
+    """A relative gap as a signed percentage (– when missing)."""
     return "–" if g is None else f"{g:+.0%}"
 
 
@@ -345,7 +347,7 @@ def markdown(rows: Sequence[PolicyRow], verdict: Verdict) -> str:
     lines = [head, "|---|" + "---|" * (len(METRICS) + 2)]
     for r in rows:
         cells = [
-            f"{_fmt(k, r.emulated.get(k))} / {_fmt(k, r.simulated.get(k))} ({_pct(r.gap(k))})"
+            f"{cell(k, r.emulated.get(k))} / {cell(k, r.simulated.get(k))} ({pct(r.gap(k))})"
             for k, _ in METRICS
         ]
         acts = [
@@ -365,9 +367,9 @@ def markdown(rows: Sequence[PolicyRow], verdict: Verdict) -> str:
             return "–" if v is None else f"{v * 1e3:.1f}"
 
         lines.append(
-            f"| {r.policy} | {_fmt('', e.get('ttft_mean_s'))} / {_fmt('', m.get('ttft_mean_s'))}"
+            f"| {r.policy} | {cell('', e.get('ttft_mean_s'))} / {cell('', m.get('ttft_mean_s'))}"
             f" | {ms(e.get('tpot_mean_s'))} / {ms(m.get('tpot_mean_s'))}"
-            f" | {_fmt('', e.get('timing_fidelity'))} |"
+            f" | {cell('', e.get('timing_fidelity'))} |"
         )
     lines += ["", "| metric | Kendall tau (emu vs sim order) | worst gap | tolerance | met |"]
     lines.append("|---|---|---|---|---|")
@@ -381,7 +383,7 @@ def markdown(rows: Sequence[PolicyRow], verdict: Verdict) -> str:
             tol = f"gap ≤ {COUNT_TOLERANCE:.0%}"
             met = verdict.counts_ok.get(key, False)
         tau_s = "–" if tau is None else f"{tau:.2f}"
-        lines.append(f"| {title} | {tau_s} | {_pct(gap)} | {tol} | {'yes' if met else '**no**'} |")
+        lines.append(f"| {title} | {tau_s} | {pct(gap)} | {tol} | {'yes' if met else '**no**'} |")
     base = [r for r in rows if r.policy != "ownerserve"]
     if len(base) < len(rows) and len(base) >= 2:
         vb = judge(base)
@@ -389,7 +391,7 @@ def markdown(rows: Sequence[PolicyRow], verdict: Verdict) -> str:
         met = vb.e2e_rank_ok and vb.e2e_values_ok
         lines.append(
             f"| mean session E2E s, baselines only | {'–' if tau is None else f'{tau:.2f}'} | "
-            f"{_pct(vb.max_gaps.get('e2e_mean_s'))} | the same | {'yes' if met else '**no**'} |"
+            f"{pct(vb.max_gaps.get('e2e_mean_s'))} | the same | {'yes' if met else '**no**'} |"
         )
     return "\n".join(lines)
 

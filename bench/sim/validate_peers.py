@@ -36,7 +36,9 @@ from typing import Any
 from bench.sim.validate import (
     NOISE_TIE,
     ROUTER_SCRAPE_S,
+    cell,
     kendall_tau,
+    pct,
     rel_gap,
     worker_capacity_blocks,
 )
@@ -375,7 +377,7 @@ def emulate(
                 asyncio.run(snapshot_all(urls, with_hashes=False)), case.speed
             )
             log(
-                f"  [{case.name}] {target:<30} E2E {_fmt('e2e_mean_s', row['e2e_mean_s'])} s, "
+                f"  [{case.name}] {target:<30} E2E {cell('e2e_mean_s', row['e2e_mean_s'])} s, "
                 f"{row['sessions_completed']}/{row['sessions']} sessions, {row['errors']} errors, "
                 f"{time.monotonic() - t0:.0f} s"
             )
@@ -435,20 +437,6 @@ def judge(rows: Sequence[TargetRow], tie: float = NOISE_TIE) -> Verdict:
 # --- report --------------------------------------------------------------------------------------
 
 
-def _fmt(key: str, v: Any) -> str:
-    if v is None:
-        return "–"
-    if key == "kv_bytes":
-        return f"{v / 1e9:.2f} GB"
-    if key == "prefill_tokens":
-        return f"{v / 1e3:.0f} k"
-    return f"{v:.2f}"
-
-
-def _pct(g: float | None) -> str:
-    return "–" if g is None else f"{g:+.0%}"
-
-
 def markdown(rows: Sequence[TargetRow], verdict: Verdict) -> str:
     """The side-by-side table (misses in bold) and the verdict line; the emulated
     preemptions where the run recorded them."""
@@ -464,9 +452,9 @@ def markdown(rows: Sequence[TargetRow], verdict: Verdict) -> str:
         cells = []
         for key, _, tol in METRICS:
             ok = r.within(key, tol)
-            gap = _pct(r.gap(key))
+            gap = pct(r.gap(key))
             cells.append(
-                f"{_fmt(key, r.emulated.get(key))} / {_fmt(key, r.simulated.get(key))} "
+                f"{cell(key, r.emulated.get(key))} / {cell(key, r.simulated.get(key))} "
                 + (f"({gap})" if ok else f"(**{gap}**)")
             )
         shape = "/".join(str(x) for x in r.simulated.get("shape", []))
@@ -475,7 +463,7 @@ def markdown(rows: Sequence[TargetRow], verdict: Verdict) -> str:
             f"{r.simulated.get('sessions_completed', '–')}/{r.simulated.get('sessions', '–')}"
         )
         model = r.simulated.get("model", r.target)
-        fid = _fmt("", r.emulated.get("timing_fidelity"))
+        fid = cell("", r.emulated.get("timing_fidelity"))
         n = r.emulated.get("preemptions")
         tail = (" – |" if n is None else f" {n} |") if preempt else ""
         lines.append(
