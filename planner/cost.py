@@ -339,6 +339,7 @@ class RequestCosts:
         """
         n, bs, ob, bk, owner = self.n, self.request.block_size, self.ob, self.bk, self.owner
         home, home_tokens = self.request.home_worker, self.request.home_tokens
+        grown = n + self.o + self.request.growth_tokens  # W_disp's room test
         disp_on = self.nu > 0
         dup_none = _dup(True, 0, ob, bk)  # dup(w, 0) of a non-owner (0 without an owner)
         seq = n + self.o  # the KV the request needs on a worker holding none of it
@@ -370,7 +371,7 @@ class RequestCosts:
             if ws and disp_on:
                 if w.worker_id == home:
                     ws -= home_tokens
-                if ws > 0 and cap - ws < seq:
+                if ws > 0 and cap - ws < grown:
                     disp = self.displacement(w, cb.get(_GPU, 0) if cb else 0, ws, cap, c)
                     q += disp
             if cb:
@@ -433,7 +434,9 @@ class RequestCosts:
         pushes out of w (issue 23: a placement where the request does not fit evicts KV that
         sessions active on w will want back within their tool gap):
 
-            need   = N + O − gpu(w)·bs                 the KV it allocates on w (as kv_wait)
+            need   = N + O + growth − gpu(w)·bs        the KV it allocates on w (kv_wait's need)
+                                                       and what the session is expected to
+                                                       add later (`growth_tokens`)
             others = ws_tokens(w) − [w = home_worker]·home_tokens
             disp   = min(others, need − (cap − others))   tokens displaced, when positive
             W_disp = ν · reload(w, disp)
@@ -441,7 +444,7 @@ class RequestCosts:
                    = min(that, disp · K / cpu_load_bps)                          w offloads
 
         `cap` as kv_wait's; `c`: the constants of w's profile."""
-        need = self.n + self.o - gpu * self.request.block_size
+        need = self.n + self.o + self.request.growth_tokens - gpu * self.request.block_size
         disp = need - (cap - others)
         if disp <= 0:
             return 0.0

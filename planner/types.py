@@ -104,6 +104,9 @@ class RequestView:
     # with how many tokens: on that worker they are the request's own KV, not displaced
     home_worker: str | None = None
     home_tokens: int = 0
+    # tokens of KV the session is expected to add beyond this request (planner.workingset
+    # .WorkingSets.growth): a placement that fits it now but not its growth still displaces
+    growth_tokens: int = 0
 
 
 @fast_init

@@ -71,6 +71,9 @@ class WorkingSets:
         """Per tool name: the moving average of the gaps after a call to it."""
         self._expiries: list[tuple[float, str]] = []
         """(keep_until, session) of idle sessions, a heap; stale entries are skipped."""
+        self.peak_tokens = 0.0
+        """Moving average of the KV a session held when it was released (its last size: agent
+        sessions only grow), 0 before any was: what a new session is expected to grow to."""
 
     # --- events ------------------------------------------------------------------------------
 
@@ -112,6 +115,8 @@ class WorkingSets:
         if keep > 0:
             self._count(s)
             heapq.heappush(self._expiries, (s.keep_until, session))
+        else:
+            self._released(s)
 
     def failed(self, session: str, now: float) -> None:
         """A request of `session` failed: its in-flight count goes, its KV stays as before."""
@@ -141,6 +146,12 @@ class WorkingSets:
         if s is None or not self._counted(s):
             return None, 0
         return s.worker, s.tokens
+
+    def growth(self, tokens: int) -> int:
+        """Tokens a session now needing `tokens` is expected to grow by: up to the average
+        size sessions had when released (`peak_tokens`), 0 past it or before any was."""
+        g = int(self.peak_tokens) - tokens
+        return g if g > 0 else 0
 
     def predicted_gap_s(self, session: str) -> float:
         """The gap predicted after `session`'s last answer: after a tool call, the tool's
@@ -219,3 +230,11 @@ class WorkingSets:
                 continue  # stale: the session ran again, or was forgotten
             self._uncount(s)
             s.keep_until = s.ended_at if s.ended_at is not None else -1.0
+            self._released(s)
+
+    def _released(self, s: _Session) -> None:
+        """`s` left the working sets: learn its size as a session's expected peak."""
+        if s.tokens:
+            a = self.config.alpha
+            p = self.peak_tokens
+            self.peak_tokens = s.tokens if not p else (1 - a) * p + a * s.tokens

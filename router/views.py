@@ -110,4 +110,5 @@ def request_view(ctx: RequestContext) -> RequestView:
         chain=tok.chain,
         home_worker=home,
         home_tokens=home_tokens,
+        growth_tokens=ctx.router.working_sets.growth(tok.prompt_tokens),
     )

@@ -352,3 +352,12 @@ def test_moving_a_resident_session_pays_the_hysteresis_of_a_migration() -> None:
     # without a home (a session not counted anywhere) the faster worker wins
     free = OwnerServePolicy(model=M).plan(request(1000, session_id="s"), cluster(h0, h1))
     assert free.chosen.decode_worker == "h1"
+
+
+def test_displacement_counts_the_sessions_expected_growth() -> None:
+    w = worker("d", Role.DECODE, kv_capacity_tokens=10_000, ws_tokens=8_000)
+    # 1010 tokens fit beside 8,000 others; with 3,000 more to come they do not
+    assert RequestCosts(M, request(1000)).worker(w)[7] == 0.0
+    grown = RequestCosts(M, request(1000, growth_tokens=3_000))
+    disp = 1010 + 3000 - 2000
+    assert grown.worker(w)[7] == pytest.approx(disp * (1e-4 + 1e-8 * disp / 2))

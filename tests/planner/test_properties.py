@@ -85,6 +85,7 @@ def scenario(draw: st.DrawFn) -> tuple[RequestView, ClusterView]:
         is_fork=draw(st.booleans()),
         home_worker=draw(st.sampled_from([None, *ids])),
         home_tokens=draw(st.sampled_from([0, 4_000])),
+        growth_tokens=draw(st.sampled_from([0, 20_000])),
     )
     return req, ClusterView(workers=ws)
 

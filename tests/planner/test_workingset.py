@@ -95,3 +95,19 @@ def test_a_short_predicted_gap_is_kept_at_least_the_prior() -> None:
     assert ws.predicted_gap_s("s") == pytest.approx(0.01)
     assert ws.keep_s("s") == 4.0  # 2 × max(0.01, 2)
     assert ws.tokens("w0", 3.9) == 100
+
+
+def test_released_sessions_teach_the_expected_growth_of_new_ones() -> None:
+    ws = WorkingSets(RetentionConfig(prior_gap_s=1.0, factor=1.0, alpha=0.5))
+    assert ws.growth(100) == 0  # nothing released yet: no estimate
+    ws.started("a", "w0", 4000, now=0.0)
+    ws.ended("a", 6000, now=0.0)  # kept 1 s
+    assert ws.growth(100) == 0
+    ws.tokens("w0", 1.5)  # expired: released at 6000 tokens
+    assert ws.peak_tokens == 6000
+    assert ws.growth(1000) == 5000 and ws.growth(7000) == 0
+    # a gap predicted long releases at once, and is learnt too
+    ws2 = WorkingSets(RetentionConfig(prior_gap_s=100.0, max_gap_s=10.0))
+    ws2.started("b", "w0", 100, now=0.0)
+    ws2.ended("b", 2000, now=0.0)
+    assert ws2.peak_tokens == 2000
