@@ -4,22 +4,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from loadgen.capacity import RATED_WORKLOADS, sweep_workload
+from loadgen.sim.admission import AdmissionConfig, ProgramGate, RouterAdmission, ThunderAgentGate
 from loadgen.sim.engine import ClusterSpec, Simulator
 from loadgen.sim.from_workload import Rendering, workload_sessions
-from loadgen.sim.workload import SimSession, agentic_sessions, trace_sessions
+from loadgen.sim.workload import SimSession, agentic_sessions, kv_working_set, trace_sessions
 from loadgen.workloads import GENERATORS, generate
-from ownerserve.profiles import load_profile
+from ownerserve.profiles import TimingProfile, load_profile
 
 # the load generator's named workloads, but for its `agentic`: here that is the simulator's own
 LOADGEN_WORKLOADS = tuple(sorted(name for name in GENERATORS if name != "agentic"))
+# the load generator's workloads whose arrival rate can be set (`--rate`, `--rates`)
+SIM_RATED = tuple(sorted(name for name in RATED_WORKLOADS if name != "agentic"))
 
 TABLE_COLUMNS = (
     ("policy", "policy", "{}"),
+    ("rate_per_min", "rate /min", "{:.0f}"),
+    ("goodput_per_min", "goodput /min", "{:.1f}"),
     ("e2e_mean_s", "E2E mean s", "{:.2f}"),
     ("e2e_p95_s", "E2E p95 s", "{:.2f}"),
     ("e2e_p99_s", "E2E p99 s", "{:.2f}"),
@@ -33,7 +40,11 @@ TABLE_COLUMNS = (
     ("decode_interference_s", "interf. s", "{:.0f}"),
     ("owner_hit_rate", "owner hit", "{:.2f}"),
     ("max_concurrent_sessions", "max sessions", "{:.0f}"),
+    ("cpu_hit_tokens", "CPU hit Mtok", "{:.1f}"),
+    ("queued", "queued", "{}"),
+    ("queue_wait_p99_s", "wait p99 s", "{:.2f}"),
     ("rejected", "rejected", "{}"),
+    ("rejected_429", "429", "{}"),
 )
 
 
@@ -51,7 +62,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scale", type=float, default=1.0, help="load-generator workloads: generate's scale"
     )
     parser.add_argument(
-        "--rate", type=float, default=None, help="session arrivals per second (agentic)"
+        "--rate",
+        type=float,
+        default=None,
+        help="session arrivals per second ('agentic', and the rated load-generator workloads "
+        f"{'|'.join(sorted(SIM_RATED))}: main sessions; --sessions then counts those)",
+    )
+    parser.add_argument(
+        "--rates",
+        default=None,
+        help="sweep: main-session arrival rates per minute, comma list (rated workloads); the "
+        "same sessions at every rate, HBM sized once from the highest (--hbm-pressure)",
     )
     parser.add_argument(
         "--trace-repeat", type=int, default=1, help="tile the trace N times (disjoint ids)"
@@ -67,7 +88,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="ownerserve,static-pd,colocated,round-robin,prefix-multi-owner,least-loaded,oracle",
         help="comma-separated policies ('oracle' = ownerserve with future knowledge); the peer "
         "routers' models: sglang-cache-aware[-pd], vllm-cache-aware[-pd], vllm-consistent-hash, "
-        "vllm-power-of-two, dynamo-kv[-disagg], llm-d[-pd], mooncake-conductor",
+        "vllm-power-of-two, dynamo-kv[-disagg], llm-d[-pd], mooncake-conductor, thunderagent "
+        "(Dynamo KV routing under ThunderAgent's program scheduler)",
+    )
+    parser.add_argument(
+        "--split",
+        default="1:1:1",
+        help="the own policies' cluster: prefill:decode:hybrid shares of --workers (default "
+        "1:1:1; 0:0:1 = every worker hybrid, the aggregated peers' shape)",
     )
     parser.add_argument(
         "--peer-cluster",
@@ -80,6 +108,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="h100-llama3-8b", help="timing profile")
     parser.add_argument("--hbm-gb", type=float, default=None, help="KV HBM per worker, GB")
     parser.add_argument(
+        "--hbm-pressure",
+        type=float,
+        default=None,
+        help="size KV HBM per worker so the workload's working set (at the highest rate) is "
+        "this many times the cluster's HBM, but a worker holds the largest session "
+        "(`ownerserve bench capacity` uses 3)",
+    )
+    parser.add_argument(
+        "--cpu-blocks",
+        type=int,
+        default=0,
+        help="CPU KV tier per worker, blocks (the emulator's --cpu-num-blocks; 0 = none; "
+        "-1 = as many as HBM, the capacity bench's default)",
+    )
+    parser.add_argument(
+        "--block-tokens",
+        type=int,
+        default=512,
+        help="tokens per KV block (the emulated engine's is 16)",
+    )
+    parser.add_argument(
+        "--admission",
+        choices=("own", "off"),
+        default="own",
+        help="the router's admission queue (router/admission.py, its defaults) in front of "
+        "the own policies ('own', as the router runs them), or none ('off')",
+    )
+    parser.add_argument(
+        "--slo-ttft-p90-s",
+        type=float,
+        default=2.0,
+        help="goodput: a session is good when it completes and the p90 of its steps' TTFT is "
+        "at most this (loadgen.capacity's definition)",
+    )
+    parser.add_argument(
         "--load-scrape-s",
         type=float,
         default=0.0,
@@ -90,15 +153,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="directory for JSON and plots")
 
 
-def _workload(args: argparse.Namespace) -> list[SimSession]:
+def _workload(args: argparse.Namespace, rate_per_min: float | None = None) -> list[SimSession]:
+    if args.workload in SIM_RATED and rate_per_min:
+        w = sweep_workload(
+            args.workload, args.seed, args.scale, args.sessions, rate_per_min, args.time_scale
+        )
+        return workload_sessions(w, Rendering(block_size=args.block_tokens))
     if args.workload.startswith("trace:"):
         return trace_sessions(
             args.workload[6:], time_scale=args.time_scale, repeat=args.trace_repeat
         )[: args.sessions]
     if args.workload in LOADGEN_WORKLOADS:
         w = generate(args.workload, args.seed, args.scale).scaled(args.time_scale)
-        block = ClusterSpec.of_size(args.workers).block_tokens  # the spec `run_policies` builds
-        return workload_sessions(w, Rendering(block_size=block))[: args.sessions]
+        return workload_sessions(w, Rendering(block_size=args.block_tokens))[: args.sessions]
     if args.workload != "agentic":
         raise SystemExit(f"ownerserve sim: unknown workload {args.workload!r}")
     rate = args.rate if args.rate is not None else max(0.01, args.workers * 0.01)
@@ -115,7 +182,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             val = r[key]
             if key == "tpot_mean_s":
                 val = val * 1e3
-            if key == "prefill_tokens":
+            if key in ("prefill_tokens", "cpu_hit_tokens"):
                 val = val / 1e6
             cells.append(fmt.format(val))
         lines.append("| " + " | ".join(cells) + " |")
@@ -133,17 +200,82 @@ def peer_spec(spec: ClusterSpec, name: str) -> ClusterSpec:
     return replace(spec, prefill=0, decode=0, hybrid=n)
 
 
-def run_policies(args: argparse.Namespace, sessions: list[SimSession]) -> list[dict[str, Any]]:
+def cluster_spec(
+    args: argparse.Namespace, profile: TimingProfile, sizing: list[SimSession] | None = None
+) -> ClusterSpec:
+    """The cluster `args` ask for; with `--hbm-pressure`, its HBM sized from `sizing`'s
+    working set (`kv_working_set`) as `ownerserve bench capacity` sizes the emulated one."""
+    if args.load_scrape_s < 0:
+        raise SystemExit("ownerserve sim: --load-scrape-s must be >= 0")
+    bt = args.block_tokens
+    block_bytes = profile.kv_bytes_per_token * bt
+    hbm = int(args.hbm_gb * 1e9) if args.hbm_gb else None
+    if args.hbm_pressure:
+        if args.hbm_pressure <= 0:
+            raise SystemExit("ownerserve sim: --hbm-pressure must be > 0")
+        peak, largest = kv_working_set(sizing or [], profile, bt)
+        blocks = max(math.ceil(peak / (args.hbm_pressure * args.workers)), largest, 1)
+        hbm = blocks * block_bytes
+    hbm_blocks = (hbm if hbm is not None else profile.hbm_kv_bytes) // block_bytes
+    cpu = hbm_blocks if args.cpu_blocks == -1 else args.cpu_blocks
+    if cpu < 0:
+        raise SystemExit("ownerserve sim: --cpu-blocks must be >= 0 (or -1: as many as HBM)")
+    spec = ClusterSpec.of_size(args.workers, block_tokens=bt, hbm_kv_bytes=hbm, cpu_blocks=cpu)
+    return replace(spec, **split_roles(args.split, args.workers), load_scrape_s=args.load_scrape_s)
+
+
+def split_roles(split: str, n: int) -> dict[str, int]:
+    """`n` workers by `split`'s prefill:decode:hybrid shares (the remainder to hybrid, or to
+    the last non-zero role)."""
+    try:
+        shares = [float(x) for x in split.split(":")]
+    except ValueError:
+        shares = []
+    if len(shares) != 3 or min(shares) < 0 or sum(shares) <= 0:
+        raise SystemExit(f"ownerserve sim: --split {split!r}: three shares P:D:H, e.g. 1:1:1")
+    total = sum(shares)
+    counts = [int(n * x / total) for x in shares]
+    last = max(i for i, x in enumerate(shares) if x > 0)
+    counts[last] += n - sum(counts)
+    return dict(zip(("prefill", "decode", "hybrid"), counts, strict=True))
+
+
+def gate_for(name: str, policy: Any, sim: Simulator, admission: str) -> ProgramGate | None:
+    """The program-level gate in front of policy `name` on `sim`'s cluster: ThunderAgent's
+    program scheduler for its model, the router's admission queue for the own policies
+    (`admission` 'own'), none for the other peers."""
+    from planner.policies.peers import PEERS, ThunderAgentPolicy
+
+    decoders = [w for w in sim.workers if w.role.value != "prefill"] or sim.workers
+    bt = sim.spec.block_tokens
+    if isinstance(policy, ThunderAgentPolicy):
+        # its retention budget: HBM plus the host tier (Dynamo's port counts SGLang HiCache's)
+        cpu = sim.spec.cpu_blocks
+        return ThunderAgentGate(
+            policy.scheduler({w.wid: (w.capacity + cpu) * bt for w in decoders})
+        )
+    if name in PEERS or admission == "off":
+        return None
+    by_id = sim.by_id
+
+    def usage(wid: str) -> float:
+        w = by_id[wid]
+        return w.decode_ctx / (w.capacity * bt)
+
+    return RouterAdmission([w.wid for w in decoders], usage, AdmissionConfig())
+
+
+def run_policies(
+    args: argparse.Namespace,
+    sessions: list[SimSession],
+    spec: ClusterSpec | None = None,
+    rate_per_min: float | None = None,
+) -> list[dict[str, Any]]:
     from planner.policies import get_policy
     from planner.policies.peers import PEERS
 
     profile = load_profile(args.profile)
-    hbm = int(args.hbm_gb * 1e9) if args.hbm_gb else None
-    if args.load_scrape_s < 0:
-        raise SystemExit("ownerserve sim: --load-scrape-s must be >= 0")
-    spec = replace(
-        ClusterSpec.of_size(args.workers, hbm_kv_bytes=hbm), load_scrape_s=args.load_scrape_s
-    )
+    spec = spec or cluster_spec(args, profile, sessions)
     rows = []
     for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
         oracle = name == "oracle"
@@ -157,13 +289,18 @@ def run_policies(args: argparse.Namespace, sessions: list[SimSession]) -> list[d
             seed=args.seed,
             oracle=oracle,
             full_view=peer,
+            slo_ttft_p90_s=args.slo_ttft_p90_s,
+            rate_per_min=rate_per_min,
+            working_set_views=not peer,  # the peers do not read them
         )
+        sim.gate = gate_for(name, policy, sim, args.admission)
         summary = sim.run(sessions).summary()
         summary["policy"] = name
         rows.append(summary)
         print(
             f"  {name:<20} {summary['requests']:>8} req  {summary['events']:>9} events  "
-            f"{summary['wall_s']:6.1f}s wall  {summary['events_per_s']:>9.0f} ev/s",
+            f"{summary['wall_s']:6.1f}s wall  {summary['events_per_s']:>9.0f} ev/s  "
+            f"goodput {summary['goodput_per_min']:.1f}/min  E2E {summary['e2e_mean_s']:.2f}s",
             flush=True,
         )
     return rows
@@ -181,23 +318,54 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rates(args: argparse.Namespace) -> list[float | None]:
+    """The sweep's rates (main sessions per minute), or [--rate × 60], or [None]."""
+    if args.rates:
+        try:
+            rates = sorted({float(x) for x in args.rates.split(",") if x.strip()})
+        except ValueError:
+            raise SystemExit(
+                f"ownerserve sim: --rates {args.rates!r}: numbers, comma list"
+            ) from None
+        if not rates or rates[0] <= 0 or args.workload not in SIM_RATED:
+            raise SystemExit(
+                "ownerserve sim: --rates takes rates > 0 and a rated workload "
+                f"({'|'.join(sorted(SIM_RATED))})"
+            )
+        return list(rates)
+    return [args.rate * 60.0 if args.rate is not None else None]
+
+
 def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rates = _rates(args)
+    profile = load_profile(args.profile)
+    # the same sessions at every rate; the cluster sized once, from the highest rate
     t0 = time.perf_counter()
-    sessions = _workload(args)
-    print(
-        f"ownerserve sim: {len(sessions)} sessions, {args.workers} workers, "
-        f"workload {args.workload} (built in {time.perf_counter() - t0:.1f}s)",
-        flush=True,
-    )
-    rows = run_policies(args, sessions)
+    top = _workload(args, rates[-1])
+    top_s = time.perf_counter() - t0
+    spec = cluster_spec(args, profile, top)
+    rows = []
+    for rate in rates:
+        t0 = time.perf_counter()
+        sessions = top if rate == rates[-1] else _workload(args, rate)
+        built_s = top_s if rate == rates[-1] else time.perf_counter() - t0
+        print(
+            f"ownerserve sim: {len(sessions)} sessions, {args.workers} workers, workload "
+            f"{args.workload}{f' at {rate:g}/min' if rate else ''}, HBM "
+            f"{(spec.hbm_kv_bytes or profile.hbm_kv_bytes) / 1e9:.2f} GB + CPU "
+            f"{spec.cpu_blocks} blocks per worker (built in {built_s:.1f}s)",
+            flush=True,
+        )
+        rows.extend(run_policies(args, sessions, spec, rate))
     print()
     print(markdown_table(rows))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "sim.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
-        from loadgen.sim.plots import plot_rows
+        from loadgen.sim.plots import plot_rates, plot_rows
 
         plot_rows(rows, out)
+        plot_rates(rows, out)
         print(f"\nwrote {out}/sim.json and plots")
     return rows

@@ -18,6 +18,15 @@ holding the prefix, the session owner, and a power-of-d sample of the least load
 unless it is run with `full_view` (the peer routers' models: their binaries weigh every worker).
 A policy may refuse a request (`RequestRejectedError`, Mooncake's early rejection): it is
 counted apart and its session ends there.
+
+Issue 23's regime: the sessions' KV working sets (`planner.workingset.WorkingSets`, fed as the
+router feeds it: a request counts on its decode worker from its start, its prompt and output
+after it ends, kept through a short predicted gap) fill `WorkerView.ws_tokens` and the
+request's `home_worker`; a CPU tier per worker (`ClusterSpec.cpu_blocks`) takes the blocks HBM
+evicts, LRU, and a prefix found there is loaded at the profile's `cpu_load_bps` instead of
+recomputed; a program-level gate (`loadgen.sim.admission`: the router's admission queue, or
+ThunderAgent's program scheduler) may hold requests before they are planned. Goodput counts
+the completed sessions whose steps' p90 TTFT met the SLO (`loadgen.capacity`'s definition).
 """
 
 from __future__ import annotations
@@ -25,18 +34,23 @@ from __future__ import annotations
 import bisect
 import heapq
 import random
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from loadgen.report import percentile
+from loadgen.sim.admission import ProgramGate
 from loadgen.sim.workload import SimSession
 from ownerserve.profiles import TimingProfile
 from ownerserve.types import Role, Tier
 from planner.policies.peers import RequestRejectedError
 from planner.types import Action, ClusterView, Plan, Policy, RequestView, WorkerView
+from planner.workingset import WorkingSets
 
 _ARRIVE = 0
 _DECODE_END = 1
+_TICK = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +66,18 @@ class ClusterSpec:
     load_scrape_s: float = 0.0
     """How old the policies' `kv_usage` may be: the router scrapes it from each worker's
     metrics every `server.health_interval_s` (2 s by default); 0 = always current."""
+    cpu_blocks: int = 0
+    """Per worker, blocks of the CPU tier behind HBM (the emulator's `--cpu-num-blocks`);
+    0 = none."""
 
     @property
     def total(self) -> int:
         return self.prefill + self.decode + self.hybrid
 
     @staticmethod
-    def of_size(n: int, *, block_tokens: int = 512, hbm_kv_bytes: int | None = None) -> ClusterSpec:
+    def of_size(
+        n: int, *, block_tokens: int = 512, hbm_kv_bytes: int | None = None, cpu_blocks: int = 0
+    ) -> ClusterSpec:
         """`n` workers split 1:1:1 across prefill, decode and hybrid (remainder to hybrid)."""
         third = n // 3
         return ClusterSpec(
@@ -67,6 +86,7 @@ class ClusterSpec:
             hybrid=n - 2 * third,
             block_tokens=block_tokens,
             hbm_kv_bytes=hbm_kv_bytes,
+            cpu_blocks=cpu_blocks,
         )
 
 
@@ -112,6 +132,7 @@ class _Worker:
     __slots__ = (
         "cache",
         "capacity",
+        "cpu",
         "decode_active",
         "decode_ctx",
         "idx",
@@ -134,6 +155,7 @@ class _Worker:
         self.node = node
         self.capacity = capacity
         self.cache: dict[int, int] = {}  # block -> recency (higher = more recent)
+        self.cpu: OrderedDict[int, None] = OrderedDict()  # CPU tier, least recent first
         self.log: deque[tuple[int, int]] = deque()
         self.prefill_free_at = 0.0
         self.pending: list[tuple[float, int]] = []  # (prefill end, tokens) in FIFO order
@@ -175,8 +197,10 @@ class _FullView:
     kept from request to request and rebuilt only where something it shows changed: the
     worker's load (a plan put work on it, a decode ended there, a prefill of its queue
     finished), its node's NIC backlog (while one is queued), the scraped kv_usage (a new scrape
-    period) or how much of this request's chain it holds. The views are exactly
-    `Simulator._view`'s; a 1,000-worker cluster costs a few hundred µs a request, not ms."""
+    period), how much of this request's chain it holds (in HBM, and with the CPU tier) or its
+    working set. The views are exactly `Simulator._view`'s; a 1,000-worker cluster costs a few
+    hundred µs a request, not ms (without `working_set_views`: asking the working sets for
+    every worker costs about as much again)."""
 
     __slots__ = ("cache", "nic_busy", "node_workers", "period", "sim", "version", "wakeups")
 
@@ -184,7 +208,7 @@ class _FullView:
         self.sim = sim
         n = len(sim.workers)
         self.version = [0] * n
-        self.cache: list[tuple[int, int, WorkerView] | None] = [None] * n
+        self.cache: list[tuple[int, int, int, int, WorkerView] | None] = [None] * n
         self.wakeups: list[tuple[float, int]] = []  # (prefill end, worker): its queue shrinks
         self.nic_busy: set[str] = set()
         self.node_workers: dict[str, list[int]] = {}
@@ -234,15 +258,19 @@ class _FullView:
             for i in range(len(version)):
                 version[i] += 1
         depth = self.depths(held)
+        cpu = sim._cpu_depths(held, depth) if sim.offloads else {}
+        ws = sim.ws.tokens if sim.ws_views else None
         cache = self.cache
         views = []
         for w in sim.workers:
             i = w.idx
             n = depth.get(i, 0)
+            m = cpu.get(i, n)
+            t = ws(w.wid, now) if ws is not None else 0
             c = cache[i]
-            if c is None or c[0] != version[i] or c[1] != n:
-                c = cache[i] = (version[i], n, sim._view_at(w, now, n))
-            views.append(c[2])
+            if c is None or c[0] != version[i] or c[1] != n or c[2] != m or c[3] != t:
+                c = cache[i] = (version[i], n, m, t, sim._view_at(w, now, n, m, t))
+            views.append(c[4])
         return ClusterView(workers=tuple(views))
 
 
@@ -272,6 +300,24 @@ class SimResult:
     max_concurrent_sessions: float = 0.0
     rejected: int = 0
     actions: dict[str, int] = field(default_factory=dict)
+    cpu_hit_tokens: int = 0
+    sessions_completed: int = 0
+    sessions_good: int = 0
+    slo_ttft_p90_s: float = 2.0
+    rate_per_min: float = 0.0
+    """Offered arrival rate of the main sessions (goodput's scale, as `loadgen.capacity`)."""
+    queued: int = 0
+    """Requests a program-level gate held before planning them."""
+    queue_waits_s: list[float] = field(default_factory=list)
+    rejected_429: int = 0
+    """Requests the gate refused (queue full, waited too long): their sessions end there."""
+    paused: int = 0
+    """Programs ThunderAgent's scheduler paused."""
+
+    @property
+    def goodput_per_min(self) -> float:
+        """Good sessions per minute: the offered rate × the share of sessions that were good."""
+        return self.rate_per_min * self.sessions_good / self.sessions if self.sessions else 0.0
 
     def summary(self) -> dict[str, Any]:
         def pct(xs: list[float], q: float) -> float:
@@ -311,6 +357,17 @@ class SimResult:
             "dup_factor": self.dup_factor,
             "max_concurrent_sessions": self.max_concurrent_sessions,
             "actions": dict(sorted(self.actions.items())),
+            "cpu_hit_tokens": self.cpu_hit_tokens,
+            "sessions_completed": self.sessions_completed,
+            "sessions_good": self.sessions_good,
+            "slo_ttft_p90_s": self.slo_ttft_p90_s,
+            "rate_per_min": self.rate_per_min,
+            "goodput_per_min": self.goodput_per_min,
+            "queued": self.queued,
+            "queue_wait_mean_s": mean(self.queue_waits_s),
+            "queue_wait_p99_s": pct(self.queue_waits_s, 0.99),
+            "rejected_429": self.rejected_429,
+            "paused": self.paused,
         }
 
 
@@ -327,8 +384,20 @@ class Simulator:
         oracle: bool = False,
         model: str = "sim-model",
         full_view: bool = False,
+        gate: ProgramGate | None = None,
+        slo_ttft_p90_s: float = 2.0,
+        rate_per_min: float | None = None,
+        working_set_views: bool = True,
     ) -> None:
         self.spec = spec
+        # False: `WorkerView.ws_tokens` stays 0 (for policies that do not read it, the peers)
+        self.ws_views = working_set_views
+        self.gate = gate
+        self.slo_ttft_p90_s = slo_ttft_p90_s
+        self.rate_per_min = rate_per_min
+        self.ws = WorkingSets()
+        self.offloads = spec.cpu_blocks > 0
+        self.cpu_holders: dict[int, set[int]] = {}
         self.profile = profile
         self.policy = policy
         self.oracle = oracle
@@ -427,6 +496,60 @@ class Simulator:
                 # the owner lost its copy: ownership passes to a surviving holder
                 self.owner[victim] = next(iter(hs))
         self.cached_blocks -= len(victims)
+        if self.offloads:
+            self._offload(w, victims)
+
+    def _offload(self, w: _Worker, blocks: list[int]) -> None:
+        """`blocks` evicted from `w`'s HBM move to its CPU tier, which evicts its least
+        recently used blocks past `cpu_blocks`. Victims come least recent first, tails before
+        their prefixes, and are stored in that order: a prefix leaves the tier after its
+        tail."""
+        cpu = w.cpu
+        holders = self.cpu_holders
+        for b in blocks:
+            if b in cpu:
+                cpu.move_to_end(b)
+                continue
+            cpu[b] = None
+            hs = holders.get(b)
+            if hs is None:
+                holders[b] = {w.idx}
+            else:
+                hs.add(w.idx)
+        over = len(cpu) - self.spec.cpu_blocks
+        for _ in range(over if over > 0 else 0):
+            b, _none = cpu.popitem(last=False)
+            hs = holders[b]
+            hs.discard(w.idx)
+            if not hs:
+                del holders[b]
+
+    @staticmethod
+    def _cpu_extent(w: _Worker, chain: tuple[int, ...], start: int) -> int:
+        """How far `w`'s tiers together hold `chain` from block `start` (its HBM prefix) on:
+        the blocks past it found in its CPU tier, in order."""
+        cpu = w.cpu
+        k, n = start, len(chain)
+        while k < n and chain[k] in cpu:
+            k += 1
+        return k
+
+    def _cpu_depths(self, held: _Held, depth: dict[int, int]) -> dict[int, int]:
+        """Per worker whose CPU tier extends its HBM prefix of `held`'s chain, that combined
+        prefix in blocks (`depth`: the HBM prefixes of the holders)."""
+        chain = held.chain
+        if not chain:
+            return {}
+        out: dict[int, int] = {}
+        workers = self.workers
+        holders = self.cpu_holders
+        for wi, n in depth.items():
+            if n < len(chain) and wi in holders.get(chain[n], ()):
+                out[wi] = self._cpu_extent(workers[wi], chain, n)
+        for wi in holders.get(chain[0], ()):
+            if wi not in depth:
+                out[wi] = self._cpu_extent(workers[wi], chain, 0)
+        return out
 
     def _held(self, chain: tuple[int, ...]) -> _Held:
         """Who holds how much of `chain` (caches are prefix-closed, see `_insert`)."""
@@ -443,11 +566,18 @@ class Simulator:
     # -- views -------------------------------------------------------------------------------
 
     def _view(self, w: _Worker, now: float, held: _Held) -> WorkerView:
-        return self._view_at(w, now, held.depth(w.idx))
+        n = held.depth(w.idx)
+        m = self._cpu_extent(w, held.chain, n) if self.offloads else n
+        return self._view_at(w, now, n, m, self.ws.tokens(w.wid, now) if self.ws_views else 0)
 
-    def _view_at(self, w: _Worker, now: float, n: int) -> WorkerView:
-        """The view of `w` at `now` for a request whose chain it holds `n` blocks of."""
+    def _view_at(self, w: _Worker, now: float, n: int, m: int, ws_tokens: int) -> WorkerView:
+        """The view of `w` at `now` for a request whose chain it holds `n` blocks of in HBM
+        and `m` in HBM and CPU together; `ws_tokens` its working set."""
         jobs, tokens = w.pending_tokens(now)
+        if m > n:
+            cached = {Tier.GPU: n, Tier.CPU: m} if n else {Tier.CPU: m}
+        else:
+            cached = {Tier.GPU: n} if n else {}
         return WorkerView(
             worker_id=w.wid,
             role=w.role,
@@ -455,10 +585,12 @@ class Simulator:
             waiting=jobs,
             inflight_prefill_tokens=tokens,
             kv_usage=self._kv_usage(w, now),
-            cached_blocks={Tier.GPU: n} if n else {},
+            cached_blocks=cached,
             node=w.node,
             nic_backlog_s=max(0.0, self.nic_free_at.get(w.node, 0.0) - now),
             kv_capacity_tokens=w.capacity * self.spec.block_tokens,
+            ws_tokens=ws_tokens,
+            offloads=self.offloads,
         )
 
     def _kv_usage(self, w: _Worker, now: float) -> float:
@@ -504,7 +636,6 @@ class Simulator:
 
         t_wall = _time.perf_counter()
         prof = self.profile
-        bt = self.spec.block_tokens
         heap: list[tuple[float, int, int, int, int]] = []
         seq = 0
         for si, s in enumerate(sessions):
@@ -515,6 +646,11 @@ class Simulator:
                     for b in turn.chain:
                         self.future_refs[b] = self.future_refs.get(b, 0) + 1
         heapq.heapify(heap)
+        if self.rate_per_min is None:
+            span = max((s.start_s for s in sessions), default=0.0) - min(
+                (s.start_s for s in sessions), default=0.0
+            )
+            self.rate_per_min = 60.0 * len(sessions) / span if span > 0 else 0.0
         res = SimResult(
             policy=self.policy.name,
             workers=len(self.workers),
@@ -523,11 +659,29 @@ class Simulator:
             events=0,
             wall_s=0.0,
             sim_s=0.0,
+            slo_ttft_p90_s=self.slo_ttft_p90_s,
+            rate_per_min=self.rate_per_min,
         )
-        session_start = [s.start_s for s in sessions]
-        prev_tokens = [0] * len(sessions)
+        self._res = res
+        self._heap = heap
+        self._seq = seq
+        self._sessions = sessions
+        self._sids = [str(i) for i in range(len(sessions))]
+        self._prev_tokens = [0] * len(sessions)
+        self._attained = [0] * len(sessions)
+        self._ttfts: list[list[float]] = [[] for _ in sessions]
+        self._waiting: dict[Hashable, tuple[int, float]] = {}  # session -> (turn, arrived)
         # decodes in flight: id -> (session, turn, worker, ctx, decode start, decode seconds)
-        live: dict[int, tuple[int, int, int, int, float, float]] = {}
+        self._live: dict[int, tuple[int, int, int, int, float, float]] = {}
+        live = self._live
+        ws = self.ws
+        gate = self.gate
+        sids = self._sids
+        tick_s = gate.tick_s if gate is not None else 0.0
+        if tick_s > 0 and heap:
+            heapq.heappush(heap, (heap[0][0] + tick_s, -1, _TICK, 0, 0))
+        session_start = [s.start_s for s in sessions]
+        slo = self.slo_ttft_p90_s
         # time integrals of cached blocks (all copies) and of distinct blocks
         dup_num = dup_den = 0.0
         now = last = heap[0][0] if heap else 0.0
@@ -539,6 +693,13 @@ class Simulator:
                 dup_num += self.cached_blocks * dt
                 dup_den += len(self.holders) * dt
                 last = now
+            if kind == _TICK:
+                assert gate is not None
+                gate.tick(now)
+                self._release(now)
+                if heap or self._waiting:  # more to come: the loop goes on
+                    heapq.heappush(heap, (now + tick_s, -1, _TICK, 0, 0))
+                continue
             if kind == _DECODE_END:
                 si, ti, wi, ctx, ds, need = live[a]
                 w = self.workers[wi]
@@ -546,8 +707,8 @@ class Simulator:
                 stalled = w.stalled_before(now) - w.stalled_before(ds)
                 left = need - (now - ds - stalled)
                 if left > 1e-9:
-                    heapq.heappush(heap, (now + left, seq, _DECODE_END, a, 0))
-                    seq += 1
+                    heapq.heappush(heap, (now + left, self._seq, _DECODE_END, a, 0))
+                    self._seq += 1
                     continue
                 del live[a]
                 w.decode_active -= 1
@@ -555,59 +716,39 @@ class Simulator:
                     self._full.changed(wi)
                 w.decode_ctx -= ctx
                 sess = sessions[si]
-                if ti + 1 < len(sess.turns):
+                done = ti + 1 >= len(sess.turns)
+                ws.ended(sids[si], ctx, now)
+                self._attained[si] += ctx
+                if not done:
                     nxt = sess.turns[ti + 1]
-                    heapq.heappush(heap, (now + nxt.gap_s, seq, _ARRIVE, si, ti + 1))
-                    seq += 1
+                    heapq.heappush(heap, (now + nxt.gap_s, self._seq, _ARRIVE, si, ti + 1))
+                    self._seq += 1
                 else:
                     res.session_e2e_s.append(now - session_start[si])
+                    res.sessions_completed += 1
+                    p90 = percentile(self._ttfts[si], 90)
+                    if p90 is not None and p90 <= slo:
+                        res.sessions_good += 1
+                    self._ttfts[si] = []
+                if gate is not None:
+                    gate.ended(si, w.wid, ctx, now, done)
+                    self._release(now)
                 continue
             si, ti = a, b
-            sess = sessions[si]
-            turn = sess.turns[ti]
-            if self.oracle:
-                for blk in turn.chain:
-                    self.future_refs[blk] -= 1
-            held = self._held(turn.chain)
-            best_avail = held.best
-            owner_idx = self.owner.get(turn.chain[best_avail - 1]) if best_avail else None
-            so = self.session_owner.get(si if sess.fork_of is None else sess.fork_of)
-            if self._full is not None:
-                view = self._full.view(now, held)
-            else:
-                cands = self._candidates(held, so)
-                view = ClusterView(workers=tuple(self._view(w, now, held) for w in cands))
-            req = RequestView(
-                model=self.model,
-                prompt_tokens=turn.input_tokens,
-                block_size=bt,
-                chain_blocks=len(turn.chain),
-                max_tokens=turn.output_tokens,
-                session_id=str(si),
-                session_owner=self.workers[so].wid if so is not None else None,
-                owner=self.workers[owner_idx].wid if owner_idx is not None else None,
-                owner_blocks=best_avail,
-                previous_prompt_tokens=prev_tokens[si],
-                idle_s=turn.gap_s,
-                is_fork=sess.fork_of is not None,
-                kv_bytes_per_token=prof.kv_bytes_per_token,
-                chain=turn.chain,
-            )
-            try:
-                plan = self.policy.plan(req, view)
-            except RequestRejectedError:
-                res.rejected += 1  # the client got a 429: its session ends here
+            if gate is not None and not gate.arrive(
+                si, sessions[si].turns[ti].input_tokens, self._attained[si], now
+            ):
+                self._waiting[si] = (ti, now)
+                self._release(now)  # refused ones end here
                 continue
-            wi, ctx, ds, need = self._execute(plan, turn, held, best_avail, now, res)
-            live[seq] = (si, ti, wi, ctx, ds, need)
-            heapq.heappush(heap, (ds + need, seq, _DECODE_END, seq, 0))
-            seq += 1
-            res.requests += 1
-            prev_tokens[si] = turn.input_tokens
-            self.session_owner[si] = self.by_id[plan.chosen.decode_worker].idx
+            self._start(si, ti, now, now)
         res.sim_s = now
         res.wall_s = _time.perf_counter() - t_wall
         res.dup_factor = dup_num / dup_den if dup_den else 1.0
+        if gate is not None:
+            res.queued = gate.queued
+            res.queue_waits_s = list(gate.waits_s)
+            res.paused = gate.programs_paused
         # sessions whose whole context fits in the cluster's KV HBM, given the policy's
         # duplication: HBM / (mean final context bytes of a session × duplicate factor)
         total_hbm = sum(w.capacity for w in self.workers) * self.block_bytes
@@ -618,6 +759,79 @@ class Simulator:
             per_session = mean_ctx * prof.kv_bytes_per_token * max(res.dup_factor, 1.0)
             res.max_concurrent_sessions = total_hbm / per_session
         return res
+
+    def _release(self, now: float) -> None:
+        """Plan the waiting requests the gate lets go now; end the sessions it refused."""
+        gate = self.gate
+        assert gate is not None
+        waiting = self._waiting
+        for si in gate.rejected(now):
+            if waiting.pop(si, None) is not None:
+                self._res.rejected_429 += 1  # the client got a 429: its session ends here
+        while (si := gate.next_release(now)) is not None:
+            entry = waiting.pop(si, None)
+            if entry is not None:
+                self._start(si, entry[0], now, entry[1])  # type: ignore[arg-type]
+
+    def _start(self, si: int, ti: int, now: float, arrived: float) -> None:
+        """Plan and run turn `ti` of session `si` at `now` (it arrived at `arrived`)."""
+        prof = self.profile
+        res = self._res
+        sess = self._sessions[si]
+        turn = sess.turns[ti]
+        if self.oracle:
+            for blk in turn.chain:
+                self.future_refs[blk] -= 1
+        held = self._held(turn.chain)
+        best_avail = held.best
+        owner_idx = self.owner.get(turn.chain[best_avail - 1]) if best_avail else None
+        so = self.session_owner.get(si if sess.fork_of is None else sess.fork_of)
+        sid = self._sids[si]
+        if self._full is not None:
+            view = self._full.view(now, held)
+        else:
+            cands = self._candidates(held, so)
+            view = ClusterView(workers=tuple(self._view(w, now, held) for w in cands))
+        home, home_tokens = self.ws.home(sid, now)
+        req = RequestView(
+            model=self.model,
+            prompt_tokens=turn.input_tokens,
+            block_size=self.spec.block_tokens,
+            chain_blocks=len(turn.chain),
+            max_tokens=turn.output_tokens,
+            session_id=sid,
+            session_owner=self.workers[so].wid if so is not None else None,
+            owner=self.workers[owner_idx].wid if owner_idx is not None else None,
+            owner_blocks=best_avail,
+            previous_prompt_tokens=self._prev_tokens[si],
+            idle_s=turn.gap_s,
+            is_fork=sess.fork_of is not None,
+            kv_bytes_per_token=prof.kv_bytes_per_token,
+            chain=turn.chain,
+            home_worker=home,
+            home_tokens=home_tokens,
+            growth_tokens=self.ws.growth(turn.input_tokens),
+        )
+        try:
+            plan = self.policy.plan(req, view)
+        except RequestRejectedError:
+            res.rejected += 1  # the client got a 429: its session ends here
+            if self.gate is not None:
+                self.gate.ended(si, "", 0, now, True)
+            return
+        wi, ctx, ds, need = self._execute(plan, turn, held, best_avail, now, arrived, res)
+        seq = self._seq
+        self._live[seq] = (si, ti, wi, ctx, ds, need)
+        heapq.heappush(self._heap, (ds + need, seq, _DECODE_END, seq, 0))
+        self._seq = seq + 1
+        res.requests += 1
+        self._ttfts[si].append(res.ttft_s[-1])
+        self._prev_tokens[si] = turn.input_tokens
+        d = self.by_id[plan.chosen.decode_worker]
+        self.session_owner[si] = d.idx
+        self.ws.started(sid, d.wid, turn.input_tokens, now)
+        if self.gate is not None:
+            self.gate.started(si, d.wid, turn.input_tokens, now)
 
     def _transfer(self, src: _Worker, dst: _Worker, nbytes: int, ready: float) -> float:
         """Queue `nbytes` on the sender's NIC from `ready`; returns the arrival time."""
@@ -639,6 +853,7 @@ class Simulator:
         held: _Held,
         best_avail: int,
         now: float,
+        arrived: float,
         res: SimResult,
     ) -> tuple[int, int, float, float]:
         """Run `plan` for `turn`; returns (decode worker, context tokens, decode start, decode
@@ -662,6 +877,20 @@ class Simulator:
             res.network_kv_bytes += nbytes
             reused_blocks += fetch_blocks
             self._insert(p, turn.chain[: held.depth(src.idx)])
+        if self.offloads:
+            # the prefix past HBM found in P's CPU tier loads over PCIe instead of recomputing
+            # (vLLM's offloading connector: the load runs before the prefill is scheduled)
+            extent = self._cpu_extent(p, turn.chain, reused_blocks)
+            if extent > reused_blocks:
+                loaded = extent - reused_blocks
+                cpu = p.cpu
+                for blk in turn.chain[reused_blocks:extent]:
+                    cpu.move_to_end(blk)
+                ready = max(ready, now + loaded * self.block_bytes / prof.link.cpu_load_bps)
+                res.cpu_hit_tokens += min(extent * bt, turn.input_tokens) - min(
+                    reused_blocks * bt, turn.input_tokens
+                )
+                reused_blocks = extent
         reused_tokens = min(reused_blocks * bt, turn.input_tokens)
         new_tokens = turn.input_tokens - reused_tokens
         start = max(ready, p.prefill_free_at)
@@ -704,7 +933,7 @@ class Simulator:
         d.decode_active += 1
         d.decode_ctx += ctx
         step = prof.decode_step_s(d.decode_active, d.decode_ctx)
-        ttft = decode_ready + step - now
+        ttft = decode_ready + step - arrived  # a gate's wait included: the client waited
         res.ttft_s.append(ttft)
         res.tpot_s.append(step)
         return d.idx, ctx, decode_ready, step * max(1, turn.output_tokens)

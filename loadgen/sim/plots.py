@@ -30,3 +30,35 @@ def plot_rows(rows: list[dict[str, Any]], out: Path, prefix: str = "sim") -> lis
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return [path]
+
+
+def plot_rates(rows: list[dict[str, Any]], out: Path, prefix: str = "sim") -> list[Path]:
+    """Goodput and mean session E2E against the arrival rate, a line per policy (a sweep's
+    rows, `ownerserve sim --rates`); nothing when the rows hold one rate."""
+    rates = sorted({r["rate_per_min"] for r in rows})
+    if len(rates) < 2:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = plt.get_cmap("tab20")
+    for i, name in enumerate(dict.fromkeys(r["policy"] for r in rows)):
+        mine = sorted((r for r in rows if r["policy"] == name), key=lambda r: r["rate_per_min"])
+        xs = [r["rate_per_min"] for r in mine]
+        style = {"marker": "o", "label": name, "color": colors(i % 20)}
+        axes[0].plot(xs, [r["goodput_per_min"] for r in mine], **style)
+        axes[1].plot(xs, [r["e2e_mean_s"] for r in mine], **style)
+    axes[0].set_title("goodput (sessions/min at the TTFT SLO)", fontsize=9)
+    axes[1].set_title("session E2E mean (s)", fontsize=9)
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel("main sessions / min", fontsize=8)
+    axes[1].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    path = out / f"{prefix}_rates.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
 
+from ownerserve.profiles import TimingProfile
+
 
 @dataclass(frozen=True, slots=True)
 class SimTurn:
@@ -153,3 +155,54 @@ def trace_sessions(
 def iter_turns(sessions: list[SimSession]) -> Iterator[SimTurn]:
     for s in sessions:
         yield from s.turns
+
+
+def kv_working_set(
+    sessions: list[SimSession], profile: TimingProfile, block_tokens: int
+) -> tuple[int, int]:
+    """(peak working set, largest session), in KV blocks, as `loadgen.capacity.kv_demand`
+    counts them: a session is active from its start for its tool gaps plus its turns'
+    uncontended service (prefill of each turn's new tokens, then its decode at batch 1) and
+    holds its last prompt's blocks plus its last output; the peak, over session starts, of the
+    distinct blocks of the active sessions. A lower bound: queueing keeps sessions longer."""
+    bt = block_tokens
+    events: list[tuple[float, int, int]] = []
+    own: list[int] = []  # per session, the blocks past its chain: tail and last output
+    largest = 0
+    for i, s in enumerate(sessions):
+        busy = 0.0
+        prev = 0
+        for t in s.turns:
+            new = max(0, t.input_tokens - prev)
+            busy += t.gap_s + profile.prefill_s(new, t.input_tokens - new)
+            busy += t.output_tokens * profile.decode_step_s(1, t.input_tokens)
+            prev = t.input_tokens
+        last = s.turns[-1]
+        extra = -(-(last.input_tokens - len(last.chain) * bt + last.output_tokens) // bt)
+        own.append(max(0, extra))
+        largest = max(largest, len(last.chain) + own[-1])
+        events.append((s.start_s, 1, i))
+        events.append((s.start_s + busy, 0, i))
+    events.sort()  # at equal times a session ends before another starts
+    refs: dict[int, int] = {}
+    distinct = extra_total = peak = 0
+    for _, starting, i in events:
+        last = sessions[i].turns[-1]
+        if starting:
+            for b in last.chain:
+                r = refs.get(b, 0)
+                if not r:
+                    distinct += 1
+                refs[b] = r + 1
+            extra_total += own[i]
+            peak = max(peak, distinct + extra_total)
+        else:
+            for b in last.chain:
+                r = refs[b] - 1
+                if r:
+                    refs[b] = r
+                else:
+                    del refs[b]
+                    distinct -= 1
+            extra_total -= own[i]
+    return peak, largest

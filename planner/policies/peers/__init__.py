@@ -21,6 +21,7 @@ from planner.policies.peers.dynamo import DynamoKVDisaggPolicy, DynamoKVPolicy
 from planner.policies.peers.llm_d import LlmDPDPolicy, LlmDPolicy
 from planner.policies.peers.mooncake import MooncakeConductorPolicy
 from planner.policies.peers.power_of_two import PowerOfTwoPolicy
+from planner.policies.peers.thunderagent import ThunderAgentPolicy
 from planner.types import Policy
 
 PEERS: Mapping[str, Callable[[CostConfig | None, CostModel | None], Policy]] = MappingProxyType(
@@ -38,6 +39,7 @@ PEERS: Mapping[str, Callable[[CostConfig | None, CostModel | None], Policy]] = M
             LlmDPolicy,
             LlmDPDPolicy,
             MooncakeConductorPolicy,
+            ThunderAgentPolicy,
         )
     }
 )
@@ -67,6 +69,7 @@ __all__ = [
     "MooncakeConductorPolicy",
     "PowerOfTwoPolicy",
     "RequestRejectedError",
+    "ThunderAgentPolicy",
     "VllmCacheAwarePDPolicy",
     "VllmCacheAwarePolicy",
 ]

@@ -13,7 +13,7 @@ def test_every_peer_is_built_by_name_and_planned_through_a_planner() -> None:
     assert PEER_POLICY_NAMES == (
         "sglang-cache-aware", "sglang-cache-aware-pd", "vllm-cache-aware", "vllm-cache-aware-pd",
         "vllm-consistent-hash", "vllm-power-of-two", "dynamo-kv", "dynamo-kv-disagg", "llm-d",
-        "llm-d-pd", "mooncake-conductor",
+        "llm-d-pd", "mooncake-conductor", "thunderagent",
     )  # fmt: skip
     assert not set(PEER_POLICY_NAMES) & set(POLICY_NAMES)
     planner = Planner(UNIT_CONFIG, model=MODEL)
