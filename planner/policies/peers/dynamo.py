@@ -108,7 +108,10 @@ class DynamoKVPolicy(RandomTiesPeerPolicy[DynamoConfig]):
     default_peer_config = DynamoConfig()
 
     def capacity_blocks(self, w: WorkerView, request: RequestView) -> float:
-        """The worker's KV capacity in blocks (its timing profile's HBM)."""
+        """The worker's KV capacity in blocks: its pool as it reports it
+        (`kv_capacity_tokens`), else its timing profile's HBM."""
+        if w.kv_capacity_tokens:
+            return w.kv_capacity_tokens / request.block_size
         return self.model.profile_of(w).hbm_kv_bytes / (
             request.kv_bytes_per_token * request.block_size
         )

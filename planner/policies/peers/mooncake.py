@@ -118,9 +118,11 @@ class MooncakeConductorPolicy(PeerPolicy[MooncakeConfig]):
         return chosen
 
     def tbt_s(self, d: WorkerView, request: RequestView) -> float:
-        """decode_step_s(running + 1, kv_usage · capacity + N)."""
+        """decode_step_s(running + 1, kv_usage · capacity + N), the capacity the worker's pool
+        as it reports it (`kv_capacity_tokens`), else its profile's HBM."""
         prof = self.model.profile_of(d)
-        ctx = d.kv_usage * prof.hbm_kv_bytes / request.kv_bytes_per_token
+        cap = d.kv_capacity_tokens or prof.hbm_kv_bytes / request.kv_bytes_per_token
+        ctx = d.kv_usage * cap
         return prof.decode_step_s(d.running + 1, int(ctx) + request.prompt_tokens)
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:

@@ -80,3 +80,12 @@ def test_disagg_chooses_decode_first_then_local_or_remote_prefill(
                 worker("d1", Role.DECODE))  # fmt: skip
     plan = pol.plan(request(4000), c)
     assert (plan.action, plan.chosen.prefill_worker, plan.chosen.decode_worker) == route
+
+
+def test_capacity_is_the_pool_the_worker_reports_else_the_profiles() -> None:
+    policy = get_policy("dynamo-kv", unit_model())
+    assert isinstance(policy, DynamoKVPolicy)
+    req = request(1000)  # block size 100, K = 1000 bytes per token
+    w = worker("w", Role.HYBRID)
+    assert policy.capacity_blocks(w, req) == pytest.approx(1e9 / (1000 * 100))
+    assert policy.capacity_blocks(replace(w, kv_capacity_tokens=8900), req) == 89
