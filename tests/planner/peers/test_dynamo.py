@@ -83,7 +83,7 @@ def test_disagg_chooses_decode_first_then_local_or_remote_prefill(
 
 
 def test_capacity_is_the_pool_the_worker_reports_else_the_profiles() -> None:
-    policy = get_policy("dynamo-kv", unit_model())
+    policy = get_policy("dynamo-kv", UNIT_CONFIG, MODEL)
     assert isinstance(policy, DynamoKVPolicy)
     req = request(1000)  # block size 100, K = 1000 bytes per token
     w = worker("w", Role.HYBRID)
