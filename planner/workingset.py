@@ -121,8 +121,19 @@ class WorkingSets:
             self._released(s)
 
     def failed(self, session: str, now: float) -> None:
-        """A request of `session` failed: its in-flight count goes, its KV stays as before."""
-        self.ended(session, 0, now)
+        """A request of `session` failed (refused, or cut before its answer): its in-flight
+        count goes; with nothing else in flight the session is released, not kept, since
+        what its worker holds of it is unknown (a refused prompt's KV was never there)."""
+        s = self._sessions.get(session)
+        if s is None or s.inflight == 0:
+            return
+        self._uncount(s)
+        s.inflight -= 1
+        s.seen = now
+        if s.inflight:
+            self._count(s)
+            return
+        s.ended_at = s.keep_until = now
 
     def forget_worker(self, worker: str) -> None:
         """`worker` left: the sessions whose KV lived there hold none now."""

@@ -326,8 +326,12 @@ class Admission:
         if not any(ok for ok, _ in room.values()):
             return
         attained = self._sessions.attained
+        aged = now - self.settings.aging_s
         for waiter in release_order(self._queue, attained, now, self.settings.aging_s):
-            ok, ws = room.get((waiter.model, waiter.resident), (False, None))
+            # a session queued past the aging bound no longer waits for the programs' working
+            # sets to shrink (only for KV headroom): nothing starves behind running programs
+            program_free = waiter.resident or waiter.queued_at <= aged
+            ok, ws = room.get((waiter.model, program_free), (False, None))
             if not ok:
                 continue
             self._dequeue(waiter)

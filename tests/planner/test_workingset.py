@@ -60,9 +60,10 @@ def test_a_session_moves_with_its_request_and_overlapping_requests_count_once() 
     ws.ended("s", 900, now=2.0)
     assert ws.tokens("w1", 2.0) == 900  # one still in flight
     ws.failed("s", now=2.1)
-    assert ws.tokens("w1", 2.1) == 900  # kept through the gap that follows
+    assert ws.tokens("w1", 2.1) == 0  # a failure releases the session (its KV is unknown)
     ws.ended("s", 1, now=2.2)  # nothing in flight any more: ignored
-    assert ws.tokens("w1", 2.2) == 900
+    assert ws.tokens("w1", 2.2) == 0
+    assert ws.home("s", 2.2) == (None, 0)
 
 
 def test_forget_worker_and_idle_sessions() -> None:

@@ -240,6 +240,26 @@ async def test_a_new_session_waits_while_the_sessions_working_sets_fill_every_wo
     client.task.cancel()
 
 
+async def test_a_new_session_queued_past_the_aging_bound_waits_for_kv_headroom_only(
+    profile: str,
+) -> None:
+    router = Router(_settings(profile, aging_s=0.05))
+    admission, programs = router.admission, router.working_sets
+    _scrape(router, 0.1)
+    now = time.monotonic()
+    programs.started("old", "w0", 960, now)  # a program in flight fills the working set
+    assert not admission.admit_now(MODEL, "new")
+    order: list[str] = []
+    client = Client(router, "new", order)
+    await _settle()
+    assert order == []
+    await asyncio.sleep(0.06)
+    admission.pump()  # aged: the programs' working set no longer holds it back
+    await _settle()
+    assert order == ["new"]
+    client.task.cancel()
+
+
 async def test_the_pool_size_a_worker_reports_outweighs_its_profiles(router: Router) -> None:
     worker = _worker(router)
     ws = router.admission.sent("w0", 500)
