@@ -330,9 +330,8 @@ class RequestCosts:
                          kv_capacity_tokens, else hbm_kv_bytes / kv_bytes_per_token
             prefill    = prefill(w, r): the prompt on top of what w holds itself,
                          r = reused(held(w))
-            stalled(w) = max(running(w), ws_sessions(w) − [w = home]), or 0 on a PREFILL
-                         worker (its running requests are prefills): the decodes a prefill on
-                         w stalls (I_decode), a resident session's next turn counted as one
+            stalled(w) = running(w), or 0 on a PREFILL worker (its running requests are
+                         prefills): the decodes a prefill on w stalls (I_decode)
             restore    = restore(w, gpu, cpu, ssd): its held prefix into HBM
             dup        = dup(w, held(w)) and dup(w, gpu(w))
             W_disp(w)  = displacement(w, gpu(w)): the reload of the working-set KV its new
@@ -361,13 +360,7 @@ class RequestCosts:
             q = sp * (ptok * inflight + pbase * w.waiting)
             cap = w.kv_capacity_tokens or cap_p
             dec = w.decode_scale * (da + db * running + dc * usage * cap)
-            stalled = running if w.role is not _PREFILL else 0
-            wn = w.ws_sessions
-            if wn and stalled < wn:  # the resident sessions between turns: decodes to come
-                if w.worker_id == home and home_tokens:
-                    wn -= 1
-                if stalled < wn and w.role is not _PREFILL:
-                    stalled = wn
+            stalled = running if running > 0 and w.role is not _PREFILL else 0
             cb = w.cached_blocks
             # the room tests of kv_wait and W_disp, inline: most workers have room and pay
             # nothing more

@@ -68,9 +68,6 @@ class WorkerView:
     # sessions whose KV lives here with a request in flight or inside a tool gap predicted
     # short — reusable KV that a request needing room here displaces (W_disp)
     ws_tokens: int = 0
-    # how many sessions that working set holds: each is a decode to come on this worker
-    # (stalled(w), I_decode)
-    ws_sessions: int = 0
     # the worker offloads evicted KV to a CPU tier: displaced KV is reloaded from there, not
     # recomputed (W_disp)
     offloads: bool = False

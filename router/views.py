@@ -57,7 +57,6 @@ def cluster_view(
             load.kv_capacity_tokens,
             wsets.tokens(wid, now),
             load.offloads,
-            wsets.sessions(wid, now),
         )
         last = w.view_cache
         if last is not None and last[0] == key:
@@ -81,7 +80,6 @@ def cluster_view(
             ws_tokens=key[12],
             offloads=load.offloads,
             handover_s=sc.handover_s,
-            ws_sessions=key[14],
         )
         w.view_cache = (key, view)
         views.append(view)

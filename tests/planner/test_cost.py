@@ -361,22 +361,3 @@ def test_displacement_counts_the_sessions_expected_growth() -> None:
     grown = RequestCosts(M, request(1000, growth_tokens=3_000))
     disp = 1010 + 3000 - 2000
     assert grown.worker(w)[7] == pytest.approx(disp * (1e-4 + 1e-8 * disp / 2))
-
-
-def test_resident_sessions_count_as_decodes_a_prefill_stalls() -> None:
-    h0 = worker("h0", Role.HYBRID, running=1, ws_sessions=3)
-    k = RequestCosts(M, request(1000))
-    assert k.worker(h0)[4] == 3  # three sessions between turns: three decodes to come
-    assert k.worker(replace(h0, running=5))[4] == 5
-    assert k.worker(replace(h0, role=Role.PREFILL))[4] == 0
-    home = RequestCosts(M, request(1000, home_worker="h0", home_tokens=500))
-    assert home.worker(h0)[4] == 2  # its own session is not a decode it stalls
-    # a new session goes where no session waits for its next turn, though h0 holds its
-    # first 300 tokens
-    req = request(1000, session_id="new")
-    packed = worker("h0", Role.HYBRID, gpu=3, ws_sessions=3)
-    empty = worker("h1", Role.HYBRID)
-    plan = OwnerServePolicy(model=M).plan(req, cluster(packed, empty))
-    assert plan.chosen.decode_worker == "h1"
-    alone = OwnerServePolicy(model=M).plan(req, cluster(replace(packed, ws_sessions=0), empty))
-    assert alone.chosen.decode_worker == "h0"

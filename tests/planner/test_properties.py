@@ -58,7 +58,6 @@ def workers(draw: st.DrawFn, chain: int, n_max: int = 10) -> tuple[WorkerView, .
                 profile=draw(st.sampled_from(["default", "unit", "h100-llama3-8b"])),
                 kv_capacity_tokens=draw(st.sampled_from([0, 10_000, 100_000])),
                 ws_tokens=draw(st.sampled_from([0, 5_000, 90_000])),
-                ws_sessions=draw(st.sampled_from([0, 1, 3])),
                 offloads=draw(st.booleans()),
                 handover_s=draw(st.sampled_from([0.0, 0.3])),
             )

@@ -112,15 +112,3 @@ def test_released_sessions_teach_the_expected_growth_of_new_ones() -> None:
     ws2.started("b", "w0", 100, now=0.0)
     ws2.ended("b", 2000, now=0.0)
     assert ws2.peak_tokens == 2000
-
-
-def test_sessions_counted_per_worker() -> None:
-    ws = WorkingSets()
-    ws.started("a", "w0", 10, now=0.0)
-    ws.started("b", "w0", 10, now=0.0)
-    ws.started("c", "w1", 10, now=0.0)
-    assert (ws.sessions("w0", 0.0), ws.sessions("w1", 0.0)) == (2, 1)
-    ws.started("a", "w1", 10, now=0.1)  # moved
-    assert (ws.sessions("w0", 0.1), ws.sessions("w1", 0.1)) == (1, 2)
-    ws.forget_worker("w1")
-    assert ws.sessions("w1", 0.1) == 0
