@@ -65,6 +65,7 @@ class _Pick(TopTwo[float, _Rec]):
         "default_cost",
         "default_rec",
         "g_m",
+        "home",
         "profiles",
         "src_f",
         "src_m",
@@ -76,6 +77,7 @@ class _Pick(TopTwo[float, _Rec]):
         self.default_cost = _INF
         self.default_rec: _Rec | None = None
         self.costs = costs
+        self.home = costs.request.home_worker
         self.src_f: WorkerView | None = None
         self.src_m: WorkerView | None = None
         self.g_m = 0
@@ -83,7 +85,12 @@ class _Pick(TopTwo[float, _Rec]):
 
     def consider(self, cost: float, rec: _Rec) -> None:
         """Offer a candidate to the top two, and keep it if it is the cheapest of the
-        default's action."""
+        default's action. A candidate that moves a resident session off its home worker pays
+        H_move here (`RequestCosts.moves`; a migration's is in its cost already): it only
+        adds, so the callers' tests on the cost before it stay lower bounds."""
+        home = self.home
+        if home is not None and rec[0] is not _MIG and rec[2][0].worker_id != home:
+            cost += self.costs.hysteresis(cost)
         if rec[0] is self.default and cost < self.default_cost:
             self.default_cost, self.default_rec = cost, rec
         if cost < self.second_key:
@@ -101,17 +108,12 @@ class _Pick(TopTwo[float, _Rec]):
         """Consider the candidates on the worker of terms `t` (`kind`: its colocated candidate's
         action, `base`: its q + decode + restore): all of them when one may enter the top two
         (`top`), else only those of the default's action; a fetch if `fetch_ok`, a migration if
-        `mig_ok`. A colocated candidate and a fetch that move the session off its home worker
-        pay H_move (`RequestCosts.moves`), as a migration does."""
+        `mig_ok`."""
         k = self.costs
         w, _, _, pf, stalled, dup, h, _ = t
         dflt = self.default
-        moves = k.moves(w.worker_id)
         if top or kind is dflt:
-            cost = _colocated(k, base, pf, stalled, dup)
-            if moves:
-                cost += k.hysteresis(cost)
-            self.consider(cost, (kind, t, t, None))
+            self.consider(_colocated(k, base, pf, stalled, dup), (kind, t, t, None))
         fetch_ok = fetch_ok and (top or dflt is _FETCH)
         mig_ok = mig_ok and (top or dflt is _MIG)
         if not (fetch_ok or mig_ok):
@@ -133,8 +135,6 @@ class _Pick(TopTwo[float, _Rec]):
             src = self.src_f
             assert src is not None
             cost = _fetch(k, w, src, base, stalled, dup, held, sp * pf_fetch, c)
-            if moves:
-                cost += k.hysteresis(cost)
             self.consider(cost, (_FETCH, t, t, src))
         if mig_ok:
             src = self.src_m
@@ -354,8 +354,8 @@ def _remote(
     """Remote prefill P→D for every D part, exactly: for each D the best P is the best P part on
     D's node (the intra-node link) or the best one overall (the inter-node link, with the P
     node's NIC backlog added when KV moves); two of each are kept to exclude P = D. A pair
-    into a D that is not the session's home worker pays H_move (`RequestCosts.moves`), a
-    growing function of the pair's other terms: D's best P stays its best P."""
+    into a D that is not the session's home worker pays H_move (`_Pick.consider`), a growing
+    function of the pair's other terms: D's best P stays its best P."""
     # the best two P parts overall, from the best two of each node: as they are (a pair that
     # moves nothing) and with the node's NIC backlog added (one that moves KV to another node;
     # a node's workers share its backlog, so its best two stay its best two)
@@ -402,16 +402,12 @@ def _remote(
         h = td[6]
         nbytes = nbytes_none if h is None else k.kv_to_decode(h[0])
         c = k.consts(d.profile)
-        moves = k.moves(d.worker_id)
         node = d.node
         tn = nodes.get(node)
         if tn is not None:
             a, tp = (tn[0], tn[1]) if tn[1] is not td else (tn[2], tn[3])
             if tp is not None and bd + a < bound:
-                cost = bd + a + link(d, nbytes, True, c)
-                if moves:
-                    cost += k.hysteresis(cost)
-                pick.consider(cost, (_REMOTE, tp, td, None))
+                pick.consider(bd + a + link(d, nbytes, True, c), (_REMOTE, tp, td, None))
                 bound = pick.second_key
                 if track_def and pick.default_cost > bound:
                     bound = pick.default_cost
@@ -420,10 +416,7 @@ def _remote(
         else:
             a, tp = (ba1, bt1) if bt1 is not td else (ba2, bt2)
         if tp is not None and tp[0].node != node and bd + a < bound:
-            cost = bd + a + link(d, nbytes, False, c)
-            if moves:
-                cost += k.hysteresis(cost)
-            pick.consider(cost, (_REMOTE, tp, td, None))
+            pick.consider(bd + a + link(d, nbytes, False, c), (_REMOTE, tp, td, None))
             bound = pick.second_key
             if track_def and pick.default_cost > bound:
                 bound = pick.default_cost
