@@ -128,18 +128,20 @@ def tool_answered(messages: list[Any] | None) -> str | None:
     return None
 
 
-_TOOL_CALLS = b'"finish_reason":"tool_calls"'
-_NAME = b'"name":"'
+_TOOL_CALLS = (b'"finish_reason":"tool_calls"', b'"finish_reason": "tool_calls"')
+_NAMES = (b'"name":"', b'"name": "')
 
 
 def tool_called(body: bytes) -> str | None:
     """The function a whole chat answer calls (its first tool call's name) when it finished
-    with `tool_calls`, found without parsing the body; None otherwise."""
-    if _TOOL_CALLS not in body.replace(b'": "', b'":"'):
+    with `tool_calls`, found without parsing or copying the body (compact JSON or with a
+    space after the colons); None otherwise."""
+    if not any(key in body for key in _TOOL_CALLS):
         return None
-    i = body.find(_NAME)
-    if i < 0:
-        return None
-    i += len(_NAME)
-    j = body.find(b'"', i)
-    return body[i:j].decode("utf-8", "replace") if j > i else None
+    for key in _NAMES:
+        i = body.find(key)
+        if i >= 0:
+            i += len(key)
+            j = body.find(b'"', i)
+            return body[i:j].decode("utf-8", "replace") if j > i else None
+    return None
