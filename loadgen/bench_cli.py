@@ -108,6 +108,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="multiply trace timestamps (default 0.125: the last 1000 rows in 30 s, about 33 "
         "requests/s, which keeps this 2-core machine's Python processes below saturation)",
     )
+    _add_planner_argument(p)
+    p.add_argument("--max-inflight", type=int, default=64)
+    p.add_argument("--run-limit", type=float, default=90.0, help="seconds at most per run")
+    p.add_argument("--quick", action="store_true", help="smoke run: small workload, 2 targets")
+    _add_output_arguments(p, "agentic.md", None)
+    p.add_argument(
+        "--analysis",
+        type=Path,
+        default=REPO_ROOT / "bench" / "agentic_analysis.md",
+        help="Markdown appended to the section (the written explanation of the numbers)",
+    )
+    _add_capacity_arguments(sub)
+
+
+def _add_planner_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--planner",
         action="append",
@@ -115,30 +130,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="planner setting for the own policies (e.g. lambda_hbm=1e-9); repeatable",
     )
-    p.add_argument("--max-inflight", type=int, default=64)
-    p.add_argument("--run-limit", type=float, default=90.0, help="seconds at most per run")
-    p.add_argument("--quick", action="store_true", help="smoke run: small workload, 2 targets")
-    p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
+
+
+def _add_output_arguments(
+    p: argparse.ArgumentParser, history: str, out_dir_help: str | None
+) -> None:
+    """--out-dir, --results-md (bench/history/`history` by default), --no-results-md and
+    --log-dir, as every benchmark command takes them."""
+    p.add_argument(
+        "--out-dir", type=Path, default=REPO_ROOT / "bench" / "results", help=out_dir_help
+    )
     p.add_argument(
         "--results-md",
         type=Path,
-        default=REPO_ROOT / "bench" / "history" / "agentic.md",
+        default=REPO_ROOT / "bench" / "history" / history,
         help="Markdown file the run's dated section is appended to (default: %(default)s)",
     )
     p.add_argument("--no-results-md", action="store_true", help="write no Markdown section")
-    p.add_argument(
-        "--analysis",
-        type=Path,
-        default=REPO_ROOT / "bench" / "agentic_analysis.md",
-        help="Markdown appended to the section (the written explanation of the numbers)",
-    )
     p.add_argument(
         "--log-dir",
         type=Path,
         default=None,
         help="process logs and request records (default: a temp dir)",
     )
-    _add_capacity_arguments(sub)
 
 
 CAPACITY_TARGETS: tuple[str, ...] = (
@@ -253,34 +267,14 @@ def _add_capacity_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPar
         "still running then are cut and count as not completed (default 30, --quick 20)",
     )
     p.add_argument("--max-inflight", type=int, default=64, help="client's concurrent requests")
-    p.add_argument(
-        "--planner",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="planner setting for the own policies (e.g. lambda_hbm=1e-9); repeatable",
-    )
+    _add_planner_argument(p)
     p.add_argument(
         "--quick", action="store_true", help="check the wiring: 2 rates, 3 small sessions"
     )
-    p.add_argument(
-        "--out-dir",
-        type=Path,
-        default=REPO_ROOT / "bench" / "results",
-        help="capacity_latest.json, its dated copy and the PNG curves (default: %(default)s)",
-    )
-    p.add_argument(
-        "--results-md",
-        type=Path,
-        default=REPO_ROOT / "bench" / "history" / "capacity.md",
-        help="Markdown file the run's dated section is appended to (default: %(default)s)",
-    )
-    p.add_argument("--no-results-md", action="store_true", help="write no Markdown section")
-    p.add_argument(
-        "--log-dir",
-        type=Path,
-        default=None,
-        help="process logs and request records (default: a temp dir)",
+    _add_output_arguments(
+        p,
+        "capacity.md",
+        "capacity_latest.json, its dated copy and the PNG curves (default: %(default)s)",
     )
 
 
