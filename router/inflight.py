@@ -17,10 +17,13 @@ if TYPE_CHECKING:
 
 
 def hold(
-    ctx: RequestContext, workers: Sequence[WorkerState], prefill: WorkerState | None = None
+    ctx: RequestContext,
+    workers: Sequence[WorkerState],
+    prefill: WorkerState | None = None,
+    kv: WorkerState | None = None,
 ) -> None:
-    """Count the request in flight on `workers`, and its prompt's tokens as queued prefill on
-    `prefill`, until `release(ctx)`. Its prompt counts in a working set too: sent for the
+    """Count the request in flight on `workers`, its prompt's tokens as queued prefill on
+    `prefill` and as KV held on `kv` (the worker its sequence lives on), until `release(ctx)`. Its prompt counts in a working set too: sent for the
     plan's decode worker (`ctx.plan`) while the plan runs, then on the worker streaming the
     answer (`ctx.opened`)."""
     for w in workers:
@@ -28,8 +31,11 @@ def hold(
     tokens = ctx.tok.prompt_tokens
     if prefill is not None:
         prefill.inflight_prefill_tokens += tokens
+    if kv is not None:
+        kv.inflight_kv_tokens += tokens
     ctx.held = workers
     ctx.held_prefill = prefill
+    ctx.held_kv = kv
     admission = ctx.router.admission
     if admission.enabled:
         opened = ctx.opened
@@ -46,8 +52,12 @@ def release(ctx: RequestContext) -> None:
     prefill = ctx.held_prefill
     if prefill is not None:
         prefill.inflight_prefill_tokens -= ctx.tok.prompt_tokens
+    kv = ctx.held_kv
+    if kv is not None:
+        kv.inflight_kv_tokens -= ctx.tok.prompt_tokens
     ctx.held = ()
     ctx.held_prefill = None
+    ctx.held_kv = None
     charged = ctx.charged
     if charged is not None:
         ctx.charged = None

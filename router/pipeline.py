@@ -67,6 +67,7 @@ class RequestContext:
         "headers",
         "held",
         "held_prefill",
+        "held_kv",
         "info",
         "is_fork",
         "kv_counted",
@@ -136,6 +137,7 @@ class RequestContext:
         self.opened: OpenedResponse | None = None
         self.held: Sequence[WorkerState] = ()
         self.held_prefill: WorkerState | None = None
+        self.held_kv: WorkerState | None = None
         self.charged: WorkingSet | None = None
         """The working set the request's prompt counts in (`router.inflight`)."""
         self.kv_counted = False
@@ -282,7 +284,12 @@ async def execute(ctx: RequestContext) -> None:
             break
         chosen = ctx.plan.chosen
         nic = _queue_transfer(router, ctx.plan)
-        hold(ctx, _involved(router, ctx.plan), router.pool.get(chosen.prefill_worker))
+        hold(
+            ctx,
+            _involved(router, ctx.plan),
+            router.pool.get(chosen.prefill_worker),
+            router.pool.get(chosen.decode_worker),
+        )
         # counted from now, not from the first byte: a new session admitted meanwhile must
         # see this one's KV in the working set its prefill is filling
         kv_started(ctx)

@@ -79,6 +79,10 @@ class WorkerState:
     health_failures: int = 0
     inflight: int = 0
     inflight_prefill_tokens: int = 0
+    inflight_kv_tokens: int = 0
+    """Prompt tokens of the requests in flight whose sequence lives here (their decode
+    worker): the KV its running requests hold now, which the last scrape of `kv_usage` (up to
+    a scrape interval old) may not show yet, or still shows after they ended."""
     load: WorkerLoad = field(default_factory=WorkerLoad)
     last_seen: float = 0.0
     view_cache: tuple[Any, Any] | None = None

@@ -87,7 +87,7 @@ async def stream(ctx: RequestContext) -> None:
     ctx.transfer_s = opened.transfer_s
     worker = opened.final_worker
     worker.breaker.record_success()
-    hold(ctx, opened.workers)
+    hold(ctx, opened.workers, kv=worker)
     ok = opened.status == 200
     shown = ctx.planned or plan
     fallback = ctx.fallback

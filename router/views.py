@@ -39,6 +39,14 @@ def cluster_view(
         sc = scales(wid)
         held = cached.get(wid)
         load = w.load
+        kv_usage = load.kv_usage
+        cap = load.kv_capacity_tokens
+        if cap > 0:
+            # the KV of the requests in flight here, which the router knows now while the
+            # scrape is up to an interval old (its prefills are in inflight_prefill_tokens)
+            mine = (w.inflight_kv_tokens - w.inflight_prefill_tokens) / cap
+            if mine > kv_usage:
+                kv_usage = mine if mine < 1.0 else 1.0
         # the view is rebuilt only when something it shows changed (a frozen dataclass of
         # a dozen fields costs ~2 µs to build); who owns the request's prefix is in the
         # request view, so the same worker view serves every request of any session
@@ -46,7 +54,7 @@ def cluster_view(
             max(load.running, w.inflight),
             load.waiting,
             w.inflight_prefill_tokens,
-            load.kv_usage,
+            kv_usage,
             tuple(held.items()) if held else (),
             sc.prefill,
             sc.decode,
@@ -69,7 +77,7 @@ def cluster_view(
             running=key[0],
             waiting=load.waiting,
             inflight_prefill_tokens=w.inflight_prefill_tokens,
-            kv_usage=load.kv_usage,
+            kv_usage=kv_usage,
             cached_blocks=held or {},
             node=w.settings.node,
             prefill_scale=sc.prefill,

@@ -720,8 +720,10 @@ class EmulatorApp:
                         "choices": [first],
                     }
                 )
-        if out:
-            await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
+        # the role (or echo) chunks go out with the first tokens, as vLLM's do (it sends them
+        # on the first output of its engine): a client, or a router counting a prefill as
+        # queued until its first bytes, sees nothing before the prefill is done
+        head = bytes(out)
         done = [False] * len(seqs)
         while True:
             await gen.notify.wait()
@@ -795,6 +797,9 @@ class EmulatorApp:
                     )
                 out += _DONE
             if out:
+                if head:
+                    out[0:0] = head
+                    head = b""
                 more = not last
                 await send({"type": "http.response.body", "body": bytes(out), "more_body": more})
             if last:

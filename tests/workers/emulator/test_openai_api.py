@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import httpx
 import openai
 import orjson
 import pytest
@@ -226,3 +227,28 @@ async def test_forced_tool_choice_returns_a_tool_call_streamed_or_not(
     assert required.choices[0].finish_reason == "length"
     assert (required.choices[0].message.tool_calls or [])[0].function.name == "ls"  # type: ignore[union-attr]
     await client.close()
+
+
+async def test_a_stream_sends_nothing_before_its_first_token(
+    start_emulator: StartEmulator,
+) -> None:
+    """The role chunk comes with the first token, as vLLM sends it (on its engine's first
+    output): a router that counts a prefill as queued until the first body bytes, and
+    measures TTFT by them, must not see them while the prefill is still waiting."""
+    server = await start_emulator()
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "stream": True}
+    async with (
+        httpx.AsyncClient(base_url=server.url) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        first = b""
+        async for part in resp.aiter_raw():
+            first = part
+            break
+        events = [
+            orjson.loads(line[6:]) for line in first.splitlines() if line.startswith(b"data: {")
+        ]
+        deltas = [e["choices"][0]["delta"] for e in events]
+        assert deltas[0] == {"role": "assistant", "content": ""}
+        assert any(d.get("content") for d in deltas[1:])  # the first token is in the same bytes
