@@ -258,7 +258,20 @@ class EmulatedWorker(LoopbackServer):
         }
         if self.profile != DEFAULT_PROFILE:
             out["profile"] = self.profile
+        cpu_blocks = _flag(self.extra, "--cpu-num-blocks")
+        if cpu_blocks:
+            out["cpu_kv_tokens"] = cpu_blocks * (_flag(self.extra, "--block-size") or 16)
         return out
+
+
+def _flag(args: Sequence[str], name: str) -> int:
+    """The integer value of `name` in an emulator's extra arguments (0 when absent)."""
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            return int(args[i + 1])
+        if a.startswith(name + "="):
+            return int(a.split("=", 1)[1])
+    return 0
 
 
 def start_workers(workers: Sequence[EmulatedWorker], timeout_s: float = 90.0) -> None:

@@ -143,12 +143,14 @@ class AdmissionSettings(_Strict):
     low_watermark: float = Field(default=0.80, gt=0, le=1)
     """... until it is back below this (hysteresis)."""
     max_queued: int = Field(default=1024, ge=0)
-    """Requests the queue holds; one more is answered 429 at once."""
+    """New sessions' requests the queue holds; one more is answered 429 at once (a started
+    session's request is never refused: it is part of a program under way)."""
     max_queue_wait_s: float = Field(default=60.0, gt=0)
-    """A request still queued after this long is answered 429."""
+    """A new session's request still queued after this long is answered 429; a started
+    session's then waits only for KV headroom, no longer for the programs' working sets."""
     aging_s: float = Field(default=10.0, ge=0)
-    """A request queued this long goes before every younger one (oldest first), whatever its
-    session's attained service: nothing starves."""
+    """A started session's request queued this long goes before every younger one (oldest
+    first), whatever its attained service: nothing starves."""
     retry_after_s: int = Field(default=2, ge=0)
     """The `Retry-After` header of a 429."""
 
@@ -187,6 +189,10 @@ class WorkerSettings(_Strict):
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     sidecar_url: str | None = None
+    cpu_kv_tokens: int = Field(default=0, ge=0)
+    """Tokens of KV its CPU tier holds (vLLM's KV offloading, `--kv-offloading-size`): the
+    sessions' working set there is counted against its HBM pool plus this (a session whose KV
+    was offloaded comes back with a load, not a recompute). 0: none, or not said."""
 
     @field_validator("url", "sidecar_url")
     @classmethod

@@ -133,6 +133,17 @@ class WorkingSets:
             return
         s.ended_at = s.keep_until = now
 
+    def release(self, session: str, now: float) -> None:
+        """Stop counting idle `session` (nothing in flight) before its keep time is over: the
+        router paused it at its tool boundary, so its KV may go. Nothing if it is in flight
+        or not counted."""
+        self._expire(now)
+        s = self._sessions.get(session)
+        if s is None or s.inflight or not self._counted(s):
+            return
+        self._uncount(s)
+        s.keep_until = s.ended_at if s.ended_at is not None else -1.0
+
     def forget_worker(self, worker: str) -> None:
         """`worker` left: the sessions whose KV lived there hold none now."""
         for s in self._sessions.values():

@@ -1,7 +1,9 @@
 """Program-level admission: while every worker that could serve a request has its KV working
 set full, the request waits in the router's queue instead of pushing the engines into
-preemption thrash; the queue releases the least served sessions first, the oldest requests
-first past an aging bound, and answers 429 past its bounds (`router/README.md`, *Admission*)."""
+preemption thrash; a session whose worker's programs are over the watermark is paused at its
+tool boundary; the queue releases started sessions before new ones (the least served first,
+the oldest first past an aging bound) and answers 429 to new sessions past its bounds
+(`router/README.md`, *Admission*)."""
 
 from __future__ import annotations
 
@@ -85,18 +87,23 @@ class Waiter:
     granted: asyncio.Future[None]
     resident: bool
     """Its session's KV is counted in a working set already (it only continues a program)."""
+    started: bool = False
+    """Its session was served before (attained service > 0): a program under way, never
+    refused by the queue's bounds and released before new sessions."""
     reserved_on: WorkingSet | None = None
 
 
 def release_order(
     waiters: Iterable[Waiter], attained: Callable[[str | None], int], now: float, aging_s: float
 ) -> list[Waiter]:
-    """The order the queue releases `waiters` in: those queued `aging_s` or longer first,
-    oldest first; then the others by their session's attained service (`attained`), least
-    first, ties in arrival order."""
+    """The order the queue releases `waiters` in: started sessions first — those queued
+    `aging_s` or longer oldest first, then by their session's attained service (`attained`),
+    least first — then new sessions in arrival order."""
     aged = now - aging_s
 
     def key(w: Waiter) -> tuple[int, int, int]:
+        if not w.started:
+            return (2, 0, w.seq)
         if w.queued_at <= aged:
             return (0, 0, w.seq)
         return (1, attained(w.session_id), w.seq)
@@ -134,6 +141,8 @@ class Admission:
         """Insertion-ordered: arrival order, and O(1) removal."""
         self._models: dict[str, int] = {}
         """Queued requests per model."""
+        self._new_waiting = 0
+        """Queued requests of new sessions (what `max_queued` bounds)."""
         self._seq = itertools.count()
         self._rechecks: asyncio.Task[None] | None = None
         self._admitted_now = metrics.admitted.labels("immediate")
@@ -222,15 +231,8 @@ class Admission:
                 self._metrics.admission_paused.labels(w.worker_id).set(1)
                 continue
             if not resident:
-                programs = (self._programs.tokens(w.worker_id, now) + ws.reserved) / ws.capacity(
-                    w.load
-                )
-                if ws.closed:
-                    if programs >= low:
-                        continue
-                    ws.closed = False
-                elif programs >= high:
-                    ws.closed = True
+                programs = self._programs_share(w, ws, now)
+                if self._closed(ws, programs):
                     continue
                 if programs > usage:
                     usage = programs
@@ -242,19 +244,48 @@ class Admission:
             return True, best
         return not routable, None
 
+    def _programs_share(self, worker: WorkerState, ws: WorkingSet, now: float) -> float:
+        """The sessions' working set on `worker` (and what was released onto it) over its KV
+        pool plus its CPU tier (`cpu_kv_tokens`)."""
+        tokens = self._programs.tokens(worker.worker_id, now) + ws.reserved
+        return tokens / (ws.capacity(worker.load) + worker.settings.cpu_kv_tokens)
+
+    def _closed(self, ws: WorkingSet, programs: float) -> bool:
+        """Whether the worker is closed to programs at a working-set share of `programs`:
+        closed at the high watermark, open again below the low one."""
+        if ws.closed:
+            if programs >= self.settings.low_watermark:
+                return True
+            ws.closed = False
+            return False
+        if programs >= self.settings.high_watermark:
+            ws.closed = True
+            return True
+        return False
+
     # --- admitting ---------------------------------------------------------------------------
 
     def admit_now(self, model: str, session_id: str | None = None) -> bool:
         """True when a request for `model` of `session_id` may go at once: admission is off;
         or its session is `resident` and some worker has KV headroom; or nothing is queued and
         some worker has headroom and room for a new session (or none is routable); else it
-        must `wait`."""
+        must `wait`. A started session whose KV is counted on a worker closed to programs is
+        paused at this tool boundary: its KV is released and its request waits."""
         if not self.enabled:
             return True
-        resident = self.resident(session_id)
-        if (self._queue and not resident) or not self._room(
-            model, time.monotonic(), False, resident
-        )[0]:
+        now = time.monotonic()
+        home = self._programs.home(session_id, now)[0]
+        resident = home is not None
+        if resident and self._sessions.attained(session_id) > 0:
+            worker = self._pool.get(home) if home else None
+            if worker is not None:
+                ws = self.working_set(worker)
+                if self._closed(ws, self._programs_share(worker, ws, now)):
+                    assert session_id is not None
+                    self._programs.release(session_id, now)
+                    self._metrics.sessions_paused.inc()
+                    return False
+        if (self._queue and not resident) or not self._room(model, now, False, resident)[0]:
             return False
         self._admitted_now.inc()
         return True
@@ -262,12 +293,15 @@ class Admission:
     async def wait(
         self, model: str, session_id: str | None, tokens: int, out: ResponseWriter
     ) -> float:
-        """Queue the request until `pump` releases it; the seconds it waited. `RateLimitError`
-        when the queue is full or the wait outlasts `max_queue_wait_s`; a cancel (the client
-        went away, the request timed out) takes it out of the queue."""
+        """Queue the request until `pump` releases it; the seconds it waited. A new session's
+        request gets `RateLimitError` when `max_queued` new ones wait already or its wait
+        outlasts `max_queue_wait_s`; a started session's is never refused (past that wait it
+        needs only KV headroom). A cancel (the client went away, the request timed out) takes
+        it out of the queue."""
         s = self.settings
         m = self._metrics
-        if len(self._queue) >= s.max_queued:
+        started = self._sessions.attained(session_id) > 0
+        if not started and self._new_waiting >= s.max_queued:
             m.of(m.admission_rejected, "queue_full").inc()
             raise RateLimitError(
                 f"the router's admission queue is full ({s.max_queued} requests wait for KV "
@@ -285,9 +319,13 @@ class Admission:
             next(self._seq),
             loop.create_future(),
             self.resident(session_id),
+            started,
         )
         self._enqueue(waiter)
-        expiry = loop.call_later(s.max_queue_wait_s, self._expire, waiter)
+        if started:  # past the bound it needs only KV headroom: look again then
+            expiry = loop.call_later(s.max_queue_wait_s, self.pump)
+        else:
+            expiry = loop.call_later(s.max_queue_wait_s, self._expire, waiter)
         outcome = "admitted"
         try:
             self.pump()
@@ -326,11 +364,11 @@ class Admission:
         if not any(ok for ok, _ in room.values()):
             return
         attained = self._sessions.attained
-        aged = now - self.settings.aging_s
+        bound = now - self.settings.max_queue_wait_s
         for waiter in release_order(self._queue, attained, now, self.settings.aging_s):
-            # a session queued past the aging bound no longer waits for the programs' working
-            # sets to shrink (only for KV headroom): nothing starves behind running programs
-            program_free = waiter.resident or waiter.queued_at <= aged
+            # a started session queued past the wait bound no longer waits for the programs'
+            # working sets to shrink (only for KV headroom): no program starves
+            program_free = waiter.resident or (waiter.started and waiter.queued_at <= bound)
             ok, ws = room.get((waiter.model, program_free), (False, None))
             if not ok:
                 continue
@@ -368,6 +406,8 @@ class Admission:
 
     def _enqueue(self, waiter: Waiter) -> None:
         self._queue[waiter] = None
+        if not waiter.started:
+            self._new_waiting += 1
         self._models[waiter.model] = self._models.get(waiter.model, 0) + 1
         self._metrics.admission_queued.set(len(self._queue))
         if self._rechecks is None:
@@ -377,6 +417,8 @@ class Admission:
 
     def _dequeue(self, waiter: Waiter) -> None:
         del self._queue[waiter]
+        if not waiter.started:
+            self._new_waiting -= 1
         left = self._models[waiter.model] - 1
         if left:
             self._models[waiter.model] = left

@@ -168,6 +168,11 @@ class RouterMetrics:
             "they were cancelled (request timeout, shutdown)",
             ["reason"],
         )
+        self.sessions_paused = counter(
+            "ownerserve_admission_sessions_paused_total",
+            "Sessions paused at a tool boundary: the working set of the worker holding their KV "
+            "was over the high watermark, so their request waited and their KV was released",
+        )
         self.admission_paused = gauge(
             "ownerserve_admission_worker_paused",
             "1 while a worker's KV working set is over the high watermark and not yet back "

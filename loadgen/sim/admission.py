@@ -3,8 +3,10 @@
 ThunderAgent's program scheduler for its peer model, behind one protocol the engine drives.
 
 The simulator plans a released request at once, so the router's reservations (released, not
-yet sent) and scrape lag have no counterpart: a worker's working set is the KV its running
-sequences hold (`kv_usage`, exact), which the engine reports whenever it changes."""
+yet sent) and scrape lag have no counterpart: a worker's KV usage is what its running sequences
+hold (exact), which the engine reports whenever it changes; its programs' working set is the
+simulator's `planner.workingset.WorkingSets` over its HBM plus CPU tier, as the router counts
+it."""
 
 from __future__ import annotations
 
@@ -69,13 +71,22 @@ class AdmissionConfig:
 
 
 class RouterAdmission:
-    """The router's admission queue: while every decode-capable worker is paused (its working
-    set reached `high_watermark`, and not yet back under `low_watermark`), requests wait; the
-    queue releases those queued `aging_s` or longer first, oldest first, then the least
-    attained service per session; past `max_queued` or `max_queue_wait_s` a request is
-    refused (429).
+    """The router's admission (`router/admission.py`, router/README.md *Admission*).
 
-    `usage(worker)` is the worker's working set as a share of its pool."""
+    Request level: while every decode-capable worker is paused (the KV its running requests
+    hold, `usage`, reached `high_watermark`, and not yet back under `low_watermark`), requests
+    wait. Program level, when `programs` and `home` are given (the sessions' working sets,
+    `planner.workingset`, as shares of each worker's pool, and the worker a session's KV is
+    counted on): a worker whose programs reach `high_watermark` is closed to programs until
+    they are back under `low_watermark`; a new session (no attained service yet) starts only
+    while some worker is open to programs; a started session resumes after its KV was released
+    the same way (or once it has waited `max_queue_wait_s`); a session whose KV is counted on a
+    closed worker is paused at its tool boundary — its request waits and its KV is released
+    (`release`), so the programs that run keep theirs.
+
+    Order: started sessions first — those waiting `aging_s` or longer oldest first, then least
+    attained service — then new sessions, first come first served. Only new sessions are
+    refused (429): past `max_queued` new ones waiting, or after `max_queue_wait_s`."""
 
     tick_s = 0.0
 
@@ -84,15 +95,29 @@ class RouterAdmission:
         workers: list[str],
         usage: Callable[[str], float],
         config: AdmissionConfig | None = None,
+        *,
+        programs: Callable[[str, float], float] | None = None,
+        home: Callable[[Hashable, float], str | None] | None = None,
+        release: Callable[[Hashable, float], None] | None = None,
     ) -> None:
         self.config = config or AdmissionConfig()
         self._usage = usage
+        self._programs = programs
+        self._home = home
+        self._release = release
+        if programs is not None:
+            self.tick_s = 0.5  # idle sessions' KV leaves the working sets with time
         self._open: set[str] = set(workers)
         """Workers not paused."""
-        self._workers = set(workers)
-        self._waiting: dict[Hashable, tuple[int, float]] = {}  # session -> (seq, queued_at)
-        self._fifo: deque[tuple[float, int, Hashable]] = deque()
-        self._las: list[tuple[int, int, Hashable]] = []  # (attained, seq, session), a heap
+        self._workers = list(workers)
+        self._closed: set[str] = set()
+        """Workers closed to programs (program level)."""
+        self._waiting: dict[Hashable, tuple[int, float, bool]] = {}
+        """session -> (seq, queued_at, started)."""
+        self._fifo: deque[tuple[float, int, Hashable]] = deque()  # started, arrival order
+        self._las: list[tuple[int, int, Hashable]] = []  # started: (attained, seq, session)
+        self._new: deque[tuple[float, int, Hashable]] = deque()  # new sessions
+        self._new_waiting = 0
         self._seq = 0
         self._rejected: list[Hashable] = []
         self.queued = 0
@@ -100,24 +125,39 @@ class RouterAdmission:
         self.waits_s: list[float] = []
         self.rejected_full = 0
         self.rejected_timeout = 0
+        self.paused_total = 0
 
     @property
     def programs_paused(self) -> int:
-        return 0  # it holds requests, not programs
+        return self.paused_total
 
     def arrive(self, session: Hashable, tokens: int, attained: int, now: float) -> bool:
-        if not self._waiting and self._open:
-            return True
         self._expire(now)
-        if len(self._waiting) >= self.config.max_queued:
+        started = attained > 0
+        home = self._home(session, now) if self._home is not None and started else None
+        if home is not None and not self._program_open(home, now):
+            # its worker's programs are over the watermark: pause it at this tool boundary
+            assert self._release is not None
+            self._release(session, now)
+            self.paused_total += 1
+        elif not self._waiting and self._open:
+            if home is not None or self._programs is None or self._any_program_open(now):
+                return True
+        elif home is not None and self._open:
+            return True  # its KV is in a working set on an open worker: it runs on
+        if not started and self._new_waiting >= self.config.max_queued:
             self.rejected_full += 1
             self._rejected.append(session)
             return False
         seq = self._seq = self._seq + 1
-        self._waiting[session] = (seq, now)
-        self._fifo.append((now, seq, session))
-        # a queued session has nothing in flight: its attained service is fixed while it waits
-        heapq.heappush(self._las, (attained, seq, session))
+        self._waiting[session] = (seq, now, started)
+        if started:
+            self._fifo.append((now, seq, session))
+            # a queued session has nothing in flight: its attained service is fixed while it waits
+            heapq.heappush(self._las, (attained, seq, session))
+        else:
+            self._new.append((now, seq, session))
+            self._new_waiting += 1
         self.queued += 1
         return False
 
@@ -134,20 +174,37 @@ class RouterAdmission:
         if not self._waiting or not self._open:
             return None
         self._expire(now)
-        fifo, waiting = self._fifo, self._waiting
+        waiting = self._waiting
+        fifo = self._fifo
         while fifo and waiting.get(fifo[0][2], (None,))[0] != fifo[0][1]:
             fifo.popleft()  # released through the other order
-        if fifo and fifo[0][0] <= now - self.config.aging_s:
+        programs_open = self._programs is None or self._any_program_open(now)
+        aged = now - self.config.aging_s
+        session: Hashable | None = None
+        if (
+            fifo
+            and fifo[0][0] <= aged
+            and (programs_open or fifo[0][0] <= now - self.config.max_queue_wait_s)
+        ):
             session = fifo.popleft()[2]
-        else:
+        elif programs_open:
             las = self._las
             while las:
-                _, seq, session = heapq.heappop(las)
-                if waiting.get(session, (None,))[0] == seq:
+                _, seq, s = heapq.heappop(las)
+                if waiting.get(s, (None,))[0] == seq:
+                    session = s
                     break
             else:
-                return None
-        _, queued_at = waiting.pop(session)
+                new = self._new
+                while new:
+                    _, seq, s = new.popleft()
+                    if waiting.get(s, (None,))[0] == seq:
+                        session = s
+                        self._new_waiting -= 1
+                        break
+        if session is None:
+            return None
+        _, queued_at, _ = waiting.pop(session)
         self.waits_s.append(now - queued_at)
         return session
 
@@ -157,7 +214,7 @@ class RouterAdmission:
         return out
 
     def _update(self, worker: str) -> None:
-        """The worker's working set changed: pause it at the high watermark, open it again
+        """The worker's running KV changed: pause it at the high watermark, open it again
         below the low one."""
         if worker not in self._workers:
             return
@@ -168,14 +225,34 @@ class RouterAdmission:
         elif u < self.config.low_watermark:
             self._open.add(worker)
 
+    def _program_open(self, worker: str, now: float) -> bool:
+        """Whether `worker` is open to programs: closed when its working set reaches the high
+        watermark, open again below the low one."""
+        if self._programs is None:
+            return True
+        share = self._programs(worker, now)
+        if worker in self._closed:
+            if share >= self.config.low_watermark:
+                return False
+            self._closed.discard(worker)
+            return True
+        if share >= self.config.high_watermark:
+            self._closed.add(worker)
+            return False
+        return True
+
+    def _any_program_open(self, now: float) -> bool:
+        return any(w in self._open and self._program_open(w, now) for w in self._workers)
+
     def _expire(self, now: float) -> None:
-        """Refuse the requests queued longer than `max_queue_wait_s` (the oldest first)."""
-        fifo, waiting = self._fifo, self._waiting
+        """Refuse the new sessions' requests queued longer than `max_queue_wait_s`."""
+        new, waiting = self._new, self._waiting
         limit = now - self.config.max_queue_wait_s
-        while fifo and fifo[0][0] < limit:
-            _, seq, session = fifo.popleft()
+        while new and new[0][0] < limit:
+            _, seq, session = new.popleft()
             if waiting.get(session, (None,))[0] == seq:
                 del waiting[session]
+                self._new_waiting -= 1
                 self.rejected_timeout += 1
                 self._rejected.append(session)
 

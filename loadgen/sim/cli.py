@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Hashable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -262,7 +263,25 @@ def gate_for(name: str, policy: Any, sim: Simulator, admission: str) -> ProgramG
         w = by_id[wid]
         return w.decode_ctx / (w.capacity * bt)
 
-    return RouterAdmission([w.wid for w in decoders], usage, AdmissionConfig())
+    ws = sim.ws
+
+    def programs(wid: str, now: float) -> float:
+        return ws.tokens(wid, now) / ((by_id[wid].capacity + sim.spec.cpu_blocks) * bt)
+
+    def home(session: Hashable, now: float) -> str | None:
+        return ws.home(str(session), now)[0]
+
+    def release(session: Hashable, now: float) -> None:
+        ws.release(str(session), now)
+
+    return RouterAdmission(
+        [w.wid for w in decoders],
+        usage,
+        AdmissionConfig(),
+        programs=programs,
+        home=home,
+        release=release,
+    )
 
 
 def run_policies(

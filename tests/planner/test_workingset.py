@@ -112,3 +112,19 @@ def test_released_sessions_teach_the_expected_growth_of_new_ones() -> None:
     ws2.started("b", "w0", 100, now=0.0)
     ws2.ended("b", 2000, now=0.0)
     assert ws2.peak_tokens == 2000
+
+
+def test_release_stops_counting_an_idle_session_but_not_one_in_flight() -> None:
+    ws = WorkingSets()
+    ws.started("a", "w0", 1000, 0.0)
+    ws.started("b", "w0", 500, 0.0)
+    ws.ended("a", 1100, 1.0)
+    ws.release("b", 1.0)  # in flight: still counted
+    assert ws.tokens("w0", 1.0) == 1600
+    ws.release("a", 1.5)  # idle inside its keep time: paused, no longer counted
+    assert ws.tokens("w0", 1.5) == 500 and ws.home("a", 1.5) == (None, 0)
+    assert ws.peak_tokens == 0  # a pause is not the end of a session: no growth learnt
+    ws.release("a", 1.6)  # twice: nothing more
+    assert ws.tokens("w0", 1.6) == 500
+    ws.started("a", "w1", 1200, 3.0)  # it resumes elsewhere
+    assert ws.home("a", 3.0) == ("w1", 1200) and ws.tokens("w0", 3.0) == 500

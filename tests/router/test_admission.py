@@ -105,21 +105,28 @@ class Client:
         self.router.admission.unsent(self.charged, PROMPT)
 
 
-def _waiter(session: str, seq: int, queued_at: float) -> Waiter:
-    return Waiter(MODEL, session, 10, queued_at, seq, asyncio.Future(), False)
+def _waiter(session: str, seq: int, queued_at: float, started: bool = True) -> Waiter:
+    return Waiter(MODEL, session, 10, queued_at, seq, asyncio.Future(), False, started)
 
 
 # --- release order (pure) -----------------------------------------------------------------------
 
 
-async def test_release_order_is_least_attained_service_first_then_arrival() -> None:
+async def test_release_order_is_started_sessions_least_attained_first_then_new_ones() -> None:
     attained = {"heavy": 5000, "light": 10, "mid": 100}
-    waiters = [_waiter(s, i, 100.0) for i, s in enumerate(["heavy", "light", "new", "mid"])]
+    waiters = [
+        _waiter(s, i, 100.0, s != "new") for i, s in enumerate(["heavy", "light", "new", "mid"])
+    ]
     waiters.append(_waiter("light", 4, 100.0))
+    waiters.append(_waiter("newer", 5, 100.0, started=False))
     order = release_order(waiters, lambda s: attained.get(s or "", 0), 101.0, aging_s=10)
     assert [(w.session_id, w.seq) for w in order] == [
-        ("new", 2), ("light", 1), ("light", 4), ("mid", 3), ("heavy", 0)
+        ("light", 1), ("light", 4), ("mid", 3), ("heavy", 0), ("new", 2), ("newer", 5)
     ]  # fmt: skip
+    # a new session aged past the bound still goes after every started one
+    aged_new = [_waiter("new", 0, 50.0, started=False), _waiter("heavy", 1, 100.0)]
+    order = release_order(aged_new, lambda s: attained.get(s or "", 0), 101.0, aging_s=10)
+    assert [w.session_id for w in order] == ["heavy", "new"]
 
 
 async def test_release_order_puts_requests_waiting_past_the_aging_bound_first_oldest_first() -> (
@@ -240,24 +247,69 @@ async def test_a_new_session_waits_while_the_sessions_working_sets_fill_every_wo
     client.task.cancel()
 
 
-async def test_a_new_session_queued_past_the_aging_bound_waits_for_kv_headroom_only(
+async def test_a_started_session_queued_past_the_wait_bound_waits_for_kv_headroom_only(
     profile: str,
 ) -> None:
-    router = Router(_settings(profile, aging_s=0.05))
+    router = Router(_settings(profile, max_queue_wait_s=0.05))
     admission, programs = router.admission, router.working_sets
     _scrape(router, 0.1)
     now = time.monotonic()
     programs.started("old", "w0", 960, now)  # a program in flight fills the working set
-    assert not admission.admit_now(MODEL, "new")
+    router.sessions.touch("back", 0).attained_tokens = 500  # served before, its KV released
+    assert not admission.admit_now(MODEL, "back") and not admission.admit_now(MODEL, "new")
     order: list[str] = []
-    client = Client(router, "new", order)
+    back = Client(router, "back", order)
+    new = Client(router, "new", order)
     await _settle()
     assert order == []
-    await asyncio.sleep(0.06)
-    admission.pump()  # aged: the programs' working set no longer holds it back
+    await asyncio.sleep(0.08)
+    admission.pump()  # past the bound the programs' working set no longer holds "back" back
     await _settle()
-    assert order == ["new"]
-    client.task.cancel()
+    assert order == ["back"]
+    with pytest.raises(RateLimitError):  # a new session is refused at the bound instead
+        await new.task
+    back.task.cancel()
+
+
+async def test_a_session_on_a_worker_whose_programs_are_full_is_paused_at_its_tool_boundary(
+    profile: str,
+) -> None:
+    router = Router(_settings(profile, roles=("hybrid", "hybrid")))
+    admission, programs = router.admission, router.working_sets
+    _scrape(router, 0.1)
+    _scrape(router, 0.1, "w1")
+    now = time.monotonic()
+    router.sessions.touch("s", 0).attained_tokens = 500
+    programs.started("s", "w0", 400, now)
+    programs.ended("s", 450, now)  # between turns: counted on w0 through its tool gap
+    programs.started("big", "w0", 600, now)  # w0's programs: 1050 of 1000 tokens
+    assert admission.resident("s")
+    assert not admission.admit_now(MODEL, "s")  # paused: its KV leaves the working set
+    assert not admission.resident("s") and programs.tokens("w0", now) == 600
+    assert metric_value(_metrics(router), "ownerserve_admission_sessions_paused_total") == 1
+    order: list[str] = []
+    Client(router, "s", order)
+    await _settle()
+    assert order == ["s"]  # w1 is open to programs: it resumes there at once
+    # a worker with a CPU tier counts the programs against HBM plus that tier
+    router2 = Router(
+        settings_from_dict(
+            {
+                "server": {"port": 0, "health_interval_s": 60},
+                "models": [{"name": MODEL, "block_size": 4}],
+                "workers": [
+                    {"id": "w0", "url": "http://127.0.0.1:9", "profile": profile,
+                     "cpu_kv_tokens": 1000}
+                ],
+            }
+        )
+    )  # fmt: skip
+    _scrape(router2, 0.1)
+    router2.sessions.touch("s", 0).attained_tokens = 500
+    router2.working_sets.started("s", "w0", 400, now)
+    router2.working_sets.ended("s", 450, now)
+    router2.working_sets.started("big", "w0", 600, now)  # 1050 of 2000: room
+    assert router2.admission.admit_now(MODEL, "s")
 
 
 async def test_the_pool_size_a_worker_reports_outweighs_its_profiles(router: Router) -> None:
@@ -273,7 +325,7 @@ async def test_the_pool_size_a_worker_reports_outweighs_its_profiles(router: Rou
 # --- the queue ----------------------------------------------------------------------------------
 
 
-async def test_the_queue_releases_the_least_served_session_first_one_per_freed_slot(
+async def test_the_queue_releases_started_sessions_least_served_first_then_new_ones(
     router: Router,
 ) -> None:
     admission = router.admission
@@ -285,7 +337,8 @@ async def test_the_queue_releases_the_least_served_session_first_one_per_freed_s
     await _settle()
     assert order == [] and admission.queued == 4
     assert metric_value(_metrics(router), "ownerserve_admission_queued") == 4
-    for expected in (["new"], ["new", "light"], ["new", "light", "mid"]):
+    # started sessions first, least served first; the new session after them
+    for expected in (["light"], ["light", "mid"], ["light", "mid", "heavy"]):
         # one request's worth of headroom: 0.7 + 300/1000 reaches the high watermark
         _scrape(router, 0.7)
         admission.pump()
@@ -295,7 +348,7 @@ async def test_the_queue_releases_the_least_served_session_first_one_per_freed_s
         _scrape(router, 0.4)  # under the low watermark: the worker resumes
     admission.pump()
     await _settle()
-    assert order == ["new", "light", "mid", "heavy"]
+    assert order == ["light", "mid", "heavy", "new"]
     m = _metrics(router)
     assert metric_value(m, "ownerserve_admission_queued") == 0
     assert metric_value(m, "ownerserve_admission_admitted_total", path="queued") == 4
@@ -343,6 +396,12 @@ async def test_a_full_queue_answers_429_with_retry_after_at_once(profile: str) -
     assert router.admission.queued == 1
     m = _metrics(router)
     assert metric_value(m, "ownerserve_admission_rejected_total", reason="queue_full") == 1
+    # the bound counts new sessions only: a session under way still queues
+    router.sessions.touch("started", 0).attained_tokens = 100
+    order: list[str] = []
+    Client(router, "started", order)
+    await _settle()
+    assert router.admission.queued == 2
 
 
 async def test_a_request_waiting_past_its_bound_is_answered_429_and_leaves_the_queue(

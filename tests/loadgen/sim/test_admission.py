@@ -76,3 +76,79 @@ def test_past_its_bounds_the_queue_refuses_requests() -> None:
     adm.ended(0, "a", 0, 62.0, False)
     assert adm.next_release(62.0) == 2
     assert adm.queued == 2
+
+
+class _Programs:
+    """Working-set shares and homes the program-level admission reads, set by the test."""
+
+    def __init__(self) -> None:
+        self.share: dict[str, float] = {}
+        self.homes: dict[object, str] = {}
+        self.released: list[object] = []
+
+    def programs(self, worker: str, now: float) -> float:
+        return self.share.get(worker, 0.0)
+
+    def home(self, session: object, now: float) -> str | None:
+        return self.homes.get(session)
+
+    def release(self, session: object, now: float) -> None:
+        self.released.append(session)
+        self.homes.pop(session, None)
+
+
+def _programs_admission(p: _Programs, workers: tuple[str, ...] = ("a",)) -> RouterAdmission:
+    return RouterAdmission(
+        list(workers),
+        lambda w: 0.0,
+        programs=p.programs,
+        home=p.home,
+        release=p.release,
+    )
+
+
+def test_new_sessions_wait_while_the_programs_fill_every_worker_then_go_first_come() -> None:
+    p = _Programs()
+    adm = _programs_admission(p)
+    assert adm.tick_s > 0  # idle sessions leave the working sets with time: it rechecks
+    assert adm.arrive("s1", 10, 0, 0.0)
+    p.share["a"] = 0.96
+    assert not adm.arrive("s2", 10, 0, 1.0) and not adm.arrive("s3", 10, 0, 2.0)
+    p.share["a"] = 0.85
+    assert adm.next_release(3.0) is None  # closed until below the low watermark
+    p.share["a"] = 0.5
+    assert [adm.next_release(4.0), adm.next_release(4.0)] == ["s2", "s3"]
+
+
+def test_a_session_on_a_full_worker_is_paused_at_its_tool_boundary_and_resumes_first() -> None:
+    p = _Programs()
+    adm = _programs_admission(p, ("a", "b"))
+    p.homes["run"] = "b"
+    p.homes["big"] = "a"
+    p.share.update(a=0.97, b=0.5)
+    assert adm.arrive("run", 10, 500, 0.0)  # its worker is open: it runs on
+    assert not adm.arrive("big", 10, 800, 0.0)  # paused: its KV is released
+    assert p.released == ["big"] and adm.programs_paused == 1
+    assert not adm.arrive("new", 10, 0, 0.1)  # a new session waits behind the paused one
+    assert adm.next_release(0.2) == "big"  # b is open to programs: the paused one first
+    assert adm.next_release(0.2) == "new"
+
+
+def test_only_new_sessions_are_refused_and_a_paused_one_resumes_after_the_wait_bound() -> None:
+    p = _Programs()
+    adm = RouterAdmission(
+        ["a"],
+        lambda w: 0.0,
+        AdmissionConfig(max_queued=1, max_queue_wait_s=60.0),
+        programs=p.programs,
+        home=p.home,
+        release=p.release,
+    )
+    p.share["a"] = 1.0
+    assert not adm.arrive("n1", 10, 0, 0.0)
+    assert not adm.arrive("n2", 10, 0, 0.0)  # one new session waits already: refused
+    assert not adm.arrive("old", 10, 900, 0.0)  # a started session waits, whatever the count
+    assert adm.rejected(0.0) == ["n2"]
+    assert adm.next_release(59.0) is None
+    assert adm.rejected(61.0) == ["n1"]  # the new one waited too long
+    assert adm.next_release(61.0) == "old"  # the started one goes once it waited that long
