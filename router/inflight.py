@@ -23,9 +23,10 @@ def hold(
     kv: WorkerState | None = None,
 ) -> None:
     """Count the request in flight on `workers`, its prompt's tokens as queued prefill on
-    `prefill` and as KV held on `kv` (the worker its sequence lives on), until `release(ctx)`. Its prompt counts in a working set too: sent for the
-    plan's decode worker (`ctx.plan`) while the plan runs, then on the worker streaming the
-    answer (`ctx.opened`)."""
+    `prefill` and as KV held on `kv` (the worker its sequence lives on), until
+    `release(ctx)`. Its prompt counts in a working set too: sent for the plan's decode worker
+    (`ctx.plan`) while the plan runs, then on the worker streaming the answer
+    (`ctx.opened`)."""
     for w in workers:
         w.inflight += 1
     tokens = ctx.tok.prompt_tokens
