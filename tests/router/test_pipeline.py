@@ -39,9 +39,8 @@ def _context(router: Router, endpoint: Endpoint, body: dict, headers=()) -> Requ
     return ctx
 
 
-async def test_stages_fill_the_context_up_to_a_plan():
-    router = _router()
-    await router.open_directory()
+async def _planned(router: Router) -> RequestContext:
+    """A chat request of session s1 taken through the stages up to its plan."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 10}]}
     ctx = _context(router, Endpoint.CHAT, body, [(b"x-session-id", b"s1")])
     identify(ctx)
@@ -49,6 +48,13 @@ async def test_stages_fill_the_context_up_to_a_plan():
     await look_up(ctx)
     view(ctx)
     assert plan(ctx)
+    return ctx
+
+
+async def test_stages_fill_the_context_up_to_a_plan():
+    router = _router()
+    await router.open_directory()
+    ctx = await _planned(router)
     assert ctx.session.session_id == "s1" and ctx.tok.chain
     assert ctx.rview.chain_blocks == len(ctx.tok.chain) and not ctx.is_fork
     assert ctx.plan.chosen.decode_worker == "w0"
@@ -90,13 +96,7 @@ async def test_the_kv_of_requests_in_flight_shows_in_the_view_before_the_next_sc
     await router.open_directory()
     w0 = router.pool.get("w0")
     assert w0 is not None
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 10}]}
-    ctx = _context(router, Endpoint.CHAT, body, [(b"x-session-id", b"s1")])
-    identify(ctx)
-    tokenize(ctx)
-    await look_up(ctx)
-    view(ctx)
-    assert plan(ctx)
+    ctx = await _planned(router)
     n = ctx.tok.prompt_tokens
     w0.load = WorkerLoad(kv_usage=0.1, kv_capacity_tokens=4 * n)
 
