@@ -137,6 +137,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the own policies ('own', as the router runs them), or none ('off')",
     )
     parser.add_argument(
+        "--admission-max-queued",
+        type=int,
+        default=AdmissionConfig().max_queued,
+        help="the admission queue's bound on new sessions' requests (admission.max_queued; "
+        "default %(default)s)",
+    )
+    parser.add_argument(
+        "--admission-max-wait-s",
+        type=float,
+        default=AdmissionConfig().max_queue_wait_s,
+        help="how long a new session's request may wait before its 429 "
+        "(admission.max_queue_wait_s; default %(default)s; ThunderAgent's model waits up to "
+        "its resume timeout, 1800 s)",
+    )
+    parser.add_argument(
         "--slo-ttft-p90-s",
         type=float,
         default=2.0,
@@ -241,7 +256,13 @@ def split_roles(split: str, n: int) -> dict[str, int]:
     return dict(zip(("prefill", "decode", "hybrid"), counts, strict=True))
 
 
-def gate_for(name: str, policy: Any, sim: Simulator, admission: str) -> ProgramGate | None:
+def gate_for(
+    name: str,
+    policy: Any,
+    sim: Simulator,
+    admission: str,
+    config: AdmissionConfig | None = None,
+) -> ProgramGate | None:
     """The program-level gate in front of policy `name` on `sim`'s cluster: ThunderAgent's
     program scheduler for its model, the router's admission queue for the own policies
     (`admission` 'own'), none for the other peers."""
@@ -277,7 +298,7 @@ def gate_for(name: str, policy: Any, sim: Simulator, admission: str) -> ProgramG
     return RouterAdmission(
         [w.wid for w in decoders],
         usage,
-        AdmissionConfig(),
+        config or AdmissionConfig(),
         programs=programs,
         home=home,
         release=release,
@@ -312,7 +333,15 @@ def run_policies(
             rate_per_min=rate_per_min,
             working_set_views=not peer,  # the peers do not read them
         )
-        sim.gate = gate_for(name, policy, sim, args.admission)
+        sim.gate = gate_for(
+            name,
+            policy,
+            sim,
+            args.admission,
+            AdmissionConfig(
+                max_queued=args.admission_max_queued, max_queue_wait_s=args.admission_max_wait_s
+            ),
+        )
         summary = sim.run(sessions).summary()
         summary["policy"] = name
         rows.append(summary)
