@@ -231,6 +231,10 @@ _LAT, _INTRA, _INTER, _CPU_BPS, _SSD_BPS, _CAP = 6, 7, 8, 9, 10, 11
 KV_NEVER_S = 1e6
 """The KV wait of a worker whose whole pool cannot hold the request's KV: it would refuse the
 request (a 400), so every route through it loses to any route that can run."""
+PROGRAMS_CLOSED_S = 1e3
+"""Added to the queue of a worker closed to programs (`WorkerView.programs_closed`) for a
+request whose session's KV is not counted there: a new or resumed program goes to a worker
+with room in its working set, as ThunderAgent resumes onto the roomiest, unless none has."""
 
 
 HeldTerms = tuple[int, int, int, float, int]
@@ -324,6 +328,7 @@ class RequestCosts:
 
             q(w)       = s_p · (per_token_s · inflight_prefill_tokens + base_s · waiting)
                          + kv_wait(w, gpu(w), decode(w))
+                         + PROGRAMS_CLOSED_S if programs_closed(w) and w ≠ home_worker
             decode(w)  = O · decode_step_s(w, running + 1, ctx(w) + N)
                        = s_d · O · (base_s + per_seq_s · (running + 1) + per_ctx_token_s ·
                          (ctx(w) + N)),  ctx(w) = kv_usage · cap(w), cap(w) =
@@ -368,6 +373,8 @@ class RequestCosts:
                 q += self.kv_wait(w, cb.get(_GPU, 0) if cb else 0, dec, cap_p)
             disp = 0.0
             ws = w.ws_tokens
+            if w.programs_closed and w.worker_id != home:
+                q += PROGRAMS_CLOSED_S
             if ws and disp_on:
                 if w.worker_id == home:
                     ws -= home_tokens

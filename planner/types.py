@@ -76,6 +76,10 @@ class WorkerView:
     # queueing on two engines, the pull, the protocol's round trips — the T_network of a
     # route moving KV into it adds them
     handover_s: float = 0.0
+    # the router's admission closed this worker to programs (its sessions' working set is
+    # over the high watermark): a session whose KV is not counted here may not start or resume
+    # on it while another worker is open (T_queue + PROGRAMS_CLOSED_S)
+    programs_closed: bool = False
 
 
 @fast_init

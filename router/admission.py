@@ -263,6 +263,15 @@ class Admission:
             return True
         return False
 
+    def closed_to_programs(self, worker: WorkerState, now: float) -> bool:
+        """Whether `worker` is closed to programs now (`WorkerView.programs_closed`: no
+        session starts or resumes there while another worker is open); False with admission
+        off."""
+        if not self.enabled:
+            return False
+        ws = self.working_set(worker)
+        return self._closed(ws, self._programs_share(worker, ws, now))
+
     # --- admitting ---------------------------------------------------------------------------
 
     def admit_now(self, model: str, session_id: str | None = None) -> bool:

@@ -32,6 +32,7 @@ def cluster_view(
     scales = router.calibrator.scales
     nics = router.nics if router.nics else None  # most of the time no transfer is queued
     wsets = router.working_sets
+    closed_to_programs = router.admission.closed_to_programs
     for w in router.pool.for_model(model):
         if w.worker_id in excluded or not w.routable(now):
             continue
@@ -65,6 +66,7 @@ def cluster_view(
             load.kv_capacity_tokens,
             wsets.tokens(wid, now),
             load.offloads,
+            closed_to_programs(w, now),
         )
         last = w.view_cache
         if last is not None and last[0] == key:
@@ -88,6 +90,7 @@ def cluster_view(
             ws_tokens=key[12],
             offloads=load.offloads,
             handover_s=sc.handover_s,
+            programs_closed=key[14],
         )
         w.view_cache = (key, view)
         views.append(view)

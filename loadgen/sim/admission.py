@@ -135,7 +135,7 @@ class RouterAdmission:
         self._expire(now)
         started = attained > 0
         home = self._home(session, now) if self._home is not None and started else None
-        if home is not None and not self._program_open(home, now):
+        if home is not None and self._over(home, now):
             # its worker's programs are over the watermark: pause it at this tool boundary
             assert self._release is not None
             self._release(session, now)
@@ -240,6 +240,16 @@ class RouterAdmission:
             self._closed.add(worker)
             return False
         return True
+
+    def closed_to_programs(self, worker: str, now: float) -> bool:
+        """Whether `worker` is closed to programs now (`WorkerView.programs_closed`)."""
+        return self._programs is not None and not self._program_open(worker, now)
+
+    def _over(self, worker: str, now: float) -> bool:
+        """Whether `worker`'s programs are at or over the high watermark now (pausing brings
+        them just under it; the low watermark is for letting programs in again)."""
+        assert self._programs is not None
+        return self._programs(worker, now) >= self.config.high_watermark
 
     def _any_program_open(self, now: float) -> bool:
         return any(w in self._open and self._program_open(w, now) for w in self._workers)

@@ -295,7 +295,7 @@ def gate_for(
     def release(session: Hashable, now: float) -> None:
         ws.release(str(session), now)
 
-    return RouterAdmission(
+    gate = RouterAdmission(
         [w.wid for w in decoders],
         usage,
         config or AdmissionConfig(),
@@ -303,6 +303,8 @@ def gate_for(
         home=home,
         release=release,
     )
+    sim.closed_to_programs = gate.closed_to_programs
+    return gate
 
 
 def run_policies(

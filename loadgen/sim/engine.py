@@ -35,7 +35,7 @@ import bisect
 import heapq
 import random
 from collections import OrderedDict, deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,7 +208,7 @@ class _FullView:
         self.sim = sim
         n = len(sim.workers)
         self.version = [0] * n
-        self.cache: list[tuple[int, int, int, int, WorkerView] | None] = [None] * n
+        self.cache: list[tuple[int, int, int, int, bool, WorkerView] | None] = [None] * n
         self.wakeups: list[tuple[float, int]] = []  # (prefill end, worker): its queue shrinks
         self.nic_busy: set[str] = set()
         self.node_workers: dict[str, list[int]] = {}
@@ -260,6 +260,7 @@ class _FullView:
         depth = self.depths(held)
         cpu = sim._cpu_depths(held, depth) if sim.offloads else {}
         ws = sim.ws.tokens if sim.ws_views else None
+        closed = sim.closed_to_programs
         cache = self.cache
         views = []
         for w in sim.workers:
@@ -267,10 +268,11 @@ class _FullView:
             n = depth.get(i, 0)
             m = cpu.get(i, n)
             t = ws(w.wid, now) if ws is not None else 0
+            x = closed is not None and closed(w.wid, now)
             c = cache[i]
-            if c is None or c[0] != version[i] or c[1] != n or c[2] != m or c[3] != t:
-                c = cache[i] = (version[i], n, m, t, sim._view_at(w, now, n, m, t))
-            views.append(c[4])
+            if c is None or c[0] != version[i] or c[1] != n or c[2] != m or c[3] != t or c[4] != x:
+                c = cache[i] = (version[i], n, m, t, x, sim._view_at(w, now, n, m, t, x))
+            views.append(c[5])
         return ClusterView(workers=tuple(views))
 
 
@@ -396,6 +398,8 @@ class Simulator:
         self.slo_ttft_p90_s = slo_ttft_p90_s
         self.rate_per_min = rate_per_min
         self.ws = WorkingSets()
+        self.closed_to_programs: Callable[[str, float], bool] | None = None
+        """Whether the gate closed a worker to programs (`WorkerView.programs_closed`)."""
         self.offloads = spec.cpu_blocks > 0
         self.cpu_holders: dict[int, set[int]] = {}
         self.profile = profile
@@ -568,11 +572,22 @@ class Simulator:
     def _view(self, w: _Worker, now: float, held: _Held) -> WorkerView:
         n = held.depth(w.idx)
         m = self._cpu_extent(w, held.chain, n) if self.offloads else n
-        return self._view_at(w, now, n, m, self.ws.tokens(w.wid, now) if self.ws_views else 0)
+        closed = self.closed_to_programs
+        return self._view_at(
+            w,
+            now,
+            n,
+            m,
+            self.ws.tokens(w.wid, now) if self.ws_views else 0,
+            closed is not None and closed(w.wid, now),
+        )
 
-    def _view_at(self, w: _Worker, now: float, n: int, m: int, ws_tokens: int) -> WorkerView:
+    def _view_at(
+        self, w: _Worker, now: float, n: int, m: int, ws_tokens: int, closed: bool = False
+    ) -> WorkerView:
         """The view of `w` at `now` for a request whose chain it holds `n` blocks of in HBM
-        and `m` in HBM and CPU together; `ws_tokens` its working set."""
+        and `m` in HBM and CPU together; `ws_tokens` its working set; `closed`: admission
+        closed it to programs."""
         jobs, tokens = w.pending_tokens(now)
         if m > n:
             cached = {Tier.GPU: n, Tier.CPU: m} if n else {Tier.CPU: m}
@@ -591,6 +606,7 @@ class Simulator:
             kv_capacity_tokens=w.capacity * self.spec.block_tokens,
             ws_tokens=ws_tokens,
             offloads=self.offloads,
+            programs_closed=closed,
         )
 
     def _kv_usage(self, w: _Worker, now: float) -> float:

@@ -12,6 +12,7 @@ from ownerserve.kvstate import load_spec
 from ownerserve.types import Role, Tier
 from planner.cost import (
     KV_NEVER_S,
+    PROGRAMS_CLOSED_S,
     CostConfig,
     CostModel,
     RequestCosts,
@@ -361,3 +362,19 @@ def test_displacement_counts_the_sessions_expected_growth() -> None:
     grown = RequestCosts(M, request(1000, growth_tokens=3_000))
     disp = 1010 + 3000 - 2000
     assert grown.worker(w)[7] == pytest.approx(disp * (1e-4 + 1e-8 * disp / 2))
+
+
+def test_a_worker_closed_to_programs_takes_no_session_not_resident_there() -> None:
+    # h0 holds the whole prefix but admission closed it to programs; h1 is open and empty
+    h0 = worker("h0", Role.HYBRID, gpu=9, programs_closed=True)
+    h1 = worker("h1", Role.HYBRID)
+    new = request(1000, session_id="s")
+    plan = OwnerServePolicy(model=M).plan(new, cluster(h0, h1))
+    assert plan.chosen.decode_worker == "h1" and plan.chosen.prefill_worker == "h1"
+    assert RequestCosts(M, new).worker(h0)[1] >= PROGRAMS_CLOSED_S  # its queue term
+    # a session resident there is not charged: admission pauses it, or it runs on, at home
+    home = request(1000, session_id="s", home_worker="h0", home_tokens=1000)
+    assert OwnerServePolicy(model=M).plan(home, cluster(h0, h1)).chosen.decode_worker == "h0"
+    # every worker closed: the other terms decide, as if none were
+    both = cluster(h0, replace(h1, programs_closed=True))
+    assert OwnerServePolicy(model=M).plan(new, both).chosen.decode_worker == "h0"

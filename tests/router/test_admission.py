@@ -25,6 +25,7 @@ from router.pool import WorkerState
 from router.server import running_app
 from router.state import Router
 from router.streaming import ResponseWriter
+from router.views import cluster_view
 from tests.e2e.router_cluster import metric_value
 from tests.router.fake_worker import FakeWorker
 from tests.router.waiting import until
@@ -579,3 +580,25 @@ async def test_the_router_holds_a_request_until_headroom_returns_then_serves_it(
     assert info is not None and info.attained_tokens > 0
     ws = router.admission.working_set(_worker(router))
     assert (ws.pending, ws.reserved, ws.since_scrape) == (0, 0, 0)
+
+
+async def test_a_worker_closed_to_programs_says_so_in_the_planners_view(profile: str) -> None:
+    router = Router(_settings(profile, roles=("hybrid", "hybrid")))
+    _scrape(router, 0.1)
+    _scrape(router, 0.1, "w1")
+    now = time.monotonic()
+    router.working_sets.started("big", "w0", 990, now)  # w0's programs over the watermark
+    await router.open_directory()
+    match = await router.directory.lookup(())
+    closed = {
+        v.worker_id: v.programs_closed for v in cluster_view(router, MODEL, match, ()).workers
+    }
+    assert closed == {"w0": True, "w1": False}
+    router.working_sets.ended("big", 990, now)
+    router.working_sets.release("big", now)  # gone from the working set: 0 < the low watermark
+    view = cluster_view(router, MODEL, match, ())
+    assert not any(v.programs_closed for v in view.workers)
+    off = Router(_settings(profile, enabled=False))
+    off.working_sets.started("big", "w0", 990, now)
+    await off.open_directory()
+    assert not cluster_view(off, MODEL, match, ()).workers[0].programs_closed
