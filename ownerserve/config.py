@@ -153,6 +153,12 @@ class AdmissionSettings(_Strict):
     first), whatever its attained service: nothing starves."""
     retry_after_s: int = Field(default=2, ge=0)
     """The `Retry-After` header of a 429."""
+    pause_watermark: float = Field(default=1.2, gt=0)
+    """Past the knee: while the sessions' working sets over the whole cluster's KV pools plus
+    CPU tiers reach this share (until back under it by high − low), sessions on a worker over
+    the high watermark are paused at their tool boundaries and closed workers take no session
+    from elsewhere. Above 1: a session's shared prefix counts in each session, and up to HBM
+    plus the CPU tier a displaced session comes back with a load, not a recompute."""
 
     @model_validator(mode="after")
     def _ordered(self) -> AdmissionSettings:

@@ -143,6 +143,9 @@ class Admission:
         """Queued requests per model."""
         self._new_waiting = 0
         """Queued requests of new sessions (what `max_queued` bounds)."""
+        self._full = False
+        self._full_at = -1.0
+        """`cluster_full`'s state (hysteresis) and when it was last looked at."""
         self._seq = itertools.count()
         self._rechecks: asyncio.Task[None] | None = None
         self._admitted_now = metrics.admitted.labels("immediate")
@@ -244,6 +247,29 @@ class Admission:
             return True, best
         return not routable, None
 
+    def cluster_full(self, now: float) -> bool:
+        """Whether the sessions' working sets fill the whole cluster: every routable worker
+        that holds sessions (not prefill-only), their tokens over their pools plus CPU tiers,
+        at `pause_watermark`, and until back under it by high − low (looked at every 50 ms at
+        most). Only then are sessions paused at their tool boundaries and closed workers kept
+        from sessions not resident there: below it, room exists somewhere, and the planner's
+        W_disp spreads the sessions to it without making any wait."""
+        if now - self._full_at < 0.05:
+            return self._full
+        self._full_at = now
+        tokens = budget = 0
+        for w in self._pool.all():
+            if w.settings.role is Role.PREFILL or not w.routable(now):
+                continue
+            ws = self.working_set(w)
+            tokens += self._programs.tokens(w.worker_id, now) + ws.reserved
+            budget += ws.capacity(w.load) + w.settings.cpu_kv_tokens
+        share = tokens / budget if budget else 0.0
+        s = self.settings
+        on = s.pause_watermark
+        self._full = share >= (on - (s.high_watermark - s.low_watermark) if self._full else on)
+        return self._full
+
     def _programs_share(self, worker: WorkerState, ws: WorkingSet, now: float) -> float:
         """The sessions' working set on `worker` (and what was released onto it) over its KV
         pool plus its CPU tier (`cpu_kv_tokens`)."""
@@ -267,7 +293,7 @@ class Admission:
         """Whether `worker` is closed to programs now (`WorkerView.programs_closed`: no
         session starts or resumes there while another worker is open); False with admission
         off."""
-        if not self.enabled:
+        if not self.enabled or not self.cluster_full(now):
             return False
         ws = self.working_set(worker)
         return self._closed(ws, self._programs_share(worker, ws, now))
@@ -285,11 +311,11 @@ class Admission:
         now = time.monotonic()
         home = self._programs.home(session_id, now)[0]
         resident = home is not None
-        if resident and self._sessions.attained(session_id) > 0:
+        if resident and self._sessions.attained(session_id) > 0 and self.cluster_full(now):
             worker = self._pool.get(home) if home else None
             if worker is not None:
                 ws = self.working_set(worker)
-                if self._closed(ws, self._programs_share(worker, ws, now)):
+                if self._programs_share(worker, ws, now) >= self.settings.high_watermark:
                     assert session_id is not None
                     self._programs.release(session_id, now)
                     self._metrics.sessions_paused.inc()

@@ -68,6 +68,7 @@ class AdmissionConfig:
     max_queued: int = 1024
     max_queue_wait_s: float = 60.0
     aging_s: float = 10.0
+    pause_watermark: float = 1.2
 
 
 class RouterAdmission:
@@ -126,6 +127,8 @@ class RouterAdmission:
         self.rejected_full = 0
         self.rejected_timeout = 0
         self.paused_total = 0
+        self._full = False
+        self._full_at = -1.0
 
     @property
     def programs_paused(self) -> int:
@@ -135,7 +138,7 @@ class RouterAdmission:
         self._expire(now)
         started = attained > 0
         home = self._home(session, now) if self._home is not None and started else None
-        if home is not None and self._over(home, now):
+        if home is not None and self._over(home, now) and self._cluster_full(now):
             # its worker's programs are over the watermark: pause it at this tool boundary
             assert self._release is not None
             self._release(session, now)
@@ -242,8 +245,27 @@ class RouterAdmission:
         return True
 
     def closed_to_programs(self, worker: str, now: float) -> bool:
-        """Whether `worker` is closed to programs now (`WorkerView.programs_closed`)."""
-        return self._programs is not None and not self._program_open(worker, now)
+        """Whether `worker` is closed to programs now (`WorkerView.programs_closed`): only
+        while the programs fill the whole cluster, as the router's `cluster_full`."""
+        return (
+            self._programs is not None
+            and self._cluster_full(now)
+            and not self._program_open(worker, now)
+        )
+
+    def _cluster_full(self, now: float) -> bool:
+        """Whether the programs fill the cluster (the mean of the workers' shares; the
+        simulator's workers have equal pools) at `pause_watermark`, until back under it by
+        high − low; looked at once per instant."""
+        if now == self._full_at:
+            return self._full
+        self._full_at = now
+        assert self._programs is not None
+        share = sum(self._programs(w, now) for w in self._workers) / len(self._workers)
+        cfg = self.config
+        on = cfg.pause_watermark
+        self._full = share >= (on - (cfg.high_watermark - cfg.low_watermark) if self._full else on)
+        return self._full
 
     def _over(self, worker: str, now: float) -> bool:
         """Whether `worker`'s programs are at or over the high watermark now (pausing brings

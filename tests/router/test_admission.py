@@ -276,7 +276,7 @@ async def test_a_started_session_queued_past_the_wait_bound_waits_for_kv_headroo
 async def test_a_session_on_a_worker_whose_programs_are_full_is_paused_at_its_tool_boundary(
     profile: str,
 ) -> None:
-    router = Router(_settings(profile, roles=("hybrid", "hybrid")))
+    router = Router(_settings(profile, roles=("hybrid", "hybrid"), pause_watermark=0.95))
     admission, programs = router.admission, router.working_sets
     _scrape(router, 0.1)
     _scrape(router, 0.1, "w1")
@@ -286,8 +286,13 @@ async def test_a_session_on_a_worker_whose_programs_are_full_is_paused_at_its_to
     programs.ended("s", 450, now)  # between turns: counted on w0 through its tool gap
     programs.started("big", "w0", 600, now)  # w0's programs: 1050 of 1000 tokens
     assert admission.resident("s")
+    # w1 has room: the cluster is not full, nothing is paused (the planner spreads sessions)
+    assert admission.admit_now(MODEL, "s") and not admission.cluster_full(now)
+    programs.started("other", "w1", 850, now)  # 1900 of 2000: the cluster is full
+    now = time.monotonic() + 0.1  # past cluster_full's 50 ms
+    assert admission.cluster_full(now)
     assert not admission.admit_now(MODEL, "s")  # paused: its KV leaves the working set
-    assert not admission.resident("s") and programs.tokens("w0", now) == 600
+    assert not admission.resident("s") and programs.tokens("w0", time.monotonic()) == 600
     assert metric_value(_metrics(router), "ownerserve_admission_sessions_paused_total") == 1
     order: list[str] = []
     Client(router, "s", order)
@@ -584,11 +589,16 @@ async def test_the_router_holds_a_request_until_headroom_returns_then_serves_it(
 
 
 async def test_a_worker_closed_to_programs_says_so_in_the_planners_view(profile: str) -> None:
-    router = Router(_settings(profile, roles=("hybrid", "hybrid")))
+    default = Router(_settings(profile, roles=("hybrid", "hybrid")))
+    router = Router(_settings(profile, roles=("hybrid", "hybrid"), pause_watermark=0.95))
     _scrape(router, 0.1)
     _scrape(router, 0.1, "w1")
     now = time.monotonic()
     router.working_sets.started("big", "w0", 990, now)  # w0's programs over the watermark
+    router.working_sets.started("mid", "w1", 920, now)  # 1910 of 2000: the cluster is full
+    default.working_sets.started("big", "w0", 990, now)  # ... not by the default pause
+    default.working_sets.started("mid", "w1", 920, now)  # watermark, 1.2 of HBM + CPU tier
+    assert not default.admission.cluster_full(now)
     match = Match(chain_len=0)  # nothing cached anywhere
     closed = {
         v.worker_id: v.programs_closed for v in cluster_view(router, MODEL, match, ()).workers

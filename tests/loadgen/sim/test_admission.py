@@ -101,6 +101,7 @@ def _programs_admission(p: _Programs, workers: tuple[str, ...] = ("a",)) -> Rout
     return RouterAdmission(
         list(workers),
         lambda w: 0.0,
+        AdmissionConfig(pause_watermark=0.95),
         programs=p.programs,
         home=p.home,
         release=p.release,
@@ -126,8 +127,12 @@ def test_a_session_on_a_full_worker_is_paused_at_its_tool_boundary_and_resumes_f
     p.homes["run"] = "b"
     p.homes["big"] = "a"
     p.share.update(a=0.97, b=0.5)
-    assert adm.arrive("run", 10, 500, 0.0)  # its worker is open: it runs on
-    assert not adm.arrive("big", 10, 800, 0.0)  # paused: its KV is released
+    assert adm.arrive("big", 10, 800, 0.0)  # b has room: the cluster is not full, no pause
+    assert not adm.closed_to_programs("a", 0.0)
+    p.share["b"] = 0.94  # the programs fill the cluster (mean 0.955)
+    assert adm.arrive("run", 10, 500, 0.1)  # its worker is open: it runs on
+    assert adm.closed_to_programs("a", 0.1) and not adm.closed_to_programs("b", 0.1)
+    assert not adm.arrive("big", 10, 800, 0.1)  # paused: its KV is released
     assert p.released == ["big"] and adm.programs_paused == 1
     assert not adm.arrive("new", 10, 0, 0.1)  # a new session waits behind the paused one
     assert adm.next_release(0.2) == "big"  # b is open to programs: the paused one first
