@@ -153,7 +153,7 @@ class AdmissionSettings(_Strict):
     first), whatever its attained service: nothing starves."""
     retry_after_s: int = Field(default=2, ge=0)
     """The `Retry-After` header of a 429."""
-    pause_watermark: float = Field(default=1.2, gt=0)
+    pause_watermark: float = Field(default=1.5, gt=0)
     """Past the knee: while the sessions' working sets over the whole cluster's KV pools plus
     CPU tiers reach this share (until back under it by high − low), sessions on a worker over
     the high watermark are paused at their tool boundaries and closed workers take no session

@@ -68,7 +68,7 @@ class AdmissionConfig:
     max_queued: int = 1024
     max_queue_wait_s: float = 60.0
     aging_s: float = 10.0
-    pause_watermark: float = 1.2
+    pause_watermark: float = 1.5
 
 
 class RouterAdmission:
