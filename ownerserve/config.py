@@ -150,15 +150,17 @@ class AdmissionSettings(_Strict):
     session's then waits only for KV headroom, no longer for the programs' working sets."""
     aging_s: float = Field(default=10.0, ge=0)
     """A started session's request queued this long goes before every younger one (oldest
-    first), whatever its attained service: nothing starves."""
+    first), whatever its attained service; below the knee (`pause_watermark`) any request
+    queued this long waits only for KV headroom: nothing starves."""
     retry_after_s: int = Field(default=2, ge=0)
     """The `Retry-After` header of a 429."""
-    pause_watermark: float = Field(default=1.5, gt=0)
+    pause_watermark: float | None = Field(default=None, gt=0)
     """Past the knee: while the sessions' working sets over the whole cluster's KV pools plus
     CPU tiers reach this share (until back under it by high − low), sessions on a worker over
-    the high watermark are paused at their tool boundaries and closed workers take no session
-    from elsewhere. Above 1: a session's shared prefix counts in each session, and up to HBM
-    plus the CPU tier a displaced session comes back with a load, not a recompute."""
+    the high watermark are paused at their tool boundaries, closed workers take no session
+    from elsewhere, and queued requests no longer age into the cluster. None (the default):
+    never — on every workload measured here pausing cost more than it saved
+    (bench/history/capacity.md, bench/history/sim.md)."""
 
     @model_validator(mode="after")
     def _ordered(self) -> AdmissionSettings:

@@ -254,6 +254,9 @@ class Admission:
         most). Only then are sessions paused at their tool boundaries and closed workers kept
         from sessions not resident there: below it, room exists somewhere, and the planner's
         W_disp spreads the sessions to it without making any wait."""
+        on = self.settings.pause_watermark
+        if on is None:
+            return False
         if now - self._full_at < 0.05:
             return self._full
         self._full_at = now
@@ -266,7 +269,6 @@ class Admission:
             budget += ws.capacity(w.load) + w.settings.cpu_kv_tokens
         share = tokens / budget if budget else 0.0
         s = self.settings
-        on = s.pause_watermark
         self._full = share >= (on - (s.high_watermark - s.low_watermark) if self._full else on)
         return self._full
 
@@ -400,10 +402,17 @@ class Admission:
             return
         attained = self._sessions.attained
         bound = now - self.settings.max_queue_wait_s
+        aged = now - self.settings.aging_s
+        # below the knee a request queued `aging_s` waits for KV headroom only (nothing
+        # starves behind programs that keep running); past it a started session's does so
+        # after the wait bound, and a new session's waits for room or its 429
+        past_knee = self.cluster_full(now)
         for waiter in release_order(self._queue, attained, now, self.settings.aging_s):
-            # a started session queued past the wait bound no longer waits for the programs'
-            # working sets to shrink (only for KV headroom): no program starves
-            program_free = waiter.resident or (waiter.started and waiter.queued_at <= bound)
+            program_free = (
+                waiter.resident
+                or (waiter.queued_at <= aged and not past_knee)
+                or (waiter.started and waiter.queued_at <= bound)
+            )
             ok, ws = room.get((waiter.model, program_free), (False, None))
             if not ok:
                 continue

@@ -68,7 +68,7 @@ class AdmissionConfig:
     max_queued: int = 1024
     max_queue_wait_s: float = 60.0
     aging_s: float = 10.0
-    pause_watermark: float = 1.5
+    pause_watermark: float | None = None
 
 
 class RouterAdmission:
@@ -86,8 +86,10 @@ class RouterAdmission:
     (`release`), so the programs that run keep theirs.
 
     Order: started sessions first — those waiting `aging_s` or longer oldest first, then least
-    attained service — then new sessions, first come first served. Only new sessions are
-    refused (429): past `max_queued` new ones waiting, or after `max_queue_wait_s`."""
+    attained service — then new sessions, first come first served; below the knee (the
+    programs under `pause_watermark` of the cluster) any request waiting `aging_s` needs only
+    KV headroom. Only new sessions are refused (429): past `max_queued` new ones waiting, or
+    after `max_queue_wait_s`."""
 
     tick_s = 0.0
 
@@ -187,7 +189,11 @@ class RouterAdmission:
         if (
             fifo
             and fifo[0][0] <= aged
-            and (programs_open or fifo[0][0] <= now - self.config.max_queue_wait_s)
+            and (
+                programs_open
+                or fifo[0][0] <= now - self.config.max_queue_wait_s
+                or not self._cluster_full(now)
+            )
         ):
             session = fifo.popleft()[2]
         elif programs_open:
@@ -198,18 +204,25 @@ class RouterAdmission:
                     session = s
                     break
             else:
-                new = self._new
-                while new:
-                    _, seq, s = new.popleft()
-                    if waiting.get(s, (None,))[0] == seq:
-                        session = s
-                        self._new_waiting -= 1
-                        break
+                session = self._pop_new()
+        elif self._new and self._new[0][0] <= aged and not self._cluster_full(now):
+            # below the knee a new session queued `aging_s` waits for KV headroom only
+            session = self._pop_new()
         if session is None:
             return None
         _, queued_at, _ = waiting.pop(session)
         self.waits_s.append(now - queued_at)
         return session
+
+    def _pop_new(self) -> Hashable | None:
+        """The first new session still waiting, taken out of the new sessions' queue."""
+        new, waiting = self._new, self._waiting
+        while new:
+            _, seq, s = new.popleft()
+            if waiting.get(s, (None,))[0] == seq:
+                self._new_waiting -= 1
+                return s
+        return None
 
     def rejected(self, now: float) -> list[Hashable]:
         self._expire(now)
@@ -257,13 +270,15 @@ class RouterAdmission:
         """Whether the programs fill the cluster (the mean of the workers' shares; the
         simulator's workers have equal pools) at `pause_watermark`, until back under it by
         high − low; looked at once per instant."""
+        on = self.config.pause_watermark
+        if on is None:
+            return False
         if now == self._full_at:
             return self._full
         self._full_at = now
         assert self._programs is not None
         share = sum(self._programs(w, now) for w in self._workers) / len(self._workers)
         cfg = self.config
-        on = cfg.pause_watermark
         self._full = share >= (on - (cfg.high_watermark - cfg.low_watermark) if self._full else on)
         return self._full
 

@@ -611,3 +611,22 @@ async def test_a_worker_closed_to_programs_says_so_in_the_planners_view(profile:
     off = Router(_settings(profile, enabled=False))
     off.working_sets.started("big", "w0", 990, now)
     assert not cluster_view(off, MODEL, match, ()).workers[0].programs_closed
+
+
+async def test_below_the_knee_a_new_session_queued_aging_s_waits_for_kv_headroom_only(
+    profile: str,
+) -> None:
+    router = Router(_settings(profile, aging_s=0.05))
+    admission, programs = router.admission, router.working_sets
+    _scrape(router, 0.1)
+    programs.started("old", "w0", 960, time.monotonic())  # a program fills the working set
+    assert not admission.admit_now(MODEL, "new")
+    order: list[str] = []
+    client = Client(router, "new", order)
+    await _settle()
+    assert order == []
+    await asyncio.sleep(0.1)
+    admission.pump()  # aged, and 0.96 of the cluster is under the pause watermark
+    await _settle()
+    assert order == ["new"]
+    client.task.cancel()

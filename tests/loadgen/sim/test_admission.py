@@ -144,12 +144,12 @@ def test_only_new_sessions_are_refused_and_a_paused_one_resumes_after_the_wait_b
     adm = RouterAdmission(
         ["a"],
         lambda w: 0.0,
-        AdmissionConfig(max_queued=1, max_queue_wait_s=60.0),
+        AdmissionConfig(max_queued=1, max_queue_wait_s=60.0, pause_watermark=1.5),
         programs=p.programs,
         home=p.home,
         release=p.release,
     )
-    p.share["a"] = 1.0
+    p.share["a"] = 2.0  # past the knee (pause watermark 1.5)
     assert not adm.arrive("n1", 10, 0, 0.0)
     assert not adm.arrive("n2", 10, 0, 0.0)  # one new session waits already: refused
     assert not adm.arrive("old", 10, 900, 0.0)  # a started session waits, whatever the count
@@ -157,3 +157,18 @@ def test_only_new_sessions_are_refused_and_a_paused_one_resumes_after_the_wait_b
     assert adm.next_release(59.0) is None
     assert adm.rejected(61.0) == ["n1"]  # the new one waited too long
     assert adm.next_release(61.0) == "old"  # the started one goes once it waited that long
+
+
+def test_below_the_knee_a_new_session_waits_aging_s_at_most() -> None:
+    p = _Programs()
+    adm = RouterAdmission(
+        ["a"],
+        lambda w: 0.0,
+        AdmissionConfig(pause_watermark=1.5),
+        programs=p.programs,
+        home=p.home,
+    )
+    p.share["a"] = 1.0  # the worker is full of programs, the cluster under the pause watermark
+    assert not adm.arrive("new", 10, 0, 0.0)
+    assert adm.next_release(9.0) is None
+    assert adm.next_release(10.0) == "new"  # queued aging_s: KV headroom is enough
