@@ -264,19 +264,24 @@ class Admission:
         for w in self._pool.all():
             if w.settings.role is Role.PREFILL or not w.routable(now):
                 continue
-            ws = self.working_set(w)
-            tokens += self._programs.tokens(w.worker_id, now) + ws.reserved
-            budget += ws.capacity(w.load) + w.settings.cpu_kv_tokens
+            t, b = self._programs_load(w, self.working_set(w), now)
+            tokens += t
+            budget += b
         share = tokens / budget if budget else 0.0
         s = self.settings
         self._full = share >= (on - (s.high_watermark - s.low_watermark) if self._full else on)
         return self._full
 
-    def _programs_share(self, worker: WorkerState, ws: WorkingSet, now: float) -> float:
-        """The sessions' working set on `worker` (and what was released onto it) over its KV
-        pool plus its CPU tier (`cpu_kv_tokens`)."""
+    def _programs_load(self, worker: WorkerState, ws: WorkingSet, now: float) -> tuple[int, int]:
+        """(tokens, budget): the sessions' working set on `worker` (and what was released onto
+        it), and its KV pool plus its CPU tier (`cpu_kv_tokens`)."""
         tokens = self._programs.tokens(worker.worker_id, now) + ws.reserved
-        return tokens / (ws.capacity(worker.load) + worker.settings.cpu_kv_tokens)
+        return tokens, ws.capacity(worker.load) + worker.settings.cpu_kv_tokens
+
+    def _programs_share(self, worker: WorkerState, ws: WorkingSet, now: float) -> float:
+        """`_programs_load` as a share: tokens over budget."""
+        tokens, budget = self._programs_load(worker, ws, now)
+        return tokens / budget
 
     def _closed(self, ws: WorkingSet, programs: float) -> bool:
         """Whether the worker is closed to programs at a working-set share of `programs`:
@@ -293,10 +298,8 @@ class Admission:
 
     def closed_to_programs(self, worker: WorkerState, now: float) -> bool:
         """Whether `worker` is closed to programs now (`WorkerView.programs_closed`: no
-        session starts or resumes there while another worker is open); False with admission
-        off."""
-        if not self.enabled or not self.cluster_full(now):
-            return False
+        session starts or resumes there while another worker is open). Asked only past the
+        knee (`enabled and cluster_full`, which the caller looks at once for all workers)."""
         ws = self.working_set(worker)
         return self._closed(ws, self._programs_share(worker, ws, now))
 
@@ -313,8 +316,8 @@ class Admission:
         now = time.monotonic()
         home = self._programs.home(session_id, now)[0]
         resident = home is not None
-        if resident and self._sessions.attained(session_id) > 0 and self.cluster_full(now):
-            worker = self._pool.get(home) if home else None
+        if home is not None and self._sessions.attained(session_id) > 0 and self.cluster_full(now):
+            worker = self._pool.get(home)
             if worker is not None:
                 ws = self.working_set(worker)
                 if self._programs_share(worker, ws, now) >= self.settings.high_watermark:

@@ -32,7 +32,9 @@ def cluster_view(
     scales = router.calibrator.scales
     nics = router.nics if router.nics else None  # most of the time no transfer is queued
     wsets = router.working_sets
-    closed_to_programs = router.admission.closed_to_programs
+    admission = router.admission
+    # past the knee only (off by default): once per view, not per worker
+    past_knee = admission.enabled and admission.cluster_full(now)
     for w in router.pool.for_model(model):
         if w.worker_id in excluded or not w.routable(now):
             continue
@@ -66,7 +68,7 @@ def cluster_view(
             load.kv_capacity_tokens,
             wsets.tokens(wid, now),
             load.offloads,
-            closed_to_programs(w, now),
+            past_knee and admission.closed_to_programs(w, now),
         )
         last = w.view_cache
         if last is not None and last[0] == key:
