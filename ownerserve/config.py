@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ownerserve.errors import ConfigError
-from ownerserve.types import BackendKind, Role
+from ownerserve.types import PD_PATHS, BackendKind, KVPath, Role
 
 
 class _Strict(BaseModel):
@@ -201,6 +201,44 @@ class WorkerSettings(_Strict):
     """Tokens of KV its CPU tier holds (vLLM's KV offloading, `--kv-offloading-size`): the
     sessions' working set there is counted against its HBM pool plus this (a session whose KV
     was offloaded comes back with a load, not a recompute). 0: none, or not said."""
+    kv_paths: tuple[KVPath, ...] | None = None
+    """How KV moves into and out of it (`ownerserve.types.KVPath`); None: its kind's defaults
+    (`kv_paths_of`)."""
+
+    @model_validator(mode="after")
+    def _paths(self) -> WorkerSettings:
+        if self.kv_paths is None:
+            return self
+        own = PD_PATHS[self.kind]
+        for path in self.kv_paths:
+            if path in PD_PATHS.values() and path is not own:
+                raise ValueError(
+                    f"kv_paths: a {self.kind.value} worker speaks {own.value}, not {path.value}"
+                )
+        if (
+            KVPath.SIDECAR in self.kv_paths
+            and self.sidecar_url is None
+            and self.kind is not BackendKind.EMULATOR
+        ):
+            raise ValueError("kv_paths: sidecar needs sidecar_url")
+        return self
+
+    def kv_paths_of(self) -> frozenset[KVPath]:
+        """Its KV paths: `kv_paths` when set, else its kind's defaults — an emulated engine has
+        both (its own KV API); vLLM and SGLang workers have their P/D hand-over when their role
+        is prefill or decode (a hybrid takes part in remote prefill only when `kv_paths` says
+        so: it needs a KV connector configured) and the sidecar path when `sidecar_url` is
+        set."""
+        if self.kv_paths is not None:
+            return frozenset(self.kv_paths)
+        if self.kind is BackendKind.EMULATOR:
+            return frozenset((KVPath.NIXL_PD, KVPath.SIDECAR))
+        paths = set()
+        if self.role is not Role.HYBRID:
+            paths.add(PD_PATHS[self.kind])
+        if self.sidecar_url is not None:
+            paths.add(KVPath.SIDECAR)
+        return frozenset(paths)
 
     @field_validator("url", "sidecar_url")
     @classmethod

@@ -14,7 +14,9 @@ from ownerserve.errors import InvalidRequestError
 from ownerserve.records import fast_init
 
 FETCH_PATH = "/ownerserve/kv/fetch"
-"""Where a worker's KV API takes `POST` of a `KVFetchRequest`."""
+"""Where a worker's KV API takes `POST` of a `KVFetchRequest`. Its 200 answer is a JSON object
+whose `blocks` (`fetched_blocks`) says how many of the requested blocks, from the first, the
+worker holds once the fetch is done (a source that had only part of them gives fewer)."""
 
 MAX_FETCH_BLOCKS = 100_000
 """Most blocks one request may name (a bound on the work one request body can ask for)."""
@@ -99,3 +101,12 @@ class KVFetchRequest:
             token_ids=None if token_ids is None else tuple(token_ids),
             block_size=block_size,
         )
+
+
+def fetched_blocks(answer: object) -> int | None:
+    """`blocks` of a fetch's 200 answer (a decoded JSON body), or None when it does not say."""
+    if isinstance(answer, Mapping):
+        blocks = answer.get("blocks")
+        if type(blocks) is int and blocks >= 0:
+            return blocks
+    return None

@@ -1,4 +1,4 @@
-"""Small enums shared by every package: worker roles, backend kinds, memory tiers."""
+"""Small enums shared by every package: worker roles, backend kinds, KV paths, memory tiers."""
 
 from __future__ import annotations
 
@@ -19,6 +19,29 @@ class BackendKind(StrEnum):
     VLLM = "vllm"
     SGLANG = "sglang"
     EMULATOR = "emulator"
+
+
+class KVPath(StrEnum):
+    """A way KV moves into or out of a worker (a worker's `kv_paths`): the planner plans only
+    routes whose workers have the paths they need."""
+
+    NIXL_PD = "nixl_pd"
+    """vLLM's P/D hand-over: P answers with `kv_transfer_params` and D pulls the KV (NIXL);
+    the emulated engine speaks it too."""
+    BOOTSTRAP_PD = "bootstrap_pd"
+    """SGLang's P/D hand-over: P and D meet at a bootstrap room on P."""
+    SIDECAR = "sidecar"
+    """An OwnerServe KV API (the worker's sidecar with the KV connector, or the emulated
+    engine's own): it pulls a fetched prefix in and serves its own to other workers (artifact
+    fetch, state migration: both ends need it)."""
+
+
+PD_PATHS: dict[BackendKind, KVPath] = {
+    BackendKind.VLLM: KVPath.NIXL_PD,
+    BackendKind.SGLANG: KVPath.BOOTSTRAP_PD,
+    BackendKind.EMULATOR: KVPath.NIXL_PD,
+}
+"""The P/D hand-over each backend kind speaks."""
 
 
 class Tier(StrEnum):

@@ -194,6 +194,11 @@ def can_decode(worker: WorkerView) -> bool:
     return worker.role is not _PREFILL
 
 
+def pd_pair(p: WorkerView, d: WorkerView) -> bool:
+    """P and D can execute a remote prefill: both speak one P/D hand-over (`pd_group`)."""
+    return p.pd_group is not None and p.pd_group == d.pd_group
+
+
 def tier_blocks(worker: WorkerView) -> tuple[int, int, int]:
     """(gpu, cpu, ssd): longest prefix of the request's chain the worker holds in each tier."""
     cb = worker.cached_blocks
@@ -685,22 +690,23 @@ def colocated_kind(
 
 
 def fetch_source(request: RequestView, cluster: ClusterView) -> WorkerView | None:
-    """The owner to fetch from: healthy, and not the session's own decode owner (a session
-    moves by STATE_MIGRATION instead of being replicated)."""
+    """The owner to fetch from: healthy, serving its KV (`kv_api`), and not the session's own
+    decode owner (a session moves by STATE_MIGRATION instead of being replicated)."""
     if request.owner is None or request.owner_blocks <= 0:
         return None
     if request.owner == request.session_owner:
         return None
     w = cluster.by_id(request.owner)
-    return w if w is not None and w.healthy else None
+    return w if w is not None and w.healthy and w.kv_api else None
 
 
 def migration_source(request: RequestView, cluster: ClusterView) -> WorkerView | None:
-    """The session owner to move from: healthy and holding part of the prefix in GPU."""
+    """The session owner to move from: healthy, serving its KV (`kv_api`) and holding part of
+    the prefix in GPU."""
     if request.session_owner is None:
         return None
     w = cluster.by_id(request.session_owner)
-    if w is None or not w.healthy or tier_blocks(w)[0] <= 0:
+    if w is None or not w.healthy or not w.kv_api or tier_blocks(w)[0] <= 0:
         return None
     return w
 
@@ -710,9 +716,10 @@ def enumerate_routes(
 ) -> list[Route]:
     """Every candidate the ownerserve policy weighs (reference enumeration, O(P·D)):
     colocated on each decode-capable worker; ARTIFACT_FETCH from the owner to each decode-capable
-    worker holding less than owner_blocks; STATE_MIGRATION from the session owner to each
-    decode-capable worker holding less than gpu(session owner); REMOTE_PREFILL for every
-    prefill-capable P and decode-capable D ≠ P. Unhealthy workers are skipped."""
+    worker with a KV API (`kv_api`) holding less than owner_blocks; STATE_MIGRATION from the
+    session owner to each such worker holding less than gpu(session owner); REMOTE_PREFILL for
+    every prefill-capable P and decode-capable D ≠ P that speak one P/D hand-over (`pd_pair`).
+    Unhealthy workers are skipped."""
     live = [w for w in cluster.workers if w.healthy]
     src_f = fetch_source(request, cluster)
     src_m = migration_source(request, cluster)
@@ -720,6 +727,8 @@ def enumerate_routes(
     decoders = [w for w in live if can_decode(w)]
     for w in decoders:
         routes.append(Route(colocated_action(request, w, continuation), w, w))
+        if not w.kv_api:
+            continue
         held = held_blocks(w)
         if src_f is not None and w.worker_id != src_f.worker_id and request.owner_blocks > held:
             routes.append(Route(_FETCH, w, w, src_f))
@@ -729,6 +738,6 @@ def enumerate_routes(
         if not can_prefill(p):
             continue
         for d in decoders:
-            if d.worker_id != p.worker_id:
+            if d.worker_id != p.worker_id and pd_pair(p, d):
                 routes.append(Route(_REMOTE, p, d))
     return routes

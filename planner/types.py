@@ -80,6 +80,12 @@ class WorkerView:
     # over the high watermark): a session whose KV is not counted here may not start or resume
     # on it while another worker is open (T_queue + PROGRAMS_CLOSED_S)
     programs_closed: bool = False
+    # how KV can move into or out of it (its `kv_paths`): `pd_group` names the P/D hand-over
+    # it speaks (a remote prefill pairs a P and a D of one group; None: it takes part in
+    # none); `kv_api` that it can pull a fetched prefix in and serve its own (artifact fetch
+    # and state migration need it at both ends)
+    pd_group: str | None = "pd"
+    kv_api: bool = True
 
 
 @fast_init
@@ -116,10 +122,19 @@ class RequestView:
 @fast_init
 @dataclass(frozen=True, slots=True)
 class ClusterView:
+    """The workers that may serve a request (`workers`), and those that may only be a source
+    of its KV (`sources`: e.g. draining workers, whose sessions move away by fetch or
+    migration). `pd_mixed`: the workers speak more than one P/D hand-over (`pd_group`)."""
+
     workers: tuple[WorkerView, ...]
+    sources: tuple[WorkerView, ...] = ()
+    pd_mixed: bool = False
 
     def by_id(self, worker_id: str) -> WorkerView | None:
         for w in self.workers:
+            if w.worker_id == worker_id:
+                return w
+        for w in self.sources:
             if w.worker_id == worker_id:
                 return w
         return None

@@ -77,11 +77,11 @@ async def replicate(ctx: RequestContext, target: str) -> None:
     blocks = min(match.owner_blocks, len(tok.chain))
     spec = FetchSpec(tuple(tok.chain[:blocks]), tok.token_ids, ctx.rview.block_size)
     with router.telemetry.start_span("ownerserve.transfer", source=owner, to=target):
-        ok = await router.executor.fetch(worker, owner, ctx.req, spec)
-    if ok:
+        got = min(blocks, await router.executor.fetch(worker, owner, ctx.req, spec))
+    if got > 0:
         await router.directory.add_replica(
-            tok.chain[blocks - 1], target, Tier.GPU, router.lifetimes.lease_s,
-            True, tok.chain[:blocks],
+            tok.chain[got - 1], target, Tier.GPU, router.lifetimes.lease_s,
+            True, tok.chain[:got],
         )  # fmt: skip
 
 

@@ -36,7 +36,7 @@ import orjson
 
 from ownerserve.config import ServerSettings
 from ownerserve.errors import UpstreamError
-from ownerserve.kvfetch import FETCH_PATH, KVFetchRequest
+from ownerserve.kvfetch import FETCH_PATH, KVFetchRequest, fetched_blocks
 from ownerserve.records import fast_init
 from planner.types import Action, Plan
 from router.backends import PDHandoff
@@ -120,6 +120,9 @@ class OpenedResponse:
     transfer_s: float | None = None
     """Duration of the KV movement phase (remote prefill until KV ready, or the fetch)."""
     fetched: bool | None = None
+    fetched_blocks: tuple[int, int] | None = None
+    """(blocks the destination holds, blocks planned) after a fetch or migration whose KV
+    API said how many it holds."""
     finished: bool = False
     fallback: GaveUp | None = None
     """The P/D hand-over or fetch given up: this is then a colocated run on the decode worker."""
@@ -316,19 +319,31 @@ class PlanExecutor:
                 return await self._pd_rendezvous(prefill, decode, req, headers, limits)
             return await self._pd_after_prefill(prefill, decode, req, headers, limits)
         if action in (Action.ARTIFACT_FETCH, Action.STATE_MIGRATION) and chosen.source_worker:
+            source = chosen.source_worker
+            planned = 0 if fetch is None else len(fetch.block_hashes)
             t = time.perf_counter()
-            with self.span("ownerserve.transfer", source=chosen.source_worker, to=decode.worker_id):
-                failed = await self._fetch(
-                    decode, chosen.source_worker, req, fetch, limits.kv_transfer_timeout_s
+            with self.span("ownerserve.transfer", source=source, to=decode.worker_id) as span:
+                failed, got = await self._fetch(
+                    decode, source, req, fetch, limits.kv_transfer_timeout_s
                 )
+                if failed is None and got == 0 and planned:
+                    # the source had none of it (the directory's record of it was stale)
+                    failed = GaveUp(source, "kv_fetch_empty")
+                if span is not None:
+                    span.set_attribute("blocks_planned", planned)
+                    span.set_attribute("blocks_fetched", -1 if got is None else got)
+                    if failed is not None:
+                        span.set_attribute("gave_up", failed.reason)
             transfer_s = time.perf_counter() - t
             if failed is not None:
                 opened = await self._colocated(decode, req, headers, limits, failed)
                 opened.fetched = False
-                return opened
-            opened = await self._final_call(decode, req, req.raw, headers, limits)
-            opened.fetched = True
-            opened.transfer_s = transfer_s
+            else:
+                opened = await self._final_call(decode, req, req.raw, headers, limits)
+                opened.fetched = True
+                opened.transfer_s = transfer_s
+            if got is not None:
+                opened.fetched_blocks = (got, planned)
             return opened
         return await self._final_call(decode, req, req.raw, headers, limits)
 
@@ -503,13 +518,16 @@ class PlanExecutor:
         source_id: str,
         req: CompletionRequest,
         fetch: FetchSpec | None,
-    ) -> bool:
+    ) -> int:
         """Ask `destination` to pull the prefix from `source`, within the executor's
-        `kv_transfer_timeout_s`; False (recompute) on failure or when either has no KV API."""
-        failed = await self._fetch(
+        `kv_transfer_timeout_s`: the blocks of it `destination` then holds, from the first (0
+        on failure or when either has no KV API)."""
+        failed, got = await self._fetch(
             destination, source_id, req, fetch, self.limits.kv_transfer_timeout_s
         )
-        return failed is None
+        if failed is not None or fetch is None:
+            return 0
+        return len(fetch.block_hashes) if got is None else got
 
     async def _fetch(
         self,
@@ -518,16 +536,18 @@ class PlanExecutor:
         req: CompletionRequest,
         fetch: FetchSpec | None,
         timeout_s: float,
-    ) -> GaveUp | None:
-        """`fetch` within `timeout_s`: None when it succeeded, else what was given up."""
+    ) -> tuple[GaveUp | None, int | None]:
+        """`fetch` within `timeout_s`: (None when it succeeded, else what was given up; the
+        blocks `destination` says it holds then, when it says). A destination whose KV API
+        cannot be reached is marked down (`WorkerState.kv_api_ok`) until its next probe."""
         failed = GaveUp(destination.worker_id, "kv_transfer_failed")
         source = self.pool.get(source_id)
         if source is None or fetch is None or not fetch.block_hashes:
-            return failed
+            return failed, None
         base = destination.backend.kv_api_url(destination.address)
         source_url = source.backend.kv_api_url(source.address)
         if base is None or source_url is None:
-            return failed
+            return failed, None
         n = len(fetch.block_hashes) * fetch.block_size
         body = KVFetchRequest(
             source_url=source_url,
@@ -547,13 +567,27 @@ class PlanExecutor:
                 ("kv_transfer", timeout_s),
             )
             try:
-                await resp.read()
+                data = await resp.read()
             finally:
                 resp.release()  # closes the connection (aborting the pull) unless read whole
         except OSError as exc:
             log.warning("fetch %s -> %s failed: %r", source_id, destination.worker_id, exc)
-            return GaveUp(destination.worker_id, cause_of(exc, "kv_transfer_failed"))
+            if isinstance(exc, UpstreamConnectError):
+                destination.kv_api_ok = False
+            return GaveUp(destination.worker_id, cause_of(exc, "kv_transfer_failed")), None
         if resp.status != 200:
-            log.warning("fetch %s -> %s: status %s", source_id, destination.worker_id, resp.status)
-            return failed
-        return None
+            log.warning(
+                "fetch %s -> %s: status %s: %s",
+                source_id, destination.worker_id, resp.status, data[:200].decode(errors="replace"),
+            )  # fmt: skip
+            return failed, None
+        try:
+            got = fetched_blocks(orjson.loads(data))
+        except orjson.JSONDecodeError:
+            got = None
+        if got is not None and got < len(fetch.block_hashes):
+            log.info(
+                "fetch %s -> %s: %d of %d blocks (the rest is recomputed)",
+                source_id, destination.worker_id, got, len(fetch.block_hashes),
+            )  # fmt: skip
+        return None, got

@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLICY_HEADER = "x-ownerserve-policy"
+NOT_A_WORKER_FAILURE = frozenset({"kv_fetch_empty"})
+"""`GaveUp` reasons that say nothing of the worker's health (its breaker is left alone)."""
 
 _NONE_EXCLUDED: frozenset[str] = frozenset()
 
@@ -301,10 +303,13 @@ async def execute(ctx: RequestContext) -> None:
                 action=ctx.plan.action.value,
                 prefill=chosen.prefill_worker,
                 decode=chosen.decode_worker,
-            ):
+            ) as span:
                 opened = await executor.open_plan(
                     ctx.plan, ctx.req, out_headers, _fetch_spec(ctx), limits
                 )
+                if span is not None and opened.fallback is not None:
+                    span.set_attribute("ran", "colocated")
+                    span.set_attribute("gave_up", opened.fallback.reason)
             if opened.fallback is None:
                 nic = None  # opened: its KV moves (or has moved); a hand-over given up moved none
         except RetryableUpstreamError as exc:
@@ -325,6 +330,8 @@ async def execute(ctx: RequestContext) -> None:
             if nic is not None:  # the plan failed before it opened: its KV never moved
                 router.nics.release(nic[0], nic[1], time.monotonic())
             release(ctx)
+        if opened.fetched is not None:
+            metrics.kv_fetches.labels(_fetch_result(opened)).inc()
         if opened.fallback is not None:
             _give_up(ctx, opened.fallback, "colocated")
             ctx.planned = ctx.plan
@@ -336,13 +343,22 @@ async def execute(ctx: RequestContext) -> None:
     raise NoWorkerAvailableError(f"no healthy worker serves model '{ctx.req.model}'")
 
 
+def _fetch_result(opened: OpenedResponse) -> str:
+    """`ownerserve_kv_fetches_total`'s result of a plan's fetch or migration."""
+    if not opened.fetched:
+        fb = opened.fallback
+        return "empty" if fb is not None and fb.reason == "kv_fetch_empty" else "failed"
+    blocks = opened.fetched_blocks
+    return "partial" if blocks is not None and blocks[0] < blocks[1] else "full"
+
+
 def _give_up(ctx: RequestContext, gave_up: GaveUp, ran: Ran | None) -> None:
     """Record a hop given up before the first byte: its worker's breaker, the timeout and
     fallback counters and, when something ran instead (`ran`), `ctx.fallback`."""
     router = ctx.router
     metrics = router.metrics
     worker = router.pool.get(gave_up.worker)
-    if worker is not None:
+    if worker is not None and gave_up.reason not in NOT_A_WORKER_FAILURE:
         worker.breaker.record_failure()
         metrics.breaker.labels(gave_up.worker).set(int(worker.breaker.state))
     reason = gave_up.reason

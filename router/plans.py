@@ -17,8 +17,10 @@ from planner.types import Plan
 class GaveUp:
     """A worker the router gave up on before the answer's first byte, and why: one of
     `connect_timeout`, `connect_failed`, `first_byte_timeout`, `kv_transfer_timeout`,
-    `kv_transfer_failed` (a P/D hand-over or fetch that failed otherwise), `upstream_failed`
-    (a 5xx, or the connection lost before the first byte)."""
+    `kv_transfer_failed` (a P/D hand-over or fetch that failed otherwise), `kv_fetch_empty`
+    (a fetch's source had none of the prefix: the directory's record of it was stale; not the
+    worker's failure), `upstream_failed` (a 5xx, or the connection lost before the first
+    byte)."""
 
     worker: str
     reason: str
@@ -54,10 +56,17 @@ def fallback_fields(fallback: Fallback) -> str:
     return f"fallback={fallback.ran};reason={fallback.reason};gave_up={gave_up}"
 
 
-def plan_header(plan: Plan, fetched: bool | None = None, fallback: Fallback | None = None) -> bytes:
+def plan_header(
+    plan: Plan,
+    fetched: bool | None = None,
+    fallback: Fallback | None = None,
+    ran: Plan | None = None,
+    fetched_blocks: tuple[int, int] | None = None,
+) -> bytes:
     """`key=value;...`: policy, class, action, workers, cost and runner-up, then the cost
-    terms of the chosen candidate (seconds; `m_hbm` in bytes), whether a fetch succeeded and,
-    when something else ran, `fallback_fields`."""
+    terms of the chosen candidate (seconds; `m_hbm` in bytes), whether a fetch succeeded and
+    how many of its blocks the destination holds (`fetched_blocks=GOT/PLANNED`) and, when
+    something else ran, `ran=ACTION;ran_workers=P>D` and `fallback_fields`."""
     b = plan.chosen.cost
     text = (
         f"{plan_to_header(plan)};t_queue={b.t_queue:.6g};t_compute={b.t_compute:.6g}"
@@ -68,6 +77,11 @@ def plan_header(plan: Plan, fetched: bool | None = None, fallback: Fallback | No
         text += f";w_disp={b.w_disp:.6g}"
     if fetched is not None:
         text += f";fetched={'1' if fetched else '0'}"
+    if fetched_blocks is not None:
+        text += f";fetched_blocks={fetched_blocks[0]}/{fetched_blocks[1]}"
+    if ran is not None and ran is not plan:
+        c = ran.chosen
+        text += f";ran={c.action.value};ran_workers={c.prefill_worker}>{c.decode_worker}"
     if fallback is not None:
         text += ";" + fallback_fields(fallback)
     return text.encode("latin-1", errors="replace")
@@ -83,6 +97,8 @@ class PlanRecord:
     plan: Plan
     fetched: bool | None
     fallback: Fallback | None = None
+    ran: Plan | None = None
+    fetched_blocks: tuple[int, int] | None = None
 
     @classmethod
     def of(
@@ -91,12 +107,22 @@ class PlanRecord:
         session_id: str | None,
         fetched: bool | None,
         fallback: Fallback | None = None,
+        ran: Plan | None = None,
+        fetched_blocks: tuple[int, int] | None = None,
     ) -> PlanRecord:
-        return cls(time.time(), session_id, plan, fetched, fallback)
+        return cls(time.time(), session_id, plan, fetched, fallback, ran, fetched_blocks)
 
     def as_dict(self) -> dict[str, Any]:
         out = plan_to_dict(self.plan)
         out.update(at=self.at, session_id=self.session_id, fetched=self.fetched)
+        fb_blocks = self.fetched_blocks
+        out["fetched_blocks"] = None if fb_blocks is None else list(fb_blocks)
+        ran = self.ran
+        out["ran"] = None if ran is None or ran is self.plan else {
+            "action": ran.chosen.action.value,
+            "prefill_worker": ran.chosen.prefill_worker,
+            "decode_worker": ran.chosen.decode_worker,
+        }  # fmt: skip
         fb = self.fallback
         out["fallback"] = None if fb is None else {
             "ran": fb.ran,

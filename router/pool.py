@@ -15,7 +15,7 @@ from typing import Any
 
 from ownerserve.config import WorkerSettings
 from ownerserve.tasks import cancel_and_wait
-from ownerserve.types import Role
+from ownerserve.types import PD_PATHS, KVPath, Role
 from router.backends import Backend, WorkerAddress, WorkerLoad, backend_for
 from router.upstream import UpstreamPool
 
@@ -85,6 +85,13 @@ class WorkerState:
     a scrape interval old) may not show yet, or still shows after they ended."""
     load: WorkerLoad = field(default_factory=WorkerLoad)
     last_seen: float = 0.0
+    kv_paths: frozenset[KVPath] = frozenset()
+    """How KV moves into and out of it (`WorkerSettings.kv_paths_of`)."""
+    pd_group: str | None = None
+    """The P/D hand-over it takes part in (its backend kind's, when `kv_paths` has it)."""
+    kv_api_ok: bool = True
+    """Its KV API answered the last probe (a sidecar's `/health`) and no fetch has failed to
+    reach it since."""
     view_cache: tuple[Any, Any] | None = None
     """The router's last planner view of this worker, with the inputs it was built from."""
 
@@ -103,6 +110,16 @@ class WorkerState:
     def serves(self, model: str) -> bool:
         return not self.settings.models or model in self.settings.models
 
+    @property
+    def kv_api(self) -> bool:
+        """It can pull a fetched prefix in and serve its own now: a KV API, reachable."""
+        return self.kv_api_ok and KVPath.SIDECAR in self.kv_paths
+
+    def sidecar_url(self) -> str | None:
+        """Its KV API's base URL when that is a process of its own (a sidecar), to probe."""
+        url = self.backend.kv_api_url(self.address)
+        return url if url is not None and url != self.address.url else None
+
 
 def worker_state(settings: WorkerSettings) -> WorkerState:
     address = WorkerAddress(
@@ -111,7 +128,14 @@ def worker_state(settings: WorkerSettings) -> WorkerState:
         bootstrap_port=settings.bootstrap_port,
         sidecar_url=settings.sidecar_url,
     )
-    return WorkerState(settings=settings, backend=backend_for(settings.kind), address=address)
+    paths = settings.kv_paths_of()
+    return WorkerState(
+        settings=settings,
+        backend=backend_for(settings.kind),
+        address=address,
+        kv_paths=paths,
+        pd_group=settings.kind.value if PD_PATHS[settings.kind] in paths else None,
+    )
 
 
 WorkerDeathHook = Callable[[str], Awaitable[None]]
@@ -221,6 +245,7 @@ class WorkerPool:
         except (OSError, TimeoutError):
             ok = False
         if ok:
+            await self._probe_kv_api(state)
             was_dead = not state.healthy
             state.healthy = True
             state.health_failures = 0
@@ -239,6 +264,34 @@ class WorkerPool:
         state.health_failures += 1
         if state.healthy and state.health_failures >= self.dead_after_failures:
             await self.mark_dead(state)
+
+    async def _probe_kv_api(self, state: WorkerState) -> None:
+        """`kv_api_ok` from the worker's sidecar's `/health` (a worker with no sidecar of its
+        own serves its KV API itself: up while the worker is)."""
+        url = state.sidecar_url() if KVPath.SIDECAR in state.kv_paths else None
+        if url is None:
+            state.kv_api_ok = True
+            return
+        http = self._http
+        assert http is not None
+        ok = False
+        try:
+            async with asyncio.timeout(self.health_timeout_s):
+                resp = await http.request(url, b"GET", "/health")
+                await resp.read()
+                resp.release()
+                ok = resp.status == 200
+        except (OSError, TimeoutError):
+            ok = False
+        if ok != state.kv_api_ok:
+            log.log(
+                logging.INFO if ok else logging.WARNING,
+                "worker %s: KV API at %s %s",
+                state.worker_id,
+                url,
+                "is up again" if ok else "is unreachable: no fetch or migration involves it",
+            )
+        state.kv_api_ok = ok
 
     async def mark_dead(self, state: WorkerState) -> None:
         """The worker stopped answering: stop routing to it and tell the directory."""

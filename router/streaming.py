@@ -92,13 +92,18 @@ async def stream(ctx: RequestContext) -> None:
     shown = ctx.planned or plan
     fallback = ctx.fallback
     router.recent_plans.append(
-        PlanRecord.of(shown, ctx.session.session_id, opened.fetched, fallback)
+        PlanRecord.of(
+            shown, ctx.session.session_id, opened.fetched, fallback, plan, opened.fetched_blocks
+        )
     )
     streaming = ctx.req.stream and ok
     try:
         resp_headers = [
             (b"content-type", opened.content_type),
-            (PLAN_HEADER, plan_header(shown, opened.fetched, fallback)),
+            (
+                PLAN_HEADER,
+                plan_header(shown, opened.fetched, fallback, plan, opened.fetched_blocks),
+            ),
         ]
         out.sse = streaming and opened.content_type.startswith(b"text/event-stream")
         if not streaming:

@@ -78,6 +78,13 @@ class RouterMetrics:
             "plan's decode worker, or another worker) and why",
             ["fallback", "reason"],
         )
+        self.kv_fetches = counter(
+            "ownerserve_kv_fetches_total",
+            "Artifact fetches and state migrations run for plans, by result: full (every "
+            "planned block arrived), partial (the rest recomputed), empty (the source had none), "
+            "failed (the fetch was given up)",
+            ["result"],
+        )
         self.upstream_timeouts = counter(
             "ownerserve_upstream_timeouts_total",
             "Bounded waits on a worker that ran out (connect, first_byte, kv_transfer, stream_gap)",

@@ -14,20 +14,22 @@ from planner.types import ClusterView, RequestView, WorkerView
 
 if TYPE_CHECKING:
     from router.pipeline import RequestContext
+    from router.pool import WorkerState
     from router.state import Router
 
 
 def cluster_view(
     router: Router, model: str, match: Match, excluded: Collection[str]
 ) -> ClusterView:
-    """The routable workers of `model` but `excluded`, with what `match` found on each."""
+    """The routable workers of `model` but `excluded`, with what `match` found on each, and
+    the draining ones that can still serve their KV (`ClusterView.sources`: their sessions
+    move away by fetch or migration instead of recomputing)."""
     cached: dict[str, dict[Tier, int]] = {}
     for h in match.holdings:
         tiers = cached.setdefault(h.worker, {})
         if h.blocks > tiers.get(h.tier, 0):
             tiers[h.tier] = h.blocks
     now = time.monotonic()
-    default_profile = router.settings.planner.profile
     views = []
     scales = router.calibrator.scales
     nics = router.nics if router.nics else None  # most of the time no transfer is queued
@@ -35,8 +37,17 @@ def cluster_view(
     admission = router.admission
     # past the knee only (off by default): once per view, not per worker
     past_knee = admission.enabled and admission.cluster_full(now)
+    sources: list[WorkerView] = []
+    pd_first: str | None = None
+    pd_mixed = False
     for w in router.pool.for_model(model):
-        if w.worker_id in excluded or not w.routable(now):
+        if w.worker_id in excluded:
+            continue
+        if not w.routable(now):
+            if w.draining and w.healthy and w.kv_api and w.worker_id in cached:
+                backlog = 0.0 if nics is None else nics.backlog(w.settings.node, now)
+                view = _view(router, w, cached[w.worker_id], w.load.kv_usage, backlog, 0, False)
+                sources.append(view)
             continue
         wid = w.worker_id
         sc = scales(wid)
@@ -69,34 +80,58 @@ def cluster_view(
             wsets.tokens(wid, now),
             load.offloads,
             past_knee and admission.closed_to_programs(w, now),
+            w.kv_api,
         )
+        group = w.pd_group
+        if group is not None:
+            if pd_first is None:
+                pd_first = group
+            elif group != pd_first:
+                pd_mixed = True
         last = w.view_cache
         if last is not None and last[0] == key:
             views.append(last[1])
             continue
-        view = WorkerView(
-            worker_id=wid,
-            role=w.settings.role,
-            profile=w.settings.profile or default_profile,
-            running=key[0],
-            waiting=load.waiting,
-            inflight_prefill_tokens=w.inflight_prefill_tokens,
-            kv_usage=kv_usage,
-            cached_blocks=held or {},
-            node=w.settings.node,
-            prefill_scale=sc.prefill,
-            decode_scale=sc.decode,
-            link_scale=sc.link,
-            nic_backlog_s=key[10],
-            kv_capacity_tokens=load.kv_capacity_tokens,
-            ws_tokens=key[12],
-            offloads=load.offloads,
-            handover_s=sc.handover_s,
-            programs_closed=key[14],
-        )
+        view = _view(router, w, held, kv_usage, key[10], key[12], key[14])
         w.view_cache = (key, view)
         views.append(view)
-    return ClusterView(tuple(views))
+    return ClusterView(tuple(views), tuple(sources), pd_mixed)
+
+
+def _view(
+    router: Router,
+    w: WorkerState,
+    held: dict[Tier, int] | None,
+    kv_usage: float,
+    nic_backlog_s: float,
+    ws_tokens: int,
+    programs_closed: bool,
+) -> WorkerView:
+    """A worker's view from its state and what the caller computed for it."""
+    sc = router.calibrator.scales(w.worker_id)
+    load = w.load
+    return WorkerView(
+        worker_id=w.worker_id,
+        role=w.settings.role,
+        profile=w.settings.profile or router.settings.planner.profile,
+        running=max(load.running, w.inflight),
+        waiting=load.waiting,
+        inflight_prefill_tokens=w.inflight_prefill_tokens,
+        kv_usage=kv_usage,
+        cached_blocks=held or {},
+        node=w.settings.node,
+        prefill_scale=sc.prefill,
+        decode_scale=sc.decode,
+        link_scale=sc.link,
+        nic_backlog_s=nic_backlog_s,
+        kv_capacity_tokens=load.kv_capacity_tokens,
+        ws_tokens=ws_tokens,
+        offloads=load.offloads,
+        handover_s=sc.handover_s,
+        programs_closed=programs_closed,
+        pd_group=w.pd_group,
+        kv_api=w.kv_api,
+    )
 
 
 def request_view(ctx: RequestContext) -> RequestView:

@@ -11,7 +11,15 @@ from typing import Generic, TypeVar, cast
 from ownerserve.errors import NoWorkerAvailableError
 from ownerserve.types import Role
 from planner.classify import DEFAULT_ACTION, classify
-from planner.cost import CostModel, RequestCosts, Route, can_decode, can_prefill, colocated_action
+from planner.cost import (
+    CostModel,
+    RequestCosts,
+    Route,
+    can_decode,
+    can_prefill,
+    colocated_action,
+    pd_pair,
+)
 from planner.types import (
     Action,
     Candidate,
@@ -109,8 +117,9 @@ def is_continuation(request: RequestView, model: CostModel) -> bool:
 
 
 def pd_route(request: RequestView, p: WorkerView, d: WorkerView, continuation: bool) -> Route:
-    """Remote prefill P→D, or colocated when both are the same worker."""
-    if p.worker_id == d.worker_id:
+    """Remote prefill P→D, or colocated on D when both are the same worker or they speak no
+    common P/D hand-over (`pd_pair`)."""
+    if p.worker_id == d.worker_id or not pd_pair(p, d):
         return Route(colocated_action(request, d, continuation), d, d)
     return Route(Action.REMOTE_PREFILL, p, d)
 

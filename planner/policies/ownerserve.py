@@ -189,7 +189,11 @@ class OwnerServePolicy:
             least = k.prefill_base(k.consts(name), r_lo)
             if least < least_lo:
                 least_lo = least
-        n_lean = 0  # decode-capable workers holding nothing
+        # decode-capable workers holding nothing; of them, those with a KV API (a fetch or a
+        # migration may land there) and those speaking a P/D hand-over (a remote prefill's D)
+        n_lean = n_lean_api = n_lean_pd = 0
+        # the workers speak more than one P/D hand-over: P parts are kept per group and node
+        mixed = cluster.pd_mixed
         for t in k.scan(cluster.workers):
             w, q, dec, pf, stalled, dup, h, _ = t
             if not w.healthy:
@@ -198,6 +202,9 @@ class OwnerServePolicy:
             if h is None:  # w holds nothing of the prefix (most workers): the lean path
                 if role is not _PREFILL:
                     n_lean += 1
+                    api = w.kv_api
+                    if api:
+                        n_lean_api += 1
                     qd = q + dec
                     # every candidate on w costs at least its least prefill, stretched by the
                     # decodes it stalls; skip w unless one can enter the top two, or be the
@@ -205,19 +212,21 @@ class OwnerServePolicy:
                     least = w.prefill_scale * least_lo
                     lb = qd + least + mu * (stalled * least)
                     if lb < top_bound or lb < dflt_bound:
-                        fetch_ok = src_f is not None and w is not src_f
+                        fetch_ok = api and src_f is not None and w is not src_f
                         top = lb < top_bound
-                        pick.on_worker(t, kind_none, qd, top, fetch_ok, src_m is not None)
+                        pick.on_worker(t, kind_none, qd, top, fetch_ok, api and src_m is not None)
                         top_bound = pick.second_key
                         if dflt_here:  # else no remote candidate yet: no remote bound
                             dflt_bound = pick.default_cost
                             bound_remote = top_bound
-                    # the D part of remote prefill into w: q + decode + handshake +
-                    # handover(w) + λ·dup(w, 0)
-                    bd = qd + handshake + w.handover_s + lam * dup
-                    if bd < bound_remote:
-                        dparts.append((bd, t))
-                if role is not _DECODE:
+                    if w.pd_group is not None:
+                        n_lean_pd += 1
+                        # the D part of remote prefill into w: q + decode + handshake +
+                        # handover(w) + λ·dup(w, 0)
+                        bd = qd + handshake + w.handover_s + lam * dup
+                        if bd < bound_remote:
+                            dparts.append((bd, t))
+                if role is not _DECODE and w.pd_group is not None:
                     n_p += 1
                     if role is not _PREFILL:
                         n_both += 1
@@ -225,19 +234,20 @@ class OwnerServePolicy:
                     a = q + pf + copy_none
                     if stalled:
                         a += mu * (stalled * pf)
-                    node = nodes.get(w.node)
+                    key = f"{w.pd_group}\0{w.node}" if mixed else w.node
+                    node = nodes.get(key)
                     if node is None:
-                        nodes[w.node] = (a, t, _INF, None)
+                        nodes[key] = (a, t, _INF, None)
                     elif a < node[2]:
-                        nodes[w.node] = (a, t, *node[:2]) if a < node[0] else (*node[:2], a, t)
+                        nodes[key] = (a, t, *node[:2]) if a < node[0] else (*node[:2], a, t)
                 continue
 
             _, held, r, rest, dup_g = h
             if role is not _PREFILL:
-                n_d += 1
                 base = q + dec + rest
-                fetch_ok = src_f is not None and ob > held and w is not src_f
-                mig_ok = src_m is not None and g_m > held and w is not src_m
+                api = w.kv_api
+                fetch_ok = api and src_f is not None and ob > held and w is not src_f
+                mig_ok = api and src_m is not None and g_m > held and w is not src_m
                 considered += 1 + fetch_ok + mig_ok
                 least = pf
                 if (fetch_ok or mig_ok) and r_lo > r:
@@ -250,32 +260,47 @@ class OwnerServePolicy:
                     if dflt_here:
                         dflt_bound = pick.default_cost
                         bound_remote = top_bound
-                # the D part: q + decode + handshake + handover(w) + λ·dup(w, gpu(w))
-                bd = q + dec + handshake + w.handover_s + lam * dup_g
-                if bd < bound_remote:
-                    dparts.append((bd, t))
-            if role is not _DECODE:
+                if w.pd_group is not None:
+                    n_d += 1
+                    # the D part: q + decode + handshake + handover(w) + λ·dup(w, gpu(w))
+                    bd = q + dec + handshake + w.handover_s + lam * dup_g
+                    if bd < bound_remote:
+                        dparts.append((bd, t))
+            if role is not _DECODE and w.pd_group is not None:
                 n_p += 1
                 if role is not _PREFILL:
                     n_both += 1
                 # the P part: q + prefill + restore + λ·(N − r)·K + μ·stalled·prefill
                 a = q + pf + rest + lam * k.prompt_copy(r) + mu * (stalled * pf)
-                node = nodes.get(w.node)
+                key = f"{w.pd_group}\0{w.node}" if mixed else w.node
+                node = nodes.get(key)
                 if node is None:
-                    nodes[w.node] = (a, t, _INF, None)
+                    nodes[key] = (a, t, _INF, None)
                 elif a < node[2]:
-                    nodes[w.node] = (a, t, *node[:2]) if a < node[0] else (*node[:2], a, t)
+                    nodes[key] = (a, t, *node[:2]) if a < node[0] else (*node[:2], a, t)
 
         if nodes and dparts:
-            _remote(pick, k, nodes, dparts)
-        # on a worker holding nothing: colocated, a fetch (owner_blocks > 0) unless it is the
-        # owner, a migration (the session owner holds GPU blocks, so it is never that worker)
-        considered += n_lean * (1 + (src_f is not None) + (src_m is not None))
-        if src_f is not None and can_decode(src_f) and not held_blocks(src_f):
+            if mixed:
+                _remote_by_group(pick, k, nodes, dparts)
+            else:
+                _remote(pick, k, nodes, dparts)
+        # on a worker holding nothing: colocated, and with a KV API a fetch (owner_blocks > 0)
+        # unless it is the owner, a migration (the session owner holds GPU blocks, so it is
+        # never that worker)
+        considered += n_lean + n_lean_api * ((src_f is not None) + (src_m is not None))
+        if (
+            src_f is not None
+            and can_decode(src_f)
+            and not held_blocks(src_f)
+            and src_f not in cluster.sources
+        ):
             considered -= 1
-        n_d += n_lean
-        if n_p and n_d:
-            considered += n_p * n_d - n_both
+        if mixed:
+            considered += _pd_pairs(cluster.workers)
+        else:
+            n_d += n_lean_pd
+            if n_p and n_d:
+                considered += n_p * n_d - n_both
 
         first = pick.first
         if first is None:
@@ -294,6 +319,39 @@ class OwnerServePolicy:
             # the search's own total for the default (the same terms, not re-costed)
             default_cost_s=None if rdef is None else pick.default_cost,
         )
+
+
+def _remote_by_group(
+    pick: _Pick, k: RequestCosts, nodes: dict[str, _NodeBest], dparts: list[_DPart]
+) -> None:
+    """`_remote` once per P/D hand-over: `nodes` keyed `group\\0node`, each D part paired only
+    with P parts of its own group."""
+    groups: dict[str, tuple[dict[str, _NodeBest], list[_DPart]]] = {}
+    for key, best in nodes.items():
+        group, _, node = key.partition("\0")
+        groups.setdefault(group, ({}, []))[0][node] = best
+    for part in dparts:
+        entry = groups.get(str(part[1][0].pd_group))
+        if entry is not None:
+            entry[1].append(part)
+    for by_node, ds in groups.values():
+        if by_node and ds:
+            _remote(pick, k, by_node, ds)
+
+
+def _pd_pairs(workers: tuple[WorkerView, ...]) -> int:
+    """Remote prefill pairs P ≠ D among healthy workers that speak one P/D hand-over."""
+    count: dict[str, list[int]] = {}
+    for w in workers:
+        g = w.pd_group
+        if not w.healthy or g is None:
+            continue
+        c = count.setdefault(g, [0, 0, 0])
+        p, d = w.role is not _DECODE, w.role is not _PREFILL
+        c[0] += p
+        c[1] += d
+        c[2] += p and d
+    return sum(p * d - both for p, d, both in count.values() if p and d)
 
 
 def _candidate(k: RequestCosts, rec: _Rec | None) -> Candidate:

@@ -60,9 +60,19 @@ def workers(draw: st.DrawFn, chain: int, n_max: int = 10) -> tuple[WorkerView, .
                 ws_tokens=draw(st.sampled_from([0, 5_000, 90_000])),
                 offloads=draw(st.booleans()),
                 handover_s=draw(st.sampled_from([0.0, 0.3])),
+                # mostly one P/D hand-over and a KV API everywhere, as most clusters are
+                pd_group=draw(st.sampled_from(["pd", "pd", "pd", "other", None])),
+                kv_api=draw(st.sampled_from([True, True, False])),
             )
         )
     return tuple(out)
+
+
+def cluster_of(ws: tuple[WorkerView, ...], sources: tuple[WorkerView, ...] = ()) -> ClusterView:
+    """The cluster the router would build: `pd_mixed` when its workers speak more than one
+    P/D hand-over."""
+    groups = {w.pd_group for w in ws if w.pd_group is not None}
+    return ClusterView(workers=ws, sources=sources, pd_mixed=len(groups) > 1)
 
 
 @st.composite
@@ -87,7 +97,11 @@ def scenario(draw: st.DrawFn) -> tuple[RequestView, ClusterView]:
         home_tokens=draw(st.sampled_from([0, 4_000])),
         growth_tokens=draw(st.sampled_from([0, 20_000])),
     )
-    return req, ClusterView(workers=ws)
+    # sometimes the owner is draining: a KV source only, outside the routable workers
+    if draw(st.booleans()) and req.owner is not None and len(ws) > 1:
+        src = next(w for w in ws if w.worker_id == req.owner)
+        return req, cluster_of(tuple(w for w in ws if w is not src), (src,))
+    return req, cluster_of(ws)
 
 
 @PROPS
@@ -121,6 +135,13 @@ def test_chosen_plan_costs_no_more_than_any_candidate(
     assert byid[p.chosen.prefill_worker].role is not Role.DECODE or (
         p.chosen.prefill_worker == p.chosen.decode_worker
     )
+    # ... and to move KV the way the plan moves it
+    if p.action is Action.REMOTE_PREFILL:
+        pw, dw = byid[p.chosen.prefill_worker], byid[p.chosen.decode_worker]
+        assert pw.pd_group is not None and pw.pd_group == dw.pd_group
+    if p.action in (Action.ARTIFACT_FETCH, Action.STATE_MIGRATION):
+        src = cl.by_id(p.chosen.source_worker or "")
+        assert src is not None and src.kv_api and byid[p.chosen.decode_worker].kv_api
 
 
 @st.composite

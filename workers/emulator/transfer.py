@@ -46,6 +46,8 @@ CONNECT_TIMEOUT_S = 3.0
 
 @dataclass(frozen=True, slots=True)
 class FetchResult:
+    blocks: int
+    """Requested blocks held here after the fetch, from the first (`ownerserve.kvfetch`)."""
     requested: int
     already_held: int
     fetched: int
@@ -56,6 +58,7 @@ class FetchResult:
 
     def as_json(self) -> dict[str, Any]:
         return {
+            "blocks": self.blocks,
             "requested": self.requested,
             "already_held": self.already_held,
             "fetched": self.fetched,
@@ -238,7 +241,7 @@ class KVMover:
         wanted = [h for h in hashes if not pool.contains(h)]
         held = len(hashes) - len(wanted)
         if not wanted:
-            return FetchResult(len(hashes), held, 0, [], 0, 0.0, None)
+            return FetchResult(len(hashes), len(hashes), held, 0, [], 0, 0.0, None)
         try:
             answer = await self._post(
                 source_url.rstrip("/") + READ_PATH, {"block_hashes": wanted}, timeout_s, "fetch"
@@ -266,6 +269,7 @@ class KVMover:
         engine.flush_events()
         got = {b.block_hash for b in blocks}
         missing = [h for h in wanted if h not in got]
+        prefix = next((i for i, h in enumerate(hashes) if not pool.contains(h)), len(hashes))
         return FetchResult(
-            len(hashes), held, len(ids), missing, nbytes, seconds, answer.get("node")
+            prefix, len(hashes), held, len(ids), missing, nbytes, seconds, answer.get("node")
         )
