@@ -3,8 +3,10 @@
 The decode worker now holds the prompt's KV. It claims the blocks nobody owns yet (a delta
 artifact fenced by its epoch when it already owns the prefix it extends, mission rule 1), is
 recorded as the session's decode owner, and holds a read-only replica of any prefix another
-worker owns. A remote prefill leaves a transient copy on the prefill worker: a short-TTL
-replica. A forked branch takes a copy-on-write reference on the prefix it shares.
+worker owns — unless the session moved there with its KV (a state migration from the prefix's
+owner): then it owns that prefix, and the source's copy is a short-TTL replica that ages out
+(`Directory.transfer`). A remote prefill leaves a transient copy on the prefill worker: a
+short-TTL replica. A forked branch takes a copy-on-write reference on the prefix it shares.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class Lifetimes:
     lease_s: float
     session_ttl_s: float
     replica_ttl_s: float
-    """The transient copy a remote prefill leaves on the prefill worker."""
+    """The transient copy a remote prefill leaves on the prefill worker, and the copy a state
+    migration leaves on its source."""
 
 
 class Served(Protocol):
@@ -106,7 +109,13 @@ async def commit_plan(
                 full,
             )
         )
-    if owned and match.owner != decode and (refresh or match.longest(decode) < owned):
+    moved_from = plan.chosen.source_worker if plan.action is Action.STATE_MIGRATION else None
+    if owned and moved_from is not None and match.owner == moved_from:
+        # the session moved here with the prefix its source owned: ownership follows it
+        steps.append(
+            directory.transfer(full[:owned], moved_from, decode, lease_s, lifetimes.replica_ttl_s)
+        )
+    elif owned and match.owner != decode and (refresh or match.longest(decode) < owned):
         # the decode worker computed or fetched a prefix another worker owns: a replica
         steps.append(
             directory.add_replica(full[owned - 1], decode, Tier.GPU, lease_s, True, full[:owned])

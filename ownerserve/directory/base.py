@@ -188,6 +188,24 @@ class Directory(Protocol):
         by default the artifact's own blocks (or just its id if it was never claimed)."""
         ...
 
+    async def transfer(
+        self,
+        chain: Sequence[int],
+        from_worker: str,
+        to_worker: str,
+        lease_s: float,
+        replica_ttl_s: float,
+        tier: Tier = Tier.GPU,
+    ) -> int:
+        """Hand the prefix `chain` over from `from_worker` to `to_worker` (after a state
+        migration): every artifact of `from_worker` with a live lease whose blocks all lie in
+        `chain` becomes `to_worker`'s at one new epoch (so a late fenced write by `from_worker`
+        raises `StaleEpochError`) with a lease of `lease_s`; an artifact that reaches past
+        `chain` stays with `from_worker`. `from_worker` keeps a read-only replica of `chain` in
+        `tier` expiring after `replica_ttl_s`. Returns the number of blocks that changed owner
+        (0 when `from_worker` owned none of it: then nothing changes but the replica)."""
+        ...
+
     async def artifact_info(self, artifact_id: int) -> ArtifactInfo | None:
         """The artifact's lease and metadata, or None if it was never claimed or released."""
         ...

@@ -31,6 +31,19 @@ def check_ttl(seconds: float, what: str = "lease_s") -> float:
     return float(seconds)
 
 
+def check_transfer(
+    chain: Sequence[int], from_worker: str, to_worker: str, lease_s: float, replica_ttl_s: float
+) -> tuple[float, float]:
+    """Arguments of `transfer`; returns (lease_s, replica_ttl_s) as floats."""
+    check_worker(from_worker)
+    check_worker(to_worker)
+    if from_worker == to_worker:
+        raise InvalidRequestError(f"transfer from {from_worker!r} to itself")
+    if not chain:
+        raise InvalidRequestError("transfer of an empty chain")
+    return check_ttl(lease_s), check_ttl(replica_ttl_s, "replica_ttl_s")
+
+
 def check_artifact(artifact: Artifact) -> None:
     if not artifact.chain:
         raise InvalidRequestError("artifact chain is empty")

@@ -25,6 +25,7 @@ from ownerserve.directory.base import (
 from ownerserve.directory.common import (
     TIER_BIT,
     check_artifact,
+    check_transfer,
     check_ttl,
     check_worker,
     sort_holdings,
@@ -506,6 +507,91 @@ class InMemoryDirectory:
                 self._prune_replicas(b, entries, now)
             entries[key] = value
         self._worker(worker).replica_blocks.update(blocks)
+
+    async def transfer(
+        self,
+        chain: Sequence[int],
+        from_worker: str,
+        to_worker: str,
+        lease_s: float,
+        replica_ttl_s: float,
+        tier: Tier = Tier.GPU,
+    ) -> int:
+        moved, _ = await self.transfer_leases(
+            chain, from_worker, to_worker, lease_s, replica_ttl_s, tier
+        )
+        return moved
+
+    async def transfer_leases(
+        self,
+        chain: Sequence[int],
+        from_worker: str,
+        to_worker: str,
+        lease_s: float,
+        replica_ttl_s: float,
+        tier: Tier = Tier.GPU,
+    ) -> tuple[int, tuple[Lease, ...]]:
+        """`transfer`, plus the leases it handed over (what `ResilientDirectory` replays and
+        mirrors). One epoch for all of them: the move is one event."""
+        lease_s, replica_ttl_s = check_transfer(
+            chain, from_worker, to_worker, lease_s, replica_ttl_s
+        )
+        tier = Tier(tier)
+        chain = tuple(chain)
+        now = self._clock()
+        own = self._owner_of_block
+        in_chain = set(chain)
+        seen: set[int] = set()
+        moving: list[_ArtifactRecord] = []
+        # a live artifact always maps its own last block, so the chain's owners name every
+        # artifact that lies in it
+        for b in chain:
+            aid = own.get(b)
+            if aid is None or aid in seen:
+                continue
+            seen.add(aid)
+            rec = self._live(aid, now)
+            if rec is not None and rec.worker == from_worker and in_chain.issuperset(rec.blocks):
+                moving.append(rec)
+        await self.add_replica(chain[-1], from_worker, tier, replica_ttl_s, True, chain)
+        if not moving:
+            return 0, ()
+        epoch = self._next_epoch()
+        leases = tuple(self._hand_over(rec, to_worker, epoch, now + lease_s) for rec in moving)
+        ids = {rec.artifact_id for rec in moving}
+        return sum(own.get(b) in ids for b in chain), leases
+
+    def _hand_over(self, rec: _ArtifactRecord, worker: str, epoch: int, expires_at: float) -> Lease:
+        """Give a live artifact to another worker, blocks and history kept."""
+        self._worker(rec.worker).artifacts.discard(rec.artifact_id)
+        rec.worker, rec.epoch, rec.expires_at = worker, epoch, expires_at
+        self._worker(worker).artifacts.add(rec.artifact_id)
+        return rec.lease()
+
+    async def install_transfer(
+        self,
+        chain: Sequence[int],
+        from_worker: str,
+        tier: Tier,
+        replica_ttl_s: float,
+        leases: Sequence[Lease],
+    ) -> None:
+        """Mirror a transfer decided elsewhere (by Redis) into this view: the leases it handed
+        over, at their epochs (`install_holder`), and `from_worker`'s replica of `chain`."""
+        for lease in leases:
+            self.install_holder(lease)
+        await self.add_replica(chain[-1], from_worker, tier, replica_ttl_s, True, chain)
+
+    def install_holder(self, lease: Lease) -> None:
+        """Mirror who holds an artifact, as decided elsewhere: a known artifact keeps the
+        blocks this view maps to it and takes the lease's worker, epoch and expiry; an unknown
+        one is recorded as `install_lease` does."""
+        self._epoch = max(self._epoch, lease.epoch)
+        rec = self._artifacts.get(lease.artifact_id)
+        if rec is None:
+            self.install_lease(None, lease)
+        else:
+            self._hand_over(rec, lease.worker, lease.epoch, lease.expires_at)
 
     def _session(self, session_id: str, now: float) -> str | None:
         entry = self._sessions.get(session_id)

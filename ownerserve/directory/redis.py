@@ -19,7 +19,8 @@ hash tag, so every key of one namespace lives in one slot and every script is si
     P workers / widx HASH  worker -> index / index -> worker;  P wnext: index counter
     P w:<worker>     HASH  root, bs (block size), idx, seq (last applied event batch)
     P w:<worker>:eh  HASH  engine hash (decimal) -> block hex;  :arts :reps :sess  SETs
-                           (its artifacts, replica blocks, sessions: what drop_worker undoes)
+                           (its artifacts, replica blocks, sessions: what drop_worker undoes;
+                           `transfer` moves ids from one worker's :arts to another's)
     P s:<session>    STRING  decode owner, with a TTL (PX)
     P f:<id>         SET   sessions sharing the artifact copy-on-write (fork refs)
 
@@ -66,6 +67,7 @@ from ownerserve.directory.base import (
 from ownerserve.directory.common import (
     TIER_BIT,
     check_artifact,
+    check_transfer,
     check_ttl,
     check_worker,
     hex_block,
@@ -85,6 +87,7 @@ SCRIPT_NAMES = (
     "renew",
     "release",
     "add_replica",
+    "transfer",
     "set_session",
     "fork",
     "register_worker",
@@ -431,6 +434,55 @@ class RedisDirectory:
                 hex_blocks(blocks) if blocks else "",
             ],
         )
+
+    async def transfer(
+        self,
+        chain: Sequence[int],
+        from_worker: str,
+        to_worker: str,
+        lease_s: float,
+        replica_ttl_s: float,
+        tier: Tier = Tier.GPU,
+    ) -> int:
+        moved, _ = await self.transfer_leases(
+            chain, from_worker, to_worker, lease_s, replica_ttl_s, tier
+        )
+        return moved
+
+    async def transfer_leases(
+        self,
+        chain: Sequence[int],
+        from_worker: str,
+        to_worker: str,
+        lease_s: float,
+        replica_ttl_s: float,
+        tier: Tier = Tier.GPU,
+    ) -> tuple[int, tuple[Lease, ...]]:
+        """`transfer`, plus the leases it handed over (what `ResilientDirectory` mirrors).
+        One script (`transfer.lua`): the replica lines and the owners are one pass over the
+        chain's block records."""
+        lease_s, replica_ttl_s = check_transfer(
+            chain, from_worker, to_worker, lease_s, replica_ttl_s
+        )
+        p = self.prefix
+        reply = await self._run(
+            "transfer",
+            [p + "blk", p + "art", p + "epoch"],
+            [
+                hex_blocks(chain),
+                from_worker,
+                to_worker,
+                _ms(lease_s),
+                _ms(replica_ttl_s),
+                Tier(tier).value,
+            ],
+        )
+        epoch = int(reply[1])
+        leases = tuple(
+            Lease(int(_s(reply[k]), 16), to_worker, epoch, int(reply[k + 1]) / 1000)
+            for k in range(2, len(reply), 2)
+        )
+        return int(reply[0]), leases
 
     # --- sessions and forks ------------------------------------------------------------------
 

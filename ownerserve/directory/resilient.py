@@ -11,8 +11,8 @@ writes, and retries Redis in the background. When Redis answers again:
   seen, then the whole local view (workers, cached blocks, leases, replicas, sessions, fork
   refs) is pushed back; old epochs are translated the same way.
 
-Ownership decided during an outage is provisional: another router may have claimed the same
-artifact; on replay the primary's answer wins and the loser's later writes get
+Ownership decided during an outage (claims, transfers) is provisional: another router may have
+claimed the same artifact; on replay the primary's answer wins and the loser's later writes get
 `StaleEpochError`. `health()` reports the pending writes and the conflicts seen.
 """
 
@@ -283,6 +283,34 @@ class ResilientDirectory:
             lambda: self.local.add_replica(*args),
         )
 
+    async def transfer(
+        self,
+        chain: Sequence[int],
+        from_worker: str,
+        to_worker: str,
+        lease_s: float,
+        replica_ttl_s: float,
+        tier: Tier = Tier.GPU,
+    ) -> int:
+        """As a claim: during an outage the local view hands the artifacts over at a
+        provisional epoch and the call is queued; its replay maps that epoch onto the one Redis
+        gives (`_settle_transfer`)."""
+        args = (tuple(chain), from_worker, to_worker, lease_s, replica_ttl_s, Tier(tier))
+
+        async def mirror(result: tuple[int, tuple[Lease, ...]]) -> None:
+            await self.local.install_transfer(
+                args[0], from_worker, args[5], replica_ttl_s, [self._seen(x) for x in result[1]]
+            )
+
+        result: tuple[int, tuple[Lease, ...]] = await self._write(
+            "transfer",
+            args,
+            lambda: self.primary.transfer_leases(*args),
+            mirror,
+            lambda: self.local.transfer_leases(*args),
+        )
+        return result[0]
+
     async def set_session_owner(self, session_id: str, worker: str, ttl_s: float) -> None:
         args = (session_id, worker, ttl_s)
 
@@ -452,6 +480,9 @@ class ResilientDirectory:
                 elif lease.worker != worker:
                     self.stats["conflicts"] += 1
                 self.local.install_lease(artifact, lease)
+            elif item.op == "transfer":
+                _, leases = await self.primary.transfer_leases(*item.args)
+                await self._settle_transfer(item.args, item.local_result[1], leases)
             elif item.op in ("renew", "release"):
                 aid, worker, epoch, *rest = item.args
                 call = getattr(self.primary, item.op)
@@ -465,6 +496,35 @@ class ResilientDirectory:
         except (StaleEpochError, InvalidRequestError, ResponseError) as exc:
             self.stats["conflicts"] += 1  # Redis said no: replaying again would not change that
             log.info("directory: replayed %s refused: %s", item.op, exc)
+
+    async def _settle_transfer(
+        self,
+        args: tuple[Any, ...],
+        provisional: tuple[Lease, ...],
+        leases: tuple[Lease, ...],
+    ) -> None:
+        """After a transfer made during an outage was replayed: its provisional epoch means the
+        one Redis gave, and the local view follows Redis. An artifact the local view handed
+        over but Redis did not (its lease had ended, another router dropped the worker) is a
+        conflict: its provisional owner is fenced, and the local view takes Redis's lease."""
+        chain, from_worker, _, _, replica_ttl_s, tier = args
+        if provisional and leases:
+            self._epoch_map[provisional[0].epoch] = leases[0].epoch
+        await self.local.install_transfer(
+            chain, from_worker, tier, replica_ttl_s, [self._seen(x) for x in leases]
+        )
+        moved = {x.artifact_id for x in leases}
+        lost = [x for x in provisional if x.artifact_id not in moved]
+        if lost:
+            self.stats["conflicts"] += 1
+        for x in lost:
+            info = await self.primary.artifact_info(x.artifact_id)
+            if info is not None and info.live:
+                real = Lease(x.artifact_id, info.worker, info.epoch, info.expires_at)
+                self.local.install_holder(self._seen(real))
+            else:
+                with contextlib.suppress(StaleEpochError):
+                    await self.local.release(x.artifact_id, x.worker, x.epoch)
 
     async def _resync(self) -> None:
         self.stats["resyncs"] += 1

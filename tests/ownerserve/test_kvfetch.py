@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from ownerserve.errors import InvalidRequestError
-from ownerserve.kvfetch import MAX_FETCH_BLOCKS, KVFetchRequest
+from ownerserve.kvfetch import MAX_FETCH_BLOCKS, KVFetchRequest, fetched_blocks
 
 GOOD: dict[str, Any] = {
     "source_url": "http://10.0.0.5:8200",
@@ -66,3 +66,19 @@ def test_a_malformed_field_is_refused_by_name(change: dict[str, Any], field: str
 def test_a_body_that_is_not_an_object_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="JSON object"):
         KVFetchRequest.from_json([GOOD])
+
+
+@pytest.mark.parametrize(
+    ("answer", "blocks"),
+    [
+        ({"blocks": 12, "artifacts": 96}, 12),  # the sidecar's answer
+        ({"blocks": 0, "requested": 5}, 0),  # the emulator's, nothing came
+        ({"artifacts": 3}, None),  # does not say
+        ({"blocks": -1}, None),
+        ({"blocks": True}, None),
+        ({"blocks": "12"}, None),
+        ([12], None),
+    ],
+)
+def test_fetched_blocks_reads_only_a_count_it_can_trust(answer: object, blocks: int | None) -> None:
+    assert fetched_blocks(answer) == blocks

@@ -111,3 +111,27 @@ async def test_without_refresh_unchanged_records_are_not_rewritten():
     assert calls == []
     await commit_plan(directory, _Served(plan, CHAIN[:4], "s1", match, refresh=True), lifetimes)
     assert sorted(calls) == ["renew", "set_session_owner"]
+
+
+async def test_a_state_migration_hands_the_prefix_over_and_the_source_copy_ages_out():
+    now = [0.0]
+    directory = InMemoryDirectory(clock=lambda: now[0])
+    colocated = _plan(Action.COLOCATED_PREFILL, "a", "a")
+    await _commit(directory, colocated, CHAIN[:4], "s1", await directory.lookup(CHAIN[:4], "s1"))
+    match = await directory.lookup(CHAIN, "s1")
+    assert (match.owner, match.session_owner) == ("a", "a")
+    moved = Plan(
+        policy="test",
+        request_class=RequestClass.SMALL_INCREMENTAL_TURN,
+        chosen=Candidate(Action.STATE_MIGRATION, "b", "b", CostBreakdown(), source_worker="a"),
+    )
+    await _commit(directory, moved, CHAIN, "s1", match)
+    after = await directory.lookup(CHAIN, "s1")
+    # b owns the whole prompt now (the moved prefix and the new blocks), a holds a replica
+    assert (after.owner, after.owner_blocks, after.session_owner) == ("b", 10, "b")
+    assert after.owner_epoch > match.owner_epoch
+    assert ("a", HoldKind.REPLICA) in {(h.worker, h.kind) for h in after.holdings}
+    now[0] += 6.0  # past the replica TTL (Lifetimes(60, 60, 5)), within b's lease
+    await directory.sweep()
+    aged = await directory.lookup(CHAIN, "s1")
+    assert aged.owner == "b" and aged.longest("a") == 0

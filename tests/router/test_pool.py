@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
 from ownerserve.config import WorkerSettings
+from ownerserve.types import BackendKind, Role
 from router.backends import parse_load_metrics
 from router.pool import BreakerState, CircuitBreaker, WorkerPool
+from router.upstream import UpstreamPool
+from tests.router.fake_worker import FakeWorker
 
 
 def test_breaker_opens_after_threshold_and_half_opens_after_cooldown():
@@ -51,3 +60,77 @@ def test_pool_membership_drain_and_models():
     pool.drain("a")
     assert not pool.get("a").routable()  # type: ignore[union-attr]
     assert pool.remove("a") is not None and len(pool) == 1
+
+
+async def test_a_sidecar_that_stops_answering_takes_its_worker_out_of_kv_moves() -> None:
+    engine, sidecar = await FakeWorker("engine").start(), await FakeWorker("sidecar").start()
+    http = UpstreamPool(connect_timeout_s=1.0)
+    pool = WorkerPool(
+        [
+            WorkerSettings(id="v0", url=engine.url, kind=BackendKind.VLLM, sidecar_url=sidecar.url),
+            WorkerSettings(id="v1", url=engine.url, kind=BackendKind.VLLM),
+        ],
+        health_timeout_s=1.0,
+    )
+    await pool.start(http)
+    try:
+        v0, v1 = pool.get("v0"), pool.get("v1")
+        assert v0 is not None and v1 is not None
+        await pool.check_all()
+        assert v0.kv_api and v0.healthy
+        assert not v1.kv_api  # no sidecar: nothing to load a fetched prefix with
+        await sidecar.stop()
+        await pool.check_all()
+        assert v0.healthy and not v0.kv_api  # the engine serves on; KV moves skip it
+        sidecar.port = 0
+        await sidecar.start()
+        v0.settings = v0.settings.model_copy(update={"sidecar_url": sidecar.url})
+        v0.address = replace(v0.address, sidecar_url=sidecar.url)
+        await pool.check_all()
+        assert v0.kv_api
+    finally:
+        await pool.close()
+        await http.close()
+        await engine.stop()
+        await sidecar.stop()
+
+
+def test_kv_paths_default_by_kind_and_role() -> None:
+    def paths(**kw: Any) -> set[str]:
+        return {
+            str(p) for p in WorkerSettings(id="w", url="http://127.0.0.1:1", **kw).kv_paths_of()
+        }
+
+    assert paths(kind="emulator") == {"nixl_pd", "sidecar"}
+    assert paths(kind="vllm", role="decode") == {"nixl_pd"}
+    assert paths(kind="vllm") == set()  # a hybrid needs its connector named in kv_paths
+    assert paths(kind="vllm", sidecar_url="http://127.0.0.1:2") == {"sidecar"}
+    assert paths(kind="sglang", role="prefill") == {"bootstrap_pd"}
+    assert paths(kind="vllm", kv_paths=["nixl_pd"]) == {"nixl_pd"}
+    assert pool_groups() == {"p": "emulator", "v": None, "s": "sglang"}
+
+
+def pool_groups() -> dict[str, str | None]:
+    pool = WorkerPool(
+        [
+            WorkerSettings(id="p", url="http://127.0.0.1:1"),
+            WorkerSettings(id="v", url="http://127.0.0.1:1", kind=BackendKind.VLLM),
+            WorkerSettings(
+                id="s", url="http://127.0.0.1:1", kind=BackendKind.SGLANG, role=Role.DECODE
+            ),
+        ]
+    )
+    return {w.worker_id: w.pd_group for w in pool.all()}
+
+
+@pytest.mark.parametrize(
+    ("entry", "error"),
+    [
+        ({"kind": "vllm", "kv_paths": ["bootstrap_pd"]}, "a vllm worker speaks nixl_pd"),
+        ({"kind": "sglang", "kv_paths": ["sidecar"]}, "sidecar needs sidecar_url"),
+        ({"kind": "vllm", "kv_paths": ["rdma"]}, "kv_paths"),
+    ],
+)
+def test_kv_paths_a_worker_cannot_have_are_config_errors(entry: dict[str, Any], error: str) -> None:
+    with pytest.raises(ValidationError, match=error):
+        WorkerSettings(id="w", url="http://127.0.0.1:1", **entry)

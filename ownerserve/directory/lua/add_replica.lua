@@ -16,20 +16,7 @@ local worker, tier = ARGV[3], ARGV[4]
 local exp = now + tonumber(ARGV[5])
 local entry = worker .. '\t' .. tier .. '\t' .. fmt(exp) .. '\t' .. ARGV[6] .. '\n'
 update_blocks(blocks, function(i, own, cache, reps)
-  local keep, lost, kept = {}, {}, { [worker] = true }
-  for line in string.gmatch(reps, '[^\n]*\n') do
-    local w, t, x = string.match(line, '^([^\t]*)\t(%a+)\t(%d+)\t[01]\n$')
-    if w and tonumber(x) > now and not (w == worker and t == tier) then
-      keep[#keep + 1] = line
-      kept[w] = true
-    elseif w then
-      lost[#lost + 1] = w
-    end
-  end
-  keep[#keep + 1] = entry
-  -- expired lines of other workers go here too: unlist the block from their `:reps` sets
-  unindex_reps(blocks[i], orphans_of(lost, kept))
-  return own, cache, table.concat(keep)
+  return own, cache, put_replica(blocks[i], reps, worker, tier, entry, now)
 end)
 multi('SADD', P .. 'w:' .. worker .. ':reps', blocks)
 hint_reps(blocks, exp)

@@ -248,3 +248,22 @@ local function prune_reps(blocks, now)
   end)
   return dropped
 end
+
+-- `reps` (the replica lines of `block`) with `entry`, the line of `worker` in `tier`, in place
+-- of that worker's old line in that tier and of every expired line; the block leaves the
+-- `:reps` sets of the workers whose expired lines went and who keep none in it
+local function put_replica(block, reps, worker, tier, entry, now)
+  local keep, lost, kept = {}, {}, { [worker] = true }
+  for line in string.gmatch(reps, '[^\n]*\n') do
+    local w, t, x = string.match(line, '^([^\t]*)\t(%a+)\t(%d+)\t[01]\n$')
+    if w and tonumber(x) > now and not (w == worker and t == tier) then
+      keep[#keep + 1] = line
+      kept[w] = true
+    elseif w then
+      lost[#lost + 1] = w
+    end
+  end
+  keep[#keep + 1] = entry
+  unindex_reps(block, orphans_of(lost, kept))
+  return table.concat(keep)
+end

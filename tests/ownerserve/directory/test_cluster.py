@@ -147,6 +147,10 @@ async def scenario(d: RedisDirectory) -> None:
     assert await d.drop_worker("w2") == 2  # the remaining lease and the session
     assert await d.sweep() == 0
     assert (await d.lookup(CHAIN[:16], "s1")).owner is None
+    moved = await d.claim(Artifact(CHAIN[:4]), "w5", 30.0)
+    assert await d.transfer(CHAIN[:4], "w5", "w6", 30.0, 30.0, Tier.CPU) == 4
+    m = await d.lookup(CHAIN[:4])
+    assert (m.owner, m.longest("w5", Tier.CPU)) == ("w6", 4) and m.owner_epoch > moved.epoch
     assert await d.boot_token("t") == "t"
     assert await d.raise_epoch(10**6) == 10**6
 

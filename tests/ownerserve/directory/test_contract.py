@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ownerserve.directory.base import Artifact, Holding, HoldKind
+from ownerserve.directory.base import Artifact, Directory, Holding, HoldKind, Lease
 from ownerserve.errors import InvalidRequestError, StaleEpochError
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
@@ -412,6 +412,156 @@ async def test_drop_worker_ends_everything_it_held(backend: Backend) -> None:
     assert await d.drop_worker("never-seen") == 0
 
 
+# --- transfer (after a state migration) ----------------------------------------------------------
+
+
+async def session_on_src(d: Directory) -> tuple[Lease, Lease]:
+    """A session's prefix on "src" as the router commits it across two turns: a first claim,
+    then a fenced delta."""
+    base = await d.claim(art(8), "src", LONG)
+    delta = await d.claim(art(12, start=8), "src", LONG, fence_epoch=base.epoch)
+    assert (base.worker, delta.worker) == ("src", "src")
+    return base, delta
+
+
+async def test_transfer_hands_the_prefix_to_the_destination_at_a_new_epoch(
+    backend: Backend,
+) -> None:
+    d = backend.directory
+    base, delta = await session_on_src(d)
+    assert await d.transfer(CHAIN[:12], "src", "dst", LONG, LONG, Tier.CPU) == 12
+    m = await d.lookup(CHAIN[:16])
+    assert m.holdings == (
+        Holding("dst", Tier.GPU, 12, HoldKind.OWNER),
+        Holding("src", Tier.CPU, 12, HoldKind.REPLICA),
+    )
+    assert (m.owner, m.owner_blocks, m.owner_artifact_id) == ("dst", 12, CHAIN[11])
+    assert m.owner_epoch > delta.epoch > base.epoch
+    # both artifacts moved at that epoch; their metadata stays
+    for aid, start, n in ((CHAIN[7], 0, 8), (CHAIN[11], 8, 4)):
+        info = await d.artifact_info(aid)
+        assert info is not None
+        assert (info.worker, info.epoch, info.live, info.start, info.blocks) == (
+            "dst",
+            m.owner_epoch,
+            True,
+            start,
+            n,
+        )
+    # the source is fenced: renew, release and its next turn's commit are stale
+    for aid, old in ((CHAIN[7], base.epoch), (CHAIN[11], delta.epoch)):
+        with pytest.raises(StaleEpochError):
+            await d.renew(aid, "src", old, LONG)
+        with pytest.raises(StaleEpochError):
+            await d.release(aid, "src", old)
+    with pytest.raises(StaleEpochError):
+        await d.claim(art(16, start=12), "src", LONG, fence_epoch=delta.epoch)
+    # the destination renews at the new epoch and commits its next turn fenced by it
+    renewed = await d.renew(CHAIN[11], "dst", m.owner_epoch, LONG)
+    assert (renewed.worker, renewed.epoch) == ("dst", m.owner_epoch)
+    nxt = await d.claim(art(16, start=12), "dst", LONG, fence_epoch=m.owner_epoch)
+    assert nxt.worker == "dst" and nxt.epoch > m.owner_epoch
+    assert (await d.lookup(CHAIN[:16])).owner_blocks == 16
+    # ...and can release what it was handed
+    await d.release(CHAIN[7], "dst", m.owner_epoch)
+    assert (await d.lookup(CHAIN[:8])).owner is None
+
+
+async def test_transfer_leaves_an_artifact_reaching_past_the_chain_with_the_source(
+    backend: Backend,
+) -> None:
+    d = backend.directory
+    base, delta = await session_on_src(d)
+    assert await d.transfer(CHAIN[:10], "src", "dst", LONG, LONG) == 8  # the first claim only
+    m = await d.lookup(CHAIN[:12])
+    assert m.holdings == (
+        Holding("dst", Tier.GPU, 8, HoldKind.OWNER),
+        Holding("src", Tier.GPU, 12, HoldKind.OWNER),
+        Holding("src", Tier.GPU, 10, HoldKind.REPLICA),
+    )
+    assert (m.owner, m.owner_epoch, m.owner_artifact_id) == ("src", delta.epoch, CHAIN[11])
+    assert (await d.renew(CHAIN[11], "src", delta.epoch, LONG)).worker == "src"
+    moved = await d.lookup(CHAIN[:8])
+    assert (moved.owner, moved.owner_artifact_id) == ("dst", CHAIN[7])
+    assert moved.owner_epoch > delta.epoch
+    with pytest.raises(StaleEpochError):
+        await d.renew(CHAIN[7], "src", base.epoch, LONG)
+
+
+async def test_transfer_counts_only_the_blocks_that_changed_owner(backend: Backend) -> None:
+    d = backend.directory
+    other = await d.claim(art(4), "w1", LONG)
+    mine = await d.claim(art(8), "src", LONG)  # takes blocks 4-7 only
+    assert await d.transfer(CHAIN[:8], "src", "dst", LONG, LONG) == 4
+    m = await d.lookup(CHAIN[:8])
+    assert m.holdings == (
+        Holding("dst", Tier.GPU, 8, HoldKind.OWNER),
+        Holding("w1", Tier.GPU, 4, HoldKind.OWNER),
+        Holding("src", Tier.GPU, 8, HoldKind.REPLICA),
+    )
+    assert m.owner_epoch > mine.epoch
+    assert (await d.lookup(CHAIN[:4])).owner_epoch == other.epoch  # w1's lease is untouched
+
+
+async def test_transfer_of_a_prefix_the_source_does_not_own_only_adds_the_replica(
+    backend: Backend,
+) -> None:
+    d = backend.directory
+    held = await d.claim(art(8), "w1", LONG)
+    gone = await d.claim(art(20, start=16), "src", SHORT)
+    await backend.advance(SHORT + 0.1)
+    # w1's blocks, and src's whose lease ended: nothing moves
+    assert await d.transfer(CHAIN[:20], "src", "dst", LONG, LONG, Tier.SSD) == 0
+    m = await d.lookup(CHAIN[:20])
+    assert m.holdings == (
+        Holding("w1", Tier.GPU, 8, HoldKind.OWNER),
+        Holding("src", Tier.SSD, 20, HoldKind.REPLICA),
+    )
+    assert (m.owner, m.owner_epoch) == ("w1", held.epoch)
+    with pytest.raises(StaleEpochError):  # an ended lease does not come back
+        await d.renew(gone.artifact_id, "src", gone.epoch, LONG)
+    # and no epoch was spent on it
+    assert (await d.claim(art(24, start=20), "w1", LONG)).epoch == gone.epoch + 1
+
+
+async def test_drop_worker_after_a_transfer_follows_the_new_owner(backend: Backend) -> None:
+    d = backend.directory
+    base, _ = await session_on_src(d)
+    await d.transfer(CHAIN[:12], "src", "dst", LONG, LONG)
+    epoch = (await d.lookup(CHAIN[:12])).owner_epoch
+    assert await d.drop_worker("src") == 12  # its replica of the 12 blocks, not the ownership
+    m = await d.lookup(CHAIN[:12])
+    assert m.holdings == (Holding("dst", Tier.GPU, 12, HoldKind.OWNER),)
+    assert (m.owner, m.owner_epoch) == ("dst", epoch)
+    assert await d.drop_worker("dst") == 2  # both artifacts
+    assert (await d.lookup(CHAIN[:12])).holdings == ()
+    with pytest.raises(StaleEpochError):
+        await d.renew(CHAIN[11], "dst", epoch, LONG)
+    again = await d.claim(art(8), "w3", LONG)
+    assert again.worker == "w3" and again.epoch > epoch > base.epoch
+
+
+async def test_sweep_after_a_transfer_purges_the_replica_and_the_ended_leases(
+    backend: Backend,
+) -> None:
+    d = backend.directory
+    await session_on_src(d)
+    await d.transfer(CHAIN[:12], "src", "dst", LONG, SHORT)
+    await backend.advance(SHORT + 0.1)
+    m = await d.lookup(CHAIN[:12])
+    assert m.holdings == (Holding("dst", Tier.GPU, 12, HoldKind.OWNER),)
+    assert await d.sweep() == 12  # src's replica lines; the owner's leases live on
+    assert await d.drop_worker("src") == 0  # nothing of src is left to undo
+    # leases handed over with a short lease expire (and are swept) by that lease
+    await d.claim(art(20, start=12), "src", LONG)
+    assert await d.transfer(CHAIN[:20], "src", "dst", SHORT, LONG) == 8
+    await backend.advance(SHORT + 0.1)
+    assert (await d.lookup(CHAIN[:20])).owner_blocks == 12
+    assert await d.sweep() == 1
+    assert await d.artifact_info(CHAIN[19]) is None
+    assert await d.drop_worker("dst") == 2
+
+
 # --- long chains and bad input -------------------------------------------------------------------
 
 
@@ -438,6 +588,12 @@ async def test_long_chains_are_one_lookup(backend: Backend) -> None:
         lambda d: d.set_session_owner("s", "w1", 0),
         lambda d: d.add_replica(CHAIN[0], "w1", Tier.GPU, 0.0),
         lambda d: d.register_worker("w1", ROOT, 0),
+        lambda d: d.transfer((), "w1", "w2", LONG, LONG),
+        lambda d: d.transfer(CHAIN[:4], "w1", "w1", LONG, LONG),
+        lambda d: d.transfer(CHAIN[:4], "w1", "", LONG, LONG),
+        lambda d: d.transfer(CHAIN[:4], "bad\nname", "w2", LONG, LONG),
+        lambda d: d.transfer(CHAIN[:4], "w1", "w2", 0.0, LONG),
+        lambda d: d.transfer(CHAIN[:4], "w1", "w2", LONG, float("inf")),
     ],
 )
 async def test_bad_input_is_an_invalid_request(backend: Backend, call) -> None:

@@ -288,3 +288,72 @@ async def test_a_restart_between_two_calls_is_noticed_and_repaired(server: Redis
         assert d.stats["resyncs"] == 1
     finally:
         await d.close()
+
+
+async def stop_keeping_data(d: ResilientDirectory, server: RedisServer) -> None:
+    with contextlib.suppress(RedisConnectionError):
+        await d.primary.client.shutdown(save=True)  # keeps dump.rdb: comes back with its data
+    server.stop()
+
+
+async def test_a_transfer_during_an_outage_is_replayed_at_a_real_epoch(
+    server: RedisServer, resilient: ResilientDirectory
+) -> None:
+    d = resilient
+    base = await d.claim(Artifact(CHAIN[:8]), "src", 60.0)
+    delta = await d.claim(Artifact(CHAIN[:12], start=8), "src", 60.0, fence_epoch=base.epoch)
+    await stop_keeping_data(d, server)
+    # served by the local view, at a provisional epoch, as a claim would be
+    assert await d.transfer(CHAIN[:12], "src", "dst", 60.0, 60.0, Tier.CPU) == 12
+    m = await d.lookup(CHAIN[:12])
+    assert (m.owner, m.owner_blocks) == ("dst", 12)
+    provisional = m.owner_epoch
+    assert provisional >= PROVISIONAL_EPOCH_BASE
+    with pytest.raises(StaleEpochError):
+        await d.renew(CHAIN[11], "src", delta.epoch, 60.0)
+    assert (await d.health()).pending_reconcile == 1
+    server.start()
+    assert await d.wait_reconciled(10)
+    assert (d.stats["resyncs"], d.stats["replayed"], d.stats["conflicts"]) == (0, 1, 0)
+    view = await fresh_view(server)
+    try:
+        m = await view.lookup(CHAIN[:12])
+        assert m.holdings == (
+            Holding("dst", Tier.GPU, 12, HoldKind.OWNER),
+            Holding("src", Tier.CPU, 12, HoldKind.REPLICA),
+        )
+        assert delta.epoch < m.owner_epoch < PROVISIONAL_EPOCH_BASE
+    finally:
+        await view.close()
+    # the provisional epoch now means the real one; the source stays fenced
+    assert (await d.renew(CHAIN[7], "dst", provisional, 60.0)).epoch == m.owner_epoch
+    with pytest.raises(StaleEpochError):
+        await d.renew(CHAIN[11], "src", delta.epoch, 60.0)
+    local = await d.local.lookup(CHAIN[:12])  # what the next outage serves from
+    assert (local.owner, local.owner_epoch, local.owner_blocks) == ("dst", m.owner_epoch, 12)
+
+
+async def test_a_transfer_that_lost_on_replay_fences_its_provisional_owner(
+    server: RedisServer, resilient: ResilientDirectory
+) -> None:
+    d = resilient
+    await d.claim(Artifact(CHAIN[:8]), "src", 60.0)
+    await stop_keeping_data(d, server)
+    assert await d.transfer(CHAIN[:8], "src", "dst", 60.0, 60.0) == 8
+    provisional = (await d.lookup(CHAIN[:8])).owner_epoch
+    d.retry_interval_s = 0.5  # time for another router to act first once Redis is back
+    server.start()
+    other = await fresh_view(server)
+    try:
+        assert await other.drop_worker("src") == 1  # it saw src die: nothing left to hand over
+        winner = await other.claim(Artifact(CHAIN[:8]), "w9", 60.0)
+        assert await d.wait_reconciled(10)
+        assert (d.stats["replayed"], d.stats["conflicts"]) == (1, 1)
+        m = await d.lookup(CHAIN[:8])
+        assert (m.owner, m.owner_epoch) == ("w9", winner.epoch)
+        local = await d.local.lookup(CHAIN[:8])  # the local view follows Redis
+        assert (local.owner, local.owner_epoch, local.owner_blocks) == ("w9", winner.epoch, 8)
+        with pytest.raises(StaleEpochError):
+            await d.renew(CHAIN[7], "dst", provisional, 60.0)
+    finally:
+        await other.close()

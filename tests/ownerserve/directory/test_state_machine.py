@@ -18,9 +18,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
+    MultipleResults,
     RuleBasedStateMachine,
     initialize,
     invariant,
+    multiple,
     rule,
     run_state_machine_as_test,
 )
@@ -113,6 +115,26 @@ class Model:
             blocks = self.leases[aid].blocks if aid in self.leases else (aid,)
         for b in blocks:
             self.replicas.add((b, worker, tier))
+
+    def transfer(
+        self, chain: tuple[int, ...], src: str, dst: str, tier: Tier
+    ) -> tuple[int, list[tuple[int, str, int]]]:
+        """(blocks that changed owner, the leases handed over)."""
+        if src == dst:
+            raise InvalidRequestError("transfer to itself")
+        self.add_replica(chain[-1], src, tier, chain)
+        moving = [
+            aid
+            for aid, lease in self.leases.items()
+            if lease.worker == src and set(lease.blocks) <= set(chain)
+        ]
+        if not moving:
+            return 0, []
+        self.epoch += 1
+        for aid in moving:
+            self.leases[aid].worker, self.leases[aid].epoch = dst, self.epoch
+        changed = sum(1 for b in chain if self.owner_of(b) in moving)
+        return changed, [(aid, dst, self.epoch) for aid in moving]
 
     def lookup(self, chain: tuple[int, ...], sid: str | None) -> Match:
         best: dict[tuple[str, Tier, HoldKind], int] = {}
@@ -315,6 +337,28 @@ def make_machine(redis_url: str) -> type[RuleBasedStateMachine]:
                 lambda d: d.add_replica(aid, worker, tier, LEASE_S, True, blocks), lambda r: r
             )
             self.model.add_replica(aid, worker, tier, blocks)
+
+        @rule(
+            target=leases,
+            src=st.sampled_from(WORKERS),
+            dst=st.sampled_from(WORKERS),
+            c=st.integers(0, 1),
+            end=st.integers(1, N),
+            tier=st.sampled_from(list(Tier)),
+        )
+        def transfer(
+            self, src: str, dst: str, c: int, end: int, tier: Tier
+        ) -> MultipleResults[tuple[int, str, int]]:
+            chain = CHAINS[c][:end]
+            got = self.both(
+                lambda d: d.transfer(chain, src, dst, LEASE_S, LEASE_S, tier), lambda r: r
+            )
+            want = _outcome(lambda: self.model.transfer(chain, src, dst, tier))
+            if isinstance(want, str):
+                assert got == want
+                return multiple()
+            assert got == want[0]
+            return multiple(*want[1])
 
         @rule(sid=st.sampled_from(SESSIONS), worker=st.sampled_from(WORKERS))
         def set_session(self, sid: str, worker: str) -> None:

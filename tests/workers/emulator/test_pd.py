@@ -181,6 +181,7 @@ async def test_artifact_fetch_copies_blocks_from_a_peer(
     assert resp.status_code == 200, resp.text
     out = resp.json()
     assert out["fetched"] == len(CHAIN) and out["missing"] == [99]
+    assert out["blocks"] == len(CHAIN)  # the prefix it holds now: up to the missing block
     assert out["bytes"] == len(CHAIN) * 16 * 131072
     assert out["seconds"] > 0  # inter-node link
     assert set(CHAIN) <= await held(http, dst.url)
@@ -190,6 +191,7 @@ async def test_artifact_fetch_copies_blocks_from_a_peer(
         dst.url + "/ownerserve/fetch", json={"source_url": src.url, "block_hashes": CHAIN}
     )
     assert again.json()["already_held"] == len(CHAIN) and again.json()["bytes"] == 0
+    assert again.json()["blocks"] == len(CHAIN)
     nowhere = {"source_url": "http://127.0.0.1:1", "block_hashes": [1]}
     bad = await http.post(dst.url + "/ownerserve/fetch", json=nowhere)
     assert bad.status_code == 502 and bad.json()["error"]["message"]
