@@ -21,17 +21,26 @@ def block_ids_on(paged: PagedKV, block_ids: BlockIds) -> torch.Tensor:
 
 
 def buffer_for(
-    paged: PagedKV, block_ids: BlockIds, buf: torch.Tensor | None, *, per_head: bool
+    paged: PagedKV,
+    block_ids: BlockIds,
+    buf: torch.Tensor | None,
+    *,
+    per_head: bool,
+    block_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, buf): the block ids on the cache's device and the staging buffer (per-head buffers
-    when `per_head`) for them, allocated when `buf` is None, else checked to fit."""
+    when `per_head`, block-first ones when also `block_major`) for them, allocated when `buf` is
+    None, else checked to fit."""
     g = paged.geometry
     ids = block_ids_on(paged, block_ids)
     n = ids.numel()
     if buf is None:
-        shape = g.head_buffer_shape(n) if per_head else g.staging_shape(n)
+        shape = g.head_buffer_shape(n, block_major=block_major) if per_head else g.staging_shape(n)
         buf = torch.empty(shape, dtype=g.dtype, device=paged.device)
-    (check_head_buffers if per_head else check_staging)(buf, g, n)
+    if per_head:
+        check_head_buffers(buf, g, n, block_major=block_major)
+    else:
+        check_staging(buf, g, n)
     return ids, buf
 
 

@@ -105,10 +105,14 @@ def split_heads(
     block_ids: BlockIds,
     out: torch.Tensor | None = None,
     *,
+    block_major: bool = False,
     backend: Backend | None = None,
 ) -> torch.Tensor:
-    """Paged -> per-head buffers `[heads, n, layers, kv, block_size, dim]`."""
-    result: torch.Tensor = _module(backend, paged.device).split_heads(paged, block_ids, out)
+    """Paged -> per-head buffers `[heads, n, layers, kv, block_size, dim]`, or block-first
+    `[n, heads, layers, kv, block_size, dim]` with `block_major`."""
+    result: torch.Tensor = _module(backend, paged.device).split_heads(
+        paged, block_ids, out, block_major
+    )
     return result
 
 
@@ -117,7 +121,8 @@ def merge_heads(
     paged: PagedKV,
     block_ids: BlockIds,
     *,
+    block_major: bool = False,
     backend: Backend | None = None,
 ) -> None:
     """Per-head buffers -> paged, the inverse of `split_heads` on a rank of any TP size."""
-    _module(backend, paged.device).merge_heads(head_buffers, paged, block_ids)
+    _module(backend, paged.device).merge_heads(head_buffers, paged, block_ids, block_major)

@@ -49,18 +49,16 @@ class KVGeometry:
         """Block-first staging buffer for `n` blocks: `[n, layers, kv_factor, chunk]`."""
         return (n, self.num_layers, self.kv_factor, self.chunk_elems)
 
-    def head_buffer_shape(self, n: int) -> tuple[int, int, int, int, int, int]:
-        """Per-head buffers for `n` blocks: `[kv_heads, n, layers, kv_factor, block_size, dim]`.
+    def head_buffer_shape(
+        self, n: int, *, block_major: bool = False
+    ) -> tuple[int, int, int, int, int, int]:
+        """Per-head buffers for `n` blocks: `[kv_heads, n, layers, kv_factor, block_size, dim]`,
+        or block-first `[n, kv_heads, layers, kv_factor, block_size, dim]` when `block_major`.
 
-        `buf[j, i]` is the contiguous unit stored under (global head, block `i`)."""
-        return (
-            self.num_kv_heads,
-            n,
-            self.num_layers,
-            self.kv_factor,
-            self.block_size,
-            self.head_dim,
-        )
+        `buf[j, i]` (block-first: `buf[i, j]`) is the contiguous unit stored under (global head,
+        block `i`); block-first, each block's heads are one contiguous run as well."""
+        lead = (n, self.num_kv_heads) if block_major else (self.num_kv_heads, n)
+        return (*lead, self.num_layers, self.kv_factor, self.block_size, self.head_dim)
 
 
 class PagedKV:
@@ -122,20 +120,26 @@ class PagedKV:
         return table
 
 
-def vllm_kv(layers: Sequence[torch.Tensor], *, mla: bool = False) -> PagedKV:
-    """vLLM layer-first cache: per layer `[2, num_blocks, block_size, kv_heads, head_dim]`; with
-    `mla=True`, per layer `[num_blocks, block_size, latent_dim]` (one latent head, no V)."""
+def vllm_kv(layers: Sequence[torch.Tensor], *, mla: bool = False, kv_dim: int = 0) -> PagedKV:
+    """vLLM layer-first cache: per layer `[2, num_blocks, block_size, kv_heads, head_dim]`
+    (FlashAttention; `kv_dim=0`) or `[num_blocks, 2, block_size, kv_heads, head_dim]`
+    (FlashInfer; `kv_dim=1`), any strides with head_dim contiguous (vLLM's HND stride order
+    too); with `mla=True`, per layer `[num_blocks, block_size, latent_dim]` (one latent head,
+    no V)."""
     if mla:
         for t in layers:
             if t.dim() != 3:
                 raise LayoutError(f"vLLM MLA layer must be 3-D, got {tuple(t.shape)}")
         return PagedKV([t.unsqueeze(2) for t in layers], len(layers), 1)
+    if kv_dim not in (0, 1):
+        raise LayoutError(f"kv_dim must be 0 or 1, got {kv_dim}")
     for t in layers:
-        if t.dim() != 5 or t.shape[0] != 2:
+        if t.dim() != 5 or t.shape[kv_dim] != 2:
+            want = "[2, blocks, ...]" if kv_dim == 0 else "[blocks, 2, ...]"
             raise LayoutError(
-                f"vLLM layer must be [2, blocks, block_size, heads, dim], got {tuple(t.shape)}"
+                f"vLLM layer must be {want} of [block_size, heads, dim], got {tuple(t.shape)}"
             )
-    return PagedKV([t[kv] for t in layers for kv in (0, 1)], len(layers), 2)
+    return PagedKV([t.select(kv_dim, kv) for t in layers for kv in (0, 1)], len(layers), 2)
 
 
 def sglang_kv(
@@ -214,12 +218,12 @@ def check_staging(staging: torch.Tensor, geometry: KVGeometry, n: int) -> None:
         raise LayoutError(f"staging dtype {staging.dtype} != KV dtype {geometry.dtype}")
 
 
-def check_head_buffers(buf: torch.Tensor, geometry: KVGeometry, n: int) -> None:
+def check_head_buffers(
+    buf: torch.Tensor, geometry: KVGeometry, n: int, *, block_major: bool = False
+) -> None:
     """Raise unless `buf` is a contiguous per-head buffer for `n` blocks of `geometry`."""
-    if tuple(buf.shape) != geometry.head_buffer_shape(n) or not buf.is_contiguous():
-        raise LayoutError(
-            f"head buffers must be contiguous {geometry.head_buffer_shape(n)}, "
-            f"got {tuple(buf.shape)}"
-        )
+    shape = geometry.head_buffer_shape(n, block_major=block_major)
+    if tuple(buf.shape) != shape or not buf.is_contiguous():
+        raise LayoutError(f"head buffers must be contiguous {shape}, got {tuple(buf.shape)}")
     if buf.dtype != geometry.dtype:
         raise LayoutError(f"head buffer dtype {buf.dtype} != KV dtype {geometry.dtype}")

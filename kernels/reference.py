@@ -107,24 +107,36 @@ def rerotate_blocks(
 
 
 def split_heads(
-    paged: PagedKV, block_ids: BlockIds, out: torch.Tensor | None = None
+    paged: PagedKV,
+    block_ids: BlockIds,
+    out: torch.Tensor | None = None,
+    block_major: bool = False,
 ) -> torch.Tensor:
     """Paged -> per-head buffers: `out[j, i, l, kv]` = head `j` (local index) of block
-    `block_ids[i]`, layer `l`, side `kv`, as `[block_size, head_dim]`. The caller keys `out[j]` by
-    the global head `rank_kv_heads(...)[j]`."""
+    `block_ids[i]`, layer `l`, side `kv`, as `[block_size, head_dim]`; block-first
+    (`block_major`) the same unit is `out[i, j, l, kv]`. The caller keys the unit of local head
+    `j` by the global head `rank_kv_heads(...)[j]`."""
     g = paged.geometry
-    ids, out = buffer_for(paged, block_ids, out, per_head=True)
+    ids, out = buffer_for(paged, block_ids, out, per_head=True, block_major=block_major)
+    order = (0, 2, 1, 3) if block_major else (2, 0, 1, 3)  # [n, H, bs, D] or [H, n, bs, D]
     for lk, view in enumerate(paged.views):
         layer, kv = divmod(lk, g.kv_factor)
-        out[:, :, layer, kv] = view[ids].permute(2, 0, 1, 3)  # [H, n, bs, D]
+        out[:, :, layer, kv] = view[ids].permute(*order)
     return out
 
 
-def merge_heads(head_buffers: torch.Tensor, paged: PagedKV, block_ids: BlockIds) -> None:
-    """Per-head buffers -> paged, the inverse of `split_heads`: `head_buffers[j]` holds local head
-    `j` of the destination rank (gathered from whichever producer ranks held those heads)."""
+def merge_heads(
+    head_buffers: torch.Tensor,
+    paged: PagedKV,
+    block_ids: BlockIds,
+    block_major: bool = False,
+) -> None:
+    """Per-head buffers -> paged, the inverse of `split_heads`: `head_buffers[j]` (block-first:
+    `head_buffers[:, j]`) holds local head `j` of the destination rank (gathered from whichever
+    producer ranks held those heads)."""
     g = paged.geometry
-    ids, _ = buffer_for(paged, block_ids, head_buffers, per_head=True)
+    ids, _ = buffer_for(paged, block_ids, head_buffers, per_head=True, block_major=block_major)
+    order = (0, 2, 1, 3) if block_major else (1, 2, 0, 3)  # to [n, bs, H, D]
     for lk, view in enumerate(paged.views):
         layer, kv = divmod(lk, g.kv_factor)
-        view[ids] = head_buffers[:, :, layer, kv].permute(1, 2, 0, 3)  # [n, bs, H, D]
+        view[ids] = head_buffers[:, :, layer, kv].permute(*order)

@@ -76,18 +76,18 @@ def _staging_side(staging: torch.Tensor, paged: PagedKV) -> _Side:
     )
 
 
-def _head_side(buf: torch.Tensor, paged: PagedKV, n: int) -> _Side:
+def _head_side(buf: torch.Tensor, paged: PagedKV, n: int, block_major: bool) -> _Side:
     g = paged.geometry
     unit = g.block_size * g.head_dim
-    per_block = g.num_layers * g.kv_factor * unit
+    per_unit = g.num_layers * g.kv_factor * unit  # one (head, block) artifact
     return _Side(
         base=buf,
         tab=None,
         lk_stride=unit,
         ids=None,
-        bstride=per_block,
+        bstride=g.num_kv_heads * per_unit if block_major else per_unit,
         tstride=g.head_dim,
-        hstride=n * per_block,
+        hstride=per_unit if block_major else n * per_unit,
         aligned=buf.data_ptr() % _VEC_BYTES == 0,
     )
 
@@ -136,7 +136,8 @@ def _launch(
     g = paged.geometry
     h, d = g.num_kv_heads, g.head_dim
     align = _align(src, dst)
-    flat_ok = all(s.tstride == h * d and s.hstride == d for s in (src, dst))
+    # One head: its stride is never used, so per-head buffers of MLA copy flat too.
+    flat_ok = all(s.tstride == h * d and (h == 1 or s.hstride == d) for s in (src, dst))
     if flat_ok:
         chunk = g.chunk_elems
         tile = min(FLAT_TILE, triton.next_power_of_2(chunk))
@@ -309,20 +310,29 @@ def rerotate_blocks(
 
 
 def split_heads(
-    paged: PagedKV, block_ids: BlockIds, out: torch.Tensor | None = None
+    paged: PagedKV,
+    block_ids: BlockIds,
+    out: torch.Tensor | None = None,
+    block_major: bool = False,
 ) -> torch.Tensor:
     """See `kernels.reference.split_heads`."""
     g = paged.geometry
-    ids, out = buffer_for(paged, block_ids, out, per_head=True)
+    ids, out = buffer_for(paged, block_ids, out, per_head=True, block_major=block_major)
     n = ids.numel()
-    _launch(_paged_side(paged, ids), _head_side(out, paged, n), paged, n, _lk(paged), g.kv_factor)
+    dst = _head_side(out, paged, n, block_major)
+    _launch(_paged_side(paged, ids), dst, paged, n, _lk(paged), g.kv_factor)
     return out
 
 
-def merge_heads(head_buffers: torch.Tensor, paged: PagedKV, block_ids: BlockIds) -> None:
+def merge_heads(
+    head_buffers: torch.Tensor,
+    paged: PagedKV,
+    block_ids: BlockIds,
+    block_major: bool = False,
+) -> None:
     """See `kernels.reference.merge_heads`."""
     g = paged.geometry
-    ids, _ = buffer_for(paged, block_ids, head_buffers, per_head=True)
+    ids, _ = buffer_for(paged, block_ids, head_buffers, per_head=True, block_major=block_major)
     n = ids.numel()
-    src, dst = _head_side(head_buffers, paged, n), _paged_side(paged, ids)
+    src, dst = _head_side(head_buffers, paged, n, block_major), _paged_side(paged, ids)
     _launch(src, dst, paged, n, _lk(paged), g.kv_factor)

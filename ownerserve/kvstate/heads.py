@@ -3,7 +3,11 @@
 A key names one KV head (not one TP rank) of one chunk, so an artifact's identity does not
 depend on the TP size that wrote it (seed 000)::
 
-    {model}@pcp{pcp}@dcp{dcp}@head:{head}@pp_rank:{pp}@{chunk_hash}[@{layer}][@{state}]
+    {model}@pcp{pcp}@dcp{dcp}@head:{head}@pp_rank:{pp}@{chunk_hash}[@layers:{a}-{b}][@{layer}][@{state}]
+
+A pipeline-parallel producer holds only its stage's layers; `layers=(a, b)` names the model
+layers `[a, b)` its artifact holds, so stages split differently never share a key (a PP=1
+producer, holding every layer, leaves it unset: its keys are those written before PP existed).
 
 `heads_for_rank` maps (TP size, rank) to the global KV heads that rank holds; when TP exceeds
 the number of KV heads each head is replicated over TP/heads ranks, as vLLM does, and only the
@@ -55,12 +59,19 @@ class HeadArtifactKey:
     dcp_rank: int = 0
     layer: int | None = None
     state: StateType | None = None
+    layers: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.layers is not None and not 0 <= self.layers[0] < self.layers[1]:
+            raise ValueError(f"layers must be a non-empty range [a, b), got {self.layers}")
 
     def to_string(self) -> str:
         s = (
             f"{self.model}@pcp{self.pcp_rank}@dcp{self.dcp_rank}@head:{self.head}"
             f"@pp_rank:{self.pp_rank}@{self.chunk_hash:016x}"
         )
+        if self.layers is not None:
+            s += f"@layers:{self.layers[0]}-{self.layers[1]}"
         if self.layer is not None:
             s += f"@{self.layer}"
         if self.state is not None:
@@ -79,6 +90,7 @@ class HeadArtifactKey:
                 self.dcp_rank,
                 layer,
                 self.state,
+                self.layers,
             )
             for layer in range(num_layers)
         ]

@@ -59,6 +59,18 @@ def test_split_merge_match_reference_on_gpu() -> None:
     assert torch.equal(ref.split_heads(paged, ids), fresh)
 
 
+@pytest.mark.parametrize("kv_dim", [0, 1])
+def test_block_first_split_merge_match_reference_on_gpu(kv_dim: int) -> None:
+    shape = (2, NB, BS, H, D) if kv_dim == 0 else (NB, 2, BS, H, D)
+    paged = kernels.vllm_kv([_rand(*shape) for _ in range(L)], kv_dim=kv_dim)
+    ids = _ids(9)
+    bufs = kernels.split_heads(paged, ids, block_major=True)
+    assert torch.equal(bufs, ref.split_heads(paged, ids, block_major=True))
+    fresh = torch.randn_like(bufs)
+    kernels.merge_heads(fresh, paged, ids, block_major=True)
+    assert torch.equal(ref.split_heads(paged, ids, block_major=True), fresh)
+
+
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("rotary_dim", [None, 64])
 def test_rerotate_matches_reference_on_gpu(neox: bool, rotary_dim: int | None) -> None:

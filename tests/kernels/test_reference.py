@@ -139,6 +139,34 @@ def test_split_heads_unit_is_one_head_of_one_block() -> None:
     assert torch.equal(bufs[1, 2, 0, 1], tensors[0][1, IDS[2], :, 1])
 
 
+@pytest.mark.parametrize("name", ["vllm", "vllm-mla", "trtllm"])
+def test_block_first_head_buffers_hold_the_same_units_block_by_block(name: str) -> None:
+    paged, _ = make_layout(name)
+    head_major = ref.split_heads(paged, IDS)
+    block_major = ref.split_heads(paged, IDS, block_major=True)
+    assert block_major.shape == paged.geometry.head_buffer_shape(len(IDS), block_major=True)
+    assert torch.equal(block_major, head_major.transpose(0, 1))
+    # each block's heads are one contiguous run: block i is rows [i * H, (i + 1) * H)
+    g = paged.geometry
+    flat = block_major.reshape(len(IDS) * g.num_kv_heads, -1)
+    assert torch.equal(flat[1 * g.num_kv_heads], head_major[0, 1].reshape(-1))
+    fresh = torch.randn(*block_major.shape).bfloat16()
+    ref.merge_heads(fresh, paged, [0, 5, 6, 11], block_major=True)
+    assert torch.equal(ref.split_heads(paged, [0, 5, 6, 11], block_major=True), fresh)
+
+
+def test_flashinfer_layout_is_the_flashattention_layout_with_kv_second() -> None:
+    fa = [_rand(2, NB, BS, H, D) for _ in range(L)]
+    fi = [t.transpose(0, 1).contiguous() for t in fa]  # [blocks, 2, bs, H, D]
+    a = ref.split_heads(kernels.vllm_kv(fa), IDS)
+    b = ref.split_heads(kernels.vllm_kv(fi, kv_dim=1), IDS)
+    assert torch.equal(a, b)
+    with pytest.raises(LayoutError):
+        kernels.vllm_kv(fi, kv_dim=0)
+    with pytest.raises(LayoutError):
+        kernels.vllm_kv(fa, kv_dim=2)
+
+
 def test_rank_kv_heads_splits_and_replicates() -> None:
     assert [kernels.rank_kv_heads(8, 4, r) for r in range(4)] == [
         range(0, 2),

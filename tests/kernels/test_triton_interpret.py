@@ -64,6 +64,20 @@ def test_triton_split_and_merge_match_reference(tri: ModuleType) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("name", ["vllm", "vllm-mla"])
+def test_triton_block_first_split_and_merge_match_reference(tri: ModuleType, name: str) -> None:
+    paged, tensors = make_layout(name)
+    bufs = tri.split_heads(paged, IDS, block_major=True)
+    assert torch.equal(bufs, ref.split_heads(paged, IDS, block_major=True))
+    fresh = torch.randn(*bufs.shape).bfloat16()
+    before = [t.clone() for t in tensors]
+    tri.merge_heads(fresh, paged, IDS, block_major=True)
+    twin = kernels.vllm_kv(before, mla=name == "vllm-mla")
+    ref.merge_heads(fresh, twin, IDS, block_major=True)
+    for a, b in zip(tensors, before, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_triton_copy_blocks_trtllm_to_sglang(tri: ModuleType) -> None:
     src, _ = make_layout("trtllm")
     dst, _ = make_layout("sglang")

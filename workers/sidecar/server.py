@@ -58,6 +58,14 @@ from ownerserve.http import json_object, read_request_body, service_app
 from ownerserve.kvfetch import FETCH_PATH, MAX_FETCH_BODY_BYTES, KVFetchRequest
 from ownerserve.types import Tier
 from workers.sidecar.arena import Arena
+from workers.sidecar.batch import (
+    BATCH_GET_PATH,
+    BATCH_PUT_PATH,
+    MEDIA_TYPE,
+    BatchFormatError,
+    decode_batch,
+    encode_batch,
+)
 from workers.sidecar.index import (
     MAX_BLOCK_ARTIFACTS,
     ChunkId,
@@ -604,6 +612,53 @@ def create_app(sidecar: Sidecar) -> FastAPI:
         limit = sidecar.config.max_artifact_bytes
         data = await read_request_body(request.scope, request.receive, limit)
         return JSONResponse(sidecar.put(key, data, expected, whole), status_code=201)
+
+    @app.post(BATCH_GET_PATH)
+    async def batch_get(body: LookupBody) -> Response:
+        # each artifact verified as a single GET's (a corrupted one is dropped and answered
+        # not found); the client checks every payload against its own checksum again
+        entries: list[dict[str, Any]] = []
+        payloads: list[bytes] = []
+        for key in body.keys:
+            try:
+                data, digest = await sidecar.get(_checked_key(key))
+            except ArtifactNotFoundError:
+                entries.append({"key": key, "found": False})
+                continue
+            entries.append({"key": key, "size": len(data), "checksum": digest.hex()})
+            payloads.append(data)
+        return Response(encode_batch(entries, payloads), media_type=MEDIA_TYPE)
+
+    @app.post(BATCH_PUT_PATH)
+    async def batch_put(request: Request) -> JSONResponse:
+        limit = sidecar.config.max_artifact_bytes
+        raw = await read_request_body(request.scope, request.receive, limit)
+        try:
+            entries, payloads = decode_batch(raw)
+        except BatchFormatError as exc:
+            raise InvalidRequestError(f"batch body: {exc}") from None
+        # the whole body is checked before anything is stored: a malformed one stores nothing
+        checked = []
+        for entry, data in zip(entries, payloads, strict=True):
+            if data is None:
+                raise InvalidRequestError(f"batch body: {entry['key']!r} has no payload")
+            whole = entry.get("block_artifacts")
+            checked.append(
+                (
+                    _checked_key(entry["key"]),
+                    data,
+                    _checksum_header(entry.get("checksum")),
+                    None if whole is None else _block_artifacts_header(str(whole)),
+                )
+            )
+        # then each artifact alone: one failing its checksum is refused, the others stored
+        stored: list[dict[str, Any]] = []
+        for key, data, expected, whole in checked:
+            try:
+                stored.append(sidecar.put(key, bytes(data), expected, whole))
+            except (InvalidRequestError, PayloadTooLargeError) as exc:
+                stored.append({"key": key, "error": str(exc)})
+        return JSONResponse({"stored": stored})
 
     @app.post(FETCH_PATH)
     async def fetch(request: Request) -> JSONResponse:

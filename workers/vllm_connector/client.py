@@ -5,7 +5,10 @@ one keep-alive connection per thread, so it imports in the vLLM venv without our
 API (`workers/sidecar/server.py`): `POST /ownerserve/kv/lookup {"keys": [...]}` -> `{"present":
 [bool]}`; `GET /ownerserve/kv/artifacts/{key}` -> bytes with `x-ownerserve-checksum`
 (XXH3-128 hex, as `workers.sidecar.store.checksum`), 404 when missing;
-`PUT /ownerserve/kv/artifacts/{key}` -> 201.
+`PUT /ownerserve/kv/artifacts/{key}` -> 201; `POST /ownerserve/kv/batch/get {"keys": [...]}` and
+`POST /ownerserve/kv/batch/put` (`workers.sidecar.batch` bodies): many artifacts in one round trip,
+each with its own checksum. Against a sidecar without the batch calls (404) the client goes back
+to one request per artifact.
 """
 
 from __future__ import annotations
@@ -19,6 +22,15 @@ from urllib.parse import quote, urlsplit
 
 import xxhash
 
+from workers.sidecar.batch import (
+    BATCH_GET_PATH,
+    BATCH_PUT_PATH,
+    MEDIA_TYPE,
+    BatchFormatError,
+    decode_batch,
+    encode_batch,
+)
+
 CHECKSUM_HEADER = "x-ownerserve-checksum"
 KV_PREFIX = "/ownerserve/kv"
 
@@ -29,6 +41,27 @@ class SidecarError(Exception):
 
 class ArtifactRejected(SidecarError):
     """An artifact was refused before loading: missing, or its bytes fail their checksum."""
+
+
+MAX_BATCH_BYTES = 64 << 20
+"""Most payload bytes one batch call carries: a request's set of artifacts larger than this
+goes in several calls."""
+MAX_BATCH_KEYS = 4096
+
+
+def _batches(sizes: Sequence[int]) -> list[range]:
+    """Consecutive index ranges of at most MAX_BATCH_KEYS items and MAX_BATCH_BYTES (a larger
+    item goes alone)."""
+    out: list[range] = []
+    start = total = 0
+    for i, size in enumerate(sizes):
+        if i > start and (total + size > MAX_BATCH_BYTES or i - start >= MAX_BATCH_KEYS):
+            out.append(range(start, i))
+            start, total = i, 0
+        total += size
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
 
 
 class SidecarClient:
@@ -44,6 +77,8 @@ class SidecarClient:
         self._prefix = parts.path.rstrip("/")
         self.timeout_s = timeout_s
         self._local = threading.local()
+        self._batch = True
+        """The sidecar has the batch calls (False after one answered 404)."""
 
     def _conn(self) -> http.client.HTTPConnection:
         conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
@@ -66,7 +101,7 @@ class SidecarClient:
         self,
         method: str,
         path: str,
-        body: bytes | None = None,
+        body: bytes | memoryview | None = None,
         headers: dict[str, str] | None = None,
     ) -> tuple[int, dict[str, str], bytes]:
         """One request; a stale keep-alive connection is retried once on a fresh one."""
@@ -130,9 +165,48 @@ class SidecarClient:
             raise ArtifactRejected(f"{key}: bytes do not match their checksum")
         return data
 
-    def put(self, key: str, data: bytes, block_artifacts: int | None = None) -> None:
-        """Store one artifact; `block_artifacts`: how many artifacts make its block whole (the
-        sidecar publishes and serves the block only once they are all stored)."""
+    def get_into(self, key: str, out: memoryview) -> None:
+        """`get`, reading the bytes straight into `out` (a pinned staging slot: no copy on the
+        host). Raises `ArtifactRejected` when the artifact is missing, is not `out`'s size, comes
+        without a checksum or fails it (`out` then holds garbage)."""
+        url = self._prefix + self._key_path(key)
+        for attempt in (0, 1):
+            try:
+                conn = self._conn()
+                conn.request("GET", url)
+                resp = conn.getresponse()
+                if resp.status != 200:
+                    body = resp.read()
+                    if resp.status == 404:
+                        raise ArtifactRejected(f"{key}: not stored")
+                    raise ArtifactRejected(f"{key}: sidecar answered {resp.status}: {body[:200]!r}")
+                length = resp.getheader("content-length")
+                if length is None or int(length) != out.nbytes:
+                    resp.read()
+                    raise ArtifactRejected(f"{key}: {length} bytes, expected {out.nbytes}")
+                got = 0
+                while got < out.nbytes:
+                    k = resp.readinto(out[got:])
+                    if not k:
+                        raise http.client.IncompleteRead(b"", out.nbytes - got)
+                    got += k
+                expected = resp.getheader(CHECKSUM_HEADER)
+                break
+            except (http.client.HTTPException, OSError) as exc:
+                self._drop()
+                if attempt:
+                    raise SidecarError(f"GET {url}: {exc!r}") from exc
+        else:  # pragma: no cover - the loop breaks or raises
+            raise AssertionError("unreachable")
+        if not expected:
+            raise ArtifactRejected(f"{key}: no {CHECKSUM_HEADER} header")
+        if xxhash.xxh3_128_hexdigest(out) != expected.strip().lower():
+            raise ArtifactRejected(f"{key}: bytes do not match their checksum")
+
+    def put(self, key: str, data: bytes | memoryview, block_artifacts: int | None = None) -> None:
+        """Store one artifact (bytes, or a view into staging memory, sent without a copy);
+        `block_artifacts`: how many artifacts make its block whole (the sidecar publishes and
+        serves the block only once they are all stored)."""
         headers = {"content-type": "application/octet-stream"}
         if block_artifacts is not None:
             headers["x-ownerserve-block-artifacts"] = str(block_artifacts)
@@ -140,5 +214,103 @@ class SidecarClient:
         if status not in (200, 201, 204):
             raise SidecarError(f"PUT {key} answered {status}: {body[:200]!r}")
 
+    def get_many(
+        self, keys: Sequence[str], sizes: Sequence[int] | None = None
+    ) -> list[bytes | ArtifactRejected]:
+        """Each of `keys`' bytes, verified against its own checksum, in batch calls (`sizes`,
+        when known, bound each call's bytes); an `ArtifactRejected` in place of each one
+        missing or corrupted. Raises `SidecarError` when a call fails as a whole."""
+        if not self._batch:
+            return [self._get_or_rejected(k) for k in keys]
+        ranges = _batches(sizes) if sizes is not None else [range(len(keys))]
+        out: list[bytes | ArtifactRejected] = []
+        for r in ranges:
+            part = [keys[i] for i in r]
+            body = json.dumps({"keys": part}).encode()
+            status, _, data = self._request(
+                "POST", BATCH_GET_PATH, body, {"content-type": "application/json"}
+            )
+            if status == 404:
+                self._batch = False
+                return out + [self._get_or_rejected(k) for k in keys[len(out) :]]
+            if status != 200:
+                raise SidecarError(f"batch get answered {status}: {data[:200]!r}")
+            try:
+                entries, payloads = decode_batch(data)
+            except BatchFormatError as exc:
+                raise SidecarError(f"batch get: {exc}") from exc
+            if [e["key"] for e in entries] != part:
+                raise SidecarError("batch get answered other keys than asked")
+            for entry, payload in zip(entries, payloads, strict=True):
+                out.append(_verified(entry, payload))
+        return out
+
+    def _get_or_rejected(self, key: str) -> bytes | ArtifactRejected:
+        try:
+            return self.get(key)
+        except ArtifactRejected as exc:
+            return exc
+
+    def put_many(
+        self,
+        items: Sequence[tuple[str, bytes | memoryview]],
+        block_artifacts: int | None = None,
+    ) -> None:
+        """`put` of every (key, bytes) in batch calls, each with its checksum (the sidecar
+        stores each artifact that matches its own). Raises `SidecarError` naming the first
+        artifact refused, or when a call fails."""
+        if not self._batch:
+            for key, data in items:
+                self.put(key, data, block_artifacts)
+            return
+        for r in _batches([len(data) for _, data in items]):
+            entries: list[dict[str, object]] = []
+            for i in r:
+                key, data = items[i]
+                entry: dict[str, object] = {
+                    "key": key,
+                    "size": len(data),
+                    "checksum": xxhash.xxh3_128_hexdigest(data),
+                }
+                if block_artifacts is not None:
+                    entry["block_artifacts"] = block_artifacts
+                entries.append(entry)
+            body = encode_batch(entries, [items[i][1] for i in r])
+            status, _, data = self._request(
+                "POST", BATCH_PUT_PATH, body, {"content-type": MEDIA_TYPE}
+            )
+            if status == 404:
+                self._batch = False
+                for i in range(r.start, len(items)):
+                    self.put(items[i][0], items[i][1], block_artifacts)
+                return
+            if status != 200:
+                raise SidecarError(f"batch put answered {status}: {data[:200]!r}")
+            try:
+                stored = json.loads(data)["stored"]
+                refused = [s for s in stored if "error" in s]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise SidecarError(
+                    f"batch put answer is not {{'stored': [...]}}: {data[:200]!r}"
+                ) from exc
+            if refused:
+                raise SidecarError(
+                    f"batch put refused {len(refused)} artifacts, first {refused[0].get('key')!r}: "
+                    f"{refused[0].get('error')}"
+                )
+
     def close(self) -> None:
         self._drop()
+
+
+def _verified(entry: dict[str, object], payload: memoryview | None) -> bytes | ArtifactRejected:
+    """A batch GET entry's bytes, or why they are refused."""
+    key = entry["key"]
+    if payload is None:
+        return ArtifactRejected(f"{key}: not stored")
+    expected = entry.get("checksum")
+    if not isinstance(expected, str) or not expected:
+        return ArtifactRejected(f"{key}: no checksum")
+    if xxhash.xxh3_128_hexdigest(payload) != expected.strip().lower():
+        return ArtifactRejected(f"{key}: bytes do not match their checksum")
+    return bytes(payload)

@@ -55,9 +55,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ownerserve.hashing import ChainHasher
 from ownerserve.kvstate.heads import heads_for_rank, store_heads_for_rank
 from workers.vllm_connector.client import ArtifactRejected, SidecarClient, SidecarError
+from workers.vllm_connector.gpu import CudaPagedKV
 from workers.vllm_connector.payload import (
     CpuAttnKV,
+    Gathered,
     PageOrder,
+    WorkerKV,
     calibrate_page_order,
     payload_of,
     scatter_payloads,
@@ -198,14 +201,14 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_loads: list[BlockTransfer] = []
         self._inflight_loads: dict[str, BlockTransfer] = {}
         # worker side
-        self._kv: CpuAttnKV | None = None
+        self._kv: WorkerKV | None = None
         self._local_heads: tuple[int, ...] = ()
         self._store_heads: tuple[int, ...] = ()
         self._lock = threading.Lock()
         self._done_loads: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._load_queue: queue.Queue[BlockTransfer | None] = queue.Queue()
-        self._save_queue: queue.Queue[tuple[BlockTransfer, torch.Tensor] | None] = queue.Queue(
+        self._save_queue: queue.Queue[tuple[BlockTransfer, Gathered] | None] = queue.Queue(
             SAVE_QUEUE_DEPTH
         )
         self._threads: list[threading.Thread] = []
@@ -229,21 +232,36 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = [kv_caches[name] for name in _layer_order(list(kv_caches))]
-        if self._mla or any(t.device.type != "cpu" for t in layers):
-            raise NotImplementedError(
-                "OwnerServeConnector knows vLLM's CPU attention layout only (no MLA, no GPU)"
-            )
-        order = self._page_order(layers[0])
-        self._kv = CpuAttnKV(layers, order)
         from vllm.distributed.parallel_state import (
+            get_pp_group,
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
         )
 
+        if get_pp_group().world_size > 1:
+            # Each stage holds only its layers: its keys need pp_rank and its layer range
+            # (`plan.block_keys(..., pp_rank=, layers=)`), and lookups every stage's keys;
+            # the load/save loops and the lookup do not pass them yet.
+            raise NotImplementedError("OwnerServeConnector: pipeline parallelism (PP > 1)")
+        cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
+        if cache_dtype != "auto":
+            raise NotImplementedError(f"OwnerServeConnector: kv_cache_dtype {cache_dtype}")
+        kv: WorkerKV
+        if layers[0].device.type == "cuda":
+            kv = CudaPagedKV(layers, mla=self._mla)
+            how = f"CUDA {'MLA' if self._mla else 'K/V'} layer-first, pinned staging"
+        elif self._mla:
+            raise NotImplementedError("OwnerServeConnector: MLA on vLLM's CPU backend")
+        else:
+            order = self._page_order(layers[0])
+            kv = CpuAttnKV(layers, order)
+            how = "CPU attention, K page order " + (
+                "token-major" if order.is_token_major else "converted from the ISA's"
+            )
+        self._kv = kv
         tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
         self._local_heads = heads_for_rank(self._total_heads, tp, rank)
         self._store_heads = store_heads_for_rank(self._total_heads, tp, rank)
-        kv = self._kv
         if kv.num_kv_heads != len(self._local_heads):
             raise ValueError(
                 f"KV cache holds {kv.num_kv_heads} heads, TP rank {rank}/{tp} expects "
@@ -251,14 +269,14 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
             )
         logger.info(
             "OwnerServeConnector: %d layers, %d-token blocks of %d-dim heads %s (stores %s), "
-            "%s, K page order %s",
+            "%s, %s",
             kv.num_layers,
             kv.block_size,
             kv.head_size,
             list(self._local_heads),
             list(self._store_heads),
             kv.dtype,
-            "token-major" if order.is_token_major else "converted from the ISA's",
+            how,
         )
         self._threads = [
             threading.Thread(target=self._load_loop, name="ownerserve-kv-load", daemon=True),
@@ -368,18 +386,31 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
         payloads: list[list[bytes]] = []
         refused: str | None = None
         size = self._kv.payload_nbytes
-        for chunk_hash in transfer.chunk_hashes:
-            try:
-                row = []
-                for key in block_keys(self.settings.model, chunk_hash, self._local_heads):
-                    data = self._client.get(key)
-                    if len(data) != size:
-                        raise ArtifactRejected(f"{key}: {len(data)} bytes, expected {size}")
-                    row.append(data)
-            except SidecarError as exc:
-                refused = str(exc)
+        rows = [
+            block_keys(self.settings.model, chunk_hash, self._local_heads)
+            for chunk_hash in transfer.chunk_hashes
+        ]
+        keys = [key for row in rows for key in row]
+        try:
+            # the whole request's artifacts in one call (a few for a very long prompt)
+            got = iter(self._client.get_many(keys, [size] * len(keys)))
+        except SidecarError as exc:
+            refused, rows = str(exc), []
+        for row in rows:
+            datas = []
+            for key in row:
+                data = next(got)
+                if isinstance(data, ArtifactRejected):
+                    refused = str(data)
+                elif len(data) != size:
+                    refused = f"{key}: {len(data)} bytes, expected {size}"
+                if refused is not None:
+                    break
+                assert isinstance(data, bytes)
+                datas.append(data)
+            if refused is not None:
                 break
-            payloads.append(row)
+            payloads.append(datas)
         good = len(payloads)
         if good:
             scatter_payloads(payloads, self._kv, transfer.block_ids[:good])
@@ -405,13 +436,15 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
     def _save_loop(self) -> None:
         while (item := self._save_queue.get()) is not None:
             transfer, buffers = item
+            items = []
+            for i, chunk_hash in enumerate(transfer.chunk_hashes):
+                keys = block_keys(self.settings.model, chunk_hash, self._store_heads)
+                for head, key in zip(self._store_heads, keys, strict=True):
+                    items.append((key, payload_of(buffers, self._local_heads.index(head), i)))
             try:
-                for i, chunk_hash in enumerate(transfer.chunk_hashes):
-                    keys = block_keys(self.settings.model, chunk_hash, self._store_heads)
-                    for head, key in zip(self._store_heads, keys, strict=True):
-                        local = self._local_heads.index(head)
-                        # every rank's heads together make the block whole
-                        self._client.put(key, payload_of(buffers, local, i), self._total_heads)
+                # the step's blocks of the request in one call; every rank's heads together
+                # make a block whole
+                self._client.put_many(items, self._total_heads)
             except SidecarError as exc:
                 self._warn.warning("save", "OwnerServeConnector: save failed: %s", exc)
 

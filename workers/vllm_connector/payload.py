@@ -18,12 +18,16 @@ writing probe tokens through the engine's own cache-write op.
 staging layout of `kernels.layouts`, `[num_layers, 2 (K, V), block_size, head_size]` token-major,
 contiguous, raw little-endian elements of the cache dtype — the same bytes whatever TP size or CPU
 ISA wrote them. The size is checked on unpack; integrity is the sidecar's XXH3-128 checksum.
+
+`WorkerKV` is what the connector's worker side uses of a cache: `CpuAttnKV` here, `CudaPagedKV`
+(`gpu.py`, vLLM's CUDA layouts) there; `payload_of` and `scatter_payloads` serve both.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -31,6 +35,51 @@ from kernels import LayoutError, PagedKV, merge_heads, split_heads
 
 # Probe values must be exact in the cache dtype: bf16 holds integers up to 256 exactly.
 _MAX_PROBE = 256
+
+# One artifact's bytes: a copy (CPU path, sidecar GETs) or a view into pinned staging (CUDA saves).
+Payload = bytes | memoryview
+
+
+class StagedBlocks(Protocol):
+    """A save's blocks copied out of the cache, on their way to (or in) host memory."""
+
+    def payload(self, local_head: int, index: int) -> Payload:
+        """The artifact of local head `local_head`, block `index` (waits for the copy)."""
+        ...
+
+
+# What `WorkerKV.gather` returns: CPU per-head buffers, or staged blocks of a device cache.
+Gathered = torch.Tensor | StagedBlocks
+
+
+class WorkerKV(Protocol):
+    """One rank's KV cache as the connector's worker side uses it."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def head_size(self) -> int: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes of one (head, block) artifact."""
+        ...
+
+    def gather(self, block_ids: Sequence[int]) -> Gathered:
+        """Copy blocks out (at the end of a step; the engine may reuse them right after)."""
+        ...
+
+    def scatter_payloads(
+        self, payloads: Sequence[Sequence[Payload]], block_ids: Sequence[int]
+    ) -> None:
+        """Write `payloads[i][j]` (block `block_ids[i]`, local head `j`) into the cache; raises
+        `LayoutError`, writing nothing, if any payload has the wrong size."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,32 +228,41 @@ class CpuAttnKV:
         raw = halves.reshape(h, n, self.num_layers, 1, 1, 2 * half).contiguous()
         merge_heads(raw.to(self.pages.device), self.pages, list(block_ids))
 
+    def scatter_payloads(
+        self, payloads: Sequence[Sequence[Payload]], block_ids: Sequence[int]
+    ) -> None:
+        """See `scatter_payloads`."""
+        n = len(block_ids)
+        if len(payloads) != n:
+            raise LayoutError(f"{len(payloads)} payload rows for {n} blocks")
+        expected = self.payload_nbytes
+        h = self.num_kv_heads
+        buf = torch.empty(
+            (h, n, self.num_layers, 2, self.block_size, self.head_size), dtype=self.dtype
+        )
+        flat = buf.view(h, n, -1).view(torch.uint8)
+        for i, row in enumerate(payloads):
+            if len(row) != h:
+                raise LayoutError(f"block {i}: {len(row)} head payloads for {h} heads")
+            for j, data in enumerate(row):
+                if len(data) != expected:
+                    raise LayoutError(f"payload of {len(data)} bytes, expected {expected}")
+                flat[j, i] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.scatter(buf, block_ids)
 
-def payload_of(buffers: torch.Tensor, local_head: int, index: int) -> bytes:
-    """The artifact bytes of local head `local_head`, block `index` of `buffers`."""
+
+def payload_of(buffers: Gathered, local_head: int, index: int) -> Payload:
+    """The artifact bytes of local head `local_head`, block `index` of what `gather` returned."""
+    if not isinstance(buffers, torch.Tensor):
+        return buffers.payload(local_head, index)
     unit = buffers[local_head, index].contiguous()
     return unit.view(torch.uint8).numpy().tobytes()
 
 
 def scatter_payloads(
-    payloads: Sequence[Sequence[bytes]], kv: CpuAttnKV, block_ids: Sequence[int]
+    payloads: Sequence[Sequence[Payload]], kv: WorkerKV, block_ids: Sequence[int]
 ) -> None:
     """Write blocks into the cache (staging scatter): `payloads[i][j]` is the artifact of block
     `block_ids[i]` for local head `j`. Raises `LayoutError`, writing nothing, if any payload has
     the wrong size."""
-    n = len(block_ids)
-    if len(payloads) != n:
-        raise LayoutError(f"{len(payloads)} payload rows for {n} blocks")
-    expected = kv.payload_nbytes
-    buf = torch.empty(
-        (kv.num_kv_heads, n, kv.num_layers, 2, kv.block_size, kv.head_size), dtype=kv.dtype
-    )
-    flat = buf.view(kv.num_kv_heads, n, -1).view(torch.uint8)
-    for i, row in enumerate(payloads):
-        if len(row) != kv.num_kv_heads:
-            raise LayoutError(f"block {i}: {len(row)} head payloads for {kv.num_kv_heads} heads")
-        for j, data in enumerate(row):
-            if len(data) != expected:
-                raise LayoutError(f"payload of {len(data)} bytes, expected {expected}")
-            flat[j, i] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    kv.scatter(buf, block_ids)
+    kv.scatter_payloads(payloads, block_ids)

@@ -102,9 +102,20 @@ def chunk_hashes(token_ids: Sequence[int], block_size: int, root: int) -> list[i
     return block_hash_chain(token_ids, block_size, root)
 
 
-def block_keys(model: str, chunk_hash: int, heads: Sequence[int]) -> list[str]:
-    """Artifact keys of one block: one per KV head, all layers in each."""
-    return [HeadArtifactKey(model, h, chunk_hash).to_string() for h in heads]
+def block_keys(
+    model: str,
+    chunk_hash: int,
+    heads: Sequence[int],
+    *,
+    pp_rank: int = 0,
+    layers: tuple[int, int] | None = None,
+) -> list[str]:
+    """Artifact keys of one block: one per KV head, all layers in each (a pipeline stage's:
+    its `pp_rank` and model layer range `[a, b)`; unset for PP=1)."""
+    return [
+        HeadArtifactKey(model, h, chunk_hash, pp_rank=pp_rank, layers=layers).to_string()
+        for h in heads
+    ]
 
 
 def lookup_keys(model: str, hashes: Sequence[int], heads: Sequence[int]) -> list[str]:

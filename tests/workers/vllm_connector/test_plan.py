@@ -81,6 +81,19 @@ def test_block_keys_are_per_head_artifact_keys_of_the_chunk() -> None:
     )
 
 
+def test_a_pipeline_stage_keys_its_layer_range_and_pp1_keys_are_unchanged() -> None:
+    whole = block_keys("m", 0xABC, [0, 1])
+    assert block_keys("m", 0xABC, [0, 1], pp_rank=0, layers=None) == whole
+    stage = block_keys("m", 0xABC, [0, 1], pp_rank=1, layers=(16, 32))
+    assert stage[1] == "m@pcp0@dcp0@head:1@pp_rank:1@0000000000000abc@layers:16-32"
+    # two stages of one rank index split differently never share a key
+    assert block_keys("m", 0xABC, [0], pp_rank=1, layers=(11, 22)) != block_keys(
+        "m", 0xABC, [0], pp_rank=1, layers=(10, 21)
+    )
+    with pytest.raises(ValueError):
+        block_keys("m", 0xABC, [0], layers=(4, 4))
+
+
 def test_a_block_counts_only_when_every_head_is_present_and_the_prefix_ends_at_a_gap() -> None:
     assert present_blocks([True] * 8, 4) == 2
     assert present_blocks([True, True, True, False, True, True, True, True], 4) == 0

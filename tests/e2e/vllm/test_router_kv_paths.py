@@ -1,0 +1,489 @@
+"""Issue 25: the KV paths of real vLLM workers through the router. The router (the `ownerserve`
+policy, each worker `kind: vllm` with its own `sidecar_url`) plans and executes them; vLLM
+loads through the OwnerServe connector from its sidecar:
+
+- artifact fetch: a prefix owned by A, asked for by a new session while A is busy, is pulled
+  by B's sidecar from A's (`POST /ownerserve/kv/fetch`) and loaded by B's vLLM;
+- state migration: a session resident on A moves to B, the same way, once A drains (a draining
+  worker takes no request but still serves its KV);
+- cold resume: a session whose KV vLLM evicted from A's cache comes back from A's sidecar;
+- a corrupted artifact: the fetch fails and the turn runs colocated (the plan header says so),
+  a resume's load is refused by the connector (vLLM's recompute path); the tokens stay those of
+  a local compute.
+
+Every answer is compared with the same prompt computed whole on one worker (a vLLM cache salt
+misses both its prefix cache and, through the chain root, every artifact). Which worker a turn
+lands on is steered only through the router's admin API (drain / undrain) and through load:
+the planner is the real one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from ownerserve.config import Settings, settings_from_dict
+from ownerserve.hashing import chain_root
+from router.backends.vllm import VllmLoad
+from tests.e2e.router_cluster import plan_fields, proxy_client
+from tests.e2e.vllm.conftest import (
+    HYBRID_KV_BLOCKS,
+    Sidecar,
+    completion_body,
+    until,
+    vllm_client,
+)
+from tests.e2e.vllm.test_router_vllm import body, complete, turn
+from tests.e2e.vllm.test_sidecar_vllm import _flip_a_byte
+from workers.vllm_connector.plan import chunk_hashes, loadable_blocks, lookup_keys
+from workers.vllm_cpu.model import CONFIG, SERVED_NAME
+from workers.vllm_cpu.server import VllmServer
+from workers.vllm_cpu.setup import VllmCpuInstall
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+MODEL = SERVED_NAME
+BLOCK = 32
+HEADS = range(CONFIG["num_key_value_heads"])  # TP=1 holds them all
+LOGPROB_TOL = 1e-3
+ADMIN_TOKEN = "kv-paths-admin"
+ADMIN = {"x-admin-token": ADMIN_TOKEN}
+PLAN_HEADER = "x-ownerserve-plan"
+# Streamed generations that keep the busy worker's decode batch full while a turn is planned
+# (vLLM's max_num_seqs is 8 here: they all run); as long as the model's context allows.
+BUSY_MAX_TOKENS = 1900
+# A request's `kv_transfer_params` that keeps the connector out of it (nothing loaded or saved).
+NO_SIDECAR = {"ownerserve": {"load": False, "save": False}}
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    """One router worker of these tests: a vLLM server with the connector and its sidecar."""
+
+    worker_id: str
+    server: VllmServer
+    sidecar: Sidecar
+
+
+def kv_router_settings(install: VllmCpuInstall, workers: Sequence[Worker]) -> Settings:
+    """The router in front of `workers` (`kind: vllm`, their sidecars as KV API), the real
+    `ownerserve` policy, and the admin API on."""
+    return settings_from_dict(
+        {
+            "server": {
+                "port": 0,
+                "health_interval_s": 0.5,
+                "connect_timeout_s": 5.0,
+                "admin_token": ADMIN_TOKEN,
+            },
+            "planner": {"policy": "ownerserve"},
+            "models": [
+                {
+                    "name": MODEL,
+                    "tokenizer": str(Path(install.model) / "tokenizer.json"),
+                    "block_size": BLOCK,
+                    "max_model_len": 2048,
+                }
+            ],
+            "workers": [
+                {
+                    "id": w.worker_id,
+                    "url": w.server.url,
+                    "kind": "vllm",
+                    "models": [MODEL],
+                    "sidecar_url": w.sidecar.url,
+                    "kv_events_endpoint": w.server.spec.kv_events_endpoint,
+                    "kv_events_replay_endpoint": w.server.spec.kv_events_replay_endpoint,
+                }
+                for w in workers
+            ],
+        }
+    )
+
+
+@contextlib.asynccontextmanager
+async def kv_router(
+    install: VllmCpuInstall, workers: Sequence[Worker]
+) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    """`proxy_client` of `kv_router_settings`, once every worker is healthy in its pool."""
+    async with proxy_client(kv_router_settings(install, workers)) as (client, router):
+        client.timeout = httpx.Timeout(300.0)
+
+        async def healthy() -> bool:
+            return all(router.pool.get(w.worker_id).healthy for w in workers)
+
+        await until(healthy, 30.0)
+        yield client, router
+
+
+async def drain(client: httpx.AsyncClient, worker_id: str, draining: bool = True) -> None:
+    verb = "drain" if draining else "undrain"
+    r = await client.post(f"/admin/workers/{worker_id}/{verb}", headers=ADMIN)
+    assert r.status_code == 200, r.text
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A chat prompt as the router and the connector see it."""
+
+    messages: list[dict[str, Any]]
+    token_ids: list[int]
+    hashes: list[int]
+    """The router's chain: the connector's chunk hashes of the same token ids (checked)."""
+
+    @property
+    def loadable(self) -> int:
+        """Blocks the connector may load (never the prompt's last token)."""
+        return loadable_blocks(len(self.token_ids), BLOCK)
+
+    @property
+    def keys(self) -> list[str]:
+        """Every artifact of the loadable blocks, block by block, head by head."""
+        return lookup_keys(MODEL, self.hashes[: self.loadable], HEADS)
+
+    def key(self, block: int, head: int) -> str:
+        return self.keys[block * len(HEADS) + head]
+
+
+def prompt_of(router: Any, messages: list[dict[str, Any]]) -> Prompt:
+    tok = router.tokenizers.get(MODEL).tokenize_chat(None, messages)
+    ids = [int(t) for t in tok.token_ids]
+    hashes = list(chunk_hashes(ids, BLOCK, chain_root(MODEL)))
+    # block identity is one contract: what the router fetches is what the connector saved
+    assert hashes == [int(h) for h in tok.chain]
+    return Prompt(messages, ids, hashes)
+
+
+async def present(http: httpx.AsyncClient, sidecar: Sidecar, keys: list[str]) -> list[bool]:
+    r = await http.post(sidecar.url + "/ownerserve/kv/lookup", json={"keys": keys})
+    r.raise_for_status()
+    return [bool(p) for p in r.json()["present"]]
+
+
+async def until_saved(http: httpx.AsyncClient, sidecar: Sidecar, keys: list[str]) -> None:
+    """Until `sidecar` holds every one of `keys` (the connector PUTs from its save thread)."""
+
+    async def saved() -> bool:
+        return all(await present(http, sidecar, keys))
+
+    await until(saved)
+
+
+def sources(before: VllmLoad, after: VllmLoad) -> dict[str, float]:
+    """Prompt tokens by source (vLLM's `prompt_tokens_by_source`) between two scrapes."""
+    keys = ("local_compute", "local_cache_hit", "external_kv_transfer")
+    return {
+        k: after.prompt_tokens_by_source.get(k, 0.0) - before.prompt_tokens_by_source.get(k, 0.0)
+        for k in keys
+    }
+
+
+async def chat(
+    client: httpx.AsyncClient, messages: list[dict[str, Any]], session: str
+) -> tuple[dict[str, str], list[str], list[float]]:
+    """One greedy 8-token chat turn through the router: (plan, tokens, logprobs)."""
+    return await complete(client, body(messages, False), {"x-session-id": session})
+
+
+async def computed_whole(
+    server: VllmServer, messages: list[dict[str, Any]], salt: str
+) -> tuple[list[str], list[float]]:
+    """The same turn computed whole on `server` directly: a cache salt of its own misses its
+    prefix cache and every artifact."""
+    direct = vllm_client("reference", server.url)
+    try:
+        answer = await direct.post(
+            "/v1/chat/completions", {**body(messages, False), "cache_salt": salt}
+        )
+    finally:
+        await direct.aclose()
+    content = answer["choices"][0]["logprobs"]["content"]
+    return [c["token"] for c in content], [float(c["logprob"]) for c in content]
+
+
+def assert_same_answer(
+    got: tuple[list[str], list[float]], reference: tuple[list[str], list[float]]
+) -> None:
+    assert len(got[0]) == 8
+    assert got[0] == reference[0]
+    assert max(abs(x - y) for x, y in zip(got[1], reference[1], strict=True)) <= LOGPROB_TOL
+
+
+@contextlib.asynccontextmanager
+async def busy(
+    client: httpx.AsyncClient, router: Any, worker: str, n: int, tag: str
+) -> AsyncIterator[None]:
+    """`n` long streamed generations through the router, all planned onto `worker` (the caller
+    leaves no other worker routable), opened at once and running until exit (closing a stream
+    aborts it). The tiny model decodes fast: they run for seconds, so the caller plans its
+    turn right away."""
+
+    async def one(i: int) -> httpx.Response:
+        req = body(turn(f"{tag} {i}", 2), True, max_tokens=BUSY_MAX_TOKENS)
+        req["kv_transfer_params"] = NO_SIDECAR  # their KV is of no interest
+        headers = {"x-session-id": f"{tag}-{i}"}
+        request = client.build_request("POST", "/v1/chat/completions", json=req, headers=headers)
+        return await client.send(request, stream=True)
+
+    opened = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
+    streams = [r for r in opened if isinstance(r, httpx.Response)]
+    try:
+        for r in opened:
+            assert isinstance(r, httpx.Response), r
+            assert r.status_code == 200, (await r.aread()).decode()
+            assert plan_fields(r.headers[PLAN_HEADER])["d"] == worker
+        assert router.pool.get(worker).inflight >= n
+        yield
+    finally:
+        for r in streams:
+            await r.aclose()
+
+
+async def evict(server: VllmServer, tag: str) -> None:
+    """Push everything out of `server`'s small KV cache (`HYBRID_KV_BLOCKS`): twice its size in
+    fresh prompts, neither loaded from nor saved to its sidecar."""
+    direct = vllm_client("evict", server.url)
+    no_kv = {"kv_transfer_params": NO_SIDECAR}
+    try:
+        pushed, i = 0, 0
+        while pushed < 2 * HYBRID_KV_BLOCKS * BLOCK:
+            text = " ".join(f"{tag} filler {i} line {j} of the evicting log" for j in range(50))
+            answer = await direct.post(
+                "/v1/completions", completion_body(text, max_tokens=1, logprobs=None, **no_kv)
+            )
+            pushed += int(answer["usage"]["prompt_tokens"])
+            i += 1
+    finally:
+        await direct.aclose()
+
+
+# --- artifact fetch -----------------------------------------------------------------------------
+
+
+async def test_a_prefix_owned_by_busy_a_is_fetched_onto_b_and_only_its_tail_is_computed(
+    sidecar_a: Sidecar,
+    sidecar_b: Sidecar,
+    vllm_install: VllmCpuInstall,
+    vllm_hybrid: VllmServer,
+    vllm_hybrid_b: VllmServer,
+) -> None:
+    a, b = Worker("a", vllm_hybrid, sidecar_a), Worker("b", vllm_hybrid_b, sidecar_b)
+    b_direct = vllm_client("b", vllm_hybrid_b.url)
+    async with kv_router(vllm_install, [a, b]) as (client, router), httpx.AsyncClient() as http:
+        try:
+            prompt = prompt_of(router, turn("fetched prefix", 55))
+            assert prompt.loadable >= 20
+            # the first session computes the prefix on A: the directory records A as its owner
+            await drain(client, "b")
+            plan, _, _ = await chat(client, prompt.messages, "fetch-first")
+            assert plan["d"] == "a", plan
+            await until_saved(http, sidecar_a, prompt.keys)
+            assert not any(await present(http, sidecar_b, prompt.keys))
+
+            # A's decode batch is full when a second session with the same prefix comes
+            async with busy(client, router, "a", 4, "fetch-busy"):
+                await drain(client, "b", False)
+                before = await b_direct.load()
+                plan, tokens, lps = await chat(client, prompt.messages, "fetch-second")
+                used = sources(before, await b_direct.load())
+            assert (plan["action"], plan["src"], plan["d"]) == ("artifact_fetch", "a", "b"), plan
+            assert plan["fetched"] == "1" and "fallback" not in plan, plan
+            assert plan["fetched_blocks"] == f"{prompt.loadable}/{prompt.loadable}", plan
+            assert all(await present(http, sidecar_b, prompt.keys))
+            fetched = prompt.loadable * BLOCK
+            assert used["external_kv_transfer"] == fetched
+            assert used["local_cache_hit"] == 0
+            # only the tail is computed: the partial last block (or the whole last block when
+            # the prompt ends on a boundary: its last token is always computed)
+            assert used["local_compute"] == len(prompt.token_ids) - fetched <= BLOCK
+            print(f"\nfetch: {len(prompt.token_ids)} prompt tokens, {used}")
+
+            assert_same_answer(
+                (tokens, lps), await computed_whole(vllm_hybrid_b, prompt.messages, "fetch")
+            )
+        finally:
+            await b_direct.aclose()
+
+
+# --- state migration ----------------------------------------------------------------------------
+
+
+async def test_a_session_resident_on_draining_a_migrates_to_b_which_computes_only_the_new_turn(
+    sidecar_a: Sidecar,
+    sidecar_b: Sidecar,
+    vllm_install: VllmCpuInstall,
+    vllm_hybrid: VllmServer,
+    vllm_hybrid_b: VllmServer,
+) -> None:
+    a, b = Worker("a", vllm_hybrid, sidecar_a), Worker("b", vllm_hybrid_b, sidecar_b)
+    b_direct = vllm_client("b", vllm_hybrid_b.url)
+    async with kv_router(vllm_install, [a, b]) as (client, router), httpx.AsyncClient() as http:
+        try:
+            first = turn("migrated session", 50)
+            await drain(client, "b")
+            plan, answer, _ = await chat(client, first, "migrate")
+            assert plan["d"] == "a", plan
+            resident = prompt_of(router, first)
+            await until_saved(http, sidecar_a, resident.keys)
+
+            # A drains: it takes no request, but its KV (its sidecar) still serves its sessions
+            await drain(client, "b", False)
+            await drain(client, "a")
+            second = [
+                *first,
+                {"role": "assistant", "content": "".join(answer)},
+                {"role": "user", "content": "Now run the tests and report the failures."},
+            ]
+            prompt = prompt_of(router, second)
+            before = await b_direct.load()
+            plan, tokens, lps = await chat(client, second, "migrate")
+            used = sources(before, await b_direct.load())
+            assert (plan["action"], plan["src"], plan["d"]) == ("state_migration", "a", "b"), plan
+            assert plan["fetched"] == "1" and "fallback" not in plan, plan
+            got, planned = (int(x) for x in plan["fetched_blocks"].split("/"))
+            assert got == planned >= resident.loadable
+            # the first turn's prompt blocks moved; B computed the new turn (and the partial
+            # block before it)
+            assert used["external_kv_transfer"] >= resident.loadable * BLOCK
+            assert used["local_cache_hit"] == 0
+            assert used["local_compute"] == len(prompt.token_ids) - used["external_kv_transfer"]
+            assert used["local_compute"] < len(prompt.token_ids) - len(resident.token_ids) + BLOCK
+            blocks = plan["fetched_blocks"]
+            print(f"\nmigration: {len(prompt.token_ids)} prompt tokens, {blocks} blocks, {used}")
+
+            reference = await computed_whole(vllm_hybrid_b, second, "migrate")
+            assert_same_answer((tokens, lps), reference)
+        finally:
+            await b_direct.aclose()
+
+
+# --- cold resume from the sidecar ---------------------------------------------------------------
+
+
+async def _resume_after_eviction(
+    client: httpx.AsyncClient,
+    router: Any,
+    http: httpx.AsyncClient,
+    server: VllmServer,
+    sidecar: Sidecar,
+    tag: str,
+    corrupt_block: int | None = None,
+) -> tuple[Prompt, Prompt, dict[str, float], tuple[list[str], list[float]], str | None]:
+    """A session's first turn on worker "a", its KV evicted from vLLM's cache, then its next
+    turn: (first prompt, second prompt, the second's prompt tokens by source, its answer, the
+    corrupted key if `corrupt_block`)."""
+    first = turn(tag, 50)
+    plan, answer, _ = await chat(client, first, tag)
+    assert plan["d"] == "a", plan
+    resident = prompt_of(router, first)
+    await until_saved(http, sidecar, resident.keys)
+    await evict(server, tag)
+    bad_key = None
+    if corrupt_block is not None:
+        bad_key = resident.key(corrupt_block, 1)
+        _flip_a_byte(sidecar.artifact_file(bad_key))
+
+    second = [
+        *first,
+        {"role": "assistant", "content": "".join(answer)},
+        {"role": "user", "content": "The tool finished; go on."},
+    ]
+    direct = vllm_client("a", server.url)
+    try:
+        before = await direct.load()
+        plan, tokens, lps = await chat(client, second, tag)
+        used = sources(before, await direct.load())
+    finally:
+        await direct.aclose()
+    assert plan["d"] == "a", plan
+    return resident, prompt_of(router, second), used, (tokens, lps), bad_key
+
+
+async def test_a_session_evicted_from_vllm_resumes_from_its_sidecar_with_the_same_tokens(
+    sidecar_a: Sidecar, vllm_install: VllmCpuInstall, vllm_hybrid: VllmServer
+) -> None:
+    a = Worker("a", vllm_hybrid, sidecar_a)
+    async with kv_router(vllm_install, [a]) as (client, router), httpx.AsyncClient() as http:
+        resident, prompt, used, answer, _ = await _resume_after_eviction(
+            client, router, http, vllm_hybrid, sidecar_a, "cold resume"
+        )
+        # nothing left in vLLM's cache: the first turn's blocks came back from the sidecar
+        assert used["local_cache_hit"] == 0
+        assert used["external_kv_transfer"] >= resident.loadable * BLOCK
+        assert used["local_compute"] == len(prompt.token_ids) - used["external_kv_transfer"]
+        print(f"\ncold resume: {len(prompt.token_ids)} prompt tokens, {used}")
+        assert_same_answer(answer, await computed_whole(vllm_hybrid, prompt.messages, "resume"))
+
+
+# --- a corrupted artifact -------------------------------------------------------------------------
+
+
+async def test_a_resume_whose_artifact_is_corrupted_recomputes_from_it_with_the_same_tokens(
+    sidecar_a: Sidecar, vllm_install: VllmCpuInstall, vllm_hybrid: VllmServer
+) -> None:
+    a = Worker("a", vllm_hybrid, sidecar_a)
+    async with kv_router(vllm_install, [a]) as (client, router), httpx.AsyncClient() as http:
+        bad_block = 5
+        resident, prompt, used, answer, bad_key = await _resume_after_eviction(
+            client, router, http, vllm_hybrid, sidecar_a, "corrupt resume", bad_block
+        )
+        # vLLM counts what the connector offered at scheduling; the load stopped at the refused
+        # artifact and vLLM recomputed from there (kv_load_failure_policy: recompute)
+        log = vllm_hybrid.log_path.read_text(errors="replace")
+        assert f"rejected artifact ({bad_key}" in log
+        assert f"loaded {bad_block}/" in log
+        assert used["local_cache_hit"] == 0
+        print(f"\ncorrupted resume: {len(prompt.token_ids)} prompt tokens, {used}")
+        assert_same_answer(answer, await computed_whole(vllm_hybrid, prompt.messages, "corrupt"))
+        # the refused block was recomputed and saved again, whole
+        await until_saved(http, sidecar_a, resident.keys)
+
+
+async def test_a_fetch_of_a_corrupted_artifact_falls_back_to_recompute_and_says_so(
+    sidecar_a: Sidecar,
+    sidecar_b: Sidecar,
+    vllm_install: VllmCpuInstall,
+    vllm_hybrid: VllmServer,
+    vllm_hybrid_b: VllmServer,
+) -> None:
+    a, b = Worker("a", vllm_hybrid, sidecar_a), Worker("b", vllm_hybrid_b, sidecar_b)
+    b_direct = vllm_client("b", vllm_hybrid_b.url)
+    async with kv_router(vllm_install, [a, b]) as (client, router), httpx.AsyncClient() as http:
+        try:
+            prompt = prompt_of(router, turn("corrupted source", 55))
+            await drain(client, "b")
+            plan, _, _ = await chat(client, prompt.messages, "corrupt-first")
+            assert plan["d"] == "a", plan
+            await until_saved(http, sidecar_a, prompt.keys)
+            bad_block = 7
+            _flip_a_byte(sidecar_a.artifact_file(prompt.key(bad_block, 2)))
+
+            # A drains: a new session with its prefix fetches it from A's sidecar
+            await drain(client, "b", False)
+            await drain(client, "a")
+            before = await b_direct.load()
+            plan, tokens, lps = await chat(client, prompt.messages, "corrupt-second")
+            used = sources(before, await b_direct.load())
+            assert (plan["action"], plan["src"], plan["d"]) == ("artifact_fetch", "a", "b"), plan
+            # the fetch failed (B's sidecar refused the artifact, 502): B computed the prompt
+            assert plan["fetched"] == "0", plan
+            assert (plan["ran"], plan["ran_workers"]) == ("colocated_prefill", "b>b"), plan
+            assert (plan["fallback"], plan["reason"]) == ("colocated", "kv_transfer_failed"), plan
+            # whole blocks before the refused one stayed on B's sidecar and were loaded
+            assert used["external_kv_transfer"] <= bad_block * BLOCK
+            assert used["local_compute"] == len(prompt.token_ids) - used["external_kv_transfer"]
+            print(f"\ncorrupted fetch: {len(prompt.token_ids)} prompt tokens, {used}, {plan}")
+            assert_same_answer(
+                (tokens, lps), await computed_whole(vllm_hybrid_b, prompt.messages, "corrupt-fetch")
+            )
+            # what B computed its connector saved: B now holds the prefix whole, good copies
+            await until_saved(http, sidecar_b, prompt.keys)
+        finally:
+            await b_direct.aclose()
