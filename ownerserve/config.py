@@ -169,6 +169,22 @@ class AdmissionSettings(_Strict):
         return self
 
 
+class ChunkSettings(_Strict):
+    """Position-independent chunk reuse for one model (`ownerserve/chunks.py`, seed 002): the
+    router parses chunked prompts, prices where their chunks' KV is and tells the worker the
+    layout. Off unless the model has a `chunks:` section."""
+
+    separator: str | None = "##"
+    """The seed's text format `system ## chunk1 ## chunk2 ## question` (matched on token ids:
+    it must tokenize the same wherever it appears; a string no document contains, e.g. a
+    special token, is safest). None: only chat parts marked `"ownerserve_chunk": true`."""
+    marked_parts: bool = True
+    """Chat content parts (`{"type": "text", "text": ..., "ownerserve_chunk": true}`) and
+    messages (`"ownerserve_chunk": true`) are chunks."""
+    max_chunks: int = Field(default=64, gt=0)
+    """More chunks in one prompt is a 400."""
+
+
 class ModelSettings(_Strict):
     name: str
     tokenizer: str = "byte"
@@ -177,6 +193,8 @@ class ModelSettings(_Strict):
     salt: str = ""
     kv_spec: str = "llama3-8b"
     max_model_len: int = Field(default=131072, gt=0)
+    chunks: ChunkSettings | None = None
+    """Chunk reuse (`ChunkSettings`); None: off (prompts are prefix-cached only)."""
 
 
 WORKER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$"

@@ -16,7 +16,8 @@ from ownerserve.records import fast_init
 FETCH_PATH = "/ownerserve/kv/fetch"
 """Where a worker's KV API takes `POST` of a `KVFetchRequest`. Its 200 answer is a JSON object
 whose `blocks` (`fetched_blocks`) says how many of the requested blocks, from the first, the
-worker holds once the fetch is done (a source that had only part of them gives fewer)."""
+worker holds once the fetch is done (a source that had only part of them gives fewer); a failed
+fetch's error answer may say it too, next to `error` (the whole blocks it kept)."""
 
 MAX_FETCH_BLOCKS = 100_000
 """Most blocks one request may name (a bound on the work one request body can ask for)."""

@@ -6,6 +6,8 @@ sleeps, the planner's cost model and the cluster simulator, so they agree by con
     prefill_s(new, cached) = base_s + per_token_s·new + per_token_ctx_s·new·(cached + new/2)
     decode_step_s(batch, ctx) = base_s + per_seq_s·batch + per_ctx_token_s·ctx
     transfer_s(bytes, bw) = latency_s + bytes / bw
+    rerotate_s(tokens) = rerotate_per_token_s·tokens   (a reused chunk's KV copied into the
+                         request's blocks with K re-rotated to its new position, seed 002)
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ class TimingProfile:
     hbm_kv_bytes: int
     max_num_seqs: int
     max_batched_tokens: int
+    rerotate_per_token_s: float = 0.0
+    """Seconds per token to copy a cached chunk's KV into a request's blocks and re-rotate
+    its K to the new position (chunk reuse, `ownerserve/chunks.py`); 0: free."""
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
         return self.prefill.seconds(new_tokens, cached_tokens)
@@ -102,6 +107,7 @@ def profile_from_dict(data: dict[str, Any], source: str = "<profile>") -> Timing
             hbm_kv_bytes=int(float(data["hbm_kv_bytes"])),
             max_num_seqs=int(data.get("max_num_seqs", 256)),
             max_batched_tokens=int(data.get("max_batched_tokens", 8192)),
+            rerotate_per_token_s=float(data.get("rerotate_per_token_s", 0.0)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{source}: invalid profile: {exc}") from None

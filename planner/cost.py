@@ -228,10 +228,10 @@ def decode_tokens(request: RequestView, config: CostConfig) -> int:
 # What `RequestCosts.consts` holds per timing profile (a tuple: the cheapest read on the
 # search's hot path): 0-2 PrefillTiming base_s, per_token_s, per_token_ctx_s; 3-5 A, B, C of
 # decode(w) = s_d · (A + B · running + C · kv_usage); 6-8 LinkTiming latency_s,
-# intra_node_bps, inter_node_bps; 9-10 cpu_load_bps, ssd_load_bps; 11 prefill_base(·, 0), the
-# whole prompt on nothing.
+# intra_node_bps, inter_node_bps; 9-10 cpu_load_bps, ssd_load_bps; 11 rerotate_per_token_s;
+# 12 hbm_kv_bytes / kv_bytes_per_token; 13 prefill_base(·, 0), the whole prompt on nothing.
 _PF_BASE, _PF_TOK, _PF_CTX = 0, 1, 2
-_LAT, _INTRA, _INTER, _CPU_BPS, _SSD_BPS, _CAP = 6, 7, 8, 9, 10, 11
+_LAT, _INTRA, _INTER, _CPU_BPS, _SSD_BPS, _ROT, _CAP = 6, 7, 8, 9, 10, 11, 12
 
 KV_NEVER_S = 1e6
 """The KV wait of a worker whose whole pool cannot hold the request's KV: it would refuse the
@@ -315,6 +315,7 @@ class RequestCosts:
                     link.inter_node_bps,
                     link.cpu_load_bps,
                     link.ssd_load_bps,
+                    p.rerotate_per_token_s,
                     p.hbm_kv_bytes / p.kv_bytes_per_token,
                 )
                 c = self._consts[p.name] = (*c, self.prefill_base(c, 0))
@@ -339,7 +340,7 @@ class RequestCosts:
                          (ctx(w) + N)),  ctx(w) = kv_usage · cap(w), cap(w) =
                          kv_capacity_tokens, else hbm_kv_bytes / kv_bytes_per_token
             prefill    = prefill(w, r): the prompt on top of what w holds itself,
-                         r = reused(held(w))
+                         r = reused(held(w)), and of the request's chunks it holds
             stalled(w) = running(w), or 0 on a PREFILL worker (its running requests are
                          prefills): the decodes a prefill on w stalls (I_decode)
             restore    = restore(w, gpu, cpu, ssd): its held prefix into HBM
@@ -372,6 +373,7 @@ class RequestCosts:
             dec = w.decode_scale * (da + db * running + dc * usage * cap)
             stalled = running if running > 0 and w.role is not _PREFILL else 0
             cb = w.cached_blocks
+            ch = w.chunks_held
             # the room tests of kv_wait and W_disp, inline: most workers have room and pay
             # nothing more
             if cap * (1.0 - usage) - inflight < seq:
@@ -386,11 +388,14 @@ class RequestCosts:
                 if ws > 0 and cap - ws < grown:
                     disp = self.displacement(w, cb.get(_GPU, 0) if cb else 0, ws, cap, c)
                     q += disp
-            if cb:
-                g, cpu, ssd = cb.get(_GPU, 0), cb.get(_CPU, 0), cb.get(_SSD, 0)
-                held = g if g >= cpu and g >= ssd else (cpu if cpu >= ssd else ssd)
-                if held:
-                    r = _reused(held, bs, n)
+            if cb or ch:
+                if cb:
+                    g, cpu, ssd = cb.get(_GPU, 0), cb.get(_CPU, 0), cb.get(_SSD, 0)
+                    held = g if g >= cpu and g >= ssd else (cpu if cpu >= ssd else ssd)
+                else:
+                    g = cpu = ssd = held = 0
+                if held or ch:
+                    r = _reused(held, bs, n) if held else 0
                     other = w.worker_id != owner
                     dh = _dup(other, held, ob, bk)
                     add(
@@ -398,7 +403,7 @@ class RequestCosts:
                             w,
                             q,
                             dec,
-                            sp * _prefill_base(c, n, r),
+                            self.prefill(w, r, c) if ch else sp * _prefill_base(c, n, r),
                             stalled,
                             dh,
                             (
@@ -497,8 +502,31 @@ class RequestCosts:
 
     def prefill(self, w: WorkerView, r: int, c: tuple[float, ...] | None = None) -> float:
         """prefill_s(w, N − r, r) = s_p · `prefill_base`: computing the prompt on top of r
-        reused tokens (`c`: the constants of w's profile, when at hand)."""
-        return w.prefill_scale * self.prefill_base(c or self.consts(w.profile), r)
+        reused tokens (`c`: the constants of w's profile, when at hand). On a worker holding
+        u = `chunk_reuse(w, r)` > 0 tokens of the request's chunks past them:
+        s_p · (prefill_base(r + u) + rerotate_per_token_s · u) — the chunks are copied and
+        re-rotated, not computed, and are context for the rest."""
+        if c is None:
+            c = self.consts(w.profile)
+        if w.chunks_held:
+            u = self.chunk_reuse(w, r)
+            if u:
+                return w.prefill_scale * (self.prefill_base(c, r + u) + c[_ROT] * u)
+        return w.prefill_scale * self.prefill_base(c, r)
+
+    def chunk_reuse(self, w: WorkerView, r: int) -> int:
+        """u(w, r) = min(N − 1 − r, Σ over the request's chunks [lo, hi) w holds of
+        max(0, hi − max(lo, r))): the chunk tokens past the first r that w copies instead of
+        computing (the last prompt token is always computed)."""
+        spans = self.request.chunk_spans
+        total = 0
+        for i in w.chunks_held:
+            if 0 <= i < len(spans):
+                lo, hi = spans[i]
+                if hi > r:
+                    total += hi - (lo if lo > r else r)
+        cap = self.n - 1 - r
+        return total if total < cap else (cap if cap > 0 else 0)
 
     def prefill_base(self, c: tuple[float, ...], r: int) -> float:
         """prefill_s(N − r, r) of a profile (`c`) at scale 1: base_s + per_token_s·new +

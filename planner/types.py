@@ -86,6 +86,10 @@ class WorkerView:
     # and state migration need it at both ends)
     pd_group: str | None = "pd"
     kv_api: bool = True
+    # chunk reuse (ownerserve/chunks.py): the request's chunks (indices into
+    # `RequestView.chunk_spans`) whose KV this worker's chunk store holds, as the directory
+    # says; a prefill here copies them (re-rotated) instead of computing them
+    chunks_held: tuple[int, ...] = ()
 
 
 @fast_init
@@ -117,6 +121,9 @@ class RequestView:
     # tokens of KV the session is expected to add beyond this request (planner.workingset
     # .WorkingSets.growth): a placement that fits it now but not its growth still displaces
     growth_tokens: int = 0
+    # chunk reuse: the prompt's chunks as token spans [start, end), in prompt order
+    # (ownerserve/chunks.py); () for a prompt without chunks
+    chunk_spans: tuple[tuple[int, int], ...] = ()
 
 
 @fast_init

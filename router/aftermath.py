@@ -3,6 +3,7 @@ when the plan asks for one, and observe the request (metrics, calibration)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -19,6 +20,10 @@ log = logging.getLogger(__name__)
 
 REPLICA_TTL_S = 30.0
 """Lifetime of the record of the transient prefill-side copy after a remote prefill."""
+CHUNK_TTL_S = 120.0
+"""Lifetime of the record that a worker holds a chunk's KV (renewed by each request that
+uses the chunk there): its chunk store is an LRU, so an unused chunk may be gone sooner — a
+stale record only misprices (the worker computes a chunk it no longer holds)."""
 
 
 async def after_first_bytes(ctx: RequestContext) -> None:
@@ -30,6 +35,11 @@ async def after_first_bytes(ctx: RequestContext) -> None:
         await commit(ctx)
     else:
         router.spawn(commit(ctx))
+    if ctx.chunks is not None:
+        if router.inline_commit:
+            await record_chunks(ctx)
+        else:
+            router.spawn(record_chunks(ctx))
     target = ctx.plan.add_replica_on
     match = ctx.match
     if target and match.owner and match.owner_blocks:
@@ -63,6 +73,29 @@ async def commit(ctx: RequestContext) -> None:
     except Exception:
         router.metrics.commit_errors.inc()
         log.exception("directory commit failed")
+
+
+async def record_chunks(ctx: RequestContext) -> None:
+    """Chunk reuse: the plan's prefill worker computed or copied every chunk of the prompt and
+    its chunk store keeps them, so the directory records it as a holder of each — a one-block
+    read-only replica keyed by the chunk's content hash (`Directory.add_replica`), expiring
+    after `CHUNK_TTL_S`. A failure is counted and logged; the answer stands."""
+    router = ctx.router
+    directory = router.directory
+    chunks = ctx.chunks
+    if directory is None or chunks is None:
+        return
+    worker = ctx.plan.chosen.prefill_worker
+    try:
+        await asyncio.gather(
+            *(
+                directory.add_replica(c.hash, worker, Tier.GPU, CHUNK_TTL_S, True, (c.hash,))
+                for c in chunks.chunks
+            )
+        )
+    except Exception as exc:
+        router.metrics.commit_errors.inc()
+        log.warning("recording chunk holders failed: %r", exc)
 
 
 async def replicate(ctx: RequestContext, target: str) -> None:

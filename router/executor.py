@@ -575,16 +575,17 @@ class PlanExecutor:
             if isinstance(exc, UpstreamConnectError):
                 destination.kv_api_ok = False
             return GaveUp(destination.worker_id, cause_of(exc, "kv_transfer_failed")), None
+        try:
+            # a failed fetch may still say how many whole blocks it kept (the sidecar's 502)
+            got = fetched_blocks(orjson.loads(data))
+        except orjson.JSONDecodeError:
+            got = None
         if resp.status != 200:
             log.warning(
                 "fetch %s -> %s: status %s: %s",
                 source_id, destination.worker_id, resp.status, data[:200].decode(errors="replace"),
             )  # fmt: skip
-            return failed, None
-        try:
-            got = fetched_blocks(orjson.loads(data))
-        except orjson.JSONDecodeError:
-            got = None
+            return failed, got
         if got is not None and got < len(fetch.block_hashes):
             log.info(
                 "fetch %s -> %s: %d of %d blocks (the rest is recomputed)",

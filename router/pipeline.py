@@ -1,6 +1,6 @@
 """One completion request as a pipeline of named stages over its `RequestContext`:
 
-    parse -> identify -> tokenize -> admit (admission.py) -> look_up -> view
+    parse -> identify -> tokenize (-> chunk) -> admit (admission.py) -> look_up -> view
           -> (plan -> execute, retried) -> stream (streaming.py) -> commit, observe (aftermath.py)
 
 `respond` runs them for one request and turns every failure into an OpenAI error (or an SSE
@@ -17,6 +17,10 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import orjson
+
+from ownerserve.chunks import PARAMS_KEY as CHUNK_PARAMS_KEY
+from ownerserve.chunks import ChunkedPrompt, layout_params
 from ownerserve.directory.base import Match
 from ownerserve.errors import (
     ClientDisconnected,
@@ -26,6 +30,7 @@ from ownerserve.errors import (
     UpstreamError,
 )
 from ownerserve.http import error_status_and_body
+from ownerserve.types import Tier
 from planner.types import Action, Candidate, CostBreakdown, Plan, Policy, RequestView
 from router.admission import WorkingSet, record_service
 from router.executor import (
@@ -54,6 +59,7 @@ NOT_A_WORKER_FAILURE = frozenset({"kv_fetch_empty"})
 """`GaveUp` reasons that say nothing of the worker's health (its breaker is left alone)."""
 
 _NONE_EXCLUDED: frozenset[str] = frozenset()
+_NO_HOLDERS: dict[str, tuple[int, ...]] = {}
 
 
 class RequestContext:
@@ -62,6 +68,8 @@ class RequestContext:
 
     __slots__ = (
         "charged",
+        "chunk_holders",
+        "chunks",
         "e2e_s",
         "endpoint",
         "excluded",
@@ -103,6 +111,9 @@ class RequestContext:
     tok: Tokenized
     info: SessionInfo | None
     is_fork: bool
+    chunks: ChunkedPrompt | None
+    # by look_up
+    chunk_holders: dict[str, tuple[int, ...]]
     # by look_up and view
     match: Match
     policy: Policy
@@ -150,6 +161,10 @@ class RequestContext:
         self.e2e_s = 0.0
         self.transfer_s: float | None = None
         self.output_events = 0
+        self.chunks = None
+        """The prompt's chunks when its model has chunk reuse on and it has some (`chunk`)."""
+        self.chunk_holders = _NO_HOLDERS
+        """Per worker, the chunks (indices into `chunks.chunks`) the directory says it holds."""
 
     # what the directory commit reads (`router.commit.Served`)
 
@@ -218,6 +233,8 @@ def tokenize(ctx: RequestContext) -> None:
     else:
         tok = mt.tokenize_prompt(session.session_id, req.body.get("prompt"))
     ctx.tok = tok
+    if mt.chunking is not None:
+        chunk(ctx)
     ctx.info = info = ctx.router.sessions.get(session.session_id)
     ctx.is_fork = req.n > 1 or (
         info is not None
@@ -225,14 +242,49 @@ def tokenize(ctx: RequestContext) -> None:
     )
 
 
+def chunk(ctx: RequestContext) -> None:
+    """Chunk reuse (the model's `chunks:` settings): the prompt's chunks (a malformed chunked
+    prompt is a 400), and the body the workers get tells them the layout in
+    `kv_transfer_params.ownerserve` (`ownerserve/chunks.py`)."""
+    req = ctx.req
+    cp = ctx.mt.chunk_prompt(ctx.tok, req.messages if req.endpoint is Endpoint.CHAT else None)
+    if cp is None:
+        return
+    ctx.chunks = cp
+    body = dict(req.body)
+    ktp = body.get("kv_transfer_params")
+    params = dict(ktp) if isinstance(ktp, dict) else {}
+    params[CHUNK_PARAMS_KEY] = layout_params(cp)
+    body["kv_transfer_params"] = params
+    ctx.req = replace(req, body=body, raw=orjson.dumps(body))
+
+
 async def look_up(ctx: RequestContext) -> None:
-    """The directory's answer for the chain; without one (backend down and no local view)
-    the request is still routed, as if nothing were cached anywhere."""
+    """The directory's answer for the chain (and, for a chunked prompt, one lookup per chunk
+    hash, concurrently: its holders); without one (backend down and no local view) the
+    request is still routed, as if nothing were cached anywhere."""
     router = ctx.router
-    assert router.directory is not None
+    directory = router.directory
+    assert directory is not None
     chain = ctx.tok.chain
     try:
-        ctx.match = await router.directory.lookup(chain, ctx.session.session_id)
+        if ctx.chunks is None:
+            ctx.match = await directory.lookup(chain, ctx.session.session_id)
+        else:
+            chunks = ctx.chunks.chunks
+            found = await asyncio.gather(
+                directory.lookup(chain, ctx.session.session_id),
+                *(directory.lookup((c.hash,)) for c in chunks),
+            )
+            ctx.match = found[0]
+            holders: dict[str, list[int]] = {}
+            for i, m in enumerate(found[1:]):
+                for h in m.holdings:
+                    if h.tier is Tier.GPU and h.blocks > 0:
+                        held = holders.setdefault(h.worker, [])
+                        if not held or held[-1] != i:
+                            held.append(i)
+            ctx.chunk_holders = {w: tuple(ix) for w, ix in holders.items()}
     except Exception as exc:
         router.metrics.directory_errors.inc()
         log.warning("directory lookup failed, routing without it: %r", exc)
@@ -257,7 +309,7 @@ def plan(ctx: RequestContext, attempt: int = 0) -> bool:
     """Ask the policy for a plan over the routable workers not yet excluded; False when
     there is none left."""
     router = ctx.router
-    cluster = cluster_view(router, ctx.req.model, ctx.match, ctx.excluded)
+    cluster = cluster_view(router, ctx.req.model, ctx.match, ctx.excluded, ctx.chunk_holders)
     if not cluster.workers:
         return False
     with router.telemetry.start_span("ownerserve.plan", attempt=attempt):

@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 from xxhash import xxh3_64_intdigest
 
+from ownerserve.chunks import ChunkedPrompt, locate_chunks, marked_texts, split_on_separator
 from ownerserve.config import ModelSettings
 from ownerserve.hashing import chain_root
 from ownerserve.records import fast_init
@@ -169,6 +170,14 @@ class ModelTokenizer:
         self._messages: _LRU = _LRU(max_messages)
         self._encode = array_encoder(self.tokenizer)
         self._gen_prompt = self._encode(ChatTemplate.GENERATION_PROMPT)
+        self.chunking = settings.chunks
+        """Chunk reuse settings (None: off, and `chunk_prompt` is never called)."""
+        self._separator: array[int] = array("I")
+        self._blank: frozenset[int] = frozenset()
+        if self.chunking is not None:
+            if self.chunking.separator:
+                self._separator = self._encode(self.chunking.separator)
+            self._blank = frozenset(self._encode(" \n\t\r"))
         self.message_cache_hits = 0
         self.message_cache_misses = 0
 
@@ -302,6 +311,33 @@ class ModelTokenizer:
             prompt = first
         text = prompt if isinstance(prompt, str) else str(prompt)
         return self._tokenize_text(state, text)
+
+    # --- chunked prompts (chunk reuse) ----------------------------------------------------------
+
+    def chunk_prompt(
+        self, tok: Tokenized, messages: Sequence[Mapping[str, Any]] | None
+    ) -> ChunkedPrompt | None:
+        """The prompt's chunks (`ownerserve/chunks.py`) when chunk reuse is on: chat parts or
+        messages marked as chunks, else the separator format; None for a prompt without
+        chunks. A malformed chunked prompt raises `InvalidRequestError` (400)."""
+        cfg = self.chunking
+        assert cfg is not None
+        param = "messages" if messages is not None else "prompt"
+        limit = self.settings.max_model_len
+        if messages is not None and cfg.marked_parts:
+            texts = marked_texts(messages)
+            if texts:
+                ids = [self._encode(t) for t in texts]
+                return locate_chunks(
+                    tok.token_ids, ids, self.root, max_model_len=limit,
+                    max_chunks=cfg.max_chunks, blank=self._blank, param=param,
+                )  # fmt: skip
+        if not self._separator:
+            return None
+        return split_on_separator(
+            tok.token_ids, self._separator, self.root, max_model_len=limit,
+            max_chunks=cfg.max_chunks, blank=self._blank, param=param,
+        )  # fmt: skip
 
     def forget(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)

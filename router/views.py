@@ -5,7 +5,8 @@ the request's `RequestView`."""
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ownerserve.directory.base import Match
@@ -19,11 +20,16 @@ if TYPE_CHECKING:
 
 
 def cluster_view(
-    router: Router, model: str, match: Match, excluded: Collection[str]
+    router: Router,
+    model: str,
+    match: Match,
+    excluded: Collection[str],
+    chunk_holders: Mapping[str, tuple[int, ...]] | None = None,
 ) -> ClusterView:
-    """The routable workers of `model` but `excluded`, with what `match` found on each, and
-    the draining ones that can still serve their KV (`ClusterView.sources`: their sessions
-    move away by fetch or migration instead of recomputing)."""
+    """The routable workers of `model` but `excluded`, with what `match` found on each (and,
+    for a chunked prompt, the chunks `chunk_holders` says each holds), and the draining ones
+    that can still serve their KV (`ClusterView.sources`: their sessions move away by fetch
+    or migration instead of recomputing)."""
     cached: dict[str, dict[Tier, int]] = {}
     for h in match.holdings:
         tiers = cached.setdefault(h.worker, {})
@@ -47,6 +53,8 @@ def cluster_view(
             if w.draining and w.healthy and w.kv_api and w.worker_id in cached:
                 backlog = 0.0 if nics is None else nics.backlog(w.settings.node, now)
                 view = _view(router, w, cached[w.worker_id], w.load.kv_usage, backlog, 0, False)
+                if chunk_holders and w.worker_id in chunk_holders:
+                    view = replace(view, chunks_held=chunk_holders[w.worker_id])
                 sources.append(view)
             continue
         wid = w.worker_id
@@ -81,6 +89,7 @@ def cluster_view(
             load.offloads,
             past_knee and admission.closed_to_programs(w, now),
             w.kv_api,
+            chunk_holders.get(wid, ()) if chunk_holders else (),
         )
         group = w.pd_group
         if group is not None:
@@ -92,7 +101,7 @@ def cluster_view(
         if last is not None and last[0] == key:
             views.append(last[1])
             continue
-        view = _view(router, w, held, kv_usage, key[10], key[12], key[14])
+        view = _view(router, w, held, kv_usage, key[10], key[12], key[14], key[16])
         w.view_cache = (key, view)
         views.append(view)
     return ClusterView(tuple(views), tuple(sources), pd_mixed)
@@ -106,6 +115,7 @@ def _view(
     nic_backlog_s: float,
     ws_tokens: int,
     programs_closed: bool,
+    chunks_held: tuple[int, ...] = (),
 ) -> WorkerView:
     """A worker's view from its state and what the caller computed for it."""
     sc = router.calibrator.scales(w.worker_id)
@@ -131,6 +141,7 @@ def _view(
         programs_closed=programs_closed,
         pd_group=w.pd_group,
         kv_api=w.kv_api,
+        chunks_held=chunks_held,
     )
 
 
@@ -159,4 +170,5 @@ def request_view(ctx: RequestContext) -> RequestView:
         home_worker=home,
         home_tokens=home_tokens,
         growth_tokens=ctx.router.working_sets.growth(tok.prompt_tokens),
+        chunk_spans=() if ctx.chunks is None else ctx.chunks.spans,
     )

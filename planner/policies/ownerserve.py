@@ -131,15 +131,18 @@ class _Pick(TopTwo[float, _Rec]):
         c, pf_fetch, pf_mig = prof
         sp = w.prefill_scale
         held = 0 if h is None else h[1]
+        chunked = bool(w.chunks_held)  # its prefill after the move reuses its chunks too
         if fetch_ok:
             src = self.src_f
             assert src is not None
-            cost = _fetch(k, w, src, base, stalled, dup, held, sp * pf_fetch, c)
+            pf_f = k.prefill(w, k.reused(k.ob), c) if chunked else sp * pf_fetch
+            cost = _fetch(k, w, src, base, stalled, dup, held, pf_f, c)
             self.consider(cost, (_FETCH, t, t, src))
         if mig_ok:
             src = self.src_m
             assert src is not None
-            cost = _migration(k, w, src, self.g_m, base, stalled, held, sp * pf_mig, c)
+            pf_m = k.prefill(w, k.reused(self.g_m), c) if chunked else sp * pf_mig
+            cost = _migration(k, w, src, self.g_m, base, stalled, held, pf_m, c)
             self.consider(cost, (_MIG, t, t, src))
 
 
@@ -250,7 +253,9 @@ class OwnerServePolicy:
                 mig_ok = api and src_m is not None and g_m > held and w is not src_m
                 considered += 1 + fetch_ok + mig_ok
                 least = pf
-                if (fetch_ok or mig_ok) and r_lo > r:
+                if (fetch_ok or mig_ok) and w.chunks_held:
+                    least = 0.0  # after a move its chunk reuse changes: no cheap bound
+                elif (fetch_ok or mig_ok) and r_lo > r:
                     least = w.prefill_scale * least_lo
                 lb = base + least + mu * (stalled * least)
                 if lb < top_bound or lb < dflt_bound:

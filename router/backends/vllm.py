@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from ownerserve.chunks import PARAMS_KEY as CHUNK_PARAMS_KEY
 from ownerserve.config import WorkerSettings
 from ownerserve.errors import UpstreamError
 from ownerserve.types import BackendKind
@@ -93,7 +94,12 @@ def parse_metrics(text: str) -> VllmLoad:
 def for_remote_decode(body: Mapping[str, Any]) -> dict[str, Any]:
     """The prefill worker's copy of an OpenAI body: one token, no stream, remote decode."""
     out = dict(body)
-    out.update(max_tokens=1, stream=False, kv_transfer_params=dict(REMOTE_DECODE_PARAMS))
+    params = dict(REMOTE_DECODE_PARAMS)
+    ktp = body.get("kv_transfer_params")
+    if isinstance(ktp, Mapping) and CHUNK_PARAMS_KEY in ktp:
+        # the chunk layout the router added (chunk reuse on): P reuses the chunks it holds
+        params[CHUNK_PARAMS_KEY] = ktp[CHUNK_PARAMS_KEY]
+    out.update(max_tokens=1, stream=False, kv_transfer_params=params)
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     if "min_tokens" in out:

@@ -97,6 +97,18 @@ def scenario(draw: st.DrawFn) -> tuple[RequestView, ClusterView]:
         home_tokens=draw(st.sampled_from([0, 4_000])),
         growth_tokens=draw(st.sampled_from([0, 20_000])),
     )
+    # sometimes a chunked prompt (chunk reuse), its chunks' KV held here and there
+    if draw(st.booleans()):
+        cuts = sorted(draw(st.lists(st.integers(0, prompt), min_size=2, max_size=12)))
+        spans = tuple((lo, hi) for lo, hi in zip(cuts[::2], cuts[1::2], strict=False) if hi > lo)
+        req = replace(req, chunk_spans=spans)
+        idx = list(range(len(spans)))
+        held_ws = []
+        for w in ws:
+            if draw(st.booleans()) and idx:
+                w = replace(w, chunks_held=tuple(draw(st.lists(st.sampled_from(idx), unique=True))))
+            held_ws.append(w)
+        ws = tuple(held_ws)
     # sometimes the owner is draining: a KV source only, outside the routable workers
     if draw(st.booleans()) and req.owner is not None and len(ws) > 1:
         src = next(w for w in ws if w.worker_id == req.owner)
@@ -363,7 +375,9 @@ def test_every_policy_plans_with_healthy_capable_workers_and_exact_costs(
     assert pw.healthy and dw.healthy
     assert dw.role is not Role.PREFILL
     assert pw.role is not Role.DECODE or pw is dw
-    route = Route(p.action, pw, dw, byid.get(p.chosen.source_worker or ""))
+    # the source may be a draining worker (`ClusterView.sources`)
+    src = cl.by_id(p.chosen.source_worker) if p.chosen.source_worker else None
+    route = Route(p.action, pw, dw, src)
     assert p.chosen.cost == evaluate(H100, req, route)
     assert p.policy == name
 

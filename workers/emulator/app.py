@@ -30,6 +30,8 @@ from urllib.parse import parse_qs
 
 import orjson
 
+from ownerserve.chunks import PARAMS_KEY as CHUNK_PARAMS_KEY
+from ownerserve.chunks import Chunk, parse_layout
 from ownerserve.errors import (
     ClientDisconnected,
     ConfigError,
@@ -52,6 +54,7 @@ from ownerserve.kvfetch import FETCH_PATH, KVFetchRequest
 from ownerserve.profiles import TimingProfile
 from ownerserve.tokenizer import ChatTemplate, Tokenizer, load_chat_template, load_tokenizer
 from ownerserve.types import Role
+from workers.emulator.chunk_store import ChunkStore
 from workers.emulator.config import EmulatorConfig
 from workers.emulator.engine import Engine, RemotePrefill, SamplingParams, Sequence
 from workers.emulator.kv_cache import BlockPool, HostPool, prompt_block_hashes
@@ -207,6 +210,8 @@ class EmulatorApp:
             if self.profile.link.cpu_load_bps <= 0:
                 raise ConfigError(f"profile {self.profile.name}: a CPU tier needs cpu_load_bps > 0")
             self.host = HostPool(config.cpu_kv_blocks, config.block_size)
+        chunk_tokens = config.chunk_capacity_tokens(self.profile)
+        self.chunk_store = ChunkStore(chunk_tokens) if chunk_tokens else None
         self.engine = Engine(
             self.profile,
             self.pool,
@@ -218,6 +223,8 @@ class EmulatorApp:
             transfer_timeout_s=config.transfer_timeout_s,
             publish=self._publish,
             host=self.host,
+            chunks=self.chunk_store,
+            chunk_recompute_tokens=config.chunk_recompute_tokens,
         )
         self.mover = KVMover(self.engine, config.node, self.worker_id, config.kv_lease_s)
         self.publisher: KVEventPublisher | None = None
@@ -467,6 +474,12 @@ class EmulatorApp:
 
         bs = c.block_size
         hashes = [prompt_block_hashes(p, bs, self.root_hash) for p in prompts]
+        chunks: tuple[Chunk, ...] = ()
+        layout = ktp.get(CHUNK_PARAMS_KEY)
+        if layout is not None and self.chunk_store is not None:
+            if len(prompts) != 1:
+                raise InvalidRequestError("a chunk layout takes one prompt")
+            chunks = parse_layout(layout, len(prompts[0]))
         remote: RemotePrefill | None = None
         if remote_prefill or sglang_decode:
             if len(prompts) != 1:
@@ -494,6 +507,8 @@ class EmulatorApp:
         for seq in seqs:
             seq.notify_every = every
         seqs[0].remote = remote
+        for seq in seqs:
+            seq.chunks = chunks
         seqs[0].hold_key = hold_key
         seqs[0].hold_s = c.transfer_timeout_s if sglang_prefill else c.kv_lease_s
 
@@ -850,6 +865,8 @@ class EmulatorApp:
             "cpu_evicted": 0 if host is None else host.evicted_blocks,
             "cpu_stored": 0 if host is None else host.stored_blocks,
             "cpu_store_failures": 0 if host is None else host.store_failures,
+            "chunk_tokens": 0 if self.chunk_store is None else self.chunk_store.used_tokens,
+            "chunk_capacity": 0 if self.chunk_store is None else self.chunk_store.capacity_tokens,
         }
 
     async def prometheus(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -957,6 +974,10 @@ class EmulatorApp:
             body["cpu_capacity_blocks"] = self.host.num_blocks
             body["cpu_blocks_held"] = self.host.num_cached
             body["cpu_block_hashes"] = self.host.cached_hashes()
+        if self.chunk_store is not None:
+            body["chunk_capacity_tokens"] = self.chunk_store.capacity_tokens
+            body["chunk_tokens_held"] = self.chunk_store.used_tokens
+            body["chunk_hashes"] = [f"{h:016x}" for h in self.chunk_store.hashes()]
         await send_json(send, 200, body)
 
     async def reset_prefix_cache(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -967,6 +988,8 @@ class EmulatorApp:
         external = query.get("reset_external", ["false"])[-1].lower() in ("true", "1", "yes", "on")
         if external and self.host is not None:
             self.host.reset()  # vLLM's connector reset publishes no events of its own
+        if self.chunk_store is not None:
+            self.chunk_store.clear()
         self.engine.flush_events()
         await send_json(send, 200, {"status": "ok"})
 

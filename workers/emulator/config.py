@@ -37,6 +37,12 @@ class EmulatorConfig:
     cpu_kv_blocks: int = 0
     """Blocks of the CPU tier behind HBM (vLLM's KV offloading, `--kv-offloading-size` in
     blocks); 0: no CPU tier."""
+    chunk_store_tokens: int | None = None
+    """Tokens of chunk KV the chunk store keeps (chunk reuse, seed 002's chunk pool); None:
+    15/70 of the KV pool's tokens (the seed's 15% chunk pool beside a 70% main pool); 0: no
+    chunk store (chunk layouts are ignored)."""
+    chunk_recompute_tokens: int = 0
+    """Leading tokens of each reused chunk computed again (EPIC's LegoLink); 0: none."""
     max_num_seqs: int | None = None
     max_batched_tokens: int | None = None
     max_model_len: int = 131072
@@ -78,6 +84,12 @@ class EmulatorConfig:
             raise ConfigError(f"--num-blocks must be positive, got {self.num_blocks}")
         if self.cpu_kv_blocks < 0:
             raise ConfigError(f"--cpu-num-blocks must be >= 0, got {self.cpu_kv_blocks}")
+        if self.chunk_store_tokens is not None and self.chunk_store_tokens < 0:
+            raise ConfigError(f"--chunk-store-tokens must be >= 0, got {self.chunk_store_tokens}")
+        if self.chunk_recompute_tokens < 0:
+            raise ConfigError(
+                f"--chunk-recompute-tokens must be >= 0, got {self.chunk_recompute_tokens}"
+            )
         if self.stream_interval <= 0:
             raise ConfigError(f"--stream-interval must be positive, got {self.stream_interval}")
         if self.transfer_timeout_s <= 0:
@@ -109,6 +121,12 @@ class EmulatorConfig:
         per_block = profile.kv_bytes_per_token * self.block_size
         return max(1, int(profile.hbm_kv_bytes // per_block))
 
+    def chunk_capacity_tokens(self, profile: TimingProfile) -> int:
+        """The chunk store's size in tokens: `--chunk-store-tokens`, else 15/70 of the pool's."""
+        if self.chunk_store_tokens is not None:
+            return self.chunk_store_tokens
+        return self.capacity_blocks(profile) * self.block_size * 15 // 70
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The emulated engine's command-line options."""
@@ -136,6 +154,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.cpu_kv_blocks,
         help="CPU KV tier behind HBM, in blocks (vLLM's KV offloading); 0: none",
+    )
+    parser.add_argument(
+        "--chunk-store-tokens",
+        type=int,
+        default=None,
+        help="chunk KV kept by content hash for position-independent reuse, in tokens "
+        "(default: 15/70 of the KV pool's tokens; 0: no chunk store)",
+    )
+    parser.add_argument(
+        "--chunk-recompute-tokens",
+        type=int,
+        default=d.chunk_recompute_tokens,
+        help="leading tokens of each reused chunk computed again (EPIC's LegoLink; 0: none)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -185,6 +216,8 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         cpu_kv_blocks=args.cpu_num_blocks,
+        chunk_store_tokens=args.chunk_store_tokens,
+        chunk_recompute_tokens=args.chunk_recompute_tokens,
         max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

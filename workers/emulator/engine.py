@@ -23,6 +23,13 @@ admitted like an async KV load too: blocks for the CPU part are allocated (once 
 the blocks that loads and prefills already admitted still need, as vLLM reserves), the request is
 parked while they load at the profile's host-to-device bandwidth (`link.cpu_load_bps`, loads
 queued FIFO on the one PCIe link), then it runs with only the rest to compute.
+
+With a chunk store (`ChunkStore`, seed 002's chunk pool) a request carrying a chunk layout
+(`Sequence.chunks`, from `kv_transfer_params.ownerserve`) reuses, at admission, every chunk
+past its prefix hit that the store holds, at whatever position it now sits: those tokens are
+counted as cached and cost `rerotate_per_token_s` each (the KV copied into the request's
+blocks, K re-rotated) instead of their prefill, less the first `chunk_recompute_tokens` of
+each chunk, computed again (EPIC's LegoLink). Chunks computed by its prefill are then stored.
 """
 
 from __future__ import annotations
@@ -36,11 +43,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
+from ownerserve.chunks import Chunk
 from ownerserve.errors import OwnerServeError, UpstreamError
 from ownerserve.events import KVEvent
 from ownerserve.hashing import hash_block
 from ownerserve.profiles import TimingProfile
 from ownerserve.tasks import cancel_and_wait
+from workers.emulator.chunk_store import ChunkStore
 from workers.emulator.kv_cache import BlockPool, CachedBlock, HostPool, NewBlock
 from workers.emulator.metrics import EngineMetrics
 from workers.emulator.textgen import OutputText
@@ -104,6 +113,10 @@ class Sequence:
         "arrival",
         "blocks",
         "cached_tokens",
+        "chunk_reused",
+        "chunks",
+        "chunks_pinned",
+        "chunks_stored",
         "error",
         "external_tokens",
         "finish_reason",
@@ -130,6 +143,7 @@ class Sequence:
         "remote",
         "remote_ready",
         "request_id",
+        "reused",
         "state",
         "stop_reason",
         "text",
@@ -189,6 +203,22 @@ class Sequence:
         self.error: OwnerServeError | None = None
         self.on_finish: Callable[[Sequence], None] | None = None
         self._tail = ""
+        self.chunks: tuple[Chunk, ...] = ()
+        """The prompt's chunk layout (position-independent chunk reuse); () for none."""
+        self.reused: list[tuple[int, int]] = []
+        """Prompt spans taken from the chunk store at admission (copied, not computed)."""
+        self.chunk_reused = 0
+        """Tokens of `reused`."""
+        self.chunks_pinned: list[int] = []
+        self.chunks_stored = False
+
+    def reused_between(self, lo: int, hi: int) -> int:
+        """Tokens of [lo, hi) taken from the chunk store."""
+        n = 0
+        for a, b in self.reused:
+            if b > lo and a < hi:
+                n += (b if b < hi else hi) - (a if a > lo else lo)
+        return n
 
     @property
     def finished(self) -> bool:
@@ -375,8 +405,14 @@ class Engine:
         transfer_timeout_s: float = 30.0,
         publish: Callable[[list[KVEvent]], None] | None = None,
         host: HostPool | None = None,
+        chunks: ChunkStore | None = None,
+        chunk_recompute_tokens: int = 0,
     ) -> None:
         self.profile = profile
+        self.chunks = chunks
+        """The chunk store (chunk reuse); None: chunk layouts are ignored."""
+        self.chunk_recompute_tokens = chunk_recompute_tokens
+        """Leading tokens of each reused chunk computed again (EPIC's LegoLink; 0: none)."""
         self.pool = pool
         self.host = host
         """The CPU tier behind `pool`, if any."""
@@ -508,6 +544,7 @@ class Engine:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._release_chunks(seq)
         self.pool.free(seq.blocks)
         seq.blocks = []
         seq.num_computed = 0
@@ -614,6 +651,8 @@ class Engine:
             seq.blocks = blocks + got
             seq.num_computed = computed
             seq.num_hashed = hit
+            if seq.chunks and self.chunks is not None:
+                self._reuse_chunks(seq, computed)
             self._start_running(seq, computed)
             items.append((seq, n))
             budget -= n
@@ -638,6 +677,55 @@ class Engine:
                 continue  # decoding: its next block is had by preempting, as vLLM does
             total += max(0, -(-seq.num_tokens // bs) - len(seq.blocks))
         return total
+
+    def _reuse_chunks(self, seq: Sequence, computed: int) -> None:
+        """Take every chunk of the layout past the first `computed` tokens that the store
+        holds (pinned until the sequence ends or is preempted), less the first
+        `chunk_recompute_tokens` of each; the prompt's last token is always computed."""
+        store = self.chunks
+        assert store is not None
+        k = self.chunk_recompute_tokens
+        last = len(seq.prompt_ids) - 1
+        spans: list[tuple[int, int]] = []
+        total = 0
+        for c in seq.chunks:
+            lo = max(c.start + k, computed)
+            hi = min(c.end, last)
+            if hi <= lo or not store.lookup(c.hash):
+                continue
+            store.pin(c.hash)
+            seq.chunks_pinned.append(c.hash)
+            spans.append((lo, hi))
+            total += hi - lo
+        seq.reused = spans
+        seq.chunk_reused = total
+        if seq.cached_tokens < 0:  # counted once, as the prompt's sources are
+            m = self.metrics
+            m.chunk_tokens_reused += total
+            m.chunks_reused += len(spans)
+
+    def _release_chunks(self, seq: Sequence) -> None:
+        store = self.chunks
+        if store is not None:
+            for h in seq.chunks_pinned:
+                store.unpin(h)
+        seq.chunks_pinned = []
+        seq.reused = []
+        seq.chunk_reused = 0
+
+    def _store_chunks(self, seq: Sequence) -> None:
+        """The prompt is computed: keep the KV of its chunks the store lacks (seed 002 computes
+        them at a virtual position, attending to the system prompt and themselves only)."""
+        store = self.chunks
+        assert store is not None
+        seq.chunks_stored = True
+        m = self.metrics
+        for c in seq.chunks:
+            if c.hash in store:
+                continue
+            if store.store(c.hash, c.end - c.start):
+                m.chunks_stored += 1
+                m.chunk_tokens_stored += c.end - c.start
 
     def _start_running(self, seq: Sequence, computed: int) -> None:
         seq.state = SeqState.RUNNING
@@ -762,6 +850,7 @@ class Engine:
         p = len(seq.prompt_ids)
         external = min(seq.external_tokens, hit_tokens)
         host = min(seq.host_tokens, external)
+        hit_tokens += seq.chunk_reused  # chunk KV reused at its new position
         seq.cached_tokens = hit_tokens
         seq.admitted_at = time.perf_counter()
         m.queue_time.observe(seq.admitted_at - seq.arrival)
@@ -788,6 +877,14 @@ class Engine:
             if n == 1 and seq.out_ids and seq.num_computed + 1 == seq.num_tokens:
                 decodes += 1
                 ctx += seq.num_tokens
+            elif seq.chunk_reused:
+                # reused chunk tokens: copied and re-rotated, and context for the rest
+                lo = seq.num_computed
+                u = seq.reused_between(lo, lo + n)
+                if n > u:
+                    prefill += prof.prefill_s(n - u, lo + u) - prefill_base
+                prefill += prof.rerotate_per_token_s * u
+                any_prefill = True
             else:
                 prefill += prof.prefill_s(n, seq.num_computed) - prefill_base
                 any_prefill = True
@@ -809,11 +906,21 @@ class Engine:
             if seq.state != SeqState.RUNNING:
                 continue  # aborted or preempted while the step ran
             was_decode = bool(seq.out_ids) and seq.num_computed + 1 == seq.num_tokens
+            lo = seq.num_computed
             seq.num_computed += n
             if was_decode:
                 m.decode_tokens_computed += n
+            elif seq.chunk_reused:
+                m.prefill_tokens_computed += n - seq.reused_between(lo, lo + n)
             else:
                 m.prefill_tokens_computed += n
+            if (
+                seq.chunks
+                and not seq.chunks_stored
+                and seq.num_computed >= len(seq.prompt_ids)
+                and self.chunks is not None
+            ):
+                self._store_chunks(seq)
             full = seq.num_computed // bs
             if full > seq.num_hashed:
                 self._register(seq, full)
@@ -872,6 +979,8 @@ class Engine:
         if seq.blocks:
             self.pool.free(seq.blocks)
             seq.blocks = []
+        if seq.chunks_pinned:
+            self._release_chunks(seq)
         if self.host is not None and seq.num_offloaded:
             # vLLM's LRU policy ranks a finished request's chunks as used, its prefix last.
             self.host.touch(seq.hashes[: seq.num_offloaded])

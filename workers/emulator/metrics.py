@@ -102,6 +102,11 @@ class EngineMetrics:
         self.kv_offload_load_s = 0.0
         """Modelled host-to-device copy time of CPU-tier loads (queueing excluded)."""
         self.kv_events_published = 0
+        self.chunk_tokens_reused = 0
+        """Prompt tokens taken from the chunk store (copied and re-rotated, not computed)."""
+        self.chunk_tokens_stored = 0
+        self.chunks_reused = 0
+        self.chunks_stored = 0
 
     def _render_offload(
         self,
@@ -234,6 +239,18 @@ class EngineMetrics:
         out.append(f"{p}kv_link_queue_seconds_total{{{own}}} {self.kv_link_queue_s!r}")
         metric(f"{p}kv_transfers_failed", "counter", "KV pulls that failed.")
         out.append(f"{p}kv_transfers_failed_total{{{own}}} {self.transfers_failed}")
+        metric(f"{p}chunk_tokens_reused", "counter", "Prompt tokens reused from chunk KV.")
+        out.append(f"{p}chunk_tokens_reused_total{{{own}}} {self.chunk_tokens_reused}")
+        metric(f"{p}chunks_reused", "counter", "Cached chunks reused by requests.")
+        out.append(f"{p}chunks_reused_total{{{own}}} {self.chunks_reused}")
+        metric(f"{p}chunks_stored", "counter", "Chunks whose KV was stored by content hash.")
+        out.append(f"{p}chunks_stored_total{{{own}}} {self.chunks_stored}")
+        metric(f"{p}chunk_tokens_stored", "counter", "Tokens of the chunks stored.")
+        out.append(f"{p}chunk_tokens_stored_total{{{own}}} {self.chunk_tokens_stored}")
+        metric(f"{p}chunk_store_tokens", "gauge", "Tokens of chunk KV held in the chunk store.")
+        out.append(f"{p}chunk_store_tokens{{{own}}} {g.get('chunk_tokens', 0)}")
+        metric(f"{p}chunk_store_capacity_tokens", "gauge", "Chunk store capacity in tokens.")
+        out.append(f"{p}chunk_store_capacity_tokens{{{own}}} {g.get('chunk_capacity', 0)}")
         metric(f"{p}kv_events_published", "counter", "KV event batches published.")
         out.append(f"{p}kv_events_published_total{{{own}}} {self.kv_events_published}")
         out.append("")
