@@ -19,8 +19,12 @@ prompt and itself only), never its position. The system segment always starts th
 prefix caching covers it; it is not a chunk.
 
 The worker learns the layout from `kv_transfer_params: {"ownerserve": {"chunks": [{"hash",
-"start", "end"}, ...]}}` (`layout_params`, `parse_layout`): hashes as 16 hex digits, spans in
-the prompt's token ids.
+"start", "end"}, ...], "system_end"}}` (`layout_params`, `parse_layout`, `parse_system_end`):
+hashes as 16 hex digits, spans in the prompt's token ids.
+
+For vLLM workers (issue 26 part B) a chunk is loaded with the tokens leading into it
+(`load_spans`: a worker loads one contiguous run) and computed beforehand by a chunk prefill
+(`chunk_prefills`), its KV kept under `chunk_artifact_key`.
 """
 
 from __future__ import annotations
@@ -253,8 +257,46 @@ def layout_params(prompt: ChunkedPrompt) -> dict[str, Any]:
     return {
         "chunks": [
             {"hash": f"{c.hash:016x}", "start": c.start, "end": c.end} for c in prompt.chunks
-        ]
+        ],
+        "system_end": prompt.system_end,
     }
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpan:
+    """What a worker loads for one chunk: tokens [start, end) of the prompt, the chunk plus the
+    tokens that lead into it since the previous chunk (or the system segment) ended, e.g. the
+    separator. A worker can only load one contiguous run after its prefix hit, so the lead-in
+    is computed in isolation with its chunk; `key` names that KV: the chunk's hash joined with
+    the lead-in tokens (position-free, like the chunk's)."""
+
+    start: int
+    end: int
+    key: int
+
+
+def load_spans(
+    ids: Sequence[int], system_end: int, chunks: Sequence[Chunk]
+) -> tuple[LoadSpan, ...]:
+    """Each chunk's load span (`LoadSpan`), in prompt order."""
+    out: list[LoadSpan] = []
+    last = system_end
+    for c in chunks:
+        lead = ids[last : c.start]
+        out.append(LoadSpan(last, c.end, hash_block(c.hash, lead) if lead else c.hash))
+        last = c.end
+    return tuple(out)
+
+
+def parse_system_end(value: Any, chunks: Sequence[Chunk]) -> int | None:
+    """`kv_transfer_params["ownerserve"]["system_end"]`: where the system segment ends (at or
+    before the first chunk); None when absent or out of place."""
+    end = value.get("system_end") if isinstance(value, Mapping) else None
+    if not isinstance(end, int) or isinstance(end, bool) or end < 0:
+        return None
+    if chunks and end > chunks[0].start:
+        return None
+    return end
 
 
 def parse_layout(value: Any, prompt_tokens: int) -> tuple[Chunk, ...]:
@@ -284,4 +326,45 @@ def parse_layout(value: Any, prompt_tokens: int) -> tuple[Chunk, ...]:
             )
         out.append(Chunk(lo, hi, h))
         last = hi
+    return tuple(out)
+
+
+def chunk_artifact_key(model: str, key: int) -> str:
+    """The sidecar key of a load span's KV (`LoadSpan.key`; the connector's chunk store)."""
+    return f"chunk@{model}@{key:016x}"
+
+
+CHUNK_CACHE_SALT = "ownerserve-chunks"
+"""The `cache_salt` of a worker-computed chunked request and of its chunk prefills: their
+blocks hold chunk-isolated KV, which must never answer a plain prompt from a prefix cache."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPrefill:
+    """A chunk's KV computed in isolation: `prompt` (the system segment, then the chunk's load
+    span) run with `max_tokens` 1; `params` (`kv_transfer_params["ownerserve"]`) tell the
+    worker's connector to save tokens [start, end) — the system segment's partial last block
+    and the span — under `key`, the span computed at position `system_end`."""
+
+    span: LoadSpan
+    prompt: tuple[int, ...]
+    params: dict[str, Any]
+
+
+def chunk_prefills(
+    ids: Sequence[int], prompt: ChunkedPrompt, block_size: int
+) -> tuple[ChunkPrefill, ...]:
+    """One `ChunkPrefill` per load span of `prompt` (`load_spans`), in prompt order."""
+    system = tuple(ids[: prompt.system_end])
+    base = prompt.system_end // block_size * block_size
+    out = []
+    for span in load_spans(ids, prompt.system_end, prompt.chunks):
+        tokens = system + tuple(ids[span.start : span.end])
+        save = {
+            "key": f"{span.key:016x}",
+            "start": base,
+            "end": len(tokens),
+            "position": prompt.system_end,
+        }
+        out.append(ChunkPrefill(span, tokens, {"chunk_save": save, "load": False}))
     return tuple(out)

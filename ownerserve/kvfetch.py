@@ -111,3 +111,76 @@ def fetched_blocks(answer: object) -> int | None:
         if type(blocks) is int and blocks >= 0:
             return blocks
     return None
+
+
+CHUNK_FETCH_PATH = "/ownerserve/kv/fetch_chunks"
+"""Where a worker's KV API takes `POST` of a `KVChunkFetchRequest` (chunk reuse: pull chunk KV
+from another worker's chunk store into its own). Its 200 answer is a JSON object whose
+`chunks` (`fetched_chunks`) lists the requested chunk hashes its chunk store holds once the
+fetch is done; a KV API that cannot fetch chunks answers 4xx (the router then recomputes
+them)."""
+
+MAX_FETCH_CHUNKS = 4096
+"""Most chunks one chunk fetch may name."""
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
+class KVChunkFetchRequest:
+    """Pull the chunks `chunk_hashes` (content hashes, `ownerserve.chunks`) from the chunk
+    store of the worker at `source_url` into this worker's."""
+
+    source_url: str
+    """Base URL of the source's KV API, no trailing `/`."""
+    chunk_hashes: tuple[int, ...]
+    model: str | None = None
+    source_worker: str | None = None
+    """The source's worker id, for logs."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object sent as the request body."""
+        return {
+            "source_url": self.source_url,
+            "source_worker": self.source_worker,
+            "model": self.model,
+            "chunk_hashes": self.chunk_hashes,
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> KVChunkFetchRequest:
+        """A request from a decoded JSON body (unknown keys are ignored); `InvalidRequestError`
+        names the first field that is missing or malformed."""
+        if not isinstance(data, Mapping):
+            raise InvalidRequestError("request body must be a JSON object")
+        source_url = data.get("source_url")
+        if not isinstance(source_url, str) or not _is_http_url(source_url):
+            raise InvalidRequestError("source_url: must be an http(s) URL")
+        hashes = data.get("chunk_hashes")
+        if not isinstance(hashes, list) or not all(
+            type(h) is int and 0 <= h < _U64 for h in hashes
+        ):
+            raise InvalidRequestError("chunk_hashes: must be a list of unsigned 64-bit hashes")
+        if len(hashes) > MAX_FETCH_CHUNKS:
+            raise InvalidRequestError(f"chunk_hashes: at most {MAX_FETCH_CHUNKS} per request")
+        model = data.get("model")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise InvalidRequestError("model: must be a non-empty string")
+        source_worker = data.get("source_worker")
+        if source_worker is not None and not isinstance(source_worker, str):
+            raise InvalidRequestError("source_worker: must be a string")
+        return cls(
+            source_url=source_url.rstrip("/"),
+            chunk_hashes=tuple(hashes),
+            model=model,
+            source_worker=source_worker,
+        )
+
+
+def fetched_chunks(answer: object) -> frozenset[int] | None:
+    """`chunks` of a chunk fetch's 200 answer (a decoded JSON body): the chunk hashes held
+    after it, or None when it does not say."""
+    if isinstance(answer, Mapping):
+        chunks = answer.get("chunks")
+        if isinstance(chunks, list) and all(type(h) is int and 0 <= h < _U64 for h in chunks):
+            return frozenset(chunks)
+    return None

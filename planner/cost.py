@@ -266,6 +266,7 @@ class RequestCosts:
     __slots__ = (
         "_consts",
         "bk",
+        "chunk_src",
         "config",
         "lam",
         "model",
@@ -278,7 +279,9 @@ class RequestCosts:
         "request",
     )
 
-    def __init__(self, model: CostModel, request: RequestView) -> None:
+    def __init__(
+        self, model: CostModel, request: RequestView, cluster: ClusterView | None = None
+    ) -> None:
         cfg = model.config
         self.model = model
         self.request = request
@@ -292,6 +295,11 @@ class RequestCosts:
         self.mu = cfg.mu
         self.nu = cfg.nu
         self._consts: dict[str, tuple[float, ...]] = {}
+        self.chunk_src: tuple[tuple[WorkerView, ...], ...] = (
+            chunk_sources(request, cluster) if request.chunk_spans and cluster is not None else ()
+        )
+        """Per chunk of the request, the workers a prefill worker may fetch its KV from
+        (`chunk_sources`); () when no chunk has one (no cluster given: none)."""
 
     def consts(self, profile: str) -> tuple[float, ...]:
         """The request's constants for a profile name (unknown → the default profile; names of
@@ -354,6 +362,7 @@ class RequestCosts:
         disp_on = self.nu > 0
         dup_none = _dup(True, 0, ob, bk)  # dup(w, 0) of a non-owner (0 without an owner)
         seq = n + self.o  # the KV the request needs on a worker holding none of it
+        fetchable = bool(self.chunk_src)  # a prefill may fetch chunks it lacks
         profile: str | None = None
         c: tuple[float, ...] = ()
         pbase = ptok = da = db = dc = pf_all = cap_p = 0.0
@@ -403,7 +412,9 @@ class RequestCosts:
                             w,
                             q,
                             dec,
-                            self.prefill(w, r, c) if ch else sp * _prefill_base(c, n, r),
+                            self.prefill(w, r, c)
+                            if ch or fetchable
+                            else sp * _prefill_base(c, n, r),
                             stalled,
                             dh,
                             (
@@ -418,7 +429,18 @@ class RequestCosts:
                     )
                     continue
             d = dup_none if dup_none and w.worker_id != owner else 0
-            add((w, q, dec, sp * pf_all, stalled, d, None, disp))
+            add(
+                (
+                    w,
+                    q,
+                    dec,
+                    self.prefill(w, 0, c) if fetchable else sp * pf_all,
+                    stalled,
+                    d,
+                    None,
+                    disp,
+                )
+            )
         return terms
 
     def kv_wait(self, w: WorkerView, gpu: int, decode: float, cap_p: float) -> float:
@@ -505,22 +527,90 @@ class RequestCosts:
         reused tokens (`c`: the constants of w's profile, when at hand). On a worker holding
         u = `chunk_reuse(w, r)` > 0 tokens of the request's chunks past them:
         s_p · (prefill_base(r + u) + rerotate_per_token_s · u) — the chunks are copied and
-        re-rotated, not computed, and are context for the rest."""
+        re-rotated, not computed, and are context for the rest. When w may fetch chunks it
+        lacks from their holders (`chunk_fetch`), the lesser of that and the fetch's."""
         if c is None:
             c = self.consts(w.profile)
+        sp = w.prefill_scale
         if w.chunks_held:
             u = self.chunk_reuse(w, r)
-            if u:
-                return w.prefill_scale * (self.prefill_base(c, r + u) + c[_ROT] * u)
-        return w.prefill_scale * self.prefill_base(c, r)
+            pf = sp * (self.prefill_base(c, r + u) + c[_ROT] * u if u else self.prefill_base(c, r))
+        else:
+            pf = sp * self.prefill_base(c, r)
+        if self.chunk_src:
+            fetched = self.chunk_fetch(w, r, c)
+            if fetched is not None and fetched[0] < pf:
+                return fetched[0]
+        return pf
+
+    def chunk_fetch(
+        self, w: WorkerView, r: int, c: tuple[float, ...] | None = None
+    ) -> tuple[float, tuple[tuple[int, str], ...]] | None:
+        """(prefill_s with the fetch, the chunks fetched with their holders) of w fetching
+        every chunk of the request past its first r tokens that it lacks and a holder serves
+        (`chunk_src`; w needs a KV API); None when there is none:
+
+            F(w, r)   = the chunks i ∉ chunks_held(w) with hi_i > r and a holder; each comes
+                        from its first holder on w's node, else its first holder
+            u'        = chunk tokens past r of chunks_held(w) ∪ F (`chunk_reuse`'s sum, capped)
+            fetch_s   = max over holders h of transfer_s(h → w, Σ_{i ∈ F from h}
+                        (hi_i − lo_i) · K) + handover_s(w)   (one pull per holder, concurrent)
+            prefill_s = fetch_s + s_p · (prefill_base(r + u') + rerotate_per_token_s · u')
+
+        `prefill` takes the lesser of this and recomputing them (per request, not per
+        chunk)."""
+        src = self.chunk_src
+        if not src or not w.kv_api:
+            return None
+        spans = self.request.chunk_spans
+        held = w.chunks_held
+        wid, node = w.worker_id, w.node
+        per_holder: dict[str, tuple[WorkerView, int]] = {}
+        picks: list[tuple[int, str]] = []
+        for i, holders in enumerate(src):
+            if not holders or i in held:
+                continue
+            lo, hi = spans[i]
+            if hi <= r:
+                continue
+            h = None
+            for x in holders:
+                if x.worker_id != wid:
+                    if x.node == node:
+                        h = x
+                        break
+                    if h is None:
+                        h = x
+            if h is None:
+                continue
+            picks.append((i, h.worker_id))
+            got = per_holder.get(h.worker_id)
+            per_holder[h.worker_id] = (h, (hi - lo) + (0 if got is None else got[1]))
+        if not picks:
+            return None
+        if c is None:
+            c = self.consts(w.profile)
+        k = self.request.kv_bytes_per_token
+        fetch_s = 0.0
+        for h, tokens in per_holder.values():
+            t = self.transfer(h, w, tokens * k, c)[0]
+            if t > fetch_s:
+                fetch_s = t
+        fetch_s += w.handover_s
+        u = self._chunk_tokens((*held, *(i for i, _ in picks)), r)
+        pf = w.prefill_scale * (self.prefill_base(c, r + u) + c[_ROT] * u)
+        return fetch_s + pf, tuple(picks)
 
     def chunk_reuse(self, w: WorkerView, r: int) -> int:
         """u(w, r) = min(N − 1 − r, Σ over the request's chunks [lo, hi) w holds of
         max(0, hi − max(lo, r))): the chunk tokens past the first r that w copies instead of
         computing (the last prompt token is always computed)."""
+        return self._chunk_tokens(w.chunks_held, r)
+
+    def _chunk_tokens(self, chunks: Iterable[int], r: int) -> int:
         spans = self.request.chunk_spans
         total = 0
-        for i in w.chunks_held:
+        for i in chunks:
             if 0 <= i < len(spans):
                 lo, hi = spans[i]
                 if hi > r:
@@ -597,6 +687,14 @@ class RequestCosts:
         its prefill and decode workers, when at hand)."""
         b, reused_blocks = self._breakdown(route, p, d)
         src = route.source
+        fetches: tuple[tuple[int, str], ...] = ()
+        if self.chunk_src:
+            # the prefill `_breakdown` priced: the fetch's when it was the lesser
+            pw = route.prefill
+            r = self.reused(reused_blocks) if reused_blocks else 0
+            fetched = self.chunk_fetch(pw, r)
+            if fetched is not None and fetched[0] < self._recompute(pw, r):
+                fetches = fetched[1]
         return Candidate(
             route.action,
             route.prefill.worker_id,
@@ -604,7 +702,14 @@ class RequestCosts:
             b,
             None if src is None else src.worker_id,
             reused_blocks,
+            fetches,
         )
+
+    def _recompute(self, w: WorkerView, r: int) -> float:
+        """`prefill` without fetching chunks."""
+        c = self.consts(w.profile)
+        u = self.chunk_reuse(w, r) if w.chunks_held else 0
+        return w.prefill_scale * (self.prefill_base(c, r + u) + c[_ROT] * u)
 
     def _breakdown(
         self, route: Route, tp: WorkerTerms | None, td: WorkerTerms | None
@@ -684,10 +789,30 @@ def _dup(non_owner: bool, held: int, ob: int, bk: int) -> int:
     return (ob - held) * bk if non_owner and held < ob else 0
 
 
-def evaluate(model: CostModel, request: RequestView, route: Route) -> CostBreakdown:
+def evaluate(
+    model: CostModel, request: RequestView, route: Route, cluster: ClusterView | None = None
+) -> CostBreakdown:
     """The full breakdown of C(route) (`RequestCosts.breakdown`); `CostBreakdown.total` is
-    C(a)."""
-    return RequestCosts(model, request).breakdown(route)
+    C(a). With `cluster`, a chunked request's prefill may fetch the chunks it lacks from
+    their holders there (`RequestCosts.chunk_fetch`)."""
+    return RequestCosts(model, request, cluster).breakdown(route)
+
+
+def chunk_sources(request: RequestView, cluster: ClusterView) -> tuple[tuple[WorkerView, ...], ...]:
+    """Per chunk of the request (`chunk_spans`), the healthy workers with a KV API
+    (`kv_api`) whose chunk store holds it (`chunks_held`; the serving workers, then the
+    sources), in the cluster's order; () when no chunk has any."""
+    n = len(request.chunk_spans)
+    out: list[list[WorkerView]] = [[] for _ in range(n)]
+    found = False
+    for ws in (cluster.workers, cluster.sources):
+        for w in ws:
+            if w.chunks_held and w.healthy and w.kv_api:
+                for i in w.chunks_held:
+                    if 0 <= i < n and w not in out[i]:
+                        out[i].append(w)
+                        found = True
+    return tuple(tuple(x) for x in out) if found else ()
 
 
 # --------------------------------------------------------------------------------------------

@@ -199,6 +199,10 @@ class Candidate:
     cost: CostBreakdown
     source_worker: str | None = None
     reused_blocks: int = 0
+    # chunk reuse: the request's chunks (indices into `RequestView.chunk_spans`) its prefill
+    # worker fetches before it runs, each with the holder it comes from (planner.cost
+    # .RequestCosts.chunk_fetch); () when it fetches none
+    chunk_fetches: tuple[tuple[int, str], ...] = ()
 
 
 @fast_init

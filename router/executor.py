@@ -36,7 +36,14 @@ import orjson
 
 from ownerserve.config import ServerSettings
 from ownerserve.errors import UpstreamError
-from ownerserve.kvfetch import FETCH_PATH, KVFetchRequest, fetched_blocks
+from ownerserve.kvfetch import (
+    CHUNK_FETCH_PATH,
+    FETCH_PATH,
+    KVChunkFetchRequest,
+    KVFetchRequest,
+    fetched_blocks,
+    fetched_chunks,
+)
 from ownerserve.records import fast_init
 from planner.types import Action, Plan
 from router.backends import PDHandoff
@@ -105,6 +112,19 @@ class FetchSpec:
     block_size: int
 
 
+@fast_init
+@dataclass(frozen=True, slots=True)
+class ChunkFetchSpec:
+    """Chunk reuse: the chunks the plan's prefill worker pulls from their holders before it
+    runs (`Candidate.chunk_fetches`): per holder, the chunk hashes it gives."""
+
+    by_source: tuple[tuple[str, tuple[int, ...]], ...]
+
+    @property
+    def planned(self) -> int:
+        return sum(len(h) for _, h in self.by_source)
+
+
 @dataclass(slots=True)
 class OpenedResponse:
     """The final upstream response, opened: status, first bytes, and (streaming) the response
@@ -126,6 +146,12 @@ class OpenedResponse:
     finished: bool = False
     fallback: GaveUp | None = None
     """The P/D hand-over or fetch given up: this is then a colocated run on the decode worker."""
+    chunks_fetched: tuple[str, frozenset[int]] | None = None
+    """Chunk reuse: the worker chunks were fetched into and the chunk hashes it says it holds
+    after the chunk fetch (those planned that did not come are recomputed)."""
+    chunks: tuple[int, int, int] | None = None
+    """Chunk reuse: the prompt's chunks (reused, fetched, recomputed) as they ran (set by the
+    pipeline; the plan header's `chunks=`)."""
 
     async def aclose(self) -> None:
         """Release the connection (or abort it if the body was not fully read: that cancels
@@ -305,11 +331,34 @@ class PlanExecutor:
         headers: bytes,
         fetch: FetchSpec | None = None,
         limits: HopLimits | None = None,
+        chunks: ChunkFetchSpec | None = None,
     ) -> OpenedResponse:
         """Execute `plan` up to the final response's first bytes, each hop within `limits`
-        (default: the executor's)."""
+        (default: the executor's); first, when `chunks` names some, the plan's prefill worker
+        pulls those chunks from their holders (`fetch_chunks`: a failure only means they are
+        recomputed)."""
         if limits is None:
             limits = self.limits
+        if chunks is None or not chunks.by_source:
+            return await self._open_plan(plan, req, headers, fetch, limits)
+        destination = self._worker(plan.chosen.prefill_worker)
+        with self.span("ownerserve.chunk_fetch", to=destination.worker_id) as span:
+            held = await self.fetch_chunks(destination, chunks, req, limits.kv_transfer_timeout_s)
+            if span is not None:
+                span.set_attribute("chunks_planned", chunks.planned)
+                span.set_attribute("chunks_fetched", len(held))
+        opened = await self._open_plan(plan, req, headers, fetch, limits)
+        opened.chunks_fetched = (destination.worker_id, held)
+        return opened
+
+    async def _open_plan(
+        self,
+        plan: Plan,
+        req: CompletionRequest,
+        headers: bytes,
+        fetch: FetchSpec | None,
+        limits: HopLimits,
+    ) -> OpenedResponse:
         chosen = plan.chosen
         decode = self._worker(chosen.decode_worker)
         action = chosen.action
@@ -592,3 +641,71 @@ class PlanExecutor:
                 source_id, destination.worker_id, got, len(fetch.block_hashes),
             )  # fmt: skip
         return None, got
+
+    # --- chunk fetch (chunk reuse) -----------------------------------------------------------
+
+    async def fetch_chunks(
+        self,
+        destination: WorkerState,
+        chunks: ChunkFetchSpec,
+        req: CompletionRequest,
+        timeout_s: float,
+    ) -> frozenset[int]:
+        """Ask `destination`'s KV API to pull each holder's chunks from it (one request per
+        holder, concurrently, each within `timeout_s`): the planned chunk hashes it says it
+        holds afterwards. A holder that failed, or a KV API that cannot fetch chunks (a 4xx),
+        gives none: those chunks are recomputed."""
+        base = destination.backend.kv_api_url(destination.address)
+        if base is None:
+            return frozenset()
+        results = await asyncio.gather(
+            *(
+                self._fetch_chunks(destination, base, source_id, hashes, req, timeout_s)
+                for source_id, hashes in chunks.by_source
+            )
+        )
+        return frozenset().union(*results)
+
+    async def _fetch_chunks(
+        self,
+        destination: WorkerState,
+        base: str,
+        source_id: str,
+        hashes: tuple[int, ...],
+        req: CompletionRequest,
+        timeout_s: float,
+    ) -> frozenset[int]:
+        source = self.pool.get(source_id)
+        source_url = None if source is None else source.backend.kv_api_url(source.address)
+        if source_url is None:
+            return frozenset()
+        body = KVChunkFetchRequest(source_url, hashes, req.model, source_id)
+        try:
+            resp = await self.http.request(
+                base,
+                b"POST",
+                CHUNK_FETCH_PATH,
+                _JSON_HEADER,
+                orjson.dumps(body.to_json()),
+                ("kv_transfer", timeout_s),
+            )
+            try:
+                data = await resp.read()
+            finally:
+                resp.release()
+        except OSError as exc:
+            log.warning("chunk fetch %s -> %s failed: %r", source_id, destination.worker_id, exc)
+            return frozenset()
+        if resp.status != 200:
+            log.info(
+                "chunk fetch %s -> %s: status %s (the chunks are recomputed): %s",
+                source_id, destination.worker_id, resp.status, data[:200].decode(errors="replace"),
+            )  # fmt: skip
+            return frozenset()
+        try:
+            got = fetched_chunks(orjson.loads(data))
+        except orjson.JSONDecodeError:
+            got = None
+        if got is None:
+            return frozenset()
+        return got.intersection(hashes)

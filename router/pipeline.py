@@ -33,7 +33,9 @@ from ownerserve.http import error_status_and_body
 from ownerserve.types import Tier
 from planner.types import Action, Candidate, CostBreakdown, Plan, Policy, RequestView
 from router.admission import WorkingSet, record_service
+from router.chunk_prefill import ChunkPrefillOutcome, prefill_chunks
 from router.executor import (
+    ChunkFetchSpec,
     FetchSpec,
     OpenedResponse,
     RetryableUpstreamError,
@@ -349,7 +351,10 @@ async def execute(ctx: RequestContext) -> None:
         kv_started(ctx)
         if attempt == 0:
             metrics.overhead.observe(time.perf_counter() - ctx.t0 - ctx.queued_s)
+        prefilled: ChunkPrefillOutcome | None = None
         try:
+            if ctx.chunks is not None:  # a vLLM worker computes missing chunks first
+                prefilled = await prefill_chunks(ctx, chosen.prefill_worker)
             with tel.start_span(
                 "ownerserve.upstream",
                 action=ctx.plan.action.value,
@@ -357,7 +362,12 @@ async def execute(ctx: RequestContext) -> None:
                 decode=chosen.decode_worker,
             ) as span:
                 opened = await executor.open_plan(
-                    ctx.plan, ctx.req, out_headers, _fetch_spec(ctx), limits
+                    ctx.plan,
+                    ctx.req,
+                    out_headers,
+                    _fetch_spec(ctx),
+                    limits,
+                    chunks=_chunk_fetch_spec(ctx),
                 )
                 if span is not None and opened.fallback is not None:
                     span.set_attribute("ran", "colocated")
@@ -388,6 +398,10 @@ async def execute(ctx: RequestContext) -> None:
             _give_up(ctx, opened.fallback, "colocated")
             ctx.planned = ctx.plan
             ctx.plan = _ran_colocated(ctx.plan)
+        if ctx.chunks is not None:
+            opened.chunks = _chunk_counts(ctx, opened)
+            if prefilled is not None:  # what its sidecar held intact, what was prefilled
+                opened.chunks = (prefilled.reused, 0, prefilled.prefilled + prefilled.failed)
         ctx.opened = opened
         return
     if last_error is not None:
@@ -462,6 +476,36 @@ def _fetch_spec(ctx: RequestContext) -> FetchSpec | None:
     blocks = plan.chosen.reused_blocks or ctx.match.longest(src)
     blocks = min(blocks or len(tok.chain), len(tok.chain))
     return FetchSpec(tuple(tok.chain[:blocks]), tok.token_ids, ctx.mt.block_size)
+
+
+def _chunk_fetch_spec(ctx: RequestContext) -> ChunkFetchSpec | None:
+    """Chunk reuse: the chunks the plan's prefill worker fetches (`Candidate.chunk_fetches`),
+    grouped by holder."""
+    fetches = ctx.plan.chosen.chunk_fetches
+    if not fetches or ctx.chunks is None:
+        return None
+    chunks = ctx.chunks.chunks
+    by_source: dict[str, list[int]] = {}
+    for i, src in fetches:
+        if 0 <= i < len(chunks):
+            by_source.setdefault(src, []).append(chunks[i].hash)
+    return ChunkFetchSpec(tuple((s, tuple(h)) for s, h in by_source.items()))
+
+
+def _chunk_counts(ctx: RequestContext, opened: OpenedResponse) -> tuple[int, int, int]:
+    """(reused, fetched, recomputed) chunks of the prompt as it ran: reused, those the
+    directory says the prefill worker that ran holds; fetched, those its KV API says it
+    pulled in; recomputed, the rest."""
+    assert ctx.chunks is not None
+    chunks = ctx.chunks.chunks
+    worker = ctx.plan.chosen.prefill_worker
+    held = set(ctx.chunk_holders.get(worker, ()))
+    fetched = 0
+    got = opened.chunks_fetched
+    if got is not None and got[0] == worker:
+        fetched = sum(1 for i, c in enumerate(chunks) if i not in held and c.hash in got[1])
+    reused = sum(1 for i in held if 0 <= i < len(chunks))
+    return reused, fetched, len(chunks) - reused - fetched
 
 
 # --- one request, end to end ------------------------------------------------------------------

@@ -62,10 +62,12 @@ def plan_header(
     fallback: Fallback | None = None,
     ran: Plan | None = None,
     fetched_blocks: tuple[int, int] | None = None,
+    chunks: tuple[int, int, int] | None = None,
 ) -> bytes:
     """`key=value;...`: policy, class, action, workers, cost and runner-up, then the cost
     terms of the chosen candidate (seconds; `m_hbm` in bytes), whether a fetch succeeded and
-    how many of its blocks the destination holds (`fetched_blocks=GOT/PLANNED`) and, when
+    how many of its blocks the destination holds (`fetched_blocks=GOT/PLANNED`), for a
+    chunked prompt its chunks as they ran (`chunks=REUSED/FETCHED/RECOMPUTED`) and, when
     something else ran, `ran=ACTION;ran_workers=P>D` and `fallback_fields`."""
     b = plan.chosen.cost
     text = (
@@ -79,6 +81,8 @@ def plan_header(
         text += f";fetched={'1' if fetched else '0'}"
     if fetched_blocks is not None:
         text += f";fetched_blocks={fetched_blocks[0]}/{fetched_blocks[1]}"
+    if chunks is not None:
+        text += f";chunks={chunks[0]}/{chunks[1]}/{chunks[2]}"
     if ran is not None and ran is not plan:
         c = ran.chosen
         text += f";ran={c.action.value};ran_workers={c.prefill_worker}>{c.decode_worker}"
@@ -99,6 +103,7 @@ class PlanRecord:
     fallback: Fallback | None = None
     ran: Plan | None = None
     fetched_blocks: tuple[int, int] | None = None
+    chunks: tuple[int, int, int] | None = None
 
     @classmethod
     def of(
@@ -109,14 +114,19 @@ class PlanRecord:
         fallback: Fallback | None = None,
         ran: Plan | None = None,
         fetched_blocks: tuple[int, int] | None = None,
+        chunks: tuple[int, int, int] | None = None,
     ) -> PlanRecord:
-        return cls(time.time(), session_id, plan, fetched, fallback, ran, fetched_blocks)
+        return cls(time.time(), session_id, plan, fetched, fallback, ran, fetched_blocks, chunks)
 
     def as_dict(self) -> dict[str, Any]:
         out = plan_to_dict(self.plan)
         out.update(at=self.at, session_id=self.session_id, fetched=self.fetched)
         fb_blocks = self.fetched_blocks
         out["fetched_blocks"] = None if fb_blocks is None else list(fb_blocks)
+        ch = self.chunks
+        out["chunks"] = (
+            None if ch is None else {"reused": ch[0], "fetched": ch[1], "recomputed": ch[2]}
+        )
         ran = self.ran
         out["ran"] = None if ran is None or ran is self.plan else {
             "action": ran.chosen.action.value,

@@ -93,7 +93,13 @@ async def stream(ctx: RequestContext) -> None:
     fallback = ctx.fallback
     router.recent_plans.append(
         PlanRecord.of(
-            shown, ctx.session.session_id, opened.fetched, fallback, plan, opened.fetched_blocks
+            shown,
+            ctx.session.session_id,
+            opened.fetched,
+            fallback,
+            plan,
+            opened.fetched_blocks,
+            opened.chunks,
         )
     )
     streaming = ctx.req.stream and ok
@@ -102,7 +108,9 @@ async def stream(ctx: RequestContext) -> None:
             (b"content-type", opened.content_type),
             (
                 PLAN_HEADER,
-                plan_header(shown, opened.fetched, fallback, plan, opened.fetched_blocks),
+                plan_header(
+                    shown, opened.fetched, fallback, plan, opened.fetched_blocks, opened.chunks
+                ),
             ),
         ]
         out.sse = streaming and opened.content_type.startswith(b"text/event-stream")

@@ -47,6 +47,8 @@ class Run:
     prefill_tokens_computed: int
     chunk_tokens: int
     chunk_tokens_reused: int
+    chunk_tokens_fetched: int = 0
+    """Chunk tokens pulled from another worker's chunk store (chunk fetch) before reuse."""
 
 
 def prompts(
@@ -145,6 +147,7 @@ async def one_run(
         computed0 = counter(workers, "ownerserve_emulator_prefill_tokens_computed_total")
         prompt0 = counter(workers, "vllm:prompt_tokens_total")
         reused0 = counter(workers, "ownerserve_emulator_chunk_tokens_reused_total")
+        fetched0 = counter(workers, "ownerserve_emulator_chunk_tokens_fetched_total")
         ttfts = []
         chunk_tokens = 0
         for i, keys in enumerate(measured):
@@ -168,14 +171,16 @@ async def one_run(
         chunk_tokens=chunk_tokens,
         chunk_tokens_reused=counter(workers, "ownerserve_emulator_chunk_tokens_reused_total")
         - reused0,
+        chunk_tokens_fetched=counter(workers, "ownerserve_emulator_chunk_tokens_fetched_total")
+        - fetched0,
     )
 
 
 def table(runs: list[Run]) -> str:
     lines = [
         "| hit rate | mode | TTFT mean ms | p50 | p90 | prompt tokens | computed | chunk tokens "
-        "reused | mean TTFT vs prefix caching |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "reused | of them fetched | mean TTFT vs prefix caching |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     base = {r.hit: r for r in runs if r.mode == "prefix caching"}
     for r in runs:
@@ -185,7 +190,7 @@ def table(runs: list[Run]) -> str:
         lines.append(
             f"| {r.hit:.0%} | {r.mode} | {r.ttft_mean_ms:.1f} | {r.ttft_p50_ms:.1f} | "
             f"{r.ttft_p90_ms:.1f} | {r.prompt_tokens:,} | {r.prefill_tokens_computed:,} | "
-            f"{r.chunk_tokens_reused:,} ({share:.0%}) | {ratio} |"
+            f"{r.chunk_tokens_reused:,} ({share:.0%}) | {r.chunk_tokens_fetched:,} | {ratio} |"
         )
     return "\n".join(lines)
 

@@ -131,7 +131,8 @@ class _Pick(TopTwo[float, _Rec]):
         c, pf_fetch, pf_mig = prof
         sp = w.prefill_scale
         held = 0 if h is None else h[1]
-        chunked = bool(w.chunks_held)  # its prefill after the move reuses its chunks too
+        # its prefill after the move reuses (or fetches) its chunks too
+        chunked = bool(w.chunks_held) or bool(k.chunk_src)
         if fetch_ok:
             src = self.src_f
             assert src is not None
@@ -157,7 +158,7 @@ class OwnerServePolicy:
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
         model = self.model
         rclass = classify(request, model.config)
-        k = RequestCosts(model, request)
+        k = RequestCosts(model, request, cluster)
         cont = rclass is _RC_CONT
         pick = _Pick(DEFAULT_ACTION[rclass], k)
         # how a colocated candidate on a worker holding nothing is named
@@ -188,8 +189,10 @@ class OwnerServePolicy:
         # the least prefill (at scale 1) of any candidate on a worker holding nothing (the least
         # over the loaded profiles: a lower bound of every worker's)
         least_lo = _INF
+        # a prefill fetching chunks may reuse all but the last token (`chunk_fetch`)
+        r_least = k.n - 1 if k.chunk_src else r_lo
         for name in model.profiles:
-            least = k.prefill_base(k.consts(name), r_lo)
+            least = k.prefill_base(k.consts(name), r_least)
             if least < least_lo:
                 least_lo = least
         # decode-capable workers holding nothing; of them, those with a KV API (a fetch or a
@@ -253,7 +256,7 @@ class OwnerServePolicy:
                 mig_ok = api and src_m is not None and g_m > held and w is not src_m
                 considered += 1 + fetch_ok + mig_ok
                 least = pf
-                if (fetch_ok or mig_ok) and w.chunks_held:
+                if (fetch_ok or mig_ok) and (w.chunks_held or k.chunk_src):
                     least = 0.0  # after a move its chunk reuse changes: no cheap bound
                 elif (fetch_ok or mig_ok) and r_lo > r:
                     least = w.prefill_scale * least_lo

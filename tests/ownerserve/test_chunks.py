@@ -139,3 +139,44 @@ def test_the_layout_round_trips_and_a_bad_one_is_a_400() -> None:
         parse_layout(layout_params(cp), 8)  # spans past the prompt
     with pytest.raises(InvalidRequestError):
         parse_layout({"chunks": [{"hash": "zz", "start": 0, "end": 1}]}, 8)
+
+
+def test_a_chunk_prefill_is_the_system_then_the_load_span_saved_from_the_system_block_on() -> None:
+    from ownerserve.chunks import chunk_prefills, load_spans
+
+    text = "system prompt##A doc##B doc##q"
+    cp = split(text)
+    assert cp is not None
+    toks = ids(text)
+    spans = load_spans(toks, cp.system_end, cp.chunks)
+    # a span is the separator leading into the chunk, then the chunk
+    assert [(s.start, s.end) for s in spans] == [
+        (cp.system_end, cp.chunks[0].end),
+        (cp.chunks[0].end, cp.chunks[1].end),
+    ]
+    prefills = chunk_prefills(toks, cp, 4)
+    for p, s in zip(prefills, spans, strict=True):
+        assert p.prompt == tuple(toks[: cp.system_end]) + tuple(toks[s.start : s.end])
+        save = p.params["chunk_save"]
+        assert save == {
+            "key": f"{s.key:016x}",
+            "start": cp.system_end // 4 * 4,
+            "end": len(p.prompt),
+            "position": cp.system_end,
+        }
+
+
+def test_a_load_span_key_depends_on_its_content_and_lead_in_never_its_position() -> None:
+    from ownerserve.chunks import load_spans
+
+    one = split("system prompt##A doc##B doc##q")
+    two = split("system prompt##B doc##A doc##q")
+    assert one is not None and two is not None
+    k1 = {
+        s.key for s in load_spans(ids("system prompt##A doc##B doc##q"), one.system_end, one.chunks)
+    }
+    k2 = {
+        s.key for s in load_spans(ids("system prompt##B doc##A doc##q"), two.system_end, two.chunks)
+    }
+    assert k1 == k2 and len(k1) == 2
+    assert not k1 & {c.hash for c in one.chunks}  # the lead-in joins the key

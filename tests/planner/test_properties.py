@@ -127,10 +127,12 @@ def test_chosen_plan_costs_no_more_than_any_candidate(
     p = OwnerServePolicy(model=model).plan(req, cl)
     cont = classify(req, model.config) is RequestClass.DECODE_CONTINUATION
     routes = enumerate_routes(req, cl, continuation=cont)
-    totals = [evaluate(model, req, r).total for r in routes]
+    # with the cluster: a chunked prompt's prefill may fetch the chunks it lacks
+    totals = [evaluate(model, req, r, cl).total for r in routes]
     best = min(totals)
     chosen = p.chosen.cost.total
     assert chosen <= best + 1e-9 * max(1.0, best)
+    assert chosen >= best - 1e-9 * max(1.0, best)  # the argmin, not cheaper than any route
     assert p.candidates_considered == len(routes)
     if p.runner_up is not None:
         assert p.runner_up.cost.total >= chosen - 1e-9 * max(1.0, chosen)
@@ -205,7 +207,7 @@ def test_a_session_moves_only_when_staying_costs_more_by_the_hysteresis(
     model = MODELS[model_name]
     p = OwnerServePolicy(model=model).plan(req, cl)
     # the exact search prices migrations (hysteresis included) as the reference does
-    best = min(evaluate(model, req, r).total for r in enumerate_routes(req, cl))
+    best = min(evaluate(model, req, r, cl).total for r in enumerate_routes(req, cl))
     assert p.chosen.cost.total <= best + 1e-9 * max(1.0, best)
     if p.action is not Action.STATE_MIGRATION:
         return
@@ -378,7 +380,11 @@ def test_every_policy_plans_with_healthy_capable_workers_and_exact_costs(
     # the source may be a draining worker (`ClusterView.sources`)
     src = cl.by_id(p.chosen.source_worker) if p.chosen.source_worker else None
     route = Route(p.action, pw, dw, src)
-    assert p.chosen.cost == evaluate(H100, req, route)
+    # the ownerserve policy prices fetching chunks from their holders in the cluster; the
+    # baselines never fetch chunks
+    assert p.chosen.cost == evaluate(H100, req, route, cl if name == "ownerserve" else None)
+    if name != "ownerserve":
+        assert p.chosen.chunk_fetches == ()
     assert p.policy == name
 
 

@@ -50,7 +50,7 @@ from ownerserve.http import (
     send_json,
     sse_error_event,
 )
-from ownerserve.kvfetch import FETCH_PATH, KVFetchRequest
+from ownerserve.kvfetch import CHUNK_FETCH_PATH, FETCH_PATH, KVChunkFetchRequest, KVFetchRequest
 from ownerserve.profiles import TimingProfile
 from ownerserve.tokenizer import ChatTemplate, Tokenizer, load_chat_template, load_tokenizer
 from ownerserve.types import Role
@@ -78,7 +78,7 @@ from workers.emulator.textgen import (
     text_seed,
     tool_call_shape,
 )
-from workers.emulator.transfer import KVMover
+from workers.emulator.transfer import CHUNK_READ_PATH, KVMover
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +253,8 @@ class EmulatorApp:
             ("POST", "/ownerserve/kv/read", self.kv_read),
             ("POST", FETCH_PATH, self.kv_fetch),
             ("POST", "/ownerserve/fetch", self.kv_fetch),
+            ("POST", CHUNK_READ_PATH, self.kv_read_chunks),
+            ("POST", CHUNK_FETCH_PATH, self.kv_fetch_chunks),
         ):
             self.routes[(method, path)] = handler
         self._paths = {p for _m, p in self.routes}
@@ -1102,6 +1104,49 @@ class EmulatorApp:
             )
         result = await self.mover.fetch(
             req.source_url, list(req.block_hashes), self.config.transfer_timeout_s
+        )
+        await send_json(send, 200, result.as_json())
+
+    async def kv_read_chunks(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Another worker copies chunk KV from this worker's chunk store (chunk fetch source
+        side): each requested chunk held, with its token count."""
+        body = await self._json_body(scope, receive)
+        hashes = body.get("chunk_hashes")
+        if not isinstance(hashes, list) or not all(
+            type(h) is int and 0 <= h < 1 << 64 for h in hashes
+        ):
+            raise InvalidRequestError("chunk_hashes: must be a list of unsigned 64-bit hashes")
+        store = self.chunk_store
+        chunks = []
+        missing = []
+        for h in hashes:
+            tokens = 0 if store is None else store.lookup(h)
+            if tokens:
+                chunks.append({"hash": h, "tokens": tokens})
+            else:
+                missing.append(h)
+        nbytes = sum(c["tokens"] for c in chunks) * self.profile.kv_bytes_per_token
+        self.metrics.kv_sent_bytes["chunk"] += nbytes
+        await send_json(
+            send,
+            200,
+            {
+                "worker_id": self.worker_id,
+                "node": self.config.node,
+                "chunks": chunks,
+                "missing": missing,
+                "num_bytes": nbytes,
+            },
+        )
+
+    async def kv_fetch_chunks(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pull `chunk_hashes` from the chunk store of the worker at `source_url` into this
+        worker's (a worker without a chunk store answers 400)."""
+        req = KVChunkFetchRequest.from_json(await self._json_body(scope, receive))
+        if req.model is not None:
+            self._check_model(req.model)
+        result = await self.mover.fetch_chunks(
+            req.source_url, list(req.chunk_hashes), self.config.transfer_timeout_s
         )
         await send_json(send, 200, result.as_json())
 

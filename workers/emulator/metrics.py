@@ -36,7 +36,7 @@ CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 """vLLM's `CacheHitSource`: where cached prompt tokens came from (HBM, CPU tier, another
 instance, disk, a connector that does not say)."""
 FINISH_REASONS = ("stop", "length", "abort", "error")
-TRANSFER_KINDS = ("pd", "fetch")
+TRANSFER_KINDS = ("pd", "fetch", "chunk")
 
 
 class Histogram:
@@ -107,6 +107,9 @@ class EngineMetrics:
         self.chunk_tokens_stored = 0
         self.chunks_reused = 0
         self.chunks_stored = 0
+        self.chunks_fetched = 0
+        """Chunks stored here from another worker's chunk store (chunk fetch)."""
+        self.chunk_tokens_fetched = 0
 
     def _render_offload(
         self,
@@ -247,6 +250,10 @@ class EngineMetrics:
         out.append(f"{p}chunks_stored_total{{{own}}} {self.chunks_stored}")
         metric(f"{p}chunk_tokens_stored", "counter", "Tokens of the chunks stored.")
         out.append(f"{p}chunk_tokens_stored_total{{{own}}} {self.chunk_tokens_stored}")
+        metric(f"{p}chunks_fetched", "counter", "Chunks fetched from another worker's store.")
+        out.append(f"{p}chunks_fetched_total{{{own}}} {self.chunks_fetched}")
+        metric(f"{p}chunk_tokens_fetched", "counter", "Tokens of the chunks fetched.")
+        out.append(f"{p}chunk_tokens_fetched_total{{{own}}} {self.chunk_tokens_fetched}")
         metric(f"{p}chunk_store_tokens", "gauge", "Tokens of chunk KV held in the chunk store.")
         out.append(f"{p}chunk_store_tokens{{{own}}} {g.get('chunk_tokens', 0)}")
         metric(f"{p}chunk_store_capacity_tokens", "gauge", "Chunk store capacity in tokens.")

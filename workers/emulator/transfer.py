@@ -13,6 +13,9 @@ cache, so they show up in its prefix cache, its KV events and its byte counters.
 - P->D (SGLang style): the same call to the prefill's bootstrap port with the `bootstrap_room`;
   the prefill side waits up to the transfer timeout for that room's prefill to finish.
 - Artifact fetch: the destination calls `POST {source}/ownerserve/kv/read` for chosen hashes.
+- Chunk fetch (chunk reuse): the destination calls `POST {source}/ownerserve/kv/read_chunks`
+  for chunk hashes its chunk store lacks; the source answers each one it holds with its token
+  count, and the destination stores them after their bytes' transfer time.
 
 The decode side pulls only blocks it does not already hold, as vLLM's NIXL connector does.
 Transfers into one engine queue on its inbound link (one for its own node, one for others), so
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 PULL_PATH = "/ownerserve/kv/pull"
 READ_PATH = "/ownerserve/kv/read"
 HEARTBEAT_PATH = "/ownerserve/kv/heartbeat"
+CHUNK_READ_PATH = "/ownerserve/kv/read_chunks"
 CONNECT_TIMEOUT_S = 3.0
 
 
@@ -59,6 +63,31 @@ class FetchResult:
     def as_json(self) -> dict[str, Any]:
         return {
             "blocks": self.blocks,
+            "requested": self.requested,
+            "already_held": self.already_held,
+            "fetched": self.fetched,
+            "missing": self.missing,
+            "bytes": self.bytes,
+            "seconds": self.seconds,
+            "source_node": self.source_node,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkFetchResult:
+    chunks: list[int]
+    """The requested chunk hashes the chunk store holds after the fetch (`ownerserve.kvfetch`)."""
+    requested: int
+    already_held: int
+    fetched: int
+    missing: list[int]
+    bytes: int
+    seconds: float
+    source_node: str | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "chunks": self.chunks,
             "requested": self.requested,
             "already_held": self.already_held,
             "fetched": self.fetched,
@@ -272,4 +301,47 @@ class KVMover:
         prefix = next((i for i, h in enumerate(hashes) if not pool.contains(h)), len(hashes))
         return FetchResult(
             prefix, len(hashes), held, len(ids), missing, nbytes, seconds, answer.get("node")
+        )
+
+    async def fetch_chunks(
+        self, source_url: str, hashes: list[int], timeout_s: float
+    ) -> ChunkFetchResult:
+        """Copy the chunks `hashes` that this engine's chunk store lacks from the chunk store
+        of the worker at `source_url`, paying the link's time for their KV bytes."""
+        store = self.engine.chunks
+        if store is None:
+            raise InvalidRequestError("this worker has no chunk store")
+        wanted = [h for h in hashes if h not in store]
+        held = len(hashes) - len(wanted)
+        if not wanted:
+            return ChunkFetchResult(list(hashes), len(hashes), held, 0, [], 0, 0.0, None)
+        try:
+            answer = await self._post(
+                source_url.rstrip("/") + CHUNK_READ_PATH,
+                {"chunk_hashes": wanted},
+                timeout_s,
+                "chunk fetch",
+            )
+        except InvalidRequestError as exc:
+            raise UpstreamError(str(exc)) from None
+        try:
+            got = [(int(c["hash"]), int(c["tokens"])) for c in answer.get("chunks", ())]
+        except (KeyError, TypeError, ValueError):
+            raise UpstreamError("chunk fetch: source answered malformed chunks") from None
+        asked = set(wanted)
+        got = [(h, t) for h, t in got if h in asked and t > 0]
+        nbytes = sum(t for _, t in got) * self.engine.profile.kv_bytes_per_token
+        seconds = await self._transfer_sleep(nbytes, answer.get("node"))
+        m = self.engine.metrics
+        fetched = 0
+        for h, t in got:
+            if store.store(h, t):
+                fetched += 1
+                m.chunks_fetched += 1
+                m.chunk_tokens_fetched += t
+        m.kv_received_bytes["chunk"] += nbytes
+        holds = [h for h in hashes if h in store]
+        missing = [h for h in wanted if h not in store]
+        return ChunkFetchResult(
+            holds, len(hashes), held, fetched, missing, nbytes, seconds, answer.get("node")
         )

@@ -45,6 +45,13 @@ failed engine read.
    destination's store; a mismatch, a failed engine read, a closed control connection or a
    timeout is a `TransferError`, and only whole, verified artifacts are ever stored.
 
+The source verifies what it reads on the host before serving it: artifacts outside the arena
+(SSD files, memory that found no slot) go through `transport.read_for_transfer`, and one that
+fails its checksum is dropped from the store and listed `missing`, so the destination keeps the
+blocks before it instead of failing the fetch. Arena artifacts are served from the registered
+memory where they lie (one-sided reads, or a staging copy) without a host read or a hash at the
+source; the destination's check is their only one.
+
 Control frames (u32 length + JSON, as in `transport.py`):
 
     request:  {"keys": [key, ...]}

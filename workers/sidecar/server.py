@@ -17,7 +17,10 @@ HTTP API (JSON unless said otherwise; every error is OpenAI-shaped, `ownerserve.
   chunk not (yet) whole (what a peer's fetch asks first)
 - `POST /ownerserve/kv/fetch {source_url, source_worker, model, block_hashes, token_ids,
   block_size}` -> 200 `{"blocks", "artifacts", "bytes"}`; 502 when the source is unreachable,
-  dies mid-transfer or sends bytes failing their checksum (blocks left incomplete are deleted)
+  dies mid-transfer or sends bytes failing their checksum (blocks left incomplete are deleted),
+  its error answer with `"blocks"`: the whole blocks of the prefix held after it, from the
+  first. A source drops an artifact that fails its checksum instead of serving it, and answers
+  it missing: the fetch then keeps the blocks before it (200, `blocks` < requested).
 - `GET /metrics` -> Prometheus text
 
 Run it with `ownerserve worker sidecar --worker-id ID --port N --store-dir DIR ...`
@@ -53,6 +56,7 @@ from ownerserve.errors import (
     NotFoundError,
     PayloadTooLargeError,
     UpstreamError,
+    error_body_for,
 )
 from ownerserve.http import json_object, read_request_body, service_app
 from ownerserve.kvfetch import FETCH_PATH, MAX_FETCH_BODY_BYTES, KVFetchRequest
@@ -100,7 +104,14 @@ class ArtifactNotFoundError(NotFoundError):
 
 
 class FetchFailedError(UpstreamError):
+    """A fetch that could not bring the source's prefix whole; `blocks`: the whole blocks of the
+    requested prefix this sidecar holds after it, from the first (its error answer says so)."""
+
     code = "kv_fetch_failed"
+
+    def __init__(self, *args: object, blocks: int | None = None) -> None:
+        super().__init__(*args)
+        self.blocks = blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,6 +393,10 @@ class Sidecar:
     def keys_of_chunks(self, model: str, chunk_hashes: Sequence[int]) -> list[list[str]]:
         return [self.index.keys_of(ChunkId(model, h), self.store.has) for h in chunk_hashes]
 
+    def held_prefix(self, model: str, chunk_hashes: Sequence[int]) -> int:
+        """How many leading chunks of `chunk_hashes` this sidecar holds whole."""
+        return stored_prefix(self.keys_of_chunks(model, chunk_hashes))
+
     # --- fetch from a peer --------------------------------------------------------------------
 
     async def _source_index(self, body: KVFetchRequest) -> dict[str, Any]:
@@ -430,8 +445,10 @@ class Sidecar:
         `FetchFailedError` (502) when the source cannot deliver it whole."""
         try:
             outcome = await self._fetch(body)
-        except FetchFailedError:
+        except FetchFailedError as exc:
             self.counters.fetches.labels("failed").inc()
+            if exc.blocks is None:  # failed before any transfer: what was already here
+                exc.blocks = self.held_prefix(body.model or "", body.block_hashes)
             raise
         self.counters.fetches.labels("ok").inc()
         return outcome
@@ -458,10 +475,12 @@ class Sidecar:
                 self._inflight[k] = done
             try:
                 await self._pull(body, answer, mine)
-            except BaseException:  # failed, or cancelled (shutdown): no incomplete block stays
+            except BaseException as exc:  # failed, or cancelled: no incomplete block stays
                 got = {k for k in mine if self.store.has(k)}
-                self._drop_incomplete(blocks, got)
+                whole = self._drop_incomplete(blocks, got)
                 self._account({k for k in got if self.store.has(k)})
+                if isinstance(exc, FetchFailedError):
+                    exc.blocks = whole
                 raise
             finally:
                 for k in mine:
@@ -558,6 +577,8 @@ def _block_artifacts_header(value: str | None) -> int | None:
 
 
 def create_app(sidecar: Sidecar) -> FastAPI:
+    from workers.sidecar.chunks import add_chunk_routes
+
     """The sidecar's HTTP app; its lifespan starts and stops the transfer server, the directory
     connection and the replica publisher."""
 
@@ -667,7 +688,18 @@ def create_app(sidecar: Sidecar) -> FastAPI:
         if body.model is None:
             raise InvalidRequestError("model: required (artifacts are kept per model)")
         started = time.perf_counter()
-        outcome = await sidecar.fetch(body)
+        try:
+            outcome = await sidecar.fetch(body)
+        except FetchFailedError as exc:
+            log.warning(
+                "fetch from %s failed, %s whole blocks held: %s",
+                body.source_worker or body.source_url,
+                exc.blocks,
+                exc,
+            )
+            # the error answer also says what the failed fetch kept (the router reads `blocks`)
+            answer = {**error_body_for(exc), "blocks": exc.blocks or 0}
+            return JSONResponse(answer, status_code=exc.status_code)
         log.info(
             "fetched %d blocks (%d artifacts, %d bytes) from %s in %.3f s",
             outcome.blocks,
@@ -678,6 +710,7 @@ def create_app(sidecar: Sidecar) -> FastAPI:
         )
         return JSONResponse(outcome.as_json())
 
+    add_chunk_routes(app, sidecar)  # chunk reuse (workers/sidecar/chunks.py)
     return app
 
 

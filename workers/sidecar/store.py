@@ -584,9 +584,9 @@ class ArtifactStore:
     def read_for_transfer(
         self, key: str, *, loaded: tuple[bytes, bytes | None] | None = None
     ) -> tuple[bytes, bytes]:
-        """The artifact's bytes and the checksum taken when it was stored, NOT verified here:
-        for sending to a peer, which verifies while receiving (so a corrupted artifact is still
-        never loaded, and the owner does not hash the payload a second time). Counts a reuse.
+        """The artifact's bytes and the checksum taken when it was stored, NOT verified here
+        (so a corrupted one is not dropped either): the transfer servers serve peers with
+        `get_verified` instead (`workers.sidecar.transport.read_for_transfer`). Counts a reuse.
         `loaded` as for `get_verified` (used when its size is still the artifact's)."""
         meta = self._meta.get(key)
         if meta is None:

@@ -8,10 +8,11 @@ Wire format (all integers big-endian):
               u32 len | JSON {"key": k, "found": bool, "size": n, "checksum": hex}
               n payload bytes (only when found)
 
-The receiver verifies each payload against its checksum before it stores it
-(`ArtifactStore.put(expected_checksum=...)`), so a peer that dies mid-transfer yields a typed
-`TransferError` and at most the artifacts that arrived whole; no partial or corrupted artifact is
-ever stored.
+The source verifies each artifact before it sends it (`read_for_transfer`: a corrupted one is
+dropped and answered `found: false`), and the receiver verifies each payload against its checksum
+again before it stores it (`ArtifactStore.put(expected_checksum=...)`), so a peer that dies
+mid-transfer yields a typed `TransferError` and at most the artifacts that arrived whole; no
+partial or corrupted artifact is ever stored.
 """
 
 from __future__ import annotations
@@ -74,12 +75,14 @@ async def _read_hashed(reader: asyncio.StreamReader, size: int, expected: bytes)
 
 
 async def read_for_transfer(store: ArtifactStore, key: str) -> tuple[bytes, bytes]:
-    """`ArtifactStore.read_for_transfer`, with an SSD file read in a thread: serving an
-    artifact from the SSD tier does not hold the event loop for the file's read."""
-    reader = store.ssd_reader(key, verify=False)
-    if reader is None:
-        return store.read_for_transfer(key)
-    return store.read_for_transfer(key, loaded=await asyncio.to_thread(reader))
+    """An artifact's bytes and checksum for a peer, verified against the checksum taken when it
+    was stored (an SSD file read and hashed in a thread, off the event loop). A corrupted one is
+    dropped from the store and raises `ArtifactCorrupted`, and the servers answer it as missing:
+    the peer's fetch then keeps the blocks before it, where serving it would fail the whole
+    fetch at the peer's check (and every later one from here)."""
+    reader = store.ssd_reader(key, verify=True)
+    loaded = None if reader is None else await asyncio.to_thread(reader)
+    return store.get_verified(key, loaded=loaded)
 
 
 def _frame(obj: object) -> bytes:

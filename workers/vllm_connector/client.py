@@ -7,8 +7,9 @@ API (`workers/sidecar/server.py`): `POST /ownerserve/kv/lookup {"keys": [...]}` 
 (XXH3-128 hex, as `workers.sidecar.store.checksum`), 404 when missing;
 `PUT /ownerserve/kv/artifacts/{key}` -> 201; `POST /ownerserve/kv/batch/get {"keys": [...]}` and
 `POST /ownerserve/kv/batch/put` (`workers.sidecar.batch` bodies): many artifacts in one round trip,
-each with its own checksum. Against a sidecar without the batch calls (404) the client goes back
-to one request per artifact.
+each with its own checksum. `get_into` / `get_many_into` read payloads straight into
+caller-owned memory (the CUDA load's pinned staging slots) and verify them there. Against a
+sidecar without the batch calls (404) the client goes back to one request per artifact.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import socket
 import threading
 from collections.abc import Sequence
+from typing import Any
 from urllib.parse import quote, urlsplit
 
 import xxhash
@@ -25,10 +27,13 @@ import xxhash
 from workers.sidecar.batch import (
     BATCH_GET_PATH,
     BATCH_PUT_PATH,
+    LENGTH_BYTES,
     MEDIA_TYPE,
     BatchFormatError,
     decode_batch,
+    decode_manifest,
     encode_batch,
+    manifest_length,
 )
 
 CHECKSUM_HEADER = "x-ownerserve-checksum"
@@ -184,12 +189,7 @@ class SidecarClient:
                 if length is None or int(length) != out.nbytes:
                     resp.read()
                     raise ArtifactRejected(f"{key}: {length} bytes, expected {out.nbytes}")
-                got = 0
-                while got < out.nbytes:
-                    k = resp.readinto(out[got:])
-                    if not k:
-                        raise http.client.IncompleteRead(b"", out.nbytes - got)
-                    got += k
+                _read_into(resp, out)
                 expected = resp.getheader(CHECKSUM_HEADER)
                 break
             except (http.client.HTTPException, OSError) as exc:
@@ -244,6 +244,71 @@ class SidecarClient:
             for entry, payload in zip(entries, payloads, strict=True):
                 out.append(_verified(entry, payload))
         return out
+
+    def get_many_into(
+        self, keys: Sequence[str], slots: Sequence[memoryview]
+    ) -> list[ArtifactRejected | None]:
+        """`get_many`, reading each payload of the batch answers straight into its slot
+        (`slots[i]` for `keys[i]`: pinned staging, no copy on the host) and verifying it there
+        against its own checksum. None for each artifact now in its slot, an `ArtifactRejected`
+        for each one missing, not its slot's size or failing its checksum (its slot then holds
+        garbage). Raises `SidecarError` when a call fails as a whole."""
+        if len(keys) != len(slots):
+            raise ValueError(f"{len(keys)} keys for {len(slots)} slots")
+        out: list[ArtifactRejected | None] = []
+        for r in _batches([s.nbytes for s in slots]) if self._batch else []:
+            part = [keys[i] for i in r]
+            got = self._batch_get_into(part, [slots[i] for i in r])
+            if got is None:  # a sidecar without the batch calls
+                self._batch = False
+                break
+            out.extend(got)
+        for i in range(len(out), len(keys)):
+            try:
+                self.get_into(keys[i], slots[i])
+                out.append(None)
+            except ArtifactRejected as exc:
+                out.append(exc)
+        return out
+
+    def _batch_get_into(
+        self, keys: list[str], slots: list[memoryview]
+    ) -> list[ArtifactRejected | None] | None:
+        """One batch GET read into `slots` (see `get_many_into`); None when the sidecar has no
+        batch calls (404). A stale keep-alive connection is retried once on a fresh one."""
+        url = self._prefix + BATCH_GET_PATH
+        body = json.dumps({"keys": keys}).encode()
+        headers = {"content-type": "application/json"}
+        for attempt in (0, 1):
+            try:
+                conn = self._conn()
+                conn.request("POST", url, body=body, headers=headers)
+                resp = conn.getresponse()
+                if resp.status != 200:
+                    data = resp.read()
+                    if resp.status == 404:
+                        return None
+                    raise SidecarError(f"batch get answered {resp.status}: {data[:200]!r}")
+                try:
+                    entries = decode_manifest(
+                        _read_exactly(resp, manifest_length(_read_exactly(resp, LENGTH_BYTES)))
+                    )
+                except BatchFormatError as exc:
+                    self._drop()
+                    raise SidecarError(f"batch get: {exc}") from exc
+                if [e["key"] for e in entries] != keys:
+                    self._drop()
+                    raise SidecarError("batch get answered other keys than asked")
+                out = [_read_entry(resp, e, slot) for e, slot in zip(entries, slots, strict=True)]
+                if resp.read(1):
+                    self._drop()
+                    raise SidecarError("batch get: bytes after the last artifact")
+                return out
+            except (http.client.HTTPException, OSError) as exc:
+                self._drop()
+                if attempt:
+                    raise SidecarError(f"POST {url}: {exc!r}") from exc
+        raise AssertionError("unreachable")
 
     def _get_or_rejected(self, key: str) -> bytes | ArtifactRejected:
         try:
@@ -301,6 +366,48 @@ class SidecarClient:
 
     def close(self) -> None:
         self._drop()
+
+
+def _read_exactly(resp: http.client.HTTPResponse, n: int) -> bytes:
+    data = resp.read(n)
+    if len(data) != n:
+        raise http.client.IncompleteRead(data, n - len(data))
+    return data
+
+
+def _read_into(resp: http.client.HTTPResponse, out: memoryview) -> None:
+    got = 0
+    while got < out.nbytes:
+        k = resp.readinto(out[got:])
+        if not k:
+            raise http.client.IncompleteRead(b"", out.nbytes - got)
+        got += k
+
+
+_DISCARD_BYTES = 1 << 20
+
+
+def _read_entry(
+    resp: http.client.HTTPResponse, entry: dict[str, Any], slot: memoryview
+) -> ArtifactRejected | None:
+    """A batch answer's next artifact read into `slot` and verified there (None), or why it is
+    refused; a payload of another size than the slot's is read past, not into it."""
+    key = entry["key"]
+    if entry.get("found", True) is False:
+        return ArtifactRejected(f"{key}: not stored")
+    size: int = entry["size"]
+    if size != slot.nbytes:
+        scratch = memoryview(bytearray(min(size, _DISCARD_BYTES)))
+        for off in range(0, size, len(scratch) or 1):
+            _read_into(resp, scratch[: min(len(scratch), size - off)])
+        return ArtifactRejected(f"{key}: {size} bytes, expected {slot.nbytes}")
+    _read_into(resp, slot)
+    expected = entry.get("checksum")
+    if not isinstance(expected, str) or not expected:
+        return ArtifactRejected(f"{key}: no checksum")
+    if xxhash.xxh3_128_hexdigest(slot) != expected.strip().lower():
+        return ArtifactRejected(f"{key}: bytes do not match their checksum")
+    return None
 
 
 def _verified(entry: dict[str, object], payload: memoryview | None) -> bytes | ArtifactRejected:

@@ -23,9 +23,10 @@ load; `update_state_after_alloc` turns that into a load plan (engine block ids +
 `build_connector_meta` sends this step's load plans and, for every scheduled request, the full
 blocks sealed by the step that the sidecar does not hold yet (save plans).
 
-Worker side: `start_load_kv` queues load plans to a load thread that GETs each block's per-head
-artifacts (checksum-verified), and scatters the good prefix into the paged cache (kernels'
-reference path on CPU); finished loads go back through `get_finished`, refused blocks through
+Worker side: `start_load_kv` queues load plans to a load thread that fetches each block's
+per-head artifacts (checksum-verified) and writes the good prefix into the paged cache
+(`load.load_blocks`: on CUDA read straight into pinned staging, on CPU through `bytes` and the
+kernels' reference path); finished loads go back through `get_finished`, refused blocks through
 `get_block_ids_with_load_errors`, so vLLM recomputes them — a corrupted artifact is never loaded.
 `wait_for_save` gathers the step's sealed blocks out of the cache (one synchronous staging copy,
 so vLLM may reuse the blocks at once) and a save thread PUTs them, off the forward pass;
@@ -54,8 +55,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ownerserve.hashing import ChainHasher
 from ownerserve.kvstate.heads import heads_for_rank, store_heads_for_rank
-from workers.vllm_connector.client import ArtifactRejected, SidecarClient, SidecarError
+from workers.vllm_connector.chunk_side import ChunkReuse
+from workers.vllm_connector.chunks import ChunkTransfer
+from workers.vllm_connector.client import SidecarClient, SidecarError
 from workers.vllm_connector.gpu import CudaPagedKV
+from workers.vllm_connector.load import load_blocks
 from workers.vllm_connector.payload import (
     CpuAttnKV,
     Gathered,
@@ -63,7 +67,6 @@ from workers.vllm_connector.payload import (
     WorkerKV,
     calibrate_page_order,
     payload_of,
-    scatter_payloads,
 )
 from workers.vllm_connector.plan import (
     BlockTransfer,
@@ -103,6 +106,8 @@ class OwnerServeConnectorMetadata(KVConnectorMetadata):
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    chunks: list[ChunkTransfer] = field(default_factory=list)
+    """Chunk loads and chunk prefill saves (`chunk_side.ChunkReuse`)."""
 
 
 @dataclass(slots=True)
@@ -159,7 +164,7 @@ class _RateLimitedLog:
             logger.warning(msg, *args)
 
 
-class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
+class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector backed by the worker's OwnerServe sidecar (see the module docstring).
 
     Declares `SupportsHMA` so that vLLM keeps its hybrid KV cache manager on (as NixlConnector
@@ -212,6 +217,11 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
             SAVE_QUEUE_DEPTH
         )
         self._threads: list[threading.Thread] = []
+        self._chunk_init(
+            model_config.hf_config,
+            int(model_config.get_head_size()),
+            int(vllm_config.parallel_config.tensor_parallel_size),
+        )
         logger.info(
             "OwnerServeConnector (%s): sidecar %s, model %r, block_size %d, %d KV heads",
             role.name,
@@ -311,6 +321,7 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._bound_metadata()
         if meta is None:
             return
+        self._run_chunk_loads(meta)
         for transfer in meta.loads:
             self._load_queue.put(transfer)
 
@@ -331,6 +342,8 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         meta = self._bound_metadata()
+        if meta is not None and meta.chunks:
+            self._run_chunk_saves(meta)
         if meta is None or not meta.saves or self._kv is None or not self._store_heads:
             return
         for transfer in meta.saves:
@@ -380,54 +393,30 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
                 self._done_loads.add(transfer.req_id)
 
     def _load(self, transfer: BlockTransfer) -> list[int]:
-        """Fetch and scatter `transfer`'s blocks; returns the block ids that were not loaded."""
+        """Fetch and scatter `transfer`'s blocks (`load.load_blocks`: on CUDA straight into
+        pinned staging); returns the block ids that were not loaded."""
         assert self._kv is not None
         started = time.monotonic()
-        payloads: list[list[bytes]] = []
-        refused: str | None = None
-        size = self._kv.payload_nbytes
         rows = [
             block_keys(self.settings.model, chunk_hash, self._local_heads)
             for chunk_hash in transfer.chunk_hashes
         ]
-        keys = [key for row in rows for key in row]
-        try:
-            # the whole request's artifacts in one call (a few for a very long prompt)
-            got = iter(self._client.get_many(keys, [size] * len(keys)))
-        except SidecarError as exc:
-            refused, rows = str(exc), []
-        for row in rows:
-            datas = []
-            for key in row:
-                data = next(got)
-                if isinstance(data, ArtifactRejected):
-                    refused = str(data)
-                elif len(data) != size:
-                    refused = f"{key}: {len(data)} bytes, expected {size}"
-                if refused is not None:
-                    break
-                assert isinstance(data, bytes)
-                datas.append(data)
-            if refused is not None:
-                break
-            payloads.append(datas)
-        good = len(payloads)
-        if good:
-            scatter_payloads(payloads, self._kv, transfer.block_ids[:good])
-        nbytes = sum(len(p) for row in payloads for p in row)
+        # the whole request's artifacts in one call (a few for a very long prompt)
+        outcome = load_blocks(self._client, self._kv, rows, transfer.block_ids)
+        good = outcome.blocks
         logger.info(
             "OwnerServeConnector: loaded %d/%d blocks (%d bytes) for %s in %.3f s",
             good,
             len(transfer.block_ids),
-            nbytes,
+            outcome.nbytes,
             transfer.req_id,
             time.monotonic() - started,
         )
-        if refused is not None:
+        if outcome.refused is not None:
             logger.warning(
                 "OwnerServeConnector: rejected artifact (%s); blocks %d.. of request %s "
                 "will be recomputed",
-                refused,
+                outcome.refused,
                 transfer.first_index + good,
                 transfer.req_id,
             )
@@ -461,6 +450,9 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
             (self.settings.load and allow_load) or (self.settings.save and allow_save)
         ):
             return 0, False
+        chunked = self._chunk_matched(request, num_computed_tokens, allow_load)
+        if chunked is not None:
+            return chunked
         bs = self.settings.block_size
         hashes = chunk_hashes(prompt, bs, self.settings.root(request.cache_salt))
         stored = 0
@@ -483,6 +475,7 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
         req_id = request.request_id
         lookup = self._lookups.pop(req_id, None)
         self._track(request, lookup)
+        self._chunk_after_alloc(request, blocks, num_external_tokens)
         if num_external_tokens <= 0 or lookup is None:
             return
         transfer = plan_load(
@@ -518,11 +511,13 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
                 tracked.block_ids.extend(new_ids[0])
             computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             self._plan_save(tracked, computed, meta)
+        self._chunk_meta(scheduler_output, meta)
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         invalid = set(connector_output.invalid_block_ids or ())
         if invalid:
+            self._chunk_load_failed(invalid)
             for req_id, transfer in self._inflight_loads.items():
                 index = first_failed_index(transfer, invalid)
                 tracked = self._tracked.get(req_id)
@@ -539,7 +534,7 @@ class OwnerServeConnector(KVConnectorBase_V1, SupportsHMA):
         self._tracked.pop(req_id, None)
         self._lookups.pop(req_id, None)
         self._inflight_loads.pop(req_id, None)
-        return False, None
+        return False, self._chunk_finished(request)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]

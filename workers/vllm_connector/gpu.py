@@ -17,10 +17,11 @@ handed to the save thread is a read-only view into the pinned buffer (no host co
 **Streams**: a save waits (on the device) for the engine's stream, so the step's KV writes are
 in; the engine's stream waits (on the device) only for the gather kernel, so vLLM may reuse the
 blocks at once while the device-to-host copy goes on; the save thread waits on the copy's event.
-A load waits on its own event before it returns, so a finished load is in the cache. Payloads
-handed over as bytes are first copied into pinned memory on the host (the slow part: see
-`bench/RESULTS.md`); `load_staging` + `SidecarClient.get_into` + `scatter_staged` read them
-straight into the pinned slots instead.
+A load waits on its own event before it returns, so a finished load is in the cache. The
+connector's load (`load.load_blocks`) reads the sidecar's answers straight into the pinned slots
+of `load_staging` (`SidecarClient.get_many_into`) and writes them with `scatter_staged`; payloads
+handed over as bytes (`scatter_payloads`) are first copied into pinned memory on the host (the
+slow part: see `bench/RESULTS.md`).
 
 On CPU tensors the same class runs the kernels' reference path with no streams or pinning (the
 tests' CPU half; vLLM's CPU backend uses `CpuAttnKV`).

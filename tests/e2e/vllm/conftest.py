@@ -400,3 +400,30 @@ def sidecar_d(vllm_work_dir: Path) -> Iterator[Sidecar]:
     sidecar = start_sidecar("d", vllm_work_dir)
     yield sidecar
     sidecar.stop()
+
+
+@pytest.fixture(scope="package")
+def sidecar_c(vllm_work_dir: Path) -> Iterator[Sidecar]:
+    """The sidecar of `vllm_chunks` (worker "c")."""
+    sidecar = start_sidecar("c", vllm_work_dir)
+    yield sidecar
+    sidecar.stop()
+
+
+@pytest.fixture(scope="package")
+def vllm_chunks(
+    vllm_install: VllmCpuInstall, vllm_work_dir: Path, sidecar_c: Sidecar
+) -> Iterator[VllmServer]:
+    """A float32 instance with the connector on `sidecar_c`, for chunk reuse (issue 26): its
+    logprobs are compared with a float32 torch reference within 1e-3, which bf16 would not
+    hold."""
+    server = _server(
+        vllm_install,
+        vllm_work_dir,
+        name="chunks",
+        extra_args=("--dtype", "float32"),
+        sidecar_url=sidecar_c.url,
+    )
+    _start([server])
+    yield server
+    server.stop()

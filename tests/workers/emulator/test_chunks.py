@@ -114,3 +114,45 @@ async def test_a_malformed_layout_is_a_400(
     resp = await http.post(server.url + "/v1/completions", json=body)
     assert resp.status_code == 400
     assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_a_chunk_fetch_copies_chunks_from_a_peers_store_paying_the_link(
+    start_emulator: StartEmulator, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    # the link: 10 ms latency + 1 GB/s, so 600 tokens of KV (131072 bytes each) take ~90 ms
+    profile = write_profile(
+        tmp_path, rerotate_per_token_s=1e-6, link__latency_s=0.01, link__intra_node_bps=1e9
+    )
+    src = await start_emulator(profile=profile)
+    dst = await start_emulator(profile=profile)
+    body = completion(f"sys##{DOC_A}##{DOC_B}##q1")
+    await post(http, src.url, body)
+    chunks = [int(c["hash"], 16) for c in body["kv_transfer_params"]["ownerserve"]["chunks"]]
+    assert len(chunks) == 2
+    fetch = {"source_url": src.url, "chunk_hashes": [*chunks, 12345], "model": MODEL}
+    resp = await http.post(dst.url + "/ownerserve/kv/fetch_chunks", json=fetch)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["chunks"] == chunks and out["fetched"] == 2 and out["missing"] == [12345]
+    assert out["bytes"] == (len(DOC_A) + len(DOC_B)) * 131072
+    # the link's time for those bytes, as `link.transfer_s` models it
+    assert out["seconds"] >= 0.01 + out["bytes"] / 1e9 - 1e-6
+    stored = (await http.get(dst.url + "/kv_blocks")).json()["chunk_hashes"]
+    assert sorted(int(h, 16) for h in stored) == sorted(chunks)
+    # the fetched chunks are reused there, at another position
+    again, _ = await post(http, dst.url, completion(f"sys##{DOC_C}##{DOC_B}##{DOC_A}##q2"))
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(DOC_A) + len(DOC_B)
+    text = await scrape(http, dst)
+    assert metric_value(text, "ownerserve_emulator_chunks_fetched_total") == 2
+    assert (
+        metric_value(text, "ownerserve_emulator_kv_received_bytes_total", kind="chunk")
+        == (out["bytes"])
+    )
+    # already held: nothing moves; a source without the chunks gives none; bad input is a 400
+    again_out = (await http.post(dst.url + "/ownerserve/kv/fetch_chunks", json=fetch)).json()
+    assert again_out["already_held"] == 2 and again_out["bytes"] == 0
+    back = {"source_url": dst.url, "chunk_hashes": [999]}
+    none = (await http.post(src.url + "/ownerserve/kv/fetch_chunks", json=back)).json()
+    assert none["chunks"] == [] and none["missing"] == [999]
+    bad = await http.post(dst.url + "/ownerserve/kv/fetch_chunks", json={"source_url": src.url})
+    assert bad.status_code == 400

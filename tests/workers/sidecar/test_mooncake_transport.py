@@ -382,7 +382,9 @@ async def test_a_plain_tcp_peer_is_refused_not_misread() -> None:
     "size",
     [5000, 600 << 10, 9 << 20],  # staged; read straight into its buffer; in place, 3 batches
 )
-async def test_artifact_corrupted_at_the_owner_is_refused_by_the_receiver(size: int) -> None:
+async def test_artifact_corrupted_at_the_owner_is_dropped_there_and_answered_missing(
+    size: int,
+) -> None:
     src = _store()
     src.put("ok", b"o" * 100)
     src.put("k", b"x" * size)
@@ -394,11 +396,12 @@ async def test_artifact_corrupted_at_the_owner_is_refused_by_the_receiver(size: 
     port = await server.start()
     dst = _store()
     try:
-        with pytest.raises(TransferError, match="checksum"):
-            await mt.fetch(dst, "127.0.0.1", port, ["ok", "k"])
+        res = await mt.fetch(dst, "127.0.0.1", port, ["ok", "k"])
     finally:
         await server.close()
+    assert (res.fetched, res.missing) == (("ok",), ("k",))
     assert not dst.has("k") and dst.get("ok") == b"o" * 100
+    assert not src.has("k") and src.stats().corrupted == 1
 
 
 async def test_payload_failing_its_checksum_in_transit_is_not_stored() -> None:

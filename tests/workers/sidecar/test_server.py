@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import hashlib
 import os
+import re
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -50,6 +52,22 @@ async def sidecar(
     config = SidecarConfig(worker_id=name, store_dir=tmp_path / name, port=0, **overrides)
     async with serving(config, transport) as sc:
         yield sc
+
+
+async def artifact_file(sc: Sidecar, key: str) -> Path:
+    """The SSD-tier file of `key` (a sidecar with `memory_bytes=0` keeps every artifact in one),
+    once the store's writer thread has written it."""
+    await asyncio.to_thread(sc.store.flush)
+    safe = re.sub(r"[^A-Za-z0-9._@:-]", "_", key)
+    (path,) = sc.config.store_dir.rglob(f"{glob.escape(safe)}.*.kv")
+    return path
+
+
+def flip_a_byte(path: Path) -> None:
+    """Corrupt a stored artifact on disk (its payload's last byte)."""
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0x7F
+    path.write_bytes(bytes(raw))
 
 
 async def put_chunks(http: httpx.AsyncClient, sc: Sidecar, chunks: list[int]) -> None:

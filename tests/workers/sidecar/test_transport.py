@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from workers.sidecar import transport
 from workers.sidecar.store import ArtifactStore, checksum
 from workers.sidecar.transport import TransferError, TransportServer, fetch
 
@@ -44,6 +45,7 @@ async def test_unreachable_peer_is_a_typed_error() -> None:
 
 SERVE = """
 import asyncio, os, sys
+from workers.sidecar import transport
 from workers.sidecar.store import ArtifactStore, checksum
 from workers.sidecar.transport import TransportServer
 async def main():
@@ -114,10 +116,37 @@ async def test_payload_failing_its_checksum_is_not_stored() -> None:
     assert not dst.has("k")
 
 
-async def test_artifact_corrupted_at_the_owner_is_refused_by_the_receiver() -> None:
+async def test_artifact_corrupted_at_the_owner_is_dropped_there_and_answered_missing() -> None:
     src = ArtifactStore(memory_capacity_bytes=1 << 20, pin_memory=False)
+    src.put("ok", b"o" * 100)
     src.put("k", b"x" * 5000)
     src._mem["k"] = b"x" * 4999 + b"y"  # bit flip in the owner's memory (not reachable via API)
+    server = TransportServer(src)
+    port = await server.start()
+    dst = ArtifactStore(memory_capacity_bytes=1 << 20, pin_memory=False)
+    try:
+        res = await fetch(dst, "127.0.0.1", port, ["k", "ok"])
+    finally:
+        await server.close()
+    assert (res.fetched, res.missing) == (("ok",), ("k",))
+    assert not dst.has("k") and dst.get("ok") == b"o" * 100
+    assert not src.has("k") and src.stats().corrupted == 1
+
+
+async def test_payload_failing_its_checksum_in_transit_is_refused_by_the_receiver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bytes damaged after the owner's check (between its read and the wire) still never enter
+    the receiver's store."""
+    src = ArtifactStore(memory_capacity_bytes=1 << 20, pin_memory=False)
+    src.put("k", b"x" * 5000)
+    real = transport.read_for_transfer
+
+    async def damaged(store: ArtifactStore, key: str) -> tuple[bytes, bytes]:
+        data, digest = await real(store, key)
+        return data[:-1] + b"y", digest
+
+    monkeypatch.setattr(transport, "read_for_transfer", damaged)
     server = TransportServer(src)
     port = await server.start()
     dst = ArtifactStore(memory_capacity_bytes=1 << 20, pin_memory=False)
