@@ -233,6 +233,8 @@ class WorkerSettings(_Strict):
                 raise ValueError(
                     f"kv_paths: a {self.kind.value} worker speaks {own.value}, not {path.value}"
                 )
+        if KVPath.CHUNK_FETCH in self.kv_paths and self.kind is not BackendKind.EMULATOR:
+            raise ValueError("kv_paths: chunk_fetch is served by the emulated engine only")
         if (
             KVPath.SIDECAR in self.kv_paths
             and self.sidecar_url is None
@@ -243,14 +245,14 @@ class WorkerSettings(_Strict):
 
     def kv_paths_of(self) -> frozenset[KVPath]:
         """Its KV paths: `kv_paths` when set, else its kind's defaults — an emulated engine has
-        both (its own KV API); vLLM and SGLang workers have their P/D hand-over when their role
+        them all (its own KV API); vLLM and SGLang workers have their P/D hand-over when their role
         is prefill or decode (a hybrid takes part in remote prefill only when `kv_paths` says
         so: it needs a KV connector configured) and the sidecar path when `sidecar_url` is
         set."""
         if self.kv_paths is not None:
             return frozenset(self.kv_paths)
         if self.kind is BackendKind.EMULATOR:
-            return frozenset((KVPath.NIXL_PD, KVPath.SIDECAR))
+            return frozenset((KVPath.NIXL_PD, KVPath.SIDECAR, KVPath.CHUNK_FETCH))
         paths = set()
         if self.role is not Role.HYBRID:
             paths.add(PD_PATHS[self.kind])

@@ -34,6 +34,9 @@ class KVPath(StrEnum):
     """An OwnerServe KV API (the worker's sidecar with the KV connector, or the emulated
     engine's own): it pulls a fetched prefix in and serves its own to other workers (artifact
     fetch, state migration: both ends need it)."""
+    CHUNK_FETCH = "chunk_fetch"
+    """Its KV API also pulls position-independent chunks (`ownerserve.chunks`) from other
+    holders and serves its own (the emulated engine's; the sidecar has no chunk fetch yet)."""
 
 
 PD_PATHS: dict[BackendKind, KVPath] = {

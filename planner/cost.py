@@ -560,7 +560,7 @@ class RequestCosts:
         `prefill` takes the lesser of this and recomputing them (per request, not per
         chunk)."""
         src = self.chunk_src
-        if not src or not w.kv_api:
+        if not src or not w.chunk_api:
             return None
         spans = self.request.chunk_spans
         held = w.chunks_held
@@ -799,15 +799,15 @@ def evaluate(
 
 
 def chunk_sources(request: RequestView, cluster: ClusterView) -> tuple[tuple[WorkerView, ...], ...]:
-    """Per chunk of the request (`chunk_spans`), the healthy workers with a KV API
-    (`kv_api`) whose chunk store holds it (`chunks_held`; the serving workers, then the
+    """Per chunk of the request (`chunk_spans`), the healthy workers with a chunk KV API
+    (`chunk_api`) whose chunk store holds it (`chunks_held`; the serving workers, then the
     sources), in the cluster's order; () when no chunk has any."""
     n = len(request.chunk_spans)
     out: list[list[WorkerView]] = [[] for _ in range(n)]
     found = False
     for ws in (cluster.workers, cluster.sources):
         for w in ws:
-            if w.chunks_held and w.healthy and w.kv_api:
+            if w.chunks_held and w.healthy and w.chunk_api:
                 for i in w.chunks_held:
                     if 0 <= i < n and w not in out[i]:
                         out[i].append(w)

@@ -86,6 +86,8 @@ class WorkerView:
     # and state migration need it at both ends)
     pd_group: str | None = "pd"
     kv_api: bool = True
+    # its KV API also pulls and serves position-independent chunks (a chunk fetch's ends)
+    chunk_api: bool = True
     # chunk reuse (ownerserve/chunks.py): the request's chunks (indices into
     # `RequestView.chunk_spans`) whose KV this worker's chunk store holds, as the directory
     # says; a prefill here copies them (re-rotated) instead of computing them

@@ -115,6 +115,11 @@ class WorkerState:
         """It can pull a fetched prefix in and serve its own now: a KV API, reachable."""
         return self.kv_api_ok and KVPath.SIDECAR in self.kv_paths
 
+    @property
+    def chunk_api(self) -> bool:
+        """Its KV API can pull chunks from other holders and serve its own now."""
+        return self.kv_api_ok and KVPath.CHUNK_FETCH in self.kv_paths
+
     def sidecar_url(self) -> str | None:
         """Its KV API's base URL when that is a process of its own (a sidecar), to probe."""
         url = self.backend.kv_api_url(self.address)

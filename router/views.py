@@ -88,7 +88,7 @@ def cluster_view(
             wsets.tokens(wid, now),
             load.offloads,
             past_knee and admission.closed_to_programs(w, now),
-            w.kv_api,
+            w.kv_api_ok,  # with the settings: kv_api and chunk_api
             chunk_holders.get(wid, ()) if chunk_holders else (),
         )
         group = w.pd_group
@@ -141,6 +141,7 @@ def _view(
         programs_closed=programs_closed,
         pd_group=w.pd_group,
         kv_api=w.kv_api,
+        chunk_api=w.chunk_api,
         chunks_held=chunks_held,
     )
 

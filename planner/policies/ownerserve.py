@@ -21,10 +21,8 @@ from planner.cost import (
     RequestCosts,
     Route,
     WorkerTerms,
-    can_decode,
     colocated_kind,
     fetch_source,
-    held_blocks,
     migration_source,
     tier_blocks,
 )
@@ -211,6 +209,8 @@ class OwnerServePolicy:
                     api = w.kv_api
                     if api:
                         n_lean_api += 1
+                        if w is src_f:  # counted a fetch from itself above: none
+                            considered -= 1
                     qd = q + dec
                     # every candidate on w costs at least its least prefill, stretched by the
                     # decodes it stalls; skip w unless one can enter the top two, or be the
@@ -296,13 +296,6 @@ class OwnerServePolicy:
         # unless it is the owner, a migration (the session owner holds GPU blocks, so it is
         # never that worker)
         considered += n_lean + n_lean_api * ((src_f is not None) + (src_m is not None))
-        if (
-            src_f is not None
-            and can_decode(src_f)
-            and not held_blocks(src_f)
-            and src_f not in cluster.sources
-        ):
-            considered -= 1
         if mixed:
             considered += _pd_pairs(cluster.workers)
         else:

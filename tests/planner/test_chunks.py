@@ -26,12 +26,12 @@ def hybrid(wid: str, chunks: tuple[int, ...] = (), **kw: object) -> WorkerView:
 
 
 def test_the_worker_holding_most_chunk_kv_wins() -> None:
-    # no KV API anywhere: no chunk can be fetched, only reused where it is
+    # no chunk KV API anywhere: no chunk can be fetched, only reused where it is
     cluster = ClusterView(
         workers=(
-            hybrid("none", kv_api=False),
-            hybrid("some", (0, 1, 2), kv_api=False),
-            hybrid("most", tuple(range(7)), kv_api=False),
+            hybrid("none", chunk_api=False),
+            hybrid("some", (0, 1, 2), chunk_api=False),
+            hybrid("most", tuple(range(7)), chunk_api=False),
         )
     )
     plan = OwnerServePolicy(model=H100).plan(REQ, cluster)
@@ -132,15 +132,15 @@ def test_chunks_are_recomputed_when_the_pull_costs_more() -> None:
     )
 
 
-def test_only_healthy_holders_with_a_kv_api_are_fetched_from_and_only_into_a_kv_api() -> None:
+def test_only_healthy_holders_with_a_chunk_api_are_fetched_from_and_only_into_a_chunk_api() -> None:
     for holder in (
-        hybrid("b", HALF_B, kv_api=False),
+        hybrid("b", HALF_B, chunk_api=False),
         hybrid("b", HALF_B, healthy=False),
     ):
         k = RequestCosts(H100, REQ, ClusterView(workers=(hybrid("a", HALF_A), holder)))
         assert k.chunk_fetch(hybrid("a", HALF_A), 0) is None
     k = RequestCosts(H100, REQ, ClusterView(workers=(hybrid("b", HALF_B),)))
-    assert k.chunk_fetch(hybrid("a", HALF_A, kv_api=False), 0) is None
+    assert k.chunk_fetch(hybrid("a", HALF_A, chunk_api=False), 0) is None
     # a draining holder (a source only) still serves its chunks
     cluster = ClusterView(workers=(hybrid("a", HALF_A),), sources=(hybrid("b", HALF_B),))
     plan = OwnerServePolicy(model=H100).plan(REQ, cluster)

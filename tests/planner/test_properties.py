@@ -63,6 +63,7 @@ def workers(draw: st.DrawFn, chain: int, n_max: int = 10) -> tuple[WorkerView, .
                 # mostly one P/D hand-over and a KV API everywhere, as most clusters are
                 pd_group=draw(st.sampled_from(["pd", "pd", "pd", "other", None])),
                 kv_api=draw(st.sampled_from([True, True, False])),
+                chunk_api=draw(st.sampled_from([True, True, False])),
             )
         )
     return tuple(out)

@@ -101,7 +101,7 @@ def test_kv_paths_default_by_kind_and_role() -> None:
             str(p) for p in WorkerSettings(id="w", url="http://127.0.0.1:1", **kw).kv_paths_of()
         }
 
-    assert paths(kind="emulator") == {"nixl_pd", "sidecar"}
+    assert paths(kind="emulator") == {"nixl_pd", "sidecar", "chunk_fetch"}
     assert paths(kind="vllm", role="decode") == {"nixl_pd"}
     assert paths(kind="vllm") == set()  # a hybrid needs its connector named in kv_paths
     assert paths(kind="vllm", sidecar_url="http://127.0.0.1:2") == {"sidecar"}
@@ -129,6 +129,10 @@ def pool_groups() -> dict[str, str | None]:
         ({"kind": "vllm", "kv_paths": ["bootstrap_pd"]}, "a vllm worker speaks nixl_pd"),
         ({"kind": "sglang", "kv_paths": ["sidecar"]}, "sidecar needs sidecar_url"),
         ({"kind": "vllm", "kv_paths": ["rdma"]}, "kv_paths"),
+        (
+            {"kind": "vllm", "kv_paths": ["chunk_fetch"], "sidecar_url": "http://127.0.0.1:2"},
+            "chunk_fetch is served by the emulated engine only",
+        ),
     ],
 )
 def test_kv_paths_a_worker_cannot_have_are_config_errors(entry: dict[str, Any], error: str) -> None:

@@ -40,6 +40,7 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,7 @@ from workers.vllm_connector.payload import (
 from workers.vllm_connector.plan import (
     BlockTransfer,
     ConnectorSettings,
+    Stage,
     block_keys,
     chunk_hashes,
     external_tokens,
@@ -79,6 +81,7 @@ from workers.vllm_connector.plan import (
     plan_load,
     plan_save,
     present_blocks,
+    stage_of,
 )
 
 if TYPE_CHECKING:
@@ -194,6 +197,18 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
         self._mla = bool(model_config.use_mla)
         self._total_heads = 1 if self._mla else int(model_config.get_total_num_kv_heads())
         self._all_heads = list(range(self._total_heads))
+        # pipeline parallelism (seed 000): each stage stores its layers under its pp_rank and
+        # layer range; a block is whole when every stage's heads are stored
+        self._pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
+        self._stages: list[Stage] | None = None
+        if self._pp_size > 1:
+            from vllm.distributed.utils import get_pp_indices
+
+            n_layers = int(model_config.get_total_num_hidden_layers())
+            self._stages = [
+                (r, get_pp_indices(n_layers, r, self._pp_size)) for r in range(self._pp_size)
+            ]
+        self._stage: Stage | None = None  # this worker's (register_kv_caches)
         self._client = SidecarClient(self.settings.sidecar_url, self.settings.timeout_s)
         self._lookup_client = SidecarClient(
             self.settings.sidecar_url, self.settings.lookup_timeout_s
@@ -220,7 +235,8 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
         self._chunk_init(
             model_config.hf_config,
             int(model_config.get_head_size()),
-            int(vllm_config.parallel_config.tensor_parallel_size),
+            # chunk reuse needs one rank holding every head and layer
+            int(vllm_config.parallel_config.tensor_parallel_size) * self._pp_size,
         )
         logger.info(
             "OwnerServeConnector (%s): sidecar %s, model %r, block_size %d, %d KV heads",
@@ -248,11 +264,9 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
             get_tensor_model_parallel_world_size,
         )
 
-        if get_pp_group().world_size > 1:
-            # Each stage holds only its layers: its keys need pp_rank and its layer range
-            # (`plan.block_keys(..., pp_rank=, layers=)`), and lookups every stage's keys;
-            # the load/save loops and the lookup do not pass them yet.
-            raise NotImplementedError("OwnerServeConnector: pipeline parallelism (PP > 1)")
+        pp = get_pp_group()
+        indices = [int(m.group(1)) for n in kv_caches if (m := _LAYER_INDEX.search(n))]
+        self._stage = stage_of(indices, pp.rank_in_group, pp.world_size)
         cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
         if cache_dtype != "auto":
             raise NotImplementedError(f"OwnerServeConnector: kv_cache_dtype {cache_dtype}")
@@ -397,10 +411,7 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
         pinned staging); returns the block ids that were not loaded."""
         assert self._kv is not None
         started = time.monotonic()
-        rows = [
-            block_keys(self.settings.model, chunk_hash, self._local_heads)
-            for chunk_hash in transfer.chunk_hashes
-        ]
+        rows = [self._keys(chunk_hash, self._local_heads) for chunk_hash in transfer.chunk_hashes]
         # the whole request's artifacts in one call (a few for a very long prompt)
         outcome = load_blocks(self._client, self._kv, rows, transfer.block_ids)
         good = outcome.blocks
@@ -422,18 +433,25 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
             )
         return list(transfer.block_ids[good:])
 
+    def _keys(self, chunk_hash: int, heads: Sequence[int]) -> list[str]:
+        """This worker's artifact keys of a block for `heads` (its pipeline stage's, if any)."""
+        stage = self._stage
+        if stage is None:
+            return block_keys(self.settings.model, chunk_hash, heads)
+        return block_keys(self.settings.model, chunk_hash, heads, pp_rank=stage[0], layers=stage[1])
+
     def _save_loop(self) -> None:
         while (item := self._save_queue.get()) is not None:
             transfer, buffers = item
             items = []
             for i, chunk_hash in enumerate(transfer.chunk_hashes):
-                keys = block_keys(self.settings.model, chunk_hash, self._store_heads)
+                keys = self._keys(chunk_hash, self._store_heads)
                 for head, key in zip(self._store_heads, keys, strict=True):
                     items.append((key, payload_of(buffers, self._local_heads.index(head), i)))
             try:
-                # the step's blocks of the request in one call; every rank's heads together
-                # make a block whole
-                self._client.put_many(items, self._total_heads)
+                # the step's blocks of the request in one call; every rank's heads (of every
+                # pipeline stage) together make a block whole
+                self._client.put_many(items, self._total_heads * self._pp_size)
             except SidecarError as exc:
                 self._warn.warning("save", "OwnerServeConnector: save failed: %s", exc)
 
@@ -457,9 +475,10 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
         hashes = chunk_hashes(prompt, bs, self.settings.root(request.cache_salt))
         stored = 0
         if time.monotonic() >= self._lookups_paused_until:
-            keys = lookup_keys(self.settings.model, hashes, self._all_heads)
+            keys = lookup_keys(self.settings.model, hashes, self._all_heads, self._stages)
+            per_block = len(self._all_heads) * self._pp_size
             try:
-                stored = present_blocks(self._lookup_client.lookup(keys), len(self._all_heads))
+                stored = present_blocks(self._lookup_client.lookup(keys), per_block)
             except SidecarError as exc:
                 self._lookups_paused_until = time.monotonic() + self.settings.lookup_backoff_s
                 self._warn.warning("lookup", "OwnerServeConnector: sidecar lookup failed: %s", exc)

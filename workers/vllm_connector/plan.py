@@ -118,9 +118,42 @@ def block_keys(
     ]
 
 
-def lookup_keys(model: str, hashes: Sequence[int], heads: Sequence[int]) -> list[str]:
-    """Keys of `hashes` block after block, `len(heads)` keys per block (one lookup request)."""
-    return [k for c in hashes for k in block_keys(model, c, heads)]
+Stage = tuple[int, tuple[int, int]]
+"""A pipeline stage as keys name it: (pp_rank, model layers [a, b) it holds)."""
+
+
+def stage_keys(
+    model: str, chunk_hash: int, heads: Sequence[int], stages: Sequence[Stage] | None = None
+) -> list[str]:
+    """Artifact keys of one block over every pipeline stage: each stage's heads' keys, stage
+    after stage (seed 000: a block is whole when every stage's heads are stored); PP=1
+    (`stages` None or empty): `block_keys`."""
+    if not stages:
+        return block_keys(model, chunk_hash, heads)
+    return [
+        k
+        for pp_rank, layers in stages
+        for k in block_keys(model, chunk_hash, heads, pp_rank=pp_rank, layers=layers)
+    ]
+
+
+def lookup_keys(
+    model: str, hashes: Sequence[int], heads: Sequence[int], stages: Sequence[Stage] | None = None
+) -> list[str]:
+    """Keys of `hashes` block after block, `len(heads)` keys per block and stage (one lookup
+    request)."""
+    return [k for c in hashes for k in stage_keys(model, c, heads, stages)]
+
+
+def stage_of(layer_indices: Sequence[int], pp_rank: int, pp_size: int) -> Stage | None:
+    """This rank's stage from the model layer indices it registered (None for PP=1: keys stay
+    those of a whole model). Raises `ValueError` when they are not one contiguous range."""
+    if pp_size <= 1:
+        return None
+    lo, hi = min(layer_indices), max(layer_indices) + 1
+    if sorted(layer_indices) != list(range(lo, hi)):
+        raise ValueError(f"pipeline stage {pp_rank}: layers {sorted(layer_indices)} not contiguous")
+    return pp_rank, (lo, hi)
 
 
 def present_blocks(present: Sequence[bool], heads_per_block: int) -> int:

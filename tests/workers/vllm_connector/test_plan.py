@@ -20,6 +20,8 @@ from workers.vllm_connector.plan import (
     plan_load,
     plan_save,
     present_blocks,
+    stage_keys,
+    stage_of,
 )
 
 BS = 32
@@ -147,3 +149,34 @@ def test_the_first_failed_block_of_a_load_is_found_by_engine_block_id() -> None:
 def test_a_transfer_needs_one_hash_per_block() -> None:
     with pytest.raises(ValueError):
         BlockTransfer("r", 0, (1, 2), (3,))
+
+
+def test_pipeline_stages_key_their_layers_and_a_block_needs_every_stage() -> None:
+    stages = [(0, (0, 3)), (1, (3, 6))]
+    keys = stage_keys("m", 0xAB, [0, 1], stages)
+    assert keys == [
+        HeadArtifactKey("m", 0, 0xAB, pp_rank=0, layers=(0, 3)).to_string(),
+        HeadArtifactKey("m", 1, 0xAB, pp_rank=0, layers=(0, 3)).to_string(),
+        HeadArtifactKey("m", 0, 0xAB, pp_rank=1, layers=(3, 6)).to_string(),
+        HeadArtifactKey("m", 1, 0xAB, pp_rank=1, layers=(3, 6)).to_string(),
+    ]
+    # PP=1 keys are the whole model's, as before
+    assert stage_keys("m", 0xAB, [0, 1]) == block_keys("m", 0xAB, [0, 1])
+    assert stage_keys("m", 0xAB, [0, 1], []) == block_keys("m", 0xAB, [0, 1])
+    # a lookup asks for heads x stages keys a block; the second stage missing one head of the
+    # second block ends the stored prefix there
+    looked = lookup_keys("m", [1, 2], [0, 1], stages)
+    assert len(looked) == 8
+    present = [True] * 7 + [False]
+    assert present_blocks(present, 2 * len(stages)) == 1
+    # a stage's own keys differ from another split's: stages split differently never mix
+    assert set(stage_keys("m", 1, [0], [(0, (0, 2)), (1, (2, 6))])).isdisjoint(
+        stage_keys("m", 1, [0], stages)
+    )
+
+
+def test_a_workers_stage_comes_from_the_layers_it_registered() -> None:
+    assert stage_of([0, 1, 2], 0, 1) is None  # PP=1
+    assert stage_of([5, 3, 4], 1, 2) == (1, (3, 6))
+    with pytest.raises(ValueError, match="not contiguous"):
+        stage_of([3, 5], 1, 2)
