@@ -37,6 +37,31 @@ def _is_http_url(url: str) -> bool:
     return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
+def _common_fields(
+    data: object, hashes_key: str, most: int
+) -> tuple[Mapping[str, Any], str, tuple[int, ...], str | None, str | None]:
+    """(the body, source_url without a trailing `/`, the hashes under `hashes_key`, model,
+    source_worker) of a fetch body, each checked; `InvalidRequestError` names the first bad
+    field."""
+    if not isinstance(data, Mapping):
+        raise InvalidRequestError("request body must be a JSON object")
+    source_url = data.get("source_url")
+    if not isinstance(source_url, str) or not _is_http_url(source_url):
+        raise InvalidRequestError("source_url: must be an http(s) URL")
+    hashes = data.get(hashes_key)
+    if not isinstance(hashes, list) or not all(type(h) is int and 0 <= h < _U64 for h in hashes):
+        raise InvalidRequestError(f"{hashes_key}: must be a list of unsigned 64-bit hashes")
+    if len(hashes) > most:
+        raise InvalidRequestError(f"{hashes_key}: at most {most} per request")
+    model = data.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise InvalidRequestError("model: must be a non-empty string")
+    source_worker = data.get("source_worker")
+    if source_worker is not None and not isinstance(source_worker, str):
+        raise InvalidRequestError("source_worker: must be a string")
+    return data, source_url.rstrip("/"), tuple(hashes), model, source_worker
+
+
 @fast_init  # the router makes one per fetch, on the request path
 @dataclass(frozen=True, slots=True)
 class KVFetchRequest:
@@ -68,35 +93,20 @@ class KVFetchRequest:
     def from_json(cls, data: object) -> KVFetchRequest:
         """A request from a decoded JSON body (unknown keys are ignored); `InvalidRequestError`
         names the first field that is missing or malformed."""
-        if not isinstance(data, Mapping):
-            raise InvalidRequestError("request body must be a JSON object")
-        source_url = data.get("source_url")
-        if not isinstance(source_url, str) or not _is_http_url(source_url):
-            raise InvalidRequestError("source_url: must be an http(s) URL")
-        hashes = data.get("block_hashes")
-        if not isinstance(hashes, list) or not all(
-            type(h) is int and 0 <= h < _U64 for h in hashes
-        ):
-            raise InvalidRequestError("block_hashes: must be a list of unsigned 64-bit hashes")
-        if len(hashes) > MAX_FETCH_BLOCKS:
-            raise InvalidRequestError(f"block_hashes: at most {MAX_FETCH_BLOCKS} per request")
-        model = data.get("model")
-        if model is not None and (not isinstance(model, str) or not model):
-            raise InvalidRequestError("model: must be a non-empty string")
-        source_worker = data.get("source_worker")
-        if source_worker is not None and not isinstance(source_worker, str):
-            raise InvalidRequestError("source_worker: must be a string")
-        token_ids = data.get("token_ids")
+        body, source_url, hashes, model, source_worker = _common_fields(
+            data, "block_hashes", MAX_FETCH_BLOCKS
+        )
+        token_ids = body.get("token_ids")
         if token_ids is not None and (
             not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids)
         ):
             raise InvalidRequestError("token_ids: must be a list of token ids")
-        block_size = data.get("block_size")
+        block_size = body.get("block_size")
         if block_size is not None and (type(block_size) is not int or block_size <= 0):
             raise InvalidRequestError("block_size: must be a positive integer")
         return cls(
-            source_url=source_url.rstrip("/"),
-            block_hashes=tuple(hashes),
+            source_url=source_url,
+            block_hashes=hashes,
             model=model,
             source_worker=source_worker,
             token_ids=None if token_ids is None else tuple(token_ids),
@@ -150,27 +160,12 @@ class KVChunkFetchRequest:
     def from_json(cls, data: object) -> KVChunkFetchRequest:
         """A request from a decoded JSON body (unknown keys are ignored); `InvalidRequestError`
         names the first field that is missing or malformed."""
-        if not isinstance(data, Mapping):
-            raise InvalidRequestError("request body must be a JSON object")
-        source_url = data.get("source_url")
-        if not isinstance(source_url, str) or not _is_http_url(source_url):
-            raise InvalidRequestError("source_url: must be an http(s) URL")
-        hashes = data.get("chunk_hashes")
-        if not isinstance(hashes, list) or not all(
-            type(h) is int and 0 <= h < _U64 for h in hashes
-        ):
-            raise InvalidRequestError("chunk_hashes: must be a list of unsigned 64-bit hashes")
-        if len(hashes) > MAX_FETCH_CHUNKS:
-            raise InvalidRequestError(f"chunk_hashes: at most {MAX_FETCH_CHUNKS} per request")
-        model = data.get("model")
-        if model is not None and (not isinstance(model, str) or not model):
-            raise InvalidRequestError("model: must be a non-empty string")
-        source_worker = data.get("source_worker")
-        if source_worker is not None and not isinstance(source_worker, str):
-            raise InvalidRequestError("source_worker: must be a string")
+        _, source_url, hashes, model, source_worker = _common_fields(
+            data, "chunk_hashes", MAX_FETCH_CHUNKS
+        )
         return cls(
-            source_url=source_url.rstrip("/"),
-            chunk_hashes=tuple(hashes),
+            source_url=source_url,
+            chunk_hashes=hashes,
             model=model,
             source_worker=source_worker,
         )

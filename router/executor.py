@@ -607,32 +607,18 @@ class PlanExecutor:
             block_size=fetch.block_size,
         )
         try:
-            resp = await self.http.request(
-                base,
-                b"POST",
-                FETCH_PATH,
-                _JSON_HEADER,
-                orjson.dumps(body.to_json()),
-                ("kv_transfer", timeout_s),
+            status, answer, data = await self._kv_api_post(
+                destination, base, FETCH_PATH, body.to_json(), timeout_s
             )
-            try:
-                data = await resp.read()
-            finally:
-                resp.release()  # closes the connection (aborting the pull) unless read whole
         except OSError as exc:
             log.warning("fetch %s -> %s failed: %r", source_id, destination.worker_id, exc)
-            if isinstance(exc, UpstreamConnectError):
-                destination.kv_api_ok = False
             return GaveUp(destination.worker_id, cause_of(exc, "kv_transfer_failed")), None
-        try:
-            # a failed fetch may still say how many whole blocks it kept (the sidecar's 502)
-            got = fetched_blocks(orjson.loads(data))
-        except orjson.JSONDecodeError:
-            got = None
-        if resp.status != 200:
+        # a failed fetch may still say how many whole blocks it kept (the sidecar's 502)
+        got = fetched_blocks(answer)
+        if status != 200:
             log.warning(
                 "fetch %s -> %s: status %s: %s",
-                source_id, destination.worker_id, resp.status, data[:200].decode(errors="replace"),
+                source_id, destination.worker_id, status, data[:200].decode(errors="replace"),
             )  # fmt: skip
             return failed, got
         if got is not None and got < len(fetch.block_hashes):
@@ -681,31 +667,47 @@ class PlanExecutor:
             return frozenset()
         body = KVChunkFetchRequest(source_url, hashes, req.model, source_id)
         try:
+            status, answer, data = await self._kv_api_post(
+                destination, base, CHUNK_FETCH_PATH, body.to_json(), timeout_s
+            )
+        except OSError as exc:
+            log.warning("chunk fetch %s -> %s failed: %r", source_id, destination.worker_id, exc)
+            return frozenset()
+        if status != 200:
+            log.info(
+                "chunk fetch %s -> %s: status %s (the chunks are recomputed): %s",
+                source_id, destination.worker_id, status, data[:200].decode(errors="replace"),
+            )  # fmt: skip
+            return frozenset()
+        got = fetched_chunks(answer)
+        return frozenset() if got is None else got.intersection(hashes)
+
+    async def _kv_api_post(
+        self,
+        destination: WorkerState,
+        base: str,
+        path: str,
+        body: Mapping[str, Any],
+        timeout_s: float,
+    ) -> tuple[int, object, bytes]:
+        """POST `body` to `destination`'s KV API within `timeout_s` (a `kv_transfer` hop):
+        (status, the decoded JSON answer or None, the raw answer). An `OSError` passes through;
+        one that could not connect first marks the KV API down (`WorkerState.kv_api_ok`)
+        until the pool's next probe."""
+        try:
             resp = await self.http.request(
-                base,
-                b"POST",
-                CHUNK_FETCH_PATH,
-                _JSON_HEADER,
-                orjson.dumps(body.to_json()),
-                ("kv_transfer", timeout_s),
+                base, b"POST", path, _JSON_HEADER, orjson.dumps(body), ("kv_transfer", timeout_s)
             )
             try:
                 data = await resp.read()
             finally:
-                resp.release()
+                resp.release()  # closes the connection (aborting the pull) unless read whole
         except OSError as exc:
-            log.warning("chunk fetch %s -> %s failed: %r", source_id, destination.worker_id, exc)
-            return frozenset()
-        if resp.status != 200:
-            log.info(
-                "chunk fetch %s -> %s: status %s (the chunks are recomputed): %s",
-                source_id, destination.worker_id, resp.status, data[:200].decode(errors="replace"),
-            )  # fmt: skip
-            return frozenset()
+            if isinstance(exc, UpstreamConnectError):
+                destination.kv_api_ok = False
+            raise
         try:
-            got = fetched_chunks(orjson.loads(data))
+            answer: object = orjson.loads(data)
         except orjson.JSONDecodeError:
-            got = None
-        if got is None:
-            return frozenset()
-        return got.intersection(hashes)
+            answer = None
+        return resp.status, answer, data
