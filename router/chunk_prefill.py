@@ -19,6 +19,7 @@ import orjson
 
 from ownerserve.chunks import CHUNK_CACHE_SALT, chunk_artifact_key, chunk_prefills
 from ownerserve.types import BackendKind
+from router.upstream import JSON_HEADER
 
 if TYPE_CHECKING:
     from router.pipeline import RequestContext
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 VERIFY_PATH = "/ownerserve/kv/chunks/verify"
-_JSON = b"content-type: application/json\r\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,19 +64,15 @@ async def prefill_chunks(ctx: RequestContext, worker_id: str) -> ChunkPrefillOut
     keys = [chunk_artifact_key(ctx.req.model, p.span.key) for p in prefills]
     present = [False] * len(keys)
     try:
-        resp = await http.request(
+        status, data = await http.call(
             sidecar,
             b"POST",
             VERIFY_PATH,
-            _JSON,
+            JSON_HEADER,
             orjson.dumps({"keys": keys}),
             ("kv_transfer", limits.kv_transfer_timeout_s),
         )
-        try:
-            data = await resp.read()
-        finally:
-            resp.release()
-        if resp.status == 200:
+        if status == 200:
             got = orjson.loads(data).get("present")
             if isinstance(got, list) and len(got) == len(keys):
                 present = [bool(x) for x in got]
@@ -96,22 +92,18 @@ async def prefill_chunks(ctx: RequestContext, worker_id: str) -> ChunkPrefillOut
             "kv_transfer_params": {"ownerserve": p.params},
         }
         try:
-            resp = await http.request(
+            status, _ = await http.call(
                 worker.address.url,
                 b"POST",
                 "/v1/completions",
-                _JSON,
+                JSON_HEADER,
                 orjson.dumps(req),
                 ("first_byte", limits.first_byte_timeout_s),
             )
-            try:
-                await resp.read()
-            finally:
-                resp.release()
         except OSError as exc:
             log.warning("chunk prefill on %s failed: %r", worker_id, exc)
             return False
-        return resp.status == 200
+        return status == 200
 
     missing = [i for i, ok in enumerate(present) if not ok]
     done = await asyncio.gather(*(one(i) for i in missing))

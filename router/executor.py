@@ -51,6 +51,7 @@ from router.plans import GaveUp
 from router.pool import WorkerPool, WorkerState
 from router.requests import CompletionRequest
 from router.upstream import (
+    JSON_HEADER,
     Hop,
     UpstreamConnectError,
     UpstreamPool,
@@ -199,7 +200,6 @@ def forward_headers(
     return b"".join(lines)
 
 
-_JSON_HEADER = b"content-type: application/json\r\n"
 _HOP_BYTES = frozenset(h.encode() for h in _HOP_HEADERS) | {b"content-type"}
 _HOP_BYTES_AUTH = _HOP_BYTES | {b"authorization"}
 
@@ -478,11 +478,7 @@ class PlanExecutor:
     async def _release(self, prefill: WorkerState, path: str, body: bytes) -> None:
         bound: tuple[Hop, float] = ("kv_transfer", self.http.connect_timeout_s)
         try:
-            resp = await self.http.request(
-                prefill.address.url, b"POST", path, _JSON_HEADER, body, bound
-            )
-            await resp.read()
-            resp.release()
+            await self.http.call(prefill.address.url, b"POST", path, JSON_HEADER, body, bound)
         except OSError as exc:
             log.warning("could not tell %s to free a KV hand-over: %r", prefill.worker_id, exc)
 
@@ -695,13 +691,10 @@ class PlanExecutor:
         one that could not connect first marks the KV API down (`WorkerState.kv_api_ok`)
         until the pool's next probe."""
         try:
-            resp = await self.http.request(
-                base, b"POST", path, _JSON_HEADER, orjson.dumps(body), ("kv_transfer", timeout_s)
+            # a connection not read whole is closed: that aborts the pull
+            status, data = await self.http.call(
+                base, b"POST", path, JSON_HEADER, orjson.dumps(body), ("kv_transfer", timeout_s)
             )
-            try:
-                data = await resp.read()
-            finally:
-                resp.release()  # closes the connection (aborting the pull) unless read whole
         except OSError as exc:
             if isinstance(exc, UpstreamConnectError):
                 destination.kv_api_ok = False
@@ -710,4 +703,4 @@ class PlanExecutor:
             answer: object = orjson.loads(data)
         except orjson.JSONDecodeError:
             answer = None
-        return resp.status, answer, data
+        return status, answer, data

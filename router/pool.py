@@ -5,7 +5,6 @@ and a circuit breaker. A background loop probes `/health` and scrapes `/metrics`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -237,19 +236,8 @@ class WorkerPool:
 
     async def check(self, state: WorkerState) -> None:
         """Probe one worker's `/health` and scrape its `/metrics`."""
-        http = self._http
-        assert http is not None
         url = state.address.url
-        ok = False
-        try:
-            async with asyncio.timeout(self.health_timeout_s):
-                resp = await http.request(url, b"GET", state.backend.health_path)
-                await resp.read()
-                resp.release()
-                ok = resp.status == 200
-        except (OSError, TimeoutError):
-            ok = False
-        if ok:
+        if await self._get(url, state.backend.health_path) is not None:
             await self._probe_kv_api(state)
             was_dead = not state.healthy
             state.healthy = True
@@ -258,17 +246,25 @@ class WorkerPool:
             if was_dead:
                 state.breaker.record_success()
                 log.info("worker %s is healthy again", state.worker_id)
-            with contextlib.suppress(OSError, TimeoutError):
-                async with asyncio.timeout(self.health_timeout_s):
-                    resp = await http.request(url, b"GET", state.backend.metrics_path)
-                    text = (await resp.read()).decode("utf-8", errors="replace")
-                    resp.release()
-                    if resp.status == 200:
-                        state.load = state.backend.parse_load(text)
+            metrics = await self._get(url, state.backend.metrics_path)
+            if metrics is not None:
+                state.load = state.backend.parse_load(metrics.decode("utf-8", errors="replace"))
             return
         state.health_failures += 1
         if state.healthy and state.health_failures >= self.dead_after_failures:
             await self.mark_dead(state)
+
+    async def _get(self, url: str, path: str) -> bytes | None:
+        """The body of a 200 answer to `GET url+path` within `health_timeout_s`; None when it
+        failed, timed out or answered otherwise."""
+        http = self._http
+        assert http is not None
+        try:
+            async with asyncio.timeout(self.health_timeout_s):
+                status, body = await http.call(url, b"GET", path)
+        except (OSError, TimeoutError):
+            return None
+        return body if status == 200 else None
 
     async def _probe_kv_api(self, state: WorkerState) -> None:
         """`kv_api_ok` from the worker's sidecar's `/health` (a worker with no sidecar of its
@@ -277,17 +273,7 @@ class WorkerPool:
         if url is None:
             state.kv_api_ok = True
             return
-        http = self._http
-        assert http is not None
-        ok = False
-        try:
-            async with asyncio.timeout(self.health_timeout_s):
-                resp = await http.request(url, b"GET", "/health")
-                await resp.read()
-                resp.release()
-                ok = resp.status == 200
-        except (OSError, TimeoutError):
-            ok = False
+        ok = await self._get(url, "/health") is not None
         if ok != state.kv_api_ok:
             log.log(
                 logging.INFO if ok else logging.WARNING,

@@ -48,6 +48,10 @@ class UpstreamTimeout(UpstreamConnectionError):
         self.timeout_s = timeout_s
 
 
+JSON_HEADER = b"content-type: application/json\r\n"
+"""The header line of a JSON request body (`header_block`'s format)."""
+
+
 def header_block(headers: Mapping[str, str]) -> bytes:
     """`name: value\\r\\n` lines for a request."""
     return b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
@@ -396,6 +400,25 @@ class UpstreamPool:
                 conn.transport.close()
                 raise
             return UpstreamResponse(conn, self, key)
+
+    async def call(
+        self,
+        base_url: str,
+        method: bytes,
+        path: str,
+        headers: bytes = b"",
+        body: bytes = b"",
+        bound: tuple[Hop, float] | None = None,
+    ) -> tuple[int, bytes]:
+        """`request`, then its whole answer: (status, body). The connection goes back to the
+        pool once the body is read, else it is closed (an `OSError` while reading passes
+        through, as one from `request` does)."""
+        resp = await self.request(base_url, method, path, headers, body, bound)
+        try:
+            data = await resp.read()
+        finally:
+            resp.release()
+        return resp.status, data
 
     async def close(self) -> None:
         for conns in self._idle.values():

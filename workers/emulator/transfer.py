@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
@@ -61,16 +61,8 @@ class FetchResult:
     source_node: str | None
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "blocks": self.blocks,
-            "requested": self.requested,
-            "already_held": self.already_held,
-            "fetched": self.fetched,
-            "missing": self.missing,
-            "bytes": self.bytes,
-            "seconds": self.seconds,
-            "source_node": self.source_node,
-        }
+        """Every field, by its name."""
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,16 +78,8 @@ class ChunkFetchResult:
     source_node: str | None
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "chunks": self.chunks,
-            "requested": self.requested,
-            "already_held": self.already_held,
-            "fetched": self.fetched,
-            "missing": self.missing,
-            "bytes": self.bytes,
-            "seconds": self.seconds,
-            "source_node": self.source_node,
-        }
+        """Every field, by its name."""
+        return asdict(self)
 
 
 def _error_message(resp: httpx.Response) -> str:
