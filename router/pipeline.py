@@ -398,10 +398,10 @@ async def execute(ctx: RequestContext) -> None:
             _give_up(ctx, opened.fallback, "colocated")
             ctx.planned = ctx.plan
             ctx.plan = _ran_colocated(ctx.plan)
-        if ctx.chunks is not None:
+        if prefilled is not None:  # what its sidecar held intact, what was prefilled
+            opened.chunks = (prefilled.reused, 0, prefilled.prefilled + prefilled.failed)
+        elif ctx.chunks is not None:
             opened.chunks = _chunk_counts(ctx, opened)
-            if prefilled is not None:  # what its sidecar held intact, what was prefilled
-                opened.chunks = (prefilled.reused, 0, prefilled.prefilled + prefilled.failed)
         ctx.opened = opened
         return
     if last_error is not None:
