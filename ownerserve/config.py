@@ -150,8 +150,10 @@ class AdmissionSettings(_Strict):
     session's then waits only for KV headroom, no longer for the programs' working sets."""
     aging_s: float = Field(default=10.0, ge=0)
     """A started session's request queued this long goes before every younger one (oldest
-    first), whatever its attained service; below the knee (`pause_watermark`) any request
-    queued this long waits only for KV headroom: nothing starves."""
+    first), whatever its attained service, and below the knee (`pause_watermark`) waits only
+    for KV headroom: no program under way starves. A new session's request does not age: it
+    waits for a worker open to programs (one whose working set has room, or holds at most one
+    session), or for its 429 after `max_queue_wait_s`."""
     retry_after_s: int = Field(default=2, ge=0)
     """The `Retry-After` header of a 429."""
     pause_watermark: float | None = Field(default=None, gt=0)

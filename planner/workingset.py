@@ -67,6 +67,8 @@ class WorkingSets:
         """Insertion order = least recently active first (a touched session moves to the end)."""
         self._tokens: dict[str, int] = {}
         """Per worker: the tokens of the sessions counted now."""
+        self._counts: dict[str, int] = {}
+        """Per worker: how many sessions are counted now (those with tokens)."""
         self._tools: dict[str, float] = {}
         """Per tool name: the moving average of the gaps after a call to it."""
         self._expiries: list[tuple[float, str]] = []
@@ -150,6 +152,7 @@ class WorkingSets:
             if s.worker == worker:
                 s.tokens = 0
         self._tokens.pop(worker, None)
+        self._counts.pop(worker, None)
 
     # --- what the planner reads --------------------------------------------------------------
 
@@ -157,6 +160,11 @@ class WorkingSets:
         """The tokens of KV counted in `worker`'s working set at `now`."""
         self._expire(now)
         return self._tokens.get(worker, 0)
+
+    def sessions(self, worker: str, now: float) -> int:
+        """How many sessions' KV `tokens` counts on `worker` at `now`."""
+        self._expire(now)
+        return self._counts.get(worker, 0)
 
     def home(self, session: str | None, now: float) -> tuple[str | None, int]:
         """(worker, tokens) of `session`'s own KV counted in a working set now, (None, 0) when
@@ -233,6 +241,7 @@ class WorkingSets:
     def _count(self, s: _Session) -> None:
         if s.tokens and s.worker:
             self._tokens[s.worker] = self._tokens.get(s.worker, 0) + s.tokens
+            self._counts[s.worker] = self._counts.get(s.worker, 0) + 1
 
     def _uncount(self, s: _Session) -> None:
         if s.tokens and s.worker and self._counted(s):
@@ -241,6 +250,11 @@ class WorkingSets:
                 self._tokens[s.worker] = left
             else:
                 self._tokens.pop(s.worker, None)
+            n = self._counts.get(s.worker, 0) - 1
+            if n > 0:
+                self._counts[s.worker] = n
+            else:
+                self._counts.pop(s.worker, None)
 
     def _expire(self, now: float) -> None:
         """Release the idle sessions whose keep time is over."""

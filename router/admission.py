@@ -46,6 +46,8 @@ class WorkingSet:
     usage gauge does not show, or prefilling."""
     reserved: int = 0
     """Prompt tokens of requests released from the queue onto it and not sent yet."""
+    reserved_sessions: int = 0
+    """How many requests `reserved` is of."""
     scrape: WorkerLoad | None = None
     """The scrape `since_scrape` counts from."""
     since_scrape: int = 0
@@ -235,7 +237,7 @@ class Admission:
                 continue
             if not resident:
                 programs = self._programs_share(w, ws, now)
-                if self._closed(ws, programs):
+                if self._closed(ws, programs, self._sessions_on(w, ws, now)):
                     continue
                 if programs > usage:
                     usage = programs
@@ -283,9 +285,19 @@ class Admission:
         tokens, budget = self._programs_load(worker, ws, now)
         return tokens / budget
 
-    def _closed(self, ws: WorkingSet, programs: float) -> bool:
-        """Whether the worker is closed to programs at a working-set share of `programs`:
-        closed at the high watermark, open again below the low one."""
+    def _sessions_on(self, worker: WorkerState, ws: WorkingSet, now: float) -> int:
+        """How many sessions its working set is of (and requests released onto it)."""
+        return self._programs.sessions(worker.worker_id, now) + ws.reserved_sessions
+
+    def _closed(self, ws: WorkingSet, programs: float, sessions: int) -> bool:
+        """Whether the worker is closed to programs at a working-set share of `programs` of
+        `sessions` sessions: closed at the high watermark, open again below the low one —
+        but never while one session (or none) fills it: holding others back from it would
+        run whole programs one after another, the worker idle through each tool gap, and
+        keep nothing but that one session's KV from itself."""
+        if sessions <= 1:
+            ws.closed = False
+            return False
         if ws.closed:
             if programs >= self.settings.low_watermark:
                 return True
@@ -301,7 +313,9 @@ class Admission:
         session starts or resumes there while another worker is open). Asked only past the
         knee (`enabled and cluster_full`, which the caller looks at once for all workers)."""
         ws = self.working_set(worker)
-        return self._closed(ws, self._programs_share(worker, ws, now))
+        return self._closed(
+            ws, self._programs_share(worker, ws, now), self._sessions_on(worker, ws, now)
+        )
 
     # --- admitting ---------------------------------------------------------------------------
 
@@ -386,6 +400,7 @@ class Admission:
             ws = waiter.reserved_on
             if ws is not None:
                 ws.reserved -= tokens
+                ws.reserved_sessions -= 1
                 waiter.reserved_on = None
                 if outcome != "admitted":
                     self.pump()
@@ -406,15 +421,15 @@ class Admission:
         attained = self._sessions.attained
         bound = now - self.settings.max_queue_wait_s
         aged = now - self.settings.aging_s
-        # below the knee a request queued `aging_s` waits for KV headroom only (nothing
-        # starves behind programs that keep running); past it a started session's does so
-        # after the wait bound, and a new session's waits for room or its 429
+        # a started session's request queued `aging_s` waits for KV headroom only below the
+        # knee (nothing it began starves behind programs that keep running), past it after
+        # the wait bound; a new session's waits for a worker open to programs, or its 429:
+        # starting it where the programs fill the KV would evict the KV of sessions under way
         past_knee = self.cluster_full(now)
         for waiter in release_order(self._queue, attained, now, self.settings.aging_s):
-            program_free = (
-                waiter.resident
-                or (waiter.queued_at <= aged and not past_knee)
-                or (waiter.started and waiter.queued_at <= bound)
+            program_free = waiter.resident or (
+                waiter.started
+                and (waiter.queued_at <= bound or (waiter.queued_at <= aged and not past_knee))
             )
             ok, ws = room.get((waiter.model, program_free), (False, None))
             if not ok:
@@ -422,6 +437,7 @@ class Admission:
             self._dequeue(waiter)
             if ws is not None:
                 ws.reserved += waiter.tokens
+                ws.reserved_sessions += 1
                 waiter.reserved_on = ws
             waiter.granted.set_result(None)
             if ws is not None:  # models may share workers: look again at them all

@@ -87,9 +87,9 @@ class RouterAdmission:
 
     Order: started sessions first — those waiting `aging_s` or longer oldest first, then least
     attained service — then new sessions, first come first served; below the knee (the
-    programs under `pause_watermark` of the cluster) any request waiting `aging_s` needs only
-    KV headroom. Only new sessions are refused (429): past `max_queued` new ones waiting, or
-    after `max_queue_wait_s`."""
+    programs under `pause_watermark` of the cluster) a started session's request waiting
+    `aging_s` needs only KV headroom; a new session's does not age. Only new sessions are
+    refused (429): past `max_queued` new ones waiting, or after `max_queue_wait_s`."""
 
     tick_s = 0.0
 
@@ -100,12 +100,14 @@ class RouterAdmission:
         config: AdmissionConfig | None = None,
         *,
         programs: Callable[[str, float], float] | None = None,
+        sessions: Callable[[str, float], int] | None = None,
         home: Callable[[Hashable, float], str | None] | None = None,
         release: Callable[[Hashable, float], None] | None = None,
     ) -> None:
         self.config = config or AdmissionConfig()
         self._usage = usage
         self._programs = programs
+        self._sessions = sessions
         self._home = home
         self._release = release
         if programs is not None:
@@ -205,9 +207,6 @@ class RouterAdmission:
                     break
             else:
                 session = self._pop_new()
-        elif self._new and self._new[0][0] <= aged and not self._cluster_full(now):
-            # below the knee a new session queued `aging_s` waits for KV headroom only
-            session = self._pop_new()
         if session is None:
             return None
         _, queued_at, _ = waiting.pop(session)
@@ -243,8 +242,12 @@ class RouterAdmission:
 
     def _program_open(self, worker: str, now: float) -> bool:
         """Whether `worker` is open to programs: closed when its working set reaches the high
-        watermark, open again below the low one."""
+        watermark, open again below the low one; never closed while it holds one session (or
+        none), as the router's `Admission._closed`."""
         if self._programs is None:
+            return True
+        if self._sessions is not None and self._sessions(worker, now) <= 1:
+            self._closed.discard(worker)
             return True
         share = self._programs(worker, now)
         if worker in self._closed:

@@ -289,6 +289,9 @@ def gate_for(
     def programs(wid: str, now: float) -> float:
         return ws.tokens(wid, now) / ((by_id[wid].capacity + sim.spec.cpu_blocks) * bt)
 
+    def sessions(wid: str, now: float) -> int:
+        return ws.sessions(wid, now)
+
     def home(session: Hashable, now: float) -> str | None:
         return ws.home(str(session), now)[0]
 
@@ -300,6 +303,7 @@ def gate_for(
         usage,
         config or AdmissionConfig(),
         programs=programs,
+        sessions=sessions,
         home=home,
         release=release,
     )

@@ -55,12 +55,15 @@ def test_a_session_moves_with_its_request_and_overlapping_requests_count_once() 
     ws.started("s", "w1", 700, now=1.5)
     assert ws.tokens("w0", 1.5) == 0
     assert ws.tokens("w1", 1.5) == 700
+    assert (ws.sessions("w0", 1.5), ws.sessions("w1", 1.5)) == (0, 1)
     ws.started("s", "w1", 800, now=1.6)  # a second request of the session (a fork)
     assert ws.tokens("w1", 1.6) == 800
+    assert ws.sessions("w1", 1.6) == 1
     ws.ended("s", 900, now=2.0)
     assert ws.tokens("w1", 2.0) == 900  # one still in flight
     ws.failed("s", now=2.1)
     assert ws.tokens("w1", 2.1) == 0  # a failure releases the session (its KV is unknown)
+    assert ws.sessions("w1", 2.1) == 0
     ws.ended("s", 1, now=2.2)  # nothing in flight any more: ignored
     assert ws.tokens("w1", 2.2) == 0
     assert ws.home("s", 2.2) == (None, 0)
@@ -70,14 +73,19 @@ def test_forget_worker_and_idle_sessions() -> None:
     ws = WorkingSets(RetentionConfig(idle_forget_s=100.0))
     ws.started("a", "w0", 10, now=0.0)
     ws.started("b", "w1", 20, now=0.0)
+    ws.started("a2", "w1", 30, now=0.0)
+    assert (ws.sessions("w0", 0.0), ws.sessions("w1", 0.0)) == (1, 2)
     ws.forget_worker("w0")
     assert ws.tokens("w0", 0.0) == 0
-    assert ws.tokens("w1", 0.0) == 20
+    assert ws.tokens("w1", 0.0) == 50
+    assert (ws.sessions("w0", 0.0), ws.sessions("w1", 0.0)) == (0, 2)
     ws.ended("b", 20, now=1.0)
+    ws.ended("a2", 30, now=1.0)
     ws.ended("a", 10, now=1.0)
-    ws.started("c", "w2", 5, now=500.0)  # a and b idle past the horizon: forgotten, one a touch
-    ws.started("d", "w2", 5, now=500.0)
-    assert len(ws) == 2
+    # a, b and a2 idle past the horizon: forgotten, one a touch
+    for s in ("c", "d", "e"):
+        ws.started(s, "w2", 5, now=500.0)
+    assert len(ws) == 3
 
 
 def test_bad_config() -> None:

@@ -224,8 +224,10 @@ async def test_a_new_session_waits_while_the_sessions_working_sets_fill_every_wo
     admission, programs = router.admission, router.working_sets
     _scrape(router, 0.1)
     now = time.monotonic()
-    programs.started("old", "w0", 900, now - 1)
-    programs.ended("old", 960, now - 1)  # in a tool gap, kept 4 s (2 × the 2 s prior): 0.96
+    programs.started("old", "w0", 450, now - 1)
+    programs.ended("old", 500, now - 1)  # in a tool gap, kept 4 s (2 × the 2 s prior)
+    programs.started("old2", "w0", 400, now - 1)
+    programs.ended("old2", 460, now - 1)  # the two sessions: 960 of 1000 tokens
     assert admission.resident("old") and not admission.resident("new")
     assert admission.admit_now(MODEL, "old")
     assert not admission.admit_now(MODEL, "new")
@@ -237,8 +239,8 @@ async def test_a_new_session_waits_while_the_sessions_working_sets_fill_every_wo
     await _settle()
     assert order == []
     # the old session's next turn, smaller, after a 1 s gap (then kept 2 s)
-    programs.started("old", "w0", 850, now)
-    programs.ended("old", 850, now)
+    programs.started("old", "w0", 390, now)
+    programs.ended("old", 390, now)
     admission.pump()
     await _settle()
     assert order == []  # 0.85: under the high watermark, not yet under the low one
@@ -256,7 +258,8 @@ async def test_a_started_session_queued_past_the_wait_bound_waits_for_kv_headroo
     admission, programs = router.admission, router.working_sets
     _scrape(router, 0.1)
     now = time.monotonic()
-    programs.started("old", "w0", 960, now)  # a program in flight fills the working set
+    programs.started("old", "w0", 500, now)  # programs in flight fill the working set
+    programs.started("old2", "w0", 460, now)
     router.sessions.touch("back", 0).attained_tokens = 500  # served before, its KV released
     assert not admission.admit_now(MODEL, "back") and not admission.admit_now(MODEL, "new")
     order: list[str] = []
@@ -594,18 +597,19 @@ async def test_a_worker_closed_to_programs_says_so_in_the_planners_view(profile:
     _scrape(router, 0.1)
     _scrape(router, 0.1, "w1")
     now = time.monotonic()
-    router.working_sets.started("big", "w0", 990, now)  # w0's programs over the watermark
-    router.working_sets.started("mid", "w1", 920, now)  # 1910 of 2000: the cluster is full
-    default.working_sets.started("big", "w0", 990, now)  # ... not by the default pause
-    default.working_sets.started("mid", "w1", 920, now)  # watermark, 1.2 of HBM + CPU tier
+    for r in (router, default):
+        r.working_sets.started("big", "w0", 500, now)  # w0's programs over the watermark
+        r.working_sets.started("big2", "w0", 490, now)
+        r.working_sets.started("mid", "w1", 920, now)  # 1910 of 2000: the cluster is full
+    # ... but not by the default pause watermark (1.2 of HBM + CPU tier)
     assert not default.admission.cluster_full(now)
     match = Match(chain_len=0)  # nothing cached anywhere
     closed = {
         v.worker_id: v.programs_closed for v in cluster_view(router, MODEL, match, ()).workers
     }
     assert closed == {"w0": True, "w1": False}
-    router.working_sets.ended("big", 990, now)
-    router.working_sets.release("big", now)  # gone from the working set: 0 < the low watermark
+    router.working_sets.ended("big", 500, now)
+    router.working_sets.release("big", now)  # gone from the working set: 0.49 < the low one
     view = cluster_view(router, MODEL, match, ())
     assert not any(v.programs_closed for v in view.workers)
     off = Router(_settings(profile, enabled=False))
@@ -613,20 +617,54 @@ async def test_a_worker_closed_to_programs_says_so_in_the_planners_view(profile:
     assert not cluster_view(off, MODEL, match, ()).workers[0].programs_closed
 
 
-async def test_below_the_knee_a_new_session_queued_aging_s_waits_for_kv_headroom_only(
+async def test_a_started_session_ages_into_a_full_worker_below_the_knee_a_new_one_does_not(
     profile: str,
 ) -> None:
+    """Below the knee a started session's request queued `aging_s` needs only KV headroom (no
+    program under way starves); a new session's waits for a worker open to programs or its 429
+    (starting it there would evict the KV of the sessions under way)."""
     router = Router(_settings(profile, aging_s=0.05))
     admission, programs = router.admission, router.working_sets
     _scrape(router, 0.1)
-    programs.started("old", "w0", 960, time.monotonic())  # a program fills the working set
-    assert not admission.admit_now(MODEL, "new")
+    now = time.monotonic()
+    programs.started("old", "w0", 500, now)  # two programs fill the working set
+    programs.started("old2", "w0", 460, now)
+    router.sessions.touch("back", 0).attained_tokens = 500  # served before, its KV released
+    assert not admission.admit_now(MODEL, "new") and not admission.admit_now(MODEL, "back")
     order: list[str] = []
-    client = Client(router, "new", order)
+    new = Client(router, "new", order)
+    back = Client(router, "back", order)
     await _settle()
     assert order == []
     await asyncio.sleep(0.1)
-    admission.pump()  # aged, and 0.96 of the cluster is under the pause watermark
+    admission.pump()  # both aged; 0.96 of the cluster is under the pause watermark
     await _settle()
-    assert order == ["new"]
-    client.task.cancel()
+    assert order == ["back"]
+    programs.ended("old", 500, time.monotonic())
+    programs.release("old", time.monotonic())  # paused at its tool boundary: 0.46 < low
+    admission.pump()
+    await _settle()
+    assert order == ["back", "new"]
+    new.task.cancel()
+    back.task.cancel()
+
+
+async def test_a_worker_that_one_session_fills_stays_open_to_new_sessions(
+    router: Router,
+) -> None:
+    """A session whose KV fills a worker alone does not close it: holding new sessions back
+    would run whole programs one after another with the worker idle in every tool gap. Two
+    sessions filling it do; a request released onto it counts as a session until it is sent."""
+    admission, programs = router.admission, router.working_sets
+    _scrape(router, 0.1)
+    now = time.monotonic()
+    programs.started("big", "w0", 900, now)
+    programs.ended("big", 990, now)  # 0.99 of the working set, one session
+    assert admission.admit_now(MODEL, "new")
+    worker = _worker(router)
+    ws = admission.working_set(worker)
+    ws.reserved_sessions += 1  # a request released onto it, not sent yet
+    assert admission.closed_to_programs(worker, now)  # two sessions at 0.99: closed
+    assert not admission.admit_now(MODEL, "new")
+    ws.reserved_sessions -= 1
+    assert not admission.closed_to_programs(worker, now)  # one again: open

@@ -159,7 +159,7 @@ def test_only_new_sessions_are_refused_and_a_paused_one_resumes_after_the_wait_b
     assert adm.next_release(61.0) == "old"  # the started one goes once it waited that long
 
 
-def test_below_the_knee_a_new_session_waits_aging_s_at_most() -> None:
+def test_below_the_knee_a_started_session_ages_into_a_full_worker_a_new_one_does_not() -> None:
     p = _Programs()
     adm = RouterAdmission(
         ["a"],
@@ -170,5 +170,26 @@ def test_below_the_knee_a_new_session_waits_aging_s_at_most() -> None:
     )
     p.share["a"] = 1.0  # the worker is full of programs, the cluster under the pause watermark
     assert not adm.arrive("new", 10, 0, 0.0)
+    assert not adm.arrive("back", 10, 500, 0.0)  # started, its KV released
     assert adm.next_release(9.0) is None
-    assert adm.next_release(10.0) == "new"  # queued aging_s: KV headroom is enough
+    assert adm.next_release(10.0) == "back"  # queued aging_s: KV headroom is enough
+    assert adm.next_release(50.0) is None  # a new session waits for room ...
+    assert adm.rejected(61.0) == ["new"]  # ... or its 429
+
+
+def test_a_worker_that_one_session_fills_stays_open_to_programs() -> None:
+    p = _Programs()
+    count = {"a": 1}
+    adm = RouterAdmission(
+        ["a"],
+        lambda w: 0.0,
+        AdmissionConfig(pause_watermark=0.95),
+        programs=p.programs,
+        sessions=lambda w, now: count[w],
+        home=p.home,
+    )
+    p.share["a"] = 1.2  # one session's KV is more than the worker holds
+    assert adm.arrive("new", 10, 0, 0.0)
+    count["a"] = 2  # two sessions fill it: closed
+    assert not adm.arrive("new2", 10, 0, 1.0)
+    assert adm.closed_to_programs("a", 1.0)
