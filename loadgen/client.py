@@ -1,7 +1,8 @@
 """The replay client: runs a `Workload` against any OpenAI-compatible endpoint and records timings.
 
-Sessions start at their (open-loop) start times and run their steps in order, sleeping each
-step's tool gap; requests stream, so every request gets TTFT, inter-token gaps and E2E, and every
+Sessions start at their (open-loop) start times — a subagent when its parent sends the step
+that spawns it (`Session.spawned_at`) — and run their steps in order, sleeping each step's
+tool gap; requests stream, so every request gets TTFT, inter-token gaps and E2E, and every
 session its E2E including the gaps. Concurrency is bounded (in-flight requests, active sessions)
 and so is total time; every failure — HTTP error, transport error, error event in the stream,
 or a request cut by the time limit — is recorded with its reason, never dropped.
@@ -124,6 +125,12 @@ class _Runner:
         self.active = asyncio.Semaphore(opts.max_sessions) if opts.max_sessions else None
         self.bar = ProgressBar(workload.n_requests, opts.label, enabled=opts.progress)
         self.t0 = 0.0
+        self.spawns: dict[str, dict[int, asyncio.Event]] = {}
+        """Parent session -> its step -> set when it sends that step (its subagents start)."""
+        for sess in workload.sessions:
+            if sess.spawned_at is not None:
+                parent, step = sess.spawned_at
+                self.spawns.setdefault(parent, {}).setdefault(step, asyncio.Event())
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -256,16 +263,24 @@ class _Runner:
         started: float | None = None
         done = 0
         error: str | None = None
+        spawns = self.spawns.get(s.session_id, {})
         try:
-            delay = s.start_s - self.now()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            if s.spawned_at is not None:
+                parent, step_k = s.spawned_at
+                await self.spawns[parent][step_k].wait()
+            else:
+                delay = s.start_s - self.now()
+                if delay > 0:
+                    await asyncio.sleep(delay)
             async with self.active if self.active else contextlib.nullcontext():
                 messages: list[dict[str, Any]] = []
                 for k, step in enumerate(s.steps):
                     if k and step.gap_s > 0:
                         await asyncio.sleep(step.gap_s)
                     messages.extend(m.as_dict() for m in step.new_messages)
+                    spawned = spawns.get(k)
+                    if spawned is not None:
+                        spawned.set()
                     async with self.inflight:
                         if started is None:
                             started = self.now()
@@ -281,6 +296,8 @@ class _Runner:
             error = _CUT if started is not None else "not started: run time limit reached"
             raise
         finally:
+            for spawned in spawns.values():  # ended before a spawning step: they start now
+                spawned.set()
             finished = self.now()
             self.sessions[s.session_id] = SessionRecord(
                 session_id=s.session_id,

@@ -81,6 +81,11 @@ class Session:
     steps: tuple[Step, ...]
     kind: str
     group: str = ""
+    spawned_at: tuple[str, int] | None = None
+    """A subagent's (parent session id, parent step): it starts when its parent sends that
+    step, since its parent's tool call spawns it — not at `start_s`, the time that step was
+    planned for, which a loaded cluster may not have reached (a replay by timestamps, such
+    as `export_trace`, uses `start_s`)."""
 
     @property
     def idle_s(self) -> float:
@@ -399,8 +404,9 @@ def agentic_long(
     A main session sends its group's prefix and a task, then each turn appends a tool result
     answering the previous reply's tool call. Its tool outputs are drawn lognormal, and scaled
     together when its last prompt would otherwise fall outside `context_tokens`. A forking
-    session's subagents start at the planned send time of one of its middle turns with that
-    turn's messages, then a task of their own and their own tool turns. `scale` (in `generate`)
+    session's subagents start with one of its middle turns' messages, then a task of their own
+    and their own tool turns; they are replayed when the session sends that turn
+    (`Session.spawned_at`), their `start_s` is the time it was planned for. `scale` (in `generate`)
     shrinks the token counts only: the same seed gives the same sessions, turns and gaps."""
     return _AgenticLong(params or AgenticLongParams(), seed, tf or TextFactory(seed=seed)).build()
 
@@ -493,7 +499,9 @@ class _AgenticLong:
             first = (*history, Msg("user", "Subagent task: " + text))
             steps = self.turns(sid, first, rng.randint(*p.subagent_turns), f"sub{b}_call_", 0)
             steps[0] = replace(steps[0], label="subagent")
-            out.append(Session(sid, start, tuple(steps), "subagent", parent.group))
+            out.append(
+                Session(sid, start, tuple(steps), "subagent", parent.group, (parent.session_id, j))
+            )
         return out
 
     def build(self) -> Workload:

@@ -654,9 +654,15 @@ class Simulator:
         prof = self.profile
         heap: list[tuple[float, int, int, int, int]] = []
         seq = 0
+        self._children: dict[int, list[tuple[int, int]]] = {}
+        """Parent session -> (turn, subagent) of the subagents its turns spawn, not yet."""
         for si, s in enumerate(sessions):
-            heap.append((s.start_s, seq, _ARRIVE, si, 0))
-            seq += 1
+            if s.spawned_at is not None:  # arrives when its parent's turn does
+                parent, at = s.spawned_at
+                self._children.setdefault(parent, []).append((at, si))
+            else:
+                heap.append((s.start_s, seq, _ARRIVE, si, 0))
+                seq += 1
             if self.oracle:
                 for turn in s.turns:
                     for b in turn.chain:
@@ -696,7 +702,7 @@ class Simulator:
         tick_s = gate.tick_s if gate is not None else 0.0
         if tick_s > 0 and heap:
             heapq.heappush(heap, (heap[0][0] + tick_s, -1, _TICK, 0, 0))
-        session_start = [s.start_s for s in sessions]
+        self._session_start = session_start = [s.start_s for s in sessions]
         slo = self.slo_ttft_p90_s
         # time integrals of cached blocks (all copies) and of distinct blocks
         dup_num = dup_den = 0.0
@@ -740,6 +746,7 @@ class Simulator:
                     heapq.heappush(heap, (now + nxt.gap_s, self._seq, _ARRIVE, si, ti + 1))
                     self._seq += 1
                 else:
+                    self._spawn(si, None, now)
                     res.session_e2e_s.append(now - session_start[si])
                     res.sessions_completed += 1
                     p90 = percentile(self._ttfts[si], 90)
@@ -751,6 +758,8 @@ class Simulator:
                     self._release(now)
                 continue
             si, ti = a, b
+            if si in self._children:
+                self._spawn(si, ti, now)
             if gate is not None and not gate.arrive(
                 si, sessions[si].turns[ti].input_tokens, self._attained[si], now
             ):
@@ -784,10 +793,30 @@ class Simulator:
         for si in gate.rejected(now):
             if waiting.pop(si, None) is not None:
                 self._res.rejected_429 += 1  # the client got a 429: its session ends here
+                self._spawn(si, None, now)  # type: ignore[arg-type]
         while (si := gate.next_release(now)) is not None:
             entry = waiting.pop(si, None)
             if entry is not None:
                 self._start(si, entry[0], now, entry[1])  # type: ignore[arg-type]
+
+    def _spawn(self, si: int, turn: int | None, now: float) -> None:
+        """Session `si` reached `turn` (None: it ended): its subagents spawned there (or, once
+        it ended, all still unspawned) arrive now, after this event."""
+        children = self._children.get(si)
+        if not children:
+            return
+        keep = []
+        for t, child in children:
+            if turn is None or t <= turn:
+                self._session_start[child] = now
+                heapq.heappush(self._heap, (now, self._seq, _ARRIVE, child, 0))
+                self._seq += 1
+            else:
+                keep.append((t, child))
+        if keep:
+            self._children[si] = keep
+        else:
+            del self._children[si]
 
     def _start(self, si: int, ti: int, now: float, arrived: float) -> None:
         """Plan and run turn `ti` of session `si` at `now` (it arrived at `arrived`)."""
@@ -832,6 +861,7 @@ class Simulator:
             plan = self.policy.plan(req, view)
         except RequestRejectedError:
             res.rejected += 1  # the client got a 429: its session ends here
+            self._spawn(si, None, now)
             if self.gate is not None:
                 self.gate.ended(si, "", 0, now, True)
             return

@@ -14,7 +14,7 @@ exactly that many tokens). Arrival times and tool gaps are the workload's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from loadgen.sim.workload import SimSession, SimTurn
@@ -63,7 +63,8 @@ def workload_sessions(
     Each session's steps become turns: the chain of full-block hashes of the rendered prompt
     (a trailing partial block has no hash, as in the engine), the prompt's token count, the
     step's `max_tokens` and its gap. Sessions are independent (`fork_of` is None): the router
-    keys sessions by the client's `x-session-id`, one per workload session.
+    keys sessions by the client's `x-session-id`, one per workload session; a subagent
+    arrives when its parent's spawning turn does (`spawned_at`), as the replay client sends it.
     """
     r = rendering or Rendering()
     tok = tokenizer or load_tokenizer(r.tokenizer)
@@ -81,4 +82,9 @@ def workload_sessions(
             gap = step.gap_s if k else 0.0
             turns.append(SimTurn(chain, len(ids), step.max_tokens, gap))
         sessions.append(SimSession(si, session.start_s, tuple(turns)))
+    index = {s.session_id: i for i, s in enumerate(workload.sessions)}
+    for si, session in enumerate(workload.sessions):
+        if session.spawned_at is not None:  # a subagent arrives when its parent's step does
+            parent, at = session.spawned_at
+            sessions[si] = replace(sessions[si], spawned_at=(index[parent], at))
     return sessions

@@ -32,6 +32,9 @@ class SimSession:
     start_s: float
     turns: tuple[SimTurn, ...]
     fork_of: int | None = None
+    spawned_at: tuple[int, int] | None = None
+    """A subagent's (parent session index, parent turn): it arrives when its parent's turn
+    does (`loadgen.workloads.Session.spawned_at`), not at `start_s`."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ import asyncio
 import io
 import itertools
 import time
+from dataclasses import replace
 
 from loadgen.client import RunOptions, run_workload
 from loadgen.progress import ProgressBar
@@ -51,6 +52,21 @@ async def test_open_loop_start_times_are_honoured() -> None:
         res = await run_workload(w, RunOptions(target=url, progress=False))
     a, b = res.requests
     assert b.sent_s - a.sent_s >= 0.29
+
+
+async def test_a_subagent_starts_when_its_parent_sends_the_step_that_spawns_it() -> None:
+    parent = _session("p", 0.0, ["a", "b", "c"], gap=0.2)
+    # planned for 0.01 s: its parent's step 1 comes only after that step's 0.2 s tool gap
+    sub = replace(_session("p-sub0", 0.01, ["task"]), spawned_at=("p", 1))
+    orphan = replace(_session("q-sub0", 0.0, ["task"]), spawned_at=("q", 5))
+    short = _session("q", 0.0, ["only"])  # ends before its step 5: its subagent starts then
+    w = Workload("t", 0, (parent, sub, short, orphan))
+    async with serve_stub(create_stub_app()) as url:
+        res = await run_workload(w, RunOptions(target=url, progress=False))
+    sent = {(r.session_id, r.step): r.sent_s for r in res.requests}
+    assert sent[("p-sub0", 0)] >= sent[("p", 1)] - 0.005 and sent[("p-sub0", 0)] >= 0.19
+    assert sent[("q-sub0", 0)] >= sent[("q", 0)]
+    assert all(s.completed for s in res.sessions)
 
 
 async def test_errors_are_counted_and_stop_their_session_only() -> None:

@@ -251,6 +251,7 @@ def test_agentic_long_subagents_fork_from_their_parents_prefix(
             if first.startswith(p.removesuffix(END))
         )
         assert 0 < j < len(parent.steps) - 1
+        assert sub.spawned_at == (parent.session_id, j)  # replayed: when the parent sends j
         assert sub.start_s == pytest.approx(
             parent.start_s + sum(st.gap_s for st in parent.steps[: j + 1])
         )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,6 +23,7 @@ from planner.types import (
 )
 
 PROFILE = load_profile("h100-llama3-8b")
+T = TypeVar("T")
 
 
 class _Fixed:
@@ -32,6 +35,27 @@ class _Fixed:
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
         return Plan(self.name, RequestClass.NEW_LONG_PREFIX, self._cand)
+
+
+class _Spy(_Fixed, Generic[T]):
+    """A `_Fixed` that keeps what `look` sees in every cluster view it plans on (`seen`)."""
+
+    def __init__(self, action: Action, p: str, d: str, look: Callable[[ClusterView], T]) -> None:
+        super().__init__(action, p, d)
+        self._look = look
+        self.seen: list[T] = []
+
+    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+        self.seen.append(self._look(cluster))
+        return super().plan(request, cluster)
+
+
+def _h0_kv_usage(cluster: ClusterView) -> float:
+    return next(w.kv_usage for w in cluster.workers if w.worker_id == "h0")
+
+
+def _nic_backlogs(cluster: ClusterView) -> dict[str, float]:
+    return {w.worker_id: w.nic_backlog_s for w in cluster.workers}
 
 
 def _session(chains: list[tuple[int, ...]], bt: int = 512) -> SimSession:
@@ -198,17 +222,11 @@ def test_a_decode_on_another_worker_is_not_stalled() -> None:
 
 
 def test_kv_usage_is_running_context_not_idle_cache() -> None:
-    seen: list[float] = []
-
-    class _Spy(_Fixed):
-        def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
-            seen.append(next(w.kv_usage for w in cluster.workers if w.worker_id == "h0"))
-            return super().plan(request, cluster)
-
-    sim = Simulator(ClusterSpec(0, 0, 1), PROFILE, _Spy(Action.COLOCATED_PREFILL, "h0", "h0"))
+    spy = _Spy(Action.COLOCATED_PREFILL, "h0", "h0", _h0_kv_usage)
+    sim = Simulator(ClusterSpec(0, 0, 1), PROFILE, spy)
     # two sessions far apart: at the second arrival h0 caches the first but runs nothing
     sim.run([_session([(1, 2, 3)]), SimSession(1, 1e4, (SimTurn((7,), 512, 1, 0.0),))])
-    assert seen == [0.0, 0.0] and len(sim.workers[0].cache) == 4
+    assert spy.seen == [0.0, 0.0] and len(sim.workers[0].cache) == 4
 
 
 def test_remote_prefill_gives_ownership_of_new_blocks_to_the_decode_worker() -> None:
@@ -218,13 +236,6 @@ def test_remote_prefill_gives_ownership_of_new_blocks_to_the_decode_worker() -> 
 
 
 def test_scraped_kv_usage_lags_by_up_to_one_scrape_period() -> None:
-    seen: list[float] = []
-
-    class _Spy(_Fixed):
-        def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
-            seen.append(next(w.kv_usage for w in cluster.workers if w.worker_id == "h0"))
-            return super().plan(request, cluster)
-
     # A decodes 1000 tokens from t=0; B arrives at 0.5 s (same scrape period), C at 2.5 s
     sessions = [
         SimSession(0, 0.0, (SimTurn((1,), 512, 1000, 0.0),)),
@@ -232,24 +243,19 @@ def test_scraped_kv_usage_lags_by_up_to_one_scrape_period() -> None:
         SimSession(2, 2.5, (SimTurn((3,), 512, 1, 0.0),)),
     ]
     for scrape, stale in ((0.0, False), (2.0, True)):
-        seen.clear()
-        spec = ClusterSpec(0, 0, 1, load_scrape_s=scrape)
-        Simulator(spec, PROFILE, _Spy(Action.COLOCATED_PREFILL, "h0", "h0")).run(sessions)
+        spy = _Spy(Action.COLOCATED_PREFILL, "h0", "h0", _h0_kv_usage)
+        Simulator(ClusterSpec(0, 0, 1, load_scrape_s=scrape), PROFILE, spy).run(sessions)
+        seen = spy.seen
         assert seen[0] == 0.0 and seen[2] > 0.0
         assert (seen[1] == 0.0) == stale  # B sees the usage of the scrape at t=0
 
 
 def test_policies_see_the_nic_backlog_of_each_senders_node() -> None:
-    seen: list[dict[str, float]] = []
-
-    class _Spy(_Fixed):
-        def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
-            seen.append({w.worker_id: w.nic_backlog_s for w in cluster.workers})
-            return super().plan(request, cluster)
-
     # p0 on node n0 sends a long prompt's KV to d1 on n1; a second session arrives at once
     spec = ClusterSpec(1, 1, 0, workers_per_node=1)
-    sim = Simulator(spec, PROFILE, _Spy(Action.REMOTE_PREFILL, "p0", "d1"))
+    spy = _Spy(Action.REMOTE_PREFILL, "p0", "d1", _nic_backlogs)
+    sim = Simulator(spec, PROFILE, spy)
+    seen = spy.seen
     chain = tuple(range(1, 33))  # 32 blocks of 512 tokens
     sim.run([_session([chain]), SimSession(1, 1e-6, (SimTurn((99, *chain), 512, 1, 0.0),))])
     assert seen[0] == {"p0": 0.0, "d1": 0.0}
@@ -258,3 +264,30 @@ def test_policies_see_the_nic_backlog_of_each_senders_node() -> None:
     ship = PROFILE.link.transfer_s(32 * 512 * PROFILE.kv_bytes_per_token, same_node=False)
     assert seen[1]["d1"] == 0.0
     assert seen[1]["p0"] >= ship
+
+
+class _Order(_Fixed):
+    """A `_Fixed` that records which session each planned request is of."""
+
+    def __init__(self) -> None:
+        super().__init__(Action.COLOCATED_PREFILL, "h0", "h0")
+        self.sessions: list[str | None] = []
+
+    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+        self.sessions.append(request.session_id)
+        return super().plan(request, cluster)
+
+
+def test_a_subagent_arrives_when_its_parent_reaches_the_turn_that_spawns_it() -> None:
+    turns = tuple(
+        SimTurn(tuple(range(k + 1)), 512 * (k + 1), 5, 1.0 if k else 0.0) for k in (0, 1, 2)
+    )
+    parent = SimSession(0, 0.0, turns)
+    # planned at t=0, spawned by the parent's turn 2 (after two 1 s tool gaps)
+    sub = SimSession(1, 0.0, (SimTurn((0, 1, 9), 512 * 3, 5, 0.0),), spawned_at=(0, 2))
+    order = _Order()
+    res = Simulator(ClusterSpec(0, 0, 1), PROFILE, order).run([parent, sub])
+    assert order.sessions == ["0", "0", "0", "1"]  # after the parent's turn 2, same instant
+    assert res.sessions_completed == 2
+    assert max(res.session_e2e_s) > 2.0  # the parent's, its gaps included
+    assert min(res.session_e2e_s) < 0.5  # the subagent's, counted from its spawn
