@@ -39,6 +39,7 @@ from loadgen.capacity import (
     sizing_lines,
     write_capacity_outputs,
 )
+from loadgen.cli import add_generate_arguments
 from loadgen.cluster import REPO_ROOT, ClusterSpec, sigterm_as_interrupt
 from loadgen.trace import (
     TraceScaling,
@@ -79,13 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="mixed",
         help=f"generated workload: {'|'.join(sorted(GENERATORS))} (default mixed)",
     )
-    p.add_argument(
-        "--scale",
-        type=float,
-        default=1.0,
-        help="multiply the session count (agentic-long: the token counts)",
-    )
-    p.add_argument("--seed", type=int, default=0)
+    add_generate_arguments(p)
     p.add_argument(
         "--time-scale",
         type=float,

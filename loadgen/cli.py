@@ -32,8 +32,8 @@ from ownerserve.errors import ConfigError
 WORKLOAD_HELP = f"{'|'.join(sorted(GENERATORS))}|trace:FILE"
 
 
-def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default="agentic", help=f"{WORKLOAD_HELP} (default agentic)")
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    """--seed and --scale: what `loadgen.workloads.generate` takes besides the workload's name."""
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument(
         "--scale",
@@ -41,6 +41,11 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="multiply the session count (agentic-long: the token counts)",
     )
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default="agentic", help=f"{WORKLOAD_HELP} (default agentic)")
+    add_generate_arguments(p)
     g = p.add_argument_group("trace replay (--workload trace:FILE)")
     g.add_argument("--trace-start", type=int, default=0, help="first row to replay")
     g.add_argument("--trace-limit", type=int, default=None, help="replay at most this many rows")

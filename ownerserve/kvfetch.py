@@ -39,10 +39,10 @@ def _is_http_url(url: str) -> bool:
 
 def _common_fields(
     data: object, hashes_key: str, most: int
-) -> tuple[Mapping[str, Any], str, tuple[int, ...], str | None, str | None]:
-    """(the body, source_url without a trailing `/`, the hashes under `hashes_key`, model,
-    source_worker) of a fetch body, each checked; `InvalidRequestError` names the first bad
-    field."""
+) -> tuple[Mapping[str, Any], dict[str, Any]]:
+    """The body, and the fields every fetch body has, checked, by their names: `source_url`
+    (without a trailing `/`), the hashes under `hashes_key` (a tuple), `model`,
+    `source_worker`. `InvalidRequestError` names the first bad field."""
     if not isinstance(data, Mapping):
         raise InvalidRequestError("request body must be a JSON object")
     source_url = data.get("source_url")
@@ -59,12 +59,28 @@ def _common_fields(
     source_worker = data.get("source_worker")
     if source_worker is not None and not isinstance(source_worker, str):
         raise InvalidRequestError("source_worker: must be a string")
-    return data, source_url.rstrip("/"), tuple(hashes), model, source_worker
+    return data, {
+        "source_url": source_url.rstrip("/"),
+        hashes_key: tuple(hashes),
+        "model": model,
+        "source_worker": source_worker,
+    }
+
+
+class _Body:
+    """A fetch request's JSON body is its fields by their names."""
+
+    __slots__ = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object sent as the request body."""
+        names: tuple[str, ...] = self.__slots__
+        return {name: getattr(self, name) for name in names}
 
 
 @fast_init  # the router makes one per fetch, on the request path
 @dataclass(frozen=True, slots=True)
-class KVFetchRequest:
+class KVFetchRequest(_Body):
     """Pull the first `len(block_hashes)` blocks of a prompt from the worker at `source_url`."""
 
     source_url: str
@@ -78,24 +94,11 @@ class KVFetchRequest:
     """The tokens of those blocks (`len(block_hashes) * block_size` of them)."""
     block_size: int | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        """The JSON object sent as the request body."""
-        return {
-            "source_url": self.source_url,
-            "source_worker": self.source_worker,
-            "model": self.model,
-            "block_hashes": self.block_hashes,
-            "token_ids": self.token_ids,
-            "block_size": self.block_size,
-        }
-
     @classmethod
     def from_json(cls, data: object) -> KVFetchRequest:
         """A request from a decoded JSON body (unknown keys are ignored); `InvalidRequestError`
         names the first field that is missing or malformed."""
-        body, source_url, hashes, model, source_worker = _common_fields(
-            data, "block_hashes", MAX_FETCH_BLOCKS
-        )
+        body, fields = _common_fields(data, "block_hashes", MAX_FETCH_BLOCKS)
         token_ids = body.get("token_ids")
         if token_ids is not None and (
             not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids)
@@ -104,14 +107,8 @@ class KVFetchRequest:
         block_size = body.get("block_size")
         if block_size is not None and (type(block_size) is not int or block_size <= 0):
             raise InvalidRequestError("block_size: must be a positive integer")
-        return cls(
-            source_url=source_url,
-            block_hashes=hashes,
-            model=model,
-            source_worker=source_worker,
-            token_ids=None if token_ids is None else tuple(token_ids),
-            block_size=block_size,
-        )
+        token_ids = None if token_ids is None else tuple(token_ids)
+        return cls(**fields, token_ids=token_ids, block_size=block_size)
 
 
 def fetched_blocks(answer: object) -> int | None:
@@ -136,7 +133,7 @@ MAX_FETCH_CHUNKS = 4096
 
 @fast_init
 @dataclass(frozen=True, slots=True)
-class KVChunkFetchRequest:
+class KVChunkFetchRequest(_Body):
     """Pull the chunks `chunk_hashes` (content hashes, `ownerserve.chunks`) from the chunk
     store of the worker at `source_url` into this worker's."""
 
@@ -147,28 +144,11 @@ class KVChunkFetchRequest:
     source_worker: str | None = None
     """The source's worker id, for logs."""
 
-    def to_json(self) -> dict[str, Any]:
-        """The JSON object sent as the request body."""
-        return {
-            "source_url": self.source_url,
-            "source_worker": self.source_worker,
-            "model": self.model,
-            "chunk_hashes": self.chunk_hashes,
-        }
-
     @classmethod
     def from_json(cls, data: object) -> KVChunkFetchRequest:
-        """A request from a decoded JSON body (unknown keys are ignored); `InvalidRequestError`
-        names the first field that is missing or malformed."""
-        _, source_url, hashes, model, source_worker = _common_fields(
-            data, "chunk_hashes", MAX_FETCH_CHUNKS
-        )
-        return cls(
-            source_url=source_url,
-            chunk_hashes=hashes,
-            model=model,
-            source_worker=source_worker,
-        )
+        """As `KVFetchRequest.from_json`."""
+        _, fields = _common_fields(data, "chunk_hashes", MAX_FETCH_CHUNKS)
+        return cls(**fields)
 
 
 def fetched_chunks(answer: object) -> frozenset[int] | None:

@@ -179,17 +179,11 @@ def create_app(
         return JSONResponse(worker_json(state), status_code=201)
 
     @app.post("/admin/workers/{worker_id}/drain")
+    @app.post("/admin/workers/{worker_id}/undrain")
     async def drain(worker_id: str, request: Request) -> JSONResponse:
         admin_auth(request)
-        state = router.pool.drain(worker_id, True)
-        if state is None:
-            raise NotFoundError(f"no worker {worker_id!r}")
-        return JSONResponse(worker_json(state))
-
-    @app.post("/admin/workers/{worker_id}/undrain")
-    async def undrain(worker_id: str, request: Request) -> JSONResponse:
-        admin_auth(request)
-        state = router.pool.drain(worker_id, False)
+        on = request.url.path.rsplit("/", 1)[1] == "drain"
+        state = router.pool.drain(worker_id, on)
         if state is None:
             raise NotFoundError(f"no worker {worker_id!r}")
         return JSONResponse(worker_json(state))

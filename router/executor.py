@@ -398,6 +398,42 @@ class PlanExecutor:
 
     # --- remote prefill, D after P's answer (vLLM's protocol) -------------------------------
 
+    def _prefill_json(self, prefill: WorkerState, req: CompletionRequest) -> dict[str, Any]:
+        """The body P receives; `RetryableUpstreamError` when `prefill`'s settings cannot serve
+        the protocol (the router tries other workers)."""
+        try:
+            return prefill.backend.prefill_body(req.body, prefill.address)
+        except ValueError as exc:
+            raise RetryableUpstreamError(prefill.worker_id, str(exc)) from None
+
+    async def _run_prefill(
+        self,
+        prefill: WorkerState,
+        req: CompletionRequest,
+        body: bytes,
+        headers: bytes,
+        limits: HopLimits,
+        protocol: str,
+    ) -> tuple[UpstreamResponse, bytes]:
+        """P's part of a remote prefill, within the KV transfer timeout: its answer, read
+        whole. The connection is released: unless read whole, that closes it (aborting P)."""
+        bound: tuple[Hop, float] = ("kv_transfer", limits.kv_transfer_timeout_s)
+        with self.span("ownerserve.transfer", protocol=protocol, prefill=prefill.worker_id):
+            resp = await self._post(
+                prefill, req.endpoint.value, body, headers, bound, "kv_transfer_failed"
+            )
+            try:
+                data = await resp.read()
+            except OSError as exc:
+                raise RetryableUpstreamError(
+                    prefill.worker_id,
+                    f"prefill failed: {exc!r}",
+                    cause_of(exc, "kv_transfer_failed"),
+                ) from None
+            finally:
+                resp.release()
+        return resp, data
+
     async def _pd_after_prefill(
         self,
         prefill: WorkerState,
@@ -406,29 +442,11 @@ class PlanExecutor:
         headers: bytes,
         limits: HopLimits,
     ) -> OpenedResponse:
-        backend = prefill.backend
         t = time.perf_counter()
-        try:
-            p_json = backend.prefill_body(req.body, prefill.address)
-        except ValueError as exc:
-            raise RetryableUpstreamError(prefill.worker_id, str(exc)) from None
+        p_json = self._prefill_json(prefill, req)
         p_body = orjson.dumps(p_json)
-        bound: tuple[Hop, float] = ("kv_transfer", limits.kv_transfer_timeout_s)
         try:
-            with self.span("ownerserve.transfer", protocol="vllm", prefill=prefill.worker_id):
-                resp = await self._post(
-                    prefill, req.endpoint.value, p_body, headers, bound, "kv_transfer_failed"
-                )
-                try:
-                    data = await resp.read()
-                except OSError as exc:
-                    raise RetryableUpstreamError(
-                        prefill.worker_id,
-                        f"prefill failed: {exc!r}",
-                        cause_of(exc, "kv_transfer_failed"),
-                    ) from None
-                finally:
-                    resp.release()  # closes the connection (aborting P) unless read whole
+            resp, data = await self._run_prefill(prefill, req, p_body, headers, limits, "vllm")
         except RetryableUpstreamError as exc:
             gave_up = GaveUp(prefill.worker_id, exc.cause)
             return await self._colocated(decode, req, headers, limits, gave_up)
@@ -444,7 +462,7 @@ class PlanExecutor:
             )
         try:
             p_answer = orjson.loads(data)
-            d_json = backend.decode_body(req.body, p_json, p_answer)
+            d_json = prefill.backend.decode_body(req.body, p_json, p_answer)
         except (orjson.JSONDecodeError, UpstreamError) as exc:
             log.warning("prefill %s handed nothing over: %s", prefill.worker_id, exc)
             gave_up = GaveUp(prefill.worker_id, "kv_transfer_failed")
@@ -492,29 +510,13 @@ class PlanExecutor:
         headers: bytes,
         limits: HopLimits,
     ) -> OpenedResponse:
-        backend = prefill.backend
-        try:
-            p_json = backend.prefill_body(req.body, prefill.address)
-        except ValueError as exc:
-            raise RetryableUpstreamError(prefill.worker_id, str(exc)) from None
-        d_bytes = orjson.dumps(backend.decode_body(req.body, p_json, None))
+        p_json = self._prefill_json(prefill, req)
+        d_bytes = orjson.dumps(prefill.backend.decode_body(req.body, p_json, None))
         t = time.perf_counter()
         p_bytes = orjson.dumps(p_json)
-        bound: tuple[Hop, float] = ("kv_transfer", limits.kv_transfer_timeout_s)
 
         async def run_prefill() -> float:
-            with self.span("ownerserve.transfer", protocol="sglang", prefill=prefill.worker_id):
-                resp = await self._post(
-                    prefill, req.endpoint.value, p_bytes, headers, bound, "kv_transfer_failed"
-                )
-                try:
-                    await resp.read()
-                except OSError as exc:
-                    raise RetryableUpstreamError(
-                        prefill.worker_id, f"prefill: {exc!r}", cause_of(exc, "kv_transfer_failed")
-                    ) from None
-                finally:
-                    resp.release()
+            resp, _ = await self._run_prefill(prefill, req, p_bytes, headers, limits, "sglang")
             if resp.status != 200:
                 raise RetryableUpstreamError(
                     prefill.worker_id, f"prefill status {resp.status}", "kv_transfer_failed"

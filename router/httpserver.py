@@ -18,10 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
@@ -40,6 +40,7 @@ from router.frontdoors.messages import error_body as messages_error_body
 from router.requests import Endpoint
 from router.state import Router
 from router.streaming import ResponseWriter
+from router.upstream import set_no_delay
 
 log = logging.getLogger(__name__)
 
@@ -83,26 +84,16 @@ _STATUS_LINES: dict[tuple[int, bool], bytes] = {}
 """`_status_line` by (status, http10), filled as responses go out (a handful of keys)."""
 
 
+@dataclass(slots=True)  # not frozen: a frozen one's __init__ is slower, once a request
 class _Request:
     """One parsed request."""
 
-    __slots__ = ("body", "headers", "http10", "keep_alive", "method", "url")
-
-    def __init__(
-        self,
-        method: bytes,
-        url: bytes,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-        keep_alive: bool,
-        http10: bool,
-    ) -> None:
-        self.method = method
-        self.url = url
-        self.headers = headers
-        self.body = body
-        self.keep_alive = keep_alive
-        self.http10 = http10
+    method: bytes
+    url: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    keep_alive: bool
+    http10: bool
 
 
 class _Writer(ResponseWriter):
@@ -218,10 +209,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        set_no_delay(transport)
         self.server.connections.add(self)
 
     def data_received(self, data: bytes) -> None:

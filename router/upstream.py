@@ -12,6 +12,7 @@ response; a wait that runs out closes the connection (`UpstreamTimeout`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 from collections import deque
@@ -57,6 +58,14 @@ def header_block(headers: Mapping[str, str]) -> bytes:
     return b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
 
 
+def set_no_delay(transport: asyncio.BaseTransport) -> None:
+    """`TCP_NODELAY` on a connection's socket: a small answer or request goes out at once."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; it carries one response at a time."""
 
@@ -91,9 +100,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        set_no_delay(transport)
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True

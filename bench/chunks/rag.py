@@ -9,6 +9,8 @@ alone), on the same workers with their caches reset in between. Reported per run
 to the first streamed token, mean/p50/p90) and the prompt tokens the workers computed.
 
     .venv/bin/python -m bench.chunks.rag [--hits 0.5 0.9] [--requests 40] [--workers 2]
+
+Its prompts, documents, run loop and shared options serve `bench.chunks.rag_vllm` too.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -31,16 +34,24 @@ from ownerserve.config import ChunkSettings, ModelSettings, Settings, settings_f
 from router.app import create_app
 from router.server import running_app
 
+R = TypeVar("R", bound="RagRun")
 SYSTEM = {"role": "system", "content": "Answer from the documents below.\n"}
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 @dataclass(frozen=True, slots=True)
-class Run:
+class RagRun:
+    """What every RAG benchmark reports of a run: its hit rate, its mode ("prefix caching" or
+    "chunk reuse"), the requests measured and their mean TTFT."""
+
     hit: float
     mode: str
     requests: int
     ttft_mean_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Run(RagRun):
     ttft_p50_ms: float
     ttft_p90_ms: float
     prompt_tokens: int
@@ -73,15 +84,19 @@ def prompts(
 
 
 class Docs:
-    def __init__(self, seed: int) -> None:
+    """The document of each key, made once, of `length` (least, most) tokens drawn per document
+    (`TextFactory.make`'s tokens: bytes of the byte tokenizer)."""
+
+    def __init__(self, seed: int, length: tuple[int, int] = (256, 1024)) -> None:
         self.text = TextFactory(seed=seed)
         self.sizes = random.Random(seed + 1)
+        self.length = length
         self._cache: dict[str, str] = {}
 
     def __call__(self, key: str) -> str:
         doc = self._cache.get(key)
         if doc is None:
-            doc = self._cache[key] = self.text.make(key, self.sizes.randint(256, 1024))
+            doc = self._cache[key] = self.text.make(key, self.sizes.randint(*self.length))
         return doc
 
 
@@ -195,26 +210,47 @@ def table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+async def every_run(hits: list[float], one: Callable[[bool, float], Awaitable[R]]) -> list[R]:
+    """`one(chunks, hit)` for every hit rate, prefix caching alone first, then chunk reuse;
+    each run printed as a JSON line when it ends."""
+    runs: list[R] = []
+    for hit in hits:
+        for chunks in (False, True):
+            run = await one(chunks, hit)
+            print(json.dumps(asdict(run)), flush=True)
+            runs.append(run)
+    return runs
+
+
+def parser_for(doc: str, requests: int, warm_docs: int, out: str) -> argparse.ArgumentParser:
+    """The options every RAG benchmark takes, with its defaults; `out` names its results file."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--hits", type=float, nargs="+", default=[0.5, 0.9])
+    parser.add_argument("--requests", type=int, default=requests, help="measured requests per run")
+    parser.add_argument("--warm-docs", type=int, default=warm_docs, help="documents computed first")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS / out)
+    return parser
+
+
+def save(runs: Sequence[RagRun], out: Path, table_text: str) -> None:
+    """The runs as JSON at `out`, and their table on stdout."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps([asdict(r) for r in runs], indent=2) + "\n")
+    print(table_text)
+
+
 async def main_async(args: argparse.Namespace) -> list[Run]:
     ws = tuple(
         EmulatedWorker(f"h{i}", "hybrid", profile=args.profile, speed=args.speed)
         for i in range(args.workers)
     )
-    runs: list[Run] = []
     with emulated_workers(*ws) as workers:
-        for hit in args.hits:
-            for chunks in (False, True):
-                run = await one_run(workers, chunks, hit, args)
-                print(json.dumps(asdict(run)), flush=True)
-                runs.append(run)
-    return runs
+        return await every_run(args.hits, lambda chunks, hit: one_run(workers, chunks, hit, args))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hits", type=float, nargs="+", default=[0.5, 0.9])
-    parser.add_argument("--requests", type=int, default=40, help="measured requests per run")
-    parser.add_argument("--warm-docs", type=int, default=40, help="documents computed first")
+    parser = parser_for(__doc__, requests=40, warm_docs=40, out="chunks_rag.json")
     parser.add_argument("--workers", type=int, default=2, help="hybrid emulated workers")
     parser.add_argument("--profile", default="h100-llama3-8b")
     parser.add_argument(
@@ -223,13 +259,9 @@ def main() -> None:
         default=1.0,
         help="emulated time runs this many times faster (TTFTs are reported as measured)",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "chunks_rag.json")
     args = parser.parse_args()
     runs = asyncio.run(main_async(args))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps([asdict(r) for r in runs], indent=2) + "\n")
-    print(table(runs))
+    save(runs, args.out, table(runs))
 
 
 if __name__ == "__main__":

@@ -21,22 +21,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
-import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.chunks.rag import RESULTS, SYSTEM, prompts
-from loadgen.text import TextFactory
+from bench.chunks.rag import SYSTEM, Docs, RagRun, every_run, parser_for, prompts, save
 from ownerserve.chunks import load_spans
 from ownerserve.config import Settings, settings_from_dict
 from ownerserve.ports import free_port
@@ -52,11 +49,7 @@ PLAN_HEADER = "x-ownerserve-plan"
 
 
 @dataclass(frozen=True, slots=True)
-class Run:
-    hit: float
-    mode: str
-    requests: int
-    ttft_mean_ms: float
+class Run(RagRun):
     prompt_tokens: int
     computed: int
     loaded_from_chunk_store: int
@@ -66,19 +59,8 @@ class Run:
     chunks_prefilled: int
 
 
-class SmallDocs:
-    """Documents of 48-192 words (the tiny model's context is 2048 tokens)."""
-
-    def __init__(self, seed: int) -> None:
-        self.text = TextFactory(seed=seed)
-        self.sizes = random.Random(seed + 1)
-        self._cache: dict[str, str] = {}
-
-    def __call__(self, key: str) -> str:
-        doc = self._cache.get(key)
-        if doc is None:
-            doc = self._cache[key] = self.text.make(key, self.sizes.randint(48, 192))
-        return doc
+SMALL_DOCS = (48, 192)
+"""Document lengths, the least and the most (`Docs`; the tiny model's context is 2048 tokens)."""
 
 
 def settings(install_model: Path, url: str, sidecar: str, chunks: bool) -> Settings:
@@ -118,7 +100,7 @@ def by_source(before: VllmLoad, after: VllmLoad, key: str) -> int:
 
 
 async def one_run(args: argparse.Namespace, model_dir: Path, chunks: bool, hit: float) -> Run:
-    docs = SmallDocs(args.seed)
+    docs = Docs(args.seed, SMALL_DOCS)
     warmup, measured = prompts(hit, args.requests, args.seed, args.warm_docs)
     warmup = [w[:4] for w in warmup]
     measured = [m[:5] for m in measured]
@@ -251,31 +233,16 @@ def table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
-async def main_async(args: argparse.Namespace, model_dir: Path) -> list[Run]:
-    runs = []
-    for hit in args.hits:
-        for chunks in (False, True):
-            run = await one_run(args, model_dir, chunks, hit)
-            print(json.dumps(asdict(run)), flush=True)
-            runs.append(run)
-    return runs
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hits", type=float, nargs="+", default=[0.5, 0.9])
-    parser.add_argument("--requests", type=int, default=8, help="measured requests per run")
-    parser.add_argument("--warm-docs", type=int, default=16, help="documents computed first")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = parser_for(__doc__, requests=8, warm_docs=16, out="chunks_rag_vllm.json")
     parser.add_argument("--vllm-url")
     parser.add_argument("--sidecar-url")
-    parser.add_argument("--out", type=Path, default=RESULTS / "chunks_rag_vllm.json")
     args = parser.parse_args()
     with started(args) as model_dir:
-        runs = asyncio.run(main_async(args, model_dir))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps([asdict(r) for r in runs], indent=2) + "\n")
-    print(table(runs))
+        runs = asyncio.run(
+            every_run(args.hits, lambda chunks, hit: one_run(args, model_dir, chunks, hit))
+        )
+    save(runs, args.out, table(runs))
 
 
 if __name__ == "__main__":

@@ -202,11 +202,20 @@ def main() -> int:
     dst_layers = [torch.full_like(t, float("nan")) for t in layers]
     dst = CudaPagedKV(dst_layers)
     dst_ids = torch.randperm(NB)[:N].tolist()
+
+    def poison_dst() -> None:
+        """NaN into the destination blocks, so a load that misses any shows."""
+        for t in dst_layers:
+            t[:, dst_ids] = float("nan")
+
+    def dst_exact() -> bool:
+        """The destination blocks hold the source blocks, bit for bit."""
+        return all(
+            torch.equal(b[:, dst_ids], a[:, ids]) for a, b in zip(layers, dst_layers, strict=True)
+        )
+
     dst.scatter_payloads(payloads, dst_ids)
-    check(
-        "load into NaN-poisoned blocks = source blocks (bit-exact)",
-        all(torch.equal(b[:, dst_ids], a[:, ids]) for a, b in zip(layers, dst_layers, strict=True)),
-    )
+    check("load into NaN-poisoned blocks = source blocks (bit-exact)", dst_exact())
 
     # (b) the staging kernels alone
     ids_dev = torch.tensor(ids, device=DEV)
@@ -321,14 +330,9 @@ def main() -> int:
     for threads in (1, 2, 4, 8):
         for chunk_mib in (2, 8, 32):
             load_kv = CudaPagedKV(dst_layers, copy_threads=threads, chunk_bytes=chunk_mib << 20)
-            for t in dst_layers:
-                t[:, dst_ids] = float("nan")
+            poison_dst()
             load_kv.scatter_payloads(payloads, dst_ids)
-            ok = all(
-                torch.equal(b[:, dst_ids], a[:, ids])
-                for a, b in zip(layers, dst_layers, strict=True)
-            )
-            check(f"load threads={threads} chunk={chunk_mib} MiB exact", ok)
+            check(f"load threads={threads} chunk={chunk_mib} MiB exact", dst_exact())
             t_s = median_wall_s(partial(load_kv.scatter_payloads, payloads, dst_ids), reps=10)
             load_kv.close()
             results.append((threads, chunk_mib, t_s))
@@ -342,13 +346,9 @@ def main() -> int:
     for i in range(N):
         for j in range(H):
             staging_in.slot(i, j)[:] = payloads[i][j]
-    for t in dst_layers:
-        t[:, dst_ids] = float("nan")
+    poison_dst()
     slots_kv.scatter_staged(staging_in, dst_ids)
-    check(
-        "load from pinned slots exact",
-        all(torch.equal(y[:, dst_ids], x[:, ids]) for x, y in zip(layers, dst_layers, strict=True)),
-    )
+    check("load from pinned slots exact", dst_exact())
     slots_s = median_wall_s(partial(slots_kv.scatter_staged, staging_in, dst_ids))
     slots_share = gbs(nbytes, slots_s) / h2d_bw
     say(
@@ -374,17 +374,11 @@ def main() -> int:
                 H,
             )
             conn_kv = CudaPagedKV(dst_layers)
-            for t in dst_layers:
-                t[:, dst_ids] = float("nan")
+            poison_dst()
             outcome = connector_load.load_blocks(client, conn_kv, rows, dst_ids)
             check(
                 "connector load from the sidecar exact (all blocks, pinned staging)",
-                outcome.blocks == N
-                and outcome.refused is None
-                and all(
-                    torch.equal(y[:, dst_ids], x[:, ids])
-                    for x, y in zip(layers, dst_layers, strict=True)
-                ),
+                outcome.blocks == N and outcome.refused is None and dst_exact(),
             )
             conn_s = median_wall_s(
                 partial(connector_load.load_blocks, client, conn_kv, rows, dst_ids), reps=10
@@ -396,17 +390,9 @@ def main() -> int:
             hash_s = median_wall_s(
                 lambda: [xxhash.xxh3_128_hexdigest(slot) for slot in answer_slots], reps=10
             )
-            for t in dst_layers:
-                t[:, dst_ids] = float("nan")
+            poison_dst()
             old = connector_load._load_bytes(client, conn_kv, rows, dst_ids)
-            check(
-                "connector load through bytes exact",
-                old.blocks == N
-                and all(
-                    torch.equal(y[:, dst_ids], x[:, ids])
-                    for x, y in zip(layers, dst_layers, strict=True)
-                ),
-            )
+            check("connector load through bytes exact", old.blocks == N and dst_exact())
             bytes_s = median_wall_s(
                 partial(connector_load._load_bytes, client, conn_kv, rows, dst_ids), reps=5
             )

@@ -28,6 +28,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -69,33 +70,26 @@ def make_cluster(n_workers: int, seed: int = 7, cached: bool = True) -> ClusterV
     return ClusterView(workers=tuple(workers))
 
 
+SESSION_TURN = RequestView(
+    model="m",
+    prompt_tokens=30300,
+    block_size=BLOCK,
+    chain_blocks=1893,
+    session_id="s1",
+    session_owner="w2",
+    owner="w2",
+    owner_blocks=1875,
+    previous_prompt_tokens=30000,
+    idle_s=4.0,
+)
 SCENARIOS: dict[str, RequestView] = {
     "new-long-prefix": RequestView(
         model="m", prompt_tokens=16384, block_size=BLOCK, chain_blocks=1024, session_id="s-new"
     ),
-    "session-turn": RequestView(
-        model="m",
-        prompt_tokens=30300,
-        block_size=BLOCK,
-        chain_blocks=1893,
-        session_id="s1",
-        session_owner="w2",
-        owner="w2",
-        owner_blocks=1875,
-        previous_prompt_tokens=30000,
-        idle_s=4.0,
-    ),
-    "shared-prefix-fork": RequestView(
-        model="m",
-        prompt_tokens=30300,
-        block_size=BLOCK,
-        chain_blocks=1893,
-        session_id="s1-b3",
-        session_owner="w10",
-        owner="w2",
-        owner_blocks=1875,
-        previous_prompt_tokens=30000,
-        is_fork=True,
+    "session-turn": SESSION_TURN,
+    # the same context forked into a branch whose session owner is another worker
+    "shared-prefix-fork": replace(
+        SESSION_TURN, session_id="s1-b3", session_owner="w10", idle_s=0.0, is_fork=True
     ),
 }
 

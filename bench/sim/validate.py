@@ -104,14 +104,24 @@ def rel_gap(sim: float | None, emu: float | None) -> float | None:
     return (sim - emu) / emu
 
 
-@dataclass
-class PolicyRow:
-    policy: str
+class Compared:
+    """A row of metrics measured twice, on emulated workers and in the simulator (metric name
+    to value in `emulated` and `simulated`), and their gaps."""
+
+    __slots__ = ()
     emulated: dict[str, Any]
     simulated: dict[str, Any]
 
     def gap(self, key: str) -> float | None:
+        """`rel_gap` of metric `key`: (simulated − emulated) / emulated."""
         return rel_gap(self.simulated.get(key), self.emulated.get(key))
+
+
+@dataclass
+class PolicyRow(Compared):
+    policy: str
+    emulated: dict[str, Any]
+    simulated: dict[str, Any]
 
 
 @dataclass
@@ -468,19 +478,32 @@ def resimulate(path: Path, out_dir: Path, load_scrape_s: float) -> Path:
     return target
 
 
+def add_run_args(ap: argparse.ArgumentParser, *, notes: str, results_md_help: str) -> None:
+    """The options a validation run shares with `bench.sim.validate_peers`: the profile, the
+    simulator-only switch, where results, logs and the RESULTS.md section go, and the notes file
+    (`notes`, beside this module) appended to the section."""
+    ap.add_argument("--profile", default="h100-llama3-8b")
+    ap.add_argument("--sim-only", action="store_true", help="only the simulator side")
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "sim-validation")
+    ap.add_argument("--results-md", type=Path, default=None, help=results_md_help)
+    ap.add_argument("--log-dir", type=Path, default=None)
+    ap.add_argument(
+        "--notes",
+        type=Path,
+        default=Path(__file__).with_name(notes),
+        help="Markdown appended to the section (the findings behind the numbers)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--policies", default=",".join(OWN_POLICIES))
-    ap.add_argument("--profile", default="h100-llama3-8b")
     ap.add_argument("--speed", type=float, default=1.0, help="emulated time runs N× faster")
     ap.add_argument("--sessions", type=int, default=24)
     ap.add_argument("--rate", type=float, default=1.0, help="session arrivals per (GPU) second")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sim-only", action="store_true", help="only the simulator side")
     ap.add_argument("--capacity-blocks", type=int, default=None, help="with --sim-only")
-    ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "sim-validation")
-    ap.add_argument("--results-md", type=Path, default=None, help="write the RESULTS.md section")
-    ap.add_argument("--log-dir", type=Path, default=None)
+    add_run_args(ap, notes="validation_notes.md", results_md_help="write the RESULTS.md section")
     ap.add_argument(
         "--section",
         type=Path,
@@ -488,7 +511,6 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="only write the RESULTS.md section from these saved runs (JSON)",
     )
-    ap.add_argument("--notes", type=Path, default=Path(__file__).with_name("validation_notes.md"))
     ap.add_argument(
         "--load-scrape-s",
         type=float,

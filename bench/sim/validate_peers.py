@@ -36,10 +36,11 @@ from typing import Any
 from bench.sim.validate import (
     NOISE_TIE,
     ROUTER_SCRAPE_S,
+    Compared,
+    add_run_args,
     cell,
     kendall_tau,
     pct,
-    rel_gap,
     worker_capacity_blocks,
 )
 from loadgen.bench import (
@@ -51,7 +52,7 @@ from loadgen.bench import (
     run_target,
 )
 from loadgen.capacity import default_num_blocks, kv_demand, sweep_workload
-from loadgen.cluster import PEER_MODES, REPO_ROOT, ClusterSpec, EmulatedCluster
+from loadgen.cluster import PEER_MODES, ClusterSpec, EmulatedCluster
 from loadgen.metrics import snapshot_all
 from loadgen.report import RunSummary
 from loadgen.sim.engine import ClusterSpec as SimClusterSpec
@@ -390,13 +391,10 @@ def emulate(
 
 
 @dataclass(frozen=True, slots=True)
-class TargetRow:
+class TargetRow(Compared):
     target: str
     emulated: dict[str, Any]
     simulated: dict[str, Any]
-
-    def gap(self, key: str) -> float | None:
-        return rel_gap(self.simulated.get(key), self.emulated.get(key))
 
     def within(self, key: str, tolerance: float) -> bool | None:
         """Whether the gap of `key` is within `tolerance` (None: not comparable)."""
@@ -597,17 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         help="agentic-long: seconds a run may go on past its last session's start",
     )
     ap.add_argument("--mixed-scale", type=float, default=1.0)
-    ap.add_argument("--profile", default="h100-llama3-8b")
-    ap.add_argument("--sim-only", action="store_true", help="only the simulator side")
-    ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "sim-validation")
-    ap.add_argument("--results-md", type=Path, default=None, help="insert the section here")
-    ap.add_argument("--log-dir", type=Path, default=None)
-    ap.add_argument(
-        "--notes",
-        type=Path,
-        default=Path(__file__).with_name("validation_peers_notes.md"),
-        help="Markdown appended to the section (the findings behind the numbers)",
-    )
+    add_run_args(ap, notes="validation_peers_notes.md", results_md_help="insert the section here")
     ap.add_argument(
         "--resimulate", type=Path, nargs="+", default=None, help="saved runs (JSON) to re-simulate"
     )

@@ -1,12 +1,14 @@
-"""Helpers shared by the directory backends: argument checks, tier bits, block-hash encoding."""
+"""Helpers shared by the directory backends: argument checks, tier bits, block-hash encoding,
+and the `transfer` and `add_replica` entry points every directory answers through."""
 
 from __future__ import annotations
 
 import math
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from ownerserve.directory.base import Artifact, Holding, HoldKind
+from ownerserve.directory.base import Artifact, Holding, HoldKind, Lease
 from ownerserve.errors import InvalidRequestError
 from ownerserve.types import TIER_ORDER, Tier
 
@@ -31,17 +33,101 @@ def check_ttl(seconds: float, what: str = "lease_s") -> float:
     return float(seconds)
 
 
+@dataclass(frozen=True, slots=True)
+class TransferMove:
+    """The checked arguments of one `transfer`: hand `chain` from one worker to another."""
+
+    chain: tuple[int, ...]
+    from_worker: str
+    to_worker: str
+    lease_s: float
+    replica_ttl_s: float
+    tier: Tier
+
+
 def check_transfer(
-    chain: Sequence[int], from_worker: str, to_worker: str, lease_s: float, replica_ttl_s: float
-) -> tuple[float, float]:
-    """Arguments of `transfer`; returns (lease_s, replica_ttl_s) as floats."""
+    chain: Sequence[int],
+    from_worker: str,
+    to_worker: str,
+    lease_s: float,
+    replica_ttl_s: float,
+    tier: Tier,
+) -> TransferMove:
+    """Arguments of `transfer`, checked; durations as floats, the chain as a tuple."""
     check_worker(from_worker)
     check_worker(to_worker)
     if from_worker == to_worker:
         raise InvalidRequestError(f"transfer from {from_worker!r} to itself")
     if not chain:
         raise InvalidRequestError("transfer of an empty chain")
-    return check_ttl(lease_s), check_ttl(replica_ttl_s, "replica_ttl_s")
+    return TransferMove(
+        tuple(chain),
+        from_worker,
+        to_worker,
+        check_ttl(lease_s),
+        check_ttl(replica_ttl_s, "replica_ttl_s"),
+        Tier(tier),
+    )
+
+
+class TransferEntryPoints:
+    """`transfer` of a directory: the arguments are checked here, the move itself is the
+    directory's `move_leases`."""
+
+    async def transfer(
+        self,
+        chain: Sequence[int],
+        from_worker: str,
+        to_worker: str,
+        lease_s: float,
+        replica_ttl_s: float,
+        tier: Tier = Tier.GPU,
+    ) -> int:
+        move = check_transfer(chain, from_worker, to_worker, lease_s, replica_ttl_s, tier)
+        moved, _ = await self.move_leases(move)
+        return moved
+
+    async def move_leases(self, move: TransferMove) -> tuple[int, tuple[Lease, ...]]:
+        """`transfer`, plus the leases it handed over (what `ResilientDirectory` replays and
+        mirrors). One epoch for all of them: the move is one event."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaWrite:
+    """The checked arguments of one `add_replica`: a copy of the artifact's prefix on `worker`
+    for `ttl_s`, over `blocks` (None: the artifact's own blocks, or just its id)."""
+
+    artifact_id: int
+    worker: str
+    tier: Tier
+    ttl_s: float
+    read_only: bool
+    blocks: Sequence[int] | None
+
+
+class ReplicaEntryPoints:
+    """`add_replica` of a directory: the arguments are checked here, the write itself is the
+    directory's `put_replica`."""
+
+    async def add_replica(
+        self,
+        artifact_id: int,
+        worker: str,
+        tier: Tier,
+        ttl_s: float,
+        read_only: bool = True,
+        blocks: Sequence[int] | None = None,
+    ) -> None:
+        check_worker(worker)
+        ttl_s = check_ttl(ttl_s, "ttl_s")
+        await self.put_replica(
+            ReplicaWrite(artifact_id, worker, Tier(tier), ttl_s, read_only, blocks)
+        )
+
+    async def put_replica(self, write: ReplicaWrite) -> None:
+        """`add_replica`, its arguments checked."""
+        raise NotImplementedError
 
 
 def check_artifact(artifact: Artifact) -> None:

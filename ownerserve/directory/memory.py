@@ -24,8 +24,11 @@ from ownerserve.directory.base import (
 )
 from ownerserve.directory.common import (
     TIER_BIT,
+    ReplicaEntryPoints,
+    ReplicaWrite,
+    TransferEntryPoints,
+    TransferMove,
     check_artifact,
-    check_transfer,
     check_ttl,
     check_worker,
     sort_holdings,
@@ -124,7 +127,7 @@ class DirectorySnapshot:
     cached: dict[str, list[tuple[int, int, int]]]
 
 
-class InMemoryDirectory:
+class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
     """`Directory` in one process. Not shared between router replicas: use Redis for that."""
 
     backend_name = "memory"
@@ -477,24 +480,14 @@ class InMemoryDirectory:
             )
         self._delete_artifact(rec)
 
-    async def add_replica(
-        self,
-        artifact_id: int,
-        worker: str,
-        tier: Tier,
-        ttl_s: float,
-        read_only: bool = True,
-        blocks: Sequence[int] | None = None,
-    ) -> None:
-        check_worker(worker)
-        ttl_s = check_ttl(ttl_s, "ttl_s")
-        tier = Tier(tier)
+    async def put_replica(self, write: ReplicaWrite) -> None:
+        worker, blocks = write.worker, write.blocks
         now = self._clock()
         if blocks is None:
-            rec = self._artifacts.get(artifact_id)
-            blocks = rec.blocks if rec is not None else (artifact_id,)
-        key = (worker, tier)
-        value = (now + ttl_s, read_only)
+            rec = self._artifacts.get(write.artifact_id)
+            blocks = rec.blocks if rec is not None else (write.artifact_id,)
+        key = (worker, write.tier)
+        value = (now + write.ttl_s, write.read_only)
         replicas = self._replicas
         for b in blocks:
             entries = replicas.get(b)
@@ -508,36 +501,8 @@ class InMemoryDirectory:
             entries[key] = value
         self._worker(worker).replica_blocks.update(blocks)
 
-    async def transfer(
-        self,
-        chain: Sequence[int],
-        from_worker: str,
-        to_worker: str,
-        lease_s: float,
-        replica_ttl_s: float,
-        tier: Tier = Tier.GPU,
-    ) -> int:
-        moved, _ = await self.transfer_leases(
-            chain, from_worker, to_worker, lease_s, replica_ttl_s, tier
-        )
-        return moved
-
-    async def transfer_leases(
-        self,
-        chain: Sequence[int],
-        from_worker: str,
-        to_worker: str,
-        lease_s: float,
-        replica_ttl_s: float,
-        tier: Tier = Tier.GPU,
-    ) -> tuple[int, tuple[Lease, ...]]:
-        """`transfer`, plus the leases it handed over (what `ResilientDirectory` replays and
-        mirrors). One epoch for all of them: the move is one event."""
-        lease_s, replica_ttl_s = check_transfer(
-            chain, from_worker, to_worker, lease_s, replica_ttl_s
-        )
-        tier = Tier(tier)
-        chain = tuple(chain)
+    async def move_leases(self, move: TransferMove) -> tuple[int, tuple[Lease, ...]]:
+        chain, from_worker, to_worker = move.chain, move.from_worker, move.to_worker
         now = self._clock()
         own = self._owner_of_block
         in_chain = set(chain)
@@ -553,11 +518,12 @@ class InMemoryDirectory:
             rec = self._live(aid, now)
             if rec is not None and rec.worker == from_worker and in_chain.issuperset(rec.blocks):
                 moving.append(rec)
-        await self.add_replica(chain[-1], from_worker, tier, replica_ttl_s, True, chain)
+        await self.add_replica(chain[-1], from_worker, move.tier, move.replica_ttl_s, True, chain)
         if not moving:
             return 0, ()
         epoch = self._next_epoch()
-        leases = tuple(self._hand_over(rec, to_worker, epoch, now + lease_s) for rec in moving)
+        expires_at = now + move.lease_s
+        leases = tuple(self._hand_over(rec, to_worker, epoch, expires_at) for rec in moving)
         ids = {rec.artifact_id for rec in moving}
         return sum(own.get(b) in ids for b in chain), leases
 

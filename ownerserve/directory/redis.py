@@ -66,8 +66,11 @@ from ownerserve.directory.base import (
 )
 from ownerserve.directory.common import (
     TIER_BIT,
+    ReplicaEntryPoints,
+    ReplicaWrite,
+    TransferEntryPoints,
+    TransferMove,
     check_artifact,
-    check_transfer,
     check_ttl,
     check_worker,
     hex_block,
@@ -138,7 +141,7 @@ def split_cluster_flag(url: str) -> tuple[str, bool]:
     return urlunparse(parsed._replace(query=urlencode(rest))), cluster
 
 
-class RedisDirectory:
+class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
     """`Directory` on one Redis server or a Redis Cluster (redis-py asyncio)."""
 
     backend_name = "redis"
@@ -411,75 +414,40 @@ class RedisDirectory:
                 f"stale epoch {epoch} for {worker}: artifact is at epoch {reply[1]}"
             )
 
-    async def add_replica(
-        self,
-        artifact_id: int,
-        worker: str,
-        tier: Tier,
-        ttl_s: float,
-        read_only: bool = True,
-        blocks: Sequence[int] | None = None,
-    ) -> None:
-        check_worker(worker)
-        ttl_s = check_ttl(ttl_s, "ttl_s")
+    async def put_replica(self, write: ReplicaWrite) -> None:
+        blocks = write.blocks
         await self._run(
             "add_replica",
             [self.key("blk")],
             [
-                hex_block(artifact_id),
-                worker,
-                Tier(tier).value,
-                _ms(ttl_s),
-                1 if read_only else 0,
+                hex_block(write.artifact_id),
+                write.worker,
+                write.tier.value,
+                _ms(write.ttl_s),
+                1 if write.read_only else 0,
                 hex_blocks(blocks) if blocks else "",
             ],
         )
 
-    async def transfer(
-        self,
-        chain: Sequence[int],
-        from_worker: str,
-        to_worker: str,
-        lease_s: float,
-        replica_ttl_s: float,
-        tier: Tier = Tier.GPU,
-    ) -> int:
-        moved, _ = await self.transfer_leases(
-            chain, from_worker, to_worker, lease_s, replica_ttl_s, tier
-        )
-        return moved
-
-    async def transfer_leases(
-        self,
-        chain: Sequence[int],
-        from_worker: str,
-        to_worker: str,
-        lease_s: float,
-        replica_ttl_s: float,
-        tier: Tier = Tier.GPU,
-    ) -> tuple[int, tuple[Lease, ...]]:
-        """`transfer`, plus the leases it handed over (what `ResilientDirectory` mirrors).
-        One script (`transfer.lua`): the replica lines and the owners are one pass over the
+    async def move_leases(self, move: TransferMove) -> tuple[int, tuple[Lease, ...]]:
+        """One script (`transfer.lua`): the replica lines and the owners are one pass over the
         chain's block records."""
-        lease_s, replica_ttl_s = check_transfer(
-            chain, from_worker, to_worker, lease_s, replica_ttl_s
-        )
         p = self.prefix
         reply = await self._run(
             "transfer",
             [p + "blk", p + "art", p + "epoch"],
             [
-                hex_blocks(chain),
-                from_worker,
-                to_worker,
-                _ms(lease_s),
-                _ms(replica_ttl_s),
-                Tier(tier).value,
+                hex_blocks(move.chain),
+                move.from_worker,
+                move.to_worker,
+                _ms(move.lease_s),
+                _ms(move.replica_ttl_s),
+                move.tier.value,
             ],
         )
         epoch = int(reply[1])
         leases = tuple(
-            Lease(int(_s(reply[k]), 16), to_worker, epoch, int(reply[k + 1]) / 1000)
+            Lease(int(_s(reply[k]), 16), move.to_worker, epoch, int(reply[k + 1]) / 1000)
             for k in range(2, len(reply), 2)
         )
         return int(reply[0]), leases

@@ -40,12 +40,17 @@ from ownerserve.directory.base import (
     Lease,
     Match,
 )
+from ownerserve.directory.common import (
+    ReplicaEntryPoints,
+    ReplicaWrite,
+    TransferEntryPoints,
+    TransferMove,
+)
 from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.directory.redis import RedisDirectory
 from ownerserve.errors import InvalidRequestError, OwnerServeError, StaleEpochError
 from ownerserve.events import EventBatch
 from ownerserve.tasks import cancel_and_wait
-from ownerserve.types import Tier
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +77,7 @@ class _Pending:
     local_result: Any = None
 
 
-class ResilientDirectory:
+class ResilientDirectory(TransferEntryPoints, ReplicaEntryPoints):
     """`Directory` over a Redis primary with a local fallback view (see the module doc)."""
 
     backend_name = "redis+local"
@@ -194,19 +199,38 @@ class ResilientDirectory:
     async def _noop(self, _: Any) -> None:
         return None
 
+    async def _write_both(
+        self, op: str, *args: Any, mirror: Callable[[Any], Awaitable[None]] | None = None
+    ) -> Any:
+        """The write `op(*args)` on the primary, or on the local view while the primary is
+        unreachable. After the primary's answer the local view follows through `mirror`: by
+        default, the same call on it."""
+
+        async def same_call(_: Any) -> None:
+            await getattr(self.local, op)(*args)
+
+        return await self._write(
+            op,
+            args,
+            lambda: getattr(self.primary, op)(*args),
+            same_call if mirror is None else mirror,
+            lambda: getattr(self.local, op)(*args),
+        )
+
+    async def _write_lease(self, op: str, artifact: Artifact | None, *args: Any) -> Lease:
+        """A write answered with a lease (claim, renew): the local view takes that lease (of
+        `artifact`, or of the artifact it already knows)."""
+
+        async def mirror(lease: Lease) -> None:
+            self.local.install_lease(artifact, self._seen(lease))
+
+        lease: Lease = await self._write_both(op, *args, mirror=mirror)
+        return lease
+
     # --- the Directory protocol ---------------------------------------------------------------
 
     async def register_worker(self, worker: str, model_root: int, block_size: int) -> None:
-        async def mirror(_: Any) -> None:
-            await self.local.register_worker(worker, model_root, block_size)
-
-        await self._write(
-            "register_worker",
-            (worker, model_root, block_size),
-            lambda: self.primary.register_worker(worker, model_root, block_size),
-            mirror,
-            lambda: self.local.register_worker(worker, model_root, block_size),
-        )
+        await self._write_both("register_worker", worker, model_root, block_size)
 
     async def lookup(self, chain: Sequence[int], session_id: str | None = None) -> Match:
         match: Match = await self._read(
@@ -219,111 +243,37 @@ class ResilientDirectory:
         self, artifact: Artifact, worker: str, lease_s: float, fence_epoch: int | None = None
     ) -> Lease:
         fence = None if fence_epoch is None else self._epoch(fence_epoch)
-
-        async def mirror(lease: Lease) -> None:
-            self.local.install_lease(artifact, self._seen(lease))
-
-        lease: Lease = await self._write(
-            "claim",
-            (artifact, worker, lease_s, fence),
-            lambda: self.primary.claim(artifact, worker, lease_s, fence),
-            mirror,
-            lambda: self.local.claim(artifact, worker, lease_s, fence),
-        )
-        return lease
+        return await self._write_lease("claim", artifact, artifact, worker, lease_s, fence)
 
     async def renew(self, artifact_id: int, worker: str, epoch: int, lease_s: float) -> Lease:
         real = self._epoch(epoch)
-
-        async def mirror(lease: Lease) -> None:
-            self.local.install_lease(None, self._seen(lease))
-
-        lease: Lease = await self._write(
-            "renew",
-            (artifact_id, worker, real, lease_s),
-            lambda: self.primary.renew(artifact_id, worker, real, lease_s),
-            mirror,
-            lambda: self.local.renew(artifact_id, worker, real, lease_s),
-        )
-        return lease
+        return await self._write_lease("renew", None, artifact_id, worker, real, lease_s)
 
     async def release(self, artifact_id: int, worker: str, epoch: int) -> None:
-        real = self._epoch(epoch)
+        await self._write_both("release", artifact_id, worker, self._epoch(epoch))
 
-        async def mirror(_: Any) -> None:
-            await self.local.release(artifact_id, worker, real)
+    async def put_replica(self, write: ReplicaWrite) -> None:
+        await self._write_both("put_replica", write)
 
-        await self._write(
-            "release",
-            (artifact_id, worker, real),
-            lambda: self.primary.release(artifact_id, worker, real),
-            mirror,
-            lambda: self.local.release(artifact_id, worker, real),
-        )
-
-    async def add_replica(
-        self,
-        artifact_id: int,
-        worker: str,
-        tier: Tier,
-        ttl_s: float,
-        read_only: bool = True,
-        blocks: Sequence[int] | None = None,
-    ) -> None:
-        args = (artifact_id, worker, tier, ttl_s, read_only, blocks)
-
-        async def mirror(_: Any) -> None:
-            await self.local.add_replica(*args)
-
-        await self._write(
-            "add_replica",
-            args,
-            lambda: self.primary.add_replica(*args),
-            mirror,
-            lambda: self.local.add_replica(*args),
-        )
-
-    async def transfer(
-        self,
-        chain: Sequence[int],
-        from_worker: str,
-        to_worker: str,
-        lease_s: float,
-        replica_ttl_s: float,
-        tier: Tier = Tier.GPU,
-    ) -> int:
+    async def move_leases(self, move: TransferMove) -> tuple[int, tuple[Lease, ...]]:
         """As a claim: during an outage the local view hands the artifacts over at a
         provisional epoch and the call is queued; its replay maps that epoch onto the one Redis
         gives (`_settle_transfer`)."""
-        args = (tuple(chain), from_worker, to_worker, lease_s, replica_ttl_s, Tier(tier))
 
         async def mirror(result: tuple[int, tuple[Lease, ...]]) -> None:
-            await self.local.install_transfer(
-                args[0], from_worker, args[5], replica_ttl_s, [self._seen(x) for x in result[1]]
-            )
+            await self._install_transfer(move, result[1])
 
         result: tuple[int, tuple[Lease, ...]] = await self._write(
             "transfer",
-            args,
-            lambda: self.primary.transfer_leases(*args),
+            (move,),
+            lambda: self.primary.move_leases(move),
             mirror,
-            lambda: self.local.transfer_leases(*args),
+            lambda: self.local.move_leases(move),
         )
-        return result[0]
+        return result
 
     async def set_session_owner(self, session_id: str, worker: str, ttl_s: float) -> None:
-        args = (session_id, worker, ttl_s)
-
-        async def mirror(_: Any) -> None:
-            await self.local.set_session_owner(*args)
-
-        await self._write(
-            "set_session_owner",
-            args,
-            lambda: self.primary.set_session_owner(*args),
-            mirror,
-            lambda: self.local.set_session_owner(*args),
-        )
+        await self._write_both("set_session_owner", session_id, worker, ttl_s)
 
     async def get_session_owner(self, session_id: str) -> str | None:
         owner: str | None = await self._read(
@@ -333,29 +283,11 @@ class ResilientDirectory:
         return owner
 
     async def add_fork_ref(self, artifact_id: int, session_id: str) -> int:
-        async def mirror(_: Any) -> None:
-            await self.local.add_fork_ref(artifact_id, session_id)
-
-        refs: int = await self._write(
-            "add_fork_ref",
-            (artifact_id, session_id),
-            lambda: self.primary.add_fork_ref(artifact_id, session_id),
-            mirror,
-            lambda: self.local.add_fork_ref(artifact_id, session_id),
-        )
+        refs: int = await self._write_both("add_fork_ref", artifact_id, session_id)
         return refs
 
     async def drop_fork_ref(self, artifact_id: int, session_id: str) -> int:
-        async def mirror(_: Any) -> None:
-            await self.local.drop_fork_ref(artifact_id, session_id)
-
-        refs: int = await self._write(
-            "drop_fork_ref",
-            (artifact_id, session_id),
-            lambda: self.primary.drop_fork_ref(artifact_id, session_id),
-            mirror,
-            lambda: self.local.drop_fork_ref(artifact_id, session_id),
-        )
+        refs: int = await self._write_both("drop_fork_ref", artifact_id, session_id)
         return refs
 
     async def _local_events(self, worker: str, batch: EventBatch) -> EventApplyResult:
@@ -379,16 +311,7 @@ class ResilientDirectory:
         return result
 
     async def drop_worker(self, worker: str) -> int:
-        async def mirror(_: Any) -> None:
-            await self.local.drop_worker(worker)
-
-        dropped: int = await self._write(
-            "drop_worker",
-            (worker,),
-            lambda: self.primary.drop_worker(worker),
-            mirror,
-            lambda: self.local.drop_worker(worker),
-        )
+        dropped: int = await self._write_both("drop_worker", worker)
         return dropped
 
     async def artifact_info(self, artifact_id: int) -> ArtifactInfo | None:
@@ -481,8 +404,9 @@ class ResilientDirectory:
                     self.stats["conflicts"] += 1
                 self.local.install_lease(artifact, lease)
             elif item.op == "transfer":
-                _, leases = await self.primary.transfer_leases(*item.args)
-                await self._settle_transfer(item.args, item.local_result[1], leases)
+                (move,) = item.args
+                _, leases = await self.primary.move_leases(move)
+                await self._settle_transfer(move, item.local_result[1], leases)
             elif item.op in ("renew", "release"):
                 aid, worker, epoch, *rest = item.args
                 call = getattr(self.primary, item.op)
@@ -497,22 +421,26 @@ class ResilientDirectory:
             self.stats["conflicts"] += 1  # Redis said no: replaying again would not change that
             log.info("directory: replayed %s refused: %s", item.op, exc)
 
+    async def _install_transfer(self, move: TransferMove, leases: Sequence[Lease]) -> None:
+        """The local view follows a transfer Redis made (`InMemoryDirectory.install_transfer`)."""
+        await self.local.install_transfer(
+            move.chain,
+            move.from_worker,
+            move.tier,
+            move.replica_ttl_s,
+            [self._seen(x) for x in leases],
+        )
+
     async def _settle_transfer(
-        self,
-        args: tuple[Any, ...],
-        provisional: tuple[Lease, ...],
-        leases: tuple[Lease, ...],
+        self, move: TransferMove, provisional: tuple[Lease, ...], leases: tuple[Lease, ...]
     ) -> None:
         """After a transfer made during an outage was replayed: its provisional epoch means the
         one Redis gave, and the local view follows Redis. An artifact the local view handed
         over but Redis did not (its lease had ended, another router dropped the worker) is a
         conflict: its provisional owner is fenced, and the local view takes Redis's lease."""
-        chain, from_worker, _, _, replica_ttl_s, tier = args
         if provisional and leases:
             self._epoch_map[provisional[0].epoch] = leases[0].epoch
-        await self.local.install_transfer(
-            chain, from_worker, tier, replica_ttl_s, [self._seen(x) for x in leases]
-        )
+        await self._install_transfer(move, leases)
         moved = {x.artifact_id for x in leases}
         lost = [x for x in provisional if x.artifact_id not in moved]
         if lost:

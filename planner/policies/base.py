@@ -1,10 +1,12 @@
-"""Helpers every policy shares: worker pools, the top-two pick (`TopTwo`: chosen and runner-up,
-with its tie rule), and turning routes into a `Plan` whose breakdown comes from
+"""Helpers every policy shares: worker pools (never empty: `NoWorkerAvailableError` instead), the
+top-two pick (`TopTwo`: chosen and runner-up, with its tie rule), the baselines' base class
+(`BaselinePolicy`), and turning routes into a `Plan` whose breakdown comes from
 `planner.cost.RequestCosts` (so baselines are costed exactly like the ownerserve policy and
 their plans can be compared)."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar, cast
 
@@ -12,6 +14,7 @@ from ownerserve.errors import NoWorkerAvailableError
 from ownerserve.types import Role
 from planner.classify import DEFAULT_ACTION, classify
 from planner.cost import (
+    CostConfig,
     CostModel,
     RequestCosts,
     Route,
@@ -38,21 +41,35 @@ _INF = float("inf")
 def prefill_pool(cluster: ClusterView) -> list[WorkerView]:
     """Healthy PREFILL workers; the healthy HYBRID ones when there are none."""
     pool = [w for w in cluster.workers if w.healthy and w.role is Role.PREFILL]
-    return pool or [w for w in cluster.workers if w.healthy and w.role is Role.HYBRID]
+    return _nonempty(
+        pool or [w for w in cluster.workers if w.healthy and w.role is Role.HYBRID], "prefill"
+    )
 
 
 def decode_pool(cluster: ClusterView) -> list[WorkerView]:
     """Healthy DECODE workers; the healthy HYBRID ones when there are none."""
     pool = [w for w in cluster.workers if w.healthy and w.role is Role.DECODE]
-    return pool or [w for w in cluster.workers if w.healthy and w.role is Role.HYBRID]
+    return _nonempty(
+        pool or [w for w in cluster.workers if w.healthy and w.role is Role.HYBRID], "decode"
+    )
 
 
 def prefill_capable(cluster: ClusterView) -> list[WorkerView]:
-    return [w for w in cluster.workers if w.healthy and can_prefill(w)]
+    """Healthy workers that prefill (PREFILL or HYBRID)."""
+    return _nonempty(
+        [w for w in cluster.workers if w.healthy and can_prefill(w)], "prefill-capable"
+    )
 
 
 def decode_capable(cluster: ClusterView) -> list[WorkerView]:
-    return [w for w in cluster.workers if w.healthy and can_decode(w)]
+    """Healthy workers that decode (DECODE or HYBRID)."""
+    return _nonempty([w for w in cluster.workers if w.healthy and can_decode(w)], "decode-capable")
+
+
+def _nonempty(pool: list[WorkerView], what: str) -> list[WorkerView]:
+    if not pool:
+        raise NoWorkerAvailableError(f"no healthy {what} worker")
+    return pool
 
 
 def decode_load(w: WorkerView) -> tuple[int, int]:
@@ -124,18 +141,50 @@ def pd_route(request: RequestView, p: WorkerView, d: WorkerView, continuation: b
     return Route(Action.REMOTE_PREFILL, p, d)
 
 
-def require(pool: Sequence[WorkerView], what: str) -> None:
-    if not pool:
-        raise NoWorkerAvailableError(f"no healthy {what} worker")
+def maybe_pd_route(
+    request: RequestView, p: WorkerView | None, d: WorkerView | None, continuation: bool
+) -> Route | None:
+    """`pd_route` of P→D, None when either is missing (a runner-up the pools cannot give)."""
+    return None if p is None or d is None else pd_route(request, p, d, continuation)
 
 
 def split_pools(cluster: ClusterView) -> tuple[list[WorkerView], list[WorkerView]]:
-    """The prefill and the decode pool of a P/D policy (`prefill_pool`, `decode_pool`), neither
-    empty (else `NoWorkerAvailableError`)."""
-    ps, ds = prefill_pool(cluster), decode_pool(cluster)
-    require(ps, "prefill")
-    require(ds, "decode")
-    return ps, ds
+    """The prefill and the decode pool of a P/D policy (`prefill_pool`, `decode_pool`)."""
+    return prefill_pool(cluster), decode_pool(cluster)
+
+
+Routes = tuple[Route, Route | None, int]
+"""A baseline's choice: (chosen route, runner-up or None, candidates considered)."""
+
+
+class BaselinePolicy(ABC):
+    """A baseline: its cost model (its plans are costed like the ownerserve policy's) and its
+    turn, which advances with every plan whose pools have a worker; baselines rotate by it the
+    order equal loads are scanned in, or the pools themselves. `routes` is the baseline's
+    choice."""
+
+    name: str
+
+    def __init__(self, config: CostConfig | None = None, model: CostModel | None = None) -> None:
+        self.model = model or CostModel(config)
+        self._turn = 0
+
+    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+        turn = self._turn + 1
+        chosen, runner_up, considered = self.routes(
+            request, cluster, is_continuation(request, self.model), turn
+        )
+        self._turn = turn  # not when `routes` raised (a pool without workers)
+        return make_plan(
+            self.name, self.model, request, chosen, runner_up, candidates_considered=considered
+        )
+
+    @abstractmethod
+    def routes(
+        self, request: RequestView, cluster: ClusterView, continuation: bool, turn: int
+    ) -> Routes:
+        """The baseline's `Routes` for `request`; `continuation`: it is a DECODE_CONTINUATION
+        (`is_continuation`); `turn`: this plan's turn (1 on the first)."""
 
 
 def make_plan(

@@ -3,37 +3,25 @@ decode-capable (DECODE or HYBRID) one; equal loads rotate round-robin. No KV loc
 
 from __future__ import annotations
 
-from planner.cost import CostConfig, CostModel, Route, colocated_action
 from planner.policies.base import (
+    BaselinePolicy,
+    Routes,
     decode_capable,
     decode_load,
-    is_continuation,
     least_two,
-    make_plan,
-    require,
+    maybe_pd_route,
+    pd_route,
 )
-from planner.types import ClusterView, Plan, RequestView
+from planner.types import ClusterView, RequestView
 
 
-class ColocatedPolicy:
+class ColocatedPolicy(BaselinePolicy):
     name = "colocated"
 
-    def __init__(self, config: CostConfig | None = None, model: CostModel | None = None) -> None:
-        self.model = model or CostModel(config)
-        self._turn = 0
-
-    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
-        cont = is_continuation(request, self.model)
+    def routes(
+        self, request: RequestView, cluster: ClusterView, continuation: bool, turn: int
+    ) -> Routes:
         pool = decode_capable(cluster)
-        require(pool, "decode-capable")
-        self._turn += 1
-        w, w2 = least_two(pool, decode_load, self._turn)
-        runner = None if w2 is None else Route(colocated_action(request, w2, cont), w2, w2)
-        return make_plan(
-            self.name,
-            self.model,
-            request,
-            Route(colocated_action(request, w, cont), w, w),
-            runner,
-            candidates_considered=len(pool),
-        )
+        w, w2 = least_two(pool, decode_load, turn)
+        runner = maybe_pd_route(request, w2, w2, continuation)
+        return pd_route(request, w, w, continuation), runner, len(pool)

@@ -4,41 +4,28 @@ both are the same hybrid. Load-aware, locality-blind."""
 
 from __future__ import annotations
 
-from planner.cost import CostConfig, CostModel
 from planner.policies.base import (
+    BaselinePolicy,
+    Routes,
     decode_capable,
     decode_load,
-    is_continuation,
     least_two,
-    make_plan,
+    maybe_pd_route,
     pd_route,
     prefill_capable,
     prefill_load,
-    require,
 )
-from planner.types import ClusterView, Plan, RequestView
+from planner.types import ClusterView, RequestView
 
 
-class LeastLoadedPolicy:
+class LeastLoadedPolicy(BaselinePolicy):
     name = "least-loaded"
 
-    def __init__(self, config: CostConfig | None = None, model: CostModel | None = None) -> None:
-        self.model = model or CostModel(config)
-        self._turn = 0
-
-    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
-        cont = is_continuation(request, self.model)
+    def routes(
+        self, request: RequestView, cluster: ClusterView, continuation: bool, turn: int
+    ) -> Routes:
         ps, ds = prefill_capable(cluster), decode_capable(cluster)
-        require(ps, "prefill-capable")
-        require(ds, "decode-capable")
-        self._turn += 1
-        p, _ = least_two(ps, prefill_load, self._turn)
-        d, d2 = least_two(ds, decode_load, self._turn)
-        return make_plan(
-            self.name,
-            self.model,
-            request,
-            pd_route(request, p, d, cont),
-            None if d2 is None else pd_route(request, p, d2, cont),
-            candidates_considered=len(ps) * len(ds),
-        )
+        p, _ = least_two(ps, prefill_load, turn)
+        d, d2 = least_two(ds, decode_load, turn)
+        runner = maybe_pd_route(request, p, d2, continuation)
+        return pd_route(request, p, d, continuation), runner, len(ps) * len(ds)

@@ -1,41 +1,22 @@
 """Baseline `round-robin`: P and D taken in turn from the prefill and decode pools (see
 `planner.policies.base`), ignoring load and KV locality; colocated when both turns land on the
-same hybrid worker. The turn counters live in the policy object (deterministic, no I/O)."""
+same hybrid worker. The turn counter lives in the policy object (deterministic, no I/O)."""
 
 from __future__ import annotations
 
-from planner.cost import CostConfig, CostModel
-from planner.policies.base import (
-    is_continuation,
-    make_plan,
-    pd_route,
-    split_pools,
-)
-from planner.types import ClusterView, Plan, RequestView
+from planner.policies.base import BaselinePolicy, Routes, pd_route, split_pools
+from planner.types import ClusterView, RequestView
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(BaselinePolicy):
     name = "round-robin"
 
-    def __init__(self, config: CostConfig | None = None, model: CostModel | None = None) -> None:
-        self.model = model or CostModel(config)
-        self._next_p = 0
-        self._next_d = 0
-
-    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
-        cont = is_continuation(request, self.model)
+    def routes(
+        self, request: RequestView, cluster: ClusterView, continuation: bool, turn: int
+    ) -> Routes:
         ps, ds = split_pools(cluster)
-        p = ps[self._next_p % len(ps)]
-        d = ds[self._next_d % len(ds)]
-        self._next_p += 1
-        self._next_d += 1
-        nd = ds[self._next_d % len(ds)]
-        runner = pd_route(request, p, nd, cont) if len(ds) > 1 else None
-        return make_plan(
-            self.name,
-            self.model,
-            request,
-            pd_route(request, p, d, cont),
-            runner,
-            candidates_considered=1,
-        )
+        p = ps[(turn - 1) % len(ps)]  # the first plan takes the pools' first workers
+        d = ds[(turn - 1) % len(ds)]
+        nd = ds[turn % len(ds)]
+        runner = pd_route(request, p, nd, continuation) if len(ds) > 1 else None
+        return pd_route(request, p, d, continuation), runner, 1

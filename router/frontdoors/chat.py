@@ -1,5 +1,6 @@
 """What the front doors read back from the workers' chat completions: a whole answer
-(`answer_of`), or a stream of chunks decoded into typed deltas (`ChatStreamReader`)."""
+(`answer_of`), or a stream of chunks decoded into typed deltas (`ChatStreamReader`) that a
+front door's `DeltaStream` turns into its own events."""
 
 from __future__ import annotations
 
@@ -73,6 +74,50 @@ class StreamError:
 
 
 Delta = TextDelta | ReasoningDelta | ToolCallStart | ToolArgsDelta | StreamError
+
+
+class DeltaStream:
+    """A front door's event sequence for one chat stream: `feed` hands each delta to the
+    method for its kind, in order, until the stream has failed (`failed`)."""
+
+    failed: bool
+
+    def feed(self, deltas: list[Delta]) -> bytes:
+        out = b""
+        for d in deltas:
+            if self.failed:
+                break
+            if isinstance(d, TextDelta):
+                out += self.on_text(d.text)
+            elif isinstance(d, ReasoningDelta):
+                out += self.on_reasoning(d.text)
+            elif isinstance(d, ToolCallStart):
+                out += self.on_tool_call(d.index, d.id, d.name)
+            elif isinstance(d, ToolArgsDelta):
+                out += self.on_tool_args(d.index, d.text)
+            else:
+                out += self.on_error(d)
+        return out
+
+    def on_text(self, text: str) -> bytes:
+        """A piece of the answer's text."""
+        raise NotImplementedError
+
+    def on_reasoning(self, text: str) -> bytes:
+        """A piece of the answer's reasoning."""
+        raise NotImplementedError
+
+    def on_tool_call(self, index: int, call_id: str, name: str) -> bytes:
+        """Tool call `index` starts."""
+        raise NotImplementedError
+
+    def on_tool_args(self, index: int, text: str) -> bytes:
+        """A piece of tool call `index`'s JSON arguments."""
+        raise NotImplementedError
+
+    def on_error(self, error: StreamError) -> bytes:
+        """The stream failed: the events that end it."""
+        raise NotImplementedError
 
 
 def usage_of(raw: Any) -> Usage:

@@ -223,6 +223,9 @@ class ResponsesTranslation:
 
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+Prepare = Callable[[Any, list[tuple[bytes, bytes]]], Awaitable[tuple[dict[str, Any], Translation]]]
+"""A translating route's request body (and the client's headers) as a chat request, and the
+translation of its answer (`FrontDoors._translating`)."""
 
 
 class FrontDoors:
@@ -232,6 +235,10 @@ class FrontDoors:
     def __init__(self, router: Router, store: ConversationStore | None = None) -> None:
         self.router = router
         self.store = store if store is not None else open_store(router.settings)
+        self.messages = self._translating(self._messages_chat, messages_shape=True)
+        """`POST /v1/messages`."""
+        self.create_response = self._translating(self._responses_chat, messages_shape=False)
+        """`POST /v1/responses`."""
 
     async def close(self) -> None:
         await self.store.close()
@@ -279,35 +286,39 @@ class FrontDoors:
         body = await read_request_body(scope, receive, self.router.settings.server.max_body_bytes)
         return json_object(body)
 
-    async def _run(
-        self,
-        receive: Receive,
-        out: ASGIResponseWriter,
-        writer: DoorWriter,
-        raw: list[tuple[bytes, bytes]],
-        chat: dict[str, Any],
-        t0: float,
-    ) -> None:
-        """The chat request through the router's pipeline, its answer through `writer`."""
-        out.watcher = asyncio.create_task(watch_disconnect(receive, asyncio.current_task(), writer))
-        try:
-            await self.router.respond(Endpoint.CHAT, raw, writer, t0, body=orjson.dumps(chat))
-        finally:
-            out.detach()
+    def _translating(self, prepare: Prepare, messages_shape: bool) -> Handler:
+        """The handler of a translating route: `prepare` makes the request's body a chat
+        request (and says how to translate its answer), which runs through the router's
+        pipeline. An error before that is answered in the route's error shape
+        (`messages_shape`: Anthropic's)."""
+
+        async def translate(scope: Scope, receive: Receive, send: Send) -> None:
+            t0 = time.perf_counter()
+            out = ASGIResponseWriter(send)
+            raw = self._headers(scope)
+            try:
+                chat, translation = await prepare(await self._read(scope, receive, raw), raw)
+            except OwnerServeError as exc:
+                await _send_error(out, exc, messages_shape)
+                return
+            writer = DoorWriter(out, translation)
+            out.watcher = asyncio.create_task(
+                watch_disconnect(receive, asyncio.current_task(), writer)
+            )
+            try:
+                await self.router.respond(Endpoint.CHAT, raw, writer, t0, body=orjson.dumps(chat))
+            finally:
+                out.detach()
+
+        return translate
 
     # --- Anthropic Messages ----------------------------------------------------------------
 
-    async def messages(self, scope: Scope, receive: Receive, send: Send) -> None:
-        t0 = time.perf_counter()
-        out = ASGIResponseWriter(send)
-        raw = self._headers(scope)
-        try:
-            chat = messages.to_chat(await self._read(scope, receive, raw))
-        except OwnerServeError as exc:
-            await _send_error(out, exc, True)
-            return
-        writer = DoorWriter(out, MessagesTranslation(chat["model"]))
-        await self._run(receive, out, writer, raw, chat, t0)
+    async def _messages_chat(
+        self, body: Any, raw: list[tuple[bytes, bytes]]
+    ) -> tuple[dict[str, Any], Translation]:
+        chat = messages.to_chat(body)
+        return chat, MessagesTranslation(chat["model"])
 
     async def count_tokens(self, scope: Scope, receive: Receive, send: Send) -> None:
         out = ASGIResponseWriter(send)
@@ -331,36 +342,31 @@ class FrontDoors:
             log.warning("reading stored response %s failed: %r", response_id, exc)
             raise DirectoryUnavailableError("the response store is unavailable") from None
 
-    async def create_response(self, scope: Scope, receive: Receive, send: Send) -> None:
-        t0 = time.perf_counter()
-        out = ASGIResponseWriter(send)
-        raw = self._headers(scope)
-        try:
-            req = responses.parse(await self._read(scope, receive, raw))
-            conversation_id: str | None = None
-            history: tuple[dict[str, Any], ...] = ()
-            if req.previous_response_id is not None:
-                prev = await self._stored(req.previous_response_id)
-                if prev is None:
-                    missing = NotFoundError(
-                        f"Previous response with id '{req.previous_response_id}' not found.",
-                        param="previous_response_id",
-                    )
-                    missing.code = "previous_response_not_found"
-                    raise missing
-                conversation_id, history = prev.conversation_id, prev.messages
-            chat = responses.chat_request(req, history)
-            limit = self.router.settings.responses.max_conversation_bytes
-            if req.store and len(orjson.dumps(chat["messages"])) > limit:
-                too_large = InvalidRequestError(
-                    f"the conversation exceeds {limit} bytes (responses.max_conversation_bytes)",
+    async def _responses_chat(
+        self, body: Any, raw: list[tuple[bytes, bytes]]
+    ) -> tuple[dict[str, Any], Translation]:
+        req = responses.parse(body)
+        conversation_id: str | None = None
+        history: tuple[dict[str, Any], ...] = ()
+        if req.previous_response_id is not None:
+            prev = await self._stored(req.previous_response_id)
+            if prev is None:
+                missing = NotFoundError(
+                    f"Previous response with id '{req.previous_response_id}' not found.",
                     param="previous_response_id",
                 )
-                too_large.code = "conversation_too_large"
-                raise too_large
-        except OwnerServeError as exc:
-            await _send_error(out, exc, False)
-            return
+                missing.code = "previous_response_not_found"
+                raise missing
+            conversation_id, history = prev.conversation_id, prev.messages
+        chat = responses.chat_request(req, history)
+        limit = self.router.settings.responses.max_conversation_bytes
+        if req.store and len(orjson.dumps(chat["messages"])) > limit:
+            too_large = InvalidRequestError(
+                f"the conversation exceeds {limit} bytes (responses.max_conversation_bytes)",
+                param="previous_response_id",
+            )
+            too_large.code = "conversation_too_large"
+            raise too_large
         if conversation_id is None:
             # a new conversation's session is what the chat route would find for it (also
             # for a client that resends the whole conversation instead of chaining it)
@@ -372,8 +378,7 @@ class FrontDoors:
         elif not any(k.decode("latin-1") in SESSION_HEADERS for k, _ in raw):
             # the chain keeps its session: its KV stays with its owner, turn after turn
             raw.append((b"x-session-id", conversation_id.encode()))
-        translation = ResponsesTranslation(req, conversation_id, history, self.store)
-        await self._run(receive, out, DoorWriter(out, translation), raw, chat, t0)
+        return chat, ResponsesTranslation(req, conversation_id, history, self.store)
 
     async def get_response(self, scope: Scope, receive: Receive, send: Send) -> None:
         out = ASGIResponseWriter(send)

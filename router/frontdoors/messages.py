@@ -13,13 +13,9 @@ import orjson
 from ownerserve.errors import InvalidRequestError
 from router.frontdoors.chat import (
     ChatAnswer,
-    Delta,
-    ReasoningDelta,
+    DeltaStream,
     StreamError,
-    TextDelta,
-    ToolArgsDelta,
     ToolCall,
-    ToolCallStart,
     Usage,
 )
 
@@ -324,7 +320,7 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
-class MessageStream:
+class MessageStream(DeltaStream):
     """Anthropic's event sequence for one chat stream: `message_start`, per content block
     `content_block_start` / `_delta` / `_stop`, `message_delta` (stop reason, usage),
     `message_stop`; a stream error becomes an `error` event."""
@@ -372,28 +368,29 @@ class MessageStream:
             {"type": "content_block_delta", "index": self._open[1], "delta": delta},
         )
 
-    def feed(self, deltas: list[Delta]) -> bytes:
+    def on_text(self, text: str) -> bytes:
         out = b""
-        for d in deltas:
-            if self.failed:
-                break
-            if isinstance(d, TextDelta):
-                if self._open is None or self._open[0] != "text":
-                    out += self._switch("text", {"type": "text", "text": ""})
-                out += self._delta({"type": "text_delta", "text": d.text})
-            elif isinstance(d, ReasoningDelta):
-                if self._open is None or self._open[0] != "thinking":
-                    out += self._switch("thinking", {"type": "thinking", "thinking": ""})
-                out += self._delta({"type": "thinking_delta", "thinking": d.text})
-            elif isinstance(d, ToolCallStart):
-                block = {"type": "tool_use", "id": d.id, "name": d.name, "input": {}}
-                out += self._switch(f"tool{d.index}", block)
-            elif isinstance(d, ToolArgsDelta):
-                if self._open is not None and self._open[0] == f"tool{d.index}":
-                    out += self._delta({"type": "input_json_delta", "partial_json": d.text})
-            elif isinstance(d, StreamError):
-                out += self.fail(502, d.message)
-        return out
+        if self._open is None or self._open[0] != "text":
+            out = self._switch("text", {"type": "text", "text": ""})
+        return out + self._delta({"type": "text_delta", "text": text})
+
+    def on_reasoning(self, text: str) -> bytes:
+        out = b""
+        if self._open is None or self._open[0] != "thinking":
+            out = self._switch("thinking", {"type": "thinking", "thinking": ""})
+        return out + self._delta({"type": "thinking_delta", "thinking": text})
+
+    def on_tool_call(self, index: int, call_id: str, name: str) -> bytes:
+        block = {"type": "tool_use", "id": call_id, "name": name, "input": {}}
+        return self._switch(f"tool{index}", block)
+
+    def on_tool_args(self, index: int, text: str) -> bytes:
+        if self._open is None or self._open[0] != f"tool{index}":
+            return b""
+        return self._delta({"type": "input_json_delta", "partial_json": text})
+
+    def on_error(self, error: StreamError) -> bytes:
+        return self.fail(502, error.message)
 
     def finish(self, answer: ChatAnswer) -> bytes:
         """`message_delta` and `message_stop` once the chat stream ended."""

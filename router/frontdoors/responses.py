@@ -16,12 +16,8 @@ import orjson
 from ownerserve.errors import InvalidRequestError
 from router.frontdoors.chat import (
     ChatAnswer,
-    Delta,
-    ReasoningDelta,
+    DeltaStream,
     StreamError,
-    TextDelta,
-    ToolArgsDelta,
-    ToolCallStart,
     Usage,
 )
 
@@ -402,7 +398,7 @@ def now() -> int:
 # --- stream -------------------------------------------------------------------------------------
 
 
-class ResponseStream:
+class ResponseStream(DeltaStream):
     """The Responses event sequence for one chat stream: `response.created`,
     `response.in_progress`, per output item `response.output_item.added`, its deltas
     (`response.output_text.delta`, `response.reasoning_text.delta`,
@@ -492,44 +488,44 @@ class ResponseStream:
             "response.output_item.done", {"output_index": self._index, "item": done}
         )
 
-    def feed(self, deltas: list[Delta]) -> bytes:
+    def on_text(self, text: str) -> bytes:
         out = b""
-        for d in deltas:
-            if self.failed:
-                break
-            if isinstance(d, TextDelta):
-                if self._open != "text":
-                    out += self._add("text", _message_item(new_id("msg"), "", "in_progress"))
-                self._text.append(d.text)
-                item_id = self._items[-1]["id"]
-                out += self._event(
-                    "response.output_text.delta",
-                    {"item_id": item_id, "output_index": self._index, "content_index": 0,
-                     "delta": d.text, "logprobs": []},
-                )  # fmt: skip
-            elif isinstance(d, ReasoningDelta):
-                if self._open != "reasoning":
-                    out += self._add("reasoning", _reasoning_item(new_id("rs"), ""))
-                self._text.append(d.text)
-                out += self._event(
-                    "response.reasoning_text.delta",
-                    {"item_id": self._items[-1]["id"], "output_index": self._index,
-                     "content_index": 0, "delta": d.text},
-                )  # fmt: skip
-            elif isinstance(d, ToolCallStart):
-                item = _call_item(new_id("fc"), d.id, d.name, "", "in_progress")
-                out += self._add(f"tool{d.index}", item)
-            elif isinstance(d, ToolArgsDelta):
-                if self._open == f"tool{d.index}":
-                    self._text.append(d.text)
-                    out += self._event(
-                        "response.function_call_arguments.delta",
-                        {"item_id": self._items[-1]["id"], "output_index": self._index,
-                         "delta": d.text},
-                    )  # fmt: skip
-            elif isinstance(d, StreamError):
-                out += self.fail(d.message, d.code or d.type)
-        return out
+        if self._open != "text":
+            out = self._add("text", _message_item(new_id("msg"), "", "in_progress"))
+        self._text.append(text)
+        item_id = self._items[-1]["id"]
+        return out + self._event(
+            "response.output_text.delta",
+            {"item_id": item_id, "output_index": self._index, "content_index": 0,
+             "delta": text, "logprobs": []},
+        )  # fmt: skip
+
+    def on_reasoning(self, text: str) -> bytes:
+        out = b""
+        if self._open != "reasoning":
+            out = self._add("reasoning", _reasoning_item(new_id("rs"), ""))
+        self._text.append(text)
+        return out + self._event(
+            "response.reasoning_text.delta",
+            {"item_id": self._items[-1]["id"], "output_index": self._index,
+             "content_index": 0, "delta": text},
+        )  # fmt: skip
+
+    def on_tool_call(self, index: int, call_id: str, name: str) -> bytes:
+        item = _call_item(new_id("fc"), call_id, name, "", "in_progress")
+        return self._add(f"tool{index}", item)
+
+    def on_tool_args(self, index: int, text: str) -> bytes:
+        if self._open != f"tool{index}":
+            return b""
+        self._text.append(text)
+        return self._event(
+            "response.function_call_arguments.delta",
+            {"item_id": self._items[-1]["id"], "output_index": self._index, "delta": text},
+        )
+
+    def on_error(self, error: StreamError) -> bytes:
+        return self.fail(error.message, error.code or error.type)
 
     def finish(self, answer: ChatAnswer) -> tuple[bytes, dict[str, Any]]:
         """The closing events once the chat stream ended, and the final response object."""

@@ -4,13 +4,15 @@ processes), for the router's e2e tests (`test_router_*.py`)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
+import pytest
 
-from loadgen.cluster import MODEL, EmulatedWorker
+from loadgen.cluster import MODEL, EmulatedWorker, emulated_workers
 from ownerserve.config import Settings, settings_from_dict
 from planner.explain import parse_plan_header
 from router.app import create_app
@@ -19,6 +21,18 @@ from router.server import running_app
 DATA = Path(__file__).resolve().parent / "data"
 FAST_DECODE_PROFILE = str(DATA / "router-fast-decode.yaml")
 REPO = Path(__file__).resolve().parents[2]
+
+
+def workers_fixture(make: Callable[[], Sequence[EmulatedWorker]]) -> Any:
+    """A module-scoped fixture, named by pytest after the module-level name it is assigned to:
+    the workers `make` makes (when a test first asks for them, so their ports are picked then),
+    started (`emulated_workers`) for the module's tests."""
+
+    def started() -> Iterator[tuple[EmulatedWorker, ...]]:
+        with emulated_workers(*make()) as ws:
+            yield ws
+
+    return pytest.fixture(scope="module")(started)
 
 
 def router_settings(workers: Sequence[EmulatedWorker], **sections: dict[str, Any]) -> Settings:
@@ -43,6 +57,17 @@ async def proxy(settings: Settings, **app_kwargs: Any) -> AsyncIterator[tuple[st
 
 
 plan_fields = parse_plan_header  # the e2e tests' name for it
+
+
+async def sse_chunks(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of a streamed chat answer's `data:` lines, up to `[DONE]`; none of them
+    may be an error."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk: dict[str, Any] = orjson.loads(line[6:])
+        assert "error" not in chunk, chunk
+        yield chunk
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -16,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from loadgen.cluster import MODEL, EmulatedWorker, emulated_workers
+from loadgen.cluster import MODEL, EmulatedWorker
 from ownerserve.config import Settings, settings_from_dict
-from tests.e2e.router_cluster import plan_fields, proxy
+from tests.e2e.router_cluster import plan_fields, proxy, workers_fixture
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,14 +37,13 @@ WEATHER: Any = {
 }
 
 
-@pytest.fixture(scope="module")
-def workers() -> Iterator[tuple[EmulatedWorker, ...]]:
-    extra = ("--tool-call-every", "1", "--output-len", "12")
-    with emulated_workers(
-        EmulatedWorker("f0", "hybrid", speed=50, extra=extra),
-        EmulatedWorker("f1", "hybrid", speed=50, extra=extra),
-    ) as ws:
-        yield ws
+TOOL_CALLS = ("--tool-call-every", "1", "--output-len", "12")
+workers = workers_fixture(
+    lambda: (
+        EmulatedWorker("f0", "hybrid", speed=50, extra=TOOL_CALLS),
+        EmulatedWorker("f1", "hybrid", speed=50, extra=TOOL_CALLS),
+    )
+)
 
 
 def settings_for(workers: tuple[EmulatedWorker, ...], **sections: Any) -> Settings:

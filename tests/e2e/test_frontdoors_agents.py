@@ -5,23 +5,18 @@ OpenAI Agents SDK (an agent with a function tool, then a run continued by
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import openai
 import pytest
 
-from loadgen.cluster import MODEL, EmulatedWorker, emulated_workers
+from loadgen.cluster import MODEL, EmulatedWorker
 from ownerserve.config import Settings, settings_from_dict
-from tests.e2e.router_cluster import proxy
+from tests.e2e.router_cluster import proxy, workers_fixture
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def workers() -> Iterator[tuple[EmulatedWorker, ...]]:
-    extra = ("--tool-call-every", "1", "--output-len", "12")
-    with emulated_workers(EmulatedWorker("ag0", "hybrid", speed=50, extra=extra)) as ws:
-        yield ws
+TOOL_CALLS = ("--tool-call-every", "1", "--output-len", "12")
+workers = workers_fixture(lambda: (EmulatedWorker("ag0", "hybrid", speed=50, extra=TOOL_CALLS),))
 
 
 def settings(workers: tuple[EmulatedWorker, ...]) -> Settings:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -21,6 +21,8 @@ from tests.e2e.router_cluster import (
     plan_fields,
     proxy_client,
     router_settings,
+    sse_chunks,
+    workers_fixture,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,8 +50,6 @@ async def chat(
         "stream_options": {"include_usage": True},
         **extra,
     }
-    import orjson
-
     text: list[str] = []
     usage: dict[str, Any] = {}
     async with client.stream(
@@ -57,11 +57,7 @@ async def chat(
     ) as resp:
         assert resp.status_code == 200, (await resp.aread()).decode()
         plan = plan_fields(resp.headers["x-ownerserve-plan"])
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = orjson.loads(line[6:])
-            assert "error" not in chunk, chunk
+        async for chunk in sse_chunks(resp):
             for choice in chunk.get("choices") or ():
                 text.append(choice["delta"].get("content") or "")
             usage = chunk.get("usage") or usage
@@ -117,21 +113,27 @@ async def decode_load(client: httpx.AsyncClient, router: Any, worker: str, strea
         assert state.inflight == 0 and state.load.running == 0 and state.load.waiting == 0
 
 
-@pytest.fixture(scope="module")
-def pd_vllm() -> Iterator[tuple[EmulatedWorker, ...]]:
-    with emulated_workers(
-        EmulatedWorker("p0", "prefill", speed=4), EmulatedWorker("d0", "decode", speed=4)
-    ) as ws:
-        yield ws
+async def first_session_on_h0(
+    client: httpx.AsyncClient, admin: dict[str, str]
+) -> tuple[list[dict[str, Any]], str]:
+    """Drain h1 (through the admin API, `admin` its headers) and plan session A's long first
+    turn, which runs colocated on h0: (its messages, its text). h1 stays drained."""
+    assert (await client.post("/admin/workers/h1/drain", headers=admin)).is_success
+    first = long_turn("Question A?")
+    plan, text, _ = await chat(client, first, "session-a")
+    assert (plan["action"], plan["d"]) == ("colocated_prefill", "h0")
+    return first, text
 
 
-@pytest.fixture(scope="module")
-def pd_sglang() -> Iterator[tuple[EmulatedWorker, ...]]:
-    with emulated_workers(
+pd_vllm = workers_fixture(
+    lambda: (EmulatedWorker("p0", "prefill", speed=4), EmulatedWorker("d0", "decode", speed=4))
+)
+pd_sglang = workers_fixture(
+    lambda: (
         EmulatedWorker("sp0", "prefill", kind="sglang", speed=4),
         EmulatedWorker("sd0", "decode", kind="sglang", speed=4),
-    ) as ws:
-        yield ws
+    )
+)
 
 
 async def test_remote_prefill_vllm_protocol_then_decode_continuation_on_the_owner(pd_vllm):
@@ -187,9 +189,7 @@ async def test_colocated_prefill_then_artifact_fetch_to_a_faster_decoder():
         admin = {"x-admin-token": "adm"}
         async with proxy_client(settings) as (client, _):
             # h1 joins later: the first session's prefix is computed on h0
-            assert (await client.post("/admin/workers/h1/drain", headers=admin)).is_success
-            plan_a, _, _ = await chat(client, long_turn("Question A?"), "session-a")
-            assert (plan_a["action"], plan_a["d"]) == ("colocated_prefill", "h0")
+            await first_session_on_h0(client, admin)
             assert (await client.post("/admin/workers/h1/undrain", headers=admin)).is_success
             await asyncio.sleep(0.1)
             # another session sharing the long prefix: pull it to the fast decoder

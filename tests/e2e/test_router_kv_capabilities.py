@@ -12,7 +12,7 @@ import pytest
 from loadgen.cluster import EmulatedWorker, emulated_workers, start_workers
 from ownerserve.config import settings_from_dict
 from tests.e2e.router_cluster import FAST_DECODE_PROFILE, metric_value, proxy_client
-from tests.e2e.test_router_actions import chat, long_turn
+from tests.e2e.test_router_actions import chat, first_session_on_h0, long_turn
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,9 +56,7 @@ async def test_a_worker_without_a_kv_api_is_never_planned_a_fetch() -> None:
     with emulated_workers(*pair()) as ws:
         cfg = settings(ws, h1={"kv_paths": ["nixl_pd"]})
         async with proxy_client(cfg) as (client, _):
-            assert (await client.post("/admin/workers/h1/drain", headers=ADMIN)).is_success
-            plan_a, _, _ = await chat(client, long_turn("Question A?"), "session-a")
-            assert (plan_a["action"], plan_a["d"]) == ("colocated_prefill", "h0")
+            await first_session_on_h0(client, ADMIN)
             assert (await client.post("/admin/workers/h1/undrain", headers=ADMIN)).is_success
             await asyncio.sleep(0.1)
             plan_b, text_b, _ = await chat(client, long_turn("Question B?"), "session-b")
@@ -74,10 +72,7 @@ async def test_a_worker_without_a_kv_api_is_never_planned_a_fetch() -> None:
 async def test_a_draining_workers_session_moves_away_with_its_kv() -> None:
     with emulated_workers(*pair()) as ws:
         async with proxy_client(settings(ws)) as (client, router):
-            assert (await client.post("/admin/workers/h1/drain", headers=ADMIN)).is_success
-            first = long_turn("Question A?")
-            plan_1, text_1, _ = await chat(client, first, "session-a")
-            assert (plan_1["action"], plan_1["d"]) == ("colocated_prefill", "h0")
+            first, text_1 = await first_session_on_h0(client, ADMIN)
             assert (await client.post("/admin/workers/h1/undrain", headers=ADMIN)).is_success
             assert (await client.post("/admin/workers/h0/drain", headers=ADMIN)).is_success
             await asyncio.sleep(0.1)
@@ -104,9 +99,7 @@ async def test_a_fetch_whose_source_lost_part_of_the_prefix_says_how_much_came()
     with emulated_workers(h0, pair()[1]) as ws:
         cfg = settings(ws, h0={"kv_events_endpoint": None})
         async with proxy_client(cfg) as (client, _):
-            assert (await client.post("/admin/workers/h1/drain", headers=ADMIN)).is_success
-            plan_a, _, _ = await chat(client, long_turn("Question A?"), "session-a")
-            assert (plan_a["action"], plan_a["d"]) == ("colocated_prefill", "h0")
+            await first_session_on_h0(client, ADMIN)
             other = [{"role": "user", "content": "Other repository:\n" + "x = 1\n" * 1300}]
             plan_c, _, _ = await chat(client, other, "session-c")
             assert plan_c["d"] == "h0"
@@ -135,9 +128,7 @@ async def test_a_fetch_whose_source_lost_the_prefix_says_it_ran_colocated() -> N
             update={"server": cfg.server.model_copy(update={"health_interval_s": 60.0})}
         )
         async with proxy_client(cfg) as (client, router):
-            assert (await client.post("/admin/workers/h1/drain", headers=ADMIN)).is_success
-            plan_a, _, _ = await chat(client, long_turn("Question A?"), "session-a")
-            assert (plan_a["action"], plan_a["d"]) == ("colocated_prefill", "h0")
+            await first_session_on_h0(client, ADMIN)
             h0.stop()  # back with an empty cache
             start_workers([h0])
             assert (await client.post("/admin/workers/h1/undrain", headers=ADMIN)).is_success

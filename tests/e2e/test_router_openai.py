@@ -4,18 +4,18 @@ errors it maps to its exception types."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 
-from loadgen.cluster import EmulatedWorker, emulated_workers
+from loadgen.cluster import EmulatedWorker
 from tests.e2e.router_cluster import (
     MODEL,
     plan_fields,
     proxy,
     router_settings,
+    workers_fixture,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -52,12 +52,9 @@ HISTORY: list[Any] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def hybrids() -> Iterator[tuple[EmulatedWorker, ...]]:
-    with emulated_workers(
-        EmulatedWorker("h0", "hybrid", speed=50), EmulatedWorker("h1", "hybrid", speed=50)
-    ) as ws:
-        yield ws
+hybrids = workers_fixture(
+    lambda: (EmulatedWorker("h0", "hybrid", speed=50), EmulatedWorker("h1", "hybrid", speed=50))
+)
 
 
 async def test_openai_client_streaming_with_tools_and_usage(hybrids):

@@ -97,6 +97,19 @@ async def stream_lines(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple
     return resp, lines
 
 
+async def answered_within(
+    client: httpx.AsyncClient, bound_s: float
+) -> tuple[dict[str, str], list[str]]:
+    """Stream `STREAM` through the router, which must answer it (200) within `bound_s` and
+    the margin: (its plan header's fields, its data lines)."""
+    t0 = time.monotonic()
+    resp, lines = await stream_lines(client, STREAM)
+    elapsed = time.monotonic() - t0
+    assert resp.status_code == 200
+    assert elapsed < bound_s + MARGIN_S
+    return plan_fields(resp.headers["x-ownerserve-plan"]), lines
+
+
 async def test_a_prefill_slower_than_the_kv_transfer_bound_runs_colocated_on_the_decode_worker():
     # ~16 s for this prompt's prefill on p0
     p0 = EmulatedWorker("p0", "prefill", speed=0.001)
@@ -104,13 +117,8 @@ async def test_a_prefill_slower_than_the_kv_transfer_bound_runs_colocated_on_the
     with emulated_workers(p0, d0) as ws:
         s = settings([w.worker_settings() for w in ws], "static-pd")
         async with proxy_client(s) as (client, _):
-            t0 = time.monotonic()
-            resp, lines = await stream_lines(client, STREAM)
-            elapsed = time.monotonic() - t0
+            plan, lines = await answered_within(client, BOUND_S)
             metrics = (await client.get("/metrics")).text
-        assert resp.status_code == 200
-        assert elapsed < BOUND_S + MARGIN_S
-        plan = plan_fields(resp.headers["x-ownerserve-plan"])
         # what was planned, what ran instead and why
         assert (plan["action"], plan["p"], plan["d"]) == ("remote_prefill", "p0", "d0")
         assert plan["fallback"] == "colocated" and plan["reason"] == "kv_transfer_timeout"
@@ -134,18 +142,13 @@ async def test_a_stalled_decode_worker_is_given_up_at_the_first_byte_and_p_frees
         s = settings([w.worker_settings() for w in ws], "static-pd")
         async with proxy_client(s) as (client, _):
             with stalled(d0):
-                t0 = time.monotonic()
-                resp, lines = await stream_lines(client, STREAM)
-                elapsed = time.monotonic() - t0
+                plan, lines = await answered_within(client, BOUND_S)
                 metrics = (await client.get("/metrics")).text
                 # p0 answered for d0 and holds the KV for it: the router told p0 to free it
                 # (its own lease would keep it 30 s), and h0 took its own hand-over
                 assert await eventually(lambda: held_transfers(p0) == 0, timeout_s=3.0)
             # d0 continues: it finds the request abandoned and ends it
             assert await eventually(lambda: idle(d0))
-        assert resp.status_code == 200
-        assert elapsed < BOUND_S + MARGIN_S
-        plan = plan_fields(resp.headers["x-ownerserve-plan"])
         assert (plan["action"], plan["p"], plan["d"]) == ("remote_prefill", "p0", "h0")
         assert plan["fallback"] == "other_worker" and plan["reason"] == "first_byte_timeout"
         assert plan["gave_up"] == "first_byte_timeout:d0"
@@ -205,17 +208,12 @@ async def test_a_worker_that_never_accepts_the_connection_is_retried_elsewhere()
         with emulated_workers(p0, h0) as ws:
             s = settings([ghost_settings, *(w.worker_settings() for w in ws)], "static-pd")
             async with proxy_client(s) as (client, _):
-                t0 = time.monotonic()
-                resp, lines = await stream_lines(client, STREAM)
-                elapsed = time.monotonic() - t0
+                plan, lines = await answered_within(client, CONNECT_S)
                 metrics = (await client.get("/metrics")).text
                 assert await eventually(lambda: held_transfers(p0) == 0, timeout_s=3.0)
     finally:
         filler.close()
         ghost.close()
-    assert resp.status_code == 200
-    assert elapsed < CONNECT_S + MARGIN_S
-    plan = plan_fields(resp.headers["x-ownerserve-plan"])
     assert plan["d"] == "h0" and plan["fallback"] == "other_worker"
     assert plan["reason"] == "connect_timeout" and plan["gave_up"] == "connect_timeout:ghost"
     assert lines[-1] == "data: [DONE]"
@@ -233,12 +231,7 @@ async def test_a_stalled_sglang_prefill_runs_colocated_on_the_decode_worker():
         )
         async with proxy_client(s) as (client, _):
             with stalled(p0):
-                t0 = time.monotonic()
-                resp, lines = await stream_lines(client, STREAM)
-                elapsed = time.monotonic() - t0
-        assert resp.status_code == 200
-        assert elapsed < BOUND_S + MARGIN_S
-        plan = plan_fields(resp.headers["x-ownerserve-plan"])
+                plan, lines = await answered_within(client, BOUND_S)
         assert (plan["action"], plan["p"], plan["d"]) == ("remote_prefill", "p0", "d0")
         assert plan["fallback"] == "colocated" and plan["gave_up"] == "kv_transfer_timeout:p0"
         assert lines[-1] == "data: [DONE]" and all("error" not in line for line in lines)

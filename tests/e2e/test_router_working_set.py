@@ -6,14 +6,19 @@ to a CPU tier is seen as one."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from loadgen.cluster import EmulatedWorker, emulated_workers
-from tests.e2e.router_cluster import MODEL, plan_fields, proxy_client, router_settings
+from loadgen.cluster import EmulatedWorker
+from tests.e2e.router_cluster import (
+    MODEL,
+    plan_fields,
+    proxy_client,
+    router_settings,
+    workers_fixture,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,14 +31,13 @@ def prompt(tag: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": body + "Explain."}]
 
 
-@pytest.fixture(scope="module")
-def workers() -> Iterator[tuple[EmulatedWorker, ...]]:
-    small = ("--num-blocks", str(BLOCKS))
-    with emulated_workers(
-        EmulatedWorker("h0", "hybrid", speed=8, extra=small),
-        EmulatedWorker("h1", "hybrid", speed=8, extra=(*small, "--cpu-num-blocks", "600")),
-    ) as ws:
-        yield ws
+SMALL = ("--num-blocks", str(BLOCKS))
+workers = workers_fixture(
+    lambda: (
+        EmulatedWorker("h0", "hybrid", speed=8, extra=SMALL),
+        EmulatedWorker("h1", "hybrid", speed=8, extra=(*SMALL, "--cpu-num-blocks", "600")),
+    )
+)
 
 
 async def turn(client: httpx.AsyncClient, session: str) -> tuple[dict[str, str], dict[str, Any]]:

@@ -12,7 +12,17 @@ from ownerserve.types import Role, Tier
 from planner.cost import CostModel, Route, enumerate_routes, evaluate
 from planner.policies import OwnerServePolicy
 from planner.types import Action, ClusterView, Plan, RequestClass, RequestView, WorkerView
-from tests.planner.util import UNIT, UNIT_CONFIG, cluster, example, request, unit_model, worker
+from tests.planner.util import (
+    UNIT,
+    UNIT_CONFIG,
+    cluster,
+    example,
+    owned_turn,
+    request,
+    unit_model,
+    with_p0,
+    worker,
+)
 
 MODEL = unit_model()
 
@@ -21,19 +31,28 @@ def plan(req: RequestView, cl: ClusterView) -> Plan:
     return OwnerServePolicy(model=MODEL).plan(req, cl)
 
 
+def assert_route(
+    p: Plan, action: Action, sender: str | None, decode: str, of: RequestClass | None = None
+) -> None:
+    """`p` chose `action` onto `decode` from `sender`: its P worker for a remote prefill, the
+    worker the KV comes from for a migration or a fetch, None where no other worker takes part;
+    for a request of class `of` when given."""
+    if of is not None:
+        assert p.request_class is of
+    chosen = p.chosen
+    via = chosen.prefill_worker if action is Action.REMOTE_PREFILL else chosen.source_worker
+    assert (p.action, via, chosen.decode_worker) == (action, sender, decode)
+
+
 def test_new_long_prefix_goes_to_remote_prefill() -> None:
     req = request(5000, session_id="s")
-    cl = cluster(
-        worker("p0", Role.PREFILL, "node0"),
+    cl = with_p0(
         worker("d0", Role.DECODE, "node0", running=50),
         worker("d1", Role.DECODE, "node1", running=50),
         worker("h0", Role.HYBRID, "node1", running=50),
     )
     p = plan(req, cl)
-    assert p.request_class is RequestClass.NEW_LONG_PREFIX
-    assert (p.action, p.chosen.prefill_worker, p.chosen.decode_worker) == (
-        Action.REMOTE_PREFILL, "p0", "d0",
-    )  # fmt: skip
+    assert_route(p, Action.REMOTE_PREFILL, "p0", "d0", of=RequestClass.NEW_LONG_PREFIX)
     # prefill 0.01 + 0.5 + 1e-8·5000·2500 = 0.635; decode 10·(0.005 + 1e-4·51 + 1e-8·5000)
     # = 0.1015; network 0.002 + 1e-3 + 5e6/1e11 = 0.00305; λ·M = 1e-9 · 5e6 = 0.005
     assert p.chosen.cost.total == pytest.approx(0.74455)
@@ -45,16 +64,13 @@ def test_a_remote_prefill_is_not_handed_to_a_decode_worker_without_room_for_its_
     # the same cluster, but d0's pool (20,000 tokens, from its cache config) is 90% used by
     # running requests: 5,010 tokens of KV would wait for 3,010 of the 18,000 used to free
     req = request(5000, session_id="s")
-    cl = cluster(
-        worker("p0", Role.PREFILL, "node0"),
+    cl = with_p0(
         worker("d0", Role.DECODE, "node0", running=50, kv_usage=0.9, kv_capacity_tokens=20_000),
         worker("d1", Role.DECODE, "node1", running=50),
         worker("h0", Role.HYBRID, "node1", running=50),
     )
     p = plan(req, cl)
-    assert (p.action, p.chosen.prefill_worker, p.chosen.decode_worker) == (
-        Action.REMOTE_PREFILL, "p0", "d1",
-    )  # fmt: skip
+    assert_route(p, Action.REMOTE_PREFILL, "p0", "d1")
     # a pool smaller than the sequence refuses it: no route through d1 either
     small = replace(cl.workers[2], kv_capacity_tokens=4_000)
     p2 = plan(req, cluster(cl.workers[0], cl.workers[1], small, cl.workers[3]))
@@ -70,9 +86,7 @@ def test_remote_prefill_avoids_a_p_whose_node_nic_is_backlogged() -> None:
     # p0's node has 0.1 s of KV queued on its NIC: p1 is now the cheaper sender
     busy = cluster(replace(p0, nic_backlog_s=0.1), p1, d2)
     p = plan(req, busy)
-    assert (p.action, p.chosen.prefill_worker, p.chosen.decode_worker) == (
-        Action.REMOTE_PREFILL, "p1", "d2",
-    )  # fmt: skip
+    assert_route(p, Action.REMOTE_PREFILL, "p1", "d2")
     assert p.chosen.cost.t_network == pytest.approx(0.002 + 1e-3 + 5e6 / 1e10)
     # a D on p0's own node receives over the node's fast link, past the backlog
     d0 = worker("d0", Role.DECODE, "node0", running=50)
@@ -95,8 +109,7 @@ def test_a_fetch_from_an_owner_behind_a_busy_nic_loses_to_recomputing() -> None:
 def test_small_incremental_turn_colocates_on_the_owner() -> None:
     req, cl = example()
     p = plan(req, cl)
-    assert p.request_class is RequestClass.SMALL_INCREMENTAL_TURN
-    assert (p.action, p.chosen.decode_worker) == (Action.COLOCATED_PREFILL, "d0")
+    assert_route(p, Action.COLOCATED_PREFILL, None, "d0", of=RequestClass.SMALL_INCREMENTAL_TURN)
     assert p.chosen.cost.total == pytest.approx(0.2448)
     assert p.runner_up is not None
     # moving to d1 would cost 0.21936 before its hysteresis: it does not win by 0.05 + 10%
@@ -111,9 +124,7 @@ def test_without_hysteresis_the_same_turn_would_move() -> None:
     req, cl = example()
     free = replace(UNIT_CONFIG, migration_margin_s=0.0, migration_margin_rel=0.0)
     p = OwnerServePolicy(model=unit_model(free)).plan(req, cl)
-    assert (p.action, p.chosen.source_worker, p.chosen.decode_worker) == (
-        Action.STATE_MIGRATION, "d0", "d1",
-    )  # fmt: skip
+    assert_route(p, Action.STATE_MIGRATION, "d0", "d1")
     assert p.chosen.cost.total == pytest.approx(0.21936)
     assert p.margin_s == pytest.approx(0.2448 - 0.21936)  # less than 0.05 + 10%: a flip-flop
 
@@ -133,20 +144,13 @@ def test_a_move_must_beat_staying_by_the_margin() -> None:
 
 
 def test_long_tool_output_goes_to_remote_prefill() -> None:
-    req = request(
-        3700, session_id="s", session_owner="d0", owner="d0", owner_blocks=6,
-        previous_prompt_tokens=600,
-    )  # fmt: skip
-    cl = cluster(
-        worker("p0", Role.PREFILL, "node0"),
+    req = owned_turn(3700, previous_prompt_tokens=600, owner_blocks=6)
+    cl = with_p0(
         worker("d0", Role.DECODE, "node0", gpu=6, running=5),
         worker("d1", Role.DECODE, "node1", running=5),
     )
     p = plan(req, cl)
-    assert p.request_class is RequestClass.LONG_TOOL_OUTPUT
-    assert (p.action, p.chosen.prefill_worker, p.chosen.decode_worker) == (
-        Action.REMOTE_PREFILL, "p0", "d0",
-    )  # fmt: skip
+    assert_route(p, Action.REMOTE_PREFILL, "p0", "d0", of=RequestClass.LONG_TOOL_OUTPUT)
     # p0: 0.01 + 0.37 + 1e-8·3700·1850 = 0.44845; d0: 10·(0.005 + 1e-4·6 + 1e-8·3700)
     # = 0.05637; 0.002 + 1e-3 + 3.1e6/1e11 = 0.003031; λ·3.7e6 = 0.0037
     assert p.chosen.cost.total == pytest.approx(0.511551)
@@ -158,12 +162,8 @@ def test_long_tool_output_goes_to_remote_prefill() -> None:
 
 
 def continuation_case() -> tuple[RequestView, ClusterView]:
-    req = request(
-        1030, session_id="s", session_owner="d0", owner="d0", owner_blocks=10,
-        previous_prompt_tokens=1000,
-    )  # fmt: skip
-    cl = cluster(
-        worker("p0", Role.PREFILL, "node0"),
+    req = owned_turn(1030, previous_prompt_tokens=1000, owner_blocks=10)
+    cl = with_p0(
         worker("d0", Role.DECODE, "node0", gpu=10, running=2, kv_usage=0.1),
         worker("d1", Role.DECODE, "node0", running=2, kv_usage=0.1),
     )
@@ -173,8 +173,7 @@ def continuation_case() -> tuple[RequestView, ClusterView]:
 def test_decode_continuation_stays_on_the_session_owner() -> None:
     req, cl = continuation_case()
     p = plan(req, cl)
-    assert p.request_class is RequestClass.DECODE_CONTINUATION
-    assert (p.action, p.chosen.decode_worker) == (Action.DECODE_CONTINUATION, "d0")
+    assert_route(p, Action.DECODE_CONTINUATION, None, "d0", of=RequestClass.DECODE_CONTINUATION)
     # 0.01 + 0.003 + 1e-8·30·1015 = 0.0133045; 10·(0.005 + 1e-4·3 + 1e-8·101030) = 0.063103;
     # interference 2 · 0.0133045
     assert p.chosen.cost.total == pytest.approx(0.1030165)
@@ -199,10 +198,7 @@ def test_a_continuation_on_a_short_prefix_leaves_a_very_busy_owner_for_an_idle_p
         )
     )
     p = OwnerServePolicy().plan(req, cl)
-    assert p.request_class is RequestClass.DECODE_CONTINUATION
-    assert (p.action, p.chosen.prefill_worker, p.chosen.decode_worker) == (
-        Action.REMOTE_PREFILL, "p0", "d0",
-    )  # fmt: skip
+    assert_route(p, Action.REMOTE_PREFILL, "p0", "d0", of=RequestClass.DECODE_CONTINUATION)
     quiet = replace(cl, workers=(cl.workers[0], replace(cl.workers[1], running=10)))
     assert OwnerServePolicy().plan(req, quiet).action is Action.DECODE_CONTINUATION
 
@@ -211,9 +207,7 @@ def test_overloaded_session_owner_sheds_the_session_by_migration() -> None:
     req, cl = continuation_case()
     hot = replace(cl.workers[1], waiting=30, inflight_prefill_tokens=50_000)
     p = plan(req, replace(cl, workers=(cl.workers[0], hot, cl.workers[2])))
-    assert (p.action, p.chosen.source_worker, p.chosen.decode_worker) == (
-        Action.STATE_MIGRATION, "d0", "d1",
-    )  # fmt: skip
+    assert_route(p, Action.STATE_MIGRATION, "d0", "d1")
     assert p.overrides_default
     assert p.add_replica_on is None  # a session moves; it is not replicated
 
@@ -221,8 +215,7 @@ def test_overloaded_session_owner_sheds_the_session_by_migration() -> None:
 def fork_case(owner_busy: bool) -> tuple[RequestView, ClusterView]:
     req = request(1000, session_id="s-b2", owner="d0", owner_blocks=6, is_fork=True)
     busy = {"waiting": 20, "inflight_prefill_tokens": 20_000} if owner_busy else {}
-    cl = cluster(
-        worker("p0", Role.PREFILL, "node0"),
+    cl = with_p0(
         worker("d0", Role.DECODE, "node0", gpu=6, **busy),
         worker("d1", Role.DECODE, "node1"),
     )
@@ -232,10 +225,7 @@ def fork_case(owner_busy: bool) -> tuple[RequestView, ClusterView]:
 def test_hot_owner_forked_rollout_fetches_and_adds_a_read_only_replica() -> None:
     req, cl = fork_case(owner_busy=True)
     p = plan(req, cl)
-    assert p.request_class is RequestClass.FORKED_ROLLOUT
-    assert (p.action, p.chosen.source_worker, p.chosen.decode_worker) == (
-        Action.ARTIFACT_FETCH, "d0", "d1",
-    )  # fmt: skip
+    assert_route(p, Action.ARTIFACT_FETCH, "d0", "d1", of=RequestClass.FORKED_ROLLOUT)
     # q(d0) = 1e-4·20000 + 0.01·20 = 2.2 s > fetch: 0.0532 + 0.0511 + 0.00106 + λ·6e5
     assert p.chosen.cost.total == pytest.approx(0.10596)
     assert p.add_replica_on == "d1"
@@ -245,7 +235,7 @@ def test_idle_owner_keeps_the_fork_without_a_replica() -> None:
     req, cl = fork_case(owner_busy=False)
     p = plan(req, cl)
     # colocated on d0: 0.0532 + 0.0511 = 0.1043 < 0.10596 for the fetch
-    assert (p.action, p.chosen.decode_worker) == (Action.COLOCATED_PREFILL, "d0")
+    assert_route(p, Action.COLOCATED_PREFILL, None, "d0")
     assert p.chosen.cost.total == pytest.approx(0.1043)
     assert p.add_replica_on is None
     assert p.overrides_default and p.default_cost_s == pytest.approx(0.10596)
@@ -255,14 +245,12 @@ def test_cold_resume_restores_the_artifact_and_recomputes_the_tail() -> None:
     req = request(
         1050, session_id="s", session_owner="d0", previous_prompt_tokens=1000, idle_s=1000.0
     )
-    cl = cluster(
-        worker("p0", Role.PREFILL, "node0"),
+    cl = with_p0(
         worker("d0", Role.DECODE, "node0", cpu=10),
         worker("d1", Role.DECODE, "node1"),
     )
     p = plan(req, cl)
-    assert p.request_class is RequestClass.COLD_RESUME
-    assert (p.action, p.chosen.decode_worker) == (Action.TAIL_RECOMPUTE, "d0")
+    assert_route(p, Action.TAIL_RECOMPUTE, None, "d0", of=RequestClass.COLD_RESUME)
     # load 1e6 B / 1e9 = 0.001; 50 new: 0.01 + 0.005 + 1e-8·50·1025; decode 10·0.0051105
     assert p.chosen.cost.t_restore == pytest.approx(0.001)
     assert p.chosen.cost.total == pytest.approx(0.0676175)

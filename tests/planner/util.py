@@ -77,16 +77,26 @@ def request(prompt_tokens: int, **kw: object) -> RequestView:
     )
 
 
+def with_p0(*workers: WorkerView) -> ClusterView:
+    """`workers` and an idle P worker, p0, on node0."""
+    return cluster(worker("p0", Role.PREFILL, "node0"), *workers)
+
+
+def owned_turn(prompt_tokens: int, previous_prompt_tokens: int, owner_blocks: int) -> RequestView:
+    """A turn of session "s", whose decode owner d0 also owns the first `owner_blocks` blocks
+    of its prompt."""
+    return request(
+        prompt_tokens, session_id="s", session_owner="d0", owner="d0", owner_blocks=owner_blocks,
+        previous_prompt_tokens=previous_prompt_tokens,
+    )  # fmt: skip
+
+
 # The worked example of planner/README.md: a session turn of 400 new tokens on a 1600-token
 # prefix owned by its decode owner d0 (2 running, 1 waiting), an idle P worker on d0's node and
 # a decode worker d1 on another node with one running decode of a large context.
 def example() -> tuple[RequestView, ClusterView]:
-    req = request(
-        2000, session_id="s", session_owner="d0", owner="d0", owner_blocks=16,
-        previous_prompt_tokens=1600,
-    )  # fmt: skip
-    cl = cluster(
-        worker("p0", Role.PREFILL, "node0"),
+    req = owned_turn(2000, previous_prompt_tokens=1600, owner_blocks=16)
+    cl = with_p0(
         worker("d0", Role.DECODE, "node0", gpu=16, running=2, waiting=1, kv_usage=0.1),
         worker("d1", Role.DECODE, "node1", running=1, kv_usage=0.5),
     )

@@ -706,37 +706,27 @@ class EmulatorApp:
         obj = "chat.completion.chunk" if gen.chat else "text_completion"
         seqs = gen.seqs
         n = len(seqs) // len(gen.prompts)
+
+        def chunk_of(choices: list[dict[str, Any]]) -> dict[str, Any]:
+            return {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": model,
+                "choices": choices,
+            }
+
         out = bytearray()
         if gen.chat:
             for seq in seqs:
                 role = {"role": "assistant", "content": ""}
                 first = {"index": seq.index, "delta": role, "logprobs": None, "finish_reason": None}
-                out += _sse(
-                    {
-                        "id": rid,
-                        "object": obj,
-                        "created": created,
-                        "model": model,
-                        "choices": [first],
-                    }
-                )
+                out += _sse(chunk_of([first]))
         elif gen.echo:
             for seq in seqs:
-                first = {
-                    "index": seq.index,
-                    "text": gen.prompt_texts[seq.index // n],
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                out += _sse(
-                    {
-                        "id": rid,
-                        "object": obj,
-                        "created": created,
-                        "model": model,
-                        "choices": [first],
-                    }
-                )
+                text = gen.prompt_texts[seq.index // n]
+                first = {"index": seq.index, "text": text, "logprobs": None, "finish_reason": None}
+                out += _sse(chunk_of([first]))
         # the role (or echo) chunks go out with the first tokens, as vLLM's do (it sends them
         # on the first output of its engine): a client, or a router counting a prefill as
         # queued until its first bytes, sees nothing before the prefill is done
@@ -789,29 +779,14 @@ class EmulatorApp:
                 if finished:
                     choice["stop_reason"] = seq.stop_reason
                     done[k] = True
-                chunk = {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": model,
-                    "choices": [choice],
-                }
+                chunk = chunk_of([choice])
                 if gen.continuous_usage:
                     chunk["usage"] = self._usage(gen)
                 out += _sse(chunk)
             last = all(done)
             if last:
                 if gen.include_usage:
-                    out += _sse(
-                        {
-                            "id": rid,
-                            "object": obj,
-                            "created": created,
-                            "model": model,
-                            "choices": [],
-                            "usage": self._usage(gen),
-                        }
-                    )
+                    out += _sse(chunk_of([]) | {"usage": self._usage(gen)})
                 out += _DONE
             if out:
                 if head:
@@ -1042,19 +1017,22 @@ class EmulatorApp:
         finally:
             self.pool.free(hold.block_ids)
             self.engine.poke()
-        nbytes = len(served) * self.config.block_size * self.profile.kv_bytes_per_token
-        self.metrics.kv_sent_bytes["pd"] += nbytes
-        self.metrics.kv_sent_blocks["pd"] += len(served)
-        await send_json(
-            send,
-            200,
-            {
-                "worker_id": self.worker_id,
-                "node": self.config.node,
-                "block_hashes": served,
-                "num_bytes": nbytes,
-            },
-        )
+        await self._send_kv(send, "pd", len(served), {"block_hashes": served})
+
+    async def _send_kv(
+        self, send: Send, kind: str, blocks: int, answer: dict[str, Any], tokens: int | None = None
+    ) -> None:
+        """Answer a read of KV by another worker: count what is sent (`blocks` blocks, or
+        `tokens` tokens of chunk KV) under transfer `kind`, and send `answer` with this
+        worker's id, node and the bytes."""
+        if tokens is None:
+            tokens = blocks * self.config.block_size
+        nbytes = tokens * self.profile.kv_bytes_per_token
+        self.metrics.kv_sent_bytes[kind] += nbytes
+        self.metrics.kv_sent_blocks[kind] += blocks
+        body = {"worker_id": self.worker_id, "node": self.config.node, **answer}
+        body["num_bytes"] = nbytes
+        await send_json(send, 200, body)
 
     async def kv_heartbeat(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A decode side's requests still wait on these transfers: extend their holds by 2/3
@@ -1078,20 +1056,7 @@ class EmulatorApp:
                 missing.append(h)
             else:
                 blocks.append({"hash": h, "parent": b.parent_hash, "token_ids": b.token_ids})
-        nbytes = len(blocks) * self.config.block_size * self.profile.kv_bytes_per_token
-        self.metrics.kv_sent_bytes["fetch"] += nbytes
-        self.metrics.kv_sent_blocks["fetch"] += len(blocks)
-        await send_json(
-            send,
-            200,
-            {
-                "worker_id": self.worker_id,
-                "node": self.config.node,
-                "blocks": blocks,
-                "missing": missing,
-                "num_bytes": nbytes,
-            },
-        )
+        await self._send_kv(send, "fetch", len(blocks), {"blocks": blocks, "missing": missing})
 
     async def kv_fetch(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Pull `block_hashes` from the worker at `source_url` into this worker's cache."""
@@ -1125,19 +1090,8 @@ class EmulatorApp:
                 chunks.append({"hash": h, "tokens": tokens})
             else:
                 missing.append(h)
-        nbytes = sum(c["tokens"] for c in chunks) * self.profile.kv_bytes_per_token
-        self.metrics.kv_sent_bytes["chunk"] += nbytes
-        await send_json(
-            send,
-            200,
-            {
-                "worker_id": self.worker_id,
-                "node": self.config.node,
-                "chunks": chunks,
-                "missing": missing,
-                "num_bytes": nbytes,
-            },
-        )
+        tokens = sum(c["tokens"] for c in chunks)
+        await self._send_kv(send, "chunk", 0, {"chunks": chunks, "missing": missing}, tokens)
 
     async def kv_fetch_chunks(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Pull `chunk_hashes` from the chunk store of the worker at `source_url` into this

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 from xxhash import xxh3_64_intdigest
@@ -61,30 +61,43 @@ class NewBlock:
     token_ids: tuple[int, ...]
 
 
-class BlockPool:
-    """`num_blocks` KV blocks with reference counts, a hash index and an LRU free queue."""
+def _leading(hashes: Sequence[int], held: Container[int]) -> int:
+    """How many leading hashes of `hashes` are in `held`."""
+    n = 0
+    for h in hashes:
+        if h not in held:
+            break
+        n += 1
+    return n
 
-    __slots__ = (
-        "_by_hash",
-        "_events",
-        "_free",
-        "_hash",
-        "_parent",
-        "_ref",
-        "_tokens",
-        "block_size",
-        "evicted_blocks",
-        "num_blocks",
-        "tier",
-    )
 
-    def __init__(self, num_blocks: int, block_size: int, tier: Tier = Tier.GPU) -> None:
+class _Blocks:
+    """What both tiers have: a size in blocks, an eviction count, the KV events recorded."""
+
+    __slots__ = ("_events", "block_size", "evicted_blocks", "num_blocks")
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.tier = tier
         self.evicted_blocks = 0
+        self._events: list[KVEvent] = []
+
+    def drain_events(self) -> list[KVEvent]:
+        """The events recorded since the last drain, in order."""
+        events, self._events = self._events, []
+        return events
+
+
+class BlockPool(_Blocks):
+    """`num_blocks` KV blocks with reference counts, a hash index and an LRU free queue."""
+
+    __slots__ = ("_by_hash", "_free", "_hash", "_parent", "_ref", "_tokens", "tier")
+
+    def __init__(self, num_blocks: int, block_size: int, tier: Tier = Tier.GPU) -> None:
+        super().__init__(num_blocks, block_size)
+        self.tier = tier
         self._ref = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
         self._parent: list[int | None] = [None] * num_blocks
@@ -93,7 +106,6 @@ class BlockPool:
         # Free blocks in eviction order: the first is reused next. Uncached blocks go to the
         # front (nothing to lose), cached ones to the back (most recently used last).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._events: list[KVEvent] = []
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -117,13 +129,7 @@ class BlockPool:
 
     def match_prefix(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of the chain `hashes` are cached."""
-        n = 0
-        by_hash = self._by_hash
-        for h in hashes:
-            if h not in by_hash:
-                break
-            n += 1
-        return n
+        return _leading(hashes, self._by_hash)
 
     def free_after_touch(self, hashes: Sequence[int]) -> int:
         """Free blocks left once the cached blocks `hashes` are referenced."""
@@ -273,13 +279,8 @@ class BlockPool:
         self._events.append(AllBlocksCleared())
         return True
 
-    def drain_events(self) -> list[KVEvent]:
-        """The events recorded since the last drain, in order."""
-        events, self._events = self._events, []
-        return events
 
-
-class HostPool:
+class HostPool(_Blocks):
     """The CPU tier behind HBM: vLLM's KV offloading (`OffloadingConnector` with the native
     `CPUOffloadingManager` and its `LRUCachePolicy`), one chunk per block (`blocks_per_chunk`
     1, the default), `num_blocks` chunks in all.
@@ -295,29 +296,15 @@ class HostPool:
     own parent as vLLM's self-describing offloading events carry them.
     """
 
-    __slots__ = (
-        "_blocks",
-        "_events",
-        "_pinned",
-        "block_size",
-        "evicted_blocks",
-        "num_blocks",
-        "store_failures",
-        "stored_blocks",
-    )
+    __slots__ = ("_blocks", "_pinned", "store_failures", "stored_blocks")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError("num_blocks and block_size must be positive")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.evicted_blocks = 0
+        super().__init__(num_blocks, block_size)
         self.stored_blocks = 0
         self.store_failures = 0
         # Resident blocks in eviction order: the first is evicted next.
         self._blocks: OrderedDict[int, CachedBlock] = OrderedDict()
         self._pinned: dict[int, int] = {}  # block hash -> loads in flight
-        self._events: list[KVEvent] = []
 
     @property
     def num_cached(self) -> int:
@@ -337,13 +324,7 @@ class HostPool:
 
     def match_prefix(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of the chain `hashes` are here."""
-        n = 0
-        blocks = self._blocks
-        for h in hashes:
-            if h not in blocks:
-                break
-            n += 1
-        return n
+        return _leading(hashes, self._blocks)
 
     def store(self, blocks: Sequence[CachedBlock]) -> bool:
         """Offer computed blocks, in chain order; False (nothing stored) when the new ones
@@ -411,7 +392,3 @@ class HostPool:
         """Drop every block (vLLM's reset_prefix_cache with reset_external: no events)."""
         self._blocks.clear()
         self._pinned.clear()
-
-    def drain_events(self) -> list[KVEvent]:
-        events, self._events = self._events, []
-        return events

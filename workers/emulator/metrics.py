@@ -16,7 +16,7 @@ integer add, and a histogram observation one bisect.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -37,6 +37,10 @@ CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 instance, disk, a connector that does not say)."""
 FINISH_REASONS = ("stop", "length", "abort", "error")
 TRANSFER_KINDS = ("pd", "fetch", "chunk")
+_G, _C = "gauge", "counter"
+"""Metric kinds (Prometheus `# TYPE`)."""
+_OWN = "ownerserve_emulator_"
+"""Prefix of OwnerServe's own metrics."""
 
 
 class Histogram:
@@ -64,6 +68,37 @@ class Histogram:
         out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.count}')
         out.append(f"{name}_count{{{labels}}} {self.count}")
         out.append(f"{name}_sum{{{labels}}} {self.sum!r}")
+
+
+class _Exposition:
+    """Prometheus text lines, one metric family after another."""
+
+    __slots__ = ("out",)
+
+    def __init__(self) -> None:
+        self.out: list[str] = []
+
+    def family(self, name: str, kind: str, help_: str) -> None:
+        self.out.append(f"# HELP {name} {help_}")
+        self.out.append(f"# TYPE {name} {kind}")
+
+    def singles(
+        self, prefix: str, labels: str, families: Iterable[tuple[str, str, str, float]]
+    ) -> None:
+        """Families of one sample each, (name after `prefix`, kind, help, value), under
+        `labels`; a counter's sample is `<name>_total`."""
+        for name, kind, help_, value in families:
+            self.family(prefix + name, kind, help_)
+            total = "_total" if kind == _C else ""
+            self.out.append(f"{prefix}{name}{total}{{{labels}}} {value!r}")
+
+    def by_label(
+        self, name: str, help_: str, labels: str, label: str, values: Mapping[str, int]
+    ) -> None:
+        """A counter family with one sample per value of `label`."""
+        self.family(name, "counter", help_)
+        for key, n in values.items():
+            self.out.append(f'{name}_total{{{labels},{label}="{key}"}} {n}')
 
 
 class EngineMetrics:
@@ -111,154 +146,143 @@ class EngineMetrics:
         """Chunks stored here from another worker's chunk store (chunk fetch)."""
         self.chunk_tokens_fetched = 0
 
-    def _render_offload(
-        self,
-        g: dict[str, float],
-        base: str,
-        own: str,
-        metric: Callable[[str, str, str], None],
-        out: list[str],
-    ) -> None:
+    def _render_offload(self, g: dict[str, float], base: str, own: str, e: _Exposition) -> None:
         """The CPU tier: vLLM's OffloadingConnector metrics, then OwnerServe's occupancy."""
-        metric("vllm:kv_offload_cpu_cache_usage_perc", "gauge", "CPU KV cache usage.")
-        out.append(f"vllm:kv_offload_cpu_cache_usage_perc{{{base}}} {g['cpu_usage']!r}")
-        metric("vllm:kv_offload_load_bytes", "counter", "Bytes loaded from offload to GPU.")
-        out.append(f"vllm:kv_offload_load_bytes_total{{{base}}} {self.kv_offload_load_bytes}")
-        metric("vllm:kv_offload_load_time", "counter", "Load time from offload to GPU (s).")
-        out.append(f"vllm:kv_offload_load_time_total{{{base}}} {self.kv_offload_load_s!r}")
-        metric("vllm:kv_offload_store_bytes", "counter", "Bytes stored from GPU to offload.")
         stored = int(g["cpu_stored"] * g["block_bytes"])
-        out.append(f"vllm:kv_offload_store_bytes_total{{{base}}} {stored}")
-        metric("vllm:kv_offload_allocation_failure", "counter", "Offload stores refused.")
-        out.append(f"vllm:kv_offload_allocation_failure_total{{{base}}} {g['cpu_store_failures']}")
-        p = "ownerserve_emulator_"
-        metric(f"{p}cpu_kv_blocks_held", "gauge", "Blocks resident in the CPU tier.")
-        out.append(f"{p}cpu_kv_blocks_held{{{own}}} {g['cpu_held']}")
-        metric(f"{p}cpu_kv_blocks_capacity", "gauge", "CPU tier capacity in blocks.")
-        out.append(f"{p}cpu_kv_blocks_capacity{{{own}}} {g['cpu_capacity']}")
-        metric(f"{p}cpu_kv_blocks_evicted", "counter", "Blocks evicted from the CPU tier.")
-        out.append(f"{p}cpu_kv_blocks_evicted_total{{{own}}} {g['cpu_evicted']}")
+        # fmt: off
+        e.singles("vllm:", base, (
+            ("kv_offload_cpu_cache_usage_perc", _G, "CPU KV cache usage.", g["cpu_usage"]),
+            ("kv_offload_load_bytes", _C, "Bytes loaded from offload to GPU.",
+             self.kv_offload_load_bytes),
+            ("kv_offload_load_time", _C, "Load time from offload to GPU (s).",
+             self.kv_offload_load_s),
+            ("kv_offload_store_bytes", _C, "Bytes stored from GPU to offload.", stored),
+            ("kv_offload_allocation_failure", _C, "Offload stores refused.",
+             g["cpu_store_failures"]),
+        ))
+        e.singles(_OWN, own, (
+            ("cpu_kv_blocks_held", _G, "Blocks resident in the CPU tier.", g["cpu_held"]),
+            ("cpu_kv_blocks_capacity", _G, "CPU tier capacity in blocks.", g["cpu_capacity"]),
+            ("cpu_kv_blocks_evicted", _C, "Blocks evicted from the CPU tier.", g["cpu_evicted"]),
+        ))
+        # fmt: on
 
     def render(self, gauges: Callable[[], dict[str, float]]) -> str:
         """Prometheus text exposition (format 0.0.4) of everything, with current gauges."""
         g = gauges()
         base = f'model_name="{self.model}",engine="0"'
         own = f'worker_id="{self.worker_id}"'
-        out: list[str] = []
-
-        def metric(name: str, kind: str, help_: str) -> None:
-            out.append(f"# HELP {name} {help_}")
-            out.append(f"# TYPE {name} {kind}")
-
-        metric("vllm:num_requests_running", "gauge", "Requests in model execution batches.")
-        out.append(f"vllm:num_requests_running{{{base}}} {g['running']}")
-        metric("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.")
-        out.append(f"vllm:num_requests_waiting{{{base}}} {g['waiting']}")
-        metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.")
-        out.append(f"vllm:kv_cache_usage_perc{{{base}}} {g['kv_usage']!r}")
+        e = _Exposition()
+        # fmt: off
+        e.singles("vllm:", base, (
+            ("num_requests_running", _G, "Requests in model execution batches.", g["running"]),
+            ("num_requests_waiting", _G, "Requests waiting to be processed.", g["waiting"]),
+            ("kv_cache_usage_perc", _G, "KV-cache usage. 1 means 100 percent usage.",
+             g["kv_usage"]),
+        ))
+        # fmt: on
         # vLLM's info metric (a gauge at 1 whose labels are the cache config): the router reads
         # the pool's size from it, as from a real engine
-        metric("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig")
-        out.append(
+        e.family("vllm:cache_config_info", _G, "Information of the LLMEngine CacheConfig")
+        e.out.append(
             f'vllm:cache_config_info{{block_size="{int(g["block_size"])}",engine="0",'
             f'num_gpu_blocks="{int(g["capacity"])}"}} 1.0'
         )
-        metric("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in tokens.")
-        out.append(f"vllm:prefix_cache_queries_total{{{base}}} {self.prefix_cache_queries}")
-        metric("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in tokens.")
-        out.append(f"vllm:prefix_cache_hits_total{{{base}}} {self.prefix_cache_hits}")
-        metric("vllm:prompt_tokens_by_source", "counter", "Prompt tokens by source.")
-        for src, n in self.prompt_tokens_by_source.items():
-            out.append(f'vllm:prompt_tokens_by_source_total{{{base},source="{src}"}} {n}')
-        metric(
-            "vllm:prompt_tokens_cached_by_source",
-            "counter",
-            "Prefix-cache hit tokens by the cache tier that supplied them.",
-        )
-        for src, n in self.prompt_tokens_cached_by_source.items():
-            out.append(f'vllm:prompt_tokens_cached_by_source_total{{{base},source="{src}"}} {n}')
-        metric("vllm:prompt_tokens", "counter", "Prefill tokens processed.")
-        out.append(f"vllm:prompt_tokens_total{{{base}}} {self.prompt_tokens}")
-        metric("vllm:generation_tokens", "counter", "Generation tokens processed.")
-        out.append(f"vllm:generation_tokens_total{{{base}}} {self.generation_tokens}")
-        metric("vllm:request_success", "counter", "Finished requests by finish reason.")
-        for reason, n in self.request_success.items():
-            out.append(f'vllm:request_success_total{{{base},finished_reason="{reason}"}} {n}')
-        metric("vllm:num_preemptions", "counter", "Cumulative number of preemptions.")
-        out.append(f"vllm:num_preemptions_total{{{base}}} {self.preemptions}")
+        # fmt: off
+        e.singles("vllm:", base, (
+            ("prefix_cache_queries", _C, "Prefix cache queries, in tokens.",
+             self.prefix_cache_queries),
+            ("prefix_cache_hits", _C, "Prefix cache hits, in tokens.", self.prefix_cache_hits),
+        ))
+        # fmt: on
+        by_source = "Prefix-cache hit tokens by the cache tier that supplied them."
+        e.by_label("vllm:prompt_tokens_by_source", "Prompt tokens by source.", base, "source",
+                   self.prompt_tokens_by_source)  # fmt: skip
+        e.by_label("vllm:prompt_tokens_cached_by_source", by_source, base, "source",
+                   self.prompt_tokens_cached_by_source)  # fmt: skip
+        # fmt: off
+        e.singles("vllm:", base, (
+            ("prompt_tokens", _C, "Prefill tokens processed.", self.prompt_tokens),
+            ("generation_tokens", _C, "Generation tokens processed.", self.generation_tokens),
+        ))
+        # fmt: on
+        e.by_label(
+            "vllm:request_success",
+            "Finished requests by finish reason.",
+            base,
+            "finished_reason",
+            self.request_success,
+        )  # fmt: skip
+        e.singles("vllm:", base, (
+            ("num_preemptions", _C, "Cumulative number of preemptions.", self.preemptions),
+        ))  # fmt: skip
         if g["cpu_capacity"]:
-            self._render_offload(g, base, own, metric, out)
-        metric("vllm:time_to_first_token_seconds", "histogram", "Time to first token.")
-        self.ttft.render("vllm:time_to_first_token_seconds", base, out)
-        metric("vllm:inter_token_latency_seconds", "histogram", "Inter-token latency.")
-        self.itl.render("vllm:inter_token_latency_seconds", base, out)
-        metric("vllm:e2e_request_latency_seconds", "histogram", "End-to-end request latency.")
-        self.e2e.render("vllm:e2e_request_latency_seconds", base, out)
-        metric("vllm:request_queue_time_seconds", "histogram", "Time spent waiting.")
-        self.queue_time.render("vllm:request_queue_time_seconds", base, out)
+            self._render_offload(g, base, own, e)
+        for name, help_, hist in (
+            ("vllm:time_to_first_token_seconds", "Time to first token.", self.ttft),
+            ("vllm:inter_token_latency_seconds", "Inter-token latency.", self.itl),
+            ("vllm:e2e_request_latency_seconds", "End-to-end request latency.", self.e2e),
+            ("vllm:request_queue_time_seconds", "Time spent waiting.", self.queue_time),
+        ):
+            e.family(name, "histogram", help_)
+            hist.render(name, base, e.out)
 
-        p = "ownerserve_emulator_"
-        metric(f"{p}info", "gauge", "Emulated engine identity.")
-        out.append(
+        p = _OWN
+        e.family(f"{p}info", _G, "Emulated engine identity.")
+        e.out.append(
             f'{p}info{{{own},role="{self.role}",profile="{self.profile}",'
             f'model_name="{self.model}"}} 1'
         )
-        metric(f"{p}kv_blocks_held", "gauge", "Resident prefix-cached KV blocks.")
-        out.append(f"{p}kv_blocks_held{{{own}}} {g['blocks_held']}")
-        metric(f"{p}kv_blocks_in_use", "gauge", "KV blocks referenced by requests or holds.")
-        out.append(f"{p}kv_blocks_in_use{{{own}}} {g['blocks_in_use']}")
-        metric(f"{p}kv_blocks_capacity", "gauge", "KV capacity in blocks.")
-        out.append(f"{p}kv_blocks_capacity{{{own}}} {g['capacity']}")
-        metric(f"{p}kv_block_bytes", "gauge", "Bytes of KV per block.")
-        out.append(f"{p}kv_block_bytes{{{own}}} {g['block_bytes']}")
-        metric(f"{p}kv_blocks_evicted", "counter", "Cached blocks evicted.")
-        out.append(f"{p}kv_blocks_evicted_total{{{own}}} {g['evicted']}")
-        metric(f"{p}kv_transfers_held", "gauge", "Prefill results held for a remote decode.")
-        out.append(f"{p}kv_transfers_held{{{own}}} {g['held_transfers']}")
-        metric(f"{p}kv_transfers_expired", "counter", "Held prefill results never pulled in time.")
-        out.append(f"{p}kv_transfers_expired_total{{{own}}} {g['expired_transfers']}")
-        metric(f"{p}prefill_tokens_computed", "counter", "Prompt tokens computed (not reused).")
-        out.append(f"{p}prefill_tokens_computed_total{{{own}}} {self.prefill_tokens_computed}")
-        metric(f"{p}decode_tokens_computed", "counter", "Tokens computed by decode steps.")
-        out.append(f"{p}decode_tokens_computed_total{{{own}}} {self.decode_tokens_computed}")
-        metric(f"{p}engine_steps", "counter", "Scheduler steps run.")
-        out.append(f"{p}engine_steps_total{{{own}}} {self.steps}")
-        metric(f"{p}engine_busy_seconds", "counter", "Emulated compute time (before --speed).")
-        out.append(f"{p}engine_busy_seconds_total{{{own}}} {self.busy_s!r}")
-        metric(f"{p}engine_active_seconds", "counter", "Wall time spent running steps.")
-        out.append(f"{p}engine_active_seconds_total{{{own}}} {self.active_s!r}")
-        metric(f"{p}engine_late_seconds", "counter", "Step sleeps' overshoot past their end.")
-        out.append(f"{p}engine_late_seconds_total{{{own}}} {self.late_s!r}")
+        # fmt: off
+        e.singles(p, own, (
+            ("kv_blocks_held", _G, "Resident prefix-cached KV blocks.", g["blocks_held"]),
+            ("kv_blocks_in_use", _G, "KV blocks referenced by requests or holds.",
+             g["blocks_in_use"]),
+            ("kv_blocks_capacity", _G, "KV capacity in blocks.", g["capacity"]),
+            ("kv_block_bytes", _G, "Bytes of KV per block.", g["block_bytes"]),
+            ("kv_blocks_evicted", _C, "Cached blocks evicted.", g["evicted"]),
+            ("kv_transfers_held", _G, "Prefill results held for a remote decode.",
+             g["held_transfers"]),
+            ("kv_transfers_expired", _C, "Held prefill results never pulled in time.",
+             g["expired_transfers"]),
+            ("prefill_tokens_computed", _C, "Prompt tokens computed (not reused).",
+             self.prefill_tokens_computed),
+            ("decode_tokens_computed", _C, "Tokens computed by decode steps.",
+             self.decode_tokens_computed),
+            ("engine_steps", _C, "Scheduler steps run.", self.steps),
+            ("engine_busy_seconds", _C, "Emulated compute time (before --speed).", self.busy_s),
+            ("engine_active_seconds", _C, "Wall time spent running steps.", self.active_s),
+            ("engine_late_seconds", _C, "Step sleeps' overshoot past their end.", self.late_s),
+        ))
+        # fmt: on
         for name, table, help_ in (
             ("kv_received_bytes", self.kv_received_bytes, "KV bytes received by transfer."),
             ("kv_received_blocks", self.kv_received_blocks, "KV blocks received by transfer."),
             ("kv_sent_bytes", self.kv_sent_bytes, "KV bytes sent to other workers."),
             ("kv_sent_blocks", self.kv_sent_blocks, "KV blocks sent to other workers."),
         ):
-            metric(f"{p}{name}", "counter", help_)
-            for kind, n in table.items():
-                out.append(f'{p}{name}_total{{{own},kind="{kind}"}} {n}')
-        metric(f"{p}kv_link_queue_seconds", "counter", "Modelled time pulls waited for the link.")
-        out.append(f"{p}kv_link_queue_seconds_total{{{own}}} {self.kv_link_queue_s!r}")
-        metric(f"{p}kv_transfers_failed", "counter", "KV pulls that failed.")
-        out.append(f"{p}kv_transfers_failed_total{{{own}}} {self.transfers_failed}")
-        metric(f"{p}chunk_tokens_reused", "counter", "Prompt tokens reused from chunk KV.")
-        out.append(f"{p}chunk_tokens_reused_total{{{own}}} {self.chunk_tokens_reused}")
-        metric(f"{p}chunks_reused", "counter", "Cached chunks reused by requests.")
-        out.append(f"{p}chunks_reused_total{{{own}}} {self.chunks_reused}")
-        metric(f"{p}chunks_stored", "counter", "Chunks whose KV was stored by content hash.")
-        out.append(f"{p}chunks_stored_total{{{own}}} {self.chunks_stored}")
-        metric(f"{p}chunk_tokens_stored", "counter", "Tokens of the chunks stored.")
-        out.append(f"{p}chunk_tokens_stored_total{{{own}}} {self.chunk_tokens_stored}")
-        metric(f"{p}chunks_fetched", "counter", "Chunks fetched from another worker's store.")
-        out.append(f"{p}chunks_fetched_total{{{own}}} {self.chunks_fetched}")
-        metric(f"{p}chunk_tokens_fetched", "counter", "Tokens of the chunks fetched.")
-        out.append(f"{p}chunk_tokens_fetched_total{{{own}}} {self.chunk_tokens_fetched}")
-        metric(f"{p}chunk_store_tokens", "gauge", "Tokens of chunk KV held in the chunk store.")
-        out.append(f"{p}chunk_store_tokens{{{own}}} {g.get('chunk_tokens', 0)}")
-        metric(f"{p}chunk_store_capacity_tokens", "gauge", "Chunk store capacity in tokens.")
-        out.append(f"{p}chunk_store_capacity_tokens{{{own}}} {g.get('chunk_capacity', 0)}")
-        metric(f"{p}kv_events_published", "counter", "KV event batches published.")
-        out.append(f"{p}kv_events_published_total{{{own}}} {self.kv_events_published}")
-        out.append("")
-        return "\n".join(out)
+            e.by_label(f"{p}{name}", help_, own, "kind", table)
+        # fmt: off
+        e.singles(p, own, (
+            ("kv_link_queue_seconds", _C, "Modelled time pulls waited for the link.",
+             self.kv_link_queue_s),
+            ("kv_transfers_failed", _C, "KV pulls that failed.", self.transfers_failed),
+            ("chunk_tokens_reused", _C, "Prompt tokens reused from chunk KV.",
+             self.chunk_tokens_reused),
+            ("chunks_reused", _C, "Cached chunks reused by requests.", self.chunks_reused),
+            ("chunks_stored", _C, "Chunks whose KV was stored by content hash.",
+             self.chunks_stored),
+            ("chunk_tokens_stored", _C, "Tokens of the chunks stored.", self.chunk_tokens_stored),
+            ("chunks_fetched", _C, "Chunks fetched from another worker's store.",
+             self.chunks_fetched),
+            ("chunk_tokens_fetched", _C, "Tokens of the chunks fetched.",
+             self.chunk_tokens_fetched),
+            ("chunk_store_tokens", _G, "Tokens of chunk KV held in the chunk store.",
+             g.get("chunk_tokens", 0)),
+            ("chunk_store_capacity_tokens", _G, "Chunk store capacity in tokens.",
+             g.get("chunk_capacity", 0)),
+            ("kv_events_published", _C, "KV event batches published.", self.kv_events_published),
+        ))
+        # fmt: on
+        e.out.append("")
+        return "\n".join(e.out)

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
@@ -49,9 +49,10 @@ CONNECT_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)
-class FetchResult:
-    blocks: int
-    """Requested blocks held here after the fetch, from the first (`ownerserve.kvfetch`)."""
+class _FetchOutcome:
+    """What a fetch did, whatever it moved (blocks or chunks): counts of the requested
+    hashes, the bytes and seconds its transfer took, and the source's node."""
+
     requested: int
     already_held: int
     fetched: int
@@ -66,20 +67,15 @@ class FetchResult:
 
 
 @dataclass(frozen=True, slots=True)
-class ChunkFetchResult:
-    chunks: list[int]
-    """The requested chunk hashes the chunk store holds after the fetch (`ownerserve.kvfetch`)."""
-    requested: int
-    already_held: int
-    fetched: int
-    missing: list[int]
-    bytes: int
-    seconds: float
-    source_node: str | None
+class FetchResult(_FetchOutcome):
+    blocks: int = field(kw_only=True)
+    """Requested blocks held here after the fetch, from the first (`ownerserve.kvfetch`)."""
 
-    def as_json(self) -> dict[str, Any]:
-        """Every field, by its name."""
-        return asdict(self)
+
+@dataclass(frozen=True, slots=True)
+class ChunkFetchResult(_FetchOutcome):
+    chunks: list[int] = field(kw_only=True)
+    """The requested chunk hashes the chunk store holds after the fetch (`ownerserve.kvfetch`)."""
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -254,7 +250,7 @@ class KVMover:
         wanted = [h for h in hashes if not pool.contains(h)]
         held = len(hashes) - len(wanted)
         if not wanted:
-            return FetchResult(len(hashes), len(hashes), held, 0, [], 0, 0.0, None)
+            return FetchResult(len(hashes), held, 0, [], 0, 0.0, None, blocks=len(hashes))
         try:
             answer = await self._post(
                 source_url.rstrip("/") + READ_PATH, {"block_hashes": wanted}, timeout_s, "fetch"
@@ -284,7 +280,7 @@ class KVMover:
         missing = [h for h in wanted if h not in got]
         prefix = next((i for i, h in enumerate(hashes) if not pool.contains(h)), len(hashes))
         return FetchResult(
-            prefix, len(hashes), held, len(ids), missing, nbytes, seconds, answer.get("node")
+            len(hashes), held, len(ids), missing, nbytes, seconds, answer.get("node"), blocks=prefix
         )
 
     async def fetch_chunks(
@@ -298,7 +294,7 @@ class KVMover:
         wanted = [h for h in hashes if h not in store]
         held = len(hashes) - len(wanted)
         if not wanted:
-            return ChunkFetchResult(list(hashes), len(hashes), held, 0, [], 0, 0.0, None)
+            return ChunkFetchResult(len(hashes), held, 0, [], 0, 0.0, None, chunks=list(hashes))
         try:
             answer = await self._post(
                 source_url.rstrip("/") + CHUNK_READ_PATH,
@@ -327,5 +323,5 @@ class KVMover:
         holds = [h for h in hashes if h in store]
         missing = [h for h in wanted if h not in store]
         return ChunkFetchResult(
-            holds, len(hashes), held, fetched, missing, nbytes, seconds, answer.get("node")
+            len(hashes), held, fetched, missing, nbytes, seconds, answer.get("node"), chunks=holds
         )

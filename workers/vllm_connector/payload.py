@@ -154,6 +154,15 @@ def calibrate_page_order(
     return PageOrder.from_native(k_to_native, v_to_native)
 
 
+def _permute_kv(halves: torch.Tensor, k_index: torch.Tensor, v_index: torch.Tensor) -> torch.Tensor:
+    """Reorder the elements of each page half (`[..., 2, half]`, K then V) by the given
+    indices: between the cache's native order and token-major (`PageOrder`)."""
+    return torch.stack(
+        (halves[..., 0, :].index_select(-1, k_index), halves[..., 1, :].index_select(-1, v_index)),
+        dim=-2,
+    )
+
+
 class CpuAttnKV:
     """vLLM CPU-backend layer caches (model layer order) registered with the kernels."""
 
@@ -201,13 +210,7 @@ class CpuAttnKV:
         h, n, half = self.num_kv_heads, len(block_ids), self.block_size * self.head_size
         halves = raw.view(h, n, self.num_layers, 2, half)
         if not self.order.is_token_major:
-            halves = torch.stack(
-                (
-                    halves[..., 0, :].index_select(-1, self.order.k_to_native),
-                    halves[..., 1, :].index_select(-1, self.order.v_to_native),
-                ),
-                dim=3,
-            )
+            halves = _permute_kv(halves, self.order.k_to_native, self.order.v_to_native)
         return halves.reshape(h, n, self.num_layers, 2, self.block_size, self.head_size)
 
     def scatter(self, buffers: torch.Tensor, block_ids: Sequence[int]) -> None:
@@ -218,13 +221,7 @@ class CpuAttnKV:
             raise LayoutError(f"buffers must be {expected} of {self.dtype}")
         halves = buffers.reshape(h, n, self.num_layers, 2, half)
         if not self.order.is_token_major:
-            halves = torch.stack(
-                (
-                    halves[..., 0, :].index_select(-1, self.order.k_from_native),
-                    halves[..., 1, :].index_select(-1, self.order.v_from_native),
-                ),
-                dim=3,
-            )
+            halves = _permute_kv(halves, self.order.k_from_native, self.order.v_from_native)
         raw = halves.reshape(h, n, self.num_layers, 1, 1, 2 * half).contiguous()
         merge_heads(raw.to(self.pages.device), self.pages, list(block_ids))
 

@@ -19,7 +19,6 @@ from planner.policies.base import (
     make_plan,
     pd_route,
     prefill_pool,
-    require,
 )
 from planner.types import ClusterView, Plan, RequestView, WorkerView
 
@@ -97,7 +96,6 @@ class AggregatedPeerPolicy(PeerPolicy[C], ABC):
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
         pool = decode_capable(cluster)
-        require(pool, "decode-capable")
         w = self.pick(pool, request)
         return pd_plan(self, request, w, w, len(pool))
 
@@ -127,12 +125,10 @@ def decode_first_plan(
     policy picks the decode worker d first; when `remote_prefill(d)` it picks a prefill worker
     too and the KV moves P → D, else d prefills itself."""
     ds = decode_pool(cluster)
-    require(ds, "decode")
     d = policy.pick(ds, request)
     if not remote_prefill(d):
         return pd_plan(policy, request, d, d, len(ds))
     ps = prefill_pool(cluster)
-    require(ps, "prefill")
     return pd_plan(policy, request, policy.pick(ps, request), d, len(ds) + len(ps))
 
 

@@ -16,7 +16,7 @@ import bisect
 from hashlib import blake2b
 
 from planner.cost import CostConfig, CostModel, can_decode
-from planner.policies.base import decode_capable, is_continuation, make_plan, pd_route, require
+from planner.policies.base import decode_capable, is_continuation, make_plan, pd_route
 from planner.types import ClusterView, Plan, RequestView
 
 VIRTUAL_NODES_PER_WORKER = 160
@@ -57,7 +57,7 @@ class ConsistentHashPolicy:
         # the ring holds every worker of the pool, healthy or not (the router rebuilds it when
         # the worker list changes)
         pool = [w for w in cluster.workers if can_decode(w)]
-        require(decode_capable(cluster), "decode-capable")
+        decode_capable(cluster)  # raises when none is healthy
         ids = tuple(w.worker_id for w in pool)
         if self._ring is None or self._ring.workers != ids:
             self._ring = HashRing(ids, VIRTUAL_NODES_PER_WORKER)

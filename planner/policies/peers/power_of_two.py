@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 from planner.cost import CostConfig, CostModel
-from planner.policies.base import decode_capable, is_continuation, make_plan, pd_route, require
+from planner.policies.base import decode_capable, is_continuation, make_plan, pd_route
 from planner.policies.peers.common import queue_load
 from planner.types import ClusterView, Plan, RequestView
 
@@ -29,7 +29,6 @@ class PowerOfTwoPolicy:
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
         pool = decode_capable(cluster)
-        require(pool, "decode-capable")
         if len(pool) == 1:
             w = pool[0]
         else:

@@ -22,7 +22,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Mapping
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Generator,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,21 +39,30 @@ from typing import Any
 import httpx
 import pytest
 
+from ownerserve.config import Settings, settings_from_dict
 from ownerserve.ports import free_port
 from router.backends.vllm import (
     VllmClient,
+    VllmLoad,
     for_remote_decode,
     transfer_params_of,
     with_transfer_params,
 )
-from workers.vllm_cpu.model import SERVED_NAME
+from workers.vllm_cpu.model import CONFIG, SERVED_NAME
 from workers.vllm_cpu.server import VllmRole, VllmServer, VllmServerSpec
 from workers.vllm_cpu.setup import VllmCpuInstall, ensure
 
 READY_TIMEOUT_S = 300.0
+BLOCK = 32  # the servers' KV block size (`VllmServerSpec.block_size`)
+HEADS = range(CONFIG["num_key_value_heads"])  # TP=1: one server holds every KV head
+# How far the logprobs of an answer whose prompt KV was loaded (or run remote) may be from those
+# of the same answer computed whole.
+LOGPROB_TOL = 1e-3
 # Small enough that a few long prompts force evictions (BlockRemoved events); 2048-token
 # requests need 64 blocks of 32.
 HYBRID_KV_BLOCKS = 160
+# The prompt token sources of vLLM's `prompt_tokens_by_source`.
+TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
 def vllm_client(name: str, url: str) -> VllmClient:
@@ -84,6 +101,64 @@ async def until(
                 await asyncio.sleep(poll_s)
     except TimeoutError:
         raise AssertionError("condition not reached in time") from None
+
+
+def tokens_by_source(before: VllmLoad, after: VllmLoad) -> dict[str, float]:
+    """Prompt tokens by source (`TOKEN_SOURCES`: computed, hit in vLLM's prefix cache, loaded
+    by a connector) between two scrapes of one server."""
+    was, now = before.prompt_tokens_by_source, after.prompt_tokens_by_source
+    return {k: now.get(k, 0.0) - was.get(k, 0.0) for k in TOKEN_SOURCES}
+
+
+def vllm_worker(worker_id: str, server: VllmServer, **extra: Any) -> dict[str, Any]:
+    """The router's settings entry of `server` (`kind: vllm`, with its KV event sockets when
+    it publishes events); `extra` adds to it (a `sidecar_url`, say)."""
+    events = {
+        "kv_events_endpoint": server.spec.kv_events_endpoint,
+        "kv_events_replay_endpoint": server.spec.kv_events_replay_endpoint,
+    }
+    return {
+        "id": worker_id,
+        "url": server.url,
+        "role": str(server.spec.role),
+        "kind": "vllm",
+        "models": [SERVED_NAME],
+        **(events if server.spec.kv_events_endpoint else {}),
+        **extra,
+    }
+
+
+def vllm_router_settings(
+    install: VllmCpuInstall,
+    workers: Sequence[Mapping[str, Any]],
+    policy: str = "ownerserve",
+    *,
+    server: Mapping[str, Any] | None = None,
+    model: Mapping[str, Any] | None = None,
+) -> Settings:
+    """A router in front of `workers` (`vllm_worker` entries) serving the tiny model with its
+    own tokenizer, health checked every 0.5 s; `server` and `model` add to those sections."""
+    return settings_from_dict(
+        {
+            "server": {
+                "port": 0,
+                "health_interval_s": 0.5,
+                "connect_timeout_s": 5.0,
+                **(server or {}),
+            },
+            "planner": {"policy": policy},
+            "models": [
+                {
+                    "name": SERVED_NAME,
+                    "tokenizer": str(Path(install.model) / "tokenizer.json"),
+                    "block_size": BLOCK,
+                    "max_model_len": 2048,
+                    **(model or {}),
+                }
+            ],
+            "workers": list(workers),
+        }
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +412,22 @@ class Sidecar:
                 self.process.wait(timeout=10)
 
 
+async def present(http: httpx.AsyncClient, sidecar: Sidecar, keys: list[str]) -> list[bool]:
+    """Whether `sidecar` holds each of `keys`."""
+    r = await http.post(sidecar.url + "/ownerserve/kv/lookup", json={"keys": keys})
+    r.raise_for_status()
+    return [bool(p) for p in r.json()["present"]]
+
+
+async def until_saved(http: httpx.AsyncClient, sidecar: Sidecar, keys: list[str]) -> None:
+    """Until `sidecar` holds every one of `keys` (the connector PUTs from its save thread)."""
+
+    async def saved() -> bool:
+        return all(await present(http, sidecar, keys))
+
+    await until(saved)
+
+
 def start_sidecar(worker_id: str, work_dir: Path) -> Sidecar:
     """Start `ownerserve worker sidecar` and wait for `/health` (skips when the server has not
     landed)."""
@@ -378,36 +469,23 @@ def start_sidecar(worker_id: str, work_dir: Path) -> Sidecar:
     raise RuntimeError(f"sidecar {worker_id} not healthy: {log_path.read_text()[-2000:]}")
 
 
-@pytest.fixture(scope="package")
-def sidecar_a(vllm_work_dir: Path) -> Iterator[Sidecar]:
-    """The sidecar of `vllm_hybrid` (worker "a")."""
-    sidecar = start_sidecar("a", vllm_work_dir)
-    yield sidecar
-    sidecar.stop()
+def _sidecar_fixture(worker_id: str, doc: str) -> Any:
+    """The package-scoped fixture `sidecar_<worker_id>`: `start_sidecar(worker_id)`, stopped
+    when the package's tests are done; `doc` says whose sidecar it is."""
+
+    def sidecar(vllm_work_dir: Path) -> Iterator[Sidecar]:
+        started = start_sidecar(worker_id, vllm_work_dir)
+        yield started
+        started.stop()
+
+    sidecar.__doc__ = doc
+    return pytest.fixture(scope="package", name=f"sidecar_{worker_id}")(sidecar)
 
 
-@pytest.fixture(scope="package")
-def sidecar_b(vllm_work_dir: Path) -> Iterator[Sidecar]:
-    """The sidecar of `vllm_hybrid_b` (worker "b")."""
-    sidecar = start_sidecar("b", vllm_work_dir)
-    yield sidecar
-    sidecar.stop()
-
-
-@pytest.fixture(scope="package")
-def sidecar_d(vllm_work_dir: Path) -> Iterator[Sidecar]:
-    """The sidecar of the P/D pair's decode instance."""
-    sidecar = start_sidecar("d", vllm_work_dir)
-    yield sidecar
-    sidecar.stop()
-
-
-@pytest.fixture(scope="package")
-def sidecar_c(vllm_work_dir: Path) -> Iterator[Sidecar]:
-    """The sidecar of `vllm_chunks` (worker "c")."""
-    sidecar = start_sidecar("c", vllm_work_dir)
-    yield sidecar
-    sidecar.stop()
+sidecar_a = _sidecar_fixture("a", 'The sidecar of `vllm_hybrid` (worker "a").')
+sidecar_b = _sidecar_fixture("b", 'The sidecar of `vllm_hybrid_b` (worker "b").')
+sidecar_d = _sidecar_fixture("d", "The sidecar of the P/D pair's decode instance.")
+sidecar_c = _sidecar_fixture("c", 'The sidecar of `vllm_chunks` (worker "c").')
 
 
 @pytest.fixture(scope="package")

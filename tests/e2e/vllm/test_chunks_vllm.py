@@ -29,16 +29,21 @@ from ownerserve.chunks import (
     system_hash,
 )
 from ownerserve.hashing import chain_root
-from router.backends.vllm import VllmLoad
 from tests.e2e.vllm.chunk_reference import TinyLlama
-from tests.e2e.vllm.conftest import Sidecar, vllm_client
+from tests.e2e.vllm.conftest import (
+    BLOCK,
+    Sidecar,
+    tokens_by_source,
+    vllm_client,
+    vllm_router_settings,
+    vllm_worker,
+)
 from workers.vllm_cpu.model import SERVED_NAME
 from workers.vllm_cpu.server import VllmServer
 from workers.vllm_cpu.setup import VllmCpuInstall
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-BLOCK = 32
 TOL = 1e-3
 TOP = 5
 # ids above the tokenizer's special tokens, drawn at random (a random-weight model is happy
@@ -97,27 +102,28 @@ def max_diff(got: dict[int, float], ref: torch.Tensor) -> float:
     return max(abs(lp - float(ref[tid])) for tid, lp in got.items())
 
 
+async def complete_with_chunks(
+    http: httpx.AsyncClient, url: str, ids: Sequence[int], params: dict[str, Any]
+) -> dict[str, Any]:
+    """`complete` with the connector's chunk `params` (a chunk prefill's, or a chunked prompt's
+    `layout_params`), salted as the router salts chunk requests, token ids as answer tokens."""
+    return await complete(
+        http,
+        url,
+        ids,
+        cache_salt=CHUNK_CACHE_SALT,
+        kv_transfer_params={"ownerserve": params},
+        return_tokens_as_token_ids=True,
+    )
+
+
 async def prefill_chunks(
     http: httpx.AsyncClient, url: str, ids: Sequence[int], cp: ChunkedPrompt
 ) -> None:
     """What the router does for a vLLM worker before a chunked request: every chunk's load
     span computed on its own after the system segment, saved by the connector."""
     for p in chunk_prefills(ids, cp, BLOCK):
-        await complete(
-            http,
-            url,
-            p.prompt,
-            cache_salt=CHUNK_CACHE_SALT,
-            kv_transfer_params={"ownerserve": p.params},
-            return_tokens_as_token_ids=True,
-        )
-
-
-def tokens_by(key: str, before: VllmLoad, after: VllmLoad) -> float:
-    """Prompt tokens from source `key` between two scrapes."""
-    return after.prompt_tokens_by_source.get(key, 0.0) - before.prompt_tokens_by_source.get(
-        key, 0.0
-    )
+        await complete_with_chunks(http, url, p.prompt, p.params)
 
 
 @pytest.fixture(scope="module")
@@ -146,15 +152,8 @@ async def test_chunks_reused_at_two_positions_match_the_isolated_attention_refer
 
         for ids, cp in ((ids1, cp1), (ids2, cp2)):
             before = await client.load()
-            answer = await complete(
-                http,
-                vllm_chunks.url,
-                ids,
-                cache_salt=CHUNK_CACHE_SALT,
-                kv_transfer_params={"ownerserve": layout_params(cp)},
-                return_tokens_as_token_ids=True,
-            )
-            after = await client.load()
+            answer = await complete_with_chunks(http, vllm_chunks.url, ids, layout_params(cp))
+            used = tokens_by_source(before, await client.load())
             got = first_logprobs(answer, None)
             spans = [(s.start, s.end) for s in load_spans(ids, cp.system_end, cp.chunks)]
             ref = reference.chunked_logprobs(ids, cp.system_end, spans)
@@ -166,8 +165,7 @@ async def test_chunks_reused_at_two_positions_match_the_isolated_attention_refer
             assert max_diff(got, causal) > 0.05
             # past vLLM's local hit (the system blocks, a chunk's blocks that a prefill shares
             # with this prompt), every token up to the last chunk's end came from the chunk store
-            local = tokens_by("local_cache_hit", before, after)
-            loaded = tokens_by("external_kv_transfer", before, after)
+            local, loaded = used["local_cache_hit"], used["external_kv_transfer"]
             assert loaded > 0 and local + loaded == spans[-1][1], (local, loaded)
 
         # chunk reuse off (no layout): the answer is normal vLLM's, i.e. plain causal
@@ -195,14 +193,7 @@ async def test_a_corrupted_chunk_artifact_is_refused_recomputed_by_vllm_and_repo
         _flip_a_byte(sidecar_c.artifact_file(chunk_artifact_key(SERVED_NAME, spans[1].key)))
         # vLLM's cache holds the system blocks and a's first block (a's prefill): a's rest
         # and b's span are loaded, b's artifact refused
-        answer = await complete(
-            http,
-            vllm_chunks.url,
-            ids,
-            cache_salt=CHUNK_CACHE_SALT,
-            kv_transfer_params={"ownerserve": layout_params(cp)},
-            return_tokens_as_token_ids=True,
-        )
+        answer = await complete_with_chunks(http, vllm_chunks.url, ids, layout_params(cp))
         assert answer["kv_transfer_params"] == {"ownerserve": {"chunk_fallback": "refused"}}
         # recomputed, not loaded: b's span attended to a as well, so the isolated reference
         # no longer holds, plain causal attention does
@@ -224,32 +215,8 @@ def _text(rng: random.Random, n: int) -> str:
 
 def chunk_router_settings(install: VllmCpuInstall, server: VllmServer, sidecar: Sidecar) -> Any:
     """One `kind: vllm` worker with its sidecar, the model's chunk reuse on (`##`)."""
-    from ownerserve.config import settings_from_dict
-
-    return settings_from_dict(
-        {
-            "server": {"port": 0, "health_interval_s": 0.5, "connect_timeout_s": 5.0},
-            "planner": {"policy": "ownerserve"},
-            "models": [
-                {
-                    "name": SERVED_NAME,
-                    "tokenizer": str(Path(install.model) / "tokenizer.json"),
-                    "block_size": BLOCK,
-                    "max_model_len": 2048,
-                    "chunks": {"separator": "##"},
-                }
-            ],
-            "workers": [
-                {
-                    "id": "c",
-                    "url": server.url,
-                    "kind": "vllm",
-                    "models": [SERVED_NAME],
-                    "sidecar_url": sidecar.url,
-                }
-            ],
-        }
-    )
+    worker = vllm_worker("c", server, sidecar_url=sidecar.url)
+    return vllm_router_settings(install, [worker], model={"chunks": {"separator": "##"}})
 
 
 def plan_chunks(resp: httpx.Response) -> str:

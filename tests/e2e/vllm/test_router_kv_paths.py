@@ -24,36 +24,39 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from ownerserve.config import Settings, settings_from_dict
+from ownerserve.config import Settings
 from ownerserve.hashing import chain_root
-from router.backends.vllm import VllmLoad
+from router.backends.vllm import VllmClient
 from tests.e2e.router_cluster import plan_fields, proxy_client
 from tests.e2e.vllm.conftest import (
+    BLOCK,
+    HEADS,
     HYBRID_KV_BLOCKS,
+    LOGPROB_TOL,
     Sidecar,
     completion_body,
+    present,
+    tokens_by_source,
     until,
+    until_saved,
     vllm_client,
+    vllm_router_settings,
+    vllm_worker,
 )
 from tests.e2e.vllm.test_router_vllm import body, complete, turn
 from tests.e2e.vllm.test_sidecar_vllm import _flip_a_byte
 from workers.vllm_connector.plan import chunk_hashes, loadable_blocks, lookup_keys
-from workers.vllm_cpu.model import CONFIG, SERVED_NAME
+from workers.vllm_cpu.model import SERVED_NAME
 from workers.vllm_cpu.server import VllmServer
 from workers.vllm_cpu.setup import VllmCpuInstall
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-MODEL = SERVED_NAME
-BLOCK = 32
-HEADS = range(CONFIG["num_key_value_heads"])  # TP=1 holds them all
-LOGPROB_TOL = 1e-3
 ADMIN_TOKEN = "kv-paths-admin"
 ADMIN = {"x-admin-token": ADMIN_TOKEN}
 PLAN_HEADER = "x-ownerserve-plan"
@@ -76,37 +79,8 @@ class Worker:
 def kv_router_settings(install: VllmCpuInstall, workers: Sequence[Worker]) -> Settings:
     """The router in front of `workers` (`kind: vllm`, their sidecars as KV API), the real
     `ownerserve` policy, and the admin API on."""
-    return settings_from_dict(
-        {
-            "server": {
-                "port": 0,
-                "health_interval_s": 0.5,
-                "connect_timeout_s": 5.0,
-                "admin_token": ADMIN_TOKEN,
-            },
-            "planner": {"policy": "ownerserve"},
-            "models": [
-                {
-                    "name": MODEL,
-                    "tokenizer": str(Path(install.model) / "tokenizer.json"),
-                    "block_size": BLOCK,
-                    "max_model_len": 2048,
-                }
-            ],
-            "workers": [
-                {
-                    "id": w.worker_id,
-                    "url": w.server.url,
-                    "kind": "vllm",
-                    "models": [MODEL],
-                    "sidecar_url": w.sidecar.url,
-                    "kv_events_endpoint": w.server.spec.kv_events_endpoint,
-                    "kv_events_replay_endpoint": w.server.spec.kv_events_replay_endpoint,
-                }
-                for w in workers
-            ],
-        }
-    )
+    entries = [vllm_worker(w.worker_id, w.server, sidecar_url=w.sidecar.url) for w in workers]
+    return vllm_router_settings(install, entries, server={"admin_token": ADMIN_TOKEN})
 
 
 @contextlib.asynccontextmanager
@@ -122,6 +96,30 @@ async def kv_router(
 
         await until(healthy, 30.0)
         yield client, router
+
+
+@pytest.fixture
+def a_and_b(
+    sidecar_a: Sidecar, sidecar_b: Sidecar, vllm_hybrid: VllmServer, vllm_hybrid_b: VllmServer
+) -> tuple[Worker, Worker]:
+    """Workers "a" and "b": the two hybrid servers, each with its sidecar (the sidecars come
+    first: without the sidecar server the test skips before any vLLM starts)."""
+    return Worker("a", vllm_hybrid, sidecar_a), Worker("b", vllm_hybrid_b, sidecar_b)
+
+
+@contextlib.asynccontextmanager
+async def ab_router(
+    install: VllmCpuInstall, a_and_b: tuple[Worker, Worker]
+) -> AsyncIterator[tuple[Worker, Worker, httpx.AsyncClient, Any, httpx.AsyncClient, VllmClient]]:
+    """`kv_router` of workers a and b: (a, b, the router's client, the `Router`, a plain HTTP
+    client, a client of b's vLLM for its load scrapes), the clients closed on exit."""
+    a, b = a_and_b
+    b_direct = vllm_client("b", b.server.url)
+    try:
+        async with kv_router(install, [a, b]) as (client, router), httpx.AsyncClient() as http:
+            yield a, b, client, router, http, b_direct
+    finally:
+        await b_direct.aclose()
 
 
 async def drain(client: httpx.AsyncClient, worker_id: str, draining: bool = True) -> None:
@@ -147,43 +145,19 @@ class Prompt:
     @property
     def keys(self) -> list[str]:
         """Every artifact of the loadable blocks, block by block, head by head."""
-        return lookup_keys(MODEL, self.hashes[: self.loadable], HEADS)
+        return lookup_keys(SERVED_NAME, self.hashes[: self.loadable], HEADS)
 
     def key(self, block: int, head: int) -> str:
         return self.keys[block * len(HEADS) + head]
 
 
 def prompt_of(router: Any, messages: list[dict[str, Any]]) -> Prompt:
-    tok = router.tokenizers.get(MODEL).tokenize_chat(None, messages)
+    tok = router.tokenizers.get(SERVED_NAME).tokenize_chat(None, messages)
     ids = [int(t) for t in tok.token_ids]
-    hashes = list(chunk_hashes(ids, BLOCK, chain_root(MODEL)))
+    hashes = list(chunk_hashes(ids, BLOCK, chain_root(SERVED_NAME)))
     # block identity is one contract: what the router fetches is what the connector saved
     assert hashes == [int(h) for h in tok.chain]
     return Prompt(messages, ids, hashes)
-
-
-async def present(http: httpx.AsyncClient, sidecar: Sidecar, keys: list[str]) -> list[bool]:
-    r = await http.post(sidecar.url + "/ownerserve/kv/lookup", json={"keys": keys})
-    r.raise_for_status()
-    return [bool(p) for p in r.json()["present"]]
-
-
-async def until_saved(http: httpx.AsyncClient, sidecar: Sidecar, keys: list[str]) -> None:
-    """Until `sidecar` holds every one of `keys` (the connector PUTs from its save thread)."""
-
-    async def saved() -> bool:
-        return all(await present(http, sidecar, keys))
-
-    await until(saved)
-
-
-def sources(before: VllmLoad, after: VllmLoad) -> dict[str, float]:
-    """Prompt tokens by source (vLLM's `prompt_tokens_by_source`) between two scrapes."""
-    keys = ("local_compute", "local_cache_hit", "external_kv_transfer")
-    return {
-        k: after.prompt_tokens_by_source.get(k, 0.0) - before.prompt_tokens_by_source.get(k, 0.0)
-        for k in keys
-    }
 
 
 async def chat(
@@ -191,6 +165,33 @@ async def chat(
 ) -> tuple[dict[str, str], list[str], list[float]]:
     """One greedy 8-token chat turn through the router: (plan, tokens, logprobs)."""
     return await complete(client, body(messages, False), {"x-session-id": session})
+
+
+async def computed_on_a(
+    client: httpx.AsyncClient,
+    router: Any,
+    http: httpx.AsyncClient,
+    sidecar: Sidecar,
+    messages: list[dict[str, Any]],
+    session: str,
+) -> tuple[Prompt, list[str]]:
+    """A `chat` turn that the router plans onto worker "a" (the caller leaves no other worker
+    routable), once a's `sidecar` holds its prompt's blocks: (its prompt, its answer tokens)."""
+    plan, answer, _ = await chat(client, messages, session)
+    assert plan["d"] == "a", plan
+    prompt = prompt_of(router, messages)
+    await until_saved(http, sidecar, prompt.keys)
+    return prompt, answer
+
+
+async def prefix_on_a(
+    client: httpx.AsyncClient, router: Any, http: httpx.AsyncClient, a: Worker, topic: str
+) -> Prompt:
+    """A first session's long prompt on `topic`, computed on a (b drained, and left so): the
+    directory records a as the owner of its prefix, and a's sidecar holds it."""
+    await drain(client, "b")
+    prompt, _ = await computed_on_a(client, router, http, a.sidecar, turn(topic, 55), topic)
+    return prompt
 
 
 async def computed_whole(
@@ -269,100 +270,72 @@ async def evict(server: VllmServer, tag: str) -> None:
 
 
 async def test_a_prefix_owned_by_busy_a_is_fetched_onto_b_and_only_its_tail_is_computed(
-    sidecar_a: Sidecar,
-    sidecar_b: Sidecar,
-    vllm_install: VllmCpuInstall,
-    vllm_hybrid: VllmServer,
-    vllm_hybrid_b: VllmServer,
+    vllm_install: VllmCpuInstall, a_and_b: tuple[Worker, Worker]
 ) -> None:
-    a, b = Worker("a", vllm_hybrid, sidecar_a), Worker("b", vllm_hybrid_b, sidecar_b)
-    b_direct = vllm_client("b", vllm_hybrid_b.url)
-    async with kv_router(vllm_install, [a, b]) as (client, router), httpx.AsyncClient() as http:
-        try:
-            prompt = prompt_of(router, turn("fetched prefix", 55))
-            assert prompt.loadable >= 20
-            # the first session computes the prefix on A: the directory records A as its owner
-            await drain(client, "b")
-            plan, _, _ = await chat(client, prompt.messages, "fetch-first")
-            assert plan["d"] == "a", plan
-            await until_saved(http, sidecar_a, prompt.keys)
-            assert not any(await present(http, sidecar_b, prompt.keys))
+    async with ab_router(vllm_install, a_and_b) as (a, b, client, router, http, b_direct):
+        prompt = await prefix_on_a(client, router, http, a, "fetched prefix")
+        assert prompt.loadable >= 20
+        assert not any(await present(http, b.sidecar, prompt.keys))
 
-            # A's decode batch is full when a second session with the same prefix comes
-            async with busy(client, router, "a", 4, "fetch-busy"):
-                await drain(client, "b", False)
-                before = await b_direct.load()
-                plan, tokens, lps = await chat(client, prompt.messages, "fetch-second")
-                used = sources(before, await b_direct.load())
-            assert (plan["action"], plan["src"], plan["d"]) == ("artifact_fetch", "a", "b"), plan
-            assert plan["fetched"] == "1" and "fallback" not in plan, plan
-            assert plan["fetched_blocks"] == f"{prompt.loadable}/{prompt.loadable}", plan
-            assert all(await present(http, sidecar_b, prompt.keys))
-            fetched = prompt.loadable * BLOCK
-            assert used["external_kv_transfer"] == fetched
-            assert used["local_cache_hit"] == 0
-            # only the tail is computed: the partial last block (or the whole last block when
-            # the prompt ends on a boundary: its last token is always computed)
-            assert used["local_compute"] == len(prompt.token_ids) - fetched <= BLOCK
-            print(f"\nfetch: {len(prompt.token_ids)} prompt tokens, {used}")
+        # A's decode batch is full when a second session with the same prefix comes
+        async with busy(client, router, "a", 4, "fetch-busy"):
+            await drain(client, "b", False)
+            before = await b_direct.load()
+            plan, tokens, lps = await chat(client, prompt.messages, "fetch-second")
+            used = tokens_by_source(before, await b_direct.load())
+        assert (plan["action"], plan["src"], plan["d"]) == ("artifact_fetch", "a", "b"), plan
+        assert plan["fetched"] == "1" and "fallback" not in plan, plan
+        assert plan["fetched_blocks"] == f"{prompt.loadable}/{prompt.loadable}", plan
+        assert all(await present(http, b.sidecar, prompt.keys))
+        fetched = prompt.loadable * BLOCK
+        assert used["external_kv_transfer"] == fetched
+        assert used["local_cache_hit"] == 0
+        # only the tail is computed: the partial last block (or the whole last block when
+        # the prompt ends on a boundary: its last token is always computed)
+        assert used["local_compute"] == len(prompt.token_ids) - fetched <= BLOCK
+        print(f"\nfetch: {len(prompt.token_ids)} prompt tokens, {used}")
 
-            assert_same_answer(
-                (tokens, lps), await computed_whole(vllm_hybrid_b, prompt.messages, "fetch")
-            )
-        finally:
-            await b_direct.aclose()
+        assert_same_answer((tokens, lps), await computed_whole(b.server, prompt.messages, "fetch"))
 
 
 # --- state migration ----------------------------------------------------------------------------
 
 
 async def test_a_session_resident_on_draining_a_migrates_to_b_which_computes_only_the_new_turn(
-    sidecar_a: Sidecar,
-    sidecar_b: Sidecar,
-    vllm_install: VllmCpuInstall,
-    vllm_hybrid: VllmServer,
-    vllm_hybrid_b: VllmServer,
+    vllm_install: VllmCpuInstall, a_and_b: tuple[Worker, Worker]
 ) -> None:
-    a, b = Worker("a", vllm_hybrid, sidecar_a), Worker("b", vllm_hybrid_b, sidecar_b)
-    b_direct = vllm_client("b", vllm_hybrid_b.url)
-    async with kv_router(vllm_install, [a, b]) as (client, router), httpx.AsyncClient() as http:
-        try:
-            first = turn("migrated session", 50)
-            await drain(client, "b")
-            plan, answer, _ = await chat(client, first, "migrate")
-            assert plan["d"] == "a", plan
-            resident = prompt_of(router, first)
-            await until_saved(http, sidecar_a, resident.keys)
+    async with ab_router(vllm_install, a_and_b) as (a, b, client, router, http, b_direct):
+        first = turn("migrated session", 50)
+        await drain(client, "b")
+        resident, answer = await computed_on_a(client, router, http, a.sidecar, first, "migrate")
 
-            # A drains: it takes no request, but its KV (its sidecar) still serves its sessions
-            await drain(client, "b", False)
-            await drain(client, "a")
-            second = [
-                *first,
-                {"role": "assistant", "content": "".join(answer)},
-                {"role": "user", "content": "Now run the tests and report the failures."},
-            ]
-            prompt = prompt_of(router, second)
-            before = await b_direct.load()
-            plan, tokens, lps = await chat(client, second, "migrate")
-            used = sources(before, await b_direct.load())
-            assert (plan["action"], plan["src"], plan["d"]) == ("state_migration", "a", "b"), plan
-            assert plan["fetched"] == "1" and "fallback" not in plan, plan
-            got, planned = (int(x) for x in plan["fetched_blocks"].split("/"))
-            assert got == planned >= resident.loadable
-            # the first turn's prompt blocks moved; B computed the new turn (and the partial
-            # block before it)
-            assert used["external_kv_transfer"] >= resident.loadable * BLOCK
-            assert used["local_cache_hit"] == 0
-            assert used["local_compute"] == len(prompt.token_ids) - used["external_kv_transfer"]
-            assert used["local_compute"] < len(prompt.token_ids) - len(resident.token_ids) + BLOCK
-            blocks = plan["fetched_blocks"]
-            print(f"\nmigration: {len(prompt.token_ids)} prompt tokens, {blocks} blocks, {used}")
+        # A drains: it takes no request, but its KV (its sidecar) still serves its sessions
+        await drain(client, "b", False)
+        await drain(client, "a")
+        second = [
+            *first,
+            {"role": "assistant", "content": "".join(answer)},
+            {"role": "user", "content": "Now run the tests and report the failures."},
+        ]
+        prompt = prompt_of(router, second)
+        before = await b_direct.load()
+        plan, tokens, lps = await chat(client, second, "migrate")
+        used = tokens_by_source(before, await b_direct.load())
+        assert (plan["action"], plan["src"], plan["d"]) == ("state_migration", "a", "b"), plan
+        assert plan["fetched"] == "1" and "fallback" not in plan, plan
+        got, planned = (int(x) for x in plan["fetched_blocks"].split("/"))
+        assert got == planned >= resident.loadable
+        # the first turn's prompt blocks moved; B computed the new turn (and the partial
+        # block before it)
+        assert used["external_kv_transfer"] >= resident.loadable * BLOCK
+        assert used["local_cache_hit"] == 0
+        assert used["local_compute"] == len(prompt.token_ids) - used["external_kv_transfer"]
+        assert used["local_compute"] < len(prompt.token_ids) - len(resident.token_ids) + BLOCK
+        blocks = plan["fetched_blocks"]
+        print(f"\nmigration: {len(prompt.token_ids)} prompt tokens, {blocks} blocks, {used}")
 
-            reference = await computed_whole(vllm_hybrid_b, second, "migrate")
-            assert_same_answer((tokens, lps), reference)
-        finally:
-            await b_direct.aclose()
+        reference = await computed_whole(b.server, second, "migrate")
+        assert_same_answer((tokens, lps), reference)
 
 
 # --- cold resume from the sidecar ---------------------------------------------------------------
@@ -381,10 +354,7 @@ async def _resume_after_eviction(
     turn: (first prompt, second prompt, the second's prompt tokens by source, its answer, the
     corrupted key if `corrupt_block`)."""
     first = turn(tag, 50)
-    plan, answer, _ = await chat(client, first, tag)
-    assert plan["d"] == "a", plan
-    resident = prompt_of(router, first)
-    await until_saved(http, sidecar, resident.keys)
+    resident, answer = await computed_on_a(client, router, http, sidecar, first, tag)
     await evict(server, tag)
     bad_key = None
     if corrupt_block is not None:
@@ -400,7 +370,7 @@ async def _resume_after_eviction(
     try:
         before = await direct.load()
         plan, tokens, lps = await chat(client, second, tag)
-        used = sources(before, await direct.load())
+        used = tokens_by_source(before, await direct.load())
     finally:
         await direct.aclose()
     assert plan["d"] == "a", plan
@@ -448,44 +418,31 @@ async def test_a_resume_whose_artifact_is_corrupted_recomputes_from_it_with_the_
 
 
 async def test_a_fetch_of_a_corrupted_artifact_brings_the_good_prefix_and_says_so(
-    sidecar_a: Sidecar,
-    sidecar_b: Sidecar,
-    vllm_install: VllmCpuInstall,
-    vllm_hybrid: VllmServer,
-    vllm_hybrid_b: VllmServer,
+    vllm_install: VllmCpuInstall, a_and_b: tuple[Worker, Worker]
 ) -> None:
-    a, b = Worker("a", vllm_hybrid, sidecar_a), Worker("b", vllm_hybrid_b, sidecar_b)
-    b_direct = vllm_client("b", vllm_hybrid_b.url)
-    async with kv_router(vllm_install, [a, b]) as (client, router), httpx.AsyncClient() as http:
-        try:
-            prompt = prompt_of(router, turn("corrupted source", 55))
-            await drain(client, "b")
-            plan, _, _ = await chat(client, prompt.messages, "corrupt-first")
-            assert plan["d"] == "a", plan
-            await until_saved(http, sidecar_a, prompt.keys)
-            bad_block = 7
-            _flip_a_byte(sidecar_a.artifact_file(prompt.key(bad_block, 2)))
+    async with ab_router(vllm_install, a_and_b) as (a, b, client, router, http, b_direct):
+        prompt = await prefix_on_a(client, router, http, a, "corrupted source")
+        bad_block = 7
+        _flip_a_byte(a.sidecar.artifact_file(prompt.key(bad_block, 2)))
 
-            # A drains: a new session with its prefix fetches it from A's sidecar
-            await drain(client, "b", False)
-            await drain(client, "a")
-            before = await b_direct.load()
-            plan, tokens, lps = await chat(client, prompt.messages, "corrupt-second")
-            used = sources(before, await b_direct.load())
-            assert (plan["action"], plan["src"], plan["d"]) == ("artifact_fetch", "a", "b"), plan
-            # A's sidecar checks what it serves: the corrupted artifact is dropped and answered
-            # missing, so B gets the prefix up to it and says so; B computes the rest
-            assert plan["fetched"] == "1", plan
-            assert plan["fetched_blocks"].startswith(f"{bad_block}/"), plan
-            assert "fallback" not in plan and "ran" not in plan, plan
-            # the whole blocks before the dropped one reached B's sidecar and were loaded
-            assert used["external_kv_transfer"] <= bad_block * BLOCK
-            assert used["local_compute"] == len(prompt.token_ids) - used["external_kv_transfer"]
-            print(f"\ncorrupted fetch: {len(prompt.token_ids)} prompt tokens, {used}, {plan}")
-            assert_same_answer(
-                (tokens, lps), await computed_whole(vllm_hybrid_b, prompt.messages, "corrupt-fetch")
-            )
-            # what B computed its connector saved: B now holds the prefix whole, good copies
-            await until_saved(http, sidecar_b, prompt.keys)
-        finally:
-            await b_direct.aclose()
+        # A drains: a new session with its prefix fetches it from A's sidecar
+        await drain(client, "b", False)
+        await drain(client, "a")
+        before = await b_direct.load()
+        plan, tokens, lps = await chat(client, prompt.messages, "corrupt-second")
+        used = tokens_by_source(before, await b_direct.load())
+        assert (plan["action"], plan["src"], plan["d"]) == ("artifact_fetch", "a", "b"), plan
+        # A's sidecar checks what it serves: the corrupted artifact is dropped and answered
+        # missing, so B gets the prefix up to it and says so; B computes the rest
+        assert plan["fetched"] == "1", plan
+        assert plan["fetched_blocks"].startswith(f"{bad_block}/"), plan
+        assert "fallback" not in plan and "ran" not in plan, plan
+        # the whole blocks before the dropped one reached B's sidecar and were loaded
+        assert used["external_kv_transfer"] <= bad_block * BLOCK
+        assert used["local_compute"] == len(prompt.token_ids) - used["external_kv_transfer"]
+        print(f"\ncorrupted fetch: {len(prompt.token_ids)} prompt tokens, {used}, {plan}")
+        assert_same_answer(
+            (tokens, lps), await computed_whole(b.server, prompt.messages, "corrupt-fetch")
+        )
+        # what B computed its connector saved: B now holds the prefix whole, good copies
+        await until_saved(http, b.sidecar, prompt.keys)

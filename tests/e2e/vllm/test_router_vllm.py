@@ -14,54 +14,28 @@ import httpx
 import orjson
 import pytest
 
-from ownerserve.config import Settings, settings_from_dict
-from tests.e2e.router_cluster import plan_fields, proxy_client
-from tests.e2e.vllm.conftest import PDPair, until, vllm_client
+from ownerserve.config import Settings
+from tests.e2e.router_cluster import plan_fields, proxy_client, sse_chunks
+from tests.e2e.vllm.conftest import (
+    BLOCK,
+    LOGPROB_TOL,
+    PDPair,
+    until,
+    vllm_client,
+    vllm_router_settings,
+    vllm_worker,
+)
+from workers.vllm_cpu.model import SERVED_NAME
 from workers.vllm_cpu.server import VllmServer
 from workers.vllm_cpu.setup import VllmCpuInstall
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-MODEL = "tiny-llama"
-BLOCK = 32
-LOGPROB_TOL = 1e-3
-
 
 def router_settings(
     install: VllmCpuInstall, workers: list[tuple[str, VllmServer]], policy: str
 ) -> Settings:
-    return settings_from_dict(
-        {
-            "server": {"port": 0, "health_interval_s": 0.5, "connect_timeout_s": 5.0},
-            "planner": {"policy": policy},
-            "models": [
-                {
-                    "name": MODEL,
-                    "tokenizer": str(Path(install.model) / "tokenizer.json"),
-                    "block_size": BLOCK,
-                    "max_model_len": 2048,
-                }
-            ],
-            "workers": [
-                {
-                    "id": wid,
-                    "url": s.url,
-                    "role": str(s.spec.role),
-                    "kind": "vllm",
-                    "models": [MODEL],
-                    **(
-                        {
-                            "kv_events_endpoint": s.spec.kv_events_endpoint,
-                            "kv_events_replay_endpoint": s.spec.kv_events_replay_endpoint,
-                        }
-                        if s.spec.kv_events_endpoint
-                        else {}
-                    ),
-                }
-                for wid, s in workers
-            ],
-        }
-    )
+    return vllm_router_settings(install, [vllm_worker(wid, s) for wid, s in workers], policy)
 
 
 def turn(topic: str, n: int = 60) -> list[dict[str, Any]]:
@@ -74,7 +48,7 @@ def turn(topic: str, n: int = 60) -> list[dict[str, Any]]:
 
 def body(messages: list[dict[str, Any]], stream: bool, max_tokens: int = 8) -> dict[str, Any]:
     return {
-        "model": MODEL,
+        "model": SERVED_NAME,
         "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -100,11 +74,7 @@ async def complete(
     async with client.stream("POST", "/v1/chat/completions", json=req, headers=headers) as r:
         assert r.status_code == 200, (await r.aread()).decode()
         plan = plan_fields(r.headers["x-ownerserve-plan"])
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = orjson.loads(line[6:])
-            assert "error" not in chunk, chunk
+        async for chunk in sse_chunks(r):
             for choice in chunk.get("choices") or ():
                 for c in (choice.get("logprobs") or {}).get("content") or ():
                     tokens.append(c["token"])
@@ -151,7 +121,7 @@ async def test_next_turn_goes_to_the_worker_whose_kv_events_hold_the_prefix(
     b_direct = vllm_client("b", vllm_hybrid_b.url)
     async with proxy_client(settings) as (client, router):
         client.timeout = httpx.Timeout(300.0)
-        tokenizer = router.tokenizers.get(MODEL)
+        tokenizer = router.tokenizers.get(SERVED_NAME)
 
         async def held_by(worker: str, messages: list[dict[str, Any]], blocks: int) -> bool:
             chain = tokenizer.tokenize_chat(None, messages).chain
@@ -224,7 +194,7 @@ async def test_worker_killed_mid_stream_ends_the_stream_cleanly_and_loses_its_bl
     messages = turn("doomed", 12)
     async with proxy_client(settings) as (client, router):
         client.timeout = httpx.Timeout(300.0)
-        chain = router.tokenizers.get(MODEL).tokenize_chat(None, messages).chain
+        chain = router.tokenizers.get(SERVED_NAME).tokenize_chat(None, messages).chain
         headers = {"x-session-id": "doomed"}
         # first turn: the owner computes the prefix and the directory learns it from its events;
         # the other worker computes it too, directly, so whichever worker the planner picks for

@@ -23,13 +23,18 @@ import torch
 
 from kernels.rope import RopeSpec, apply_rope
 from ownerserve.hashing import chain_root
-from router.backends.vllm import VllmClient, VllmLoad, with_transfer_params
+from router.backends.vllm import VllmClient, with_transfer_params
 from tests.e2e.vllm.conftest import (
+    BLOCK,
+    HEADS,
+    LOGPROB_TOL,
     PDPair,
     Sidecar,
     completion_body,
+    present,
     tokens_and_logprobs,
-    until,
+    tokens_by_source,
+    until_saved,
     vllm_client,
 )
 from workers.vllm_connector.plan import chunk_hashes, loadable_blocks, lookup_keys
@@ -39,46 +44,18 @@ from workers.vllm_cpu.setup import VllmCpuInstall
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-MODEL = SERVED_NAME
-BLOCK = 32
-HEADS = range(CONFIG["num_key_value_heads"])  # TP=1 holds them all
 LAYERS = CONFIG["num_hidden_layers"]
 HEAD_DIM = CONFIG["head_dim"]
-LOGPROB_TOL = 1e-3
 
 
 def _prompt(tag: str, n: int = 70) -> str:
     return " ".join(f"{tag} agent step {i} tool result ok" for i in range(n))
 
 
-def _delta(before: VllmLoad, after: VllmLoad) -> dict[str, float]:
-    keys = ("local_compute", "local_cache_hit", "external_kv_transfer")
-    return {
-        k: after.prompt_tokens_by_source.get(k, 0.0) - before.prompt_tokens_by_source.get(k, 0.0)
-        for k in keys
-    }
-
-
 async def _token_ids(http: httpx.AsyncClient, server: VllmServer, prompt: str) -> list[int]:
-    r = await http.post(server.url + "/tokenize", json={"model": MODEL, "prompt": prompt})
+    r = await http.post(server.url + "/tokenize", json={"model": SERVED_NAME, "prompt": prompt})
     r.raise_for_status()
     return [int(t) for t in r.json()["tokens"]]
-
-
-async def _present(http: httpx.AsyncClient, sidecar: Sidecar, keys: list[str]) -> list[bool]:
-    r = await http.post(sidecar.url + "/ownerserve/kv/lookup", json={"keys": keys})
-    r.raise_for_status()
-    return [bool(p) for p in r.json()["present"]]
-
-
-async def _until_saved(http: httpx.AsyncClient, sidecar: Sidecar, keys: list[str]) -> None:
-    """Wait until `sidecar` holds every one of `keys` (the connector PUTs from a background
-    thread)."""
-
-    async def saved() -> bool:
-        return all(await _present(http, sidecar, keys))
-
-    await until(saved)
 
 
 class Session:
@@ -86,17 +63,17 @@ class Session:
 
     def __init__(self, token_ids: list[int]) -> None:
         self.token_ids = token_ids
-        self.hashes = chunk_hashes(token_ids, BLOCK, chain_root(MODEL))
+        self.hashes = chunk_hashes(token_ids, BLOCK, chain_root(SERVED_NAME))
         # The connector leaves the prompt's last token to vLLM.
         self.loadable = loadable_blocks(len(token_ids), BLOCK)
-        self.keys = lookup_keys(MODEL, self.hashes[: self.loadable], HEADS)
+        self.keys = lookup_keys(SERVED_NAME, self.hashes[: self.loadable], HEADS)
 
 
 async def _computed_and_saved_on(
     http: httpx.AsyncClient, worker: VllmClient, sidecar: Sidecar, session: Session, prompt: str
 ) -> dict[str, Any]:
     answer = await worker.post("/v1/completions", completion_body(prompt))
-    await _until_saved(http, sidecar, session.keys)
+    await until_saved(http, sidecar, session.keys)
     return answer
 
 
@@ -106,7 +83,7 @@ async def _fetch(
     body = {
         "source_url": src.url,
         "source_worker": src.worker_id,
-        "model": MODEL,
+        "model": SERVED_NAME,
         "block_hashes": session.hashes[: session.loadable],
         "token_ids": session.token_ids,
         "block_size": BLOCK,
@@ -180,23 +157,23 @@ async def test_a_prefix_computed_on_a_is_fetched_by_b_and_loaded_without_recompu
             assert len(session.token_ids) % BLOCK and session.loadable >= 8
             on_a = await _computed_and_saved_on(http, a, sidecar_a, session, prompt)
             await _check_payload_layout(http, sidecar_a, session, vllm_install)
-            assert not any(await _present(http, sidecar_b, session.keys))
+            assert not any(await present(http, sidecar_b, session.keys))
 
             # B computing the whole prompt itself: a vLLM cache salt misses B's prefix cache and
             # (the connector hashes it into the chain root) every artifact.
             before = await b.load()
             alone = await b.post("/v1/completions", completion_body(prompt, cache_salt="b-alone"))
-            computed = _delta(before, await b.load())
+            computed = tokens_by_source(before, await b.load())
             assert computed["local_compute"] == len(session.token_ids)
             assert computed["external_kv_transfer"] == 0
 
             fetched = await _fetch(http, sidecar_b, sidecar_a, session)
             assert fetched["blocks"] == session.loadable
-            assert all(await _present(http, sidecar_b, session.keys))
+            assert all(await present(http, sidecar_b, session.keys))
 
             before = await b.load()
             loaded = await b.post("/v1/completions", completion_body(prompt))
-            used = _delta(before, await b.load())
+            used = tokens_by_source(before, await b.load())
             external = session.loadable * BLOCK
             assert used["external_kv_transfer"] == external
             assert used["local_cache_hit"] == 0
@@ -247,7 +224,7 @@ async def test_a_corrupted_artifact_is_never_loaded_and_vllm_recomputes_the_same
             assert f"loaded {bad_block}/{session.loadable} blocks" in log
 
             # The refused blocks were recomputed and saved again, whole.
-            await _until_saved(http, sidecar_b, session.keys)
+            await until_saved(http, sidecar_b, session.keys)
         finally:
             await a.aclose()
             await b.aclose()
@@ -268,9 +245,9 @@ async def test_multiconnector_nixl_and_ownerserve_serve_a_pd_request_and_save_it
             before = await decode.load()
             params = await prefill.prefill_for_remote_decode("/v1/completions", body)
             await decode.post("/v1/completions", with_transfer_params(body, params))
-            pulled = _delta(before, await decode.load())["external_kv_transfer"]
+            pulled = tokens_by_source(before, await decode.load())["external_kv_transfer"]
             assert pulled >= len(session.token_ids) - 1
-            await _until_saved(http, sidecar_d, session.keys)
+            await until_saved(http, sidecar_d, session.keys)
         finally:
             await prefill.aclose()
             await decode.aclose()

@@ -78,6 +78,23 @@ async def during_outage(d: ResilientDirectory) -> int:
     return delta.epoch
 
 
+async def through_an_outage(
+    server: RedisServer, d: ResilientDirectory, *, keep_data: bool
+) -> tuple[int, int, int]:
+    """`populate` `d`, stop Redis (saving its dataset first when `keep_data`; without
+    persistence it is gone), serve `during_outage`, restart it and wait until `d` has
+    reconciled: (the populated artifact id, its epoch, the outage claim's provisional epoch)."""
+    aid, epoch = await populate(d)
+    if keep_data:
+        with contextlib.suppress(RedisConnectionError):
+            await d.primary.client.shutdown(save=True)  # keeps dump.rdb: comes back with its data
+    server.stop()
+    provisional = await during_outage(d)
+    server.start()
+    assert await d.wait_reconciled(10)
+    return aid, epoch, provisional
+
+
 async def check_reconciled(server: RedisServer, lease: tuple[int, int]) -> None:
     view = await fresh_view(server)
     try:
@@ -102,11 +119,7 @@ async def test_outage_with_data_loss_pushes_the_local_view_back(
     server: RedisServer, resilient: ResilientDirectory
 ) -> None:
     d = resilient
-    aid, epoch = await populate(d)
-    server.stop()  # no persistence: the dataset is gone
-    provisional = await during_outage(d)
-    server.start()
-    assert await d.wait_reconciled(10)
+    aid, epoch, provisional = await through_an_outage(server, d, keep_data=False)
     assert d.stats["resyncs"] == 1 and d.pending == 0
     await check_reconciled(server, (aid, epoch))
     view = await fresh_view(server)
@@ -125,13 +138,7 @@ async def test_outage_without_data_loss_replays_the_queued_writes(
     server: RedisServer, resilient: ResilientDirectory
 ) -> None:
     d = resilient
-    aid, epoch = await populate(d)
-    with contextlib.suppress(RedisConnectionError):
-        await d.primary.client.shutdown(save=True)  # keeps dump.rdb: comes back with its data
-    server.stop()
-    provisional = await during_outage(d)
-    server.start()
-    assert await d.wait_reconciled(10)
+    aid, epoch, provisional = await through_an_outage(server, d, keep_data=True)
     assert (d.stats["resyncs"], d.stats["replayed"], d.pending) == (0, 3, 0)
     await check_reconciled(server, (aid, epoch))
     renewed = await d.renew(CHAIN[15], "w2", provisional, 60.0)

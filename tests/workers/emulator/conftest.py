@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,16 @@ def metric_value(text: str, name: str, **labels: str) -> float:
     if not found:
         raise KeyError(f"no sample {name} {labels}")
     return total
+
+
+async def timed_post(
+    http: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> tuple[dict[str, Any], float]:
+    """POST `body` to the endpoint `url`: (the answer's JSON, seconds it took)."""
+    t0 = time.perf_counter()
+    resp = await http.post(url, json=body)
+    resp.raise_for_status()
+    return resp.json(), time.perf_counter() - t0
 
 
 async def scrape(client: httpx.AsyncClient, server: EmulatorServer) -> str:

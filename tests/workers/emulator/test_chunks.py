@@ -3,7 +3,6 @@ chunk layout names chunks computed before, at another position."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +10,17 @@ import httpx
 
 from ownerserve.chunks import layout_params, split_on_separator
 from ownerserve.hashing import chain_root
-from tests.workers.emulator.conftest import StartEmulator, metric_value, scrape, write_profile
+from tests.workers.emulator.conftest import (
+    StartEmulator,
+    metric_value,
+    scrape,
+    timed_post,
+    write_profile,
+)
 from workers.emulator.chunk_store import ChunkStore
+from workers.emulator.config import DEFAULT_MODEL as MODEL
+from workers.emulator.server import EmulatorServer
 
-MODEL = "ownerserve-tiny"
 DOC_A = "alpha document " * 20  # 300 tokens
 DOC_B = "bravo document " * 20
 DOC_C = "charlie document " * 20
@@ -52,11 +58,22 @@ def completion(prompt: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-async def post(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[dict, float]:
-    t0 = time.perf_counter()
-    resp = await http.post(url + "/v1/completions", json=body)
-    resp.raise_for_status()
-    return resp.json(), time.perf_counter() - t0
+async def post(
+    http: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> tuple[dict[str, Any], float]:
+    return await timed_post(http, url + "/v1/completions", body)
+
+
+async def cached_tokens(
+    http: httpx.AsyncClient, server: EmulatorServer, *prompts: str
+) -> list[int]:
+    """Complete each of `prompts` (`completion`: chunks split on `##`) on `server` in turn: the
+    prompt tokens each one found cached."""
+    found = []
+    for prompt in prompts:
+        answer, _ = await post(http, server.url, completion(prompt))
+        found.append(int(answer["usage"]["prompt_tokens_details"]["cached_tokens"]))
+    return found
 
 
 async def test_a_chunk_computed_before_is_reused_at_another_position(
@@ -88,21 +105,17 @@ async def test_legolink_recomputes_the_first_tokens_of_each_reused_chunk(
     start_emulator: StartEmulator, http: httpx.AsyncClient
 ) -> None:
     server = await start_emulator(chunk_recompute_tokens=16)
-    await post(http, server.url, completion(f"sys##{DOC_A}##q1"))
-    again, _ = await post(http, server.url, completion(f"other##{DOC_B}##{DOC_A}##q2"))
     # another system segment: another hash, nothing reused
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    third, _ = await post(http, server.url, completion(f"sys##{DOC_B}##{DOC_A}##q3"))
-    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == len(DOC_A) - 16
+    prompts = (f"sys##{DOC_A}##q1", f"other##{DOC_B}##{DOC_A}##q2", f"sys##{DOC_B}##{DOC_A}##q3")
+    assert await cached_tokens(http, server, *prompts) == [0, 0, len(DOC_A) - 16]
 
 
 async def test_without_a_chunk_store_the_layout_is_ignored(
     start_emulator: StartEmulator, http: httpx.AsyncClient
 ) -> None:
     server = await start_emulator(chunk_store_tokens=0)
-    await post(http, server.url, completion(f"sys##{DOC_A}##q1"))
-    again, _ = await post(http, server.url, completion(f"sys##{DOC_B}##{DOC_A}##q2"))
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    prompts = (f"sys##{DOC_A}##q1", f"sys##{DOC_B}##{DOC_A}##q2")
+    assert await cached_tokens(http, server, *prompts) == [0, 0]
 
 
 async def test_a_malformed_layout_is_a_400(

@@ -30,6 +30,7 @@ from ownerserve.vllm_events import decode_message
 from router.backends import parse_load_metrics
 from tests.workers.emulator.conftest import StartEmulator, metric_value, scrape
 from tests.workers.emulator.zmq_subscriber import ZmqSubscriber
+from workers.emulator.config import DEFAULT_MODEL as MODEL
 from workers.emulator.config import EmulatorConfig, add_arguments, config_from_args
 from workers.emulator.engine import Engine, SamplingParams, Sequence
 from workers.emulator.kv_cache import BlockPool, HostPool
@@ -209,8 +210,6 @@ async def test_a_loaded_request_runs_once_a_running_one_preempts_itself() -> Non
 
 
 # --- a real emulator process: HTTP, /metrics, KV events over ZMQ ----------------------------------
-
-MODEL = "ownerserve-tiny"
 
 
 def messages(i: int) -> list[dict[str, str]]:

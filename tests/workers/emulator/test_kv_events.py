@@ -16,8 +16,7 @@ from ownerserve.ports import free_port
 from ownerserve.vllm_events import decode_message
 from tests.workers.emulator.conftest import StartEmulator
 from tests.workers.emulator.zmq_subscriber import ZmqSubscriber
-
-MODEL = "ownerserve-tiny"
+from workers.emulator.config import DEFAULT_MODEL as MODEL
 
 
 class Subscriber(ZmqSubscriber):

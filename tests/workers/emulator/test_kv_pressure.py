@@ -96,22 +96,29 @@ async def test_decodes_beyond_the_decode_sides_kv_queue_for_blocks_and_all_compl
     assert metric_value(p_text, IN_USE) == 0
 
 
-async def slow_decode_pair(
-    start_emulator: StartEmulator, tmp_path: Path, kv_lease_s: float
-) -> tuple[EmulatorServer, EmulatorServer]:
-    """A prefill side and a decode side of 24 blocks whose decode steps take 10 ms."""
+Prefilled = tuple[list[dict[str, str]], dict[str, Any]]
+
+
+async def two_prefilled_for_a_slow_decode(
+    start_emulator: StartEmulator, http: httpx.AsyncClient, tmp_path: Path, kv_lease_s: float
+) -> tuple[EmulatorServer, EmulatorServer, Prefilled, Prefilled]:
+    """A prefill side and a decode side of 24 blocks whose decode steps take 10 ms, and two
+    conversations prefilled on the prefill side: (p, d, and each conversation's messages with
+    its `kv_transfer_params`)."""
     profile = write_profile(tmp_path, decode__base_s=0.01, prefill__per_token_s=1e-5)
     p = await start_emulator(role="prefill", profile=profile, kv_lease_s=kv_lease_s)
     d = await start_emulator(role="decode", profile=profile, num_blocks=24, kv_lease_s=kv_lease_s)
-    return p, d
+    first, second = messages(1), messages(2)
+    ktp1, ktp2 = await prefill(http, p, first), await prefill(http, p, second)
+    return p, d, (first, ktp1), (second, ktp2)
 
 
 async def test_a_decode_queued_for_blocks_keeps_its_prefill_kv_alive_past_the_lease(
     start_emulator: StartEmulator, http: httpx.AsyncClient, tmp_path: Path
 ) -> None:
-    p, d = await slow_decode_pair(start_emulator, tmp_path, kv_lease_s=0.6)
-    first, second = messages(1), messages(2)
-    ktp1, ktp2 = await prefill(http, p, first), await prefill(http, p, second)
+    p, d, (first, ktp1), (second, ktp2) = await two_prefilled_for_a_slow_decode(
+        start_emulator, http, tmp_path, kv_lease_s=0.6
+    )
     t0 = time.perf_counter()
     async with asyncio.timeout(30):
         one = asyncio.create_task(decode(http, d, first, ktp1, 150))  # ~1.5 s on the decode side
@@ -127,9 +134,9 @@ async def test_a_decode_queued_for_blocks_keeps_its_prefill_kv_alive_past_the_le
 async def test_a_decode_abandoned_while_queued_frees_its_prefill_kv_at_once(
     start_emulator: StartEmulator, http: httpx.AsyncClient, tmp_path: Path
 ) -> None:
-    p, d = await slow_decode_pair(start_emulator, tmp_path, kv_lease_s=30)
-    first, second = messages(1), messages(2)
-    ktp1, ktp2 = await prefill(http, p, first), await prefill(http, p, second)
+    p, d, (first, ktp1), (second, ktp2) = await two_prefilled_for_a_slow_decode(
+        start_emulator, http, tmp_path, kv_lease_s=30
+    )
     one = asyncio.create_task(decode(http, d, first, ktp1, 150))
     await asyncio.sleep(0.1)
     body = {"messages": second, "max_tokens": 4, "kv_transfer_params": ktp2}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -12,19 +13,38 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from tests.workers.emulator.conftest import StartEmulator
+from workers.emulator.config import DEFAULT_MODEL as MODEL
 
-MODEL = "ownerserve-tiny"
+OpenAIClient = Callable[..., Awaitable[openai.AsyncOpenAI]]
+
 MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You are a coding agent."},
     {"role": "user", "content": "List the files in the repository and explain the layout."},
 ]
 
 
+@pytest.fixture
+async def openai_client(start_emulator: StartEmulator) -> AsyncIterator[OpenAIClient]:
+    """Call with `EmulatorConfig` fields: an async `openai` client of an engine started with
+    them; closed at teardown."""
+    clients: list[openai.AsyncOpenAI] = []
+
+    async def start(**overrides: Any) -> openai.AsyncOpenAI:
+        server = await start_emulator(**overrides)
+        clients.append(openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x"))
+        return clients[-1]
+
+    try:
+        yield start
+    finally:
+        for client in clients:
+            await client.close()
+
+
 async def test_async_client_chat_completion_has_text_usage_and_is_deterministic(
-    start_emulator: StartEmulator,
+    openai_client: OpenAIClient,
 ) -> None:
-    server = await start_emulator()
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
+    client = await openai_client()
     first = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24)
     again = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24)
     assert first.choices[0].message.role == "assistant"
@@ -39,14 +59,12 @@ async def test_async_client_chat_completion_has_text_usage_and_is_deterministic(
     assert other.choices[0].message.content != first.choices[0].message.content
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
-    await client.close()
 
 
 async def test_async_streaming_matches_the_non_streamed_text_and_reports_usage(
-    start_emulator: StartEmulator,
+    openai_client: OpenAIClient,
 ) -> None:
-    server = await start_emulator()
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
+    client = await openai_client()
     whole = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40)
     stream = await client.chat.completions.create(
         model=MODEL,
@@ -67,21 +85,17 @@ async def test_async_streaming_matches_the_non_streamed_text_and_reports_usage(
     assert "".join(parts) == whole.choices[0].message.content
     assert finish == "length"
     assert usage is not None and usage.completion_tokens == 40
-    await client.close()
 
 
-async def test_natural_end_of_text_finishes_with_stop(start_emulator: StartEmulator) -> None:
-    server = await start_emulator(output_len=12)
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
+async def test_natural_end_of_text_finishes_with_stop(openai_client: OpenAIClient) -> None:
+    client = await openai_client(output_len=12)
     resp = await client.chat.completions.create(model=MODEL, messages=MESSAGES)
     assert resp.choices[0].finish_reason == "stop"
     assert resp.usage is not None and resp.usage.completion_tokens == 13  # 12 + EOS
-    await client.close()
 
 
-async def test_completions_with_n_and_stop_string(start_emulator: StartEmulator) -> None:
-    server = await start_emulator()
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
+async def test_completions_with_n_and_stop_string(openai_client: OpenAIClient) -> None:
+    client = await openai_client()
     resp = await client.completions.create(
         model=MODEL, prompt="Once upon a time", max_tokens=30, n=3
     )
@@ -103,12 +117,10 @@ async def test_completions_with_n_and_stop_string(start_emulator: StartEmulator)
     async for chunk in streamed:
         text += "".join(c.text for c in chunk.choices)
     assert text == cut.choices[0].text
-    await client.close()
 
 
-async def test_logprobs_have_openai_shape(start_emulator: StartEmulator) -> None:
-    server = await start_emulator()
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
+async def test_logprobs_have_openai_shape(openai_client: OpenAIClient) -> None:
+    client = await openai_client()
     resp = await client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=2
     )
@@ -119,12 +131,10 @@ async def test_logprobs_have_openai_shape(start_emulator: StartEmulator) -> None
     comp = await client.completions.create(model=MODEL, prompt="abc", max_tokens=4, logprobs=1)
     assert comp.choices[0].logprobs is not None
     assert len(comp.choices[0].logprobs.tokens or []) == 4
-    await client.close()
 
 
-async def test_tools_are_accepted(start_emulator: StartEmulator) -> None:
-    server = await start_emulator()
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
+async def test_tools_are_accepted(openai_client: OpenAIClient) -> None:
+    client = await openai_client()
     tools: Any = [
         {
             "type": "function",
@@ -144,7 +154,6 @@ async def test_tools_are_accepted(start_emulator: StartEmulator) -> None:
     with_tools = resp.usage.prompt_tokens if resp.usage else 0
     plain = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8)
     assert plain.usage is not None and with_tools > plain.usage.prompt_tokens
-    await client.close()
 
 
 @pytest.mark.timeout(60)
@@ -190,12 +199,11 @@ async def test_batched_prompts_and_continuous_usage(start_emulator: StartEmulato
 
 
 async def test_forced_tool_choice_returns_a_tool_call_streamed_or_not(
-    start_emulator: StartEmulator,
+    openai_client: OpenAIClient,
 ) -> None:
     import json
 
-    server = await start_emulator(output_len=10)
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
+    client = await openai_client(output_len=10)
     tools: Any = [
         {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}},
         {"type": "function", "function": {"name": "cat", "parameters": {"type": "object"}}},
@@ -226,7 +234,6 @@ async def test_forced_tool_choice_returns_a_tool_call_streamed_or_not(
     )
     assert required.choices[0].finish_reason == "length"
     assert (required.choices[0].message.tool_calls or [])[0].function.name == "ls"  # type: ignore[union-attr]
-    await client.close()
 
 
 async def test_a_stream_sends_nothing_before_its_first_token(

@@ -13,8 +13,8 @@ import httpx
 from ownerserve.hashing import block_hash_chain, chain_root
 from ownerserve.tokenizer import ByteTokenizer, ChatTemplate
 from tests.workers.emulator.conftest import StartEmulator, metric_value, scrape, write_profile
+from workers.emulator.config import DEFAULT_MODEL as MODEL
 
-MODEL = "ownerserve-tiny"
 MESSAGES = [{"role": "user", "content": "summarise this repository for me please " * 6}]
 PROMPT = ByteTokenizer().encode(ChatTemplate().render(MESSAGES))
 CHAIN = block_hash_chain(PROMPT, 16, chain_root(MODEL))

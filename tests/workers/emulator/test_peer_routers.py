@@ -22,10 +22,9 @@ import pytest
 from loadgen.peers import PeerUnavailableError, peer_binary
 from ownerserve.ports import free_port
 from tests.workers.emulator.conftest import StartEmulator, metric_value, scrape
+from workers.emulator.config import DEFAULT_MODEL as MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-MODEL = "ownerserve-tiny"
 
 
 def binary(name: str) -> Path:
@@ -102,9 +101,17 @@ async def http() -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-def common_flags(port: int) -> list[str]:
-    return ["--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # fmt: skip
+@contextlib.asynccontextmanager
+async def routing(http: httpx.AsyncClient, cmd: list[str], *flags: str) -> AsyncIterator[str]:
+    """The peer router `cmd` run with `flags` on free loopback ports, once it routes a real
+    completion: yields its base URL; stopped on exit."""
+    port = free_port()
+    common = ["--host", "127.0.0.1", "--port", str(port),
+              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # fmt: skip
+    with router([*cmd, *common, *flags]) as proc:
+        url = f"http://127.0.0.1:{port}"
+        await wait_routing(http, url, proc)
+        yield url
 
 
 async def test_vllm_router_pd_mode_moves_kv_between_emulated_workers(
@@ -113,12 +120,8 @@ async def test_vllm_router_pd_mode_moves_kv_between_emulated_workers(
     exe = binary("vllm-router")
     p = await start_emulator(role="prefill")
     d = await start_emulator(role="decode")
-    port = free_port()
-    cmd = [str(exe), *common_flags(port), "--vllm-pd-disaggregation",
-           "--prefill", p.url, "--decode", d.url]  # fmt: skip
-    with router(cmd) as proc:
-        url = f"http://127.0.0.1:{port}"
-        await wait_routing(http, url, proc)
+    flags = ("--vllm-pd-disaggregation", "--prefill", p.url, "--decode", d.url)
+    async with routing(http, [str(exe)], *flags) as url:
         await complete_both_ways(http, url, "vllm-pd")
     received = metric_value(await scrape(http, d), "ownerserve_emulator_kv_received_blocks_total")
     assert received > 0
@@ -131,12 +134,8 @@ async def test_vllm_router_round_robin_over_hybrid_workers(
 ) -> None:
     exe = binary("vllm-router")
     workers = [await start_emulator(), await start_emulator()]
-    port = free_port()
-    cmd = [str(exe), *common_flags(port), "--policy", "round_robin",
-           "--worker-urls", *(w.url for w in workers)]  # fmt: skip
-    with router(cmd) as proc:
-        url = f"http://127.0.0.1:{port}"
-        await wait_routing(http, url, proc)
+    flags = ("--policy", "round_robin", "--worker-urls", *(w.url for w in workers))
+    async with routing(http, [str(exe)], *flags) as url:
         for i in range(4):
             await complete_both_ways(http, url, f"rr{i}")
     served = [metric_value(await scrape(http, w), "vllm:request_success_total") for w in workers]
@@ -149,12 +148,9 @@ async def test_sglang_router_pd_mode_with_bootstrap_rooms(
     exe = binary("sglang-router")
     p = await start_emulator(role="prefill", bootstrap_port=0)
     d = await start_emulator(role="decode")
-    port = free_port()
-    cmd = [str(exe), "launch", *common_flags(port), "--pd-disaggregation",
-           "--prefill", p.url, str(p.config.bootstrap_port), "--decode", d.url]  # fmt: skip
-    with router(cmd) as proc:
-        url = f"http://127.0.0.1:{port}"
-        await wait_routing(http, url, proc)
+    bootstrap = str(p.config.bootstrap_port)
+    flags = ("--pd-disaggregation", "--prefill", p.url, bootstrap, "--decode", d.url)
+    async with routing(http, [str(exe), "launch"], *flags) as url:
         await complete_both_ways(http, url, "sglang-pd")
     received = metric_value(await scrape(http, d), "ownerserve_emulator_kv_received_blocks_total")
     assert received > 0
@@ -166,10 +162,6 @@ async def test_sglang_router_plain_mode(
 ) -> None:
     exe = binary("sglang-router")
     w = await start_emulator()
-    port = free_port()
-    cmd = [str(exe), "launch", *common_flags(port), "--policy", "round_robin",
-           "--worker-urls", w.url]  # fmt: skip
-    with router(cmd) as proc:
-        url = f"http://127.0.0.1:{port}"
-        await wait_routing(http, url, proc)
+    flags = ("--policy", "round_robin", "--worker-urls", w.url)
+    async with routing(http, [str(exe), "launch"], *flags) as url:
         await complete_both_ways(http, url, "sglang-plain")

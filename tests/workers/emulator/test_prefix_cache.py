@@ -3,7 +3,6 @@ capacity pressure; the held-blocks listing agrees with the router's hash chain."
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +10,14 @@ import httpx
 
 from ownerserve.hashing import block_hash_chain, chain_root
 from ownerserve.tokenizer import ByteTokenizer, ChatTemplate
-from tests.workers.emulator.conftest import StartEmulator, metric_value, scrape, write_profile
-
-MODEL = "ownerserve-tiny"
+from tests.workers.emulator.conftest import (
+    StartEmulator,
+    metric_value,
+    scrape,
+    timed_post,
+    write_profile,
+)
+from workers.emulator.config import DEFAULT_MODEL as MODEL
 
 
 def chat_body(content: str, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
@@ -25,11 +29,10 @@ def chat_body(content: str, max_tokens: int = 4, **extra: Any) -> dict[str, Any]
     }
 
 
-async def timed_chat(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[dict, float]:
-    t0 = time.perf_counter()
-    resp = await http.post(url + "/v1/chat/completions", json=body)
-    resp.raise_for_status()
-    return resp.json(), time.perf_counter() - t0
+async def timed_chat(
+    http: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> tuple[dict[str, Any], float]:
+    return await timed_post(http, url + "/v1/chat/completions", body)
 
 
 async def test_repeated_prompt_hits_the_cache_in_usage_metrics_and_time(

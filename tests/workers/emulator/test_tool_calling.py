@@ -12,10 +12,10 @@ import pytest
 
 from ownerserve.errors import ConfigError
 from tests.workers.emulator.conftest import StartEmulator
+from workers.emulator.config import DEFAULT_MODEL as MODEL
 from workers.emulator.config import EmulatorConfig
 from workers.emulator.textgen import tool_call_shape
 
-MODEL = "ownerserve-tiny"
 SCHEMA: Any = {
     "type": "object",
     "properties": {

@@ -12,17 +12,23 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from tests.workers.sidecar.test_transport import (
+    assert_fetches_every_payload,
+    assert_only_whole_artifacts,
+    fetch_as_the_owner_is_killed,
+)
 from workers.sidecar import mooncake_transport as mt
 from workers.sidecar.arena import Arena
 from workers.sidecar.store import ArtifactStore, checksum
 from workers.sidecar.transport import TransferError
 from workers.sidecar.transport import TransportServer as TcpTransportServer
+from workers.sidecar.transports import select_transport
 
 pytestmark = pytest.mark.skipif(
     not mt.AVAILABLE, reason=f"Mooncake Transfer Engine unavailable: {mt.UNAVAILABLE_REASON}"
@@ -46,6 +52,20 @@ def _store() -> ArtifactStore:
 
 def _arena_store(arena_bytes: int = 64 << 20) -> ArtifactStore:
     return ArtifactStore(memory_capacity_bytes=1 << 30, pin_memory=False, arena=Arena(arena_bytes))
+
+
+@contextlib.asynccontextmanager
+async def _serving(
+    src: ArtifactStore, settings: mt.MooncakeSettings | None = None
+) -> AsyncIterator[tuple[mt.TransportServer, int]]:
+    """A Mooncake `TransportServer` of `src` (with `settings`, else the engine's) on a free
+    loopback port: (the server, its port); closed on exit."""
+    server = mt.TransportServer(src, settings=settings)
+    port = await server.start()
+    try:
+        yield server, port
+    finally:
+        await server.close()
 
 
 async def _watched(port: int, keys: list[str]) -> mt._Catalog:
@@ -72,9 +92,7 @@ async def test_catalog_listed_artifacts_are_read_one_sided_without_a_control_rou
         payloads[f"run{i}"] = os.urandom(1000 + i)
     for k, v in payloads.items():
         src.put(k, v)
-    server = mt.TransportServer(src)
-    port = await server.start()
-    try:
+    async with _serving(src) as (server, port):
         first = await mt.fetch(dst, "127.0.0.1", port, ["tiny"])  # control path; watching starts
         assert first.fetched == ("tiny",) and first.direct == 0
         dst.delete("tiny")
@@ -91,17 +109,13 @@ async def test_catalog_listed_artifacts_are_read_one_sided_without_a_control_rou
                 dst.delete(k)
         with pytest.raises(TransferError, match="cannot reach"):  # unlisted: control path
             await mt.fetch(dst, "127.0.0.1", port, ["absent"], timeout_s=2)
-    finally:
-        await server.close()
     assert dst.arena is not None and dst.arena.used_bytes == 0 and dst.stats().corrupted == 0
 
 
 async def test_the_catalog_follows_puts_and_deletes_and_hears_heartbeats() -> None:
     src = _arena_store()
     src.put("a", b"a" * 100)
-    server = mt.TransportServer(src)
-    port = await server.start()
-    try:
+    async with _serving(src) as (_, port):
         await mt.fetch(_arena_store(), "127.0.0.1", port, ["a"])
         cat = await _watched(port, ["a"])
         src.put("b", b"b" * 200)
@@ -112,8 +126,6 @@ async def test_the_catalog_follows_puts_and_deletes_and_hears_heartbeats() -> No
         heard = cat.heard_s
         assert await _soon(lambda: cat.heard_s > heard, timeout_s=3 * mt.CATALOG_HEARTBEAT_S)
         assert cat.fresh()
-    finally:
-        await server.close()
     assert await _soon(lambda: not cat.entries)  # the source went away: the catalog is dropped
 
 
@@ -131,9 +143,7 @@ async def test_a_stale_catalog_entry_fails_its_checksum_and_is_never_kept(
     k = os.urandom(size)
     src.put("k", k)
     src.put("other", os.urandom(size))
-    server = mt.TransportServer(src)
-    port = await server.start()
-    try:
+    async with _serving(src) as (server, port):
         await mt.fetch(dst, "127.0.0.1", port, ["other"])
         cat = await _watched(port, ["k", "other"])
         session, _, size, digest = cat.entries["k"]
@@ -149,8 +159,6 @@ async def test_a_stale_catalog_entry_fails_its_checksum_and_is_never_kept(
             with pytest.raises(TransferError):
                 await mt.fetch(dst, "127.0.0.1", port, ["k"], timeout_s=2)
             assert not dst.has("k") and dst.keys() == ["other"]
-    finally:
-        await server.close()
     assert dst.stats().corrupted == 0 and dst.arena is not None
     assert dst.arena.used_bytes == sum(dst.arena.slot_size(x.offset) for x in dst.locations())
 
@@ -162,17 +170,13 @@ async def test_arena_artifacts_are_served_in_place_on_the_control_path() -> None
     payloads = {"huge": os.urandom(9 << 20), "small": os.urandom(3000)}
     for k, v in payloads.items():
         src.put(k, v)
-    server = mt.TransportServer(src)
-    port = await server.start()
-    try:
+    async with _serving(src) as (server, port):
         for dst in (_store(), _arena_store()):
             res = await mt.fetch(dst, "127.0.0.1", port, list(payloads))
             assert set(res.fetched) == set(payloads)
             for k, v in payloads.items():
                 assert dst.get(k) == v
         assert server._engine is not None and not server._engine._idle_pins
-    finally:
-        await server.close()
 
 
 async def test_fetch_between_two_stores() -> None:
@@ -183,19 +187,7 @@ async def test_fetch_between_two_stores() -> None:
     payloads["empty"] = b""
     for i in range(200):  # 600 KB of small artifacts in one batch: hashed by several threads
         payloads[f"s{i}"] = os.urandom(3000)
-    for k, v in payloads.items():
-        src.put(k, v)
-    server = mt.TransportServer(src)
-    port = await server.start()
-    try:
-        res = await mt.fetch(dst, "127.0.0.1", port, [*payloads, "absent"])
-    finally:
-        await server.close()
-    assert set(res.fetched) == set(payloads) and res.missing == ("absent",)
-    assert res.bytes == sum(len(v) for v in payloads.values())
-    for k, v in payloads.items():
-        assert dst.get(k) == v
-    assert dst.stats().corrupted == 0
+    await assert_fetches_every_payload(select_transport("mooncake"), src, dst, payloads)
 
 
 async def test_prefaulting_helper_threads_leave_received_bytes_intact(
@@ -209,12 +201,8 @@ async def test_prefaulting_helper_threads_leave_received_bytes_intact(
     payloads = {f"big{i}": os.urandom((9 << 20) + i * 4097) for i in range(3)}
     for k, v in payloads.items():
         src.put(k, v)
-    server = mt.TransportServer(src)
-    port = await server.start()
-    try:
+    async with _serving(src) as (_, port):
         res = await mt.fetch(dst, "127.0.0.1", port, list(payloads))
-    finally:
-        await server.close()
     (pool,) = mt._PREFAULT_POOL  # the helper threads did run
     pool.shutdown(wait=True)
     assert set(res.fetched) == set(payloads)
@@ -233,11 +221,9 @@ async def test_many_keys_and_chunked_artifacts_through_a_small_staging_buffer() 
         src.put(k, v)
     engine = mt._engine(None, "127.0.0.1")
     pinned_before = set(engine._pins)  # earlier tests' pins may still be in their grace period
-    server = mt.TransportServer(src, settings=SMALL_STAGING)
-    port = await server.start()
     keys = list(small) + list(large)
     dsts = [_store() for _ in range(3)]
-    try:
+    async with _serving(src, SMALL_STAGING) as (_, port):
         results = await asyncio.gather(
             *(mt.fetch(d, "127.0.0.1", port, [*keys[j::2], "nope"]) for j, d in enumerate(dsts))
         )
@@ -246,8 +232,6 @@ async def test_many_keys_and_chunked_artifacts_through_a_small_staging_buffer() 
         while set(engine._pins) - pinned_before and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert set(engine._pins) <= pinned_before  # in-place registrations all released
-    finally:
-        await server.close()
     for j, (d, res) in enumerate(zip(dsts, results, strict=True)):
         assert list(res.fetched) == keys[j::2] and res.missing == ("nope",)
         for k in keys[j::2]:
@@ -281,24 +265,22 @@ async def test_an_artifact_served_in_place_stays_registered_within_the_pin_cache
     src = _store()
     big = os.urandom(5 << 20)  # at least in_place_bytes (4 MiB): registered where it lies
     src.put("big", big)
-    server = mt.TransportServer(src)
-    port = await server.start()
-    engine = mt._engine(None, "127.0.0.1")
-    at = mt._address_of(src.read_for_transfer("big")[0])
-    calls: list[tuple[str, int]] = []
-    register, unregister = engine.register, engine.unregister
+    async with _serving(src) as (_, port):
+        engine = mt._engine(None, "127.0.0.1")
+        at = mt._address_of(src.read_for_transfer("big")[0])
+        calls: list[tuple[str, int]] = []
+        register, unregister = engine.register, engine.unregister
 
-    def counted_register(addr: int, size: int) -> None:
-        calls.append(("register", addr))
-        register(addr, size)
+        def counted_register(addr: int, size: int) -> None:
+            calls.append(("register", addr))
+            register(addr, size)
 
-    def counted_unregister(addr: int) -> None:
-        calls.append(("unregister", addr))
-        unregister(addr)
+        def counted_unregister(addr: int) -> None:
+            calls.append(("unregister", addr))
+            unregister(addr)
 
-    monkeypatch.setattr(engine, "register", counted_register)
-    monkeypatch.setattr(engine, "unregister", counted_unregister)
-    try:
+        monkeypatch.setattr(engine, "register", counted_register)
+        monkeypatch.setattr(engine, "unregister", counted_unregister)
         for _ in range(3):
             dst = _store()
             assert (await mt.fetch(dst, "127.0.0.1", port, ["big"])).fetched == ("big",)
@@ -313,8 +295,6 @@ async def test_an_artifact_served_in_place_stays_registered_within_the_pin_cache
         assert (await mt.fetch(dst, "127.0.0.1", port, ["big"])).fetched == ("big",)
         assert await _soon(lambda: calls.count(("unregister", at)) == 1)
         assert at not in engine._idle_pins and engine._idle_bytes == 0
-    finally:
-        await server.close()
 
 
 async def test_concurrent_fetches_through_the_smallest_staging_buffer_all_complete() -> None:
@@ -328,30 +308,22 @@ async def test_concurrent_fetches_through_the_smallest_staging_buffer_all_comple
     tiny = mt.MooncakeSettings(
         staging_bytes=2 * (32 << 10), region_bytes=32 << 10, in_place_bytes=512 << 10
     )
-    server = mt.TransportServer(src, settings=tiny)
-    port = await server.start()
-    keys = list(payloads)
-    dsts = [_store() for _ in range(6)]
-    try:
+    async with _serving(src, tiny) as (_, port):
+        keys = list(payloads)
+        dsts = [_store() for _ in range(6)]
         async with asyncio.timeout(30):
             results = await asyncio.gather(
                 *(mt.fetch(d, "127.0.0.1", port, keys[j:] + keys[:j]) for j, d in enumerate(dsts))
             )
-    finally:
-        await server.close()
     for d, res in zip(dsts, results, strict=True):
         assert sorted(res.fetched) == sorted(keys)
         assert all(d.get(k) == v for k, v in payloads.items())
 
 
 async def test_only_missing_keys() -> None:
-    server = mt.TransportServer(_store())
-    port = await server.start()
-    try:
+    async with _serving(_store()) as (_, port):
         res = await mt.fetch(_store(), "127.0.0.1", port, ["a", "b"])
         empty = await mt.fetch(_store(), "127.0.0.1", port, [])
-    finally:
-        await server.close()
     assert res.fetched == () and res.missing == ("a", "b") and res.bytes == 0
     assert empty == mt.FetchResult((), (), 0)
 
@@ -392,13 +364,9 @@ async def test_artifact_corrupted_at_the_owner_is_dropped_there_and_answered_mis
     flipped[size // 2] ^= 1  # bit flip in the owner's memory (not reachable via the API)
     src._mem["k"] = bytes(flipped)
     settings = mt.MooncakeSettings(region_bytes=4 << 20, staging_bytes=16 << 20)
-    server = mt.TransportServer(src, settings=settings)
-    port = await server.start()
-    dst = _store()
-    try:
+    async with _serving(src, settings) as (_, port):
+        dst = _store()
         res = await mt.fetch(dst, "127.0.0.1", port, ["ok", "k"])
-    finally:
-        await server.close()
     assert (res.fetched, res.missing) == (("ok",), ("k",))
     assert not dst.has("k") and dst.get("ok") == b"o" * 100
     assert not src.has("k") and src.stats().corrupted == 1
@@ -517,23 +485,10 @@ async def test_owner_killed_mid_transfer() -> None:
     n, size = 48, 8 << 20
     proc, port = await asyncio.to_thread(_spawn_source, n, size)
     dst = _store()
-    try:
-        task = asyncio.create_task(mt.fetch(dst, "127.0.0.1", port, [f"k{i}" for i in range(n)]))
-        deadline = time.monotonic() + 30
-        while not dst.keys() and time.monotonic() < deadline and not task.done():
-            await asyncio.sleep(0.001)
-        proc.kill()  # the owner's sidecar dies while artifacts are in flight
-        with pytest.raises(TransferError, match=r"mid-transfer|failed"):
-            await task
-    finally:
-        proc.kill()
-        proc.wait()
-    got = dst.keys()
-    assert 0 < len(got) < n
-    for k in got:  # only whole artifacts, each verified on load
-        data = dst.get(k)
-        assert len(data) == size and data[:4] == int(k[1:]).to_bytes(4, "big")
-    assert dst.stats().corrupted == 0
+    keys = [f"k{i}" for i in range(n)]
+    await fetch_as_the_owner_is_killed(proc, dst, mt.fetch(dst, "127.0.0.1", port, keys), 30)
+    for k in assert_only_whole_artifacts(dst, n, size):  # each its own, too
+        assert dst.get(k)[:4] == int(k[1:]).to_bytes(4, "big")
 
 
 @pytest.mark.timeout(60)
@@ -692,9 +647,7 @@ async def test_a_source_frozen_during_a_read_on_the_loop_stalls_it_briefly(
 async def test_bad_requests_get_an_error_frame_and_the_server_keeps_serving() -> None:
     src = _store()
     src.put("k", b"z" * 10)
-    server = mt.TransportServer(src)
-    port = await server.start()
-    try:
+    async with _serving(src) as (_, port):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(mt._frame({"keys": "not a list"}))
         await writer.drain()
@@ -707,8 +660,6 @@ async def test_bad_requests_get_an_error_frame_and_the_server_keeps_serving() ->
         assert await reader.read() == b""  # closed on a bad frame
         writer.close()
         res = await mt.fetch(_store(), "127.0.0.1", port, ["k"])
-    finally:
-        await server.close()
     assert res.fetched == ("k",)
 
 
@@ -766,9 +717,7 @@ async def test_a_read_awaited_past_its_polling_budget_completes_through_the_engi
     src, dst = _arena_store(), _arena_store()
     payload = os.urandom(4 * mt.INLINE_PIECE + 123)
     src.put("k", payload)
-    server = mt.TransportServer(src)
-    port = await server.start()
-    try:
+    async with _serving(src) as (_, port):
         await mt.fetch(dst, "127.0.0.1", port, ["k"])  # starts the engine and the watch
         dst.delete("k")
         cat = await _watched(port, ["k"])
@@ -789,8 +738,6 @@ async def test_a_read_awaited_past_its_polling_budget_completes_through_the_engi
             assert waits == [0, 0]
             assert bytes(dst.slot_view(slot, size)) == payload
         dst.release(slot)
-    finally:
-        await server.close()
 
 
 def test_engine_submission_ids_that_mean_failure_are_recognised() -> None:

@@ -88,6 +88,23 @@ def fetch_body(src: Sidecar, chunks: list[int]) -> dict[str, Any]:
     }
 
 
+async def fetched(
+    http: httpx.AsyncClient, dst: Sidecar, src: Sidecar, chunks: list[int]
+) -> dict[str, Any]:
+    """`dst` fetches `chunks` from `src`: its 200 answer (blocks, artifacts and bytes moved)."""
+    r = await http.post(f"{dst.url}/ownerserve/kv/fetch", json=fetch_body(src, chunks))
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+async def assert_serves(http: httpx.AsyncClient, sc: Sidecar, chunks: list[int]) -> None:
+    """`sc` serves every head of `chunks`, each with its own payload."""
+    for chunk in chunks:
+        for key in keys_of(chunk):
+            got = await http.get(f"{sc.url}/ownerserve/kv/artifacts/{key}")
+            assert got.content == payload(key)
+
+
 def assert_openai_error(r: httpx.Response, status: int) -> dict[str, Any]:
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -180,13 +197,8 @@ async def test_fetch_pulls_every_head_of_the_stored_prefix(tmp_path: Path, trans
         assert (await http.get(f"{b.url}/health")).json()["transport"] == transport
         chunks = [0x11, 0x22, 0x33, 0x44, 0x55]
         await put_chunks(http, a, [0x11, 0x22, 0x33, 0x55])  # 0x44 missing: prefix of 3
-        r = await http.post(f"{b.url}/ownerserve/kv/fetch", json=fetch_body(a, chunks))
-        assert r.status_code == 200, r.text
-        assert r.json() == {"blocks": 3, "artifacts": 6, "bytes": 6 * 3000}
-        for chunk in chunks[:3]:
-            for key in keys_of(chunk):
-                got = await http.get(f"{b.url}/ownerserve/kv/artifacts/{key}")
-                assert got.content == payload(key)
+        assert await fetched(http, b, a, chunks) == {"blocks": 3, "artifacts": 6, "bytes": 6 * 3000}
+        await assert_serves(http, b, chunks[:3])
         r = await http.post(
             f"{b.url}/ownerserve/kv/lookup", json={"keys": keys_of(0x44) + keys_of(0x55)}
         )

@@ -14,7 +14,9 @@ from tests.workers.sidecar.test_server import (
     MODEL,
     artifact_file,
     assert_openai_error,
+    assert_serves,
     fetch_body,
+    fetched,
     flip_a_byte,
     keys_of,
     payload,
@@ -91,14 +93,10 @@ async def test_a_source_drops_a_corrupted_artifact_and_the_fetch_keeps_the_good_
         flip_a_byte(await artifact_file(a, bad))
 
         # the index still lists the block; the transfer finds the corrupted artifact
-        r = await http.post(f"{b.url}/ownerserve/kv/fetch", json=fetch_body(a, chunks))
-        assert r.status_code == 200, r.text
+        answer = await fetched(http, b, a, chunks)
         # the whole block after the refused one came too, and stays (it counts as moved)
-        assert r.json() == {"blocks": 2, "artifacts": 6, "bytes": 6 * 3000}
-        for chunk in chunks[:2]:
-            for key in keys_of(chunk):
-                got = await http.get(f"{b.url}/ownerserve/kv/artifacts/{key}")
-                assert got.content == payload(key)
+        assert answer == {"blocks": 2, "artifacts": 6, "bytes": 6 * 3000}
+        await assert_serves(http, b, chunks[:2])
         # nothing of the refused block stays at the destination
         present = await http.post(f"{b.url}/ownerserve/kv/lookup", json={"keys": keys_of(0x33)})
         assert present.json() == {"present": [False, False]}

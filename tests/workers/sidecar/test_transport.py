@@ -8,12 +8,35 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 import pytest
 
 from workers.sidecar import transport
 from workers.sidecar.store import ArtifactStore, checksum
 from workers.sidecar.transport import TransferError, TransportServer, fetch
+from workers.sidecar.transports import TCP, Transport
+
+
+async def assert_fetches_every_payload(
+    transport: Transport, src: ArtifactStore, dst: ArtifactStore, payloads: dict[str, bytes]
+) -> None:
+    """`payloads` stored in `src`, served over `transport` and fetched into `dst` with a key
+    `src` lacks: each one arrives whole, and the lacking key is reported missing."""
+    for k, v in payloads.items():
+        src.put(k, v)
+    server = transport.server_factory(src)
+    port = await server.start()
+    try:
+        res = await transport.fetch(dst, "127.0.0.1", port, [*payloads, "absent"])
+    finally:
+        await server.close()
+    assert set(res.fetched) == set(payloads) and res.missing == ("absent",)
+    assert res.bytes == sum(len(v) for v in payloads.values())
+    for k, v in payloads.items():
+        assert dst.get(k) == v
+    assert dst.stats().corrupted == 0
 
 
 async def test_fetch_between_two_stores() -> None:
@@ -21,18 +44,7 @@ async def test_fetch_between_two_stores() -> None:
     dst = ArtifactStore(memory_capacity_bytes=1 << 24, pin_memory=False)
     payloads = {f"m@head:{i}": os.urandom(1000 * (i + 1)) for i in range(3)}
     payloads["big"] = os.urandom(3 << 20)
-    for k, v in payloads.items():
-        src.put(k, v)
-    server = TransportServer(src)
-    port = await server.start()
-    try:
-        res = await fetch(dst, "127.0.0.1", port, [*payloads, "absent"])
-    finally:
-        await server.close()
-    assert set(res.fetched) == set(payloads) and res.missing == ("absent",)
-    assert res.bytes == sum(len(v) for v in payloads.values())
-    for k, v in payloads.items():
-        assert dst.get(k) == v
+    await assert_fetches_every_payload(TCP, src, dst, payloads)
 
 
 async def test_unreachable_peer_is_a_typed_error() -> None:
@@ -59,20 +71,18 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.timeout(120)
-async def test_owner_killed_mid_transfer() -> None:
-    n, size = 24, 8 << 20
-    proc = subprocess.Popen(
-        [sys.executable, "-c", f"N={n}\nSIZE={size}\n" + SERVE],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+async def fetch_as_the_owner_is_killed(
+    proc: subprocess.Popen[str],
+    dst: ArtifactStore,
+    fetching: Coroutine[Any, Any, object],
+    wait_s: float,
+) -> None:
+    """Run `fetching` (into `dst`) and SIGKILL the owner's sidecar process `proc` once the first
+    artifact has landed (or after `wait_s`): the fetch fails with a `TransferError`. `proc` is
+    reaped either way."""
     try:
-        assert proc.stdout is not None
-        port = int(await asyncio.to_thread(proc.stdout.readline))
-        dst = ArtifactStore(memory_capacity_bytes=1 << 30, pin_memory=False)
-        task = asyncio.create_task(fetch(dst, "127.0.0.1", port, [f"k{i}" for i in range(n)]))
-        deadline = time.monotonic() + 60
+        task = asyncio.create_task(fetching)
+        deadline = time.monotonic() + wait_s
         while not dst.keys() and time.monotonic() < deadline and not task.done():
             await asyncio.sleep(0.001)
         proc.kill()  # the owner's sidecar dies while artifacts are in flight
@@ -81,11 +91,33 @@ async def test_owner_killed_mid_transfer() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def assert_only_whole_artifacts(dst: ArtifactStore, n: int, size: int) -> list[str]:
+    """Some but not all of the `n` artifacts of `size` bytes landed in `dst`, each whole (each
+    verified on load); returns their keys."""
     got = dst.keys()
     assert 0 < len(got) < n
-    for k in got:  # only whole artifacts, each verified on load
+    for k in got:
         assert len(dst.get(k)) == size
     assert dst.stats().corrupted == 0
+    return got
+
+
+@pytest.mark.timeout(120)
+async def test_owner_killed_mid_transfer() -> None:
+    n, size = 24, 8 << 20
+    proc = subprocess.Popen(
+        [sys.executable, "-c", f"N={n}\nSIZE={size}\n" + SERVE],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    port = int(await asyncio.to_thread(proc.stdout.readline))
+    dst = ArtifactStore(memory_capacity_bytes=1 << 30, pin_memory=False)
+    keys = [f"k{i}" for i in range(n)]
+    await fetch_as_the_owner_is_killed(proc, dst, fetch(dst, "127.0.0.1", port, keys), 60)
+    assert_only_whole_artifacts(dst, n, size)
 
 
 async def test_payload_failing_its_checksum_is_not_stored() -> None:

@@ -57,6 +57,14 @@ def vllm_layers(k: torch.Tensor, v: torch.Tensor, layout: str) -> list[torch.Ten
     return [torch.stack((k[layer], v[layer]), dim=axis).contiguous() for layer in range(LAYERS)]
 
 
+def cuda_flashattn_kv() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], CudaPagedKV]:
+    """`random_kv` on CUDA, vLLM's flash-attention caches holding it, and `make_kv` of them:
+    (k, v, layers, kv)."""
+    k, v = random_kv("cuda")
+    layers = vllm_layers(k, v, "flashattn")
+    return k, v, layers, make_kv(layers)
+
+
 def nan_layers(device: str, heads: int, layout: str) -> list[torch.Tensor]:
     shape = (2, BLOCKS, BS, heads, DIM) if layout == "flashattn" else (BLOCKS, 2, BS, heads, DIM)
     return [
@@ -343,9 +351,7 @@ def _count_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_a_save_and_a_load_are_one_kernel_launch_each_over_all_layers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    k, v = random_kv("cuda")
-    layers = vllm_layers(k, v, "flashattn")
-    kv = make_kv(layers)
+    k, v, layers, kv = cuda_flashattn_kv()
     calls = _count_launches(monkeypatch)
     staged = kv.gather(SRC_IDS)
     assert len(calls) == 1
@@ -360,9 +366,7 @@ def test_a_save_and_a_load_are_one_kernel_launch_each_over_all_layers(
 @pytest.mark.gpu
 @needs_cuda
 def test_a_save_sees_the_steps_writes_and_the_engine_may_reuse_the_blocks_at_once() -> None:
-    k, v = random_kv("cuda")
-    layers = vllm_layers(k, v, "flashattn")
-    kv = make_kv(layers)
+    _, _, layers, kv = cuda_flashattn_kv()
     fresh = torch.randn(LAYERS, 2, len(SRC_IDS), BS, HEADS, DIM, device="cuda").bfloat16()
     # The engine's stream is still busy when it writes the step's KV and calls the save...
     torch.cuda._sleep(200_000_000)
@@ -381,9 +385,7 @@ def test_a_save_sees_the_steps_writes_and_the_engine_may_reuse_the_blocks_at_onc
 @pytest.mark.gpu
 @needs_cuda
 def test_pinned_staging_is_bounded_and_released_with_the_last_payload_view() -> None:
-    k, v = random_kv("cuda")
-    layers = vllm_layers(k, v, "flashattn")
-    kv = make_kv(layers)
+    _, _, layers, kv = cuda_flashattn_kv()
     nbytes = len(SRC_IDS) * HEADS * kv.payload_nbytes
     staged = kv.gather(SRC_IDS)
     view = payload_of(staged, 0, 0)
