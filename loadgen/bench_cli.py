@@ -259,7 +259,9 @@ def _add_capacity_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPar
         type=float,
         default=None,
         help="seconds each point may run after its last session's planned start; sessions "
-        "still running then are cut and count as not completed (default 30, --quick 20)",
+        "still running then are cut and count as not completed (default 60: a subagent starts "
+        "when its parent sends the turn that spawns it, which a loaded cluster may reach well "
+        "after the planned time; --quick 20)",
     )
     p.add_argument("--max-inflight", type=int, default=64, help="client's concurrent requests")
     _add_planner_argument(p)
@@ -423,7 +425,7 @@ def run_capacity_command(args: argparse.Namespace) -> int:
         sessions=sessions,
         time_scale=args.time_scale,
         slo_ttft_p90_s=args.slo_ttft_p90_s,
-        duration_s=args.duration_s or (20.0 if args.quick else 30.0),
+        duration_s=args.duration_s or (20.0 if args.quick else 60.0),
         out_dir=args.out_dir,
         log_dir=args.log_dir or Path(tempfile.mkdtemp(prefix="ownerserve-capacity-")),
         max_inflight=args.max_inflight,
