@@ -107,6 +107,16 @@ class Client:
         self.router.admission.unsent(self.charged, PROMPT)
 
 
+def _two_programs_and_one_back(router: Router) -> None:
+    """w0's working set full of two programs in flight (960 of its 1000 tokens), and a session
+    "back" that was served before and whose KV was released."""
+    _scrape(router, 0.1)
+    now = time.monotonic()
+    router.working_sets.started("old", "w0", 500, now)
+    router.working_sets.started("old2", "w0", 460, now)
+    router.sessions.touch("back", 0).attained_tokens = 500
+
+
 def _waiter(session: str, seq: int, queued_at: float, started: bool = True) -> Waiter:
     return Waiter(MODEL, session, 10, queued_at, seq, asyncio.Future(), False, started)
 
@@ -255,12 +265,8 @@ async def test_a_started_session_queued_past_the_wait_bound_waits_for_kv_headroo
     profile: str,
 ) -> None:
     router = Router(_settings(profile, max_queue_wait_s=0.05))
-    admission, programs = router.admission, router.working_sets
-    _scrape(router, 0.1)
-    now = time.monotonic()
-    programs.started("old", "w0", 500, now)  # programs in flight fill the working set
-    programs.started("old2", "w0", 460, now)
-    router.sessions.touch("back", 0).attained_tokens = 500  # served before, its KV released
+    admission = router.admission
+    _two_programs_and_one_back(router)
     assert not admission.admit_now(MODEL, "back") and not admission.admit_now(MODEL, "new")
     order: list[str] = []
     back = Client(router, "back", order)
@@ -625,11 +631,7 @@ async def test_a_started_session_ages_into_a_full_worker_below_the_knee_a_new_on
     (starting it there would evict the KV of the sessions under way)."""
     router = Router(_settings(profile, aging_s=0.05))
     admission, programs = router.admission, router.working_sets
-    _scrape(router, 0.1)
-    now = time.monotonic()
-    programs.started("old", "w0", 500, now)  # two programs fill the working set
-    programs.started("old2", "w0", 460, now)
-    router.sessions.touch("back", 0).attained_tokens = 500  # served before, its KV released
+    _two_programs_and_one_back(router)
     assert not admission.admit_now(MODEL, "new") and not admission.admit_now(MODEL, "back")
     order: list[str] = []
     new = Client(router, "new", order)
