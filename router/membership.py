@@ -8,7 +8,10 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ownerserve.config import WorkerSettings
+from ownerserve.directory.base import EventApplyResult
 from ownerserve.errors import DirectoryUnavailableError
+from ownerserve.events import EventBatch
+from router.backends.kv_events import KVEventSink
 from router.pool import WorkerState
 
 if TYPE_CHECKING:
@@ -39,7 +42,7 @@ async def _subscribe_kv_events(router: Router, state: WorkerState) -> None:
     """Feed the worker's KV events (`kv_events_endpoint`) into the directory, through the
     subscriber its backend makes."""
     assert router.directory is not None
-    sub = state.backend.kv_event_subscriber(state.settings, router.directory)
+    sub = state.backend.kv_event_subscriber(state.settings, LiveWorkerSink(router.directory, state))
     if sub is None:
         return
     try:
@@ -47,6 +50,26 @@ async def _subscribe_kv_events(router: Router, state: WorkerState) -> None:
         router.subscribers.append(sub)
     except Exception:
         log.warning("worker %s: cannot subscribe to KV events at %s", state.worker_id, sub.endpoint)
+
+
+class LiveWorkerSink:
+    """The directory as a worker's KV event subscriber sees it: batches of a worker the pool
+    holds dead are ignored. When the worker dies the directory forgets what it held, and
+    batches still queued in the subscription (published just before the death) must not
+    bring those blocks back; once the worker answers again its new events count."""
+
+    def __init__(self, sink: KVEventSink, state: WorkerState) -> None:
+        self._sink = sink
+        self._state = state
+
+    async def apply_events(self, worker: str, batch: EventBatch) -> EventApplyResult:
+        if not self._state.healthy:
+            log.debug("worker %s is dead: ignoring its KV event batch %d", worker, batch.seq)
+            return EventApplyResult()
+        return await self._sink.apply_events(worker, batch)
+
+    async def drop_worker(self, worker: str) -> int:
+        return await self._sink.drop_worker(worker)
 
 
 async def add_worker(router: Router, worker: WorkerSettings) -> None:

@@ -10,6 +10,9 @@ import pytest
 from ownerserve.config import settings_from_dict
 from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.errors import DirectoryUnavailableError
+from ownerserve.events import BlockStored, EventBatch
+from ownerserve.hashing import chain_root, hash_block
+from ownerserve.types import Tier
 from router import membership
 from router.state import Router
 
@@ -69,3 +72,27 @@ async def test_a_subscription_that_fails_to_close_is_logged_and_counted(caplog):
     assert router.subscribers == []
     assert _count(router.metrics.subscriber_close_errors) == 1
     assert any(isinstance(r.exc_info[1], OSError) for r in caplog.records if r.exc_info)
+
+
+async def test_kv_events_of_a_dead_worker_do_not_bring_back_what_its_death_dropped():
+    # the race CI hit: the worker dies, the directory forgets it, and a batch it published just
+    # before dying is still queued in the subscription
+    directory = InMemoryDirectory()
+    router = _router(directory)
+    root = chain_root("tiny")
+    await directory.register_worker("w0", root, 4)
+    state = router.pool.get("w0")
+    assert state is not None
+    sink = membership.LiveWorkerSink(directory, state)
+    block = hash_block(root, [1, 2, 3, 4])
+
+    def stored(seq: int) -> EventBatch:
+        return EventBatch(seq, float(seq), (BlockStored((seq,), None, (1, 2, 3, 4), 4),))
+
+    await router.pool.mark_dead(state)
+    assert (await sink.apply_events("w0", stored(0))).stored == 0
+    assert (await directory.lookup((block,))).longest("w0", Tier.GPU) == 0
+
+    state.healthy = True  # it answers again: what it publishes now counts
+    assert (await sink.apply_events("w0", stored(1))).stored == 1
+    assert (await directory.lookup((block,))).longest("w0", Tier.GPU) == 1
