@@ -152,6 +152,8 @@ class _Runner:
         headers = dict(self.opts.headers)
         if self.opts.session_header:
             headers["x-session-id"] = session.session_id
+            if session.spawned_at is not None:  # a subagent names its spawner, as OpenCode's do
+                headers["x-parent-session-id"] = session.spawned_at[0]
         if self.opts.api_key:
             headers["authorization"] = f"Bearer {self.opts.api_key}"
         return headers

@@ -345,16 +345,23 @@ class Admission:
         return True
 
     async def wait(
-        self, model: str, session_id: str | None, tokens: int, out: ResponseWriter
+        self,
+        model: str,
+        session_id: str | None,
+        tokens: int,
+        out: ResponseWriter,
+        parent: str | None = None,
     ) -> float:
         """Queue the request until `pump` releases it; the seconds it waited. A new session's
         request gets `RateLimitError` when `max_queued` new ones wait already or its wait
         outlasts `max_queue_wait_s`; a started session's is never refused (past that wait it
-        needs only KV headroom). A cancel (the client went away, the request timed out) takes
-        it out of the queue."""
+        needs only KV headroom). A session spawned by a session the router knows (`parent`:
+        a subagent) is part of that program under way: started, with its own attained
+        service (none yet, so it goes first). A cancel (the client went away, the request
+        timed out) takes it out of the queue."""
         s = self.settings
         m = self._metrics
-        started = self._sessions.attained(session_id) > 0
+        started = self._sessions.started(session_id, parent)
         if not started and self._new_waiting >= s.max_queued:
             m.of(m.admission_rejected, "queue_full").inc()
             raise RateLimitError(

@@ -524,9 +524,10 @@ async def route(ctx: RequestContext) -> None:
         # admission before the lookup: a request released after a wait is planned on what the
         # directory and the loads say then, not on what they said when it arrived
         admission = router.admission
-        if not admission.admit_now(ctx.req.model, ctx.session.session_id):
+        session = ctx.session
+        if not admission.admit_now(ctx.req.model, session.session_id):
             ctx.queued_s = await admission.wait(
-                ctx.req.model, ctx.session.session_id, ctx.tok.prompt_tokens, ctx.out
+                ctx.req.model, session.session_id, ctx.tok.prompt_tokens, ctx.out, session.parent
             )
         with tel.start_span("ownerserve.directory.lookup", blocks=len(ctx.tok.chain)):
             await look_up(ctx)

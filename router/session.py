@@ -12,6 +12,17 @@ Explicit keys win, in this order (sources for each agent framework's header):
   BYK/loreai PR #687; raine/claude-code-proxy PR #138).
 - the OpenAI `user` field, then `prompt_cache_key`.
 
+A subagent is a session of its own inside its parent's program (`SessionKey.parent`), so its
+turns are tracked apart from its parent's while admission counts it as part of a program
+under way:
+- Claude Code >= 2.1.258 reuses the parent's `x-claude-code-session-id` on a subagent's
+  requests and adds `x-claude-code-agent-id` (and `x-claude-code-parent-agent-id` when the
+  parent is itself a subagent; BYK/loreai PR #1701, preloop/preloop PR #701): the subagent's
+  session is `<session id>/<agent id>`, its parent `<session id>/<parent agent id>` or the
+  main agent's `<session id>`.
+- OpenCode gives a subagent its own `x-session-id` and names the spawning session in
+  `x-parent-session-id` (anomalyco/opencode PR #12932, BYK/loreai PR #1309); so may any client.
+
 Otherwise the session is derived from the conversation itself: a hash of its stable prefix
 (the system prompt and the first user turn; for raw completions, the first blocks of the
 prompt's hash chain), so an unkeyed multi-turn session still sticks to its owner.
@@ -45,6 +56,11 @@ SESSION_HEADERS: tuple[str, ...] = (
 )
 """Lower-case header names carrying a client's session id, highest priority first."""
 
+CLAUDE_SESSION_HEADER = "x-claude-code-session-id"
+CLAUDE_AGENT_HEADER = "x-claude-code-agent-id"
+CLAUDE_PARENT_AGENT_HEADER = "x-claude-code-parent-agent-id"
+PARENT_SESSION_HEADER = "x-parent-session-id"
+
 MAX_SESSION_ID_LEN = 256
 DERIVED_PREFIX_BLOCKS = 64
 """A derived completion session hashes at most this many leading blocks of the prompt."""
@@ -66,6 +82,9 @@ class SessionKey:
 
     session_id: str | None
     source: SessionSource
+    parent: str | None = None
+    """The session whose program this one belongs to (the agent that spawned it), when the
+    client says so; None for a main agent."""
 
     @property
     def explicit(self) -> bool:
@@ -157,11 +176,19 @@ def identify_session(
     chain: Sequence[int] = (),
     derived: DerivedSessionCache | None = None,
 ) -> SessionKey:
-    """The request's session: explicit key if the client offers one, else derived."""
+    """The request's session: explicit key if the client offers one, else derived; a
+    subagent's is its own, with its parent's (`SessionKey.parent`)."""
     for name in SESSION_HEADERS:
         sid = _clean(headers.get(name))
         if sid is not None:
-            return SessionKey(sid, SessionSource.HEADER)
+            if name == CLAUDE_SESSION_HEADER:
+                agent = _clean(headers.get(CLAUDE_AGENT_HEADER))
+                if agent is not None:
+                    parent_agent = _clean(headers.get(CLAUDE_PARENT_AGENT_HEADER))
+                    spawner = sid if parent_agent is None else f"{sid}/{parent_agent}"
+                    return SessionKey(f"{sid}/{agent}", SessionSource.HEADER, spawner)
+            parent = _clean(headers.get(PARENT_SESSION_HEADER))
+            return SessionKey(sid, SessionSource.HEADER, parent if parent != sid else None)
     sid = _clean(body.get("user"))
     if sid is not None:
         return SessionKey(sid, SessionSource.USER)
@@ -224,6 +251,13 @@ class SessionTable:
         """The session's attained service in tokens (0 for none, or one forgotten)."""
         info = self._infos.get(session_id) if session_id else None
         return 0 if info is None else info.attained_tokens
+
+    def started(self, session_id: str | None, parent: str | None = None) -> bool:
+        """Whether the session is part of a program under way: it had service itself, or
+        the session that spawned it (`parent`, `SessionKey.parent`) is known here."""
+        if self.attained(session_id) > 0:
+            return True
+        return parent is not None and parent in self._infos
 
     def touch(self, session_id: str, prompt_tokens: int) -> SessionInfo:
         """The session was seen now with a prompt of `prompt_tokens`."""

@@ -34,10 +34,12 @@ class ProgramGate(Protocol):
         """Programs (sessions) the gate paused so far."""
         ...
 
-    def arrive(self, session: Hashable, tokens: int, attained: int, now: float) -> bool:
+    def arrive(
+        self, session: Hashable, tokens: int, attained: int, now: float, in_program: bool = False
+    ) -> bool:
         """A request of `session` (prompt `tokens`; the session's attained service so far)
         arrived: True = send it now; False = it waits (`next_release`) or was refused
-        (`rejected`)."""
+        (`rejected`). `in_program`: the session was spawned by one under way (a subagent)."""
         ...
 
     def started(self, session: Hashable, worker: str, tokens: int, now: float) -> None:
@@ -89,7 +91,9 @@ class RouterAdmission:
     attained service — then new sessions, first come first served; below the knee (the
     programs under `pause_watermark` of the cluster) a started session's request waiting
     `aging_s` needs only KV headroom; a new session's does not age. Only new sessions are
-    refused (429): past `max_queued` new ones waiting, or after `max_queue_wait_s`."""
+    refused (429): past `max_queued` new ones waiting, or after `max_queue_wait_s`. A session
+    spawned by one under way (`in_program`: a subagent) is a started one, with its own
+    attained service (none yet)."""
 
     tick_s = 0.0
 
@@ -138,9 +142,11 @@ class RouterAdmission:
     def programs_paused(self) -> int:
         return self.paused_total
 
-    def arrive(self, session: Hashable, tokens: int, attained: int, now: float) -> bool:
+    def arrive(
+        self, session: Hashable, tokens: int, attained: int, now: float, in_program: bool = False
+    ) -> bool:
         self._expire(now)
-        started = attained > 0
+        started = attained > 0 or in_program
         home = self._home(session, now) if self._home is not None and started else None
         if home is not None and self._over(home, now) and self._cluster_full(now):
             # its worker's programs are over the watermark: pause it at this tool boundary
@@ -322,7 +328,10 @@ class ThunderAgentGate:
     def programs_paused(self) -> int:
         return self.scheduler.paused_total
 
-    def arrive(self, session: Hashable, tokens: int, attained: int, now: float) -> bool:
+    def arrive(
+        self, session: Hashable, tokens: int, attained: int, now: float, in_program: bool = False
+    ) -> bool:
+        # ThunderAgent schedules each program by its own id: a subagent is a program of its own
         if self.scheduler.arrive(session, tokens, now):
             return True
         self._since[session] = now

@@ -760,8 +760,15 @@ class Simulator:
             si, ti = a, b
             if si in self._children:
                 self._spawn(si, ti, now)
+            spawner = sessions[si].spawned_at
             if gate is not None and not gate.arrive(
-                si, sessions[si].turns[ti].input_tokens, self._attained[si], now
+                si,
+                sessions[si].turns[ti].input_tokens,
+                self._attained[si],
+                now,
+                # a subagent of a session already under way is part of its program, as the
+                # router learns from `x-parent-session-id` (router/session.py)
+                in_program=spawner is not None and spawner[0] in self.session_owner,
             ):
                 self._waiting[si] = (ti, now)
                 self._release(now)  # refused ones end here

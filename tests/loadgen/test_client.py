@@ -61,8 +61,12 @@ async def test_a_subagent_starts_when_its_parent_sends_the_step_that_spawns_it()
     orphan = replace(_session("q-sub0", 0.0, ["task"]), spawned_at=("q", 5))
     short = _session("q", 0.0, ["only"])  # ends before its step 5: its subagent starts then
     w = Workload("t", 0, (parent, sub, short, orphan))
-    async with serve_stub(create_stub_app()) as url:
+    app = create_stub_app()
+    async with serve_stub(app) as url:
         res = await run_workload(w, RunOptions(target=url, progress=False))
+    # a subagent names its spawner (`x-parent-session-id`, as OpenCode's do); others do not
+    parents = {h["x-session-id"]: h.get("x-parent-session-id") for h in app.state.headers}
+    assert parents == {"p": None, "p-sub0": "p", "q": None, "q-sub0": "q"}
     sent = {(r.session_id, r.step): r.sent_s for r in res.requests}
     assert sent[("p-sub0", 0)] >= sent[("p", 1)] - 0.005 and sent[("p-sub0", 0)] >= 0.19
     assert sent[("q-sub0", 0)] >= sent[("q", 0)]

@@ -90,15 +90,18 @@ class Client:
     """One queued request: waits, then is sent to w0 as the pipeline would (so its prompt
     counts in w0's working set until `finish`)."""
 
-    def __init__(self, router: Router, session: str | None, order: list[str]) -> None:
+    def __init__(
+        self, router: Router, session: str | None, order: list[str], parent: str | None = None
+    ) -> None:
         self.router = router
         self.session = session
+        self.parent = parent
         self.out = ResponseWriter()
         self.task = asyncio.create_task(self._run(order))
 
     async def _run(self, order: list[str]) -> None:
         admission = self.router.admission
-        await admission.wait(MODEL, self.session, PROMPT, self.out)
+        await admission.wait(MODEL, self.session, PROMPT, self.out, self.parent)
         order.append(str(self.session))
         self.charged = admission.sent("w0", PROMPT)
 
@@ -670,3 +673,28 @@ async def test_a_worker_that_one_session_fills_stays_open_to_new_sessions(
     assert not admission.admit_now(MODEL, "new")
     ws.reserved_sessions -= 1
     assert not admission.closed_to_programs(worker, now)  # one again: open
+
+
+async def test_a_subagent_of_a_program_under_way_is_queued_as_started_not_as_a_new_session(
+    profile: str,
+) -> None:
+    """A session spawned by one the router knows (its `parent`) is part of that program: it
+    goes before the started sessions already served (no service of its own yet) and is not
+    refused at the wait bound; a spawner the router never saw makes it a new session."""
+    router = Router(_settings(profile, aging_s=10.0, max_queue_wait_s=0.05))
+    admission = router.admission
+    _two_programs_and_one_back(router)
+    order: list[str] = []
+    back = Client(router, "back", order)
+    orphan = Client(router, "orphan", order, parent="never-seen")
+    sub = Client(router, "sub", order, parent="back")
+    await _settle()
+    assert order == []
+    await asyncio.sleep(0.08)  # past the wait bound: started sessions need KV headroom only
+    admission.pump()
+    await _settle()
+    assert order == ["sub", "back"]
+    with pytest.raises(RateLimitError):  # a new session is refused at the bound
+        await orphan.task
+    sub.task.cancel()
+    back.task.cancel()

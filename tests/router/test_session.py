@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.session import SessionSource, identify_session
+from router.session import SessionSource, SessionTable, identify_session
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
 FIRST = {"role": "user", "content": "Fix the failing test."}
@@ -62,3 +62,30 @@ def test_derived_session_cache_gives_the_same_ids():
     for messages in ([SYSTEM, FIRST], [FIRST], [{"role": "user", "content": [{"type": "text"}]}]):
         assert cache.session_id("m", messages) == identify_session({}, {}, "m", messages).session_id
         assert cache.session_id("m", messages) == identify_session({}, {}, "m", messages).session_id
+
+
+def test_a_claude_code_subagent_is_its_own_session_in_its_parents_program():
+    main = identify_session({"x-claude-code-session-id": "s"}, {}, "m", [FIRST])
+    assert (main.session_id, main.parent) == ("s", None)
+    sub = {"x-claude-code-session-id": "s", "x-claude-code-agent-id": "a1"}
+    key = identify_session(sub, {}, "m", [FIRST])
+    assert (key.session_id, key.parent, key.source) == ("s/a1", "s", SessionSource.HEADER)
+    nested = {**sub, "x-claude-code-agent-id": "a2", "x-claude-code-parent-agent-id": "a1"}
+    assert identify_session(nested, {}, "m", [FIRST]).parent == "s/a1"
+
+
+def test_a_parent_session_header_names_the_spawning_session():
+    key = identify_session({"x-session-id": "c", "x-parent-session-id": "p"}, {}, "m", [FIRST])
+    assert (key.session_id, key.parent) == ("c", "p")
+    same = identify_session({"x-session-id": "c", "x-parent-session-id": "c"}, {}, "m", [FIRST])
+    assert same.parent is None  # a session is not its own parent
+    assert identify_session({"x-session-id": "c"}, {}, "m", [FIRST]).parent is None
+
+
+def test_a_session_is_started_by_its_own_service_or_by_a_known_parent():
+    table = SessionTable()
+    assert not table.started("sub", "main")
+    table.touch("main", 100)
+    assert table.started("sub", "main") and not table.started("sub", None)
+    table.touch("solo", 10).attained_tokens = 20
+    assert table.started("solo")

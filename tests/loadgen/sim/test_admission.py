@@ -193,3 +193,18 @@ def test_a_worker_that_one_session_fills_stays_open_to_programs() -> None:
     count["a"] = 2  # two sessions fill it: closed
     assert not adm.arrive("new2", 10, 0, 1.0)
     assert adm.closed_to_programs("a", 1.0)
+
+
+def test_a_subagent_of_a_program_under_way_waits_as_a_started_session() -> None:
+    p = _Programs()
+    adm = RouterAdmission(
+        ["a"], lambda w: 0.0, AdmissionConfig(pause_watermark=1.5), programs=p.programs
+    )
+    p.share["a"] = 1.0  # full of programs, the cluster under the pause watermark
+    assert not adm.arrive("back", 10, 500, 0.0)
+    assert not adm.arrive("sub", 10, 0, 1.0, in_program=True)
+    assert not adm.arrive("new", 10, 0, 1.0)
+    assert adm.next_release(10.5) == "back"  # aged first, oldest first
+    assert adm.next_release(11.0) == "sub"  # a program's part ages in like a started session
+    assert adm.next_release(50.0) is None
+    assert adm.rejected(61.5) == ["new"]  # only the new session is refused
