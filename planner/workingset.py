@@ -43,11 +43,22 @@ class RetentionConfig:
 
 
 class _Session:
-    __slots__ = ("ended_at", "gap_s", "inflight", "keep_until", "seen", "tokens", "tool", "worker")
+    __slots__ = (
+        "ended_at",
+        "gap_s",
+        "inflight",
+        "keep_until",
+        "seen",
+        "shared",
+        "tokens",
+        "tool",
+        "worker",
+    )
 
     def __init__(self, worker: str, now: float) -> None:
         self.worker = worker
         self.tokens = 0
+        self.shared = 0  # of `tokens`: the prefix another session counts on the same worker
         self.inflight = 0
         self.ended_at: float | None = None
         self.keep_until = -1.0  # counted while idle until then (when inflight == 0)
@@ -80,11 +91,22 @@ class WorkingSets:
     # --- events ------------------------------------------------------------------------------
 
     def started(
-        self, session: str, worker: str, tokens: int, now: float, after_tool: str | None = None
+        self,
+        session: str,
+        worker: str,
+        tokens: int,
+        now: float,
+        after_tool: str | None = None,
+        *,
+        shared_with: str | None = None,
+        shared: int = 0,
     ) -> None:
         """A request of `session` went to `worker` (its KV will live there) with a prompt of
         `tokens`: the session counts there from now, and the gap it ends is learnt (as a gap
-        after `after_tool` when the request carries that tool's result)."""
+        after `after_tool` when the request carries that tool's result). `shared` tokens of
+        its prompt are a prefix session `shared_with` (its spawner) holds: while that one is
+        counted on the same worker, the engine keeps those blocks once, so they count once
+        (with the spawner); else they count here."""
         self._expire(now)
         s = self._touch(session, now)
         if s.inflight == 0 and s.ended_at is not None:
@@ -92,6 +114,11 @@ class WorkingSets:
         self._uncount(s)
         s.worker = worker
         s.tokens = max(tokens, 0)
+        s.shared = 0
+        if shared > 0 and shared_with is not None:
+            other = self._sessions.get(shared_with)
+            if other is not None and other.worker == worker and self._counted(other):
+                s.shared = min(shared, s.tokens, other.tokens)
         s.inflight += 1
         s.ended_at = None
         self._count(s)
@@ -150,7 +177,7 @@ class WorkingSets:
         """`worker` left: the sessions whose KV lived there hold none now."""
         for s in self._sessions.values():
             if s.worker == worker:
-                s.tokens = 0
+                s.tokens = s.shared = 0
         self._tokens.pop(worker, None)
         self._counts.pop(worker, None)
 
@@ -240,12 +267,12 @@ class WorkingSets:
 
     def _count(self, s: _Session) -> None:
         if s.tokens and s.worker:
-            self._tokens[s.worker] = self._tokens.get(s.worker, 0) + s.tokens
+            self._tokens[s.worker] = self._tokens.get(s.worker, 0) + s.tokens - s.shared
             self._counts[s.worker] = self._counts.get(s.worker, 0) + 1
 
     def _uncount(self, s: _Session) -> None:
         if s.tokens and s.worker and self._counted(s):
-            left = self._tokens.get(s.worker, 0) - s.tokens
+            left = self._tokens.get(s.worker, 0) - (s.tokens - s.shared)
             if left > 0:
                 self._tokens[s.worker] = left
             else:

@@ -200,10 +200,19 @@ class Admission:
         if self._queue:
             self.pump()
 
-    def resident(self, session_id: str | None) -> bool:
+    def resident(self, session_id: str | None, parent: str | None = None) -> bool:
         """True when the session's KV is counted in a working set now: its request continues
-        a program whose KV the engines already hold."""
-        return self._programs.home(session_id, time.monotonic())[0] is not None
+        a program whose KV the engines already hold. So is a subagent's first request while
+        its spawner's (`parent`) is: it starts on that KV."""
+        return self._home(session_id, parent, time.monotonic()) is not None
+
+    def _home(self, session_id: str | None, parent: str | None, now: float) -> str | None:
+        """The worker the session's KV is counted on; for a subagent with no service yet, its
+        spawner's."""
+        home = self._programs.home(session_id, now)[0]
+        if home is None and parent is not None and self._sessions.attained(session_id) == 0:
+            home = self._programs.home(parent, now)[0]
+        return home
 
     def _room(
         self, model: str, now: float, roomiest: bool, resident: bool
@@ -319,16 +328,19 @@ class Admission:
 
     # --- admitting ---------------------------------------------------------------------------
 
-    def admit_now(self, model: str, session_id: str | None = None) -> bool:
+    def admit_now(
+        self, model: str, session_id: str | None = None, parent: str | None = None
+    ) -> bool:
         """True when a request for `model` of `session_id` may go at once: admission is off;
         or its session is `resident` and some worker has KV headroom; or nothing is queued and
         some worker has headroom and room for a new session (or none is routable); else it
         must `wait`. A started session whose KV is counted on a worker closed to programs is
-        paused at this tool boundary: its KV is released and its request waits."""
+        paused at this tool boundary: its KV is released and its request waits. A subagent
+        (`parent`: its spawner) with no service yet is resident while its spawner is."""
         if not self.enabled:
             return True
         now = time.monotonic()
-        home = self._programs.home(session_id, now)[0]
+        home = self._home(session_id, parent, now)
         resident = home is not None
         if home is not None and self._sessions.attained(session_id) > 0 and self.cluster_full(now):
             worker = self._pool.get(home)
@@ -379,7 +391,7 @@ class Admission:
             t0,
             next(self._seq),
             loop.create_future(),
-            self.resident(session_id),
+            self.resident(session_id, parent),
             started,
         )
         self._enqueue(waiter)

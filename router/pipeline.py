@@ -525,7 +525,7 @@ async def route(ctx: RequestContext) -> None:
         # directory and the loads say then, not on what they said when it arrived
         admission = router.admission
         session = ctx.session
-        if not admission.admit_now(ctx.req.model, session.session_id):
+        if not admission.admit_now(ctx.req.model, session.session_id, session.parent):
             ctx.queued_s = await admission.wait(
                 ctx.req.model, session.session_id, ctx.tok.prompt_tokens, ctx.out, session.parent
             )

@@ -35,11 +35,16 @@ class ProgramGate(Protocol):
         ...
 
     def arrive(
-        self, session: Hashable, tokens: int, attained: int, now: float, in_program: bool = False
+        self,
+        session: Hashable,
+        tokens: int,
+        attained: int,
+        now: float,
+        spawner: Hashable | None = None,
     ) -> bool:
         """A request of `session` (prompt `tokens`; the session's attained service so far)
         arrived: True = send it now; False = it waits (`next_release`) or was refused
-        (`rejected`). `in_program`: the session was spawned by one under way (a subagent)."""
+        (`rejected`). `spawner`: the session under way that spawned this one (a subagent)."""
         ...
 
     def started(self, session: Hashable, worker: str, tokens: int, now: float) -> None:
@@ -92,8 +97,8 @@ class RouterAdmission:
     programs under `pause_watermark` of the cluster) a started session's request waiting
     `aging_s` needs only KV headroom; a new session's does not age. Only new sessions are
     refused (429): past `max_queued` new ones waiting, or after `max_queue_wait_s`. A session
-    spawned by one under way (`in_program`: a subagent) is a started one, with its own
-    attained service (none yet)."""
+    spawned by one under way (`spawner`: a subagent) is a started one, with its own attained
+    service (none yet), resident on its spawner's KV until it has its own."""
 
     tick_s = 0.0
 
@@ -143,12 +148,19 @@ class RouterAdmission:
         return self.paused_total
 
     def arrive(
-        self, session: Hashable, tokens: int, attained: int, now: float, in_program: bool = False
+        self,
+        session: Hashable,
+        tokens: int,
+        attained: int,
+        now: float,
+        spawner: Hashable | None = None,
     ) -> bool:
         self._expire(now)
-        started = attained > 0 or in_program
+        started = attained > 0 or spawner is not None
         home = self._home(session, now) if self._home is not None and started else None
-        if home is not None and self._over(home, now) and self._cluster_full(now):
+        if home is None and spawner is not None and not attained and self._home is not None:
+            home = self._home(spawner, now)  # a subagent starts on its spawner's KV
+        if home is not None and attained > 0 and self._over(home, now) and self._cluster_full(now):
             # its worker's programs are over the watermark: pause it at this tool boundary
             assert self._release is not None
             self._release(session, now)
@@ -329,7 +341,12 @@ class ThunderAgentGate:
         return self.scheduler.paused_total
 
     def arrive(
-        self, session: Hashable, tokens: int, attained: int, now: float, in_program: bool = False
+        self,
+        session: Hashable,
+        tokens: int,
+        attained: int,
+        now: float,
+        spawner: Hashable | None = None,
     ) -> bool:
         # ThunderAgent schedules each program by its own id: a subagent is a program of its own
         if self.scheduler.arrive(session, tokens, now):

@@ -106,6 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "deployment shape (aggregated peers: every worker hybrid; P/D peers: half prefill, half "
         "decode), 'same' = OwnerServe's P:D:H split",
     )
+    parser.add_argument(
+        "--full-view",
+        action="store_true",
+        help="the own policies see every worker, as the router's planner does (default: above "
+        "64 workers a candidate subset, which is faster; the peers' models always see all)",
+    )
     parser.add_argument("--profile", default="h100-llama3-8b", help="timing profile")
     parser.add_argument("--hbm-gb", type=float, default=None, help="KV HBM per worker, GB")
     parser.add_argument(
@@ -334,7 +340,7 @@ def run_policies(
             policy,
             seed=args.seed,
             oracle=oracle,
-            full_view=peer,
+            full_view=peer or args.full_view,
             slo_ttft_p90_s=args.slo_ttft_p90_s,
             rate_per_min=rate_per_min,
             working_set_views=not peer,  # the peers do not read them

@@ -690,6 +690,8 @@ class Simulator:
         self._sessions = sessions
         self._sids = [str(i) for i in range(len(sessions))]
         self._prev_tokens = [0] * len(sessions)
+        self._chains: dict[int, tuple[int, ...]] = {}
+        """Each session's latest prompt chain (a subagent's prefix shared with its spawner)."""
         self._attained = [0] * len(sessions)
         self._ttfts: list[list[float]] = [[] for _ in sessions]
         self._waiting: dict[Hashable, tuple[int, float]] = {}  # session -> (turn, arrived)
@@ -768,7 +770,7 @@ class Simulator:
                 now,
                 # a subagent of a session already under way is part of its program, as the
                 # router learns from `x-parent-session-id` (router/session.py)
-                in_program=spawner is not None and spawner[0] in self.session_owner,
+                spawner[0] if spawner is not None and spawner[0] in self.session_owner else None,
             ):
                 self._waiting[si] = (ti, now)
                 self._release(now)  # refused ones end here
@@ -882,7 +884,21 @@ class Simulator:
         self._prev_tokens[si] = turn.input_tokens
         d = self.by_id[plan.chosen.decode_worker]
         self.session_owner[si] = d.idx
-        self.ws.started(sid, d.wid, turn.input_tokens, now)
+        self._chains[si] = turn.chain
+        spawner = sess.spawned_at[0] if sess.spawned_at is not None else None
+        shared = 0
+        if spawner is not None:  # its spawner's prefix, kept once by the engine
+            mine, theirs = turn.chain, self._chains.get(spawner, ())
+            while shared < len(mine) and shared < len(theirs) and mine[shared] == theirs[shared]:
+                shared += 1
+        self.ws.started(
+            sid,
+            d.wid,
+            turn.input_tokens,
+            now,
+            shared_with=None if spawner is None else self._sids[spawner],
+            shared=shared * self.spec.block_tokens,
+        )
         if self.gate is not None:
             self.gate.started(si, d.wid, turn.input_tokens, now)
 

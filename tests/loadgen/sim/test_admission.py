@@ -202,7 +202,7 @@ def test_a_subagent_of_a_program_under_way_waits_as_a_started_session() -> None:
     )
     p.share["a"] = 1.0  # full of programs, the cluster under the pause watermark
     assert not adm.arrive("back", 10, 500, 0.0)
-    assert not adm.arrive("sub", 10, 0, 1.0, in_program=True)
+    assert not adm.arrive("sub", 10, 0, 1.0, spawner="back")
     assert not adm.arrive("new", 10, 0, 1.0)
     assert adm.next_release(10.5) == "back"  # aged first, oldest first
     assert adm.next_release(11.0) == "sub"  # a program's part ages in like a started session
