@@ -698,3 +698,17 @@ async def test_a_subagent_of_a_program_under_way_is_queued_as_started_not_as_a_n
         await orphan.task
     sub.task.cancel()
     back.task.cancel()
+
+
+async def test_a_subagent_starts_at_once_on_its_spawners_counted_kv(profile: str) -> None:
+    """A subagent's first request is resident while its spawner's KV is counted: it shares
+    that KV, so it goes on KV headroom where a new session waits for the programs' room."""
+    router = Router(_settings(profile))
+    admission = router.admission
+    _two_programs_and_one_back(router)  # w0's programs full; "old" in flight there
+    assert not admission.admit_now(MODEL, "new")
+    assert admission.admit_now(MODEL, "sub", parent="old")
+    assert admission.resident("sub", "old") and not admission.resident("sub")
+    assert not admission.admit_now(MODEL, "sub2", parent="back")  # its KV was released
+    router.sessions.touch("sub", 0).attained_tokens = 10  # served: its own KV decides now
+    assert not admission.admit_now(MODEL, "sub", parent="old")

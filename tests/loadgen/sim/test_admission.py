@@ -208,3 +208,13 @@ def test_a_subagent_of_a_program_under_way_waits_as_a_started_session() -> None:
     assert adm.next_release(11.0) == "sub"  # a program's part ages in like a started session
     assert adm.next_release(50.0) is None
     assert adm.rejected(61.5) == ["new"]  # only the new session is refused
+
+
+def test_a_subagent_starts_at_once_on_its_spawners_counted_kv() -> None:
+    p = _Programs()
+    adm = _programs_admission(p)
+    p.share["a"] = 0.96  # closed to new programs
+    p.homes["parent"] = "a"
+    assert not adm.arrive("new", 10, 0, 0.0)
+    assert adm.arrive("sub", 10, 0, 0.0, spawner="parent")  # resident on its spawner's KV
+    assert not adm.arrive("sub2", 10, 0, 0.0, spawner="gone")  # its spawner's KV released
