@@ -42,29 +42,21 @@ class RetentionConfig:
             raise ValueError("idle_forget_s must be > 0")
 
 
+@dataclass(slots=True, eq=False)
 class _Session:
-    __slots__ = (
-        "ended_at",
-        "gap_s",
-        "inflight",
-        "keep_until",
-        "seen",
-        "shared",
-        "tokens",
-        "tool",
-        "worker",
-    )
-
-    def __init__(self, worker: str, now: float) -> None:
-        self.worker = worker
-        self.tokens = 0
-        self.shared = 0  # of `tokens`: the prefix another session counts on the same worker
-        self.inflight = 0
-        self.ended_at: float | None = None
-        self.keep_until = -1.0  # counted while idle until then (when inflight == 0)
-        self.gap_s: float | None = None  # moving average of the gaps it showed
-        self.tool: str | None = None  # the tool its last answer called
-        self.seen = now
+    worker: str
+    seen: float
+    tokens: int = 0
+    shared: int = 0
+    """Of `tokens`: the prefix its spawner counts on the same worker (`WorkingSets.shares`)."""
+    inflight: int = 0
+    ended_at: float | None = None
+    keep_until: float = -1.0
+    """Counted while idle until then (when inflight == 0)."""
+    gap_s: float | None = None
+    """Moving average of the gaps it showed."""
+    tool: str | None = None
+    """The tool its last answer called."""
 
 
 class WorkingSets:
@@ -91,22 +83,11 @@ class WorkingSets:
     # --- events ------------------------------------------------------------------------------
 
     def started(
-        self,
-        session: str,
-        worker: str,
-        tokens: int,
-        now: float,
-        after_tool: str | None = None,
-        *,
-        shared_with: str | None = None,
-        shared: int = 0,
+        self, session: str, worker: str, tokens: int, now: float, after_tool: str | None = None
     ) -> None:
         """A request of `session` went to `worker` (its KV will live there) with a prompt of
         `tokens`: the session counts there from now, and the gap it ends is learnt (as a gap
-        after `after_tool` when the request carries that tool's result). `shared` tokens of
-        its prompt are a prefix session `shared_with` (its spawner) holds: while that one is
-        counted on the same worker, the engine keeps those blocks once, so they count once
-        (with the spawner); else they count here."""
+        after `after_tool` when the request carries that tool's result)."""
         self._expire(now)
         s = self._touch(session, now)
         if s.inflight == 0 and s.ended_at is not None:
@@ -115,12 +96,20 @@ class WorkingSets:
         s.worker = worker
         s.tokens = max(tokens, 0)
         s.shared = 0
-        if shared > 0 and shared_with is not None:
-            other = self._sessions.get(shared_with)
-            if other is not None and other.worker == worker and self._counted(other):
-                s.shared = min(shared, s.tokens, other.tokens)
         s.inflight += 1
         s.ended_at = None
+        self._count(s)
+
+    def shares(self, session: str, spawner: str, tokens: int) -> None:
+        """The request `started` just now has a prompt whose first `tokens` are a prefix that
+        session `spawner` holds: while that one is counted on the same worker the engine keeps
+        those blocks once, so they count once, with the spawner (else they count here)."""
+        s = self._sessions.get(session)
+        other = self._sessions.get(spawner)
+        if s is None or other is None or other.worker != s.worker or not self._counted(other):
+            return
+        self._uncount(s)
+        s.shared = max(min(tokens, s.tokens, other.tokens), 0)
         self._count(s)
 
     def ended(self, session: str, tokens: int, now: float, tool: str | None = None) -> None:

@@ -86,23 +86,17 @@ def kv_started(ctx: RequestContext) -> None:
     worker, counted in that worker's working set (`router.state.Router.working_sets`) until
     `kv_ended`. Nothing is counted for a request without a session. A subagent's prompt
     prefix that its worker holds counts once, with its spawner, while that one is counted
-    on the same worker (`WorkingSets.started`'s `shared`: the engine keeps those blocks
-    once)."""
+    on the same worker (`WorkingSets.shares`: the engine keeps those blocks once)."""
     sid = ctx.session.session_id
     if sid is None:
         return
     decode = ctx.plan.chosen.decode_worker
+    ws = ctx.router.working_sets
+    now = time.monotonic()
+    ws.started(sid, decode, ctx.tok.prompt_tokens, now, tool_answered(ctx.req.messages))
     parent = ctx.session.parent
-    shared = 0 if parent is None else ctx.match.longest(decode) * ctx.rview.block_size
-    ctx.router.working_sets.started(
-        sid,
-        decode,
-        ctx.tok.prompt_tokens,
-        time.monotonic(),
-        after_tool=tool_answered(ctx.req.messages),
-        shared_with=parent,
-        shared=shared,
-    )
+    if parent is not None:
+        ws.shares(sid, parent, ctx.match.longest(decode) * ctx.rview.block_size)
     ctx.kv_counted = True
 
 

@@ -34,17 +34,14 @@ class ProgramGate(Protocol):
         """Programs (sessions) the gate paused so far."""
         ...
 
-    def arrive(
-        self,
-        session: Hashable,
-        tokens: int,
-        attained: int,
-        now: float,
-        spawner: Hashable | None = None,
-    ) -> bool:
+    def spawned(self, session: Hashable, spawner: Hashable) -> None:
+        """`session` (arriving next) is a subagent of `spawner`, a session under way."""
+        ...
+
+    def arrive(self, session: Hashable, tokens: int, attained: int, now: float) -> bool:
         """A request of `session` (prompt `tokens`; the session's attained service so far)
         arrived: True = send it now; False = it waits (`next_release`) or was refused
-        (`rejected`). `spawner`: the session under way that spawned this one (a subagent)."""
+        (`rejected`)."""
         ...
 
     def started(self, session: Hashable, worker: str, tokens: int, now: float) -> None:
@@ -97,7 +94,7 @@ class RouterAdmission:
     programs under `pause_watermark` of the cluster) a started session's request waiting
     `aging_s` needs only KV headroom; a new session's does not age. Only new sessions are
     refused (429): past `max_queued` new ones waiting, or after `max_queue_wait_s`. A session
-    spawned by one under way (`spawner`: a subagent) is a started one, with its own attained
+    spawned by one under way (`spawned`: a subagent) is a started one, with its own attained
     service (none yet), resident on its spawner's KV until it has its own."""
 
     tick_s = 0.0
@@ -134,6 +131,8 @@ class RouterAdmission:
         self._new_waiting = 0
         self._seq = 0
         self._rejected: list[Hashable] = []
+        self._spawners: dict[Hashable, Hashable] = {}
+        """Subagents about to arrive -> the session under way that spawned them."""
         self.queued = 0
         """Requests that waited."""
         self.waits_s: list[float] = []
@@ -147,15 +146,12 @@ class RouterAdmission:
     def programs_paused(self) -> int:
         return self.paused_total
 
-    def arrive(
-        self,
-        session: Hashable,
-        tokens: int,
-        attained: int,
-        now: float,
-        spawner: Hashable | None = None,
-    ) -> bool:
+    def spawned(self, session: Hashable, spawner: Hashable) -> None:
+        self._spawners[session] = spawner
+
+    def arrive(self, session: Hashable, tokens: int, attained: int, now: float) -> bool:
         self._expire(now)
+        spawner = self._spawners.pop(session, None) if not attained else None
         started = attained > 0 or spawner is not None
         home = self._home(session, now) if self._home is not None and started else None
         if home is None and spawner is not None and not attained and self._home is not None:
@@ -340,15 +336,10 @@ class ThunderAgentGate:
     def programs_paused(self) -> int:
         return self.scheduler.paused_total
 
-    def arrive(
-        self,
-        session: Hashable,
-        tokens: int,
-        attained: int,
-        now: float,
-        spawner: Hashable | None = None,
-    ) -> bool:
-        # ThunderAgent schedules each program by its own id: a subagent is a program of its own
+    def spawned(self, session: Hashable, spawner: Hashable) -> None:
+        """ThunderAgent schedules each program by its own id: a subagent is one of its own."""
+
+    def arrive(self, session: Hashable, tokens: int, attained: int, now: float) -> bool:
         if self.scheduler.arrive(session, tokens, now):
             return True
         self._since[session] = now

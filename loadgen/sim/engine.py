@@ -763,14 +763,12 @@ class Simulator:
             if si in self._children:
                 self._spawn(si, ti, now)
             spawner = sessions[si].spawned_at
-            if gate is not None and not gate.arrive(
-                si,
-                sessions[si].turns[ti].input_tokens,
-                self._attained[si],
-                now,
+            if gate is not None and ti == 0 and spawner and spawner[0] in self.session_owner:
                 # a subagent of a session already under way is part of its program, as the
                 # router learns from `x-parent-session-id` (router/session.py)
-                spawner[0] if spawner is not None and spawner[0] in self.session_owner else None,
+                gate.spawned(si, spawner[0])
+            if gate is not None and not gate.arrive(
+                si, sessions[si].turns[ti].input_tokens, self._attained[si], now
             ):
                 self._waiting[si] = (ti, now)
                 self._release(now)  # refused ones end here
@@ -891,14 +889,9 @@ class Simulator:
             mine, theirs = turn.chain, self._chains.get(spawner, ())
             while shared < len(mine) and shared < len(theirs) and mine[shared] == theirs[shared]:
                 shared += 1
-        self.ws.started(
-            sid,
-            d.wid,
-            turn.input_tokens,
-            now,
-            shared_with=None if spawner is None else self._sids[spawner],
-            shared=shared * self.spec.block_tokens,
-        )
+        self.ws.started(sid, d.wid, turn.input_tokens, now)
+        if spawner is not None:
+            self.ws.shares(sid, self._sids[spawner], shared * self.spec.block_tokens)
         if self.gate is not None:
             self.gate.started(si, d.wid, turn.input_tokens, now)
 

@@ -141,16 +141,20 @@ def test_release_stops_counting_an_idle_session_but_not_one_in_flight() -> None:
 def test_a_subagents_prefix_held_by_its_spawner_on_the_same_worker_counts_once() -> None:
     ws = WorkingSets()
     ws.started("parent", "w0", 1000, now=0.0)
-    ws.started("sub", "w0", 1200, now=0.0, shared_with="parent", shared=1000)
+    ws.started("sub", "w0", 1200, now=0.0)
+    ws.shares("sub", "parent", 1000)
     assert ws.tokens("w0", 0.0) == 1200  # the engine keeps the 1,000 shared tokens once
     assert ws.sessions("w0", 0.0) == 2
     assert ws.home("sub", 0.0) == ("w0", 1200)  # its own KV, for what moving it would cost
     ws.ended("sub", 1500, now=1.0)  # grew by its output: only that is its own
     assert ws.tokens("w0", 1.0) == 1500
     ws.failed("parent", now=1.0)
-    # elsewhere, or with the spawner counted nowhere, the whole prompt counts
-    ws.started("sub", "w0", 1600, now=2.0, shared_with="parent", shared=1000)
-    ws.started("other", "w1", 1200, now=2.0, shared_with="sub", shared=1000)
+    # with the spawner counted nowhere, or elsewhere, the whole prompt counts
+    ws.started("sub", "w0", 1600, now=2.0)
+    ws.shares("sub", "parent", 1000)
+    ws.started("other", "w1", 1200, now=2.0)
+    ws.shares("other", "sub", 1000)
     assert ws.tokens("w0", 2.0) == 1600 and ws.tokens("w1", 2.0) == 1200
-    ws.started("more", "w0", 1700, now=2.0, shared_with="sub", shared=5000)
+    ws.started("more", "w0", 1700, now=2.0)
+    ws.shares("more", "sub", 5000)
     assert ws.tokens("w0", 2.0) == 1600 + 100  # never more than the spawner holds

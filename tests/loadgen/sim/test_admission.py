@@ -202,7 +202,8 @@ def test_a_subagent_of_a_program_under_way_waits_as_a_started_session() -> None:
     )
     p.share["a"] = 1.0  # full of programs, the cluster under the pause watermark
     assert not adm.arrive("back", 10, 500, 0.0)
-    assert not adm.arrive("sub", 10, 0, 1.0, spawner="back")
+    adm.spawned("sub", "back")
+    assert not adm.arrive("sub", 10, 0, 1.0)
     assert not adm.arrive("new", 10, 0, 1.0)
     assert adm.next_release(10.5) == "back"  # aged first, oldest first
     assert adm.next_release(11.0) == "sub"  # a program's part ages in like a started session
@@ -216,5 +217,7 @@ def test_a_subagent_starts_at_once_on_its_spawners_counted_kv() -> None:
     p.share["a"] = 0.96  # closed to new programs
     p.homes["parent"] = "a"
     assert not adm.arrive("new", 10, 0, 0.0)
-    assert adm.arrive("sub", 10, 0, 0.0, spawner="parent")  # resident on its spawner's KV
-    assert not adm.arrive("sub2", 10, 0, 0.0, spawner="gone")  # its spawner's KV released
+    adm.spawned("sub", "parent")
+    assert adm.arrive("sub", 10, 0, 0.0)  # resident on its spawner's KV
+    adm.spawned("sub2", "gone")
+    assert not adm.arrive("sub2", 10, 0, 0.0)  # its spawner's KV released
