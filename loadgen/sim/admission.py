@@ -323,12 +323,25 @@ class RouterAdmission:
 
 class ThunderAgentGate:
     """ThunderAgent's program scheduler (`planner.policies.peers.thunderagent`) as a gate: its
-    control loop runs every `interval_s` of simulated time."""
+    control loop runs every `interval_s` of simulated time.
 
-    def __init__(self, scheduler: ProgramScheduler) -> None:
+    ThunderAgent takes one program id a request. By default each session is a program of its
+    own, a subagent too. With `tree`, a subagent's requests carry its root session's program
+    id, as a client that labels the whole agent tree as one program would send them: they run
+    while that program is active, and the program ends when its last session does."""
+
+    def __init__(self, scheduler: ProgramScheduler, *, tree: bool = False) -> None:
         self.scheduler = scheduler
         self.tick_s = scheduler.config.interval_s
+        self.tree = tree
         self._since: dict[Hashable, float] = {}
+        self._program: dict[Hashable, Hashable] = {}
+        """A subagent -> the program id it sends (its root session's), with `tree`."""
+        self._members: dict[Hashable, int] = {}
+        """A program with subagents -> its sessions not yet done."""
+        self._held: dict[Hashable, list[Hashable]] = {}
+        """A program -> its sessions whose request waits for its resume."""
+        self._resumed: list[Hashable] = []
         self.queued = 0
         self.waits_s: list[float] = []
 
@@ -337,28 +350,45 @@ class ThunderAgentGate:
         return self.scheduler.paused_total
 
     def spawned(self, session: Hashable, spawner: Hashable) -> None:
-        """ThunderAgent schedules each program by its own id: a subagent is one of its own."""
+        if self.tree:
+            root = self._program.get(spawner, spawner)
+            self._program[session] = root
+            self._members[root] = self._members.get(root, 1) + 1
 
     def arrive(self, session: Hashable, tokens: int, attained: int, now: float) -> bool:
-        if self.scheduler.arrive(session, tokens, now):
+        program = self._program.get(session, session)
+        if self.scheduler.arrive(program, tokens, now):
             return True
+        self._held.setdefault(program, []).append(session)
         self._since[session] = now
         self.queued += 1
         return False
 
     def started(self, session: Hashable, worker: str, tokens: int, now: float) -> None:
-        self.scheduler.started(session, worker, tokens)
+        self.scheduler.started(self._program.get(session, session), worker, tokens)
 
     def ended(self, session: Hashable, worker: str, tokens: int, now: float, last: bool) -> None:
-        self.scheduler.ended(session, tokens, now, last)
+        program = self._program.get(session, session)
+        if last and program in self._members:
+            left = self._members[program] - 1
+            if left:
+                self._members[program] = left
+                last = False
+            else:
+                del self._members[program]
+        self.scheduler.ended(program, tokens, now, last)
 
     def tick(self, now: float) -> None:
         self.scheduler.tick(now)
 
     def next_release(self, now: float) -> Hashable | None:
-        session = self.scheduler.next_release()
-        if session is not None:
-            self.waits_s.append(now - self._since.pop(session, now))
+        while not self._resumed:  # a resumed program lets all its waiting sessions go
+            program = self.scheduler.next_release()
+            if program is None:
+                return None
+            self._resumed = self._held.pop(program, [])
+        session = self._resumed.pop(0)
+        self.waits_s.append(now - self._since.pop(session, now))
         return session
 
     def rejected(self, now: float) -> list[Hashable]:

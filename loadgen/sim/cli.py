@@ -107,6 +107,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "decode), 'same' = OwnerServe's P:D:H split",
     )
     parser.add_argument(
+        "--thunderagent-programs",
+        choices=("session", "tree"),
+        default="session",
+        help="the program ids ThunderAgent's model gets: one per session, a subagent's its own "
+        "('session', the default), or one per agent tree, a subagent's its root session's "
+        "('tree': it then runs while that program is active)",
+    )
+    parser.add_argument(
         "--full-view",
         action="store_true",
         help="the own policies see every worker, as the router's planner does (default: above "
@@ -268,9 +276,11 @@ def gate_for(
     sim: Simulator,
     admission: str,
     config: AdmissionConfig | None = None,
+    thunderagent_programs: str = "session",
 ) -> ProgramGate | None:
     """The program-level gate in front of policy `name` on `sim`'s cluster: ThunderAgent's
-    program scheduler for its model, the router's admission queue for the own policies
+    program scheduler for its model (`thunderagent_programs` 'tree': a subagent is part of
+    its root session's program), the router's admission queue for the own policies
     (`admission` 'own'), none for the other peers."""
     from planner.policies.peers import PEERS, ThunderAgentPolicy
 
@@ -280,7 +290,8 @@ def gate_for(
         # its retention budget: HBM plus the host tier (Dynamo's port counts SGLang HiCache's)
         cpu = sim.spec.cpu_blocks
         return ThunderAgentGate(
-            policy.scheduler({w.wid: (w.capacity + cpu) * bt for w in decoders})
+            policy.scheduler({w.wid: (w.capacity + cpu) * bt for w in decoders}),
+            tree=thunderagent_programs == "tree",
         )
     if name in PEERS or admission == "off":
         return None
@@ -353,6 +364,7 @@ def run_policies(
             AdmissionConfig(
                 max_queued=args.admission_max_queued, max_queue_wait_s=args.admission_max_wait_s
             ),
+            args.thunderagent_programs,
         )
         summary = sim.run(sessions).summary()
         summary["policy"] = name

@@ -3,7 +3,8 @@ attained service first with an aging bound, a bounded queue and wait."""
 
 from __future__ import annotations
 
-from loadgen.sim.admission import AdmissionConfig, RouterAdmission
+from loadgen.sim.admission import AdmissionConfig, RouterAdmission, ThunderAgentGate
+from planner.policies.peers.thunderagent import ProgramScheduler, ThunderAgentConfig
 
 
 def _admission(usage: dict[str, float], config: AdmissionConfig | None = None) -> RouterAdmission:
@@ -221,3 +222,21 @@ def test_a_subagent_starts_at_once_on_its_spawners_counted_kv() -> None:
     assert adm.arrive("sub", 10, 0, 0.0)  # resident on its spawner's KV
     adm.spawned("sub2", "gone")
     assert not adm.arrive("sub2", 10, 0, 0.0)  # its spawner's KV released
+
+
+def test_thunderagent_with_one_program_id_per_agent_tree_runs_subagents_in_it() -> None:
+    cfg = ThunderAgentConfig(buffer_tokens=0)
+    for tree in (False, True):
+        gate = ThunderAgentGate(ProgramScheduler({"w": 100}, cfg), tree=tree)
+        assert gate.arrive("p", 90, 0, 0.0)
+        gate.started("p", "w", 90, 0.0)
+        gate.spawned("s", "p")
+        # its own program finds no room; inside its parent's active program it runs at once
+        assert gate.arrive("s", 50, 0, 0.0) is tree
+        if not tree:
+            continue
+        gate.started("s", "w", 50, 0.0)
+        gate.ended("p", "w", 95, 1.0, last=True)  # the parent is done, its subagent is not
+        assert gate.scheduler.status("p") is not None
+        gate.ended("s", "w", 60, 2.0, last=True)
+        assert gate.scheduler.status("p") is None
