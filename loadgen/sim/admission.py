@@ -154,7 +154,7 @@ class RouterAdmission:
         spawner = self._spawners.pop(session, None) if not attained else None
         started = attained > 0 or spawner is not None
         home = self._home(session, now) if self._home is not None and started else None
-        if home is None and spawner is not None and not attained and self._home is not None:
+        if home is None and spawner is not None and self._home is not None:
             home = self._home(spawner, now)  # a subagent starts on its spawner's KV
         if home is not None and attained > 0 and self._over(home, now) and self._cluster_full(now):
             # its worker's programs are over the watermark: pause it at this tool boundary
