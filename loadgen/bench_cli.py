@@ -40,7 +40,7 @@ from loadgen.capacity import (
     write_capacity_outputs,
 )
 from loadgen.cli import add_generate_arguments
-from loadgen.cluster import REPO_ROOT, ClusterSpec, sigterm_as_interrupt
+from loadgen.cluster import REPO_ROOT, ClusterSpec, peer_mode_unfit, sigterm_as_interrupt
 from loadgen.trace import (
     TraceScaling,
     load_trace,
@@ -178,7 +178,9 @@ def _add_capacity_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument(
         "--targets",
         default=",".join(CAPACITY_TARGETS),
-        help="own policies and peer router modes, comma list (default: %(default)s)",
+        help="own policies and peer router modes, comma list (default: %(default)s; from the "
+        "default list a P/D mode the cluster cannot run is skipped: sglang-router's needs "
+        "--prefill and --decode workers)",
     )
     p.add_argument(
         "--rates",
@@ -346,6 +348,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--speed must be > 0 and worker counts >= 0")
     policies = _split(args.policies, OWN_POLICIES, "policies")
     peers = [] if args.no_peers else _split(args.peers, PEER_LABELS, "peers")
+    spec_roles = ClusterSpec(args.prefill, args.decode, args.hybrid)
+    peers = _runnable(peers, spec_roles, args.peers != ",".join(PEER_LABELS))
     if args.quick:
         policies = [p for p in policies if p in ("ownerserve", "static-pd")] or policies[:1]
         peers = peers[:1]
@@ -388,6 +392,21 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(o.summaries for o in outcomes) else 1
 
 
+def _runnable(labels: list[str], spec: ClusterSpec, asked: bool) -> list[str]:
+    """`labels` without the peer modes that cannot run on `spec`'s cluster: named by the user
+    (`asked`), such a mode is a ConfigError; from the default list it is skipped, and said."""
+    kept = []
+    for label in labels:
+        why = peer_mode_unfit(label, spec) if label in PEER_LABELS else None
+        if why is None:
+            kept.append(label)
+        elif asked:
+            raise ConfigError(why)
+        else:
+            print(f"skipping {label}: {why}", file=sys.stderr)
+    return kept
+
+
 def _rates(value: str | None, quick: bool) -> list[float]:
     if value is None:
         return list(QUICK_RATES if quick else CAPACITY_RATES)
@@ -405,6 +424,8 @@ def run_capacity_command(args: argparse.Namespace) -> int:
     if args.speed <= 0 or args.time_scale <= 0 or min(args.prefill, args.decode, args.hybrid) < 0:
         raise ConfigError("--speed and --time-scale must be > 0 and worker counts >= 0")
     labels = _split(args.targets, OWN_POLICIES + PEER_LABELS, "targets")
+    spec_roles = ClusterSpec(args.prefill, args.decode, args.hybrid)
+    labels = _runnable(labels, spec_roles, args.targets != ",".join(CAPACITY_TARGETS))
     targets = [Target(t, "own" if t in OWN_POLICIES else "peer") for t in labels]
     rates = _rates(args.rates, args.quick)
     sessions = args.sessions or (3 if args.quick else 12)

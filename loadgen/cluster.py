@@ -436,6 +436,35 @@ PEER_MODES: dict[str, tuple[str, str, bool]] = {
 }
 
 
+def peer_pools(peer: str, prefill: int, decode: int, hybrid: int) -> tuple[int, int]:
+    """(prefill, decode) workers a peer's P/D mode routes to on a cluster of these counts (see
+    `peer_command`)."""
+    if peer == "vllm-router":
+        return prefill + (hybrid + 1) // 2, decode + hybrid // 2
+    return prefill, decode
+
+
+def peer_mode_unfit(label: str, spec: ClusterSpec) -> str | None:
+    """Why the peer mode `label` cannot run on `spec`'s cluster (a P/D mode with no prefill or
+    no decode worker to route to), or None when it can."""
+    peer, _, pd = PEER_MODES[label]
+    if not pd:
+        return None
+    p, d = peer_pools(peer, spec.prefill, spec.decode, spec.hybrid)
+    if p and d:
+        return None
+    why = (
+        " (an SGLang server in P/D runs in prefill or decode mode: a hybrid cannot join a pair)"
+        if peer == "sglang-router"
+        else ""
+    )
+    return (
+        f"{label} would route prefill to {p} and decode to {d} of this cluster's workers "
+        f"({spec.prefill} prefill, {spec.decode} decode, {spec.hybrid} hybrid) and needs one "
+        f"of each{why}"
+    )
+
+
 def peer_command(
     binary: Path, peer: str, policy: str, pd: bool, cluster: EmulatedCluster, port: int
 ) -> list[str]:

@@ -9,7 +9,13 @@ import pytest
 
 from loadgen.bench import evaluate_goals, goals_table, replace_section
 from loadgen.client import RunResult, SessionRecord
-from loadgen.cluster import ClusterSpec, EmulatedCluster, ownerserve_config, peer_command
+from loadgen.cluster import (
+    ClusterSpec,
+    EmulatedCluster,
+    ownerserve_config,
+    peer_command,
+    peer_mode_unfit,
+)
 from loadgen.metrics import (
     WorkerSnapshot,
     cluster_stats,
@@ -135,3 +141,30 @@ def test_cluster_config_is_valid_settings_and_peer_commands_split_pd(tmp_path: P
     assert "--vllm-pd-disaggregation" in vpd
     regular = peer_command(Path("/x/vr"), "vllm-router", "consistent_hash", False, cluster, 9000)
     assert regular[regular.index("--worker-urls") + 1 :][:6] == [w.url for w in cluster.workers]
+
+
+def test_a_pd_peer_mode_without_prefill_or_decode_workers_is_refused_or_skipped(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from loadgen.bench_cli import CAPACITY_TARGETS
+    from ownerserve.cli import main as ownerserve_main
+
+    hybrids = ClusterSpec(0, 0, 4)
+    why = peer_mode_unfit("sglang-router pd cache_aware", hybrids)
+    assert why is not None and "0 prefill, 0 decode, 4 hybrid" in why
+    assert peer_mode_unfit("sglang-router pd cache_aware", ClusterSpec(1, 1, 0)) is None
+    # vllm-router splits the hybrids between its prefill and decode lists: two are enough
+    assert peer_mode_unfit("vllm-router pd cache_aware", hybrids) is None
+    assert peer_mode_unfit("vllm-router pd cache_aware", ClusterSpec(0, 0, 1)) is not None
+    assert peer_mode_unfit("sglang-router cache_aware", ClusterSpec(0, 0, 1)) is None
+    # named by the user: a clear error before anything starts
+    rc = ownerserve_main(
+        ["bench", "capacity", "--quick", "--targets", "ownerserve,sglang-router pd cache_aware"]
+    )
+    assert rc == 2 and "needs one of each" in capsys.readouterr().err
+    # from the default list: skipped, and said
+    from loadgen.bench_cli import _runnable
+
+    kept = _runnable(list(CAPACITY_TARGETS), hybrids, asked=False)
+    assert "sglang-router pd cache_aware" not in kept and "vllm-router pd cache_aware" in kept
+    assert "skipping sglang-router pd cache_aware" in capsys.readouterr().err
