@@ -6,11 +6,13 @@ emulated sweep (`ownerserve bench capacity`) does?
 
 It reads the emulated sweep's points, runs the simulator on the same workload, rates, worker
 count and KV sizing (every worker hybrid; HBM and CPU tier in the emulated engine's 16-token
-blocks; the peers' models on the same cluster) and compares, per rate and over every (target,
-rate) point, the order of the targets by mean session E2E (and, over all points, by goodput):
-Kendall tau-b, values within 3% of each other counted as ties (`bench.sim.validate.NOISE_TIE`).
-Agreement: tau ≥ 0.6 over all points. The peers' models are named as
-`bench.sim.validate_peers` names them."""
+blocks; each peer's model on the workers its binary routes to: an aggregated peer on every
+worker, a P/D peer on half of them as prefill and half as decode, as the sweep starts
+vllm-router's P/D mode over the hybrids, `loadgen.cluster.peer_command`) and compares, per
+rate and over every (target, rate) point, the order of the targets by mean session E2E (and,
+over all points, by goodput): Kendall tau-b, values within 3% of each other counted as ties
+(`bench.sim.validate.NOISE_TIE`). Agreement: tau ≥ 0.6 over all points. The peers' models are
+named as `bench.sim.validate_peers` names them."""
 
 from __future__ import annotations
 
@@ -86,7 +88,7 @@ def simulate(
     back = {sim_name(t): t for t in targets}
     cmd = [
         "sim",
-        "--workers", str(sizing["workers"]), "--split", "0:0:1", "--peer-cluster", "same",
+        "--workers", str(sizing["workers"]), "--split", "0:0:1", "--peer-cluster", "native",
         "--workload", str(sizing["workload"]), "--scale", f"{sizing['scale']:g}",
         "--sessions", str(sizing["sessions"]), "--seed", str(sizing["seed"]),
         "--time-scale", f"{sizing['time_scale']:g}",
