@@ -12,8 +12,9 @@ multiple of the configuration's base arrival rate: the agentic generator's sessi
 `--rate` = load × workers × 0.01 per second (the simulator's default is load 1); the trace is
 replayed at load × 5 its recorded rate (`--time-scale` 0.2 / load). 64 workers: 4,000 sessions
 of each; 1,000 workers: 5,000 agentic sessions (the peers' models weigh every worker on every
-request, ~1-2 ms of wall a request here) and the first 16,000 of the trace tiled 16× (disjoint
-ids), the same load per worker as at 64.
+request, ~1-2 ms of wall a request here) and the first 16,000 sessions of 16 copies of the
+trace overlaid (disjoint ids, all starting together: 16× its rate), the same load per worker as
+at 64 over the first quarter of the trace's span.
 
 Per point: the share of sessions good at the SLO (completed, p90 of their steps' TTFT ≤ 2 s),
 mean session E2E, TTFT p99, prefill tokens computed, KV moved over the network and the HBM
@@ -68,7 +69,7 @@ def base_argv(workers: int, workload: str, load: float, quick: bool, trace: Path
     if workload == "trace":
         argv = ["--workers", str(workers), "--workload", f"trace:{trace}"]
         if big:
-            argv += ["--trace-repeat", "16"]
+            argv += ["--trace-repeat", "16", "--trace-overlay"]
         sessions = 400 if quick else (16000 if big else 4000)
         return [*argv, "--time-scale", f"{0.2 / load:g}", "--sessions", str(sessions)]
     raise SystemExit(f"peers_sweep: unknown workload {workload!r} (agentic|trace)")

@@ -79,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace-repeat", type=int, default=1, help="tile the trace N times (disjoint ids)"
     )
     parser.add_argument(
+        "--trace-overlay",
+        action="store_true",
+        help="the --trace-repeat copies start together (N× the trace's rate) instead of one "
+        "after another",
+    )
+    parser.add_argument(
         "--time-scale",
         type=float,
         default=1.0,
@@ -191,7 +197,10 @@ def _workload(args: argparse.Namespace, rate_per_min: float | None = None) -> li
         return workload_sessions(w, Rendering(block_size=args.block_tokens))
     if args.workload.startswith("trace:"):
         return trace_sessions(
-            args.workload[6:], time_scale=args.time_scale, repeat=args.trace_repeat
+            args.workload[6:],
+            time_scale=args.time_scale,
+            repeat=args.trace_repeat,
+            overlay=args.trace_overlay,
         )[: args.sessions]
     if args.workload in LOADGEN_WORKLOADS:
         w = generate(args.workload, args.seed, args.scale).scaled(args.time_scale)

@@ -109,13 +109,21 @@ def agentic_sessions(
 
 
 def trace_sessions(
-    path: str | Path, *, time_scale: float = 1.0, limit: int | None = None, repeat: int = 1
+    path: str | Path,
+    *,
+    time_scale: float = 1.0,
+    limit: int | None = None,
+    repeat: int = 1,
+    overlay: bool = False,
 ) -> list[SimSession]:
     """Mooncake-format trace rows as sessions.
 
     Rows with a `session_id` field group into sessions; otherwise each row is a one-turn session
     (its prefix sharing with other rows is still visible through equal hash ids). `repeat`
-    tiles the trace with disjoint id spaces to reach large scales.
+    tiles the trace with disjoint id spaces to reach large scales: the copies one after another
+    (the trace's rate, `repeat` × its span), or with `overlay` all starting together
+    (`repeat` × its rate, its span: the load per worker of one copy on `repeat` times fewer
+    workers).
     """
     rows = []
     with Path(path).open() as f:
@@ -149,7 +157,7 @@ def trace_sessions(
                     )
                 )
                 prev_end = ts
-            start = (first_ts + rep * span) * time_scale
+            start = (first_ts + (0 if overlay else rep * span)) * time_scale
             sessions.append(SimSession(len(sessions), start, tuple(turns)))
     sessions.sort(key=lambda s: s.start_s)
     return sessions
