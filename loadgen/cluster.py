@@ -23,12 +23,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import httpx
 import yaml
 
 from ownerserve.ports import free_port
+
+T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "ownerserve-tiny"
@@ -436,12 +438,17 @@ PEER_MODES: dict[str, tuple[str, str, bool]] = {
 }
 
 
-def peer_pools(peer: str, prefill: int, decode: int, hybrid: int) -> tuple[int, int]:
-    """(prefill, decode) workers a peer's P/D mode routes to on a cluster of these counts (see
-    `peer_command`)."""
-    if peer == "vllm-router":
-        return prefill + (hybrid + 1) // 2, decode + hybrid // 2
-    return prefill, decode
+def peer_pools(
+    peer: str, prefill: Sequence[T], decode: Sequence[T], hybrid: Sequence[T]
+) -> tuple[list[T], list[T]]:
+    """(prefill, decode) workers a peer's P/D mode routes to, from a cluster's workers by role:
+    vllm-router's adds the first half of the hybrids to the prefill workers and the other half
+    to the decode workers (a vLLM `kv_both` engine can take either side); sglang-router's
+    leaves the hybrids out (an SGLang server is in prefill or decode disaggregation mode, and
+    a hybrid, mode "null", cannot join a P/D pair)."""
+    hybrids = list(hybrid) if peer == "vllm-router" else []
+    half = (len(hybrids) + 1) // 2
+    return [*prefill, *hybrids[:half]], [*decode, *hybrids[half:]]
 
 
 def peer_mode_unfit(label: str, spec: ClusterSpec) -> str | None:
@@ -450,7 +457,8 @@ def peer_mode_unfit(label: str, spec: ClusterSpec) -> str | None:
     peer, _, pd = PEER_MODES[label]
     if not pd:
         return None
-    p, d = peer_pools(peer, spec.prefill, spec.decode, spec.hybrid)
+    ps, ds = peer_pools(peer, range(spec.prefill), range(spec.decode), range(spec.hybrid))
+    p, d = len(ps), len(ds)
     if p and d:
         return None
     why = (
@@ -470,11 +478,8 @@ def peer_command(
 ) -> list[str]:
     """The peer router's command line for this cluster.
 
-    Regular mode routes over every worker (each serves whole requests, as colocated engines).
-    vllm-router's P/D mode sends prefill to the prefill workers and half the hybrids, decode to
-    the decode workers and the other half (a vLLM `kv_both` engine can take either side).
-    sglang-router's P/D mode uses the prefill and decode workers only: an SGLang server is in
-    prefill or decode disaggregation mode, and a hybrid (mode "null") cannot join a P/D pair."""
+    Regular mode routes over every worker (each serves whole requests, as colocated engines);
+    P/D mode over the workers `peer_pools` gives it."""
     cmd = [str(binary)]
     if peer == "sglang-router":
         cmd.append("launch")
@@ -495,9 +500,9 @@ def peer_command(
     if not pd:
         cmd += ["--worker-urls", *(w.url for w in cluster.workers)]
         return cmd
-    hybrids = cluster.by_role("hybrid") if peer == "vllm-router" else []
-    prefill = cluster.by_role("prefill") + hybrids[: (len(hybrids) + 1) // 2]
-    decode = cluster.by_role("decode") + hybrids[(len(hybrids) + 1) // 2 :]
+    prefill, decode = peer_pools(
+        peer, cluster.by_role("prefill"), cluster.by_role("decode"), cluster.by_role("hybrid")
+    )
     cmd.append("--vllm-pd-disaggregation" if peer == "vllm-router" else "--pd-disaggregation")
     for w in prefill:
         cmd += ["--prefill", w.url]

@@ -117,11 +117,11 @@ def ratios(rows: Sequence[Row], loads: Sequence[float]) -> list[Row]:
         if best is None:
             continue
         line: Row = {"load": load, "best_peer": best["policy"]}
+        b = good_share(best)
         for own in ("ownerserve", HYBRIDS):
             mine = next((r for r in at if r["policy"] == own), None)
             if mine is None:
                 continue
-            b = good_share(best)
             line[own] = {
                 "goodput_ratio": good_share(mine) / b if b else None,
                 "e2e_ratio": mine["e2e_mean_s"] / best["e2e_mean_s"]
