@@ -28,7 +28,7 @@ from router.telemetry import RouterMetrics
 
 if TYPE_CHECKING:
     from router.pipeline import RequestContext
-    from router.streaming import ResponseWriter
+    from router.writer import ResponseWriter
 
 
 @dataclass(slots=True)

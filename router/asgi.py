@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ownerserve.http import read_request_body
 from router.pipeline import respond
 from router.requests import Endpoint
-from router.streaming import ResponseWriter
+from router.writer import ResponseWriter
 
 if TYPE_CHECKING:
     from router.state import Router

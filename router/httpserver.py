@@ -39,8 +39,8 @@ from router.asgi import Message
 from router.frontdoors.messages import error_body as messages_error_body
 from router.requests import Endpoint
 from router.state import Router
-from router.streaming import ResponseWriter
 from router.upstream import set_no_delay
+from router.writer import ResponseWriter
 
 log = logging.getLogger(__name__)
 

@@ -47,9 +47,10 @@ from router.plans import Fallback, GaveUp, Ran
 from router.pool import WorkerState
 from router.requests import CompletionRequest, Endpoint, parse_request
 from router.session import SessionInfo, SessionKey, chain_session, identify_session
-from router.streaming import ResponseWriter, stream
+from router.streaming import stream
 from router.tokens import ModelTokenizer, Tokenized
 from router.views import cluster_view, request_view
+from router.writer import ResponseWriter
 
 if TYPE_CHECKING:
     from router.state import Router

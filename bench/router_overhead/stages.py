@@ -29,7 +29,7 @@ from router.pipeline import RequestContext, identify, look_up, parse, plan, toke
 from router.plans import PlanRecord, plan_header
 from router.requests import Endpoint
 from router.state import Router
-from router.streaming import ResponseWriter
+from router.writer import ResponseWriter
 
 
 def _requests(kind: str) -> tuple[list[tuple[bytes, str | None]], int]:

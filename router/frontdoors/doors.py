@@ -30,7 +30,8 @@ from router.frontdoors.responses import Conversation, ResponsesRequest
 from router.frontdoors.store import ConversationStore, open_store
 from router.requests import Endpoint
 from router.session import SESSION_HEADERS, identify_session
-from router.streaming import PLAN_HEADER, ResponseWriter
+from router.streaming import PLAN_HEADER
+from router.writer import ResponseWriter
 
 if TYPE_CHECKING:
     from router.state import Router

@@ -25,8 +25,8 @@ from router.backends import WorkerLoad
 from router.pool import WorkerState
 from router.server import running_app
 from router.state import Router
-from router.streaming import ResponseWriter
 from router.views import cluster_view
+from router.writer import ResponseWriter
 from tests.e2e.router_cluster import metric_value
 from tests.router.fake_worker import FakeWorker
 from tests.router.waiting import until

@@ -14,9 +14,9 @@ from router.pipeline import RequestContext, identify, look_up, parse, plan, toke
 from router.requests import Endpoint
 from router.session import SessionSource
 from router.state import Router
-from router.streaming import ResponseWriter
 from router.tokens import Tokenized
 from router.views import cluster_view
+from router.writer import ResponseWriter
 
 MODEL = "tiny"
 PROMPT = "def add(a, b):\n    return a + b\n" * 10  # beyond the 64 blocks a session hashes
