@@ -4,8 +4,8 @@ UNTESTED HERE: no Ascend device or torch-npu on the machines this was written on
 imported when a function is first called, never at module import. Each op runs the reference's
 indexing on the NPU tensors (index_select / index_put, which torch-npu maps to aclnn kernels), so
 the meaning is the reference's by construction; one call issues one small kernel per (layer, kv),
-not one fused launch. A fused path (e.g. `torch_npu.npu_kv_rmsnorm_rope_cache` for copy + RoPE, as
-seed 002 proposes) is future work and must be checked against `kernels.reference` on a device.
+not one fused launch. A fused path (e.g. `torch_npu.npu_kv_rmsnorm_rope_cache`, torch-npu's fused
+copy + RoPE) is future work and must be checked against `kernels.reference` on a device.
 """
 
 from __future__ import annotations

@@ -207,7 +207,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def evaluate_goals(summaries: Sequence[RunSummary]) -> list[Goal]:
-    """The issue's goals for ownerserve against the others in the same run."""
+    """The agentic bench's goals for ownerserve against the others in the same run."""
     by = {s.label: s for s in summaries}
     own = by.get("ownerserve")
     if own is None:

@@ -1,11 +1,11 @@
-"""Position-independent chunk reuse (seed 002): a chunked prompt parsed into its system,
-chunk and question token spans, each chunk named by a hash of its content that does not
-depend on where in a prompt it sits.
+"""Position-independent chunk reuse (as in EPIC, Block-Attention): a chunked prompt parsed
+into its system, chunk and question token spans, each chunk named by a hash of its content that
+does not depend on where in a prompt it sits.
 
 Two ways to mark chunks, both off unless the model's `chunks:` settings enable them
 (`ownerserve.config.ChunkSettings`):
 
-- the seed's text format, `system SEP chunk1 SEP chunk2 SEP question` (SEP: the configured
+- the plain-text format, `system SEP chunk1 SEP chunk2 SEP question` (SEP: the configured
   separator, `##` by default), matched on token ids: k + 1 separators make k chunks, the
   separators themselves are computed like the question;
 - for chat requests, text content parts `{"type": "text", "text": ..., "ownerserve_chunk":
@@ -22,7 +22,7 @@ The worker learns the layout from `kv_transfer_params: {"ownerserve": {"chunks":
 "start", "end"}, ...], "system_end"}}` (`layout_params`, `parse_layout`, `parse_system_end`):
 hashes as 16 hex digits, spans in the prompt's token ids.
 
-For vLLM workers (issue 26 part B) a chunk is loaded with the tokens leading into it
+For vLLM workers a chunk is loaded with the tokens leading into it
 (`load_spans`: a worker loads one contiguous run) and computed beforehand by a chunk prefill
 (`chunk_prefills`), its KV kept under `chunk_artifact_key`.
 """
@@ -153,7 +153,7 @@ def split_on_separator(
     blank: Collection[int] = (),
     param: str = "messages",
 ) -> ChunkedPrompt | None:
-    """The seed's format: `system SEP chunk1 SEP ... SEP chunkK SEP question` in token ids.
+    """The plain-text format: `system SEP chunk1 SEP ... SEP chunkK SEP question` in token ids.
     None when the separator does not occur (not a chunked prompt); a 400
     (`InvalidRequestError`) when it occurs once (unbalanced: no chunk is closed), when a
     chunk is empty (no tokens, or only `blank` ones), longer than `max_model_len`, or when

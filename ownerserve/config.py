@@ -177,7 +177,7 @@ class ChunkSettings(_Strict):
     layout. Off unless the model has a `chunks:` section."""
 
     separator: str | None = "##"
-    """The seed's text format `system ## chunk1 ## chunk2 ## question` (matched on token ids:
+    """The plain-text chunk format `system ## chunk1 ## chunk2 ## question` (matched on token ids:
     it must tokenize the same wherever it appears; a string no document contains, e.g. a
     special token, is safest). None: only chat parts marked `"ownerserve_chunk": true`."""
     marked_parts: bool = True

@@ -1,4 +1,4 @@
-"""Request classes of mission 3.6.4: what kind of agent step a request is, and each class's
+"""The request classes (planner/README.md): what kind of agent step a request is, and each class's
 default action (the cost model may override it when another action is cheaper)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ DEFAULT_ACTION = MappingProxyType(
         RequestClass.COLD_RESUME: Action.TAIL_RECOMPUTE,
     }
 )
-"""Mission 3.6.4's default per class: new long prefix → remote P; small incremental turn →
+"""The default action per class: new long prefix → remote P; small incremental turn →
 colocated on the D owner; long tool output → remote P (or hybrid, by cost); decode continuation →
 stay on the D owner; forked rollout → shared prefix artifact read by many D workers (fetch);
 cold resume → load the artifact from its tier and recompute the tail."""

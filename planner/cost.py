@@ -1,4 +1,4 @@
-"""The mission's cost model:
+"""The planner's cost model (each formula in planner/README.md):
 
     C(a) = T_queue + T_compute + T_network + T_restore + λ·M_HBM + μ·I_decode + H_move
 
@@ -470,7 +470,7 @@ class RequestCosts:
         self, w: WorkerView, gpu: int, others: int, cap: float, c: tuple[float, ...]
     ) -> float:
         """W_disp(w): the reload of the other sessions' working-set KV that this request's KV
-        pushes out of w (issue 23: a placement where the request does not fit evicts KV that
+        pushes out of w (under KV pressure a placement where the request does not fit evicts KV that
         sessions active on w will want back within their tool gap):
 
             need   = N + O + growth − gpu(w)·bs        the KV it allocates on w (kv_wait's need)

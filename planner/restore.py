@@ -53,7 +53,7 @@ from ownerserve.types import Tier
 
 
 class RestoreAction(StrEnum):
-    """Steps of a restore plan (mission 2.6.6, plus RECOMPUTE_PREFIX for the recompute side)."""
+    """Steps of a restore plan (HeteroCache, plus RECOMPUTE_PREFIX for the recompute side)."""
 
     LOAD_COMPRESSED_KV = "load_compressed_kv"
     RECOMPUTE_PREFIX = "recompute_prefix"

@@ -15,7 +15,7 @@ from ownerserve.types import Role, Tier
 
 
 class Action(StrEnum):
-    """The mission's action set (B2)."""
+    """The planner's action set: where prefill and decode run, decided per step."""
 
     COLOCATED_PREFILL = "colocated_prefill"
     REMOTE_PREFILL = "remote_prefill"
@@ -26,7 +26,7 @@ class Action(StrEnum):
 
 
 class RequestClass(StrEnum):
-    """Request classes of mission 3.6.4."""
+    """The request classes (planner/README.md, *Actions and request classes*)."""
 
     NEW_LONG_PREFIX = "new_long_prefix"
     SMALL_INCREMENTAL_TURN = "small_incremental_turn"

@@ -1,4 +1,4 @@
-"""Sessions' KV working sets per worker (issue 23): the KV the router expects to be reused soon
+"""Sessions' KV working sets per worker (KV pressure): the KV the router expects to be reused soon
 — a session with a request in flight, or inside a tool gap predicted short — counted on the
 worker that holds it, and the predicted tool gaps that decide how long an idle session is kept.
 

@@ -99,7 +99,7 @@ async def record_chunks(ctx: RequestContext) -> None:
 
 
 async def replicate(ctx: RequestContext, target: str) -> None:
-    """The hot-spot rule (mission 3.11): the plan asked for a read-only replica of the
+    """The hot-spot rule (planner/README.md): the plan asked for a read-only replica of the
     owner's prefix on `target`; copy it there and record it."""
     router = ctx.router
     worker = router.pool.get(target)

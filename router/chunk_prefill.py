@@ -1,4 +1,4 @@
-"""Chunk prefill for vLLM workers (issue 26 part B): before a chunked request runs on a vLLM
+"""Chunk prefill for vLLM workers (chunk reuse): before a chunked request runs on a vLLM
 worker whose connector keeps chunk KV in its sidecar, every chunk whose artifact the sidecar
 does not hold intact is computed in isolation there (`ownerserve.chunks.chunk_prefills`: the
 system segment and the chunk's load span, `max_tokens` 1, saved by the connector), and the

@@ -1,7 +1,7 @@
 """After a response: write what it changed into the ownership directory.
 
 The decode worker now holds the prompt's KV. It claims the blocks nobody owns yet (a delta
-artifact fenced by its epoch when it already owns the prefix it extends, mission rule 1), is
+artifact fenced by its epoch when it already owns the prefix it extends, single-owner rule 1), is
 recorded as the session's decode owner, and holds a read-only replica of any prefix another
 worker owns — unless the session moved there with its KV (a state migration from the prefix's
 owner): then it owns that prefix, and the source's copy is a short-TTL replica that ages out

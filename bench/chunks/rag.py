@@ -1,7 +1,7 @@
-"""RAG benchmark for position-independent chunk reuse (issue 26): the router in front of
+"""RAG benchmark for position-independent chunk reuse: the router in front of
 emulated workers at GPU timing, with chunk reuse against prefix caching alone.
 
-A pool of documents; each prompt is `Context##doc##doc##...##question` (the seed's format) with
+A pool of documents; each prompt is `Context##doc##doc##...##question` (the plain-text format) with
 4-16 documents of 256-1024 tokens in random order, each drawn from a warm set (computed once
 before measuring) with probability `hit`, else never seen before. The same request sequence
 runs through a router with the model's `chunks:` on and through one without (prefix caching

@@ -1,4 +1,4 @@
-"""RAG benchmark for chunk reuse on real vLLM CPU (issue 26 part B): the router (chunk reuse on:
+"""RAG benchmark for chunk reuse on real vLLM CPU: the router (chunk reuse on:
 missing chunks prefilled on their own, the rest loaded by the OwnerServe connector from the
 worker's sidecar with K re-rotated) against the router without it (vLLM's prefix caching and
 the connector's prefix artifacts alone), on one vLLM CPU worker serving the tiny random-weight

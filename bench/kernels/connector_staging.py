@@ -1,5 +1,5 @@
 """The vLLM connector's CUDA data path (`workers.vllm_connector.gpu.CudaPagedKV`) on a GPU, against
-pinned host<->device copies of the same bytes (issue 25).
+pinned host<->device copies of the same bytes.
 
 Request: 64 of 1024 blocks of 16 tokens, 32 layers, 8 KV heads x 128, bf16, vLLM's FlashAttention
 layout: 128 MiB of KV = 512 per-head payloads of 256 KiB. Measured, in one run:

@@ -1,5 +1,5 @@
 """Check every KV data-movement kernel against its PyTorch reference on a CUDA GPU, then time it
-against a device-to-device copy of the same bytes in the same run (issue 11).
+against a device-to-device copy of the same bytes in the same run.
 
 Shape: 32 layers, 256 of 4096 blocks, block 16, 8 KV heads, head dim 128, bf16; RoPE re-rotation
 of 4096 tokens x 32 layers x 8 heads x 128. Inputs are fresh random normals for every check,
@@ -257,7 +257,7 @@ def check_rope(neox: bool) -> None:
     tri.scatter_blocks(staging, paged, ids, rope=spec, delta=delta)
     ref.scatter_blocks(staging, kernels.vllm_kv(copies), ids, rope=spec, delta=delta)
     check(f"scatter + rerotate ({style})", *same(tensors, copies, exact=False))
-    # one delta for the whole chunk (seed 002's case): a kernel argument, no per-token table
+    # one delta for the whole chunk (chunk reuse's case): a kernel argument, no per-token table
     copies = [t.clone() for t in tensors]
     tri.rerotate_blocks(paged, ids, spec, -2345)
     ref.rerotate_blocks(kernels.vllm_kv(copies), ids, spec, -2345)

@@ -1,4 +1,4 @@
-"""Issue 23's simulator check: does `ownerserve sim` rank the targets of a capacity sweep as the
+"""A simulator check: does `ownerserve sim` rank the targets of a capacity sweep as the
 emulated sweep (`ownerserve bench capacity`) does?
 
     .venv/bin/python -m bench.sim.capacity_ranking --emulated bench/results/capacity_latest.json
@@ -34,7 +34,7 @@ from loadgen.bench import OWN_POLICIES, machine_line
 from ownerserve.cli import main as ownerserve_main
 
 TAU_MIN = 0.6
-"""Kendall tau over every (target, rate) point that counts as the same ranking (issue 23)."""
+"""Kendall tau over every (target, rate) point that counts as the same ranking."""
 BLOCK_TOKENS = 16
 """The emulated engine's KV block."""
 

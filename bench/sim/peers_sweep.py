@@ -1,4 +1,4 @@
-"""Issue 24's load sweep: every peer router's model beside ownerserve and the oracle, on the
+"""The peer routers' load sweep: every peer router's model beside ownerserve and the oracle, on the
 agentic generator and the Mooncake trace, at 64 and 1,000 workers, the load raised until each
 policy passes its knee.
 

@@ -1,4 +1,4 @@
-"""Simulator validation (issue 10): the same agentic workload through the real router on an
+"""Simulator validation: the same agentic workload through the real router on an
 emulated cluster and through the cluster simulator, policy by policy, side by side.
 
     .venv/bin/python -m bench.sim.validate [--speed 1] [--sessions 24] [--rate 1.0]
@@ -44,7 +44,7 @@ from loadgen.workloads import AgenticParams, Workload, agentic
 from ownerserve.profiles import load_profile
 from planner.policies import get_policy
 
-SECTION = "## Simulator validation (issue 10)"
+SECTION = "## Simulator validation"
 METRICS: tuple[tuple[str, str], ...] = (
     ("e2e_mean_s", "mean session E2E s"),
     ("prefill_tokens", "prefill tokens"),

@@ -1,4 +1,4 @@
-"""Peer-model validation (issue 24): the real sglang-router / vllm-router binaries on the emulated
+"""Peer-model validation: the real sglang-router / vllm-router binaries on the emulated
 cluster against the simulator's models of them (`planner.policies.peers`), beside our baselines,
 on the same sessions and the same cluster shape.
 
@@ -72,7 +72,7 @@ from planner.policies.peers import (
 from planner.policies.peers.cache_aware import RoutingText
 from planner.types import Policy, RequestView
 
-SECTION = "## Peer models against the peer binaries (issue 24)"
+SECTION = "## Peer models against the peer binaries"
 BLOCK_TOKENS = 16
 E2E_TOLERANCE = 0.20
 """Largest |sim − emulated| / emulated accepted for mean session E2E."""

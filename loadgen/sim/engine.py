@@ -19,7 +19,7 @@ unless it is run with `full_view` (the peer routers' models: their binaries weig
 A policy may refuse a request (`RequestRejectedError`, Mooncake's early rejection): it is
 counted apart and its session ends there.
 
-Issue 23's regime: the sessions' KV working sets (`planner.workingset.WorkingSets`, fed as the
+Under KV pressure: the sessions' KV working sets (`planner.workingset.WorkingSets`, fed as the
 router feeds it: a request counts on its decode worker from its start, its prompt and output
 after it ends, kept through a short predicted gap) fill `WorkerView.ws_tokens` and the
 request's `home_worker`; a CPU tier per worker (`ClusterSpec.cpu_blocks`) takes the blocks HBM

@@ -2,8 +2,8 @@
 
 Ownership is per sealed block of a hash chain (`ownerserve.hashing`). An `Artifact` is an
 immutable run of blocks `[start, end)` of one chain: the first artifact of a session starts at
-block 0, later turns append delta artifacts (mission rule 1). An artifact's id is the hash of its
-last block, which names the whole prefix up to it.
+block 0, later turns append delta artifacts (single-owner rule 1). An artifact's id is the hash of
+its last block, which names the whole prefix up to it.
 """
 
 from __future__ import annotations

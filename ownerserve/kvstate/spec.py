@@ -30,7 +30,7 @@ _PER_TOKEN = (AttentionType.DENSE, AttentionType.MLA)
 
 @dataclass(frozen=True, slots=True)
 class LayerSpec:
-    """One layer's attention and cache entry layout (the mission's `LayerSpec`).
+    """One layer's attention and cache entry layout (HeteroCache's `LayerSpec`).
 
     An entry holds `kv_tensors` tensors (2: separate K and V; 1: one shared latent or KV) of
     `kv_heads` heads of `head_dim` elements each; `rope_dim` of those elements are stored in
@@ -375,7 +375,7 @@ def artifact_id(
     tokenizer: str = "",
     state: StateType | None = None,
 ) -> str:
-    """An artifact's identity (mission 2.6.5): H(model, revision, tokenizer, attention spec
+    """An artifact's identity: H(model, revision, tokenizer, attention spec
     and precision, prefix hash, block range[, state type]). It names no TP size or rank, so
     any consumer finds it; a different layout or precision never matches."""
     _check_range(start, end)

@@ -6,7 +6,7 @@ from enum import StrEnum
 
 
 class StateType(StrEnum):
-    """The kinds of KV state a request holds (mission A1)."""
+    """The kinds of KV state a request holds (HeteroCache's state types)."""
 
     DENSE_KV = "dense_kv"
     """Per-token KV of dense attention (MHA/GQA/MQA) or MLA latents: one entry per token."""

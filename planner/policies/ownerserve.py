@@ -146,7 +146,7 @@ class _Pick(TopTwo[float, _Rec]):
 
 
 class OwnerServePolicy:
-    """Single-owner, cost-based PD-hybrid planning (mission 3.6.5): a* = argmin_a C(a)."""
+    """Single-owner, cost-based PD-hybrid planning: a* = argmin_a C(a)."""
 
     name = "ownerserve"
 

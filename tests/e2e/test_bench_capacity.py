@@ -1,5 +1,5 @@
 """`ownerserve bench capacity --quick` on a two-worker cluster: every (target, rate) point lands in
-`capacity_latest.json` with the issue's fields, and its numbers hang together."""
+`capacity_latest.json` with the fields below, and its numbers hang together."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ FIELDS = {
 
 def test_quick_sweep_writes_one_sane_point_per_target_and_rate(tmp_path: Path) -> None:
     out, history = tmp_path / "results", tmp_path / "capacity.md"
-    # No CPU tier: with one, the emulator stalls requests under HBM pressure (see the report of
-    # issue 23's capacity bench); plenty of HBM keeps the light-load point inside the SLO.
+    # No CPU tier: with one, the emulator stalls requests under HBM pressure (see
+    # bench/history/capacity.md); plenty of HBM keeps the light-load point inside the SLO.
     cmd = [sys.executable, "-m", "ownerserve", "bench", "capacity", "--quick",
            "--targets", "ownerserve,colocated", "--prefill", "1", "--decode", "1", "--hybrid", "0",
            "--num-blocks", "1500", "--cpu-num-blocks", "0", "--duration-s", "15",

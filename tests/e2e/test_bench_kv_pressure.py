@@ -1,4 +1,4 @@
-"""`ownerserve bench agentic` with every worker's KV short of the load (issue 22): P/D routes
+"""`ownerserve bench agentic` with every worker's KV short of the load: P/D routes
 queue for blocks on the decode side instead of hanging until the run's time limit."""
 
 from __future__ import annotations

@@ -107,17 +107,17 @@ def test_replace_section_rewrites_only_its_own_section(tmp_path: Path) -> None:
     md = tmp_path / "RESULTS.md"
     md.write_text(
         "# Results\n\n## Router overhead\n\nkeep me\n\n"
-        "## Agentic benchmark (issue 8)\n\nold\n\n## Later\n\ntail\n"
+        "## Agentic benchmark\n\nold\n\n## Later\n\ntail\n"
     )
-    replace_section(md, "## Agentic benchmark (issue 8)", "## Agentic benchmark (issue 8)\n\nnew\n")
+    replace_section(md, "## Agentic benchmark", "## Agentic benchmark\n\nnew\n")
     text = md.read_text()
     assert "keep me" in text and "tail" in text and "new" in text and "old" not in text
     assert text.index("## Router overhead") < text.index("new") < text.index("## Later")
     other = tmp_path / "other.md"
     replace_section(
-        other, "## Agentic benchmark (issue 8)", "## Agentic benchmark (issue 8)\n\nx\n"
+        other, "## Agentic benchmark", "## Agentic benchmark\n\nx\n"
     )
-    assert other.read_text().startswith("# Benchmark results\n\n## Agentic benchmark (issue 8)")
+    assert other.read_text().startswith("# Benchmark results\n\n## Agentic benchmark")
 
 
 def test_cluster_config_is_valid_settings_and_peer_commands_split_pd(tmp_path: Path) -> None:

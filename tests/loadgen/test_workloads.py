@@ -1,4 +1,4 @@
-"""Workload generators: deterministic per seed, the shapes the mission asks for, exact lengths."""
+"""Workload generators: deterministic per seed, the agent-workload shapes, exact lengths."""
 
 from __future__ import annotations
 

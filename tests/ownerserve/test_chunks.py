@@ -111,7 +111,7 @@ def test_marked_chat_parts_and_messages_are_chunks_in_prompt_order() -> None:
     cp = locate_chunks(ids(prompt), [ids(t) for t in texts], ROOT, max_model_len=99)
     assert [bytes(ids(prompt)[c.start : c.end]) for c in cp.chunks] == [b"doc A", b"doc B"]
     assert bytes(ids(prompt)[: cp.system_end]) == b"<|system|>be brief<|end|>\n<|user|>"
-    # the same documents in the seed's format under the same system segment hash the same
+    # the same documents in the plain-text format under the same system segment hash the same
     other = locate_chunks(
         ids("<|system|>be brief<|end|>\n<|user|>doc B, then doc A"),
         [ids("doc B"), ids("doc A")],

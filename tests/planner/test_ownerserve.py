@@ -1,4 +1,4 @@
-"""The ownerserve policy: each class's default wins where the mission says it should, with
+"""The ownerserve policy: each class's default wins where the design says it should, with
 hand-computed costs (round-number profile of `util.py`), and the hot-spot rule."""
 
 from __future__ import annotations

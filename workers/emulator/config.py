@@ -38,8 +38,8 @@ class EmulatorConfig:
     """Blocks of the CPU tier behind HBM (vLLM's KV offloading, `--kv-offloading-size` in
     blocks); 0: no CPU tier."""
     chunk_store_tokens: int | None = None
-    """Tokens of chunk KV the chunk store keeps (chunk reuse, seed 002's chunk pool); None:
-    15/70 of the KV pool's tokens (the seed's 15% chunk pool beside a 70% main pool); 0: no
+    """Tokens of chunk KV the chunk store keeps (chunk reuse, a pool beside the KV pool); None:
+    15/70 of the KV pool's tokens (a 15% chunk pool beside a 70% main pool); 0: no
     chunk store (chunk layouts are ignored)."""
     chunk_recompute_tokens: int = 0
     """Leading tokens of each reused chunk computed again (EPIC's LegoLink); 0: none."""

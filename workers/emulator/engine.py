@@ -24,7 +24,7 @@ the blocks that loads and prefills already admitted still need, as vLLM reserves
 parked while they load at the profile's host-to-device bandwidth (`link.cpu_load_bps`, loads
 queued FIFO on the one PCIe link), then it runs with only the rest to compute.
 
-With a chunk store (`ChunkStore`, seed 002's chunk pool) a request carrying a chunk layout
+With a chunk store (`ChunkStore`, a chunk pool beside the KV pool) a request carrying a chunk layout
 (`Sequence.chunks`, from `kv_transfer_params.ownerserve`) reuses, at admission, every chunk
 past its prefix hit that the store holds, at whatever position it now sits: those tokens are
 counted as cached and cost `rerotate_per_token_s` each (the KV copied into the request's

@@ -1,4 +1,4 @@
-"""The sidecar's chunk store view (issue 26): chunk artifacts (`ownerserve.chunks.
+"""The sidecar's chunk store view (chunk reuse): chunk artifacts (`ownerserve.chunks.
 chunk_artifact_key`, written by the vLLM connector after a chunk prefill) live in the artifact
 store like block artifacts; `POST /ownerserve/kv/chunks/verify` says which of some keys are
 stored *and* pass their checksum, dropping a corrupted one, so the router prefills those

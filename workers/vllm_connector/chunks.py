@@ -1,4 +1,4 @@
-"""Chunk reuse on the connector (issue 26, seed 002): a chunk's KV, computed in isolation (the
+"""Position-independent chunk reuse on the connector: a chunk's KV, computed in isolation (the
 system segment and the chunk, nothing else), saved to the sidecar under its content key, and
 loaded into any prompt that holds the chunk with K re-rotated from the position it was computed
 at to the one it sits at.

@@ -30,7 +30,7 @@ bootstrap room), vLLM the prefill first then the decode with its `kv_transfer_pa
 simulator moves the KV after the prefill in both.
 
 Where the binaries depart from that rule (measured against them on the emulated cluster,
-`bench/sim/validate_peers.py`; issue 24):
+`bench/sim/validate_peers.py`):
 - vllm-router 0.1.17 routes a chat request that carries tool messages (a tool result, an
   assistant `tool_calls` turn) without its tree: its decision counter says `missing_tokens`
   (it first asks the worker to render the prompt to tokens), the request goes to the least

@@ -1,4 +1,4 @@
-"""Issue 24's load sweep (`bench.sim.peers_sweep`): the knee against the sweep's ceiling, the
+"""The peer routers' load sweep (`bench.sim.peers_sweep`): the knee against the sweep's ceiling, the
 best peer at a load, ownerserve's ratios, and one real (quick) sweep through the simulator."""
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def test_section_renders_saved_runs(tmp_path: Path) -> None:
         ],
     }
     text = section([run], "notes here")
-    assert text.startswith("## Simulator validation (issue 10)")
+    assert text.startswith("## Simulator validation\n")
     assert "| ownerserve | 14.00 / 12.00 (-14%)" in text
     assert "baselines only" in text and text.rstrip().endswith("notes here")
     saved = tmp_path / "run.json"
@@ -72,4 +72,4 @@ def test_section_renders_saved_runs(tmp_path: Path) -> None:
     md.write_text("# Benchmark results\n\n## Other\n\nkept\n")
     assert main(["--section", str(saved), "--results-md", str(md), "--notes", "/nonexistent"]) == 0
     out = md.read_text()
-    assert "## Other\n\nkept" in out and "## Simulator validation (issue 10)" in out
+    assert "## Other\n\nkept" in out and "## Simulator validation\n" in out

@@ -1,5 +1,5 @@
 """A reference forward pass of the tiny Llama (plain torch, float32, the model's own safetensors
-read by hand) with the seed's chunk-isolated attention (seed 002, issue 26).
+read by hand) with chunk-isolated attention (Block-Attention's).
 
 The definition it computes: the system segment [0, S) is causal; each chunk's load span (the
 chunk and the separator leading into it) sees the system segment and itself only, computed at

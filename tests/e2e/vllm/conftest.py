@@ -313,7 +313,7 @@ def vllm_pd_pair(
     decode.stop()
 
 
-# --- OwnerServe sidecars and the KV connector (issue 12) -------------------------------------
+# --- OwnerServe sidecars and the KV connector ------------------------------------------------
 
 SIDECAR_SERVER_PRESENT = importlib.util.find_spec("workers.sidecar.server") is not None
 # Extra `ownerserve worker sidecar` flags; the corrupted-artifact test needs artifacts in files.
@@ -492,7 +492,7 @@ sidecar_c = _sidecar_fixture("c", 'The sidecar of `vllm_chunks` (worker "c").')
 def vllm_chunks(
     vllm_install: VllmCpuInstall, vllm_work_dir: Path, sidecar_c: Sidecar
 ) -> Iterator[VllmServer]:
-    """A float32 instance with the connector on `sidecar_c`, for chunk reuse (issue 26): its
+    """A float32 instance with the connector on `sidecar_c`, for chunk reuse: its
     logprobs are compared with a float32 torch reference within 1e-3, which bf16 would not
     hold."""
     server = _server(

@@ -1,4 +1,4 @@
-"""Chunk reuse on real vLLM CPU (issue 26 part B): chunk KV computed in isolation by chunk
+"""Chunk reuse on real vLLM CPU: chunk KV computed in isolation by chunk
 prefills, saved by the connector into the sidecar under its content key, loaded into prompts
 that hold the chunks at other positions with K re-rotated; the first token's logprobs equal the
 float32 torch reference with chunk-isolated attention (`chunk_reference.py`) within 1e-3.
@@ -49,7 +49,7 @@ TOP = 5
 # ids above the tokenizer's special tokens, drawn at random (a random-weight model is happy
 # with any ids)
 _FIRST_ID, _LAST_ID = 16, 1000
-SEP = (7, 9)  # two ids standing for the separator: the seed's `##`
+SEP = (7, 9)  # two ids standing for the separator: the default `##`
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""Issue 25: the KV paths of real vLLM workers through the router. The router (the `ownerserve`
+"""The KV paths of real vLLM workers through the router. The router (the `ownerserve`
 policy, each worker `kind: vllm` with its own `sidecar_url`) plans and executes them; vLLM
 loads through the OwnerServe connector from its sidecar:
 

@@ -1,4 +1,4 @@
-"""Real vLLM workers with the OwnerServe KV connector and real sidecar processes (issue 12).
+"""Real vLLM workers with the OwnerServe KV connector and real sidecar processes.
 Sidecar fixtures come first in each signature: without the sidecar server the tests skip before
 any vLLM starts.
 

@@ -1,4 +1,4 @@
-"""The simulator with the planner's real policies: the mission's expectations on a small cluster."""
+"""The simulator with the planner's real policies: the design's expectations on a small cluster."""
 
 from __future__ import annotations
 

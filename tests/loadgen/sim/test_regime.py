@@ -1,4 +1,4 @@
-"""Issue 23's regime in the simulator: working sets in the views, the CPU tier behind HBM,
+"""The simulator under KV pressure: working sets in the views, the CPU tier behind HBM,
 program-level gates (the router's admission, ThunderAgent) and goodput at a TTFT SLO."""
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def test_heads_split_evenly_over_ranks() -> None:
     assert heads_for_rank(8, 4, 1) == (2, 3)
     assert heads_for_rank(8, 2, 1) == (4, 5, 6, 7)
     assert heads_for_rank(8, 8, 5) == (5,)
-    assert heads_for_rank(32, 4, 0) == tuple(range(8))  # seed 000's example
+    assert heads_for_rank(32, 4, 0) == tuple(range(8))  # 32 heads over TP 4: rank 0
 
 
 def test_tp_above_kv_heads_replicates_heads_and_only_the_first_replica_stores() -> None:

@@ -1,4 +1,4 @@
-"""The sidecar's chunk verify route (issue 26): held and intact, missing, corrupted (dropped)."""
+"""The sidecar's chunk verify route (chunk reuse): held and intact, missing, corrupted (dropped)."""
 
 from __future__ import annotations
 
