@@ -172,7 +172,7 @@ class AdmissionSettings(_Strict):
 
 
 class ChunkSettings(_Strict):
-    """Position-independent chunk reuse for one model (`ownerserve/chunks.py`, seed 002): the
+    """Position-independent chunk reuse for one model (`ownerserve/chunks.py`, as in EPIC): the
     router parses chunked prompts, prices where their chunks' KV is and tells the worker the
     layout. Off unless the model has a `chunks:` section."""
 

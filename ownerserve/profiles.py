@@ -7,7 +7,7 @@ sleeps, the planner's cost model and the cluster simulator, so they agree by con
     decode_step_s(batch, ctx) = base_s + per_seq_s·batch + per_ctx_token_s·ctx
     transfer_s(bytes, bw) = latency_s + bytes / bw
     rerotate_s(tokens) = rerotate_per_token_s·tokens   (a reused chunk's KV copied into the
-                         request's blocks with K re-rotated to its new position, seed 002)
+                         request's blocks with K re-rotated to its new position)
 """
 
 from __future__ import annotations

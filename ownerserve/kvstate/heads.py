@@ -1,7 +1,7 @@
 """Per-KV-head artifact keys, so that producers and consumers with different TP sizes share KV.
 
 A key names one KV head (not one TP rank) of one chunk, so an artifact's identity does not
-depend on the TP size that wrote it (seed 000)::
+depend on the TP size that wrote it (vLLM-Ascend's KV pool layout, head for TP rank)::
 
     {model}@pcp{pcp}@dcp{dcp}@head:{head}@pp_rank:{pp}@{chunk_hash}[@layers:{a}-{b}][@{layer}][@{state}]
 

@@ -1,4 +1,4 @@
-"""The baseline policies of mission 3.8, the policy registry and the `Planner`."""
+"""The baseline policies (planner/README.md, *Baselines*), the policy registry and the `Planner`."""
 
 from __future__ import annotations
 

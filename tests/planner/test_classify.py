@@ -1,4 +1,4 @@
-"""Request classes of mission 3.6.4 and their defaults."""
+"""The request classes (planner/README.md) and their defaults."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The emulated engine's chunk store (seed 002's chunk pool): chunk KV kept by content hash,
+"""The emulated engine's chunk store (a pool beside the KV pool): chunk KV kept by content hash,
 apart from the paged prefix cache, least recently used first out, pinned while a request
 copies from it.
 

@@ -714,8 +714,8 @@ class Engine:
         seq.chunk_reused = 0
 
     def _store_chunks(self, seq: Sequence) -> None:
-        """The prompt is computed: keep the KV of its chunks the store lacks (seed 002 computes
-        them at a virtual position, attending to the system prompt and themselves only)."""
+        """The prompt is computed: keep the KV of its chunks the store lacks (computed at
+        a virtual position, attending to the system prompt and themselves only)."""
         store = self.chunks
         assert store is not None
         seq.chunks_stored = True

@@ -20,7 +20,7 @@ failed engine read.
     catalog:  {"catalog": engine session id, "put": [[key, address, size, checksum hex], ...],
                "gone": [key, ...]}     (source -> watching peer; the first frames list all)
 
-**Control** path, one fetch (seed 003's staged transfer, seed 004's batched key lookup):
+**Control** path, one fetch (FlexKV's staged transfer, a 3FS KV connector's batched key lookup):
 
 1. The destination opens a control connection (length-prefixed JSON frames, the helpers of
    `transport.py`; kept and reused for later fetches from the same peer) and asks for its keys.

@@ -1,5 +1,5 @@
 """KV artifact store of one worker: a CPU memory tier (pinned when CUDA exists) over a local SSD
-file tier, artifacts keyed by per-head artifact keys (seed 000, `ownerserve.kvstate.HeadArtifactKey`
+file tier, artifacts keyed by per-head artifact keys (`ownerserve.kvstate.HeadArtifactKey`
 strings; MLA is head 0), payloads in the block-first staging layout of `kernels.layouts`.
 
 Every artifact carries a checksum taken when it is stored and verified on every load, from

@@ -1,5 +1,6 @@
 """`OwnerServeConnector`: a vLLM v1 KV connector that loads prompt blocks from the worker's
-OwnerServe sidecar into vLLM's paged cache and saves newly sealed blocks to it (seed 004's flow).
+OwnerServe sidecar into vLLM's paged cache and saves newly sealed blocks to it (the flow of 3FS
+KV connectors).
 
 Load it with::
 
@@ -197,7 +198,7 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
         self._mla = bool(model_config.use_mla)
         self._total_heads = 1 if self._mla else int(model_config.get_total_num_kv_heads())
         self._all_heads = list(range(self._total_heads))
-        # pipeline parallelism (seed 000): each stage stores its layers under its pp_rank and
+        # pipeline parallelism: each stage stores its layers under its pp_rank and
         # layer range; a block is whole when every stage's heads are stored
         self._pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
         self._stages: list[Stage] | None = None

@@ -4,7 +4,7 @@ sidecar can supply, and which engine blocks a load fills or a save reads. No I/O
 A block's identity is the OwnerServe chain hash of its tokens (`ownerserve.hashing`, the same
 chain the router computes from the same token ids, block size and root), so a block saved by one
 worker is found by every other worker and by the router's directory. Its KV is stored as one
-artifact per KV head (seed 000): key `HeadArtifactKey(model, head, chunk_hash)` with all layers of
+artifact per KV head: key `HeadArtifactKey(model, head, chunk_hash)` with all layers of
 that head in the one artifact (`layer` left unset); MLA models have one head (head 0).
 """
 
@@ -126,7 +126,7 @@ def stage_keys(
     model: str, chunk_hash: int, heads: Sequence[int], stages: Sequence[Stage] | None = None
 ) -> list[str]:
     """Artifact keys of one block over every pipeline stage: each stage's heads' keys, stage
-    after stage (seed 000: a block is whole when every stage's heads are stored); PP=1
+    after stage (a block is whole when every stage's heads are stored); PP=1
     (`stages` None or empty): `block_keys`."""
     if not stages:
         return block_keys(model, chunk_hash, heads)

@@ -1,4 +1,4 @@
-"""Per-head artifact keys through the store (seed 000): KV written by one TP layout is read by
+"""Per-head artifact keys through the store: KV written by one TP layout is read by
 another TP layout byte-identically per head. Two TP layouts of one model are simulated with the
 reference kernels (vLLM CPU cannot run TP>1 here): each rank's paged cache holds its own heads."""
 
