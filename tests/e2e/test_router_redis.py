@@ -4,7 +4,6 @@ workers' KV events reach the shared directory."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 import pytest
@@ -19,6 +18,7 @@ from tests.e2e.router_cluster import (
     proxy_client,
     router_settings,
 )
+from tests.waiting import settled, until
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.redis]
 
@@ -34,14 +34,16 @@ async def test_two_router_replicas_share_ownership_through_redis(redis_server):
     workers = (EmulatedWorker("h0", "hybrid", speed=50), EmulatedWorker("h1", "hybrid", speed=50))
     with emulated_workers(*workers) as ws:
         settings = router_settings(ws, directory=directory)
-        async with proxy_client(settings) as (a, router_a), proxy_client(settings) as (b, _):
+        async with proxy_client(settings) as (a, router_a), proxy_client(settings) as (b, router_b):
             body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6}
             headers = {"x-session-id": "shared-session"}
             first = await a.post("/v1/chat/completions", json=body, headers=headers)
             assert first.status_code == 200
             owner = plan_fields(first.headers["x-ownerserve-plan"])["d"]
             answer = first.json()["choices"][0]["message"]["content"]
-            await asyncio.sleep(0.2)
+            # with Redis the commit runs beside the answer: the next turn, on the other
+            # replica, is planned from the directory once it has landed
+            await settled(router_a)
 
             turn2 = [*MESSAGES, {"role": "assistant", "content": answer}]
             turn2.append({"role": "tool", "content": "ok"})
@@ -53,6 +55,7 @@ async def test_two_router_replicas_share_ownership_through_redis(redis_server):
             assert plan["d"] == owner and plan["action"] == "decode_continuation"
             cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached >= first.json()["usage"]["prompt_tokens"] - 16
+            await settled(router_b)  # b's commit of the second turn
 
             # an independent client of the same Redis sees the owner and the session
             chain = router_a.tokenizers.get(MODEL).tokenize_chat(None, turn2).chain
@@ -62,12 +65,11 @@ async def test_two_router_replicas_share_ownership_through_redis(redis_server):
                 assert match.owner == owner and match.session_owner == owner
                 assert match.owner_blocks == len(chain)
                 # the owner's KV events reached the directory too (a CACHED holding)
-                for _ in range(50):
+
+                async def cached_there() -> bool:
                     match = await observer.lookup(chain)
-                    kinds = {(h.worker, h.kind) for h in match.holdings}
-                    if (owner, HoldKind.CACHED) in kinds:
-                        break
-                    await asyncio.sleep(0.05)
-                assert (owner, HoldKind.CACHED) in kinds
+                    return (owner, HoldKind.CACHED) in {(h.worker, h.kind) for h in match.holdings}
+
+                await until(cached_there, what="the owner's KV events in the directory")
             finally:
                 await observer.close()
