@@ -4,7 +4,6 @@ the router still believes alive is retried on another before any byte reaches th
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import orjson
@@ -18,6 +17,7 @@ from tests.e2e.router_cluster import (
     proxy_client,
     router_settings,
 )
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,11 +50,7 @@ async def test_worker_killed_mid_stream_ends_the_stream_with_an_error_event():
             metrics = (await client.get("/metrics")).text
             assert metric_value(metrics, "ownerserve_stream_errors_total") == 1
             # the router notices the death and stops routing there
-            for _ in range(100):
-                if not router.pool.get(victim.worker_id).healthy:
-                    break
-                await asyncio.sleep(0.05)
-            assert not router.pool.get(victim.worker_id).healthy
+            await until(lambda: not router.pool.get(victim.worker_id).healthy)
             again = await client.post(
                 "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 4}
             )
@@ -73,7 +69,6 @@ async def test_dead_session_owner_is_retried_on_another_worker_before_the_first_
             headers = {"x-session-id": "s-retry"}
             first = await client.post("/v1/chat/completions", json=body, headers=headers)
             owner = plan_fields(first.headers["x-ownerserve-plan"])["d"]
-            await asyncio.sleep(0.1)
             by_id[owner].kill()
             turn2 = [*MESSAGES, {"role": "assistant", "content": "ok"}]
             turn2.append({"role": "user", "content": "go on"})
@@ -95,13 +90,13 @@ async def test_client_disconnect_cancels_generation_on_the_worker():
             async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
                 async for _ in resp.aiter_lines():
                     break  # the client walks away after the first bytes
-            for _ in range(200):
-                running = metric_value(h0.metrics(), "vllm:num_requests_running")
-                if running == 0 and router.pool.get("h0").inflight == 0:
-                    break
-                await asyncio.sleep(0.05)
-            assert metric_value(h0.metrics(), "vllm:num_requests_running") == 0
-            assert router.pool.get("h0").inflight == 0
+            await until(
+                lambda: (
+                    metric_value(h0.metrics(), "vllm:num_requests_running") == 0
+                    and router.pool.get("h0").inflight == 0
+                ),
+                what="h0 and the router both done with the abandoned request",
+            )
             # not a completion: far fewer tokens were generated than requested
             generated = metric_value(h0.metrics(), "vllm:generation_tokens_total")
             assert generated < 1000
