@@ -3,7 +3,6 @@ protocol: gaps, catch-up, restarts, binding, and what the backends subscribe to.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -43,11 +42,14 @@ class RecordingSink:
 class VllmLikePublisher:
     """vLLM's ZmqEventPublisher protocol: PUB of [topic, seq, payload] plus a ROUTER that replays
     buffered batches from a requested seq and ends with seq -1. `skip` seqs are buffered but
-    never published (a lost message)."""
+    never published (a lost message).
+
+    Its PUB is an XPUB (the same on the wire), so a test can wait until the subscriber's
+    subscription has arrived (`subscribed`): before that, PUB drops what it publishes."""
 
     def __init__(self, pub_port: int, replay_port: int, topic: bytes = b"kv") -> None:
         self.ctx = zmq.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.bind(f"tcp://127.0.0.1:{pub_port}")
         self.topic = topic
         self.buffer: list[tuple[int, bytes]] = []
@@ -80,11 +82,28 @@ class VllmLikePublisher:
         if send:
             self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
 
+    async def subscribed(self) -> None:
+        """Once a subscriber's subscription to the topic reached the PUB socket."""
+        await subscription_reached(self.pub, self.topic)
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
         self.pub.close(linger=0)
         self.ctx.term()
+
+
+async def subscription_reached(xpub: zmq.Socket, topic: bytes) -> None:
+    """Until the XPUB socket `xpub` has received a subscription to `topic` (ZMQ's slow joiner:
+    what is published before it arrives is dropped)."""
+    got: list[bytes] = []
+
+    def arrived() -> bool:
+        while xpub.poll(0):
+            got.append(xpub.recv())
+        return b"\x01" + topic in got
+
+    await until(arrived, what=f"a subscription to {topic!r}")
 
 
 @pytest.fixture
@@ -117,7 +136,7 @@ async def _subscribed(
     )
     await sub.start()
     try:
-        await asyncio.sleep(0.3)  # let the SUB subscription reach the PUB
+        await pub.subscribed()
         yield sub
     finally:
         await sub.close()
@@ -231,10 +250,10 @@ async def test_subscriber_can_bind_for_a_connecting_publisher(sink: RecordingSin
     sub = KVEventSubscriber("w2", f"tcp://127.0.0.1:{port}", sink, bind=True)
     await sub.start()
     ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
+    pub = ctx.socket(zmq.XPUB)  # a PUB that hears the subscription
     pub.connect(f"tcp://127.0.0.1:{port}")
     try:
-        await asyncio.sleep(0.3)
+        await subscription_reached(pub, b"")
         pub.send_multipart(encode_message(EventBatch(0, 1.0, (AllBlocksCleared(),))))
         await until(lambda: len(sink.applied) == 1)
         assert sink.applied[0].events == (AllBlocksCleared(),)
