@@ -28,6 +28,7 @@ from ownerserve.tokenizer import ByteTokenizer, ChatTemplate
 from ownerserve.types import Tier
 from ownerserve.vllm_events import decode_message
 from router.backends import parse_load_metrics
+from tests.waiting import until
 from tests.workers.emulator.conftest import StartEmulator, metric_value, scrape
 from tests.workers.emulator.zmq_subscriber import ZmqSubscriber
 from workers.emulator.config import DEFAULT_MODEL as MODEL
@@ -264,10 +265,15 @@ async def test_an_emulator_process_serves_an_evicted_prompt_from_its_cpu_tier(
     sub = RawSubscriber(f"tcp://127.0.0.1:{events_port}")
     try:
         await wait_healthy(http, url, proc)
-        for i in range(50):  # ZMQ's slow joiner: probe until events arrive, then start clean
-            await chat(http, url, [{"role": "user", "content": f"probe {i}"}])
-            if await sub.drain(0.05):
-                break
+        probes = 0
+
+        async def heard() -> bool:  # ZMQ's slow joiner: probe until events arrive
+            nonlocal probes
+            probes += 1
+            await chat(http, url, [{"role": "user", "content": f"probe {probes}"}])
+            return bool(await sub.drain(0.05))
+
+        await until(heard, what="a probe's KV events on the SUB socket")  # then start clean
         reset = await http.post(url + "/reset_prefix_cache?reset_external=true")
         assert reset.status_code == 200
         await sub.drain()
@@ -373,12 +379,13 @@ async def test_the_routers_directory_sees_the_cpu_tiers_holdings(
     await sub.start()
 
     async def held(i: int, tier: Tier, blocks: int) -> None:
-        for _ in range(100):
-            if (await directory.lookup(chain_of(i, "cpu"))).longest("w1", tier) == blocks:
-                return
-            await asyncio.sleep(0.05)
-        got = (await directory.lookup(chain_of(i, "cpu"))).longest("w1", tier)
-        raise AssertionError(f"prompt {i}: {got} blocks in {tier}, expected {blocks}")
+        """Until the directory shows `blocks` of prompt `i` in `tier` (a batch the SUB socket
+        missed comes from the replay socket after the subscriber's quiet interval)."""
+
+        async def there() -> bool:
+            return (await directory.lookup(chain_of(i, "cpu"))).longest("w1", tier) == blocks
+
+        await until(there, what=f"prompt {i}: {blocks} blocks in {tier}")
 
     try:
         for i in (0, 1, 2):

@@ -14,6 +14,7 @@ from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from ownerserve.hashing import block_hash_chain, chain_root, hash_block
 from ownerserve.ports import free_port
 from ownerserve.vllm_events import decode_message
+from tests.waiting import until
 from tests.workers.emulator.conftest import StartEmulator
 from tests.workers.emulator.zmq_subscriber import ZmqSubscriber
 from workers.emulator.config import DEFAULT_MODEL as MODEL
@@ -41,10 +42,15 @@ async def chat(http: httpx.AsyncClient, url: str, content: str, **extra: Any) ->
 
 async def connected(sub: Subscriber, http: httpx.AsyncClient, url: str) -> None:
     """Wait out ZMQ's slow joiner: send probes until one's events arrive, then forget them."""
-    for i in range(50):
-        await chat(http, url, f"probe {i} " + "p" * 40)
-        if await sub.drain(0.05):
-            break
+    probes = 0
+
+    async def heard() -> bool:
+        nonlocal probes
+        probes += 1
+        await chat(http, url, f"probe {probes} " + "p" * 40)
+        return bool(await sub.drain(0.05))
+
+    await until(heard, what="a probe's KV events on the SUB socket")
     reset = await http.post(url + "/reset_prefix_cache")
     assert reset.status_code == 200
     batches = await sub.drain(0.3)
@@ -143,22 +149,28 @@ async def test_directory_learns_holdings_and_evictions_from_the_emulator_events(
         text = ChatTemplate().render([{"role": "user", "content": content}])
         return block_hash_chain(ByteTokenizer().encode(text), 16, root)
 
-    # Published before anyone listens: the subscriber sees a gap and replays from seq 0.
+    async def held(content: str) -> bool:
+        chain = chain_of(content)
+        return (await directory.lookup(chain)).longest("w1") == len(chain)
+
+    async def gone(content: str) -> bool:
+        return (await directory.lookup(chain_of(content))).longest("w1") == 0
+
+    # Published before anyone listens: the subscriber catches up from the replay socket.
     first = "0 the first prompt " + "f" * 80
     await chat(http, server.url, first)
+    # A batch published before the subscription reached the PUB (ZMQ's slow joiner) is lost
+    # there, and fetched from the replay socket after a quiet interval: a short one here.
     sub = KVEventSubscriber(
         "w1", f"tcp://127.0.0.1:{port}", directory,
-        replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+        replay_endpoint=f"tcp://127.0.0.1:{replay_port}", catch_up_interval_s=0.5,
     )  # fmt: skip
     await sub.start()
     try:
-        await asyncio.sleep(0.3)  # ZMQ slow joiner
+        await until(lambda: held(first), what="the first prompt's blocks, replayed")
         second = "1 another prompt " + "s" * 80
         await chat(http, server.url, second)
-        for _ in range(100):
-            if (await directory.lookup(chain_of(second))).longest("w1") > 0:
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: held(second), what="the second prompt's blocks")
         for prompt in (first, second):
             chain = chain_of(prompt)
             assert (await directory.lookup(chain)).longest("w1") == len(chain) > 0
@@ -166,10 +178,6 @@ async def test_directory_learns_holdings_and_evictions_from_the_emulator_events(
         # Fill the 16-block cache with other prompts: the first one is evicted everywhere.
         for i in range(3):
             await chat(http, server.url, f"{i + 2} filler " + "x" * 120)
-        for _ in range(100):
-            if (await directory.lookup(chain_of(first))).longest("w1") == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert (await directory.lookup(chain_of(first))).longest("w1") == 0
+        await until(lambda: gone(first), what="the first prompt evicted")
     finally:
         await sub.close()

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from ownerserve.tokenizer import ByteTokenizer, ChatTemplate
+from tests.waiting import until
 from tests.workers.emulator.conftest import StartEmulator, metric_value, scrape, write_profile
 from workers.emulator.server import EmulatorServer
 
@@ -99,6 +100,15 @@ async def test_decodes_beyond_the_decode_sides_kv_queue_for_blocks_and_all_compl
 Prefilled = tuple[list[dict[str, str]], dict[str, Any]]
 
 
+async def running_on(http: httpx.AsyncClient, d: EmulatorServer) -> None:
+    """Until a decode runs on `d` (its blocks allocated): what comes next queues behind it."""
+
+    async def running() -> bool:
+        return metric_value(await scrape(http, d), "vllm:num_requests_running") == 1
+
+    await until(running, what="the first decode running")
+
+
 async def two_prefilled_for_a_slow_decode(
     start_emulator: StartEmulator, http: httpx.AsyncClient, tmp_path: Path, kv_lease_s: float
 ) -> tuple[EmulatorServer, EmulatorServer, Prefilled, Prefilled]:
@@ -122,7 +132,7 @@ async def test_a_decode_queued_for_blocks_keeps_its_prefill_kv_alive_past_the_le
     t0 = time.perf_counter()
     async with asyncio.timeout(30):
         one = asyncio.create_task(decode(http, d, first, ktp1, 150))  # ~1.5 s on the decode side
-        await asyncio.sleep(0.1)
+        await running_on(http, d)
         two = await decode(http, d, second, ktp2, 4)  # queued behind it, for blocks
         await one
     assert time.perf_counter() - t0 > 1.2  # the second waited well past the 0.6 s lease
@@ -138,16 +148,18 @@ async def test_a_decode_abandoned_while_queued_frees_its_prefill_kv_at_once(
         start_emulator, http, tmp_path, kv_lease_s=30
     )
     one = asyncio.create_task(decode(http, d, first, ktp1, 150))
-    await asyncio.sleep(0.1)
+    await running_on(http, d)
     body = {"messages": second, "max_tokens": 4, "kv_transfer_params": ktp2}
     try:
         await http.post(d.url + "/v1/chat/completions", json=body, timeout=0.3)
         raise AssertionError("the queued decode answered before its client gave up")
     except httpx.TimeoutException:
         pass
-    deadline = time.perf_counter() + 1.0
-    while metric_value(await scrape(http, p), HELD) > 0 and time.perf_counter() < deadline:
-        await asyncio.sleep(0.02)
+
+    async def released() -> bool:
+        return metric_value(await scrape(http, p), HELD) == 0 or one.done()
+
+    await until(released, what="the abandoned decode's prefill KV released")
     p_text = await scrape(http, p)
     assert metric_value(p_text, HELD) == 0 and metric_value(p_text, EXPIRED) == 0
     assert not one.done()  # freed by the decode side's release, long before any lease ran out
