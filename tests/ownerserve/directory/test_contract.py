@@ -19,6 +19,10 @@ CHAIN = tuple(block_hash_chain(TOKENS, BS, ROOT))  # 64 blocks
 BRANCH = tuple(block_hash_chain(TOKENS[: 10 * BS] + list(range(7, 7 + 20 * BS)), BS, ROOT))
 LONG = 60.0
 SHORT = 0.3
+"""Over after `backend.advance(SHORT + 0.1)`; checked only once it is over."""
+SHORT_SEEN = 1.0
+"""Over after `backend.advance(SHORT_SEEN + 0.1)`, and seen alive before that: with Redis the
+TTL runs in real time, so it must outlast a few calls on a busy machine."""
 
 
 def art(n: int, start: int = 0, chain: tuple[int, ...] = CHAIN, **kw: object) -> Artifact:
@@ -80,7 +84,7 @@ async def test_second_claimer_gets_the_live_owners_lease(backend: Backend) -> No
 
 async def test_reclaim_by_the_owner_keeps_the_epoch_and_extends(backend: Backend) -> None:
     d = backend.directory
-    first = await d.claim(art(8), "w1", SHORT)
+    first = await d.claim(art(8), "w1", SHORT_SEEN)
     again = await d.claim(art(8), "w1", LONG)
     assert again.epoch == first.epoch
     assert again.expires_at > first.expires_at
@@ -134,7 +138,7 @@ async def test_epochs_never_repeat_even_after_release(backend: Backend) -> None:
 
 async def test_renew_extends_a_live_lease_and_refuses_stale_epochs(backend: Backend) -> None:
     d = backend.directory
-    lease = await d.claim(art(8), "w1", SHORT)
+    lease = await d.claim(art(8), "w1", SHORT_SEEN)
     renewed = await d.renew(lease.artifact_id, "w1", lease.epoch, LONG)
     assert renewed.epoch == lease.epoch and renewed.expires_at > lease.expires_at
     with pytest.raises(StaleEpochError):
@@ -204,7 +208,7 @@ async def test_reclaim_after_expiry_does_not_leave_old_blocks_owned(backend: Bac
 async def test_replicas_are_read_only_copies_that_expire(backend: Backend) -> None:
     d = backend.directory
     await d.claim(art(8), "w1", LONG)
-    await d.add_replica(CHAIN[7], "w2", Tier.CPU, SHORT)  # the artifact's blocks
+    await d.add_replica(CHAIN[7], "w2", Tier.CPU, SHORT_SEEN)  # the artifact's blocks
     await d.add_replica(CHAIN[11], "w3", Tier.SSD, LONG, blocks=CHAIN[:12])
     m = await d.lookup(CHAIN[:16])
     assert m.holdings == (
@@ -214,7 +218,7 @@ async def test_replicas_are_read_only_copies_that_expire(backend: Backend) -> No
     )
     assert m.owner == "w1"  # a replica never owns
     assert (await d.lookup(CHAIN[:3])).longest("w2", Tier.CPU) == 3
-    await backend.advance(SHORT + 0.1)
+    await backend.advance(SHORT_SEEN + 0.1)
     m = await d.lookup(CHAIN[:16])
     assert m.longest("w2") == 0 and m.longest("w3", Tier.SSD) == 12
     assert await d.sweep() >= 1
@@ -256,11 +260,11 @@ async def test_fork_refs_count_branches_sharing_a_prefix(backend: Backend) -> No
 async def test_sweep_drops_the_fork_refs_of_sessions_that_ended(backend: Backend) -> None:
     d = backend.directory
     await d.claim(art(8), "w1", LONG)
-    await d.set_session_owner("ends", "w1", SHORT)
+    await d.set_session_owner("ends", "w1", SHORT_SEEN)
     await d.set_session_owner("lives", "w2", LONG)
     await d.add_fork_ref(CHAIN[7], "ends")
     assert await d.add_fork_ref(CHAIN[7], "lives") == 2
-    await backend.advance(SHORT + 0.1)
+    await backend.advance(SHORT_SEEN + 0.1)
     await d.sweep()
     info = await d.artifact_info(CHAIN[7])
     assert info is not None and info.fork_refs == 1

@@ -16,6 +16,7 @@ from ownerserve.events import BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
 from ownerserve.types import Tier
 from tests.conftest import RedisServer
+from tests.waiting import until
 
 BS = 4
 ROOT = chain_root("redis-backend")
@@ -45,11 +46,11 @@ async def test_reuse_counts_are_sent_in_the_background(
         await a.lookup(CHAIN[:8])
     await asyncio.sleep(0.1)
     await a.lookup(CHAIN[:2])  # past the deadline: this one triggers the send
-    for _ in range(100):
-        if await a.client.hget(a.key("reuse"), format(CHAIN[3], "016x")) == "4":
-            break
-        await asyncio.sleep(0.01)
-    assert await a.client.hget(a.key("reuse"), format(CHAIN[3], "016x")) == "4"
+
+    async def sent() -> bool:
+        return await a.client.hget(a.key("reuse"), format(CHAIN[3], "016x")) == "4"
+
+    await until(sent, what="the batched reuse counts in Redis")
     assert await a.client.hget(a.key("reuse"), format(CHAIN[7], "016x")) == "3"
 
 
@@ -134,7 +135,9 @@ async def test_sweeps_follow_expiry_hints_once_a_full_scan_has_written_them(
     c = a.client
     assert await a.sweep() == 0  # an empty namespace: the full scan, hints from now on
     assert await c.exists(a.key("xidx"))
-    short, long = 0.3, 60.0
+    # short: over before the sweep, yet long enough for the calls until then (`kept` renewed
+    # before it ended) on a busy machine too
+    short, long = 1.0, 60.0
     await a.claim(Artifact(CHAIN[:4]), "w1", short)  # expires
     kept = await a.claim(Artifact(CHAIN[:8], start=4), "w1", short)
     await a.renew(kept.artifact_id, "w1", kept.epoch, long)  # renewed before it expired
@@ -183,7 +186,7 @@ async def test_sweeps_by_hints_prune_the_index_entries_of_ended_sessions(
     a, _ = pair
     c = a.client
     await a.sweep()  # the full scan: hints from now on
-    short, long = 0.3, 60.0
+    short, long = 1.0, 60.0  # short: long enough to renew "s-renewed" in time on a busy machine
     await a.set_session_owner("s-ends", "w1", short)
     await a.set_session_owner("s-moves", "w1", long)
     await a.set_session_owner("s-moves", "w2", long)
@@ -212,8 +215,9 @@ async def test_sweeps_by_hints_prune_the_index_entries_of_ended_sessions(
 
 
 async def test_reuse_counts_redis_cannot_take_at_close_are_counted_and_logged(
-    redis_server_factory: Any, caplog: pytest.LogCaptureFixture
+    redis_server_factory: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(redis_backend, "TOUCH_FLUSH_S", 3600.0)  # however slow the lookups
     server = redis_server_factory()
     d = RedisDirectory.from_url(server.url, f"rb-{uuid.uuid4().hex[:8]}", socket_timeout_s=2)
     await d.claim(Artifact(CHAIN[:4]), "w1", 60)
