@@ -62,6 +62,22 @@ class ServerSettings(_Strict):
     retries: int = Field(default=2, ge=0)
     health_interval_s: float = Field(default=2.0, gt=0)
 
+    @field_validator("api_keys")
+    @classmethod
+    def _api_keys(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        # an empty key would let a request without one in; a padded one could never match
+        # (the router strips the header's value); a duplicate is a copy-paste slip
+        seen: set[str] = set()
+        for i, key in enumerate(v):
+            if not key.strip():
+                raise ValueError(f"key {i} is empty")
+            if key != key.strip():
+                raise ValueError(f"key {i} begins or ends with whitespace")
+            if key in seen:
+                raise ValueError(f"key {i} repeats an earlier key")
+            seen.add(key)
+        return v
+
 
 class DirectorySettings(_Strict):
     backend: Literal["memory", "redis"] = "memory"

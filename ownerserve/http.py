@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
@@ -55,6 +56,65 @@ def error_status_and_body(exc: BaseException) -> tuple[int, bytes]:
         return exc.status_code, orjson.dumps(error_body_for(exc))
     log.error("unexpected error", exc_info=exc)
     return 500, orjson.dumps(openai_error_body(INTERNAL_ERROR_MESSAGE, "internal_error"))
+
+
+_INTERNALS = re.compile(
+    r"[A-Za-z][A-Za-z0-9+.-]*://"  # a URL
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}\b"  # an IPv4 address
+    r"|\[[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*\]"  # a bracketed IPv6 address
+    r"|[\w.-]+:\d{2,5}\b"  # host:port
+    r"|localhost"
+    r"|kv_transfer_params|bootstrap|engine|remote_|sidecar",  # the KV hand-over's internals
+    re.IGNORECASE,
+)
+WORKER_ERROR_MESSAGE = "the worker could not serve the request"
+"""What a client is told of a worker's error whose message names internals (`names_internals`);
+the router's log has the worker's own words."""
+
+
+def names_internals(message: str) -> bool:
+    """Whether an error message names what a client must not learn: a URL, an IP address or a
+    host:port, or the KV hand-over between engines (its params, rooms and engine ids)."""
+    return _INTERNALS.search(message) is not None
+
+
+def _short_str(value: object) -> str | None:
+    """A worker's error `type`, `code` or `param` fit to pass on: a short plain string."""
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        return None
+    text = str(value)
+    return text if len(text) <= 64 and not names_internals(text) else None
+
+
+def public_error_body(status: int, body: bytes) -> tuple[bytes, str | None]:
+    """A worker's error answer (`status`, `body`) as the client gets it: the OpenAI error shape
+    with the worker's message, type, code and param, but never its raw body, and a generic
+    message (`WORKER_ERROR_MESSAGE`) when its message names internals (`names_internals`) or it
+    has none. Returns (the body, the worker's words withheld or None) so the caller can log
+    them."""
+    try:
+        data: Any = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = None
+    # OpenAI's `{"error": {...}}`, vLLM's older flat `{"object": "error", ...}`, FastAPI's detail
+    err = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(err, dict):
+        err = data if isinstance(data, dict) and data.get("object") == "error" else {}
+    message = err.get("message") if err else None
+    if message is None and isinstance(data, dict) and isinstance(data.get("detail"), str):
+        message = data["detail"]
+    withheld: str | None = None
+    if not isinstance(message, str) or not message or names_internals(message):
+        withheld = body[:500].decode(errors="replace")
+        message = WORKER_ERROR_MESSAGE
+    default_type = "invalid_request_error" if 400 <= status < 500 else "upstream_error"
+    out = openai_error_body(
+        message,
+        _short_str(err.get("type")) or default_type,
+        _short_str(err.get("code")),
+        _short_str(err.get("param")),
+    )
+    return orjson.dumps(out), withheld
 
 
 def sse_error_event(exc: BaseException) -> bytes:

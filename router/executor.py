@@ -80,7 +80,7 @@ class RetryableUpstreamError(UpstreamError):
     hand-over or fetch, before the colocated run that failed here)."""
 
     def __init__(self, worker: str, reason: str, cause: str = "upstream_failed") -> None:
-        super().__init__(f"worker {worker}: {reason}")
+        super().__init__(f"worker {worker} failed ({cause})")  # `reason` is for the log only
         self.worker = worker
         self.reason = reason
         self.cause = cause

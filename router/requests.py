@@ -1,6 +1,8 @@
 """The client's request as the router needs it: parsed once with orjson, validated only in what
 routing needs (model, messages or prompt, stream, max_tokens, n); every other field passes
-through to the worker untouched."""
+through to the worker untouched, except the control-plane fields (`CONTROL_FIELDS`,
+`CONTROL_PREFIXES`): those steer KV between engines, and only the router sets them
+(`router/backends`, `router/executor.py`, the chunk layout of `router/pipeline.py`)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,29 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+import orjson
+
+from ownerserve.chunks import PARAMS_KEY as CHUNK_PARAMS_KEY
 from ownerserve.errors import InvalidRequestError
 from ownerserve.http import json_object
 from ownerserve.records import fast_init
 
 DEFAULT_MAX_TOKENS = 256
+
+CONTROL_FIELDS = frozenset({"kv_transfer_params", "data_parallel_rank", "decode_tp_size"})
+"""Body fields that say where an engine sends or takes KV, or which engine rank serves: vLLM's
+P/D `kv_transfer_params` (a decode side pulls from its `remote_host`/`remote_port`; its
+`ownerserve` key carries the router's chunk layout and chunk-save orders), SGLang's
+`data_parallel_rank` and `decode_tp_size`. A client's are removed (`parse_request`)."""
+CONTROL_PREFIXES = ("bootstrap_", "disagg_")
+"""Prefixes of the same: SGLang's P/D rendezvous (`bootstrap_host`, `bootstrap_port`,
+`bootstrap_room`, `bootstrap_pair_key`: a decode side pulls from the host and port named)
+and its `disagg_*` routing fields (`disagg_prefill_dp_rank`)."""
+_INITIALS = "".join(sorted({name[0] for name in (*CONTROL_FIELDS, *CONTROL_PREFIXES)}))
+_OPT_OUTS = ("load", "save")
+"""`kv_transfer_params.ownerserve.load`/`save`: false keeps the vLLM connector from loading or
+saving this request's KV in the worker's own sidecar (`workers/vllm_connector`). A client's
+`false` is kept: it only takes KV movement away, and names no peer, key or layout."""
 
 
 class Endpoint(StrEnum):
@@ -24,7 +44,8 @@ class Endpoint(StrEnum):
 @fast_init
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
-    """One OpenAI completion request: the original bytes and their parsed dict."""
+    """One OpenAI completion request: the bytes the workers get and their parsed dict (the
+    client's own bytes, unless `parse_request` removed a control-plane field from them)."""
 
     endpoint: Endpoint
     raw: bytes
@@ -52,9 +73,45 @@ def _opt_int(body: Mapping[str, Any], key: str, minimum: int) -> int | None:
     return value
 
 
+def is_control_field(key: str) -> bool:
+    """Whether a body field is the router's to set (`CONTROL_FIELDS`, `CONTROL_PREFIXES`)."""
+    return key in CONTROL_FIELDS or key.startswith(CONTROL_PREFIXES)
+
+
+def _kept_opt_outs(value: Any) -> dict[str, Any] | None:
+    """What stays of a client's `kv_transfer_params`: its connector opt-outs (`_OPT_OUTS` set to
+    false) under the `ownerserve` key, or None when it has none."""
+    ours = value.get(CHUNK_PARAMS_KEY) if isinstance(value, dict) else None
+    if not isinstance(ours, dict):
+        return None
+    kept = {k: False for k in _OPT_OUTS if ours.get(k) is False}
+    return {CHUNK_PARAMS_KEY: kept} if kept else None
+
+
+def without_control_fields(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`body` without its control-plane fields (a client's `kv_transfer_params` keeps only its
+    opt-outs), or None when it has none: the common case costs one pass over the keys."""
+    for key in body:  # inline, first letter first: the hot path's keys pass in ~0.1 us each
+        if key[:1] in _INITIALS and (key in CONTROL_FIELDS or key.startswith(CONTROL_PREFIXES)):
+            break
+    else:
+        return None
+    out = {k: v for k, v in body.items() if not is_control_field(k)}
+    kept = _kept_opt_outs(body.get("kv_transfer_params"))
+    if kept is not None:
+        out["kv_transfer_params"] = kept
+    return out
+
+
 def parse_request(raw: bytes, endpoint: Endpoint) -> CompletionRequest:
-    """Parse and validate what routing needs; raise `InvalidRequestError` (400) otherwise."""
+    """Parse and validate what routing needs; raise `InvalidRequestError` (400) otherwise.
+    A client's control-plane fields are removed first (`without_control_fields`): its `raw`
+    bytes are kept only when it had none."""
     body = json_object(raw)
+    stripped = without_control_fields(body)
+    if stripped is not None:
+        body = stripped
+        raw = orjson.dumps(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequestError("'model' is required and must be a string", param="model")

@@ -191,8 +191,9 @@ class Router:
         auth = headers.get("authorization", "")
         key = auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
         ok = False
-        for k in self.api_keys:
-            ok |= hmac.compare_digest(key, k)
+        if key:  # an empty key matches nothing, not even an empty key in the settings
+            for k in self.api_keys:
+                ok |= bool(k) and hmac.compare_digest(key, k)
         if not ok:
             raise AuthenticationError("missing or invalid API key")
 

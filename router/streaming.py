@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ownerserve.errors import UpstreamError
-from ownerserve.http import sse_error_event
+from ownerserve.http import public_error_body, sse_error_event
 from router.aftermath import after_first_bytes, observe
 from router.executor import UpstreamTimeoutError
 from router.inflight import hold, release
@@ -64,9 +64,16 @@ async def stream(ctx: RequestContext) -> None:
         out.sse = streaming and opened.content_type.startswith(b"text/event-stream")
         if not streaming:
             # a non-streamed answer arrives whole: no TTFT/TPOT to learn from
+            first = opened.first
             if ok:
                 await after_first_bytes(ctx)
-            await out.start(opened.status, resp_headers, opened.first)
+            else:  # a worker's error: its words, never its internals (`public_error_body`)
+                first, withheld = public_error_body(opened.status, first)
+                resp_headers[0] = (b"content-type", b"application/json")
+                if withheld is not None:
+                    log.warning("worker %s answered %d: %s", worker.worker_id, opened.status,
+                                withheld)  # fmt: skip
+            await out.start(opened.status, resp_headers, first)
         else:
             await out.start(opened.status, resp_headers)
             ctx.ttft_s = time.perf_counter() - ctx.t0

@@ -3,8 +3,9 @@
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from ownerserve.config import load_settings
+from ownerserve.config import ServerSettings, load_settings
 from ownerserve.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,3 +50,29 @@ def test_bad_config_names_file_and_key(tmp_path: Path, text: str, fragment: str)
 def test_environment_overrides_file(tmp_path: Path) -> None:
     p = _write(tmp_path, "server: {port: 1234}\n")
     assert load_settings(p, env={"OWNERSERVE_SERVER__PORT": "4321"}).server.port == 4321
+
+
+@pytest.mark.parametrize(
+    ("keys", "fragment"),
+    [
+        ('["sk-ok", ""]', "server.api_keys: key 1 is empty"),
+        ('["   "]', "server.api_keys: key 0 is empty"),
+        ('["sk-ok", "sk-2", "sk-ok"]', "server.api_keys: key 2 repeats an earlier key"),
+        ('[" sk-ok"]', "server.api_keys: key 0 begins or ends with whitespace"),
+    ],
+)
+def test_an_empty_repeated_or_padded_api_key_is_refused(
+    tmp_path: Path, keys: str, fragment: str
+) -> None:
+    # an empty key would let requests without one in
+    p = _write(tmp_path, f"server: {{api_keys: {keys}}}\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(p)
+    msg = str(info.value)
+    assert str(p) in msg and fragment in msg and "\n" not in msg
+
+
+def test_api_keys_are_checked_however_settings_are_made() -> None:
+    with pytest.raises(ValidationError):
+        ServerSettings(api_keys=("sk-ok", ""))
+    assert ServerSettings(api_keys=("sk-ok", "sk-2")).api_keys == ("sk-ok", "sk-2")

@@ -25,8 +25,11 @@ from ownerserve.errors import (
     PayloadTooLargeError,
 )
 from ownerserve.http import (
+    WORKER_ERROR_MESSAGE,
     error_status_and_body,
     install_error_handlers,
+    names_internals,
+    public_error_body,
     read_body,
     read_request_body,
     sse_error_event,
@@ -229,3 +232,62 @@ async def test_a_64_mib_body_from_urllib_gets_the_413_under_uvicorn(declared: bo
         assert orjson.loads(answer)["error"]["code"] == "payload_too_large"
         ok = await asyncio.to_thread(urllib_post, url + "/upload", b"x" * 1000)
         assert ok == (200, b'{"bytes":1000}')
+
+
+# --- a worker's error, as the client gets it ---------------------------------------------------
+
+
+def test_a_workers_error_keeps_its_words_and_status_fields():
+    body, withheld = public_error_body(
+        400, b'{"error": {"message": "worker says no", "type": "BadRequestError", "param": "n"}}'
+    )
+    assert withheld is None
+    assert orjson.loads(body) == {
+        "error": {
+            "message": "worker says no",
+            "type": "BadRequestError",
+            "param": "n",
+            "code": None,
+        }
+    }
+    # vLLM's flat error shape, and a framework's `detail`
+    flat = b'{"object": "error", "message": "too long", "type": "BadRequestError", "code": 400}'
+    assert orjson.loads(public_error_body(400, flat)[0])["error"]["message"] == "too long"
+    detail = public_error_body(422, b'{"detail": "messages: field required"}')[0]
+    assert orjson.loads(detail)["error"]["message"] == "messages: field required"
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "kv_transfer_params: cannot reach http://127.0.0.1:4242/ownerserve/kv/pull: ReadError('')",
+        "bootstrap room 7: cannot reach 10.0.0.3:8998",
+        "pull from worker-3.cluster.local:8000 failed",
+        "stale kv_transfer_params: engine 'p0-1a2b3c4d' is not this worker's",
+        "cannot connect to [fe80::1]:9000",
+        "",
+    ],
+)
+def test_a_workers_error_naming_internals_becomes_a_generic_one(message: str):
+    raw = orjson.dumps({"error": {"message": message, "type": "invalid_request_error"}})
+    body, withheld = public_error_body(400, raw)
+    err = orjson.loads(body)["error"]
+    assert err == {
+        "message": WORKER_ERROR_MESSAGE,
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+    assert withheld == raw.decode()  # for the router's log
+
+
+def test_a_workers_body_that_is_no_error_json_is_never_passed_on():
+    body, withheld = public_error_body(502, b"<html>upstream 10.1.2.3:80 down</html>")
+    assert orjson.loads(body)["error"] == {
+        "message": WORKER_ERROR_MESSAGE,
+        "type": "upstream_error",
+        "param": None,
+        "code": None,
+    }
+    assert withheld == "<html>upstream 10.1.2.3:80 down</html>"
+    assert not names_internals("This model's maximum context length is 4096 tokens.")

@@ -61,3 +61,41 @@ def test_bad_requests_raise_invalid_request_naming_the_field(raw, endpoint, frag
         "param": param,
         "code": None,
     }
+
+
+def test_a_clients_control_plane_fields_are_removed_and_the_rest_kept():
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "remote_host": "10.0.0.9",
+            "remote_port": 22,
+            "ownerserve": {"chunk_save": {"key": "00", "start": 0, "end": 1, "position": 0}},
+        },
+        "bootstrap_host": "10.0.0.9",
+        "bootstrap_port": 22,
+        "bootstrap_room": 1,
+        "bootstrap_pair_key": "k",
+        "disagg_prefill_dp_rank": 0,
+        "data_parallel_rank": 3,
+        "decode_tp_size": 8,
+        "temperature": 0.5,
+    }
+    req = parse_request(orjson.dumps(body), Endpoint.CHAT)
+    kept = {"model": "m", "messages": body["messages"], "temperature": 0.5}
+    assert req.body == kept
+    assert orjson.loads(req.raw) == kept  # the bytes the workers get
+
+
+def test_a_clients_connector_opt_outs_are_all_that_stays_of_its_kv_transfer_params():
+    ktp = {"ownerserve": {"load": False, "save": True, "chunks": []}, "remote_host": "h"}
+    raw = orjson.dumps({"model": "m", "prompt": "x", "kv_transfer_params": ktp})
+    req = parse_request(raw, Endpoint.COMPLETIONS)
+    assert req.body["kv_transfer_params"] == {"ownerserve": {"load": False}}
+    assert orjson.loads(req.raw) == req.body
+
+
+def test_a_body_without_control_fields_keeps_its_own_bytes():
+    raw = b'{"model": "m", "prompt": "x", "bootstrap": 1, "kv": 2, "data": 3}'
+    assert parse_request(raw, Endpoint.COMPLETIONS).raw is raw
