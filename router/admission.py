@@ -27,7 +27,6 @@ from router.session import SessionTable
 from router.telemetry import RouterMetrics
 
 if TYPE_CHECKING:
-    from router.pipeline import RequestContext
     from router.writer import ResponseWriter
 
 
@@ -521,36 +520,3 @@ class Admission:
     async def close(self) -> None:
         await cancel_and_wait(self._rechecks)
 
-
-def record_service(ctx: RequestContext) -> None:
-    """Add an answered request's prompt and output tokens to its session's attained service."""
-    info = ctx.info
-    output = output_tokens(ctx)
-    if info is None or output is None:
-        return
-    info.attained_tokens += ctx.tok.prompt_tokens + output
-
-
-def output_tokens(ctx: RequestContext) -> int | None:
-    """The output tokens of an answered request (streamed: its output events; whole:
-    `usage.completion_tokens`); None when it was not answered."""
-    opened = ctx.opened
-    if opened is None or opened.status != 200:
-        return None
-    return ctx.output_events if ctx.req.stream else _completion_tokens(opened.first)
-
-
-def _completion_tokens(body: bytes) -> int:
-    """`usage.completion_tokens` of a whole OpenAI answer, found without parsing it (0 if
-    absent)."""
-    key = b'"completion_tokens":'
-    i = body.rfind(key)
-    if i < 0:
-        return 0
-    i += len(key)
-    while i < len(body) and body[i] == 0x20:
-        i += 1
-    j = i
-    while j < len(body) and 0x30 <= body[j] <= 0x39:
-        j += 1
-    return int(body[i:j]) if j > i else 0

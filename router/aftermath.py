@@ -1,20 +1,26 @@
-"""What follows an answer: commit ownership to the directory, copy a hot prefix to a replica
-when the plan asks for one, and observe the request (metrics, calibration)."""
+"""What follows an answer: the `commit` stage (ownership into the directory, the chunk holders
+of a chunked prompt, a hot prefix's replica when the plan asks for one), then `observe`
+(metrics, calibration) and the session's attained service (`record_service`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+from ownerserve.directory.base import Match
 from ownerserve.errors import OwnerServeError
+from ownerserve.records import fast_init
 from ownerserve.types import Tier
+from planner.types import Plan
 from router.commit import commit_plan
 from router.executor import FetchSpec
-
-if TYPE_CHECKING:
-    from router.pipeline import RequestContext
+from router.plans import Fallback
+from router.prompt import Prompt
+from router.services import CommitServices, ObserveServices
+from router.session import SessionInfo
 
 log = logging.getLogger(__name__)
 
@@ -26,66 +32,87 @@ uses the chunk there): its chunk store is an LRU, so an unused chunk may be gone
 stale record only misprices (the worker computes a chunk it no longer holds)."""
 
 
-async def after_first_bytes(ctx: RequestContext) -> None:
+@fast_init
+@dataclass(frozen=True, slots=True)
+class ServedRequest:
+    """One served request as its commit needs it (`router.commit.Served`)."""
+
+    plan: Plan
+    chain: Sequence[int]
+    session_id: str | None
+    match: Match
+    kv_bytes_per_block: int
+    fork_from_blocks: int
+    refresh: bool
+
+
+async def after_first_bytes(svc: CommitServices, plan: Plan, prompt: Prompt, match: Match) -> None:
     """The answer is there: commit ownership (inline with the in-process directory, whose
     calls never wait, so a client's next turn always sees it; concurrently with the
     response otherwise) and start a replica copy if the plan asked for one."""
-    router = ctx.router
-    if router.inline_commit:
-        await commit(ctx)
+    if svc.inline:
+        await commit(svc, plan, prompt, match)
     else:
-        router.spawn(commit(ctx))
-    if ctx.chunks is not None:
-        if router.inline_commit:
-            await record_chunks(ctx)
+        svc.spawn(commit(svc, plan, prompt, match))
+    if prompt.chunks is not None:
+        if svc.inline:
+            await record_chunks(svc, plan, prompt)
         else:
-            router.spawn(record_chunks(ctx))
-    target = ctx.plan.add_replica_on
-    match = ctx.match
+            svc.spawn(record_chunks(svc, plan, prompt))
+    target = plan.add_replica_on
     if target and match.owner and match.owner_blocks:
-        router.spawn(replicate(ctx, target))
+        svc.spawn(replicate(svc, target, prompt, match))
 
 
-async def commit(ctx: RequestContext) -> None:
+async def commit(svc: CommitServices, plan: Plan, prompt: Prompt, match: Match) -> None:
     """The decode worker now holds the prompt's KV: it owns the newly sealed blocks, it is
     the session's decode owner, and a remote prefill left a transient copy on P. A failure
     is counted and logged; the answer stands."""
-    router = ctx.router
-    directory = router.directory
+    directory = svc.directory
     if directory is None:
         return
     # rewrite unchanged records (session owner, leases, replicas) only every quarter of
     # their lifetime; what changed is always written
-    info = router.sessions.get(ctx.session.session_id)
+    sid = prompt.session.session_id
+    info = svc.sessions.get(sid)
     if info is None:
-        ctx.refresh = True
+        refresh = True
     else:
         now = time.monotonic()
-        ctx.refresh = now - info.committed_at >= router.refresh_period_s
-        if ctx.refresh:
+        refresh = now - info.committed_at >= svc.refresh_period_s
+        if refresh:
             info.committed_at = now
+    tok = prompt.tok
+    served = ServedRequest(
+        plan,
+        tok.chain,
+        sid,
+        match,
+        svc.kv_bytes_per_token * prompt.block_size,
+        tok.common_blocks if prompt.is_fork else 0,
+        refresh,
+    )
     try:
-        with router.telemetry.start_span("ownerserve.directory.commit"):
-            await commit_plan(directory, ctx, router.lifetimes, concurrent=not router.inline_commit)
+        with svc.span("ownerserve.directory.commit"):
+            await commit_plan(directory, served, svc.lifetimes, concurrent=not svc.inline)
     except OwnerServeError as exc:
-        router.metrics.commit_errors.inc()
+        svc.errors.inc()
         log.warning("directory commit failed: %s", exc)
     except Exception:
-        router.metrics.commit_errors.inc()
+        svc.errors.inc()
         log.exception("directory commit failed")
 
 
-async def record_chunks(ctx: RequestContext) -> None:
+async def record_chunks(svc: CommitServices, plan: Plan, prompt: Prompt) -> None:
     """Chunk reuse: the plan's prefill worker computed or copied every chunk of the prompt and
     its chunk store keeps them, so the directory records it as a holder of each — a one-block
     read-only replica keyed by the chunk's content hash (`Directory.add_replica`), expiring
     after `CHUNK_TTL_S`. A failure is counted and logged; the answer stands."""
-    router = ctx.router
-    directory = router.directory
-    chunks = ctx.chunks
+    directory = svc.directory
+    chunks = prompt.chunks
     if directory is None or chunks is None:
         return
-    worker = ctx.plan.chosen.prefill_worker
+    worker = plan.chosen.prefill_worker
     try:
         await asyncio.gather(
             *(
@@ -94,35 +121,44 @@ async def record_chunks(ctx: RequestContext) -> None:
             )
         )
     except Exception as exc:
-        router.metrics.commit_errors.inc()
+        svc.errors.inc()
         log.warning("recording chunk holders failed: %r", exc)
 
 
-async def replicate(ctx: RequestContext, target: str) -> None:
+async def replicate(svc: CommitServices, target: str, prompt: Prompt, match: Match) -> None:
     """The hot-spot rule (planner/README.md): the plan asked for a read-only replica of the
     owner's prefix on `target`; copy it there and record it."""
-    router = ctx.router
-    worker = router.pool.get(target)
-    match, tok = ctx.match, ctx.tok
+    worker = svc.pool.get(target)
     owner = match.owner
-    if worker is None or owner is None or router.executor is None or router.directory is None:
+    executor, directory = svc.executor, svc.directory
+    if worker is None or owner is None or executor is None or directory is None:
         return
+    tok = prompt.tok
     blocks = min(match.owner_blocks, len(tok.chain))
-    spec = FetchSpec(tuple(tok.chain[:blocks]), tok.token_ids, ctx.rview.block_size)
-    with router.telemetry.start_span("ownerserve.transfer", source=owner, to=target):
-        got = min(blocks, await router.executor.fetch(worker, owner, ctx.req, spec))
+    spec = FetchSpec(tuple(tok.chain[:blocks]), tok.token_ids, prompt.block_size)
+    with svc.span("ownerserve.transfer", source=owner, to=target):
+        got = min(blocks, await executor.fetch(worker, owner, prompt.req, spec))
     if got > 0:
-        await router.directory.add_replica(
-            tok.chain[got - 1], target, Tier.GPU, router.lifetimes.lease_s,
-            True, tok.chain[:got],
-        )  # fmt: skip
+        await directory.add_replica(
+            tok.chain[got - 1], target, Tier.GPU, svc.lifetimes.lease_s, True, tok.chain[:got]
+        )
 
 
-def observe(ctx: RequestContext, ok: bool) -> None:
+def observe(
+    svc: ObserveServices,
+    plan: Plan,
+    match: Match,
+    fallback: Fallback | None,
+    ok: bool,
+    ttft_s: float | None,
+    tpot_s: float | None,
+    e2e_s: float,
+    transfer_s: float | None,
+) -> None:
     """Count the plan's action and owner lookup; for a served answer, record its TTFT, TPOT,
-    end-to-end and transfer times and feed them to the calibrator."""
-    m = ctx.router.metrics
-    plan, match = ctx.plan, ctx.match
+    end-to-end and transfer times and feed them to the calibrator (not after a `fallback`:
+    its timings include the hops given up)."""
+    m = svc.metrics
     action = plan.action.value
     m.of(m.actions, plan.policy, action).inc()
     if match.owner is not None:
@@ -132,16 +168,27 @@ def observe(ctx: RequestContext, ok: bool) -> None:
         m.of(m.owner_lookups, "none").inc()
     if not ok:
         return
-    ttft = ctx.ttft_s
-    if ttft is not None:
-        m.of(m.ttft, action).observe(ttft)
-    tpot = ctx.tpot_s
-    if tpot is not None:
-        m.of(m.tpot, action).observe(tpot)
-    m.of(m.e2e, action).observe(ctx.e2e_s)
-    transfer = ctx.transfer_s
-    if transfer is not None:
-        m.of(m.transfer, action).observe(transfer)
-    if ctx.fallback is None:
-        # after a fallback the timings include the hops given up: not the plan's to learn from
-        ctx.router.calibrator.observe_plan(plan, ttft_s=ttft, tpot_s=tpot, transfer_s=transfer)
+    if ttft_s is not None:
+        m.of(m.ttft, action).observe(ttft_s)
+    if tpot_s is not None:
+        m.of(m.tpot, action).observe(tpot_s)
+    m.of(m.e2e, action).observe(e2e_s)
+    if transfer_s is not None:
+        m.of(m.transfer, action).observe(transfer_s)
+    if fallback is None:
+        svc.calibrator.observe_plan(plan, ttft_s=ttft_s, tpot_s=tpot_s, transfer_s=transfer_s)
+
+
+def tpot(ttft_s: float | None, e2e_s: float, output_events: int) -> float | None:
+    """Seconds per output event after the first (None without two of them)."""
+    if ttft_s is None or output_events < 2:
+        return None
+    return (e2e_s - ttft_s) / (output_events - 1)
+
+
+def record_service(info: SessionInfo | None, prompt_tokens: int, output: int | None) -> None:
+    """Add an answered request's prompt and `output` tokens to its session's attained service
+    (`info`: nothing without a session, or for a request not answered)."""
+    if info is None or output is None:
+        return
+    info.attained_tokens += prompt_tokens + output

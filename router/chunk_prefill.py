@@ -13,16 +13,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
 from ownerserve.chunks import CHUNK_CACHE_SALT, chunk_artifact_key, chunk_prefills
 from ownerserve.types import BackendKind
+from router.executor import HopLimits, PlanExecutor
+from router.pool import WorkerState
+from router.prompt import Prompt
+from router.requests import CompletionRequest
 from router.upstream import JSON_HEADER
-
-if TYPE_CHECKING:
-    from router.pipeline import RequestContext
 
 log = logging.getLogger(__name__)
 
@@ -46,22 +47,27 @@ def chunk_salt(body: dict[str, Any]) -> str:
     return f"{own}|{CHUNK_CACHE_SALT}" if isinstance(own, str) and own else CHUNK_CACHE_SALT
 
 
-async def prefill_chunks(ctx: RequestContext, worker_id: str) -> ChunkPrefillOutcome | None:
-    """Make sure `worker_id` holds every chunk of the request's prompt, and salt the request
-    (see the module docstring); None when the worker is not a vLLM worker with a sidecar."""
-    router = ctx.router
-    worker = router.pool.get(worker_id)
-    cp = ctx.chunks
-    executor = router.executor
-    if cp is None or executor is None or worker is None:
+async def prefill_chunks(
+    executor: PlanExecutor,
+    worker: WorkerState | None,
+    req: CompletionRequest,
+    prompt: Prompt,
+    limits: HopLimits,
+) -> tuple[ChunkPrefillOutcome, CompletionRequest] | None:
+    """Make sure `worker` holds every chunk of the prompt, and salt the request (see the
+    module docstring): what it held and what was prefilled, and the request as it is sent
+    now; None when the prompt has no chunks or the worker is not a vLLM worker with a
+    sidecar."""
+    cp = prompt.chunks
+    if cp is None or worker is None:
         return None
     sidecar = worker.settings.sidecar_url
     if worker.settings.kind is not BackendKind.VLLM or sidecar is None:
         return None
-    limits = router.settings.server
+    worker_id = worker.worker_id
     http = executor.http
-    prefills = chunk_prefills(ctx.tok.token_ids, cp, ctx.mt.block_size)
-    keys = [chunk_artifact_key(ctx.req.model, p.span.key) for p in prefills]
+    prefills = chunk_prefills(prompt.tok.token_ids, cp, prompt.block_size)
+    keys = [chunk_artifact_key(req.model, p.span.key) for p in prefills]
     present = [False] * len(keys)
     try:
         status, data = await http.call(
@@ -78,13 +84,13 @@ async def prefill_chunks(ctx: RequestContext, worker_id: str) -> ChunkPrefillOut
                 present = [bool(x) for x in got]
     except (OSError, orjson.JSONDecodeError) as exc:
         log.warning("chunk verify on %s failed (prefilling every chunk): %r", worker_id, exc)
-    body = dict(ctx.req.body)
+    body = dict(req.body)
     salt = chunk_salt(body)
 
     async def one(i: int) -> bool:
         p = prefills[i]
-        req = {
-            "model": ctx.req.model,
+        chunk_req = {
+            "model": req.model,
             "prompt": list(p.prompt),
             "max_tokens": 1,
             "temperature": 0,
@@ -97,7 +103,7 @@ async def prefill_chunks(ctx: RequestContext, worker_id: str) -> ChunkPrefillOut
                 b"POST",
                 "/v1/completions",
                 JSON_HEADER,
-                orjson.dumps(req),
+                orjson.dumps(chunk_req),
                 ("first_byte", limits.first_byte_timeout_s),
             )
         except OSError as exc:
@@ -108,6 +114,6 @@ async def prefill_chunks(ctx: RequestContext, worker_id: str) -> ChunkPrefillOut
     missing = [i for i, ok in enumerate(present) if not ok]
     done = await asyncio.gather(*(one(i) for i in missing))
     body["cache_salt"] = salt
-    ctx.req = replace(ctx.req, body=body, raw=orjson.dumps(body))
     failed = sum(1 for ok in done if not ok)
-    return ChunkPrefillOutcome(len(keys) - len(missing), len(missing) - failed, failed)
+    outcome = ChunkPrefillOutcome(len(keys) - len(missing), len(missing) - failed, failed)
+    return outcome, replace(req, body=body, raw=orjson.dumps(body))

@@ -34,7 +34,7 @@ class Lifetimes:
 
 
 class Served(Protocol):
-    """One served request, as its commit needs it (the router's `RequestContext`)."""
+    """One served request, as its commit needs it (the router's `aftermath.ServedRequest`)."""
 
     @property
     def plan(self) -> Plan: ...

@@ -1,7 +1,8 @@
 """The router's HTTP/1.1 server: an asyncio protocol with httptools, keep-alive and pipelining.
-The completion endpoints go straight to `Router.respond` with a `ResponseWriter` that writes
-to the socket (no ASGI messages, no task per request besides the handler); every other path
-goes to the ASGI app (FastAPI: health, metrics, models, admin) through a small ASGI bridge.
+The completion endpoints go straight to the request path's runner (`router.pipeline.respond`)
+with a `ResponseWriter` that writes to the socket (no ASGI messages, no task per request
+besides the handler); every other path goes to the ASGI app (FastAPI: health, metrics,
+models, admin) through a small ASGI bridge.
 
 Chosen over uvicorn on CPU per request (`bench/router_overhead`, numbers in
 bench/history/router_overhead.md).
@@ -37,6 +38,7 @@ from ownerserve.http import DRAIN_BYTES, DRAIN_S, error_status_and_body
 from ownerserve.tasks import cancel_and_wait
 from router.asgi import Message
 from router.frontdoors.messages import error_body as messages_error_body
+from router.pipeline import respond
 from router.requests import Endpoint
 from router.state import Router
 from router.upstream import set_no_delay
@@ -370,8 +372,8 @@ class _Connection(asyncio.Protocol):
         if endpoint is not None and req.method == b"POST" and self.router is not None:
             writer = _Writer(self, req.keep_alive, req.http10)
             self.writer = writer
-            coro: Awaitable[None] = self.router.respond(
-                endpoint, req.headers, writer, time.perf_counter(), body=req.body
+            coro: Awaitable[None] = respond(
+                self.router, endpoint, req.headers, writer, time.perf_counter(), body=req.body
             )
         else:
             self.writer = None

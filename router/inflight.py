@@ -1,123 +1,12 @@
-"""In-flight counting: the one place the router's counters of requests in flight go up and
-down — per worker, with the prompt tokens waiting for prefill (the planner's views show them
-before the workers' own gauges catch up), per worker's KV working set (what admission
-decides by, `router.admission`), and per session (what makes a request a fork)."""
+"""What a request's prompt and answer say that its accounting needs (`router.lease`): the tool
+whose result a chat's last message carries, the tool a whole answer calls, and how many output
+tokens an answer had."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from router.admission import output_tokens
-from router.pool import WorkerState
-
-if TYPE_CHECKING:
-    from router.pipeline import RequestContext
-
-
-def hold(
-    ctx: RequestContext,
-    workers: Sequence[WorkerState],
-    prefill: WorkerState | None = None,
-    kv: WorkerState | None = None,
-) -> None:
-    """Count the request in flight on `workers`, its prompt's tokens as queued prefill on
-    `prefill` and as KV held on `kv` (the worker its sequence lives on), until
-    `release(ctx)`. Its prompt counts in a working set too: sent for the plan's decode worker
-    (`ctx.plan`) while the plan runs, then on the worker streaming the answer
-    (`ctx.opened`)."""
-    for w in workers:
-        w.inflight += 1
-    tokens = ctx.tok.prompt_tokens
-    if prefill is not None:
-        prefill.inflight_prefill_tokens += tokens
-    if kv is not None:
-        kv.inflight_kv_tokens += tokens
-    ctx.held = workers
-    ctx.held_prefill = prefill
-    ctx.held_kv = kv
-    admission = ctx.router.admission
-    if admission.enabled:
-        opened = ctx.opened
-        if opened is None:
-            ctx.charged = admission.sent(ctx.plan.chosen.decode_worker, tokens)
-        else:
-            ctx.charged = admission.streaming(opened.final_worker, tokens)
-
-
-def release(ctx: RequestContext) -> None:
-    """Undo the request's `hold` (nothing if it holds nothing)."""
-    for w in ctx.held:
-        w.inflight -= 1
-    prefill = ctx.held_prefill
-    if prefill is not None:
-        prefill.inflight_prefill_tokens -= ctx.tok.prompt_tokens
-    kv = ctx.held_kv
-    if kv is not None:
-        kv.inflight_kv_tokens -= ctx.tok.prompt_tokens
-    ctx.held = ()
-    ctx.held_prefill = None
-    ctx.held_kv = None
-    charged = ctx.charged
-    if charged is not None:
-        ctx.charged = None
-        opened = ctx.opened
-        if opened is None:
-            ctx.router.admission.unsent(charged, ctx.tok.prompt_tokens)
-        else:
-            ctx.router.admission.ended(opened.final_worker, charged, ctx.tok.prompt_tokens)
-
-
-def hold_session(ctx: RequestContext) -> None:
-    """Count the request in flight in its session (another request of the session that
-    starts meanwhile is a fork) until `release_session(ctx)`."""
-    if ctx.info is not None:
-        ctx.info.inflight += 1
-
-
-def release_session(ctx: RequestContext) -> None:
-    if ctx.info is not None:
-        ctx.info.inflight -= 1
-
-
-def kv_started(ctx: RequestContext) -> None:
-    """The request's plan is about to run: its session's KV will live on the plan's decode
-    worker, counted in that worker's working set (`router.state.Router.working_sets`) until
-    `kv_ended`. Nothing is counted for a request without a session. A subagent's prompt
-    prefix that its worker holds counts once, with its spawner, while that one is counted
-    on the same worker (`WorkingSets.shares`: the engine keeps those blocks once)."""
-    sid = ctx.session.session_id
-    if sid is None:
-        return
-    decode = ctx.plan.chosen.decode_worker
-    ws = ctx.router.working_sets
-    now = time.monotonic()
-    ws.started(sid, decode, ctx.tok.prompt_tokens, now, tool_answered(ctx.req.messages))
-    parent = ctx.session.parent
-    if parent is not None:
-        ws.shares(sid, parent, ctx.match.longest(decode) * ctx.rview.block_size)
-    ctx.kv_counted = True
-
-
-def kv_ended(ctx: RequestContext) -> None:
-    """Undo `kv_started` (nothing if it counted nothing): an answered request's session stays
-    in the working set with prompt and output tokens while its predicted gap is short (a
-    whole answer that calls a tool names it); a failed one only stops counting as in flight."""
-    if not ctx.kv_counted:
-        return
-    ctx.kv_counted = False
-    ws = ctx.router.working_sets
-    sid = ctx.session.session_id
-    assert sid is not None
-    now = time.monotonic()
-    output = output_tokens(ctx)
-    if output is None:
-        ws.failed(sid, now)
-        return
-    opened = ctx.opened
-    tool = None if opened is None or ctx.req.stream else tool_called(opened.first)
-    ws.ended(sid, ctx.tok.prompt_tokens + output, now, tool)
+from router.executor import OpenedResponse
 
 
 def tool_answered(messages: list[Any] | None) -> str | None:
@@ -158,3 +47,27 @@ def tool_called(body: bytes) -> str | None:
             j = body.find(b'"', i)
             return body[i:j].decode("utf-8", "replace") if j > i else None
     return None
+
+
+def output_tokens(opened: OpenedResponse | None, streamed: bool, events: int) -> int | None:
+    """The output tokens of an answered request (streamed: its output `events`; whole:
+    `usage.completion_tokens`); None when it was not answered (nothing opened, or not a 200)."""
+    if opened is None or opened.status != 200:
+        return None
+    return events if streamed else completion_tokens(opened.first)
+
+
+def completion_tokens(body: bytes) -> int:
+    """`usage.completion_tokens` of a whole OpenAI answer, found without parsing it (0 if
+    absent)."""
+    key = b'"completion_tokens":'
+    i = body.rfind(key)
+    if i < 0:
+        return 0
+    i += len(key)
+    while i < len(body) and body[i] == 0x20:
+        i += 1
+    j = i
+    while j < len(body) and 0x30 <= body[j] <= 0x39:
+        j += 1
+    return int(body[i:j]) if j > i else 0

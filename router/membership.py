@@ -15,7 +15,8 @@ from router.backends.kv_events import KVEventSink
 from router.pool import WorkerState
 
 if TYPE_CHECKING:
-    from router.state import Router
+    # the router's state as membership reads it (`router.state.Router` is one)
+    from router.services import Members as Router
 
 log = logging.getLogger(__name__)
 

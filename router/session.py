@@ -259,6 +259,10 @@ class SessionTable:
             return True
         return parent is not None and parent in self._infos
 
+    def in_flight(self) -> dict[str, int]:
+        """The sessions with requests in flight now, and how many each has (`inflight`)."""
+        return {sid: info.inflight for sid, info in self._infos.items() if info.inflight}
+
     def touch(self, session_id: str, prompt_tokens: int) -> SessionInfo:
         """The session was seen now with a prompt of `prompt_tokens`."""
         infos = self._infos

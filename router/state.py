@@ -1,6 +1,7 @@
 """`Router`: what one router process shares between requests (pool, directory, caches, HTTP
-connection pool, telemetry, the planner), its lifecycle. The request path is
-`router.pipeline`; worker membership is `router.membership`."""
+connection pool, telemetry, the planner), its lifecycle, and the narrow services each stage of
+the request path is given (`services`, `router.services`). The request path's runner is
+`router.pipeline.respond`; worker membership is `router.membership`."""
 
 from __future__ import annotations
 
@@ -21,14 +22,26 @@ from ownerserve.tasks import cancel_and_wait
 from planner.calibration import Calibrator
 from planner.policies import Planner
 from planner.workingset import RetentionConfig, WorkingSets
-from router import membership, pipeline
+from router import membership
 from router.admission import Admission
 from router.aftermath import REPLICA_TTL_S
 from router.commit import Lifetimes
 from router.executor import PlanExecutor
+from router.lease import LeaseLedger, LeaseServices
 from router.links import NicLedger
 from router.plans import PlanRecord
 from router.pool import WorkerPool
+from router.services import (
+    ClusterServices,
+    CommitServices,
+    ExecuteServices,
+    LookUpServices,
+    ObserveServices,
+    ParseServices,
+    RequestServices,
+    StreamServices,
+    ViewServices,
+)
 from router.session import DerivedSessionCache, SessionTable
 from router.telemetry import Telemetry
 from router.tokens import TokenizationCache
@@ -106,6 +119,11 @@ class Router:
         self.lifetimes = Lifetimes(d.lease_s, d.session_ttl_s, REPLICA_TTL_S)
         self.refresh_period_s = min(d.lease_s, d.session_ttl_s) / 4
         """A session's unchanged directory records are rewritten at most this often."""
+        self.leases = LeaseLedger()
+        """The requests' open `RequestLease`s (`open`: how many hold something now)."""
+        self.services = self.request_services()
+        """Each stage's services (rebuilt when the directory opens and when the router
+        starts: the directory and the executor come then)."""
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -118,6 +136,7 @@ class Router:
         from ownerserve.directory.memory import InMemoryDirectory
 
         self.inline_commit = type(self.directory) is InMemoryDirectory
+        self.services = self.request_services()
 
     async def start(self) -> None:
         if self.started:
@@ -135,6 +154,7 @@ class Router:
             await self.pool.start(self.http)
             if self.settings.directory.sweep_interval_s > 0:
                 self._sweeper = asyncio.create_task(self._sweep_loop(), name="directory-sweep")
+            self.services = self.request_services()
             self.started = True
 
     async def _sweep_loop(self) -> None:
@@ -197,6 +217,49 @@ class Router:
         if not ok:
             raise AuthenticationError("missing or invalid API key")
 
-    respond = pipeline.respond
-    """Serve one completion request (`router.pipeline.respond`; what `router.httpserver`
-    calls)."""
+    def request_services(self) -> RequestServices:
+        """Each stage of the request path's services, as they are now (`router.services`)."""
+        metrics = self.metrics
+        tel = self.telemetry
+        p = self.settings.planner
+        return RequestServices(
+            parse=ParseServices(self.tokenizers, self.pool),
+            derived_sessions=self.derived_sessions,
+            sessions=self.sessions,
+            admission=self.admission,
+            look_up=LookUpServices(self.directory, metrics.directory_errors),
+            view=ViewServices(
+                self.planner,
+                p.allow_policy_header,
+                self.sessions,
+                self.working_sets,
+                self.kv_bytes_per_token,
+            ),
+            cluster=ClusterServices(
+                self.pool,
+                self.calibrator,
+                self.nics,
+                self.working_sets,
+                self.admission,
+                self.settings,
+            ),
+            execute=ExecuteServices(self.executor, self.pool, self.settings.server, metrics),
+            stream=StreamServices(metrics, self.pool, self.spawn, self.recent_plans),
+            commit=CommitServices(
+                self.directory,
+                self.inline_commit,
+                self.sessions,
+                self.lifetimes,
+                self.refresh_period_s,
+                self.kv_bytes_per_token,
+                self.executor,
+                self.pool,
+                tel.start_span,
+                self.spawn,
+                metrics.commit_errors,
+            ),
+            observe=ObserveServices(metrics, self.calibrator),
+            lease=LeaseServices(
+                self.leases, self.pool, self.admission, self.working_sets, self.nics
+            ),
+        )

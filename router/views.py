@@ -14,13 +14,14 @@ from ownerserve.types import Tier
 from planner.types import ClusterView, RequestView, WorkerView
 
 if TYPE_CHECKING:
-    from router.pipeline import RequestContext
+    from planner.workingset import WorkingSets
     from router.pool import WorkerState
-    from router.state import Router
+    from router.prompt import Prompt
+    from router.services import ClusterSources
 
 
 def cluster_view(
-    router: Router,
+    router: ClusterSources,
     model: str,
     match: Match,
     excluded: Collection[str],
@@ -69,9 +70,15 @@ def cluster_view(
             mine = (w.inflight_kv_tokens - w.inflight_prefill_tokens) / cap
             if mine > kv_usage:
                 kv_usage = mine if mine < 1.0 else 1.0
+        # what the view shows that the caller computes (`_view`'s arguments)
+        backlog = 0.0 if nics is None else nics.backlog(w.settings.node, now)
+        ws_tokens = wsets.tokens(wid, now)
+        closed = past_knee and admission.closed_to_programs(w, now)
+        chunks = chunk_holders.get(wid, ()) if chunk_holders else ()
         # the view is rebuilt only when something it shows changed (a frozen dataclass of
         # a dozen fields costs ~2 µs to build); who owns the request's prefix is in the
-        # request view, so the same worker view serves every request of any session
+        # request view, so the same worker view serves every request of any session. The
+        # key is only ever compared whole.
         key = (
             max(load.running, w.inflight),
             load.waiting,
@@ -83,13 +90,13 @@ def cluster_view(
             sc.link,
             sc.handover_s,
             w.settings,
-            0.0 if nics is None else nics.backlog(w.settings.node, now),
+            backlog,
             load.kv_capacity_tokens,
-            wsets.tokens(wid, now),
+            ws_tokens,
             load.offloads,
-            past_knee and admission.closed_to_programs(w, now),
+            closed,
             w.kv_api_ok,  # with the settings: kv_api and chunk_api
-            chunk_holders.get(wid, ()) if chunk_holders else (),
+            chunks,
         )
         group = w.pd_group
         if group is not None:
@@ -98,17 +105,19 @@ def cluster_view(
             elif group != pd_first:
                 pd_mixed = True
         last = w.view_cache
-        if last is not None and last[0] == key:
-            views.append(last[1])
-            continue
-        view = _view(router, w, held, kv_usage, key[10], key[12], key[14], key[16])
+        if last is not None:
+            last_key, last_view = last  # as stored below
+            if last_key == key:
+                views.append(last_view)
+                continue
+        view = _view(router, w, held, kv_usage, backlog, ws_tokens, closed, chunks)
         w.view_cache = (key, view)
         views.append(view)
     return ClusterView(tuple(views), tuple(sources), pd_mixed)
 
 
 def _view(
-    router: Router,
+    router: ClusterSources,
     w: WorkerState,
     held: dict[Tier, int] | None,
     kv_usage: float,
@@ -146,30 +155,34 @@ def _view(
     )
 
 
-def request_view(ctx: RequestContext) -> RequestView:
-    """The request as the planner sees it: its prompt, its session (`ctx.info` as it was
-    before this request touched it) and what the directory matched."""
-    req, tok, match, info = ctx.req, ctx.tok, ctx.match, ctx.info
+def request_view(
+    prompt: Prompt, match: Match, working_sets: WorkingSets, kv_bytes_per_token: int
+) -> RequestView:
+    """The request as the planner sees it: its prompt, its session (`prompt.info`, as it was
+    before this request touched it), what the directory matched, and where the sessions'
+    working sets (`working_sets`) hold its session's KV."""
+    req, tok, info = prompt.req, prompt.tok, prompt.info
+    session_id = prompt.session.session_id
     now = time.monotonic()
-    home, home_tokens = ctx.router.working_sets.home(ctx.session.session_id, now)
+    home, home_tokens = working_sets.home(session_id, now)
     return RequestView(
         model=req.model,
         prompt_tokens=tok.prompt_tokens,
-        block_size=ctx.mt.block_size,
+        block_size=prompt.block_size,
         chain_blocks=len(tok.chain),
         max_tokens=req.max_tokens,
-        session_id=ctx.session.session_id,
+        session_id=session_id,
         session_owner=match.session_owner,
         owner=match.owner,
         owner_blocks=match.owner_blocks,
         previous_prompt_tokens=info.prompt_tokens if info else 0,
         idle_s=(now - info.last_seen) if info else 0.0,
         n=req.n,
-        is_fork=ctx.is_fork,
-        kv_bytes_per_token=ctx.router.kv_bytes_per_token,
+        is_fork=prompt.is_fork,
+        kv_bytes_per_token=kv_bytes_per_token,
         chain=tok.chain,
         home_worker=home,
         home_tokens=home_tokens,
-        growth_tokens=ctx.router.working_sets.growth(tok.prompt_tokens),
-        chunk_spans=() if ctx.chunks is None else ctx.chunks.spans,
+        growth_tokens=working_sets.growth(tok.prompt_tokens),
+        chunk_spans=() if prompt.chunks is None else prompt.chunks.spans,
     )

@@ -1,5 +1,6 @@
 """The router's routing steps timed one by one, in one process, over the overhead bench's own
-prompts, through the request pipeline's own stages (`router.pipeline`, `router.aftermath`):
+prompts, through the request path's own stages (`router.stages`, `router.aftermath`), each
+given its services from `Router.services` as the runner (`router.pipeline`) gives them:
 parse, identify, tokenize (+ block hashes), directory lookup, request view, plan (cluster
 view + policy), plan header, commit, observe. No HTTP: this isolates what the request path
 computes from what the server and the upstream client cost (`bench.router_overhead.servers`).
@@ -25,11 +26,10 @@ from bench.router_overhead.load import bodies
 from bench.router_overhead.run import MODEL
 from ownerserve.config import settings_from_dict
 from router.aftermath import commit, observe
-from router.pipeline import RequestContext, identify, look_up, parse, plan, tokenize, view
 from router.plans import PlanRecord, plan_header
-from router.requests import Endpoint
+from router.requests import Endpoint, parse_request
+from router.stages import identify, look_up, model_label, plan, served_model, tokenize, view
 from router.state import Router
-from router.writer import ResponseWriter
 
 
 def _requests(kind: str) -> tuple[list[tuple[bytes, str | None]], int]:
@@ -66,7 +66,7 @@ async def _run(kind: str) -> dict[str, float]:
     )  # fmt: skip
     router = Router(settings)
     await router.open_directory()  # the in-process directory: commits run inline
-    out = ResponseWriter()  # never written: the steps stop before the upstream request
+    svc = router.services
     requests, warmup = _requests(kind)
     totals: dict[str, float] = {}
     clock = time.perf_counter
@@ -80,29 +80,32 @@ async def _run(kind: str) -> dict[str, float]:
     for k, (body, sid_header) in enumerate(requests):
         if k == warmup:
             totals.clear()
-        headers = [(b"host", b"h"), (b"content-type", b"application/json")]
+        raw = [(b"host", b"h"), (b"content-type", b"application/json")]
         if sid_header:
-            headers.append((b"x-session-id", sid_header.encode()))
+            raw.append((b"x-session-id", sid_header.encode()))
         t = clock()
-        ctx = RequestContext(router, Endpoint.CHAT, headers, out, t)
-        parse(ctx, body)
+        headers = {n.decode("latin-1"): v.decode("latin-1") for n, v in raw}
+        req = parse_request(body, Endpoint.CHAT)
+        model_label(svc.parse, req.model)
+        mt = served_model(svc.parse, req.model)
         t = step("parse", t)
-        identify(ctx)
+        session = identify(req, headers, svc.derived_sessions)
         t = step("identify (session id)", t)
-        tokenize(ctx)
+        prompt = tokenize(req, mt, session, svc.sessions)
         t = step("tokenize + hash", t)
-        await look_up(ctx)
+        match, holders = await look_up(svc.look_up, prompt)
         t = step("directory lookup", t)
-        view(ctx)
+        policy, rview, _ = view(svc.view, headers, prompt, match)
         t = step("request view", t)
-        plan(ctx)
+        planned = plan(policy, rview, svc.cluster, match, (), holders)
+        assert planned is not None
         t = step("plan (cluster view + planner)", t)
-        plan_header(ctx.plan, None)
-        PlanRecord.of(ctx.plan, ctx.session.session_id, None)
+        plan_header(planned, None)
+        PlanRecord.of(planned, prompt.session.session_id, None)
         t = step("plan header + record", t)
-        await commit(ctx)
+        await commit(svc.commit, planned, prompt, match)
         t = step("commit", t)
-        observe(ctx, True)
+        observe(svc.observe, planned, match, None, True, None, None, 0.0, None)
         step("observe (metrics)", t)
     n = len(requests) - warmup
     return {name: total * 1e6 / n for name, total in totals.items()}

@@ -28,6 +28,7 @@ from router.frontdoors import messages, responses
 from router.frontdoors.chat import ChatStreamReader, StreamError, answer_of, error_of
 from router.frontdoors.responses import Conversation, ResponsesRequest
 from router.frontdoors.store import ConversationStore, open_store
+from router.pipeline import respond
 from router.requests import Endpoint
 from router.session import SESSION_HEADERS, identify_session
 from router.streaming import PLAN_HEADER
@@ -307,7 +308,7 @@ class FrontDoors:
                 watch_disconnect(receive, asyncio.current_task(), writer)
             )
             try:
-                await self.router.respond(Endpoint.CHAT, raw, writer, t0, body=orjson.dumps(chat))
+                await respond(self.router, Endpoint.CHAT, raw, writer, t0, body=orjson.dumps(chat))
             finally:
                 out.detach()
 

@@ -19,9 +19,10 @@ from ownerserve.config import Settings, settings_from_dict
 from ownerserve.directory.base import Match
 from ownerserve.errors import ConfigError, RateLimitError
 from ownerserve.profiles import PROFILES_DIR
-from router.admission import Waiter, _completion_tokens, release_order
+from router.admission import Waiter, release_order
 from router.app import create_app
 from router.backends import WorkerLoad
+from router.inflight import completion_tokens
 from router.pool import WorkerState
 from router.server import running_app
 from router.state import Router
@@ -510,8 +511,8 @@ def test_admission_settings_are_validated_and_overridable_from_the_environment()
 
 def test_completion_tokens_are_read_from_a_whole_answers_usage() -> None:
     body = b'{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens": 34,"total_tokens":46}}'
-    assert _completion_tokens(body) == 34
-    assert _completion_tokens(b'{"choices":[]}') == 0
+    assert completion_tokens(body) == 34
+    assert completion_tokens(b'{"choices":[]}') == 0
 
 
 # --- through the router ---------------------------------------------------------------------------
