@@ -19,6 +19,7 @@ from ownerserve.config import Settings, settings_from_dict
 from ownerserve.profiles import PROFILES_DIR
 from router.state import Router
 from tests.e2e.router_cluster import metric_value, proxy_client
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -155,11 +156,7 @@ async def test_a_client_that_gives_up_while_queued_leaves_the_queue(
         async with proxy_client(settings(h0)) as (client, router):
             # long answers (~3 s each): more than the pool holds
             long = [asyncio.create_task(post(client, i, max_tokens=300)) for i in range(6)]
-            for _ in range(300):
-                if router.admission.queued:
-                    break
-                await asyncio.sleep(0.01)
-            assert router.admission.queued > 0
+            await until(lambda: router.admission.queued, what="a request in the queue")
             with pytest.raises(httpx.ReadTimeout):
                 await client.post(
                     "/v1/chat/completions",
@@ -168,12 +165,15 @@ async def test_a_client_that_gives_up_while_queued_leaves_the_queue(
                     timeout=0.3,
                 )
             responses = await asyncio.gather(*long)
-            for _ in range(100):  # the router notices the closed connection
+            gone = {"reason": "client_disconnected"}
+            metrics = ""
+
+            async def abandoned() -> bool:  # the router notices the closed connection
+                nonlocal metrics
                 metrics = (await client.get("/metrics")).text
-                gone = {"reason": "client_disconnected"}
-                if metric_value(metrics, "ownerserve_admission_abandoned_total", **gone):
-                    break
-                await asyncio.sleep(0.02)
+                return bool(metric_value(metrics, "ownerserve_admission_abandoned_total", **gone))
+
+            await until(abandoned, what="the abandoned request counted")
             queued = router.admission.queued
     assert [r.status_code for r in responses] == [200] * 6
     assert metric_value(metrics, "ownerserve_admission_abandoned_total", **gone) == 1

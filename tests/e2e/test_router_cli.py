@@ -7,7 +7,6 @@ import contextlib
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +15,7 @@ import pytest
 from loadgen.cluster import EmulatedWorker, emulated_workers
 from ownerserve.ports import free_port
 from tests.e2e.router_cluster import MODEL, REPO
+from tests.waiting import until_sync
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,11 +35,14 @@ def test_serve_runs_the_config_and_stops_on_sigterm(tmp_path: Path):
         )  # fmt: skip
         try:
             url = f"http://127.0.0.1:{port}"
-            for _ in range(200):
+
+            def serving() -> bool:
+                assert proc.poll() is None, f"ownerserve serve exited {proc.returncode}"
                 with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                time.sleep(0.05)
+                    return httpx.get(url + "/health", timeout=1).status_code == 200
+                return False
+
+            until_sync(serving, timeout_s=60, what="the router serving /health")
             body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
             resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
             assert resp.status_code == 200

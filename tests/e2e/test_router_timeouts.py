@@ -28,8 +28,10 @@ pytestmark = pytest.mark.timeout(120)
 BOUND_S = 1.0
 """Each hop's bound in these tests (the connect bound: `CONNECT_S`)."""
 CONNECT_S = 0.5
-MARGIN_S = 3.0
-"""Allowed past a bound: the router, the workers and the client share two CPU cores here."""
+MARGIN_S = 10.0
+"""Allowed past a bound: the router, the workers and the client share two CPU cores here, with
+other work beside them at times. Still far below what ends these stalls otherwise (the
+defaults' 120 s, a stopped process, a full accept queue: never)."""
 
 MESSAGES = [
     {"role": "system", "content": "You are a coding agent."},
@@ -77,6 +79,11 @@ async def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> bool
             return False
         await asyncio.sleep(0.1)
     return True
+
+
+FREED_S = 10.0
+"""How soon a prefill side frees KV the router gave up on, when told to: well before its own
+lease (30 s) would."""
 
 
 def idle(worker: EmulatedWorker) -> bool:
@@ -146,7 +153,7 @@ async def test_a_stalled_decode_worker_is_given_up_at_the_first_byte_and_p_frees
                 metrics = (await client.get("/metrics")).text
                 # p0 answered for d0 and holds the KV for it: the router told p0 to free it
                 # (its own lease would keep it 30 s), and h0 took its own hand-over
-                assert await eventually(lambda: held_transfers(p0) == 0, timeout_s=3.0)
+                assert await eventually(lambda: held_transfers(p0) == 0, timeout_s=FREED_S)
             # d0 continues: it finds the request abandoned and ends it
             assert await eventually(lambda: idle(d0))
         assert (plan["action"], plan["p"], plan["d"]) == ("remote_prefill", "p0", "h0")
@@ -210,7 +217,7 @@ async def test_a_worker_that_never_accepts_the_connection_is_retried_elsewhere()
             async with proxy_client(s) as (client, _):
                 plan, lines = await answered_within(client, CONNECT_S)
                 metrics = (await client.get("/metrics")).text
-                assert await eventually(lambda: held_transfers(p0) == 0, timeout_s=3.0)
+                assert await eventually(lambda: held_transfers(p0) == 0, timeout_s=FREED_S)
     finally:
         filler.close()
         ghost.close()

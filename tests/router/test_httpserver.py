@@ -219,7 +219,9 @@ async def test_a_client_trickling_forever_is_cut_off_at_the_time_bound():
     async with lingering(linger_bytes=1 << 40, linger_s=1.0) as port:
         answer, kept_s = await _flood_after_refusal(port, pause_s=0.02)
     assert answer.startswith(b"HTTP/1.1 413")
-    assert 0.8 < kept_s < 5  # the body was taken for the linger time, then no longer
+    # the body was taken for about the linger time (counted from the refusal, which the
+    # client reads a moment later), then no longer (the client would send for 30 s)
+    assert 0.5 < kept_s < 15
 
 
 @pytest.mark.parametrize(

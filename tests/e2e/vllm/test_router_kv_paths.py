@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +63,8 @@ PLAN_HEADER = "x-ownerserve-plan"
 # Streamed generations that keep the busy worker's decode batch full while a turn is planned
 # (vLLM's max_num_seqs is 8 here: they all run); as long as the model's context allows.
 BUSY_MAX_TOKENS = 1900
+# How long `busy` keeps opening streams until enough run at once.
+BUSY_WITHIN_S = 120.0
 # A request's `kv_transfer_params` that keeps the connector out of it (nothing loaded or saved).
 NO_SIDECAR = {"ownerserve": {"load": False, "save": False}}
 
@@ -223,12 +224,13 @@ def assert_same_answer(
 async def busy(
     client: httpx.AsyncClient, router: Any, worker: str, n: int, tag: str
 ) -> AsyncIterator[None]:
-    """`n` long streamed generations through the router, all planned onto `worker` (the caller
-    leaves no other worker routable), opened at once and running until exit (closing a stream
-    aborts it). The tiny model decodes fast: they run for seconds, so the caller plans its
-    turn right away. On a starved machine one stream can open only after another already
-    ended (CI saw 1 of 4 still running): then all are closed and opened again, five times at
-    most, so the caller always finds `worker` as busy as it asked."""
+    """`n` long streamed generations through the router running at once, all planned onto
+    `worker` (the caller leaves no other worker routable), until exit (closing a stream aborts
+    it). The tiny model decodes fast: they run for seconds, so the caller plans its turn right
+    away. On a starved machine a stream can end before the last one opened (CI saw 1 of 4
+    still running): each one that ended is replaced by a new one until `n` run at the same
+    time (the router counts them in flight), so the caller always finds `worker` as busy as it
+    asked; `BUSY_WITHIN_S` bounds the trying."""
 
     async def one(i: int) -> httpx.Response:
         req = body(turn(f"{tag} {i}", 2), True, max_tokens=BUSY_MAX_TOKENS)
@@ -237,26 +239,30 @@ async def busy(
         request = client.build_request("POST", "/v1/chat/completions", json=req, headers=headers)
         return await client.send(request, stream=True)
 
-    inflight = 0
-    for _attempt in range(5):
-        t0 = time.monotonic()
-        opened = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
-        streams = [r for r in opened if isinstance(r, httpx.Response)]
-        try:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + BUSY_WITHIN_S
+    streams: list[httpx.Response] = []
+    try:
+        while (running := router.pool.get(worker).inflight) < n:
+            if loop.time() > deadline:
+                raise AssertionError(
+                    f"{running} of the {n} streams ran on {worker} at once, after "
+                    f"{len(streams)} were opened in {BUSY_WITHIN_S:g} s"
+                )
+            if streams:
+                print(f"busy {tag}: {running} of {n} streams running; opening more")
+            opened = await asyncio.gather(
+                *(one(len(streams) + k) for k in range(n - running)), return_exceptions=True
+            )
+            streams += [r for r in opened if isinstance(r, httpx.Response)]
             for r in opened:
                 assert isinstance(r, httpx.Response), r
                 assert r.status_code == 200, (await r.aread()).decode()
                 assert plan_fields(r.headers[PLAN_HEADER])["d"] == worker
-            inflight = router.pool.get(worker).inflight
-            if inflight >= n:
-                yield
-                return
-            waited = time.monotonic() - t0
-            print(f"busy {tag}: {inflight} of {n} streams ran {waited:.1f} s after sending")
-        finally:
-            for r in streams:
-                await r.aclose()
-    raise AssertionError(f"{inflight} of the {n} streams still ran on {worker}, five times")
+        yield
+    finally:
+        for r in streams:
+            await r.aclose()
 
 
 async def evict(server: VllmServer, tag: str) -> None:

@@ -15,6 +15,7 @@ from router.frontdoors.store import (
     RedisConversationStore,
     open_store,
 )
+from tests.waiting import until
 
 
 def conv(n: int) -> Conversation:
@@ -41,16 +42,21 @@ async def test_in_memory_store_forgets_after_its_ttl():
     assert await store.get("a") is None and store.bytes == 0
 
 
+async def _gone(store: RedisConversationStore, response_id: str) -> bool:
+    return await store.get(response_id) is None
+
+
 @pytest.mark.redis
 async def test_redis_store_shares_responses_and_expires_them(redis_server):
     prefix = f"st-{uuid.uuid4().hex[:8]}"
-    one = RedisConversationStore.from_url(redis_server.url, prefix, ttl_s=0.3)
-    two = RedisConversationStore.from_url(redis_server.url, prefix, ttl_s=0.3)
+    # the TTL runs in Redis, in real time: long enough to read the entry back on a busy
+    # machine, short enough to wait out
+    one = RedisConversationStore.from_url(redis_server.url, prefix, ttl_s=1.0)
+    two = RedisConversationStore.from_url(redis_server.url, prefix, ttl_s=1.0)
     try:
         await one.put("r1", conv(10))
         assert await two.get("r1") == conv(10)
-        await asyncio.sleep(0.5)
-        assert await two.get("r1") is None
+        await until(lambda: _gone(two, "r1"), what="r1 expired")
         await one.put("r2", conv(10))
         assert await two.delete("r2") and await one.get("r2") is None
     finally:

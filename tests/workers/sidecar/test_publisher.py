@@ -10,6 +10,7 @@ import pytest
 
 from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.types import Tier
+from tests.waiting import until
 from workers.sidecar.publisher import ReplicaPublisher
 
 
@@ -19,10 +20,7 @@ async def test_new_blocks_are_published_in_one_call_per_tier() -> None:
     pub = ReplicaPublisher(directory, "w0", lambda: held, ttl_s=30.0, flush_every_s=0.01)
     pub.start()
     pub.note(held)
-    for _ in range(200):
-        if pub.stats().published_blocks == 3:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: pub.stats().published_blocks == 3, what="the noted blocks published")
     await pub.close()
     assert pub.stats().published_blocks == 3 and pub.stats().publish_calls == 2
     assert (await directory.lookup([1, 2])).longest("w0", Tier.CPU) == 2
