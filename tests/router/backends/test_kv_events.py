@@ -54,6 +54,8 @@ class VllmLikePublisher:
         self.topic = topic
         self.buffer: list[tuple[int, bytes]] = []
         self.replay_port = replay_port
+        self.replays = 0
+        """Replay requests answered (each to its end marker)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve_replay, daemon=True)
         self._thread.start()
@@ -72,6 +74,7 @@ class VllmLikePublisher:
                         [client, b"", self.topic, seq.to_bytes(8, "big"), payload]
                     )
             router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+            self.replays += 1
         router.close(linger=0)
 
     def publish(self, seq: int, tokens: range, *, send: bool = True, keep: bool = True) -> None:
@@ -137,6 +140,8 @@ async def _subscribed(
     await sub.start()
     try:
         await pub.subscribed()
+        if replay:  # and its catch-up on start answered: what is published next is news to it
+            await until(lambda: pub.replays >= 1, what="the subscriber's catch-up answered")
         yield sub
     finally:
         await sub.close()
