@@ -8,10 +8,9 @@ the oldest first past an aging bound) and answers 429 to new sessions past its b
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +19,18 @@ from ownerserve.errors import RateLimitError
 from ownerserve.profiles import load_profile
 from ownerserve.tasks import cancel_and_wait
 from ownerserve.types import Role
+from planner.admission import (
+    AdmissionQueue,
+    Queued,
+    admits_now,
+    is_started,
+    kv_paused,
+    needs_programs_room,
+    pauses_at_tool_boundary,
+    programs_closed,
+    resident_on,
+)
+from planner.admission import cluster_full as _full_after
 from planner.workingset import WorkingSets
 from router.backends import WorkerLoad
 from router.pool import WorkerPool, WorkerState
@@ -78,42 +89,34 @@ class WorkingSet:
 
 @dataclass(eq=False, slots=True)
 class Waiter:
-    """A request in the admission queue."""
+    """A request in the admission queue (the key of its `planner.admission.Queued`)."""
 
     model: str
     session_id: str | None
     tokens: int
     queued_at: float
-    seq: int
+    started: bool
+    """`planner.admission.is_started`: never refused, released before new sessions."""
     granted: asyncio.Future[None]
-    resident: bool
-    """Its session's KV is counted in a working set already (it only continues a program)."""
-    started: bool = False
-    """Its session was served before (attained service > 0): a program under way, never
-    refused by the queue's bounds and released before new sessions."""
     reserved_on: WorkingSet | None = None
+    bound: asyncio.TimerHandle | None = None
+    """Fires once it has waited `max_queue_wait_s`."""
 
 
-def release_order(
-    waiters: Iterable[Waiter], attained: Callable[[str | None], int], now: float, aging_s: float
-) -> list[Waiter]:
-    """The order the queue releases `waiters` in: started sessions first — those queued
-    `aging_s` or longer oldest first, then by their session's attained service (`attained`),
-    least first — then new sessions in arrival order."""
-    aged = now - aging_s
+_PREFILL = Role.PREFILL  # an enum member looked up per worker costs ~0.1 µs
 
-    def key(w: Waiter) -> tuple[int, int, int]:
-        if not w.started:
-            return (2, 0, w.seq)
-        if w.queued_at <= aged:
-            return (0, 0, w.seq)
-        return (1, attained(w.session_id), w.seq)
+_Room = tuple[bool, WorkingSet | None]
+"""Whether a request may go, and the worker's working set its prompt is reserved on."""
 
-    return sorted(waiters, key=key)
+_EARLY_S = 1e-3
+"""How far to look again when a wait bound's timer fired before the admission's clock shows
+it passed (the loop may fire a timer up to its clock resolution early; a test's clock lags)."""
 
 
 class Admission:
-    """The admission queue of one router, and the working sets it is decided by."""
+    """The admission queue of one router, and the working sets it is decided by; the rules
+    are `planner.admission`'s, this keeps what they are decided on (the workers' loads and
+    working sets) and the waiting (futures, timers, the recheck task, metrics)."""
 
     def __init__(
         self,
@@ -125,11 +128,16 @@ class Admission:
         default_profile: str,
         recheck_s: float,
         working_sets: WorkingSets | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self._programs = working_sets if working_sets is not None else WorkingSets()
         """The sessions' working sets: a new session waits while they fill every worker."""
         self.enabled = settings.enabled
+        self._pausing = settings.pause_watermark is not None
+        self.clock = clock
+        """What `now` is read from (a test sets its own; the wait bounds' timers run on the
+        event loop's, and act by this one)."""
         self._pool = pool
         self._sessions = sessions
         self._metrics = metrics
@@ -138,16 +146,11 @@ class Admission:
         """How often a non-empty queue looks at the workers' scrapes again."""
         self._sets: dict[str, WorkingSet] = {}
         self._capacities: dict[str, int] = {}
-        self._queue: dict[Waiter, None] = {}
-        """Insertion-ordered: arrival order, and O(1) removal."""
-        self._models: dict[str, int] = {}
-        """Queued requests per model."""
-        self._new_waiting = 0
-        """Queued requests of new sessions (what `max_queued` bounds)."""
+        self._queue: AdmissionQueue[Waiter] = AdmissionQueue(settings)
+        """Grouped by model."""
         self._full = False
         self._full_at = -1.0
         """`cluster_full`'s state (hysteresis) and when it was last looked at."""
-        self._seq = itertools.count()
         self._rechecks: asyncio.Task[None] | None = None
         self._admitted_now = metrics.admitted.labels("immediate")
 
@@ -203,83 +206,107 @@ class Admission:
         """True when the session's KV is counted in a working set now: its request continues
         a program whose KV the engines already hold. So is a subagent's first request while
         its spawner's (`parent`) is: it starts on that KV."""
-        return self._home(session_id, parent, time.monotonic()) is not None
+        attained = self._sessions.attained(session_id)
+        return self._home(session_id, parent, attained, self.clock()) is not None
 
-    def _home(self, session_id: str | None, parent: str | None, now: float) -> str | None:
-        """The worker the session's KV is counted on; for a subagent with no service yet, its
-        spawner's."""
-        home = self._programs.home(session_id, now)[0]
-        if home is None and parent is not None and self._sessions.attained(session_id) == 0:
-            home = self._programs.home(parent, now)[0]
-        return home
+    def _home(
+        self, session_id: str | None, parent: str | None, attained: int, now: float
+    ) -> str | None:
+        """`resident_on`: the worker the session's KV is counted on; for a subagent with no
+        service yet, its spawner's."""
+        programs = self._programs
+        return resident_on(
+            programs.home(session_id, now)[0],
+            attained,
+            None if parent is None else lambda: programs.home(parent, now)[0],
+        )
 
-    def _room(
-        self, model: str, now: float, roomiest: bool, resident: bool
-    ) -> tuple[bool, WorkingSet | None]:
-        """Whether a request for `model` may go now, and onto which worker's working set:
-        the first (or, `roomiest`, the emptiest) routable worker that could hold its KV
-        (decode-capable when there are any) and is not paused — nor, for a request that is
-        not `resident` (a new session, or one whose KV was released), closed to new sessions
-        by its sessions' working set; (True, None) when no worker is routable (the planner
-        then answers), (False, None) when all are paused."""
+    def _holders(self, model: str) -> list[WorkerState]:
+        """The workers that could hold a request's KV: decode-capable when there are any."""
         workers = self._pool.for_model(model)
-        holders = [w for w in workers if w.settings.role is not Role.PREFILL] or workers
-        high, low = self.settings.high_watermark, self.settings.low_watermark
-        best: WorkingSet | None = None
-        best_usage = math.inf
+        return [w for w in workers if w.settings.role is not _PREFILL] or workers
+
+    def _open(self, w: WorkerState, ws: WorkingSet, usage: float) -> bool:
+        """Whether `w` is not paused (`kv_paused` at `usage`); its state and gauge follow."""
+        was = ws.paused
+        paused = kv_paused(was, usage, self.settings)
+        if paused is not was:
+            ws.paused = paused
+            self._metrics.admission_paused.labels(w.worker_id).set(1 if paused else 0)
+        return not paused
+
+    def _room(self, model: str, now: float, resident: bool) -> bool:
+        """Whether a request for `model` may go now: some routable worker that could hold its
+        KV is not paused — nor, for a request that is not `resident` (a new session, or one
+        whose KV was released), closed to programs (`programs_closed`); True when no worker
+        is routable (the planner then answers)."""
         routable = False
-        for w in holders:
+        for w in self._holders(model):
+            if not w.routable(now):
+                continue
+            routable = True
+            ws = self.working_set(w)
+            if not self._open(w, ws, ws.usage(w.load)):
+                continue
+            if resident or not self._closed(
+                ws, self._programs_share(w, ws, now), self._sessions_on(w, ws, now)
+            ):
+                return True
+        return not routable
+
+    def _roomiest(self, model: str, now: float) -> tuple[_Room, _Room]:
+        """`_room` for a request that needs KV headroom only and for one that needs room for
+        programs too, each with the emptiest such worker its prompt is reserved on (None when
+        none is routable: (True, None) then; (False, None) when none has room), in one look at
+        the workers."""
+        s_best: WorkingSet | None = None
+        p_best: WorkingSet | None = None
+        s_usage = p_usage = math.inf
+        routable = False
+        for w in self._holders(model):
             if not w.routable(now):
                 continue
             routable = True
             ws = self.working_set(w)
             usage = ws.usage(w.load)
-            if ws.paused:
-                if usage >= low:
-                    continue
-                ws.paused = False
-                self._metrics.admission_paused.labels(w.worker_id).set(0)
-            elif usage >= high:
-                ws.paused = True
-                self._metrics.admission_paused.labels(w.worker_id).set(1)
+            if not self._open(w, ws, usage):
                 continue
-            if not resident:
-                programs = self._programs_share(w, ws, now)
-                if self._closed(ws, programs, self._sessions_on(w, ws, now)):
-                    continue
-                if programs > usage:
-                    usage = programs
-            if not roomiest:
-                return True, ws
-            if usage < best_usage:
-                best, best_usage = ws, usage
-        if best is not None:
-            return True, best
-        return not routable, None
+            if usage < s_usage:
+                s_best, s_usage = ws, usage
+            programs = self._programs_share(w, ws, now)
+            if self._closed(ws, programs, self._sessions_on(w, ws, now)):
+                continue
+            if programs > usage:
+                usage = programs
+            if usage < p_usage:
+                p_best, p_usage = ws, usage
+        none: _Room = (not routable, None)
+        return (
+            (True, s_best) if s_best is not None else none,
+            (True, p_best) if p_best is not None else none,
+        )
 
     def cluster_full(self, now: float) -> bool:
-        """Whether the sessions' working sets fill the whole cluster: every routable worker
-        that holds sessions (not prefill-only), their tokens over their pools plus CPU tiers,
-        at `pause_watermark`, and until back under it by high − low (looked at every 50 ms at
-        most). Only then are sessions paused at their tool boundaries and closed workers kept
-        from sessions not resident there: below it, room exists somewhere, and the planner's
-        W_disp spreads the sessions to it without making any wait."""
-        on = self.settings.pause_watermark
-        if on is None:
+        """Whether the sessions' working sets fill the whole cluster (`planner.admission.
+        cluster_full`): every routable worker that holds sessions (not prefill-only), their
+        tokens over their pools plus CPU tiers, looked at every 50 ms at most. Only then are
+        sessions paused at their tool boundaries and closed workers kept from sessions not
+        resident there: below it, room exists somewhere, and the planner's W_disp spreads the
+        sessions to it without making any wait."""
+        if self.settings.pause_watermark is None:
             return False
         if now - self._full_at < 0.05:
             return self._full
         self._full_at = now
         tokens = budget = 0
         for w in self._pool.all():
-            if w.settings.role is Role.PREFILL or not w.routable(now):
+            if w.settings.role is _PREFILL or not w.routable(now):
                 continue
             t, b = self._programs_load(w, self.working_set(w), now)
             tokens += t
             budget += b
         share = tokens / budget if budget else 0.0
-        s = self.settings
-        self._full = share >= (on - (s.high_watermark - s.low_watermark) if self._full else on)
+        self._full = _full_after(self._full, share, self.settings)
         return self._full
 
     def _programs_load(self, worker: WorkerState, ws: WorkingSet, now: float) -> tuple[int, int]:
@@ -293,28 +320,22 @@ class Admission:
         tokens, budget = self._programs_load(worker, ws, now)
         return tokens / budget
 
+    def _home_share(self, worker_id: str, now: float) -> float:
+        """`_programs_share` of the worker `worker_id` (0 once it left the pool)."""
+        worker = self._pool.get(worker_id)
+        if worker is None:
+            return 0.0
+        return self._programs_share(worker, self.working_set(worker), now)
+
     def _sessions_on(self, worker: WorkerState, ws: WorkingSet, now: float) -> int:
         """How many sessions its working set is of (and requests released onto it)."""
         return self._programs.sessions(worker.worker_id, now) + ws.reserved_sessions
 
     def _closed(self, ws: WorkingSet, programs: float, sessions: int) -> bool:
-        """Whether the worker is closed to programs at a working-set share of `programs` of
-        `sessions` sessions: closed at the high watermark, open again below the low one —
-        but never while one session (or none) fills it: holding others back from it would
-        run whole programs one after another, the worker idle through each tool gap, and
-        keep nothing but that one session's KV from itself."""
-        if sessions <= 1:
-            ws.closed = False
-            return False
-        if ws.closed:
-            if programs >= self.settings.low_watermark:
-                return True
-            ws.closed = False
-            return False
-        if programs >= self.settings.high_watermark:
-            ws.closed = True
-            return True
-        return False
+        """`programs_closed` at a working-set share of `programs` of `sessions` sessions; the
+        worker's state follows."""
+        closed = ws.closed = programs_closed(ws.closed, programs, sessions, self.settings)
+        return closed
 
     def closed_to_programs(self, worker: WorkerState, now: float) -> bool:
         """Whether `worker` is closed to programs now (`WorkerView.programs_closed`: no
@@ -330,27 +351,34 @@ class Admission:
     def admit_now(
         self, model: str, session_id: str | None = None, parent: str | None = None
     ) -> bool:
-        """True when a request for `model` of `session_id` may go at once: admission is off;
-        or its session is `resident` and some worker has KV headroom; or nothing is queued and
-        some worker has headroom and room for a new session (or none is routable); else it
-        must `wait`. A started session whose KV is counted on a worker closed to programs is
-        paused at this tool boundary: its KV is released and its request waits. A subagent
+        """True when a request for `model` of `session_id` may go at once (`admits_now`):
+        admission is off; or its session is resident and some worker has KV headroom; or
+        nothing is queued and some worker has headroom and room for a new session (or none is
+        routable); else it must `wait`. A started session whose KV is counted on a worker
+        over the high watermark while the cluster is full is paused at this tool boundary
+        (`pauses_at_tool_boundary`): its KV is released and its request waits. A subagent
         (`parent`: its spawner) with no service yet is resident while its spawner is."""
         if not self.enabled:
             return True
-        now = time.monotonic()
-        home = self._home(session_id, parent, now)
-        resident = home is not None
-        if home is not None and self._sessions.attained(session_id) > 0 and self.cluster_full(now):
-            worker = self._pool.get(home)
-            if worker is not None:
-                ws = self.working_set(worker)
-                if self._programs_share(worker, ws, now) >= self.settings.high_watermark:
-                    assert session_id is not None
-                    self._programs.release(session_id, now)
-                    self._metrics.sessions_paused.inc()
-                    return False
-        if (self._queue and not resident) or not self._room(model, now, False, resident)[0]:
+        now = self.clock()
+        attained = self._sessions.attained(session_id)
+        home = self._home(session_id, parent, attained, now)
+        # (no pause without a pause watermark: its inputs are not even made then)
+        if (
+            home is not None
+            and self._pausing
+            and pauses_at_tool_boundary(
+                attained,
+                lambda: self._home_share(home, now),
+                lambda: self.cluster_full(now),
+                self.settings,
+            )
+        ):
+            assert session_id is not None  # a session without an id has no home
+            self._programs.release(session_id, now)
+            self._metrics.sessions_paused.inc()
+            return False
+        if not admits_now(bool(self._queue), home is not None, lambda r: self._room(model, now, r)):
             return False
         self._admitted_now.inc()
         return True
@@ -364,16 +392,18 @@ class Admission:
         parent: str | None = None,
     ) -> float:
         """Queue the request until `pump` releases it; the seconds it waited. A new session's
-        request gets `RateLimitError` when `max_queued` new ones wait already or its wait
-        outlasts `max_queue_wait_s`; a started session's is never refused (past that wait it
-        needs only KV headroom). A session spawned by a session the router knows (`parent`:
-        a subagent) is part of that program under way: started, with its own attained
-        service (none yet, so it goes first). A cancel (the client went away, the request
-        timed out) takes it out of the queue."""
+        request gets `RateLimitError` when `max_queued` new ones wait already (`refuses`) or
+        its wait outlasts `max_queue_wait_s` (`timed_out`); a started session's is never
+        refused (past that wait it needs only KV headroom). A session spawned by a session the
+        router knows (`parent`: a subagent) is part of that program under way: started, with
+        its own attained service (none yet, so it goes first). A cancel (the client went away,
+        the request timed out) takes it out of the queue."""
         s = self.settings
         m = self._metrics
-        started = self._sessions.started(session_id, parent)
-        if not started and self._new_waiting >= s.max_queued:
+        queue = self._queue
+        attained = self._sessions.attained(session_id)
+        started = is_started(attained, self._sessions.get(parent) is not None)
+        if queue.refuses(started):
             m.of(m.admission_rejected, "queue_full").inc()
             raise RateLimitError(
                 f"the router's admission queue is full ({s.max_queued} requests wait for KV "
@@ -382,22 +412,13 @@ class Admission:
                 retry_after_s=s.retry_after_s,
             )
         loop = asyncio.get_running_loop()
-        t0 = time.monotonic()
-        waiter = Waiter(
-            model,
-            session_id,
-            tokens,
-            t0,
-            next(self._seq),
-            loop.create_future(),
-            self.resident(session_id, parent),
-            started,
-        )
-        self._enqueue(waiter)
-        if started:  # past the bound it needs only KV headroom: look again then
-            expiry = loop.call_later(s.max_queue_wait_s, self.pump)
-        else:
-            expiry = loop.call_later(s.max_queue_wait_s, self._expire, waiter)
+        t0 = self.clock()
+        waiter = Waiter(model, session_id, tokens, t0, started, loop.create_future())
+        queue.add(waiter, t0, started=started, attained=attained, group=model)
+        m.admission_queued.set(len(queue))
+        if self._rechecks is None:
+            self._rechecks = loop.create_task(self._recheck(), name="admission-recheck")
+        waiter.bound = loop.call_later(s.max_queue_wait_s, self._at_bound, waiter)
         outcome = "admitted"
         try:
             self.pump()
@@ -410,9 +431,10 @@ class Admission:
             m.of(m.admission_abandoned, outcome).inc()
             raise
         finally:
-            expiry.cancel()
-            if waiter in self._queue:
-                self._dequeue(waiter)
+            if waiter.bound is not None:
+                waiter.bound.cancel()
+            if queue.remove(waiter) is not None:
+                m.admission_queued.set(len(queue))
             # the request is sent right after this (no await in between), so its reservation
             # gives way to its in-flight count; not sent, it frees the headroom for others
             ws = waiter.reserved_on
@@ -422,37 +444,42 @@ class Admission:
                 waiter.reserved_on = None
                 if outcome != "admitted":
                     self.pump()
-            waited = time.monotonic() - t0
+            waited = self.clock() - t0
             m.of(m.admission_wait, outcome).observe(waited)
         m.of(m.admitted, "queued").inc()
         return waited
 
     def pump(self) -> None:
-        """Release queued requests, in `release_order`, while a worker that could serve them
-        has headroom; each released one reserves its prompt on the emptiest such worker."""
-        if not self._queue:
+        """Refuse the queued requests `timed_out`, then release queued requests, in release
+        order (`AdmissionQueue.next`), while a worker that could serve them has headroom; each
+        released one reserves its prompt on the emptiest such worker."""
+        queue = self._queue
+        if not queue:
             return
-        now = time.monotonic()
+        now = self.clock()
+        self._refuse(queue.timed_out(now))
         room = self._rooms(now)
         if not any(ok for ok, _ in room.values()):
             return
-        attained = self._sessions.attained
-        bound = now - self.settings.max_queue_wait_s
-        aged = now - self.settings.aging_s
+        s = self.settings
         # a started session's request queued `aging_s` waits for KV headroom only below the
         # knee (nothing it began starves behind programs that keep running), past it after
         # the wait bound; a new session's waits for a worker open to programs, or its 429:
         # starting it where the programs fill the KV would evict the KV of sessions under way
         past_knee = self.cluster_full(now)
-        for waiter in release_order(self._queue, attained, now, self.settings.aging_s):
-            program_free = waiter.resident or (
-                waiter.started
-                and (waiter.queued_at <= bound or (waiter.queued_at <= aged and not past_knee))
-            )
-            ok, ws = room.get((waiter.model, program_free), (False, None))
-            if not ok:
+
+        def full() -> bool:
+            return past_knee
+
+        def may_go(model: Hashable, kv_only: bool) -> bool:
+            return room[(str(model), kv_only)][0]
+
+        while (e := queue.next(now, may_go, full, self._attained)) is not None:
+            waiter = e.key
+            if waiter.granted.done():  # cancelled, its task not yet out of `wait`
                 continue
-            self._dequeue(waiter)
+            kv_only = not needs_programs_room(e.started, e.queued_at, now, full, s)
+            ws = room[(waiter.model, kv_only)][1]
             if ws is not None:
                 ws.reserved += waiter.tokens
                 ws.reserved_sessions += 1
@@ -461,51 +488,57 @@ class Admission:
             if ws is not None:  # models may share workers: look again at them all
                 room = self._rooms(now)
                 if not any(ok for ok, _ in room.values()):
-                    return
+                    break
+        self._metrics.admission_queued.set(len(queue))
 
-    def _rooms(self, now: float) -> dict[tuple[str, bool], tuple[bool, WorkingSet | None]]:
-        return {
-            (model, resident): self._room(model, now, True, resident)
-            for model in list(self._models)
-            for resident in (False, True)
-        }
+    def _attained(self, waiter: Waiter) -> int:
+        return self._sessions.attained(waiter.session_id)
 
-    def _expire(self, waiter: Waiter) -> None:
-        if waiter.granted.done():
+    def _rooms(self, now: float) -> dict[tuple[str, bool], _Room]:
+        """`_roomiest` of every model with requests queued, for requests that need only KV
+        headroom (True) and for those that need room for programs too (False)."""
+        rooms: dict[tuple[str, bool], _Room] = {}
+        for group in self._queue.groups():
+            model = str(group)
+            rooms[(model, True)], rooms[(model, False)] = self._roomiest(model, now)
+        return rooms
+
+    def _at_bound(self, waiter: Waiter) -> None:
+        """`waiter` has waited `max_queue_wait_s` by the loop's clock: a new session's request
+        is refused (`timed_out`), a started one's may go on KV headroom alone (`pump`) — once
+        the admission's clock shows it too, else this looks again then."""
+        waiter.bound = None
+        queue = self._queue
+        if waiter not in queue:
             return
-        self._dequeue(waiter)
-        m = self._metrics
-        m.of(m.admission_rejected, "queue_timeout").inc()
-        s = self.settings
-        waiter.granted.set_exception(
-            RateLimitError(
-                f"no worker had KV capacity for the request within {s.max_queue_wait_s:g} s",
-                code="queue_timeout",
-                retry_after_s=s.retry_after_s,
-            )
-        )
-
-    def _enqueue(self, waiter: Waiter) -> None:
-        self._queue[waiter] = None
-        if not waiter.started:
-            self._new_waiting += 1
-        self._models[waiter.model] = self._models.get(waiter.model, 0) + 1
-        self._metrics.admission_queued.set(len(self._queue))
-        if self._rechecks is None:
-            self._rechecks = asyncio.get_running_loop().create_task(
-                self._recheck(), name="admission-recheck"
-            )
-
-    def _dequeue(self, waiter: Waiter) -> None:
-        del self._queue[waiter]
-        if not waiter.started:
-            self._new_waiting -= 1
-        left = self._models[waiter.model] - 1
-        if left:
-            self._models[waiter.model] = left
+        now = self.clock()
+        left = waiter.queued_at + self.settings.max_queue_wait_s - now
+        if waiter.queued_at >= now - self.settings.max_queue_wait_s:
+            loop = asyncio.get_running_loop()
+            waiter.bound = loop.call_later(max(left, _EARLY_S), self._at_bound, waiter)
+        elif waiter.started:
+            self.pump()
         else:
-            del self._models[waiter.model]
-        self._metrics.admission_queued.set(len(self._queue))
+            self._refuse(queue.timed_out(now))
+
+    def _refuse(self, refused: list[Queued[Waiter]]) -> None:
+        """Answer the requests `timed_out` took out of the queue with their 429."""
+        if not refused:
+            return
+        m = self._metrics
+        s = self.settings
+        for e in refused:
+            m.of(m.admission_rejected, "queue_timeout").inc()
+            if not e.key.granted.done():
+                e.key.granted.set_exception(
+                    RateLimitError(
+                        f"no worker had KV capacity for the request within "
+                        f"{s.max_queue_wait_s:g} s",
+                        code="queue_timeout",
+                        retry_after_s=s.retry_after_s,
+                    )
+                )
+        m.admission_queued.set(len(self._queue))
 
     async def _recheck(self) -> None:
         """While requests wait, pump every `recheck_s`: a new scrape of the workers' KV usage
@@ -519,4 +552,3 @@ class Admission:
 
     async def close(self) -> None:
         await cancel_and_wait(self._rechecks)
-

@@ -10,12 +10,20 @@ it."""
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 from typing import Protocol
 
+from planner.admission import (
+    AdmissionQueue,
+    AdmissionSettings,
+    admits_now,
+    cluster_full,
+    is_started,
+    kv_paused,
+    pauses_at_tool_boundary,
+    programs_closed,
+    resident_on,
+)
 from planner.policies.peers.thunderagent import ProgramScheduler
 
 
@@ -63,20 +71,17 @@ class ProgramGate(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
-class AdmissionConfig:
-    """`admission.*` of the router's settings, with the router's defaults."""
+AdmissionConfig = AdmissionSettings
+"""`admission.*` of the router's settings, with the router's defaults (the one declaration)."""
 
-    high_watermark: float = 0.95
-    low_watermark: float = 0.80
-    max_queued: int = 1024
-    max_queue_wait_s: float = 60.0
-    aging_s: float = 10.0
-    pause_watermark: float | None = None
+_UNCOUNTED = 2
+"""The sessions on a worker when they are not counted (`sessions` not given): more than one,
+so `programs_closed` goes by the share alone."""
 
 
 class RouterAdmission:
-    """The router's admission (`router/admission.py`, router/README.md *Admission*).
+    """The router's admission (`router/admission.py`, router/README.md *Admission*), its rules
+    `planner.admission`'s, on simulated events.
 
     Request level: while every decode-capable worker is paused (the KV its running requests
     hold, `usage`, reached `high_watermark`, and not yet back under `low_watermark`), requests
@@ -95,7 +100,11 @@ class RouterAdmission:
     `aging_s` needs only KV headroom; a new session's does not age. Only new sessions are
     refused (429): past `max_queued` new ones waiting, or after `max_queue_wait_s`. A session
     spawned by one under way (`spawned`: a subagent) is a started one, with its own attained
-    service (none yet), resident on its spawner's KV until it has its own."""
+    service (none yet), resident on its spawner's KV until it has its own.
+
+    The usage hysteresis is looked at whenever a worker's running KV changes (`started`,
+    `ended`: exact, where the router looks at each scrape and request); a session has one
+    request at a time, so its attained service is fixed while it waits."""
 
     tick_s = 0.0
 
@@ -103,14 +112,14 @@ class RouterAdmission:
         self,
         workers: list[str],
         usage: Callable[[str], float],
-        config: AdmissionConfig | None = None,
+        config: AdmissionSettings | None = None,
         *,
         programs: Callable[[str, float], float] | None = None,
         sessions: Callable[[str, float], int] | None = None,
         home: Callable[[Hashable, float], str | None] | None = None,
         release: Callable[[Hashable, float], None] | None = None,
     ) -> None:
-        self.config = config or AdmissionConfig()
+        self.config = config or AdmissionSettings()
         self._usage = usage
         self._programs = programs
         self._sessions = sessions
@@ -121,15 +130,10 @@ class RouterAdmission:
         self._open: set[str] = set(workers)
         """Workers not paused."""
         self._workers = list(workers)
+        self._known = set(workers)
         self._closed: set[str] = set()
         """Workers closed to programs (program level)."""
-        self._waiting: dict[Hashable, tuple[int, float, bool]] = {}
-        """session -> (seq, queued_at, started)."""
-        self._fifo: deque[tuple[float, int, Hashable]] = deque()  # started, arrival order
-        self._las: list[tuple[int, int, Hashable]] = []  # started: (attained, seq, session)
-        self._new: deque[tuple[float, int, Hashable]] = deque()  # new sessions
-        self._new_waiting = 0
-        self._seq = 0
+        self._queue: AdmissionQueue[Hashable] = AdmissionQueue(self.config)
         self._rejected: list[Hashable] = []
         self._spawners: dict[Hashable, Hashable] = {}
         """Subagents about to arrive -> the session under way that spawned them."""
@@ -152,33 +156,32 @@ class RouterAdmission:
     def arrive(self, session: Hashable, tokens: int, attained: int, now: float) -> bool:
         self._expire(now)
         spawner = self._spawners.pop(session, None) if not attained else None
-        started = attained > 0 or spawner is not None
-        home = self._home(session, now) if self._home is not None and started else None
-        if home is None and spawner is not None and self._home is not None:
-            home = self._home(spawner, now)  # a subagent starts on its spawner's KV
-        if home is not None and attained > 0 and self._over(home, now) and self._cluster_full(now):
+        started = is_started(attained, spawner is not None)
+        look = self._home
+        own = look(session, now) if look is not None and started else None
+        home = resident_on(
+            own,
+            attained,
+            (lambda: look(spawner, now)) if look is not None and spawner is not None else None,
+        )
+        paused = home is not None and pauses_at_tool_boundary(
+            attained,
+            lambda: self._share(home, now),
+            lambda: self._cluster_full(now),
+            self.config,
+        )
+        if paused:
             # its worker's programs are over the watermark: pause it at this tool boundary
             assert self._release is not None
             self._release(session, now)
             self.paused_total += 1
-        elif not self._waiting and self._open:
-            if home is not None or self._programs is None or self._any_program_open(now):
-                return True
-        elif home is not None and self._open:
-            return True  # its KV is in a working set on an open worker: it runs on
-        if not started and self._new_waiting >= self.config.max_queued:
+        elif admits_now(bool(self._queue), home is not None, lambda r: self._room(r, now)):
+            return True
+        if self._queue.refuses(started):
             self.rejected_full += 1
             self._rejected.append(session)
             return False
-        seq = self._seq = self._seq + 1
-        self._waiting[session] = (seq, now, started)
-        if started:
-            self._fifo.append((now, seq, session))
-            # a queued session has nothing in flight: its attained service is fixed while it waits
-            heapq.heappush(self._las, (attained, seq, session))
-        else:
-            self._new.append((now, seq, session))
-            self._new_waiting += 1
+        self._queue.add(session, now, started=started, attained=attained)
         self.queued += 1
         return False
 
@@ -192,86 +195,54 @@ class RouterAdmission:
         return None
 
     def next_release(self, now: float) -> Hashable | None:
-        if not self._waiting or not self._open:
+        if not self._queue or not self._open:
             return None
         self._expire(now)
-        waiting = self._waiting
-        fifo = self._fifo
-        while fifo and waiting.get(fifo[0][2], (None,))[0] != fifo[0][1]:
-            fifo.popleft()  # released through the other order
         programs_open = self._programs is None or self._any_program_open(now)
-        aged = now - self.config.aging_s
-        session: Hashable | None = None
-        if (
-            fifo
-            and fifo[0][0] <= aged
-            and (
-                programs_open
-                or fifo[0][0] <= now - self.config.max_queue_wait_s
-                or not self._cluster_full(now)
-            )
-        ):
-            session = fifo.popleft()[2]
-        elif programs_open:
-            las = self._las
-            while las:
-                _, seq, s = heapq.heappop(las)
-                if waiting.get(s, (None,))[0] == seq:
-                    session = s
-                    break
-            else:
-                session = self._pop_new()
-        if session is None:
+        e = self._queue.next(
+            now, lambda _group, kv_only: kv_only or programs_open, lambda: self._cluster_full(now)
+        )
+        if e is None:
             return None
-        _, queued_at, _ = waiting.pop(session)
-        self.waits_s.append(now - queued_at)
-        return session
-
-    def _pop_new(self) -> Hashable | None:
-        """The first new session still waiting, taken out of the new sessions' queue."""
-        new, waiting = self._new, self._waiting
-        while new:
-            _, seq, s = new.popleft()
-            if waiting.get(s, (None,))[0] == seq:
-                self._new_waiting -= 1
-                return s
-        return None
+        self.waits_s.append(now - e.queued_at)
+        return e.key
 
     def rejected(self, now: float) -> list[Hashable]:
         self._expire(now)
         out, self._rejected = self._rejected, []
         return out
 
+    def _room(self, resident: bool, now: float) -> bool:
+        """`admits_now`'s room: a worker not paused, and for a request not resident one open
+        to programs too."""
+        if not self._open:
+            return False
+        return resident or self._programs is None or self._any_program_open(now)
+
     def _update(self, worker: str) -> None:
-        """The worker's running KV changed: pause it at the high watermark, open it again
-        below the low one."""
-        if worker not in self._workers:
+        """The worker's running KV changed: look at its usage (`kv_paused`)."""
+        if worker not in self._known:
             return
-        u = self._usage(worker)
-        if worker in self._open:
-            if u >= self.config.high_watermark:
+        was = worker not in self._open
+        if kv_paused(was, self._usage(worker), self.config) != was:
+            if was:
+                self._open.add(worker)
+            else:
                 self._open.discard(worker)
-        elif u < self.config.low_watermark:
-            self._open.add(worker)
 
     def _program_open(self, worker: str, now: float) -> bool:
-        """Whether `worker` is open to programs: closed when its working set reaches the high
-        watermark, open again below the low one; never closed while it holds one session (or
-        none), as the router's `Admission._closed`."""
+        """Whether `worker` is open to programs now (`programs_closed`, as the router's
+        `Admission.closed_to_programs`)."""
         if self._programs is None:
             return True
-        if self._sessions is not None and self._sessions(worker, now) <= 1:
-            self._closed.discard(worker)
-            return True
-        share = self._programs(worker, now)
-        if worker in self._closed:
-            if share >= self.config.low_watermark:
-                return False
-            self._closed.discard(worker)
-            return True
-        if share >= self.config.high_watermark:
-            self._closed.add(worker)
+        sessions = self._sessions(worker, now) if self._sessions is not None else _UNCOUNTED
+        closed = worker in self._closed
+        if programs_closed(closed, self._programs(worker, now), sessions, self.config):
+            if not closed:
+                self._closed.add(worker)
             return False
+        if closed:
+            self._closed.discard(worker)
         return True
 
     def closed_to_programs(self, worker: str, now: float) -> bool:
@@ -284,41 +255,30 @@ class RouterAdmission:
         )
 
     def _cluster_full(self, now: float) -> bool:
-        """Whether the programs fill the cluster (the mean of the workers' shares; the
-        simulator's workers have equal pools) at `pause_watermark`, until back under it by
-        high − low; looked at once per instant."""
-        on = self.config.pause_watermark
-        if on is None:
+        """`cluster_full` over the mean of the workers' shares (the simulator's workers have
+        equal pools); looked at once per instant."""
+        if self.config.pause_watermark is None:
             return False
         if now == self._full_at:
             return self._full
         self._full_at = now
         assert self._programs is not None
         share = sum(self._programs(w, now) for w in self._workers) / len(self._workers)
-        cfg = self.config
-        self._full = share >= (on - (cfg.high_watermark - cfg.low_watermark) if self._full else on)
+        self._full = cluster_full(self._full, share, self.config)
         return self._full
 
-    def _over(self, worker: str, now: float) -> bool:
-        """Whether `worker`'s programs are at or over the high watermark now (pausing brings
-        them just under it; the low watermark is for letting programs in again)."""
-        assert self._programs is not None
-        return self._programs(worker, now) >= self.config.high_watermark
+    def _share(self, worker: str | None, now: float) -> float:
+        assert self._programs is not None and worker is not None
+        return self._programs(worker, now)
 
     def _any_program_open(self, now: float) -> bool:
         return any(w in self._open and self._program_open(w, now) for w in self._workers)
 
     def _expire(self, now: float) -> None:
-        """Refuse the new sessions' requests queued longer than `max_queue_wait_s`."""
-        new, waiting = self._new, self._waiting
-        limit = now - self.config.max_queue_wait_s
-        while new and new[0][0] < limit:
-            _, seq, session = new.popleft()
-            if waiting.get(session, (None,))[0] == seq:
-                del waiting[session]
-                self._new_waiting -= 1
-                self.rejected_timeout += 1
-                self._rejected.append(session)
+        """Refuse the new sessions' requests `timed_out` at `now`."""
+        for e in self._queue.timed_out(now):
+            self.rejected_timeout += 1
+            self._rejected.append(e.key)
 
 
 class ThunderAgentGate:

@@ -1,6 +1,7 @@
 """Admission (`router.admission`): when a request may go at once, the queue's release order
 (least attained service per session, aging), its bounds (429 with `Retry-After`), requests
-leaving it (client gone, cancelled) and its metrics; the working sets it decides by."""
+leaving it (client gone, cancelled) and its metrics; the working sets it decides by. The rules
+alone, without a router: `tests/planner/test_admission.py`."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from ownerserve.config import Settings, settings_from_dict
 from ownerserve.directory.base import Match
 from ownerserve.errors import ConfigError, RateLimitError
 from ownerserve.profiles import PROFILES_DIR
-from router.admission import Waiter, release_order
 from router.app import create_app
 from router.backends import WorkerLoad
 from router.inflight import completion_tokens
@@ -82,6 +82,28 @@ def _metrics(router: Router) -> str:
     return router.metrics.exposition().decode()
 
 
+class Clock:
+    """The admission's clock, moved by the test (the wait bounds' timers, on the loop's
+    clock, act only once it shows them passed)."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _clock(router: Router) -> Clock:
+    clock = Clock()
+    router.admission.clock = clock
+    return clock
+
+
+async def _queued(router: Router, n: int) -> None:
+    """Until `n` requests wait in the admission queue."""
+    await until(lambda: router.admission.queued == n, timeout_s=2.0)
+
+
 async def _settle() -> None:
     for _ in range(3):
         await asyncio.sleep(0)
@@ -119,43 +141,6 @@ def _two_programs_and_one_back(router: Router) -> None:
     router.working_sets.started("old", "w0", 500, now)
     router.working_sets.started("old2", "w0", 460, now)
     router.sessions.touch("back", 0).attained_tokens = 500
-
-
-def _waiter(session: str, seq: int, queued_at: float, started: bool = True) -> Waiter:
-    return Waiter(MODEL, session, 10, queued_at, seq, asyncio.Future(), False, started)
-
-
-# --- release order (pure) -----------------------------------------------------------------------
-
-
-async def test_release_order_is_started_sessions_least_attained_first_then_new_ones() -> None:
-    attained = {"heavy": 5000, "light": 10, "mid": 100}
-    waiters = [
-        _waiter(s, i, 100.0, s != "new") for i, s in enumerate(["heavy", "light", "new", "mid"])
-    ]
-    waiters.append(_waiter("light", 4, 100.0))
-    waiters.append(_waiter("newer", 5, 100.0, started=False))
-    order = release_order(waiters, lambda s: attained.get(s or "", 0), 101.0, aging_s=10)
-    assert [(w.session_id, w.seq) for w in order] == [
-        ("light", 1), ("light", 4), ("mid", 3), ("heavy", 0), ("new", 2), ("newer", 5)
-    ]  # fmt: skip
-    # a new session aged past the bound still goes after every started one
-    aged_new = [_waiter("new", 0, 50.0, started=False), _waiter("heavy", 1, 100.0)]
-    order = release_order(aged_new, lambda s: attained.get(s or "", 0), 101.0, aging_s=10)
-    assert [w.session_id for w in order] == ["heavy", "new"]
-
-
-async def test_release_order_puts_requests_waiting_past_the_aging_bound_first_oldest_first() -> (
-    None
-):
-    attained = {"heavy": 5000, "heavier": 9000}
-    waiters = [
-        _waiter("light", 0, 95.0),
-        _waiter("heavier", 1, 80.0),  # aged
-        _waiter("heavy", 2, 85.0),  # aged
-    ]
-    order = release_order(waiters, lambda s: attained.get(s or "", 0), 100.0, aging_s=10)
-    assert [w.session_id for w in order] == ["heavier", "heavy", "light"]
 
 
 # --- admitting at once --------------------------------------------------------------------------
@@ -268,16 +253,19 @@ async def test_a_new_session_waits_while_the_sessions_working_sets_fill_every_wo
 async def test_a_started_session_queued_past_the_wait_bound_waits_for_kv_headroom_only(
     profile: str,
 ) -> None:
-    router = Router(_settings(profile, max_queue_wait_s=0.05))
+    router = Router(_settings(profile, max_queue_wait_s=10))
     admission = router.admission
+    clock = _clock(router)
     _two_programs_and_one_back(router)
     assert not admission.admit_now(MODEL, "back") and not admission.admit_now(MODEL, "new")
     order: list[str] = []
     back = Client(router, "back", order)
     new = Client(router, "new", order)
+    await _queued(router, 2)
+    admission.pump()
     await _settle()
     assert order == []
-    await asyncio.sleep(0.08)
+    clock.now += 10.01
     admission.pump()  # past the bound the programs' working set no longer holds "back" back
     await _settle()
     assert order == ["back"]
@@ -378,14 +366,17 @@ async def test_the_queue_releases_started_sessions_least_served_first_then_new_o
 async def test_a_request_past_the_aging_bound_goes_before_less_served_sessions(
     profile: str,
 ) -> None:
-    router = Router(_settings(profile, aging_s=0.05))
+    router = Router(_settings(profile, aging_s=10))
+    clock = _clock(router)
     router.sessions.touch("heavy", 0).attained_tokens = 10**6
+    router.sessions.touch("light", 0).attained_tokens = 1
     _scrape(router, 0.99)
     order: list[str] = []
     Client(router, "heavy", order)
-    await asyncio.sleep(0.1)
+    await _queued(router, 1)
+    clock.now += 10.5
     Client(router, "light", order)
-    await _settle()
+    await _queued(router, 2)
     _scrape(router, 0.7)
     router.admission.pump()
     await _settle()
@@ -491,8 +482,7 @@ async def test_the_queue_looks_again_at_each_new_scrape_without_a_request_ending
     Client(router, "a", order)
     await _settle()
     _scrape(router, 0.1)  # as the health loop would; nothing calls pump
-    await asyncio.sleep(0.2)
-    assert order == ["a"]
+    await until(lambda: order == ["a"], timeout_s=2.0)
     await router.admission.close()
 
 
@@ -633,21 +623,24 @@ async def test_a_started_session_ages_into_a_full_worker_below_the_knee_a_new_on
     """Below the knee a started session's request queued `aging_s` needs only KV headroom (no
     program under way starves); a new session's waits for a worker open to programs or its 429
     (starting it there would evict the KV of the sessions under way)."""
-    router = Router(_settings(profile, aging_s=0.05))
+    router = Router(_settings(profile, aging_s=10))
     admission, programs = router.admission, router.working_sets
+    clock = _clock(router)
     _two_programs_and_one_back(router)
     assert not admission.admit_now(MODEL, "new") and not admission.admit_now(MODEL, "back")
     order: list[str] = []
     new = Client(router, "new", order)
     back = Client(router, "back", order)
+    await _queued(router, 2)
+    admission.pump()
     await _settle()
     assert order == []
-    await asyncio.sleep(0.1)
+    clock.now += 10.5
     admission.pump()  # both aged; 0.96 of the cluster is under the pause watermark
     await _settle()
     assert order == ["back"]
-    programs.ended("old", 500, time.monotonic())
-    programs.release("old", time.monotonic())  # paused at its tool boundary: 0.46 < low
+    programs.ended("old", 500, clock.now)
+    programs.release("old", clock.now)  # paused at its tool boundary: 0.46 < low
     admission.pump()
     await _settle()
     assert order == ["back", "new"]
@@ -681,17 +674,23 @@ async def test_a_subagent_of_a_program_under_way_is_queued_as_started_not_as_a_n
 ) -> None:
     """A session spawned by one the router knows (its `parent`) is part of that program: it
     goes before the started sessions already served (no service of its own yet) and is not
-    refused at the wait bound; a spawner the router never saw makes it a new session."""
-    router = Router(_settings(profile, aging_s=10.0, max_queue_wait_s=0.05))
+    refused at the wait bound; a spawner the router never saw makes it a new session.
+
+    The clock is the test's: on the loop's, "back" reached its bound a little before "sub"
+    and went alone, by its own timer."""
+    router = Router(_settings(profile, max_queue_wait_s=10))
     admission = router.admission
+    clock = _clock(router)
     _two_programs_and_one_back(router)
     order: list[str] = []
     back = Client(router, "back", order)
     orphan = Client(router, "orphan", order, parent="never-seen")
     sub = Client(router, "sub", order, parent="back")
+    await _queued(router, 3)
+    admission.pump()
     await _settle()
     assert order == []
-    await asyncio.sleep(0.08)  # past the wait bound: started sessions need KV headroom only
+    clock.now += 10.01  # past the wait bound: started sessions need KV headroom only
     admission.pump()
     await _settle()
     assert order == ["sub", "back"]
@@ -699,6 +698,33 @@ async def test_a_subagent_of_a_program_under_way_is_queued_as_started_not_as_a_n
         await orphan.task
     sub.task.cancel()
     back.task.cancel()
+
+
+async def test_a_request_queued_while_every_worker_was_paused_waits_as_any_started_one(
+    profile: str,
+) -> None:
+    """Resident when it came (its KV counted on w0), it passes the queue only at once: queued
+    because no worker had KV headroom, it then waits for room for programs or its aging, as the
+    simulator measured it (`planner/README.md`, *Admission*)."""
+    router = Router(_settings(profile, aging_s=10))
+    admission = router.admission
+    clock = _clock(router)
+    _two_programs_and_one_back(router)  # w0 closed to programs; "old" counted there
+    router.sessions.touch("old", 0).attained_tokens = 500
+    _scrape(router, 0.99)
+    assert admission.resident("old") and not admission.admit_now(MODEL, "old")
+    order: list[str] = []
+    old = Client(router, "old", order)
+    await _queued(router, 1)
+    _scrape(router, 0.1)  # KV headroom again; w0 still full of programs
+    admission.pump()
+    await _settle()
+    assert order == [] and admission.resident("old")
+    clock.now += 10.5
+    admission.pump()  # aged, below the knee: KV headroom is enough
+    await _settle()
+    assert order == ["old"]
+    old.task.cancel()
 
 
 async def test_a_subagent_starts_at_once_on_its_spawners_counted_kv(profile: str) -> None:
