@@ -150,7 +150,9 @@ class PlannerSettings(_Strict):
 
 class AdmissionSettings(_Strict):
     """Program-level admission (`router/README.md`, *Admission*): while every worker that could
-    serve a request has its KV working set full, the request waits in the router's queue."""
+    serve a request has its KV working set full, the request waits in the router's queue. The
+    one declaration of its numbers: its rules (`planner.admission`) and the simulator's copy of
+    the router's queue (`loadgen.sim.AdmissionConfig` is this class) read them here."""
 
     enabled: bool = True
     high_watermark: float = Field(default=0.95, gt=0, le=1)
