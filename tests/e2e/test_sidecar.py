@@ -266,7 +266,7 @@ async def routed(
     HTTP client for the sidecars; `first_turn` already served, its prefix computed on h0."""
     async with (
         proxy_client(settings_for(cluster, redis.url)) as (client, router),
-        httpx.AsyncClient() as http,
+        httpx.AsyncClient(timeout=60.0) as http,  # sidecar processes on a busy machine
     ):
         await first_turn_on_h0(client, router, first_turn)
         yield client, router, http

@@ -479,10 +479,11 @@ async def test_models_health_and_metrics(workers):
 
 async def test_request_timeout_ends_a_started_stream_with_an_error_event(workers):
     w0, w1 = workers
-    w0.mode = "slow"
+    w0.mode = "slow"  # its 4 chunks 0.5 s apart: the bound ends it after the second or third
     w1.mode = "hang"
     policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
-    async with router_for([(w0, "hybrid", "emulator")], policy, {"request_timeout_s": 0.3}) as (
+    # long enough for the first chunk to come in time on a busy machine too
+    async with router_for([(w0, "hybrid", "emulator")], policy, {"request_timeout_s": 1.2}) as (
         c,
         _,
     ):
