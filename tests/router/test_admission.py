@@ -526,9 +526,11 @@ def _app_settings(worker: FakeWorker, profile: str, **admission: Any) -> Setting
     )
 
 
-async def _scraped(router: Router) -> None:
-    """After the health loop's first round (which would overwrite a load set before it)."""
-    await until(lambda: _worker(router).last_seen, timeout_s=2.0)
+async def _scraped(router: Router, before: WorkerLoad) -> None:
+    """After the health loop's first round scraped the worker (which would overwrite a load
+    set before it): its load is no longer `before`, the one it had when the router was made
+    (the round marks the worker seen before it asks for its metrics)."""
+    await until(lambda: _worker(router).load is not before, timeout_s=2.0)
 
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 20}]}
@@ -542,11 +544,12 @@ async def _router_at_full_kv(
     at 99% KV use: every new request has to wait for headroom."""
     app = create_app(_app_settings(worker, profile, **admission))
     router: Router = app.state.router
+    before = _worker(router).load
     async with (
         running_app(app, "127.0.0.1", 0) as url,
         httpx.AsyncClient(base_url=url, timeout=10) as client,
     ):
-        await _scraped(router)
+        await _scraped(router, before)
         _scrape(router, 0.99)
         yield router, client
 
