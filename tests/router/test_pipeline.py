@@ -24,6 +24,9 @@ from router.stages import identify, look_up, plan, served_model, tokenize, view
 from router.state import Router
 from router.tokens import Tokenized
 from router.views import cluster_view
+from tests.router.fake_worker import FakeWorker
+from tests.router.test_app import FixedPolicy, router_for
+from tests.router.waiting import until
 
 MODEL = "tiny"
 PROMPT = "def add(a, b):\n    return a + b\n" * 10  # beyond the 64 blocks a session hashes
@@ -228,3 +231,44 @@ async def test_a_plans_nic_transfer_is_kept_once_its_kv_moves_and_taken_back_oth
                 lease.plan_opened(opened)
         kept = router.nics.snapshot(0.0)
         assert ("n0" in kept) == (outcome == "moved"), outcome
+
+
+# --- the runner -----------------------------------------------------------------------------
+
+
+async def test_the_runner_times_each_stage_a_request_passes_and_plans_again_after_a_failure():
+    """Over real HTTP: a plan whose worker fails before its first byte is planned again
+    without it, so plan and execute run twice and every other stage once; the lease is back,
+    and the retried worker holds nothing."""
+    bad, good = FakeWorker("w0", mode="fail500"), FakeWorker("w1")
+    await bad.start()
+    await good.start()
+    try:
+        policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+        workers = [(bad, "hybrid", "emulator"), (good, "hybrid", "emulator")]
+        async with router_for(workers, policy) as (client, router):
+            resp = await client.post("/v1/chat/completions", json=CHAT)
+            assert resp.status_code == 200
+            await until(lambda: router.leases.open == 0)
+            times = router.metrics.stages
+            runs = dict(zip(times.names, times.runs, strict=True))
+            metrics = (await client.get("/metrics")).text
+    finally:
+        await bad.stop()
+        await good.stop()
+    assert runs == {
+        "parse": 1,
+        "identify": 1,
+        "tokenize": 1,
+        "admit": 1,
+        "look_up": 1,
+        "view": 1,
+        "plan": 2,
+        "execute": 2,
+        "stream": 1,
+        "commit": 1,
+        "observe": 1,
+    }
+    assert all(s >= 0 for s in times.seconds)
+    assert 'ownerserve_stage_seconds_count{stage="execute"} 2.0' in metrics
+    assert _counts(router) == [(0, 0, 0), (0, 0, 0)]
