@@ -45,6 +45,7 @@ from ownerserve.kvfetch import (
     fetched_chunks,
 )
 from ownerserve.records import fast_init
+from ownerserve.tasks import wait_ended
 from planner.types import Action, Plan
 from router.backends import PDHandoff
 from router.plans import GaveUp
@@ -163,12 +164,11 @@ class OpenedResponse:
             else:
                 self.response.close()
         for task in self.background:
-            if not task.done():
-                task.cancel()
-        for task in self.background:
-            with contextlib.suppress(BaseException):
-                await task
-        self.background.clear()
+            task.cancel()
+        try:
+            await wait_ended(self.background, errors_at=logging.DEBUG)
+        finally:
+            self.background.clear()
 
 
 _HOP_HEADERS = frozenset(
@@ -202,6 +202,12 @@ def forward_headers(
 
 _HOP_BYTES = frozenset(h.encode() for h in _HOP_HEADERS) | {b"content-type"}
 _HOP_BYTES_AUTH = _HOP_BYTES | {b"authorization"}
+
+
+async def _close_answer(task: asyncio.Task[OpenedResponse]) -> None:
+    """Close the response `task` opened, if it opened one (a hop given up after it answered)."""
+    if task.done() and not task.cancelled() and task.exception() is None:
+        await task.result().aclose()
 
 
 class PlanExecutor:
@@ -247,15 +253,21 @@ class PlanExecutor:
                 worker.worker_id, f"request failed: {exc}", cause_of(exc, failed)
             ) from None
         if resp.status >= 500:
-            with contextlib.suppress(Exception):
-                await resp.read()
-            resp.release()
+            try:
+                with contextlib.suppress(Exception):
+                    await resp.read()
+            finally:
+                resp.release()  # closed unless read whole, also when the request is cancelled
             raise RetryableUpstreamError(worker.worker_id, f"status {resp.status}", failed)
         return resp
 
     async def _first_bytes(
         self, worker: WorkerState, resp: UpstreamResponse, stream: bool
     ) -> bytes:
+        """`resp`'s first body bytes (a stream's), else its whole body. Leaving without them
+        closes the connection, whatever the exit: a failure, a hop's bound, or the request
+        cancelled (its client left, or its own timeout ran out): nothing else holds the
+        response yet, and a connection left open keeps the worker generating for nobody."""
         try:
             if stream and resp.status == 200:
                 return await resp.readany()
@@ -267,6 +279,9 @@ class PlanExecutor:
                 f"failed before the first byte: {exc!r}",
                 cause_of(exc, "upstream_failed"),
             ) from None
+        except BaseException:
+            resp.close()
+            raise
 
     async def _final_call(
         self,
@@ -531,8 +546,8 @@ class PlanExecutor:
             if p_task in done and p_task.exception() is not None and not d_task.done():
                 # the hand-over failed before D answered: D's side of the room is aborted
                 d_task.cancel()
-                with contextlib.suppress(BaseException):
-                    await d_task
+                await wait_ended([d_task], errors_at=logging.DEBUG)
+                await _close_answer(d_task)  # had it answered before its cancel landed
                 failure = p_task.exception()
                 if not isinstance(failure, RetryableUpstreamError):
                     assert failure is not None
@@ -541,12 +556,14 @@ class PlanExecutor:
             else:
                 opened = await d_task
         except BaseException:
+            # failed, or the request was cancelled (its client left, its timeout ran out):
+            # both hops end before this does, and D's answer, had it come, is closed
             for task in (p_task, d_task):
                 task.cancel()
-            if d_task.done() and not d_task.cancelled() and d_task.exception() is None:
-                await d_task.result().aclose()
-            with contextlib.suppress(BaseException):
-                await p_task
+            try:
+                await wait_ended((p_task, d_task), errors_at=logging.DEBUG)
+            finally:
+                await _close_answer(d_task)
             raise
         if gave_up is not None:
             return await self._colocated(decode, req, headers, limits, gave_up)

@@ -6,7 +6,6 @@ the request path is given (`services`, `router.services`). The request path's ru
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import hmac
 import logging
@@ -18,7 +17,7 @@ from ownerserve.config import Settings
 from ownerserve.directory.base import Directory
 from ownerserve.errors import AuthenticationError
 from ownerserve.profiles import load_profile
-from ownerserve.tasks import cancel_and_wait
+from ownerserve.tasks import cancel_and_wait, finish_or_cancel
 from planner.calibration import Calibrator
 from planner.policies import Planner
 from planner.workingset import RetentionConfig, WorkingSets
@@ -182,10 +181,8 @@ class Router:
         for sub in self.subscribers:
             await membership.close_subscriber(self, sub)
         self.subscribers.clear()
-        for task in list(self.background):
-            with contextlib.suppress(BaseException):
-                async with asyncio.timeout(2.0):
-                    await task
+        # what requests left running (commits, probes) finishes, or is stopped after 2 s
+        await finish_or_cancel(list(self.background), grace_s=2.0)
         if self.http is not None:
             await self.http.close()
             self.http = None
