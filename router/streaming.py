@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from ownerserve.errors import UpstreamError
-from ownerserve.http import sse_error_event
+from ownerserve.http import public_error_body, sse_error_event
 from router.executor import OpenedResponse, UpstreamTimeoutError
 from router.plans import PlanRecord, plan_header
 from router.services import StreamServices
@@ -70,9 +70,16 @@ async def stream(
     out.sse = streaming and opened.content_type.startswith(b"text/event-stream")
     if not streaming:
         # a non-streamed answer arrives whole: no TTFT/TPOT to learn from
+        first = opened.first
         if ok:
             await first_bytes()
-        await out.start(opened.status, resp_headers, opened.first)
+        else:  # a worker's error: its words, never its internals (`public_error_body`)
+            first, withheld = public_error_body(opened.status, first)
+            resp_headers[0] = (b"content-type", b"application/json")
+            if withheld is not None:
+                wid, status = worker.worker_id, opened.status
+                log.warning("worker %s answered %d: %s", wid, status, withheld)
+        await out.start(opened.status, resp_headers, first)
         return ok
     await out.start(opened.status, resp_headers)
     answer.ttft_s = time.perf_counter() - t0
