@@ -252,13 +252,6 @@ class SessionTable:
         info = self._infos.get(session_id) if session_id else None
         return 0 if info is None else info.attained_tokens
 
-    def started(self, session_id: str | None, parent: str | None = None) -> bool:
-        """Whether the session is part of a program under way: it had service itself, or
-        the session that spawned it (`parent`, `SessionKey.parent`) is known here."""
-        if self.attained(session_id) > 0:
-            return True
-        return parent is not None and parent in self._infos
-
     def in_flight(self) -> dict[str, int]:
         """The sessions with requests in flight now, and how many each has (`inflight`)."""
         return {sid: info.inflight for sid, info in self._infos.items() if info.inflight}
