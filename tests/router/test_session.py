@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.session import SessionSource, SessionTable, identify_session
+from router.session import SessionSource, identify_session
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
 FIRST = {"role": "user", "content": "Fix the failing test."}
@@ -80,12 +80,3 @@ def test_a_parent_session_header_names_the_spawning_session():
     same = identify_session({"x-session-id": "c", "x-parent-session-id": "c"}, {}, "m", [FIRST])
     assert same.parent is None  # a session is not its own parent
     assert identify_session({"x-session-id": "c"}, {}, "m", [FIRST]).parent is None
-
-
-def test_a_session_is_started_by_its_own_service_or_by_a_known_parent():
-    table = SessionTable()
-    assert not table.started("sub", "main")
-    table.touch("main", 100)
-    assert table.started("sub", "main") and not table.started("sub", None)
-    table.touch("solo", 10).attained_tokens = 20
-    assert table.started("solo")
