@@ -64,21 +64,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-(PARSE, IDENTIFY, TOKENIZE, ADMIT, LOOK_UP, VIEW, PLAN, EXECUTE, STREAM, COMMIT, OBSERVE) = (
-    STAGES.index(name)
-    for name in (
-        "parse",
-        "identify",
-        "tokenize",
-        "admit",
-        "look_up",
-        "view",
-        "plan",
-        "execute",
-        "stream",
-        "commit",
-        "observe",
-    )
+# the stages' indices in `STAGES`, in the same order
+(PARSE, IDENTIFY, TOKENIZE, ADMIT, LOOK_UP, VIEW, PLAN, EXECUTE, STREAM, COMMIT, OBSERVE) = range(
+    len(STAGES)
 )
 
 _NONE_EXCLUDED: frozenset[str] = frozenset()
