@@ -12,9 +12,9 @@ is built; evaluating a cost never does I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ownerserve.errors import ConfigError
 from ownerserve.kvstate import KVStateSpec, load_spec
@@ -104,12 +104,62 @@ class CostConfig:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class ProfileConstants:
+    """A timing profile's numbers as the cost terms read them: flat, one attribute each (the
+    search reads them per candidate; a slot is as cheap to read as a tuple item), built once
+    per `CostModel` (`CostModel.constants`). `capacity_tokens` = hbm_kv_bytes /
+    kv_bytes_per_token: the KV pool of a worker that reports none."""
+
+    prefill_base_s: float
+    prefill_per_token_s: float
+    prefill_per_token_ctx_s: float
+    decode_base_s: float
+    decode_per_seq_s: float
+    decode_per_ctx_token_s: float
+    latency_s: float
+    intra_node_bps: float
+    inter_node_bps: float
+    cpu_load_bps: float
+    ssd_load_bps: float
+    rerotate_per_token_s: float
+    capacity_tokens: float
+
+    @classmethod
+    def of(cls, p: TimingProfile) -> ProfileConstants:
+        pf, dt, link = p.prefill, p.decode, p.link
+        return cls(
+            prefill_base_s=pf.base_s,
+            prefill_per_token_s=pf.per_token_s,
+            prefill_per_token_ctx_s=pf.per_token_ctx_s,
+            decode_base_s=dt.base_s,
+            decode_per_seq_s=dt.per_seq_s,
+            decode_per_ctx_token_s=dt.per_ctx_token_s,
+            latency_s=link.latency_s,
+            intra_node_bps=link.intra_node_bps,
+            inter_node_bps=link.inter_node_bps,
+            cpu_load_bps=link.cpu_load_bps,
+            ssd_load_bps=link.ssd_load_bps,
+            rerotate_per_token_s=p.rerotate_per_token_s,
+            capacity_tokens=p.hbm_kv_bytes / p.kv_bytes_per_token,
+        )
+
+
 class CostModel:
     """The deployment's timing profiles (a worker's by `WorkerView.profile`) and KV spec, and
     cold restores into HBM (`cold_restore_s`). Built once: the terms of a request are computed
     by `RequestCosts`."""
 
-    __slots__ = ("_cold", "_default", "_profiles", "config", "spec", "swa_policy")
+    __slots__ = (
+        "_cold",
+        "_constants",
+        "_default",
+        "_default_constants",
+        "_profiles",
+        "config",
+        "spec",
+        "swa_policy",
+    )
 
     _COLD_CACHE_MAX = 4096
 
@@ -144,6 +194,8 @@ class CostModel:
                 raise ConfigError(f"profile {p.name}: intra_node_bps < inter_node_bps")
         self._profiles: dict[str, TimingProfile] = dict(profiles)
         self._default = self._profiles[self.config.profile]
+        self._constants = {n: ProfileConstants.of(p) for n, p in self._profiles.items()}
+        self._default_constants = self._constants[self.config.profile]
 
     @property
     def profiles(self) -> Mapping[str, TimingProfile]:
@@ -152,6 +204,10 @@ class CostModel:
     def profile_of(self, worker: WorkerView) -> TimingProfile:
         """The worker's profile by `WorkerView.profile`; the default one if unknown."""
         return self._profiles.get(worker.profile, self._default)
+
+    def constants(self, profile: str) -> ProfileConstants:
+        """The `ProfileConstants` of a profile name; the default profile's if unknown."""
+        return self._constants.get(profile, self._default_constants)
 
     def cold_restore_s(self, worker: WorkerView, cached_tokens: int, tier: Tier) -> float:
         """`planner.restore.plan_restore(spec, cached_tokens, tier, profile(worker)).restore_s`:
@@ -225,14 +281,6 @@ def decode_tokens(request: RequestView, config: CostConfig) -> int:
 # --------------------------------------------------------------------------------------------
 # The cost terms: one implementation, per request.
 
-# What `RequestCosts.consts` holds per timing profile (a tuple: the cheapest read on the
-# search's hot path): 0-2 PrefillTiming base_s, per_token_s, per_token_ctx_s; 3-5 A, B, C of
-# decode(w) = s_d · (A + B · running + C · kv_usage); 6-8 LinkTiming latency_s,
-# intra_node_bps, inter_node_bps; 9-10 cpu_load_bps, ssd_load_bps; 11 rerotate_per_token_s;
-# 12 hbm_kv_bytes / kv_bytes_per_token; 13 prefill_base(·, 0), the whole prompt on nothing.
-_PF_BASE, _PF_TOK, _PF_CTX = 0, 1, 2
-_LAT, _INTRA, _INTER, _CPU_BPS, _SSD_BPS, _ROT, _CAP = 6, 7, 8, 9, 10, 11, 12
-
 KV_NEVER_S = 1e6
 """The KV wait of a worker whose whole pool cannot hold the request's KV: it would refuse the
 request (a 400), so every route through it loses to any route that can run."""
@@ -242,29 +290,140 @@ request whose session's KV is not counted there: a new or resumed program goes t
 with room in its working set, as ThunderAgent resumes onto the roomiest, unless none has."""
 
 
-HeldTerms = tuple[int, int, int, float, int]
-"""What a worker holding part of the request's prefix adds to its `WorkerTerms`: (gpu blocks,
-held blocks, reused tokens r = reused(held), restore, dup(w, gpu))."""
+class HeldTerms(NamedTuple):
+    """What a worker w holding part of the request's prefix (or chunks of it) adds to its
+    terms."""
 
-WorkerTerms = tuple[WorkerView, float, float, float, int, int, HeldTerms | None, float]
-"""`RequestCosts.scan` of one worker w: (w, q + W_disp(w), decode, prefill, stalled, dup(w,
-held), held terms, W_disp(w)), the held terms None when w holds nothing of the prefix (gpu =
-held = r = 0, no restore, dup(w, gpu) = dup(w, held)). The search adds W_disp wherever it adds
-q (both are charged once per worker of a route), so the second item carries both."""
+    gpu: int
+    """gpu(w): the prefix's blocks in its GPU."""
+    held: int
+    """held(w) = max(gpu, cpu, ssd)."""
+    reused: int
+    """r = reused(held(w))."""
+    restore_s: float
+    """restore(w, gpu, cpu, ssd)."""
+    dup_gpu: int
+    """dup(w, gpu(w))."""
+
+
+class WorkerTerms(NamedTuple):
+    """What one worker w costs the request whatever the route (`RequestCosts.worker`; a row
+    of `ScanTerms`). `held` is None when w holds nothing of the prefix nor of its chunks
+    (gpu = held = r = 0, no restore, dup(w, gpu) = dup(w, held)). The search adds W_disp
+    wherever it adds q (both are charged once per worker of a route), so `queue_s` carries
+    both."""
+
+    worker: WorkerView
+    queue_s: float
+    """q(w) + W_disp(w)."""
+    decode_s: float
+    """decode(w)."""
+    prefill_s: float
+    """prefill(w, r) on what w holds itself."""
+    stalled: int
+    """stalled(w)."""
+    dup: int
+    """dup(w, held(w))."""
+    held: HeldTerms | None
+    w_disp_s: float
+    """W_disp(w)."""
+
+
+class ScanTerms:
+    """`RequestCosts.scan` of a sequence of workers: `WorkerTerms` as columns, item i of
+    each column that of `workers[i]` (`row(i)`). `holds[i]`: `workers[i]` holds part of the
+    prefix or chunks of the request, and item i of the `HeldTerms` columns (`gpu`, `held`,
+    `reused`, `restore_s`, `dup_gpu`) is its; they are set only there (and are empty when no
+    worker holds anything).
+
+    Columns, not a record per worker: a record costs more to build than a worker's terms,
+    and a list is appended to (or, for what few workers have, set in place) for less. A
+    `__slots__` class that nothing writes after `__init__`: a slot is read as fast as a tuple
+    item (a NamedTuple's field is a descriptor call, ~10x), and a frozen dataclass's
+    `__init__` costs ~2x a plain one's."""
+
+    __slots__ = (
+        "decode_s",
+        "dup",
+        "dup_gpu",
+        "gpu",
+        "held",
+        "holds",
+        "prefill_s",
+        "queue_s",
+        "restore_s",
+        "reused",
+        "stalled",
+        "w_disp_s",
+        "workers",
+    )
+
+    def __init__(
+        self,
+        workers: Sequence[WorkerView],
+        queue_s: list[float],
+        decode_s: list[float],
+        prefill_s: list[float],
+        stalled: list[int],
+        dup: list[int],
+        w_disp_s: list[float],
+        holds: list[bool],
+        gpu: list[int],
+        held: list[int],
+        reused: list[int],
+        restore_s: list[float],
+        dup_gpu: list[int],
+    ) -> None:
+        self.workers = workers
+        self.queue_s = queue_s
+        self.decode_s = decode_s
+        self.prefill_s = prefill_s
+        self.stalled = stalled
+        self.dup = dup
+        self.w_disp_s = w_disp_s
+        self.holds = holds
+        self.gpu = gpu
+        self.held = held
+        self.reused = reused
+        self.restore_s = restore_s
+        self.dup_gpu = dup_gpu
+
+    def held_terms(self, i: int) -> HeldTerms | None:
+        """The `HeldTerms` of `workers[i]`; None when it holds nothing."""
+        if not self.holds[i]:
+            return None
+        return HeldTerms(
+            self.gpu[i], self.held[i], self.reused[i], self.restore_s[i], self.dup_gpu[i]
+        )
+
+    def row(self, i: int) -> WorkerTerms:
+        """The terms of `workers[i]`."""
+        return WorkerTerms(
+            self.workers[i],
+            self.queue_s[i],
+            self.decode_s[i],
+            self.prefill_s[i],
+            self.stalled[i],
+            self.dup[i],
+            self.held_terms(i),
+            self.w_disp_s[i],
+        )
 
 
 class RequestCosts:
     """The cost terms of one request on any worker or route: the one implementation of every
     formula of C(a). `evaluate` (a route's full breakdown) and the ownerserve policy's search
     both call it. What depends only on the request and a timing profile is computed once per
-    profile (`consts`), so a term on one worker is a few multiplications.
+    run of workers sharing the profile (`scan`), so a term on one worker is a few
+    multiplications.
 
     Notation (planner/README.md): N = prompt tokens (at least 1), bs = block size, K =
     kv_bytes_per_token, O = `decode_tokens`; s_p, s_d, s_l = the worker's prefill_scale,
     decode_scale, link_scale."""
 
     __slots__ = (
-        "_consts",
+        "_constants",
+        "_default_constants",
         "bk",
         "chunk_src",
         "config",
@@ -294,51 +453,28 @@ class RequestCosts:
         self.lam = cfg.lam
         self.mu = cfg.mu
         self.nu = cfg.nu
-        self._consts: dict[str, tuple[float, ...]] = {}
+        # `CostModel.constants`, inline (a lookup per worker run and per candidate's link)
+        self._constants = model._constants
+        self._default_constants = model._default_constants
         self.chunk_src: tuple[tuple[WorkerView, ...], ...] = (
             chunk_sources(request, cluster) if request.chunk_spans and cluster is not None else ()
         )
         """Per chunk of the request, the workers a prefill worker may fetch its KV from
         (`chunk_sources`); () when no chunk has one (no cluster given: none)."""
 
-    def consts(self, profile: str) -> tuple[float, ...]:
-        """The request's constants for a profile name (unknown → the default profile; names of
-        one profile share them)."""
-        c = self._consts.get(profile)
-        if c is None:
-            p = self.model.profiles.get(profile) or self.model.profiles[self.config.profile]
-            c = self._consts.get(p.name)
-            if c is None:
-                pf, dt, link = p.prefill, p.decode, p.link
-                o, n = self.o, self.n
-                c = (
-                    pf.base_s,
-                    pf.per_token_s,
-                    pf.per_token_ctx_s,
-                    o * (dt.base_s + dt.per_seq_s + dt.per_ctx_token_s * n),
-                    o * dt.per_seq_s,
-                    o * dt.per_ctx_token_s,
-                    link.latency_s,
-                    link.intra_node_bps,
-                    link.inter_node_bps,
-                    link.cpu_load_bps,
-                    link.ssd_load_bps,
-                    p.rerotate_per_token_s,
-                    p.hbm_kv_bytes / p.kv_bytes_per_token,
-                )
-                c = self._consts[p.name] = (*c, self.prefill_base(c, 0))
-            self._consts[profile] = c
-        return c
+    def constants(self, profile: str) -> ProfileConstants:
+        """`CostModel.constants` of a profile name (unknown → the default profile)."""
+        return self._constants.get(profile, self._default_constants)
 
     def worker(self, w: WorkerView) -> WorkerTerms:
         """What w costs this request whatever the route (`scan` of w alone)."""
-        return self.scan((w,))[0]
+        return self.scan((w,)).row(0)
 
-    def scan(self, workers: Iterable[WorkerView]) -> list[WorkerTerms]:
-        """What each worker costs this request whatever the route (`WorkerTerms`, in order),
-        with each profile's constants looked up once per run of workers sharing it. The search
-        takes every worker's terms from one call (a call per worker would cost more than the
-        terms themselves; a list, as a generator's resumptions cost more than its appends):
+    def scan(self, workers: Sequence[WorkerView]) -> ScanTerms:
+        """What each worker costs this request whatever the route (`ScanTerms`, in order), with
+        each profile's constants looked up once per run of workers sharing it. The search takes
+        every worker's terms from one call (a call per worker would cost more than the terms
+        themselves; lists, as a generator's resumptions cost more than their appends):
 
             q(w)       = s_p · (per_token_s · inflight_prefill_tokens + base_s · waiting)
                          + kv_wait(w, gpu(w), decode(w))
@@ -357,22 +493,45 @@ class RequestCosts:
                          KV pushes out (0 on most workers: the room test is inline)
         """
         n, bs, ob, bk, owner = self.n, self.request.block_size, self.ob, self.bk, self.owner
+        o = self.o
         home, home_tokens = self.request.home_worker, self.request.home_tokens
-        grown = n + self.o + self.request.growth_tokens  # W_disp's room test
+        grown = n + o + self.request.growth_tokens  # W_disp's room test
         disp_on = self.nu > 0
         dup_none = _dup(True, 0, ob, bk)  # dup(w, 0) of a non-owner (0 without an owner)
-        seq = n + self.o  # the KV the request needs on a worker holding none of it
+        seq = n + o  # the KV the request needs on a worker holding none of it
         fetchable = bool(self.chunk_src)  # a prefill may fetch chunks it lacks
         profile: str | None = None
-        c: tuple[float, ...] = ()
+        c = self._default_constants
         pbase = ptok = da = db = dc = pf_all = cap_p = 0.0
-        terms: list[WorkerTerms] = []
-        add = terms.append
+        qs: list[float] = []
+        decs: list[float] = []
+        pfs: list[float] = []
+        stalls: list[int] = []
+        dups: list[int] = []
+        # what few workers have is set by index (that of the worker's item in `qs`, appended
+        # last): their displacement, and what holders hold (`ScanTerms.holds`; its columns
+        # are made with the first holder)
+        n_w = len(workers)
+        disps = [0.0] * n_w
+        holds = [False] * n_w
+        gpus: list[int] = []
+        helds: list[int] = []
+        reuses: list[int] = []
+        restores: list[float] = []
+        dup_gpus: list[int] = []
         for w in workers:
             if w.profile is not profile:
                 profile = w.profile
-                c = self.consts(profile)
-                pbase, ptok, _, da, db, dc, *_, cap_p, pf_all = c
+                c = self.constants(profile)
+                pbase = c.prefill_base_s
+                ptok = c.prefill_per_token_s
+                cap_p = c.capacity_tokens
+                # decode(w) = s_d · (da + db · running + dc · ctx(w)); pf_all: the whole
+                # prompt on nothing, at scale 1
+                da = o * (c.decode_base_s + c.decode_per_seq_s + c.decode_per_ctx_token_s * n)
+                db = o * c.decode_per_seq_s
+                dc = o * c.decode_per_ctx_token_s
+                pf_all = _prefill_base(c, n, 0)
             sp = w.prefill_scale
             running = w.running
             inflight = w.inflight_prefill_tokens
@@ -387,7 +546,6 @@ class RequestCosts:
             # nothing more
             if cap * (1.0 - usage) - inflight < seq:
                 q += self.kv_wait(w, cb.get(_GPU, 0) if cb else 0, dec, cap_p)
-            disp = 0.0
             ws = w.ws_tokens
             if w.programs_closed and w.worker_id != home:
                 q += PROGRAMS_CLOSED_S
@@ -397,6 +555,10 @@ class RequestCosts:
                 if ws > 0 and cap - ws < grown:
                     disp = self.displacement(w, cb.get(_GPU, 0) if cb else 0, ws, cap, c)
                     q += disp
+                    disps[len(qs)] = disp
+            qs.append(q)
+            decs.append(dec)
+            stalls.append(stalled)
             if cb or ch:
                 if cb:
                     g, cpu, ssd = cb.get(_GPU, 0), cb.get(_CPU, 0), cb.get(_SSD, 0)
@@ -407,41 +569,38 @@ class RequestCosts:
                     r = _reused(held, bs, n) if held else 0
                     other = w.worker_id != owner
                     dh = _dup(other, held, ob, bk)
-                    add(
-                        (
-                            w,
-                            q,
-                            dec,
-                            self.prefill(w, r, c)
-                            if ch or fetchable
-                            else sp * _prefill_base(c, n, r),
-                            stalled,
-                            dh,
-                            (
-                                g,
-                                held,
-                                r,
-                                self.restore(w, g, cpu, ssd, c) if held > g else 0.0,
-                                dh if g == held else _dup(other, g, ob, bk),
-                            ),
-                            disp,
-                        )
+                    pfs.append(
+                        self.prefill(w, r, c) if ch or fetchable else sp * _prefill_base(c, n, r)
                     )
+                    dups.append(dh)
+                    if not gpus:
+                        gpus, helds, reuses = [0] * n_w, [0] * n_w, [0] * n_w
+                        restores, dup_gpus = [0.0] * n_w, [0] * n_w
+                    j = len(qs) - 1
+                    holds[j] = True
+                    gpus[j] = g
+                    helds[j] = held
+                    reuses[j] = r
+                    restores[j] = self.restore(w, g, cpu, ssd, c) if held > g else 0.0
+                    dup_gpus[j] = dh if g == held else _dup(other, g, ob, bk)
                     continue
-            d = dup_none if dup_none and w.worker_id != owner else 0
-            add(
-                (
-                    w,
-                    q,
-                    dec,
-                    self.prefill(w, 0, c) if fetchable else sp * pf_all,
-                    stalled,
-                    d,
-                    None,
-                    disp,
-                )
-            )
-        return terms
+            pfs.append(self.prefill(w, 0, c) if fetchable else sp * pf_all)
+            dups.append(dup_none if dup_none and w.worker_id != owner else 0)
+        return ScanTerms(
+            workers,
+            qs,
+            decs,
+            pfs,
+            stalls,
+            dups,
+            disps,
+            holds,
+            gpus,
+            helds,
+            reuses,
+            restores,
+            dup_gpus,
+        )
 
     def kv_wait(self, w: WorkerView, gpu: int, decode: float, cap_p: float) -> float:
         """kv_wait(w): how long the request waits on w for room for its KV (vLLM admits a
@@ -467,7 +626,7 @@ class RequestCosts:
         return short / used * decode
 
     def displacement(
-        self, w: WorkerView, gpu: int, others: int, cap: float, c: tuple[float, ...]
+        self, w: WorkerView, gpu: int, others: int, cap: float, c: ProfileConstants
     ) -> float:
         """W_disp(w): the reload of the other sessions' working-set KV that this request's KV
         pushes out of w (under KV pressure a placement where the request does not fit evicts KV that
@@ -489,15 +648,17 @@ class RequestCosts:
             return 0.0
         if disp > others:
             disp = others
-        reload = w.prefill_scale * (c[_PF_TOK] + c[_PF_CTX] * disp / 2) * disp
+        reload = (
+            w.prefill_scale * (c.prefill_per_token_s + c.prefill_per_token_ctx_s * disp / 2) * disp
+        )
         if w.offloads:
-            load = disp * self.request.kv_bytes_per_token / c[_CPU_BPS]
+            load = disp * self.request.kv_bytes_per_token / c.cpu_load_bps
             if load < reload:
                 reload = load
         return self.nu * reload
 
     def restore(
-        self, w: WorkerView, gpu: int, cpu: int, ssd: int, c: tuple[float, ...] | None = None
+        self, w: WorkerView, gpu: int, cpu: int, ssd: int, c: ProfileConstants | None = None
     ) -> float:
         """T_restore of w holding the request's prefix up to `gpu`/`cpu`/`ssd` blocks (`c`: the
         constants of w's profile, when at hand): 0 when the GPU copy is the longest; with a KV
@@ -512,17 +673,19 @@ class RequestCosts:
             cached = _reused(held, self.request.block_size, self.n)
             return self.model.cold_restore_s(w, cached, _SSD if ssd > cpu else _CPU)
         if c is None:
-            c = self.consts(w.profile)
+            c = self.constants(w.profile)
         bk = self.bk
         gc = cpu if cpu > gpu else gpu
-        return (gc - gpu) * bk / c[_CPU_BPS] + (ssd - gc if ssd > gc else 0) * bk / c[_SSD_BPS]
+        return (gc - gpu) * bk / c.cpu_load_bps + (
+            ssd - gc if ssd > gc else 0
+        ) * bk / c.ssd_load_bps
 
     def reused(self, blocks: int) -> int:
         """r = min(blocks · bs, N − 1): tokens reused from `blocks` held prefix blocks; the last
         prompt token is always computed."""
         return _reused(blocks, self.request.block_size, self.n)
 
-    def prefill(self, w: WorkerView, r: int, c: tuple[float, ...] | None = None) -> float:
+    def prefill(self, w: WorkerView, r: int, c: ProfileConstants | None = None) -> float:
         """prefill_s(w, N − r, r) = s_p · `prefill_base`: computing the prompt on top of r
         reused tokens (`c`: the constants of w's profile, when at hand). On a worker holding
         u = `chunk_reuse(w, r)` > 0 tokens of the request's chunks past them:
@@ -530,11 +693,15 @@ class RequestCosts:
         re-rotated, not computed, and are context for the rest. When w may fetch chunks it
         lacks from their holders (`chunk_fetch`), the lesser of that and the fetch's."""
         if c is None:
-            c = self.consts(w.profile)
+            c = self.constants(w.profile)
         sp = w.prefill_scale
         if w.chunks_held:
             u = self.chunk_reuse(w, r)
-            pf = sp * (self.prefill_base(c, r + u) + c[_ROT] * u if u else self.prefill_base(c, r))
+            pf = sp * (
+                self.prefill_base(c, r + u) + c.rerotate_per_token_s * u
+                if u
+                else self.prefill_base(c, r)
+            )
         else:
             pf = sp * self.prefill_base(c, r)
         if self.chunk_src:
@@ -544,7 +711,7 @@ class RequestCosts:
         return pf
 
     def chunk_fetch(
-        self, w: WorkerView, r: int, c: tuple[float, ...] | None = None
+        self, w: WorkerView, r: int, c: ProfileConstants | None = None
     ) -> tuple[float, tuple[tuple[int, str], ...]] | None:
         """(prefill_s with the fetch, the chunks fetched with their holders) of w fetching
         every chunk of the request past its first r tokens that it lacks and a holder serves
@@ -589,7 +756,7 @@ class RequestCosts:
         if not picks:
             return None
         if c is None:
-            c = self.consts(w.profile)
+            c = self.constants(w.profile)
         k = self.request.kv_bytes_per_token
         fetch_s = 0.0
         for h, tokens in per_holder.values():
@@ -598,7 +765,7 @@ class RequestCosts:
                 fetch_s = t
         fetch_s += w.handover_s
         u = self._chunk_tokens((*held, *(i for i, _ in picks)), r)
-        pf = w.prefill_scale * (self.prefill_base(c, r + u) + c[_ROT] * u)
+        pf = w.prefill_scale * (self.prefill_base(c, r + u) + c.rerotate_per_token_s * u)
         return fetch_s + pf, tuple(picks)
 
     def chunk_reuse(self, w: WorkerView, r: int) -> int:
@@ -618,7 +785,7 @@ class RequestCosts:
         cap = self.n - 1 - r
         return total if total < cap else (cap if cap > 0 else 0)
 
-    def prefill_base(self, c: tuple[float, ...], r: int) -> float:
+    def prefill_base(self, c: ProfileConstants, r: int) -> float:
         """prefill_s(N − r, r) of a profile (`c`) at scale 1: base_s + per_token_s·new +
         per_token_ctx_s·new·(r + new/2), new = N − r."""
         return _prefill_base(c, self.n, r)
@@ -635,18 +802,20 @@ class RequestCosts:
         return nbytes if nbytes > 0 else 0
 
     def link(
-        self, dst: WorkerView, nbytes: float, same_node: bool, c: tuple[float, ...] | None = None
+        self, dst: WorkerView, nbytes: float, same_node: bool, c: ProfileConstants | None = None
     ) -> float:
         """link_s = s_l(dst) · (latency_s + bytes / bw), bw = intra_node_bps within a node, else
         inter_node_bps (of dst's profile; `c` when at hand); 0 when nothing moves."""
         if nbytes <= 0:
             return 0.0
         if c is None:
-            c = self.consts(dst.profile)
-        return dst.link_scale * (c[_LAT] + nbytes / (c[_INTRA] if same_node else c[_INTER]))
+            c = self.constants(dst.profile)
+        return dst.link_scale * (
+            c.latency_s + nbytes / (c.intra_node_bps if same_node else c.inter_node_bps)
+        )
 
     def transfer(
-        self, src: WorkerView, dst: WorkerView, nbytes: float, c: tuple[float, ...] | None = None
+        self, src: WorkerView, dst: WorkerView, nbytes: float, c: ProfileConstants | None = None
     ) -> tuple[float, float]:
         """(transfer_s, NIC time) of `nbytes` from src to dst: transfer_s = link_s + [src.node ≠
         dst.node] · nic_backlog_s(src) (a transfer between nodes first waits for what is
@@ -678,27 +847,45 @@ class RequestCosts:
 
     def breakdown(self, route: Route) -> CostBreakdown:
         """Every term of C(route) (planner/README.md, *The cost*); `.total` is C(a)."""
-        return self._breakdown(route, None, None)[0]
+        return self._breakdown(route.action, route.prefill, route.decode, route.source, None, 0, 0)[
+            0
+        ]
 
-    def candidate(
-        self, route: Route, p: WorkerTerms | None = None, d: WorkerTerms | None = None
+    def candidate(self, route: Route) -> Candidate:
+        """The route as a `Candidate` with its full breakdown."""
+        return self._candidate(route.action, route.prefill, route.decode, route.source, None, 0, 0)
+
+    def scanned_candidate(
+        self, terms: ScanTerms, action: Action, p: int, d: int, source: WorkerView | None
     ) -> Candidate:
-        """The route as a `Candidate` with its full breakdown (`p`, `d`: the `scan` terms of
-        its prefill and decode workers, when at hand)."""
-        b, reused_blocks = self._breakdown(route, p, d)
-        src = route.source
+        """The `Candidate` of `action` prefilling on `terms.workers[p]` and decoding on
+        `terms.workers[d]` (from `source`), its breakdown from that scan's terms (the search's:
+        not computed again)."""
+        ws = terms.workers
+        return self._candidate(action, ws[p], ws[d], source, terms, p, d)
+
+    def _candidate(
+        self,
+        action: Action,
+        pw: WorkerView,
+        dw: WorkerView,
+        src: WorkerView | None,
+        terms: ScanTerms | None,
+        ip: int,
+        id_: int,
+    ) -> Candidate:
+        b, reused_blocks = self._breakdown(action, pw, dw, src, terms, ip, id_)
         fetches: tuple[tuple[int, str], ...] = ()
         if self.chunk_src:
             # the prefill `_breakdown` priced: the fetch's when it was the lesser
-            pw = route.prefill
             r = self.reused(reused_blocks) if reused_blocks else 0
             fetched = self.chunk_fetch(pw, r)
             if fetched is not None and fetched[0] < self._recompute(pw, r):
                 fetches = fetched[1]
         return Candidate(
-            route.action,
-            route.prefill.worker_id,
-            route.decode.worker_id,
+            action,
+            pw.worker_id,
+            dw.worker_id,
             b,
             None if src is None else src.worker_id,
             reused_blocks,
@@ -707,43 +894,70 @@ class RequestCosts:
 
     def _recompute(self, w: WorkerView, r: int) -> float:
         """`prefill` without fetching chunks."""
-        c = self.consts(w.profile)
+        c = self.constants(w.profile)
         u = self.chunk_reuse(w, r) if w.chunks_held else 0
-        return w.prefill_scale * (self.prefill_base(c, r + u) + c[_ROT] * u)
+        return w.prefill_scale * (self.prefill_base(c, r + u) + c.rerotate_per_token_s * u)
 
     def _breakdown(
-        self, route: Route, tp: WorkerTerms | None, td: WorkerTerms | None
+        self,
+        action: Action,
+        p: WorkerView,
+        d: WorkerView,
+        source: WorkerView | None,
+        terms: ScanTerms | None,
+        ip: int,
+        id_: int,
     ) -> tuple[CostBreakdown, int]:
-        """(breakdown, blocks reused by P) of a route (`tp`, `td`: P's and D's terms)."""
+        """(breakdown, blocks reused by P) of the route of `action` prefilling on P = `p` and
+        decoding on D = `d` (from `source`; `terms`: a scan holding P at `ip` and D at `id_`,
+        scanned here when None)."""
         cfg = self.config
-        action = route.action
-        p, d = route.prefill, route.decode
-        _, q_p, dec, pre, stalled, dup_p, hp, wd = tp if tp is not None else self.worker(p)
+        colocated = d is p or d.worker_id == p.worker_id
+        if terms is None:
+            terms = self.scan((p,) if colocated else (p, d))
+            ip, id_ = 0, len(terms.workers) - 1
+        qs = terms.queue_s
+        decs = terms.decode_s
+        dups = terms.dup
+        holds = terms.holds
+        disps = terms.w_disp_s
+        q_p = qs[ip]
+        dec = decs[ip]
+        pre = terms.prefill_s[ip]
+        stalled = terms.stalled[ip]
+        dup_p = dups[ip]
+        wd = disps[ip]
         gpu_d = held = r = 0
         tr = 0.0
         dup_d = dup_p
-        if hp is not None:
-            gpu_d, held, r, tr, dup_d = hp
+        if holds[ip]:
+            gpu_d = terms.gpu[ip]
+            held = terms.held[ip]
+            r = terms.reused[ip]
+            tr = terms.restore_s[ip]
+            dup_d = terms.dup_gpu[ip]
         # blocks pulled over the network into P before it computes: a fetch max(0,
         # owner_blocks − held(P)), a migration max(0, gpu(S) − held(P)); otherwise 0
         moved = 0
         if action is _FETCH:
             moved = self.request.owner_blocks - held
-        elif action is _MIG and route.source is not None:
-            moved = tier_blocks(route.source)[0] - held
+        elif action is _MIG and source is not None:
+            moved = tier_blocks(source)[0] - held
         if moved < 0:
             moved = 0
         if moved:  # P reuses what it holds and what moves in
             pre = self.prefill(p, self.reused(held + moved))
-        if d is p or d.worker_id == p.worker_id:
+        if colocated:
             tq = q_p  # T_queue = q(P) + [D ≠ P] · q(D); D's terms are P's
         else:
-            _, q_d, dec, _, _, dup_d, hd, wd_d = td if td is not None else self.worker(d)
+            dec = decs[id_]
+            dup_d = dups[id_]
             gpu_d = 0
-            if hd is not None:
-                gpu_d, dup_d = hd[0], hd[4]
-            tq = q_p + q_d
-            wd += wd_d
+            if holds[id_]:
+                gpu_d = terms.gpu[id_]
+                dup_d = terms.dup_gpu[id_]
+            tq = q_p + qs[id_]
+            wd += disps[id_]
         tq -= wd  # the terms' q carries W_disp (WorkerTerms)
         # T_network and M_HBM by action; the NIC time is informational
         nic = 0.0
@@ -751,8 +965,8 @@ class RequestCosts:
             tn, nic = self.transfer(p, d, self.kv_to_decode(gpu_d))
             tn += cfg.pd_handshake_s + d.handover_s
             m = float(self.prompt_copy(r) + dup_d)
-        elif route.source is not None:
-            tn, nic = self.transfer(route.source, p, moved * self.bk)
+        elif source is not None:
+            tn, nic = self.transfer(source, p, moved * self.bk)
             if moved:
                 tn += p.handover_s
             m = float(moved * self.bk if action is _MIG else dup_p)
@@ -780,9 +994,13 @@ def _reused(blocks: int, bs: int, n: int) -> int:
     return r if r < n else n - 1
 
 
-def _prefill_base(c: tuple[float, ...], n: int, r: int) -> float:
+def _prefill_base(c: ProfileConstants, n: int, r: int) -> float:
     new = n - r
-    return c[_PF_BASE] + c[_PF_TOK] * new + c[_PF_CTX] * new * (r + new / 2.0)
+    return (
+        c.prefill_base_s
+        + c.prefill_per_token_s * new
+        + c.prefill_per_token_ctx_s * new * (r + new / 2.0)
+    )
 
 
 def _dup(non_owner: bool, held: int, ob: int, bk: int) -> int:

@@ -6,11 +6,14 @@ candidates, one function per action (`_colocated`, `_fetch`, `_migration`); remo
 is searched exactly in O(P + D) (`_remote`) because its cost splits into a P part, a D part and
 a link that only depends on whether P and D share a node. Candidates that cannot enter the top
 two are skipped by lower bounds. The chosen candidate and the runner-up get their breakdown
-term by term from the same workers' terms (`RequestCosts.candidate`; tests check the search's
-choice against the full reference enumeration).
+term by term from the same workers' terms (`RequestCosts.scanned_candidate`; tests check the
+search's choice against the full reference enumeration). Every value is read by name: the
+workers' terms are `ScanTerms` columns, and what the search keeps refers to them by index.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from ownerserve.errors import NoWorkerAvailableError
 from ownerserve.types import Role
@@ -18,9 +21,9 @@ from planner.classify import DEFAULT_ACTION, classify
 from planner.cost import (
     CostConfig,
     CostModel,
+    ProfileConstants,
     RequestCosts,
-    Route,
-    WorkerTerms,
+    ScanTerms,
     colocated_kind,
     fetch_source,
     migration_source,
@@ -43,56 +46,102 @@ _COL, _CONT, _TAIL = Action.COLOCATED_PREFILL, Action.DECODE_CONTINUATION, Actio
 _FETCH, _MIG, _REMOTE = Action.ARTIFACT_FETCH, Action.STATE_MIGRATION, Action.REMOTE_PREFILL
 _RC_CONT = RequestClass.DECODE_CONTINUATION
 
-# a candidate: (action, prefill worker's terms, decode worker's terms, source)
-_Rec = tuple[Action, WorkerTerms, WorkerTerms, WorkerView | None]
-# the best two P parts of a node: (cost, worker's terms, cost, worker's terms)
-_NodeBest = tuple[float, WorkerTerms, float, WorkerTerms | None]
-# a D part of remote prefill: (cost, worker's terms)
-_DPart = tuple[float, WorkerTerms]
+
+class _Moves:
+    """What a fetch or a migration into a worker of one profile needs (`_Pick.on_worker`):
+    the profile's constants and its prefill_base at scale 1 reusing owner_blocks (after a
+    fetch, `prefill_fetch`) and gpu(session owner) (after a migration, `prefill_migration`).
+    A `__slots__` class, as `planner.cost`'s records of the search's hot path."""
+
+    __slots__ = ("constants", "prefill_fetch", "prefill_migration")
+
+    def __init__(
+        self, constants: ProfileConstants, prefill_fetch: float, prefill_migration: float
+    ) -> None:
+        self.constants = constants
+        self.prefill_fetch = prefill_fetch
+        self.prefill_migration = prefill_migration
 
 
-class _Pick(TopTwo[float, _Rec]):
+class _NodeBest:
+    """The best two P parts of a node: their costs and the indices of their workers' terms
+    (an accumulator, updated inline by the search; of equal costs the first offered
+    stays first, as in `TopTwo`)."""
+
+    __slots__ = ("cost1", "cost2", "p1", "p2")
+
+    def __init__(self, cost: float, p: int) -> None:
+        self.cost1 = cost
+        self.p1 = p
+        self.cost2 = _INF
+        self.p2: int | None = None
+
+
+class _Pick(TopTwo[float, int]):
     """The top two candidates, the cheapest one of the request class's default action, and
-    what the candidates on one worker need (`on_worker`): the fetch and migration sources, the
-    session owner's GPU blocks `g_m`, and per profile its constants and the prefill after a
-    fetch and after a migration at scale 1 (`profiles`)."""
+    what the candidates on one worker need (`on_worker`): the scanned workers, the fetch and
+    migration sources, the session owner's GPU blocks `g_m`, and per profile what a move into
+    it needs (`profiles`). A candidate kept is a number j: its action is `actions[j]`, its
+    prefill and decode workers `workers[prefills[j]]` and `workers[decodes[j]]`, its source
+    that of its action (`source_of`) (columns: a record per kept candidate costs more to
+    build)."""
 
     __slots__ = (
+        "actions",
         "costs",
+        "decodes",
         "default",
         "default_cost",
         "default_rec",
         "g_m",
         "home",
+        "prefills",
         "profiles",
         "src_f",
         "src_m",
+        "workers",
     )
 
     def __init__(self, default: Action, costs: RequestCosts) -> None:
         super().__init__(_INF)
         self.default = default
         self.default_cost = _INF
-        self.default_rec: _Rec | None = None
+        self.default_rec: int | None = None
+        self.actions: list[Action] = []
+        self.prefills: list[int] = []
+        self.decodes: list[int] = []
         self.costs = costs
         self.home = costs.request.home_worker
+        self.workers: Sequence[WorkerView] = ()
         self.src_f: WorkerView | None = None
         self.src_m: WorkerView | None = None
         self.g_m = 0
-        self.profiles: dict[str, tuple[tuple[float, ...], float, float]] = {}
+        self.profiles: dict[str, _Moves] = {}
 
-    def consider(self, cost: float, rec: _Rec) -> None:
-        """Offer a candidate to the top two, and keep it if it is the cheapest of the
-        default's action. A candidate that moves a resident session off its home worker pays
-        H_move here (`RequestCosts.moves`; a migration's is in its cost already): it only
-        adds, so the callers' tests on the cost before it stay lower bounds."""
+    def consider(self, cost: float, action: Action, p: int, d: int) -> None:
+        """Offer a candidate (prefill on `workers[p]`, decode on `workers[d]`, from the source
+        of its action) to the top two, and keep it if it is the cheapest of the default's
+        action. A candidate that moves a resident session off its home worker pays H_move
+        here (`RequestCosts.moves`; a migration's is in its cost already): it only adds, so
+        the callers' tests on the cost before it stay lower bounds."""
         home = self.home
-        if home is not None and rec[0] is not _MIG and rec[2][0].worker_id != home:
+        if home is not None and action is not _MIG and self.workers[d].worker_id != home:
             cost += self.costs.hysteresis(cost)
-        if rec[0] is self.default and cost < self.default_cost:
-            self.default_cost, self.default_rec = cost, rec
-        if cost < self.second_key:
-            self.offer(cost, rec)
+        default = action is self.default and cost < self.default_cost
+        if default or cost < self.second_key:
+            j = len(self.actions)
+            self.actions.append(action)
+            self.prefills.append(p)
+            self.decodes.append(d)
+            if default:
+                self.default_cost, self.default_rec = cost, j
+            if cost < self.second_key:
+                self.offer(cost, j)
+
+    def source_of(self, action: Action) -> WorkerView | None:
+        """The source of a candidate: the owner fetched from, the session owner moved from;
+        None for other actions."""
+        return self.src_f if action is _FETCH else self.src_m if action is _MIG else None
 
     def bound(self, may_be_default: bool) -> float:
         """A candidate costing this much or more changes nothing (`may_be_default`: it may
@@ -101,48 +150,53 @@ class _Pick(TopTwo[float, _Rec]):
         return d if may_be_default and d > self.second_key else self.second_key
 
     def on_worker(
-        self, t: WorkerTerms, kind: Action, base: float, top: bool, fetch_ok: bool, mig_ok: bool
+        self,
+        i: int,
+        pf: float,
+        stalled: int,
+        dup: int,
+        held: int,
+        kind: Action,
+        base: float,
+        top: bool,
+        fetch_ok: bool,
+        mig_ok: bool,
     ) -> None:
-        """Consider the candidates on the worker of terms `t` (`kind`: its colocated candidate's
-        action, `base`: its q + decode + restore): all of them when one may enter the top two
-        (`top`), else only those of the default's action; a fetch if `fetch_ok`, a migration if
-        `mig_ok`."""
+        """Consider the candidates on `workers[i]` (its terms: prefill `pf`, `stalled`, `dup`
+        = dup(w, held), `held` blocks; `kind`: its colocated candidate's action, `base`: its q +
+        decode + restore): all of them when one may enter the top two (`top`), else only those
+        of the default's action; a fetch if `fetch_ok`, a migration if `mig_ok`."""
         k = self.costs
-        w, _, _, pf, stalled, dup, h, _ = t
         dflt = self.default
         if top or kind is dflt:
-            self.consider(_colocated(k, base, pf, stalled, dup), (kind, t, t, None))
+            self.consider(_colocated(k, base, pf, stalled, dup), kind, i, i)
         fetch_ok = fetch_ok and (top or dflt is _FETCH)
         mig_ok = mig_ok and (top or dflt is _MIG)
         if not (fetch_ok or mig_ok):
             return
-        prof = self.profiles.get(w.profile)
-        if prof is None:
-            c = k.consts(w.profile)
-            # the profile's constants, and its prefill at scale 1 after a fetch (reusing
-            # owner_blocks) and after a migration (reusing gpu(S))
-            prof = self.profiles[w.profile] = (
-                c,
-                k.prefill_base(c, k.reused(k.ob)),
-                k.prefill_base(c, k.reused(self.g_m)),
+        w = self.workers[i]
+        moves = self.profiles.get(w.profile)
+        if moves is None:
+            c = k.constants(w.profile)
+            moves = self.profiles[w.profile] = _Moves(
+                c, k.prefill_base(c, k.reused(k.ob)), k.prefill_base(c, k.reused(self.g_m))
             )
-        c, pf_fetch, pf_mig = prof
+        c = moves.constants
         sp = w.prefill_scale
-        held = 0 if h is None else h[1]
         # its prefill after the move reuses (or fetches) its chunks too
         chunked = bool(w.chunks_held) or bool(k.chunk_src)
         if fetch_ok:
             src = self.src_f
             assert src is not None
-            pf_f = k.prefill(w, k.reused(k.ob), c) if chunked else sp * pf_fetch
+            pf_f = k.prefill(w, k.reused(k.ob), c) if chunked else sp * moves.prefill_fetch
             cost = _fetch(k, w, src, base, stalled, dup, held, pf_f, c)
-            self.consider(cost, (_FETCH, t, t, src))
+            self.consider(cost, _FETCH, i, i)
         if mig_ok:
             src = self.src_m
             assert src is not None
-            pf_m = k.prefill(w, k.reused(self.g_m), c) if chunked else sp * pf_mig
+            pf_m = k.prefill(w, k.reused(self.g_m), c) if chunked else sp * moves.prefill_migration
             cost = _migration(k, w, src, self.g_m, base, stalled, held, pf_m, c)
-            self.consider(cost, (_MIG, t, t, src))
+            self.consider(cost, _MIG, i, i)
 
 
 class OwnerServePolicy:
@@ -176,7 +230,9 @@ class OwnerServePolicy:
         r_lo = max(r_fetch if src_f is not None else 0, r_mig)
         considered = n_p = n_d = n_both = 0
         nodes: dict[str, _NodeBest] = {}
-        dparts: list[_DPart] = []
+        # the D parts of remote prefill: each one's cost and its worker's index
+        d_costs: list[float] = []
+        d_index: list[int] = []
         # what a candidate must cost less than to matter: to enter the top two (`top_bound`),
         # to be the cheapest of the default's action (`dflt_bound`; -inf when the default is
         # remote prefill, which the worker pass does not generate), and a remote one
@@ -184,13 +240,14 @@ class OwnerServePolicy:
         dflt_here = pick.default is not _REMOTE
         top_bound = bound_remote = _INF
         dflt_bound = _INF if dflt_here else -_INF
+        worker_bound = _INF  # the greater of the two: what a worker's candidates must beat
         # the least prefill (at scale 1) of any candidate on a worker holding nothing (the least
         # over the loaded profiles: a lower bound of every worker's)
         least_lo = _INF
         # a prefill fetching chunks may reuse all but the last token (`chunk_fetch`)
         r_least = k.n - 1 if k.chunk_src else r_lo
         for name in model.profiles:
-            least = k.prefill_base(k.consts(name), r_least)
+            least = k.prefill_base(k.constants(name), r_least)
             if least < least_lo:
                 least_lo = least
         # decode-capable workers holding nothing; of them, those with a KV API (a fetch or a
@@ -198,12 +255,26 @@ class OwnerServePolicy:
         n_lean = n_lean_api = n_lean_pd = 0
         # the workers speak more than one P/D hand-over: P parts are kept per group and node
         mixed = cluster.pd_mixed
-        for t in k.scan(cluster.workers):
-            w, q, dec, pf, stalled, dup, h, _ = t
+        terms = k.scan(cluster.workers)
+        ws = pick.workers = terms.workers
+        # what a holder holds (`ScanTerms.holds`)
+        t_gpu, t_held, t_reused = terms.gpu, terms.held, terms.reused
+        t_restore, t_dup_gpu = terms.restore_s, terms.dup_gpu
+        for i, w, q, dec, pf, stalled, dup, holds in zip(
+            range(len(ws)),
+            ws,
+            terms.queue_s,
+            terms.decode_s,
+            terms.prefill_s,
+            terms.stalled,
+            terms.dup,
+            terms.holds,
+            strict=True,
+        ):
             if not w.healthy:
                 continue
             role = w.role
-            if h is None:  # w holds nothing of the prefix (most workers): the lean path
+            if not holds:  # w holds nothing of the prefix (most workers): the lean path
                 if role is not _PREFILL:
                     n_lean += 1
                     api = w.kv_api
@@ -217,21 +288,24 @@ class OwnerServePolicy:
                     # cheapest of the default's action (and then only that action is costed)
                     least = w.prefill_scale * least_lo
                     lb = qd + least + mu * (stalled * least)
-                    if lb < top_bound or lb < dflt_bound:
+                    if lb < worker_bound:
                         fetch_ok = api and src_f is not None and w is not src_f
                         top = lb < top_bound
-                        pick.on_worker(t, kind_none, qd, top, fetch_ok, api and src_m is not None)
+                        mig_ok = api and src_m is not None
+                        pick.on_worker(i, pf, stalled, dup, 0, kind_none, qd, top, fetch_ok, mig_ok)
                         top_bound = pick.second_key
                         if dflt_here:  # else no remote candidate yet: no remote bound
                             dflt_bound = pick.default_cost
                             bound_remote = top_bound
+                        worker_bound = top_bound if top_bound > dflt_bound else dflt_bound
                     if w.pd_group is not None:
                         n_lean_pd += 1
                         # the D part of remote prefill into w: q + decode + handshake +
                         # handover(w) + λ·dup(w, 0)
                         bd = qd + handshake + w.handover_s + lam * dup
                         if bd < bound_remote:
-                            dparts.append((bd, t))
+                            d_costs.append(bd)
+                            d_index.append(i)
                 if role is not _DECODE and w.pd_group is not None:
                     n_p += 1
                     if role is not _PREFILL:
@@ -243,12 +317,17 @@ class OwnerServePolicy:
                     key = f"{w.pd_group}\0{w.node}" if mixed else w.node
                     node = nodes.get(key)
                     if node is None:
-                        nodes[key] = (a, t, _INF, None)
-                    elif a < node[2]:
-                        nodes[key] = (a, t, *node[:2]) if a < node[0] else (*node[:2], a, t)
+                        nodes[key] = _NodeBest(a, i)
+                    elif a < node.cost2:  # one of its best two (inline: a call costs more)
+                        if a < node.cost1:
+                            node.cost2, node.p2, node.cost1, node.p1 = node.cost1, node.p1, a, i
+                        else:
+                            node.cost2, node.p2 = a, i
                 continue
 
-            _, held, r, rest, dup_g = h
+            held = t_held[i]
+            r = t_reused[i]
+            rest = t_restore[i]
             if role is not _PREFILL:
                 base = q + dec + rest
                 api = w.kv_api
@@ -261,19 +340,22 @@ class OwnerServePolicy:
                 elif (fetch_ok or mig_ok) and r_lo > r:
                     least = w.prefill_scale * least_lo
                 lb = base + least + mu * (stalled * least)
-                if lb < top_bound or lb < dflt_bound:
-                    kind = colocated_kind(request, w.worker_id, h[0], held, cont)
-                    pick.on_worker(t, kind, base, lb < top_bound, fetch_ok, mig_ok)
+                if lb < worker_bound:
+                    kind = colocated_kind(request, w.worker_id, t_gpu[i], held, cont)
+                    top = lb < top_bound
+                    pick.on_worker(i, pf, stalled, dup, held, kind, base, top, fetch_ok, mig_ok)
                     top_bound = pick.second_key
                     if dflt_here:
                         dflt_bound = pick.default_cost
                         bound_remote = top_bound
+                    worker_bound = top_bound if top_bound > dflt_bound else dflt_bound
                 if w.pd_group is not None:
                     n_d += 1
                     # the D part: q + decode + handshake + handover(w) + λ·dup(w, gpu(w))
-                    bd = q + dec + handshake + w.handover_s + lam * dup_g
+                    bd = q + dec + handshake + w.handover_s + lam * t_dup_gpu[i]
                     if bd < bound_remote:
-                        dparts.append((bd, t))
+                        d_costs.append(bd)
+                        d_index.append(i)
             if role is not _DECODE and w.pd_group is not None:
                 n_p += 1
                 if role is not _PREFILL:
@@ -283,15 +365,18 @@ class OwnerServePolicy:
                 key = f"{w.pd_group}\0{w.node}" if mixed else w.node
                 node = nodes.get(key)
                 if node is None:
-                    nodes[key] = (a, t, _INF, None)
-                elif a < node[2]:
-                    nodes[key] = (a, t, *node[:2]) if a < node[0] else (*node[:2], a, t)
+                    nodes[key] = _NodeBest(a, i)
+                elif a < node.cost2:  # one of its best two (inline: a call costs more)
+                    if a < node.cost1:
+                        node.cost2, node.p2, node.cost1, node.p1 = node.cost1, node.p1, a, i
+                    else:
+                        node.cost2, node.p2 = a, i
 
-        if nodes and dparts:
+        if nodes and d_costs:
             if mixed:
-                _remote_by_group(pick, k, nodes, dparts)
+                _remote_by_group(pick, k, terms, nodes, d_costs, d_index)
             else:
-                _remote(pick, k, nodes, dparts)
+                _remote(pick, k, terms, nodes, d_costs, d_index)
         # on a worker holding nothing: colocated, and with a KV API a fetch (owner_blocks > 0)
         # unless it is the owner, a migration (the session owner holds GPU blocks, so it is
         # never that worker)
@@ -308,13 +393,13 @@ class OwnerServePolicy:
             raise NoWorkerAvailableError("no healthy worker can serve this request")
         rdef = pick.default_rec
         if rdef is not None:
-            pick.prefer(pick.default_cost, rdef, rdef[0] is not first[0])
-        chosen = _candidate(k, pick.first)
+            pick.prefer(pick.default_cost, rdef, pick.actions[rdef] is not pick.actions[first])
+        chosen = _candidate(k, terms, pick, pick.first)
         return plan_of(
             self.name,
             rclass,
             chosen,
-            None if pick.second is None else _candidate(k, pick.second),
+            None if pick.second is None else _candidate(k, terms, pick, pick.second),
             candidates_considered=considered,
             add_replica_on=chosen.decode_worker if chosen.action is _FETCH else None,
             # the search's own total for the default (the same terms, not re-costed)
@@ -323,43 +408,56 @@ class OwnerServePolicy:
 
 
 def _remote_by_group(
-    pick: _Pick, k: RequestCosts, nodes: dict[str, _NodeBest], dparts: list[_DPart]
+    pick: _Pick,
+    k: RequestCosts,
+    terms: ScanTerms,
+    nodes: dict[str, _NodeBest],
+    d_costs: list[float],
+    d_index: list[int],
 ) -> None:
     """`_remote` once per P/D hand-over: `nodes` keyed `group\\0node`, each D part paired only
     with P parts of its own group."""
-    groups: dict[str, tuple[dict[str, _NodeBest], list[_DPart]]] = {}
+    groups: dict[str, dict[str, _NodeBest]] = {}
     for key, best in nodes.items():
         group, _, node = key.partition("\0")
-        groups.setdefault(group, ({}, []))[0][node] = best
-    for part in dparts:
-        entry = groups.get(str(part[1][0].pd_group))
-        if entry is not None:
-            entry[1].append(part)
-    for by_node, ds in groups.values():
-        if by_node and ds:
-            _remote(pick, k, by_node, ds)
+        groups.setdefault(group, {})[node] = best
+    costs: dict[str, list[float]] = {}
+    index: dict[str, list[int]] = {}
+    ws = terms.workers
+    for bd, i in zip(d_costs, d_index, strict=True):
+        group = str(ws[i].pd_group)
+        if group in groups:
+            costs.setdefault(group, []).append(bd)
+            index.setdefault(group, []).append(i)
+    for group, by_node in groups.items():
+        if group in costs:
+            _remote(pick, k, terms, by_node, costs[group], index[group])
 
 
 def _pd_pairs(workers: tuple[WorkerView, ...]) -> int:
     """Remote prefill pairs P ≠ D among healthy workers that speak one P/D hand-over."""
-    count: dict[str, list[int]] = {}
+    # per group: prefill-capable, decode-capable and both
+    n_p: dict[str, int] = {}
+    n_d: dict[str, int] = {}
+    n_both: dict[str, int] = {}
     for w in workers:
         g = w.pd_group
         if not w.healthy or g is None:
             continue
-        c = count.setdefault(g, [0, 0, 0])
         p, d = w.role is not _DECODE, w.role is not _PREFILL
-        c[0] += p
-        c[1] += d
-        c[2] += p and d
-    return sum(p * d - both for p, d, both in count.values() if p and d)
+        n_p[g] = n_p.get(g, 0) + p
+        n_d[g] = n_d.get(g, 0) + d
+        n_both[g] = n_both.get(g, 0) + (p and d)
+    return sum(n_p[g] * n_d[g] - n_both[g] for g in n_p if n_p[g] and n_d[g])
 
 
-def _candidate(k: RequestCosts, rec: _Rec | None) -> Candidate:
-    """The candidate of a search record, its breakdown from the terms the search took."""
-    assert rec is not None
-    action, tp, td, src = rec
-    return k.candidate(Route(action, tp[0], td[0], src), tp, td)
+def _candidate(k: RequestCosts, terms: ScanTerms, pick: _Pick, j: int | None) -> Candidate:
+    """Kept candidate j of the pick, its breakdown from the terms the search took."""
+    assert j is not None
+    action = pick.actions[j]
+    return k.scanned_candidate(
+        terms, action, pick.prefills[j], pick.decodes[j], pick.source_of(action)
+    )
 
 
 def _colocated(k: RequestCosts, base: float, pf: float, stalled: int, dup: int) -> float:
@@ -378,7 +476,7 @@ def _fetch(
     dup: int,
     held: int,
     pf: float,
-    c: tuple[float, ...],
+    c: ProfileConstants,
 ) -> float:
     """C of an artifact fetch from the owner `src` to w (a read-only replica; `c`: the
     constants of w's profile): the missing owner_blocks − held blocks move, w reuses
@@ -396,7 +494,7 @@ def _migration(
     stalled: int,
     held: int,
     pf: float,
-    c: tuple[float, ...],
+    c: ProfileConstants,
 ) -> float:
     """C of moving the session from its owner `src` (holding g_src blocks in GPU) to w (`c`:
     the constants of w's profile): the missing blocks move and stay duplicated (M_HBM), w
@@ -408,7 +506,12 @@ def _migration(
 
 
 def _remote(
-    pick: _Pick, k: RequestCosts, nodes: dict[str, _NodeBest], dparts: list[_DPart]
+    pick: _Pick,
+    k: RequestCosts,
+    terms: ScanTerms,
+    nodes: dict[str, _NodeBest],
+    d_costs: list[float],
+    d_index: list[int],
 ) -> None:
     """Remote prefill P→D for every D part, exactly: for each D the best P is the best P part on
     D's node (the intra-node link) or the best one overall (the inter-node link, with the P
@@ -418,11 +521,13 @@ def _remote(
     # the best two P parts overall, from the best two of each node: as they are (a pair that
     # moves nothing) and with the node's NIC backlog added (one that moves KV to another node;
     # a node's workers share its backlog, so its best two stay its best two)
+    ws = terms.workers
     ga1 = ga2 = _INF
-    gt1: WorkerTerms | None = None
-    gt2: WorkerTerms | None = None
+    gt1: int | None = None
+    gt2: int | None = None
     waits = False
-    for a1, t1, a2, t2 in nodes.values():
+    for best in nodes.values():
+        a1, t1, a2, t2 = best.cost1, best.p1, best.cost2, best.p2
         if a1 < ga2:
             if a1 < ga1:
                 ga1, gt1, ga2, gt2 = a1, t1, ga1, gt1
@@ -430,13 +535,14 @@ def _remote(
                 ga2, gt2 = a1, t1
             if a2 < ga2:
                 ga2, gt2 = a2, t2
-        if t1[0].nic_backlog_s:
+        if ws[t1].nic_backlog_s:
             waits = True
     ba1, bt1, ba2, bt2 = ga1, gt1, ga2, gt2
     if waits:
         ba1 = ba2 = _INF
-        for a1, t1, a2, t2 in nodes.values():
-            wait = t1[0].nic_backlog_s
+        for best in nodes.values():
+            a1, t1, a2, t2 = best.cost1, best.p1, best.cost2, best.p2
+            wait = ws[t1].nic_backlog_s
             a1 += wait
             if a1 < ba2:
                 if a1 < ba1:
@@ -451,31 +557,33 @@ def _remote(
     # pick.bound(track_def) after each consider, inline (a call per candidate costs more)
     link = k.link
     nbytes_none = k.kv_to_decode(0)  # into a D holding nothing of the prefix
-    tp: WorkerTerms | None
-    for bd, td in dparts:
+    gpus = terms.gpu
+    tp: int | None
+    for bd, td in zip(d_costs, d_index, strict=True):
         # bd + ga1 is a lower bound of every pair into D, and bd + a of a pair from P (links
         # and H_move cost >= 0): cheaper tests first
         if bd + ga1 >= bound:
             continue
-        d = td[0]
-        h = td[6]
-        nbytes = nbytes_none if h is None else k.kv_to_decode(h[0])
-        c = k.consts(d.profile)
+        d = ws[td]
+        gpu = gpus[td] if gpus else 0
+        nbytes = k.kv_to_decode(gpu) if gpu else nbytes_none
+        c = k.constants(d.profile)
         node = d.node
         tn = nodes.get(node)
         if tn is not None:
-            a, tp = (tn[0], tn[1]) if tn[1] is not td else (tn[2], tn[3])
+            a, tp = (tn.cost1, tn.p1) if tn.p1 != td else (tn.cost2, tn.p2)
             if tp is not None and bd + a < bound:
-                pick.consider(bd + a + link(d, nbytes, True, c), (_REMOTE, tp, td, None))
+                pick.consider(bd + a + link(d, nbytes, True, c), _REMOTE, tp, td)
                 bound = pick.second_key
                 if track_def and pick.default_cost > bound:
                     bound = pick.default_cost
+        # (indices compare by value: `is` holds only for small ints)
         if nbytes <= 0:  # nothing moves: no link, no backlog
-            a, tp = (ga1, gt1) if gt1 is not td else (ga2, gt2)
+            a, tp = (ga1, gt1) if gt1 != td else (ga2, gt2)
         else:
-            a, tp = (ba1, bt1) if bt1 is not td else (ba2, bt2)
-        if tp is not None and tp[0].node != node and bd + a < bound:
-            pick.consider(bd + a + link(d, nbytes, False, c), (_REMOTE, tp, td, None))
+            a, tp = (ba1, bt1) if bt1 != td else (ba2, bt2)
+        if tp is not None and ws[tp].node != node and bd + a < bound:
+            pick.consider(bd + a + link(d, nbytes, False, c), _REMOTE, tp, td)
             bound = pick.second_key
             if track_def and pick.default_cost > bound:
                 bound = pick.default_cost

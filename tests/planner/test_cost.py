@@ -42,12 +42,15 @@ def test_per_worker_terms_scale_with_calibration() -> None:
     # 1.5 · (0.01 + 1e-4·400 + 1e-8·400·(600 + 200)) = 1.5 · 0.0532
     assert k.prefill(w, 600) == pytest.approx(0.0798)
     busy = replace(w, running=20, kv_usage=0.1, inflight_prefill_tokens=2000, waiting=3)
-    _, q, dec, pf, stalled, *_ = k.worker(busy)
-    assert q == pytest.approx(0.345)  # 1.5 · (1e-4 · 2000 + 0.01 · 3)
+    terms = k.worker(busy)
+    assert terms.worker is busy
+    assert terms.queue_s == pytest.approx(0.345)  # 1.5 · (1e-4 · 2000 + 0.01 · 3)
     # 2 · 10 · (0.005 + 1e-4·21 + 1e-8·(0.1 · 1e6 + 1000))
-    assert dec == pytest.approx(0.1622)
-    assert pf == pytest.approx(1.5 * 0.115) and stalled == 20  # all 1000 tokens on nothing
-    assert k.worker(replace(busy, role=Role.PREFILL))[4] == 0  # a P worker stalls no decode
+    assert terms.decode_s == pytest.approx(0.1622)
+    # all 1000 tokens on nothing
+    assert terms.prefill_s == pytest.approx(1.5 * 0.115) and terms.stalled == 20
+    assert terms.held is None
+    assert k.worker(replace(busy, role=Role.PREFILL)).stalled == 0  # a P worker stalls no decode
     other = worker("x", Role.DECODE, "node1")
     # 3 · (1e-3 + 6e5 / 1e10) into w across nodes
     assert k.transfer(other, w, 6e5) == pytest.approx((0.00318, 0.00318))
@@ -289,10 +292,9 @@ def test_kv_wait_is_zero_with_room_scaled_by_the_shortage_and_prohibitive_past_t
     assert k.kv_wait(busy, 5, 0.2, 0.0) == pytest.approx(110 / 9600 * 0.2)
     assert k.kv_wait(replace(w, kv_capacity_tokens=1000), 0, 0.2, 0.0) == KV_NEVER_S
     # without a capacity from the worker, the profile's HBM (1e6 tokens here) is the pool
-    _, q, *_ = k.worker(replace(w, kv_capacity_tokens=0, kv_usage=0.5))
-    assert q == 0.0
-    _, q_full, dec, *_ = k.worker(replace(w, kv_capacity_tokens=0, kv_usage=0.9995))
-    assert q_full == pytest.approx((1010 - 500) / 999_500 * dec)
+    assert k.worker(replace(w, kv_capacity_tokens=0, kv_usage=0.5)).queue_s == 0.0
+    full = k.worker(replace(w, kv_capacity_tokens=0, kv_usage=0.9995))
+    assert full.queue_s == pytest.approx((1010 - 500) / 999_500 * full.decode_s)
 
 
 def test_displacement_prices_the_working_set_pushed_out() -> None:
@@ -301,25 +303,25 @@ def test_displacement_prices_the_working_set_pushed_out() -> None:
     # 1010 − (10,000 − 9,500) = 510 tokens displaced, recomputed: (1e-4 + 1e-8·510/2)·510
     wd = 510 * (1e-4 + 1e-8 * 255)
     terms = k.worker(w)
-    assert terms[7] == pytest.approx(wd)
-    assert terms[1] == pytest.approx(wd)  # q carries W_disp (no queue, no kv_wait here)
+    assert terms.w_disp_s == pytest.approx(wd)
+    assert terms.queue_s == pytest.approx(wd)  # q carries W_disp (no queue, no kv_wait here)
     b = k.breakdown(Route(Action.COLOCATED_PREFILL, w, w))
     assert b.w_disp == pytest.approx(wd) and b.t_queue == pytest.approx(0.0)
     assert b.total == pytest.approx(b.t_compute + wd + b.lam * b.m_hbm_bytes)
     # 5 blocks already in its GPU need 500 tokens less
-    assert k.displacement(w, 5, 9_500, 10_000, k.consts("unit")) == pytest.approx(
+    assert k.displacement(w, 5, 9_500, 10_000, k.constants("unit")) == pytest.approx(
         10 * (1e-4 + 1e-8 * 5)
     )
     # a worker offloading to CPU reloads the displaced KV: 510 · 1000 B / 1e9 B/s
-    assert k.worker(replace(w, offloads=True))[7] == pytest.approx(5.1e-4)
+    assert k.worker(replace(w, offloads=True)).w_disp_s == pytest.approx(5.1e-4)
     # the request's own session counted there is its own KV, not displaced
     own = RequestCosts(M, request(1000, home_worker="d", home_tokens=2_000))
-    assert own.worker(w)[7] == 0.0
-    assert own.worker(replace(w, worker_id="other"))[7] == pytest.approx(wd)
+    assert own.worker(w).w_disp_s == 0.0
+    assert own.worker(replace(w, worker_id="other")).w_disp_s == pytest.approx(wd)
     # room for it, or ν = 0: nothing displaced
-    assert k.worker(replace(w, ws_tokens=8_000))[7] == 0.0
+    assert k.worker(replace(w, ws_tokens=8_000)).w_disp_s == 0.0
     off = RequestCosts(unit_model(replace(UNIT_CONFIG, nu=0.0)), request(1000))
-    assert off.worker(w)[7] == 0.0
+    assert off.worker(w).w_disp_s == 0.0
     with pytest.raises(ConfigError):
         CostConfig(nu=-1.0)
 
@@ -358,10 +360,10 @@ def test_moving_a_resident_session_pays_the_hysteresis_of_a_migration() -> None:
 def test_displacement_counts_the_sessions_expected_growth() -> None:
     w = worker("d", Role.DECODE, kv_capacity_tokens=10_000, ws_tokens=8_000)
     # 1010 tokens fit beside 8,000 others; with 3,000 more to come they do not
-    assert RequestCosts(M, request(1000)).worker(w)[7] == 0.0
+    assert RequestCosts(M, request(1000)).worker(w).w_disp_s == 0.0
     grown = RequestCosts(M, request(1000, growth_tokens=3_000))
     disp = 1010 + 3000 - 2000
-    assert grown.worker(w)[7] == pytest.approx(disp * (1e-4 + 1e-8 * disp / 2))
+    assert grown.worker(w).w_disp_s == pytest.approx(disp * (1e-4 + 1e-8 * disp / 2))
 
 
 def test_a_worker_closed_to_programs_takes_no_session_not_resident_there() -> None:
@@ -371,10 +373,34 @@ def test_a_worker_closed_to_programs_takes_no_session_not_resident_there() -> No
     new = request(1000, session_id="s")
     plan = OwnerServePolicy(model=M).plan(new, cluster(h0, h1))
     assert plan.chosen.decode_worker == "h1" and plan.chosen.prefill_worker == "h1"
-    assert RequestCosts(M, new).worker(h0)[1] >= PROGRAMS_CLOSED_S  # its queue term
+    assert RequestCosts(M, new).worker(h0).queue_s >= PROGRAMS_CLOSED_S
     # a session resident there is not charged: admission pauses it, or it runs on, at home
     home = request(1000, session_id="s", home_worker="h0", home_tokens=1000)
     assert OwnerServePolicy(model=M).plan(home, cluster(h0, h1)).chosen.decode_worker == "h0"
     # every worker closed: the other terms decide, as if none were
     both = cluster(h0, replace(h1, programs_closed=True))
     assert OwnerServePolicy(model=M).plan(new, both).chosen.decode_worker == "h0"
+
+
+def test_one_scan_of_many_workers_gives_each_the_terms_it_has_alone() -> None:
+    # two profiles taking turns (their constants change mid-scan), holders in GPU and CPU, and
+    # a worker whose pool displaces working-set KV: the columns' rows are each worker's terms
+    fast = replace(UNIT, name="fast", prefill=replace(UNIT.prefill, per_token_s=5e-5))
+    model = CostModel(UNIT_CONFIG, {"unit": UNIT, "fast": fast})
+    ws = (
+        worker("a", Role.HYBRID, gpu=3, cpu=6, running=2),
+        replace(worker("b", Role.DECODE, running=5, kv_usage=0.2), profile="fast"),
+        worker("c", Role.DECODE, kv_capacity_tokens=10_000, ws_tokens=9_500),
+        replace(worker("d", Role.PREFILL, gpu=4, waiting=2), profile="fast"),
+        worker("e", Role.DECODE),
+    )
+    k = RequestCosts(model, request(1000))
+    terms = k.scan(ws)
+    assert [terms.row(i) for i in range(len(ws))] == [k.worker(w) for w in ws]
+    assert terms.holds == [True, False, False, True, False]
+    # a: 6 blocks held (3 in GPU), so r = 600 and 3 blocks come from CPU: 3e5 B / 1e9 B/s
+    assert terms.held_terms(0) == (3, 6, 600, pytest.approx(3e-4), 0)
+    assert terms.held_terms(1) is None and terms.row(1).held is None
+    assert terms.w_disp_s[2] > 0.0 and terms.w_disp_s[0] == terms.w_disp_s[4] == 0.0
+    # the fast profile's prefill: 0.01 + 5e-5·1000 + 1e-8·1000·500 on nothing
+    assert terms.prefill_s[1] == pytest.approx(0.065)

@@ -333,7 +333,7 @@ def test_a_worker_whose_observed_times_double_loses_traffic(prompts: list[int], 
             H100, RequestView(model="m", prompt_tokens=n, block_size=BLOCK, chain_blocks=0)
         )
         cal.observe_prefill(name, 2.0 * k.prefill(raw, 0), k.prefill(planned, 0))
-        cal.observe_decode(name, 2.0 * k.worker(raw)[2], k.worker(planned)[2])
+        cal.observe_decode(name, 2.0 * k.worker(raw).decode_s, k.worker(planned).decode_s)
     if len(prompts) >= 15:
         assert 1.9 < cal.scales(name).prefill <= 2.0 + 1e-9
     after = traffic(cal.apply_all(cl))

@@ -1,0 +1,54 @@
+"""The planner's view of the workers (`router.views.cluster_view`): a worker's `WorkerView` is
+reused while nothing it shows changes, and rebuilt with what changed, each input the view
+takes from the caller landing in its own field."""
+
+from __future__ import annotations
+
+import time
+
+from ownerserve.config import settings_from_dict
+from ownerserve.directory.base import Match
+from router.backends import WorkerLoad
+from router.state import Router
+from router.views import cluster_view
+
+MODEL = "tiny"
+
+
+def _router() -> Router:
+    return Router(
+        settings_from_dict(
+            {
+                "models": [{"name": MODEL, "block_size": 4}],
+                "workers": [
+                    {"id": f"w{i}", "url": f"http://127.0.0.1:{9 + i}", "node": f"n{i}"}
+                    for i in range(2)
+                ],
+                "admission": {"enabled": False},
+            }
+        )
+    )
+
+
+def test_a_workers_view_is_reused_until_what_it_shows_changes() -> None:
+    router = _router()
+    for w in router.pool.for_model(MODEL):
+        w.load = WorkerLoad(kv_usage=0.25, kv_capacity_tokens=10_000)
+    cluster = router.services.cluster
+    match = Match(chain_len=0)
+    first = cluster_view(cluster, MODEL, match, ()).workers
+    again = cluster_view(cluster, MODEL, match, ()).workers
+    assert [a is b for a, b in zip(first, again, strict=True)] == [True, True]
+    assert [v.kv_usage for v in first] == [0.25, 0.25]
+
+    # a transfer queued on w0's node, a working set on w1, a chunk held by w0: each lands in
+    # its own field of its own worker's view (and only there)
+    now = time.monotonic()
+    router.nics.reserve("n0", 30.0, now)
+    router.working_sets.started("s1", "w1", 1234, now)
+    w0, w1 = cluster_view(cluster, MODEL, match, (), {"w0": (2,)}).workers
+    assert w0.nic_backlog_s > 29.0 and w1.nic_backlog_s == 0.0
+    assert (w0.ws_tokens, w1.ws_tokens) == (0, 1234)
+    assert (w0.chunks_held, w1.chunks_held) == ((2,), ())
+    assert not w0.programs_closed and not w1.programs_closed
+    assert w0 is not first[0] and w1 is not first[1]
