@@ -114,9 +114,7 @@ def test_replace_section_rewrites_only_its_own_section(tmp_path: Path) -> None:
     assert "keep me" in text and "tail" in text and "new" in text and "old" not in text
     assert text.index("## Router overhead") < text.index("new") < text.index("## Later")
     other = tmp_path / "other.md"
-    replace_section(
-        other, "## Agentic benchmark", "## Agentic benchmark\n\nx\n"
-    )
+    replace_section(other, "## Agentic benchmark", "## Agentic benchmark\n\nx\n")
     assert other.read_text().startswith("# Benchmark results\n\n## Agentic benchmark")
 
 
