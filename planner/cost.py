@@ -853,27 +853,21 @@ class RequestCosts:
 
     def candidate(self, route: Route) -> Candidate:
         """The route as a `Candidate` with its full breakdown."""
-        return self._candidate(route.action, route.prefill, route.decode, route.source, None, 0, 0)
+        return self.candidate_of(route.action, route.prefill, route.decode, route.source)
 
-    def scanned_candidate(
-        self, terms: ScanTerms, action: Action, p: int, d: int, source: WorkerView | None
-    ) -> Candidate:
-        """The `Candidate` of `action` prefilling on `terms.workers[p]` and decoding on
-        `terms.workers[d]` (from `source`), its breakdown from that scan's terms (the search's:
-        not computed again)."""
-        ws = terms.workers
-        return self._candidate(action, ws[p], ws[d], source, terms, p, d)
-
-    def _candidate(
+    def candidate_of(
         self,
         action: Action,
         pw: WorkerView,
         dw: WorkerView,
         src: WorkerView | None,
-        terms: ScanTerms | None,
-        ip: int,
-        id_: int,
+        terms: ScanTerms | None = None,
+        ip: int = 0,
+        id_: int = 0,
     ) -> Candidate:
+        """The `Candidate` of `action` prefilling on `pw` and decoding on `dw` (from `src`),
+        with its full breakdown; from the terms of `terms` (a `scan` holding `pw` at `ip` and
+        `dw` at `id_`: the search's, not computed again) when given."""
         b, reused_blocks = self._breakdown(action, pw, dw, src, terms, ip, id_)
         fetches: tuple[tuple[int, str], ...] = ()
         if self.chunk_src:

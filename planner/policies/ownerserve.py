@@ -6,7 +6,7 @@ candidates, one function per action (`_colocated`, `_fetch`, `_migration`); remo
 is searched exactly in O(P + D) (`_remote`) because its cost splits into a P part, a D part and
 a link that only depends on whether P and D share a node. Candidates that cannot enter the top
 two are skipped by lower bounds. The chosen candidate and the runner-up get their breakdown
-term by term from the same workers' terms (`RequestCosts.scanned_candidate`; tests check the
+term by term from the same workers' terms (`RequestCosts.candidate_of`; tests check the
 search's choice against the full reference enumeration). Every value is read by name: the
 workers' terms are `ScanTerms` columns, and what the search keeps refers to them by index.
 """
@@ -83,8 +83,8 @@ class _Pick(TopTwo[float, int]):
     migration sources, the session owner's GPU blocks `g_m`, and per profile what a move into
     it needs (`profiles`). A candidate kept is a number j: its action is `actions[j]`, its
     prefill and decode workers `workers[prefills[j]]` and `workers[decodes[j]]`, its source
-    that of its action (`source_of`) (columns: a record per kept candidate costs more to
-    build)."""
+    that of its action (`src_f` for a fetch, `src_m` for a migration, else none) (columns: a
+    record per kept candidate costs more to build)."""
 
     __slots__ = (
         "actions",
@@ -137,11 +137,6 @@ class _Pick(TopTwo[float, int]):
                 self.default_cost, self.default_rec = cost, j
             if cost < self.second_key:
                 self.offer(cost, j)
-
-    def source_of(self, action: Action) -> WorkerView | None:
-        """The source of a candidate: the owner fetched from, the session owner moved from;
-        None for other actions."""
-        return self.src_f if action is _FETCH else self.src_m if action is _MIG else None
 
     def bound(self, may_be_default: bool) -> float:
         """A candidate costing this much or more changes nothing (`may_be_default`: it may
@@ -260,7 +255,8 @@ class OwnerServePolicy:
         # what a holder holds (`ScanTerms.holds`)
         t_gpu, t_held, t_reused = terms.gpu, terms.held, terms.reused
         t_restore, t_dup_gpu = terms.restore_s, terms.dup_gpu
-        for i, w, q, dec, pf, stalled, dup, holds in zip(
+        # the columns of one scan (one length: no `strict`, whose keyword costs a parse)
+        for i, w, q, dec, pf, stalled, dup, holds in zip(  # noqa: B905
             range(len(ws)),
             ws,
             terms.queue_s,
@@ -269,7 +265,6 @@ class OwnerServePolicy:
             terms.stalled,
             terms.dup,
             terms.holds,
-            strict=True,
         ):
             if not w.healthy:
                 continue
@@ -424,7 +419,7 @@ def _remote_by_group(
     costs: dict[str, list[float]] = {}
     index: dict[str, list[int]] = {}
     ws = terms.workers
-    for bd, i in zip(d_costs, d_index, strict=True):
+    for bd, i in zip(d_costs, d_index):  # noqa: B905 (appended together)
         group = str(ws[i].pd_group)
         if group in groups:
             costs.setdefault(group, []).append(bd)
@@ -455,9 +450,9 @@ def _candidate(k: RequestCosts, terms: ScanTerms, pick: _Pick, j: int | None) ->
     """Kept candidate j of the pick, its breakdown from the terms the search took."""
     assert j is not None
     action = pick.actions[j]
-    return k.scanned_candidate(
-        terms, action, pick.prefills[j], pick.decodes[j], pick.source_of(action)
-    )
+    p, d, ws = pick.prefills[j], pick.decodes[j], terms.workers
+    src = pick.src_f if action is _FETCH else pick.src_m if action is _MIG else None
+    return k.candidate_of(action, ws[p], ws[d], src, terms, p, d)
 
 
 def _colocated(k: RequestCosts, base: float, pf: float, stalled: int, dup: int) -> float:
@@ -559,7 +554,7 @@ def _remote(
     nbytes_none = k.kv_to_decode(0)  # into a D holding nothing of the prefix
     gpus = terms.gpu
     tp: int | None
-    for bd, td in zip(d_costs, d_index, strict=True):
+    for bd, td in zip(d_costs, d_index):  # noqa: B905 (appended together)
         # bd + ga1 is a lower bound of every pair into D, and bd + a of a pair from P (links
         # and H_move cost >= 0): cheaper tests first
         if bd + ga1 >= bound:
