@@ -263,6 +263,12 @@ def tier_blocks(worker: WorkerView) -> tuple[int, int, int]:
     return cb.get(_GPU, 0), cb.get(_CPU, 0), cb.get(_SSD, 0)
 
 
+def gpu_blocks(worker: WorkerView) -> int:
+    """gpu(w): longest prefix of the request's chain the worker holds in GPU."""
+    cb = worker.cached_blocks
+    return cb.get(_GPU, 0) if cb else 0
+
+
 def held_blocks(worker: WorkerView) -> int:
     """Longest prefix the worker can reuse from any of its tiers: max(gpu, cpu, ssd)."""
     g, c, s = tier_blocks(worker)
@@ -288,6 +294,15 @@ PROGRAMS_CLOSED_S = 1e3
 """Added to the queue of a worker closed to programs (`WorkerView.programs_closed`) for a
 request whose session's KV is not counted there: a new or resumed program goes to a worker
 with room in its working set, as ThunderAgent resumes onto the roomiest, unless none has."""
+
+
+class ChunkFetch(NamedTuple):
+    """A prefill that fetches the request's chunks it lacks (`RequestCosts.chunk_fetch`)."""
+
+    prefill_s: float
+    """prefill_s with the fetch."""
+    fetches: tuple[tuple[int, str], ...]
+    """The chunks fetched (indices into `RequestView.chunk_spans`), each with its holder."""
 
 
 class HeldTerms(NamedTuple):
@@ -706,14 +721,15 @@ class RequestCosts:
             pf = sp * self.prefill_base(c, r)
         if self.chunk_src:
             fetched = self.chunk_fetch(w, r, c)
-            if fetched is not None and fetched[0] < pf:
-                return fetched[0]
+            if fetched is not None and fetched.prefill_s < pf:
+                return fetched.prefill_s
         return pf
 
     def chunk_fetch(
         self, w: WorkerView, r: int, c: ProfileConstants | None = None
-    ) -> tuple[float, tuple[tuple[int, str], ...]] | None:
-        """(prefill_s with the fetch, the chunks fetched with their holders) of w fetching
+    ) -> ChunkFetch | None:
+        """The `ChunkFetch` (prefill_s with the fetch, the chunks fetched with their holders)
+        of w fetching
         every chunk of the request past its first r tokens that it lacks and a holder serves
         (`chunk_src`; w needs a KV API); None when there is none:
 
@@ -732,7 +748,9 @@ class RequestCosts:
         spans = self.request.chunk_spans
         held = w.chunks_held
         wid, node = w.worker_id, w.node
-        per_holder: dict[str, tuple[WorkerView, int]] = {}
+        # per holder (by id): the worker, and the tokens of the chunks fetched from it
+        holder: dict[str, WorkerView] = {}
+        tokens: dict[str, int] = {}
         picks: list[tuple[int, str]] = []
         for i, holders in enumerate(src):
             if not holders or i in held:
@@ -751,22 +769,22 @@ class RequestCosts:
             if h is None:
                 continue
             picks.append((i, h.worker_id))
-            got = per_holder.get(h.worker_id)
-            per_holder[h.worker_id] = (h, (hi - lo) + (0 if got is None else got[1]))
+            holder[h.worker_id] = h
+            tokens[h.worker_id] = tokens.get(h.worker_id, 0) + (hi - lo)
         if not picks:
             return None
         if c is None:
             c = self.constants(w.profile)
         k = self.request.kv_bytes_per_token
         fetch_s = 0.0
-        for h, tokens in per_holder.values():
-            t = self.transfer(h, w, tokens * k, c)[0]
+        for hid, h in holder.items():
+            t = self.transfer_s(h, w, tokens[hid] * k, c)
             if t > fetch_s:
                 fetch_s = t
         fetch_s += w.handover_s
         u = self._chunk_tokens((*held, *(i for i, _ in picks)), r)
         pf = w.prefill_scale * (self.prefill_base(c, r + u) + c.rerotate_per_token_s * u)
-        return fetch_s + pf, tuple(picks)
+        return ChunkFetch(fetch_s + pf, tuple(picks))
 
     def chunk_reuse(self, w: WorkerView, r: int) -> int:
         """u(w, r) = min(N − 1 − r, Σ over the request's chunks [lo, hi) w holds of
@@ -814,18 +832,22 @@ class RequestCosts:
             c.latency_s + nbytes / (c.intra_node_bps if same_node else c.inter_node_bps)
         )
 
-    def transfer(
+    def transfer_s(
         self, src: WorkerView, dst: WorkerView, nbytes: float, c: ProfileConstants | None = None
-    ) -> tuple[float, float]:
-        """(transfer_s, NIC time) of `nbytes` from src to dst: transfer_s = link_s + [src.node ≠
-        dst.node] · nic_backlog_s(src) (a transfer between nodes first waits for what is
-        queued on the source node's NIC); NIC time = link_s when it crosses nodes, else 0 (`c`:
-        the constants of dst's profile, when at hand)."""
+    ) -> float:
+        """transfer_s of `nbytes` from src to dst = link_s + [src.node ≠ dst.node] ·
+        nic_backlog_s(src): a transfer between nodes first waits for what is queued on the
+        source node's NIC (`c`: the constants of dst's profile, when at hand)."""
         same = src.node == dst.node
         t = self.link(dst, nbytes, same, c)
-        if same or nbytes <= 0:
-            return t, 0.0
-        return t + src.nic_backlog_s, t
+        return t if same or nbytes <= 0 else t + src.nic_backlog_s
+
+    def nic_s(self, src: WorkerView, dst: WorkerView, nbytes: float) -> float:
+        """The NIC time of `nbytes` from src to dst (`CostBreakdown.t_nic`): link_s when it
+        crosses nodes, else 0 (what it adds to the source node's NIC backlog)."""
+        if src.node == dst.node or nbytes <= 0:
+            return 0.0
+        return self.link(dst, nbytes, False)
 
     def dup(self, non_owner: bool, held: int) -> int:
         """dup(w, h) = [w ≠ owner] · max(0, owner_blocks − h) · bs · K: KV of the owned prefix
@@ -874,8 +896,8 @@ class RequestCosts:
             # the prefill `_breakdown` priced: the fetch's when it was the lesser
             r = self.reused(reused_blocks) if reused_blocks else 0
             fetched = self.chunk_fetch(pw, r)
-            if fetched is not None and fetched[0] < self._recompute(pw, r):
-                fetches = fetched[1]
+            if fetched is not None and fetched.prefill_s < self._recompute(pw, r):
+                fetches = fetched.fetches
         return Candidate(
             action,
             pw.worker_id,
@@ -936,7 +958,7 @@ class RequestCosts:
         if action is _FETCH:
             moved = self.request.owner_blocks - held
         elif action is _MIG and source is not None:
-            moved = tier_blocks(source)[0] - held
+            moved = gpu_blocks(source) - held
         if moved < 0:
             moved = 0
         if moved:  # P reuses what it holds and what moves in
@@ -956,11 +978,14 @@ class RequestCosts:
         # T_network and M_HBM by action; the NIC time is informational
         nic = 0.0
         if action is _REMOTE:
-            tn, nic = self.transfer(p, d, self.kv_to_decode(gpu_d))
+            nbytes = self.kv_to_decode(gpu_d)
+            tn = self.transfer_s(p, d, nbytes)
+            nic = self.nic_s(p, d, nbytes)
             tn += cfg.pd_handshake_s + d.handover_s
             m = float(self.prompt_copy(r) + dup_d)
         elif source is not None:
-            tn, nic = self.transfer(source, p, moved * self.bk)
+            tn = self.transfer_s(source, p, moved * self.bk)
+            nic = self.nic_s(source, p, moved * self.bk)
             if moved:
                 tn += p.handover_s
             m = float(moved * self.bk if action is _MIG else dup_p)
@@ -1071,7 +1096,7 @@ def migration_source(request: RequestView, cluster: ClusterView) -> WorkerView |
     if request.session_owner is None:
         return None
     w = cluster.by_id(request.session_owner)
-    if w is None or not w.healthy or not w.kv_api or tier_blocks(w)[0] <= 0:
+    if w is None or not w.healthy or not w.kv_api or gpu_blocks(w) <= 0:
         return None
     return w
 
@@ -1097,7 +1122,7 @@ def enumerate_routes(
         held = held_blocks(w)
         if src_f is not None and w.worker_id != src_f.worker_id and request.owner_blocks > held:
             routes.append(Route(_FETCH, w, w, src_f))
-        if src_m is not None and w.worker_id != src_m.worker_id and tier_blocks(src_m)[0] > held:
+        if src_m is not None and w.worker_id != src_m.worker_id and gpu_blocks(src_m) > held:
             routes.append(Route(_MIG, w, w, src_m))
     for p in live:
         if not can_prefill(p):

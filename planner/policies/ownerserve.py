@@ -26,8 +26,8 @@ from planner.cost import (
     ScanTerms,
     colocated_kind,
     fetch_source,
+    gpu_blocks,
     migration_source,
-    tier_blocks,
 )
 from planner.policies.base import TopTwo, plan_of
 from planner.types import (
@@ -218,7 +218,7 @@ class OwnerServePolicy:
 
         src_f = pick.src_f = fetch_source(request, cluster)
         src_m = pick.src_m = migration_source(request, cluster)
-        g_m = pick.g_m = tier_blocks(src_m)[0] if src_m is not None else 0
+        g_m = pick.g_m = gpu_blocks(src_m) if src_m is not None else 0
         # the most a worker holding nothing can reuse (after a fetch or a migration): its least
         # prefill, for the lower bound of its candidates
         r_fetch, r_mig = k.reused(ob), k.reused(g_m)
@@ -476,7 +476,7 @@ def _fetch(
     """C of an artifact fetch from the owner `src` to w (a read-only replica; `c`: the
     constants of w's profile): the missing owner_blocks − held blocks move, w reuses
     owner_blocks (its prefill `pf`) and pays λ·dup(w, held) for the replica."""
-    tn = k.transfer(src, w, (k.ob - held) * k.bk, c)[0] + w.handover_s
+    tn = k.transfer_s(src, w, (k.ob - held) * k.bk, c) + w.handover_s
     return base + pf + tn + k.lam * dup + k.mu * (stalled * pf)
 
 
@@ -495,7 +495,7 @@ def _migration(
     the constants of w's profile): the missing blocks move and stay duplicated (M_HBM), w
     reuses g_src blocks (its prefill `pf`), and the move pays its hysteresis."""
     moved = (g_src - held) * k.bk
-    tn = k.transfer(src, w, moved, c)[0] + w.handover_s
+    tn = k.transfer_s(src, w, moved, c) + w.handover_s
     c0 = base + pf + tn + k.lam * moved + k.mu * (stalled * pf)
     return c0 + k.hysteresis(c0)
 

@@ -102,7 +102,7 @@ def test_the_fetch_is_priced_as_the_readme_writes_it() -> None:
     k = RequestCosts(H100, REQ, ClusterView(workers=(a, b)))
     fetched = k.chunk_fetch(a, 0)
     assert fetched is not None
-    seconds, picks = fetched
+    seconds, picks = fetched.prefill_s, fetched.fetches
     assert picks == tuple((i, "b") for i in HALF_B)
     link, pf = PROFILE.link, PROFILE.prefill
     nbytes = 4 * 512 * REQ.kv_bytes_per_token
@@ -152,7 +152,7 @@ def test_a_chunk_inside_the_reused_prefix_is_not_fetched() -> None:
     k = RequestCosts(H100, REQ, ClusterView(workers=(a, b)))
     r = 100 + 6 * 512  # a's prefix covers chunks 0-5
     fetched = k.chunk_fetch(a, r)
-    assert fetched is not None and fetched[1] == ((6, "b"), (7, "b"))
+    assert fetched is not None and fetched.fetches == ((6, "b"), (7, "b"))
 
 
 def test_the_search_matches_the_reference_when_chunks_can_be_fetched() -> None:

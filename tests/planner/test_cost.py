@@ -53,10 +53,12 @@ def test_per_worker_terms_scale_with_calibration() -> None:
     assert k.worker(replace(busy, role=Role.PREFILL)).stalled == 0  # a P worker stalls no decode
     other = worker("x", Role.DECODE, "node1")
     # 3 · (1e-3 + 6e5 / 1e10) into w across nodes
-    assert k.transfer(other, w, 6e5) == pytest.approx((0.00318, 0.00318))
+    assert k.transfer_s(other, w, 6e5) == pytest.approx(0.00318)
+    assert k.nic_s(other, w, 6e5) == pytest.approx(0.00318)  # it crosses other's NIC
     # into `other` (link scale 1) on the same node would be 1e-3 + 6e5/1e11, no NIC crossed
-    assert k.transfer(w, replace(other, node="node0"), 6e5) == pytest.approx((0.001006, 0.0))
-    assert k.transfer(other, w, 0) == (0.0, 0.0)
+    near = replace(other, node="node0")
+    assert k.transfer_s(w, near, 6e5) == pytest.approx(0.001006) and k.nic_s(w, near, 6e5) == 0.0
+    assert k.transfer_s(other, w, 0) == 0.0 and k.nic_s(other, w, 0) == 0.0
     # 3 blocks from CPU, 3 more from SSD: 3e5 / 1e9 + 3e5 / 1e8
     assert k.restore(w, 0, 3, 6) == pytest.approx(0.0033)
     assert k.restore(w, 6, 3, 6) == 0.0  # the GPU copy is the longest
@@ -68,12 +70,12 @@ def test_a_transfer_between_nodes_waits_for_the_source_nodes_nic_backlog() -> No
     dst = worker("d", Role.DECODE, "node0", nic_backlog_s=7.0)
     k = RequestCosts(M, request(1000))
     # the source's backlog, then 1e-3 + 6e5 / 1e10; the destination's own backlog is not paid
-    assert k.transfer(src, dst, 6e5)[0] == pytest.approx(0.25106)
+    assert k.transfer_s(src, dst, 6e5) == pytest.approx(0.25106)
     # the other way round waits for d's NIC
-    assert k.transfer(dst, src, 6e5)[0] == pytest.approx(7.00106)
+    assert k.transfer_s(dst, src, 6e5) == pytest.approx(7.00106)
     # within a node no NIC is crossed; nothing moved waits for nothing
-    assert k.transfer(src, replace(dst, node="node1"), 6e5)[0] == pytest.approx(0.001006)
-    assert k.transfer(src, dst, 0)[0] == 0.0
+    assert k.transfer_s(src, replace(dst, node="node1"), 6e5) == pytest.approx(0.001006)
+    assert k.transfer_s(src, dst, 0) == 0.0
 
 
 def test_colocated_on_the_busy_owner_term_by_term() -> None:
