@@ -173,8 +173,8 @@ class RequestLease:
         prefill_id, decode_id = chosen.prefill_worker, chosen.decode_worker
         prefill = pool.get(prefill_id)
         decode = pool.get(decode_id)
-        ids = {prefill_id, decode_id}
-        workers = [w for w in (pool.get(i) for i in ids if i) if w is not None]
+        # in flight once on each worker the plan involves (P and D may be one worker)
+        workers = [w for w in (prefill, decode if decode is not prefill else None) if w is not None]
         tokens = self._tokens
         for w in workers:
             w.inflight += 1
