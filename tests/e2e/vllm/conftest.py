@@ -58,6 +58,13 @@ HEADS = range(CONFIG["num_key_value_heads"])  # TP=1: one server holds every KV 
 # How far the logprobs of an answer whose prompt KV was loaded (or run remote) may be from those
 # of the same answer computed whole.
 LOGPROB_TOL = 1e-3
+# The same for an answer whose prompt is partly loaded and partly computed where it runs (a
+# resume's or migration's new turn, a fetch up to a corrupted block): the computed part runs
+# other kernel shapes than a whole prefill, and on some CPUs that moves a bf16 logit by an ulp
+# or two (CI saw 0.04-0.06 with every token equal; a logit's ulp in [4, 8) is 0.031). Such an
+# answer's tokens must be equal, its logprobs within this, and the KV that moved byte-equal
+# (`same_artifacts`).
+SPLIT_LOGPROB_TOL = 0.25
 # Small enough that a few long prompts force evictions (BlockRemoved events); 2048-token
 # requests need 64 blocks of 32.
 HYBRID_KV_BLOCKS = 160
@@ -426,6 +433,20 @@ async def until_saved(http: httpx.AsyncClient, sidecar: Sidecar, keys: list[str]
         return all(await present(http, sidecar, keys))
 
     await until(saved)
+
+
+async def same_artifacts(
+    http: httpx.AsyncClient, copy: Sidecar, original: Sidecar, keys: list[str]
+) -> None:
+    """Every one of `keys` that `copy` holds is byte for byte `original`'s (a fetch moved KV
+    without changing it)."""
+    for key, held in zip(keys, await present(http, copy, keys), strict=True):
+        if not held:
+            continue
+        got = await http.get(f"{copy.url}/ownerserve/kv/artifacts/{key}")
+        want = await http.get(f"{original.url}/ownerserve/kv/artifacts/{key}")
+        assert got.status_code == want.status_code == 200, (key, got.status_code, want.status_code)
+        assert got.content == want.content, key
 
 
 def start_sidecar(worker_id: str, work_dir: Path) -> Sidecar:

@@ -13,7 +13,8 @@ loads through the OwnerServe connector from its sidecar:
   a local compute.
 
 Every answer is compared with the same prompt computed whole on one worker (a vLLM cache salt
-misses both its prefix cache and, through the chain root, every artifact). Which worker a turn
+misses both its prefix cache and, through the chain root, every artifact), and every fetched
+artifact with the one it was fetched from, byte for byte. Which worker a turn
 lands on is steered only through the router's admin API (drain / undrain) and through load:
 the planner is the real one.
 """
@@ -37,10 +38,11 @@ from tests.e2e.vllm.conftest import (
     BLOCK,
     HEADS,
     HYBRID_KV_BLOCKS,
-    LOGPROB_TOL,
+    SPLIT_LOGPROB_TOL,
     Sidecar,
     completion_body,
     present,
+    same_artifacts,
     tokens_by_source,
     until,
     until_saved,
@@ -215,9 +217,11 @@ async def computed_whole(
 def assert_same_answer(
     got: tuple[list[str], list[float]], reference: tuple[list[str], list[float]]
 ) -> None:
+    """`got` (a turn whose prompt KV was partly loaded) is `reference` (computed whole): the
+    same 8 tokens, logprobs within `SPLIT_LOGPROB_TOL`."""
     assert len(got[0]) == 8
     assert got[0] == reference[0]
-    assert max(abs(x - y) for x, y in zip(got[1], reference[1], strict=True)) <= LOGPROB_TOL
+    assert max(abs(x - y) for x, y in zip(got[1], reference[1], strict=True)) <= SPLIT_LOGPROB_TOL
 
 
 @contextlib.asynccontextmanager
@@ -304,6 +308,7 @@ async def test_a_prefix_owned_by_busy_a_is_fetched_onto_b_and_only_its_tail_is_c
         assert plan["fetched"] == "1" and "fallback" not in plan, plan
         assert plan["fetched_blocks"] == f"{prompt.loadable}/{prompt.loadable}", plan
         assert all(await present(http, b.sidecar, prompt.keys))
+        await same_artifacts(http, b.sidecar, a.sidecar, prompt.keys)
         fetched = prompt.loadable * BLOCK
         assert used["external_kv_transfer"] == fetched
         assert used["local_cache_hit"] == 0
@@ -342,6 +347,8 @@ async def test_a_session_resident_on_draining_a_migrates_to_b_which_computes_onl
         assert plan["fetched"] == "1" and "fallback" not in plan, plan
         got, planned = (int(x) for x in plan["fetched_blocks"].split("/"))
         assert got == planned >= resident.loadable
+        assert all(await present(http, b.sidecar, resident.keys))
+        await same_artifacts(http, b.sidecar, a.sidecar, resident.keys)
         # the first turn's prompt blocks moved; B computed the new turn (and the partial
         # block before it)
         assert used["external_kv_transfer"] >= resident.loadable * BLOCK
@@ -456,6 +463,9 @@ async def test_a_fetch_of_a_corrupted_artifact_brings_the_good_prefix_and_says_s
         assert "fallback" not in plan and "ran" not in plan, plan
         # the whole blocks before the dropped one reached B's sidecar and were loaded
         assert used["external_kv_transfer"] <= bad_block * BLOCK
+        good = prompt.keys[: bad_block * len(HEADS)]
+        assert all(await present(http, b.sidecar, good))
+        await same_artifacts(http, b.sidecar, a.sidecar, good)
         assert used["local_compute"] == len(prompt.token_ids) - used["external_kv_transfer"]
         print(f"\ncorrupted fetch: {len(prompt.token_ids)} prompt tokens, {used}, {plan}")
         assert_same_answer(
