@@ -145,7 +145,11 @@ class PlannerSettings(_Strict):
     migration_margin_rel: float = Field(
         default=0.1, ge=0, description="hysteresis of a state migration: share of its cost"
     )
-    allow_policy_header: bool = True
+    allow_policy_header: bool = Field(
+        default=False,
+        description="let a request pick its routing policy with `x-ownerserve-policy` (for "
+        "experiments: a client would choose how the cluster serves it)",
+    )
 
 
 class AdmissionSettings(_Strict):

@@ -185,13 +185,18 @@ _HOP_HEADERS = frozenset(
         "expect",
     }
 )
+_CONTROL_HEADERS = frozenset({"x-request-id", "x-data-parallel-rank"})
+"""Client headers that steer an engine, never forwarded: vLLM takes its request id from
+`X-Request-Id` (the id a P/D hand-over names the prefill's request by) and the serving data
+parallel rank from `X-data-parallel-rank`; only the router may choose either."""
 
 
 def forward_headers(
     client_headers: list[tuple[bytes, bytes]], strip_auth: bool, extra: Mapping[str, str]
 ) -> bytes:
-    """Header lines for the worker: the client's (all but hop-by-hop ones; the router's own
-    API key is not forwarded when the router checks keys) plus `extra` (trace context)."""
+    """Header lines for the worker: the client's (all but hop-by-hop ones and the engine's
+    control headers, `_CONTROL_HEADERS`; the router's own API key is not forwarded when the
+    router checks keys) plus `extra` (trace context)."""
     skip = _HOP_BYTES_AUTH if strip_auth else _HOP_BYTES
     lines = [b"%s: %s\r\n" % (k, v) for k, v in client_headers if k.lower() not in skip]
     lines.append(b"content-type: application/json\r\n")
@@ -200,7 +205,7 @@ def forward_headers(
     return b"".join(lines)
 
 
-_HOP_BYTES = frozenset(h.encode() for h in _HOP_HEADERS) | {b"content-type"}
+_HOP_BYTES = frozenset(h.encode() for h in _HOP_HEADERS | _CONTROL_HEADERS) | {b"content-type"}
 _HOP_BYTES_AUTH = _HOP_BYTES | {b"authorization"}
 
 

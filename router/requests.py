@@ -20,11 +20,16 @@ from ownerserve.records import fast_init
 
 DEFAULT_MAX_TOKENS = 256
 
-CONTROL_FIELDS = frozenset({"kv_transfer_params", "data_parallel_rank", "decode_tp_size"})
-"""Body fields that say where an engine sends or takes KV, or which engine rank serves: vLLM's
-P/D `kv_transfer_params` (a decode side pulls from its `remote_host`/`remote_port`; its
-`ownerserve` key carries the router's chunk layout and chunk-save orders), SGLang's
-`data_parallel_rank` and `decode_tp_size`. A client's are removed (`parse_request`)."""
+CONTROL_FIELDS = frozenset(
+    {"kv_transfer_params", "data_parallel_rank", "decode_tp_size", "request_id", "rid"}
+)
+"""Body fields that say where an engine sends or takes KV, which engine rank serves, or under
+which id the engine runs the request: vLLM's P/D `kv_transfer_params` (a decode side pulls from
+its `remote_host`/`remote_port`; its `ownerserve` key carries the router's chunk layout and
+chunk-save orders), SGLang's `data_parallel_rank` and `decode_tp_size`, and the engine request
+ids (vLLM's `request_id`, SGLang's `rid`: a P/D hand-over names the prefill's request by its id,
+so a client's id chosen to match another request's could reach that request's KV). A client's
+are removed (`parse_request`)."""
 CONTROL_PREFIXES = ("bootstrap_", "disagg_")
 """Prefixes of the same: SGLang's P/D rendezvous (`bootstrap_host`, `bootstrap_port`,
 `bootstrap_room`, `bootstrap_pair_key`: a decode side pulls from the host and port named)

@@ -66,6 +66,7 @@ def settings_for(
     return settings_from_dict(
         {
             "server": {"port": 0, "health_interval_s": 0.5},
+            "planner": {"allow_policy_header": True},  # the tests pick colocated or P/D plans
             "models": [{"name": MODEL}],
             "workers": entries,
         }

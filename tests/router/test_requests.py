@@ -80,6 +80,8 @@ def test_a_clients_control_plane_fields_are_removed_and_the_rest_kept():
         "disagg_prefill_dp_rank": 0,
         "data_parallel_rank": 3,
         "decode_tp_size": 8,
+        "request_id": "someone-elses-request",
+        "rid": "someone-elses-request",
         "temperature": 0.5,
     }
     req = parse_request(orjson.dumps(body), Endpoint.CHAT)
