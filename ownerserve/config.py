@@ -41,6 +41,15 @@ class ServerSettings(_Strict):
     api_keys: tuple[str, ...] = ()
     admin_token: str | None = None
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    read_timeout_s: float = Field(default=60.0, gt=0)
+    """Reading one whole request, its headers and body, from its first byte (and a new
+    connection's first request from the connect): then a 408 and the connection closes. A
+    client that trickles bytes holds a connection no longer than this."""
+    max_connections: int = Field(default=4096, gt=0)
+    """Client connections open at once; one more is answered 503 and closed."""
+    max_connections_per_client: int = Field(default=512, gt=0)
+    """Client connections open at once from one IP address; one more is answered 429 and
+    closed."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Bounds a whole request, stream included (then a 504, or an SSE error event)."""
     connect_timeout_s: float = Field(default=3.0, gt=0)

@@ -25,8 +25,13 @@ from pydantic import ValidationError
 
 from ownerserve.config import Settings, WorkerSettings
 from ownerserve.directory.base import Directory
-from ownerserve.errors import AuthenticationError, InvalidRequestError, NotFoundError
-from ownerserve.http import service_app
+from ownerserve.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    MethodNotAllowedError,
+    NotFoundError,
+)
+from ownerserve.http import send_error, service_app
 from planner.calibration import Calibrator
 from planner.policies import Planner
 from router import membership
@@ -49,8 +54,12 @@ class CompletionsASGI:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             endpoint = _HOT_PATHS.get(scope["path"])
-            if endpoint is not None and scope["method"] == "POST":
-                await handle_completion(self.router, scope, receive, send, endpoint)
+            if endpoint is not None:
+                if scope["method"] == "POST":
+                    await handle_completion(self.router, scope, receive, send, endpoint)
+                else:
+                    message = f"method {scope['method']} not allowed on {scope['path']}"
+                    await send_error(send, MethodNotAllowedError(message))
                 return
             door = self.doors.handler(scope["method"], scope["path"]) if self.doors else None
             if door is not None:

@@ -12,6 +12,12 @@ within `linger_bytes` and `linger_s`, so that the client can read the 413 before
 connection closes), `Expect: 100-continue`, flow control
 on slow readers, idle keep-alive connections closed after `keep_alive_s`, a client that goes
 away cancels its request (which cancels upstream work), graceful shutdown, ASGI lifespan.
+
+What it refuses, each in the route's error shape: a request not read whole within
+`read_timeout_s` (408), a protocol upgrade (`Upgrade: h2c`, `websocket`: 400), an HTTP/1.0
+POST without a length (411: its body would have no end), bytes that do not parse after a
+complete request (400, once the requests before them are answered), a connection past
+`max_connections` (503) or past `max_connections_per_client` from one address (429).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from urllib.parse import unquote
 
 import httptools
 
+from ownerserve.config import ServerSettings
 from ownerserve.errors import (
     HTTPStatusError,
     InvalidRequestError,
@@ -63,6 +70,8 @@ _REASONS = {
     403: b"Forbidden",
     404: b"Not Found",
     405: b"Method Not Allowed",
+    408: b"Request Timeout",
+    411: b"Length Required",
     413: b"Payload Too Large",
     422: b"Unprocessable Entity",
     429: b"Too Many Requests",
@@ -204,15 +213,35 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_bytes = 0
         self._refused = False
+        self._deferred: tuple[int, str, bool] | None = None
+        """A refusal that waits for the responses before it (`_refuse`)."""
         self._linger_left = 0
         self._linger_timer: asyncio.TimerHandle | None = None
+        self.reading_since: float | None = self.last_active
+        """When the request being read began (a new connection's first: the connect), None
+        between requests: `check_read_deadline`."""
+        self._begun = False
+        self.peer: str | None = None
+        """The client's address, while it counts against `max_connections_per_client`."""
 
     # --- transport callbacks -----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         set_no_delay(transport)
-        self.server.connections.add(self)
+        server = self.server
+        peername = transport.get_extra_info("peername")
+        peer = str(peername[0]) if peername else ""
+        if len(server.connections) >= server.max_connections:
+            self._refuse(503, f"more than {server.max_connections} connections open")
+            return
+        if server.per_client.get(peer, 0) >= server.max_connections_per_client:
+            limit = server.max_connections_per_client
+            self._refuse(429, f"more than {limit} connections open from one address")
+            return
+        self.peer = peer
+        server.per_client[peer] = server.per_client.get(peer, 0) + 1
+        server.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
         self.last_active = time.monotonic()
@@ -231,6 +260,13 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
+        if self.peer is not None:
+            left = self.server.per_client[self.peer] - 1
+            if left:
+                self.server.per_client[self.peer] = left
+            else:
+                del self.server.per_client[self.peer]
+            self.peer = None
         if self._linger_timer is not None:
             self._linger_timer.cancel()
         if self._drain is not None and not self._drain.done():
@@ -256,6 +292,8 @@ class _Connection(asyncio.Protocol):
     # --- parser callbacks --------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self.reading_since = self.last_active  # set by `data_received`, which calls this
+        self._begun = True
         self._url = b""
         self._headers = []
         self._header_bytes = 0
@@ -286,8 +324,15 @@ class _Connection(asyncio.Protocol):
         if self._refused:
             return
         limit = self.server.max_body_bytes
+        framed = False
         for name, value in self._headers:
-            if name == b"content-length":
+            if name == b"upgrade":
+                self._refuse(400, "protocol upgrades are not supported")
+                return
+            if name == b"transfer-encoding":
+                framed = True
+            elif name == b"content-length":
+                framed = True
                 with contextlib.suppress(ValueError):
                     declared = int(value)
                     if declared > limit:
@@ -295,6 +340,14 @@ class _Connection(asyncio.Protocol):
                         return
             elif name == b"expect" and value.lower() == b"100-continue":
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if (
+            not framed
+            and self.parser.get_http_version() == "1.0"
+            and self.parser.get_method() in (b"POST", b"PUT", b"PATCH")
+        ):
+            # HTTP/1.1 says such a request has no body; an HTTP/1.0 client sends one anyway
+            # and ends it by closing, which leaves no way to answer (RFC 1945 asks for a length)
+            self._refuse(411, "a request body needs a Content-Length header")
 
     def on_body(self, body: bytes) -> None:
         if self._refused:
@@ -306,8 +359,11 @@ class _Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self.reading_since = None
+        self._begun = False
         if self._refused:  # the client sent the refused request whole: closing resets nothing
-            self.transport.close()
+            if self._deferred is None:
+                self.transport.close()
             return
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         req = _Request(
@@ -327,15 +383,19 @@ class _Connection(asyncio.Protocol):
 
     # --- requests ----------------------------------------------------------------------------
 
-    def _refuse(self, status: int, message: str) -> None:
-        """Answer an unreadable request with an OpenAI error, then close the connection."""
-        if self._refused:
+    def _refuse(self, status: int, message: str, linger: bool = True) -> None:
+        """Answer an unreadable request with an OpenAI error, then close the connection
+        (lingering first, `_linger`, unless `linger` is false). Reading stops here; with
+        responses still due (one in flight, pipelined requests before this one), they go
+        first and this after them (`_done`)."""
+        if self._refused or self.closed:
             return
         self._refused = True
-        self.keep_alive = False
-        if self.task is not None or self.closed:  # a response in flight: no room for ours
-            self.transport.close()
+        if self.task is not None:
+            self._deferred = (status, message, linger)
+            self.transport.pause_reading()
             return
+        self.keep_alive = False
         exc: OwnerServeError
         if status == 413:
             exc = PayloadTooLargeError(message)
@@ -351,7 +411,10 @@ class _Connection(asyncio.Protocol):
             b"content-length: %d\r\n\r\n" % len(body)
         )
         self.transport.write(head + body)
-        self._linger()
+        if linger:
+            self._linger()
+        else:
+            self.transport.close()
 
     def _linger(self) -> None:
         """Close after the answer the way servers do: closing with unread request bytes
@@ -395,9 +458,28 @@ class _Connection(asyncio.Protocol):
             return
         self.last_active = time.monotonic()
         if self.pending:
-            if len(self.pending) <= 8:
+            if len(self.pending) <= 8 and not self._refused:
                 self.transport.resume_reading()
             self._dispatch(self.pending.popleft())
+        elif self._deferred is not None:
+            status, message, linger = self._deferred
+            self._deferred = None
+            self._refused = False
+            self.transport.resume_reading()  # what the client still sends is dropped
+            self._refuse(status, message, linger)
+
+    def check_read_deadline(self, began_before: float) -> None:
+        """Refuse the request being read if it began before `began_before` (408; a new
+        connection that sent nothing is closed without a word)."""
+        since = self.reading_since
+        if since is None or since >= began_before or self.closed:
+            return
+        if not self._begun and self.task is None:
+            self.transport.close()
+            return
+        self.reading_since = None
+        timeout = self.server.read_timeout_s
+        self._refuse(408, f"the request was not read whole within {timeout:g} s", linger=False)
 
     def close_if_idle(self, idle_before: float) -> None:
         if self.task is None and not self.pending and self.last_active < idle_before:
@@ -510,6 +592,9 @@ class RouterServer:
         backlog: int = 4096,
         linger_bytes: int = DRAIN_BYTES,
         linger_s: float = DRAIN_S,
+        read_timeout_s: float | None = None,
+        max_connections: int | None = None,
+        max_connections_per_client: int | None = None,
     ) -> None:
         self.app = app
         self.router: Router | None = getattr(getattr(app, "state", None), "router", None)
@@ -520,6 +605,14 @@ class RouterServer:
                 self.router.settings.server.max_body_bytes if self.router else 32 * 1024 * 1024
             )
         self.max_body_bytes = max_body_bytes
+        limits = self.router.settings.server if self.router else ServerSettings()
+        self.read_timeout_s = limits.read_timeout_s if read_timeout_s is None else read_timeout_s
+        self.max_connections = max_connections or limits.max_connections
+        self.max_connections_per_client = (
+            max_connections_per_client or limits.max_connections_per_client
+        )
+        self.per_client: dict[str, int] = {}
+        """Open connections by client address (those counted in `connections`)."""
         self.keep_alive_s = keep_alive_s
         self.backlog = backlog
         self.linger_bytes = linger_bytes
@@ -551,11 +644,17 @@ class RouterServer:
         self._sweeper = asyncio.create_task(self._sweep(), name="router-keepalive-sweep")
 
     async def _sweep(self) -> None:
+        """Every few seconds (a quarter of the shortest bound, at most 5 s): idle keep-alive
+        connections closed, requests read too slowly refused."""
+        period = min(5.0, self.keep_alive_s, self.read_timeout_s / 4)
         while True:
-            await asyncio.sleep(min(5.0, self.keep_alive_s))
-            idle_before = time.monotonic() - self.keep_alive_s
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            idle_before = now - self.keep_alive_s
+            began_before = now - self.read_timeout_s
             for conn in list(self.connections):
                 conn.close_if_idle(idle_before)
+                conn.check_read_deadline(began_before)
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
         """Stop listening, let requests in flight finish (up to `grace_s`), close the rest,

@@ -24,6 +24,7 @@ from router.httpserver import RouterServer
 from router.server import running_app
 from tests.big_body import body_of_64_mib, urllib_post
 from tests.router.fake_worker import FakeWorker
+from tests.waiting import until
 
 MODEL = "tiny"
 
@@ -259,6 +260,111 @@ async def test_a_malformed_request_gets_400_and_the_connection_closes():
         writer.close()
 
 
+@pytest.mark.parametrize(
+    "upgrade",
+    [
+        b"upgrade: h2c\r\nconnection: Upgrade, HTTP2-Settings\r\nhttp2-settings: AAMAAABkAAQ\r\n",
+        b"upgrade: websocket\r\nconnection: Upgrade\r\nsec-websocket-version: 13\r\n",
+    ],
+    ids=["h2c", "websocket"],
+)
+async def test_a_protocol_upgrade_gets_400_not_an_empty_reply(upgrade: bytes):
+    async with served() as (host, port, _):
+        for request in (
+            _post(_chat(), upgrade),
+            b"GET /health HTTP/1.1\r\nhost: t\r\n" + upgrade + b"\r\n",
+        ):
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(request)
+            status, headers, body = await _response(reader)
+            assert status == 400 and headers["connection"] == "close"
+            assert "upgrade" in orjson.loads(body)["error"]["message"]
+            writer.close()
+
+
+async def test_bytes_that_do_not_parse_after_a_request_get_400_after_its_answer():
+    async with served() as (host, port, _):
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(_post(_chat()) + _post(_chat()) + b"\x00\x01 garbage \r\n\r\n")
+        first, second, third = [await _response(reader) for _ in range(3)]
+        assert first[0] == second[0] == 200
+        assert orjson.loads(second[2])["object"] == "chat.completion"
+        assert third[0] == 400 and third[1]["connection"] == "close"
+        assert "malformed" in orjson.loads(third[2])["error"]["message"]
+        writer.close()
+
+
+async def test_an_http10_post_without_a_length_gets_411():
+    async with served() as (host, port, _):
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.0\r\nhost: t\r\n\r\n" + _chat())
+        writer.write_eof()  # an HTTP/1.0 body ends where the connection does
+        status, _, body = await _response(reader)
+        assert status == 411
+        assert "Content-Length" in orjson.loads(body)["error"]["message"]
+        writer.close()
+
+
+async def test_a_request_read_too_slowly_gets_408_and_a_silent_connection_is_closed():
+    async with served(read_timeout_s=0.5) as (host, port, _):
+        reader, writer = await asyncio.open_connection(host, port)
+        request = _post(_chat())
+
+        async def trickle() -> None:  # a byte every 0.1 s: ~20 s for the whole request
+            with contextlib.suppress(OSError):
+                for i in range(len(request)):
+                    writer.write(request[i : i + 1])
+                    await asyncio.sleep(0.1)
+
+        client = asyncio.create_task(trickle())
+        try:
+            status, headers, body = await _response(reader)
+            assert not client.done()  # refused while the request was still coming
+        finally:
+            client.cancel()
+        assert status == 408 and headers["connection"] == "close"
+        assert orjson.loads(body)["error"]["message"].startswith("the request was not read")
+        writer.close()
+        # a connection that never sends a byte is closed, without an answer
+        reader, writer = await asyncio.open_connection(host, port)
+        async with asyncio.timeout(30):
+            assert await reader.read() == b""
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    "limits, status",
+    [({"max_connections_per_client": 2}, 429), ({"max_connections": 2}, 503)],
+    ids=["per-client", "total"],
+)
+async def test_connections_past_a_limit_are_refused_and_room_comes_back(
+    limits: dict[str, int], status: int
+):
+    async with served(**limits) as (host, port, _):
+        held = [await asyncio.open_connection(host, port) for _ in range(2)]
+        for reader, writer in held:  # both are served
+            writer.write(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
+            assert (await _response(reader))[0] == 200
+        reader, writer = await asyncio.open_connection(host, port)
+        got, headers, body = await _response(reader)
+        assert got == status and headers["connection"] == "close"
+        assert "connections open" in orjson.loads(body)["error"]["message"]
+        writer.close()
+        held[0][1].close()
+        await held[0][1].wait_closed()
+
+        async def served_again() -> bool:
+            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                writer.write(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
+                return (await _response(reader))[0] == 200
+            finally:
+                writer.close()
+
+        await until(served_again, what="a connection served once one closed")
+        held[1][1].close()
+
+
 async def test_asgi_bridge_serves_the_other_routes_with_openai_errors():
     async with (
         served() as (host, port, _),
@@ -268,8 +374,10 @@ async def test_asgi_bridge_serves_the_other_routes_with_openai_errors():
         missing = await c.get("/nope")
         assert missing.status_code == 404
         assert missing.json()["error"]["code"] == "not_found"
-        wrong = await c.get("/v1/chat/completions")
-        assert wrong.status_code == 404 and "error" in wrong.json()  # POST only
+        for path in ("/v1/chat/completions", "/v1/completions"):  # POST only
+            wrong = await c.get(path)
+            assert wrong.status_code == 405, path
+            assert wrong.json()["error"]["code"] == "method_not_allowed"
 
 
 async def test_the_completion_core_also_serves_under_any_asgi_server():
