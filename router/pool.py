@@ -89,8 +89,11 @@ class WorkerState:
     pd_group: str | None = None
     """The P/D hand-over it takes part in (its backend kind's, when `kv_paths` has it)."""
     kv_api_ok: bool = True
-    """Its KV API answered the last probe (a sidecar's `/health`) and no fetch has failed to
-    reach it since."""
+    """Its KV API answered one of its last `dead_after_failures` probes (a sidecar's
+    `/health`) and no fetch has failed to reach it since."""
+    kv_api_failures: int = 0
+    """Probes of its KV API failed in a row (one alone, a dropped packet or a pause, does not
+    take the worker out of KV moves: as many as `health_failures` that make it dead do)."""
     view_cache: tuple[Any, Any] | None = None
     """The router's last planner view of this worker, with the inputs it was built from."""
 
@@ -273,7 +276,12 @@ class WorkerPool:
         if url is None:
             state.kv_api_ok = True
             return
-        ok = await self._get(url, "/health") is not None
+        if await self._get(url, "/health") is not None:
+            state.kv_api_failures = 0
+            ok = True
+        else:
+            state.kv_api_failures += 1
+            ok = state.kv_api_ok and state.kv_api_failures < self.dead_after_failures
         if ok != state.kv_api_ok:
             log.log(
                 logging.INFO if ok else logging.WARNING,

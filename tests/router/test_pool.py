@@ -81,6 +81,8 @@ async def test_a_sidecar_that_stops_answering_takes_its_worker_out_of_kv_moves()
         assert not v1.kv_api  # no sidecar: nothing to load a fetched prefix with
         await sidecar.stop()
         await pool.check_all()
+        assert v0.kv_api  # one failed probe is not enough (`dead_after_failures`: 2)
+        await pool.check_all()
         assert v0.healthy and not v0.kv_api  # the engine serves on; KV moves skip it
         sidecar.port = 0
         await sidecar.start()
