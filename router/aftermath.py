@@ -53,7 +53,7 @@ async def after_first_bytes(svc: CommitServices, plan: Plan, prompt: Prompt, mat
     if svc.inline:
         await commit(svc, plan, prompt, match)
     else:
-        svc.spawn(commit(svc, plan, prompt, match))
+        svc.pending.add(prompt.session.session_id, svc.spawn(commit(svc, plan, prompt, match)))
     if prompt.chunks is not None:
         if svc.inline:
             await record_chunks(svc, plan, prompt)

@@ -165,3 +165,45 @@ async def _renew(
         return await directory.renew(artifact_id, worker, epoch, lease_s)
     except StaleEpochError:
         return None
+
+
+COMMIT_WAIT_S = 2.0
+"""How long a session's next turn waits for its last answer's directory writes to land
+(`PendingCommits.landed`): far above a healthy Redis round trip, below what a client would
+notice; past it the turn looks up what is there."""
+
+
+class PendingCommits:
+    """Each session's directory writes still in flight: with a directory whose calls wait
+    (Redis) an answer's commit runs beside its stream, and a client that sends its next turn
+    the moment an answer ends could otherwise look up the directory before that commit landed
+    (and route as if the last turn had left nothing). The next turn's lookup waits for them
+    first (`landed`); the in-process directory commits inline and never has any."""
+
+    __slots__ = ("_tasks", "wait_s")
+
+    def __init__(self, wait_s: float = COMMIT_WAIT_S) -> None:
+        self._tasks: dict[str, asyncio.Task[Any]] = {}
+        self.wait_s = wait_s
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def add(self, session_id: str | None, task: asyncio.Task[Any]) -> None:
+        """`task` writes what `session_id`'s latest answer changed (no session: nothing to
+        wait for)."""
+        if session_id is None:
+            return
+        self._tasks[session_id] = task
+        task.add_done_callback(lambda done: self._forget(session_id, done))
+
+    def _forget(self, session_id: str, task: asyncio.Task[Any]) -> None:
+        if self._tasks.get(session_id) is task:
+            del self._tasks[session_id]
+
+    async def landed(self, session_id: str | None) -> None:
+        """Once `session_id`'s writes in flight ended (or `wait_s` passed); never cancels
+        them, also when the caller is cancelled."""
+        task = self._tasks.get(session_id) if session_id is not None else None
+        if task is not None and not task.done():
+            await asyncio.wait((task,), timeout=self.wait_s)

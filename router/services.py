@@ -17,7 +17,7 @@ from planner.calibration import Calibrator
 from planner.policies import Planner
 from planner.workingset import WorkingSets
 from router.admission import Admission
-from router.commit import Lifetimes
+from router.commit import Lifetimes, PendingCommits
 from router.executor import PlanExecutor
 from router.lease import LeaseServices
 from router.links import NicLedger
@@ -86,9 +86,11 @@ class ParseServices:
 
 @dataclass(frozen=True, slots=True)
 class LookUpServices:
-    """`look_up`: the directory, and the counter of its failed lookups."""
+    """`look_up`: the directory, the session's commits still in flight (waited for first),
+    and the counter of failed lookups."""
 
     directory: Directory | None
+    pending: PendingCommits
     errors: Any
 
 
@@ -154,6 +156,7 @@ class CommitServices:
     pool: WorkerPool
     span: Span
     spawn: Spawn
+    pending: PendingCommits
     errors: Any
 
 

@@ -161,6 +161,8 @@ async def look_up(svc: LookUpServices, prompt: Prompt) -> tuple[Match, ChunkHold
     assert directory is not None
     chain = prompt.tok.chain
     sid = prompt.session.session_id
+    if svc.pending:
+        await svc.pending.landed(sid)  # the session's last answer's writes, if still going
     try:
         if prompt.chunks is None:
             return await directory.lookup(chain, sid), NO_HOLDERS

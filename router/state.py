@@ -24,7 +24,7 @@ from planner.workingset import RetentionConfig, WorkingSets
 from router import membership
 from router.admission import Admission
 from router.aftermath import REPLICA_TTL_S
-from router.commit import Lifetimes
+from router.commit import Lifetimes, PendingCommits
 from router.executor import PlanExecutor
 from router.lease import LeaseLedger, LeaseServices
 from router.links import NicLedger
@@ -120,6 +120,8 @@ class Router:
         """A session's unchanged directory records are rewritten at most this often."""
         self.leases = LeaseLedger()
         """The requests' open `RequestLease`s (`open`: how many hold something now)."""
+        self.pending_commits = PendingCommits()
+        """Each session's directory commit still in flight (a directory whose calls wait)."""
         self.services = self.request_services()
         """Each stage's services (rebuilt when the directory opens and when the router
         starts: the directory and the executor come then)."""
@@ -224,7 +226,7 @@ class Router:
             derived_sessions=self.derived_sessions,
             sessions=self.sessions,
             admission=self.admission,
-            look_up=LookUpServices(self.directory, metrics.directory_errors),
+            look_up=LookUpServices(self.directory, self.pending_commits, metrics.directory_errors),
             view=ViewServices(
                 self.planner,
                 p.allow_policy_header,
@@ -253,6 +255,7 @@ class Router:
                 self.pool,
                 tel.start_span,
                 self.spawn,
+                self.pending_commits,
                 metrics.commit_errors,
             ),
             observe=ObserveServices(metrics, self.calibrator),

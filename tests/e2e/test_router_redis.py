@@ -4,7 +4,9 @@ workers' KV events reach the shared directory."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from typing import Any
 
 import pytest
 
@@ -73,3 +75,69 @@ async def test_two_router_replicas_share_ownership_through_redis(redis_server):
                 await until(cached_there, what="the owner's KV events in the directory")
             finally:
                 await observer.close()
+
+
+class HeldWrites:
+    """The real Redis directory with its writes held until `release` (reads go through): the
+    window in which a commit runs beside its answer, made as long as a test needs. Not a
+    mock: every call reaches Redis, the writes only later."""
+
+    WRITES = frozenset({"set_session_owner", "claim", "renew", "add_replica", "transfer"})
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.released = asyncio.Event()
+        self.held = 0
+
+    def release(self) -> None:
+        self.released.set()
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.inner, name)
+        if name not in self.WRITES:
+            return value
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            self.held += 1
+            await self.released.wait()
+            return await value(*args, **kwargs)
+
+        return held
+
+
+async def test_a_sessions_next_turn_on_the_same_replica_waits_for_its_last_commit(redis_server):
+    """A turn's commit is held (`HeldWrites`) after its answer came; the next turn, sent the
+    moment the answer came, is planned from that commit once it lands (a continuation on the
+    owner, planned from the directory's record of it), not from a directory that does not know
+    the session yet."""
+    prefix = f"e2e-{uuid.uuid4().hex[:8]}"
+    directory = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": prefix}
+    held = HeldWrites(open_directory(DirectorySettings.model_validate(directory)))
+    workers = (EmulatedWorker("h0", "hybrid", speed=50), EmulatedWorker("h1", "hybrid", speed=50))
+    with emulated_workers(*workers) as ws:
+        settings = router_settings(ws, directory=directory)
+        async with proxy_client(settings, directory=held) as (client, router):
+            router.pending_commits.wait_s = 60.0  # the release, not the bound, ends the wait
+            body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6}
+            headers = {"x-session-id": "held-writes"}
+            first = await client.post("/v1/chat/completions", json=body, headers=headers)
+            assert first.status_code == 200
+            await until(lambda: held.held > 0, what="the first turn's commit, held")
+            assert len(router.pending_commits) == 1
+            owner = plan_fields(first.headers["x-ownerserve-plan"])["d"]
+            answer = first.json()["choices"][0]["message"]["content"]
+            turn2 = [*MESSAGES, {"role": "assistant", "content": answer}]
+            turn2.append({"role": "tool", "content": "ok"})
+            second = asyncio.create_task(
+                client.post(
+                    "/v1/chat/completions", json={**body, "messages": turn2}, headers=headers
+                )
+            )
+            await until(lambda: router.leases.open > 0, what="the second turn in the router")
+            assert not second.done()  # it waits for the first turn's commit
+            held.release()
+            resp = await second
+            assert resp.status_code == 200
+            plan = plan_fields(resp.headers["x-ownerserve-plan"])
+            assert plan["d"] == owner and plan["action"] == "decode_continuation", plan
+            await settled(router)
