@@ -5,7 +5,8 @@ The demo, the benchmarks and the e2e tests all start their workers here. Each ch
 own process group with its output in a log file; `stop()` ends the whole group. A child still
 running when this process exits (normally, on an exception, or on SIGTERM inside
 `sigterm_as_interrupt()`) is stopped then, so no emulated worker outlives its launcher holding
-its ports (only a SIGKILLed launcher, which runs nothing more, leaves them).
+its ports. An emulated worker also holds a lifeline to its launcher (`ManagedProcess.lifeline`)
+and exits by itself once the launcher is gone, even a SIGKILLed one that ran no cleanup.
 """
 
 from __future__ import annotations
@@ -55,10 +56,15 @@ class ManagedProcess:
     cmd: list[str]
     log_path: Path | None = None
     env: dict[str, str] | None = None
+    lifeline: str | None = None
+    """The child's option that takes a file descriptor (`--lifeline-fd`): when set, the child
+    gets the read end of a pipe whose write end only this process holds, and exits once that
+    reads end of file, which is when this process is gone however it ended."""
     proc: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = field(default=None, repr=False)
     _temp_log: bool = field(default=False, repr=False)
     _parent_pid: int = field(default=0, repr=False)
+    _lifeline_fd: int | None = field(default=None, repr=False)
 
     def start(self) -> ManagedProcess:
         if self.log_path is None:
@@ -66,18 +72,39 @@ class ManagedProcess:
             os.close(fd)
             self.log_path, self._temp_log = Path(name), True
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = self.cmd
+        child_fds: tuple[int, ...] = ()
+        if self.lifeline is not None:
+            # A pipe rather than prctl(PR_SET_PDEATHSIG): the kernel closes the write end when
+            # this process dies, however it dies, and the child reads end of file even when
+            # that happened before it started watching, so there is no race to check for. The
+            # parent-death signal fires when the thread that started the child ends (a worker
+            # started from a thread pool would die with the thread), needs a preexec_fn (unsafe
+            # beside threads, and it makes Popen fork instead of vfork) and exists on Linux
+            # only. The write end is not inheritable (PEP 446): no other child holds it, only
+            # a fork of this process that never execs (multiprocessing's "fork") keeps it.
+            child_end, self._lifeline_fd = os.pipe()
+            cmd, child_fds = [*self.cmd, self.lifeline, str(child_end)], (child_end,)
         self._log = self.log_path.open("ab")
-        self._log.write(f"$ {' '.join(self.cmd)}\n".encode())
+        self._log.write(f"$ {' '.join(cmd)}\n".encode())
         self._log.flush()
-        self.proc = subprocess.Popen(
-            self.cmd,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            cwd=REPO_ROOT,
-            env={**os.environ, **(self.env or {})},
-        )
+        try:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=REPO_ROOT,
+                env={**os.environ, **(self.env or {})},
+                pass_fds=child_fds,
+            )
+        except BaseException:
+            self._close_lifeline()
+            raise
+        finally:
+            for fd in child_fds:
+                os.close(fd)
         self._parent_pid = os.getpid()
         _RUNNING[id(self)] = self
         return self
@@ -117,11 +144,17 @@ class ManagedProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
         _RUNNING.pop(id(self), None)
+        self._close_lifeline()
         if self._log is not None:
             self._log.close()
             self._log = None
             if self._temp_log and self.log_path is not None:
                 self.log_path.unlink(missing_ok=True)
+
+    def _close_lifeline(self) -> None:
+        if self._lifeline_fd is not None:
+            os.close(self._lifeline_fd)
+            self._lifeline_fd = None
 
 
 @atexit.register
@@ -236,7 +269,9 @@ class EmulatedWorker(LoopbackServer):
     def start(self) -> EmulatedWorker:
         """Start the process (a fresh one, with cold caches, on the same ports)."""
         name = f"worker {self.worker_id}"
-        self.process = ManagedProcess(name, self.command(), self.log_path).start()
+        self.process = ManagedProcess(
+            name, self.command(), self.log_path, lifeline="--lifeline-fd"
+        ).start()
         return self
 
     def wait_healthy(self, timeout_s: float = 90.0) -> None:

@@ -1,6 +1,8 @@
 """Run the router in-process on its own HTTP server (`router.httpserver`, on uvloop when the
 caller runs one): `await serve(settings)` until cancelled or signalled, or
-`async with running(settings) as url:`."""
+`async with running(settings) as url:` (with `stop_on_signals` to wait for SIGINT/SIGTERM as
+`serve` does). Both stop the same way: no new connections, requests in flight (streams
+included) get `SHUTDOWN_GRACE_S` to finish."""
 
 from __future__ import annotations
 
@@ -8,12 +10,15 @@ import asyncio
 import contextlib
 import gc
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from ownerserve.config import Settings
 from router.app import create_app
 from router.httpserver import RouterServer
+
+SHUTDOWN_GRACE_S = 5.0
+"""How long a stopping server lets requests in flight finish before it closes them."""
 
 
 async def serve(settings: Settings, *, handle_signals: bool = True, **app_kwargs: Any) -> None:
@@ -27,19 +32,33 @@ async def serve(settings: Settings, *, handle_signals: bool = True, **app_kwargs
     server = RouterServer(app, settings.server.host, settings.server.port)
     await server.start()
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    installed: list[signal.Signals] = []
-    if handle_signals:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.add_signal_handler(sig, stop.set)
-                installed.append(sig)
     try:
-        await stop.wait()
+        with stop_on_signals(stop) if handle_signals else contextlib.nullcontext():
+            await stop.wait()
     finally:
-        for sig in installed:
+        await server.shutdown(SHUTDOWN_GRACE_S)
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
+    """While inside, SIGINT and SIGTERM set `stop` instead of ending the process (when this is
+    the main thread's running loop; elsewhere they keep their handlers). On the way out each
+    gets back the handler it had, so a second signal while the server drains does what it did
+    before (in `ownerserve serve`: stop at once)."""
+    loop = asyncio.get_running_loop()
+    installed: list[tuple[signal.Signals, Any]] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous = signal.getsignal(sig)
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append((sig, previous))
+    try:
+        yield
+    finally:
+        for sig, previous in installed:
             loop.remove_signal_handler(sig)
-        await server.shutdown()
+            if previous is not None:  # None: not set from Python, left as removal leaves it
+                signal.signal(sig, previous)
 
 
 @contextlib.asynccontextmanager
@@ -60,4 +79,4 @@ async def running_app(app: Any, host: str, port: int) -> AsyncIterator[str]:
     try:
         yield f"http://{host}:{server.bound_port}"
     finally:
-        await server.shutdown()
+        await server.shutdown(SHUTDOWN_GRACE_S)

@@ -23,6 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="Run an emulated vLLM/SGLang engine: OpenAI API, P/D protocols, KV events.",
     )
     add_emulator_arguments(emulate)
+    emulate.add_argument(
+        "--lifeline-fd",
+        type=int,
+        default=None,
+        help="read end of a pipe its launcher holds open: exit (as on SIGTERM) when it closes",
+    )
     sidecar = sub.add_parser(
         "sidecar",
         help="run a worker's KV sidecar (artifact store, HTTP KV API, transfer server)",
@@ -42,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         config.timing()  # a bad profile fails here, with exit code 2 from the CLI
         try:
-            return run_forever(config)
+            return run_forever(config, args.lifeline_fd)
         except OSError as exc:
             print(f"ownerserve worker emulate: error: {exc}", file=sys.stderr)
             return 1

@@ -4,7 +4,10 @@ Starts three emulated engines (1 prefill, 1 decode, 1 hybrid) as real processes 
 `loadgen.cluster`), the proxy with the in-process ownership directory on 127.0.0.1:8000, sends a
 short multi-turn agentic session through the proxy's OpenAI endpoint, prints what the planner
 chose for each turn, and keeps serving until Ctrl-C or SIGTERM (or exits after the report with
-`--once`); either stops the engines too.
+`--once`). Either stops it as it stops `ownerserve serve`: no new connections, requests in
+flight (streams included) get `router.server.SHUTDOWN_GRACE_S` to finish, then the engines
+stop and it exits 0; a second signal stops it at once. The engines die with it even when it
+is SIGKILLed (`loadgen.cluster`'s lifeline).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from loadgen.cluster import MODEL, EmulatedWorker, emulated_workers, sigterm_as_
 from ownerserve.config import Settings, settings_from_dict
 from ownerserve.errors import ConfigError
 from ownerserve.ports import check_bindable
+from ownerserve.tasks import cancel_and_wait
 
 ROLES = (("p0", "prefill"), ("d0", "decode"), ("h0", "hybrid"))
 
@@ -174,20 +178,40 @@ def format_report(results: list[TurnResult]) -> str:
 
 
 async def _main(args: argparse.Namespace, workers: Sequence[EmulatedWorker]) -> int:
-    from router.server import running
+    from router.server import SHUTDOWN_GRACE_S, running, stop_on_signals
 
     settings = demo_settings(workers, args.host, args.port, args.policy)
+    stop = asyncio.Event()
     async with running(settings) as base_url:
-        results = await run_session(base_url, args.turns)
-        print(format_report(results), flush=True)
-        if args.once:
-            return 0
-        print(
-            f"\nServing the OpenAI API at {base_url}/v1 (model {MODEL!r}); Ctrl-C to stop.",
-            flush=True,
-        )
-        await asyncio.Event().wait()
+        # the signals only set `stop`; leaving `running` drains as `ownerserve serve` does
+        with stop_on_signals(stop):
+            if not await _session_unless_stopped(base_url, args.turns, stop) and not args.once:
+                serving = f"Serving the OpenAI API at {base_url}/v1 (model {MODEL!r})"
+                print(f"\n{serving}; Ctrl-C to stop.", flush=True)
+                await stop.wait()
+        if stop.is_set():
+            print(
+                f"Stopping: requests in flight get up to {SHUTDOWN_GRACE_S:g} s to finish.",
+                flush=True,
+            )
     return 0
+
+
+async def _session_unless_stopped(base_url: str, turns: int, stop: asyncio.Event) -> bool:
+    """Run the demo's session and print its report; True when `stop` came first (the session,
+    the demo's own client, is then dropped)."""
+    session = asyncio.create_task(run_session(base_url, turns))
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({session, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not session.done():
+            await cancel_and_wait(session)
+    if not session.done() or session.cancelled():
+        return True
+    print(format_report(session.result()), flush=True)
+    return False
 
 
 def run(args: argparse.Namespace) -> int:
@@ -200,7 +224,8 @@ def run(args: argparse.Namespace) -> int:
             ) from None
     workers = demo_workers(args.profile, args.speed)
     try:
-        # SIGTERM (`kill`, a service manager) stops the workers as Ctrl-C does
+        # SIGTERM (`kill`, a service manager) while the workers start, or a second one while
+        # the proxy drains, stops the workers at once as Ctrl-C does
         with sigterm_as_interrupt(), emulated_workers(*workers):
             return asyncio.run(_main(args, workers))
     except KeyboardInterrupt:

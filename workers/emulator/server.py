@@ -2,7 +2,8 @@
 
 Both ports serve the same app (the bootstrap port is where a decode side pulls a room's KV).
 `EmulatorServer` starts one inside a running event loop (tests, benchmarks, `ownerserve demo`
-style embedding); `run_forever` is the process entry point and handles SIGINT/SIGTERM.
+style embedding); `run_forever` is the process entry point and handles SIGINT/SIGTERM, and the
+end of its launcher's lifeline pipe (`--lifeline-fd`) as one.
 """
 
 from __future__ import annotations
@@ -105,13 +106,21 @@ class EmulatorServer:
             s.close()
         self._sockets = []
 
-    async def serve(self) -> None:
-        """Serve until SIGINT/SIGTERM (when not embedded), then shut down gracefully."""
+    def _lifeline_ended(self, fd: int) -> None:
+        # the launcher never writes: readable is end of file, its last write end is closed
+        asyncio.get_running_loop().remove_reader(fd)
+        self._request_exit()
+
+    async def serve(self, lifeline_fd: int | None = None) -> None:
+        """Serve until SIGINT/SIGTERM (when not embedded) or until `lifeline_fd`, a pipe's read
+        end, reaches end of file (its launcher died), then shut down gracefully."""
         server = self._prepare()
+        loop = asyncio.get_running_loop()
         if not self._embedded:
-            loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self._request_exit)
+        if lifeline_fd is not None:
+            loop.add_reader(lifeline_fd, self._lifeline_ended, lifeline_fd)
         try:
             await server.serve(sockets=self._sockets)
         finally:
@@ -119,13 +128,14 @@ class EmulatorServer:
                 s.close()
 
 
-def run_forever(config: EmulatorConfig) -> int:
-    """Process entry point: serve `config` on uvloop until a signal arrives."""
+def run_forever(config: EmulatorConfig, lifeline_fd: int | None = None) -> int:
+    """Process entry point: serve `config` on uvloop until a signal arrives or the lifeline
+    `lifeline_fd` ends."""
     server = EmulatorServer(config, embedded=False)
     try:
         import uvloop
 
-        uvloop.run(server.serve())
+        uvloop.run(server.serve(lifeline_fd))
     except ImportError:
-        asyncio.run(server.serve())
+        asyncio.run(server.serve(lifeline_fd))
     return 0
