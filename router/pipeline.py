@@ -102,8 +102,8 @@ async def respond(
         mt = served_model(svc, req.model)
         t = metrics.stages.lap(PARSE, t0)
         async with asyncio.timeout(router.settings.server.request_timeout_s):
-            await _route(router, req, mt, headers, raw_headers, out, t0, t)
-        metrics.of(metrics.requests, label, "ok").inc()
+            outcome = await _route(router, req, mt, headers, raw_headers, out, t0, t)
+        metrics.of(metrics.requests, label, outcome).inc()
     except ClientDisconnected:
         return
     except asyncio.CancelledError:
@@ -130,6 +130,15 @@ async def respond(
         await out.start(status, headers_out, err)
 
 
+def outcome(status: int, whole: bool) -> str:
+    """A served request's `status` label in `ownerserve_requests_total`: `ok`, the worker's
+    error status (a 4xx it answered: the client sees it), or `stream_failed` (the worker
+    failed after the first bytes: the client got an error event)."""
+    if status >= 400:
+        return str(status)
+    return "ok" if whole else "stream_failed"
+
+
 async def _route(
     router: Router,
     req: CompletionRequest,
@@ -139,8 +148,9 @@ async def _route(
     out: ResponseWriter,
     t0: float,
     t: float,
-) -> None:
-    """Every stage after `parse` (`t`: when parse ended), within the request's span."""
+) -> str:
+    """Every stage after `parse` (`t`: when parse ended), within the request's span; the
+    request's outcome as `ownerserve_requests_total` counts it (`outcome`)."""
     svc = router.services
     tel = router.telemetry
     metrics = router.metrics
@@ -272,3 +282,4 @@ async def _route(
             )
             record_service(info, prompt.tokens, output_tokens(opened, prompt.req.stream, events))
             times.lap(OBSERVE, now)
+            return outcome(opened.status, ok)

@@ -34,6 +34,13 @@ class Answer:
     """Output events of a streamed answer (its `data:` lines but the last), once it ended."""
 
 
+WORKER_FAULTS = frozenset({404, 429})
+"""A worker's answers that count against its circuit breaker though they are 4xx: what the
+router checked before routing there (404: the model the router sent is not on the worker) or
+the worker shedding load (429). Any other 4xx is the client's request refused: it neither
+opens nor closes the breaker."""
+
+
 async def stream(
     svc: StreamServices,
     opened: OpenedResponse,
@@ -49,7 +56,10 @@ async def stream(
     call `first_bytes` once the answer's first bytes are there (a whole answer's before it
     is sent). True when the answer was served whole; the caller closes `opened`."""
     worker = opened.final_worker
-    worker.breaker.record_success()
+    if opened.status < 400:
+        worker.breaker.record_success()
+    elif opened.status in WORKER_FAULTS:
+        worker.breaker.record_failure()
     ok = opened.status == 200
     svc.recent_plans.append(shown)
     streaming = streamed and ok

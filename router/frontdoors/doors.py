@@ -301,7 +301,10 @@ class FrontDoors:
             try:
                 chat, translation = await prepare(await self._read(scope, receive, raw), raw)
             except OwnerServeError as exc:
-                await _send_error(out, exc, messages_shape)
+                status = await _send_error(out, exc, messages_shape)
+                # refused before the pipeline, which counts every other outcome
+                metrics = self.router.metrics
+                metrics.of(metrics.requests, "?", str(status)).inc()
                 return
             writer = DoorWriter(out, translation)
             out.watcher = asyncio.create_task(
@@ -432,9 +435,11 @@ class FrontDoors:
         return conv
 
 
-async def _send_error(out: ResponseWriter, exc: OwnerServeError, messages_shape: bool) -> None:
-    """`exc` as a whole answer: Anthropic's shape on `/v1/messages`, else OpenAI's."""
+async def _send_error(out: ResponseWriter, exc: OwnerServeError, messages_shape: bool) -> int:
+    """`exc` as a whole answer: Anthropic's shape on `/v1/messages`, else OpenAI's; returns
+    its status."""
     status, body = error_status_and_body(exc)
     if messages_shape:
         body = messages.error_body(status, str(exc))
     await out.start(status, _JSON, body)
+    return status
