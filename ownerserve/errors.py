@@ -102,6 +102,14 @@ class NoWorkerAvailableError(OwnerServeError):
     code = "no_worker_available"
 
 
+class ShuttingDownError(OwnerServeError):
+    """The router stopped before the request was served (its shutdown grace ran out)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "shutting_down"
+
+
 class UpstreamError(OwnerServeError):
     status_code = 502
     error_type = "upstream_error"

@@ -667,9 +667,18 @@ class RouterServer:
         deadline = time.monotonic() + grace_s
         while any(c.task is not None for c in self.connections) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        # the grace ran out: what is still running ends with an error (an SSE error event and
+        # the stream's end, or a 503), given a moment to write it, then every connection closes
+        unfinished = []
         for conn in list(self.connections):
             if conn.task is not None:
+                if conn.writer is not None:
+                    conn.writer.stopping = True
                 conn.task.cancel()
+                unfinished.append(conn.task)
+        if unfinished:
+            await asyncio.wait(unfinished, timeout=STOP_WRITE_S)
+        for conn in list(self.connections):
             conn.transport.close()
         if self._server is not None:
             with contextlib.suppress(Exception):
@@ -678,6 +687,9 @@ class RouterServer:
         if self._lifespan is not None:
             await self._lifespan.shutdown()
 
+
+STOP_WRITE_S = 1.0
+"""How long requests cancelled at shutdown get to write their error ending."""
 
 SHUTDOWN_TIMEOUT_S = 60.0
 """How long the server waits for the app's lifespan shutdown (the router's close) to finish."""

@@ -26,6 +26,7 @@ from ownerserve.errors import (
     ClientDisconnected,
     NoWorkerAvailableError,
     RateLimitError,
+    ShuttingDownError,
     UpstreamError,
 )
 from ownerserve.http import error_status_and_body
@@ -108,26 +109,35 @@ async def respond(
         return
     except asyncio.CancelledError:
         task = asyncio.current_task()
-        if out.disconnected and task is not None:
-            task.uncancel()
+        if task is None or not (out.disconnected or out.stopping):
+            raise
+        task.uncancel()
+        if out.disconnected:
             metrics.of(metrics.requests, label, "client_disconnected").inc()
             return
-        raise
+        await _fail(router, out, label, ShuttingDownError("the router is shutting down"))
     except BaseException as exc:
         out.detach()  # what follows must not be cancelled by a late disconnect
         if isinstance(exc, TimeoutError):
             exc = UpstreamTimeoutError("request timed out")
         if not isinstance(exc, Exception):
             raise
-        status, err = error_status_and_body(exc)
-        metrics.of(metrics.requests, label, str(status)).inc()
-        if out.started:
-            await out.fail(exc)
-            return
-        headers_out = [(b"content-type", b"application/json")]
-        if isinstance(exc, RateLimitError):
-            headers_out.append((b"retry-after", str(exc.retry_after_s).encode()))
-        await out.start(status, headers_out, err)
+        await _fail(router, out, label, exc)
+
+
+async def _fail(router: Router, out: ResponseWriter, label: str, exc: Exception) -> None:
+    """End the response with `exc`: an OpenAI error answer, or an SSE error event (and the
+    stream's end) when the response already started."""
+    metrics = router.metrics
+    status, err = error_status_and_body(exc)
+    metrics.of(metrics.requests, label, str(status)).inc()
+    if out.started:
+        await out.fail(exc)
+        return
+    headers_out = [(b"content-type", b"application/json")]
+    if isinstance(exc, RateLimitError):
+        headers_out.append((b"retry-after", str(exc.retry_after_s).encode()))
+    await out.start(status, headers_out, err)
 
 
 def outcome(status: int, whole: bool) -> str:

@@ -12,7 +12,7 @@ class ResponseWriter:
     writes to the socket; `router.asgi.ASGIResponseWriter` turns the calls into ASGI
     messages. Tracks how far the response got, so a failure can end it properly."""
 
-    __slots__ = ("disconnected", "ended", "sse", "started")
+    __slots__ = ("disconnected", "ended", "sse", "started", "stopping")
 
     def __init__(self) -> None:
         self.started = False
@@ -20,6 +20,9 @@ class ResponseWriter:
         self.sse = False
         self.disconnected = False
         """Set by the server when the client went away (the request task is cancelled)."""
+        self.stopping = False
+        """Set by the server when it stops with the request unfinished (the request task is
+        cancelled): the response ends with an error (`ShuttingDownError`)."""
 
     async def start(
         self, status: int, headers: list[tuple[bytes, bytes]], body: bytes | None = None

@@ -505,3 +505,33 @@ async def test_a_client_leaving_mid_stream_closes_the_worker_connection():
         writer.transport.abort()
         async with asyncio.timeout(10):
             await flood.aborted.wait()
+
+
+async def test_a_stream_still_running_when_the_grace_runs_out_ends_with_an_error_event():
+    worker = await FakeWorker("w0", mode="slow", chunks=1000).start()
+    settings = settings_from_dict(
+        {
+            "server": {"port": 0, "health_interval_s": 60},
+            "models": [{"name": MODEL, "block_size": 4}],
+            "workers": [{"id": "w0", "url": worker.url, "role": "hybrid", "kind": "vllm"}],
+        }
+    )
+    server = RouterServer(create_app(settings), "127.0.0.1", 0)
+    await server.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.bound_port)
+        writer.write(_post(_chat(stream=True)))
+        async with asyncio.timeout(30):
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200")
+            await reader.readuntil(b"data: ")  # the stream is flowing
+        await server.shutdown(grace_s=0.0)
+        async with asyncio.timeout(30):
+            rest = await reader.read()  # to the connection's end
+        assert rest.endswith(b"0\r\n\r\n")  # the chunked body's end: not cut off
+        assert b"data: [DONE]" in rest
+        error = rest[rest.rindex(b'{"error"') : rest.rindex(b"}") + 1]
+        assert orjson.loads(error)["error"]["code"] == "shutting_down"
+        writer.close()
+    finally:
+        await worker.stop()
