@@ -189,14 +189,41 @@ def service_app(
 # --- requests ----------------------------------------------------------------------------------
 
 
+MAX_JSON_DEPTH = 200
+"""How deep a request body may nest (`json_object`). orjson writes no value nested deeper than
+254 levels (`orjson.dumps` raises "Recursion limit reached"), and a body is written again after
+it is read, some parts a few levels deeper (without its control-plane fields, a message as a
+cache key, a front door's request as a chat request and as a stored conversation): a body
+nested past this is a 400 when it is read, not a 500 later."""
+_ORJSON_MAX_DEPTH = 254
+
+
+def _too_deep(raw: bytes, data: object) -> bool:
+    """Whether `data` (parsed from `raw`) nests deeper than `MAX_JSON_DEPTH`: never when `raw`
+    has fewer brackets than that (one pass in C), else whether orjson can still write it with
+    the difference added on top."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return False
+    for _ in range(_ORJSON_MAX_DEPTH - MAX_JSON_DEPTH):
+        data = [data]
+    try:
+        orjson.dumps(data)
+    except orjson.JSONEncodeError:
+        return True
+    return False
+
+
 def json_object(raw: bytes) -> dict[str, Any]:
-    """A request body that must be one JSON object; `InvalidRequestError` (400) otherwise."""
+    """A request body that must be one JSON object, nested at most `MAX_JSON_DEPTH` deep;
+    `InvalidRequestError` (400) otherwise."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidRequestError("request body must be a JSON object")
+    if _too_deep(raw, data):
+        raise InvalidRequestError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
     return data
 
 

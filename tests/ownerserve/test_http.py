@@ -25,9 +25,11 @@ from ownerserve.errors import (
     PayloadTooLargeError,
 )
 from ownerserve.http import (
+    MAX_JSON_DEPTH,
     WORKER_ERROR_MESSAGE,
     error_status_and_body,
     install_error_handlers,
+    json_object,
     names_internals,
     public_error_body,
     read_body,
@@ -196,6 +198,27 @@ async def test_a_client_gone_mid_body_raises_client_disconnected():
 async def test_an_unreadable_content_length_is_a_400():
     with pytest.raises(InvalidRequestError, match="content-length"):
         await read_body(_Client([b"x"]), 100, "ten")
+
+
+def _nested_body(depth: int) -> bytes:
+    """A JSON object nested `depth` levels deep (the object itself and lists inside)."""
+    return b'{"a":' + b"[" * (depth - 1) + b"1" + b"]" * (depth - 1) + b"}"
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 254, 255, 1000])
+def test_a_body_nested_past_the_depth_limit_is_a_400(depth: int):
+    # orjson reads 1024 levels but writes only 254: such a body was read, then its writing
+    # again (a message as a cache key, a front door's chat request) raised a 500
+    with pytest.raises(InvalidRequestError, match=f"nested deeper than {MAX_JSON_DEPTH}"):
+        json_object(_nested_body(depth))
+
+
+def test_a_body_nested_to_the_limit_is_read_and_written_again_a_few_levels_deeper():
+    data = json_object(_nested_body(MAX_JSON_DEPTH))
+    for _ in range(50):
+        data = {"wrapped": data}
+    assert orjson.dumps(data)
+    assert json_object(b'{"a": "' + b"[" * 5000 + b'"}') == {"a": "[" * 5000}
 
 
 # --- under uvicorn -------------------------------------------------------------------------------
