@@ -9,9 +9,9 @@ bench/history/router_overhead.md).
 What it does besides parsing: `TCP_NODELAY` on accepted sockets, `server.max_body_bytes`
 enforced while reading (413, then a lingering close: the rest of the body is read and dropped,
 within `linger_bytes` and `linger_s`, so that the client can read the 413 before the
-connection closes), `Expect: 100-continue`, flow control
-on slow readers, idle keep-alive connections closed after `keep_alive_s`, a client that goes
-away cancels its request (which cancels upstream work), graceful shutdown, ASGI lifespan.
+connection closes), `Expect: 100-continue`, a HEAD request's answer without content, flow
+control on slow readers, idle keep-alive connections closed after `keep_alive_s`, a client that
+goes away cancels its request (which cancels upstream work), graceful shutdown, ASGI lifespan.
 
 What it refuses, each in the route's error shape: a request not read whole within
 `read_timeout_s` (408), a protocol upgrade (`Upgrade: h2c`, `websocket`: 400), an HTTP/1.0
@@ -139,9 +139,10 @@ class _Writer(ResponseWriter):
             if not has_length:
                 parts.append(b"content-length: %d\r\n" % len(body))
             parts.append(b"\r\n")
-            parts.append(body)
+            if not self.head:
+                parts.append(body)
             self.ended = True
-        elif has_length:
+        elif has_length or self.head:
             parts.append(b"\r\n")  # the caller declared the length: the body goes as is
         elif self._http10:
             # no chunked encoding in HTTP/1.0: the body ends when the connection closes
@@ -177,6 +178,8 @@ class _Writer(ResponseWriter):
             conn.transport.write(b"0\r\n\r\n")
 
     direct = True
+    head = False
+    """Whether this answers a HEAD request (`_HeadWriter`)."""
 
     def write_nowait(self, chunk: bytes) -> bool:
         conn = self._conn
@@ -189,6 +192,24 @@ class _Writer(ResponseWriter):
 
     async def drain(self) -> None:
         await self._conn.drain()
+
+
+class _HeadWriter(_Writer):
+    """The answer to a HEAD request: the status and headers a GET would get, no content (RFC
+    9110 §9.3.2; a client reads none, so content sent would be taken for the next response on
+    the connection)."""
+
+    __slots__ = ()
+    head = True
+
+    async def write(self, chunk: bytes) -> None:
+        return
+
+    def write_nowait(self, chunk: bytes) -> bool:
+        return False
+
+    async def end(self) -> None:
+        self.ended = True
 
 
 class _Connection(asyncio.Protocol):
@@ -533,7 +554,8 @@ class ASGIBridge:
             await response_done.wait()
             return {"type": "http.disconnect"}
 
-        chunked = _Writer(conn, req.keep_alive, req.http10)
+        writer_type = _HeadWriter if req.method == b"HEAD" else _Writer
+        chunked = writer_type(conn, req.keep_alive, req.http10)
 
         async def send(message: Message) -> None:
             nonlocal status, headers
