@@ -52,19 +52,18 @@ from workers.vllm_cpu.model import CONFIG, SERVED_NAME
 from workers.vllm_cpu.server import VllmRole, VllmServer, VllmServerSpec
 from workers.vllm_cpu.setup import VllmCpuInstall, ensure
 
-READY_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 600.0  # ~60 s on a quiet 2-core machine; far more beside heavy work
 BLOCK = 32  # the servers' KV block size (`VllmServerSpec.block_size`)
 HEADS = range(CONFIG["num_key_value_heads"])  # TP=1: one server holds every KV head
-# How far the logprobs of an answer whose prompt KV was loaded (or run remote) may be from those
-# of the same answer computed whole.
-LOGPROB_TOL = 1e-3
-# The same for an answer whose prompt is partly loaded and partly computed where it runs (a
-# resume's or migration's new turn, a fetch up to a corrupted block): the computed part runs
-# other kernel shapes than a whole prefill, and on some CPUs that moves a bf16 logit by an ulp
-# or two (CI saw 0.04-0.06 with every token equal; a logit's ulp in [4, 8) is 0.031). Such an
-# answer's tokens must be equal, its logprobs within this, and the KV that moved byte-equal
-# (`same_artifacts`).
-SPLIT_LOGPROB_TOL = 0.25
+# How far the logprobs of an answer whose prompt KV was loaded (from a sidecar, over NIXL, partly
+# or whole) may be from those of the same answer computed whole on these bf16 servers. A prompt
+# computed in other pieces (loaded blocks then a tail, a prefill on another server, a chunk
+# boundary where a busy batch split it) runs other kernel shapes, and that can move a bf16
+# logit by an ulp or two: CI saw 0.003-0.06 with every token equal (a logit's ulp in [4, 8)
+# is 0.031). So an answer's tokens must be equal and its logprobs within this; that the KV
+# itself is right is checked byte for byte where it moved (`same_artifacts`), and a decode
+# from the wrong blocks differs by far more (`test_pd`).
+LOGPROB_TOL = 0.25
 # Small enough that a few long prompts force evictions (BlockRemoved events); 2048-token
 # requests need 64 blocks of 32.
 HYBRID_KV_BLOCKS = 160

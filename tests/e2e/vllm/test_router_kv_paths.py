@@ -38,7 +38,7 @@ from tests.e2e.vllm.conftest import (
     BLOCK,
     HEADS,
     HYBRID_KV_BLOCKS,
-    SPLIT_LOGPROB_TOL,
+    LOGPROB_TOL,
     Sidecar,
     completion_body,
     present,
@@ -218,10 +218,10 @@ def assert_same_answer(
     got: tuple[list[str], list[float]], reference: tuple[list[str], list[float]]
 ) -> None:
     """`got` (a turn whose prompt KV was partly loaded) is `reference` (computed whole): the
-    same 8 tokens, logprobs within `SPLIT_LOGPROB_TOL`."""
+    same 8 tokens, logprobs within `LOGPROB_TOL`."""
     assert len(got[0]) == 8
     assert got[0] == reference[0]
-    assert max(abs(x - y) for x, y in zip(got[1], reference[1], strict=True)) <= SPLIT_LOGPROB_TOL
+    assert max(abs(x - y) for x, y in zip(got[1], reference[1], strict=True)) <= LOGPROB_TOL
 
 
 @contextlib.asynccontextmanager

@@ -27,7 +27,7 @@ from router.backends.vllm import VllmClient, with_transfer_params
 from tests.e2e.vllm.conftest import (
     BLOCK,
     HEADS,
-    SPLIT_LOGPROB_TOL,
+    LOGPROB_TOL,
     PDPair,
     Sidecar,
     completion_body,
@@ -184,7 +184,7 @@ async def test_a_prefix_computed_on_a_is_fetched_by_b_and_loaded_without_recompu
             for reference in (alone, on_a):
                 r_tokens, r_lp = tokens_and_logprobs(reference)
                 assert l_tokens == r_tokens
-                assert max(abs(x - y) for x, y in zip(l_lp, r_lp, strict=True)) <= SPLIT_LOGPROB_TOL
+                assert max(abs(x - y) for x, y in zip(l_lp, r_lp, strict=True)) <= LOGPROB_TOL
         finally:
             await a.aclose()
             await b.aclose()
@@ -218,7 +218,7 @@ async def test_a_corrupted_artifact_is_never_loaded_and_vllm_recomputes_the_same
             loaded = await b.post("/v1/completions", completion_body(prompt))
             assert tokens_and_logprobs(loaded)[0] == tokens_and_logprobs(alone)[0]
             l_lp, r_lp = tokens_and_logprobs(loaded)[1], tokens_and_logprobs(alone)[1]
-            assert max(abs(x - y) for x, y in zip(l_lp, r_lp, strict=True)) <= SPLIT_LOGPROB_TOL
+            assert max(abs(x - y) for x, y in zip(l_lp, r_lp, strict=True)) <= LOGPROB_TOL
             log = vllm_hybrid_b.log_path.read_text(errors="replace")
             assert f"rejected artifact ({bad_key}" in log
             assert f"loaded {bad_block}/{session.loadable} blocks" in log
