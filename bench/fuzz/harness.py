@@ -316,7 +316,8 @@ class Tally:
     server_errors: int = 0
     hangs: int = 0
     resets: int = 0
-    slowest: tuple[float, str] = (0.0, "")
+    slowest: tuple[float, int, Case | None] = (0.0, 0, None)
+    """How long the slowest case took, its number and the case."""
 
     def add(self, outcome: Outcome) -> None:
         route = outcome.case.route
@@ -330,7 +331,7 @@ class Tally:
         if outcome.problems:
             self.failures.append(outcome)
         if outcome.elapsed_s > self.slowest[0]:
-            self.slowest = (outcome.elapsed_s, outcome.case.summary(200))
+            self.slowest = (outcome.elapsed_s, sum(self.cases.values()), outcome.case)
 
     def render(self) -> str:
         lines = ["| route | cases | statuses |", "| --- | ---: | --- |"]
@@ -342,7 +343,9 @@ class Tally:
         lines.append(f"5xx answers: {self.server_errors}; hangs: {self.hangs}; "
                      f"failed cases: {len(self.failures)}; connections reset before an answer: "
                      f"{self.resets}")  # fmt: skip
-        lines.append(f"slowest answer: {self.slowest[0]:.3f} s ({self.slowest[1]})")
+        elapsed, number, slowest = self.slowest
+        if slowest is not None:
+            lines.append(f"slowest answer: {elapsed:.3f} s, case {number}: {slowest.summary(2000)}")
         if self.plans:
             ran = ", ".join(f"{k}×{n}" for k, n in self.plans.most_common())
             lines.append(f"plans run: {ran}")
@@ -440,23 +443,28 @@ class Fuzzer:
         self, case: Case, path: str, status: int, answer: Any, outcome: Outcome
     ) -> None:
         """Keep what later cases use (stored response ids); undo what would change the
-        cluster for them (a worker added or drained)."""
+        cluster for them (a worker added, drained or removed)."""
         if case.route == "responses" and isinstance(answer, dict):
             rid = answer.get("id")
             if isinstance(rid, str) and b'"store":false' not in case.body.replace(b" ", b""):
                 self.stored = [*self.stored[-31:], rid]
         elif case.route == "responses/{id}" and case.method == "DELETE" and status == 200:
             self.stored = [r for r in self.stored if not path.endswith("/" + r)]
-        elif case.route == "admin" and case.method == "POST":
+        elif case.route == "admin":
             auth = [("x-admin-token", ADMIN_TOKEN)]
             undo = None
+            removed = {f"/admin/workers/{w.worker_id}": w for w in self.target.workers}
             if path == "/admin/workers" and status == 201 and isinstance(answer, dict):
                 undo = self.client.delete(f"/admin/workers/{answer['id']}", headers=auth)
-            elif path.endswith("/drain") and status == 200:
+            elif path.endswith("/drain") and status == 200 and case.method == "POST":
                 undo = self.client.post(path.removesuffix("/drain") + "/undrain", headers=auth)
+            elif path in removed and status == 200 and case.method == "DELETE":
+                # one of the cluster's own workers: added back, as an operator would
+                settings = removed[path].worker_settings()
+                undo = self.client.post("/admin/workers", json=settings, headers=auth)
             if undo is not None:
                 got = await undo
-                if got.status_code != 200:
+                if got.status_code not in (200, 201):
                     outcome.problems.append(f"undoing it answered {got.status_code}: {got.text}")
 
     async def _raw(self, case: Case, outcome: Outcome) -> None:
@@ -525,12 +533,18 @@ class Fuzzer:
             r = await self.client.post("/v1/messages", json=messages)
             if r.status_code != 200 or r.json().get("type") != "message":
                 problems.append(f"a Messages request got {r.status_code}: {r.text[:300]}")
-            r = await self.client.get("/health")
-            health = r.json()
             total = len(self.target.workers)
+            deadline = time.monotonic() + self.bound_s
+            while True:  # a worker added back is healthy at the router's next health check
+                r = await self.client.get("/health")
+                health = r.json()
+                every = health.get("workers") == {"total": total, "healthy": total}
+                if every or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
             if r.status_code != 200 or health.get("status") != "ok":
                 problems.append(f"/health answered {r.status_code}: {r.text}")
-            elif health["workers"] != {"total": total, "healthy": total}:
+            elif not every:
                 problems.append(f"/health counts workers {health['workers']}")
         return problems
 
