@@ -66,6 +66,7 @@ from workers.emulator.protocol import (
     chat_logprobs,
     completion_logprobs,
     completion_prompts,
+    open_final_message,
     parse_chat,
     parse_completion,
     stop_strings,
@@ -360,6 +361,8 @@ class EmulatorApp:
         text = self.template.render(
             req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt
         )
+        if req.continue_final_message:
+            text = open_final_message(text, req.messages[-1])
         ids = self.tokenizer.encode(text)
         top = None
         if req.logprobs:

@@ -57,6 +57,9 @@ class ChatCompletionRequest(_Common):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """vLLM's and SGLang's: the prompt ends inside the final (assistant) message, which the
+    model continues, instead of opening a new one (`open_final_message`)."""
     response_format: dict[str, Any] | None = None
 
 
@@ -76,9 +79,36 @@ def _describe(exc: ValidationError) -> str:
 
 def parse_chat(body: dict[str, Any]) -> ChatCompletionRequest:
     try:
-        return ChatCompletionRequest.model_validate(body)
+        req = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         raise InvalidRequestError(_describe(exc)) from None
+    if req.continue_final_message and req.add_generation_prompt:
+        # vLLM's own check (its ChatCompletionRequest), word for word
+        raise InvalidRequestError(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    return req
+
+
+def open_final_message(rendered: str, final: dict[str, Any]) -> str:
+    """The rendered chat cut right after the final message's content, so that the model
+    continues that message (`continue_final_message`): as transformers'
+    `apply_chat_template` does it for vLLM, up to the content's last occurrence, or to its
+    stripped text's where the template trims messages (Llama 3's does)."""
+    content = final.get("content")
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        content = texts[-1] if texts else None
+    if not isinstance(content, str):
+        raise InvalidRequestError("continue_final_message: the final message has no text")
+    for piece in (content, content.strip()):
+        at = rendered.rfind(piece)
+        if at >= 0:
+            return rendered[: at + len(piece)]
+    raise InvalidRequestError(
+        "continue_final_message is set but the final message does not appear in the chat "
+        "after applying the chat template"
+    )
 
 
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
