@@ -68,6 +68,14 @@ class ServerSettings(_Strict):
     """Most seconds between two pieces of a streamed answer, while the client keeps up (then
     the stream ends with an error event). A preempted request recomputes its whole context
     before its next token: as long as a prefill, so the same bound."""
+    stall_timeout_s: float = Field(default=30.0, gt=0)
+    """Most seconds between two pieces of a streamed answer that may still move to another
+    worker (`max_migrations`; then it continues there, `router/README.md`, *Mid-stream
+    migration*): shorter than `stream_gap_timeout_s`, which bounds a stream that cannot move.
+    Keep it above the recompute a preemption costs on the longest contexts served."""
+    max_migrations: int = Field(default=1, ge=0)
+    """Times one streamed answer may continue on another worker after its worker died or
+    stalled mid-stream (0: never; the stream then ends with an error event)."""
     retries: int = Field(default=2, ge=0)
     health_interval_s: float = Field(default=2.0, gt=0)
 

@@ -100,6 +100,19 @@ class WorkingSets:
         s.ended_at = None
         self._count(s)
 
+    def moved(self, session: str, worker: str, tokens: int) -> None:
+        """A request of `session` in flight continues on `worker` (the worker streaming its
+        answer failed mid-stream), its KV `tokens` there now: the session counts there from
+        now. No gap ended, so nothing is learnt; nothing if it has nothing in flight."""
+        s = self._sessions.get(session)
+        if s is None or s.inflight == 0:
+            return
+        self._uncount(s)
+        s.worker = worker
+        s.tokens = max(tokens, 0)
+        s.shared = 0
+        self._count(s)
+
     def shares(self, session: str, spawner: str, tokens: int) -> None:
         """The request `started` just now has a prompt whose first `tokens` are a prefix that
         session `spawner` holds: while that one is counted on the same worker the engine keeps

@@ -16,7 +16,11 @@ gone, cancelled). The runner (`router.pipeline`) owns one per request, from `tok
   the NIC's queue once the KV moves) or `plan_failed` (all: the next attempt takes it again).
 - `answer_started` (the final response opened): in flight on the workers it opened on; its
   prompt as KV on the worker streaming the answer and in that worker's admission working set
-  (`Admission.streaming`). Given back by `answer_ended`.
+  (`Admission.streaming`). Given back by `answer_ended`, or by `answer_cut` when the worker
+  failed mid-stream and the answer continues on another (a migration, `router.migration`):
+  then the continuation's attempts run `plan_started` ... `answer_started` again, the session's
+  KV moving with them to the new worker (`WorkingSets.moved`), so every hold moves from the
+  failed worker to the new one once.
 - `close` (the request is over, however it ended): what is still held, then its session's KV
   in the sessions' working set — kept there with prompt and output tokens while its predicted
   gap is short for an answer (`WorkingSets.ended`), only out of flight for a failure
@@ -114,7 +118,6 @@ class RequestLease:
     def __init__(self, services: LeaseServices, prompt: Prompt) -> None:
         self._services = services
         self._prompt = prompt
-        self._tokens = prompt.tokens
         self._info: SessionInfo | None = None
         self._workers: Sequence[WorkerState] = _NO_WORKERS
         """Where the request is counted in flight now (the plan's or the answer's)."""
@@ -129,6 +132,8 @@ class RequestLease:
         """Its session's KV counts in the sessions' working set."""
         self._opened: OpenedResponse | None = None
         self._events = 0
+        self._tokens = prompt.tokens
+        """The KV its holds count: the prompt's, and the answer so far after a migration."""
 
     def __enter__(self) -> RequestLease:
         self._services.ledger.opened()
@@ -193,7 +198,11 @@ class RequestLease:
         if sid is None:
             return
         ws = s.working_sets
-        ws.started(sid, decode_id, tokens, time.monotonic(), tool_answered(prompt.req.messages))
+        if self._kv_counted:  # a continuation (`answer_cut`): the session's KV moves with it
+            ws.moved(sid, decode_id, tokens)
+        else:
+            now = time.monotonic()
+            ws.started(sid, decode_id, tokens, now, tool_answered(prompt.req.messages))
         parent = prompt.session.parent
         if parent is not None:
             ws.shares(sid, parent, match.longest(decode_id) * prompt.block_size)
@@ -249,6 +258,16 @@ class RequestLease:
         if charge is not None:
             self._charge = None
             self._services.admission.ended(worker, charge, tokens)
+
+    def answer_cut(self, tokens: int) -> None:
+        """The worker streaming the answer failed mid-stream and the answer is to continue on
+        another (`router.migration`): its answer's holds go now, and what the continuation's
+        attempts take counts `tokens` of KV (the prompt and the answer so far); the session's
+        KV stays counted, to move with the continuation's plan (`plan_started`), or to leave
+        as a failure's should no worker take it over."""
+        self.answer_ended(self._events)
+        self._opened = None
+        self._tokens = tokens
 
     def close(self) -> None:
         """The request is over: give back whatever it still holds (see the module docstring),
@@ -310,4 +329,4 @@ class RequestLease:
             return
         assert opened is not None
         tool = None if streamed else tool_called(opened.first)
-        ws.ended(sid, self._tokens + output, now, tool)
+        ws.ended(sid, prompt.tokens + output, now, tool)

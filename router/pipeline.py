@@ -3,12 +3,15 @@ order, each with what it reads (`router.stages`, `router.streaming`, `router.aft
 stage's services come from `Router.services`, `router.services`):
 
     parse -> identify -> tokenize (-> chunk) -> admit -> look_up -> view
-          -> (plan -> execute, retried) -> stream (-> commit) -> observe
+          -> (plan -> execute, retried) -> stream (-> commit)
+          (-> plan -> execute -> stream, a continuation on another worker) -> observe
 
 The runner alone times them (`ownerserve_stage_seconds{stage}`, `router.telemetry.StageTimes`),
 opens their trace spans (`ownerserve.request` around all but parse; `ownerserve.tokenize`,
 `ownerserve.directory.lookup`, `ownerserve.plan` and `ownerserve.upstream` around theirs),
-retries a plan that failed before its first byte on the other workers, owns the request's
+retries a plan that failed before its first byte on the other workers, continues an answer
+whose worker failed mid-stream on another (`router.migration`: planned and executed by the
+same stages, `server.max_migrations` times at most), owns the request's
 `RequestLease` (`router.lease`: everything the request holds, given back once on every path)
 and turns every failure into an OpenAI error, or an SSE error event once the response
 started.
@@ -20,8 +23,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from ownerserve.config import ServerSettings
+from ownerserve.directory.base import Match
 from ownerserve.errors import (
     ClientDisconnected,
     NoWorkerAvailableError,
@@ -30,7 +35,7 @@ from ownerserve.errors import (
     UpstreamError,
 )
 from ownerserve.http import error_status_and_body
-from planner.types import Plan
+from planner.types import Plan, Policy, RequestView
 from router.aftermath import after_first_bytes, observe, record_service, tpot
 from router.executor import (
     OpenedResponse,
@@ -40,9 +45,20 @@ from router.executor import (
 )
 from router.inflight import output_tokens
 from router.lease import RequestLease
+from router.migration import (
+    Partial,
+    Splice,
+    Transcript,
+    asks_usage,
+    continuation,
+    ending,
+    unmigratable,
+)
 from router.plans import Fallback, GaveUp, PlanRecord
+from router.prompt import Prompt
 from router.requests import Endpoint, parse_request
 from router.stages import (
+    ChunkHolders,
     admit,
     execute,
     give_up,
@@ -54,7 +70,7 @@ from router.stages import (
     tokenize,
     view,
 )
-from router.streaming import Answer, stream
+from router.streaming import Answer, Cut, continue_stream, end_cut, stream
 from router.telemetry import STAGES
 from router.tokens import ModelTokenizer
 from router.writer import ResponseWriter
@@ -166,7 +182,8 @@ async def _route(
     metrics = router.metrics
     times = metrics.stages
     clock = time.perf_counter
-    with tel.start_span("ownerserve.request", context=tel.extract(headers), model=req.model):
+    context = tel.extract(headers)
+    with tel.start_span("ownerserve.request", context=context, model=req.model) as span:
         with tel.start_span("ownerserve.tokenize"):
             session = identify(req, headers, svc.derived_sessions)
             t = times.lap(IDENTIFY, t)
@@ -182,76 +199,29 @@ async def _route(
             t = times.lap(VIEW, t)
             lease.session_joined(info)
 
-            # plan -> execute, up to `server.retries` times more without each worker that
-            # failed before the first byte; a hand-over or fetch given up runs colocated
+            # plan -> execute (retried without each worker that failed before the first byte)
             trace: dict[str, str] = {}
             tel.inject(trace)
             out_headers = forward_headers(raw_headers, bool(router.api_keys), trace)
-            limits = router.settings.server
-            retries = limits.retries
-            run = svc.execute
-            sent = prompt.req
-            excluded: Collection[str] = _NONE_EXCLUDED
-            fallback: Fallback | None = None
-            last_error: RetryableUpstreamError | None = None
-            served: tuple[OpenedResponse, Plan, Plan] | None = None
-            for attempt in range(retries + 1):
-                with tel.start_span("ownerserve.plan", attempt=attempt):
-                    planned = plan(policy, rview, svc.cluster, match, excluded, holders)
-                t = times.lap(PLAN, t)
-                if planned is None:
-                    break
-                chosen = planned.chosen
-                lease.plan_started(planned, match)
-                if attempt == 0:
-                    metrics.overhead.observe(clock() - t0 - queued_s)
-                try:
-                    with tel.start_span(
-                        "ownerserve.upstream",
-                        action=planned.action.value,
-                        prefill=chosen.prefill_worker,
-                        decode=chosen.decode_worker,
-                    ) as span:
-                        opened, sent, ran = await execute(
-                            run, planned, sent, prompt, match, holders, out_headers
-                        )
-                        if span is not None and opened.fallback is not None:
-                            span.set_attribute("ran", "colocated")
-                            span.set_attribute("gave_up", opened.fallback.reason)
-                except RetryableUpstreamError as exc:
-                    t = times.lap(EXECUTE, t)
-                    lease.plan_failed()  # the next attempt takes it all again
-                    last_error = exc
-                    if exc.after is not None:
-                        fallback = give_up(run, fallback, exc.after, "colocated")
-                    excluded = {*excluded, exc.worker}
-                    fallback = give_up(
-                        run,
-                        fallback,
-                        GaveUp(exc.worker, exc.cause),
-                        "other_worker" if attempt < retries else None,
-                    )
-                    metrics.retries.labels(exc.worker, "before_first_byte").inc()
-                    log.warning("retrying without %s: %s", exc.worker, exc.reason)
-                    continue
-                t = times.lap(EXECUTE, t)
-                lease.plan_opened(opened)
-                if opened.fallback is not None:
-                    fallback = give_up(run, fallback, opened.fallback, "colocated")
-                served = (opened, planned, ran)
-                break
+            tries = _Tries(t)
+            served = await _open(
+                router, lease, tries, policy, rview, prompt, match, holders, prompt.req,
+                out_headers, t0 + queued_s,
+            )  # fmt: skip
+            t = tries.t
             if served is None:
-                if last_error is not None:
-                    raise UpstreamError(f"no worker could serve the request: {last_error}")
+                if tries.last_error is not None:
+                    raise UpstreamError(f"no worker could serve the request: {tries.last_error}")
                 raise NoWorkerAvailableError(f"no healthy worker serves model '{req.model}'")
             opened, planned, ran = served
 
-            # stream (-> commit) -> observe
+            # stream (-> commit; -> a continuation on another worker, when its worker fails
+            # mid-stream) -> observe
             shown = PlanRecord.of(
                 planned,
                 prompt.session.session_id,
                 opened.fetched,
-                fallback,
+                tries.fallback,
                 ran,
                 opened.fetched_blocks,
                 opened.chunks,
@@ -265,11 +235,28 @@ async def _route(
                 await after_first_bytes(svc.commit, ran, prompt, match)
                 commit_s = clock() - began
 
+            # a stream that may move to another worker keeps what the client got, and waits
+            # for its worker's next bytes only `stall_timeout_s` (`router.migration`)
+            limits = router.settings.server
+            transcript: Transcript | None = None
+            why_not: str | None = None
+            stall_s: float | None = None
+            if prompt.req.stream and limits.max_migrations:
+                why_not = unmigratable(prompt.req)
+                if why_not is None:
+                    transcript = Transcript()
+                    stall_s = _stall_bound(limits, 0)
             lease.answer_started(opened)
             try:
                 ok = await stream(
-                    svc.stream, opened, out, shown, prompt.req.stream, t0, first_bytes, answer
-                )
+                    svc.stream, opened, out, shown, prompt.req.stream, t0, first_bytes, answer,
+                    transcript, stall_s,
+                )  # fmt: skip
+                if answer.cut is not None:
+                    ok, opened = await _carry_on(
+                        router, lease, tries, span, policy, rview, prompt, mt, match, holders,
+                        out_headers, out, answer, opened, transcript, why_not,
+                    )  # fmt: skip
             finally:
                 lease.answer_ended(answer.output_events)
                 await opened.aclose()
@@ -283,7 +270,7 @@ async def _route(
                 svc.observe,
                 ran,
                 match,
-                fallback,
+                tries.fallback,
                 ok,
                 answer.ttft_s,
                 tpot(answer.ttft_s, e2e_s, events),
@@ -293,3 +280,257 @@ async def _route(
             record_service(info, prompt.tokens, output_tokens(opened, prompt.req.stream, events))
             times.lap(OBSERVE, now)
             return outcome(opened.status, ok)
+
+
+class _Tries:
+    """The plan -> execute loop's state over one request's attempts, its continuations'
+    included: the workers that failed it, what ran instead so far, the last failure before a
+    first byte, and when the runner's last stage timing ended."""
+
+    __slots__ = ("excluded", "fallback", "last_error", "t")
+
+    def __init__(self, t: float) -> None:
+        self.excluded: Collection[str] = _NONE_EXCLUDED
+        self.fallback: Fallback | None = None
+        self.last_error: RetryableUpstreamError | None = None
+        self.t = t
+
+
+async def _open(
+    router: Router,
+    lease: RequestLease,
+    tries: _Tries,
+    policy: Policy,
+    rview: RequestView,
+    prompt: Prompt,
+    match: Match,
+    holders: ChunkHolders,
+    sent: CompletionRequest,
+    headers: bytes,
+    overhead_from: float | None,
+) -> tuple[OpenedResponse, Plan, Plan] | None:
+    """plan -> execute `sent` up to `server.retries` times more, each time without the workers
+    that failed it before the first byte (`tries.excluded`); a hand-over or fetch given up runs
+    colocated. (The opened response, its plan, the plan as it ran), or None when no worker
+    was left or every attempt failed (`tries.last_error`). `overhead_from`: when the router's
+    own work on the request began (`ownerserve_router_overhead_seconds` ends at the first
+    attempt's upstream request)."""
+    svc = router.services
+    tel = router.telemetry
+    metrics = router.metrics
+    times = metrics.stages
+    retries = router.settings.server.retries
+    run = svc.execute
+    t = tries.t
+    for attempt in range(retries + 1):
+        with tel.start_span("ownerserve.plan", attempt=attempt):
+            planned = plan(policy, rview, svc.cluster, match, tries.excluded, holders)
+        t = times.lap(PLAN, t)
+        if planned is None:
+            break
+        chosen = planned.chosen
+        lease.plan_started(planned, match)
+        if attempt == 0 and overhead_from is not None:
+            metrics.overhead.observe(time.perf_counter() - overhead_from)
+        try:
+            with tel.start_span(
+                "ownerserve.upstream",
+                action=planned.action.value,
+                prefill=chosen.prefill_worker,
+                decode=chosen.decode_worker,
+            ) as span:
+                opened, sent, ran = await execute(
+                    run, planned, sent, prompt, match, holders, headers
+                )
+                if span is not None and opened.fallback is not None:
+                    span.set_attribute("ran", "colocated")
+                    span.set_attribute("gave_up", opened.fallback.reason)
+        except RetryableUpstreamError as exc:
+            t = times.lap(EXECUTE, t)
+            lease.plan_failed()  # the next attempt takes it all again
+            tries.last_error = exc
+            if exc.after is not None:
+                tries.fallback = give_up(run, tries.fallback, exc.after, "colocated")
+            tries.excluded = {*tries.excluded, exc.worker}
+            tries.fallback = give_up(
+                run,
+                tries.fallback,
+                GaveUp(exc.worker, exc.cause),
+                "other_worker" if attempt < retries else None,
+            )
+            metrics.retries.labels(exc.worker, "before_first_byte").inc()
+            log.warning("retrying without %s: %s", exc.worker, exc.reason)
+            continue
+        tries.t = times.lap(EXECUTE, t)
+        lease.plan_opened(opened)
+        if opened.fallback is not None:
+            tries.fallback = give_up(run, tries.fallback, opened.fallback, "colocated")
+        return opened, planned, ran
+    tries.t = t
+    return None
+
+
+def _stall_bound(limits: ServerSettings, moved: int) -> float:
+    """The longest gap a stream that has moved `moved` times may leave between two pieces:
+    `stall_timeout_s` while it may move again, `stream_gap_timeout_s` once it may not."""
+    if moved < limits.max_migrations:
+        return min(limits.stall_timeout_s, limits.stream_gap_timeout_s)
+    return limits.stream_gap_timeout_s
+
+
+async def _carry_on(
+    router: Router,
+    lease: RequestLease,
+    tries: _Tries,
+    span: Any,
+    policy: Policy,
+    rview: RequestView,
+    prompt: Prompt,
+    mt: ModelTokenizer,
+    match: Match,
+    holders: ChunkHolders,
+    headers: bytes,
+    out: ResponseWriter,
+    answer: Answer,
+    opened: OpenedResponse,
+    transcript: Transcript | None,
+    why_not: str | None,
+) -> tuple[bool, OpenedResponse]:
+    """The answer's worker failed mid-stream (`answer.cut`): continue the answer on another
+    worker, planned as any request is, without the workers that failed it (`router.migration`;
+    as often as `server.max_migrations` allows), or end the stream with its error event, saying
+    why it went no further (`why_not`: the request's own reason, when it could never move).
+    (Whether the answer was served whole, the response it ended on: the caller closes it; a
+    response given up here is closed here.)"""
+    svc = router.services
+    metrics = router.metrics
+    limits = router.settings.server
+    moved = 0
+    ok = False
+    if transcript is not None and not out.sse:
+        transcript, why_not = None, "its answer is not an event stream"
+    while (cut := answer.cut) is not None:
+        result = "failed"
+        why: str | None = "no other worker could take it over"
+        generated = 0
+        took_over: OpenedResponse | None = None
+        partial: Partial | None = None
+        if transcript is None:
+            result, why = ("refused_guided", why_not) if why_not else ("refused_limit", None)
+        elif moved >= limits.max_migrations:
+            result, why = "refused_limit", "it moved as often as server.max_migrations allows"
+        else:
+            partial = transcript.partial()
+            text = partial.text
+            generated = len(mt.tokenizer.encode(text)) if text else 0
+            following = continuation(prompt.req, text, generated, mt.tokenizer.encode)
+            if partial.done or partial.finish_reason is not None or following is None:
+                # its last token came (or its token limit was reached): it ends here
+                log.warning("worker %s failed after the answer's last token", cut.worker)
+                tail = ending(partial, prompt.tokens, generated, asks_usage(prompt.req))
+                await out.write(tail)
+                answer.events += tail.count(b"data: ")
+                answer.output_events = max(0, answer.events - 1)
+                answer.cut = None
+                await out.end()
+                return True, opened
+            if partial.why_not is not None:
+                result, why = "refused_partial", partial.why_not
+            else:
+                lease.answer_cut(prompt.tokens + generated)
+                await opened.aclose()  # the failed worker's side of it ends (aborted there)
+                took_over = await _take_over(
+                    router, lease, tries, policy, rview, prompt, match, holders, following,
+                    headers, cut,
+                )  # fmt: skip
+                if took_over is not None:
+                    result = "migrated"
+                    opened = took_over
+        metrics.of(metrics.migrations, result).inc()
+        to = "" if took_over is None else took_over.final_worker.worker_id
+        if span is not None:
+            span.add_event(
+                "ownerserve.migration",
+                {"from": cut.worker, "to": to, "outcome": result, "generated_tokens": generated},
+            )
+        if took_over is None or partial is None:
+            if transcript is not None:
+                log.warning("the answer of %s goes no further: %s", cut.worker, why)
+            await end_cut(out, answer, why)
+            answer.cut = None
+            break
+        assert transcript is not None
+        moved += 1
+        log.warning(
+            "worker %s failed mid-stream: the answer continues on %s after %d tokens",
+            cut.worker, to, generated,
+        )  # fmt: skip
+        answer.cut = None
+        splice = Splice(partial.head, prompt.tokens, generated)
+        try:
+            ok = await continue_stream(
+                svc.stream, opened, out, answer, transcript, splice, _stall_bound(limits, moved)
+            )
+        except BaseException:
+            await opened.aclose()
+            raise
+    if span is not None:
+        span.set_attribute("migrations", moved)
+    return ok, opened
+
+
+async def _take_over(
+    router: Router,
+    lease: RequestLease,
+    tries: _Tries,
+    policy: Policy,
+    rview: RequestView,
+    prompt: Prompt,
+    match: Match,
+    holders: ChunkHolders,
+    following: CompletionRequest,
+    headers: bytes,
+    cut: Cut,
+) -> OpenedResponse | None:
+    """Open the continuation `following` on another worker (`_open`, without the workers that
+    failed the request) and start its answer: its lease holds, its plan listed for
+    `GET /admin/plans`, its commit. None when no worker could (or would: a 4xx) take it."""
+    svc = router.services
+    tries.excluded = {*tries.excluded, cut.worker}
+    tries.last_error = None
+    tries.t = time.perf_counter()  # its plan and execute are timed from now
+    served = await _open(
+        router, lease, tries, policy, rview, prompt, match, holders, following, headers, None
+    )
+    if served is None:
+        return None
+    opened, planned, ran = served
+    if opened.status != 200:
+        log.warning(
+            "worker %s refused to continue the answer of %s: status %d",
+            opened.final_worker.worker_id, cut.worker, opened.status,
+        )  # fmt: skip
+        await opened.aclose()
+        return None
+    opened.final_worker.breaker.record_success()
+    try:
+        lease.answer_started(opened)
+        # not a plan to learn from (its time to first token is another worker's)
+        gave_up = GaveUp(cut.worker, cut.reason)
+        fallback = tries.fallback
+        tries.fallback = (
+            Fallback("other_worker", (gave_up,))
+            if fallback is None
+            else fallback.then("other_worker", gave_up)
+        )
+        svc.stream.recent_plans.append(
+            PlanRecord.of(
+                planned, prompt.session.session_id, opened.fetched, None, ran,
+                opened.fetched_blocks, opened.chunks, migrated_from=cut.worker,
+            )
+        )  # fmt: skip
+        await after_first_bytes(svc.commit, ran, prompt, match)
+    except BaseException:
+        await opened.aclose()
+        raise
+    return opened

@@ -94,7 +94,9 @@ def plan_header(
 @fast_init
 @dataclass(frozen=True, slots=True)
 class PlanRecord:
-    """One executed plan, as `GET /admin/plans` lists it (the dict is built lazily)."""
+    """One executed plan, as `GET /admin/plans` lists it (the dict is built lazily); a
+    continuation's (`migrated_from`: the worker whose answer it took over mid-stream) is listed
+    after its request's first plan."""
 
     at: float
     session_id: str | None
@@ -104,6 +106,7 @@ class PlanRecord:
     ran: Plan | None = None
     fetched_blocks: tuple[int, int] | None = None
     chunks: tuple[int, int, int] | None = None
+    migrated_from: str | None = None
 
     @classmethod
     def of(
@@ -115,12 +118,24 @@ class PlanRecord:
         ran: Plan | None = None,
         fetched_blocks: tuple[int, int] | None = None,
         chunks: tuple[int, int, int] | None = None,
+        migrated_from: str | None = None,
     ) -> PlanRecord:
-        return cls(time.time(), session_id, plan, fetched, fallback, ran, fetched_blocks, chunks)
+        return cls(
+            time.time(),
+            session_id,
+            plan,
+            fetched,
+            fallback,
+            ran,
+            fetched_blocks,
+            chunks,
+            migrated_from,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         out = plan_to_dict(self.plan)
         out.update(at=self.at, session_id=self.session_id, fetched=self.fetched)
+        out["migrated_from"] = self.migrated_from
         fb_blocks = self.fetched_blocks
         out["fetched_blocks"] = None if fb_blocks is None else list(fb_blocks)
         ch = self.chunks

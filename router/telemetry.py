@@ -127,6 +127,14 @@ class RouterMetrics:
             "Streams ended by an upstream failure mid-stream",
             ["worker"],
         )
+        self.migrations = counter(
+            "ownerserve_migrations_total",
+            "Streams whose worker failed mid-stream, by what followed: migrated (continued on "
+            "another worker), refused_guided (constrained output or several choices), "
+            "refused_partial (a tool call or reasoning under way), refused_limit "
+            "(server.max_migrations spent), failed (no worker took it over)",
+            ["outcome"],
+        )
         self.fallbacks = counter(
             "ownerserve_fallbacks_total",
             "Hops given up before the first byte, by what ran instead (colocated on the "

@@ -1,6 +1,8 @@
 """Workers failing under the router, for real: an emulated engine SIGKILLed mid-stream ends
-the client's stream with an error event and `[DONE]` (never a hang), and a dead worker that
-the router still believes alive is retried on another before any byte reaches the client."""
+the client's stream with an error event and `[DONE]` (never a hang) when the answer may not
+move (`server.max_migrations: 0`; moving it: `test_router_migration.py`), and a dead worker
+that the router still believes alive is retried on another before any byte reaches the
+client."""
 
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ async def test_worker_killed_mid_stream_ends_the_stream_with_an_error_event():
     workers = (EmulatedWorker("h0", "hybrid", speed=1), EmulatedWorker("h1", "hybrid", speed=1))
     with emulated_workers(*workers) as ws:
         by_id = {w.worker_id: w for w in ws}
-        async with proxy_client(router_settings(ws)) as (client, router):
+        settings = router_settings(ws, server={"max_migrations": 0})
+        async with proxy_client(settings) as (client, router):
             body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "stream": True}
             lines: list[str] = []
             t0 = time.monotonic()
