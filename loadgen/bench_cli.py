@@ -1,11 +1,13 @@
 """`ownerserve bench agentic`: every routing policy and the peer routers on one emulated cluster;
-`ownerserve bench capacity`: the same targets swept over session arrival rates to overload.
+`ownerserve bench capacity`: the same targets swept over session arrival rates to overload;
+`ownerserve bench chaos`: two router replicas on one Redis directory under load and faults.
 
 ownerserve bench agentic                      # the full run (about 15-20 minutes here)
 ownerserve bench agentic --quick              # a smoke run: fewer sessions, two targets
 ownerserve bench agentic --policies ownerserve,static-pd --no-peers --no-trace
 ownerserve bench capacity                     # rates × targets on agentic-long
 ownerserve bench capacity --quick --targets ownerserve,static-pd
+ownerserve bench chaos --duration 600         # two replicas, one Redis, a fault schedule
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Markdown appended to the section (the written explanation of the numbers)",
     )
     _add_capacity_arguments(sub)
+    _add_chaos_arguments(sub)
 
 
 def _add_planner_argument(p: argparse.ArgumentParser) -> None:
@@ -277,6 +280,134 @@ def _add_capacity_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPar
     )
 
 
+def _add_chaos_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from loadgen.chaos.schedule import FAULT_KINDS
+
+    p = sub.add_parser(
+        "chaos",
+        help="sustained agentic load through two router replicas on one Redis directory, "
+        "while a fault schedule runs",
+        description="Run a fixed number of concurrent agent sessions, their turns spread over "
+        "two `ownerserve serve` replicas that share one Redis ownership directory, on emulated "
+        "workers, for --duration seconds, while a seeded fault schedule kills, stops and "
+        "restarts workers, Redis and a replica. Writes chaos_latest.json, a dated copy and "
+        "chaos_latest.md to --out-dir: requests by outcome (hung must be 0), sessions lost "
+        "(0), each dead worker's time until the directory names it as no owner (bound: one "
+        "lease), stale directory entries (0), KV and leases still held once idle (none), the "
+        "replicas' memory and sockets. Exits 1 when a check fails.",
+    )
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
+    p.add_argument("--sessions", type=int, default=6, help="concurrent agent sessions (default 6)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sessions and the faults")
+    p.add_argument(
+        "--faults",
+        default=",".join(FAULT_KINDS),
+        help="faults, comma list (default: all; sidecar_kill is skipped on emulated workers, "
+        "which have no sidecar)",
+    )
+    p.add_argument("--repeats", type=int, default=2, help="times each fault runs (default 2)")
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--hybrid", type=int, default=4)
+    p.add_argument("--profile", default="h100-llama3-8b", help="emulated workers' timing profile")
+    p.add_argument("--speed", type=float, default=4.0, help="emulated time runs N× faster")
+    p.add_argument(
+        "--lease-s", type=float, default=10.0, help="the directory's lease TTL (default 10)"
+    )
+    p.add_argument(
+        "--stop-s",
+        type=float,
+        default=8.0,
+        help="seconds a SIGSTOPped worker stays stopped (default 8: long enough for the "
+        "replicas to hold it dead, shorter than their stream-gap bound of 10)",
+    )
+    p.add_argument(
+        "--hang-s",
+        type=float,
+        default=45.0,
+        help="a request unanswered this long is hung (default 45; past the replicas' "
+        "request_timeout_s of 30)",
+    )
+    p.add_argument(
+        "--recover-s",
+        type=float,
+        default=30.0,
+        help="a turn that keeps failing this long loses its session (default 30)",
+    )
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=60.0,
+        help="after the load, seconds at most for every worker and router gauge to get back "
+        "to idle (default 60)",
+    )
+    p.add_argument(
+        "--stream-share", type=float, default=0.5, help="share of streamed turns (default 0.5)"
+    )
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiply the sessions' tool gaps")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument(
+        "--out-dir",
+        type=Path,
+        default=REPO_ROOT / "bench" / "results",
+        help="where the report goes (default: %(default)s)",
+    )
+    p.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="process logs, configs and the Redis data directory (default: a temp dir)",
+    )
+
+
+def run_chaos_command(args: argparse.Namespace) -> int:
+    """`ownerserve bench chaos`: run, write the report, print its Markdown."""
+    from loadgen.chaos.report import markdown
+    from loadgen.chaos.run import ChaosPlan, run_chaos
+    from loadgen.chaos.schedule import FAULT_KINDS
+
+    faults = tuple(_split(args.faults, FAULT_KINDS, "faults"))
+    if args.speed <= 0 or min(args.prefill, args.decode, args.hybrid) < 0:
+        raise ConfigError("--speed must be > 0 and worker counts >= 0")
+    if not 0.0 <= args.stream_share <= 1.0:
+        raise ConfigError("--stream-share must be within [0, 1]")
+    if min(args.lease_s, args.stop_s, args.settle_s, args.time_scale) <= 0:
+        raise ConfigError("--lease-s, --stop-s, --settle-s and --time-scale must be > 0")
+    plan = ChaosPlan(
+        out_dir=args.out_dir,
+        log_dir=args.log_dir or Path(tempfile.mkdtemp(prefix="ownerserve-chaos-")),
+        duration_s=args.duration,
+        sessions=args.sessions,
+        seed=args.seed,
+        prefill=args.prefill,
+        decode=args.decode,
+        hybrid=args.hybrid,
+        profile=args.profile,
+        speed=args.speed,
+        lease_s=args.lease_s,
+        faults=faults,
+        repeats=args.repeats,
+        stop_s=args.stop_s,
+        hang_s=args.hang_s,
+        recover_s=args.recover_s,
+        settle_s=args.settle_s,
+        stream_share=args.stream_share,
+        time_scale=args.time_scale,
+        progress=not args.quiet,
+    )
+    try:
+        plan.check()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if not args.quiet:
+        print(f"process logs: {plan.log_dir}", file=sys.stderr)
+    command = "ownerserve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    with sigterm_as_interrupt():
+        report = run_chaos(plan, command)
+    print(markdown(report))
+    return 0 if report["pass"] else 1
+
+
 def _split(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
     items = [x.strip() for x in value.split(",") if x.strip()]
     bad = [x for x in items if x not in allowed]
@@ -341,8 +472,13 @@ def run(args: argparse.Namespace) -> int:
     command = getattr(args, "bench_command", None)
     if command == "capacity":
         return run_capacity_command(args)
+    if command == "chaos":
+        return run_chaos_command(args)
     if command != "agentic":
-        print("usage: ownerserve bench agentic|capacity [options] (see --help)", file=sys.stderr)
+        print(
+            "usage: ownerserve bench agentic|capacity|chaos [options] (see --help)",
+            file=sys.stderr,
+        )
         return 2
     if args.speed <= 0 or min(args.prefill, args.decode, args.hybrid) < 0:
         raise ConfigError("--speed must be > 0 and worker counts >= 0")

@@ -130,6 +130,7 @@ def create_app(
             m.breaker.labels(w.worker_id).set(int(w.breaker.state))
             m.healthy.labels(w.worker_id).set(1 if w.healthy else 0)
             m.inflight.labels(w.worker_id).set(w.inflight)
+        m.leases_open.set(router.leases.open)
         return Response(m.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # --- admin API (separate token) -------------------------------------------------------

@@ -192,6 +192,10 @@ class RouterMetrics:
                 ("ownerserve_worker_inflight", "Requests in flight per worker"),
             )
         )
+        self.leases_open = gauge(
+            "ownerserve_request_leases_open",
+            "Requests holding their lease now (router/lease.py): back to 0 once the router is idle",
+        )
         self.directory_errors = counter(
             "ownerserve_directory_lookup_errors_total",
             "Lookups that failed (requests then routed without ownership)",

@@ -1,10 +1,11 @@
 """Telemetry over real transports: spans exported by the OTLP/HTTP exporter to a receiver,
 W3C trace context on the upstream request, and every metric the Grafana dashboard plots
-exported on `/metrics`."""
+exported on `/metrics`, the open request leases among them."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -19,6 +20,7 @@ from router.app import create_app
 from router.server import running_app
 from tests.router.fake_worker import FakeWorker, free_port
 from tests.router.test_app import CHAT, MODEL, FixedPolicy, fixed_planner
+from tests.waiting import until
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "configs" / "grafana" / "ownerserve-router.json"
 
@@ -112,3 +114,40 @@ async def test_every_metric_on_the_dashboard_is_exported():
     families = {line.split()[2] for line in exported.splitlines() if line.startswith("# TYPE")}
     missing = {m for m in used if m not in families and m.removesuffix("_total") not in families}
     assert not missing, missing
+
+
+async def test_open_request_leases_are_exported_while_held_and_zero_once_idle():
+    worker = await FakeWorker("w0", mode="hang").start()
+    try:
+        settings = settings_from_dict(
+            {
+                "server": {"port": 0, "health_interval_s": 60, "request_timeout_s": 5},
+                "models": [{"name": MODEL, "block_size": 4}],
+                "workers": [{"id": "w0", "url": worker.url}],
+            }
+        )
+        policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+        app = create_app(settings, planner=fixed_planner(settings, policy))
+        gauge = "ownerserve_request_leases_open "
+        async with running_app(app, "127.0.0.1", 0) as url, httpx.AsyncClient() as client:
+
+            async def leases_open() -> float:
+                text = (await client.get(url + "/metrics")).text
+                return float(next(x for x in text.splitlines() if x.startswith(gauge)).split()[1])
+
+            assert await leases_open() == 0.0
+            held = asyncio.create_task(
+                client.post(url + "/v1/chat/completions", json={**CHAT, "stream": True})
+            )
+            await until(lambda: worker.completions(), what="the request reached the worker")
+            assert await leases_open() == 1.0
+            held.cancel()  # the client goes away: the router gives the lease back
+            with contextlib.suppress(asyncio.CancelledError):
+                await held
+
+            async def idle() -> bool:
+                return await leases_open() == 0.0
+
+            await until(idle, what="the lease given back")
+    finally:
+        await worker.stop()

@@ -1,0 +1,228 @@
+"""What the chaos bench reads while it runs: the ownership directory straight from Redis (what
+it names each worker: leases, session decode owners, replicas, cached blocks), a process's
+memory and open sockets from /proc, and the counters of a server's `/metrics`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadgen.metrics import metric_sum, parse_prometheus
+from ownerserve.config import DirectorySettings
+from ownerserve.directory import open_directory
+from ownerserve.directory.redis import RedisDirectory
+
+
+@dataclass(frozen=True, slots=True)
+class Named:
+    """What the directory names one worker in, now: the epochs of its live leases, the
+    sessions whose decode owner it is, its live replica lines and the blocks its cached
+    view holds."""
+
+    lease_epochs: tuple[int, ...] = ()
+    sessions: int = 0
+    replicas: int = 0
+    cached_blocks: int = 0
+
+    @property
+    def as_owner(self) -> int:
+        """Live leases plus sessions it owns: what must go when it dies."""
+        return len(self.lease_epochs) + self.sessions
+
+    @property
+    def total(self) -> int:
+        return self.as_owner + self.replicas + self.cached_blocks
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "leases": len(self.lease_epochs),
+            "sessions": self.sessions,
+            "replicas": self.replicas,
+            "cached_blocks": self.cached_blocks,
+        }
+
+
+class DirectoryProbe:
+    """Reads the Redis directory the routers share, key by key (`ownerserve/directory/README.md`,
+    *Redis key layout*), without going through the routers."""
+
+    def __init__(self, redis_url: str, namespace: str = "os") -> None:
+        settings = DirectorySettings(backend="redis", redis_url=redis_url, key_prefix=namespace)
+        directory = open_directory(settings, resilient=False)
+        assert isinstance(directory, RedisDirectory)
+        self.directory = directory
+        self.r = directory.client
+        self.p = directory.prefix
+
+    async def close(self) -> None:
+        await self.directory.close()
+
+    async def now_ms(self) -> int:
+        sec, usec = await self.r.time()
+        return int(sec) * 1000 + int(usec) // 1000
+
+    async def epoch(self) -> int:
+        """The fencing epoch counter: every lease granted from now on has a higher epoch."""
+        return int(await self.r.get(self.p + "epoch") or 0)
+
+    async def live_leases(self) -> dict[str, list[int]]:
+        """Worker -> the epochs of its live leases."""
+        now = await self.now_ms()
+        out: dict[str, list[int]] = {}
+        for rec in (await self.r.hgetall(self.p + "art")).values():
+            worker, epoch, expires, _tier = str(rec).split("\t")
+            if int(expires) > now:
+                out.setdefault(worker, []).append(int(epoch))
+        return out
+
+    async def slow_commands(self, n: int = 10) -> list[dict[str, Any]]:
+        """Redis's slow log (commands past `slowlog-log-slower-than`, 10 ms by default): the
+        slowest first, each with its duration and its command cut short."""
+        entries = await self.r.slowlog_get(128)
+        out: list[dict[str, Any]] = [
+            {
+                "us": int(e["duration"]),
+                "at": int(e["start_time"]),
+                "command": str(e["command"])[:160],
+            }
+            for e in entries
+        ]
+        out.sort(key=lambda e: -int(e["us"]))
+        return out[:n]
+
+    async def latency_events(self) -> list[list[Any]]:
+        """Redis's latency monitor (`LATENCY LATEST`: event, last time, last and most ms),
+        once `latency-monitor-threshold` is set: what stalled the server, commands, forks
+        and AOF writes alike."""
+        return [list(x) for x in await self.r.execute_command("LATENCY", "LATEST")]
+
+    async def named(self, worker: str, *, cached: bool = False) -> Named:
+        """What the directory names `worker` in (`cached`: also scan every block record for
+        its cached view, which costs a pass over the block table)."""
+        p, r = self.p, self.r
+        now = await self.now_ms()
+        leases = (await self.live_leases()).get(worker, [])
+        sids = [str(x) for x in await r.smembers(f"{p}w:{worker}:sess")]
+        owners = await r.mget([p + "s:" + sid for sid in sids]) if sids else []
+        sessions = sum(1 for o in owners if o == worker)
+        blocks = list(await r.smembers(f"{p}w:{worker}:reps"))
+        replicas = 0
+        for rec in await r.hmget(p + "blk", blocks) if blocks else []:
+            replicas += _live_replica_lines(rec, worker, now)
+        cached_blocks = await self._cached_blocks(worker) if cached else 0
+        return Named(tuple(sorted(leases)), sessions, replicas, cached_blocks)
+
+    async def _cached_blocks(self, worker: str) -> int:
+        idx = await self.r.hget(f"{self.p}w:{worker}", "idx")
+        if idx is None:
+            return 0
+        j = int(idx)
+        n = 0
+        async for _block, rec in self.r.hscan_iter(self.p + "blk", count=2_000):
+            rec = str(rec)
+            nl = rec.find("\n", 16)
+            cache = rec[16:nl] if nl >= 0 else rec[16:]
+            if j <= len(cache) and cache[j - 1] != "\0":
+                n += 1
+        return n
+
+
+def _live_replica_lines(rec: object, worker: str, now_ms: int) -> int:
+    """Live replica lines of `worker` in one block record."""
+    if not rec:
+        return 0
+    text = str(rec)
+    nl = text.find("\n", 16)
+    if nl < 0:
+        return 0
+    n = 0
+    for line in text[nl + 1 :].split("\n"):
+        if not line:
+            continue
+        who, _tier, expires, _ro = line.split("\t")
+        if who == worker and int(expires) > now_ms:
+            n += 1
+    return n
+
+
+@dataclass(frozen=True, slots=True)
+class ProcStats:
+    """A process's resident memory and open descriptors, from /proc."""
+
+    rss_mb: float
+    sockets: int
+    fds: int
+
+
+def proc_stats(pid: int) -> ProcStats | None:
+    """`pid`'s `VmRSS` and its open descriptors (sockets among them); None once it is gone."""
+    base = Path("/proc") / str(pid)
+    try:
+        rss_kb = 0
+        for line in (base / "status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                rss_kb = int(line.split()[1])
+                break
+        sockets = fds = 0
+        for fd in os.listdir(base / "fd"):
+            fds += 1
+            try:
+                if os.readlink(base / "fd" / fd).startswith("socket:"):
+                    sockets += 1
+            except OSError:  # closed while listed
+                continue
+    except (OSError, ValueError):
+        return None
+    return ProcStats(rss_kb / 1024, sockets, fds)
+
+
+WORKER_GAUGES: dict[str, str] = {
+    "running": "vllm:num_requests_running",
+    "waiting": "vllm:num_requests_waiting",
+    "kv_blocks_in_use": "ownerserve_emulator_kv_blocks_in_use",
+    "kv_transfers_held": "ownerserve_emulator_kv_transfers_held",
+}
+"""An emulated worker's gauges that a request holds while it lives (0 on an idle worker)."""
+
+ROUTER_GAUGES: dict[str, str] = {
+    "inflight": "ownerserve_worker_inflight",
+    "admission_queued": "ownerserve_admission_queued",
+    "leases_open": "ownerserve_request_leases_open",
+}
+"""A router's gauges that a request holds while it lives (0 on an idle router)."""
+
+
+async def scrape(
+    client: httpx.AsyncClient, url: str, gauges: dict[str, str]
+) -> dict[str, float] | None:
+    """`gauges` (report name -> metric, summed over labels) from `url`/metrics; None when it
+    does not answer."""
+    try:
+        resp = await client.get(url + "/metrics", timeout=5.0)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    samples = parse_prometheus(resp.text)
+    return {k: metric_sum(samples, name) or 0.0 for k, name in gauges.items()}
+
+
+async def counters(
+    client: httpx.AsyncClient, url: str, names: Sequence[str]
+) -> dict[str, float] | None:
+    """Every sample of the metrics in `names` from `url`/metrics, keyed `name{labels}`."""
+    try:
+        resp = await client.get(url + "/metrics", timeout=5.0)
+    except httpx.HTTPError:
+        return None
+    out: dict[str, float] = {}
+    for name, labels, value in parse_prometheus(resp.text):
+        if name in names and value:
+            key = name + ("{" + ",".join(f"{k}={v}" for k, v in labels) + "}" if labels else "")
+            out[key] = value
+    return out

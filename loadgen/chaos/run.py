@@ -1,0 +1,595 @@
+"""One chaos run: start the topology, run the load and the fault schedule side by side, then let
+everything recover and check what is left: requests that hung, sessions lost, workers still
+holding a dead request's KV, routers still holding a request, directory entries naming a dead
+worker, and the replicas' memory and sockets over the run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from redis.exceptions import RedisError
+
+from loadgen.chaos.load import ChaosLoad, LoadOptions, LoadResult
+from loadgen.chaos.probe import (
+    ROUTER_GAUGES,
+    WORKER_GAUGES,
+    DirectoryProbe,
+    Named,
+    proc_stats,
+    scrape,
+)
+from loadgen.chaos.schedule import (
+    FAULT_KINDS,
+    UNSUPPORTED_ON_EMULATOR,
+    ScheduledFault,
+    fault_schedule,
+)
+from loadgen.chaos.topology import Replica, RouterTimeouts, Topology
+from loadgen.cluster import DEFAULT_PROFILE, MODEL, ClusterSpec, EmulatedWorker
+
+ROUTER_COUNTERS = (
+    "ownerserve_requests_total",
+    "ownerserve_retries_total",
+    "ownerserve_stream_errors_total",
+    "ownerserve_fallbacks_total",
+    "ownerserve_upstream_timeouts_total",
+    "ownerserve_directory_lookup_errors_total",
+    "ownerserve_directory_commit_errors_total",
+    "ownerserve_directory_drop_worker_errors_total",
+    "ownerserve_directory_sweep_errors_total",
+)
+"""The replicas' counters the report carries (what the routers saw of the faults)."""
+
+
+@dataclass
+class ChaosPlan:
+    """What one run does (the CLI's options)."""
+
+    out_dir: Path
+    log_dir: Path
+    duration_s: float = 600.0
+    sessions: int = 6
+    seed: int = 0
+    prefill: int = 1
+    decode: int = 1
+    hybrid: int = 4
+    profile: str = DEFAULT_PROFILE
+    speed: float = 4.0
+    lease_s: float = 10.0
+    faults: tuple[str, ...] = FAULT_KINDS
+    repeats: int = 2
+    stop_s: float = 8.0
+    """How long a SIGSTOPped worker stays stopped."""
+    redis_down_s: float = 2.0
+    hang_s: float = 45.0
+    recover_s: float = 30.0
+    settle_s: float = 60.0
+    stream_share: float = 0.5
+    time_scale: float = 1.0
+    sample_s: float = 2.0
+    timeouts: RouterTimeouts = field(default_factory=RouterTimeouts)
+    progress: bool = True
+
+    def spec(self) -> ClusterSpec:
+        # the emulators' P/D holds expire well inside the settle bound
+        extra = ("--kv-lease-duration", "10", "--transfer-timeout-s", "10")
+        return ClusterSpec(
+            self.prefill, self.decode, self.hybrid, self.profile, self.speed, MODEL, extra
+        )
+
+    def check(self) -> None:
+        if self.duration_s <= 0 or self.sessions < 1 or self.repeats < 1:
+            raise ValueError("--duration and --sessions must be > 0, --repeats >= 1")
+        if self.prefill + self.decode + self.hybrid < 2:
+            raise ValueError("the topology needs at least two workers (one can die)")
+        if self.hang_s <= self.timeouts.request_timeout_s:
+            raise ValueError(
+                f"--hang-s ({self.hang_s:g}) must exceed the routers' request_timeout_s "
+                f"({self.timeouts.request_timeout_s:g}): every answer is due within that"
+            )
+
+
+@dataclass
+class Death:
+    """A worker killed by a fault, and what the directory did about it."""
+
+    worker: str
+    fault: str
+    killed_s: float
+    owner_gone_s: float | None
+    """Seconds from the kill until the directory named it in no live lease and as no
+    session's decode owner (None: not within the wait's bound)."""
+    named_at_kill: Named
+    named_at_restart: Named
+    """What the directory still named it in just before its restart: stale entries."""
+    restart_epoch: int
+    """The epoch counter just before the restart: a live lease of this worker at or below
+    it was granted before the restart, for KV the restart lost."""
+    restarted_s: float | None = None
+
+
+@dataclass
+class FaultRecord:
+    fault: ScheduledFault
+    started_s: float
+    ended_s: float = 0.0
+    detail: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.fault.kind,
+            "target": self.fault.target,
+            "planned_s": self.fault.at_s,
+            "started_s": round(self.started_s, 2),
+            "ended_s": round(self.ended_s, 2),
+            **self.detail,
+            "problems": self.problems,
+        }
+
+
+class _Run:
+    """The state of one run while it goes: the processes, the probes, the records."""
+
+    def __init__(self, plan: ChaosPlan, topo: Topology) -> None:
+        self.plan = plan
+        self.topo = topo
+        self.probe = DirectoryProbe(topo.redis.url)
+        self.http = httpx.AsyncClient(timeout=5.0)
+        self.load: ChaosLoad | None = None
+        self.t0 = time.monotonic()
+        self.records: list[FaultRecord] = []
+        self.deaths: list[Death] = []
+        self.samples: list[dict[str, Any]] = []
+        self.current = ""
+        self.no_more_faults = asyncio.Event()
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def log(self, msg: str) -> None:
+        if self.plan.progress:
+            wall = time.strftime("%H:%M:%S")
+            print(f"[chaos {self.now():7.1f}s {wall}] {msg}", file=sys.stderr, flush=True)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        with contextlib.suppress(RedisError, OSError):
+            await self.probe.close()
+
+    # --- measuring ---------------------------------------------------------------------------
+
+    async def named(self, worker: str, *, cached: bool = False) -> Named | None:
+        try:
+            return await self.probe.named(worker, cached=cached)
+        except (RedisError, OSError):
+            return None
+
+    async def epoch(self) -> int:
+        """The directory's epoch counter; -1 when Redis does not answer (twice: the first
+        call after a Redis restart finds its pooled connection closed)."""
+        for _ in range(2):
+            with contextlib.suppress(RedisError, OSError):
+                return await self.probe.epoch()
+        return -1
+
+    async def wait_for(
+        self, cond: Callable[[], Awaitable[bool]], bound_s: float, poll_s: float = 0.2
+    ) -> float | None:
+        """Seconds until `cond()` held, or None when it did not within `bound_s`."""
+        start = time.monotonic()
+        while True:
+            if await cond():
+                return time.monotonic() - start
+            if time.monotonic() - start >= bound_s:
+                return None
+            await asyncio.sleep(poll_s)
+
+    async def gauges(self) -> dict[str, dict[str, float] | None]:
+        out: dict[str, dict[str, float] | None] = {}
+        for w in self.topo.workers:
+            out[w.worker_id] = await scrape(self.http, w.url, WORKER_GAUGES)
+        for r in self.topo.replicas:
+            out["router " + r.name] = await scrape(self.http, r.url, ROUTER_GAUGES)
+        return out
+
+    async def admin_state(self, replica: Replica) -> dict[str, tuple[bool, int]] | None:
+        """Worker id -> (healthy, requests in flight), as `replica` sees them (admin API)."""
+        try:
+            resp = await self.http.get(
+                replica.url + "/admin/workers",
+                headers={"authorization": f"Bearer {self.topo.admin_token}"},
+            )
+            return {
+                w["id"]: (bool(w["healthy"]), int(w["inflight"])) for w in resp.json()["workers"]
+            }
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+
+    async def directory_healthy(self, replica: Replica) -> bool:
+        try:
+            body = (await self.http.get(replica.url + "/health")).json()
+            return bool(body["directory"]["healthy"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return False
+
+    async def sample_forever(self) -> None:
+        while True:
+            t = self.now()
+            for r in self.topo.replicas:
+                pid = r.pid
+                stats = proc_stats(pid) if pid is not None else None
+                if stats is not None:
+                    self.samples.append(
+                        {
+                            "t_s": round(t, 2),
+                            "replica": r.name,
+                            "generation": r.generation,
+                            "rss_mb": round(stats.rss_mb, 2),
+                            "sockets": stats.sockets,
+                            "fds": stats.fds,
+                        }
+                    )
+            load = self.load
+            if load is not None and self.plan.progress and int(t) % 15 < self.plan.sample_s:
+                ok = sum(1 for a in load.attempts if a.ok)
+                self.log(
+                    f"requests ok {ok}, failed {len(load.attempts) - ok}, in flight "
+                    f"{load.inflight}; sessions done {len(load.sessions)}"
+                    + (f"; fault: {self.current}" if self.current else "")
+                )
+            await asyncio.sleep(self.plan.sample_s)
+
+    # --- faults -----------------------------------------------------------------------------
+
+    async def run_schedule(self, schedule: tuple[ScheduledFault, ...], load_t0: float) -> None:
+        """Each fault at its time, one after another (one that runs long delays the next);
+        none starts once `no_more_faults` is set."""
+        for f in schedule:
+            delay = load_t0 + f.at_s - time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, delay)):
+                    await self.no_more_faults.wait()
+            if self.no_more_faults.is_set():
+                return
+            rec = FaultRecord(f, self.load_now(), detail={"at": time.strftime("%H:%M:%S")})
+            self.records.append(rec)
+            self.current = f"{f.kind} {f.target}".strip()
+            self.log(f"fault {self.current}")
+            try:
+                await self.fault(rec)
+            except Exception as exc:  # a fault that could not be applied is a finding
+                rec.problems.append(f"the fault failed: {exc!r}"[:400])
+            finally:
+                rec.ended_s = self.load_now()
+                self.current = ""
+                self.log(f"fault {f.kind} {f.target} done: {rec.detail} {rec.problems}")
+
+    def load_now(self) -> float:
+        return self.load.now() if self.load is not None else 0.0
+
+    async def fault(self, rec: FaultRecord) -> None:
+        kind, target = rec.fault.kind, rec.fault.target
+        if kind in ("worker_kill", "pd_drop"):
+            await self.kill_worker(rec, self.topo.worker(target), in_flight=kind == "pd_drop")
+        elif kind == "worker_stop":
+            await self.stop_worker(rec, self.topo.worker(target))
+        elif kind == "redis_restart":
+            await self.restart_redis(rec)
+        elif kind == "router_restart":
+            await self.restart_router(rec, self.topo.replica(target))
+        else:
+            raise AssertionError(f"no action for {kind}")
+
+    async def kill_worker(self, rec: FaultRecord, w: EmulatedWorker, *, in_flight: bool) -> None:
+        """SIGKILL `w` (for `pd_drop`, while a P/D plan has it as its prefill worker), wait
+        until every replica holds it dead and the directory names it in nothing, start it
+        again (cold) and wait until every replica routes to it."""
+        plan = self.plan
+        if in_flight:
+            await self.catch_in_flight(rec, w)
+        at_kill = await self.named(w.worker_id) or Named()
+        killed = self.load_now()
+        await asyncio.to_thread(w.kill)
+        if w.process is not None and w.process.pid is not None:  # it may have been frozen
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(w.process.pid, signal.SIGCONT)
+
+        async def not_owner() -> bool:
+            n = await self.named(w.worker_id)
+            return n is not None and n.as_owner == 0
+
+        async def forgotten() -> bool:
+            n = await self.named(w.worker_id, cached=True)
+            return n is not None and n.total == 0
+
+        # past one lease TTL only a bug keeps it named; wait a second TTL before giving up
+        bound = 2 * plan.lease_s + 5.0
+        owner_gone = await self.wait_for(not_owner, bound)
+        dead = await self.wait_for(lambda: self.all_see(w.worker_id, False), bound)
+        dead_s = self.load_now() - killed
+        gone = await self.wait_for(forgotten, bound, poll_s=0.5)
+        since = self.load_now() - killed
+        rec.detail["owner_gone_s"] = None if owner_gone is None else round(owner_gone, 2)
+        rec.detail["held_dead_by_every_replica_by_s"] = None if dead is None else round(dead_s, 2)
+        rec.detail["forgotten_by_s"] = None if gone is None else round(since, 2)
+        rec.detail["named_at_kill"] = at_kill.as_dict()
+        if owner_gone is None or owner_gone > plan.lease_s:
+            rec.problems.append(
+                f"the directory named {w.worker_id} as an owner "
+                + ("past the wait's bound" if owner_gone is None else f"for {owner_gone:.1f} s")
+                + f" after its death (bound: one lease, {plan.lease_s:g} s)"
+            )
+        if dead is None:
+            rec.problems.append(f"a replica did not hold {w.worker_id} dead within {bound:g} s")
+        # what is still there now is stale: the worker is dead and about to come back empty
+        at_restart = await self.named(w.worker_id, cached=True) or Named()
+        rec.detail["named_at_restart"] = at_restart.as_dict()
+        if at_restart.total:
+            rec.problems.append(
+                f"stale entries naming {w.worker_id} {since:.0f} s after its death: "
+                f"{at_restart.as_dict()}"
+            )
+        epoch = await self.epoch()
+        death = Death(w.worker_id, rec.fault.kind, killed, owner_gone, at_kill, at_restart, epoch)
+        self.deaths.append(death)
+        await asyncio.to_thread(w.start)
+        await asyncio.to_thread(w.wait_healthy)
+        death.restarted_s = self.load_now()
+        back = await self.wait_for(lambda: self.all_see(w.worker_id, True), 30.0)
+        rec.detail["down_s"] = round(death.restarted_s - killed, 2)
+        rec.detail["routed_again_s"] = None if back is None else round(back, 2)
+        if back is None:
+            rec.problems.append(f"a replica did not see {w.worker_id} healthy within 30 s")
+
+    async def catch_in_flight(self, rec: FaultRecord, w: EmulatedWorker) -> None:
+        """Return once a replica has a plan in flight on `w` (its admin API's `inflight`):
+        watched for up to 10 s; an emulated prefill lasts tens of milliseconds, so if none is
+        seen, `w` is frozen (SIGSTOP) until one is sent to it (up to 20 s more), and the
+        caller kills it frozen. The record says which."""
+
+        async def busy() -> bool:
+            for r in self.topo.replicas:
+                seen = await self.admin_state(r)
+                if seen is not None and seen.get(w.worker_id, (True, 0))[1] > 0:
+                    return True
+            return False
+
+        if await self.wait_for(busy, 10.0, poll_s=0.02) is not None:
+            rec.detail["killed"] = "with a plan in flight on it"
+            return
+        pid = w.process.pid if w.process is not None else None
+        if pid is None:
+            return
+        os.killpg(pid, signal.SIGSTOP)
+        if await self.wait_for(busy, 20.0, poll_s=0.05) is not None:
+            rec.detail["killed"] = "frozen, once a plan was in flight on it"
+        else:
+            rec.detail["killed"] = "frozen, idle: no plan used it within 30 s"
+            rec.problems.append(f"no plan used {w.worker_id} within 30 s: killed idle")
+
+    async def all_see(self, worker: str, healthy: bool) -> bool:
+        """Whether every replica's admin API shows `worker` as `healthy`."""
+        for r in self.topo.replicas:
+            seen = await self.admin_state(r)
+            if seen is None or worker not in seen or seen[worker][0] is not healthy:
+                return False
+        return True
+
+    async def stop_worker(self, rec: FaultRecord, w: EmulatedWorker) -> None:
+        pid = w.process.pid if w.process is not None else None
+        if pid is None:
+            rec.problems.append(f"{w.worker_id} is not running")
+            return
+        stop_s = self.plan.stop_s
+        os.killpg(pid, signal.SIGSTOP)
+        t = time.monotonic()
+        try:
+            marked = await self.wait_for(
+                lambda: self.all_see(w.worker_id, False), stop_s, poll_s=0.25
+            )
+            left = stop_s - (time.monotonic() - t)
+            if left > 0:
+                await asyncio.sleep(left)
+        finally:
+            os.killpg(pid, signal.SIGCONT)
+        rec.detail["stopped_s"] = round(time.monotonic() - t, 2)
+        rec.detail["marked_dead_by_every_replica_s"] = None if marked is None else round(marked, 2)
+        back = await self.wait_for(lambda: self.all_see(w.worker_id, True), 30.0)
+        rec.detail["healthy_again_s"] = None if back is None else round(back, 2)
+        if back is None:
+            rec.problems.append(f"a replica did not see {w.worker_id} healthy within 30 s")
+
+    async def restart_redis(self, rec: FaultRecord) -> None:
+        redis = self.topo.redis
+        before = await self.epoch()
+        await asyncio.to_thread(redis.kill)
+        await asyncio.sleep(self.plan.redis_down_s)
+        await asyncio.to_thread(redis.start)
+
+        async def healthy() -> bool:
+            return all([await self.directory_healthy(r) for r in self.topo.replicas])
+
+        back = await self.wait_for(healthy, 60.0, poll_s=0.25)
+        after = await self.epoch()
+        rec.detail["down_s"] = self.plan.redis_down_s
+        rec.detail["directory_healthy_again_s"] = None if back is None else round(back, 2)
+        rec.detail["epoch_before_after"] = [before, after]
+        if back is None:
+            rec.problems.append("a replica's directory was not healthy within 60 s of Redis")
+
+    async def restart_router(self, rec: FaultRecord, r: Replica) -> None:
+        t = time.monotonic()
+        await asyncio.to_thread(r.stop)
+        stopped = time.monotonic() - t
+        await asyncio.to_thread(r.start)
+        rec.detail["stop_s"] = round(stopped, 2)
+        rec.detail["down_s"] = round(time.monotonic() - t, 2)
+
+    # --- after the load ----------------------------------------------------------------------
+
+    async def recover(self) -> list[str]:
+        """Bring back whatever a fault left down (it should be nothing)."""
+        notes = []
+        for w in self.topo.workers:
+            if not w.alive():
+                notes.append(f"worker {w.worker_id} was down at the end: started again")
+                await asyncio.to_thread(w.start)
+                await asyncio.to_thread(w.wait_healthy)
+        if not self.topo.redis.alive():
+            notes.append("redis was down at the end: started again")
+            await asyncio.to_thread(self.topo.redis.start)
+        for r in self.topo.replicas:
+            if r.pid is None:
+                notes.append(f"router {r.name} was down at the end: started again")
+                await asyncio.to_thread(r.start)
+        return notes
+
+    async def settle(
+        self, baseline: dict[str, dict[str, float] | None]
+    ) -> tuple[float | None, dict[str, dict[str, float] | None]]:
+        """Wait until every gauge is back at its value before the load; (seconds it took or
+        None, the last values)."""
+        last: dict[str, dict[str, float] | None] = {}
+
+        async def idle() -> bool:
+            nonlocal last
+            last = await self.gauges()
+            return all(now is not None and now == baseline.get(name) for name, now in last.items())
+
+        took = await self.wait_for(idle, self.plan.settle_s, poll_s=0.5)
+        return took, last
+
+    async def stale_leases(self) -> dict[str, int]:
+        """Per worker killed during the run: its live leases granted before its last restart
+        (the KV they name died with it)."""
+        last_epoch: dict[str, int] = {}
+        for d in self.deaths:
+            last_epoch[d.worker] = max(last_epoch.get(d.worker, -1), d.restart_epoch)
+        leases = await self.probe.live_leases()
+        return {
+            w: sum(1 for e in leases.get(w, []) if e <= epoch) for w, epoch in last_epoch.items()
+        }
+
+
+async def _run_async(plan: ChaosPlan, topo: Topology, command: str) -> dict[str, Any]:
+    from loadgen.chaos.report import build_report
+
+    run = _Run(plan, topo)
+    try:
+        baseline = await run.gauges()
+        start_stats = {r.name: proc_stats(r.pid) if r.pid else None for r in topo.replicas}
+        kinds = tuple(k for k in plan.faults if k not in UNSUPPORTED_ON_EMULATOR)
+        skipped = {k: UNSUPPORTED_ON_EMULATOR[k] for k in plan.faults if k not in kinds}
+        prefill = [w.worker_id for w in topo.cluster.by_role("prefill")]
+        victims = [w.worker_id for w in topo.workers if w.role != "prefill"]
+        if "pd_drop" in kinds and not (prefill and topo.cluster.by_role("decode")):
+            kinds = tuple(k for k in kinds if k != "pd_drop")
+            skipped["pd_drop"] = "the topology has no P/D pair (--prefill and --decode >= 1)"
+        warmup = min(10.0, plan.duration_s * 0.1)
+        schedule = (
+            fault_schedule(
+                kinds,
+                plan.repeats,
+                warmup,
+                plan.duration_s * 0.85,
+                plan.seed,
+                victims=victims,
+                prefill=prefill,
+                replica=topo.replicas[-1].name,
+            )
+            if kinds
+            else ()
+        )
+        opts = LoadOptions(
+            targets=tuple(r.url for r in topo.replicas),
+            sessions=plan.sessions,
+            duration_s=plan.duration_s,
+            seed=plan.seed,
+            model=MODEL,
+            stream_share=plan.stream_share,
+            hang_s=plan.hang_s,
+            recover_s=plan.recover_s,
+            time_scale=plan.time_scale,
+        )
+        run.load = ChaosLoad(opts)
+        sampler = asyncio.create_task(run.sample_forever())
+        load_task = asyncio.create_task(run.load.run())
+        await asyncio.sleep(0)  # the load's clock starts in its task
+        faults = asyncio.create_task(run.run_schedule(schedule, run.load.t0))
+        result: LoadResult = await load_task
+        run.log("load ended; waiting for the fault in progress, if any")
+        run.no_more_faults.set()
+        await faults  # every fault's waits are bounded
+        notes = await run.recover()
+        run.log("settling: every gauge back to its value before the load")
+        settle_s, end_gauges = await run.settle(baseline)
+        stale = await run.stale_leases()
+        try:
+            slow = {
+                "slowest_commands": await run.probe.slow_commands(),
+                "latency_events": await run.probe.latency_events(),
+            }
+        except (RedisError, OSError) as exc:
+            slow = {"error": repr(exc)}
+        end_stats = {r.name: proc_stats(r.pid) if r.pid else None for r in topo.replicas}
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
+        router_counters = {}
+        from loadgen.chaos.probe import counters
+
+        for r in topo.replicas:
+            router_counters[r.name] = await counters(run.http, r.url, ROUTER_COUNTERS)
+        return build_report(
+            plan=plan,
+            command=command,
+            schedule=schedule,
+            skipped=skipped,
+            result=result,
+            records=run.records,
+            deaths=run.deaths,
+            baseline=baseline,
+            end_gauges=end_gauges,
+            settle_s=settle_s,
+            stale_leases=stale,
+            samples=run.samples,
+            start_stats={k: dataclasses.asdict(v) if v else None for k, v in start_stats.items()},
+            end_stats={k: dataclasses.asdict(v) if v else None for k, v in end_stats.items()},
+            router_counters=router_counters,
+            workers={w.worker_id: w.role for w in topo.workers},
+            redis_slow=slow,
+            notes=notes,
+        )
+    finally:
+        await run.close()
+
+
+def run_chaos(plan: ChaosPlan, command: str = "") -> dict[str, Any]:
+    """Start the topology, run, stop it; the report (also written to `plan.out_dir`)."""
+    from loadgen.chaos.report import write_report
+
+    plan.check()
+    topo = Topology(plan.spec(), plan.log_dir, lease_s=plan.lease_s, timeouts=plan.timeouts)
+    topo.start()
+    try:
+        report = asyncio.run(_run_async(plan, topo, command))
+    finally:
+        for w in topo.workers:  # a worker left stopped would ignore SIGTERM
+            if w.process is not None and w.alive() and w.process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(w.process.pid, signal.SIGCONT)
+        topo.stop()
+    write_report(report, plan.out_dir)
+    return report
