@@ -181,7 +181,16 @@ def service_app(
         finally:
             await close()
 
-    app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # no redirect of a path with or without its trailing slash: Starlette builds its
+    # `Location` from the client's Host header (a redirect anywhere); such a path is a 404
+    app = FastAPI(
+        title=title,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
+    )
     install_error_handlers(app)
     return app
 

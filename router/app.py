@@ -110,7 +110,7 @@ def create_app(
         ]
         return JSONResponse({"object": "list", "data": data})
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health() -> JSONResponse:
         workers = router.pool.all()
         healthy = [w.worker_id for w in workers if w.healthy and not w.draining]

@@ -374,6 +374,9 @@ async def test_asgi_bridge_serves_the_other_routes_with_openai_errors():
         missing = await c.get("/nope")
         assert missing.status_code == 404
         assert missing.json()["error"]["code"] == "not_found"
+        assert (await c.head("/health")).status_code == 200
+        slash = await c.get("/health/", headers={"host": "elsewhere.example"})
+        assert slash.status_code == 404 and "location" not in slash.headers  # no redirect
         for path in ("/v1/chat/completions", "/v1/completions"):  # POST only
             wrong = await c.get(path)
             assert wrong.status_code == 405, path
