@@ -95,11 +95,16 @@ class DirectoryProbe:
         out.sort(key=lambda e: -int(e["us"]))
         return out[:n]
 
-    async def latency_events(self) -> list[list[Any]]:
-        """Redis's latency monitor (`LATENCY LATEST`: event, last time, last and most ms),
-        once `latency-monitor-threshold` is set: what stalled the server, commands, forks
-        and AOF writes alike."""
-        return [list(x) for x in await self.r.execute_command("LATENCY", "LATEST")]
+    async def latency_events(self) -> dict[str, Any]:
+        """Redis's latency monitor, once `latency-monitor-threshold` is set: what stalled the
+        server (commands, forks and AOF writes alike) since its last restart: per event its
+        latest and worst ms, and each stall of a command with its time (unix s)."""
+        latest = await self.r.execute_command("LATENCY", "LATEST")
+        history = await self.r.execute_command("LATENCY", "HISTORY", "command")
+        return {
+            "latest": [[str(x[0]), int(x[1]), int(x[2]), int(x[3])] for x in latest],
+            "command_stalls": [[int(t), int(ms)] for t, ms in history],
+        }
 
     async def named(self, worker: str, *, cached: bool = False) -> Named:
         """What the directory names `worker` in (`cached`: also scan every block record for

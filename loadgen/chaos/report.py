@@ -178,6 +178,12 @@ def build_report(
         fives = {s: n for s, n in statuses.items() if s.startswith("5")}
         if fives:
             findings.append(f"5xx answers around {kind}: {fives}")
+    worst = _worst_stall_ms(redis_slow)
+    if worst >= 1000:
+        findings.append(
+            f"Redis stalled {worst} ms on one command: past the replicas' Redis socket timeout "
+            "(1 s), so their directory calls failed over to the local view meanwhile"
+        )
     unclean = requests["failed_transport"] + requests["truncated"] + requests["bad"]
     if unclean:
         findings.append(
@@ -248,6 +254,13 @@ def build_report(
     }
 
 
+def _worst_stall_ms(redis_slow: dict[str, Any]) -> int:
+    """The longest stall the Redis latency monitor saw (ms; 0 when none or unread)."""
+    events = redis_slow.get("latency_events") or {}
+    latest = events.get("latest", []) if isinstance(events, dict) else events
+    return max((int(e[3]) for e in latest), default=0)
+
+
 def _check(name: str, ok: bool, value: object, bound: str) -> dict[str, Any]:
     return {"check": name, "ok": bool(ok), "value": value, "bound": bound}
 
@@ -312,6 +325,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"({_num(m['slope_mb_per_min_second_half'])}) | "
             f"{m['sockets_first']} → {m['sockets_last']} ({m['sockets_max']}) |"
         )
+    worst = _worst_stall_ms(report.get("redis_stalls") or {})
+    lines += ["", f"Redis: longest stall {worst} ms (latency monitor, since its last restart)."]
     if report["findings"]:
         lines += ["", "Findings:", *(f"- {x}" for x in report["findings"])]
     if report["notes"]:

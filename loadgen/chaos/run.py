@@ -319,10 +319,12 @@ class _Run:
         owner_gone = await self.wait_for(not_owner, bound)
         dead = await self.wait_for(lambda: self.all_see(w.worker_id, False), bound)
         dead_s = self.load_now() - killed
+        when_dead = await self.named(w.worker_id, cached=True) or Named()
         gone = await self.wait_for(forgotten, bound, poll_s=0.5)
         since = self.load_now() - killed
         rec.detail["owner_gone_s"] = None if owner_gone is None else round(owner_gone, 2)
         rec.detail["held_dead_by_every_replica_by_s"] = None if dead is None else round(dead_s, 2)
+        rec.detail["named_when_held_dead"] = when_dead.as_dict()
         rec.detail["forgotten_by_s"] = None if gone is None else round(since, 2)
         rec.detail["named_at_kill"] = at_kill.as_dict()
         if owner_gone is None or owner_gone > plan.lease_s:

@@ -100,12 +100,13 @@ class Topology:
             )
         self.log_dir = log_dir
         self.cluster = EmulatedCluster(spec, log_dir)
-        # the latency monitor records what stalls Redis past 100 ms (the report reads it)
+        # the latency monitor records what stalls Redis past 100 ms, the slow log every command
+        # past 10 ms since the last restart (the report reads both)
         self.redis = RedisServer(
             binary,
             persist=True,
             data_dir=log_dir / "redis",
-            extra=("--latency-monitor-threshold", "100"),
+            extra=("--latency-monitor-threshold", "100", "--slowlog-max-len", "4096"),
         )
         self.admin_token = secrets.token_hex(16)
         self.lease_s = lease_s
