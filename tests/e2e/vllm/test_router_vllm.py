@@ -188,9 +188,12 @@ def deprioritize_engines() -> None:
 async def test_worker_killed_mid_stream_ends_the_stream_cleanly_and_loses_its_blocks(
     vllm_install: VllmCpuInstall, vllm_hybrid: VllmServer, vllm_hybrid_b: VllmServer
 ) -> None:
-    """Runs last: it kills one of the package's vLLM servers."""
+    """Runs last: it kills one of the package's vLLM servers. Mid-stream migration off: the
+    stream is to end with its error event here, not move to the other worker
+    (`tests/e2e/test_router_migration.py` has it move)."""
     servers = {"a": vllm_hybrid, "b": vllm_hybrid_b}
-    settings = router_settings(vllm_install, list(servers.items()), "ownerserve")
+    entries = [vllm_worker(wid, s) for wid, s in servers.items()]
+    settings = vllm_router_settings(vllm_install, entries, server={"max_migrations": 0})
     messages = turn("doomed", 12)
     async with proxy_client(settings) as (client, router):
         client.timeout = httpx.Timeout(300.0)

@@ -110,12 +110,16 @@ async def running_on(http: httpx.AsyncClient, d: EmulatorServer) -> None:
 
 
 async def two_prefilled_for_a_slow_decode(
-    start_emulator: StartEmulator, http: httpx.AsyncClient, tmp_path: Path, kv_lease_s: float
+    start_emulator: StartEmulator,
+    http: httpx.AsyncClient,
+    tmp_path: Path,
+    kv_lease_s: float,
+    step_s: float = 0.01,
 ) -> tuple[EmulatorServer, EmulatorServer, Prefilled, Prefilled]:
-    """A prefill side and a decode side of 24 blocks whose decode steps take 10 ms, and two
+    """A prefill side and a decode side of 24 blocks whose decode steps take `step_s`, and two
     conversations prefilled on the prefill side: (p, d, and each conversation's messages with
     its `kv_transfer_params`)."""
-    profile = write_profile(tmp_path, decode__base_s=0.01, prefill__per_token_s=1e-5)
+    profile = write_profile(tmp_path, decode__base_s=step_s, prefill__per_token_s=1e-5)
     p = await start_emulator(role="prefill", profile=profile, kv_lease_s=kv_lease_s)
     d = await start_emulator(role="decode", profile=profile, num_blocks=24, kv_lease_s=kv_lease_s)
     first, second = messages(1), messages(2)
@@ -126,16 +130,19 @@ async def two_prefilled_for_a_slow_decode(
 async def test_a_decode_queued_for_blocks_keeps_its_prefill_kv_alive_past_the_lease(
     start_emulator: StartEmulator, http: httpx.AsyncClient, tmp_path: Path
 ) -> None:
+    # the lease outlasts the few moments from the prefills to the second decode's arrival
+    # (seconds on a loaded box, before any renewal can run); the first decode outlasts it 2x
+    lease_s = 2.0
     p, d, (first, ktp1), (second, ktp2) = await two_prefilled_for_a_slow_decode(
-        start_emulator, http, tmp_path, kv_lease_s=0.6
+        start_emulator, http, tmp_path, kv_lease_s=lease_s, step_s=0.04
     )
     t0 = time.perf_counter()
-    async with asyncio.timeout(30):
-        one = asyncio.create_task(decode(http, d, first, ktp1, 150))  # ~1.5 s on the decode side
+    async with asyncio.timeout(120):
+        one = asyncio.create_task(decode(http, d, first, ktp1, 150))  # >= 6 s of decode steps
         await running_on(http, d)
         two = await decode(http, d, second, ktp2, 4)  # queued behind it, for blocks
         await one
-    assert time.perf_counter() - t0 > 1.2  # the second waited well past the 0.6 s lease
+    assert time.perf_counter() - t0 > 2 * lease_s  # the second waited well past its lease
     assert two["usage"]["completion_tokens"] == 4
     p_text = await scrape(http, p)
     assert metric_value(p_text, EXPIRED) == 0 and metric_value(p_text, HELD) == 0
