@@ -25,6 +25,13 @@ class BlockStored:
     block_size: int
     tier: Tier = Tier.GPU
     lora_id: int | None = None
+    group_idx: int | None = None
+    """The KV cache group the blocks belong to (vLLM tags each group's events); None: a
+    single-group engine (dense attention), the same as group 0."""
+    group_kind: str | None = None
+    """The group's `kv_cache_spec_kind` (`full_attention`, `sliding_window`, ...)."""
+    sliding_window: int | None = None
+    """A sliding-window group's window in tokens (`kv_cache_spec_sliding_window`)."""
 
 
 @fast_init
@@ -34,6 +41,8 @@ class BlockRemoved:
 
     engine_hashes: tuple[int, ...]
     tier: Tier = Tier.GPU
+    group_idx: int | None = None
+    """The KV cache group the blocks left (None: a single-group engine)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,10 @@ array `[ts, [event, ...], data_parallel_rank]`. Events are msgspec tagged struct
 `type` key (`{"type": "BlockStored", "block_hashes": [...], ...}`); older vLLM sent them as
 arrays `["BlockStored", block_hashes, ...]`, which `decode_payload` accepts too. Block hashes are
 32-byte sha256 digests by default (or ints with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`); both
-decode to the same 64-bit int vLLM itself derives (big-endian, low 64 bits).
+decode to the same 64-bit int vLLM itself derives (big-endian, low 64 bits). An engine with
+several KV cache groups (hybrid attention) tags each group's events with `group_idx`,
+`kv_cache_spec_kind` and `kv_cache_spec_sliding_window`; events without them are a
+single-group engine's and are encoded without them, as before.
 
 Replay: when the publisher has a `replay_endpoint` (a ROUTER socket), a client sends
 `[b"", start_seq(8 bytes big-endian)]` from a DEALER and gets every buffered batch with
@@ -66,6 +69,18 @@ def _field(fields: Mapping[str, Any] | Sequence[Any], name: str, pos: int) -> An
     return fields[pos] if pos < len(fields) else None
 
 
+def _opt_int(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise KVEventWireError(f"expected an integer, got {value!r:.40}")
+    return value
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
 def decode_event(raw: Any) -> KVEvent | None:
     """One wire event as a core event; None for event kinds this codec does not know."""
     kind, f = _event_fields(raw)
@@ -78,11 +93,15 @@ def decode_event(raw: Any) -> KVEvent | None:
             block_size=int(_field(f, "block_size", 3) or 0),
             tier=tier_of(_field(f, "medium", 5)),
             lora_id=_field(f, "lora_id", 4),
+            group_idx=_opt_int(_field(f, "group_idx", 8)),
+            group_kind=_opt_str(_field(f, "kv_cache_spec_kind", 9)),
+            sliding_window=_opt_int(_field(f, "kv_cache_spec_sliding_window", 10)),
         )
     if kind == "BlockRemoved":
         return BlockRemoved(
             engine_hashes=tuple(engine_hash(h) for h in _field(f, "block_hashes", 0) or ()),
             tier=tier_of(_field(f, "medium", 1)),
+            group_idx=_opt_int(_field(f, "group_idx", 2)),
         )
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
@@ -121,8 +140,9 @@ def decode_message(frames: Sequence[bytes]) -> EventBatch:
 
 def encode_event(event: KVEvent) -> dict[str, Any]:
     """A core event in vLLM 0.32's tagged-map form (hashes as ints)."""
+    out: dict[str, Any]
     if isinstance(event, BlockStored):
-        return {
+        out = {
             "type": "BlockStored",
             "block_hashes": list(event.engine_hashes),
             "parent_block_hash": event.parent_engine_hash,
@@ -132,12 +152,20 @@ def encode_event(event: KVEvent) -> dict[str, Any]:
             "medium": _TIER_TO_MEDIUM[event.tier],
             "lora_name": None,
         }
+        if event.group_idx is not None:  # a single-group engine's events stay as they were
+            out["group_idx"] = event.group_idx
+            out["kv_cache_spec_kind"] = event.group_kind
+            out["kv_cache_spec_sliding_window"] = event.sliding_window
+        return out
     if isinstance(event, BlockRemoved):
-        return {
+        out = {
             "type": "BlockRemoved",
             "block_hashes": list(event.engine_hashes),
             "medium": _TIER_TO_MEDIUM[event.tier],
         }
+        if event.group_idx is not None:
+            out["group_idx"] = event.group_idx
+        return out
     return {"type": "AllBlocksCleared"}
 
 

@@ -48,6 +48,44 @@ def test_round_trip_keeps_every_field() -> None:
     assert out == batch
 
 
+def test_group_fields_round_trip_and_single_group_events_omit_them() -> None:
+    events = (
+        BlockStored((1,), None, tuple(range(16)), 16, group_idx=0, group_kind="full_attention"),
+        BlockStored(
+            (1,), None, tuple(range(16)), 16, group_idx=3, group_kind="sliding_window",
+            sliding_window=128,
+        ),
+        BlockRemoved((1,), group_idx=3),
+    )  # fmt: skip
+    batch = EventBatch(seq=2, ts=1.0, events=events)
+    assert decode_message(encode_message(batch)) == batch
+    # a dense engine's events are written as before: no group keys on the wire
+    plain = msgpack.unpackb(encode_payload([BlockStored((1,), None, (0,) * 16, 16)]))
+    assert "group_idx" not in plain[1][0]
+
+
+def test_group_fields_of_vllm_tagged_maps_and_arrays_decode() -> None:
+    raw = [
+        {
+            "type": "BlockStored", "block_hashes": [9], "parent_block_hash": None,
+            "token_ids": list(range(16)), "block_size": 16, "medium": "GPU",
+            "group_idx": 1, "kv_cache_spec_kind": "sliding_window",
+            "kv_cache_spec_sliding_window": 4096,
+        },
+        ["BlockStored", [9], None, list(range(16)), 16, None, "GPU", None, None, 2, "mamba"],
+        ["BlockRemoved", [9], "GPU", 1],
+    ]  # fmt: skip
+    ev = decode_payload(msgpack.packb([1.0, raw, 0]), seq=0).events
+    assert ev[0] == BlockStored(
+        (9,), None, tuple(range(16)), 16, group_idx=1, group_kind="sliding_window",
+        sliding_window=4096,
+    )  # fmt: skip
+    assert isinstance(ev[1], BlockStored) and (ev[1].group_idx, ev[1].group_kind) == (2, "mamba")
+    assert ev[2] == BlockRemoved((9,), group_idx=1)
+    with pytest.raises(KVEventWireError):
+        decode_payload(msgpack.packb([1.0, [["BlockRemoved", [9], "GPU", "x"]], 0]), seq=0)
+
+
 def test_sha256_digest_hashes_decode_to_vllms_int_form() -> None:
     digest = hashlib.sha256(b"block").digest()
     as_int = int.from_bytes(digest, "big") & ((1 << 64) - 1)
