@@ -46,10 +46,35 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
 
-from ownerserve.kvstate import SEALED_TYPES, KVStateSpec, StateType
+from ownerserve.kvstate import (
+    DEFAULT_SWA_POLICY,
+    SEALED_TYPES,
+    KVStateSpec,
+    StateType,
+    SwaCaching,
+    SwaCostInputs,
+    SwaPolicy,
+    resolve_swa_policy,
+)
 from ownerserve.profiles import LinkTiming, TimingProfile
 from ownerserve.types import Tier
+
+__all__ = [
+    "DEFAULT_SWA_POLICY",
+    "Decision",
+    "RestoreAction",
+    "RestorePlan",
+    "RestoreStep",
+    "StateChoice",
+    "SwaCaching",
+    "SwaPolicy",
+    "load_bandwidth",
+    "load_seconds",
+    "plan_restore",
+    "swa_cost_inputs",
+]
 
 
 class RestoreAction(StrEnum):
@@ -71,52 +96,6 @@ class Decision(StrEnum):
     RECOMPUTE = "recompute"
     MIX = "mix"
     NONE = "none"
-
-
-class SwaCaching(StrEnum):
-    FULL = "full"
-    PERIODIC = "periodic"
-    ZERO = "zero"
-
-
-@dataclass(frozen=True, slots=True)
-class SwaPolicy:
-    """How window state is kept off-GPU: every token (full), every p tokens, or never (zero)."""
-
-    caching: SwaCaching
-    period_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if self.caching is SwaCaching.PERIODIC and self.period_tokens <= 0:
-            raise ValueError("periodic SWA checkpointing needs period_tokens > 0")
-
-    @classmethod
-    def full(cls) -> SwaPolicy:
-        return cls(SwaCaching.FULL)
-
-    @classmethod
-    def periodic(cls, period_tokens: int) -> SwaPolicy:
-        return cls(SwaCaching.PERIODIC, period_tokens)
-
-    @classmethod
-    def zero(cls) -> SwaPolicy:
-        return cls(SwaCaching.ZERO)
-
-    def checkpoint_at(self, sealed_tokens: int) -> int:
-        """The latest position <= `sealed_tokens` whose window state is stored (0: none)."""
-        if self.caching is SwaCaching.FULL:
-            return sealed_tokens
-        if self.caching is SwaCaching.PERIODIC:
-            return sealed_tokens - sealed_tokens % self.period_tokens
-        return 0
-
-    def __str__(self) -> str:
-        if self.caching is SwaCaching.PERIODIC:
-            return f"periodic({self.period_tokens})"
-        return self.caching.value
-
-
-DEFAULT_SWA_POLICY = SwaPolicy.periodic(4096)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +203,7 @@ class _Planner:
         "prefetch_s",
         "profile",
         "queue_s",
+        "resident",
         "same_node",
         "sealed",
         "spec",
@@ -244,8 +224,11 @@ class _Planner:
         policy: SwaPolicy,
         overlap: bool,
         prefetch_s: float,
+        resident: int = 0,
     ) -> None:
         self.spec, self.c, self.tier, self.profile = spec, c, tier, profile
+        # sealed tokens [0, resident) already in this worker's HBM, windows included
+        self.resident = resident
         self.same_node, self.local, self.queue_s = same_node, local, queue_s
         self.overlap, self.prefetch_s = overlap, prefetch_s
         # HBM prefix caches keep the windows of cached blocks: a GPU copy acts as full caching.
@@ -267,7 +250,8 @@ class _Planner:
             self.profile.link, self.tier, nbytes, same_node=self.same_node, local=self.local
         )
         load = max(0.0, load - self.prefetch_s)
-        front = self.profile.prefill_s(j, 0)
+        a = self.resident
+        front = self.profile.prefill_s(j - a, a) if j > a else 0.0
         back = self.profile.prefill_s(c - r, r)
         return _Option(j, r, ckpt, swa, nbytes, load, front, back, self.timeline(load, front, back))
 
@@ -291,7 +275,8 @@ class _Planner:
         return min(opts, key=lambda o: o.restore_s) if opts else None
 
     def recompute_all(self) -> _Option:
-        front = self.profile.prefill_s(self.c, 0)
+        a = self.resident
+        front = self.profile.prefill_s(self.c - a, a)
         return _Option(self.c, self.c, 0, 0, 0, 0.0, front, 0.0, self.timeline(0.0, front, 0.0))
 
     def best_mix(self) -> _Option | None:
@@ -303,7 +288,7 @@ class _Planner:
         exactly, for each way of restoring the windows."""
         b, s = self.spec.block_tokens, self.sealed
         blocks = s // b
-        if blocks < 2 or (self.local and self.tier is Tier.GPU):
+        if blocks < 2 or (self.local and self.tier is Tier.GPU) or self.resident > 0:
             return None
         pf, link = self.profile.prefill, self.profile.link
         bw = load_bandwidth(link, self.tier, same_node=self.same_node)
@@ -333,6 +318,51 @@ class _Planner:
         return min(cands, key=lambda o: o.restore_s) if cands else None
 
 
+def swa_cost_inputs(
+    spec: KVStateSpec,
+    profile: TimingProfile,
+    *,
+    session_tokens: int,
+    restores: float = 1.0,
+    tier: Tier = Tier.SSD,
+    same_node: bool = True,
+    alpha: float | None = None,
+    beta: float = 1.0,
+    gamma: float = 0.0,
+) -> SwaCostInputs:
+    """The cost-based SWA period's inputs from a timing profile (`SwaCostInputs`):
+    load_bps = `load_bandwidth(tier)`, load_latency_s = link latency, ρ = per_token_s +
+    per_token_ctx_s · n/2 (a recomputed token at the mean boundary's context), α = 1 /
+    load_bps unless given (a byte written occupies the tier as long as reading it back)."""
+    bw = load_bandwidth(profile.link, tier, same_node=same_node)
+    pf = profile.prefill
+    return SwaCostInputs(
+        session_tokens=session_tokens,
+        restores=restores,
+        load_bps=bw,
+        load_latency_s=profile.link.latency_s,
+        recompute_s_per_token=pf.per_token_s + pf.per_token_ctx_s * session_tokens / 2.0,
+        alpha=1.0 / bw if alpha is None else alpha,
+        beta=beta,
+        gamma=gamma,
+    )
+
+
+@lru_cache(maxsize=256)
+def _resolved(
+    spec: KVStateSpec,
+    policy: SwaPolicy,
+    profile: TimingProfile,
+    tier: Tier,
+    same_node: bool,
+    session_tokens: int,
+) -> SwaPolicy:
+    inputs = swa_cost_inputs(
+        spec, profile, session_tokens=session_tokens, tier=tier, same_node=same_node
+    )
+    return resolve_swa_policy(spec, policy, inputs)
+
+
 def plan_restore(
     spec: KVStateSpec,
     cached_tokens: int,
@@ -343,11 +373,12 @@ def plan_restore(
     local: bool = False,
     queue_s: float = 0.0,
     lam: float = 0.0,
-    swa_policy: SwaPolicy = DEFAULT_SWA_POLICY,
+    swa_policy: SwaPolicy | None = None,
     overlap: bool = True,
     mix_min_gain: float = 0.05,
     prefetch_window_s: float = 0.0,
     hbm_free_bytes: int | None = None,
+    resident_tokens: int = 0,
 ) -> RestorePlan:
     """Plan how `cached_tokens` of prefix found on `tier` get into this worker's HBM.
 
@@ -359,12 +390,23 @@ def plan_restore(
     the better pure plan by `mix_min_gain` (a fraction). `prefetch_window_s`: seconds before the
     request needs the KV during which loads may run ahead (PREFETCH_ARTIFACT), e.g. a tool call.
     `hbm_free_bytes`: HBM free on the worker; a deficit adds DROP_LOW_UTILITY_ARTIFACT.
+    `swa_policy`: None = the spec's own (`KVStateSpec.swa_policy`); a cost-based policy not
+    yet resolved gets its p* for this profile and tier, a session of `cached_tokens` and one
+    restore (`swa_cost_inputs`). `resident_tokens`: the prefix this worker already holds in
+    HBM (its GPU blocks, windows included), rounded down to a sealed boundary: only
+    [resident, cached) is loaded or recomputed, without a front recompute (no mix).
     """
     if cached_tokens < 0:
         raise ValueError("cached_tokens must not be negative")
+    if resident_tokens < 0:
+        raise ValueError("resident_tokens must not be negative")
     tier = Tier(tier)
     if queue_s < 0 or lam < 0 or prefetch_window_s < 0:
         raise ValueError("queue_s, lam and prefetch_window_s must not be negative")
+    policy = spec.swa_policy if swa_policy is None else swa_policy
+    if not policy.resolved:
+        policy = _resolved(spec, policy, profile, tier, same_node, cached_tokens)
+    resident = spec.sealed_tokens(min(resident_tokens, cached_tokens))
     p = _Planner(
         spec,
         cached_tokens,
@@ -373,13 +415,14 @@ def plan_restore(
         same_node=same_node,
         local=local,
         queue_s=queue_s,
-        policy=swa_policy,
+        policy=policy,
         overlap=overlap,
         prefetch_s=prefetch_window_s,
+        resident=resident,
     )
     c, s = cached_tokens, p.sealed
     everything = p.recompute_all()
-    loading = p.best_at(0) if s > 0 else None
+    loading = p.best_at(resident) if s > resident else None
     loading = loading or everything
     best = min((loading, everything), key=lambda o: o.restore_s)
     if overlap and s > 0:
@@ -388,6 +431,8 @@ def plan_restore(
             best = mix
     if local and tier is Tier.GPU:
         hbm = max(0, spec.total_bytes(c) - spec.total_bytes(s))
+    elif resident:
+        hbm = max(0, spec.total_bytes(c) - spec.total_bytes(resident))
     else:
         hbm = spec.total_bytes(c)
     return _build_plan(p, best, lam, hbm, hbm_free_bytes, loading.restore_s, everything.restore_s)
@@ -402,7 +447,7 @@ def _build_plan(
     load_all_s: float,
     recompute_all_s: float,
 ) -> RestorePlan:
-    spec, c, s = p.spec, p.c, p.sealed
+    spec, c, s, a = p.spec, p.c, p.sealed, p.resident
     all_recompute = o.j >= c
     choices: list[StateChoice] = []
     loaded = spec.state_bytes(o.j, o.r) if not all_recompute and o.r > o.j else {}
@@ -411,7 +456,7 @@ def _build_plan(
             if s == 0:
                 choices.append(StateChoice(st, Decision.NONE))
                 continue
-            recomputed = s if all_recompute else o.j + (s - o.r)
+            recomputed = s - a if all_recompute else o.j - a + (s - o.r)
             nbytes = loaded.get(st, 0)
             if nbytes == 0:
                 decision = Decision.RECOMPUTE
@@ -426,7 +471,7 @@ def _build_plan(
             elif s == 0 and c == 0:
                 choices.append(StateChoice(st, Decision.NONE))
             else:
-                done = c if all_recompute else s - o.r
+                done = c - a if all_recompute else s - o.r
                 choices.append(StateChoice(st, Decision.RECOMPUTE, 0, done))
         else:  # TAIL_STATE: never loaded
             tail = c - s
@@ -434,15 +479,15 @@ def _build_plan(
 
     steps: list[RestoreStep] = []
     if all_recompute:
-        # one pass over [0, c); the incomplete block is reported as its marginal cost
-        prefix_s = p.profile.prefill_s(s, 0)
-        if s > 0:
-            steps.append(RestoreStep(RestoreAction.RECOMPUTE_PREFIX, 0, s, 0, prefix_s))
+        # one pass over [a, c); the incomplete block is reported as its marginal cost
+        prefix_s = p.profile.prefill_s(s - a, a)
+        if s > a:
+            steps.append(RestoreStep(RestoreAction.RECOMPUTE_PREFIX, a, s, 0, prefix_s))
         if c > s:
             steps.append(RestoreStep(RestoreAction.RECOMPUTE_TAIL, s, c, 0, o.front_s - prefix_s))
     else:
-        if o.j > 0:
-            steps.append(RestoreStep(RestoreAction.RECOMPUTE_PREFIX, 0, o.j, 0, o.front_s))
+        if o.j > a:
+            steps.append(RestoreStep(RestoreAction.RECOMPUTE_PREFIX, a, o.j, 0, o.front_s))
         sealed_bytes = o.load_bytes - o.swa_bytes
         full_load_s = o.load_s + p.prefetch_s if o.load_bytes else 0.0
         share = sealed_bytes / o.load_bytes if o.load_bytes else 0.0
@@ -477,7 +522,7 @@ def _build_plan(
         steps.append(RestoreStep(RestoreAction.DROP_LOW_UTILITY_ARTIFACT, 0, 0, hbm - hbm_free))
 
     recompute_s = o.front_s + o.back_s
-    recomputed_tokens = c if all_recompute else o.j + (c - o.r)
+    recomputed_tokens = c - a if all_recompute else o.j - a + (c - o.r)
     return RestorePlan(
         spec=spec.name,
         tier=p.tier,

@@ -12,6 +12,7 @@ optional per-layer `overrides`)::
       csa: {attention: csa, kv_heads: 1, head_dim: 512, compress_ratio: 4, index_head_dim: 128, ...}
     pattern: [hca, csa]        # layer i has kind pattern[i % len(pattern)]
     overrides: {0: hca}        # optional: layer index -> kind
+    swa_policy: {periodic: 4096}   # optional: full | zero | cost | {periodic: p} (the default)
 
 Loaded specs are cached per file and modification time: frozen values, safe to share.
 """
@@ -26,14 +27,14 @@ import yaml
 
 from ownerserve.errors import ConfigError
 from ownerserve.kvstate.spec import KVStateSpec, LayerSpec
-from ownerserve.kvstate.types import AttentionType, DType
+from ownerserve.kvstate.types import DEFAULT_SWA_POLICY, AttentionType, DType, SwaPolicy
 
 MODELS_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "models"
 
 _LAYER_KEYS = frozenset(LayerSpec.__dataclass_fields__) - {"kind"}
 _SPEC_KEYS = frozenset(
     {"name", "aliases", "revision", "description", "num_layers", "block_tokens", "kinds"}
-    | {"pattern", "overrides"}
+    | {"pattern", "overrides", "swa_policy"}
 )
 
 
@@ -63,6 +64,27 @@ def _layer_from_dict(kind: str, data: Any, source: str) -> LayerSpec:
         return LayerSpec(kind=kind, **args)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{source}: kinds.{kind}: {exc}") from None
+
+
+def swa_policy_from_value(value: Any, source: str = "<spec>") -> SwaPolicy:
+    """A `swa_policy:` value: ``full``, ``zero``, ``cost`` (p* chosen for the deployment's
+    profile) or ``{periodic: p}``; None is the default, periodic(4096)."""
+    if value is None:
+        return DEFAULT_SWA_POLICY
+    if value == "full":
+        return SwaPolicy.full()
+    if value == "zero":
+        return SwaPolicy.zero()
+    if value == "cost":
+        return SwaPolicy.cost_based()
+    if isinstance(value, dict) and set(value) == {"periodic"}:
+        p = value["periodic"]
+        if not isinstance(p, bool) and isinstance(p, int) and p > 0:
+            return SwaPolicy.periodic(p)
+    raise ConfigError(
+        f"{source}: swa_policy: must be full, zero, cost or {{periodic: <tokens > 0>}}, "
+        f"got {value!r}"
+    )
 
 
 def spec_from_dict(data: dict[str, Any], source: str = "<spec>") -> KVStateSpec:
@@ -110,6 +132,7 @@ def spec_from_dict(data: dict[str, Any], source: str = "<spec>") -> KVStateSpec:
             aliases=tuple(str(a) for a in aliases),
             revision=str(data.get("revision", "")),
             description=str(data.get("description", "")).strip(),
+            swa_policy=swa_policy_from_value(data.get("swa_policy"), source),
         )
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None

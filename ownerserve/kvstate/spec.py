@@ -13,7 +13,10 @@ Conventions, for a prefix of n tokens:
 - a window branch holds ``min(window, n)`` uncompressed entries as WINDOW_SWA;
 - sealed artifacts cover whole cache blocks of `block_tokens` original tokens (a multiple of
   lcm of every ratio m, m'), so the last ``n % block_tokens`` tokens are the incomplete block
-  that a restore always recomputes.
+  that a restore always recomputes;
+- the spec's `swa_policy` says which boundaries keep a window checkpoint off-GPU; what a
+  policy writes (`swa_write_bytes`) and what a restore at a boundary then costs
+  (`swa_restore_at`) give the cost-based period p* (`cost_based_period`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,14 @@ import math
 from dataclasses import dataclass, field
 from hashlib import blake2b
 
-from ownerserve.kvstate.types import AttentionType, DType, StateType
+from ownerserve.kvstate.types import (
+    DEFAULT_SWA_POLICY,
+    AttentionType,
+    DType,
+    StateType,
+    SwaCaching,
+    SwaPolicy,
+)
 
 _COMPRESSING = (AttentionType.CSA, AttentionType.HCA)
 _PER_TOKEN = (AttentionType.DENSE, AttentionType.MLA)
@@ -153,6 +163,8 @@ class KVStateSpec:
     aliases: tuple[str, ...] = ()
     revision: str = ""
     description: str = ""
+    swa_policy: SwaPolicy = DEFAULT_SWA_POLICY
+    """How this model's window state is kept off-GPU (`swa_policy:` in its spec file)."""
     groups: tuple[_Group, ...] = field(init=False, repr=False, compare=False)
     state_types: tuple[StateType, ...] = field(init=False, repr=False, compare=False)
     fingerprint: str = field(init=False, repr=False, compare=False)
@@ -279,6 +291,19 @@ class KVStateSpec:
         """
         return sum(g.count * g.layer.window for g in self.groups if g.layer.window > 0)
 
+    def swa_write_bytes(self, policy: SwaPolicy, n: int) -> int:
+        """Bytes of window state `policy` writes off-GPU over a sequence of n tokens.
+
+        Checkpoints at p, 2p, ..., ⌊n/p⌋·p each hold a layer's last w entries; their union is
+        ⌊n/p⌋·min(p, w) entries (the windows overlap when p < w), so per window layer group
+        ``count · entry_bytes · ⌊n/p⌋ · min(p, w)``: full (p = 1) writes every token's entries
+        once, zero writes nothing."""
+        p = policy.period
+        if p == 0 or n <= 0:
+            return 0
+        k = n // p
+        return sum(k * min(p, window) * per_entry for window, per_entry in self._window_groups)
+
     def tail_bytes(self, n: int) -> int:
         """TAIL_STATE bytes after n tokens: pending tokens of incomplete compression groups."""
         return sum(
@@ -390,3 +415,139 @@ def artifact_id(
         state.value if state is not None else "",
     )
     return blake2b(repr(key).encode(), digest_size=16).hexdigest()
+
+
+# --- the cost-based SWA checkpoint period --------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SwaCostInputs:
+    """What the cost-based SWA period weighs, every input explicit (seconds, bytes, tokens).
+
+    Restores happen at sealed block boundaries S = B, 2B, ..., ⌊n/B⌋·B, each as likely."""
+
+    session_tokens: int
+    """n: the tokens whose window state a session writes (its final context)."""
+    restores: float
+    """R: restores per session (each at one boundary)."""
+    load_bps: float
+    """Bandwidth of a checkpoint load from the tier it is kept in into HBM."""
+    load_latency_s: float
+    """Latency of that load."""
+    recompute_s_per_token: float
+    """ρ: seconds of prefill per recomputed token (at the context a restore sees)."""
+    alpha: float
+    """α: seconds charged per byte of window state written off-GPU."""
+    beta: float = 1.0
+    """β: weight of a restore's latency (seconds on the request's critical path)."""
+    gamma: float = 0.0
+    """γ: weight of a restore's recompute (GPU seconds taken from other requests)."""
+
+    def __post_init__(self) -> None:
+        if self.session_tokens < 0 or self.restores < 0:
+            raise ValueError("session_tokens and restores must not be negative")
+        if self.load_bps <= 0:
+            raise ValueError("load_bps must be positive")
+        if min(self.load_latency_s, self.recompute_s_per_token, self.alpha) < 0:
+            raise ValueError("latency, recompute seconds and alpha must not be negative")
+        if self.beta < 0 or self.gamma < 0:
+            raise ValueError("beta and gamma must not be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class SwaRestore:
+    """How the windows at one sealed boundary come back, and what that costs."""
+
+    latency_s: float
+    recompute_tokens: int
+    load_bytes: int
+
+
+def swa_restore_at(
+    spec: KVStateSpec, policy: SwaPolicy, boundary: int, inputs: SwaCostInputs
+) -> SwaRestore:
+    """The windows at sealed `boundary` S under `policy`, the cheaper of:
+
+        checkpoint  q = checkpoint_at(S) > 0:  load_latency_s + swa_bytes(q) / load_bps
+                                               + (S − q)·ρ          (recompute [q, S))
+        recompute   min(S, n_win·L)·ρ                                (RECOMPUTE_SWA)
+
+    (the restore planner's two ways, `planner.restore`, with the sealed KV already in HBM)."""
+    w = spec.swa_recompute_tokens
+    if w == 0 or boundary <= 0:
+        return SwaRestore(0.0, 0, 0)
+    rho = inputs.recompute_s_per_token
+    tokens = min(boundary, w)
+    best = SwaRestore(tokens * rho, tokens, 0)
+    q = policy.checkpoint_at(boundary)
+    if q > 0:
+        nbytes = spec.swa_bytes(q)
+        t = inputs.load_latency_s + nbytes / inputs.load_bps + (boundary - q) * rho
+        if t < best.latency_s:
+            best = SwaRestore(t, boundary - q, nbytes)
+    return best
+
+
+def expected_swa_restore(
+    spec: KVStateSpec, policy: SwaPolicy, inputs: SwaCostInputs
+) -> tuple[float, float]:
+    """(mean latency_s, mean recompute tokens) of `swa_restore_at` over the boundaries
+    S = B, 2B, ..., ⌊n/B⌋·B of a session of n = `session_tokens` (0, 0 when it has none)."""
+    b = spec.block_tokens
+    k = inputs.session_tokens // b
+    if k == 0 or spec.swa_recompute_tokens == 0:
+        return 0.0, 0.0
+    lat = rec = 0.0
+    for i in range(1, k + 1):
+        r = swa_restore_at(spec, policy, i * b, inputs)
+        lat += r.latency_s
+        rec += r.recompute_tokens
+    return lat / k, rec / k
+
+
+def swa_policy_cost(spec: KVStateSpec, policy: SwaPolicy, inputs: SwaCostInputs) -> float:
+    """J(policy) = α·swa_write_bytes(policy, n) + R·(β·E[latency] + γ·ρ·E[recompute tokens])."""
+    lat, rec = expected_swa_restore(spec, policy, inputs)
+    writes = spec.swa_write_bytes(policy, inputs.session_tokens)
+    per_restore = inputs.beta * lat + inputs.gamma * inputs.recompute_s_per_token * rec
+    return inputs.alpha * writes + inputs.restores * per_restore
+
+
+def swa_period_candidates(spec: KVStateSpec, session_tokens: int) -> tuple[int, ...]:
+    """The periods the cost-based policy weighs: 0 (zero caching), 1 (full), and B·2^k up to
+    the session's length (B = block_tokens)."""
+    out = [0, 1]
+    p = spec.block_tokens
+    while p <= max(session_tokens, spec.block_tokens):
+        out.append(p)
+        p *= 2
+    return tuple(out)
+
+
+def cost_based_period(
+    spec: KVStateSpec, inputs: SwaCostInputs, candidates: tuple[int, ...] | None = None
+) -> int:
+    """p* = argmin over p of `swa_policy_cost` (0: zero caching, 1: every token); ties go to
+    the period that writes less. Pure: a function of the spec's sizes and `inputs` only."""
+    if spec.swa_recompute_tokens == 0:
+        return 0
+    cands = (
+        candidates if candidates is not None else swa_period_candidates(spec, inputs.session_tokens)
+    )
+    n = inputs.session_tokens
+    best_p, best_key = 0, (float("inf"), 0)
+    for p in cands:
+        if p < 0:
+            raise ValueError("a checkpoint period must not be negative")
+        pol = SwaPolicy.cost_based(p)
+        key = (swa_policy_cost(spec, pol, inputs), spec.swa_write_bytes(pol, n))
+        if key < best_key:
+            best_p, best_key = p, key
+    return best_p
+
+
+def resolve_swa_policy(spec: KVStateSpec, policy: SwaPolicy, inputs: SwaCostInputs) -> SwaPolicy:
+    """`policy` as a restore can use it: an unresolved cost-based policy gets its p*."""
+    if policy.caching is SwaCaching.COST and not policy.resolved:
+        return SwaPolicy.cost_based(cost_based_period(spec, inputs))
+    return policy

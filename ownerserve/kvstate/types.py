@@ -1,7 +1,9 @@
-"""The vocabulary of heterogeneous KV state: state types, attention types and storage dtypes."""
+"""The vocabulary of heterogeneous KV state: state types, attention types, storage dtypes and
+the sliding-window caching policy."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -72,3 +74,95 @@ _BITS: dict[DType, int] = {
     DType.FP8: 8,
     DType.FP4: 4,
 }
+
+
+class SwaCaching(StrEnum):
+    """How a model's sliding-window state is kept off-GPU (a per-model setting, `swa_policy:`
+    in its spec file). vLLM's prefix cache keeps a retention interval for SWA/state groups
+    (unset: every window, N, 0: only the last prompt boundary); SGLang HiCache offloads only
+    compressed KV and re-prefills the SWA tail after load-back (ZERO)."""
+
+    FULL = "full"
+    """Every sealed block boundary restorable: the window entries of every token are kept."""
+    PERIODIC = "periodic"
+    """A window checkpoint every `period_tokens` tokens: multiples of p are restorable."""
+    ZERO = "zero"
+    """No window state off-GPU: a restore recomputes the last n_win·L tokens."""
+    COST = "cost"
+    """A period p* chosen per model by cost (`ownerserve.kvstate.spec.cost_based_period`):
+    periodic(p*) once resolved, zero when p* = 0."""
+
+
+@dataclass(frozen=True, slots=True)
+class SwaPolicy:
+    """How window state is kept off-GPU, and so which sealed boundaries have a window
+    checkpoint to restore from (`checkpoint_at`, `restorable`).
+
+    `period_tokens`: PERIODIC's p; for COST the resolved p* (0: unresolved, or resolved to
+    zero caching when `resolved`)."""
+
+    caching: SwaCaching
+    period_tokens: int = 0
+    resolved: bool = True
+
+    def __post_init__(self) -> None:
+        if self.period_tokens < 0:
+            raise ValueError("period_tokens must not be negative")
+        if self.caching is SwaCaching.PERIODIC and self.period_tokens <= 0:
+            raise ValueError("periodic SWA checkpointing needs period_tokens > 0")
+        if self.caching is not SwaCaching.COST and not self.resolved:
+            raise ValueError("only a cost-based SWA policy can be unresolved")
+
+    @classmethod
+    def full(cls) -> SwaPolicy:
+        return cls(SwaCaching.FULL)
+
+    @classmethod
+    def periodic(cls, period_tokens: int) -> SwaPolicy:
+        return cls(SwaCaching.PERIODIC, period_tokens)
+
+    @classmethod
+    def zero(cls) -> SwaPolicy:
+        return cls(SwaCaching.ZERO)
+
+    @classmethod
+    def cost_based(cls, period_tokens: int | None = None) -> SwaPolicy:
+        """Cost-based caching; `period_tokens` is p* once chosen (0: zero caching won), None
+        while it is still to be chosen for a deployment's profile."""
+        if period_tokens is None:
+            return cls(SwaCaching.COST, 0, resolved=False)
+        return cls(SwaCaching.COST, period_tokens)
+
+    @property
+    def period(self) -> int:
+        """Tokens between window checkpoints: 1 for full (every boundary), 0 for none."""
+        if not self.resolved:
+            raise ValueError("a cost-based SWA policy must be resolved to a period first")
+        if self.caching is SwaCaching.FULL:
+            return 1
+        if self.caching is SwaCaching.ZERO:
+            return 0
+        return self.period_tokens
+
+    def checkpoint_at(self, sealed_tokens: int) -> int:
+        """The latest position <= `sealed_tokens` whose window state is stored (0: none)."""
+        p = self.period
+        if p == 0:
+            return 0
+        return sealed_tokens - sealed_tokens % p
+
+    def restorable(self, boundary: int) -> bool:
+        """Whether the windows at the sealed `boundary` can be loaded as they are (a checkpoint
+        sits exactly there), rather than rebuilt from an earlier checkpoint or recomputed."""
+        return boundary > 0 and self.checkpoint_at(boundary) == boundary
+
+    def __str__(self) -> str:
+        if self.caching is SwaCaching.PERIODIC:
+            return f"periodic({self.period_tokens})"
+        if self.caching is SwaCaching.COST:
+            return f"cost({self.period_tokens})" if self.resolved else "cost"
+        return self.caching.value
+
+
+DEFAULT_SWA_POLICY = SwaPolicy.periodic(4096)
+"""A spec file without `swa_policy:` checkpoints its windows every 4096 tokens."""

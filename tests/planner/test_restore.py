@@ -256,3 +256,34 @@ def test_the_solved_mix_split_is_the_best_block_boundary(spec, n, bps, queue_s) 
         for o in p.options_at(k * spec.block_tokens)
     )
     assert mix.restore_s == pytest.approx(scan, rel=1e-9)
+
+
+def test_a_partly_resident_prefix_loads_only_what_hbm_lacks() -> None:
+    n, a = 32768, 16384
+    plan = plan_restore(LLAMA, n, Tier.CPU, H100, resident_tokens=a)
+    assert plan.loaded_bytes == (n - a) * 131072
+    assert plan.restore_s == pytest.approx(2e-4 + (n - a) * 131072 / 5e10)  # no mix
+    assert plan.recompute_all_s == pytest.approx(H100.prefill_s(n - a, a))
+    assert plan.hbm_bytes == (n - a) * 131072
+    # V4 under zero SWA caching: the windows at S = 12800 need the last 7808 tokens, and the
+    # resident 6400 already cover everything before them: nothing is worth loading
+    v4 = plan_restore(V4, 12850, Tier.SSD, H100, resident_tokens=6400, swa_policy=SwaPolicy.zero())
+    assert v4.loaded_bytes == 0 and v4.recomputed_tokens == 12850 - 6400
+    assert v4.restore_s == pytest.approx(H100.prefill_s(6450, 6400))
+    # resident tokens count only up to a sealed boundary (6450 -> 6400)
+    assert plan_restore(V4, 12850, Tier.SSD, H100, resident_tokens=6450).recompute_all_s == (
+        pytest.approx(H100.prefill_s(6450, 6400))
+    )
+
+
+def test_the_spec_s_own_swa_policy_is_the_default() -> None:
+    n = 128 * 1000 + 100
+    full_spec = replace(V4, swa_policy=SwaPolicy.full())
+    assert plan_restore(full_spec, n, Tier.SSD, H100).restore_s == pytest.approx(
+        plan_restore(V4, n, Tier.SSD, H100, swa_policy=SwaPolicy.full()).restore_s
+    )
+    # cost-based, unresolved: p* for this profile and tier, a session of n tokens
+    cost = plan_restore(replace(V4, swa_policy=SwaPolicy.cost_based()), n, Tier.SSD, H100)
+    assert (
+        cost.restore_s <= plan_restore(V4, n, Tier.SSD, H100, swa_policy=SwaPolicy.zero()).restore_s
+    )
