@@ -1,6 +1,7 @@
 """The worker pool: static workers from the config plus those added at runtime, each with its
 role, backend kind, health, load (router-side in-flight counts and scraped engine gauges)
-and a circuit breaker. A background loop probes `/health` and scrapes `/metrics`."""
+and a circuit breaker. A background loop probes each worker's `/health` and scrapes its
+`/metrics`, every worker on its own schedule: a worker whose probe hangs delays no other's."""
 
 from __future__ import annotations
 
@@ -227,18 +228,39 @@ class WorkerPool:
         self._task = None
 
     async def _loop(self) -> None:
-        while True:
-            try:
-                await self.check_all()
-            except Exception:
-                log.exception("health check round failed")
-            await asyncio.sleep(self.health_interval_s)
+        """Every `health_interval_s`, a check of each worker whose last one has ended: each
+        runs as its own task, so a worker whose check is slow (every GET up to
+        `health_timeout_s`) skips its own turns, never another worker's."""
+        probes: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                for state in self.all():
+                    task = probes.get(state.worker_id)
+                    if task is None or task.done():
+                        probes[state.worker_id] = asyncio.create_task(
+                            self._check_logged(state), name=f"worker-health:{state.worker_id}"
+                        )
+                for worker_id in [w for w in probes if w not in self._workers]:
+                    probes.pop(worker_id).cancel()
+                await asyncio.sleep(self.health_interval_s)
+        finally:
+            for task in probes.values():
+                task.cancel()
+            await asyncio.gather(*probes.values(), return_exceptions=True)
+
+    async def _check_logged(self, state: WorkerState) -> None:
+        try:
+            await self.check(state)
+        except Exception:
+            log.exception("worker %s: health check failed", state.worker_id)
 
     async def check_all(self) -> None:
+        """One check of every worker, side by side (each GET bounded by `health_timeout_s`)."""
         await asyncio.gather(*(self.check(w) for w in self.all()))
 
     async def check(self, state: WorkerState) -> None:
-        """Probe one worker's `/health` and scrape its `/metrics`."""
+        """Probe one worker's `/health` and scrape its `/metrics`; marks it dead after
+        `dead_after_failures` failed probes in a row."""
         url = state.address.url
         if await self._get(url, state.backend.health_path) is not None:
             await self._probe_kv_api(state)

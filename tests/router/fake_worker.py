@@ -38,6 +38,7 @@ class FakeWorker:
     chunks: int = 4
     fetch_status: int = 200  # what `POST /ownerserve/kv/fetch` answers (non-200: the fetch failed)
     fetch_delay_s: float = 0.0  # how long a fetch takes (`cancelled` is set if given up)
+    health_hangs: bool = False  # `GET /health` never answers (a stalled process)
     requests: list[Recorded] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     port: int = 0
@@ -70,6 +71,8 @@ class FakeWorker:
             self._runner = None
 
     async def _health(self, _: web.Request) -> web.Response:
+        if self.health_hangs:
+            await asyncio.Event().wait()
         return web.json_response({})
 
     async def _metrics(self, _: web.Request) -> web.Response:

@@ -14,6 +14,7 @@ from router.backends import parse_load_metrics
 from router.pool import BreakerState, CircuitBreaker, WorkerPool
 from router.upstream import UpstreamPool
 from tests.router.fake_worker import FakeWorker
+from tests.waiting import until
 
 
 def test_breaker_opens_after_threshold_and_half_opens_after_cooldown():
@@ -95,6 +96,36 @@ async def test_a_sidecar_that_stops_answering_takes_its_worker_out_of_kv_moves()
         await http.close()
         await engine.stop()
         await sidecar.stop()
+
+
+async def test_a_dead_worker_is_marked_dead_while_another_hangs_its_probe() -> None:
+    # each GET may take a minute: a health loop that waited for every worker's probe before
+    # the next round would count the dead worker's second failure only after the hung one
+    slow = await FakeWorker("slow", health_hangs=True).start()
+    dead = await FakeWorker("dead").start()
+    await dead.stop()  # its port refuses connections
+    http = UpstreamPool(connect_timeout_s=60.0)
+    pool = WorkerPool(
+        [WorkerSettings(id="slow", url=slow.url), WorkerSettings(id="dead", url=dead.url)],
+        health_interval_s=0.01,
+        health_timeout_s=60.0,
+        dead_after_failures=2,
+    )
+    marked: list[str] = []
+
+    async def on_dead(worker_id: str) -> None:
+        marked.append(worker_id)
+
+    pool.on_worker_dead = on_dead
+    await pool.start(http)
+    try:
+        await until(lambda: marked == ["dead"], timeout_s=20.0, what="the dead worker marked")
+        slow_state = pool.get("slow")
+        assert slow_state is not None and slow_state.healthy  # its probe is still waiting
+    finally:
+        await pool.close()
+        await http.close()
+        await slow.stop()
 
 
 def test_kv_paths_default_by_kind_and_role() -> None:
