@@ -32,12 +32,15 @@ class RetentionConfig:
     """Weight of a new gap in the per-session and per-tool moving averages."""
     idle_forget_s: float = 3600.0
     """A session idle this long is forgotten (its gap history too): bounds the table."""
+    return_alpha: float = 0.05
+    """Weight of one first answer's outcome (its session came back within `factor` ×
+    `prior_gap_s`, or not) in the moving return rate that scales a first answer's keep."""
 
     def __post_init__(self) -> None:
         if self.prior_gap_s < 0 or self.max_gap_s < 0 or self.factor < 0:
             raise ValueError("retention times and factor must be >= 0")
-        if not 0 < self.alpha <= 1:
-            raise ValueError("alpha must be in (0, 1]")
+        if not 0 < self.alpha <= 1 or not 0 < self.return_alpha <= 1:
+            raise ValueError("alpha and return_alpha must be in (0, 1]")
         if self.idle_forget_s <= 0:
             raise ValueError("idle_forget_s must be > 0")
 
@@ -57,6 +60,9 @@ class _Session:
     """Moving average of the gaps it showed."""
     tool: str | None = None
     """The tool its last answer called."""
+    first_end: float | None = None
+    """When its first answer ended, until it is known whether it came back within the
+    return window (`WorkingSets.return_rate`)."""
 
 
 class WorkingSets:
@@ -79,6 +85,12 @@ class WorkingSets:
         self.peak_tokens = 0.0
         """Moving average of the KV a session held when it was released (its last size: agent
         sessions only grow), 0 before any was: what a new session is expected to grow to."""
+        self.return_rate = 1.0
+        """Moving average (weight `return_alpha`) over first answers of whether their session
+        sent its next request within the return window, `factor` × `prior_gap_s` (the keep
+        of a session with no gap of its own); 1 before any outcome (sessions come back)."""
+        self._first_checks: list[tuple[float, str]] = []
+        """(end of the return window, session) of first answers not yet back, a heap."""
 
     # --- events ------------------------------------------------------------------------------
 
@@ -90,6 +102,9 @@ class WorkingSets:
         after `after_tool` when the request carries that tool's result)."""
         self._expire(now)
         s = self._touch(session, now)
+        if s.first_end is not None:  # back within the return window (`_expire` saw none past)
+            s.first_end = None
+            self._returned(1.0)
         if s.inflight == 0 and s.ended_at is not None:
             self._learn(s, now - s.ended_at, after_tool or s.tool)
         self._uncount(s)
@@ -141,6 +156,9 @@ class WorkingSets:
             return
         s.ended_at = now
         s.tool = tool
+        if s.gap_s is None and s.first_end is None:  # its first answer: will it come back?
+            s.first_end = now
+            heapq.heappush(self._first_checks, (now + self._return_window(), session))
         keep = self.keep_s(session)
         s.keep_until = now + keep
         if keep > 0:
@@ -228,12 +246,18 @@ class WorkingSets:
         """How long `session`'s KV stays counted after its answer: `factor` × the predicted
         gap, taken no shorter than `prior_gap_s` (gaps are heavy-tailed: a session whose last
         few gaps were 10 ms still often pauses for a second or two), or 0 when that gap is
-        longer than `max_gap_s`."""
+        longer than `max_gap_s`. A session that has shown no gap of its own (after its first
+        answer) is kept that long × `return_rate`: where sessions are single requests (a
+        chat or completion trace) nothing comes back and their KV is not held for them."""
         gap = self.predicted_gap_s(session)
         cfg = self.config
         if gap > cfg.max_gap_s:
             return 0.0
-        return cfg.factor * (gap if gap > cfg.prior_gap_s else cfg.prior_gap_s)
+        keep = cfg.factor * (gap if gap > cfg.prior_gap_s else cfg.prior_gap_s)
+        s = self._sessions.get(session)
+        if s is None or s.gap_s is None:
+            keep *= self.return_rate
+        return keep
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -255,6 +279,15 @@ class WorkingSets:
             del self._sessions[sid]
             break
         return s
+
+    def _return_window(self) -> float:
+        """factor × prior_gap_s: a first answer's session that comes back within it counts as
+        returned (`return_rate`)."""
+        return self.config.factor * self.config.prior_gap_s
+
+    def _returned(self, outcome: float) -> None:
+        a = self.config.return_alpha
+        self.return_rate = (1 - a) * self.return_rate + a * outcome
 
     def _learn(self, s: _Session, gap: float, tool: str | None) -> None:
         a = self.config.alpha
@@ -286,7 +319,19 @@ class WorkingSets:
                 self._counts.pop(s.worker, None)
 
     def _expire(self, now: float) -> None:
-        """Release the idle sessions whose keep time is over."""
+        """Release the idle sessions whose keep time is over; count the first answers whose
+        session did not come back within the return window."""
+        checks = self._first_checks
+        while checks and checks[0][0] <= now:
+            until, sid = heapq.heappop(checks)
+            s = self._sessions.get(sid)
+            if (
+                s is not None
+                and s.first_end is not None
+                and s.first_end + self._return_window() == until
+            ):
+                s.first_end = None
+                self._returned(0.0)
         heap = self._expiries
         while heap and heap[0][0] <= now:
             until, sid = heapq.heappop(heap)

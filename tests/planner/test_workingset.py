@@ -158,3 +158,46 @@ def test_a_subagents_prefix_held_by_its_spawner_on_the_same_worker_counts_once()
     ws.started("more", "w0", 1700, now=2.0)
     ws.shares("more", "sub", 5000)
     assert ws.tokens("w0", 2.0) == 1600 + 100  # never more than the spawner holds
+
+
+def test_first_answers_of_sessions_that_never_come_back_stop_being_kept() -> None:
+    # single-request sessions (a chat or completion trace): each first answer's session does
+    # not return within the window (factor x prior gap = 4 s), so the return rate falls and
+    # a first answer's KV is held for less and less, then not at all
+    ws = WorkingSets(RetentionConfig(prior_gap_s=2.0, factor=2.0, return_alpha=0.5))
+    assert ws.return_rate == 1.0
+    for i in range(8):
+        t = 10.0 * i
+        ws.started(f"s{i}", "w0", 1000, now=t)
+        ws.ended(f"s{i}", 1100, now=t + 1.0)
+        assert ws.keep_s(f"s{i}") == pytest.approx(4.0 * ws.return_rate)
+    ws.tokens("w0", 100.0)  # the last window closes
+    assert ws.return_rate == pytest.approx(0.5**8)
+    ws.started("last", "w0", 1000, now=100.0)
+    ws.ended("last", 1100, now=101.0)
+    assert ws.tokens("w0", 101.1) == 0  # kept 4 s x 0.004: gone within 16 ms
+
+
+def test_sessions_that_come_back_keep_their_first_answers_kept() -> None:
+    ws = WorkingSets(RetentionConfig(prior_gap_s=2.0, factor=2.0, return_alpha=0.5))
+    for i in range(4):  # back 3 s after the first answer: within the 4 s window
+        t = 20.0 * i
+        ws.started(f"s{i}", "w0", 1000, now=t)
+        ws.ended(f"s{i}", 1100, now=t + 1.0)
+        ws.started(f"s{i}", "w0", 1200, now=t + 4.0)
+        ws.ended(f"s{i}", 1300, now=t + 5.0)
+    assert ws.return_rate == 1.0
+    ws.started("new", "w0", 1000, now=100.0)
+    ws.ended("new", 1100, now=101.0)
+    assert ws.tokens("w0", 104.9) == 1100
+
+
+def test_a_session_back_after_the_window_counts_as_not_returned() -> None:
+    ws = WorkingSets(RetentionConfig(prior_gap_s=2.0, factor=2.0, return_alpha=0.5))
+    ws.started("s", "w0", 1000, now=0.0)
+    ws.ended("s", 1100, now=1.0)
+    ws.started("s", "w0", 1200, now=6.0)  # 5 s later: past the 4 s window
+    assert ws.return_rate == pytest.approx(0.5)
+    # its own gap is known now: its next answers are kept by that gap, not the return rate
+    ws.ended("s", 1300, now=7.0)
+    assert ws.keep_s("s") == pytest.approx(10.0)  # factor x its 5 s gap
