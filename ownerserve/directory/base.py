@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
+from ownerserve.directory.restorable import RestorableUnit
 from ownerserve.events import EventBatch
 from ownerserve.records import fast_init
 from ownerserve.types import Tier
@@ -83,6 +84,17 @@ class Match:
     session_owner: str | None = None
     owner_artifact_id: int | None = None
     """Id of the artifact holding the deepest owned block: what `renew` takes."""
+    restorable: tuple[RestorableUnit, ...] = ()
+    """For workers serving a hybrid-attention model (group-tagged KV events): per worker and
+    tier, the deepest boundary where every KV cache group can be restored, and where the
+    attention groups alone reach (`ownerserve.directory.restorable`); () otherwise."""
+
+    def restorable_on(self, worker: str, tier: Tier = Tier.GPU) -> RestorableUnit | None:
+        """What `worker` can restore from `tier`, if it serves a hybrid model."""
+        for u in self.restorable:
+            if u.worker == worker and u.tier == tier:
+                return u
+        return None
 
     def longest(self, worker: str, tier: Tier | None = None) -> int:
         """Longest prefix (blocks) `worker` holds, in `tier` or in any tier."""

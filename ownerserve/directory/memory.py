@@ -33,6 +33,7 @@ from ownerserve.directory.common import (
     check_worker,
     sort_holdings,
 )
+from ownerserve.directory.restorable import GroupHoldings, annotate
 from ownerserve.errors import InvalidRequestError, StaleEpochError
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import hash_block
@@ -143,6 +144,8 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
         self._worker_index: dict[str, _WorkerRecord] = {}  # every worker ever seen
         self._sessions: dict[str, tuple[str, float]] = {}
         self._forks: dict[int, set[str]] = {}
+        self.groups = GroupHoldings()
+        """KV cache groups of workers serving hybrid models (restorable units)."""
 
     # --- helpers -----------------------------------------------------------------------
 
@@ -221,6 +224,7 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
             rec.seq = None
         rec.root, rec.block_size = model_root, block_size
         self._workers[worker] = rec
+        self.groups.register_worker(worker, model_root, block_size)
 
     async def lookup(self, chain: Sequence[int], session_id: str | None = None) -> Match:
         now = self._clock()
@@ -313,7 +317,7 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
             self._hold_cached(hold, worker, mask, length)
 
         holdings = [Holding(w, t, b, k) for (w, t, k), b in best.items()]
-        return Match(
+        match = Match(
             chain_len=n,
             holdings=sort_holdings(holdings),
             owner=owner.worker if owner else None,
@@ -322,6 +326,7 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
             session_owner=session_owner,
             owner_artifact_id=owner.artifact_id if owner else None,
         )
+        return annotate(self.groups, match, chain)
 
     @staticmethod
     def _hold_cached(
@@ -605,6 +610,8 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
         gap = last is not None and batch.seq > last + 1
         if gap:
             self._clear_cached(worker, rec)
+            self.groups.clear(worker)
+        batch = self.groups.split(worker, batch)
         stored = removed = skipped = 0
         for event in batch.events:
             if isinstance(event, BlockStored):
@@ -648,6 +655,7 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
         )
 
     async def drop_worker(self, worker: str) -> int:
+        self.groups.drop_worker(worker)
         rec = self._worker_index.get(worker)
         if rec is None:
             return 0

@@ -77,6 +77,7 @@ from ownerserve.directory.common import (
     hex_blocks,
     sort_holdings,
 )
+from ownerserve.directory.restorable import GroupHoldings, annotate
 from ownerserve.errors import DirectoryUnavailableError, InvalidRequestError, StaleEpochError
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import hash_block
@@ -164,6 +165,9 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         """Reuse counts dropped because Redis could not take them at close."""
         self._touch_deadline = 0.0
         self._touch_task: asyncio.Task[None] | None = None
+        self.groups = GroupHoldings()
+        """KV cache groups of workers serving hybrid models, from the events this router
+        applies (restorable units; kept in process, not in Redis)."""
 
     @classmethod
     def from_url(
@@ -220,7 +224,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
             await self.refresh_worker_names()
             match, touched = self.decode_lookup(len(chain), reply, strict=False)
         self.record_touches(touched)
-        return match
+        return annotate(self.groups, match, chain)
 
     async def refresh_worker_names(self) -> None:
         names = await self._client.hgetall(self.key("widx"))
@@ -486,6 +490,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
             [worker, hex_block(model_root), int(block_size)],
         )
         self._registration[worker] = (model_root, block_size)
+        self.groups.register_worker(worker, model_root, block_size)
 
     async def _fetch_registration(self, worker: str) -> tuple[int, int]:
         root, bs = await self._client.hmget(self.key("w:" + worker), ["root", "bs"])
@@ -493,6 +498,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
             raise InvalidRequestError(f"worker {worker!r} is not registered with the directory")
         reg = (int(_s(root), 16), int(bs))
         self._registration[worker] = reg
+        self.groups.register_worker(worker, *reg)
         return reg
 
     async def _known_parents(self, worker: str, batch: EventBatch) -> dict[int, int]:
@@ -560,6 +566,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         check_worker(worker)
         p = self.prefix
         keys = [p + "w:" + worker, p + "w:" + worker + ":eh", p + "blk"]
+        batch = self.groups.split(worker, batch)  # the chain index takes the chain group only
         for attempt in range(2):
             reg = self._registration.get(worker)
             if reg is None or attempt:
@@ -589,6 +596,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
     async def drop_worker(self, worker: str) -> int:
         check_worker(worker)
         self._engine_map.pop(worker, None)
+        self.groups.drop_worker(worker)
         return int(
             await self._run("drop_worker", [self.key("blk"), self.key("w:" + worker)], [worker])
         )
