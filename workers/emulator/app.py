@@ -201,10 +201,13 @@ class EmulatorApp:
         self.worker_id = config.name
         self.engine_id = f"{self.worker_id}-{uuid.uuid4().hex[:8]}"
         self.root_hash = chain_root(config.model, config.salt)
-        self.capacity_blocks = config.capacity_blocks(self.profile)
+        self.kv_spec = config.kv_state_spec()
+        self.capacity_blocks = config.capacity_blocks(self.profile, self.kv_spec)
         self.metrics = EngineMetrics(
             config.model, self.worker_id, config.role.value, self.profile.name
         )
+        self.hybrid = config.hybrid_kv(self.kv_spec, self.capacity_blocks)
+        self.metrics.hybrid = self.hybrid is not None
         self.pool = BlockPool(self.capacity_blocks, config.block_size)
         self.host: HostPool | None = None
         if config.cpu_kv_blocks:
@@ -226,6 +229,7 @@ class EmulatorApp:
             host=self.host,
             chunks=self.chunk_store,
             chunk_recompute_tokens=config.chunk_recompute_tokens,
+            hybrid=self.hybrid,
         )
         self.mover = KVMover(self.engine, config.node, self.worker_id, config.kv_lease_s)
         self.publisher: KVEventPublisher | None = None
@@ -835,7 +839,7 @@ class EmulatorApp:
             "blocks_in_use": pool.num_blocks - pool.num_free,
             "capacity": pool.num_blocks,
             "block_size": self.config.block_size,
-            "block_bytes": self.config.block_size * self.profile.kv_bytes_per_token,
+            "block_bytes": self.engine.block_bytes,
             "evicted": pool.evicted_blocks,
             "held_transfers": len(self.engine.holds),
             "expired_transfers": self.engine.holds.expired,
@@ -946,10 +950,12 @@ class EmulatorApp:
             "node": c.node,
             "block_size": c.block_size,
             "capacity_blocks": self.capacity_blocks,
-            "block_bytes": c.block_size * self.profile.kv_bytes_per_token,
+            "block_bytes": self.engine.block_bytes,
             "blocks_held": self.pool.num_cached,
             "block_hashes": self.pool.cached_hashes(),
         }
+        if self.hybrid is not None:
+            body.update(self.hybrid.describe())
         if self.host is not None:
             body["cpu_capacity_blocks"] = self.host.num_blocks
             body["cpu_blocks_held"] = self.host.num_cached
@@ -964,6 +970,8 @@ class EmulatorApp:
         await self._body(scope, receive)
         if not self.pool.reset():
             raise InvalidRequestError("cannot reset the prefix cache while requests hold blocks")
+        if self.hybrid is not None and self.hybrid.pool is not None:
+            self.hybrid.pool.reset()  # nothing runs: no window block is referenced either
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         external = query.get("reset_external", ["false"])[-1].lower() in ("true", "1", "yes", "on")
         if external and self.host is not None:
@@ -1029,8 +1037,9 @@ class EmulatorApp:
         `tokens` tokens of chunk KV) under transfer `kind`, and send `answer` with this
         worker's id, node and the bytes."""
         if tokens is None:
-            tokens = blocks * self.config.block_size
-        nbytes = tokens * self.profile.kv_bytes_per_token
+            nbytes = blocks * self.engine.block_bytes
+        else:
+            nbytes = tokens * self.profile.kv_bytes_per_token
         self.metrics.kv_sent_bytes[kind] += nbytes
         self.metrics.kv_sent_blocks[kind] += blocks
         body = {"worker_id": self.worker_id, "node": self.config.node, **answer}

@@ -10,8 +10,12 @@ import argparse
 from dataclasses import dataclass
 
 from ownerserve.errors import ConfigError
+from ownerserve.kvstate import KVStateSpec, load_spec, spec_for_model
+from ownerserve.kvstate.groups import is_hybrid, kv_cache_groups, sealed_block_bytes
+from ownerserve.kvstate.retention import Retention
 from ownerserve.profiles import TimingProfile, load_profile
 from ownerserve.types import Role
+from workers.emulator.hetero import HybridKV
 
 DEFAULT_MODEL = "ownerserve-tiny"
 
@@ -65,6 +69,16 @@ class EmulatorConfig:
     `2/3 * kv_lease_s` (its heartbeat), so the KV is freed this long after the decode side let go
     of it or died."""
     max_body_bytes: int = 32 * 1024 * 1024
+    kv_spec: str | None = None
+    """The served model's KV state spec (a name in `configs/models/` or a YAML path); None:
+    the spec whose name or alias is `model`, if any. A hybrid-attention spec (more than one
+    full-attention group) gets HeteroCache's groups; a dense one, or none, the plain pool."""
+    retention_interval: int | None = None
+    """Which boundaries keep their sliding-window state (vLLM's prefix-cache retention
+    interval): None every block boundary, 0 only each request's last prompt boundary, N every
+    N tokens (and the last prompt boundary)."""
+    window_num_blocks: int | None = None
+    """Blocks of the sliding-window pool (hybrid specs); None: as many as the KV pool's."""
     tool_call_every: int = 0
     """Tool-calling mode: when a chat request offers tools (tool_choice auto), every this
     many user turns is answered with a tool call, arguments drawn from its schema (0: off)."""
@@ -96,6 +110,12 @@ class EmulatorConfig:
             raise ConfigError("--transfer-timeout-s must be positive")
         if self.kv_lease_s <= 0:
             raise ConfigError("--kv-lease-duration must be positive")
+        if self.retention_interval is not None and self.retention_interval < 0:
+            raise ConfigError(
+                f"--prefix-cache-retention-interval must be >= 0, got {self.retention_interval}"
+            )
+        if self.window_num_blocks is not None and self.window_num_blocks <= 0:
+            raise ConfigError(f"--window-num-blocks must be positive, got {self.window_num_blocks}")
         if self.tool_call_every < 0:
             raise ConfigError(f"--tool-call-every must be >= 0, got {self.tool_call_every}")
 
@@ -114,12 +134,43 @@ class EmulatorConfig:
     def timing(self) -> TimingProfile:
         return load_profile(self.profile)
 
-    def capacity_blocks(self, profile: TimingProfile) -> int:
-        """KV capacity in blocks: `--num-blocks`, else HBM for KV / bytes per block."""
+    def kv_state_spec(self) -> KVStateSpec | None:
+        """The served model's spec if it is hybrid (`kv_spec`, else found by `model`); None
+        for a dense model or one without a spec (the plain pool, timed by the profile)."""
+        if self.kv_spec is not None:
+            spec = load_spec(self.kv_spec)
+        else:
+            found = spec_for_model(self.model)
+            if found is None:
+                return None
+            spec = found
+        try:
+            groups = kv_cache_groups(spec, self.block_size)
+        except ValueError as exc:
+            raise ConfigError(f"--block-size {self.block_size}: {exc}") from None
+        return spec if is_hybrid(groups) else None
+
+    def capacity_blocks(self, profile: TimingProfile, spec: KVStateSpec | None = None) -> int:
+        """KV capacity in blocks: `--num-blocks`, else HBM for KV / bytes per block (for a
+        hybrid spec, the bytes of a block in every sealed group)."""
         if self.num_blocks is not None:
             return self.num_blocks
-        per_block = profile.kv_bytes_per_token * self.block_size
+        if spec is not None:
+            per_block = sealed_block_bytes(kv_cache_groups(spec, self.block_size))
+        else:
+            per_block = profile.kv_bytes_per_token * self.block_size
         return max(1, int(profile.hbm_kv_bytes // per_block))
+
+    def hybrid_kv(self, spec: KVStateSpec | None, capacity_blocks: int) -> HybridKV | None:
+        """HeteroCache's groups for a hybrid spec (None for a dense model)."""
+        if spec is None:
+            return None
+        return HybridKV(
+            spec,
+            self.block_size,
+            Retention(self.retention_interval),
+            self.window_num_blocks or capacity_blocks,
+        )
 
     def chunk_capacity_tokens(self, profile: TimingProfile) -> int:
         """The chunk store's size in tokens: `--chunk-store-tokens`, else 15/70 of the pool's."""
@@ -192,11 +243,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     parser.add_argument(
+        "--kv-spec",
+        default=None,
+        help="the model's KV state spec (configs/models/ name or YAML path; default: the spec "
+        "named by --model or one of its aliases; a hybrid one gets HeteroCache's groups)",
+    )
+    parser.add_argument(
+        "--prefix-cache-retention-interval",
+        type=_retention,
+        default=None,
+        help="hybrid specs: boundaries that keep sliding-window state: unset every block, "
+        "0 only each request's last prompt boundary, N every N tokens (vLLM's retention "
+        "interval)",
+    )
+    parser.add_argument(
+        "--window-num-blocks",
+        type=int,
+        default=None,
+        help="hybrid specs: blocks of the sliding-window pool (default: --num-blocks's)",
+    )
+    parser.add_argument(
         "--tool-call-every",
         type=int,
         default=d.tool_call_every,
         help="with tools offered, answer every k-th user turn with a tool call (0: never)",
     )
+
+
+def _retention(value: str) -> int | None:
+    try:
+        return Retention.parse(value).interval
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
@@ -232,4 +310,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         kv_lease_s=args.kv_lease_duration,
         max_body_bytes=args.max_body_bytes,
         tool_call_every=args.tool_call_every,
+        kv_spec=args.kv_spec,
+        retention_interval=args.prefix_cache_retention_interval,
+        window_num_blocks=args.window_num_blocks,
     )

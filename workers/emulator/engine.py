@@ -30,6 +30,14 @@ past its prefix hit that the store holds, at whatever position it now sits: thos
 counted as cached and cost `rerotate_per_token_s` each (the KV copied into the request's
 blocks, K re-rotated) instead of their prefill, less the first `chunk_recompute_tokens` of
 each chunk, computed again (EPIC's LegoLink). Chunks computed by its prefill are then stored.
+
+With a hybrid-attention spec (`HybridKV`: compressed and sliding-window groups, per-sequence
+state) the block pool is the sealed groups' block table and the windows have a pool of their
+own: a sequence holds only its last window blocks, those that fall out of the window stay
+cached where the retention policy keeps their boundary, a prefix hit resumes only where every
+group can be restored (or rebuilds the windows by recomputing n_win·L tokens, charged to the
+step), and KV events are tagged per group. A dense model has no `HybridKV`: all of this is
+skipped.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from ownerserve.hashing import hash_block
 from ownerserve.profiles import TimingProfile
 from ownerserve.tasks import cancel_and_wait
 from workers.emulator.chunk_store import ChunkStore
+from workers.emulator.hetero import HybridKV, WindowRef
 from workers.emulator.kv_cache import BlockPool, CachedBlock, HostPool, NewBlock
 from workers.emulator.metrics import EngineMetrics
 from workers.emulator.textgen import OutputText
@@ -140,14 +149,17 @@ class Sequence:
         "params",
         "pieces",
         "prompt_ids",
+        "rebuild",
         "remote",
         "remote_ready",
         "request_id",
+        "resume",
         "reused",
         "state",
         "stop_reason",
         "text",
         "text_limit",
+        "win",
     )
 
     def __init__(
@@ -211,6 +223,12 @@ class Sequence:
         """Tokens of `reused`."""
         self.chunks_pinned: list[int] = []
         self.chunks_stored = False
+        self.win: list[WindowRef] = []
+        """Window blocks held (hybrid specs): the last window of the computed prefix."""
+        self.rebuild = 0
+        """Tokens to recompute before the next step to rebuild the windows (hybrid specs)."""
+        self.resume = ""
+        """How the prefix hit's mutable state was restored (`hetero.RESUME_KINDS`)."""
 
     def reused_between(self, lo: int, hi: int) -> int:
         """Tokens of [lo, hi) taken from the chunk store."""
@@ -407,8 +425,11 @@ class Engine:
         host: HostPool | None = None,
         chunks: ChunkStore | None = None,
         chunk_recompute_tokens: int = 0,
+        hybrid: HybridKV | None = None,
     ) -> None:
         self.profile = profile
+        self.hybrid = hybrid
+        """The KV cache groups of a hybrid-attention spec; None: dense attention."""
         self.chunks = chunks
         """The chunk store (chunk reuse); None: chunk layouts are ignored."""
         self.chunk_recompute_tokens = chunk_recompute_tokens
@@ -502,6 +523,14 @@ class Engine:
         """Sequences whose remote KV is not in yet (waiting for blocks, or being pulled)."""
         return [s for s in (*self.waiting, *self.loading) if s.remote is not None]
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block of a prefix: the profile's per-token KV, or for a hybrid
+        spec every sealed group's entries for the block."""
+        if self.hybrid is not None:
+            return self.hybrid.block_bytes
+        return self.block_size * self.profile.kv_bytes_per_token
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -545,6 +574,7 @@ class Engine:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release_chunks(seq)
+        self._release_windows(seq)
         self.pool.free(seq.blocks)
         seq.blocks = []
         seq.num_computed = 0
@@ -605,12 +635,15 @@ class Engine:
         while waiting and budget > 0 and not preempted and len(running) < self.max_num_seqs:
             seq = waiting[0]
             hit = self._prefix_hit_blocks(seq)
+            use_host = host is not None and seq.remote is None
+            if self.hybrid is not None and seq.remote is None:
+                hit, use_host = self._choose_resume(seq, hit)
             hit_hashes = seq.hashes[:hit]
             computed = hit * bs
             whole = -(-seq.num_tokens // bs) - hit
             if whole > pool.free_after_touch(hit_hashes):
                 break
-            if host is not None and seq.remote is None:
+            if host is not None and use_host:
                 # vLLM's connector lookup continues where the HBM hit stops, over the same
                 # limit (the last prompt token is always computed).
                 limit = (seq.num_tokens - 1) // bs
@@ -663,6 +696,33 @@ class Engine:
             # left to wake the loop (sequences whose KV is in wait for the freed blocks).
             return self._schedule() if preempted else None
         return _Step(items, self._step_seconds(items))
+
+    def _choose_resume(self, seq: Sequence, hit: int) -> tuple[int, bool]:
+        """A hybrid spec's resume point (`HybridKV.choose`) for a sequence whose sealed blocks
+        HBM caches for `hit` blocks: the blocks to start from, and whether to load the CPU
+        tier's continuation. Sets the windows' rebuild on the sequence."""
+        hybrid = self.hybrid
+        assert hybrid is not None
+        host = self.host
+        on_host = 0
+        load_s = 0.0
+        if host is not None:
+            limit = (seq.num_tokens - 1) // self.block_size
+            on_host = host.match_prefix(seq.hashes[hit:limit])
+            load_s = on_host * hybrid.block_bytes / self.profile.link.cpu_load_bps
+        choice = hybrid.choose(seq.hashes, hit, self.profile, on_host, load_s)
+        seq.rebuild = choice.rebuild_tokens
+        seq.resume = choice.how
+        return choice.blocks, choice.host_blocks > 0
+
+    def _release_windows(self, seq: Sequence, keep_from: int | None = None) -> None:
+        """Let go of the sequence's window blocks before block `keep_from` (all by default)."""
+        hybrid = self.hybrid
+        if hybrid is None or not seq.win:
+            return
+        keep = seq.num_hashed + 1 if keep_from is None else keep_from
+        prompt_blocks = len(seq.prompt_ids) // self.block_size
+        seq.win = hybrid.release(seq.win, keep, seq.num_hashed, prompt_blocks)
 
     def _inflight_reserved(self) -> int:
         """Blocks that admitted sequences not done prefilling still need for their whole
@@ -728,6 +788,10 @@ class Engine:
                 m.chunk_tokens_stored += c.end - c.start
 
     def _start_running(self, seq: Sequence, computed: int) -> None:
+        hybrid = self.hybrid
+        if hybrid is not None and hybrid.pool is not None:
+            nh = seq.num_hashed  # the resume boundary: take its windows (cached or rebuilt)
+            hybrid.take(seq.win, seq.hashes, seq.tokens, max(0, nh - hybrid.window_blocks), nh)
         seq.state = SeqState.RUNNING
         if seq.cached_tokens < 0:
             self._count_prompt(seq, computed)
@@ -773,6 +837,12 @@ class Engine:
             self.flush_events()
         seq.num_computed = seq.num_hashed * self.block_size
         seq.external_tokens = len(got) * self.block_size
+        hybrid = self.hybrid
+        if hybrid is not None:  # the pull brings sealed KV: windows not held are rebuilt
+            nh = seq.num_hashed
+            held = hybrid.window_held(seq.hashes, nh)
+            seq.rebuild = 0 if held else min(hybrid.rebuild_tokens, nh * self.block_size)
+            seq.resume = ("cached" if held or not seq.rebuild else "rebuilt") if nh else "cold"
         seq.state = SeqState.WAITING
         self.loaded.append(seq)
         seq.remote_ready.set()
@@ -789,7 +859,7 @@ class Engine:
         # vLLM does not store the chunks it loaded (next_stored_chunk_idx moves past them).
         seq.num_offloaded = max(seq.num_offloaded, seq.num_hashed + len(hashes))
         host.pin(hashes)
-        nbytes = len(hashes) * self.block_size * self.profile.kv_bytes_per_token
+        nbytes = len(hashes) * self.block_bytes
         seconds = nbytes / self.profile.link.cpu_load_bps
         now = time.perf_counter()
         end = max(now, self._host_link_free_at) + seconds / self.speed
@@ -797,6 +867,14 @@ class Engine:
         m = self.metrics
         m.kv_offload_load_bytes += nbytes
         m.kv_offload_load_s += seconds
+        if self.hybrid is not None:
+            bs = self.block_size
+            lo = seq.num_hashed * bs
+            by_type = self.hybrid.spec.state_bytes(lo, lo + len(hashes) * bs)
+            for g in self.hybrid.sealed:
+                m.state_loaded_bytes[g.state_type.value] = (
+                    m.state_loaded_bytes.get(g.state_type.value, 0) + by_type[g.state_type]
+                )
         seq.load_task = asyncio.get_running_loop().create_task(
             self._load_from_host(seq, hashes, end - now), name=f"kv-host-load-{seq.request_id}"
         )
@@ -865,6 +943,9 @@ class Engine:
         cached["host"] += host
         cached["p2p"] += external - host  # P/D pulls (NixlConnector reports P2P)
         m.prompt_tokens += p
+        if self.hybrid is not None:
+            how = seq.resume or ("cached" if hit_tokens else "cold")
+            m.resumes[how] = m.resumes.get(how, 0) + 1
 
     def _step_seconds(self, items: list[tuple[Sequence, int]]) -> float:
         prof = self.profile
@@ -874,6 +955,10 @@ class Engine:
         prefill_base = prof.prefill.base_s
         any_prefill = False
         for seq, n in items:
+            if seq.rebuild:  # windows rebuilt before the step's tokens: n_win·L recomputed
+                lo = seq.num_computed
+                prefill += prof.prefill_s(seq.rebuild, max(0, lo - seq.rebuild)) - prefill_base
+                any_prefill = True
             if n == 1 and seq.out_ids and seq.num_computed + 1 == seq.num_tokens:
                 decodes += 1
                 ctx += seq.num_tokens
@@ -906,6 +991,9 @@ class Engine:
             if seq.state != SeqState.RUNNING:
                 continue  # aborted or preempted while the step ran
             was_decode = bool(seq.out_ids) and seq.num_computed + 1 == seq.num_tokens
+            if seq.rebuild:
+                m.window_rebuild_tokens += seq.rebuild
+                seq.rebuild = 0
             lo = seq.num_computed
             seq.num_computed += n
             if was_decode:
@@ -923,7 +1011,12 @@ class Engine:
                 self._store_chunks(seq)
             full = seq.num_computed // bs
             if full > seq.num_hashed:
+                hashed = seq.num_hashed
                 self._register(seq, full)
+                hybrid = self.hybrid
+                if hybrid is not None and hybrid.pool is not None:
+                    hybrid.take(seq.win, seq.hashes, seq.tokens, hashed, full)
+                    self._release_windows(seq, full - hybrid.window_blocks)
             if host is not None and seq.num_offloaded < seq.num_hashed:
                 self._offload(seq)
             if seq.num_computed < seq.num_tokens:
@@ -981,6 +1074,8 @@ class Engine:
             seq.blocks = []
         if seq.chunks_pinned:
             self._release_chunks(seq)
+        if seq.win:
+            self._release_windows(seq)
         if self.host is not None and seq.num_offloaded:
             # vLLM's LRU policy ranks a finished request's chunks as used, its prefix last.
             self.host.touch(seq.hashes[: seq.num_offloaded])
@@ -1001,5 +1096,7 @@ class Engine:
         events = self.pool.drain_events()
         if self.host is not None:
             events.extend(self.host.drain_events())
+        if self.hybrid is not None:
+            events = self.hybrid.tag_sealed(events) + self.hybrid.drain_window_events()
         if events and self._publish is not None:
             self._publish(events)

@@ -202,6 +202,29 @@ class BlockPool(_Blocks):
                 if self._hash[bid] is None:
                     self._free.move_to_end(bid, last=False)
 
+    def discard(self, block_ids: Sequence[int]) -> None:
+        """`free`, but a block whose last reference goes is dropped from the cache too (a
+        window block no retained boundary needs), recorded as one BlockRemoved."""
+        removed: list[int] = []
+        for bid in reversed(block_ids):
+            ref = self._ref[bid] - 1
+            if ref < 0:
+                raise ValueError(f"block {bid} freed more often than referenced")
+            self._ref[bid] = ref
+            if ref:
+                continue
+            h = self._hash[bid]
+            if h is not None:
+                del self._by_hash[h]
+                self._hash[bid] = None
+                self._parent[bid] = None
+                self._tokens[bid] = ()
+                removed.append(h)
+            self._free[bid] = None
+            self._free.move_to_end(bid, last=False)
+        if removed:
+            self._events.append(BlockRemoved(engine_hashes=tuple(removed), tier=self.tier))
+
     # --- caching -------------------------------------------------------------------------------
 
     def register(self, blocks: Sequence[NewBlock]) -> list[int]:

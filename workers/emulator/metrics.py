@@ -145,6 +145,27 @@ class EngineMetrics:
         self.chunks_fetched = 0
         """Chunks stored here from another worker's chunk store (chunk fetch)."""
         self.chunk_tokens_fetched = 0
+        self.hybrid = False
+        """A hybrid-attention spec is served: render the HeteroCache families below."""
+        self.resumes: dict[str, int] = {}
+        """Prefix hits by how their mutable state was restored (`hetero.RESUME_KINDS`)."""
+        self.window_rebuild_tokens = 0
+        """Tokens recomputed to rebuild sliding windows at a resumed boundary (n_win·L each)."""
+        self.state_loaded_bytes: dict[str, int] = {}
+        """Bytes loaded from the CPU tier, by state type."""
+
+    def _render_hetero(self, own: str, e: _Exposition) -> None:
+        """HeteroCache: how resumes restored their state, the windows rebuilt, bytes loaded."""
+        e.family(f"{_OWN}resumes_total", _C, "Prefix resumes by how windows were restored.")
+        for how in ("cached", "rebuilt", "truncated", "cold"):
+            e.out.append(f'{_OWN}resumes_total{{{own},how="{how}"}} {self.resumes.get(how, 0)}')
+        e.singles(_OWN, own, (
+            ("window_rebuild_tokens", _C, "Tokens recomputed to rebuild sliding windows.",
+             self.window_rebuild_tokens),
+        ))  # fmt: skip
+        if self.state_loaded_bytes:
+            e.by_label(f"{_OWN}state_loaded_bytes", "KV bytes loaded from the CPU tier by "
+                       "state type.", own, "state_type", self.state_loaded_bytes)  # fmt: skip
 
     def _render_offload(self, g: dict[str, float], base: str, own: str, e: _Exposition) -> None:
         """The CPU tier: vLLM's OffloadingConnector metrics, then OwnerServe's occupancy."""
@@ -284,5 +305,7 @@ class EngineMetrics:
             ("kv_events_published", _C, "KV event batches published.", self.kv_events_published),
         ))
         # fmt: on
+        if self.hybrid:
+            self._render_hetero(own, e)
         e.out.append("")
         return "\n".join(e.out)

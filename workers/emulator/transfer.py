@@ -104,7 +104,7 @@ class KVMover:
 
     @property
     def block_bytes(self) -> int:
-        return self.engine.block_size * self.engine.profile.kv_bytes_per_token
+        return self.engine.block_bytes
 
     def client(self) -> httpx.AsyncClient:
         if self._client is None:

@@ -1,0 +1,288 @@
+"""HeteroCache in the emulated engine: the KV cache groups of a hybrid-attention model beside the
+engine's block pool, as vLLM's hybrid KV cache manager keeps them.
+
+The engine's `BlockPool` is the sealed groups' block table: every sealed group (full attention,
+CSA main KV and indexer, HCA) has an entry for every block of a prefix, sealed when the block is
+complete (a block covers a multiple of every compression ratio), so they are cached, hit and
+evicted together and a block's size is their bytes together (`sealed_block_bytes`). The
+mutable groups — sliding windows and per-sequence state (compression tails) — have a pool of
+their own (`WindowPool`): window block j holds the window entries of tokens [j·B, (j+1)·B) and,
+at boundary j+1, the sequence's state. A running sequence references the last
+`window_blocks` of them; a block that falls out of the window is kept cached only if a boundary
+whose window it belongs to is one the retention policy keeps (`ownerserve.kvstate.retention`),
+else dropped at once (vLLM frees sliding-window blocks past the window).
+
+A prefix hit resumes only where every group can be restored (`choose`): at the deepest
+boundary whose sealed blocks and window blocks are all cached, or deeper, at the sealed hit (or
+past it, from the CPU tier), rebuilding the windows there by recomputing the last n_win·L tokens
+over the cached sealed KV (the DeepSeek-V4 report's restore with zero SWA caching): whichever
+reaches the same boundary in less modelled time.
+
+KV events carry each group's tag as vLLM's do: the sealed pool's events once per sealed group,
+the window pool's once per mutable group, with the group's index, kind and window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from ownerserve.kvstate import KVStateSpec
+from ownerserve.kvstate.groups import (
+    GroupKind,
+    KVCacheGroup,
+    kv_cache_groups,
+    sealed_block_bytes,
+)
+from ownerserve.kvstate.retention import Retention, restorable_boundary
+from ownerserve.profiles import TimingProfile
+from workers.emulator.kv_cache import BlockPool, NewBlock
+
+TokenReader = Callable[[int, int], tuple[int, ...]]
+"""A sequence's token ids [lo, hi) (`Sequence.tokens`)."""
+
+RESUME_KINDS = ("cached", "rebuilt", "truncated", "cold")
+"""How a prefix hit's mutable state was restored: its windows were cached at the boundary
+(`cached`), rebuilt by recomputation (`rebuilt`), the hit was cut back to a boundary whose
+windows were cached (`truncated`), or nothing could be resumed (`cold`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeChoice:
+    """Where a sequence resumes: `blocks` prefix blocks from HBM, then `host_blocks` from the
+    CPU tier, the windows rebuilt over `rebuild_tokens` recomputed tokens (0: cached)."""
+
+    blocks: int
+    host_blocks: int
+    rebuild_tokens: int
+    how: str
+
+
+@dataclass(slots=True)
+class WindowRef:
+    """A window block a sequence references: block index j, pool block id, and whether it was
+    cached before the sequence took it (then it stays cached when let go)."""
+
+    index: int
+    block_id: int
+    was_cached: bool
+
+
+def _tagged(events: Sequence[KVEvent], groups: Sequence[KVCacheGroup]) -> list[KVEvent]:
+    """Each event once per group, tagged with the group (AllBlocksCleared once)."""
+    out: list[KVEvent] = []
+    for e in events:
+        if isinstance(e, AllBlocksCleared):
+            out.append(e)
+            continue
+        for g in groups:
+            if isinstance(e, BlockStored):
+                window = g.window if g.kind is GroupKind.SLIDING_WINDOW else None
+                out.append(
+                    dataclasses.replace(
+                        e, group_idx=g.index, group_kind=g.vllm_kind, sliding_window=window
+                    )
+                )
+            elif isinstance(e, BlockRemoved):
+                out.append(dataclasses.replace(e, group_idx=g.index))
+    return out
+
+
+class HybridKV:
+    """The groups of one hybrid spec in one engine: the window pool, the retention policy and
+    the resume rule. Pure logic: no I/O, no clock."""
+
+    def __init__(
+        self,
+        spec: KVStateSpec,
+        block_size: int,
+        retention: Retention,
+        window_pool_blocks: int,
+    ) -> None:
+        self.spec = spec
+        self.block_size = block_size
+        self.retention = retention
+        self.groups = kv_cache_groups(spec, block_size)
+        self.sealed = tuple(g for g in self.groups if g.sealed)
+        self.mutable = tuple(g for g in self.groups if not g.sealed)
+        windows = [g for g in self.mutable if g.kind is GroupKind.SLIDING_WINDOW]
+        self.window_blocks = max((g.window_blocks for g in windows), default=0)
+        if not self.window_blocks and self.mutable:
+            self.window_blocks = 1  # state only: the state at boundary j+1 lives with block j
+        self.rebuild_tokens = spec.swa_recompute_tokens or (block_size if self.mutable else 0)
+        """Tokens recomputed to rebuild every window at a boundary: n_win·L."""
+        self.block_bytes = sealed_block_bytes(self.groups)
+        """Bytes of one block over every sealed group."""
+        self.pool: BlockPool | None = (
+            BlockPool(window_pool_blocks, block_size) if self.mutable else None
+        )
+        self.window_block_bytes = sum(g.block_bytes for g in self.mutable)
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Sealed bytes per token (what a block of the prefix costs to store or move)."""
+        return self.block_bytes / self.block_size
+
+    # --- the resume rule --------------------------------------------------------------------
+
+    def window_held(self, hashes: Sequence[int], blocks: int) -> bool:
+        """Whether the windows (and state) at boundary `blocks` are cached."""
+        pool = self.pool
+        if pool is None or blocks <= 0:
+            return True
+        return all(
+            pool.contains(hashes[j]) for j in range(max(0, blocks - self.window_blocks), blocks)
+        )
+
+    def _rebuild_s(self, profile: TimingProfile, blocks: int) -> tuple[int, float]:
+        n = blocks * self.block_size
+        r = min(self.rebuild_tokens, n)
+        return r, profile.prefill_s(r, n - r) - profile.prefill.base_s
+
+    def choose(
+        self,
+        hashes: Sequence[int],
+        hbm_blocks: int,
+        profile: TimingProfile,
+        host_blocks: int = 0,
+        host_load_s: float = 0.0,
+    ) -> ResumeChoice:
+        """Where a sequence whose sealed blocks are cached for `hbm_blocks` blocks (and in the
+        CPU tier for `host_blocks` more, loading in `host_load_s`) resumes: the option that
+        reaches boundary E = hbm_blocks + host_blocks in the least modelled time among
+        loading the CPU part and rebuilding the windows at E, rebuilding them at the HBM hit
+        and computing the rest, and resuming at the deepest boundary whose windows are
+        cached (computing from there)."""
+        if self.pool is None:
+            how = "cached" if hbm_blocks + host_blocks else "cold"
+            return ResumeChoice(hbm_blocks, host_blocks, 0, how)
+        bs = self.block_size
+        base = profile.prefill.base_s
+        end = hbm_blocks + host_blocks
+        if end == 0:
+            return ResumeChoice(0, 0, 0, "cold")
+        pool = self.pool
+        k = restorable_boundary(hbm_blocks, lambda j: pool.contains(hashes[j]), self.window_blocks)
+
+        def compute_s(lo: int) -> float:
+            return profile.prefill_s((end - lo) * bs, lo * bs) - base if end > lo else 0.0
+
+        options: list[tuple[float, ResumeChoice]] = []
+        if host_blocks:
+            r, t = (0, 0.0) if self.window_held(hashes, end) else self._rebuild_s(profile, end)
+            options.append(
+                (
+                    host_load_s + t,
+                    ResumeChoice(hbm_blocks, host_blocks, r, "rebuilt" if r else "cached"),
+                )
+            )
+        if k == hbm_blocks and hbm_blocks:
+            options.append((compute_s(k), ResumeChoice(k, 0, 0, "cached")))
+        else:
+            if hbm_blocks:
+                r, t = self._rebuild_s(profile, hbm_blocks)
+                options.append(
+                    (t + compute_s(hbm_blocks), ResumeChoice(hbm_blocks, 0, r, "rebuilt"))
+                )
+            options.append((compute_s(k), ResumeChoice(k, 0, 0, "truncated" if k else "cold")))
+        # ties go to the earlier option: loading, then the cached or rebuilt deeper hit
+        return min(options, key=lambda o: o[0])[1]
+
+    # --- a sequence's window blocks ---------------------------------------------------------
+
+    def take(
+        self, refs: list[WindowRef], hashes: Sequence[int], tokens: TokenReader, lo: int, hi: int
+    ) -> None:
+        """Reference window blocks [lo, hi) of a sequence now computed (or restored): a cached
+        one is shared, a new one takes a free slot (evicting the least recently freed) and is
+        registered; with no slot left the block goes uncached (the sequence runs on; only a
+        later hit at its boundary is lost)."""
+        pool = self.pool
+        assert pool is not None
+        new: list[NewBlock] = []
+        bs = self.block_size
+        for j in range(lo, hi):
+            h = hashes[j]
+            if pool.contains(h):
+                refs.append(WindowRef(j, pool.touch([h])[0], True))
+                continue
+            got = pool.allocate(1)
+            if got is None:
+                continue
+            refs.append(WindowRef(j, got[0], False))
+            new.append(
+                NewBlock(got[0], h, hashes[j - 1] if j else None, tokens(j * bs, (j + 1) * bs))
+            )
+        pool.register(new)
+
+    def release(
+        self, refs: list[WindowRef], keep_from: int, computed: int, prompt_blocks: int
+    ) -> list[WindowRef]:
+        """Let go of the window blocks before block `keep_from` (all with `keep_from` past
+        the last); returns the rest. A block stays cached when it was cached before the
+        sequence took it or when a boundary in (j, min(j + window, computed)] is one the
+        retention policy keeps; otherwise it leaves the cache."""
+        pool = self.pool
+        assert pool is not None
+        w = self.window_blocks
+        bs = self.block_size
+        keep_policy = self.retention
+        rest: list[WindowRef] = []
+        free: list[int] = []
+        drop: list[int] = []
+        last_prompt = prompt_blocks * bs
+        for ref in refs:
+            if ref.index >= keep_from:
+                rest.append(ref)
+                continue
+            keep = ref.was_cached or any(
+                keep_policy.keeps(b * bs, last_prompt)
+                for b in range(ref.index + 1, min(ref.index + w, computed) + 1)
+            )
+            (free if keep else drop).append(ref.block_id)
+        if free:
+            pool.free(free)
+        if drop:
+            pool.discard(drop)
+        return rest
+
+    def describe(self) -> dict[str, Any]:
+        """The groups as `GET /kv_blocks` shows them: kind, layers, bytes per block, and for
+        the window pool its blocks held and their hashes."""
+        pool = self.pool
+        out: dict[str, Any] = {
+            "kv_spec": self.spec.name,
+            "retention": self.retention.name,
+            "kv_groups": [
+                {
+                    "group_idx": g.index,
+                    "kind": g.vllm_kind,
+                    "state_type": g.state_type.value,
+                    "layers": g.layers,
+                    "block_bytes": g.block_bytes,
+                    "ratio": g.ratio,
+                    "window": g.window,
+                }
+                for g in self.groups
+            ],
+        }
+        if pool is not None:
+            out["window_capacity_blocks"] = pool.num_blocks
+            out["window_blocks_held"] = pool.num_cached
+            out["window_block_hashes"] = pool.cached_hashes()
+        return out
+
+    # --- events -----------------------------------------------------------------------------
+
+    def tag_sealed(self, events: Sequence[KVEvent]) -> list[KVEvent]:
+        """The sealed pool's (or CPU tier's) events, once per sealed group."""
+        return _tagged(events, self.sealed)
+
+    def drain_window_events(self) -> list[KVEvent]:
+        """The window pool's events since the last drain, once per mutable group."""
+        if self.pool is None:
+            return []
+        return _tagged(self.pool.drain_events(), self.mutable)
