@@ -124,6 +124,8 @@ class ProfileConstants:
     ssd_load_bps: float
     rerotate_per_token_s: float
     capacity_tokens: float
+    hbm_kv_bytes: float = 0.0
+    """The profile's HBM for KV: a request's spec sizes the pool as hbm_kv_bytes / K."""
 
     @classmethod
     def of(cls, p: TimingProfile) -> ProfileConstants:
@@ -142,6 +144,7 @@ class ProfileConstants:
             ssd_load_bps=link.ssd_load_bps,
             rerotate_per_token_s=p.rerotate_per_token_s,
             capacity_tokens=p.hbm_kv_bytes / p.kv_bytes_per_token,
+            hbm_kv_bytes=float(p.hbm_kv_bytes),
         )
 
 
@@ -155,6 +158,7 @@ class CostModel:
         "_constants",
         "_default",
         "_default_constants",
+        "_plans",
         "_profiles",
         "config",
         "spec",
@@ -177,6 +181,7 @@ class CostModel:
         self.spec = spec
         self.swa_policy = swa_policy
         self._cold: dict[tuple[str, int, Tier], float] = {}
+        self._plans: dict[tuple[object, ...], tuple[float, float, int]] = {}
         if profiles is None:
             names = (self.config.profile, *self.config.profiles)
             profiles = {n: load_profile(n) for n in names}
@@ -222,6 +227,47 @@ class CostModel:
                 self._cold.clear()
             plan = plan_restore(self.spec, cached_tokens, tier, prof, swa_policy=self.swa_policy)
             val = self._cold[key] = plan.restore_s
+        return val
+
+    def restore_plan(
+        self,
+        worker: WorkerView,
+        spec: KVStateSpec,
+        cached_tokens: int,
+        tier: Tier,
+        resident_tokens: int,
+        same_node: bool = True,
+    ) -> tuple[float, float, int]:
+        """(restore_s, load_s, loaded_bytes) of `planner.restore.plan_restore(spec,
+        cached_tokens, tier, profile(worker), same_node=same_node, resident_tokens=
+        resident_tokens, swa_policy=spec.swa_policy)`: a request's own spec restoring a prefix
+        into `worker`'s HBM; from a GPU peer (a fetch or migration) without the front
+        recompute (overlap off), so restore_s − load_s is what it recomputes. Memoised."""
+        prof = self.profile_of(worker)
+        key = (
+            spec.name,
+            spec.fingerprint,
+            spec.swa_policy,
+            prof.name,
+            cached_tokens,
+            tier,
+            resident_tokens,
+            same_node,
+        )
+        val = self._plans.get(key)
+        if val is None:
+            if len(self._plans) >= self._COLD_CACHE_MAX:
+                self._plans.clear()
+            plan = plan_restore(
+                spec,
+                cached_tokens,
+                tier,
+                prof,
+                same_node=same_node,
+                resident_tokens=resident_tokens,
+                overlap=tier is not _GPU,
+            )
+            val = self._plans[key] = (plan.restore_s, plan.load_s, plan.loaded_bytes)
         return val
 
 
@@ -317,7 +363,7 @@ class HeldTerms(NamedTuple):
     """r = reused(held(w))."""
     restore_s: float
     """restore(w, gpu, cpu, ssd)."""
-    dup_gpu: int
+    dup_gpu: float
     """dup(w, gpu(w))."""
 
 
@@ -337,7 +383,7 @@ class WorkerTerms(NamedTuple):
     """prefill(w, r) on what w holds itself."""
     stalled: int
     """stalled(w)."""
-    dup: int
+    dup: float
     """dup(w, held(w))."""
     held: HeldTerms | None
     w_disp_s: float
@@ -380,14 +426,14 @@ class ScanTerms:
         decode_s: list[float],
         prefill_s: list[float],
         stalled: list[int],
-        dup: list[int],
+        dup: list[float],
         w_disp_s: list[float],
         holds: list[bool],
         gpu: list[int],
         held: list[int],
         reused: list[int],
         restore_s: list[float],
-        dup_gpu: list[int],
+        dup_gpu: list[float],
     ) -> None:
         self.workers = workers
         self.queue_s = queue_s
@@ -433,8 +479,10 @@ class RequestCosts:
     multiplications.
 
     Notation (planner/README.md): N = prompt tokens (at least 1), bs = block size, K =
-    kv_bytes_per_token, O = `decode_tokens`; s_p, s_d, s_l = the worker's prefill_scale,
-    decode_scale, link_scale."""
+    kv_bytes_per_token, or with the request's KV spec σ (`RequestView.kv_spec`) its sealed
+    rate σ.bytes_per_token(); M(N) = σ.mutable_bytes(N) (windows and tail at N; 0 without
+    a spec); O = `decode_tokens`; s_p, s_d, s_l = the worker's prefill_scale, decode_scale,
+    link_scale."""
 
     __slots__ = (
         "_constants",
@@ -442,15 +490,18 @@ class RequestCosts:
         "bk",
         "chunk_src",
         "config",
+        "k",
         "lam",
         "model",
         "mu",
+        "mutable",
         "n",
         "nu",
         "o",
         "ob",
         "owner",
         "request",
+        "spec",
     )
 
     def __init__(
@@ -462,7 +513,10 @@ class RequestCosts:
         self.config = cfg
         self.n = request.prompt_tokens if request.prompt_tokens > 1 else 1
         self.o = decode_tokens(request, cfg)
-        self.bk = request.block_size * request.kv_bytes_per_token
+        spec = self.spec = request.kv_spec
+        self.k: float = request.kv_bytes_per_token if spec is None else spec.bytes_per_token()
+        self.mutable = 0 if spec is None else spec.mutable_bytes(self.n)
+        self.bk = request.block_size * self.k
         self.owner = request.owner
         self.ob = request.owner_blocks if request.owner is not None else 0
         self.lam = cfg.lam
@@ -522,7 +576,7 @@ class RequestCosts:
         decs: list[float] = []
         pfs: list[float] = []
         stalls: list[int] = []
-        dups: list[int] = []
+        dups: list[float] = []
         # what few workers have is set by index (that of the worker's item in `qs`, appended
         # last): their displacement, and what holders hold (`ScanTerms.holds`; its columns
         # are made with the first holder)
@@ -533,14 +587,14 @@ class RequestCosts:
         helds: list[int] = []
         reuses: list[int] = []
         restores: list[float] = []
-        dup_gpus: list[int] = []
+        dup_gpus: list[float] = []
         for w in workers:
             if w.profile is not profile:
                 profile = w.profile
                 c = self.constants(profile)
                 pbase = c.prefill_base_s
                 ptok = c.prefill_per_token_s
-                cap_p = c.capacity_tokens
+                cap_p = c.capacity_tokens if self.spec is None else c.hbm_kv_bytes / self.k
                 # decode(w) = s_d · (da + db · running + dc · ctx(w)); pf_all: the whole
                 # prompt on nothing, at scale 1
                 da = o * (c.decode_base_s + c.decode_per_seq_s + c.decode_per_ctx_token_s * n)
@@ -590,7 +644,7 @@ class RequestCosts:
                     dups.append(dh)
                     if not gpus:
                         gpus, helds, reuses = [0] * n_w, [0] * n_w, [0] * n_w
-                        restores, dup_gpus = [0.0] * n_w, [0] * n_w
+                        restores, dup_gpus = [0.0] * n_w, [0.0] * n_w
                     j = len(qs) - 1
                     holds[j] = True
                     gpus[j] = g
@@ -622,7 +676,7 @@ class RequestCosts:
         request only when its whole sequence fits, after evicting idle cached blocks):
 
             need = N + O − gpu(w)·bs              the KV it allocates on w
-            cap  = kv_capacity_tokens(w), else hbm_kv_bytes / kv_bytes_per_token (`cap_p`)
+            cap  = kv_capacity_tokens(w), else hbm_kv_bytes / K (`cap_p`)
             used = kv_usage(w)·cap + inflight_prefill_tokens(w)
             kv_wait = 0                              need ≤ cap − used
                     = KV_NEVER_S                     need > cap (w refuses it)
@@ -667,7 +721,7 @@ class RequestCosts:
             w.prefill_scale * (c.prefill_per_token_s + c.prefill_per_token_ctx_s * disp / 2) * disp
         )
         if w.offloads:
-            load = disp * self.request.kv_bytes_per_token / c.cpu_load_bps
+            load = disp * self.k / c.cpu_load_bps
             if load < reload:
                 reload = load
         return self.nu * reload
@@ -676,13 +730,23 @@ class RequestCosts:
         self, w: WorkerView, gpu: int, cpu: int, ssd: int, c: ProfileConstants | None = None
     ) -> float:
         """T_restore of w holding the request's prefix up to `gpu`/`cpu`/`ssd` blocks (`c`: the
-        constants of w's profile, when at hand): 0 when the GPU copy is the longest; with a KV
-        spec and nothing in GPU, CostModel.cold_restore_s(w, min(max(cpu, ssd)·bs, N − 1),
-        SSD if ssd > cpu else CPU); otherwise restore_s(w, max(0, cpu − gpu)·bs·K,
-        max(0, ssd − max(gpu, cpu))·bs·K), restore_s(w, cpu_bytes, ssd_bytes) =
-        cpu_bytes / cpu_load_bps + ssd_bytes / ssd_load_bps (of w's profile)."""
+        constants of w's profile, when at hand): 0 when the GPU copy is the longest; with the
+        request's KV spec σ, every restore is planned by planner.restore:
+        CostModel.restore_plan(w, σ, min(max(cpu, ssd)·bs, N − 1), SSD if ssd > cpu else CPU,
+        resident = gpu·bs).restore_s; else with the deployment's KV spec and nothing in GPU,
+        CostModel.cold_restore_s(w, min(max(cpu, ssd)·bs, N − 1), SSD if ssd > cpu else CPU);
+        otherwise restore_s(w, max(0, cpu − gpu)·bs·K, max(0, ssd − max(gpu, cpu))·bs·K),
+        restore_s(w, cpu_bytes, ssd_bytes) = cpu_bytes / cpu_load_bps + ssd_bytes /
+        ssd_load_bps (of w's profile)."""
         if cpu <= gpu and ssd <= gpu:
             return 0.0
+        spec = self.spec
+        if spec is not None:
+            held = cpu if cpu >= ssd else ssd
+            cached = _reused(held, self.request.block_size, self.n)
+            resident = gpu * self.request.block_size
+            tier = _SSD if ssd > cpu else _CPU
+            return self.model.restore_plan(w, spec, cached, tier, resident)[0]
         if self.model.spec is not None and gpu == 0:
             held = cpu if cpu >= ssd else ssd
             cached = _reused(held, self.request.block_size, self.n)
@@ -694,6 +758,41 @@ class RequestCosts:
         return (gc - gpu) * bk / c.cpu_load_bps + (
             ssd - gc if ssd > gc else 0
         ) * bk / c.ssd_load_bps
+
+    def peer_restore(
+        self,
+        w: WorkerView,
+        src: WorkerView,
+        held: int,
+        moved: int,
+        c: ProfileConstants | None = None,
+    ) -> tuple[float, float, float]:
+        """(T_network, T_restore, bytes) of `moved` prefix blocks coming from the GPU of `src`
+        into w, which holds `held` blocks of the prefix (an artifact fetch or a state
+        migration; `c`: the constants of w's profile, when at hand):
+
+            without a spec:  bytes = moved·bs·K, T_network = transfer_s(src, w, bytes)
+                             + [moved > 0]·handover_s(w), T_restore = 0
+            with σ:          plan = CostModel.restore_plan(w, σ, r, GPU, resident = held·bs,
+                             same node), r = min((held + moved)·bs, N − 1): the sealed blocks
+                             and the windows at the boundary load (a GPU holder keeps its
+                             windows), the incomplete block is recomputed (or all of it, when
+                             that is cheaper); bytes = plan's loaded bytes, T_network =
+                             transfer_s(src, w, bytes) + [moved > 0]·handover_s(w), T_restore =
+                             plan.restore_s − plan.load_s (what it recomputes)"""
+        if moved <= 0:
+            return 0.0, 0.0, 0.0
+        spec = self.spec
+        if spec is None:
+            nbytes: float = moved * self.bk
+            return self.transfer_s(src, w, nbytes, c) + w.handover_s, 0.0, nbytes
+        bs = self.request.block_size
+        r = _reused(held + moved, bs, self.n)
+        restore_s, load_s, loaded = self.model.restore_plan(
+            w, spec, r, _GPU, held * bs, src.node == w.node
+        )
+        tn = self.transfer_s(src, w, loaded, c) + w.handover_s if loaded else w.handover_s
+        return tn, restore_s - load_s, float(loaded)
 
     def reused(self, blocks: int) -> int:
         """r = min(blocks · bs, N − 1): tokens reused from `blocks` held prefix blocks; the last
@@ -775,7 +874,7 @@ class RequestCosts:
             return None
         if c is None:
             c = self.constants(w.profile)
-        k = self.request.kv_bytes_per_token
+        k = self.k
         fetch_s = 0.0
         for hid, h in holder.items():
             t = self.transfer_s(h, w, tokens[hid] * k, c)
@@ -808,16 +907,17 @@ class RequestCosts:
         per_token_ctx_s·new·(r + new/2), new = N − r."""
         return _prefill_base(c, self.n, r)
 
-    def prompt_copy(self, r: int) -> int:
-        """(N − r)·K: the bytes of the prompt a remote prefill worker reusing r tokens computes
-        and holds until they move to D (its transient copy, M_HBM)."""
-        return (self.n - r) * self.request.kv_bytes_per_token
+    def prompt_copy(self, r: int) -> float:
+        """(N − r)·K + M(N): the bytes of the prompt a remote prefill worker reusing r tokens
+        computes and holds until they move to D (its transient copy, M_HBM)."""
+        return (self.n - r) * self.k + self.mutable
 
-    def kv_to_decode(self, gpu_d: int) -> int:
-        """max(0, N − gpu(D)·bs)·K: the bytes of the prompt's KV a remote prefill sends to a
-        decode worker holding gpu(D) blocks of it in GPU."""
-        nbytes = (self.n - gpu_d * self.request.block_size) * self.request.kv_bytes_per_token
-        return nbytes if nbytes > 0 else 0
+    def kv_to_decode(self, gpu_d: int) -> float:
+        """max(0, N − gpu(D)·bs)·K + M(N): the bytes of the prompt's KV a remote prefill sends
+        to a decode worker holding gpu(D) blocks of it in GPU (with a spec, the windows and
+        tail at N go too)."""
+        nbytes = (self.n - gpu_d * self.request.block_size) * self.k
+        return (nbytes if nbytes > 0 else 0) + self.mutable
 
     def link(
         self, dst: WorkerView, nbytes: float, same_node: bool, c: ProfileConstants | None = None
@@ -849,7 +949,7 @@ class RequestCosts:
             return 0.0
         return self.link(dst, nbytes, False)
 
-    def dup(self, non_owner: bool, held: int) -> int:
+    def dup(self, non_owner: bool, held: int) -> float:
         """dup(w, h) = [w ≠ owner] · max(0, owner_blocks − h) · bs · K: KV of the owned prefix
         a non-owner (`non_owner` = [w ≠ owner]) holding h blocks of it newly materialises
         (bytes; 0 when the request has no owner, as owner_blocks counts as 0 then)."""
@@ -984,11 +1084,10 @@ class RequestCosts:
             tn += cfg.pd_handshake_s + d.handover_s
             m = float(self.prompt_copy(r) + dup_d)
         elif source is not None:
-            tn = self.transfer_s(source, p, moved * self.bk)
-            nic = self.nic_s(source, p, moved * self.bk)
-            if moved:
-                tn += p.handover_s
-            m = float(moved * self.bk if action is _MIG else dup_p)
+            tn, tr_peer, nbytes_in = self.peer_restore(p, source, held, moved)
+            tr += tr_peer
+            nic = self.nic_s(source, p, nbytes_in)
+            m = float(nbytes_in if action is _MIG else dup_p)
         else:
             tn = 0.0
             m = float(dup_p)
@@ -1022,7 +1121,7 @@ def _prefill_base(c: ProfileConstants, n: int, r: int) -> float:
     )
 
 
-def _dup(non_owner: bool, held: int, ob: int, bk: int) -> int:
+def _dup(non_owner: bool, held: int, ob: int, bk: float) -> float:
     return (ob - held) * bk if non_owner and held < ob else 0
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
+from ownerserve.kvstate import KVStateSpec
 from ownerserve.records import fast_init
 from ownerserve.types import Role, Tier
 
@@ -126,6 +127,11 @@ class RequestView:
     # chunk reuse: the prompt's chunks as token spans [start, end), in prompt order
     # (ownerserve/chunks.py); () for a prompt without chunks
     chunk_spans: tuple[tuple[int, int], ...] = ()
+    # HeteroCache: the model's KV state spec. When set, the cost terms size KV by it (its
+    # sealed bytes per token for K, its windows and tail at N where the state moves) and
+    # price every restore (CPU/SSD tier, fetch, migration) with planner.restore; None: K =
+    # kv_bytes_per_token as a dense model
+    kv_spec: KVStateSpec | None = None
 
 
 @fast_init

@@ -475,9 +475,10 @@ def _fetch(
 ) -> float:
     """C of an artifact fetch from the owner `src` to w (a read-only replica; `c`: the
     constants of w's profile): the missing owner_blocks − held blocks move, w reuses
-    owner_blocks (its prefill `pf`) and pays λ·dup(w, held) for the replica."""
-    tn = k.transfer_s(src, w, (k.ob - held) * k.bk, c) + w.handover_s
-    return base + pf + tn + k.lam * dup + k.mu * (stalled * pf)
+    owner_blocks (its prefill `pf`) and pays λ·dup(w, held) for the replica; with a KV
+    spec, what restoring them from src costs (`RequestCosts.peer_restore`)."""
+    tn, tr, _ = k.peer_restore(w, src, held, k.ob - held, c)
+    return base + pf + tn + tr + k.lam * dup + k.mu * (stalled * pf)
 
 
 def _migration(
@@ -493,10 +494,10 @@ def _migration(
 ) -> float:
     """C of moving the session from its owner `src` (holding g_src blocks in GPU) to w (`c`:
     the constants of w's profile): the missing blocks move and stay duplicated (M_HBM), w
-    reuses g_src blocks (its prefill `pf`), and the move pays its hysteresis."""
-    moved = (g_src - held) * k.bk
-    tn = k.transfer_s(src, w, moved, c) + w.handover_s
-    c0 = base + pf + tn + k.lam * moved + k.mu * (stalled * pf)
+    reuses g_src blocks (its prefill `pf`), and the move pays its hysteresis; with a KV spec,
+    what restoring them from src costs (`RequestCosts.peer_restore`)."""
+    tn, tr, moved = k.peer_restore(w, src, held, g_src - held, c)
+    c0 = base + pf + tn + tr + k.lam * moved + k.mu * (stalled * pf)
     return c0 + k.hysteresis(c0)
 
 
