@@ -6,8 +6,9 @@ policy passes its knee.
         [--loads 1,2,4,8] [--policies ...] [--quick] [--out bench/results/sim_peers]
 
 Per (cluster, workload) and load, `ownerserve sim` runs every peer model (each on its own
-deployment shape, `--peer-cluster native`), ownerserve and the oracle on the default 1:1:1
-split, and ownerserve again on every-worker hybrids (the aggregated peers' shape). A load is a
+deployment shape, `--peer-cluster native`), ownerserve and the oracle on the 1:1:1
+split (`--split 1:1:1`; the simulator's default is every worker hybrid since 2026-12-02),
+and ownerserve again on every-worker hybrids (the aggregated peers' shape). A load is a
 multiple of the configuration's base arrival rate: the agentic generator's sessions arrive at
 `--rate` = load × workers × 0.01 per second (the simulator's default is load 1); the trace is
 replayed at load × 5 its recorded rate (`--time-scale` 0.2 / load). 64 workers: 4,000 sessions
@@ -183,7 +184,7 @@ def run_point(argv: Sequence[str], policies: str, hybrids: bool) -> list[Row]:
     """One load: the policies on the default split, then ownerserve on hybrids."""
     quiet = io.StringIO()
     with contextlib.redirect_stdout(quiet):
-        rows = main_rows([*argv, "--policies", policies])
+        rows = main_rows([*argv, "--policies", policies, "--split", "1:1:1"])
         if hybrids:
             extra = main_rows([*argv, "--policies", "ownerserve", "--split", "0:0:1"])
             for r in extra:

@@ -18,6 +18,7 @@ from loadgen.sim.from_workload import Rendering, workload_sessions
 from loadgen.sim.workload import SimSession, agentic_sessions, kv_working_set, trace_sessions
 from loadgen.workloads import GENERATORS, generate
 from ownerserve.profiles import TimingProfile, load_profile
+from planner.calibration import Calibrator
 
 # the load generator's named workloads, but for its `agentic`: here that is the simulator's own
 LOADGEN_WORKLOADS = tuple(sorted(name for name in GENERATORS if name != "agentic"))
@@ -50,7 +51,9 @@ TABLE_COLUMNS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=64, help="cluster size (split P:D:H 1:1:1)")
+    parser.add_argument(
+        "--workers", type=int, default=64, help="cluster size (every worker hybrid: --split)"
+    )
     parser.add_argument("--sessions", type=int, default=2000, help="agent sessions to simulate")
     parser.add_argument(
         "--workload",
@@ -100,9 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--split",
-        default="1:1:1",
+        default="0:0:1",
         help="the own policies' cluster: prefill:decode:hybrid shares of --workers (default "
-        "1:1:1; 0:0:1 = every worker hybrid, the aggregated peers' shape)",
+        "0:0:1: every worker hybrid, the aggregated peers' shape, the planner splitting P/D "
+        "per request where it pays; 1:1:1 = a third of each role)",
     )
     parser.add_argument(
         "--peer-cluster",
@@ -155,6 +159,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="own",
         help="the router's admission queue (router/admission.py, its defaults) in front of "
         "the own policies ('own', as the router runs them), or none ('off')",
+    )
+    parser.add_argument(
+        "--calibration",
+        choices=("on", "off"),
+        default="on",
+        help="the own policies learn per-worker scales and hand-over overheads from each "
+        "plan's observed TTFT, TPOT and transfer (planner/calibration.py, as the router's "
+        "aftermath feeds it), or plan on the profile alone ('off'); the peers never do",
     )
     parser.add_argument(
         "--admission-max-queued",
@@ -364,6 +376,7 @@ def run_policies(
             slo_ttft_p90_s=args.slo_ttft_p90_s,
             rate_per_min=rate_per_min,
             working_set_views=not peer,  # the peers do not read them
+            calibrator=Calibrator() if not peer and args.calibration == "on" else None,
         )
         sim.gate = gate_for(
             name,

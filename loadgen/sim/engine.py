@@ -44,6 +44,7 @@ from loadgen.sim.admission import ProgramGate
 from loadgen.sim.workload import SimSession
 from ownerserve.profiles import TimingProfile
 from ownerserve.types import Role, Tier
+from planner.calibration import Calibrator
 from planner.policies.peers import RequestRejectedError
 from planner.types import Action, ClusterView, Plan, Policy, RequestView, WorkerView
 from planner.workingset import WorkingSets
@@ -390,8 +391,17 @@ class Simulator:
         slo_ttft_p90_s: float = 2.0,
         rate_per_min: float | None = None,
         working_set_views: bool = True,
+        calibrator: Calibrator | None = None,
     ) -> None:
         self.spec = spec
+        self.calibrator = calibrator
+        """Fed each plan's observed TTFT, TPOT and transfer time once its first token is out,
+        as the router's aftermath feeds its own; its scales go into the views the policy sees
+        (None: the views stay uncalibrated, as for the peers' models)."""
+        self._observed: list[tuple[float, int, Plan, float, float, float | None]] = []
+        """(first token's time, seq, plan, TTFT from the plan, TPOT, transfer s), a heap."""
+        self._moved_s: float | None = None
+        """The KV transfer of the plan `_execute` ran last (None: nothing moved)."""
         # False: `WorkerView.ws_tokens` stays 0 (for policies that do not read it, the peers)
         self.ws_views = working_set_views
         self.gate = gate
@@ -844,6 +854,13 @@ class Simulator:
         else:
             cands = self._candidates(held, so)
             view = ClusterView(workers=tuple(self._view(w, now, held) for w in cands))
+        cal = self.calibrator
+        if cal is not None:
+            observed = self._observed
+            while observed and observed[0][0] <= now:
+                _, _, done, ttft, tpot, moved = heapq.heappop(observed)
+                cal.observe_plan(done, ttft_s=ttft, tpot_s=tpot, transfer_s=moved)
+            view = cal.apply_all(view)
         home, home_tokens = self.ws.home(sid, now)
         req = RequestView(
             model=self.model,
@@ -873,6 +890,12 @@ class Simulator:
                 self.gate.ended(si, "", 0, now, True)
             return
         wi, ctx, ds, need = self._execute(plan, turn, held, best_avail, now, arrived, res)
+        if cal is not None:  # what the router observes: TTFT from the plan, TPOT, the move
+            first = arrived + res.ttft_s[-1]
+            heapq.heappush(
+                self._observed,
+                (first, self._seq, plan, first - now, res.tpot_s[-1], self._moved_s),
+            )
         seq = self._seq
         self._live[seq] = (si, ti, wi, ctx, ds, need)
         heapq.heappush(self._heap, (ds + need, seq, _DECODE_END, seq, 0))
@@ -927,6 +950,7 @@ class Simulator:
         d = self.by_id[c.decode_worker]
         res.actions[c.action.value] = res.actions.get(c.action.value, 0) + 1
         ready = now
+        self._moved_s = None
         reused_blocks = held.depth(p.idx)
         if c.action in (Action.ARTIFACT_FETCH, Action.STATE_MIGRATION) and c.source_worker:
             # both copy the source's prefix into P (the router's `fetch`, the emulator's
@@ -935,6 +959,7 @@ class Simulator:
             fetch_blocks = max(0, held.depth(src.idx) - reused_blocks)
             nbytes = fetch_blocks * self.block_bytes
             ready = self._transfer(src, p, nbytes, now)
+            self._moved_s = ready - now if nbytes else None
             res.fetch_kv_bytes += nbytes
             res.network_kv_bytes += nbytes
             reused_blocks += fetch_blocks
@@ -982,6 +1007,7 @@ class Simulator:
             d_has = held.depth(d.idx)
             nbytes = max(0, turn.input_tokens - d_has * bt) * prof.kv_bytes_per_token
             decode_ready = self._transfer(p, d, nbytes, prefill_end)
+            self._moved_s = decode_ready - prefill_end if nbytes else None
             res.pd_kv_bytes += nbytes
             res.network_kv_bytes += nbytes
             self._insert(d, turn.chain)
