@@ -1,0 +1,110 @@
+"""The store client against a real master: artifacts round-trip byte for byte through
+registered memory with their digest, a missing or corrupted object reads as such, a master
+that is gone fails the call at once."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from ownerserve.ports import free_port
+from workers.mooncake_store import (
+    CHECKSUM_BYTES,
+    CORRUPTED,
+    MISSING,
+    ClientSettings,
+    MasterAddress,
+    MooncakeMaster,
+    StoreClient,
+    StoreFull,
+    StoreUnavailable,
+    checksum,
+)
+
+
+def put_when_mounted(client: StoreClient, key: str, address: int, size: int) -> list[int]:
+    """Put once the client's segment is mounted on the master again (its next heartbeat, ~1 s):
+    until then the store has no room anywhere (`StoreFull`). Bounded at 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return client.put_from([key], [address], [size])
+        except (StoreFull, StoreUnavailable):
+            if time.monotonic() > deadline:
+                raise
+
+
+@pytest.fixture
+def client(master: MooncakeMaster) -> Iterator[StoreClient]:
+    c = StoreClient.open(ClientSettings(master.address, segment_bytes=64 << 20))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def test_put_from_and_get_into_round_trip(client: StoreClient) -> None:
+    payloads = [os.urandom(n) for n in (1, 4096, 1 << 20)]
+    src = client.buffer(4 << 20)
+    dst = client.buffer(4 << 20)
+    addrs, offset = [], 0
+    for p in payloads:
+        src.view[offset : offset + len(p)] = p
+        addrs.append(src.address + offset)
+        offset += len(p) + CHECKSUM_BYTES
+    keys = [f"k{i}" for i in range(len(payloads))]
+    assert client.put_from(keys, addrs, [len(p) for p in payloads]) == [0, 0, 0]
+    # the digest went right after each payload
+    assert bytes(src.view[len(payloads[0]) : len(payloads[0]) + 16]) == checksum(payloads[0])
+    caps = [len(p) + CHECKSUM_BYTES for p in payloads]
+    daddrs = [dst.address + sum(caps[:i]) for i in range(len(caps))]
+    assert client.get_into(keys, daddrs, caps) == [len(p) for p in payloads]
+    for p, a in zip(payloads, daddrs, strict=True):
+        start = a - dst.address
+        assert bytes(dst.view[start : start + len(p)]) == p
+    assert client.exists([*keys, "nope"]) == [True, True, True, False]
+    assert client.sizes(["k1", "nope"]) == [4096, MISSING]
+    src.close()
+    dst.close()
+
+
+def test_missing_and_corrupted_objects_read_as_such(client: StoreClient) -> None:
+    buf = client.buffer(1 << 20)
+    client.put("good", b"x" * 100)
+    assert client.put_raw("foreign", b"y" * 100) == 0  # no digest of its own: fails it
+    got = client.get_into(
+        ["good", "foreign", "absent"],
+        [buf.address, buf.address + 200, buf.address + 400],
+        [200] * 3,
+    )
+    assert got == [100, CORRUPTED, MISSING]
+    assert client.remove(["good", "absent"]) == [True, False]
+    assert client.get_into(["good"], [buf.address], [200]) == [MISSING]
+    buf.close()
+
+
+def test_open_without_a_master_fails_at_once() -> None:
+    nowhere = MasterAddress("127.0.0.1", free_port(), free_port())
+    with pytest.raises(StoreUnavailable, match="no Mooncake master answers"):
+        StoreClient.open(ClientSettings(nowhere, segment_bytes=0))
+
+
+def test_master_killed_fails_gets_then_restart_serves_puts(
+    master: MooncakeMaster, client: StoreClient
+) -> None:
+    buf = client.buffer(1 << 20)
+    client.put("before", b"b" * 64)
+    master.kill()
+    with pytest.raises(StoreUnavailable, match="unreachable"):
+        client.get_into(["before"], [buf.address], [100])
+    master.start()  # same ports: the client finds it again and mounts its segment anew
+    buf.view[:10] = b"0123456789"
+    assert put_when_mounted(client, "after", buf.address, 10) == [0]
+    assert client.get_into(["after", "before"], [buf.address + 4096] * 2, [100] * 2) == [
+        10,
+        MISSING,  # what the old master knew is gone with it
+    ]
+    buf.close()
