@@ -19,6 +19,7 @@ from loadgen.sim.workload import SimSession, agentic_sessions, kv_working_set, t
 from loadgen.workloads import GENERATORS, generate
 from ownerserve.profiles import TimingProfile, load_profile
 from planner.calibration import Calibrator
+from planner.cost import CostConfig
 
 # the load generator's named workloads, but for its `agentic`: here that is the simulator's own
 LOADGEN_WORKLOADS = tuple(sorted(name for name in GENERATORS if name != "agentic"))
@@ -159,6 +160,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="own",
         help="the router's admission queue (router/admission.py, its defaults) in front of "
         "the own policies ('own', as the router runs them), or none ('off')",
+    )
+    parser.add_argument(
+        "--lambda-hbm",
+        type=float,
+        default=None,
+        help="the own policies' λ, seconds per duplicated HBM byte (planner.lambda_hbm; "
+        "default the planner's)",
     )
     parser.add_argument(
         "--calibration",
@@ -363,7 +371,11 @@ def run_policies(
     rows = []
     for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
         oracle = name == "oracle"
-        policy = get_policy("ownerserve" if oracle else name)
+        own = name not in PEERS
+        policy = get_policy(
+            "ownerserve" if oracle else name,
+            CostConfig(lam=args.lambda_hbm) if own and args.lambda_hbm is not None else None,
+        )
         peer = name in PEERS
         # a peer's binary weighs every worker it routes to: its model sees them all
         sim = Simulator(
