@@ -45,6 +45,16 @@ def _directory(text: str) -> str:
     raise argparse.ArgumentTypeError(f"expected 'memory' or a redis:// URL, got {text!r}")
 
 
+def _store(text: str) -> str:
+    from workers.mooncake_store.master import MasterAddress
+
+    try:
+        MasterAddress.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _worker_id(text: str) -> str:
     if re.fullmatch(WORKER_ID_PATTERN, text):
         return text
@@ -117,6 +127,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the transfer host peers are told",
     )
     parser.add_argument(
+        "--store",
+        type=_store,
+        default=None,
+        help="keep artifacts in Mooncake Store: mooncake://HOST:PORT[?metadata_port=P], the "
+        "master's RPC port (and its HTTP metadata server's, default 8080); default: this "
+        "process's memory and SSD tiers",
+    )
+    parser.add_argument(
+        "--store-segment-bytes",
+        type=_size,
+        default=GiB,
+        help="memory this sidecar mounts into Mooncake Store, e.g. 1G (default)",
+    )
+    parser.add_argument(
         "--fetch-timeout-s",
         type=float,
         default=60.0,
@@ -125,6 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from workers.mooncake_store import StoreError
     from workers.sidecar.server import SidecarConfig, run_forever
     from workers.sidecar.transports import TransportUnavailable, select_transport
 
@@ -157,10 +182,15 @@ def run(args: argparse.Namespace) -> int:
         replica_ttl_s=args.replica_ttl_s,
         fetch_timeout_s=args.fetch_timeout_s,
         clear_ssd=args.clear_ssd,
+        store=args.store,
+        store_segment_bytes=args.store_segment_bytes,
     )
     try:
         config.store_dir.mkdir(parents=True, exist_ok=True)
         return run_forever(config, transport)
+    except StoreError as exc:  # the store named by --store cannot be reached
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1

@@ -23,6 +23,12 @@ HTTP API (JSON unless said otherwise; every error is OpenAI-shaped, `ownerserve.
   it missing: the fetch then keeps the blocks before it (200, `blocks` < requested).
 - `GET /metrics` -> Prometheus text
 
+With `--store mooncake://HOST:PORT` the artifacts' bytes live in Mooncake Store
+(`workers.sidecar.store_tier`) instead of this process's memory and SSD tiers: a put goes to
+the store, a get reads it back verified, and a fetch from a peer on the same store is this
+sidecar's store client reading what the peer put (no transfer server involved). A store that
+cannot be reached answers 503 `kv_store_unavailable` (a fetch: 502 with `blocks`).
+
 Run it with `ownerserve worker sidecar --worker-id ID --port N --store-dir DIR ...`
 (`workers/cli.py`); `serving(config)` runs one inside an event loop (tests, benchmarks).
 """
@@ -54,6 +60,7 @@ from ownerserve.directory import Directory, open_directory
 from ownerserve.errors import (
     InvalidRequestError,
     NotFoundError,
+    OwnerServeError,
     PayloadTooLargeError,
     UpstreamError,
     error_body_for,
@@ -61,6 +68,8 @@ from ownerserve.errors import (
 from ownerserve.http import json_object, read_request_body, service_app
 from ownerserve.kvfetch import FETCH_PATH, MAX_FETCH_BODY_BYTES, KVFetchRequest
 from ownerserve.types import Tier
+from workers.mooncake_store import MasterAddress
+from workers.mooncake_store import StoreError as MooncakeStoreError
 from workers.sidecar.arena import Arena
 from workers.sidecar.batch import (
     BATCH_GET_PATH,
@@ -88,6 +97,7 @@ from workers.sidecar.store import (
     StoreError,
 )
 from workers.sidecar.store import Tier as StoreTier
+from workers.sidecar.store_tier import StoreTier as SharedTier
 from workers.sidecar.transports import Transport, TransportUnavailable, transport_for_peer
 
 log = logging.getLogger(__name__)
@@ -101,6 +111,14 @@ MAX_BLOCKS_PER_FETCH = 100_000
 
 class ArtifactNotFoundError(NotFoundError):
     code = "artifact_not_found"
+
+
+class KVStoreUnavailableError(OwnerServeError):
+    """The Mooncake Store behind `--store` cannot be reached (or did not take an artifact)."""
+
+    status_code = 503
+    error_type = "kv_store_unavailable"
+    code = "kv_store_unavailable"
 
 
 class FetchFailedError(UpstreamError):
@@ -135,6 +153,12 @@ class SidecarConfig:
     max_artifact_bytes: int = 1 * GiB
     clear_ssd: bool = False
     """Delete the SSD tier's files of an earlier run at start instead of recovering them."""
+    store: str | None = None
+    """`mooncake://HOST:PORT[?metadata_port=P]`: artifacts live in that Mooncake Store."""
+    store_segment_bytes: int = 1 * GiB
+    """Memory this sidecar mounts into the store (its own artifacts are put there first)."""
+    store_timeout_s: float = 5.0
+    """Deadline of one store call (plus its bytes at 250 MB/s)."""
 
     def directory_settings(self) -> DirectorySettings:
         if self.directory == "memory":
@@ -218,11 +242,15 @@ class _StoreCollector(Collector):
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         s = self.sidecar.store.stats()
+        shared = self.sidecar.shared
         p = "ownerserve_sidecar_"
-        yield GaugeMetricFamily(p + "artifacts", "Artifacts stored", value=s.artifacts)
+        artifacts = s.artifacts + (shared.count() if shared else 0)
+        yield GaugeMetricFamily(p + "artifacts", "Artifacts stored", value=artifacts)
         tier = GaugeMetricFamily(p + "bytes", "Artifact bytes stored per tier", labels=["tier"])
         tier.add_metric(["memory"], s.memory_bytes)
         tier.add_metric(["ssd"], s.ssd_bytes)
+        if shared is not None:
+            tier.add_metric(["mooncake_store"], shared.held_bytes())
         yield tier
         yield GaugeMetricFamily(
             p + "corrupted_artifacts", "Artifacts that failed their checksum", value=s.corrupted
@@ -262,6 +290,8 @@ class Sidecar:
     transfer_port: int = 0
     bound_port: int = 0
     http: httpx.AsyncClient | None = None
+    shared: SharedTier | None = None
+    """The Mooncake Store tier (`--store`): when set, artifacts live there, not in `store`."""
     _inflight: dict[str, asyncio.Future[None]] = field(default_factory=dict)
 
     @classmethod
@@ -281,6 +311,16 @@ class Sidecar:
             write_behind=True,  # SSD writes in the store's thread: the loop never waits on disk
         )
         sidecar = cls(config, transport, store)
+        if config.store is not None:
+            host = urlsplit(config.advertise_url).hostname if config.advertise_url else None
+            if host is None:
+                host = config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1"
+            sidecar.shared = SharedTier.open(
+                MasterAddress.parse(config.store),
+                host=host,
+                segment_bytes=config.store_segment_bytes,
+                timeout_s=config.store_timeout_s,
+            )
         # the SSD tier survives a restart: its files are indexed again (and published at start)
         for key in store.recover_ssd():
             sidecar.index.add(key)
@@ -325,10 +365,33 @@ class Sidecar:
         if self.transfer_server is not None:
             await self.transfer_server.close()
         await asyncio.to_thread(self.store.close)  # SSD writes still waiting reach their files
+        if self.shared is not None:
+            await asyncio.to_thread(self.shared.close)
 
     # --- the store, indexed -------------------------------------------------------------------
 
+    def has(self, key: str) -> bool:
+        """Whether this sidecar holds the artifact (in its own tiers, or put or fetched into
+        the Mooncake Store it uses)."""
+        if self.shared is not None:
+            return self.shared.has(key)
+        return self.store.has(key)
+
+    def size_of(self, key: str) -> int:
+        """A held artifact's size in bytes (0 when not held)."""
+        if self.shared is not None:
+            held = self.shared.held(key)
+            return 0 if held is None else held.size_bytes
+        return self.store.meta(key).size_bytes if self.store.has(key) else 0
+
+    def _forget(self, key: str) -> bool:
+        if self.shared is not None:
+            return self.shared.forget(key)
+        return self.store.delete(key)
+
     def _tier(self, keys: Iterable[str]) -> Tier:
+        if self.shared is not None:
+            return Tier.CPU  # the store's DRAM (its SSD tier is not used yet)
         tiers = {self.store.meta(k).tier for k in keys if self.store.has(k)}
         return Tier.CPU if StoreTier.MEMORY in tiers else Tier.SSD
 
@@ -336,7 +399,7 @@ class Sidecar:
         """Every chunk with an artifact stored -> the fastest tier one of them is in."""
         out: dict[int, Tier] = {}
         for chunk in self.index.chunks():
-            keys = self.index.keys_of(chunk, self.store.has)
+            keys = self.index.keys_of(chunk, self.has)
             if keys:
                 out[chunk.chunk_hash] = self._tier(keys)
         return out
@@ -348,36 +411,49 @@ class Sidecar:
         for key, whole in keys:
             chunk = self.index.add(key, whole)
             if chunk is not None and chunk.chunk_hash not in chunks:
-                present = self.index.keys_of(chunk, self.store.has)
+                present = self.index.keys_of(chunk, self.has)
                 if present:
                     chunks[chunk.chunk_hash] = self._tier(present)
         if self.publisher is not None and chunks:
             self.publisher.note(chunks)
 
-    def put(
+    async def put(
         self, key: str, data: bytes, expected: bytes | None, whole: int | None = None
     ) -> dict[str, Any]:
         """Store one artifact; `whole`: how many artifacts make its block whole, as the writer
         declared (`x-ownerserve-block-artifacts`)."""
         try:
-            meta = self.store.put(key, data, expected_checksum=expected)
+            if self.shared is not None:
+                held = await self.shared.put(key, data, expected)
+                size, digest, tier = held.size_bytes, held.checksum, "mooncake_store"
+            else:
+                meta = self.store.put(key, data, expected_checksum=expected)
+                size, digest = meta.size_bytes, meta.checksum
+                tier = "memory" if meta.tier is StoreTier.MEMORY else "ssd"
         except ArtifactCorrupted as exc:
             raise InvalidRequestError(f"{key}: body does not match {CHECKSUM_HEADER}") from exc
         except ArtifactTooLarge as exc:
             raise PayloadTooLargeError(str(exc)) from exc
+        except MooncakeStoreError as exc:
+            raise KVStoreUnavailableError(f"{key}: Mooncake Store: {exc}") from exc
         self.counters.stored.inc()
         self._note([(key, whole)])
-        tier = "memory" if meta.tier is StoreTier.MEMORY else "ssd"
-        return {"key": key, "bytes": meta.size_bytes, "checksum": meta.checksum.hex(), "tier": tier}
+        return {"key": key, "bytes": size, "checksum": digest.hex(), "tier": tier}
 
     async def get(self, key: str) -> tuple[bytes, bytes]:
         """An artifact's bytes and checksum, verified (an SSD file read and hashed in a
         thread, off the event loop)."""
         try:
-            reader = self.store.ssd_reader(key, verify=True)
-            loaded = None if reader is None else await asyncio.to_thread(reader)
-            data, digest = self.store.get_verified(key, loaded=loaded)
+            if self.shared is not None:
+                data, digest = await self.shared.get(key)
+            else:
+                reader = self.store.ssd_reader(key, verify=True)
+                loaded = None if reader is None else await asyncio.to_thread(reader)
+                data, digest = self.store.get_verified(key, loaded=loaded)
+        except MooncakeStoreError as exc:
+            raise KVStoreUnavailableError(f"{key}: Mooncake Store: {exc}") from exc
         except ArtifactMissing:
+            self.index.discard(key)
             self.counters.not_found.inc()
             raise ArtifactNotFoundError(f"artifact {key!r} is not stored") from None
         except ArtifactCorrupted:
@@ -391,7 +467,7 @@ class Sidecar:
         return data, digest
 
     def keys_of_chunks(self, model: str, chunk_hashes: Sequence[int]) -> list[list[str]]:
-        return [self.index.keys_of(ChunkId(model, h), self.store.has) for h in chunk_hashes]
+        return [self.index.keys_of(ChunkId(model, h), self.has) for h in chunk_hashes]
 
     def held_prefix(self, model: str, chunk_hashes: Sequence[int]) -> int:
         """How many leading chunks of `chunk_hashes` this sidecar holds whole."""
@@ -430,10 +506,10 @@ class Sidecar:
         whole = 0
         counting = True
         for keys in blocks:
-            complete = all(self.store.has(k) for k in keys)
+            complete = all(self.has(k) for k in keys)
             if not complete:
                 for k in keys:
-                    if k in fetched_now and self.store.delete(k):
+                    if k in fetched_now and self._forget(k):
                         self.index.discard(k)
                 counting = False
             elif counting:
@@ -463,7 +539,7 @@ class Sidecar:
         for keys in blocks:
             if not all(valid_key(k) for k in keys):
                 raise FetchFailedError("source sidecar listed an invalid artifact key")
-        wanted = [k for keys in blocks for k in keys if not self.store.has(k)]
+        wanted = [k for keys in blocks for k in keys if not self.has(k)]
         # Single flight: keys another fetch is already pulling are waited for, not pulled twice
         # (the router may ask for the same prefix from a plan and a background replication).
         mine = [k for k in wanted if k not in self._inflight]
@@ -476,9 +552,9 @@ class Sidecar:
             try:
                 await self._pull(body, answer, mine)
             except BaseException as exc:  # failed, or cancelled: no incomplete block stays
-                got = {k for k in mine if self.store.has(k)}
+                got = {k for k in mine if self.has(k)}
                 whole = self._drop_incomplete(blocks, got)
-                self._account({k for k in got if self.store.has(k)})
+                self._account({k for k in got if self.has(k)})
                 if isinstance(exc, FetchFailedError):
                     exc.blocks = whole
                 raise
@@ -487,11 +563,11 @@ class Sidecar:
                     if self._inflight.get(k) is done:
                         del self._inflight[k]
                 done.set_result(None)
-            got = {k for k in mine if self.store.has(k)}
+            got = {k for k in mine if self.has(k)}
         if theirs:
             await asyncio.gather(*theirs)
         whole = self._drop_incomplete(blocks, got)
-        got = {k for k in got if self.store.has(k)}
+        got = {k for k in got if self.has(k)}
         size = self._account(got)
         # chunks that were already here count as replicas of the fetched prefix too
         self._note((k, len(keys)) for keys in blocks[:whole] for k in keys)
@@ -500,6 +576,9 @@ class Sidecar:
     async def _pull(self, body: KVFetchRequest, answer: dict[str, Any], keys: list[str]) -> None:
         """Move `keys` from the source's transfer server into the store (whole, verified
         artifacts only); `FetchFailedError` when the transport fails."""
+        if self.shared is not None or answer.get("store") is not None:
+            await self._pull_from_store(body, answer, keys)
+            return
         host = answer.get("transfer_host") or urlsplit(body.source_url).hostname or ""
         port = int(answer["transfer_port"])
         try:
@@ -520,10 +599,45 @@ class Sidecar:
             ) from exc
         self.counters.direct_artifacts.inc(getattr(res, "direct", 0))
 
+    async def _pull_from_store(
+        self, body: KVFetchRequest, answer: dict[str, Any], keys: list[str]
+    ) -> None:
+        """Read `keys` through this sidecar's Mooncake Store client: what the source put there.
+        Keys the store no longer has, or whose bytes fail their digest, are left out (the
+        prefix stops before them); `FetchFailedError` when the two sidecars are not on one
+        store or the store cannot be reached."""
+        source = body.source_worker or body.source_url
+        source_store = answer.get("store")
+        if self.shared is None or source_store != self.shared.master.url:
+            mine = self.shared.master.url if self.shared is not None else "its own tiers"
+            raise FetchFailedError(
+                f"fetch from {source}: the source keeps its artifacts in "
+                f"{source_store or 'its own tiers'}, this sidecar in {mine}"
+            )
+        listed: dict[str, int] = {}
+        sizes = answer.get("sizes")
+        if isinstance(sizes, list) and len(sizes) == len(answer["keys"]):
+            for ks, ss in zip(answer["keys"], sizes, strict=True):
+                if isinstance(ss, list) and len(ss) == len(ks):
+                    listed.update(
+                        (str(k), n) for k, n in zip(ks, ss, strict=True) if isinstance(n, int)
+                    )
+        try:
+            result = await self.shared.fetch(keys, [listed.get(k) for k in keys])
+        except MooncakeStoreError as exc:
+            raise FetchFailedError(f"fetch from {source} through Mooncake Store: {exc}") from exc
+        if result.missing or result.corrupted:
+            log.warning(
+                "fetch from %s: %d artifacts no longer in the store, %d failing their checksum",
+                source,
+                len(result.missing),
+                len(result.corrupted),
+            )
+
     def _account(self, keys: set[str]) -> int:
         """Index, publish and count artifacts this fetch stored (all present, of whole blocks:
         `_drop_incomplete` ran first); their bytes."""
-        size = sum(self.store.meta(k).size_bytes for k in keys if self.store.has(k))
+        size = sum(self.size_of(k) for k in keys if self.has(k))
         self._note((k, None) for k in keys)
         self.counters.fetched_artifacts.inc(len(keys))
         self.counters.fetched_bytes.inc(size)
@@ -531,13 +645,15 @@ class Sidecar:
 
     def health(self) -> dict[str, Any]:
         s = self.store.stats()
+        shared = self.shared
         return {
             "worker_id": self.config.worker_id,
             "transport": self.transport.name,
             "transfer_port": self.transfer_port,
-            "artifacts": s.artifacts,
-            "bytes": s.memory_bytes + s.ssd_bytes,
+            "artifacts": s.artifacts + (shared.count() if shared else 0),
+            "bytes": s.memory_bytes + s.ssd_bytes + (shared.held_bytes() if shared else 0),
             "url": self.url,
+            "store": shared.master.url if shared else None,
         }
 
 
@@ -598,7 +714,7 @@ def create_app(sidecar: Sidecar) -> FastAPI:
 
     @app.post(KV_PREFIX + "/lookup")
     async def lookup(body: LookupBody) -> JSONResponse:
-        return JSONResponse({"present": sidecar.store.has_many(body.keys)})
+        return JSONResponse({"present": [sidecar.has(k) for k in body.keys]})
 
     @app.post(KV_PREFIX + "/index")
     async def index(body: IndexBody) -> JSONResponse:
@@ -607,14 +723,17 @@ def create_app(sidecar: Sidecar) -> FastAPI:
             if sidecar.config.advertise_url
             else None
         )
-        return JSONResponse(
-            {
-                "keys": sidecar.keys_of_chunks(body.model, body.chunk_hashes),
-                "transport": sidecar.transport.name,
-                "transfer_port": sidecar.transfer_port,
-                "transfer_host": host,
-            }
-        )
+        keys = sidecar.keys_of_chunks(body.model, body.chunk_hashes)
+        answer: dict[str, Any] = {
+            "keys": keys,
+            "transport": sidecar.transport.name,
+            "transfer_port": sidecar.transfer_port,
+            "transfer_host": host,
+        }
+        if sidecar.shared is not None:  # a peer on the same store reads these keys there
+            answer["store"] = sidecar.shared.master.url
+            answer["sizes"] = [[sidecar.size_of(k) for k in ks] for ks in keys]
+        return JSONResponse(answer)
 
     @app.get(KV_PREFIX + "/artifacts/{key:path}")
     async def get_artifact(key: str) -> Response:
@@ -632,7 +751,7 @@ def create_app(sidecar: Sidecar) -> FastAPI:
         whole = _block_artifacts_header(request.headers.get(BLOCK_ARTIFACTS_HEADER))
         limit = sidecar.config.max_artifact_bytes
         data = await read_request_body(request.scope, request.receive, limit)
-        return JSONResponse(sidecar.put(key, data, expected, whole), status_code=201)
+        return JSONResponse(await sidecar.put(key, data, expected, whole), status_code=201)
 
     @app.post(BATCH_GET_PATH)
     async def batch_get(body: LookupBody) -> Response:
@@ -676,7 +795,7 @@ def create_app(sidecar: Sidecar) -> FastAPI:
         stored: list[dict[str, Any]] = []
         for key, data, expected, whole in checked:
             try:
-                stored.append(sidecar.put(key, bytes(data), expected, whole))
+                stored.append(await sidecar.put(key, bytes(data), expected, whole))
             except (InvalidRequestError, PayloadTooLargeError) as exc:
                 stored.append({"key": key, "error": str(exc)})
         return JSONResponse({"stored": stored})
