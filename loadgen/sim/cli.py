@@ -17,6 +17,8 @@ from loadgen.sim.engine import ClusterSpec, Simulator
 from loadgen.sim.from_workload import Rendering, workload_sessions
 from loadgen.sim.workload import SimSession, agentic_sessions, kv_working_set, trace_sessions
 from loadgen.workloads import GENERATORS, generate
+from ownerserve.errors import ConfigError
+from ownerserve.kvstate import KVStateSpec, load_spec, swa_policy_from_value
 from ownerserve.profiles import TimingProfile, load_profile
 from planner.calibration import Calibrator
 from planner.cost import CostConfig
@@ -205,8 +207,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="age of the workers' kv_usage the policies see: the router scrapes /metrics "
         "every server.health_interval_s (2 s by default); 0 = always current",
     )
+    parser.add_argument(
+        "--kv-spec",
+        default=None,
+        help="HeteroCache model spec (configs/models/NAME.yaml, e.g. deepseek-v4, "
+        "qwen3-8b-swa): blocks, transfers and restores sized by its parts, the planner sees "
+        "it; default: dense, the profile's kv_bytes_per_token",
+    )
+    parser.add_argument(
+        "--swa-policy",
+        default=None,
+        help="with --kv-spec: the SWA checkpoint policy instead of the spec's own: full, zero, "
+        "cost, periodic:N, or lru (no typed parts: every token's window entries cached and "
+        "offloaded with its block)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="directory for JSON and plots")
+
+
+def kv_spec_of(args: argparse.Namespace) -> tuple[KVStateSpec | None, bool]:
+    """(spec, typed state) that `--kv-spec` and `--swa-policy` ask for."""
+    name = getattr(args, "kv_spec", None)
+    policy = getattr(args, "swa_policy", None)
+    if name is None:
+        if policy is not None:
+            raise SystemExit("ownerserve sim: --swa-policy needs --kv-spec")
+        return None, True
+    try:
+        spec = load_spec(name)
+    except ConfigError as exc:
+        raise SystemExit(f"ownerserve sim: --kv-spec: {exc}") from None
+    if policy is None:
+        return spec, True
+    if policy == "lru":
+        return spec, False
+    value: object = policy
+    if policy.startswith("periodic:"):
+        try:
+            value = {"periodic": int(policy.split(":", 1)[1])}
+        except ValueError:
+            value = policy
+    try:
+        return replace(spec, swa_policy=swa_policy_from_value(value, "--swa-policy")), True
+    except ConfigError as exc:
+        raise SystemExit(f"ownerserve sim: {exc}") from None
 
 
 def _workload(args: argparse.Namespace, rate_per_min: float | None = None) -> list[SimSession]:
@@ -368,6 +412,7 @@ def run_policies(
 
     profile = load_profile(args.profile)
     spec = spec or cluster_spec(args, profile, sessions)
+    kv_spec, typed = kv_spec_of(args)
     rows = []
     for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
         oracle = name == "oracle"
@@ -389,6 +434,8 @@ def run_policies(
             rate_per_min=rate_per_min,
             working_set_views=not peer,  # the peers do not read them
             calibrator=Calibrator() if not peer and args.calibration == "on" else None,
+            kv_spec=kv_spec,
+            typed_state=typed,
         )
         sim.gate = gate_for(
             name,

@@ -42,10 +42,12 @@ from typing import Any
 from loadgen.report import percentile
 from loadgen.sim.admission import ProgramGate
 from loadgen.sim.workload import SimSession
+from ownerserve.kvstate import KVStateSpec, SwaPolicy
 from ownerserve.profiles import TimingProfile
 from ownerserve.types import Role, Tier
 from planner.calibration import Calibrator
 from planner.policies.peers import RequestRejectedError
+from planner.restore import plan_restore
 from planner.types import Action, ClusterView, Plan, Policy, RequestView, WorkerView
 from planner.workingset import WorkingSets
 
@@ -316,6 +318,16 @@ class SimResult:
     """Requests the gate refused (queue full, waited too long): their sessions end there."""
     paused: int = 0
     """Programs ThunderAgent's scheduler paused."""
+    restore_load_s: list[float] = field(default_factory=list)
+    """Per CPU-tier restore: its load (planner.restore's plan), its recompute (windows and
+    incomplete block) and its wait for the prefill pipeline."""
+    restore_recompute_s: list[float] = field(default_factory=list)
+    restore_queue_s: list[float] = field(default_factory=list)
+    offload_bytes: int = 0
+    """Bytes HBM evictions wrote to the CPU tier (sealed blocks; without typed state, the
+    window entries kept with them)."""
+    swa_written_bytes: int = 0
+    """Window checkpoint bytes the SWA policy wrote off-GPU as the sessions' prompts grew."""
 
     @property
     def goodput_per_min(self) -> float:
@@ -371,6 +383,23 @@ class SimResult:
             "queue_wait_p99_s": pct(self.queue_waits_s, 0.99),
             "rejected_429": self.rejected_429,
             "paused": self.paused,
+            "restores": len(self.restore_load_s),
+            "restore_load_mean_s": mean(self.restore_load_s),
+            "restore_recompute_mean_s": mean(self.restore_recompute_s),
+            "restore_queue_mean_s": mean(self.restore_queue_s),
+            "restore_mean_s": mean(
+                [
+                    a + b + c
+                    for a, b, c in zip(
+                        self.restore_load_s,
+                        self.restore_recompute_s,
+                        self.restore_queue_s,
+                        strict=True,
+                    )
+                ]
+            ),
+            "offload_gb": self.offload_bytes / 1e9,
+            "swa_written_gb": self.swa_written_bytes / 1e9,
         }
 
 
@@ -392,8 +421,21 @@ class Simulator:
         rate_per_min: float | None = None,
         working_set_views: bool = True,
         calibrator: Calibrator | None = None,
+        kv_spec: KVStateSpec | None = None,
+        typed_state: bool = True,
     ) -> None:
         self.spec = spec
+        self.kv_spec = kv_spec
+        """HeteroCache: the model's KV spec (None: dense, the profile's kv_bytes_per_token).
+        Blocks are sized by its sealed rate, the planner sees it (`RequestView.kv_spec`), and
+        CPU-tier restores and fetches are planned by planner.restore under its SWA policy."""
+        self.typed_state = typed_state
+        """False (the LRU baseline): the window entries of every token are cached, evicted
+        and offloaded with its block, as a cache without typed parts keeps them."""
+        self.swa_policy = (
+            SwaPolicy.full() if kv_spec is not None and not typed_state else None
+        )  # None: the spec's own
+        self.offload_bytes = 0
         self.calibrator = calibrator
         """Fed each plan's observed TTFT, TPOT and transfer time once its first token is out,
         as the router's aftermath feeds its own; its scales go into the views the policy sees
@@ -419,7 +461,13 @@ class Simulator:
         self.rng = random.Random(seed)
         bt = spec.block_tokens
         hbm = spec.hbm_kv_bytes if spec.hbm_kv_bytes is not None else profile.hbm_kv_bytes
-        self.block_bytes = profile.kv_bytes_per_token * bt
+        if kv_spec is None:
+            self.block_bytes = profile.kv_bytes_per_token * bt
+        else:
+            per_token = kv_spec.bytes_per_token()
+            if not typed_state:
+                per_token += kv_spec.swa_bytes_per_token
+            self.block_bytes = max(1, round(per_token * bt))
         capacity = max(1, hbm // self.block_bytes)
         self.workers: list[_Worker] = []
         roles = (
@@ -525,6 +573,7 @@ class Simulator:
                 cpu.move_to_end(b)
                 continue
             cpu[b] = None
+            self.offload_bytes += self.block_bytes
             hs = holders.get(b)
             if hs is None:
                 holders[b] = {w.idx}
@@ -661,7 +710,6 @@ class Simulator:
         import time as _time
 
         t_wall = _time.perf_counter()
-        prof = self.profile
         heap: list[tuple[float, int, int, int, int]] = []
         seq = 0
         self._children: dict[int, list[tuple[int, int]]] = {}
@@ -787,6 +835,7 @@ class Simulator:
         res.sim_s = now
         res.wall_s = _time.perf_counter() - t_wall
         res.dup_factor = dup_num / dup_den if dup_den else 1.0
+        res.offload_bytes = self.offload_bytes
         if gate is not None:
             res.queued = gate.queued
             res.queue_waits_s = list(gate.waits_s)
@@ -798,7 +847,7 @@ class Simulator:
             mean_ctx = sum(
                 s.turns[-1].input_tokens + s.turns[-1].output_tokens for s in sessions
             ) / len(sessions)
-            per_session = mean_ctx * prof.kv_bytes_per_token * max(res.dup_factor, 1.0)
+            per_session = self._session_bytes(int(mean_ctx)) * max(res.dup_factor, 1.0)
             res.max_concurrent_sessions = total_hbm / per_session
         return res
 
@@ -876,6 +925,7 @@ class Simulator:
             idle_s=turn.gap_s,
             is_fork=sess.fork_of is not None,
             kv_bytes_per_token=prof.kv_bytes_per_token,
+            kv_spec=self.kv_spec,
             chain=turn.chain,
             home_worker=home,
             home_tokens=home_tokens,
@@ -902,6 +952,14 @@ class Simulator:
         self._seq = seq + 1
         res.requests += 1
         self._ttfts[si].append(res.ttft_s[-1])
+        kv = self.kv_spec
+        if kv is not None and self.offloads:
+            # the windows checkpointed as the prompt grew from the last turn's (write-through)
+            pol = self.swa_policy or kv.swa_policy
+            if pol.resolved:
+                res.swa_written_bytes += kv.swa_write_bytes(
+                    pol, turn.input_tokens
+                ) - kv.swa_write_bytes(pol, min(self._prev_tokens[si], turn.input_tokens))
         self._prev_tokens[si] = turn.input_tokens
         d = self.by_id[plan.chosen.decode_worker]
         self.session_owner[si] = d.idx
@@ -918,7 +976,16 @@ class Simulator:
         if self.gate is not None:
             self.gate.started(si, d.wid, turn.input_tokens, now)
 
-    def _transfer(self, src: _Worker, dst: _Worker, nbytes: int, ready: float) -> float:
+    def _session_bytes(self, tokens: int) -> float:
+        """HBM a session of `tokens` holds: K·tokens dense; with a spec its sealed KV, windows
+        and tail (`total_bytes`), plus every token's window entries without typed state."""
+        kv = self.kv_spec
+        if kv is None:
+            return tokens * self.profile.kv_bytes_per_token
+        extra = 0 if self.typed_state else tokens * kv.swa_bytes_per_token
+        return kv.total_bytes(tokens) + extra
+
+    def _transfer(self, src: _Worker, dst: _Worker, nbytes: float, ready: float) -> float:
         """Queue `nbytes` on the sender's NIC from `ready`; returns the arrival time."""
         if nbytes <= 0:
             return ready
@@ -952,12 +1019,30 @@ class Simulator:
         ready = now
         self._moved_s = None
         reused_blocks = held.depth(p.idx)
+        extra_recompute_s = 0.0  # a hybrid restore's windows and incomplete block
+        load_ready: float | None = None  # when a CPU-tier restore's load is done
         if c.action in (Action.ARTIFACT_FETCH, Action.STATE_MIGRATION) and c.source_worker:
             # both copy the source's prefix into P (the router's `fetch`, the emulator's
             # /ownerserve/kv/fetch); the source keeps its copy (it is evictable there)
             src = self.by_id[c.source_worker]
             fetch_blocks = max(0, held.depth(src.idx) - reused_blocks)
             nbytes = fetch_blocks * self.block_bytes
+            kv = self.kv_spec
+            if kv is not None and fetch_blocks:
+                # what the planner priced (RequestCosts.peer_restore): sealed KV and the
+                # windows at the boundary from the peer's GPU, the incomplete block recomputed
+                r = min((reused_blocks + fetch_blocks) * bt, turn.input_tokens - 1)
+                peer = plan_restore(
+                    kv,
+                    r,
+                    Tier.GPU,
+                    prof,
+                    same_node=src.node == p.node,
+                    resident_tokens=reused_blocks * bt,
+                    overlap=False,
+                )
+                nbytes = peer.loaded_bytes
+                extra_recompute_s += peer.restore_s - peer.load_s
             ready = self._transfer(src, p, nbytes, now)
             self._moved_s = ready - now if nbytes else None
             res.fetch_kv_bytes += nbytes
@@ -973,7 +1058,27 @@ class Simulator:
                 cpu = p.cpu
                 for blk in turn.chain[reused_blocks:extent]:
                     cpu.move_to_end(blk)
-                ready = max(ready, now + loaded * self.block_bytes / prof.link.cpu_load_bps)
+                kv = self.kv_spec
+                if kv is None:
+                    load_s = loaded * self.block_bytes / prof.link.cpu_load_bps
+                else:
+                    # the same restore plan the planner priced (RequestCosts.restore), under the
+                    # spec's SWA policy (every window kept, without typed state)
+                    rp = plan_restore(
+                        kv,
+                        min(extent * bt, turn.input_tokens - 1),
+                        Tier.CPU,
+                        prof,
+                        resident_tokens=reused_blocks * bt,
+                        swa_policy=self.swa_policy,
+                        overlap=False,
+                    )
+                    load_s = rp.load_s
+                    extra_recompute_s += rp.restore_s - rp.load_s
+                    res.restore_recompute_s.append(rp.restore_s - rp.load_s)
+                    res.restore_load_s.append(load_s)
+                load_ready = now + load_s
+                ready = max(ready, load_ready)
                 res.cpu_hit_tokens += min(extent * bt, turn.input_tokens) - min(
                     reused_blocks * bt, turn.input_tokens
                 )
@@ -981,8 +1086,10 @@ class Simulator:
         reused_tokens = min(reused_blocks * bt, turn.input_tokens)
         new_tokens = turn.input_tokens - reused_tokens
         start = max(ready, p.prefill_free_at)
-        dur = prof.prefill_s(new_tokens, reused_tokens)
-        if new_tokens > 0:
+        if load_ready is not None and self.kv_spec is not None:
+            res.restore_queue_s.append(start - load_ready)
+        dur = prof.prefill_s(new_tokens, reused_tokens) + extra_recompute_s
+        if new_tokens > 0 or extra_recompute_s > 0:
             p.add_stall(start, dur)
         if p.decode_active and new_tokens > 0:
             # each chunk's step also advances the running decodes by one token
@@ -1005,7 +1112,12 @@ class Simulator:
         decode_ready = prefill_end
         if d is not p:
             d_has = held.depth(d.idx)
-            nbytes = max(0, turn.input_tokens - d_has * bt) * prof.kv_bytes_per_token
+            kv = self.kv_spec
+            if kv is None:
+                nbytes = max(0, turn.input_tokens - d_has * bt) * prof.kv_bytes_per_token
+            else:  # RequestCosts.kv_to_decode's bytes: sealed rate, plus windows and tail at N
+                nbytes = round(max(0, turn.input_tokens - d_has * bt) * kv.bytes_per_token())
+                nbytes += kv.mutable_bytes(turn.input_tokens)
             decode_ready = self._transfer(p, d, nbytes, prefill_end)
             self._moved_s = decode_ready - prefill_end if nbytes else None
             res.pd_kv_bytes += nbytes
