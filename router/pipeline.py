@@ -54,7 +54,7 @@ from router.migration import (
     ending,
     unmigratable,
 )
-from router.plans import Fallback, GaveUp, PlanRecord
+from router.plans import Fallback, GaveUp, PlanRecord, restore_shown
 from router.prompt import Prompt
 from router.requests import Endpoint, parse_request
 from router.stages import (
@@ -225,6 +225,7 @@ async def _route(
                 ran,
                 opened.fetched_blocks,
                 opened.chunks,
+                restore=restore_shown(match, ran, mt.settings.kv_spec, mt.block_size),
             )
             answer = Answer()
             commit_s = 0.0

@@ -8,7 +8,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ownerserve.directory.base import Match
+from ownerserve.kvstate import load_spec
 from ownerserve.records import fast_init
+from ownerserve.types import Tier
 from planner import plan_to_dict, plan_to_header
 from planner.types import Plan
 
@@ -49,6 +52,57 @@ class Fallback:
         return Fallback(ran, (*self.gave_up, gave_up))
 
 
+@dataclass(frozen=True, slots=True)
+class RestoreShown:
+    """What the plan's worker can restore of the prompt, for a hybrid-attention model
+    (`Match.restorable`): from `tier`, every KV cache group down to boundary `blocks`, the
+    sealed groups down to `sealed_blocks` (past `blocks` the windows are rebuilt), and the
+    bytes of each state type of that prefix (the model's spec, `models[].kv_spec`)."""
+
+    worker: str
+    tier: Tier
+    blocks: int
+    sealed_blocks: int
+    state_bytes: tuple[tuple[str, int], ...]
+
+    def fields(self) -> str:
+        """`restore=WORKER:TIER:BLOCKS/SEALED;state_bytes=TYPE:BYTES,...`"""
+        by_type = ",".join(f"{t}:{n}" for t, n in self.state_bytes)
+        return (
+            f"restore={self.worker}:{self.tier.value}:{self.blocks}/{self.sealed_blocks}"
+            f";state_bytes={by_type}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "worker": self.worker,
+            "tier": self.tier.value,
+            "blocks": self.blocks,
+            "sealed_blocks": self.sealed_blocks,
+            "state_bytes": dict(self.state_bytes),
+        }
+
+
+def restore_shown(match: Match, plan: Plan, kv_spec: str, block_size: int) -> RestoreShown | None:
+    """What `plan`'s decode worker can restore of the looked-up prompt (GPU first, then
+    CPU), or None for a dense model (no worker's events name KV cache groups)."""
+    if not match.restorable:
+        return None
+    worker = plan.chosen.decode_worker
+    unit = match.restorable_on(worker, Tier.GPU) or match.restorable_on(worker, Tier.CPU)
+    if unit is None:
+        return None
+    spec = load_spec(kv_spec)
+    by_type = spec.state_bytes(0, unit.sealed_blocks * block_size)
+    return RestoreShown(
+        worker,
+        unit.tier,
+        unit.blocks,
+        unit.sealed_blocks,
+        tuple((t.value, n) for t, n in by_type.items()),
+    )
+
+
 def fallback_fields(fallback: Fallback) -> str:
     """`fallback=RAN;reason=WHY;gave_up=WHY:WORKER,...` (worker ids hold no `,`; reasons no
     `:`)."""
@@ -63,12 +117,15 @@ def plan_header(
     ran: Plan | None = None,
     fetched_blocks: tuple[int, int] | None = None,
     chunks: tuple[int, int, int] | None = None,
+    restore: RestoreShown | None = None,
 ) -> bytes:
     """`key=value;...`: policy, class, action, workers, cost and runner-up, then the cost
     terms of the chosen candidate (seconds; `m_hbm` in bytes), whether a fetch succeeded and
     how many of its blocks the destination holds (`fetched_blocks=GOT/PLANNED`), for a
-    chunked prompt its chunks as they ran (`chunks=REUSED/FETCHED/RECOMPUTED`) and, when
-    something else ran, `ran=ACTION;ran_workers=P>D` and `fallback_fields`."""
+    chunked prompt its chunks as they ran (`chunks=REUSED/FETCHED/RECOMPUTED`), for a
+    hybrid-attention model what the worker can restore and its bytes by state type
+    (`RestoreShown.fields`) and, when something else ran, `ran=ACTION;ran_workers=P>D` and
+    `fallback_fields`."""
     b = plan.chosen.cost
     text = (
         f"{plan_to_header(plan)};t_queue={b.t_queue:.6g};t_compute={b.t_compute:.6g}"
@@ -83,6 +140,8 @@ def plan_header(
         text += f";fetched_blocks={fetched_blocks[0]}/{fetched_blocks[1]}"
     if chunks is not None:
         text += f";chunks={chunks[0]}/{chunks[1]}/{chunks[2]}"
+    if restore is not None:
+        text += ";" + restore.fields()
     if ran is not None and ran is not plan:
         c = ran.chosen
         text += f";ran={c.action.value};ran_workers={c.prefill_worker}>{c.decode_worker}"
@@ -107,6 +166,7 @@ class PlanRecord:
     fetched_blocks: tuple[int, int] | None = None
     chunks: tuple[int, int, int] | None = None
     migrated_from: str | None = None
+    restore: RestoreShown | None = None
 
     @classmethod
     def of(
@@ -119,6 +179,7 @@ class PlanRecord:
         fetched_blocks: tuple[int, int] | None = None,
         chunks: tuple[int, int, int] | None = None,
         migrated_from: str | None = None,
+        restore: RestoreShown | None = None,
     ) -> PlanRecord:
         return cls(
             time.time(),
@@ -130,12 +191,14 @@ class PlanRecord:
             fetched_blocks,
             chunks,
             migrated_from,
+            restore,
         )
 
     def as_dict(self) -> dict[str, Any]:
         out = plan_to_dict(self.plan)
         out.update(at=self.at, session_id=self.session_id, fetched=self.fetched)
         out["migrated_from"] = self.migrated_from
+        out["restore"] = None if self.restore is None else self.restore.as_dict()
         fb_blocks = self.fetched_blocks
         out["fetched_blocks"] = None if fb_blocks is None else list(fb_blocks)
         ch = self.chunks

@@ -98,6 +98,7 @@ async def stream(
                 shown.ran,
                 shown.fetched_blocks,
                 shown.chunks,
+                shown.restore,
             ),
         ),
     ]

@@ -789,9 +789,11 @@ class Engine:
 
     def _start_running(self, seq: Sequence, computed: int) -> None:
         hybrid = self.hybrid
+        bs = self.block_size
         if hybrid is not None and hybrid.pool is not None:
             nh = seq.num_hashed  # the resume boundary: take its windows (cached or rebuilt)
-            hybrid.take(seq.win, seq.hashes, seq.tokens, max(0, nh - hybrid.window_blocks), nh)
+            lo = max(0, nh - hybrid.window_blocks)
+            hybrid.take(seq.win, seq.hashes, seq.tokens, lo, nh, len(seq.prompt_ids) // bs)
         seq.state = SeqState.RUNNING
         if seq.cached_tokens < 0:
             self._count_prompt(seq, computed)
@@ -1015,8 +1017,10 @@ class Engine:
                 self._register(seq, full)
                 hybrid = self.hybrid
                 if hybrid is not None and hybrid.pool is not None:
-                    hybrid.take(seq.win, seq.hashes, seq.tokens, hashed, full)
+                    # let go of what left the window first: its slot may take the new block
                     self._release_windows(seq, full - hybrid.window_blocks)
+                    prompt_blocks = len(seq.prompt_ids) // bs
+                    hybrid.take(seq.win, seq.hashes, seq.tokens, hashed, full, prompt_blocks)
             if host is not None and seq.num_offloaded < seq.num_hashed:
                 self._offload(seq)
             if seq.num_computed < seq.num_tokens:

@@ -193,18 +193,36 @@ class HybridKV:
 
     # --- a sequence's window blocks ---------------------------------------------------------
 
+    def _retained(self, j: int, computed: int, prompt_blocks: int) -> bool:
+        """Whether window block j belongs to the window of a boundary in
+        (j, min(j + window, computed)] that the retention policy keeps."""
+        bs = self.block_size
+        last_prompt = prompt_blocks * bs
+        hi = min(j + self.window_blocks, computed)
+        return any(self.retention.keeps(b * bs, last_prompt) for b in range(j + 1, hi + 1))
+
     def take(
-        self, refs: list[WindowRef], hashes: Sequence[int], tokens: TokenReader, lo: int, hi: int
+        self,
+        refs: list[WindowRef],
+        hashes: Sequence[int],
+        tokens: TokenReader,
+        lo: int,
+        hi: int,
+        prompt_blocks: int,
     ) -> None:
-        """Reference window blocks [lo, hi) of a sequence now computed (or restored): a cached
-        one is shared, a new one takes a free slot (evicting the least recently freed) and is
-        registered; with no slot left the block goes uncached (the sequence runs on; only a
-        later hit at its boundary is lost)."""
+        """Reference the window blocks of [lo, hi) a sequence now computed (or restored)
+        still needs: those in the window at `hi` and those of a boundary the policy keeps,
+        the newest first. A cached one is shared; a new one takes a free slot (evicting the
+        least recently freed) and is registered; with no slot left it goes uncached (the
+        sequence runs on; only a later hit at its boundary is lost)."""
         pool = self.pool
         assert pool is not None
         new: list[NewBlock] = []
         bs = self.block_size
-        for j in range(lo, hi):
+        window_from = hi - self.window_blocks
+        for j in range(hi - 1, lo - 1, -1):
+            if j < window_from and not self._retained(j, hi, prompt_blocks):
+                continue  # left the window already and no kept boundary needs it
             h = hashes[j]
             if pool.contains(h):
                 refs.append(WindowRef(j, pool.touch([h])[0], True))
@@ -216,6 +234,7 @@ class HybridKV:
             new.append(
                 NewBlock(got[0], h, hashes[j - 1] if j else None, tokens(j * bs, (j + 1) * bs))
             )
+        new.reverse()  # registered in chain order: runs of consecutive blocks, one event each
         pool.register(new)
 
     def release(
@@ -227,21 +246,14 @@ class HybridKV:
         retention policy keeps; otherwise it leaves the cache."""
         pool = self.pool
         assert pool is not None
-        w = self.window_blocks
-        bs = self.block_size
-        keep_policy = self.retention
         rest: list[WindowRef] = []
         free: list[int] = []
         drop: list[int] = []
-        last_prompt = prompt_blocks * bs
         for ref in refs:
             if ref.index >= keep_from:
                 rest.append(ref)
                 continue
-            keep = ref.was_cached or any(
-                keep_policy.keeps(b * bs, last_prompt)
-                for b in range(ref.index + 1, min(ref.index + w, computed) + 1)
-            )
+            keep = ref.was_cached or self._retained(ref.index, computed, prompt_blocks)
             (free if keep else drop).append(ref.block_id)
         if free:
             pool.free(free)

@@ -174,6 +174,8 @@ async def test_kv_events_are_tagged_per_group() -> None:
     }
     full = set(s.hashes[:4])
     assert stored[0] == stored[1] == stored[2] == full and not removed.get(0)
-    # the window group stored every block and dropped all but the prompt's last boundary's
-    assert stored[3] == stored[4] == stored[5] == full
-    assert removed[3] == removed[4] == full - {s.hashes[2]}
+    # the window group stores a block while it is in the window or a kept boundary needs it
+    # (blocks 0 and 1 left the window in the prefill's step): the prompt's last boundary (3)
+    # stays, the answer's block 3 is dropped at the end
+    assert stored[3] == stored[4] == stored[5] == {s.hashes[2], s.hashes[3]}
+    assert removed[3] == removed[4] == {s.hashes[3]}

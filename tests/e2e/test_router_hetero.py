@@ -1,0 +1,148 @@
+"""HeteroCache through the router: an emulated worker (a real process) serving the
+DeepSeek-V4-like spec publishes KV events per KV cache group, the router's directory indexes the
+attention chain and the restorable boundaries, the plan header shows what the worker can
+restore and its bytes by state type, and the engine's metrics show how each resume restored its
+state: under zero retention a warm resume is cut back to the last prompt boundary, under full
+retention it is cached, and a cold resume (other sessions evicted it from HBM and its windows,
+the CPU tier kept its prompt) loads the compressed KV and rebuilds the windows over n_win·L
+recomputed tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from loadgen.cluster import EmulatedWorker, emulated_workers
+from ownerserve.config import settings_from_dict
+from ownerserve.kvstate import StateType, load_spec
+from router.state import Router
+from tests.e2e.router_cluster import metric_value, plan_fields, proxy_client
+from tests.waiting import until
+
+MODEL = "deepseek-v4-like"  # an alias of configs/models/deepseek-v4.yaml
+BS = 128
+V4 = load_spec("deepseek-v4")
+SEALED_BLOCK = 636096  # bytes of one 128-token block over CSA main, indexer and HCA
+
+
+def doc(tag: str, lines: int = 200) -> str:
+    """About 11,600 tokens (byte tokenizer) for 200 lines: 90 blocks of 128."""
+    return "".join(
+        f"{tag} line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(lines)
+    )
+
+
+NUM_BLOCKS = 120
+"""HBM for one long session: two others evict it (the CPU tier, 1024 blocks, keeps it)."""
+
+
+def worker(retention: str | None) -> EmulatedWorker:
+    extra = [
+        "--block-size", str(BS), "--num-blocks", str(NUM_BLOCKS), "--cpu-num-blocks", "1024",
+        "--window-num-blocks", "2", "--output-len", "400",
+    ]  # fmt: skip
+    if retention is not None:
+        extra += ["--prefix-cache-retention-interval", retention]
+    return EmulatedWorker("h0", "hybrid", model=MODEL, speed=20.0, extra=tuple(extra))
+
+
+def settings(w: EmulatedWorker) -> Any:
+    return settings_from_dict(
+        {
+            "server": {"port": 0, "health_interval_s": 0.5},
+            "planner": {"policy": "ownerserve"},
+            "models": [{"name": MODEL, "block_size": BS, "kv_spec": "deepseek-v4"}],
+            "workers": [w.worker_settings()],
+        }
+    )
+
+
+async def turn(
+    client: httpx.AsyncClient, messages: list[dict[str, str]], session: str = "s1"
+) -> tuple[dict[str, str], dict[str, Any]]:
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "max_tokens": 300},
+        headers={"x-session-id": session},
+    )
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+    return plan_fields(resp.headers["x-ownerserve-plan"]), body["usage"]
+
+
+async def events_in(router: Router, w: EmulatedWorker) -> None:
+    """Wait until the router applied every KV event batch the worker published."""
+
+    def caught_up() -> bool:
+        published = metric_value(w.metrics(), "ownerserve_emulator_kv_events_published_total")
+        sub = router.subscribers[0]
+        return published > 0 and sub.stats.last_seq == published - 1
+
+    await until(caught_up, timeout_s=30.0, poll_s=0.05, what="KV events applied")
+
+
+def restore(fields: dict[str, str]) -> tuple[str, str, int, int, dict[str, int]]:
+    who, tier, blocks = fields["restore"].split(":")
+    done, sealed = blocks.split("/")
+    by_type = dict(kv.split(":") for kv in fields["state_bytes"].split(","))
+    return who, tier, int(done), int(sealed), {k: int(v) for k, v in by_type.items()}
+
+
+@pytest.mark.parametrize(("retention", "warm"), [("0", "truncated"), (None, "cached")])
+async def test_resumes_restore_by_the_retention_policy_and_show_their_state_bytes(
+    retention: str | None, warm: str
+) -> None:
+    with emulated_workers(worker(retention)) as (w,):
+        async with proxy_client(settings(w)) as (client, router):
+            messages = [
+                {"role": "system", "content": doc("s1")},
+                {"role": "user", "content": "summarise the document"},
+            ]
+            first, usage1 = await turn(client, messages)
+            assert "restore" not in first  # nothing held yet
+            await events_in(router, w)
+
+            # a warm resume: the sealed groups hold the first turn's prompt and answer
+            messages.append({"role": "user", "content": "and now in one line"})
+            second, usage2 = await turn(client, messages)
+            who, tier, done, sealed, by_type = restore(second)
+            prompt_blocks = usage1["prompt_tokens"] // BS
+            assert (who, tier) == ("h0", "gpu")
+            assert sealed > prompt_blocks  # the answer's blocks are cached too
+            # zero retention keeps the windows only at the first prompt's last boundary
+            assert done == (prompt_blocks if retention == "0" else sealed)
+            want = V4.state_bytes(0, sealed * BS)
+            assert by_type == {t.value: n for t, n in want.items()}
+            m = w.metrics()
+            resumed = metric_value(m, "ownerserve_emulator_resumes_total", how=warm)
+            assert resumed == 1
+            cached = usage2["prompt_tokens_details"]["cached_tokens"]
+            assert cached == done * BS  # the engine resumed where the header said
+            assert metric_value(m, "ownerserve_emulator_window_rebuild_tokens_total") == 0
+
+            # a cold resume: two other sessions evict it from HBM and the window pool (the
+            # second takes the head blocks the first left: they are older than its own)
+            for other in ("s2", "s3"):
+                msgs = [{"role": "system", "content": doc(other, 150)},
+                        {"role": "user", "content": "hi"}]  # fmt: skip
+                await turn(client, msgs, other)
+            await events_in(router, w)
+            loaded_before = metric_value(m, "vllm:kv_offload_load_bytes_total")
+            messages.append({"role": "user", "content": "one more time"})
+            third, usage3 = await turn(client, messages)
+            who, tier, done, sealed, by_type = restore(third)
+            # the CPU tier holds the second prompt's sealed blocks and no windows
+            assert (who, tier, done) == ("h0", "cpu", 0)
+            assert sealed == usage2["prompt_tokens"] // BS
+            m = w.metrics()
+            assert metric_value(m, "ownerserve_emulator_resumes_total", how="rebuilt") == 1
+            # the windows were rebuilt over n_win·L = 128 x 61 tokens, the KV loaded
+            assert metric_value(m, "ownerserve_emulator_window_rebuild_tokens_total") == 7808
+            loaded = metric_value(m, "vllm:kv_offload_load_bytes_total") - loaded_before
+            assert loaded == sealed * SEALED_BLOCK
+            assert usage3["prompt_tokens_details"]["cached_tokens"] == sealed * BS
+            hca = metric_value(m, "ownerserve_emulator_state_loaded_bytes_total", state_type="hca")
+            assert hca == V4.state_bytes(0, sealed * BS)[StateType.COMPRESSED_HCA]
