@@ -31,7 +31,14 @@ from loadgen.cluster import (
     start_ownerserve,
     start_peer,
 )
-from loadgen.metrics import DuplicateSampler, RouterQueueSampler, cluster_stats, snapshot_all
+from loadgen.metrics import (
+    DuplicateSampler,
+    P,
+    RouterQueueSampler,
+    WorkerSnapshot,
+    cluster_stats,
+    snapshot_all,
+)
 from loadgen.peers import peer_binary
 from loadgen.report import RunSummary, markdown_tables, summarize, write_records, write_report
 from loadgen.workloads import Workload
@@ -128,8 +135,23 @@ async def measure(
         samples = await sampler.stop()
         queue_peak = await queue.stop()
     after = await snapshot_all(urls)
-    stats = replace(cluster_stats(after, before, samples), router_queue_peak=queue_peak)
+    stats = replace(
+        cluster_stats(after, before, samples),
+        router_queue_peak=queue_peak,
+        engine_late_s=counter_delta(after, before, f"{P}engine_late_seconds_total"),
+        engine_active_s=counter_delta(after, before, f"{P}engine_active_seconds_total"),
+    )
     return result, summarize(result, cluster=stats, meta={"router": router.label})
+
+
+def counter_delta(
+    after: Sequence[WorkerSnapshot], before: Sequence[WorkerSnapshot], name: str
+) -> float | None:
+    """`name` summed over the workers of `after`, less its value in `before` (by URL); None
+    when no worker exposes it."""
+    base = {s.url: s.get(name) for s in before}
+    vals = [v - (base.get(s.url) or 0.0) for s in after if (v := s.get(name)) is not None]
+    return sum(vals) if vals else None
 
 
 def run_target(

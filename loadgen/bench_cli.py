@@ -33,6 +33,7 @@ from loadgen.bench import (
     write_outputs,
 )
 from loadgen.capacity import (
+    MAX_LATE_SHARE,
     RATED_WORKLOADS,
     CapacityPlan,
     default_num_blocks,
@@ -188,9 +189,9 @@ def _add_capacity_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument(
         "--rates",
         default=None,
-        help="session arrival rates, main sessions per minute of wall time, comma list "
-        f"(default {','.join(f'{r:g}' for r in CAPACITY_RATES)}; --quick "
-        f"{','.join(f'{r:g}' for r in QUICK_RATES)})",
+        help="run the fixed-rate sweep (goodput at the TTFT SLO) at these session arrival "
+        "rates, main sessions per minute of wall time, comma list, instead of the capacity "
+        f"search (e.g. {','.join(f'{r:g}' for r in CAPACITY_RATES)})",
     )
     p.add_argument(
         "--workload",
@@ -272,6 +273,79 @@ def _add_capacity_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPar
     _add_planner_argument(p)
     p.add_argument(
         "--quick", action="store_true", help="check the wiring: 2 rates, 3 small sessions"
+    )
+    s = p.add_argument_group(
+        "capacity by search (the default; --rates runs the fixed-rate sweep instead)",
+        "Capacity: the highest session rate at which >= 90%% of sessions meet the SLO (a "
+        "session: >= 90%% of its requests within the TTFT and TPOT bounds, multiples of the "
+        "request's unloaded latencies), bracketed from --start-rate by doubling or halving, "
+        "then bisected to --rel-tol; every target on the same worker count, the P/D ones and "
+        "ownerserve at each P:D split (loadgen/capacity_sim.py splits_for); at two SLOs.",
+    )
+    s.add_argument(
+        "--start-rate",
+        type=float,
+        default=None,
+        help="first rate, sessions/min (default 30; --sim 960)",
+    )
+    s.add_argument(
+        "--max-rate",
+        type=float,
+        default=None,
+        help="cap: capacity at least this when met there (default 1920; --sim 15360)",
+    )
+    s.add_argument(
+        "--min-rate",
+        type=float,
+        default=None,
+        help="floor: capacity 0 when not met down to here (default 3.75; --sim 60)",
+    )
+    s.add_argument(
+        "--rel-tol",
+        type=float,
+        default=0.05,
+        help="bisect until the failing rate is within this share of the met one (default 0.05)",
+    )
+    s.add_argument(
+        "--slo-tight", default=None, metavar="TTFT,TPOT", help="tight SLO factors (default 5,1.5)"
+    )
+    s.add_argument(
+        "--slo-loose", default=None, metavar="TTFT,TPOT", help="loose SLO factors (default 20,3)"
+    )
+    s.add_argument(
+        "--max-late-share",
+        type=float,
+        default=MAX_LATE_SHARE,
+        help="an emulated "
+        "run whose workers' step sleeps overshot by more than this share of their "
+        "step time measured this machine: discarded and said (default %(default)s)",
+    )
+    s.add_argument(
+        "--sizing-rate",
+        type=float,
+        default=None,
+        help="HBM sized so the working "
+        "set at this rate is 3x the cluster's (default 240; --sim 3840)",
+    )
+    s.add_argument(
+        "--sim",
+        action="store_true",
+        help="run the search in the simulator "
+        "(`ownerserve sim`'s engine) instead of on emulated workers",
+    )
+    s.add_argument("--workers", type=int, default=64, help="--sim: cluster size (default 64)")
+    s.add_argument(
+        "--block-tokens",
+        type=int,
+        default=64,
+        help="--sim: tokens per KV block (default 64; the emulated engine's are 16)",
+    )
+    s.add_argument(
+        "--compare",
+        type=Path,
+        default=None,
+        help="--sim: a capacity JSON of "
+        "the emulated search; print the Kendall tau of the two rankings",
     )
     _add_output_arguments(
         p,
@@ -556,7 +630,17 @@ def _rates(value: str | None, quick: bool) -> list[float]:
 
 
 def run_capacity_command(args: argparse.Namespace) -> int:
-    """`ownerserve bench capacity`: size the cluster, sweep, write and print the table."""
+    """`ownerserve bench capacity`: the capacity search (emulated or `--sim`), or with `--rates`
+    the fixed-rate sweep."""
+    if args.rates is None:
+        from loadgen.capacity_cli import run_search_command
+
+        return run_search_command(args)
+    return run_sweep_command(args)
+
+
+def run_sweep_command(args: argparse.Namespace) -> int:
+    """`ownerserve bench capacity --rates ...`: size the cluster, sweep, write and print."""
     if args.speed <= 0 or args.time_scale <= 0 or min(args.prefill, args.decode, args.hybrid) < 0:
         raise ConfigError("--speed and --time-scale must be > 0 and worker counts >= 0")
     labels = _split(args.targets, OWN_POLICIES + PEER_LABELS, "targets")

@@ -29,6 +29,19 @@ from loadgen.bench import (
     replace_section,
     run_target,
 )
+from loadgen.capacity_search import (
+    SLO,
+    Observation,
+    RequestSample,
+    Runner,
+    SearchSettings,
+    SessionSample,
+    TargetCapacity,
+    attainment,
+    search_target,
+    unloaded_tpot_s,
+    unloaded_ttft_s,
+)
 from loadgen.client import RunResult
 from loadgen.cluster import ClusterSpec, EmulatedCluster
 from loadgen.report import ClusterStats, RunSummary, percentile, write_records
@@ -477,3 +490,146 @@ def write_capacity_outputs(
     if history_md is not None:
         replace_section(history_md, heading, section)
     return section
+
+
+# --- capacity by search (loadgen.capacity_search) ----------------------------------------------
+
+MAX_LATE_SHARE = 0.10
+"""A run whose emulated workers' step sleeps overshot by more than this share of their step
+time (`ClusterStats.late_share`) measured this machine, not the timing model: discarded."""
+
+
+def observation(
+    point: CapacityPoint,
+    result: RunResult,
+    summary: RunSummary,
+    demand: KVDemand,
+    profile: TimingProfile,
+    speed: float,
+    max_late_share: float = MAX_LATE_SHARE,
+) -> Observation:
+    """One emulated run as the search sees it: per request its TTFT and TPOT in emulated time
+    (wall × `speed`) against its unloaded latencies (`unloaded_ttft_s` with the prefix an
+    unbounded cluster-wide cache would hold, `demand.ideal_new_tokens`); discarded when the
+    workers' late share is above `max_late_share`."""
+    by_session: dict[str, list[RequestSample]] = {}
+    for r in result.requests:
+        new = demand.ideal_new_tokens.get((r.session_id, r.step))
+        prompt = r.prompt_tokens
+        if new is None or prompt <= 0:
+            # a failed request reports no usage: its reference is the whole prompt computed
+            new, prompt = max(new or 0, 1), max(prompt, new or 1)
+        new = min(new, prompt)
+        ttft_ref = unloaded_ttft_s(profile, new, prompt - new)
+        tpot_ref = unloaded_tpot_s(profile, prompt + max(r.completion_tokens, 1))
+        ttft = r.ttft_s * speed if r.ok and r.ttft_s is not None else None
+        tpot = r.tpot_s * speed if r.ok and r.tpot_s is not None else None
+        by_session.setdefault(r.session_id, []).append(
+            RequestSample(ttft, tpot, ttft_ref, tpot_ref)
+        )
+    sessions = tuple(
+        SessionSample(s.completed, tuple(by_session.get(s.session_id, ()))) for s in result.sessions
+    )
+    late = summary.cluster.late_share if summary.cluster else None
+    why = None
+    if late is not None and late > max_late_share:
+        why = f"workers' late share {late:.0%} > {max_late_share:.0%}: this machine was the limit"
+    return Observation(point.rate, sessions, discarded=why, detail=point)
+
+
+@dataclass
+class SearchPlan:
+    """The emulated capacity search: every target on the same worker count, each shape its
+    own cluster, each rate a fresh run (workers restarted)."""
+
+    base: CapacityPlan
+    """Targets, workload, sessions, durations and the cluster's timing; its `spec`'s worker
+    count and extra arguments (HBM sizing) are kept, its roles replaced by each shape's."""
+    profile: TimingProfile
+    settings: SearchSettings
+    slos: tuple[SLO, ...]
+    splits: Mapping[str, tuple[str, ...]]
+    """Per target label, the P:D:H shapes searched."""
+    max_late_share: float = MAX_LATE_SHARE
+
+
+def shape_spec(spec: ClusterSpec, split: str) -> ClusterSpec:
+    """`spec`'s worker count in the P:D:H shape `split` (shares; the remainder to the last
+    non-zero role)."""
+    n = spec.prefill + spec.decode + spec.hybrid
+    try:
+        shares = [float(x) for x in split.split(":")]
+    except ValueError:
+        shares = []
+    if len(shares) != 3 or min(shares) < 0 or sum(shares) <= 0:
+        raise ValueError(f"split {split!r}: three shares P:D:H, e.g. 1:1:0")
+    counts = [int(n * x / sum(shares)) for x in shares]
+    counts[max(i for i, x in enumerate(shares) if x > 0)] += n - sum(counts)
+    return replace(spec, prefill=counts[0], decode=counts[1], hybrid=counts[2])
+
+
+def run_capacity_search(
+    plan: SearchPlan, unfit: Callable[[str, ClusterSpec], str | None]
+) -> tuple[list[TargetCapacity], dict[str, str]]:
+    """Each target's capacity on each of its shapes (`unfit(label, spec)`: why a target cannot
+    run on a shape, or None); the targets that could not run anywhere, and why."""
+    base = plan.base
+    out: list[TargetCapacity] = []
+    skipped: dict[str, str] = {}
+    for target in base.targets:
+        splits = []
+        for split in plan.splits.get(target.label, ("0:0:1",)):
+            why = unfit(target.label, shape_spec(base.spec, split))
+            if why is None:
+                splits.append(split)
+            else:
+                base.log(f"{target.label} on {split}: skipped ({why})")
+        if not splits:
+            skipped[target.label] = "no shape it can run on"
+            continue
+
+        def runner_for(split: str, t: Target = target) -> Runner:
+            return _emulated_runner(plan, t, split)
+
+        try:
+            out.append(search_target(target.label, splits, runner_for, plan.slos, plan.settings))
+        except TargetUnavailableError as exc:
+            skipped[target.label] = str(exc)
+            base.log(f"{target.label}: skipped ({exc})")
+    return out, skipped
+
+
+def _emulated_runner(plan: SearchPlan, target: Target, split: str) -> Runner:
+    base = plan.base
+    spec = shape_spec(base.spec, split)
+
+    def run(rate: float) -> Observation:
+        workload = base.workload_at(rate)
+        demand = kv_demand(workload, plan.profile, spec.speed, spec.model)
+        limit_s = arrival_span_s(workload) + base.duration_s
+        opts = MeasureOptions(base.max_inflight, limit_s, base.sample_interval_s)
+        cluster = EmulatedCluster(spec, base.log_dir)
+        t0 = time.monotonic()
+        try:
+            result, summary = run_target(
+                cluster, target, workload, base.log_dir, base.planner, opts
+            )
+        finally:
+            cluster.stop()
+        slug = f"{target.label}_{split}_{rate:g}".replace(" ", "_").replace(":", "-")
+        write_records(result, base.log_dir / f"records_capacity_{slug}.jsonl")
+        point = capacity_point(
+            target.label, rate, result, summary, demand, spec.speed, base.slo_ttft_p90_s
+        )
+        obs = observation(
+            point, result, summary, demand, plan.profile, spec.speed, plan.max_late_share
+        )
+        shares = ", ".join(f"{s.name} {attainment(obs, s):.0%}" for s in plan.slos)
+        base.log(
+            f"[{target.label} {split} @ {rate:g}/min] sessions meeting the SLO: {shares}; "
+            f"late share {_f(summary.cluster.late_share if summary.cluster else None)}"
+            f"{' (discarded)' if obs.discarded else ''}, {time.monotonic() - t0:.0f} s"
+        )
+        return obs
+
+    return run

@@ -132,3 +132,36 @@ def plot_capacity(points: Sequence[CapacityPoint], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_attainment(
+    curves: Sequence[tuple[str, Sequence[tuple[float, float]]]],
+    slos: Sequence[str],
+    path: Path,
+    goal: float = 0.9,
+) -> Path:
+    """Share of sessions meeting each SLO against the offered rate (log scale), one panel per
+    SLO, one line per target at its best shape; `curves`: (label, [(rate, share)...]) for
+    each target and SLO, labels `target|slo`."""
+    fig, axes = plt.subplots(1, len(slos), figsize=(6 * len(slos), 4.5), squeeze=False)
+    for ax, slo in zip(axes[0], slos, strict=True):
+        mine = [(lab.split("|")[0], pts) for lab, pts in curves if lab.endswith(f"|{slo}")]
+        for i, (target, pts) in enumerate(mine):
+            xy = sorted(pts)
+            if not xy:
+                continue
+            width = 2.2 if target == HIGHLIGHT else 1.2
+            ax.plot(*zip(*xy, strict=True), marker="o", label=target, color=_color(i, target),
+                    linewidth=width)  # fmt: skip
+        ax.axhline(goal, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("offered rate (sessions/min)")
+        ax.set_ylabel("sessions meeting the SLO")
+        ax.set_title(f"SLO {slo}", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -83,6 +83,19 @@ class ClusterStats:
     router_queue_peak: float | None = None
     """Most requests waiting in the router's admission queue at one sample (OwnerServe's
     `ownerserve_admission_*` queue gauges; None for a router without them)."""
+    engine_late_s: float | None = None
+    """Summed over the emulated workers: how far their step sleeps overshot their end (the
+    emulated engine's `engine_late_seconds`; timers and CPU contention, i.e. this machine)."""
+    engine_active_s: float | None = None
+    """Summed over the emulated workers: wall time spent running steps (`engine_active_seconds`)."""
+
+    @property
+    def late_share(self) -> float | None:
+        """Step-sleep overshoot over the time spent in steps: the share of the emulated time
+        the host, not the timing model, added."""
+        if self.engine_late_s is None or not self.engine_active_s:
+            return None
+        return self.engine_late_s / self.engine_active_s
 
     @property
     def kv_bytes_moved(self) -> int | None:
