@@ -1,12 +1,16 @@
 """`ownerserve bench agentic`: every routing policy and the peer routers on one emulated cluster;
-`ownerserve bench capacity`: the same targets swept over session arrival rates to overload;
+`ownerserve bench capacity`: each target's capacity, the highest session rate at which 90% of
+sessions meet a TTFT and TPOT SLO, found by search on emulated workers or `--sim` (with `--rates`
+the fixed-rate goodput sweep);
 `ownerserve bench chaos`: two router replicas on one Redis directory under load and faults.
 
 ownerserve bench agentic                      # the full run (about 15-20 minutes here)
 ownerserve bench agentic --quick              # a smoke run: fewer sessions, two targets
 ownerserve bench agentic --policies ownerserve,static-pd --no-peers --no-trace
-ownerserve bench capacity                     # rates × targets on agentic-long
-ownerserve bench capacity --quick --targets ownerserve,static-pd
+ownerserve bench capacity                     # capacity search, every target, agentic-long
+ownerserve bench capacity --quick --targets colocated
+ownerserve bench capacity --sim --workers 64  # the same search in the simulator
+ownerserve bench capacity --rates 15,30,60    # the fixed-rate goodput sweep
 ownerserve bench chaos --duration 600         # two replicas, one Redis, a fault schedule
 """
 
