@@ -18,7 +18,7 @@ from loadgen.sim.from_workload import Rendering, workload_sessions
 from loadgen.sim.workload import SimSession, agentic_sessions, kv_working_set, trace_sessions
 from loadgen.workloads import GENERATORS, generate
 from ownerserve.errors import ConfigError
-from ownerserve.kvstate import KVStateSpec, load_spec, swa_policy_from_value
+from ownerserve.kvstate import KVStateSpec, SwaPolicy, load_spec, swa_policy_from_value
 from ownerserve.profiles import TimingProfile, load_profile
 from planner.calibration import Calibrator
 from planner.cost import CostConfig
@@ -223,6 +223,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="directory for JSON and plots")
+
+
+def peer_kv_spec(name: str, spec: KVStateSpec | None) -> KVStateSpec | None:
+    """The spec a policy's deployment keeps its KV by. SGLang HiCache offloads only the
+    compressed KV (c4, indexer, c128) and re-prefills the SWA tail after a load-back: its
+    peers' windows are never checkpointed (zero). The others keep the spec's own policy
+    (Dynamo's KV router credits a hybrid prefix per block and tier, as a dense one: its model
+    is unchanged, what a restore then costs is the simulator's)."""
+    if spec is not None and name.startswith("sglang"):
+        return replace(spec, swa_policy=SwaPolicy.zero())
+    return spec
 
 
 def kv_spec_of(args: argparse.Namespace) -> tuple[KVStateSpec | None, bool]:
@@ -434,7 +445,7 @@ def run_policies(
             rate_per_min=rate_per_min,
             working_set_views=not peer,  # the peers do not read them
             calibrator=Calibrator() if not peer and args.calibration == "on" else None,
-            kv_spec=kv_spec,
+            kv_spec=peer_kv_spec(name, kv_spec),
             typed_state=typed,
         )
         sim.gate = gate_for(

@@ -92,3 +92,12 @@ def test_the_window_checkpoints_written_per_policy() -> None:
     # one checkpoint of a full 128-entry window at 256 per session
     assert p256.res.swa_written_bytes == 2 * 61 * 128 * 576  # type: ignore[attr-defined]
     assert full.res.offload_bytes == zero.res.offload_bytes > 0  # type: ignore[attr-defined]
+
+
+def test_sglang_peers_keep_no_window_checkpoints_and_the_others_the_spec_s_policy() -> None:
+    from loadgen.sim.cli import peer_kv_spec
+
+    assert peer_kv_spec("sglang-cache-aware", V4).swa_policy == SwaPolicy.zero()  # type: ignore[union-attr]
+    assert peer_kv_spec("dynamo-kv", V4) is V4
+    assert peer_kv_spec("ownerserve", V4) is V4
+    assert peer_kv_spec("sglang-cache-aware", None) is None
