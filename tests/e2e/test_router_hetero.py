@@ -51,7 +51,7 @@ def worker(retention: str | None) -> EmulatedWorker:
 def settings(w: EmulatedWorker) -> Any:
     return settings_from_dict(
         {
-            "server": {"port": 0, "health_interval_s": 0.5},
+            "server": {"port": 0, "health_interval_s": 0.5, "admin_token": "adm"},
             "planner": {"policy": "ownerserve"},
             "models": [{"name": MODEL, "block_size": BS, "kv_spec": "deepseek-v4"}],
             "workers": [w.worker_settings()],
@@ -146,3 +146,11 @@ async def test_resumes_restore_by_the_retention_policy_and_show_their_state_byte
             assert usage3["prompt_tokens_details"]["cached_tokens"] == sealed * BS
             hca = metric_value(m, "ownerserve_emulator_state_loaded_bytes_total", state_type="hca")
             assert hca == V4.state_bytes(0, sealed * BS)[StateType.COMPRESSED_HCA]
+            # the admin API keeps the same, per plan
+            resp = await client.get("/admin/plans", headers={"x-admin-token": "adm"})
+            plans = resp.json()["plans"]
+            shown = plans[-1]["restore"]
+            assert (shown["worker"], shown["tier"], shown["blocks"]) == ("h0", "cpu", 0)
+            assert shown["sealed_blocks"] == sealed and shown["state_bytes"] == by_type
+            first_two = [p["restore"] is None for p in plans[:2]]
+            assert first_two == [True, False]  # the first turn found nothing to restore
