@@ -10,6 +10,10 @@ Mamba managers), which decides at which boundaries a later prefix hit can resume
 Sealed groups are unaffected: their blocks are cached at every boundary. A boundary whose
 state is not kept can still be resumed from by rebuilding the windows (recomputing the last
 n_win·L tokens over the cached sealed KV: `KVStateSpec.swa_recompute_tokens`). Pure logic.
+
+This is the engine's HBM prefix cache (what the emulated engine keeps, as vLLM does); which
+boundaries a CPU/SSD copy keeps window checkpoints for is the model's off-GPU policy,
+`SwaPolicy` (`swa_policy:` in its spec file), priced by the restore planner.
 """
 
 from __future__ import annotations
