@@ -12,9 +12,11 @@ with no Python `bytes` per artifact.
 
 **Errors.** The binding answers status integers (Mooncake's `ErrorCode`,
 `mooncake-store/include/types.h`); here the master out of reach (`RPC_FAIL`, `RPC_TIMEOUT`) is
-`StoreUnavailable` for the whole call, a key the store does not hold (`OBJECT_NOT_FOUND`), a
-replica not readable (`REPLICA_IS_NOT_READY`) or one whose segment's process is gone
-(`TRANSFER_FAIL`) reads as `MISSING`, a payload that fails its digest as `CORRUPTED`.
+`StoreUnavailable` for the whole call. A key the store does not hold (`OBJECT_NOT_FOUND`), a
+replica not readable (`REPLICA_IS_NOT_READY`), one whose read outlasted its lease
+(`LEASE_EXPIRED`: the master may have evicted it meanwhile, so the bytes are not trusted) or
+one whose segment's process is gone (`TRANSFER_FAIL`) reads as `MISSING`; a payload that fails
+its digest as `CORRUPTED`.
 
 Calls block (a master round trip, then the transfer); the caller runs them off its event loop
 (`workers.sidecar.store_tier`). Measured on loopback TCP (2-core VM): a get ~0.3 ms + transfer;
@@ -45,6 +47,7 @@ REPLICA_IS_NOT_READY = -703
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 OBJECT_HAS_LEASE = -706
+LEASE_EXPIRED = -707
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
 RPC_TIMEOUT = -901
@@ -55,7 +58,7 @@ CORRUPTED = -2
 """`get_into`'s answer for an object whose payload fails its digest (or is shorter than one)."""
 
 _UNREACHABLE = frozenset({RPC_FAIL, RPC_TIMEOUT})
-_UNREADABLE = frozenset({OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, TRANSFER_FAIL})
+_UNREADABLE = frozenset({OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, LEASE_EXPIRED, TRANSFER_FAIL})
 
 
 class StoreError(Exception):
