@@ -1,0 +1,1 @@
+"""HeteroCache benchmarks: SWA checkpoint policies in the simulator."""
