@@ -144,11 +144,13 @@ class EmulatorConfig:
             if found is None:
                 return None
             spec = found
+        if not is_hybrid(kv_cache_groups(spec)):
+            return None  # dense: the plain pool, whatever the block size
         try:
-            groups = kv_cache_groups(spec, self.block_size)
+            kv_cache_groups(spec, self.block_size)
         except ValueError as exc:
             raise ConfigError(f"--block-size {self.block_size}: {exc}") from None
-        return spec if is_hybrid(groups) else None
+        return spec
 
     def capacity_blocks(self, profile: TimingProfile, spec: KVStateSpec | None = None) -> int:
         """KV capacity in blocks: `--num-blocks`, else HBM for KV / bytes per block (for a

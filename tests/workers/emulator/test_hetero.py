@@ -179,3 +179,39 @@ async def test_kv_events_are_tagged_per_group() -> None:
     # stays, the answer's block 3 is dropped at the end
     assert stored[3] == stored[4] == stored[5] == {s.hashes[2], s.hashes[3]}
     assert removed[3] == removed[4] == {s.hashes[3]}
+
+
+def test_the_spec_is_chosen_per_model_and_a_dense_one_keeps_the_plain_pool() -> None:
+    from ownerserve.errors import ConfigError
+    from workers.emulator.config import EmulatorConfig
+
+    assert EmulatorConfig().kv_state_spec() is None  # ownerserve-tiny: llama3-8b, dense
+    assert EmulatorConfig(model="deepseek-ai/DeepSeek-V3").kv_state_spec() is None
+    v4 = EmulatorConfig(model="deepseek-v4-like", block_size=128)
+    spec = v4.kv_state_spec()
+    assert spec is not None and spec.name == "deepseek-v4"
+    # capacity by the sealed groups' bytes per block, not the profile's per-token KV
+    prof = profile()
+    assert v4.capacity_blocks(prof, spec) == int(1e9 // SEALED_BLOCK)
+    hybrid = v4.hybrid_kv(spec, 100)
+    assert hybrid is not None and hybrid.pool is not None and hybrid.pool.num_blocks == 100
+    qwen = EmulatorConfig(kv_spec="qwen3-8b-swa", retention_interval=0).kv_state_spec()
+    assert qwen is not None and qwen.name == "qwen3-8b-swa"
+    with pytest.raises(ConfigError, match="multiple"):
+        EmulatorConfig(model="deepseek-v4-like").kv_state_spec()  # 16-token blocks
+    with pytest.raises(ConfigError):
+        EmulatorConfig(retention_interval=-1)
+
+
+def test_the_retention_flag_parses_like_vllms_interval() -> None:
+    import argparse
+
+    from workers.emulator.config import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for flag, want in (([], None), (["--prefix-cache-retention-interval", "0"], 0),
+                       (["--prefix-cache-retention-interval", "4096"], 4096)):  # fmt: skip
+        assert config_from_args(parser.parse_args(flag)).retention_interval == want
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--prefix-cache-retention-interval", "often"])
