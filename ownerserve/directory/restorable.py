@@ -37,6 +37,8 @@ ATTENTION_KINDS = frozenset(
 """Group kinds whose blocks cover every token of a prefix (sealed, chain-shaped)."""
 WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla", "chunked_local_attention"})
 """Group kinds that hold only the last `window` tokens' entries at a boundary."""
+ENGINE_MAP_LIMIT = 1_000_000
+"""Past this many engine hashes a worker's map keeps only those some group still holds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +176,8 @@ class GroupHoldings:
                     held.discard(h)
             return
         bs = rec.block_size
+        if len(rec.engine_map) > ENGINE_MAP_LIMIT:
+            _prune(rec)
         if e.block_size != bs or len(e.token_ids) != bs * len(e.engine_hashes):
             return  # not mappable onto the chain (the directory counts these as skipped)
         parent: int | None = (
@@ -239,6 +243,13 @@ def annotate(groups: GroupHoldings, match: Match, chain: Sequence[int]) -> Match
         return match
     units = groups.restorable_all(chain)
     return dataclasses.replace(match, restorable=units) if units else match
+
+
+def _prune(rec: _Worker) -> None:
+    """Forget the engine hashes of blocks no group holds any more (a parent of a later store
+    may be among them: that store is then not placed, as the directory skips it too)."""
+    live: set[int] = set().union(*rec.held.values()) if rec.held else set()
+    rec.engine_map = {eh: h for eh, h in rec.engine_map.items() if h in live}
 
 
 def _deepest(chain: Sequence[int], sealed: int, spans: list[tuple[set[int], int]]) -> int:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from ownerserve.directory.base import Holding, HoldKind
 from ownerserve.directory.restorable import GroupHoldings, RestorableUnit
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
@@ -110,3 +112,16 @@ def test_the_chain_group_is_the_lowest_attention_group() -> None:
     out = g.split("w", batch(3, stored(HCA, 2, 1), stored(CSA, 2, 1)))
     assert len(out.events) == 1 and isinstance(out.events[0], BlockStored)
     assert out.events[0].group_idx is None  # the chain index gets it untagged
+
+
+def test_the_engine_hash_map_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ownerserve.directory import restorable
+
+    monkeypatch.setattr(restorable, "ENGINE_MAP_LIMIT", 4)
+    g = GroupHoldings()
+    g.register_worker("w", ROOT, BS)
+    g.split("w", batch(1, stored(CSA, 0, 8), stored(SWA, 0, 8)))
+    g.split("w", batch(2, removed(CSA, *range(2, 8)), removed(SWA, *range(8))))
+    g.split("w", batch(3, stored(CSA, 8, 1)))  # its parent (block 7) is forgotten: not placed
+    assert g.restorable("w", CHAIN) == [RestorableUnit("w", Tier.GPU, 0, 2, 2)]
+    assert len(g._workers["w"].engine_map) == 2
