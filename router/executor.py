@@ -496,7 +496,18 @@ class PlanExecutor:
             self._release_handoff(prefill, p_answer)
             raise
         if opened.status != 200:
+            # P took the body and D refused it with P's KV: the pull failed (P's KV gone: its
+            # lease ran out, P restarted or died), or D refuses the request itself, which the
+            # colocated run then answers as D's own
             self._release_handoff(prefill, p_answer)
+            log.warning(
+                "decode %s refused the hand-over from %s (status %s): %s",
+                decode.worker_id, prefill.worker_id, opened.status,
+                opened.first[:200].decode(errors="replace"),
+            )  # fmt: skip
+            await opened.aclose()
+            gave_up = GaveUp(prefill.worker_id, "kv_transfer_failed")
+            return await self._colocated(decode, req, headers, limits, gave_up)
         opened.transfer_s = transfer_s
         opened.workers = [prefill, decode]
         return opened

@@ -3,11 +3,14 @@ processes): its client leaving, or its own `server.request_timeout_s` running ou
 hop the router waits on (an artifact fetch, a P/D hand-over of either protocol, a stream's
 first token). Each time every task the request started ends, the timeout gives its 504
 rather than a hang, and a worker that was computing for the request sees the connection close
-and aborts it (the emulator counts it as finished with reason `abort`)."""
+and aborts it (the emulator counts it as finished with reason `abort`; a fetch stops pulling
+and stores nothing). P/D hand-overs given up while D pulls: `test_router_pd_failures.py`."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -193,7 +196,15 @@ async def test_an_artifact_fetch_given_up_ends_its_tasks_and_honours_the_request
     # as in test_router_actions: the prefix computed on h0, then another session sharing it
     # is planned on the faster decoder h1, which fetches it from h0
     h0 = EmulatedWorker("h0", "hybrid", speed=20)
-    h1 = EmulatedWorker("h1", "hybrid", profile=FAST_DECODE_PROFILE, speed=20)
+    # h1's own bound on a pull (`--transfer-timeout-s`) far past the test's waits: only the
+    # router's closed connection can end its fetch sooner
+    h1 = EmulatedWorker(
+        "h1",
+        "hybrid",
+        profile=FAST_DECODE_PROFILE,
+        speed=20,
+        extra=("--transfer-timeout-s", "600"),
+    )
     admin = {"x-admin-token": "adm"}
     with emulated_workers(h0, h1) as ws:
         # the first turn runs within the timeout; a fetch from a stalled h0 never answers
@@ -240,15 +251,37 @@ async def test_an_artifact_fetch_given_up_ends_its_tasks_and_honours_the_request
                 assert elapsed < TIMEOUT_S * 4 + MARGIN_S
                 assert await tasks.all_ended(), tasks.new()
                 assert inflight(r) == 0
-            # both requests were at h1's fetch: once h0 answers, the fetches end there, and
-            # h1 ran no completion for either
-            assert await eventually(
-                lambda: (
-                    metric_value(
-                        h1.metrics(), "ownerserve_emulator_kv_received_blocks_total", kind="fetch"
-                    )
-                    > fetched_before
-                ),
-                timeout_s=30.0,
-            )
+                # both requests were at h1's fetch: the router closed its connections to h1,
+                # and h1 gave up its pulls from h0 (closed its connections to h0) while h0
+                # still answers nothing
+                assert await eventually(lambda: not pulls_open(h1, h0), timeout_s=30.0)
+            # h0 answers again: h1 stored nothing of the fetches given up, and ran no
+            # completion for either
+            h0.wait_healthy()
             assert finished(h1) == 0 and idle(h1)
+            fetched = metric_value(
+                h1.metrics(), "ownerserve_emulator_kv_received_blocks_total", kind="fetch"
+            )
+            assert fetched == fetched_before
+            assert metric_value(h1.metrics(), "ownerserve_emulator_kv_blocks_in_use") == 0
+
+
+def pulls_open(worker: EmulatedWorker, source: EmulatedWorker) -> bool:
+    """Whether `worker`'s process has a TCP connection to `source`'s API port established (a
+    pull under way), read from Linux's /proc: its socket inodes, the namespace's TCP table."""
+    assert worker.process is not None and worker.process.pid is not None
+    pid = worker.process.pid
+    port = int(source.url.rsplit(":", 1)[1])
+    sockets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                sockets.add(link[8:-1])
+    with open(f"/proc/{pid}/net/tcp") as table:
+        for row in list(table)[1:]:
+            fields = row.split()
+            remote, state, inode = fields[2], fields[3], fields[9]
+            if int(remote.split(":")[1], 16) == port and state == "01" and inode in sockets:
+                return True  # 01: ESTABLISHED
+    return False

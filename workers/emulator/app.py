@@ -20,12 +20,13 @@ Every error, wherever raised, leaves as the OpenAI error shape via `ownerserve.h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 import orjson
@@ -89,6 +90,8 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
+_NDJSON = (b"content-type", b"application/x-ndjson")
+T = TypeVar("T")
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -993,7 +996,9 @@ class EmulatorApp:
         return value
 
     async def kv_pull(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """A decode side takes the KV a prefill here holds for it (then the hold is released)."""
+        """A decode side takes the KV a prefill here holds for it, and the hold is released:
+        at once, or with `until_read` once the decode side closes the answer's connection (its
+        transfer is over; the answer is its first line)."""
         body = await self._json_body(scope, receive)
         key = body.get("transfer_id")
         if not isinstance(key, str) or not key:
@@ -1009,6 +1014,7 @@ class EmulatorApp:
             wait_s = min(float(body.get("wait_s") or 0.0), self.config.transfer_timeout_s)
         except (TypeError, ValueError):
             raise InvalidRequestError("wait_s: must be a number") from None
+        until_read = body.get("until_read") is True
         holds = self.engine.holds
         hold = await holds.wait(key, wait_s)
         if hold is None:
@@ -1025,17 +1031,38 @@ class EmulatorApp:
                 if h not in held:
                     break
                 served.append(h)
+            answer = {"block_hashes": served}
+            await self._send_kv(send, "pd", len(served), answer, streamed=until_read)
+            if until_read:
+                await self._while_read(receive, send)
         finally:
             self.pool.free(hold.block_ids)
             self.engine.poke()
-        await self._send_kv(send, "pd", len(served), {"block_hashes": served})
+
+    async def _while_read(self, receive: Receive, send: Send) -> None:
+        """Keep a pull's blocks referenced while the decode side reads them: until it closes
+        the connection (its transfer is over: NIXL's consumer notifies the producer), at most
+        one lease (`kv_lease_s`), after which the answer ends and the reader's transfer fails."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.kv_lease_s):
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                return
+        await send({"type": "http.response.body", "body": b""})
 
     async def _send_kv(
-        self, send: Send, kind: str, blocks: int, answer: dict[str, Any], tokens: int | None = None
+        self,
+        send: Send,
+        kind: str,
+        blocks: int,
+        answer: dict[str, Any],
+        tokens: int | None = None,
+        streamed: bool = False,
     ) -> None:
         """Answer a read of KV by another worker: count what is sent (`blocks` blocks, or
         `tokens` tokens of chunk KV) under transfer `kind`, and send `answer` with this
-        worker's id, node and the bytes."""
+        worker's id, node and the bytes; `streamed`: as the first line of a response left
+        open (a P->D pull's, `_while_read` ends it)."""
         if tokens is None:
             nbytes = blocks * self.engine.block_bytes
         else:
@@ -1044,7 +1071,14 @@ class EmulatorApp:
         self.metrics.kv_sent_blocks[kind] += blocks
         body = {"worker_id": self.worker_id, "node": self.config.node, **answer}
         body["num_bytes"] = nbytes
-        await send_json(send, 200, body)
+        if not streamed:
+            await send_json(send, 200, body)
+            return
+        # the answer's first line; the rest of the response is its end (`_while_read`)
+        start = {"type": "http.response.start", "status": 200, "headers": [_NDJSON]}
+        await send(start)
+        line = orjson.dumps(body) + b"\n"
+        await send({"type": "http.response.body", "body": line, "more_body": True})
 
     async def kv_heartbeat(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A decode side's requests still wait on these transfers: extend their holds by 2/3
@@ -1079,8 +1113,11 @@ class EmulatorApp:
             raise InvalidRequestError(
                 f"block_size: {req.block_size} differs from this worker's {self.config.block_size}"
             )
-        result = await self.mover.fetch(
-            req.source_url, list(req.block_hashes), self.config.transfer_timeout_s
+        result = await _unless_gone(
+            receive,
+            self.mover.fetch(
+                req.source_url, list(req.block_hashes), self.config.transfer_timeout_s
+            ),
         )
         await send_json(send, 200, result.as_json())
 
@@ -1111,10 +1148,31 @@ class EmulatorApp:
         req = KVChunkFetchRequest.from_json(await self._json_body(scope, receive))
         if req.model is not None:
             self._check_model(req.model)
-        result = await self.mover.fetch_chunks(
-            req.source_url, list(req.chunk_hashes), self.config.transfer_timeout_s
+        result = await _unless_gone(
+            receive,
+            self.mover.fetch_chunks(
+                req.source_url, list(req.chunk_hashes), self.config.transfer_timeout_s
+            ),
         )
         await send_json(send, 200, result.as_json())
+
+
+async def _unless_gone(receive: Receive, work: Awaitable[T]) -> T:
+    """`work`'s result, unless the client goes away first (its request body read already):
+    then `work` is cancelled (a fetch stops pulling and stores nothing) and
+    `ClientDisconnected` raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(receive())
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        gone.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected("the client went away")
+    return task.result()
 
 
 def create_app(config: EmulatorConfig | None = None, **overrides: Any) -> EmulatorApp:

@@ -6,10 +6,13 @@ cache, so they show up in its prefix cache, its KV events and its byte counters.
 
 - P->D (vLLM style): once the decode side's scheduler has allocated the request's blocks, it
   calls `POST {remote}/ownerserve/kv/pull` with the prefill's `remote_request_id`; the prefill
-  side answers with the held blocks and releases them. While the request waits, the decode side
-  renews the prefill side's lease on them every `lease_s / 6` (`POST .../kv/heartbeat`, as
-  NixlConnector's heartbeats do); a request that ends unpulled releases them at once (a pull of
-  no blocks).
+  side answers with the held blocks (the first line of its answer) and keeps them until the
+  decode side closes the connection, the transfer time over (NIXL's producer frees the blocks
+  when the consumer notifies it has read them): a prefill side that dies during the transfer
+  fails it, and the request with it (vLLM's `kv_load_failure_policy` "fail"). While the
+  request waits, the decode side renews the prefill side's lease on them every `lease_s / 6`
+  (`POST .../kv/heartbeat`, as NixlConnector's heartbeats do); a request that ends unpulled
+  releases them at once (a pull of no blocks).
 - P->D (SGLang style): the same call to the prefill's bootstrap port with the `bootstrap_room`;
   the prefill side waits up to the transfer timeout for that room's prefill to finish.
 - Artifact fetch: the destination calls `POST {source}/ownerserve/kv/read` for chosen hashes.
@@ -28,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -46,6 +50,10 @@ READ_PATH = "/ownerserve/kv/read"
 HEARTBEAT_PATH = "/ownerserve/kv/heartbeat"
 CHUNK_READ_PATH = "/ownerserve/kv/read_chunks"
 CONNECT_TIMEOUT_S = 3.0
+PULL_ANSWER_S = 5.0
+"""How long a P->D pull waits for the source's answer past the source's own wait (`wait_s`):
+a source that does not answer by then (stopped, overloaded) fails the pull, and the request
+fails (vLLM's `kv_load_failure_policy` "fail")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,17 +180,90 @@ class KVMover:
             "block_hashes": missing,
             "wait_s": remote.wait_s,
             "requester": self.worker_id,
+            "until_read": True,
         }
-        answer = await self._post(remote.source_url + PULL_PATH, body, remote.wait_s, remote.what)
-        got = answer.get("block_hashes")
-        if not isinstance(got, list) or got != missing[: len(got)]:
-            raise InvalidRequestError(f"{remote.what}: source answered blocks of another prompt")
-        nbytes = len(got) * self.block_bytes
-        await self._transfer_sleep(nbytes, answer.get("node"))
+        url = remote.source_url + PULL_PATH
+        what = remote.what
+        request = self.client().build_request(
+            "POST",
+            url,
+            content=orjson.dumps(body),
+            headers={"content-type": "application/json"},
+            timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
+        )
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                async with asyncio.timeout(remote.wait_s + PULL_ANSWER_S):
+                    resp = await self.client().send(request, stream=True)
+                    stack.push_async_callback(resp.aclose)
+                    chunks = resp.aiter_bytes()
+                    answer = await self._pull_answer(resp, chunks, url, what)
+                got = answer.get("block_hashes")
+                if not isinstance(got, list) or got != missing[: len(got)]:
+                    raise InvalidRequestError(f"{what}: source answered blocks of another prompt")
+                nbytes = len(got) * self.block_bytes
+                await self._read_while_open(chunks, nbytes, answer.get("node"), what)
+        except TimeoutError:
+            self.engine.metrics.transfers_failed += 1
+            limit = remote.wait_s + PULL_ANSWER_S
+            raise InvalidRequestError(f"{what}: {url} did not answer within {limit:g} s") from None
+        except httpx.HTTPError as exc:
+            self.engine.metrics.transfers_failed += 1
+            raise InvalidRequestError(f"{what}: cannot pull from {url}: {exc!r}") from None
         m = self.engine.metrics
         m.kv_received_bytes["pd"] += nbytes
         m.kv_received_blocks["pd"] += len(got)
         return got
+
+    async def _pull_answer(
+        self, resp: httpx.Response, chunks: AsyncIterator[bytes], url: str, what: str
+    ) -> dict[str, Any]:
+        """The pull's answer: its first line (the source keeps the response open while the
+        blocks are read), or its error."""
+        if resp.status_code != 200:
+            await resp.aread()
+            self.engine.metrics.transfers_failed += 1
+            raise InvalidRequestError(
+                f"{what}: {url} answered {resp.status_code}: {_error_message(resp)}"
+            )
+        line = b""
+        async for chunk in chunks:
+            line += chunk
+            if b"\n" in line:
+                break
+        head, sep, _ = line.partition(b"\n")
+        try:
+            data = orjson.loads(head) if sep else None
+        except orjson.JSONDecodeError:
+            data = None
+        if not isinstance(data, dict):
+            raise InvalidRequestError(f"{what}: {url} answered no transfer")
+        return data
+
+    async def _read_while_open(
+        self, chunks: AsyncIterator[bytes], nbytes: int, source_node: str | None, what: str
+    ) -> None:
+        """Wait while `nbytes` arrive from a source that holds the blocks until this side
+        lets go of the pull's connection (as NIXL's producer frees them on the consumer's
+        notification that it read them): a source that dies, or ends the answer (it let the
+        blocks go), before they are all in failed the transfer."""
+
+        async def until_closed() -> None:
+            async for _ in chunks:
+                pass
+
+        source = asyncio.ensure_future(until_closed())
+        transfer = asyncio.ensure_future(self._transfer_sleep(nbytes, source_node))
+        try:
+            await asyncio.wait({source, transfer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            source.cancel()
+            if not transfer.done():
+                transfer.cancel()
+            await asyncio.gather(source, transfer, return_exceptions=True)
+        if not transfer.done() or transfer.cancelled():
+            self.engine.metrics.transfers_failed += 1
+            raise InvalidRequestError(f"{what}: the source went away during the transfer")
 
     def track(self, remote: RemotePrefill) -> None:
         """A request waits here on `remote`: keep renewing its lease until it is pulled."""
