@@ -128,6 +128,7 @@ def row(master: MasterAddress, client: StoreClient, size: int, keys: int, repeat
                 if rep:
                     t.setdefault(name, []).append(time.perf_counter() - t0)
         dst.close()
+        local.retire()  # unregistered before its memory goes (a later buffer may reuse it)
         return {k: _rate(total, v) for k, v in t.items()}
     finally:
         if proc.stdin is not None:
