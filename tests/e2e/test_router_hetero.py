@@ -48,15 +48,16 @@ def worker(retention: str | None) -> EmulatedWorker:
     return EmulatedWorker("h0", "hybrid", model=MODEL, speed=20.0, extra=tuple(extra))
 
 
-def settings(w: EmulatedWorker) -> Any:
-    return settings_from_dict(
-        {
-            "server": {"port": 0, "health_interval_s": 0.5, "admin_token": "adm"},
-            "planner": {"policy": "ownerserve"},
-            "models": [{"name": MODEL, "block_size": BS, "kv_spec": "deepseek-v4"}],
-            "workers": [w.worker_settings()],
-        }
-    )
+def settings(w: EmulatedWorker, directory: dict[str, Any] | None = None) -> Any:
+    data: dict[str, Any] = {
+        "server": {"port": 0, "health_interval_s": 0.5, "admin_token": "adm"},
+        "planner": {"policy": "ownerserve"},
+        "models": [{"name": MODEL, "block_size": BS, "kv_spec": "deepseek-v4"}],
+        "workers": [w.worker_settings()],
+    }
+    if directory is not None:
+        data["directory"] = directory
+    return settings_from_dict(data)
 
 
 async def turn(
@@ -91,12 +92,19 @@ def restore(fields: dict[str, str]) -> tuple[str, str, int, int, dict[str, int]]
     return who, tier, int(done), int(sealed), {k: int(v) for k, v in by_type.items()}
 
 
-@pytest.mark.parametrize(("retention", "warm"), [("0", "truncated"), (None, "cached")])
+@pytest.mark.parametrize(
+    ("retention", "warm", "backend"),
+    [("0", "truncated", "memory"), (None, "cached", "memory"), ("0", "truncated", "redis")],
+)
 async def test_resumes_restore_by_the_retention_policy_and_show_their_state_bytes(
-    retention: str | None, warm: str
+    retention: str | None, warm: str, backend: str, request: pytest.FixtureRequest
 ) -> None:
+    directory = None
+    if backend == "redis":
+        server = request.getfixturevalue("redis_server")
+        directory = {"backend": "redis", "redis_url": server.url, "key_prefix": "hetero"}
     with emulated_workers(worker(retention)) as (w,):
-        async with proxy_client(settings(w)) as (client, router):
+        async with proxy_client(settings(w, directory)) as (client, router):
             messages = [
                 {"role": "system", "content": doc("s1")},
                 {"role": "user", "content": "summarise the document"},
