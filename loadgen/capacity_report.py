@@ -71,8 +71,9 @@ def capacity_table(
     point_row: PointRow,
 ) -> str:
     """One row per target: capacity per SLO (its best shape, how the search ended) and the
-    ratio to the best peer's; at the first SLO's capacity, KV moved, HBM duplicates and prefill
-    computed against the ideal."""
+    ratio to the best peer's; at the last (loosest) SLO's capacity, where a target that never
+    meets the tight one still has a point, KV moved, HBM duplicates and prefill computed
+    against the ideal."""
     best_peer = {
         s.name: max((t.capacity(s.name) for t in targets if t.target in peers), default=0.0)
         for s in slos
@@ -80,7 +81,8 @@ def capacity_table(
     head = "| target |"
     for s in slos:
         head += f" {s.name}: capacity /min (shape, search) | × best peer |"
-    head += " KV moved MB | HBM dup | prefill computed / ideal |"
+    at = slos[-1].name
+    head += f" at {at} capacity: KV moved MB | HBM dup | prefill computed / ideal |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for t in targets:
         cells = []
@@ -88,9 +90,10 @@ def capacity_table(
             shape = t.best(s.name)
             res = shape.results[s.name]
             ratio = res.capacity_per_min / best_peer[s.name] if best_peer[s.name] else None
-            cells.append(f"{res.capacity_per_min:,.0f} ({shape.split}, {res.status})")
+            noisy = "" if res.monotone else ", not monotone"
+            cells.append(f"{res.capacity_per_min:,.0f} ({shape.split}, {res.status}{noisy})")
             cells.append(_f(ratio))
-        obs = _at_capacity(t, slos[0].name)
+        obs = _at_capacity(t, at)
         row = point_row(obs) if obs is not None else {}
         moved = row.get("kv_bytes_moved")
         computed, ideal = row.get("prefill_tokens_computed"), row.get("prefill_tokens_ideal")

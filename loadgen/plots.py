@@ -160,7 +160,8 @@ def plot_attainment(
         ax.set_ylabel("sessions meeting the SLO")
         ax.set_title(f"SLO {slo}", fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    if axes[0][0].get_legend_handles_labels()[0]:
+        axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
