@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -145,7 +146,14 @@ def run_search_command(args: argparse.Namespace) -> int:
             tau, n = ranking_tau(targets, other, s.name)
             tau_s = "–" if tau is None else f"{tau:.2f}"
             body.append(f"\nKendall tau vs `{args.compare}` at {s.name}: {tau_s} ({n} targets)")
-    body += ["", runs_table(targets, slos), "", f"![attainment]({png.name})  ", f"Raw: `{dated}`"]
+    rel = out if args.no_results_md else Path(os.path.relpath(out, args.results_md.parent))
+    body += [
+        "",
+        runs_table(targets, slos),
+        "",
+        f"![attainment]({rel / png.name})  ",
+        f"Raw: `{rel / dated.name}`",
+    ]
     section = "\n".join(body) + "\n"
     if not args.no_results_md:
         replace_section(args.results_md, body[0], section)
