@@ -226,6 +226,7 @@ async def _route(
                 opened.fetched_blocks,
                 opened.chunks,
                 restore=restore_shown(match, ran, mt.settings.kv_spec, mt.block_size),
+                restorable=match.restorable,
             )
             answer = Answer()
             commit_s = 0.0

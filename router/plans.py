@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ownerserve.directory.base import Match
+from ownerserve.directory.restorable import RestorableUnit
 from ownerserve.kvstate import load_spec
 from ownerserve.records import fast_init
 from ownerserve.types import Tier
@@ -167,6 +168,8 @@ class PlanRecord:
     chunks: tuple[int, int, int] | None = None
     migrated_from: str | None = None
     restore: RestoreShown | None = None
+    restorable: tuple[RestorableUnit, ...] = ()
+    """What every hybrid worker could restore of the prompt (`Match.restorable`)."""
 
     @classmethod
     def of(
@@ -180,6 +183,7 @@ class PlanRecord:
         chunks: tuple[int, int, int] | None = None,
         migrated_from: str | None = None,
         restore: RestoreShown | None = None,
+        restorable: tuple[RestorableUnit, ...] = (),
     ) -> PlanRecord:
         return cls(
             time.time(),
@@ -192,6 +196,7 @@ class PlanRecord:
             chunks,
             migrated_from,
             restore,
+            restorable,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -199,6 +204,11 @@ class PlanRecord:
         out.update(at=self.at, session_id=self.session_id, fetched=self.fetched)
         out["migrated_from"] = self.migrated_from
         out["restore"] = None if self.restore is None else self.restore.as_dict()
+        out["restorable"] = [
+            {"worker": u.worker, "tier": u.tier.value, "blocks": u.blocks,
+             "sealed_blocks": u.sealed_blocks}
+            for u in self.restorable
+        ]  # fmt: skip
         fb_blocks = self.fetched_blocks
         out["fetched_blocks"] = None if fb_blocks is None else list(fb_blocks)
         ch = self.chunks

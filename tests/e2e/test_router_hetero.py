@@ -160,5 +160,9 @@ async def test_resumes_restore_by_the_retention_policy_and_show_their_state_byte
             shown = plans[-1]["restore"]
             assert (shown["worker"], shown["tier"], shown["blocks"]) == ("h0", "cpu", 0)
             assert shown["sealed_blocks"] == sealed and shown["state_bytes"] == by_type
+            # every worker's restorable units of the prompt: here h0's CPU tier only
+            assert plans[-1]["restorable"] == [
+                {"worker": "h0", "tier": "cpu", "blocks": 0, "sealed_blocks": sealed}
+            ]
             first_two = [p["restore"] is None for p in plans[:2]]
             assert first_two == [True, False]  # the first turn found nothing to restore
