@@ -161,7 +161,7 @@ class WorkingSets:
             heapq.heappush(self._first_checks, (now + self._return_window(), session))
         keep = self.keep_s(session)
         s.keep_until = now + keep
-        if keep > 0:
+        if s.keep_until > now:  # a keep too short to move the clock keeps nothing
             self._count(s)
             heapq.heappush(self._expiries, (s.keep_until, session))
         else:

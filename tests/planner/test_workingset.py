@@ -201,3 +201,14 @@ def test_a_session_back_after_the_window_counts_as_not_returned() -> None:
     # its own gap is known now: its next answers are kept by that gap, not the return rate
     ws.ended("s", 1300, now=7.0)
     assert ws.keep_s("s") == pytest.approx(10.0)  # factor x its 5 s gap
+
+
+def test_a_keep_too_short_to_move_the_clock_counts_nothing_and_leaks_nothing() -> None:
+    # a return rate near 0 gives a keep that `now + keep` rounds away: the session must not
+    # be counted (and never uncounted) on its worker
+    ws = WorkingSets(RetentionConfig(prior_gap_s=2.0, factor=2.0))
+    ws.return_rate = 1e-300
+    ws.started("s", "w0", 1000, now=100.0)
+    ws.ended("s", 1100, now=101.0)
+    assert ws.tokens("w0", 101.0) == 0
+    assert ws.tokens("w0", 200.0) == 0
