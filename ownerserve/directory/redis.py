@@ -1,8 +1,9 @@
 """The Redis ownership directory, shared by every router replica: one Lua script per operation.
 
-Every operation is one round trip (`EVALSHA`, or a plain `GET` for the session owner); a
-lookup costs one round trip for a chain of any length. Leases use the server's clock
-(`redis.call('TIME')`), never the client's.
+Every operation is one round trip (`EVALSHA`; `EVALSHA_RO` for the scripts that only read,
+lookup and artifact_info, where the server has it (Redis >= 7); or a plain `GET` for the
+session owner); a lookup costs one round trip for a chain of any length. Leases use the
+server's clock (`redis.call('TIME')`), never the client's.
 
 Key layout (namespace `ns` = `DirectorySettings.key_prefix`; `P` = `{ns}:`, a Redis Cluster
 hash tag, so every key of one namespace lives in one slot and every script is single-slot):
@@ -53,6 +54,7 @@ from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError, RedisError
 
 from ownerserve.directory.base import (
     Artifact,
@@ -109,6 +111,10 @@ SCRIPT_NAMES = (
 FULL_SWEEP_S = 86_400.0
 """At most this long between sweeps that scan every lease and block record (which also write
 the expiry hints the sweeps in between follow: a hint missed for any reason is mended then)."""
+SWEEP_STEP_ENTRIES = 256
+"""At most about this many entries (expiry hints and the block records they lead to) per
+`sweep_due` script call: Redis runs one script at a time and serves nothing else meanwhile,
+so a step stays in the milliseconds however long the expired chains (bench/directory/sweep.py)."""
 _ENGINE_MAP_LIMIT = 1_000_000  # per worker; the local map is only a cache of Redis's
 TOUCH_FLUSH_S = 0.5
 TOUCH_FLUSH_IDS = 512
@@ -165,6 +171,8 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         """Reuse counts dropped because Redis could not take them at close."""
         self._touch_deadline = 0.0
         self._touch_task: asyncio.Task[None] | None = None
+        self.read_only_scripts: bool | None = None
+        """Whether the server takes `EVALSHA_RO` (None: no read script has run yet)."""
         self.groups = GroupHoldings()
         """KV cache groups of workers serving hybrid models, from the events this router
         applies (restorable units; kept in process, not in Redis)."""
@@ -203,6 +211,32 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
     async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         return await self._scripts[name](keys=list(keys), args=[self.prefix, *args])
 
+    async def _run_read(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """A script that only reads (`args` as sent: the prefix first), as `EVALSHA_RO`
+        (Redis >= 7): a read to replicas, read-only routing and ACLs. On an older server
+        ("unknown command") this client sends `EVALSHA` from then on, as `_run` does."""
+        script = self._scripts[name]
+        if self.read_only_scripts is not False:
+            flat = [*keys, *args]
+            try:
+                try:
+                    reply = await self._client.evalsha_ro(script.sha, len(keys), *flat)
+                except NoScriptError:  # a restarted or flushed server: load it once more
+                    await self._client.script_load(script.script)
+                    reply = await self._client.evalsha_ro(script.sha, len(keys), *flat)
+            except RedisError as exc:
+                # the server's answer, or redis-py's cluster client's (it finds the keys by
+                # COMMAND, which lists no such command there)
+                said = str(exc).lower()
+                if "unknown command" not in said and "doesn't exist in redis commands" not in said:
+                    raise
+                self.read_only_scripts = False
+                log.info("directory: Redis has no EVALSHA_RO (before 7.0): reads use EVALSHA")
+            else:
+                self.read_only_scripts = True
+                return reply
+        return await script(keys=list(keys), args=list(args))
+
     # --- lookup ----------------------------------------------------------------------------
 
     def lookup_call(
@@ -217,7 +251,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
 
     async def lookup(self, chain: Sequence[int], session_id: str | None = None) -> Match:
         _, keys, args = self.lookup_call(chain, session_id)
-        reply = await self._scripts["lookup"](keys=keys, args=args)
+        reply = await self._run_read("lookup", keys, args)
         try:
             match, touched = self.decode_lookup(len(chain), reply)
         except KeyError:  # a worker registered since we last read the index -> name map
@@ -606,10 +640,10 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
     async def artifact_info(self, artifact_id: int) -> ArtifactInfo | None:
         aid = hex_block(artifact_id)
         await self.flush_touches()
-        reply = await self._run(
+        reply = await self._run_read(
             "artifact_info",
             [self.key("art"), self.key("a:" + aid), self.key("f:" + aid), self.key("reuse")],
-            [aid],
+            [self.prefix, aid],
         )
         if reply is None:
             return None
@@ -635,10 +669,17 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
             fork_refs=int(refs),
         )
 
-    async def sweep(self, min_interval_s: float = 0.0, batch: int = 500) -> int:
+    async def sweep(
+        self,
+        min_interval_s: float = 0.0,
+        batch: int = 500,
+        step_entries: int = SWEEP_STEP_ENTRIES,
+    ) -> int:
         """Expired leases and replica lines (counted), then the index sets that pointed at
         them: each worker's sessions that ended or moved on, fork refs of ended sessions (not
-        counted, as sessions are not). One script step per `batch` records. With
+        counted, as sessions are not). One script step per `step_entries` entries touched
+        (hints and the block records they lead to; `batch` records a step in the full scan)
+        in between which Redis serves the other clients. With
         `min_interval_s`, router replicas take turns: a sweep starts only if it can set the
         namespace's `sweep` key, which expires after that time.
 
@@ -655,10 +696,11 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         dropped = 0
         hinted = [self.key(k) for k in ("lx", "rx", "sx", "fx")]
         if await self._client.exists(self.key("xidx")):
-            # every due hint leaves the due range when handled; the bound only guards the loop
+            # each step handles one hint at least, and every hint handled leaves the due
+            # range; the bound only guards the loop (hints written meanwhile wait for the next)
             hints = sum([await self._client.zcard(k) for k in hinted])
-            for _ in range(hints // batch + 2):
-                handled, n = await self._run("sweep_due", hinted, [batch])
+            for _ in range(hints + 1):
+                handled, n, _ = await self._run("sweep_due", hinted, [step_entries])
                 dropped += int(n)
                 if int(handled) == 0:
                     break

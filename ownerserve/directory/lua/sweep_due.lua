@@ -1,30 +1,54 @@
--- sweep_due: one step of the sweep by expiry hints (`lx`, `rx`, `sx`, `fx`; see common.lua):
--- up to ARGV[2] due hints of each. Deletes what expired (leases, replica lines: counted) and
--- the index entries of what ended (sessions in their workers' `:sess` sets, fork refs of ended
--- sessions), mends a hint that was early (renewed since: its real expiry), drops a stale one.
--- A due replica write's hint goes once its blocks' expired lines are pruned.
--- KEYS: lx, rx, sx, fx. ARGV: P, count. Returns { hints handled, records dropped }.
+-- sweep_due: one step of the sweep by expiry hints (`lx`, `rx`, `sx`, `fx`; see common.lua),
+-- bounded by the entries it touches, not by hints: a hint costs 1 plus the block records it
+-- reads and writes (an expired lease's chain, a replica write's blocks), and the step ends
+-- once ARGV[2] entries are spent (after one hint at least), so one call stays ~ms however long
+-- the chains; the client calls it again until no hint is due. Deletes what expired (leases,
+-- replica lines: counted) and the index entries of what ended (sessions in their workers'
+-- `:sess` sets, fork refs of ended sessions), mends a hint that was early (renewed since: its
+-- real expiry), drops a stale one. A due replica write's hint goes once its blocks' expired
+-- lines are pruned. Every hint handled leaves the due range, so a step makes progress.
+-- KEYS: lx, rx, sx, fx. ARGV: P, entries. Returns { hints handled, records dropped, entries }.
 local now = now_ms()
-local n = tonumber(ARGV[2])
-local handled, dropped = 0, 0
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', LX, '-inf', now, 'LIMIT', 0, n)) do
-  handled = handled + 1
-  local rec = redis.call('HGET', P .. 'art', id)
-  if not rec then
-    redis.call('ZREM', LX, id)
-  else
-    local w, _, x = parse_lease(rec)
-    if x <= now then
-      delete_artifact(id, w)
-      dropped = dropped + 1
-    else
-      hint_lease(id, x)
+local budget = tonumber(ARGV[2])
+local PAGE = 64
+local handled, dropped, spent = 0, 0, 0
+
+-- handle(member) for the due members of Z, a page at a time, while the budget lasts;
+-- handle returns the entries it touched
+local function each_due(Z, handle)
+  while spent < budget do
+    local page = redis.call('ZRANGEBYSCORE', Z, '-inf', now, 'LIMIT', 0, PAGE)
+    if #page == 0 then
+      return
+    end
+    for _, m in ipairs(page) do
+      handled = handled + 1
+      spent = spent + handle(m)
+      if spent >= budget then
+        return
+      end
     end
   end
 end
-local blocks, seen = {}, {}
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', RX, '-inf', now, 'LIMIT', 0, n)) do
-  handled = handled + 1
+
+each_due(LX, function(id)
+  local rec = redis.call('HGET', P .. 'art', id)
+  if not rec then
+    redis.call('ZREM', LX, id)
+    return 1
+  end
+  local w, _, x = parse_lease(rec)
+  if x <= now then
+    local cost = 1 + math.floor(redis.call('HSTRLEN', P .. 'a:' .. id, 'blocks') / 16)
+    delete_artifact(id, w)
+    dropped = dropped + 1
+    return cost
+  end
+  hint_lease(id, x)
+  return 1
+end)
+each_due(RX, function(id)
+  local blocks, seen = {}, {}
   for _, b in ipairs(split16(redis.call('HGET', RXB, id) or '')) do
     if not seen[b] then
       seen[b] = true
@@ -33,17 +57,17 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', RX, '-inf', now, 'LIMIT', 0, n))
   end
   redis.call('ZREM', RX, id)
   redis.call('HDEL', RXB, id)
-end
-dropped = dropped + prune_reps(blocks, now)
--- a due session or fork-ref hint ("owner \t session"): mended while alive(owner, session),
--- else the session leaves the owner's set (set_of(owner)), and the owner leaves `list` once
--- that set is empty
+  dropped = dropped + prune_reps(blocks, now)
+  return 1 + #blocks
+end)
+-- a due session or fork-ref hint ("owner \t session"): mended while alive(owner, session)
+-- (to a time past now, so it leaves the due range), else the session leaves the owner's set
+-- (set_of(owner)), and the owner leaves `list` once that set is empty
 local function due_index(Z, alive, set_of, list)
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', Z, '-inf', now, 'LIMIT', 0, n)) do
-    handled = handled + 1
+  each_due(Z, function(m)
     local owner, sid = string.match(m, '^([^\t]*)\t(.*)$')
     if alive(owner, sid) then
-      redis.call('ZADD', Z, session_end(sid, now), m)
+      redis.call('ZADD', Z, math.max(session_end(sid, now), now + 1), m)
     else
       local k = set_of(owner)
       redis.call('SREM', k, sid)
@@ -52,7 +76,8 @@ local function due_index(Z, alive, set_of, list)
         redis.call('SREM', list, owner)
       end
     end
-  end
+    return 1
+  end)
 end
 due_index(SX, function(w, sid)
   return redis.call('GET', P .. 's:' .. sid) == w
@@ -64,4 +89,4 @@ due_index(FX, function(_, sid)
 end, function(id)
   return P .. 'f:' .. id
 end, P .. 'forks')
-return { handled, dropped }
+return { handled, dropped, spent }

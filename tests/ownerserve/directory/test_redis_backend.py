@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import shutil
+import subprocess
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -227,3 +230,93 @@ async def test_reuse_counts_redis_cannot_take_at_close_are_counted_and_logged(
     await d.close()
     assert d.touches_lost == 3
     assert "3 reuse counts not sent at close" in caplog.text
+
+
+async def test_a_sweep_step_is_bounded_by_the_entries_it_touches_not_by_hints(
+    pair: tuple[RedisDirectory, RedisDirectory],
+) -> None:
+    """One `sweep_due` call stops once its entry budget is spent (a hint plus the block
+    records its expired lease maps), after one hint at least; the sweep calls it until nothing
+    is due, so small steps drop all the same."""
+    a, _ = pair
+    c = a.client
+    await a.sweep()  # the full scan: hints from now on
+    blocks = 50
+    for i in range(6):
+        chain = tuple(block_hash_chain(list(range(i * 1000, i * 1000 + blocks * BS)), BS, ROOT))
+        await a.claim(Artifact(chain), "w1", 0.2)
+    hinted = [a.key(k) for k in ("lx", "rx", "sx", "fx")]
+    scored: list[Any] = await c.zrange(a.key("lx"), 0, -1, withscores=True)
+    expiry = max(int(x) for _, x in scored)
+
+    async def expired() -> bool:
+        sec, usec = await c.time()
+        return int(sec) * 1000 + int(usec) // 1000 > expiry
+
+    await until(expired, what="the leases' end on the server's clock")
+    handled, dropped, spent = await a._run("sweep_due", hinted, [120])
+    assert (handled, dropped, spent) == (3, 3, 3 * (1 + blocks))  # the third one crossed 120
+    assert await c.zcard(a.key("lx")) == 3 and await c.hlen(a.key("blk")) == 3 * blocks
+    assert await a._run("sweep_due", hinted, [1]) == [1, 1, 1 + blocks]  # one hint at least
+    assert await a.sweep(step_entries=10) == 2
+    assert await c.zcard(a.key("lx")) == 0 and await c.hlen(a.key("blk")) == 0
+
+
+def _server_major(binary: str) -> int:
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
+    found = re.search(r"v=(\d+)\.", out)
+    return int(found.group(1)) if found else 0
+
+
+async def test_reads_fall_back_to_evalsha_on_a_server_without_evalsha_ro(
+    redis_server: RedisServer,
+) -> None:
+    d = RedisDirectory.from_url(redis_server.url, f"ro-{uuid.uuid4().hex[:8]}", socket_timeout_s=10)
+    try:
+        if _server_major(redis_server.binary) >= 7:
+            pytest.skip("this redis-server has EVALSHA_RO")
+        lease = await d.claim(Artifact(CHAIN[:4]), "w1", 60)
+        assert (await d.lookup(CHAIN[:4])).owner_epoch == lease.epoch
+        assert d.read_only_scripts is False
+        info = await d.artifact_info(lease.artifact_id)
+        assert info is not None and info.worker == "w1"
+    finally:
+        await d.flush_namespace()
+        await d.close()
+
+
+async def test_reads_run_as_evalsha_ro_and_serve_from_a_read_only_replica() -> None:
+    """On Redis >= 7 lookups and artifact_info run as EVALSHA_RO: a read-only replica serves
+    a lookup (also after its scripts were flushed), and the servers count them as reads."""
+    binary = shutil.which("redis-server")
+    if binary is None or _server_major(binary) < 7:
+        pytest.skip("needs redis-server >= 7 on PATH (apt-get install redis-server)")
+    primary = RedisServer(binary).start()
+    replica = RedisServer(binary, extra=("--replicaof", "127.0.0.1", str(primary.port))).start()
+    ns = f"ro-{uuid.uuid4().hex[:8]}"
+    writer = RedisDirectory.from_url(primary.url, ns, socket_timeout_s=10)
+    reader = RedisDirectory.from_url(replica.url, ns, socket_timeout_s=10)
+    try:
+        # cached blocks, no artifact: a lookup of them has no reuse counts to write back
+        await writer.register_worker("w1", ROOT, BS)
+        stored = BlockStored((1, 2, 3), None, tuple(TOKENS[: 3 * BS]), BS)
+        await writer.apply_events("w1", EventBatch(1, 0.0, (stored,)))
+        lease = await writer.claim(Artifact(CHAIN[:8], start=4), "w1", 60)
+        await writer.client.wait(1, 10_000)  # the replica has them
+        want = (Holding("w1", Tier.GPU, 3, HoldKind.CACHED),)
+        assert (await reader.lookup(CHAIN[:3])).holdings == want
+        assert reader.read_only_scripts is True
+        await reader.client.script_flush()
+        assert (await reader.lookup(CHAIN[:3])).holdings == want
+        info = await writer.artifact_info(lease.artifact_id)
+        assert info is not None and info.epoch == lease.epoch
+        for d, reads in ((reader, 2), (writer, 1)):
+            stats = (await d.client.info("commandstats"))["cmdstat_evalsha_ro"]
+            # a call answered NOSCRIPT (the script not loaded there yet) is a failed call
+            assert stats["calls"] - stats.get("failed_calls", 0) == reads
+        assert "cmdstat_evalsha" not in await reader.client.info("commandstats")
+    finally:
+        await writer.close()
+        await reader.close()
+        replica.cleanup()
+        primary.cleanup()
