@@ -78,6 +78,9 @@ class ServerSettings(_Strict):
     stalled mid-stream (0: never; the stream then ends with an error event)."""
     retries: int = Field(default=2, ge=0)
     health_interval_s: float = Field(default=2.0, gt=0)
+    tokenizer_cache_mib: int = Field(default=256, ge=1)
+    """What the tokenizer's caches may hold, every model together (`router/tokens.py`: each
+    session's last prompt, rendered messages by content), least recently used first out."""
 
     @field_validator("api_keys")
     @classmethod

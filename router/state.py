@@ -67,7 +67,9 @@ class Router:
             health_timeout_s=settings.server.connect_timeout_s,
         )
         self.pool.on_worker_dead = functools.partial(membership.on_worker_dead, self)
-        self.tokenizers = TokenizationCache(settings.models)
+        self.tokenizers = TokenizationCache(
+            settings.models, settings.server.tokenizer_cache_mib * 1024 * 1024
+        )
         self.telemetry = Telemetry(settings.telemetry)
         self.metrics = self.telemetry.metrics
         self.directory: Directory | None = directory

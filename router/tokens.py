@@ -11,6 +11,11 @@ Cached so a turn of a long session only tokenizes and hashes what is new:
   keeps every block that lies inside its unchanged leading messages and hashes only the rest
   (no token comparison needed). Templates that render the whole prompt at once fall back to
   comparing text prefixes.
+
+Both caches are least recently used first out, bounded by entries and by bytes (what the
+entries hold as `_SessionState.nbytes` and the messages' sizes count it;
+`server.tokenizer_cache_mib`, 256 MiB by default, for every model together: a session's
+6K-token prompt holds ~60-130 KiB, so a bound by count alone let 8,192 of them take ~1 GB).
 """
 
 from __future__ import annotations
@@ -107,10 +112,34 @@ class Tokenized:
         return self.common_blocks >= self.previous_chain_len
 
 
+_ENTRY_BYTES = 120
+"""What one cached entry costs besides its contents: its dict slot and ordering link, a
+key tuple or bytes object, the array's header (measured with tracemalloc on CPython 3.11)."""
+_INT_BYTES = 40
+"""One int held in a list or tuple: its pointer (8) and the int object (32: hashes are
+64-bit)."""
+
+
+def _key_bytes(key: Any) -> int:
+    """Bytes of a cache key's contents: a message's (role, content) or JSON bytes."""
+    if isinstance(key, tuple):
+        return sum(len(k) for k in key if isinstance(k, str | bytes))
+    return len(key) if isinstance(key, str | bytes) else 0
+
+
 class _LRU(OrderedDict[Any, Any]):
-    def __init__(self, capacity: int) -> None:
+    """Least recently used first out, bounded by entries and by bytes: each entry is put
+    with its size in bytes (`put`, `resize` when it grows in place), and the oldest go while
+    either bound is passed (the newest stays, whatever its size)."""
+
+    def __init__(self, capacity: int, max_bytes: int) -> None:
         super().__init__()
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        """What the entries held add up to (their `put`/`resize` sizes)."""
+        self.evicted = 0
+        self._sizes: dict[Any, int] = {}
 
     def get_or_none(self, key: Any) -> Any:
         value = self.get(key)
@@ -118,11 +147,25 @@ class _LRU(OrderedDict[Any, Any]):
             self.move_to_end(key)
         return value
 
-    def put(self, key: Any, value: Any) -> None:
+    def put(self, key: Any, value: Any, size: int) -> None:
         self[key] = value
         self.move_to_end(key)
-        if len(self) > self.capacity:
-            self.popitem(last=False)
+        self.resize(key, size)
+
+    def resize(self, key: Any, size: int) -> None:
+        """`key`'s entry now holds `size` bytes (it is still the newest)."""
+        if key not in self:
+            return
+        self.bytes += size - self._sizes.get(key, 0)
+        self._sizes[key] = size
+        while len(self) > 1 and (len(self) > self.capacity or self.bytes > self.max_bytes):
+            self.drop(next(iter(self)))
+            self.evicted += 1
+
+    def drop(self, key: Any) -> None:
+        if key in self:
+            del self[key]
+            self.bytes -= self._sizes.pop(key, 0)
 
 
 @dataclass(slots=True)
@@ -137,6 +180,18 @@ class _SessionState:
     """A tuple (ints only, so the cyclic collector untracks it): each turn's chain reuses the
     previous one's int objects, and an unchanged prompt reuses the tuple itself."""
     text: str = ""
+    session_id: str | None = None
+    """Its key in the session cache (None: a request without a session, not cached)."""
+
+    def nbytes(self) -> int:
+        """What it holds, in bytes: token ids, hashes, message keys and offsets, text."""
+        return (
+            _ENTRY_BYTES
+            + 4 * len(self.ids)
+            + _INT_BYTES * (len(self.chain) + len(self.ends))
+            + sum(_key_bytes(k) + 16 for k in self.keys)
+            + len(self.text)
+        )
 
 
 def _message_key(message: Mapping[str, Any]) -> Any:
@@ -158,6 +213,7 @@ class ModelTokenizer:
         *,
         max_sessions: int = 8192,
         max_messages: int = 65536,
+        max_bytes: int = 256 * 1024 * 1024,
         tokenizer: Tokenizer | None = None,
         template: ChatTemplate | None = None,
     ) -> None:
@@ -166,8 +222,9 @@ class ModelTokenizer:
         self.root = chain_root(settings.name, settings.salt)
         self.tokenizer = tokenizer or load_tokenizer(settings.tokenizer)
         self.template = template or load_chat_template(settings.chat_template)
-        self._sessions: _LRU = _LRU(max_sessions)
-        self._messages: _LRU = _LRU(max_messages)
+        # sessions hold each one's whole prompt; messages only the distinct ones
+        self._sessions: _LRU = _LRU(max_sessions, max_bytes - max_bytes // 4)
+        self._messages: _LRU = _LRU(max_messages, max_bytes // 4)
         self._encode = array_encoder(self.tokenizer)
         self._gen_prompt = self._encode(ChatTemplate.GENERATION_PROMPT)
         self.chunking = settings.chunks
@@ -190,7 +247,7 @@ class ModelTokenizer:
             return cached
         self.message_cache_misses += 1
         ids = self._encode(self.template.render_message(message))
-        self._messages.put(key, ids)
+        self._messages.put(key, ids, _ENTRY_BYTES + _key_bytes(key) + 4 * len(ids))
         return ids
 
     def _tools_tokens(self, tools: Any) -> tuple[bytes, array[int]]:
@@ -199,7 +256,7 @@ class ModelTokenizer:
         if cached is None:
             head = self.template.render([], tools=tools, add_generation_prompt=False)
             cached = self._encode(head)
-            self._messages.put(key, cached)
+            self._messages.put(key, cached, _ENTRY_BYTES + len(key) + 4 * len(cached))
         return key, cached
 
     def _session(self, session_id: str | None) -> _SessionState:
@@ -207,8 +264,8 @@ class ModelTokenizer:
             return _SessionState()
         state = self._sessions.get_or_none(session_id)
         if state is None:
-            state = _SessionState()
-            self._sessions.put(session_id, state)
+            state = _SessionState(session_id=session_id)
+            self._sessions.put(session_id, state, state.nbytes())
         return state
 
     def _finish(self, state: _SessionState, ids: array[int], keep_tokens: int) -> Tokenized:
@@ -225,6 +282,8 @@ class ModelTokenizer:
             common += 1
         state.ids = ids
         state.chain = chain
+        if state.session_id is not None:
+            self._sessions.resize(state.session_id, state.nbytes())
         return Tokenized(ids, chain, len(old), common)
 
     # --- chat --------------------------------------------------------------------------------
@@ -340,14 +399,25 @@ class ModelTokenizer:
         )  # fmt: skip
 
     def forget(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
+        self._sessions.drop(session_id)
+
+    def cache_stats(self) -> dict[str, int]:
+        """The caches' entries, bytes held (as accounted) and evictions so far."""
+        out: dict[str, int] = {}
+        for name, lru in (("sessions", self._sessions), ("messages", self._messages)):
+            out[f"{name}"] = len(lru)
+            out[f"{name}_bytes"] = lru.bytes
+            out[f"{name}_evicted"] = lru.evicted
+        return out
 
 
 class TokenizationCache:
     """Every configured model's `ModelTokenizer`."""
 
-    def __init__(self, models: Sequence[ModelSettings]) -> None:
-        self._models = {m.name: ModelTokenizer(m) for m in models}
+    def __init__(self, models: Sequence[ModelSettings], max_bytes: int = 256 * 1024 * 1024) -> None:
+        """`max_bytes`: what every model's caches may hold together, split evenly."""
+        share = max_bytes // max(1, len(models))
+        self._models = {m.name: ModelTokenizer(m, max_bytes=share) for m in models}
 
     def get(self, model: str) -> ModelTokenizer | None:
         return self._models.get(model)

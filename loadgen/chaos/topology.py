@@ -150,6 +150,9 @@ class Topology:
             kv_transfer_timeout_s=t.kv_transfer_timeout_s,
             stream_gap_timeout_s=t.stream_gap_timeout_s,
             health_interval_s=t.health_interval_s,
+            # small enough that a 10-minute run's sessions fill it (~1,400 of ~130 KiB each
+            # reach 256 MiB only at its end): the RSS slope then shows the bound holding
+            tokenizer_cache_mib=32,
         )
         data["directory"] = {
             "backend": "redis",

@@ -107,3 +107,48 @@ def test_byte_token_arrays_equal_the_tokenizers_ids():
 
     text = "héllo wörld ✓ \x00\xff" * 20
     assert list(array_encoder(ByteTokenizer())(text)) == ByteTokenizer().encode(text)
+
+
+def _agent_turns(session: int, turns: int) -> list[list[dict[str, str]]]:
+    """A session's prompts turn by turn: a shared system prompt, then its own messages."""
+    messages = [{"role": "system", "content": "You are a coding agent with tools. " * 20}]
+    out = []
+    for t in range(turns):
+        messages = [
+            *messages,
+            {"role": "user", "content": f"session {session} turn {t}: " + "tool output " * 60},
+        ]
+        out.append(messages)
+        messages = [*messages, {"role": "assistant", "content": f"reply {session}.{t}"}]
+    return out
+
+
+def test_caches_stay_under_their_byte_bound_over_many_sessions():
+    """Thousands of distinct sessions: the caches' accounted bytes never pass `max_bytes`,
+    the oldest sessions and messages go, and what is accounted is what the caches hold (the
+    Python heap they keep, traced, within a factor of it)."""
+    import gc
+    import tracemalloc
+
+    cap = 1024 * 1024
+    mt = ModelTokenizer(MODEL, max_bytes=cap)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for s in range(250):
+            for messages in _agent_turns(s, 3):
+                mt.tokenize_chat(f"s{s}", messages)
+            stats = mt.cache_stats()
+            assert stats["sessions_bytes"] + stats["messages_bytes"] <= cap
+        gc.collect()
+        held = sum(d.size_diff for d in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    finally:
+        tracemalloc.stop()
+    stats = mt.cache_stats()
+    assert stats["sessions_evicted"] > 0 and stats["messages_evicted"] > 0
+    accounted = stats["sessions_bytes"] + stats["messages_bytes"]
+    assert cap // 2 < accounted <= cap
+    assert accounted / 2 < held < accounted * 2
+    # the newest session is cached: its next turn reuses its blocks
+    tok = mt.tokenize_chat("s249", _agent_turns(249, 4)[-1])
+    assert tok.previous_chain_len > 0 and tok.common_blocks == tok.previous_chain_len
