@@ -114,6 +114,10 @@ class KVDemand:
     cluster would compute (the rest of the prompt is a prefix some earlier step already had),
     steps taken in planned send order. Prompts are rendered as the workers render them (built-in
     chat template, byte tokenizer)."""
+    alone_new_tokens: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    """Per `(session id, step)`: the prompt tokens the step computes when its session runs
+    alone on an idle worker (only the session's own previous prompt is cached): the capacity
+    SLO's unloaded reference (`loadgen.capacity_search`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,16 +138,20 @@ def kv_demand(
     root = chain_root(model)
     steps: list[_PlannedStep] = []
     peak: dict[str, tuple[frozenset[int], int]] = {}
+    alone: dict[tuple[str, int], int] = {}
     for s in workload.sessions:
         hasher = ChainHasher(block, root)
         messages: list[dict[str, Any]] = []
         t = s.start_s
+        prev: tuple[int, ...] = ()
         for k, step in enumerate(s.steps):
             if k:
                 t += step.gap_s
             messages.extend(m.as_dict() for m in step.new_messages)
             ids = tok.encode(tpl.render(messages))
             hashes = tuple(hasher.update(ids))
+            alone[(s.session_id, k)] = len(ids) - _common_prefix(hashes, prev) * block
+            prev = hashes
             steps.append(_PlannedStep(s.session_id, k, t, len(ids), step.max_tokens, hashes))
             reply = step.reply_message()
             if reply is not None:
@@ -177,7 +185,15 @@ def kv_demand(
         total_blocks=len(seen),
         largest_session_blocks=max((len(h) + o for h, o in peak.values()), default=0),
         ideal_new_tokens=ideal,
+        alone_new_tokens=alone,
     )
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 MIN_SESSIONS_PER_WORKER = 1.0
@@ -509,12 +525,13 @@ def observation(
     max_late_share: float = MAX_LATE_SHARE,
 ) -> Observation:
     """One emulated run as the search sees it: per request its TTFT and TPOT in emulated time
-    (wall × `speed`) against its unloaded latencies (`unloaded_ttft_s` with the prefix an
-    unbounded cluster-wide cache would hold, `demand.ideal_new_tokens`); discarded when the
-    workers' late share is above `max_late_share`."""
+    (wall × `speed`) against its unloaded latencies (`unloaded_ttft_s` with its session's own
+    previous prompt cached, `demand.alone_new_tokens`); discarded when the workers' late share
+    is above `max_late_share`."""
     by_session: dict[str, list[RequestSample]] = {}
     for r in result.requests:
-        new = demand.ideal_new_tokens.get((r.session_id, r.step))
+        key = (r.session_id, r.step)
+        new = demand.alone_new_tokens.get(key, demand.ideal_new_tokens.get(key))
         prompt = r.prompt_tokens
         if new is None or prompt <= 0:
             # a failed request reports no usage: its reference is the whole prompt computed

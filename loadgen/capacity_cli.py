@@ -215,7 +215,8 @@ def _run_sim(
         f"{args.block_tokens} tokens, HBM {case.hbm_kv_bytes / 1e9:.2f} GB + CPU tier "
         f"{case.cpu_blocks} blocks per worker (the working set at {sizing:g}/min is 3× the "
         "cluster's HBM).  ",
-        f"Workload: `{args.workload}` seed {args.seed}, scale {scale:g}, {sessions} main "
+        f"Workload: `{args.workload}` seed {args.seed}"
+        f"{f', scale {scale:g}' if args.workload == 'agentic-long' else ''}, {sessions} main "
         f"sessions ({len(case.sessions)} with subagents) at every rate, tool gaps "
         f"×{args.time_scale:g}.  ",
         f"Peer models: {names}.  " if names else "",

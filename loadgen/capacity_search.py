@@ -58,7 +58,8 @@ DEFAULT_SLOS: tuple[SLO, ...] = (TIGHT, LOOSE)
 
 
 def unloaded_ttft_s(profile: TimingProfile, new_tokens: int, cached_tokens: int) -> float:
-    """A request alone on an idle worker that holds its cached prefix: its prefill, then the
+    """A request alone on an idle worker that holds `cached_tokens` of its prompt (its own
+    session's previous prompt, as a session run alone would leave it): its prefill, then the
     first decode step at batch 1 (the emulator's and the simulator's TTFT)."""
     total = new_tokens + cached_tokens
     return profile.prefill_s(new_tokens, cached_tokens) + profile.decode_step_s(1, total)

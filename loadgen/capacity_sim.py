@@ -168,10 +168,12 @@ class SimCase:
     sessions: tuple[SimSession, ...]
     reference_rate: float
     ttft_ref_s: tuple[tuple[float, ...], ...]
-    """Per session, per turn: `unloaded_ttft_s` with the prefix an unbounded cluster-wide
-    cache would hold (turns in planned order: start plus tool gaps, no service time)."""
+    """Per session, per turn: `unloaded_ttft_s` with the session running alone on an idle
+    worker (its own previous prompt cached, nothing else)."""
     tpot_ref_s: tuple[tuple[float, ...], ...]
     ideal_prefill_tokens: tuple[tuple[int, ...], ...]
+    """Per session, per turn: what an unbounded cluster-wide prefix cache would compute (turns
+    in planned order: start plus tool gaps, no service time), the prefill's floor."""
     block_tokens: int
     hbm_kv_bytes: int
     cpu_blocks: int
@@ -239,8 +241,9 @@ def references(
 ) -> tuple[
     tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...], tuple[tuple[int, ...], ...]
 ]:
-    """Per session and turn: unloaded TTFT, unloaded TPOT and the prompt tokens an unbounded
-    cluster-wide prefix cache would compute (`loadgen.capacity.kv_demand`'s ideal)."""
+    """Per session and turn: unloaded TTFT and TPOT (the session alone on an idle worker: its
+    previous prompt cached), and the prompt tokens an unbounded cluster-wide prefix cache would
+    compute (`loadgen.capacity.kv_demand`'s two counts)."""
     planned: list[tuple[float, int, int]] = []
     for si, s in enumerate(sessions):
         t = s.start_s
@@ -260,14 +263,17 @@ def references(
         seen.update(turn.chain)
     ttft, tpot, ideal = [], [], []
     for si, s in enumerate(sessions):
-        n = [new[(si, ti)] for ti in range(len(s.turns))]
-        ideal.append(tuple(n))
-        ttft.append(
-            tuple(
-                unloaded_ttft_s(profile, k, t.input_tokens - k)
-                for k, t in zip(n, s.turns, strict=True)
-            )
-        )
+        ideal.append(tuple(new[(si, ti)] for ti in range(len(s.turns))))
+        refs = []
+        prev: tuple[int, ...] = ()
+        for t in s.turns:
+            hit = 0
+            while hit < len(t.chain) and hit < len(prev) and t.chain[hit] == prev[hit]:
+                hit += 1
+            cached = min(hit * block_tokens, t.input_tokens)
+            refs.append(unloaded_ttft_s(profile, t.input_tokens - cached, cached))
+            prev = t.chain
+        ttft.append(tuple(refs))
         tpot.append(
             tuple(unloaded_tpot_s(profile, t.input_tokens + t.output_tokens) for t in s.turns)
         )

@@ -55,6 +55,12 @@ def test_kv_demand_counts_shared_prefixes_once_and_grows_with_the_rate() -> None
     assert fast.ideal_new_tokens[(b.session_id, 0)] < fast.ideal_new_tokens[(a.session_id, 0)]
     # a later turn computes only what it appended (plus the partial last block)
     assert all(fast.ideal_new_tokens[(a.session_id, k)] < 2_000 for k in range(1, len(a.steps)))
+    # alone, a session computes its whole first prompt, then what it appended
+    assert fast.alone_new_tokens[(b.session_id, 0)] > fast.ideal_new_tokens[(b.session_id, 0)]
+    assert all(
+        fast.ideal_new_tokens[(a.session_id, k)] <= fast.alone_new_tokens[(a.session_id, k)] < 2_000
+        for k in range(1, len(a.steps))
+    )
 
 
 def test_default_num_blocks_sizes_hbm_to_a_third_of_the_working_set_but_fits_a_session() -> None:

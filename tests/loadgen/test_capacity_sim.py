@@ -61,13 +61,23 @@ def test_every_request_comes_back_for_its_session(case) -> None:
     assert 0 < d["prefill_tokens_ideal"] <= d["prefill_tokens"]
 
 
-def test_references_are_the_unloaded_formulas_with_an_ideal_cache(case) -> None:
-    s = case.sessions[0]
-    new = case.ideal_prefill_tokens[0]
-    assert new[0] == s.turns[0].input_tokens or new[0] < s.turns[0].input_tokens
-    assert all(n < t.input_tokens for n, t in zip(new[1:], s.turns[1:], strict=True))
-    t = s.turns[1]
-    assert case.ttft_ref_s[0][1] == unloaded_ttft_s(PROFILE, new[1], t.input_tokens - new[1])
+def test_references_are_the_session_alone_and_the_ideal_is_a_shared_cache(case) -> None:
+    bt = case.block_tokens
+    for si, s in enumerate(case.sessions):
+        first = s.turns[0]
+        # alone, a session's first prompt is computed whole; later ones reuse its previous one
+        assert case.ttft_ref_s[si][0] == unloaded_ttft_s(PROFILE, first.input_tokens, 0)
+        prev, t = s.turns[0], s.turns[1]
+        hit = next(i for i in range(len(t.chain) + 1) if i == len(prev.chain) or
+                   i == len(t.chain) or t.chain[i] != prev.chain[i])  # fmt: skip
+        cached = hit * bt
+        assert cached > 0
+        assert case.ttft_ref_s[si][1] == unloaded_ttft_s(PROFILE, t.input_tokens - cached, cached)
+        # a cluster-wide cache computes no more than the session alone would
+        assert case.ideal_prefill_tokens[si][1] <= t.input_tokens - cached
+    # sessions of one repository share their first prompt's prefix: the ideal counts it once
+    firsts = [case.ideal_prefill_tokens[si][0] for si in range(len(case.sessions))]
+    assert sum(firsts) < sum(s.turns[0].input_tokens for s in case.sessions)
 
 
 def test_every_rate_replays_the_same_sessions_closer_together(case) -> None:
@@ -119,8 +129,8 @@ def _session(sid: str, steps: int, done: int) -> SessionRecord:
 
 
 def test_an_emulated_run_becomes_an_observation_and_a_late_one_is_discarded() -> None:
-    ideal = {("a", 0): 1000, ("a", 1): 100, ("b", 0): 1000}
-    demand = KVDemand(10, 10, 10, ideal)
+    alone = {("a", 0): 1000, ("a", 1): 100, ("b", 0): 1000}
+    demand = KVDemand(10, 10, 10, dict.fromkeys(alone, 1), alone)
     ref1 = unloaded_ttft_s(PROFILE, 100, 900)
     result = RunResult(
         label="t",
