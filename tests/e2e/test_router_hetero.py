@@ -5,8 +5,8 @@ restore and its bytes by state type, and the engine's metrics show how each resu
 state: under zero retention a warm resume is cut back to the last prompt boundary, under full
 retention it is cached, and a cold resume (other sessions evicted it from HBM and its windows,
 the CPU tier kept its prompt) loads the compressed KV and rebuilds the windows over n_win·L
-recomputed tokens. A P/D hand-over moves the sealed KV and the decode side rebuilds the
-windows."""
+recomputed tokens. A P/D hand-over moves every group's state (sealed blocks, windows and tail
+at their end) and the decode side resumes without recomputing."""
 
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ async def test_resumes_restore_by_the_retention_policy_and_show_their_state_byte
             assert first_two == [True, False]  # the first turn found nothing to restore
 
 
-async def test_a_pd_hand_over_moves_sealed_kv_and_the_decode_side_rebuilds_the_windows() -> None:
+async def test_a_pd_hand_over_moves_every_groups_state_and_the_decode_side_resumes() -> None:
     extra = ("--block-size", str(BS), "--output-len", "50")
     p = EmulatedWorker("p0", "prefill", model=MODEL, speed=20.0, extra=extra)
     d = EmulatedWorker("d0", "decode", model=MODEL, speed=20.0, extra=extra)
@@ -183,11 +183,13 @@ async def test_a_pd_hand_over_moves_sealed_kv_and_the_decode_side_rebuilds_the_w
             assert (fields["p"], fields["d"]) == ("p0", "d0")
             blocks = (usage["prompt_tokens"] - 1) // BS  # the last prompt token is computed
             m = d.metrics()
-            # the pull carried the sealed groups' bytes; the windows came by recomputation
+            # the pull carried the sealed groups' blocks and the windows and tail at their end
+            want = blocks * SEALED_BLOCK + V4.mutable_bytes(blocks * BS)
             got = metric_value(m, "ownerserve_emulator_kv_received_bytes_total", kind="pd")
-            assert got == blocks * SEALED_BLOCK
-            assert metric_value(m, "ownerserve_emulator_resumes_total", how="rebuilt") == 1
-            assert metric_value(m, "ownerserve_emulator_window_rebuild_tokens_total") == 7808
+            sent = metric_value(p.metrics(), "ownerserve_emulator_kv_sent_bytes_total", kind="pd")
+            assert got == sent == want
+            assert metric_value(m, "ownerserve_emulator_resumes_total", how="cached") == 1
+            assert metric_value(m, "ownerserve_emulator_window_rebuild_tokens_total") == 0
 
 
 def settings_pd(p: EmulatedWorker, d: EmulatedWorker) -> Any:

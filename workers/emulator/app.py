@@ -1032,7 +1032,13 @@ class EmulatorApp:
                     break
                 served.append(h)
             answer = {"block_hashes": served}
-            await self._send_kv(send, "pd", len(served), answer, streamed=until_read)
+            # a hybrid model's windows and tail at the last block served go with the blocks
+            state = 0
+            if served:
+                state = self.engine.state_bytes_at(hold.block_hashes.index(served[-1]) + 1)
+            await self._send_kv(
+                send, "pd", len(served), answer, streamed=until_read, extra_bytes=state
+            )
             if until_read:
                 await self._while_read(receive, send)
         finally:
@@ -1058,13 +1064,15 @@ class EmulatorApp:
         answer: dict[str, Any],
         tokens: int | None = None,
         streamed: bool = False,
+        extra_bytes: int = 0,
     ) -> None:
         """Answer a read of KV by another worker: count what is sent (`blocks` blocks, or
         `tokens` tokens of chunk KV) under transfer `kind`, and send `answer` with this
-        worker's id, node and the bytes; `streamed`: as the first line of a response left
-        open (a P->D pull's, `_while_read` ends it)."""
+        worker's id, node and the bytes (`extra_bytes` beside the blocks: a hybrid model's
+        windows and tail); `streamed`: as the first line of a response left open (a P->D
+        pull's, `_while_read` ends it)."""
         if tokens is None:
-            nbytes = blocks * self.engine.block_bytes
+            nbytes = blocks * self.engine.block_bytes + extra_bytes
         else:
             nbytes = tokens * self.profile.kv_bytes_per_token
         self.metrics.kv_sent_bytes[kind] += nbytes

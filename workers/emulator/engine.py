@@ -531,6 +531,15 @@ class Engine:
             return self.hybrid.block_bytes
         return self.block_size * self.profile.kv_bytes_per_token
 
+    def state_bytes_at(self, blocks: int) -> int:
+        """Bytes of a hybrid spec's windows and tail at boundary `blocks` (0 for a dense
+        model): what a P/D hand-over moves beside the sealed blocks, as vLLM's NIXL transfer
+        moves every KV cache group's blocks of the request."""
+        hybrid = self.hybrid
+        if hybrid is None or hybrid.pool is None or blocks <= 0:
+            return 0
+        return hybrid.spec.mutable_bytes(blocks * self.block_size)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -839,11 +848,13 @@ class Engine:
             self.flush_events()
         seq.num_computed = seq.num_hashed * self.block_size
         seq.external_tokens = len(got) * self.block_size
-        hybrid = self.hybrid
-        if hybrid is not None:  # the pull brings sealed KV: windows not held are rebuilt
+        if self.hybrid is not None:
+            # the pull brings the windows and tail at its boundary with the sealed blocks
+            # (`state_bytes_at`); a pull that brought nothing resumes at the local hit, whose
+            # windows are rebuilt unless cached here
             nh = seq.num_hashed
-            held = hybrid.window_held(seq.hashes, nh)
-            seq.rebuild = 0 if held else min(hybrid.rebuild_tokens, nh * self.block_size)
+            held = bool(got) or self.hybrid.window_held(seq.hashes, nh)
+            seq.rebuild = 0 if held else min(self.hybrid.rebuild_tokens, nh * self.block_size)
             seq.resume = ("cached" if held or not seq.rebuild else "rebuilt") if nh else "cold"
         seq.state = SeqState.WAITING
         self.loaded.append(seq)

@@ -202,6 +202,8 @@ class KVMover:
                 if not isinstance(got, list) or got != missing[: len(got)]:
                     raise InvalidRequestError(f"{what}: source answered blocks of another prompt")
                 nbytes = len(got) * self.block_bytes
+                if got:  # and a hybrid model's windows and tail at the pulled boundary
+                    nbytes += self.engine.state_bytes_at(seq.num_hashed + len(got))
                 await self._read_while_open(chunks, nbytes, answer.get("node"), what)
         except TimeoutError:
             self.engine.metrics.transfers_failed += 1
