@@ -266,16 +266,16 @@ def references(
         ideal.append(tuple(new[(si, ti)] for ti in range(len(s.turns))))
         refs = []
         prev: tuple[int, ...] = ()
-        for t in s.turns:
+        for turn in s.turns:
             hit = 0
-            while hit < len(t.chain) and hit < len(prev) and t.chain[hit] == prev[hit]:
+            while hit < len(turn.chain) and hit < len(prev) and turn.chain[hit] == prev[hit]:
                 hit += 1
-            cached = min(hit * block_tokens, t.input_tokens)
-            refs.append(unloaded_ttft_s(profile, t.input_tokens - cached, cached))
-            prev = t.chain
+            cached = min(hit * block_tokens, turn.input_tokens)
+            refs.append(unloaded_ttft_s(profile, turn.input_tokens - cached, cached))
+            prev = turn.chain
         ttft.append(tuple(refs))
         tpot.append(
-            tuple(unloaded_tpot_s(profile, t.input_tokens + t.output_tokens) for t in s.turns)
+            tuple(unloaded_tpot_s(profile, x.input_tokens + x.output_tokens) for x in s.turns)
         )
     return tuple(ttft), tuple(tpot), tuple(ideal)
 
