@@ -116,6 +116,9 @@ class EventApplyResult:
     expected_seq: int | None = None
     skipped: int = 0
     """Stored blocks that could not be mapped (unknown parent, block size mismatch)."""
+    unknown_parent: int = 0
+    """Of `skipped`: blocks continuing a chain the directory does not know, as after it
+    forgot the worker's blocks (its death, an event gap) while its engine kept them."""
     duplicate: bool = False
     """The batch's seq was already applied (another router replica fed it first): ignored."""
 

@@ -612,7 +612,7 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
             self._clear_cached(worker, rec)
             self.groups.clear(worker)
         batch = self.groups.split(worker, batch)
-        stored = removed = skipped = 0
+        stored = removed = skipped = unknown_parent = 0
         for event in batch.events:
             if isinstance(event, BlockStored):
                 n = len(event.engine_hashes)
@@ -625,6 +625,7 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
                     parent = rec.engine_map.get(event.parent_engine_hash)
                 if parent is None:
                     skipped += n
+                    unknown_parent += n
                     continue
                 bit = TIER_BIT[Tier(event.tier)]
                 bs = rec.block_size
@@ -652,6 +653,7 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
             gap=gap,
             expected_seq=last + 1 if gap and last is not None else None,
             skipped=skipped,
+            unknown_parent=unknown_parent,
         )
 
     async def drop_worker(self, worker: str) -> int:

@@ -572,7 +572,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
                 else:
                     parent = local.get(ev.parent_engine_hash)
                 if parent is None:
-                    ops += ["X", n]
+                    ops += ["Y", n]
                     continue
                 parent_hex = "" if ev.parent_engine_hash is None else hex_block(parent)
                 blocks: list[int] = []
@@ -617,13 +617,14 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
                 continue  # another router re-registered it: refetch root/block size, retry
             if status == "dup":
                 return EventApplyResult(duplicate=True, expected_seq=int(reply[1]))
-            _, stored, removed, gap, expected, skipped = reply
+            _, stored, removed, gap, expected, skipped, unknown_parent = reply
             return EventApplyResult(
                 stored=int(stored),
                 removed=int(removed),
                 gap=bool(int(gap)),
                 expected_seq=int(expected) if int(gap) else None,
                 skipped=int(skipped),
+                unknown_parent=int(unknown_parent),
             )
         raise DirectoryUnavailableError(f"worker {worker!r} registration keeps changing")
 

@@ -1,7 +1,10 @@
 -- apply_events: one KV event batch of a worker, with gap detection. KEYS: w:<worker>,
 -- w:<worker>:eh, blk. ARGV: P, worker, root (hex), block size, seq, then ops:
 --   'S', tier bit, parent engine hash ('' at chain start), parent block (hex), blocks hex, engine csv
---   'R', tier bit, engine csv        'C'        'X', n (blocks the client could not map)
+--   'R', tier bit, engine csv        'C'        'X', n (blocks the client could not map: their
+--   block size)        'Y', n (blocks whose parent the client's map and this worker's lack)
+-- Reply: 'ok', stored, removed, gap, expected, skipped (every block not mapped), of those the
+-- ones with an unknown parent
 local info = redis.call('HMGET', KEYS[1], 'idx', 'seq', 'root', 'bs')
 if not info[1] or not info[3] then
   return { 'unknown' }
@@ -21,7 +24,7 @@ if last and seq > last + 1 then
   gap, expected = 1, last + 1
   clear_cached(worker, j)
 end
-local stored, removed, skipped = 0, 0, 0
+local stored, removed, skipped, parentless = 0, 0, 0, 0
 local i = 6
 while i <= #ARGV do
   local op = ARGV[i]
@@ -47,6 +50,7 @@ while i <= #ARGV do
       stored = stored + #blocks
     else
       skipped = skipped + #blocks
+      parentless = parentless + #blocks
     end
     i = i + 6
   elseif op == 'R' then
@@ -72,12 +76,15 @@ while i <= #ARGV do
   elseif op == 'C' then
     clear_cached(worker, j)
     i = i + 1
-  elseif op == 'X' then
+  elseif op == 'X' or op == 'Y' then
     skipped = skipped + tonumber(ARGV[i + 1])
+    if op == 'Y' then
+      parentless = parentless + tonumber(ARGV[i + 1])
+    end
     i = i + 2
   else
     return redis.error_reply('apply_events: unknown op ' .. tostring(op))
   end
 end
 redis.call('HSET', KEYS[1], 'seq', seq)
-return { 'ok', stored, removed, gap, expected, skipped }
+return { 'ok', stored, removed, gap, expected, skipped, parentless }

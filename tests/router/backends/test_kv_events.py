@@ -3,10 +3,13 @@ protocol: gaps, catch-up, restarts, binding, and what the backends subscribe to.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import msgpack
 import pytest
@@ -14,6 +17,7 @@ import zmq
 
 from ownerserve.directory.base import Artifact, EventApplyResult
 from ownerserve.directory.memory import InMemoryDirectory
+from ownerserve.directory.redis import RedisDirectory
 from ownerserve.events import AllBlocksCleared, BlockStored, EventBatch
 from ownerserve.hashing import chain_root, hash_block
 from ownerserve.ports import free_port
@@ -282,6 +286,53 @@ async def test_block_size_mismatch_is_counted_and_named_once(
         assert sub.stats.skipped_blocks == 2
         warnings = [r.getMessage() for r in caplog.records if "not mapped" in r.getMessage()]
         assert len(warnings) == 1 and "[4]" in warnings[0] and "block_size" in warnings[0]
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def directory(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    if request.param == "memory":
+        yield InMemoryDirectory()
+        return
+    server = request.getfixturevalue("redis_server")
+    d = RedisDirectory.from_url(server.url, f"kve-{uuid.uuid4().hex[:8]}", socket_timeout_s=10)
+    yield d
+    await d.flush_namespace()
+    await d.close()
+
+
+async def test_a_returning_workers_blocks_on_forgotten_chains_are_no_block_size_warning(
+    publisher: VllmLikePublisher, directory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker held dead is dropped (the directory forgets its cached blocks) while its engine
+    keeps them; back, it stores blocks whose parents only it remembers. They are not mapped,
+    and the log says so once, quietly, without blaming the block size."""
+    caplog.set_level(logging.INFO, logger="router.backends.kv_events")
+    root = chain_root("m")
+    await directory.register_worker("w1", root, 4)
+
+    def stored(seq: int, engine_hash: int, parent: int | None, tokens: range) -> None:
+        ev = BlockStored((engine_hash,), parent, tuple(tokens), 4)
+        payload = encode_payload([ev], ts=time.time())
+        publisher.buffer.append((seq, payload))
+        publisher.pub.send_multipart([publisher.topic, seq.to_bytes(8, "big"), payload])
+
+    async with _subscribed(publisher, directory) as sub:
+        stored(0, 100, None, range(4))
+        await until(lambda: sub.stats.batches == 1)
+        first = hash_block(root, list(range(4)))
+        assert (await directory.lookup((first,))).longest("w1", Tier.GPU) == 1
+        await directory.drop_worker("w1")  # held dead: its cached blocks forgotten
+        stored(1, 101, 100, range(4, 8))  # back: its next block extends block 100
+        stored(2, 102, None, range(8, 12))  # and a chain of its own start
+        await until(lambda: sub.stats.batches == 3)
+        assert sub.stats.skipped_blocks == sub.stats.unknown_parent_blocks == 1
+        assert (await directory.lookup((hash_block(root, list(range(8, 12))),))).longest(
+            "w1", Tier.GPU
+        ) == 1
+    said = [r for r in caplog.records if r.name == "router.backends.kv_events"]
+    assert not [r for r in said if "not mapped" in r.getMessage()]
+    forgotten = [r for r in said if "chains the directory forgot" in r.getMessage()]
+    assert len(forgotten) == 1 and forgotten[0].levelno == logging.INFO
 
 
 async def test_cpu_medium_events_fill_and_empty_only_the_directorys_cpu_tier(
