@@ -21,6 +21,11 @@ HTTP API (JSON unless said otherwise; every error is OpenAI-shaped, `ownerserve.
   its error answer with `"blocks"`: the whole blocks of the prefix held after it, from the
   first. A source drops an artifact that fails its checksum instead of serving it, and answers
   it missing: the fetch then keeps the blocks before it (200, `blocks` < requested).
+- `POST /ownerserve/kv/store/report {"stored": [{"key", "bytes", "checksum"}],
+  "block_artifacts": N, "dropped": [key]}` -> `{"held": [key], "missing": [key]}` (with
+  `--store` only): artifacts the engine's connector put into Mooncake Store itself are held,
+  indexed and published once found there; `dropped` ones (its load found them missing or
+  corrupted) are no longer held
 - `GET /metrics` -> Prometheus text
 
 With `--store mooncake://HOST:PORT` the artifacts' bytes live in Mooncake Store
@@ -97,6 +102,7 @@ from workers.sidecar.store import (
     StoreError,
 )
 from workers.sidecar.store import Tier as StoreTier
+from workers.sidecar.store_tier import HeldArtifact
 from workers.sidecar.store_tier import StoreTier as SharedTier
 from workers.sidecar.transports import Transport, TransportUnavailable, transport_for_peer
 
@@ -105,6 +111,7 @@ log = logging.getLogger(__name__)
 CHECKSUM_HEADER = "x-ownerserve-checksum"
 BLOCK_ARTIFACTS_HEADER = "x-ownerserve-block-artifacts"
 KV_PREFIX = "/ownerserve/kv"
+STORE_REPORT_PATH = KV_PREFIX + "/store/report"
 GiB = 1 << 30
 MAX_BLOCKS_PER_FETCH = 100_000
 
@@ -184,6 +191,18 @@ class LookupBody(_Body):
 class IndexBody(_Body):
     model: str = Field(min_length=1)
     chunk_hashes: list[U64] = Field(max_length=MAX_BLOCKS_PER_FETCH)
+
+
+class StoredArtifact(_Body):
+    key: str
+    bytes: int = Field(ge=0)
+    checksum: str
+
+
+class StoreReportBody(_Body):
+    stored: list[StoredArtifact] = Field(default=[], max_length=1_000_000)
+    block_artifacts: int | None = Field(default=None, ge=1, le=MAX_BLOCK_ARTIFACTS)
+    dropped: list[str] = Field(default=[], max_length=1_000_000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,6 +484,34 @@ class Sidecar:
         self.counters.served.inc()
         self.counters.served_bytes.inc(len(data))
         return data, digest
+
+    async def adopt(self, body: StoreReportBody) -> dict[str, Any]:
+        """What the connector reported it wrote into (or found gone from) the Mooncake Store
+        this sidecar uses: objects found there are held, indexed and published like its own
+        puts; dropped keys are no longer held."""
+        if self.shared is None:
+            raise InvalidRequestError("this sidecar keeps no artifacts in Mooncake Store (--store)")
+        reported = []
+        for a in body.stored:
+            digest = _checksum_header(a.checksum)
+            assert digest is not None
+            reported.append(HeldArtifact(_checked_key(a.key), a.bytes, digest))
+        for key in body.dropped:
+            _checked_key(key)
+        try:
+            found = await self.shared.adopt(reported)
+        except MooncakeStoreError as exc:
+            raise KVStoreUnavailableError(f"Mooncake Store: {exc}") from exc
+        held = [a.key for a, there in zip(reported, found, strict=True) if there]
+        self.counters.stored.inc(len(held))
+        self._note([(key, body.block_artifacts) for key in held])
+        for key in body.dropped:
+            self.shared.forget(key)
+            self.index.discard(key)
+        return {
+            "held": held,
+            "missing": [a.key for a, t in zip(reported, found, strict=True) if not t],
+        }
 
     def keys_of_chunks(self, model: str, chunk_hashes: Sequence[int]) -> list[list[str]]:
         return [self.index.keys_of(ChunkId(model, h), self.has) for h in chunk_hashes]
@@ -752,6 +799,10 @@ def create_app(sidecar: Sidecar) -> FastAPI:
         limit = sidecar.config.max_artifact_bytes
         data = await read_request_body(request.scope, request.receive, limit)
         return JSONResponse(await sidecar.put(key, data, expected, whole), status_code=201)
+
+    @app.post(STORE_REPORT_PATH)
+    async def store_report(body: StoreReportBody) -> JSONResponse:
+        return JSONResponse(await sidecar.adopt(body))
 
     @app.post(BATCH_GET_PATH)
     async def batch_get(body: LookupBody) -> Response:

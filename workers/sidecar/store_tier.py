@@ -3,10 +3,11 @@ every artifact the worker saves live in the store (in this sidecar's own segment
 room), and a fetch from a peer sidecar is this sidecar's store client reading what the peer put.
 
 What the sidecar *holds* (what it indexes, lists to peers and publishes to the directory) is
-what it put or fetched and could read whole: `held`. The store may lose an object behind it
-(evicted, its segment's process gone, the master restarted); the next read finds it missing and
-the sidecar drops it, as it drops a corrupted one (the object is then also removed from the
-store). Every read is verified against the digest stored with the object
+what it put or fetched and could read whole, and what the engine's connector put into the
+store itself and reported (`adopt`, found in the store): `held`. The store may lose an object
+behind it (evicted, its segment's process gone, the master restarted); the next read finds it
+missing and the sidecar drops it, as it drops a corrupted one (the object is then also
+removed from the store). Every read is verified against the digest stored with the object
 (`workers.mooncake_store.client`).
 
 Store calls run on this tier's threads with a deadline (`timeout_s` plus the bytes at
@@ -123,6 +124,18 @@ class StoreTier:
     def forget(self, key: str) -> bool:
         """Stop holding `key` (the object stays in the store for whoever else holds it)."""
         return self._held.pop(key, None) is not None
+
+    async def adopt(self, artifacts: Sequence[HeldArtifact]) -> list[bool]:
+        """Hold artifacts another client of the same store put (the engine's connector writes
+        the store directly and reports them): one existence check, then each object found is
+        held as reported (its digest travels with it: every reader verifies). Per artifact,
+        whether it is held now; `StoreUnavailable` when the store cannot be reached."""
+        keys = [a.key for a in artifacts]
+        found = await self._call(0, lambda: self.client.exists(keys)) if keys else []
+        for artifact, there in zip(artifacts, found, strict=True):
+            if there:
+                self._held[artifact.key] = artifact
+        return found
 
     def count(self) -> int:
         return len(self._held)

@@ -10,6 +10,8 @@ API (`workers/sidecar/server.py`): `POST /ownerserve/kv/lookup {"keys": [...]}` 
 each with its own checksum. `get_into` / `get_many_into` read payloads straight into
 caller-owned memory (the CUDA load's pinned staging slots) and verify them there. Against a
 sidecar without the batch calls (404) the client goes back to one request per artifact.
+`report_store` (`POST /ownerserve/kv/store/report`) tells a sidecar on Mooncake Store what the
+connector put into the store itself (`store_path.py`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from workers.sidecar.batch import (
 
 CHECKSUM_HEADER = "x-ownerserve-checksum"
 KV_PREFIX = "/ownerserve/kv"
+STORE_REPORT_PATH = KV_PREFIX + "/store/report"
 
 
 class SidecarError(Exception):
@@ -363,6 +366,37 @@ class SidecarClient:
                     f"batch put refused {len(refused)} artifacts, first {refused[0].get('key')!r}: "
                     f"{refused[0].get('error')}"
                 )
+
+    def report_store(
+        self,
+        stored: Sequence[tuple[str, int, bytes]],
+        block_artifacts: int | None = None,
+        dropped: Sequence[str] = (),
+    ) -> list[str]:
+        """Tell a sidecar on Mooncake Store what the connector wrote into the store itself
+        ((key, payload bytes, checksum)) and which keys a load found gone (`POST
+        /ownerserve/kv/store/report`); returns the stored keys the sidecar did not find in its
+        store. Raises `SidecarError` when the call fails."""
+        body = json.dumps(
+            {
+                "stored": [
+                    {"key": key, "bytes": size, "checksum": digest.hex()}
+                    for key, size, digest in stored
+                ],
+                "block_artifacts": block_artifacts,
+                "dropped": list(dropped),
+            }
+        ).encode()
+        status, _, data = self._request(
+            "POST", STORE_REPORT_PATH, body, {"content-type": "application/json"}
+        )
+        if status != 200:
+            raise SidecarError(f"store report answered {status}: {data[:200]!r}")
+        try:
+            missing = json.loads(data)["missing"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SidecarError(f"store report answer has no 'missing': {data[:200]!r}") from exc
+        return [str(k) for k in missing]
 
     def close(self) -> None:
         self._drop()

@@ -57,6 +57,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ownerserve.hashing import ChainHasher
 from ownerserve.kvstate.heads import heads_for_rank, store_heads_for_rank
+from workers.mooncake_store import StoreError
 from workers.vllm_connector.chunk_side import ChunkReuse
 from workers.vllm_connector.chunks import ChunkTransfer
 from workers.vllm_connector.client import SidecarClient, SidecarError
@@ -84,6 +85,7 @@ from workers.vllm_connector.plan import (
     present_blocks,
     stage_of,
 )
+from workers.vllm_connector.store_path import StagedStore, StoreKV, open_store_kv
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -229,9 +231,10 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
         self._done_loads: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._load_queue: queue.Queue[BlockTransfer | None] = queue.Queue()
-        self._save_queue: queue.Queue[tuple[BlockTransfer, Gathered] | None] = queue.Queue(
-            SAVE_QUEUE_DEPTH
+        self._save_queue: queue.Queue[tuple[BlockTransfer, Gathered | StagedStore] | None] = (
+            queue.Queue(SAVE_QUEUE_DEPTH)
         )
+        self._store_kv: StoreKV | None = None
         self._threads: list[threading.Thread] = []
         self._chunk_init(
             model_config.hf_config,
@@ -284,6 +287,7 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
                 "token-major" if order.is_token_major else "converted from the ISA's"
             )
         self._kv = kv
+        self._store_kv = self._open_store(kv)
         tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
         self._local_heads = heads_for_rank(self._total_heads, tp, rank)
         self._store_heads = store_heads_for_rank(self._total_heads, tp, rank)
@@ -309,6 +313,29 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
         ]
         for t in self._threads:
             t.start()
+
+    def _open_store(self, kv: WorkerKV) -> StoreKV | None:
+        """The Mooncake Store path when configured and reachable; else the sidecar's HTTP
+        calls carry the KV (a sidecar on the same store still puts it there)."""
+        if self.settings.store is None:
+            return None
+        try:
+            store_kv = open_store_kv(self.settings, kv)
+        except (StoreError, ValueError, RuntimeError) as exc:
+            logger.error(
+                "OwnerServeConnector: Mooncake Store %s not usable, KV goes through the "
+                "sidecar: %s",
+                self.settings.store,
+                exc,
+            )
+            return None
+        logger.info(
+            "OwnerServeConnector: KV through Mooncake Store %s (segment %s, %d bytes mounted)",
+            self.settings.store,
+            store_kv.client.segment,
+            self.settings.store_segment_bytes,
+        )
+        return store_kv
 
     def _page_order(self, layer: torch.Tensor) -> PageOrder:
         """The CPU attention ISA's in-page element order, measured with its own cache write."""
@@ -363,11 +390,23 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
             return
         for transfer in meta.saves:
             # The copy happens now, so the blocks may be reused as soon as this step ends.
-            buffers = self._kv.gather(transfer.block_ids)
+            buffers: Gathered | StagedStore
+            if self._store_kv is not None:
+                staged = self._store_kv.gather(transfer.block_ids)
+                if staged is None:
+                    self._warn.warning(
+                        "save-staging", "OwnerServeConnector: store staging full, dropping"
+                    )
+                    continue
+                buffers = staged
+            else:
+                buffers = self._kv.gather(transfer.block_ids)
             try:
                 self._save_queue.put_nowait((transfer, buffers))
             except queue.Full:
                 self._warn.warning("save-full", "OwnerServeConnector: save queue full, dropping")
+                if isinstance(buffers, StagedStore):
+                    buffers.release()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:
@@ -387,6 +426,9 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
             t.join(timeout=5.0)
         self._client.close()
         self._lookup_client.close()
+        if self._store_kv is not None:
+            self._store_kv.close()
+            self._store_kv.client.close()
 
     def _bound_metadata(self) -> OwnerServeConnectorMetadata | None:
         if not self.has_connector_metadata():
@@ -414,7 +456,16 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
         started = time.monotonic()
         rows = [self._keys(chunk_hash, self._local_heads) for chunk_hash in transfer.chunk_hashes]
         # the whole request's artifacts in one call (a few for a very long prompt)
-        outcome = load_blocks(self._client, self._kv, rows, transfer.block_ids)
+        if self._store_kv is not None:
+            result = self._store_kv.load(rows, transfer.block_ids)
+            outcome = result.load
+            if result.dropped:
+                try:  # the sidecar stops answering lookups with what is gone
+                    self._client.report_store([], dropped=result.dropped)
+                except SidecarError as exc:
+                    self._warn.warning("report", "OwnerServeConnector: store report: %s", exc)
+        else:
+            outcome = load_blocks(self._client, self._kv, rows, transfer.block_ids)
         good = outcome.blocks
         logger.info(
             "OwnerServeConnector: loaded %d/%d blocks (%d bytes) for %s in %.3f s",
@@ -444,6 +495,9 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
     def _save_loop(self) -> None:
         while (item := self._save_queue.get()) is not None:
             transfer, buffers = item
+            if isinstance(buffers, StagedStore):
+                self._save_to_store(transfer, buffers)
+                continue
             items = []
             for i, chunk_hash in enumerate(transfer.chunk_hashes):
                 keys = self._keys(chunk_hash, self._store_heads)
@@ -455,6 +509,33 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
                 self._client.put_many(items, self._total_heads * self._pp_size)
             except SidecarError as exc:
                 self._warn.warning("save", "OwnerServeConnector: save failed: %s", exc)
+
+    def _save_to_store(self, transfer: BlockTransfer, staged: StagedStore) -> None:
+        """Put a save's staged blocks into Mooncake Store, then tell the sidecar (which
+        indexes and publishes them as its own)."""
+        assert self._store_kv is not None
+        rows = []
+        for chunk_hash in transfer.chunk_hashes:
+            keys = self._keys(chunk_hash, self._store_heads)
+            rows.append(
+                [
+                    (self._local_heads.index(h), k)
+                    for h, k in zip(self._store_heads, keys, strict=True)
+                ]
+            )
+        try:
+            outcome = self._store_kv.put(staged, rows)
+            if outcome.refused:
+                self._warn.warning(
+                    "save",
+                    "OwnerServeConnector: Mooncake Store refused %d artifacts, first %s",
+                    len(outcome.refused),
+                    outcome.refused[0],
+                )
+            if outcome.stored:
+                self._client.report_store(outcome.stored, self._total_heads * self._pp_size)
+        except (StoreError, SidecarError) as exc:
+            self._warn.warning("save", "OwnerServeConnector: save failed: %s", exc)
 
     # ==============================
     # Scheduler side

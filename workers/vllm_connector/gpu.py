@@ -230,15 +230,25 @@ class CudaPagedKV:
 
     # --- save ----------------------------------------------------------------------------------
 
-    def gather(self, block_ids: Sequence[int]) -> StagedSave:
+    def gather(self, block_ids: Sequence[int], host: torch.Tensor | None = None) -> StagedSave:
         """Copy blocks out of the cache: one kernel launch into device staging, then
         asynchronous copies to pinned memory, `chunk_bytes` of whole blocks each. Returns at
         once; the blocks may be reused by the engine's next work (its stream waits for the
-        kernel)."""
+        kernel). `host`: the uint8 `[n, heads, payload bytes]` buffer to land in (memory the
+        caller registered with a store; pinned for an asynchronous copy), else one of ours."""
         ids = self._checked_ids(block_ids, distinct=False)
         n, h, unit = len(ids), self.num_kv_heads, self.payload_nbytes
+        if host is not None and (
+            tuple(host.shape) != (n, h, unit)
+            or host.dtype != torch.uint8
+            or not host.is_contiguous()
+            or host.device.type != "cpu"
+        ):
+            raise LayoutError(f"host staging must be contiguous uint8 {(n, h, unit)} on the CPU")
         if self._stream is None:
-            staging = split_heads(self.paged, ids, block_major=True)
+            shape = self.paged.geometry.head_buffer_shape(n, block_major=True)
+            out = None if host is None else host.view(self.dtype).view(shape)
+            staging = split_heads(self.paged, ids, out, block_major=True)
             return StagedSave(staging.reshape(n, h, -1).view(torch.uint8))
         assert self._engine_stream is not None
         dev, stream = self.device, self._stream
@@ -252,7 +262,8 @@ class CudaPagedKV:
                 start = self._event() if self._timing else None
                 split_heads(self.paged, dev_ids, staging, block_major=True)
                 gathered = self._event()
-                host = self._host_buffer((n, h, unit))
+                if host is None:
+                    host = self._host_buffer((n, h, unit))
                 down = staging.view(n, h, -1).view(torch.uint8)
                 step = max(1, self._chunk_bytes // (h * unit))
                 chunks = []

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ownerserve.hashing import block_hash_chain, chain_root
 from ownerserve.kvstate.heads import HeadArtifactKey
+from workers.mooncake_store.master import MasterAddress
 
 
 class ConnectorConfigError(ValueError):
@@ -41,6 +42,16 @@ class ConnectorSettings:
     lookup_backoff_s: float = 5.0
     load: bool = True
     save: bool = True
+    store: str | None = None
+    """`mooncake://HOST:PORT?metadata_port=P`: save and load through that Mooncake Store
+    directly (`store_path.py`), the same store the sidecar runs on (`--store`)."""
+    store_segment_bytes: int = 0
+    """Memory the connector's store client mounts (0: none; objects go to the segments of others,
+    e.g. the sidecar's). With a segment, saves land in it and loads from it are local copies."""
+    store_staging_bytes: int = 512 << 20
+    """Registered host staging per direction (pinned on CUDA)."""
+    store_digest_threads: int = 4
+    """Threads that hash a batch's payloads (checksums computed on save, verified on load)."""
 
     @classmethod
     def from_extra_config(
@@ -77,6 +88,26 @@ class ConnectorSettings:
             if not isinstance(value, bool):
                 raise ConnectorConfigError(f"kv_connector_extra_config.{name} must be a bool")
             flags[name] = value
+        store = extra.get("store")
+        if store is not None:
+            if not isinstance(store, str):
+                raise ConnectorConfigError("kv_connector_extra_config.store must be a str")
+            try:
+                MasterAddress.parse(store)
+            except ValueError as exc:
+                raise ConnectorConfigError(f"kv_connector_extra_config.store: {exc}") from None
+        sizes: dict[str, int] = {}
+        for name, default, least in (
+            ("store_segment_bytes", 0, 0),
+            ("store_staging_bytes", 512 << 20, 1),
+            ("store_digest_threads", 4, 1),
+        ):
+            value = extra.get(name, default)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConnectorConfigError(
+                    f"kv_connector_extra_config.{name} must be an integer >= {least}"
+                )
+            sizes[name] = value
         return cls(
             sidecar_url=url.rstrip("/"),
             model=model,
@@ -87,6 +118,8 @@ class ConnectorSettings:
             lookup_backoff_s=seconds["lookup_backoff_s"],
             load=flags["load"],
             save=flags["save"],
+            store=store,
+            **sizes,
         )
 
     def root(self, cache_salt: str | None = None) -> int:
