@@ -32,6 +32,7 @@ async def register(router: Router, worker_id: str) -> None:
     if model is not None:
         try:
             await router.directory.register_worker(worker_id, model.root, model.block_size)
+            state.directory_life = await router.directory.worker_life(worker_id)
         except Exception as exc:
             # serve anyway; KV events of this worker cannot be mapped until it registers
             log.warning("worker %s: directory registration failed: %r", worker_id, exc)
@@ -110,11 +111,22 @@ async def remove_worker(router: Router, worker_id: str) -> bool:
 
 
 async def on_worker_dead(router: Router, worker_id: str) -> None:
-    """The health loop found the worker dead: forget its calibration and what it held."""
+    """The health loop found the worker dead: forget its calibration and what it held in
+    the life this router last saw it in (another replica may have dropped that life already,
+    and the worker come back: its new records stay)."""
     router.calibrator.forget(worker_id)
     router.working_sets.forget_worker(worker_id)
     if router.directory is not None:
-        await router.directory.drop_worker(worker_id)
+        state = router.pool.get(worker_id)
+        life = state.directory_life if state is not None else None
+        await router.directory.drop_worker(worker_id, life)
+
+
+async def on_worker_back(router: Router, worker_id: str) -> None:
+    """The health loop found a dead worker answering again: read the life it is in now."""
+    state = router.pool.get(worker_id)
+    if state is not None and router.directory is not None:
+        state.directory_life = await router.directory.worker_life(worker_id)
 
 
 async def close_subscriber(router: Router, sub: Any) -> None:

@@ -95,6 +95,9 @@ class WorkerState:
     kv_api_failures: int = 0
     """Probes of its KV API failed in a row (one alone, a dropped packet or a pause, does not
     take the worker out of KV moves: as many as `health_failures` that make it dead do)."""
+    directory_life: int | None = None
+    """The directory's `worker_life` of it when this router last saw it come alive (None:
+    not read): its death drops that life only (`Directory.drop_worker`)."""
     view_cache: tuple[Any, Any] | None = None
     """The router's last planner view of this worker, with the inputs it was built from."""
 
@@ -147,6 +150,7 @@ def worker_state(settings: WorkerSettings) -> WorkerState:
 
 
 WorkerDeathHook = Callable[[str], Awaitable[None]]
+WorkerBackHook = Callable[[str], Awaitable[None]]
 
 
 class WorkerPool:
@@ -168,6 +172,8 @@ class WorkerPool:
         self.health_timeout_s = health_timeout_s
         self.dead_after_failures = dead_after_failures
         self.on_worker_dead: WorkerDeathHook | None = None
+        self.on_worker_back: WorkerBackHook | None = None
+        """Called when a worker held dead answers again."""
         self._task: asyncio.Task[None] | None = None
         self._http: UpstreamPool | None = None
 
@@ -271,6 +277,11 @@ class WorkerPool:
             if was_dead:
                 state.breaker.record_success()
                 log.info("worker %s is healthy again", state.worker_id)
+                if self.on_worker_back is not None:
+                    try:
+                        await self.on_worker_back(state.worker_id)
+                    except Exception:
+                        log.exception("worker %s: back-alive hook failed", state.worker_id)
             metrics = await self._get(url, state.backend.metrics_path)
             if metrics is not None:
                 state.load = state.backend.parse_load(metrics.decode("utf-8", errors="replace"))

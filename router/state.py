@@ -67,6 +67,7 @@ class Router:
             health_timeout_s=settings.server.connect_timeout_s,
         )
         self.pool.on_worker_dead = functools.partial(membership.on_worker_dead, self)
+        self.pool.on_worker_back = functools.partial(membership.on_worker_back, self)
         self.tokenizers = TokenizationCache(
             settings.models, settings.server.tokenizer_cache_mib * 1024 * 1024
         )

@@ -245,9 +245,19 @@ class Directory(Protocol):
         """Apply a worker's KV event batch (stores/evictions/clears) with gap detection."""
         ...
 
-    async def drop_worker(self, worker: str) -> int:
+    async def drop_worker(self, worker: str, life: int | None = None) -> int:
         """Owner death: forget everything `worker` held; its artifacts become claimable and
-        its sessions lose their owner. Returns how many records were dropped."""
+        its sessions lose their owner. Returns how many records were dropped.
+
+        `life`: the worker's `worker_life` when the caller last saw it alive. A drop ends that
+        life (the count goes up); a caller whose view is older (another router replica
+        dropped that life already, and the worker may be back, recording anew) drops nothing.
+        None: drop whatever life it is in (a worker taken out by hand)."""
+        ...
+
+    async def worker_life(self, worker: str) -> int:
+        """How many times `worker` was dropped (0 for one never dropped): read when it is
+        seen alive, passed to `drop_worker` when it dies."""
         ...
 
     async def health(self) -> DirectoryHealth: ...

@@ -142,6 +142,7 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
         self._cached: dict[int, dict[str, int]] = {}  # block -> worker -> tier bits
         self._workers: dict[str, _WorkerRecord] = {}
         self._worker_index: dict[str, _WorkerRecord] = {}  # every worker ever seen
+        self._lives: dict[str, int] = {}  # worker -> times dropped (`worker_life`)
         self._sessions: dict[str, tuple[str, float]] = {}
         self._forks: dict[int, set[str]] = {}
         self.groups = GroupHoldings()
@@ -656,7 +657,14 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
             unknown_parent=unknown_parent,
         )
 
-    async def drop_worker(self, worker: str) -> int:
+    async def worker_life(self, worker: str) -> int:
+        return self._lives.get(worker, 0)
+
+    async def drop_worker(self, worker: str, life: int | None = None) -> int:
+        current = self._lives.get(worker, 0)
+        if life is not None and current > life:
+            return 0  # that life was dropped already
+        self._lives[worker] = current + 1
         self.groups.drop_worker(worker)
         rec = self._worker_index.get(worker)
         if rec is None:

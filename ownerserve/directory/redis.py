@@ -18,7 +18,8 @@ hash tag, so every key of one namespace lives in one slot and every script is si
     P reuse / last   HASH  artifact id hex -> reuse count / last access ms (batched touches)
     P epoch          STRING  fencing epoch counter (INCR; never reused, even after expiry)
     P workers / widx HASH  worker -> index / index -> worker;  P wnext: index counter
-    P w:<worker>     HASH  root, bs (block size), idx, seq (last applied event batch)
+    P w:<worker>     HASH  root, bs (block size), idx, seq (last applied event batch), life
+                           (times dropped: fences a drop by a replica that saw an older life)
     P w:<worker>:eh  HASH  engine hash (decimal) -> block hex;  :arts :reps :sess  SETs
                            (its artifacts, replica blocks, sessions: what drop_worker undoes;
                            `transfer` moves ids from one worker's :arts to another's)
@@ -628,13 +629,19 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
             )
         raise DirectoryUnavailableError(f"worker {worker!r} registration keeps changing")
 
-    async def drop_worker(self, worker: str) -> int:
+    async def drop_worker(self, worker: str, life: int | None = None) -> int:
         check_worker(worker)
+        keys = [self.key("blk"), self.key("w:" + worker)]
+        dropped = await self._run("drop_worker", keys, [worker, "" if life is None else life])
+        if int(dropped) < 0:
+            return 0  # that life was dropped already (by another router replica)
         self._engine_map.pop(worker, None)
         self.groups.drop_worker(worker)
-        return int(
-            await self._run("drop_worker", [self.key("blk"), self.key("w:" + worker)], [worker])
-        )
+        return int(dropped)
+
+    async def worker_life(self, worker: str) -> int:
+        check_worker(worker)
+        return int(await self._client.hget(self.key("w:" + worker), "life") or 0)
 
     # --- metadata and maintenance -----------------------------------------------------------
 

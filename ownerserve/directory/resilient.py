@@ -310,9 +310,15 @@ class ResilientDirectory(TransferEntryPoints, ReplicaEntryPoints):
         )
         return result
 
-    async def drop_worker(self, worker: str) -> int:
-        dropped: int = await self._write_both("drop_worker", worker)
+    async def drop_worker(self, worker: str, life: int | None = None) -> int:
+        dropped: int = await self._write_both("drop_worker", worker, life)
         return dropped
+
+    async def worker_life(self, worker: str) -> int:
+        life: int = await self._read(
+            lambda: self.primary.worker_life(worker), lambda: self.local.worker_life(worker)
+        )
+        return life
 
     async def artifact_info(self, artifact_id: int) -> ArtifactInfo | None:
         info: ArtifactInfo | None = await self._read(

@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from ownerserve.config import settings_from_dict
+from ownerserve.directory.base import Artifact
 from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.errors import DirectoryUnavailableError
 from ownerserve.events import BlockStored, EventBatch
@@ -24,11 +25,11 @@ class _FlakyDirectory(InMemoryDirectory):
         super().__init__()
         self.failures = failures
 
-    async def drop_worker(self, worker_id: str) -> int:
+    async def drop_worker(self, worker_id: str, life: int | None = None) -> int:
         if self.failures:
             self.failures -= 1
             raise ConnectionError("redis down")
-        return await super().drop_worker(worker_id)
+        return await super().drop_worker(worker_id, life)
 
 
 def _router(directory: InMemoryDirectory) -> Router:
@@ -96,3 +97,25 @@ async def test_kv_events_of_a_dead_worker_do_not_bring_back_what_its_death_dropp
     state.healthy = True  # it answers again: what it publishes now counts
     assert (await sink.apply_events("w0", stored(1))).stored == 1
     assert (await directory.lookup((block,))).longest("w0", Tier.GPU) == 1
+
+
+async def test_a_replicas_late_verdict_on_a_death_another_dropped_spares_the_next_life():
+    # two router replicas on one directory (Redis in production: the same race against a
+    # real redis-server is in tests/ownerserve/directory/test_redis_backend.py)
+    directory = InMemoryDirectory()
+    a, b = _router(directory), _router(directory)
+    for router in (a, b):
+        await membership.register(router, "w0")
+    await membership.on_worker_dead(a, "w0")  # A holds it dead and drops it
+    await membership.on_worker_back(a, "w0")  # it is back; A sees it, it records
+    block = hash_block(chain_root("tiny"), [1, 2, 3, 4])
+    lease = await directory.claim(Artifact((block,)), "w0", 60.0)
+    await directory.set_session_owner("s1", "w0", 60.0)
+
+    await membership.on_worker_dead(b, "w0")  # B's verdict on the death A dropped
+
+    assert (await directory.lookup((block,), "s1")).owner_epoch == lease.epoch
+    assert await directory.get_session_owner("s1") == "w0"
+    await membership.on_worker_back(b, "w0")
+    await membership.on_worker_dead(b, "w0")  # a death of the life B saw: dropped
+    assert (await directory.lookup((block,), "s1")).owner is None

@@ -1,6 +1,13 @@
 -- drop_worker: owner death. Its leases end, replicas and cached view go, its sessions lose
--- their owner, its event seq resets. KEYS: blk, w:<worker>. ARGV: P, worker
+-- their owner, its event seq resets, its life count goes up. KEYS: blk, w:<worker>.
+-- ARGV: P, worker, life ('' = any): the count the caller saw while the worker lived; past it
+-- (that life was dropped already, the worker may be back and recording) nothing goes: -1.
 local worker = ARGV[2]
+local life = tonumber(redis.call('HGET', KEYS[2], 'life') or '0')
+if ARGV[3] ~= '' and life > tonumber(ARGV[3]) then
+  return -1
+end
+redis.call('HSET', KEYS[2], 'life', life + 1)
 local wp = P .. 'w:' .. worker
 local dropped = 0
 for _, id in ipairs(redis.call('SMEMBERS', wp .. ':arts')) do

@@ -320,3 +320,34 @@ async def test_reads_run_as_evalsha_ro_and_serve_from_a_read_only_replica() -> N
         await reader.close()
         replica.cleanup()
         primary.cleanup()
+
+
+async def test_a_late_second_drop_of_a_dead_worker_keeps_what_it_recorded_once_back(
+    pair: tuple[RedisDirectory, RedisDirectory],
+) -> None:
+    """Two router replicas hold the same worker dead; one drops it, the worker comes back and
+    records (a lease, a session, cached blocks), and then the other's drop of that same death
+    arrives (its health round or Redis was slow): it must not erase the new life's records."""
+    a, b = pair
+    await a.register_worker("w1", ROOT, BS)
+    seen_by_a, seen_by_b = await a.worker_life("w1"), await b.worker_life("w1")
+    old = await a.claim(Artifact(CHAIN[:4]), "w1", 60)
+    await a.drop_worker("w1", seen_by_a)  # replica A: w1 is dead
+    assert (await a.lookup(CHAIN[:4])).owner is None
+    # w1 is back: A sees it alive (its life now), and it records
+    assert await a.worker_life("w1") == seen_by_a + 1
+    new = await a.claim(Artifact(CHAIN[:8], start=4), "w1", 60)
+    await a.set_session_owner("s-new", "w1", 60)
+    stored = BlockStored((7,), None, tuple(TOKENS[8 * BS : 9 * BS]), BS)
+    await a.apply_events("w1", EventBatch(0, 0.0, (stored,)))
+
+    assert await b.drop_worker("w1", seen_by_b) == 0  # replica B's verdict, from before
+
+    m = await b.lookup(CHAIN[:8], "s-new")
+    assert m.owner == "w1" and m.owner_epoch == new.epoch and new.epoch > old.epoch
+    assert m.session_owner == "w1"
+    cached = (await b.lookup(tuple(block_hash_chain(TOKENS[8 * BS : 9 * BS], BS, ROOT)))).holdings
+    assert cached == (Holding("w1", Tier.GPU, 1, HoldKind.CACHED),)
+    # a drop by one who saw the new life, or by hand, still drops
+    assert await b.drop_worker("w1", await b.worker_life("w1")) >= 2
+    assert (await b.lookup(CHAIN[:8], "s-new")).owner is None
