@@ -52,6 +52,11 @@ ROUTER_COUNTERS = (
 """The replicas' counters the report carries (what the routers saw of the faults)."""
 
 
+REDIS_START_S = 120.0
+"""How long a restarted Redis may take to answer: it first replays its append-only file,
+tens of MB after a few minutes of load, which took past 10 s on a busy 2-core machine."""
+
+
 @dataclass
 class ChaosPlan:
     """What one run does (the CLI's options)."""
@@ -418,7 +423,7 @@ class _Run:
         before = await self.epoch()
         await asyncio.to_thread(redis.kill)
         await asyncio.sleep(self.plan.redis_down_s)
-        await asyncio.to_thread(redis.start)
+        await asyncio.to_thread(redis.start, REDIS_START_S)
 
         async def healthy() -> bool:
             return all([await self.directory_healthy(r) for r in self.topo.replicas])
@@ -451,7 +456,7 @@ class _Run:
                 await asyncio.to_thread(w.wait_healthy)
         if not self.topo.redis.alive():
             notes.append("redis was down at the end: started again")
-            await asyncio.to_thread(self.topo.redis.start)
+            await asyncio.to_thread(self.topo.redis.start, REDIS_START_S)
         for r in self.topo.replicas:
             if r.pid is None:
                 notes.append(f"router {r.name} was down at the end: started again")
