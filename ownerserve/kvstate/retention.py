@@ -13,7 +13,8 @@ n_win·L tokens over the cached sealed KV: `KVStateSpec.swa_recompute_tokens`). 
 
 This is the engine's HBM prefix cache (what the emulated engine keeps, as vLLM does); which
 boundaries a CPU/SSD copy keeps window checkpoints for is the model's off-GPU policy,
-`SwaPolicy` (`swa_policy:` in its spec file), priced by the restore planner.
+`SwaPolicy` (`swa_policy:` in its spec file), priced by the restore planner and followed by
+the emulated engine's CPU tier.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ attention chain and the restorable boundaries, the plan header shows what the wo
 restore and its bytes by state type, and the engine's metrics show how each resume restored its
 state: under zero retention a warm resume is cut back to the last prompt boundary, under full
 retention it is cached, and a cold resume (other sessions evicted it from HBM and its windows,
-the CPU tier kept its prompt) loads the compressed KV and rebuilds the windows over n_win·L
-recomputed tokens. A P/D hand-over moves every group's state (sealed blocks, windows and tail
+the CPU tier kept its prompt) loads the compressed KV and, by the model's off-GPU SWA policy,
+loads the windows checkpointed there (full) or rebuilds them over n_win·L recomputed tokens
+(zero). A P/D hand-over moves every group's state (sealed blocks, windows and tail
 at their end) and the decode side resumes without recomputing."""
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ NUM_BLOCKS = 120
 """HBM for one long session: two others evict it (the CPU tier, 1024 blocks, keeps it)."""
 
 
-def worker(retention: str | None) -> EmulatedWorker:
+def worker(retention: str | None, swa_policy: str) -> EmulatedWorker:
     extra = [
         "--block-size", str(BS), "--num-blocks", str(NUM_BLOCKS), "--cpu-num-blocks", "1024",
         "--window-num-blocks", "2", "--output-len", "400",
     ]  # fmt: skip
     if retention is not None:
         extra += ["--prefix-cache-retention-interval", retention]
+    extra += ["--swa-policy", swa_policy]
     return EmulatedWorker("h0", "hybrid", model=MODEL, speed=20.0, extra=tuple(extra))
 
 
@@ -94,17 +96,25 @@ def restore(fields: dict[str, str]) -> tuple[str, str, int, int, dict[str, int]]
 
 
 @pytest.mark.parametrize(
-    ("retention", "warm", "backend"),
-    [("0", "truncated", "memory"), (None, "cached", "memory"), ("0", "truncated", "redis")],
+    ("retention", "swa_policy", "warm", "backend"),
+    [
+        ("0", "zero", "truncated", "memory"),
+        (None, "full", "cached", "memory"),
+        ("0", "zero", "truncated", "redis"),
+    ],
 )
 async def test_resumes_restore_by_the_retention_policy_and_show_their_state_bytes(
-    retention: str | None, warm: str, backend: str, request: pytest.FixtureRequest
+    retention: str | None,
+    swa_policy: str,
+    warm: str,
+    backend: str,
+    request: pytest.FixtureRequest,
 ) -> None:
     directory = None
     if backend == "redis":
         server = request.getfixturevalue("redis_server")
         directory = {"backend": "redis", "redis_url": server.url, "key_prefix": "hetero"}
-    with emulated_workers(worker(retention)) as (w,):
+    with emulated_workers(worker(retention, swa_policy)) as (w,):
         async with proxy_client(settings(w, directory)) as (client, router):
             messages = [
                 {"role": "system", "content": doc("s1")},
@@ -143,15 +153,22 @@ async def test_resumes_restore_by_the_retention_policy_and_show_their_state_byte
             messages.append({"role": "user", "content": "one more time"})
             third, usage3 = await turn(client, messages)
             who, tier, done, sealed, by_type = restore(third)
-            # the CPU tier holds the second prompt's sealed blocks and no windows
-            assert (who, tier, done) == ("h0", "cpu", 0)
+            # the CPU tier holds the second prompt's sealed blocks, and its windows at every
+            # boundary (full off-GPU policy) or none (zero)
+            full = swa_policy == "full"
+            assert (who, tier) == ("h0", "cpu")
             assert sealed == usage2["prompt_tokens"] // BS
+            assert done == (sealed if full else 0)
             m = w.metrics()
-            assert metric_value(m, "ownerserve_emulator_resumes_total", how="rebuilt") == 1
-            # the windows were rebuilt over n_win·L = 128 x 61 tokens, the KV loaded
-            assert metric_value(m, "ownerserve_emulator_window_rebuild_tokens_total") == 7808
+            cold = "cached" if full else "rebuilt"
+            resumes = metric_value(m, "ownerserve_emulator_resumes_total", how=cold)
+            assert resumes == 1 + (cold == warm)
+            # zero: the windows rebuilt over n_win·L = 128 x 61 tokens; full: loaded with the KV
+            rebuilt = metric_value(m, "ownerserve_emulator_window_rebuild_tokens_total")
+            assert rebuilt == (0 if full else 7808)
             loaded = metric_value(m, "vllm:kv_offload_load_bytes_total") - loaded_before
-            assert loaded == sealed * SEALED_BLOCK
+            windows = V4.mutable_bytes(sealed * BS) if full else 0
+            assert loaded == sealed * SEALED_BLOCK + windows
             assert usage3["prompt_tokens_details"]["cached_tokens"] == sealed * BS
             hca = metric_value(m, "ownerserve_emulator_state_loaded_bytes_total", state_type="hca")
             assert hca == V4.state_bytes(0, sealed * BS)[StateType.COMPRESSED_HCA]
@@ -159,11 +176,11 @@ async def test_resumes_restore_by_the_retention_policy_and_show_their_state_byte
             resp = await client.get("/admin/plans", headers={"x-admin-token": "adm"})
             plans = resp.json()["plans"]
             shown = plans[-1]["restore"]
-            assert (shown["worker"], shown["tier"], shown["blocks"]) == ("h0", "cpu", 0)
+            assert (shown["worker"], shown["tier"], shown["blocks"]) == ("h0", "cpu", done)
             assert shown["sealed_blocks"] == sealed and shown["state_bytes"] == by_type
             # every worker's restorable units of the prompt: here h0's CPU tier only
             assert plans[-1]["restorable"] == [
-                {"worker": "h0", "tier": "cpu", "blocks": 0, "sealed_blocks": sealed}
+                {"worker": "h0", "tier": "cpu", "blocks": done, "sealed_blocks": sealed}
             ]
             first_two = [p["restore"] is None for p in plans[:2]]
             assert first_two == [True, False]  # the first turn found nothing to restore

@@ -979,6 +979,8 @@ class EmulatorApp:
         external = query.get("reset_external", ["false"])[-1].lower() in ("true", "1", "yes", "on")
         if external and self.host is not None:
             self.host.reset()  # vLLM's connector reset publishes no events of its own
+            if self.hybrid is not None and self.hybrid.host is not None:
+                self.hybrid.host.reset()
         if self.chunk_store is not None:
             self.chunk_store.clear()
         self.engine.flush_events()

@@ -10,8 +10,9 @@ import argparse
 from dataclasses import dataclass
 
 from ownerserve.errors import ConfigError
-from ownerserve.kvstate import KVStateSpec, load_spec, spec_for_model
+from ownerserve.kvstate import KVStateSpec, SwaPolicy, load_spec, spec_for_model
 from ownerserve.kvstate.groups import is_hybrid, kv_cache_groups, sealed_block_bytes
+from ownerserve.kvstate.registry import swa_policy_from_value
 from ownerserve.kvstate.retention import Retention
 from ownerserve.profiles import TimingProfile, load_profile
 from ownerserve.types import Role
@@ -79,6 +80,9 @@ class EmulatorConfig:
     N tokens (and the last prompt boundary)."""
     window_num_blocks: int | None = None
     """Blocks of the sliding-window pool (hybrid specs); None: as many as the KV pool's."""
+    swa_policy: str | None = None
+    """Which boundaries the CPU tier keeps window checkpoints for (hybrid specs): `full`,
+    `zero` or `periodic:N`; None: the spec's `swa_policy:` (default periodic 4096)."""
     tool_call_every: int = 0
     """Tool-calling mode: when a chat request offers tools (tool_choice auto), every this
     many user turns is answered with a tool call, arguments drawn from its schema (0: off)."""
@@ -114,6 +118,8 @@ class EmulatorConfig:
             raise ConfigError(
                 f"--prefix-cache-retention-interval must be >= 0, got {self.retention_interval}"
             )
+        if self.swa_policy is not None:
+            self.offload_policy()  # a bad value is a ConfigError now, not at start-up
         if self.window_num_blocks is not None and self.window_num_blocks <= 0:
             raise ConfigError(f"--window-num-blocks must be positive, got {self.window_num_blocks}")
         if self.tool_call_every < 0:
@@ -163,6 +169,21 @@ class EmulatorConfig:
             per_block = profile.kv_bytes_per_token * self.block_size
         return max(1, int(profile.hbm_kv_bytes // per_block))
 
+    def offload_policy(self) -> SwaPolicy | None:
+        """`swa_policy` as a `SwaPolicy` (None: the spec's)."""
+        value = self.swa_policy
+        if value is None:
+            return None
+        text = value.strip().lower()
+        if text.startswith("periodic:"):
+            try:
+                return swa_policy_from_value({"periodic": int(text.split(":", 1)[1])})
+            except ValueError:
+                pass
+        elif text in ("full", "zero"):
+            return swa_policy_from_value(text)
+        raise ConfigError(f"--swa-policy must be full, zero or periodic:N, got {value!r}")
+
     def hybrid_kv(self, spec: KVStateSpec | None, capacity_blocks: int) -> HybridKV | None:
         """HeteroCache's groups for a hybrid spec (None for a dense model)."""
         if spec is None:
@@ -172,6 +193,8 @@ class EmulatorConfig:
             self.block_size,
             Retention(self.retention_interval),
             self.window_num_blocks or capacity_blocks,
+            offload=self.offload_policy(),
+            host_window_blocks=self.cpu_kv_blocks,
         )
 
     def chunk_capacity_tokens(self, profile: TimingProfile) -> int:
@@ -259,6 +282,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "interval)",
     )
     parser.add_argument(
+        "--swa-policy",
+        default=None,
+        help="hybrid specs with a CPU tier: boundaries whose window checkpoints it keeps: "
+        "full, zero or periodic:N (default: the spec's swa_policy)",
+    )
+    parser.add_argument(
         "--window-num-blocks",
         type=int,
         default=None,
@@ -315,4 +344,5 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         kv_spec=args.kv_spec,
         retention_interval=args.prefix_cache_retention_interval,
         window_num_blocks=args.window_num_blocks,
+        swa_policy=args.swa_policy,
     )

@@ -645,8 +645,10 @@ class Engine:
             seq = waiting[0]
             hit = self._prefix_hit_blocks(seq)
             use_host = host is not None and seq.remote is None
+            host_limit: int | None = None
             if self.hybrid is not None and seq.remote is None:
-                hit, use_host = self._choose_resume(seq, hit)
+                hit, host_limit = self._choose_resume(seq, hit)
+                use_host = host_limit > 0
             hit_hashes = seq.hashes[:hit]
             computed = hit * bs
             whole = -(-seq.num_tokens // bs) - hit
@@ -657,6 +659,8 @@ class Engine:
                 # limit (the last prompt token is always computed).
                 limit = (seq.num_tokens - 1) // bs
                 on_host = host.match_prefix(seq.hashes[hit:limit])
+                if host_limit is not None:
+                    on_host = min(on_host, host_limit)  # a hybrid resume's CPU part
                 if on_host:
                     if on_host > pool.free_after_touch(hit_hashes) - self._inflight_reserved():
                         break
@@ -706,10 +710,10 @@ class Engine:
             return self._schedule() if preempted else None
         return _Step(items, self._step_seconds(items))
 
-    def _choose_resume(self, seq: Sequence, hit: int) -> tuple[int, bool]:
+    def _choose_resume(self, seq: Sequence, hit: int) -> tuple[int, int]:
         """A hybrid spec's resume point (`HybridKV.choose`) for a sequence whose sealed blocks
-        HBM caches for `hit` blocks: the blocks to start from, and whether to load the CPU
-        tier's continuation. Sets the windows' rebuild on the sequence."""
+        HBM caches for `hit` blocks: the blocks to start from, and how many blocks of the CPU
+        tier's continuation to load. Sets the windows' rebuild on the sequence."""
         hybrid = self.hybrid
         assert hybrid is not None
         host = self.host
@@ -722,7 +726,7 @@ class Engine:
         choice = hybrid.choose(seq.hashes, hit, self.profile, on_host, load_s)
         seq.rebuild = choice.rebuild_tokens
         seq.resume = choice.how
-        return choice.blocks, choice.host_blocks > 0
+        return choice.blocks, choice.host_blocks
 
     def _release_windows(self, seq: Sequence, keep_from: int | None = None) -> None:
         """Let go of the sequence's window blocks before block `keep_from` (all by default)."""
@@ -873,6 +877,9 @@ class Engine:
         seq.num_offloaded = max(seq.num_offloaded, seq.num_hashed + len(hashes))
         host.pin(hashes)
         nbytes = len(hashes) * self.block_bytes
+        hybrid = self.hybrid
+        if hybrid is not None:
+            nbytes += self._count_hybrid_load(seq, len(hashes))
         seconds = nbytes / self.profile.link.cpu_load_bps
         now = time.perf_counter()
         end = max(now, self._host_link_free_at) + seconds / self.speed
@@ -880,17 +887,29 @@ class Engine:
         m = self.metrics
         m.kv_offload_load_bytes += nbytes
         m.kv_offload_load_s += seconds
-        if self.hybrid is not None:
-            bs = self.block_size
-            lo = seq.num_hashed * bs
-            by_type = self.hybrid.spec.state_bytes(lo, lo + len(hashes) * bs)
-            for g in self.hybrid.sealed:
-                m.state_loaded_bytes[g.state_type.value] = (
-                    m.state_loaded_bytes.get(g.state_type.value, 0) + by_type[g.state_type]
-                )
         seq.load_task = asyncio.get_running_loop().create_task(
             self._load_from_host(seq, hashes, end - now), name=f"kv-host-load-{seq.request_id}"
         )
+
+    def _count_hybrid_load(self, seq: Sequence, blocks: int) -> int:
+        """A hybrid spec's CPU load of `blocks` blocks past the sequence's HBM hit: count its
+        bytes by state type, and return the bytes of the window checkpoint at its end that
+        the CPU tier also holds (0 when the windows are in HBM or must be rebuilt)."""
+        hybrid = self.hybrid
+        assert hybrid is not None
+        m = self.metrics
+        bs = self.block_size
+        lo = seq.num_hashed * bs
+        end = seq.num_hashed + blocks
+        by_type = hybrid.spec.state_bytes(lo, end * bs)
+        types = [g.state_type for g in hybrid.sealed]
+        extra = 0
+        if hybrid.host_windows(seq.hashes, end):
+            types += [g.state_type for g in hybrid.mutable]  # the windows and tail at `end`
+            extra = hybrid.spec.mutable_bytes(end * bs)
+        for t in dict.fromkeys(types):
+            m.state_loaded_bytes[t.value] = m.state_loaded_bytes.get(t.value, 0) + by_type[t]
+        return extra
 
     async def _load_from_host(self, seq: Sequence, hashes: list[int], delay_s: float) -> None:
         host = self.host
@@ -928,6 +947,8 @@ class Engine:
         ]
         if host.store(blocks):
             seq.num_offloaded = upto
+            if self.hybrid is not None:
+                self.hybrid.offload_windows(hashes, seq.tokens, lo, upto)
 
     def _abandon(self, seq: Sequence) -> None:
         """The sequence no longer needs its remote KV: let the source free it now."""

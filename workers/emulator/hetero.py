@@ -38,8 +38,9 @@ from ownerserve.kvstate.groups import (
     sealed_block_bytes,
 )
 from ownerserve.kvstate.retention import Retention, restorable_boundary
+from ownerserve.kvstate.types import SwaPolicy
 from ownerserve.profiles import TimingProfile
-from workers.emulator.kv_cache import BlockPool, NewBlock
+from workers.emulator.kv_cache import BlockPool, CachedBlock, HostPool, NewBlock
 
 TokenReader = Callable[[int, int], tuple[int, ...]]
 """A sequence's token ids [lo, hi) (`Sequence.tokens`)."""
@@ -101,6 +102,8 @@ class HybridKV:
         block_size: int,
         retention: Retention,
         window_pool_blocks: int,
+        offload: SwaPolicy | None = None,
+        host_window_blocks: int = 0,
     ) -> None:
         self.spec = spec
         self.block_size = block_size
@@ -120,6 +123,16 @@ class HybridKV:
             BlockPool(window_pool_blocks, block_size) if self.mutable else None
         )
         self.window_block_bytes = sum(g.block_bytes for g in self.mutable)
+        policy = spec.swa_policy if offload is None else offload
+        self.offload = policy if policy.resolved else SwaPolicy.zero()
+        """Which boundaries the CPU tier keeps window checkpoints for (the model's off-GPU
+        SWA policy, `swa_policy:` in its spec; a cost-based one not yet resolved keeps none)."""
+        self.host: HostPool | None = (
+            HostPool(host_window_blocks, block_size)
+            if host_window_blocks and self.mutable
+            else None
+        )
+        """Window blocks written to the CPU tier at the checkpoints of `offload`."""
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -128,14 +141,27 @@ class HybridKV:
 
     # --- the resume rule --------------------------------------------------------------------
 
-    def window_held(self, hashes: Sequence[int], blocks: int) -> bool:
-        """Whether the windows (and state) at boundary `blocks` are cached."""
+    def window_held(self, hashes: Sequence[int], blocks: int, host: bool = False) -> bool:
+        """Whether the windows (and state) at boundary `blocks` are cached (in HBM, or with
+        `host` also in the CPU tier)."""
         pool = self.pool
         if pool is None or blocks <= 0:
             return True
-        return all(
-            pool.contains(hashes[j]) for j in range(max(0, blocks - self.window_blocks), blocks)
-        )
+        held = self._held(hashes, host)
+        return all(held(j) for j in range(max(0, blocks - self.window_blocks), blocks))
+
+    def _held(self, hashes: Sequence[int], host: bool) -> Callable[[int], bool]:
+        pool = self.pool
+        assert pool is not None
+        cpu = self.host if host else None
+        if cpu is None:
+            return lambda j: pool.contains(hashes[j])
+        return lambda j: pool.contains(hashes[j]) or cpu.contains(hashes[j])
+
+    def host_windows(self, hashes: Sequence[int], blocks: int) -> bool:
+        """Whether the windows at boundary `blocks` come from the CPU tier (not all in HBM,
+        all in HBM or CPU)."""
+        return not self.window_held(hashes, blocks) and self.window_held(hashes, blocks, True)
 
     def _rebuild_s(self, profile: TimingProfile, blocks: int) -> tuple[int, float]:
         n = blocks * self.block_size
@@ -172,13 +198,24 @@ class HybridKV:
 
         options: list[tuple[float, ResumeChoice]] = []
         if host_blocks:
-            r, t = (0, 0.0) if self.window_held(hashes, end) else self._rebuild_s(profile, end)
+            per_block = host_load_s / host_blocks
+            held = self.window_held(hashes, end, host=True)
+            r, t = (0, 0.0) if held else self._rebuild_s(profile, end)
             options.append(
                 (
                     host_load_s + t,
                     ResumeChoice(hbm_blocks, host_blocks, r, "rebuilt" if r else "cached"),
                 )
             )
+            # or load only up to the deepest CPU window checkpoint and compute from there
+            c = restorable_boundary(end, self._held(hashes, True), self.window_blocks)
+            if hbm_blocks < c < end:
+                options.append(
+                    (
+                        per_block * (c - hbm_blocks) + compute_s(c),
+                        ResumeChoice(hbm_blocks, c - hbm_blocks, 0, "truncated"),
+                    )
+                )
         if k == hbm_blocks and hbm_blocks:
             options.append((compute_s(k), ResumeChoice(k, 0, 0, "cached")))
         else:
@@ -261,6 +298,28 @@ class HybridKV:
             pool.discard(drop)
         return rest
 
+    def _checkpointed(self, j: int) -> bool:
+        """Whether window block j is part of a CPU checkpoint: of the window of a boundary
+        in (j, j + window] where the off-GPU policy keeps one."""
+        bs = self.block_size
+        policy = self.offload
+        return any(policy.restorable(b * bs) for b in range(j + 1, j + self.window_blocks + 1))
+
+    def offload_windows(self, hashes: Sequence[int], tokens: TokenReader, lo: int, hi: int) -> None:
+        """Write through to the CPU tier the window blocks of [lo, hi) (prompt blocks just
+        offered there) that a checkpoint of the off-GPU policy needs."""
+        host = self.host
+        if host is None:
+            return
+        bs = self.block_size
+        blocks = [
+            CachedBlock(hashes[j], hashes[j - 1] if j else None, tokens(j * bs, (j + 1) * bs))
+            for j in range(lo, hi)
+            if self._checkpointed(j)
+        ]
+        if blocks:
+            host.store(blocks)
+
     def describe(self) -> dict[str, Any]:
         """The groups as `GET /kv_blocks` shows them: kind, layers, bytes per block, and for
         the window pool its blocks held and their hashes."""
@@ -281,6 +340,7 @@ class HybridKV:
                 for g in self.groups
             ],
         }
+        out["swa_policy"] = str(self.offload)
         if pool is not None:
             out["window_capacity_blocks"] = pool.num_blocks
             out["window_blocks_held"] = pool.num_cached
@@ -297,4 +357,7 @@ class HybridKV:
         """The window pool's events since the last drain, once per mutable group."""
         if self.pool is None:
             return []
-        return _tagged(self.pool.drain_events(), self.mutable)
+        events = self.pool.drain_events()
+        if self.host is not None:
+            events.extend(self.host.drain_events())
+        return _tagged(events, self.mutable)

@@ -12,7 +12,7 @@ import pytest
 
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from ownerserve.hashing import block_hash_chain, chain_root
-from ownerserve.kvstate import StateType, load_spec
+from ownerserve.kvstate import StateType, SwaPolicy, load_spec
 from ownerserve.kvstate.retention import FULL, ZERO, Retention
 from ownerserve.profiles import TimingProfile, profile_from_dict
 from ownerserve.tokenizer import ByteTokenizer
@@ -48,9 +48,16 @@ def profile() -> TimingProfile:
 class Engine4:
     """An engine serving the V4-like spec, its published events collected."""
 
-    def __init__(self, retention: Retention, host_blocks: int = 0, num_blocks: int = 512) -> None:
+    def __init__(
+        self,
+        retention: Retention,
+        host_blocks: int = 0,
+        num_blocks: int = 512,
+        offload: SwaPolicy | None = None,
+    ) -> None:
         self.events: list[KVEvent] = []
-        self.hybrid = HybridKV(V4, BS, retention, num_blocks)
+        host_windows = host_blocks if offload is not None else 0
+        self.hybrid = HybridKV(V4, BS, retention, num_blocks, offload, host_windows)
         self.host = HostPool(host_blocks, BS) if host_blocks else None
         self.metrics = EngineMetrics("m", "w", "hybrid", "t")
         self.metrics.hybrid = True
@@ -146,6 +153,34 @@ async def test_a_cold_resume_loads_sealed_kv_from_cpu_sized_by_the_spec() -> Non
     }  # fmt: skip
     # the CPU tier holds no windows: they were rebuilt over the loaded KV
     assert m.resumes["rebuilt"] == 1 and m.window_rebuild_tokens == 7808
+
+
+@pytest.mark.parametrize(
+    ("policy", "how", "resumed_at", "rebuilt"),
+    [
+        (SwaPolicy.full(), "cached", 100, 0),
+        # checkpoints every 4096 tokens (32 blocks): the CPU part loads up to boundary 96 and
+        # 4 blocks are computed, quicker than rebuilding at 100
+        (SwaPolicy.periodic(4096), "truncated", 96, 0),
+        (SwaPolicy.zero(), "rebuilt", 100, 7808),
+    ],
+)
+async def test_a_cold_resume_restores_windows_by_the_off_gpu_policy(
+    policy: SwaPolicy, how: str, resumed_at: int, rebuilt: int
+) -> None:
+    e = Engine4(FULL, host_blocks=512, offload=policy)
+    first = await e.run(tokens(100 * BS + 50))
+    assert e.engine.pool.reset() and e.hybrid.pool is not None and e.hybrid.pool.reset()
+    second = await e.run(first.prompt_ids + tokens(100, seed=3))
+    m = e.metrics
+    assert second.cached_tokens == resumed_at * BS
+    assert m.resumes[how] == 1 and m.window_rebuild_tokens == rebuilt
+    windows = m.state_loaded_bytes.get("swa", 0)
+    # the windows (128 entries x 61 layers x 576 B) come from the CPU only when cached there
+    assert windows == (61 * 128 * 576 if how != "rebuilt" else 0)
+    assert m.kv_offload_load_bytes == resumed_at * SEALED_BLOCK + (
+        V4.mutable_bytes(resumed_at * BS) if windows else 0
+    )
 
 
 async def test_kv_events_are_tagged_per_group() -> None:
