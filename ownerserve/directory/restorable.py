@@ -94,6 +94,7 @@ class GroupHoldings:
 
     def __init__(self) -> None:
         self._workers: dict[str, _Worker] = {}
+        self._any = False  # some worker's events named a group: lookups pay only then
 
     def register_worker(self, worker: str, root: int, block_size: int) -> None:
         """The chain root and block size the worker's events use (as the directory's)."""
@@ -117,8 +118,9 @@ class GroupHoldings:
 
     @property
     def any_groups(self) -> bool:
-        """Whether any worker's events named a KV cache group."""
-        return any(rec.groups for rec in self._workers.values())
+        """Whether any worker's events named a KV cache group (one attribute read: every
+        lookup asks)."""
+        return self._any
 
     # --- events ------------------------------------------------------------------------------
 
@@ -164,6 +166,7 @@ class GroupHoldings:
         if isinstance(e, BlockStored) and g not in rec.groups:
             info = GroupInfo(g, e.group_kind or "full_attention", e.sliding_window)
             rec.groups[g] = info
+            self._any = True
             if info.kind in ATTENTION_KINDS and (rec.chain_group is None or g < rec.chain_group):
                 rec.chain_group = g
         if rec.root is None:
