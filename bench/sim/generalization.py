@@ -36,6 +36,7 @@ import datetime as dt
 import io
 import json
 import shlex
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -119,6 +120,9 @@ def run(
             for r in got:
                 r.update(family=family, load=label, argv=key)
             rows += got
+            # what is done so far, should the run be cut short
+            partial = cache.with_name(cache.stem + ".rows.json")
+            partial.write_text(json.dumps(rows, indent=1, default=str))
             best = best_peer(got)
             print(
                 f"{family} {label}: best peer {best['policy'] if best else '-'} "
@@ -178,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--out", type=Path, default=Path("bench/results/sim_generalization"))
     args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
@@ -194,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     peers_run = list(PEERS) if args.peers == "all" else args.peers.split(",")
     rows = run(families, own, args.peers_cache, args.workers, peers_run)
     md = (
-        f"Command: `python -m bench.sim.generalization {shlex.join(argv or [])}`. Machine: "
+        f"Command: `python -m bench.sim.generalization {shlex.join(argv)}`. Machine: "
         f"{machine_line()}. Started {started:%Y-%m-%d %H:%M} UTC. Simulated times, one seed.\n\n"
         + table(rows, [n for n, _ in own])
     )
