@@ -9,6 +9,10 @@ measures, interleaved per repeat in an order shuffled anew each repeat:
 
 - store fetch: `StoreClient.get_into` of all the row's keys in one batch into a registered
   buffer, each payload verified against its digest there (what `StoreTier.fetch` does);
+- replicas cached: the same keys read by ranged gets inside a get session
+  (`batch_get_session_start`: one replica query, holding a lease; renewed untimed every 4 s),
+  each payload verified the same way: a fetch with no master round trip (measured lever; not
+  what `StoreClient` does, see bench/history/mooncake_store.md);
 - raw TE: one `transfer_sync_read` of all the row's bytes (the strongest raw baseline); for rows
   of many keys also `raw per-artifact`: one `batch_transfer_sync_read`, a segment per artifact.
 
@@ -41,7 +45,9 @@ from workers.mooncake_store import (
     MasterAddress,
     MooncakeMaster,
     StoreClient,
+    checksum,
 )
+from workers.mooncake_store.client import memory_at
 from workers.sidecar import mooncake_transport as mt
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -102,6 +108,26 @@ def row(master: MasterAddress, client: StoreClient, size: int, keys: int, repeat
         def store() -> None:
             assert client.get_into(names, addrs, caps) == [size] * keys
 
+        # replicas cached: a get session (one replica query, which also takes a lease) and
+        # ranged gets that use it, each payload then verified as `get_into` does; the session
+        # is renewed, untimed, well inside the master's 10 s lease (`refresh`)
+        store_api = client._store
+        ranges = ([[a] for a in addrs], [[stride] for _ in names], [[0] for _ in names])
+        renewed = [0.0]
+
+        def refresh() -> None:
+            if time.monotonic() - renewed[0] > 4.0:
+                store_api.batch_get_session_end(names)
+                assert all(int(c) == 0 for c in store_api.batch_get_session_start(names))
+                renewed[0] = time.monotonic()
+
+        def cached() -> None:
+            got = store_api.batch_get_into_multi_buffer_ranges(names, *ranges)
+            assert [int(n) for n in got] == caps
+            for a in addrs:
+                view = memory_at(a, stride)
+                assert checksum(view[:size]) == view[size:]
+
         def raw_te() -> None:
             assert engine.te.transfer_sync_read(session, local.addr, int(raw_addr), total) == 0
 
@@ -114,7 +140,7 @@ def row(master: MasterAddress, client: StoreClient, size: int, keys: int, repeat
             )
             assert rc == 0
 
-        paths: dict[str, Callable[[], None]] = {"store": store, "raw": raw_te}
+        paths: dict[str, Callable[[], None]] = {"store": store, "cached": cached, "raw": raw_te}
         if keys > 1:
             paths["seg"] = raw_seg
         reps = max(3, min(repeats, (1 << 30) // total))
@@ -122,11 +148,13 @@ def row(master: MasterAddress, client: StoreClient, size: int, keys: int, repeat
         order = list(paths)
         for rep in range(reps + 1):  # the first round warms connections and pages
             random.shuffle(order)
+            refresh()
             for name in order:
                 t0 = time.perf_counter()
                 paths[name]()
                 if rep:
                     t.setdefault(name, []).append(time.perf_counter() - t0)
+        store_api.batch_get_session_end(names)
         dst.close()
         local.retire()  # unregistered before its memory goes (a later buffer may reuse it)
         return {k: _rate(total, v) for k, v in t.items()}
@@ -142,10 +170,10 @@ def main(repeats: int, rows: list[tuple[int, int]], with_sidecar: bool) -> None:
     with MooncakeMaster() as master:
         client = StoreClient.open(ClientSettings(master.address, segment_bytes=0))
         print(
-            "| artifacts | store fetch MB/s | raw TE MB/s | ratio | raw per-artifact MB/s "
-            "| ratio | sidecar fetch MB/s | store / sidecar |"
+            "| artifacts | store fetch MB/s | raw TE MB/s | ratio | replicas cached MB/s | ratio "
+            "| raw per-artifact MB/s | ratio | sidecar fetch MB/s | store / sidecar |"
         )
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         nan = float("nan")
         for size, keys in rows:
             r = row(master.address, client, size, keys, repeats)
@@ -153,11 +181,11 @@ def main(repeats: int, rows: list[tuple[int, int]], with_sidecar: bool) -> None:
             if with_sidecar:
                 s = asyncio.run(sidecar_bench.row(size, keys, repeats, True))
                 side = s.get("mc", nan)
-            st, raw, seg = r["store"], r["raw"], r.get("seg", nan)
+            st, raw, seg, ca = r["store"], r["raw"], r.get("seg", nan), r["cached"]
             seg_cols = f"{seg:.1f} | {st / seg:.2f}" if keys > 1 else "- | -"
             print(
                 f"| {sidecar_bench._label(size, keys)} | {st:.1f} | {raw:.1f} | {st / raw:.2f} "
-                f"| {seg_cols} | {side:.1f} | {st / side:.2f} |",
+                f"| {ca:.1f} | {ca / raw:.2f} | {seg_cols} | {side:.1f} | {st / side:.2f} |",
                 flush=True,
             )
         client.close()

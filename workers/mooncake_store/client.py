@@ -8,7 +8,9 @@ then its XXH3-128 digest (the sidecar's artifact checksum, `workers.sidecar.stor
 A reader needs nothing but the key: `get_into` reads the object into a slot, hashes the payload
 in place and compares it with the trailer. A writer leaves 16 writable bytes after each payload
 in its buffer (`put_from` writes the digest there), so a save is gather, hash, one batch put,
-with no Python `bytes` per artifact.
+with no Python `bytes` per artifact. Payloads packed back to back (a staging buffer's) go with
+their digests in a separate registered slot each (`put_split`, `get_split`: the store's
+multi-buffer batch calls; the object's bytes are the same).
 
 **Errors.** The binding answers status integers (Mooncake's `ErrorCode`,
 `mooncake-store/include/types.h`); here the master out of reach (`RPC_FAIL`, `RPC_TIMEOUT`) is

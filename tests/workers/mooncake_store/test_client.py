@@ -108,3 +108,44 @@ def test_master_killed_fails_gets_then_restart_serves_puts(
         MISSING,  # what the old master knew is gone with it
     ]
     buf.close()
+
+
+def test_split_puts_and_gets_store_the_same_objects_and_refuse_another_size(
+    client: StoreClient,
+) -> None:
+    """`put_split` / `get_split` (payloads back to back, digests apart) write and read the
+    objects `put_from` / `get_into` do; an object of another size, or failing its digest, is
+    refused."""
+    payloads = [os.urandom(5000) for _ in range(3)]
+    src, dst = client.buffer(1 << 20), client.buffer(1 << 20)
+    for i, p in enumerate(payloads):
+        src.view[i * 5000 : (i + 1) * 5000] = p
+    digests = [src.address + 20000 + 16 * i for i in range(3)]
+    keys = ["s0", "s1", "s2"]
+    addrs = [src.address + 5000 * i for i in range(3)]
+    assert client.put_split(keys, addrs, [5000] * 3, digests) == [0, 0, 0]
+    # read back whole: the payload, then its digest
+    assert client.get_into(keys[:1], [dst.address], [5016]) == [5000]
+    assert bytes(dst.view[:5016]) == payloads[0] + checksum(payloads[0])
+    # and split, also of an object put_from wrote
+    src.view[30000:31000] = payloads[1][:1000]
+    assert client.put_from(["whole"], [src.address + 30000], [1000]) == [0]
+    got = client.get_split(
+        [*keys, "whole"],
+        [dst.address + 5000 * i for i in range(3)] + [dst.address + 15000],
+        [5000, 5000, 5000, 1000],
+        [dst.address + 20000 + 16 * i for i in range(4)],
+    )
+    assert got == [5000, 5000, 5000, 1000]
+    assert bytes(dst.view[:15000]) == b"".join(payloads)
+    assert bytes(dst.view[20048:20064]) == checksum(payloads[1][:1000])
+    # refused: absent, larger and smaller than asked, a payload not matching its digest
+    assert client.put_raw("bad", bytes(5016)) == 0
+    slots = [dst.address + 5000 * i for i in range(4)]
+    digest_slots = [dst.address + 20000 + 16 * i for i in range(4)]
+    got = client.get_split(
+        ["absent", "s0", "whole", "bad"], slots, [5000, 4000, 2000, 5000], digest_slots
+    )
+    assert got == [MISSING, CORRUPTED, MISSING, CORRUPTED]
+    src.close()
+    dst.close()
