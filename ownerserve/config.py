@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ownerserve.errors import ConfigError
+from ownerserve.kvstate.registry import load_spec, spec_for_model
 from ownerserve.types import PD_PATHS, BackendKind, KVPath, Role
 
 
@@ -235,10 +236,34 @@ class ModelSettings(_Strict):
     chat_template: str | None = None
     block_size: int = Field(default=16, gt=0)
     salt: str = ""
-    kv_spec: str = "llama3-8b"
+    kv_spec: str | None = None
+    """Its HeteroCache KV state spec (`configs/models/NAME.yaml`, or a YAML path): the planner
+    prices its requests with it (`RequestView.kv_spec`: sealed bytes per token, windows and
+    tail, restores by `planner.restore`). Unset: the shipped spec whose name or alias is the
+    model's name (`ownerserve.kvstate.spec_for_model`), else none; null: none (a dense model
+    of the profile's `kv_bytes_per_token`)."""
     max_model_len: int = Field(default=131072, gt=0)
     chunks: ChunkSettings | None = None
     """Chunk reuse (`ChunkSettings`); None: off (prompts are prefix-cached only)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _spec_by_name(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "kv_spec" not in data and "name" in data:
+            spec = spec_for_model(str(data["name"]))
+            if spec is not None:
+                return {**data, "kv_spec": spec.name}
+        return data
+
+    @field_validator("kv_spec")
+    @classmethod
+    def _spec_loads(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                load_spec(value)
+            except (ConfigError, OSError) as exc:
+                raise ValueError(f"kv_spec {value!r}: {exc}") from exc
+        return value
 
 
 WORKER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$"

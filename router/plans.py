@@ -84,10 +84,12 @@ class RestoreShown:
         }
 
 
-def restore_shown(match: Match, plan: Plan, kv_spec: str, block_size: int) -> RestoreShown | None:
+def restore_shown(
+    match: Match, plan: Plan, kv_spec: str | None, block_size: int
+) -> RestoreShown | None:
     """What `plan`'s decode worker can restore of the looked-up prompt (GPU first, then
-    CPU), or None for a dense model (no worker's events name KV cache groups)."""
-    if not match.restorable:
+    CPU), or None for a dense model (no worker's events name KV cache groups, or no spec)."""
+    if not match.restorable or kv_spec is None:
         return None
     worker = plan.chosen.decode_worker
     unit = match.restorable_on(worker, Tier.GPU) or match.restorable_on(worker, Tier.CPU)

@@ -7,12 +7,13 @@ reads; and the router's state as the planner's views (`ClusterSources`) and work
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ownerserve.config import ServerSettings, Settings
 from ownerserve.directory.base import Directory
+from ownerserve.kvstate import KVStateSpec
 from planner.calibration import Calibrator
 from planner.policies import Planner
 from planner.workingset import WorkingSets
@@ -97,13 +98,15 @@ class LookUpServices:
 @dataclass(frozen=True, slots=True)
 class ViewServices:
     """`view`: the policies, whether a request may pick one (`planner.allow_policy_header`),
-    the sessions it marks seen, and what the request view reads of the working sets."""
+    the sessions it marks seen, what the request view reads of the working sets, and each
+    model's KV state spec by name (`models[].kv_spec`; None: dense)."""
 
     planner: Planner
     policy_header: bool
     sessions: SessionTable
     working_sets: WorkingSets
     kv_bytes_per_token: int
+    kv_specs: Mapping[str, KVStateSpec | None]
 
 
 @dataclass(frozen=True, slots=True)

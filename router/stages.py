@@ -192,7 +192,13 @@ def view(
     now, None without a session)."""
     override = headers.get(POLICY_HEADER) if svc.policy_header else None
     policy = svc.planner.for_request(override)
-    rview = request_view(prompt, match, svc.working_sets, svc.kv_bytes_per_token)
+    rview = request_view(
+        prompt,
+        match,
+        svc.working_sets,
+        svc.kv_bytes_per_token,
+        svc.kv_specs.get(prompt.req.model),
+    )
     sid = prompt.session.session_id
     info = svc.sessions.touch(sid, prompt.tokens) if sid else prompt.info
     return policy, rview, info

@@ -16,6 +16,7 @@ from typing import Any
 from ownerserve.config import Settings
 from ownerserve.directory.base import Directory
 from ownerserve.errors import AuthenticationError
+from ownerserve.kvstate import KVStateSpec, load_spec
 from ownerserve.profiles import load_profile
 from ownerserve.tasks import cancel_and_wait, finish_or_cancel
 from planner.calibration import Calibrator
@@ -117,6 +118,10 @@ class Router:
         self._start_lock = asyncio.Lock()
         self.api_keys = tuple(k.encode() for k in settings.server.api_keys)
         self.kv_bytes_per_token = load_profile(settings.planner.profile).kv_bytes_per_token
+        # each model's HeteroCache spec, loaded once (the request view's `kv_spec`)
+        self.kv_specs: dict[str, KVStateSpec | None] = {
+            m.name: None if m.kv_spec is None else load_spec(m.kv_spec) for m in settings.models
+        }
         d = settings.directory
         self.lifetimes = Lifetimes(d.lease_s, d.session_ttl_s, REPLICA_TTL_S)
         self.refresh_period_s = min(d.lease_s, d.session_ttl_s) / 4
@@ -236,6 +241,7 @@ class Router:
                 self.sessions,
                 self.working_sets,
                 self.kv_bytes_per_token,
+                self.kv_specs,
             ),
             cluster=ClusterServices(
                 self.pool,

@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ownerserve.directory.base import Match
+from ownerserve.kvstate import KVStateSpec
 from ownerserve.types import Tier
 from planner.types import ClusterView, RequestView, WorkerView
 
@@ -156,11 +157,17 @@ def _view(
 
 
 def request_view(
-    prompt: Prompt, match: Match, working_sets: WorkingSets, kv_bytes_per_token: int
+    prompt: Prompt,
+    match: Match,
+    working_sets: WorkingSets,
+    kv_bytes_per_token: int,
+    kv_spec: KVStateSpec | None = None,
 ) -> RequestView:
     """The request as the planner sees it: its prompt, its session (`prompt.info`, as it was
-    before this request touched it), what the directory matched, and where the sessions'
-    working sets (`working_sets`) hold its session's KV."""
+    before this request touched it), what the directory matched, where the sessions' working
+    sets (`working_sets`) hold its session's KV, and its model's KV state spec (`kv_spec`,
+    `models[].kv_spec`: the hybrid cost terms the simulator prices with; None: a dense model
+    of `kv_bytes_per_token`)."""
     req, tok, info = prompt.req, prompt.tok, prompt.info
     session_id = prompt.session.session_id
     now = time.monotonic()
@@ -185,4 +192,5 @@ def request_view(
         home_tokens=home_tokens,
         growth_tokens=working_sets.growth(tok.prompt_tokens),
         chunk_spans=() if prompt.chunks is None else prompt.chunks.spans,
+        kv_spec=kv_spec,
     )

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from ownerserve.config import ModelSettings
+from ownerserve.config import ModelSettings, settings_from_dict
 from ownerserve.errors import ConfigError
 from ownerserve.kvstate import AttentionType, list_specs, load_spec, spec_for_model
 
@@ -20,8 +20,16 @@ def test_every_shipped_spec_loads_and_names_itself_after_its_file() -> None:
         assert load_spec(name) is spec  # cached: one frozen value per file
 
 
-def test_the_default_model_settings_name_a_shipped_spec() -> None:
-    assert load_spec(ModelSettings(name="m").kv_spec).name == "llama3-8b"
+def test_a_model_without_kv_spec_takes_the_spec_of_its_name_and_none_when_unknown() -> None:
+    assert ModelSettings(name="deepseek-v4-like").kv_spec == "deepseek-v4"
+    assert ModelSettings(name="ownerserve-tiny").kv_spec == "llama3-8b"
+    assert ModelSettings(name="m").kv_spec is None
+    assert ModelSettings(name="m", kv_spec="qwen3-8b-swa").kv_spec == "qwen3-8b-swa"
+
+
+def test_a_kv_spec_that_does_not_load_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="kv_spec 'no-such-spec'"):
+        settings_from_dict({"models": [{"name": "m", "kv_spec": "no-such-spec"}]})
 
 
 def test_specs_are_found_by_served_model_name() -> None:
