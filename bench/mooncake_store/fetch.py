@@ -9,10 +9,9 @@ measures, interleaved per repeat in an order shuffled anew each repeat:
 
 - store fetch: `StoreClient.get_into` of all the row's keys in one batch into a registered
   buffer, each payload verified against its digest there (what `StoreTier.fetch` does);
-- replicas cached: the same keys read by ranged gets inside a get session
-  (`batch_get_session_start`: one replica query, holding a lease; renewed untimed every 4 s),
-  each payload verified the same way: a fetch with no master round trip (measured lever; not
-  what `StoreClient` does, see bench/history/mooncake_store.md);
+- replicas cached: the same through a second client with its replica cache on
+  (`ClientSettings.replica_cache_s`, 5 s): from a key's second read on, ranged gets through a
+  get session's cached replica (no master round trip), each checked against the key's digest;
 - raw TE: one `transfer_sync_read` of all the row's bytes (the strongest raw baseline); for rows
   of many keys also `raw per-artifact`: one `batch_transfer_sync_read`, a segment per artifact.
 
@@ -45,12 +44,13 @@ from workers.mooncake_store import (
     MasterAddress,
     MooncakeMaster,
     StoreClient,
-    checksum,
 )
-from workers.mooncake_store.client import memory_at
 from workers.sidecar import mooncake_transport as mt
 
 KiB, MiB = 1 << 10, 1 << 20
+CACHE_S = 5.0
+"""The replica cache's lifetime in the `replicas cached` column (the sidecar's and the
+connector's default)."""
 ROWS = [
     (4 * KiB, 1),
     (64 * KiB, 1),
@@ -86,7 +86,14 @@ def _rate(nbytes: int, times: list[float]) -> float:
     return nbytes / statistics.median(times) / 1e6
 
 
-def row(master: MasterAddress, client: StoreClient, size: int, keys: int, repeats: int) -> dict:
+def row(
+    master: MasterAddress,
+    client: StoreClient,
+    cached_client: StoreClient,
+    size: int,
+    keys: int,
+    repeats: int,
+) -> dict:
     total = size * keys
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.mooncake_store.fetch", "--source", f"{size}x{keys}",
@@ -108,25 +115,13 @@ def row(master: MasterAddress, client: StoreClient, size: int, keys: int, repeat
         def store() -> None:
             assert client.get_into(names, addrs, caps) == [size] * keys
 
-        # replicas cached: a get session (one replica query, which also takes a lease) and
-        # ranged gets that use it, each payload then verified as `get_into` does; the session
-        # is renewed, untimed, well inside the master's 10 s lease (`refresh`)
-        store_api = client._store
-        ranges = ([[a] for a in addrs], [[stride] for _ in names], [[0] for _ in names])
-        renewed = [0.0]
-
-        def refresh() -> None:
-            if time.monotonic() - renewed[0] > 4.0:
-                store_api.batch_get_session_end(names)
-                assert all(int(c) == 0 for c in store_api.batch_get_session_start(names))
-                renewed[0] = time.monotonic()
+        # the same client code with its replica cache on (`replica_cache_s`): from a key's
+        # second read on, a get session's cached replica, no master round trip
+        dst_cached = cached_client.buffer(stride * keys)
+        addrs_cached = [dst_cached.address + i * stride for i in range(keys)]
 
         def cached() -> None:
-            got = store_api.batch_get_into_multi_buffer_ranges(names, *ranges)
-            assert [int(n) for n in got] == caps
-            for a in addrs:
-                view = memory_at(a, stride)
-                assert checksum(view[:size]) == view[size:]
+            assert cached_client.get_into(names, addrs_cached, caps) == [size] * keys
 
         def raw_te() -> None:
             assert engine.te.transfer_sync_read(session, local.addr, int(raw_addr), total) == 0
@@ -148,14 +143,13 @@ def row(master: MasterAddress, client: StoreClient, size: int, keys: int, repeat
         order = list(paths)
         for rep in range(reps + 1):  # the first round warms connections and pages
             random.shuffle(order)
-            refresh()
             for name in order:
                 t0 = time.perf_counter()
                 paths[name]()
                 if rep:
                     t.setdefault(name, []).append(time.perf_counter() - t0)
-        store_api.batch_get_session_end(names)
         dst.close()
+        dst_cached.close()
         local.retire()  # unregistered before its memory goes (a later buffer may reuse it)
         return {k: _rate(total, v) for k, v in t.items()}
     finally:
@@ -169,6 +163,9 @@ def main(repeats: int, rows: list[tuple[int, int]], with_sidecar: bool) -> None:
         raise SystemExit(f"Mooncake Transfer Engine unavailable: {mt.UNAVAILABLE_REASON}")
     with MooncakeMaster() as master:
         client = StoreClient.open(ClientSettings(master.address, segment_bytes=0))
+        cached_client = StoreClient.open(
+            ClientSettings(master.address, segment_bytes=0, replica_cache_s=CACHE_S)
+        )
         print(
             "| artifacts | store fetch MB/s | raw TE MB/s | ratio | replicas cached MB/s | ratio "
             "| raw per-artifact MB/s | ratio | sidecar fetch MB/s | store / sidecar |"
@@ -176,7 +173,7 @@ def main(repeats: int, rows: list[tuple[int, int]], with_sidecar: bool) -> None:
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         nan = float("nan")
         for size, keys in rows:
-            r = row(master.address, client, size, keys, repeats)
+            r = row(master.address, client, cached_client, size, keys, repeats)
             side = nan
             if with_sidecar:
                 s = asyncio.run(sidecar_bench.row(size, keys, repeats, True))
@@ -189,6 +186,7 @@ def main(repeats: int, rows: list[tuple[int, int]], with_sidecar: bool) -> None:
                 flush=True,
             )
         client.close()
+        cached_client.close()
 
 
 def _rows(text: str) -> list[tuple[int, int]]:

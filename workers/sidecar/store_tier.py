@@ -45,6 +45,9 @@ STAGING_BYTES = 64 << 20
 """Bytes of each registered staging buffer (one for puts, one for reads)."""
 MIN_RATE_BPS = 250e6
 """The slowest transfer rate a call is given time for, on top of `timeout_s`."""
+REPLICA_CACHE_S = 5.0
+"""The client's replica cache (`ClientSettings.replica_cache_s`): artifacts read again within
+it skip the master's lookup (bench/history/mooncake_store.md)."""
 
 T = TypeVar("T")
 
@@ -98,10 +101,16 @@ class StoreTier:
         segment_bytes: int = 1 << 30,
         staging_bytes: int = STAGING_BYTES,
         timeout_s: float = 5.0,
+        replica_cache_s: float = REPLICA_CACHE_S,
     ) -> StoreTier:
         """Set up a client against `master`; `StoreUnavailable` when it does not answer."""
         client = StoreClient.open(
-            ClientSettings(master, local_host=host, segment_bytes=segment_bytes)
+            ClientSettings(
+                master,
+                local_host=host,
+                segment_bytes=segment_bytes,
+                replica_cache_s=replica_cache_s,
+            )
         )
         try:
             return cls(client, staging_bytes=staging_bytes, timeout_s=timeout_s)

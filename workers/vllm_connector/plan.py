@@ -52,6 +52,9 @@ class ConnectorSettings:
     """Registered host staging per direction (pinned on CUDA)."""
     store_digest_threads: int = 4
     """Threads that hash a batch's payloads (checksums computed on save, verified on load)."""
+    store_replica_cache_s: float = 5.0
+    """Objects read again within this time skip the master's lookup (a hot prefix's blocks);
+    0: off (`ClientSettings.replica_cache_s`)."""
 
     @classmethod
     def from_extra_config(
@@ -108,6 +111,11 @@ class ConnectorSettings:
                     f"kv_connector_extra_config.{name} must be an integer >= {least}"
                 )
             sizes[name] = value
+        cache_s = extra.get("store_replica_cache_s", 5.0)
+        if isinstance(cache_s, bool) or not isinstance(cache_s, int | float) or cache_s < 0:
+            raise ConnectorConfigError(
+                "kv_connector_extra_config.store_replica_cache_s must be a number >= 0"
+            )
         return cls(
             sidecar_url=url.rstrip("/"),
             model=model,
@@ -119,6 +127,7 @@ class ConnectorSettings:
             load=flags["load"],
             save=flags["save"],
             store=store,
+            store_replica_cache_s=float(cache_s),
             **sizes,
         )
 

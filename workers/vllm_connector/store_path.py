@@ -333,7 +333,8 @@ class StoreKV:
 
 def open_store_kv(settings: ConnectorSettings, kv: WorkerKV, *, host: str = "127.0.0.1") -> StoreKV:
     """A store client set up from the connector's settings (`store`, `store_segment_bytes`,
-    `store_staging_bytes`, `store_digest_threads`) and the cache's `StoreKV` on it;
+    `store_staging_bytes`, `store_digest_threads`, `store_replica_cache_s`) and the cache's
+    `StoreKV` on it;
     `StoreUnavailable` when the master does not answer."""
     if settings.store is None:
         raise ValueError("the connector has no store configured")
@@ -343,6 +344,7 @@ def open_store_kv(settings: ConnectorSettings, kv: WorkerKV, *, host: str = "127
             local_host=host,
             segment_bytes=settings.store_segment_bytes,
             digest_threads=settings.store_digest_threads,
+            replica_cache_s=settings.store_replica_cache_s,
         )
     )
     try:

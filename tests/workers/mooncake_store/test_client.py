@@ -149,3 +149,51 @@ def test_split_puts_and_gets_store_the_same_objects_and_refuse_another_size(
     assert got == [MISSING, CORRUPTED, MISSING, CORRUPTED]
     src.close()
     dst.close()
+
+
+def test_cached_replicas_serve_repeat_reads_and_a_moved_one_is_read_afresh(
+    master: MooncakeMaster, client: StoreClient
+) -> None:
+    """With `replica_cache_s` a read object's replica is cached (a get session) and the next
+    reads skip the master's lookup; when the object is removed and another of the same size
+    takes its memory, the cached replica would read the other's bytes (with a valid digest of
+    their own): checked against the key's first digest, the read goes to the master instead and
+    answers missing. (A cached read may still return a removed object's own bytes, verified,
+    while its memory holds them: keys name their bytes.)"""
+    reader = StoreClient.open(ClientSettings(master.address, segment_bytes=0, replica_cache_s=60))
+    try:
+        size = 4096
+        src, dst = client.buffer(1 << 16), reader.buffer(1 << 16)
+        src.view[:size] = b"A" * size
+        assert client.put_from(["a"], [src.address], [size]) == [0]
+        for _ in range(3):  # noted, cached, read from the cache
+            dst.view[:size] = bytes(size)
+            assert reader.get_into(["a"], [dst.address], [size + CHECKSUM_BYTES]) == [size]
+            assert bytes(dst.view[:size]) == b"A" * size
+        assert "a" in reader._replicas
+        digests = [dst.address + 60000]
+        assert reader.get_split(["a"], [dst.address], [size], digests) == [size]
+
+        assert client.remove(["a"]) == [True]  # another client's removal: the reader's cache
+        src.view[:size] = b"B" * size  # still names the old replica, now "b"'s memory
+        assert client.put_from(["b"], [src.address], [size]) == [0]
+        assert reader.get_into(["a"], [dst.address], [size + CHECKSUM_BYTES]) == [MISSING]
+        assert "a" not in reader._replicas
+        # the same through get_split, cached anew from a fresh put of "a"
+        src.view[:size] = b"A" * size
+        assert client.put_from(["a"], [src.address], [size]) == [0]
+        for _ in range(3):
+            assert reader.get_split(["a"], [dst.address], [size], digests) == [size]
+        assert "a" in reader._replicas
+        assert client.remove(["a", "b"]) == [True, True]
+        src.view[:size] = b"C" * size
+        assert client.put_from(["c"], [src.address], [size]) == [0]
+        dst.view[:size] = bytes(size)
+        got = reader.get_split(["a"], [dst.address], [size], digests)
+        # "c" may or may not have taken "a"'s old memory: either the read misses, or the old
+        # bytes still there are "a"'s own, verified; never "c"'s
+        assert got == [MISSING] or (got == [size] and bytes(dst.view[:size]) == b"A" * size)
+        src.close()
+        dst.close()
+    finally:
+        reader.close()
