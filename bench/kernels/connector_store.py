@@ -19,6 +19,7 @@ end to end. Checks, on fresh random KV into NaN-poisoned blocks: every load bit-
 TP-mismatch load (two TP=2 ranks of 4 heads each reading the TP=1 save) bit-exact.
 
     python3 bench/kernels/connector_store.py --out FILE [--reps 10] [--digest-threads 8]
+        [--replica-cache-s 5]
 
 Needs PyTorch with CUDA, Triton, xxhash and the mooncake wheel (`mooncake.store`, its
 `mooncake_master` executable); without CUDA it says so and exits 0. `--device cpu --small` runs
@@ -133,10 +134,15 @@ def fa_layers(shape: Shape, heads: int, device: torch.device) -> list[torch.Tens
 
 @contextlib.contextmanager
 def client(
-    master: MooncakeMaster, segment_bytes: int, digest_threads: int
+    master: MooncakeMaster, segment_bytes: int, digest_threads: int, replica_cache_s: float = 0.0
 ) -> Iterator[StoreClient]:
     c = StoreClient.open(
-        ClientSettings(master.address, segment_bytes=segment_bytes, digest_threads=digest_threads)
+        ClientSettings(
+            master.address,
+            segment_bytes=segment_bytes,
+            digest_threads=digest_threads,
+            replica_cache_s=replica_cache_s,
+        )
     )
     try:
         yield c
@@ -324,7 +330,13 @@ def placement(
 
 
 def run(
-    shape: Shape, device: torch.device, *, reps: int, digest_threads: int, master_log: Path | None
+    shape: Shape,
+    device: torch.device,
+    *,
+    reps: int,
+    digest_threads: int,
+    replica_cache_s: float,
+    master_log: Path | None,
 ) -> Report:
     r = Report()
     r.say(
@@ -364,9 +376,13 @@ def run(
     ]
     with MooncakeMaster(log_path=master_log) as master:
         r.say(f"mooncake_master {master.binary} at {master.address.url}")
-        with client(master, segment, digest_threads) as own:
+        r.say(f"digest threads {digest_threads}, replica cache {replica_cache_s} s")
+        with client(master, segment, digest_threads, replica_cache_s) as own:
             rows += placement(r, "own segment", shape, device, own, reps, copy_up, copy_down)
-        with client(master, segment, 1) as _sidecar, client(master, 0, digest_threads) as conn:
+        with (
+            client(master, segment, 1) as _sidecar,
+            client(master, 0, digest_threads, replica_cache_s) as conn,
+        ):
             rows += placement(r, "sidecar segment", shape, device, conn, reps, copy_up, copy_down)
     rows += [
         "",
@@ -382,6 +398,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the report (markdown) here too")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--digest-threads", type=int, default=8)
+    ap.add_argument(
+        "--replica-cache-s",
+        type=float,
+        default=5.0,
+        help="the store client's replica cache (the connector's default; 0: every get asks the "
+        "master)",
+    )
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--small", action="store_true", help="a small request (smoke runs)")
     args = ap.parse_args(argv)
@@ -396,6 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 device,
                 reps=args.reps,
                 digest_threads=args.digest_threads,
+                replica_cache_s=args.replica_cache_s,
                 master_log=Path(tmp) / "master.log",
             )
         except MasterUnavailable as exc:

@@ -536,6 +536,8 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
                 self._client.report_store(outcome.stored, self._total_heads * self._pp_size)
         except (StoreError, SidecarError) as exc:
             self._warn.warning("save", "OwnerServeConnector: save failed: %s", exc)
+        except Exception:  # the save thread goes on: a lost save is a future miss
+            logger.exception("OwnerServeConnector: save for %s failed", transfer.req_id)
 
     # ==============================
     # Scheduler side
