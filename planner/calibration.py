@@ -128,7 +128,9 @@ class Calibrator:
         TTFT: the prefill worker's sample is (ttft − t_network − t_restore) against
         (t_queue + t_prefill), the parts the prefill scale multiplies. TPOT: the decode worker's
         sample against t_decode_step. Transfer: the worker the KV moved into (D for remote
-        prefill, P for fetch/migration) against t_network. A remote prefill's TTFT goes to
+        prefill, P for fetch/migration) against t_transfer, the transfer's own seconds (not
+        t_network, which also holds the learnt hand-over overhead and P→D's handshake: against
+        it the link looked faster as the overhead grew). A remote prefill's TTFT goes to
         D's hand-over overhead (`observe_handover`) against t_queue + t_prefill + t_network +
         t_restore, not to P's prefill scale; so does a fetch's or migration's that moved KV,
         to P's."""
@@ -144,9 +146,9 @@ class Calibrator:
                 used += self.observe_prefill(c.prefill_worker, observed, b.t_queue + b.t_prefill)
         if tpot_s is not None:
             used += self.observe_decode(c.decode_worker, tpot_s, b.t_decode_step)
-        if transfer_s is not None and b.t_network > 0.0:
+        if transfer_s is not None and b.t_transfer > 0.0:
             into = c.decode_worker if c.action is Action.REMOTE_PREFILL else c.prefill_worker
-            used += self.observe_transfer(into, transfer_s, b.t_network)
+            used += self.observe_transfer(into, transfer_s, b.t_transfer)
         return used
 
     def scales(self, worker: str) -> WorkerScales:

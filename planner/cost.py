@@ -559,7 +559,8 @@ class RequestCosts:
             restore    = restore(w, gpu, cpu, ssd): its held prefix into HBM
             dup        = dup(w, held(w)) and dup(w, gpu(w))
             W_disp(w)  = displacement(w, gpu(w)): the reload of the working-set KV its new
-                         KV pushes out (0 on most workers: the room test is inline)
+                         KV pushes out (0 on most workers: the room test is inline),
+                         + dup_price(w, dup(w, held(w))): what its duplicate displaces
         """
         n, bs, ob, bk, owner = self.n, self.request.block_size, self.ob, self.bk, self.owner
         o = self.o
@@ -642,6 +643,11 @@ class RequestCosts:
                         self.prefill(w, r, c) if ch or fetchable else sp * _prefill_base(c, n, r)
                     )
                     dups.append(dh)
+                    if dh and disp_on:
+                        xd = self.dup_price(w, dh, ws, cap, c)
+                        if xd:
+                            qs[-1] += xd
+                            disps[len(qs) - 1] += xd
                     if not gpus:
                         gpus, helds, reuses = [0] * n_w, [0] * n_w, [0] * n_w
                         restores, dup_gpus = [0.0] * n_w, [0.0] * n_w
@@ -654,7 +660,15 @@ class RequestCosts:
                     dup_gpus[j] = dh if g == held else _dup(other, g, ob, bk)
                     continue
             pfs.append(self.prefill(w, 0, c) if fetchable else sp * pf_all)
-            dups.append(dup_none if dup_none and w.worker_id != owner else 0)
+            if dup_none and w.worker_id != owner:
+                dups.append(dup_none)
+                if disp_on:
+                    xd = self.dup_price(w, dup_none, ws, cap, c)
+                    if xd:
+                        qs[-1] += xd
+                        disps[len(qs) - 1] += xd
+            else:
+                dups.append(0)
         return ScanTerms(
             workers,
             qs,
@@ -722,6 +736,43 @@ class RequestCosts:
         )
         if w.offloads:
             load = disp * self.k / c.cpu_load_bps
+            if load < reload:
+                reload = load
+        return self.nu * reload
+
+    def dup_price(
+        self, w: WorkerView, dup_bytes: float, others: int, cap: float, c: ProfileConstants
+    ) -> float:
+        """X_dup(w): what a duplicate of `dup_bytes` on w costs in the KV it displaces there.
+        A copy of a prefix another worker holds adds nothing a sticky route would not have:
+        the difference between the two routes' KV on their workers is the copy, so the copy's
+        share of evictions is its true price (λ·M_HBM stays the small cost of holding it):
+
+            d      = dup_bytes / K                          tokens of the copy
+            busy   = max(kv_usage · cap + inflight_prefill_tokens, others)
+            ρ(w)   = min(1, busy / cap)                     share of w's pool that is reusable
+                                                            (running KV or a working set)
+            X_dup  = ν · reload(w, ρ(w) · d)                reload as W_disp's: the copy's
+                                                            ρ(w)·d tokens that land on it
+
+        ~0 on an empty pool, the copy's recompute on a full one. `others` = ws_tokens(w) −
+        [w = home_worker]·home_tokens, `cap` and `c` as `displacement`'s. The search charges it
+        with W_disp, once per worker of a route (on a remote prefill's P: its own dup(P, held),
+        for the transient copy it keeps)."""
+        if cap <= 0:
+            return 0.0
+        busy = w.kv_usage * cap + w.inflight_prefill_tokens
+        if others > busy:
+            busy = others
+        rho = busy / cap
+        if rho <= 0.0:
+            return 0.0
+        if rho > 1.0:
+            rho = 1.0
+        d = rho * dup_bytes / self.k
+        reload = w.prefill_scale * (c.prefill_per_token_s + c.prefill_per_token_ctx_s * d / 2) * d
+        if w.offloads:
+            load = d * self.k / c.cpu_load_bps
             if load < reload:
                 reload = load
         return self.nu * reload
@@ -1079,17 +1130,18 @@ class RequestCosts:
         nic = 0.0
         if action is _REMOTE:
             nbytes = self.kv_to_decode(gpu_d)
-            tn = self.transfer_s(p, d, nbytes)
+            tn = tt = self.transfer_s(p, d, nbytes)
             nic = self.nic_s(p, d, nbytes)
             tn += cfg.pd_handshake_s + d.handover_s
             m = float(self.prompt_copy(r) + dup_d)
         elif source is not None:
             tn, tr_peer, nbytes_in = self.peer_restore(p, source, held, moved)
+            tt = tn - p.handover_s if tn > p.handover_s else 0.0  # peer_restore adds it
             tr += tr_peer
             nic = self.nic_s(source, p, nbytes_in)
             m = float(nbytes_in if action is _MIG else dup_p)
         else:
-            tn = 0.0
+            tn = tt = 0.0
             m = float(dup_p)
         i = stalled * pre
         h = 0.0
@@ -1098,7 +1150,7 @@ class RequestCosts:
             h = self.hysteresis(tq + (pre + dec) + tn + tr + cfg.lam * m + cfg.mu * i + wd)
         o = self.o
         b = CostBreakdown(
-            tq, pre + dec, tn, tr, m, i, cfg.lam, cfg.mu, pre, dec / o if o else 0.0, h, nic, wd
+            tq, pre + dec, tn, tr, m, i, cfg.lam, cfg.mu, pre, dec / o if o else 0.0, h, nic, wd, tt
         )
         return b, held + moved
 

@@ -181,6 +181,10 @@ class CostBreakdown:
     # the reload of other sessions' reusable KV the route's new KV displaces (planner.cost
     # .RequestCosts.displacement, on P and D)
     w_disp: float = 0.0
+    # informational: the KV transfer's own predicted seconds inside t_network (transfer_s, the
+    # link at its learnt scale and the NIC backlog), without the learnt hand-over overhead or
+    # P->D's handshake: what the link scale is calibrated against (planner.calibration)
+    t_transfer: float = 0.0
 
     @property
     def total(self) -> float:

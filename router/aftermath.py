@@ -154,10 +154,14 @@ def observe(
     tpot_s: float | None,
     e2e_s: float,
     transfer_s: float | None,
+    queued_s: float = 0.0,
 ) -> None:
     """Count the plan's action and owner lookup; for a served answer, record its TTFT, TPOT,
     end-to-end and transfer times and feed them to the calibrator (not after a `fallback`:
-    its timings include the hops given up)."""
+    its timings include the hops given up). `ttft_s` runs from the request's arrival (what
+    the client saw, and the metric); the calibrator gets it less `queued_s`, the seconds
+    admission held the request before it was planned: that wait is not the worker's, and
+    learnt as its prefill scale it would push traffic off a worker for the router's queue."""
     m = svc.metrics
     action = plan.action.value
     m.of(m.actions, plan.policy, action).inc()
@@ -176,6 +180,8 @@ def observe(
     if transfer_s is not None:
         m.of(m.transfer, action).observe(transfer_s)
     if fallback is None:
+        if ttft_s is not None and queued_s > 0.0:
+            ttft_s -= queued_s
         svc.calibrator.observe_plan(plan, ttft_s=ttft_s, tpot_s=tpot_s, transfer_s=transfer_s)
 
 

@@ -278,6 +278,7 @@ async def _route(
                 tpot(answer.ttft_s, e2e_s, events),
                 e2e_s,
                 opened.transfer_s,
+                queued_s,
             )
             record_service(info, prompt.tokens, output_tokens(opened, prompt.req.stream, events))
             times.lap(OBSERVE, now)

@@ -79,9 +79,33 @@ def test_observe_plan_transfer_sample_goes_to_the_receiving_worker() -> None:
     remote = RequestCosts(unit_model(), req).candidate(Route(Action.REMOTE_PREFILL, p0, d0))
     plan = Plan(policy="x", request_class=RequestClass.NEW_LONG_PREFIX, chosen=remote)
     cal = Calibrator(CalibrationConfig(alpha=1.0))
-    assert cal.observe_plan(plan, transfer_s=2 * remote.cost.t_network) == 1
+    assert 0.0 < remote.cost.t_transfer < remote.cost.t_network  # without the handshake
+    assert cal.observe_plan(plan, transfer_s=2 * remote.cost.t_transfer) == 1
     assert cal.scales("d0").link == pytest.approx(2.0)
     assert cal.scales("p0") == WorkerScales()
+
+
+def test_link_scale_and_handover_overhead_converge_to_their_own_truths_together() -> None:
+    """A synthetic run of remote prefills p0 -> d0 whose link is 2.5x slower than the profile
+    and whose hand-over costs 0.3 s more than predicted: each plan is priced with the scales
+    learnt so far, both samples are fed back. Against t_network (which holds the overhead
+    being learnt and the handshake) the link scale would settle low; against the transfer's
+    own seconds both converge to the truth."""
+    req, cl = example()
+    p0, d0 = cl.workers[0], cl.workers[1]
+    model = unit_model()
+    cal = Calibrator()
+    true_link, true_overhead = 2.5, 0.3
+    raw = RequestCosts(model, req).candidate(Route(Action.REMOTE_PREFILL, p0, d0)).cost
+    for _ in range(200):
+        cand = RequestCosts(model, req).candidate(Route(Action.REMOTE_PREFILL, p0, cal.apply(d0)))
+        b = cand.cost
+        transfer = true_link * raw.t_transfer
+        ttft = b.t_queue + b.t_prefill + transfer + model.config.pd_handshake_s + true_overhead
+        plan = Plan(policy="x", request_class=RequestClass.NEW_LONG_PREFIX, chosen=cand)
+        cal.observe_plan(plan, ttft_s=ttft, transfer_s=transfer)
+    assert cal.scales("d0").link == pytest.approx(true_link, rel=1e-3)
+    assert cal.scales("d0").handover_s == pytest.approx(true_overhead, abs=1e-3)
 
 
 def test_apply_puts_the_scales_into_the_views_and_forget_drops_them() -> None:
