@@ -459,16 +459,19 @@ class StoreClient:
         # a key's first read only notes it (a one-off read pays no second round trip); one
         # read again within `replica_cache_s` is cached
         now = time.monotonic()
+        again: list[tuple[str, int, bytes]] = []
         with self._cache_lock:
-            again = [f for f in fresh if now - self._seen.pop(f[0], -ttl) < ttl]
-            for key, _, _ in fresh:
-                self._seen.setdefault(key, now)
-            for key in [k for k, t in self._seen.items() if now - t >= ttl]:
+            for f in fresh:
+                first = self._seen.pop(f[0], None)
+                if first is not None and now - first < ttl:
+                    again.append(f)
+                else:
+                    self._seen[f[0]] = now
+            while self._seen:  # oldest first: drop those past `ttl`, and any beyond the bound
+                key, t = next(iter(self._seen.items()))
+                if now - t < ttl and len(self._seen) <= REPLICA_CACHE_KEYS:
+                    break
                 del self._seen[key]
-            while len(self._seen) > REPLICA_CACHE_KEYS:
-                del self._seen[next(iter(self._seen))]
-        for key, _, _ in again:
-            self._seen.pop(key, None)
         if not again:
             return
         codes = self._store.batch_get_session_start([k for k, _, _ in again])
