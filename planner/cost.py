@@ -47,7 +47,8 @@ class CostConfig:
     """Weights, thresholds and profile names of the planner (`planner:` section of the config).
 
     `lam` (λ) is seconds per duplicated HBM byte, `mu` (μ) the weight of decode interference,
-    `nu` (ν) the weight of the reload of displaced working-set KV (W_disp);
+    `nu` (ν) the weight of the reload of displaced working-set KV (W_disp), `xi` (ξ) that of
+    the KV a duplicate displaces (`RequestCosts.dup_price`, carried in W_disp);
     `migration_margin_s` and `migration_margin_rel` are the hysteresis a state migration pays
     (`h_move`).
     `profile` is the default timing profile; `profiles` are extra ones workers may name in
@@ -57,6 +58,7 @@ class CostConfig:
     lam: float = 1e-11
     mu: float = 1.0
     nu: float = 1.0
+    xi: float = 1.0
     profile: str = "h100-llama3-8b"
     profiles: tuple[str, ...] = ()
     # HeteroCache KV state spec (configs/models/NAME.yaml): when set, a cold worker's restore
@@ -80,9 +82,9 @@ class CostConfig:
     imbalance_rel: float = 1.5
 
     def __post_init__(self) -> None:
-        if self.lam < 0 or self.mu < 0 or self.nu < 0:
+        if self.lam < 0 or self.mu < 0 or self.nu < 0 or self.xi < 0:
             raise ConfigError(
-                "planner: lambda_hbm, mu_interference and nu_displacement must be >= 0"
+                "planner: lambda_hbm, mu_interference, nu_displacement and xi must be >= 0"
             )
         if self.decode_horizon_tokens < 0 or self.pd_handshake_s < 0:
             raise ConfigError("planner: decode_horizon_tokens and pd_handshake_s must be >= 0")
@@ -502,6 +504,7 @@ class RequestCosts:
         "owner",
         "request",
         "spec",
+        "xi",
     )
 
     def __init__(
@@ -522,6 +525,7 @@ class RequestCosts:
         self.lam = cfg.lam
         self.mu = cfg.mu
         self.nu = cfg.nu
+        self.xi = cfg.xi
         # `CostModel.constants`, inline (a lookup per worker run and per candidate's link)
         self._constants = model._constants
         self._default_constants = model._default_constants
@@ -567,6 +571,7 @@ class RequestCosts:
         home, home_tokens = self.request.home_worker, self.request.home_tokens
         grown = n + o + self.request.growth_tokens  # W_disp's room test
         disp_on = self.nu > 0
+        dup_on = self.xi > 0
         dup_none = _dup(True, 0, ob, bk)  # dup(w, 0) of a non-owner (0 without an owner)
         seq = n + o  # the KV the request needs on a worker holding none of it
         fetchable = bool(self.chunk_src)  # a prefill may fetch chunks it lacks
@@ -643,7 +648,7 @@ class RequestCosts:
                         self.prefill(w, r, c) if ch or fetchable else sp * _prefill_base(c, n, r)
                     )
                     dups.append(dh)
-                    if dh and disp_on:
+                    if dh and dup_on:
                         xd = self.dup_price(w, dh, ws, cap, c)
                         if xd:
                             qs[-1] += xd
@@ -662,7 +667,7 @@ class RequestCosts:
             pfs.append(self.prefill(w, 0, c) if fetchable else sp * pf_all)
             if dup_none and w.worker_id != owner:
                 dups.append(dup_none)
-                if disp_on:
+                if dup_on:
                     xd = self.dup_price(w, dup_none, ws, cap, c)
                     if xd:
                         qs[-1] += xd
@@ -752,7 +757,7 @@ class RequestCosts:
             busy   = max(kv_usage · cap + inflight_prefill_tokens, others)
             ρ(w)   = min(1, busy / cap)                     share of w's pool that is reusable
                                                             (running KV or a working set)
-            X_dup  = ν · reload(w, ρ(w) · d)                reload as W_disp's: the copy's
+            X_dup  = ξ · reload(w, ρ(w) · d)                reload as W_disp's: the copy's
                                                             ρ(w)·d tokens that land on it
 
         ~0 on an empty pool, the copy's recompute on a full one. `others` = ws_tokens(w) −
@@ -775,7 +780,7 @@ class RequestCosts:
             load = d * self.k / c.cpu_load_bps
             if load < reload:
                 reload = load
-        return self.nu * reload
+        return self.xi * reload
 
     def restore(
         self, w: WorkerView, gpu: int, cpu: int, ssd: int, c: ProfileConstants | None = None

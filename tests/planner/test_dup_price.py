@@ -13,7 +13,7 @@ from planner.policies import OwnerServePolicy
 from planner.types import RequestView
 from tests.planner.util import UNIT_CONFIG, cluster, request, unit_model, worker
 
-LOW_LAMBDA = replace(UNIT_CONFIG, lam=1e-11)  # the shipped λ: a copy's bytes cost ~nothing
+LOW_LAMBDA = replace(UNIT_CONFIG, lam=1e-11, xi=1.0)  # the shipped λ: a copy's bytes cost ~nothing
 
 
 def _turn() -> RequestView:
@@ -36,8 +36,8 @@ def test_the_price_is_zero_on_an_empty_pool_and_rises_as_it_fills() -> None:
     # a worker that offloads reloads the displaced KV from CPU when that is cheaper
     off = k.worker(worker("d1", Role.DECODE, ws_tokens=900_000, offloads=True)).w_disp_s
     assert off == pytest.approx(d * 1000 / 1e9)
-    # ν = 0 turns it off
-    k0 = RequestCosts(unit_model(replace(LOW_LAMBDA, nu=0.0)), _turn())
+    # ξ = 0 turns it off
+    k0 = RequestCosts(unit_model(replace(LOW_LAMBDA, xi=0.0)), _turn())
     assert k0.worker(worker("d1", Role.DECODE, kv_usage=0.9)).w_disp_s == 0.0
 
 
@@ -45,7 +45,7 @@ def test_a_copy_onto_a_full_worker_loses_to_the_sticky_plan() -> None:
     """d0 owns the prefix and has 0.5 s of prefill queued; d1 is idle. With a free pool the
     copy to d1 (fetch or recompute) is cheaper than queueing on d0; with d1's pool full of
     running KV the copy's displacement makes staying on d0 the cheaper plan. Without the price
-    (ν = 0, λ = 1e-11) the copy onto the full worker wins."""
+    (ξ = 0, λ = 1e-11) the copy onto the full worker wins."""
     owner = worker("d0", Role.DECODE, gpu=199, inflight_prefill_tokens=5_000)
     policy = OwnerServePolicy(model=unit_model(LOW_LAMBDA))
     free = policy.plan(_turn(), cluster(owner, worker("d1", Role.DECODE)))
@@ -53,5 +53,5 @@ def test_a_copy_onto_a_full_worker_loses_to_the_sticky_plan() -> None:
     full = cluster(owner, worker("d1", Role.DECODE, kv_usage=0.9))
     sticky = policy.plan(_turn(), full)
     assert sticky.chosen.decode_worker == "d0"
-    unpriced = OwnerServePolicy(model=unit_model(replace(LOW_LAMBDA, nu=0.0)))
+    unpriced = OwnerServePolicy(model=unit_model(replace(LOW_LAMBDA, xi=0.0)))
     assert unpriced.plan(_turn(), full).chosen.decode_worker == "d1"

@@ -32,6 +32,7 @@ UNIT_CONFIG = CostConfig(
     pd_handshake_s=0.002,
     migration_margin_s=0.05,
     migration_margin_rel=0.1,
+    xi=0.0,  # the worked example (planner/README.md) prices a duplicate by λ alone
 )
 
 
