@@ -9,14 +9,14 @@ from collections.abc import Collection, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ownerserve.directory.base import Match
+from ownerserve.directory.base import HoldKind, Match
 from ownerserve.kvstate import KVStateSpec
 from ownerserve.types import Tier
 from planner.types import ClusterView, RequestView, WorkerView
 
 if TYPE_CHECKING:
     from planner.workingset import WorkingSets
-    from router.pool import WorkerState
+    from router.pool import WorkerPool, WorkerState
     from router.prompt import Prompt
     from router.services import ClusterSources
 
@@ -32,11 +32,7 @@ def cluster_view(
     for a chunked prompt, the chunks `chunk_holders` says each holds), and the draining ones
     that can still serve their KV (`ClusterView.sources`: their sessions move away by fetch
     or migration instead of recomputing)."""
-    cached: dict[str, dict[Tier, int]] = {}
-    for h in match.holdings:
-        tiers = cached.setdefault(h.worker, {})
-        if h.blocks > tiers.get(h.tier, 0):
-            tiers[h.tier] = h.blocks
+    cached = held_by_worker(match, router.pool)
     now = time.monotonic()
     views = []
     scales = router.calibrator.scales
@@ -115,6 +111,31 @@ def cluster_view(
         w.view_cache = (key, view)
         views.append(view)
     return ClusterView(tuple(views), tuple(sources), pd_mixed)
+
+
+def held_by_worker(match: Match, pool: WorkerPool) -> dict[str, dict[Tier, int]]:
+    """The longest prefix of the request's chain each worker holds in each tier, as the
+    planner prices it (`WorkerView.cached_blocks`). On a worker that publishes KV events
+    (`kv_events_endpoint`), a lease (an owner's or a replica's record: `HoldKind.OWNER`,
+    `REPLICA`) counts only as far as its events show the blocks cached in that tier: a lease
+    does not pin the engine's blocks, and once the engine evicts them (its BlockRemoved) the
+    lease still names them, which priced prefix hits the engine no longer had."""
+    cached: dict[str, dict[Tier, int]] = {}
+    leased: dict[str, dict[Tier, int]] = {}
+    for h in match.holdings:
+        by_kind = cached if h.kind is HoldKind.CACHED else leased
+        tiers = by_kind.setdefault(h.worker, {})
+        if h.blocks > tiers.get(h.tier, 0):
+            tiers[h.tier] = h.blocks
+    for worker, tiers in leased.items():
+        w = pool.get(worker)
+        if w is not None and w.settings.kv_events_endpoint is not None:
+            continue  # min(lease, cached) adds nothing to what the events show
+        seen = cached.setdefault(worker, {})
+        for tier, blocks in tiers.items():
+            if blocks > seen.get(tier, 0):
+                seen[tier] = blocks
+    return cached
 
 
 def _view(

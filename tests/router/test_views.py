@@ -7,7 +7,11 @@ from __future__ import annotations
 import time
 
 from ownerserve.config import settings_from_dict
-from ownerserve.directory.base import Match
+from ownerserve.directory.base import Artifact, HoldKind, Match
+from ownerserve.directory.memory import InMemoryDirectory
+from ownerserve.events import BlockRemoved, BlockStored, EventBatch
+from ownerserve.hashing import block_hash_chain, chain_root
+from ownerserve.types import Tier
 from router.backends import WorkerLoad
 from router.state import Router
 from router.views import cluster_view
@@ -52,3 +56,48 @@ def test_a_workers_view_is_reused_until_what_it_shows_changes() -> None:
     assert (w0.chunks_held, w1.chunks_held) == ((2,), ())
     assert not w0.programs_closed and not w1.programs_closed
     assert w0 is not first[0] and w1 is not first[1]
+
+
+async def test_a_lease_counts_only_as_far_as_the_workers_kv_events_show_its_blocks() -> None:
+    """An owner's lease does not pin the engine's blocks: once w0's events say it evicted the
+    tail of the leased prefix, w0's view holds only what is left (what its engine will
+    report as cached). w1 publishes no KV events: its lease is all the router knows."""
+    settings = settings_from_dict(
+        {
+            "models": [{"name": MODEL, "block_size": 4}],
+            "workers": [
+                {"id": "w0", "url": "http://127.0.0.1:9", "node": "n0",
+                 "kv_events_endpoint": "tcp://127.0.0.1:9"},
+                {"id": "w1", "url": "http://127.0.0.1:10", "node": "n1"},
+            ],
+            "admission": {"enabled": False},
+        }
+    )  # fmt: skip
+    router = Router(settings)
+    d = InMemoryDirectory()
+    root = chain_root(MODEL)
+    tokens = tuple(range(32))
+    chain = tuple(block_hash_chain(tokens, 4, root))
+    other = tuple(block_hash_chain(tuple(range(100, 132)), 4, root))
+    engine = tuple(range(1000, 1008))  # the engine's own block hashes
+    for w in ("w0", "w1"):
+        await d.register_worker(w, root, 4)
+    stored = BlockStored(engine, None, tokens, 4, Tier.GPU)
+    await d.apply_events("w0", EventBatch(0, 0.0, (stored,)))
+    await d.claim(Artifact(chain=chain), "w0", 500.0)
+    await d.claim(Artifact(chain=other), "w1", 500.0)
+    cluster = router.services.cluster
+
+    (w0, _w1) = cluster_view(cluster, MODEL, await d.lookup(chain), ()).workers
+    assert w0.cached_blocks == {Tier.GPU: 8}
+    evicted = BlockRemoved(engine[4:], Tier.GPU)
+    await d.apply_events("w0", EventBatch(1, 0.0, (evicted,)))
+    match = await d.lookup(chain)
+    assert {(h.worker, h.kind, h.blocks) for h in match.holdings} == {
+        ("w0", HoldKind.OWNER, 8),  # the lease still names the evicted blocks
+        ("w0", HoldKind.CACHED, 4),
+    }
+    (w0, _w1) = cluster_view(cluster, MODEL, match, ()).workers
+    assert w0.cached_blocks == {Tier.GPU: 4}
+    (_w0, w1) = cluster_view(cluster, MODEL, await d.lookup(other), ()).workers
+    assert w1.cached_blocks == {Tier.GPU: 8}
