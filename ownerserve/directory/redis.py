@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import re
 import time
@@ -116,7 +117,15 @@ SWEEP_STEP_ENTRIES = 256
 """At most about this many entries (expiry hints and the block records they lead to) per
 `sweep_due` script call: Redis runs one script at a time and serves nothing else meanwhile,
 so a step stays in the milliseconds however long the expired chains (bench/directory/sweep.py)."""
-_ENGINE_MAP_LIMIT = 1_000_000  # per worker; the local map is only a cache of Redis's
+DROP_STEP_ENTRIES = 256
+"""The same bound for each `drop_worker` script call: a worker holding 10^5 leases, replica
+blocks and cached blocks took one call of 1.1-4.1 s in a 30-minute chaos run (Redis slow log)."""
+ENGINE_MAP_LIMIT = 32_768
+"""Per worker, the engine hashes whose block hashes this router keeps (a cache of Redis's
+`w:<worker>:eh`, read for a stored event's parent): a removed block leaves it, and past the
+limit the oldest quarter goes (a parent not here costs one HMGET). It was 10^6 entries and
+kept every block ever stored: ~150 B an entry, the router's largest growth under the chaos
+load (bench/router_memory/growth.py)."""
 TOUCH_FLUSH_S = 0.5
 TOUCH_FLUSH_IDS = 512
 """Reuse counts from lookups are sent in batches: at most this late, or this many artifacts."""
@@ -558,8 +567,6 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         self, worker: str, root: int, block_size: int, batch: EventBatch, fetched: dict[int, int]
     ) -> list[Any]:
         local = self._engine_map.setdefault(worker, {})
-        if len(local) > _ENGINE_MAP_LIMIT:
-            local.clear()
         local.update(fetched)
         ops: list[Any] = []
         for ev in batch.events:
@@ -590,11 +597,19 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
                     ",".join(str(h) for h in ev.engine_hashes),
                 ]
             elif isinstance(ev, BlockRemoved):
+                for engine_hash in ev.engine_hashes:
+                    local.pop(engine_hash, None)
                 if ev.engine_hashes:
                     csv = ",".join(str(h) for h in ev.engine_hashes)
                     ops += ["R", TIER_BIT[Tier(ev.tier)], csv]
             elif isinstance(ev, AllBlocksCleared):
+                local.clear()
                 ops.append("C")
+        if len(local) > ENGINE_MAP_LIMIT:
+            for engine_hash in list(
+                itertools.islice(local, len(local) - ENGINE_MAP_LIMIT * 3 // 4)
+            ):
+                del local[engine_hash]
         return [worker, hex_block(root), block_size, int(batch.seq), *ops]
 
     async def apply_events(self, worker: str, batch: EventBatch) -> EventApplyResult:
@@ -631,13 +646,28 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
 
     async def drop_worker(self, worker: str, life: int | None = None) -> int:
         check_worker(worker)
+        return await self.drop_worker_steps(worker, life)
+
+    async def drop_worker_steps(
+        self, worker: str, life: int | None = None, step_entries: int = DROP_STEP_ENTRIES
+    ) -> int:
+        """`drop_worker` in script calls of about `step_entries` entries each: the first ends
+        the life and moves its index sets aside, the rest undo them until none is left (a
+        drop another caller left unfinished included)."""
+        check_worker(worker)
         keys = [self.key("blk"), self.key("w:" + worker)]
-        dropped = await self._run("drop_worker", keys, [worker, "" if life is None else life])
-        if int(dropped) < 0:
-            return 0  # that life was dropped already (by another router replica)
+        arg = "" if life is None else life
+        dropped, more = await self._run("drop_worker", keys, [worker, arg, step_entries])
+        fenced = int(dropped) < 0  # that life was dropped already (by another router replica)
+        total = 0 if fenced else int(dropped)
+        while int(more):
+            n, more = await self._run("drop_worker", keys, [worker, "+", step_entries])
+            total += max(0, int(n))
+        if fenced:
+            return 0
         self._engine_map.pop(worker, None)
         self.groups.drop_worker(worker)
-        return int(dropped)
+        return total
 
     async def worker_life(self, worker: str) -> int:
         check_worker(worker)

@@ -15,7 +15,7 @@ import pytest
 from ownerserve.directory import redis as redis_backend
 from ownerserve.directory.base import Artifact, Holding, HoldKind
 from ownerserve.directory.redis import RedisDirectory
-from ownerserve.events import BlockStored, EventBatch
+from ownerserve.events import BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
 from ownerserve.types import Tier
 from tests.conftest import RedisServer
@@ -351,3 +351,76 @@ async def test_a_late_second_drop_of_a_dead_worker_keeps_what_it_recorded_once_b
     # a drop by one who saw the new life, or by hand, still drops
     assert await b.drop_worker("w1", await b.worker_life("w1")) >= 2
     assert (await b.lookup(CHAIN[:8], "s-new")).owner is None
+
+
+async def _script_calls(d: RedisDirectory) -> int:
+    stats = await d.client.info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items() if k.startswith("cmdstat_evalsha"))
+
+
+async def test_a_drop_of_a_worker_holding_many_entries_goes_in_bounded_steps(
+    pair: tuple[RedisDirectory, RedisDirectory],
+) -> None:
+    """Redis serves nothing else while a script runs: a worker with thousands of leases,
+    sessions and cached blocks is dropped in many calls of about `step_entries` entries each
+    (counted by the server's command stats), and once the drop returns nothing of it is left
+    anywhere, while another worker's records stay."""
+    a, b = pair
+    await a.register_worker("w1", ROOT, BS)
+    await a.register_worker("w2", ROOT, BS)
+    n = 300
+    for i in range(n):
+        chain = tuple(block_hash_chain([i, *TOKENS[: 2 * BS - 1]], BS, ROOT))
+        await a.claim(Artifact(chain), "w1", 60)
+        await a.set_session_owner(f"s{i}", "w1", 60)
+    kept = await a.claim(Artifact(CHAIN[:4]), "w2", 60)
+    await a.set_session_owner("s-w2", "w2", 60)
+    stored = BlockStored(tuple(range(1, n + 1)), None, [1_000 + t for t in range(n * BS)], BS)
+    await a.apply_events("w1", EventBatch(0, 0.0, (stored,)))
+    cached = tuple(block_hash_chain([1_000 + t for t in range(n * BS)], BS, ROOT))
+    assert (await b.lookup(cached[:1])).holdings  # w1 caches them
+
+    step = 50
+    before = await _script_calls(a)
+    dropped = await a.drop_worker_steps("w1", await a.worker_life("w1"), step_entries=step)
+    calls = await _script_calls(a) - before
+    # 300 leases of 2 blocks, 300 sessions, 300 cached blocks: >= 1,200 entries; a step
+    # ends past its budget by at most one page it took (<= its budget)
+    assert calls >= 1_200 // (2 * step)
+    assert dropped >= 3 * n
+
+    for i in (0, n // 2, n - 1):
+        chain = tuple(block_hash_chain([i, *TOKENS[: 2 * BS - 1]], BS, ROOT))
+        m = await b.lookup(chain, f"s{i}")
+        assert m.owner is None and m.session_owner is None
+    assert not (await b.lookup(cached[:1])).holdings
+    left = [k async for k in a.client.scan_iter(match=a.key("w:w1:*"))]
+    assert left == []  # the moved index sets and the pending-drop set are all gone
+    m = await b.lookup(CHAIN[:4], "s-w2")
+    assert m.owner == "w2" and m.owner_epoch == kept.epoch and m.session_owner == "w2"
+
+
+async def test_the_engine_hash_map_stays_under_its_bound_and_forgets_removed_blocks(
+    pair: tuple[RedisDirectory, RedisDirectory], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The router's copy of a worker's engine-hash map (read for stored events' parents) is
+    bounded by `ENGINE_MAP_LIMIT` however many sessions' blocks the worker stores, a removed
+    block leaves it, and a parent it no longer holds is read from Redis: the child applies."""
+    monkeypatch.setattr(redis_backend, "ENGINE_MAP_LIMIT", 64)
+    a, _ = pair
+    await a.register_worker("w1", ROOT, BS)
+    seq = 0
+    for s in range(100):  # 100 sessions' prefixes of 2 blocks each: 200 engine hashes
+        tokens = [10_000 + s, *range(2 * BS - 1)]
+        stored = BlockStored((2 * s + 1, 2 * s + 2), None, tokens, BS)
+        r = await a.apply_events("w1", EventBatch(seq, 0.0, (stored,)))
+        assert r.stored == 2
+        seq += 1
+        assert len(a._engine_map["w1"]) <= 64
+    # the first session's blocks are long evicted here; its child still finds its parent
+    child = BlockStored((1_000,), 2, list(range(BS)), BS)
+    assert (await a.apply_events("w1", EventBatch(seq, 0.0, (child,)))).stored == 1
+    seq += 1
+    kept = list(a._engine_map["w1"])
+    await a.apply_events("w1", EventBatch(seq, 0.0, (BlockRemoved(tuple(kept[:10])),)))
+    assert not set(kept[:10]) & set(a._engine_map["w1"])
