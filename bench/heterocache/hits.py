@@ -3,15 +3,21 @@ multi-turn agentic load on emulated workers (real processes) serving a dense, an
 and a V4-like model; per request, the prefix the plan counted on its worker against the
 cached tokens the engine then reports (`usage.prompt_tokens_details.cached_tokens`).
 
-Usage: .venv/bin/python -m bench.heterocache.hits [--sessions 6] [--turns 5] [--out bench/results]
+Usage: .venv/bin/python -m bench.heterocache.hits [--sessions 6] [--turns 5]
+[--specs SPEC ...] [--out bench/results]
 
-Predicted, from the plan's record (`GET /admin/plans`): for a hybrid model the restorable
-unit the directory shows on the plan's worker (`restore`, GPU tier: every KV cache group down
-to that boundary), else the blocks the plan counted as reused (`reused_blocks`); in tokens,
-at most the prompt less one token rounded down to a block, as an engine never caches the
-prompt's last token. The router waits for each worker's KV events to be applied before the
-next request, so a prediction reads what the engine published. Error per spec:
-|Σ predicted − Σ delivered| / Σ delivered, and the share of requests that differ.
+Predicted, from the plan's record (`GET /admin/plans`) alone, never the engine's answer
+(`predicted_tokens`): the blocks the planner priced as reused on the plan's worker
+(`reused_blocks`: for a fetch or a migration what it holds and what moves in); for a hybrid
+model, where the engine resumes over them (`resume_blocks`: rebuild the windows at the
+sealed boundary, or resume at the directory's restorable boundary, `restorable`, whichever
+the engine's rule finds cheaper); in tokens, at most the prompt less one token rounded down
+to a block, as an engine never caches the prompt's last token. `planner_priced` is
+`reused_blocks` alone (the sealed boundary). The router waits for each worker's KV events to
+be applied before the next request, so a prediction reads what the engine published. Error:
+|Σ predicted − Σ delivered| / Σ delivered and the share of requests that differ, per spec,
+per action and per outcome (`outcome`: as planned, a partial fetch, or a fallback and its
+reason, scored apart; `as_planned` alone).
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ from typing import Any
 
 import httpx
 
-from loadgen.cluster import EmulatedWorker, emulated_workers
+from loadgen.cluster import DEFAULT_PROFILE, EmulatedWorker, emulated_workers
 from ownerserve.config import settings_from_dict
-from ownerserve.kvstate import load_spec
+from ownerserve.kvstate import KVStateSpec, load_spec
+from ownerserve.profiles import TimingProfile, load_profile
 from router.app import create_app
 from router.server import running_app
 from router.state import Router
@@ -78,20 +85,96 @@ async def events_applied(router: Router, ws: tuple[EmulatedWorker, ...]) -> None
             await asyncio.sleep(0.02)
 
 
-def predicted_tokens(record: dict[str, Any], prompt_tokens: int, bs: int) -> int:
+MOVES = ("artifact_fetch", "state_migration")
+
+
+def resume_blocks(spec: KVStateSpec, profile: TimingProfile, k: int, sealed: int) -> int:
+    """Where an engine resumes a hybrid prompt whose sealed groups are cached for `sealed`
+    blocks and whose windows are cached at boundary `k` <= sealed: rebuilding the windows at
+    `sealed` (recomputing n_win·L tokens, `swa_recompute_tokens`) when that costs no more
+    than computing [k, sealed), else at `k` (the emulator's `HybridKV.choose` without a CPU
+    tier; ties go to the rebuild)."""
+    if k >= sealed:
+        return sealed
+    bs = spec.block_tokens
+    base = profile.prefill.base_s
+    n = sealed * bs
+    r = min(spec.swa_recompute_tokens or bs, n)
+    rebuild_s = profile.prefill_s(r, n - r) - base
+    truncate_s = profile.prefill_s(n - k * bs, k * bs) - base
+    return sealed if rebuild_s <= truncate_s else k
+
+
+def unit(record: dict[str, Any], worker: str) -> dict[str, Any] | None:
+    """The GPU restorable unit the directory showed on `worker` (`restorable`), if any."""
+    for u in record.get("restorable") or ():
+        if u["worker"] == worker and u["tier"] == "gpu":
+            return dict(u)
+    return None
+
+
+def predicted_tokens(
+    record: dict[str, Any],
+    prompt_tokens: int,
+    spec: KVStateSpec,
+    profile: TimingProfile,
+    planner_only: bool = False,
+) -> int:
+    """What the router expects the engine to report as cached for the plan it chose, from the
+    plan's record alone. The blocks the planner priced as reused on the plan's worker
+    (`reused_blocks`: for a fetch or a migration, what it holds and what moves in); for a
+    hybrid model (unless `planner_only`), where the engine resumes over them
+    (`resume_blocks`): windows at the directory's restorable boundary on the plan's worker,
+    or for a move on its source (`restorable`). In tokens, at most the prompt less one
+    token rounded down to a block (an engine never caches the prompt's last token)."""
     chosen = record["chosen"]
-    worker = chosen["decode_worker"]
-    restore = record.get("restore")
-    if restore is not None and restore["worker"] == worker and restore["tier"] == "gpu":
-        blocks = int(restore["blocks"])
-    else:
-        blocks = int(chosen.get("reused_blocks", 0))
+    blocks = int(chosen.get("reused_blocks", 0))
+    if not planner_only:
+        moved = chosen["action"] in MOVES and chosen.get("source_worker")
+        u = unit(record, chosen["source_worker"] if moved else chosen["decode_worker"])
+        if u is not None:
+            blocks = resume_blocks(spec, profile, min(int(u["blocks"]), blocks), blocks)
+    bs = spec.block_tokens
     cap = (prompt_tokens - 1) // bs * bs
     return min(blocks * bs, cap)
 
 
+def outcome(record: dict[str, Any]) -> str:
+    """How the plan ran, from its record: `as_planned`, `partial_fetch` (the fetch brought
+    fewer blocks than planned: `fetched_blocks` GOT < PLANNED) or `fallback:REASON` (its
+    hop given up: `fallback`)."""
+    fb = record.get("fallback")
+    if fb is not None:
+        return f"fallback:{fb['reason']}"
+    got = record.get("fetched_blocks")
+    if got is not None and got[0] < got[1]:
+        return "partial_fetch"
+    return "as_planned"
+
+
+def error(pred: int, got: int) -> float:
+    return abs(pred - got) / got if got else (0.0 if pred == 0 else float("inf"))
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Requests, tokens, |Σ predicted − Σ delivered| / Σ delivered and requests differing."""
+    pred = sum(r["predicted"] for r in rows)
+    got = sum(r["delivered"] for r in rows)
+    priced = sum(r["planner_priced"] for r in rows)
+    return {
+        "requests": len(rows),
+        "predicted_tokens": pred,
+        "delivered_tokens": got,
+        "error": error(pred, got),
+        "requests_differing": sum(1 for r in rows if r["predicted"] != r["delivered"]),
+        "planner_priced_tokens": priced,
+        "planner_priced_error": error(priced, got),
+    }
+
+
 async def run_spec(spec_name: str, model: str, sessions: int, turns: int) -> dict[str, Any]:
     spec = load_spec(spec_name)
+    profile = load_profile(DEFAULT_PROFILE)  # the emulated workers' and the planner's
     bs = spec.block_tokens
     rows: list[dict[str, Any]] = []
     with emulated_workers(*workers(model, bs)) as ws:
@@ -145,23 +228,40 @@ async def run_spec(spec_name: str, model: str, sessions: int, turns: int) -> dic
                             "prompt_tokens": n,
                             "worker": record["chosen"]["decode_worker"],
                             "action": record["chosen"]["action"],
-                            "predicted": predicted_tokens(record, n, bs),
+                            "outcome": outcome(record),
+                            "predicted": predicted_tokens(record, n, spec, profile),
+                            "planner_priced": predicted_tokens(
+                                record, n, spec, profile, planner_only=True
+                            ),
                             "delivered": delivered,
+                            "record": {
+                                k: record.get(k)
+                                for k in (
+                                    "chosen",
+                                    "restore",
+                                    "restorable",
+                                    "fetched",
+                                    "fetched_blocks",
+                                    "fallback",
+                                    "ran",
+                                )
+                            },
                         }
                     )
-    pred = sum(r["predicted"] for r in rows)
-    got = sum(r["delivered"] for r in rows)
-    differ = sum(1 for r in rows if r["predicted"] != r["delivered"])
+    by_action: dict[str, list[dict[str, Any]]] = {}
+    by_outcome: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_action.setdefault(r["action"], []).append(r)
+        by_outcome.setdefault(r["outcome"], []).append(r)
     return {
         "spec": spec_name,
         "model": model,
         "block_tokens": bs,
-        "requests": len(rows),
         "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
-        "predicted_tokens": pred,
-        "delivered_tokens": got,
-        "error": abs(pred - got) / got if got else (0.0 if pred == 0 else float("inf")),
-        "requests_differing": differ,
+        **summary(rows),
+        "as_planned": summary(by_outcome.get("as_planned", [])),
+        "by_action": {a: summary(rs) for a, rs in sorted(by_action.items())},
+        "by_outcome": {o: summary(rs) for o, rs in sorted(by_outcome.items())},
         "rows": rows,
     }
 
@@ -169,13 +269,26 @@ async def run_spec(spec_name: str, model: str, sessions: int, turns: int) -> dic
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     out = []
     for spec_name, model in SPECS:
+        if args.specs and spec_name not in args.specs:
+            continue
         res = await run_spec(spec_name, model, args.sessions, args.turns)
+        planned = res["as_planned"]
         print(
             f"{spec_name:14s} requests={res['requests']} predicted={res['predicted_tokens']}"
             f" delivered={res['delivered_tokens']} error={res['error']:.4f}"
-            f" differing={res['requests_differing']}",
+            f" differing={res['requests_differing']}"
+            f" | as planned: requests={planned['requests']} error={planned['error']:.4f}"
+            f" differing={planned['requests_differing']}"
+            f" | planner priced: error={res['planner_priced_error']:.4f}",
             flush=True,
         )
+        for name, part in (*res["by_action"].items(), *res["by_outcome"].items()):
+            print(
+                f"  {name:28s} requests={part['requests']} predicted={part['predicted_tokens']}"
+                f" delivered={part['delivered_tokens']} error={part['error']:.4f}"
+                f" differing={part['requests_differing']}",
+                flush=True,
+            )
         out.append(res)
     return out
 
@@ -184,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sessions", type=int, default=6)
     ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--specs", nargs="*", default=None, help="only these specs (default: all)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args(argv)
     results = asyncio.run(main_async(args))
