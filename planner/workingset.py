@@ -32,6 +32,12 @@ class RetentionConfig:
     """Weight of a new gap in the per-session and per-tool moving averages."""
     idle_forget_s: float = 3600.0
     """A session idle this long is forgotten (its gap history too): bounds the table."""
+    max_sessions: int = 65_536
+    """At most this many sessions are remembered (the least recently active idle one goes
+    first; ~0.3 KB each): an hour of idle sessions at a high rate of new ones is millions."""
+    max_tools: int = 1_024
+    """At most this many tool names' gap averages (the names come from the clients' tool
+    calls: any number of distinct ones); the oldest name goes first."""
     return_alpha: float = 0.05
     """Weight of one first answer's outcome (its session came back within `factor` ×
     `prior_gap_s`, or not) in the moving return rate that scales a first answer's keep."""
@@ -43,6 +49,8 @@ class RetentionConfig:
             raise ValueError("alpha and return_alpha must be in (0, 1]")
         if self.idle_forget_s <= 0:
             raise ValueError("idle_forget_s must be > 0")
+        if self.max_sessions < 1 or self.max_tools < 1:
+            raise ValueError("max_sessions and max_tools must be >= 1")
 
 
 @dataclass(slots=True, eq=False)
@@ -278,6 +286,14 @@ class WorkingSets:
             self._uncount(old)
             del self._sessions[sid]
             break
+        # and past the count bound, the least recently active (a new session adds one, this
+        # takes one: the table stays at the bound; sessions in flight are never forgotten)
+        if len(self._sessions) > self.config.max_sessions:
+            for sid, old in self._sessions.items():
+                if not old.inflight and old is not s:
+                    self._uncount(old)
+                    del self._sessions[sid]
+                    break
         return s
 
     def _return_window(self) -> float:
@@ -293,8 +309,11 @@ class WorkingSets:
         a = self.config.alpha
         s.gap_s = gap if s.gap_s is None else (1 - a) * s.gap_s + a * gap
         if tool is not None:
-            t = self._tools.get(tool)
-            self._tools[tool] = gap if t is None else (1 - a) * t + a * gap
+            tools = self._tools
+            t = tools.pop(tool, None)
+            tools[tool] = gap if t is None else (1 - a) * t + a * gap
+            if len(tools) > self.config.max_tools:
+                del tools[next(iter(tools))]
 
     @staticmethod
     def _counted(s: _Session) -> bool:

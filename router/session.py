@@ -41,6 +41,7 @@ from hashlib import blake2b
 from typing import Any
 
 import orjson
+from xxhash import xxh3_128
 
 from ownerserve.records import fast_init
 
@@ -135,27 +136,41 @@ def stable_chat_prefix(messages: Sequence[Mapping[str, Any]]) -> bytes:
     return orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)
 
 
-def _prefix_key(model: str, messages: Sequence[Mapping[str, Any]]) -> Any:
-    """A hashable identity of the stable prefix, cheap to build (no serialization for plain
-    text messages)."""
-    parts: list[Any] = [model]
+def _frame(h: xxh3_128, data: bytes) -> None:
+    h.update(len(data).to_bytes(8, "little"))
+    h.update(data)
+
+
+def _prefix_key(model: str, messages: Sequence[Mapping[str, Any]]) -> int:
+    """A digest of the stable prefix (XXH3-128), cheap to build (no serialization for plain
+    text messages). Not the prefix itself: a key that held its strings kept a session's whole
+    system prompt and first turn, KBs to MBs, alive in the cache (65,536 of them)."""
+    h = xxh3_128()
+    _frame(h, model.encode())
     for m in messages:
         content = m.get("content")
         if len(m) == 2 and isinstance(content, str):
-            parts.append((m.get("role"), content))
+            h.update(b"t")
+            _frame(h, str(m.get("role")).encode())
+            _frame(h, content.encode(errors="surrogatepass"))
         else:
-            parts.append(orjson.dumps(m, option=orjson.OPT_SORT_KEYS))
+            h.update(b"j")
+            _frame(h, orjson.dumps(m, option=orjson.OPT_SORT_KEYS))
         if m.get("role") == "user":
             break
-    return tuple(parts)
+    return h.intdigest()
 
 
 class DerivedSessionCache:
-    """Derived session ids by stable prefix, so later turns skip serializing and hashing it."""
+    """Derived session ids by a digest of the stable prefix, so later turns skip serializing
+    and hashing it with BLAKE2b; at most `capacity` of them (~0.2 KB each), oldest first out."""
 
     def __init__(self, capacity: int = 65536) -> None:
         self.capacity = capacity
-        self._ids: dict[Any, str] = {}
+        self._ids: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
     def session_id(self, model: str, messages: Sequence[Mapping[str, Any]]) -> str:
         key = _prefix_key(model, messages)

@@ -212,3 +212,20 @@ def test_a_keep_too_short_to_move_the_clock_counts_nothing_and_leaks_nothing() -
     ws.ended("s", 1100, now=101.0)
     assert ws.tokens("w0", 101.0) == 0
     assert ws.tokens("w0", 200.0) == 0
+
+
+def test_many_distinct_sessions_and_tools_stay_under_their_bounds() -> None:
+    """Sessions that never come back within `idle_forget_s`, and distinct tool names, are each
+    held up to their count bound (least recently active first out); one in flight stays."""
+    ws = WorkingSets(RetentionConfig(max_sessions=100, max_tools=10))
+    ws.started("long", "w1", 500, 0.0)  # in flight throughout
+    for i in range(2_000):
+        t = 1.0 + i * 0.01
+        ws.started(f"s{i}", "w1", 100, t)
+        ws.ended(f"s{i}", 120, t, tool=f"tool-{i}")
+        ws.started(f"s{i}", "w1", 120, t + 0.001, after_tool=f"tool-{i}")
+        ws.ended(f"s{i}", 140, t + 0.002, tool=f"tool-{i}")
+        assert len(ws) <= 101
+        assert len(ws._tools) <= 10
+    assert ws.home("long", 30.0) == ("w1", 500)  # in flight: counted, never forgotten
+    assert "s1999" in ws._sessions and "s0" not in ws._sessions

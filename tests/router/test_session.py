@@ -80,3 +80,33 @@ def test_a_parent_session_header_names_the_spawning_session():
     same = identify_session({"x-session-id": "c", "x-parent-session-id": "c"}, {}, "m", [FIRST])
     assert same.parent is None  # a session is not its own parent
     assert identify_session({"x-session-id": "c"}, {}, "m", [FIRST]).parent is None
+
+
+def test_the_derived_session_cache_holds_digests_not_the_prefixes() -> None:
+    """Many distinct conversations with long system prompts: the cache holds at most
+    `capacity` entries, and none keeps its prompt alive (the heap it retains is ~0.2 KB an
+    entry, not the 64 KB prompts)."""
+    import gc
+    import tracemalloc
+
+    from router.session import DerivedSessionCache
+
+    cache = DerivedSessionCache(capacity=64)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(500):
+            messages = [
+                {"role": "system", "content": f"agent {i} " + "x" * 65_536},
+                {"role": "user", "content": f"task {i}"},
+            ]
+            sid = cache.session_id("m", messages)
+            assert cache.session_id("m", messages) == sid  # the same prefix, the same id
+            del messages
+            assert len(cache) <= 64
+        gc.collect()
+        retained = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert retained < 64 * 1_024

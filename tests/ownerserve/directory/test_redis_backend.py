@@ -375,7 +375,7 @@ async def test_a_drop_of_a_worker_holding_many_entries_goes_in_bounded_steps(
         await a.set_session_owner(f"s{i}", "w1", 60)
     kept = await a.claim(Artifact(CHAIN[:4]), "w2", 60)
     await a.set_session_owner("s-w2", "w2", 60)
-    stored = BlockStored(tuple(range(1, n + 1)), None, [1_000 + t for t in range(n * BS)], BS)
+    stored = BlockStored(tuple(range(1, n + 1)), None, tuple(1_000 + t for t in range(n * BS)), BS)
     await a.apply_events("w1", EventBatch(0, 0.0, (stored,)))
     cached = tuple(block_hash_chain([1_000 + t for t in range(n * BS)], BS, ROOT))
     assert (await b.lookup(cached[:1])).holdings  # w1 caches them
@@ -411,14 +411,14 @@ async def test_the_engine_hash_map_stays_under_its_bound_and_forgets_removed_blo
     await a.register_worker("w1", ROOT, BS)
     seq = 0
     for s in range(100):  # 100 sessions' prefixes of 2 blocks each: 200 engine hashes
-        tokens = [10_000 + s, *range(2 * BS - 1)]
+        tokens = (10_000 + s, *range(2 * BS - 1))
         stored = BlockStored((2 * s + 1, 2 * s + 2), None, tokens, BS)
         r = await a.apply_events("w1", EventBatch(seq, 0.0, (stored,)))
         assert r.stored == 2
         seq += 1
         assert len(a._engine_map["w1"]) <= 64
     # the first session's blocks are long evicted here; its child still finds its parent
-    child = BlockStored((1_000,), 2, list(range(BS)), BS)
+    child = BlockStored((1_000,), 2, tuple(range(BS)), BS)
     assert (await a.apply_events("w1", EventBatch(seq, 0.0, (child,)))).stored == 1
     seq += 1
     kept = list(a._engine_map["w1"])
