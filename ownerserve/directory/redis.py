@@ -23,6 +23,8 @@ hash tag, so every key of one namespace lives in one slot and every script is si
     P w:<worker>:eh  HASH  engine hash (decimal) -> block hex;  :arts :reps :sess  SETs
                            (its artifacts, replica blocks, sessions: what drop_worker undoes;
                            `transfer` moves ids from one worker's :arts to another's)
+    P w:<worker>:drops  SET  lives being dropped; their index sets moved aside as
+                           w:<worker>:d<life>:arts/:reps/:sess/:eh (drop_worker's steps)
     P s:<session>    STRING  decode owner, with a TTL (PX)
     P f:<id>         SET   sessions sharing the artifact copy-on-write (fork refs)
 
