@@ -148,6 +148,12 @@ class PlannerSettings(_Strict):
         description="weight of the reload of other sessions' working-set KV a placement "
         "displaces (0: not priced)",
     )
+    xi_duplicate: float = Field(
+        default=1.0,
+        ge=0,
+        description="weight of a duplicate's price: the reload of what the copy displaces on "
+        "its worker (0: a duplicate is priced by lambda_hbm alone)",
+    )
     retention_prior_gap_s: float = Field(
         default=2.0, ge=0, description="predicted tool gap of a session and tool never seen"
     )

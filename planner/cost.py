@@ -99,6 +99,7 @@ class CostConfig:
             lam=settings.lambda_hbm,
             mu=settings.mu_interference,
             nu=settings.nu_displacement,
+            xi=settings.xi_duplicate,
             profile=settings.profile,
             kv_spec=kv_spec,
             migration_margin_s=settings.migration_margin_s,

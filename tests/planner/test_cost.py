@@ -242,6 +242,7 @@ def test_config_from_settings_and_bad_configs() -> None:
     )
     assert (cfg.lam, cfg.mu, cfg.profile, cfg.kv_spec) == (2e-11, 0.5, "h100-llama3-8b", None)
     assert (cfg.migration_margin_s, cfg.migration_margin_rel) == (0.2, 0.3)
+    assert CostConfig.from_settings(PlannerSettings(xi_duplicate=0.0)).xi == 0.0
     assert CostConfig.from_settings(PlannerSettings()) == CostConfig()  # one set of defaults
     cfg = CostConfig.from_settings(PlannerSettings(), kv_spec="llama3-8b")
     assert CostModel(cfg).spec is not None
