@@ -26,7 +26,7 @@ def test_quick_sweep_writes_one_sane_point_per_target_and_rate(tmp_path: Path) -
     out, history = tmp_path / "results", tmp_path / "capacity.md"
     # No CPU tier: with one, the emulator stalls requests under HBM pressure (see
     # bench/history/capacity.md); plenty of HBM keeps the light-load point inside the SLO.
-    cmd = [sys.executable, "-m", "ownerserve", "bench", "capacity", "--quick",
+    cmd = [sys.executable, "-m", "ownerserve", "bench", "capacity", "--quick", "--rates", "60,600",
            "--targets", "ownerserve,colocated", "--prefill", "1", "--decode", "1", "--hybrid", "0",
            "--num-blocks", "1500", "--cpu-num-blocks", "0", "--duration-s", "15",
            "--out-dir", str(out), "--results-md", str(history),
