@@ -62,9 +62,10 @@ class ServerSettings(_Strict):
     behind a queue. A non-streamed answer's first byte is its last: only `request_timeout_s`
     bounds it."""
     kv_transfer_timeout_s: float = Field(default=120.0, gt=0)
-    """A KV hand-over until its answer is complete: the prefill call of a P/D plan (queueing
-    and prefill on P, as `first_byte_timeout_s`) and an artifact fetch or state migration
-    (then the decode worker computes the prompt itself)."""
+    """A KV hand-over (then the decode worker computes the prompt itself): a P/D plan's, from
+    P's call (queueing and prefill on P, as `first_byte_timeout_s`) until D's first streamed
+    bytes (D's pull; D's `first_byte_timeout_s` also runs, the sooner decides), and an
+    artifact fetch or state migration until its answer is complete."""
     stream_gap_timeout_s: float = Field(default=120.0, gt=0)
     """Most seconds between two pieces of a streamed answer, while the client keeps up (then
     the stream ends with an error event). A preempted request recomputes its whole context

@@ -9,9 +9,12 @@ Every action ends in one *final* upstream response whose bytes stream to the cli
   backend says) to pull the prefix from the source, then one call there (a failed fetch
   degrades to recomputing).
 
-Every hop is bounded (`HopLimits`: the connect timeout is the connection pool's): a P/D
-hand-over or fetch given up (timed out or failed) falls back to a colocated run on the decode
-worker (`OpenedResponse.fallback`); a final call given up before its first bytes raises
+Every hop is bounded (`HopLimits`: the connect timeout is the connection pool's). A P/D
+hand-over ends at D's first streamed bytes (D pulls P's KV before them) and has
+`kv_transfer_timeout_s` in all from P's call; D's first bytes also have their own
+`first_byte_timeout_s`, and the sooner bound decides. A hand-over or fetch given up (timed out
+or failed) falls back to a colocated run on the decode worker (`OpenedResponse.fallback`);
+a final call given up before its first bytes raises
 `RetryableUpstreamError`, and the caller plans again without that worker. Giving up on a call
 closes its connection, which aborts the request on the worker; a decode given up after P
 answered also tells P to free the KV it holds for it, where the protocol can
@@ -295,18 +298,34 @@ class PlanExecutor:
         body: bytes,
         headers: bytes,
         limits: HopLimits,
+        handover_ends: float | None = None,
     ) -> OpenedResponse:
         """The call whose answer goes to the client. Streamed, its first body bytes must come
         within `first_byte_timeout_s`, then no gap may pass `stream_gap_timeout_s`; a whole
-        (non-streamed) answer's first byte is its last: the request's own timeout bounds it."""
+        (non-streamed) answer's first byte is its last: the request's own timeout bounds it.
+        A P/D decode's streamed first bytes end its KV hand-over, so they must also come by
+        `handover_ends` (`time.monotonic()`); when that is the sooner bound, running out of
+        it is a `kv_transfer_timeout`."""
         bound: tuple[Hop, float] | None = None
+        handover = False
         if req.stream:
             bound = ("first_byte", limits.first_byte_timeout_s)
+            if handover_ends is not None:
+                left = handover_ends - time.monotonic()
+                if left < limits.first_byte_timeout_s:
+                    bound, handover = ("first_byte", max(left, 0.0)), True
         with self.span("ownerserve.upstream.call", worker=worker.worker_id):
-            resp = await self._post(
-                worker, req.endpoint.value, body, headers, bound, "upstream_failed"
-            )
-            first = await self._first_bytes(worker, resp, req.stream)
+            try:
+                resp = await self._post(
+                    worker, req.endpoint.value, body, headers, bound, "upstream_failed"
+                )
+                first = await self._first_bytes(worker, resp, req.stream)
+            except RetryableUpstreamError as exc:
+                if handover and exc.cause == "first_byte_timeout":
+                    # the wait ends at the first bytes, as a first-byte bound's does, but what
+                    # it bounds is the hand-over (D's pull of P's KV)
+                    exc.cause = "kv_transfer_timeout"
+                raise
         streaming = req.stream and resp.status == 200
         if streaming:
             resp.watch_gaps(limits.stream_gap_timeout_s)
@@ -463,6 +482,7 @@ class PlanExecutor:
         limits: HopLimits,
     ) -> OpenedResponse:
         t = time.perf_counter()
+        handover_ends = time.monotonic() + limits.kv_transfer_timeout_s
         p_json = self._prefill_json(prefill, req)
         p_body = orjson.dumps(p_json)
         try:
@@ -490,9 +510,17 @@ class PlanExecutor:
         d_body = orjson.dumps(d_json)
         transfer_s = time.perf_counter() - t
         try:
-            opened = await self._final_call(decode, req, d_body, headers, limits)
+            opened = await self._final_call(decode, req, d_body, headers, limits, handover_ends)
+        except RetryableUpstreamError as exc:
+            # given up before the decode's first byte: its connection is closed, which aborts
+            # D's request (and its pull); P frees what it still holds for it
+            self._release_handoff(prefill, p_answer)
+            if exc.cause != "kv_transfer_timeout":
+                raise
+            gave_up = GaveUp(prefill.worker_id, exc.cause)
+            return await self._colocated(decode, req, headers, limits, gave_up)
         except BaseException:
-            # given up (or the request ended) before the decode took P's KV
+            # the request ended before the decode took P's KV
             self._release_handoff(prefill, p_answer)
             raise
         if opened.status != 200:
@@ -544,6 +572,7 @@ class PlanExecutor:
         p_json = self._prefill_json(prefill, req)
         d_bytes = orjson.dumps(prefill.backend.decode_body(req.body, p_json, None))
         t = time.perf_counter()
+        handover_ends = time.monotonic() + limits.kv_transfer_timeout_s
         p_bytes = orjson.dumps(p_json)
 
         async def run_prefill() -> float:
@@ -555,7 +584,9 @@ class PlanExecutor:
             return time.perf_counter() - t
 
         p_task = asyncio.create_task(run_prefill())
-        d_task = asyncio.create_task(self._final_call(decode, req, d_bytes, headers, limits))
+        d_task = asyncio.create_task(
+            self._final_call(decode, req, d_bytes, headers, limits, handover_ends)
+        )
         gave_up: GaveUp | None = None
         try:
             done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -570,7 +601,16 @@ class PlanExecutor:
                     raise failure
                 gave_up = GaveUp(prefill.worker_id, failure.cause)
             else:
-                opened = await d_task
+                try:
+                    opened = await d_task
+                except RetryableUpstreamError as exc:
+                    if exc.cause != "kv_transfer_timeout":
+                        raise
+                    # D's pull outlasted the hand-over's bound (its request is aborted): P's
+                    # side of the room ends too
+                    p_task.cancel()
+                    await wait_ended([p_task], errors_at=logging.DEBUG)
+                    gave_up = GaveUp(prefill.worker_id, exc.cause)
         except BaseException:
             # failed, or the request was cancelled (its client left, its timeout ran out):
             # both hops end before this does, and D's answer, had it come, is closed

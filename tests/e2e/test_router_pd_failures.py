@@ -253,6 +253,42 @@ async def test_p_stopped_after_its_answer_fails_d_pull_and_runs_colocated_on_d()
         assert received_pd_blocks(d0) == 0
 
 
+PULL_BOUND_S = 3.0
+"""`server.kv_transfer_timeout_s` where D's slow pull outlasts it: P's prefill call (at
+`--speed 50`, well under a second) always fits in it, D's pull (~90 s) never does."""
+
+
+@pytest.mark.parametrize("kind", ["emulator", "sglang"])
+async def test_a_pull_past_the_hand_over_bound_runs_colocated_on_d_and_frees_both(kind: str):
+    # D pulls P's KV over its slow link: the hand-over's bound (P's call until D's first byte)
+    # runs out while the blocks are on their way; D's own first-byte bound is far longer.
+    # vLLM's flow (P answers, then D pulls) and SGLang's (both at once, D pulls at P's room)
+    p0 = EmulatedWorker("p0", "prefill", kind=kind, speed=50)
+    d0 = EmulatedWorker("d0", "decode", kind=kind, profile=SLOW_LINK_PROFILE, speed=50)
+    with emulated_workers(p0, d0) as ws:
+        async with proxy_client(settings(ws, kv_transfer_timeout_s=PULL_BOUND_S)) as (
+            client,
+            router,
+        ):
+            t0 = time.monotonic()
+            status, header, lines = await answer(client, STREAM)
+            elapsed = time.monotonic() - t0
+            # D's request was aborted (its pull with it) and P let go of the blocks D read
+            assert await at_rest_everywhere(p0, d0)
+            assert not await p_copy_recorded(router, "p0")
+            metrics = (await client.get("/metrics")).text
+        assert status == 200 and whole(lines), lines
+        assert elapsed < PULL_BOUND_S + MARGIN_S
+        ran_colocated_on_d(header, "kv_transfer_timeout")
+        labels = {"fallback": "colocated", "reason": "kv_transfer_timeout"}
+        assert metric_value(metrics, "ownerserve_fallbacks_total", **labels) == 1
+        timeouts = {"worker": "p0", "hop": "kv_transfer"}
+        assert metric_value(metrics, "ownerserve_upstream_timeouts_total", **timeouts) == 1
+        # the pull had begun (P sent the blocks), and nothing of the cut transfer was kept
+        assert sent_pd_blocks(p0) > 0 and received_pd_blocks(d0) == 0
+        assert gauge(d0, "vllm:request_success_total", finished_reason="abort") == 1
+
+
 # --- a prefill worker dies mid-hand-over ----------------------------------------------------
 
 

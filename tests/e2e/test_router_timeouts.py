@@ -145,8 +145,12 @@ async def test_a_stalled_decode_worker_is_given_up_at_the_first_byte_and_p_frees
     d0 = EmulatedWorker("d0", "decode", speed=50)
     h0 = EmulatedWorker("h0", "hybrid", speed=50)
     with emulated_workers(p0, d0, h0) as ws:
-        # static-pd decodes on the decode pool: d0, else (d0 given up) the hybrid h0
-        s = settings([w.worker_settings() for w in ws], "static-pd")
+        # static-pd decodes on the decode pool: d0, else (d0 given up) the hybrid h0; D's
+        # first-byte bound is the sooner one (the hand-over's, which would run the prompt
+        # colocated on d0, is longer here)
+        s = settings(
+            [w.worker_settings() for w in ws], "static-pd", kv_transfer_timeout_s=BOUND_S * 4
+        )
         async with proxy_client(s) as (client, _):
             with stalled(d0):
                 plan, lines = await answered_within(client, BOUND_S)
