@@ -19,6 +19,13 @@ whose `blocks` (`fetched_blocks`) says how many of the requested blocks, from th
 worker holds once the fetch is done (a source that had only part of them gives fewer); a failed
 fetch's error answer may say it too, next to `error` (the whole blocks it kept)."""
 
+FETCH_BRINGS_WINDOWS = False
+"""Whether a fetch brings a hybrid-attention model's sliding windows and per-sequence state at
+the fetched boundary with the sealed blocks: it does not (the emulated engine's KV API serves
+the source's sealed block pool, `/ownerserve/kv/read`; the sidecar knows no windows), so the
+destination resumes where its own windows are, or rebuilds them (`ownerserve.kvstate.resume`);
+a P/D hand-over's pull does bring them."""
+
 MAX_FETCH_BLOCKS = 100_000
 """Most blocks one request may name (a bound on the work one request body can ask for)."""
 

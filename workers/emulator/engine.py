@@ -228,7 +228,8 @@ class Sequence:
         self.rebuild = 0
         """Tokens to recompute before the next step to rebuild the windows (hybrid specs)."""
         self.resume = ""
-        """How the prefix hit's mutable state was restored (`hetero.RESUME_KINDS`)."""
+        """How the prefix hit's mutable state was restored
+        (`ownerserve.kvstate.resume.RESUME_KINDS`)."""
 
     def reused_between(self, lo: int, hi: int) -> int:
         """Tokens of [lo, hi) taken from the chunk store."""

@@ -12,7 +12,8 @@ at boundary j+1, the sequence's state. A running sequence references the last
 whose window it belongs to is one the retention policy keeps (`ownerserve.kvstate.retention`),
 else dropped at once (vLLM frees sliding-window blocks past the window).
 
-A prefix hit resumes only where every group can be restored (`choose`): at the deepest
+A prefix hit resumes only where every group can be restored (`choose`, the resume rule of
+`ownerserve.kvstate.resume`, which the planner and the simulator predict with): at the deepest
 boundary whose sealed blocks and window blocks are all cached, or deeper, at the sealed hit (or
 past it, from the CPU tier), rebuilding the windows there by recomputing the last n_win·L tokens
 over the cached sealed KV (the DeepSeek-V4 report's restore with zero SWA caching): whichever
@@ -37,6 +38,7 @@ from ownerserve.kvstate.groups import (
     kv_cache_groups,
     sealed_block_bytes,
 )
+from ownerserve.kvstate.resume import HostHit, Resume, ResumeRule, resume_point
 from ownerserve.kvstate.retention import Retention, restorable_boundary
 from ownerserve.kvstate.types import SwaPolicy
 from ownerserve.profiles import TimingProfile
@@ -44,22 +46,6 @@ from workers.emulator.kv_cache import BlockPool, CachedBlock, HostPool, NewBlock
 
 TokenReader = Callable[[int, int], tuple[int, ...]]
 """A sequence's token ids [lo, hi) (`Sequence.tokens`)."""
-
-RESUME_KINDS = ("cached", "rebuilt", "truncated", "cold")
-"""How a prefix hit's mutable state was restored: its windows were cached at the boundary
-(`cached`), rebuilt by recomputation (`rebuilt`), the hit was cut back to a boundary whose
-windows were cached (`truncated`), or nothing could be resumed (`cold`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ResumeChoice:
-    """Where a sequence resumes: `blocks` prefix blocks from HBM, then `host_blocks` from the
-    CPU tier, the windows rebuilt over `rebuild_tokens` recomputed tokens (0: cached)."""
-
-    blocks: int
-    host_blocks: int
-    rebuild_tokens: int
-    how: str
 
 
 @dataclass(slots=True)
@@ -115,7 +101,9 @@ class HybridKV:
         self.window_blocks = max((g.window_blocks for g in windows), default=0)
         if not self.window_blocks and self.mutable:
             self.window_blocks = 1  # state only: the state at boundary j+1 lives with block j
-        self.rebuild_tokens = spec.swa_recompute_tokens or (block_size if self.mutable else 0)
+        self.rule = ResumeRule.of(spec, block_size)
+        """The resume rule of the spec on this engine's blocks (`ownerserve.kvstate.resume`)."""
+        self.rebuild_tokens = self.rule.rebuild_tokens
         """Tokens recomputed to rebuild every window at a boundary: n_win·L."""
         self.block_bytes = sealed_block_bytes(self.groups)
         """Bytes of one block over every sealed group."""
@@ -163,11 +151,6 @@ class HybridKV:
         all in HBM or CPU)."""
         return not self.window_held(hashes, blocks) and self.window_held(hashes, blocks, True)
 
-    def _rebuild_s(self, profile: TimingProfile, blocks: int) -> tuple[int, float]:
-        n = blocks * self.block_size
-        r = min(self.rebuild_tokens, n)
-        return r, profile.prefill_s(r, n - r) - profile.prefill.base_s
-
     def choose(
         self,
         hashes: Sequence[int],
@@ -175,58 +158,27 @@ class HybridKV:
         profile: TimingProfile,
         host_blocks: int = 0,
         host_load_s: float = 0.0,
-    ) -> ResumeChoice:
+    ) -> Resume:
         """Where a sequence whose sealed blocks are cached for `hbm_blocks` blocks (and in the
-        CPU tier for `host_blocks` more, loading in `host_load_s`) resumes: the option that
-        reaches boundary E = hbm_blocks + host_blocks in the least modelled time among
-        loading the CPU part and rebuilding the windows at E, rebuilding them at the HBM hit
-        and computing the rest, and resuming at the deepest boundary whose windows are
-        cached (computing from there)."""
-        if self.pool is None:
-            how = "cached" if hbm_blocks + host_blocks else "cold"
-            return ResumeChoice(hbm_blocks, host_blocks, 0, how)
-        bs = self.block_size
-        base = profile.prefill.base_s
-        end = hbm_blocks + host_blocks
-        if end == 0:
-            return ResumeChoice(0, 0, 0, "cold")
+        CPU tier for `host_blocks` more, loading in `host_load_s`) resumes: the resume rule
+        (`ownerserve.kvstate.resume`) over the deepest boundary whose windows HBM caches
+        (`restorable_boundary`) and, with a CPU part, whether its end's windows are held in
+        HBM or the CPU tier and the deepest boundary whose are."""
         pool = self.pool
+        if pool is None or hbm_blocks + host_blocks == 0:
+            host_hit = HostHit(host_blocks, host_load_s)
+            return resume_point(self.rule, profile.prefill, hbm_blocks, hbm_blocks, host=host_hit)
         k = restorable_boundary(hbm_blocks, lambda j: pool.contains(hashes[j]), self.window_blocks)
-
-        def compute_s(lo: int) -> float:
-            return profile.prefill_s((end - lo) * bs, lo * bs) - base if end > lo else 0.0
-
-        options: list[tuple[float, ResumeChoice]] = []
+        host: HostHit | None = None
         if host_blocks:
-            per_block = host_load_s / host_blocks
-            held = self.window_held(hashes, end, host=True)
-            r, t = (0, 0.0) if held else self._rebuild_s(profile, end)
-            options.append(
-                (
-                    host_load_s + t,
-                    ResumeChoice(hbm_blocks, host_blocks, r, "rebuilt" if r else "cached"),
-                )
+            end = hbm_blocks + host_blocks
+            host = HostHit(
+                host_blocks,
+                host_load_s,
+                self.window_held(hashes, end, host=True),
+                restorable_boundary(end, self._held(hashes, True), self.window_blocks),
             )
-            # or load only up to the deepest CPU window checkpoint and compute from there
-            c = restorable_boundary(end, self._held(hashes, True), self.window_blocks)
-            if hbm_blocks < c < end:
-                options.append(
-                    (
-                        per_block * (c - hbm_blocks) + compute_s(c),
-                        ResumeChoice(hbm_blocks, c - hbm_blocks, 0, "truncated"),
-                    )
-                )
-        if k == hbm_blocks and hbm_blocks:
-            options.append((compute_s(k), ResumeChoice(k, 0, 0, "cached")))
-        else:
-            if hbm_blocks:
-                r, t = self._rebuild_s(profile, hbm_blocks)
-                options.append(
-                    (t + compute_s(hbm_blocks), ResumeChoice(hbm_blocks, 0, r, "rebuilt"))
-                )
-            options.append((compute_s(k), ResumeChoice(k, 0, 0, "truncated" if k else "cold")))
-        # ties go to the earlier option: loading, then the cached or rebuilt deeper hit
-        return min(options, key=lambda o: o[0])[1]
+        return resume_point(self.rule, profile.prefill, hbm_blocks, k, host=host)
 
     # --- a sequence's window blocks ---------------------------------------------------------
 

@@ -148,7 +148,8 @@ class EngineMetrics:
         self.hybrid = False
         """A hybrid-attention spec is served: render the HeteroCache families below."""
         self.resumes: dict[str, int] = {}
-        """Prefix hits by how their mutable state was restored (`hetero.RESUME_KINDS`)."""
+        """Prefix hits by how their mutable state was restored
+        (`ownerserve.kvstate.resume.RESUME_KINDS`)."""
         self.window_rebuild_tokens = 0
         """Tokens recomputed to rebuild sliding windows at a resumed boundary (n_win·L each)."""
         self.state_loaded_bytes: dict[str, int] = {}
