@@ -6,6 +6,7 @@ file and the key (unknown keys, bad URLs, duplicate worker ids...).
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -350,12 +351,38 @@ class WorkerSettings(_Strict):
 class TelemetrySettings(_Strict):
     service_name: str = "ownerserve"
     otlp_endpoint: str | None = None
+    """The OTLP receiver (a collector): spans and metrics go there. Over `http/protobuf` its
+    base URL (`/v1/traces` and `/v1/metrics` are added); over `grpc` the gRPC server's
+    address (`http://` for a plain connection, `https://` for TLS)."""
+    otlp_protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
+    """The OTLP transport, named as `OTEL_EXPORTER_OTLP_PROTOCOL` names it."""
+    otlp_metrics_interval_s: float = Field(default=10.0, gt=0)
+    """The router's metrics are read and exported over OTLP this often (and once more at
+    shutdown)."""
     console: bool = False
 
     @field_validator("otlp_endpoint")
     @classmethod
     def _url(cls, v: str | None) -> str | None:
         return None if v is None else _check_url(v)
+
+    @field_validator("otlp_protocol")
+    @classmethod
+    def _grpc_installed(cls, v: str) -> str:
+        # checked here so that a missing package is a config error, not a failed start; the
+        # package is no dependency (it brings grpcio): the extra ownerserve[otlp-grpc] has it
+        if v != "grpc":
+            return v
+        try:
+            found = importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc")
+        except ModuleNotFoundError:  # a parent package is missing
+            found = None
+        if found is None:
+            raise ValueError(
+                "grpc needs the opentelemetry-exporter-otlp-proto-grpc package "
+                "(pip install 'ownerserve[otlp-grpc]')"
+            )
+        return v
 
 
 class Settings(_Strict):

@@ -125,13 +125,9 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        m = router.metrics
-        for w in router.pool.all():
-            m.breaker.labels(w.worker_id).set(int(w.breaker.state))
-            m.healthy.labels(w.worker_id).set(1 if w.healthy else 0)
-            m.inflight.labels(w.worker_id).set(w.inflight)
-        m.leases_open.set(router.leases.open)
-        return Response(m.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # the gauges of the router's state are set as the read begins (Router._observe_metrics)
+        body = router.metrics.exposition()
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # --- admin API (separate token) -------------------------------------------------------
 

@@ -71,7 +71,7 @@ from router.stages import (
     view,
 )
 from router.streaming import Answer, Cut, continue_stream, end_cut, stream
-from router.telemetry import STAGES
+from router.telemetry import STAGES, plan_attributes
 from router.tokens import ModelTokenizer
 from router.writer import ResponseWriter
 
@@ -326,8 +326,10 @@ async def _open(
     run = svc.execute
     t = tries.t
     for attempt in range(retries + 1):
-        with tel.start_span("ownerserve.plan", attempt=attempt):
+        with tel.start_span("ownerserve.plan", attempt=attempt) as plan_span:
             planned = plan(policy, rview, svc.cluster, match, tries.excluded, holders)
+            if plan_span is not None and planned is not None:
+                plan_span.set_attributes(plan_attributes(planned))
         t = times.lap(PLAN, t)
         if planned is None:
             break

@@ -21,6 +21,7 @@ from ownerserve.profiles import load_profile
 from ownerserve.tasks import cancel_and_wait, finish_or_cancel
 from planner.calibration import Calibrator
 from planner.policies import Planner
+from planner.types import Action
 from planner.workingset import RetentionConfig, WorkingSets
 from router import membership
 from router.admission import Admission
@@ -133,6 +134,22 @@ class Router:
         self.services = self.request_services()
         """Each stage's services (rebuilt when the directory opens and when the router
         starts: the directory and the executor come then)."""
+        self.metrics.start_at_zero(
+            (m.name for m in settings.models), self.planner.default.name, [a.value for a in Action]
+        )
+        self.metrics.on_read(self._observe_metrics)
+
+    def _observe_metrics(self) -> None:
+        """The gauges of the workers' states and of the open leases, set as each read of the
+        metrics begins (`RouterMetrics.on_read`), and each worker's error counters there."""
+        m = self.metrics
+        for w in self.pool.all():
+            wid = w.worker_id
+            m.of(m.breaker, wid).set(int(w.breaker.state))
+            m.of(m.healthy, wid).set(1 if w.healthy else 0)
+            m.of(m.inflight, wid).set(w.inflight)
+            m.worker_at_zero(wid)
+        m.leases_open.set(self.leases.open)
 
     # --- lifecycle -------------------------------------------------------------------------
 

@@ -1,10 +1,11 @@
-"""The router's telemetry: Prometheus metrics on `/metrics` (explicit buckets in seconds; the
-request path's stage timings, `StageTimes`), OpenTelemetry spans (request, tokenize,
-directory lookup, plan, each upstream call, the KV transfer) exported over OTLP when
-`telemetry.otlp_endpoint` is set, and W3C trace context propagated to workers. Metrics are
-mirrored to OTLP too when an endpoint is configured.
+"""The router's telemetry: its metrics, defined once in a Prometheus registry (`RouterMetrics`:
+explicit buckets in seconds; the request path's stage timings, `StageTimes`) and read by
+`/metrics` scrapes and, with `telemetry.otlp_endpoint` set, by the OTLP export
+(`router.otlp`: histograms stay histograms); OpenTelemetry spans (request, tokenize,
+directory lookup, plan, each upstream call, the KV transfer) exported over OTLP; W3C trace
+context propagated to workers.
 
-Nothing here is global: each app owns its registry and tracer provider.
+Nothing here is global: each app owns its registry, tracer provider and metrics export.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -22,9 +23,11 @@ from opentelemetry.trace import Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import SummaryMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from ownerserve.config import TelemetrySettings
+from planner.types import Plan
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +99,24 @@ class StageTimes(Collector):
         yield family
 
 
+OWNER_LOOKUP_RESULTS = ("hit", "miss", "none")
+KV_FETCH_RESULTS = ("full", "partial", "empty", "failed")
+MIGRATION_OUTCOMES = ("migrated", "refused_guided", "refused_partial", "refused_limit", "failed")
+UPSTREAM_HOPS = ("connect", "first_byte", "kv_transfer", "stream_gap")
+
+
 class RouterMetrics:
-    """Every metric the router exports."""
+    """Every metric the router exports, whoever reads them: a `/metrics` scrape
+    (`exposition`) or the OTLP export (`read`). The gauges of the router's state (per worker,
+    open leases) are set by the observers given to `on_read` as each read begins: observed on
+    the reader's schedule, not on the request path. Counters whose label values are known
+    before their first event start at 0 (`rate()` has data from the start): here those of a
+    fixed set, per worker and per model through `on_read`'s observer and `start_at_zero`."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._observers: list[Callable[[], None]] = []
         # every metric registers in this app's own registry
         counter = functools.partial(Counter, registry=self.registry)
         gauge = functools.partial(Gauge, registry=self.registry)
@@ -259,6 +274,42 @@ class RouterMetrics:
         )
         self.stages = StageTimes()
         self.registry.register(self.stages)
+        for metric, values in (
+            (self.owner_lookups, OWNER_LOOKUP_RESULTS),
+            (self.kv_fetches, KV_FETCH_RESULTS),
+            (self.migrations, MIGRATION_OUTCOMES),
+            (self.admitted, ("immediate", "queued")),
+            (self.admission_rejected, ("queue_full", "queue_timeout")),
+            (self.admission_abandoned, ("client_disconnected", "cancelled")),
+        ):
+            for value in values:
+                self.of(metric, value)
+
+    def start_at_zero(self, models: Iterable[str], policy: str, actions: Iterable[str]) -> None:
+        """The counters of a deployment's label values at 0: each model's successful requests,
+        the default policy's plans of each action."""
+        for model in models:
+            self.of(self.requests, model, "ok")
+        for action in actions:
+            self.of(self.actions, policy, action)
+
+    def worker_at_zero(self, worker: str) -> None:
+        """`worker`'s error counters at 0 (called as each read begins, for every worker the
+        pool has then: cheap once the label sets exist)."""
+        self.of(self.retries, worker, "before_first_byte")
+        self.of(self.stream_errors, worker)
+        for hop in UPSTREAM_HOPS:
+            self.of(self.upstream_timeouts, worker, hop)
+
+    def on_read(self, observe: Callable[[], None]) -> None:
+        """Call `observe` as each read of the metrics begins (it sets gauges from the
+        router's state). It may run on the OTLP export's thread: it only reads plain
+        attributes of the router's state and sets metrics, which lock themselves."""
+        self._observers.append(observe)
+
+    def _observe(self) -> None:
+        for observe in self._observers:
+            observe()
 
     def of(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, memoised: the hot path skips prometheus_client's label
@@ -269,8 +320,40 @@ class RouterMetrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
+    def read(self) -> list[Metric]:
+        """Every metric family now, as the OTLP export reads them."""
+        self._observe()
+        return list(self.registry.collect())
+
     def exposition(self) -> bytes:
+        """The Prometheus text exposition, as a scrape of `/metrics` reads it."""
+        self._observe()
         return generate_latest(self.registry)
+
+
+def plan_attributes(plan: Plan) -> dict[str, str | int | float]:
+    """A plan as the attributes of its `ownerserve.plan` span: what the `x-ownerserve-plan`
+    header says (policy, class, action, workers, KV source, cost, runner-up, margin, replica)
+    and the blocks it reuses."""
+    c = plan.chosen
+    out: dict[str, str | int | float] = {
+        "policy": plan.policy,
+        "request_class": plan.request_class.value,
+        "action": c.action.value,
+        "prefill": c.prefill_worker,
+        "decode": c.decode_worker,
+        "cost_s": c.cost.total,
+        "reused_blocks": c.reused_blocks,
+        "candidates": plan.candidates_considered,
+    }
+    if c.source_worker is not None:
+        out["source"] = c.source_worker
+    if plan.runner_up is not None:
+        out["runner_up"] = plan.runner_up.action.value
+        out["margin_s"] = plan.margin_s
+    if plan.add_replica_on is not None:
+        out["replica"] = plan.add_replica_on
+    return out
 
 
 class Telemetry:
@@ -280,13 +363,13 @@ class Telemetry:
         self.settings = settings
         self.metrics = RouterMetrics()
         self._provider: Any = None
-        self._meter_provider: Any = None
+        self._metrics_export: Any = None
         self.tracer: Tracer = trace.NoOpTracer()
         self.enabled = bool(settings.otlp_endpoint or settings.console)
         if self.enabled:
-            self._setup_tracing()
+            self._setup()
 
-    def _setup_tracing(self) -> None:
+    def _setup(self) -> None:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
@@ -294,52 +377,20 @@ class Telemetry:
         resource = Resource.create({"service.name": self.settings.service_name})
         provider = TracerProvider(resource=resource)
         if self.settings.otlp_endpoint:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from router.otlp import PeriodicExport, exporters, metrics_data
 
-            endpoint = self.settings.otlp_endpoint.rstrip("/") + "/v1/traces"
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
-            self._setup_otlp_metrics(resource)
+            spans, metrics = exporters(self.settings)
+            provider.add_span_processor(BatchSpanProcessor(spans))
+            read = functools.partial(metrics_data, resource=resource, start_ns=time.time_ns())
+            self._metrics_export = PeriodicExport(
+                lambda: read(self.metrics.read()),
+                metrics,
+                self.settings.otlp_metrics_interval_s,
+            )
         if self.settings.console:
             provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
         self._provider = provider
         self.tracer = provider.get_tracer("ownerserve.router")
-
-    def _setup_otlp_metrics(self, resource: Any) -> None:
-        """Mirror the Prometheus registry to OTLP: a periodic reader of an OTel meter whose
-        observable instruments read the same prometheus_client collectors."""
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-        from opentelemetry.metrics import CallbackOptions, Observation
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-
-        assert self.settings.otlp_endpoint is not None
-        endpoint = self.settings.otlp_endpoint.rstrip("/") + "/v1/metrics"
-        reader = PeriodicExportingMetricReader(
-            OTLPMetricExporter(endpoint=endpoint), export_interval_millis=10_000
-        )
-        provider = MeterProvider(resource=resource, metric_readers=[reader])
-        meter = provider.get_meter("ownerserve.router")
-        registry = self.metrics.registry
-
-        def _samples(suffixes: tuple[str, ...]) -> Any:
-            def callback(_: CallbackOptions) -> list[Observation]:
-                out = []
-                for family in registry.collect():
-                    for s in family.samples:
-                        if s.name.endswith(suffixes):
-                            out.append(Observation(s.value, {"metric": s.name, **s.labels}))
-                return out
-
-            return callback
-
-        meter.create_observable_counter(
-            "ownerserve.counters", callbacks=[_samples(("_total", "_count", "_sum"))]
-        )
-        meter.create_observable_gauge(
-            "ownerserve.gauges",
-            callbacks=[_samples(("_state", "_healthy", "_inflight", "_queued", "_paused"))],
-        )
-        self._meter_provider = provider
 
     def start_span(self, name: str, context: Context | None = None, **attrs: Any) -> Any:
         """A span as a context manager; a shared no-op when tracing is off (the hot path
@@ -359,7 +410,7 @@ class Telemetry:
         return _PROPAGATOR.extract(headers)
 
     def shutdown(self) -> None:
-        for p in (self._provider, self._meter_provider):
+        for p in (self._provider, self._metrics_export):
             if p is not None:
                 try:
                     p.shutdown()

@@ -11,47 +11,27 @@ import re
 from pathlib import Path
 
 import httpx
-from aiohttp import web
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from ownerserve.config import settings_from_dict
 from planner.types import Action
 from router.app import create_app
 from router.server import running_app
-from tests.router.fake_worker import FakeWorker, free_port
+from tests.otlp_receiver import OtlpReceiver
+from tests.router.fake_worker import FakeWorker
 from tests.router.test_app import CHAT, MODEL, FixedPolicy, fixed_planner
 from tests.waiting import until
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "configs" / "grafana" / "ownerserve-router.json"
 
 
-async def _otlp_receiver(received: list[bytes]) -> tuple[web.AppRunner, int]:
-    async def traces(request: web.Request) -> web.Response:
-        received.append(await request.read())
-        return web.Response(body=b"", content_type="application/x-protobuf")
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=b"", content_type="application/x-protobuf")
-
-    app = web.Application()
-    app.router.add_post("/v1/traces", traces)
-    app.router.add_post("/v1/metrics", metrics)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, port
-
-
 async def test_spans_reach_an_otlp_receiver_and_trace_context_reaches_the_worker():
-    received: list[bytes] = []
-    runner, port = await _otlp_receiver(received)
+    receiver = await OtlpReceiver().start()
     worker = await FakeWorker("w0").start()
     try:
         settings = settings_from_dict(
             {
                 "server": {"port": 0, "health_interval_s": 60},
-                "telemetry": {"otlp_endpoint": f"http://127.0.0.1:{port}"},
+                "telemetry": {"otlp_endpoint": receiver.url},
                 "models": [{"name": MODEL, "block_size": 4}],
                 "workers": [{"id": "w0", "url": worker.url}],
             }
@@ -62,13 +42,7 @@ async def test_spans_reach_an_otlp_receiver_and_trace_context_reaches_the_worker
             resp = await client.post(url + "/v1/chat/completions", json=CHAT)
             assert resp.status_code == 200
             await asyncio.to_thread(app.state.router.telemetry._provider.force_flush)
-        spans = []
-        for body in received:
-            req = ExportTraceServiceRequest()
-            req.ParseFromString(body)
-            for rs in req.resource_spans:
-                for ss in rs.scope_spans:
-                    spans.extend(ss.spans)
+        spans = receiver.spans()
         names = {s.name for s in spans}
         assert {
             "ownerserve.request",
@@ -84,7 +58,7 @@ async def test_spans_reach_an_otlp_receiver_and_trace_context_reaches_the_worker
         assert request_span.trace_id.hex() == trace_id
     finally:
         await worker.stop()
-        await runner.cleanup()
+        await receiver.stop()
 
 
 async def test_every_metric_on_the_dashboard_is_exported():
