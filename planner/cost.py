@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from ownerserve.errors import ConfigError
+from ownerserve.kvfetch import FETCH_BRINGS_WINDOWS
 from ownerserve.kvstate import KVStateSpec, load_spec
-from ownerserve.profiles import TimingProfile, load_profile
+from ownerserve.kvstate.resume import ResumeRule, moved_windows, rebuild_s, resume_point
+from ownerserve.profiles import PrefillTiming, TimingProfile, load_profile
 from ownerserve.records import fast_init
 from ownerserve.types import Role, Tier
 from planner.restore import DEFAULT_SWA_POLICY, SwaPolicy, plan_restore
@@ -127,6 +129,9 @@ class ProfileConstants:
     ssd_load_bps: float
     rerotate_per_token_s: float
     capacity_tokens: float
+    prefill: PrefillTiming
+    """The profile's prefill timing as the engine itself times it: what a hybrid model's
+    resume point is decided with (`ownerserve.kvstate.resume`), unscaled by calibration."""
     hbm_kv_bytes: float = 0.0
     """The profile's HBM for KV: a request's spec sizes the pool as hbm_kv_bytes / K."""
 
@@ -147,6 +152,7 @@ class ProfileConstants:
             ssd_load_bps=link.ssd_load_bps,
             rerotate_per_token_s=p.rerotate_per_token_s,
             capacity_tokens=p.hbm_kv_bytes / p.kv_bytes_per_token,
+            prefill=pf,
             hbm_kv_bytes=float(p.hbm_kv_bytes),
         )
 
@@ -363,11 +369,14 @@ class HeldTerms(NamedTuple):
     held: int
     """held(w) = max(gpu, cpu, ssd)."""
     reused: int
-    """r = reused(held(w))."""
+    """r = reused(resumed(w))."""
     restore_s: float
-    """restore(w, gpu, cpu, ssd)."""
+    """restore(w, gpu, cpu, ssd), with a hybrid spec's window rebuild at a GPU hit."""
     dup_gpu: float
     """dup(w, gpu(w))."""
+    resumed: int
+    """resumed(w): the blocks its prefill starts from (held(w), or where a hybrid model's GPU
+    hit resumes: `RequestCosts.resume_gpu`)."""
 
 
 class WorkerTerms(NamedTuple):
@@ -397,8 +406,8 @@ class ScanTerms:
     """`RequestCosts.scan` of a sequence of workers: `WorkerTerms` as columns, item i of
     each column that of `workers[i]` (`row(i)`). `holds[i]`: `workers[i]` holds part of the
     prefix or chunks of the request, and item i of the `HeldTerms` columns (`gpu`, `held`,
-    `reused`, `restore_s`, `dup_gpu`) is its; they are set only there (and are empty when no
-    worker holds anything).
+    `reused`, `restore_s`, `dup_gpu`, `resumed`) is its; they are set only there (and are
+    empty when no worker holds anything).
 
     Columns, not a record per worker: a record costs more to build than a worker's terms,
     and a list is appended to (or, for what few workers have, set in place) for less. A
@@ -416,6 +425,7 @@ class ScanTerms:
         "prefill_s",
         "queue_s",
         "restore_s",
+        "resumed",
         "reused",
         "stalled",
         "w_disp_s",
@@ -437,6 +447,7 @@ class ScanTerms:
         reused: list[int],
         restore_s: list[float],
         dup_gpu: list[float],
+        resumed: list[int],
     ) -> None:
         self.workers = workers
         self.queue_s = queue_s
@@ -451,13 +462,19 @@ class ScanTerms:
         self.reused = reused
         self.restore_s = restore_s
         self.dup_gpu = dup_gpu
+        self.resumed = resumed
 
     def held_terms(self, i: int) -> HeldTerms | None:
         """The `HeldTerms` of `workers[i]`; None when it holds nothing."""
         if not self.holds[i]:
             return None
         return HeldTerms(
-            self.gpu[i], self.held[i], self.reused[i], self.restore_s[i], self.dup_gpu[i]
+            self.gpu[i],
+            self.held[i],
+            self.reused[i],
+            self.restore_s[i],
+            self.dup_gpu[i],
+            self.resumed[i],
         )
 
     def row(self, i: int) -> WorkerTerms:
@@ -495,6 +512,7 @@ class RequestCosts:
         "config",
         "k",
         "lam",
+        "limit",
         "model",
         "mu",
         "mutable",
@@ -504,6 +522,7 @@ class RequestCosts:
         "ob",
         "owner",
         "request",
+        "rule",
         "spec",
         "xi",
     )
@@ -520,6 +539,13 @@ class RequestCosts:
         spec = self.spec = request.kv_spec
         self.k: float = request.kv_bytes_per_token if spec is None else spec.bytes_per_token()
         self.mutable = 0 if spec is None else spec.mutable_bytes(self.n)
+        rule = None if spec is None else ResumeRule.of(spec, request.block_size)
+        self.rule: ResumeRule | None = rule if rule is not None and rule.hybrid else None
+        """The spec's resume rule when it has mutable state (windows, tails); None: every
+        hit resumes at its sealed blocks."""
+        self.limit = (self.n - 1) // request.block_size
+        """(N − 1) // bs: the most prompt blocks an engine reuses (it computes the last
+        token)."""
         self.bk = request.block_size * self.k
         self.owner = request.owner
         self.ob = request.owner_blocks if request.owner is not None else 0
@@ -558,10 +584,13 @@ class RequestCosts:
                          (ctx(w) + N)),  ctx(w) = kv_usage · cap(w), cap(w) =
                          kv_capacity_tokens, else hbm_kv_bytes / kv_bytes_per_token
             prefill    = prefill(w, r): the prompt on top of what w holds itself,
-                         r = reused(held(w)), and of the request's chunks it holds
+                         r = reused(resumed(w)), and of the request's chunks it holds;
+                         resumed(w) = held(w), or for a hybrid spec's GPU hit (held = gpu)
+                         the blocks of `resume_gpu`
             stalled(w) = running(w), or 0 on a PREFILL worker (its running requests are
                          prefills): the decodes a prefill on w stalls (I_decode)
-            restore    = restore(w, gpu, cpu, ssd): its held prefix into HBM
+            restore    = restore(w, gpu, cpu, ssd): its held prefix into HBM; at a
+                         hybrid spec's GPU hit, `resume_gpu`'s window rebuild
             dup        = dup(w, held(w)) and dup(w, gpu(w))
             W_disp(w)  = displacement(w, gpu(w)): the reload of the working-set KV its new
                          KV pushes out (0 on most workers: the room test is inline),
@@ -595,6 +624,8 @@ class RequestCosts:
         reuses: list[int] = []
         restores: list[float] = []
         dup_gpus: list[float] = []
+        resumes: list[int] = []
+        rule = self.rule
         for w in workers:
             if w.profile is not profile:
                 profile = w.profile
@@ -642,7 +673,11 @@ class RequestCosts:
                 else:
                     g = cpu = ssd = held = 0
                 if held or ch:
-                    r = _reused(held, bs, n) if held else 0
+                    resumed = held
+                    rebuild = 0.0
+                    if rule is not None and g == held and held:
+                        resumed, rebuild = self.resume_gpu(w, g, c)
+                    r = _reused(resumed, bs, n) if resumed else 0
                     other = w.worker_id != owner
                     dh = _dup(other, held, ob, bk)
                     pfs.append(
@@ -656,14 +691,15 @@ class RequestCosts:
                             disps[len(qs) - 1] += xd
                     if not gpus:
                         gpus, helds, reuses = [0] * n_w, [0] * n_w, [0] * n_w
-                        restores, dup_gpus = [0.0] * n_w, [0.0] * n_w
+                        restores, dup_gpus, resumes = [0.0] * n_w, [0.0] * n_w, [0] * n_w
                     j = len(qs) - 1
                     holds[j] = True
                     gpus[j] = g
                     helds[j] = held
                     reuses[j] = r
-                    restores[j] = self.restore(w, g, cpu, ssd, c) if held > g else 0.0
+                    restores[j] = self.restore(w, g, cpu, ssd, c) if held > g else rebuild
                     dup_gpus[j] = dh if g == held else _dup(other, g, ob, bk)
+                    resumes[j] = resumed
                     continue
             pfs.append(self.prefill(w, 0, c) if fetchable else sp * pf_all)
             if dup_none and w.worker_id != owner:
@@ -689,6 +725,7 @@ class RequestCosts:
             reuses,
             restores,
             dup_gpus,
+            resumes,
         )
 
     def kv_wait(self, w: WorkerView, gpu: int, decode: float, cap_p: float) -> float:
@@ -816,6 +853,54 @@ class RequestCosts:
             ssd - gc if ssd > gc else 0
         ) * bk / c.ssd_load_bps
 
+    def resume_gpu(self, w: WorkerView, gpu: int, c: ProfileConstants) -> tuple[int, float]:
+        """(blocks, seconds) of a hybrid spec's GPU hit of `gpu` blocks on w: where the
+        engine resumes it (`ownerserve.kvstate.resume.resume_point` with σ's rule, the
+        engine's own prefill timing of w's profile `c`, windows at w's restorable boundary
+        `restorable_blocks`, both capped at (N − 1) // bs) and the window rebuild it pays,
+        s_p · (prefill_s(R, S − R) − base_s) for R rebuilt tokens at S = blocks·bs (0 when
+        cached or cut back). A worker whose restorable boundary is not known resumes at
+        `gpu` with nothing rebuilt (its HBM taken to keep every boundary's windows)."""
+        k = w.restorable_blocks
+        rule = self.rule
+        if k is None or rule is None:
+            return gpu, 0.0
+        res = resume_point(rule, c.prefill, gpu, k, limit=self.limit)
+        if not res.rebuild_tokens:
+            return res.blocks, 0.0
+        bs = self.request.block_size
+        return res.blocks, w.prefill_scale * rebuild_s(
+            c.prefill, res.rebuild_tokens, res.blocks * bs
+        )
+
+    def resume_moved(
+        self, w: WorkerView, held: int, moved: int, c: ProfileConstants | None = None
+    ) -> tuple[int, float]:
+        """(blocks, seconds) of a hybrid spec's hit on w after a fetch or migration brings
+        `moved` sealed blocks on top of the `held` it holds: `resume_point` over held + moved
+        sealed blocks, windows where w holds them (`restorable_blocks`, at most gpu(w); its
+        GPU hit when not known) or at the moved boundary if a fetch brought them
+        (`ownerserve.kvfetch.FETCH_BRINGS_WINDOWS`: it does not), capped at (N − 1) // bs;
+        the seconds are the window rebuild, as `resume_gpu`'s. Without a hybrid rule:
+        (held + moved, 0)."""
+        rule = self.rule
+        if rule is None or moved <= 0:
+            return held + moved, 0.0
+        if c is None:
+            c = self.constants(w.profile)
+        k = w.restorable_blocks
+        g = gpu_blocks(w)
+        own = g if k is None or k > g else k
+        sealed = held + moved
+        windows = moved_windows(own, sealed, FETCH_BRINGS_WINDOWS)
+        res = resume_point(rule, c.prefill, sealed, windows, limit=self.limit)
+        if not res.rebuild_tokens:
+            return res.blocks, 0.0
+        bs = self.request.block_size
+        return res.blocks, w.prefill_scale * rebuild_s(
+            c.prefill, res.rebuild_tokens, res.blocks * bs
+        )
+
     def peer_restore(
         self,
         w: WorkerView,
@@ -830,7 +915,13 @@ class RequestCosts:
 
             without a spec:  bytes = moved·bs·K, T_network = transfer_s(src, w, bytes)
                              + [moved > 0]·handover_s(w), T_restore = 0
-            with σ:          plan = CostModel.restore_plan(w, σ, r, GPU, resident = held·bs,
+            with a hybrid σ: bytes = σ.sealed_bytes(held·bs, (held + moved)·bs) (a fetch
+                             brings the sealed blocks only, `FETCH_BRINGS_WINDOWS`),
+                             T_network = transfer_s(src, w, bytes) + handover_s(w),
+                             T_restore = the window rebuild of `resume_moved` (0 when w
+                             resumes at its own windows)
+            with σ without mutable state (a dense or MLA spec):
+                             plan = CostModel.restore_plan(w, σ, r, GPU, resident = held·bs,
                              same node), r = min((held + moved)·bs, N − 1): the sealed blocks
                              and the windows at the boundary load (a GPU holder keeps its
                              windows), the incomplete block is recomputed (or all of it, when
@@ -844,6 +935,13 @@ class RequestCosts:
             nbytes: float = moved * self.bk
             return self.transfer_s(src, w, nbytes, c) + w.handover_s, 0.0, nbytes
         bs = self.request.block_size
+        if self.rule is not None:
+            end = (held + moved) * bs
+            sealed = spec.sealed_bytes(held * bs, end)
+            if FETCH_BRINGS_WINDOWS:
+                sealed += spec.mutable_bytes(end)
+            _, rebuilt = self.resume_moved(w, held, moved, c)
+            return self.transfer_s(src, w, sealed, c) + w.handover_s, rebuilt, float(sealed)
         r = _reused(held + moved, bs, self.n)
         restore_s, load_s, loaded = self.model.restore_plan(
             w, spec, r, _GPU, held * bs, src.node == w.node
@@ -1081,7 +1179,8 @@ class RequestCosts:
         ip: int,
         id_: int,
     ) -> tuple[CostBreakdown, int]:
-        """(breakdown, blocks reused by P) of the route of `action` prefilling on P = `p` and
+        """(breakdown, blocks P's prefill resumes from: resumed(P), or after a move its
+        `resume_moved`) of the route of `action` prefilling on P = `p` and
         decoding on D = `d` (from `source`; `terms`: a scan holding P at `ip` and D at `id_`,
         scanned here when None)."""
         cfg = self.config
@@ -1118,8 +1217,10 @@ class RequestCosts:
             moved = gpu_blocks(source) - held
         if moved < 0:
             moved = 0
-        if moved:  # P reuses what it holds and what moves in
-            pre = self.prefill(p, self.reused(held + moved))
+        resumed = terms.resumed[ip] if holds[ip] else 0
+        if moved:  # P reuses what it holds and what moves in (where a hybrid hit resumes)
+            resumed = self.resume_moved(p, held, moved)[0]
+            pre = self.prefill(p, self.reused(resumed))
         if colocated:
             tq = q_p  # T_queue = q(P) + [D ≠ P] · q(D); D's terms are P's
         else:
@@ -1158,7 +1259,7 @@ class RequestCosts:
         b = CostBreakdown(
             tq, pre + dec, tn, tr, m, i, cfg.lam, cfg.mu, pre, dec / o if o else 0.0, h, nic, wd, tt
         )
-        return b, held + moved
+        return b, resumed
 
 
 # The formulas `RequestCosts` shares with its pass over the workers, `scan` (module functions:

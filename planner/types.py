@@ -93,6 +93,12 @@ class WorkerView:
     # `RequestView.chunk_spans`) whose KV this worker's chunk store holds, as the directory
     # says; a prefill here copies them (re-rotated) instead of computing them
     chunks_held: tuple[int, ...] = ()
+    # HeteroCache: the deepest boundary of the request's chain (blocks) at which this worker's
+    # HBM holds every KV cache group — the sliding windows and per-sequence state too, not only
+    # the sealed blocks (the directory's restorable unit, `Match.restorable`); a hybrid model's
+    # hit resumes there or rebuilds its windows (`ownerserve.kvstate.resume`). None: not known
+    # (its events name no KV cache groups), as if its HBM kept every cached boundary's windows
+    restorable_blocks: int | None = None
 
 
 @fast_init

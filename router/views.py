@@ -33,6 +33,7 @@ def cluster_view(
     that can still serve their KV (`ClusterView.sources`: their sessions move away by fetch
     or migration instead of recomputing)."""
     cached = held_by_worker(match, router.pool)
+    windows = restorable_by_worker(match)
     now = time.monotonic()
     views = []
     scales = router.calibrator.scales
@@ -50,7 +51,10 @@ def cluster_view(
         if not w.routable(now):
             if w.draining and w.healthy and w.kv_api and w.worker_id in cached:
                 backlog = 0.0 if nics is None else nics.backlog(w.settings.node, now)
+                known = windows.get(w.worker_id)
                 view = _view(router, w, cached[w.worker_id], w.load.kv_usage, backlog, 0, False)
+                if known is not None:
+                    view = replace(view, restorable_blocks=known)
                 if chunk_holders and w.worker_id in chunk_holders:
                     view = replace(view, chunks_held=chunk_holders[w.worker_id])
                 sources.append(view)
@@ -72,6 +76,7 @@ def cluster_view(
         ws_tokens = wsets.tokens(wid, now)
         closed = past_knee and admission.closed_to_programs(w, now)
         chunks = chunk_holders.get(wid, ()) if chunk_holders else ()
+        restorable = windows.get(wid)
         # the view is rebuilt only when something it shows changed (a frozen dataclass of
         # a dozen fields costs ~2 µs to build); who owns the request's prefix is in the
         # request view, so the same worker view serves every request of any session. The
@@ -94,6 +99,7 @@ def cluster_view(
             closed,
             w.kv_api_ok,  # with the settings: kv_api and chunk_api
             chunks,
+            restorable,
         )
         group = w.pd_group
         if group is not None:
@@ -107,7 +113,7 @@ def cluster_view(
             if last_key == key:
                 views.append(last_view)
                 continue
-        view = _view(router, w, held, kv_usage, backlog, ws_tokens, closed, chunks)
+        view = _view(router, w, held, kv_usage, backlog, ws_tokens, closed, chunks, restorable)
         w.view_cache = (key, view)
         views.append(view)
     return ClusterView(tuple(views), tuple(sources), pd_mixed)
@@ -138,6 +144,14 @@ def held_by_worker(match: Match, pool: WorkerPool) -> dict[str, dict[Tier, int]]
     return cached
 
 
+def restorable_by_worker(match: Match) -> dict[str, int]:
+    """Per worker whose KV events name KV cache groups (a hybrid-attention engine), the
+    deepest boundary of the request's chain at which its HBM holds every group
+    (`Match.restorable`'s GPU units: `WorkerView.restorable_blocks`); {} for a dense
+    deployment."""
+    return {u.worker: u.blocks for u in match.restorable if u.tier is Tier.GPU}
+
+
 def _view(
     router: ClusterSources,
     w: WorkerState,
@@ -147,6 +161,7 @@ def _view(
     ws_tokens: int,
     programs_closed: bool,
     chunks_held: tuple[int, ...] = (),
+    restorable: int | None = None,
 ) -> WorkerView:
     """A worker's view from its state and what the caller computed for it."""
     sc = router.calibrator.scales(w.worker_id)
@@ -174,6 +189,7 @@ def _view(
         kv_api=w.kv_api,
         chunk_api=w.chunk_api,
         chunks_held=chunks_held,
+        restorable_blocks=restorable,
     )
 
 

@@ -6,18 +6,20 @@ cached tokens the engine then reports (`usage.prompt_tokens_details.cached_token
 Usage: .venv/bin/python -m bench.heterocache.hits [--sessions 6] [--turns 5]
 [--specs SPEC ...] [--out bench/results]
 
-Predicted, from the plan's record (`GET /admin/plans`) alone, never the engine's answer
-(`predicted_tokens`): the blocks the planner priced as reused on the plan's worker
-(`reused_blocks`: for a fetch or a migration what it holds and what moves in); for a hybrid
-model, where the engine resumes over them (`resume_blocks`: rebuild the windows at the
-sealed boundary, or resume at the directory's restorable boundary, `restorable`, whichever
-the engine's rule finds cheaper); in tokens, at most the prompt less one token rounded down
-to a block, as an engine never caches the prompt's last token. `planner_priced` is
-`reused_blocks` alone (the sealed boundary). The router waits for each worker's KV events to
-be applied before the next request, so a prediction reads what the engine published. Error:
+Scored, from the plan's record (`GET /admin/plans`) alone, never the engine's answer:
+`planner_priced`, the blocks the planner itself priced as reused on the plan's worker
+(`reused_blocks`: for a hybrid model where its resume rule puts the hit, given each worker's
+restorable boundary; for a fetch or a migration what it holds and what moves in, resumed
+there), and `predicted` (`predicted_tokens`), the resume rule (`ownerserve.kvstate.resume`,
+the engine's own) applied again over those blocks with the directory's restorable boundary on
+the plan's worker (`restorable`; a fetch brings no windows, so a move's destination resumes
+where its own are): what the router expects, a check of the planner's record. In tokens, at
+most the prompt less one token rounded down to a block, as an engine never caches the
+prompt's last token. The router waits for each worker's KV events to be applied before the
+next request, so a prediction reads what the engine published. Error:
 |Σ predicted − Σ delivered| / Σ delivered and the share of requests that differ, per spec,
 per action and per outcome (`outcome`: as planned, a partial fetch, or a fallback and its
-reason, scored apart; `as_planned` alone).
+reason, scored apart; `as_planned` alone), for both.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import httpx
 
 from loadgen.cluster import DEFAULT_PROFILE, EmulatedWorker, emulated_workers
 from ownerserve.config import settings_from_dict
-from ownerserve.kvstate import KVStateSpec, load_spec
+from ownerserve.kvfetch import FETCH_BRINGS_WINDOWS
+from ownerserve.kvstate import KVStateSpec, ResumeRule, load_spec, moved_windows, resume_point
 from ownerserve.profiles import TimingProfile, load_profile
 from router.app import create_app
 from router.server import running_app
@@ -90,19 +93,10 @@ MOVES = ("artifact_fetch", "state_migration")
 
 def resume_blocks(spec: KVStateSpec, profile: TimingProfile, k: int, sealed: int) -> int:
     """Where an engine resumes a hybrid prompt whose sealed groups are cached for `sealed`
-    blocks and whose windows are cached at boundary `k` <= sealed: rebuilding the windows at
-    `sealed` (recomputing n_win·L tokens, `swa_recompute_tokens`) when that costs no more
-    than computing [k, sealed), else at `k` (the emulator's `HybridKV.choose` without a CPU
-    tier; ties go to the rebuild)."""
-    if k >= sealed:
-        return sealed
-    bs = spec.block_tokens
-    base = profile.prefill.base_s
-    n = sealed * bs
-    r = min(spec.swa_recompute_tokens or bs, n)
-    rebuild_s = profile.prefill_s(r, n - r) - base
-    truncate_s = profile.prefill_s(n - k * bs, k * bs) - base
-    return sealed if rebuild_s <= truncate_s else k
+    blocks and whose windows are cached at boundary `k` <= sealed: the resume rule
+    (`ownerserve.kvstate.resume.resume_point`, the emulator's `HybridKV.choose` without a
+    CPU tier)."""
+    return resume_point(ResumeRule.of(spec), profile.prefill, sealed, k).blocks
 
 
 def unit(record: dict[str, Any], worker: str) -> dict[str, Any] | None:
@@ -122,18 +116,19 @@ def predicted_tokens(
 ) -> int:
     """What the router expects the engine to report as cached for the plan it chose, from the
     plan's record alone. The blocks the planner priced as reused on the plan's worker
-    (`reused_blocks`: for a fetch or a migration, what it holds and what moves in); for a
-    hybrid model (unless `planner_only`), where the engine resumes over them
-    (`resume_blocks`): windows at the directory's restorable boundary on the plan's worker,
-    or for a move on its source (`restorable`). In tokens, at most the prompt less one
-    token rounded down to a block (an engine never caches the prompt's last token)."""
+    (`reused_blocks`, alone when `planner_only`); for a hybrid model, where the engine's
+    resume rule puts a hit over them (`resume_blocks`) with the windows at the directory's
+    restorable boundary on the plan's worker (`restorable`; after a move the destination's
+    own, as a fetch brings none: `FETCH_BRINGS_WINDOWS`). In tokens, at most the prompt less
+    one token rounded down to a block (an engine never caches the prompt's last token)."""
     chosen = record["chosen"]
     blocks = int(chosen.get("reused_blocks", 0))
-    if not planner_only:
-        moved = chosen["action"] in MOVES and chosen.get("source_worker")
-        u = unit(record, chosen["source_worker"] if moved else chosen["decode_worker"])
-        if u is not None:
-            blocks = resume_blocks(spec, profile, min(int(u["blocks"]), blocks), blocks)
+    if not planner_only and ResumeRule.of(spec).hybrid:
+        u = unit(record, chosen["decode_worker"])  # none: it holds nothing of the prompt
+        own = 0 if u is None else int(u["blocks"])
+        moved = chosen["action"] in MOVES
+        k = moved_windows(own, blocks, moved and FETCH_BRINGS_WINDOWS)
+        blocks = resume_blocks(spec, profile, k, blocks)
     bs = spec.block_tokens
     cap = (prompt_tokens - 1) // bs * bs
     return min(blocks * bs, cap)
@@ -169,6 +164,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "requests_differing": sum(1 for r in rows if r["predicted"] != r["delivered"]),
         "planner_priced_tokens": priced,
         "planner_priced_error": error(priced, got),
+        "planner_priced_differing": sum(1 for r in rows if r["planner_priced"] != r["delivered"]),
     }
 
 
@@ -279,14 +275,18 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
             f" differing={res['requests_differing']}"
             f" | as planned: requests={planned['requests']} error={planned['error']:.4f}"
             f" differing={planned['requests_differing']}"
-            f" | planner priced: error={res['planner_priced_error']:.4f}",
+            f" | planner priced: {res['planner_priced_tokens']}"
+            f" error={res['planner_priced_error']:.4f}"
+            f" differing={res['planner_priced_differing']}",
             flush=True,
         )
         for name, part in (*res["by_action"].items(), *res["by_outcome"].items()):
             print(
                 f"  {name:28s} requests={part['requests']} predicted={part['predicted_tokens']}"
                 f" delivered={part['delivered_tokens']} error={part['error']:.4f}"
-                f" differing={part['requests_differing']}",
+                f" differing={part['requests_differing']}"
+                f" | planner priced: error={part['planner_priced_error']:.4f}"
+                f" differing={part['planner_priced_differing']}",
                 flush=True,
             )
         out.append(res)

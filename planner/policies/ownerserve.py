@@ -180,17 +180,30 @@ class _Pick(TopTwo[float, int]):
         sp = w.prefill_scale
         # its prefill after the move reuses (or fetches) its chunks too
         chunked = bool(w.chunks_held) or bool(k.chunk_src)
+        # a hybrid spec's hit after the move resumes where w's windows let it
+        hybrid = k.rule is not None
         if fetch_ok:
             src = self.src_f
             assert src is not None
-            pf_f = k.prefill(w, k.reused(k.ob), c) if chunked else sp * moves.prefill_fetch
+            if hybrid:
+                pf_f = k.prefill(w, k.reused(k.resume_moved(w, held, k.ob - held, c)[0]), c)
+            elif chunked:
+                pf_f = k.prefill(w, k.reused(k.ob), c)
+            else:
+                pf_f = sp * moves.prefill_fetch
             cost = _fetch(k, w, src, base, stalled, dup, held, pf_f, c)
             self.consider(cost, _FETCH, i, i)
         if mig_ok:
             src = self.src_m
             assert src is not None
-            pf_m = k.prefill(w, k.reused(self.g_m), c) if chunked else sp * moves.prefill_migration
-            cost = _migration(k, w, src, self.g_m, base, stalled, held, pf_m, c)
+            g_m = self.g_m
+            if hybrid:
+                pf_m = k.prefill(w, k.reused(k.resume_moved(w, held, g_m - held, c)[0]), c)
+            elif chunked:
+                pf_m = k.prefill(w, k.reused(g_m), c)
+            else:
+                pf_m = sp * moves.prefill_migration
+            cost = _migration(k, w, src, g_m, base, stalled, held, pf_m, c)
             self.consider(cost, _MIG, i, i)
 
 
@@ -475,8 +488,9 @@ def _fetch(
 ) -> float:
     """C of an artifact fetch from the owner `src` to w (a read-only replica; `c`: the
     constants of w's profile): the missing owner_blocks − held blocks move, w reuses
-    owner_blocks (its prefill `pf`) and pays λ·dup(w, held) for the replica; with a KV
-    spec, what restoring them from src costs (`RequestCosts.peer_restore`)."""
+    owner_blocks (its prefill `pf`; a hybrid spec's where it resumes after the move,
+    `RequestCosts.resume_moved`) and pays λ·dup(w, held) for the replica; with a KV spec,
+    what restoring them from src costs (`RequestCosts.peer_restore`)."""
     tn, tr, _ = k.peer_restore(w, src, held, k.ob - held, c)
     return base + pf + tn + tr + k.lam * dup + k.mu * (stalled * pf)
 
@@ -494,7 +508,8 @@ def _migration(
 ) -> float:
     """C of moving the session from its owner `src` (holding g_src blocks in GPU) to w (`c`:
     the constants of w's profile): the missing blocks move and stay duplicated (M_HBM), w
-    reuses g_src blocks (its prefill `pf`), and the move pays its hysteresis; with a KV spec,
+    reuses g_src blocks (its prefill `pf`; a hybrid spec's where it resumes after the move),
+    and the move pays its hysteresis; with a KV spec,
     what restoring them from src costs (`RequestCosts.peer_restore`)."""
     tn, tr, moved = k.peer_restore(w, src, held, g_src - held, c)
     c0 = base + pf + tn + tr + k.lam * moved + k.mu * (stalled * pf)

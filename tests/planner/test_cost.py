@@ -402,7 +402,7 @@ def test_one_scan_of_many_workers_gives_each_the_terms_it_has_alone() -> None:
     assert [terms.row(i) for i in range(len(ws))] == [k.worker(w) for w in ws]
     assert terms.holds == [True, False, False, True, False]
     # a: 6 blocks held (3 in GPU), so r = 600 and 3 blocks come from CPU: 3e5 B / 1e9 B/s
-    assert terms.held_terms(0) == (3, 6, 600, pytest.approx(3e-4), 0)
+    assert terms.held_terms(0) == (3, 6, 600, pytest.approx(3e-4), 0, 6)
     assert terms.held_terms(1) is None and terms.row(1).held is None
     assert terms.w_disp_s[2] > 0.0 and terms.w_disp_s[0] == terms.w_disp_s[4] == 0.0
     # the fast profile's prefill: 0.01 + 5e-5·1000 + 1e-8·1000·500 on nothing

@@ -101,3 +101,32 @@ async def test_a_lease_counts_only_as_far_as_the_workers_kv_events_show_its_bloc
     assert w0.cached_blocks == {Tier.GPU: 4}
     (_w0, w1) = cluster_view(cluster, MODEL, await d.lookup(other), ()).workers
     assert w1.cached_blocks == {Tier.GPU: 8}
+
+
+async def test_a_hybrid_workers_view_shows_where_its_windows_let_a_hit_resume() -> None:
+    """w0's engine tags its KV events per KV cache group: its attention group holds the 8
+    blocks of the chain, its sliding-window group (8 tokens: 2 blocks) only blocks 0-2, so
+    every group is restorable at boundary 3 at most: the view's `restorable_blocks`, which
+    the planner's resume rule reads. w1 names no groups: not known (None)."""
+    router = _router()
+    d = InMemoryDirectory()
+    root = chain_root(MODEL)
+    tokens = tuple(range(32))
+    chain = tuple(block_hash_chain(tokens, 4, root))
+    engine = tuple(range(1000, 1008))
+    for w in ("w0", "w1"):
+        await d.register_worker(w, root, 4)
+    full = BlockStored(engine, None, tokens, 4, Tier.GPU, None, 0, "full_attention")
+    window = BlockStored(engine[:3], None, tokens[:12], 4, Tier.GPU, None, 1, "sliding_window", 8)
+    await d.apply_events("w0", EventBatch(0, 0.0, (full, window)))
+    await d.apply_events("w1", EventBatch(0, 0.0, (BlockStored(engine, None, tokens, 4),)))
+    w0, w1 = cluster_view(router.services.cluster, MODEL, await d.lookup(chain), ()).workers
+    assert w0.cached_blocks == w1.cached_blocks == {Tier.GPU: 8}
+    assert (w0.restorable_blocks, w1.restorable_blocks) == (3, None)
+    # the window group's blocks 3-7 stored too: restorable at the sealed boundary
+    rest = BlockStored(
+        engine[3:], engine[2], tokens[12:], 4, Tier.GPU, None, 1, "sliding_window", 8
+    )
+    await d.apply_events("w0", EventBatch(1, 0.0, (rest,)))
+    w0, _ = cluster_view(router.services.cluster, MODEL, await d.lookup(chain), ()).workers
+    assert w0.restorable_blocks == 8

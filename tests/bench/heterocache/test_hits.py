@@ -51,11 +51,20 @@ def test_a_move_is_credited_with_what_the_planner_priced() -> None:
     mig = record("state_migration", 500, source="h0", fetched_blocks=[400, 400])
     assert predicted_tokens(mig, 10_000, dense, PROFILE) == 500 * 16
     assert predicted_tokens(mig, 100, dense, PROFILE) == 96  # the last token is computed
-    # a hybrid move resumes where the windows the source holds let it
+    # a hybrid move resumes where the destination's own windows let it (a fetch brings
+    # none): h1's at block 1, whatever the source h0 holds; computing 7984 tokens over 16
+    # beats rebuilding all 8000
     swa = load_spec("qwen3-8b-swa")
-    mig["restorable"] = [{"worker": "h0", "tier": "gpu", "blocks": 1, "sealed_blocks": 500}]
+    mig["restorable"] = [
+        {"worker": "h0", "tier": "gpu", "blocks": 500, "sealed_blocks": 500},
+        {"worker": "h1", "tier": "gpu", "blocks": 1, "sealed_blocks": 1},
+    ]
     assert predicted_tokens(mig, 10_000, swa, PROFILE) == 16
     assert predicted_tokens(mig, 10_000, swa, PROFILE, planner_only=True) == 500 * 16
+    # h1 holding nothing: the rebuild recomputes all 8000 tokens, as cutting back to 0 would
+    # (a tie: the engine rebuilds, and reports the 8000 as cached)
+    mig["restorable"] = mig["restorable"][:1]
+    assert predicted_tokens(mig, 10_000, swa, PROFILE) == 500 * 16
 
 
 def test_fallbacks_and_partial_fetches_are_told_apart() -> None:
