@@ -4,13 +4,16 @@ and LMCache): setup against a master, registered buffers, batch puts from and ge
 registered memory, remove, exists; every object carries its checksum and is verified on load.
 
 **Object layout.** An artifact of n bytes is stored as one object of n + 16 bytes: the payload,
-then its XXH3-128 digest (the sidecar's artifact checksum, `workers.sidecar.store.checksum`).
-A reader needs nothing but the key: `get_into` reads the object into a slot, hashes the payload
-in place and compares it with the trailer. A writer leaves 16 writable bytes after each payload
-in its buffer (`put_from` writes the digest there), so a save is gather, hash, one batch put,
-with no Python `bytes` per artifact. Payloads packed back to back (a staging buffer's) go with
-their digests in a separate registered slot each (`put_split`, `get_split`: the store's
-multi-buffer batch calls; the object's bytes are the same).
+then its digest: the XXH3-128 of the payload (the sidecar's artifact checksum,
+`workers.sidecar.store.checksum`) from the CPU writers here, or the keyed MAC the connector's
+GPU path computes on the device (`workers.mooncake_store.digest`: the digest says its kind).
+A reader needs nothing but the key: `get_into` reads the object into a slot, verifies the
+payload in place against the trailer (`digest.verify`, either kind). A writer leaves 16
+writable bytes after each payload in its buffer (`put_from` writes the digest there), so a save
+is gather, hash, one batch put, with no Python `bytes` per artifact. Payloads packed back to
+back (a staging buffer's) go with their digests in a separate registered slot each
+(`put_split`, `get_split`: the store's multi-buffer batch calls; the object's bytes are the
+same); objects framed by the caller, digest included, go as they are (`put_objects`).
 
 **Errors.** The binding answers status integers (Mooncake's `ErrorCode`,
 `mooncake-store/include/types.h`); here the master out of reach (`RPC_FAIL`, `RPC_TIMEOUT`) is
@@ -28,6 +31,13 @@ stale (the object force-removed and its memory reused by another object, a maste
 measured, such a read returns the other object's bytes with that object's valid digest, so each
 cached read must also match the digest first read for the key (keys name their bytes), else the
 key is read afresh through the master.
+
+**Zero-copy access** (the connector's GPU path, `workers.vllm_connector.store_path`): the
+replicas of objects in this client's own segment are memory of this process
+(`local_replicas`: the master's replica descriptors, an address each); objects reserved there
+(`reserve_local`: a put session started and ended, the object then all zeros until the caller
+writes it) are written in place by the caller. An all-zero object fails every digest, so
+nothing reads a reserved object as valid before it is written.
 
 Calls block (a master round trip, then the transfer); the caller runs them off its event loop
 (`workers.sidecar.store_tier`). Measured on loopback TCP (2-core VM): a get ~0.3 ms + transfer;
@@ -47,12 +57,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
+from workers.mooncake_store.digest import DIGEST_BYTES, checksum, verify
 from workers.mooncake_store.master import MasterAddress, master_answers
 
-CHECKSUM_BYTES = 16
-"""Bytes of the XXH3-128 digest stored after every payload."""
+CHECKSUM_BYTES = DIGEST_BYTES
+"""Bytes of the digest stored after every payload (`workers.mooncake_store.digest`)."""
 PARALLEL_DIGEST_BYTES = 4 << 20
 """Below this many payload bytes a batch is hashed on the calling thread."""
 REPLICA_CACHE_KEYS = 1 << 16
@@ -91,9 +100,18 @@ class StoreFull(StoreError):
     """The store has no room for an object (every segment full)."""
 
 
-def checksum(data: Any) -> bytes:
-    """The artifact checksum: the XXH3-128 digest of a bytes-like payload."""
-    return xxhash.xxh3_128_digest(data)
+EXISTS = -3
+"""`reserve_local`'s answer for a key the store holds already (an artifact's key names its
+bytes: nothing to write)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """An object's bytes in this client's own segment: `size` bytes at `address`, an address
+    in this process."""
+
+    address: int
+    size: int
 
 
 def memory_at(address: int, size: int) -> memoryview:
@@ -159,6 +177,7 @@ class StoreClient:
         self._cache_lock = threading.Lock()
         self._replicas: dict[str, tuple[float, int, bytes]] = {}
         self._seen: dict[str, float] = {}  # keys read once lately, when
+        self._local: dict[str, tuple[float, Replica]] = {}  # `local_replicas(cached=True)`
         self._digest_pool = (
             ThreadPoolExecutor(settings.digest_threads, thread_name_prefix="store-digest")
             if settings.digest_threads > 1
@@ -173,6 +192,27 @@ class StoreClient:
             return [checksum(v) for v in views]
         per = -(-len(views) // self.settings.digest_threads)
         return list(pool.map(checksum, views, chunksize=per))
+
+    def _verified(
+        self,
+        keys: Sequence[str],
+        addresses: Sequence[int],
+        sizes: Sequence[int],
+        digests: list[int],
+    ) -> list[bool]:
+        """Whether each payload verifies against the digest at `digests[i]` (`verify`, either
+        kind), on the digest threads when they are worth it."""
+
+        def one(i: int) -> bool:
+            return verify(
+                keys[i], memory_at(addresses[i], sizes[i]), memory_at(digests[i], CHECKSUM_BYTES)
+            )
+
+        pool = self._digest_pool
+        if pool is None or len(keys) < 2 or sum(sizes) < PARALLEL_DIGEST_BYTES:
+            return [one(i) for i in range(len(keys))]
+        per = -(-len(keys) // self.settings.digest_threads)
+        return list(pool.map(one, range(len(keys)), chunksize=per))
 
     @classmethod
     def open(cls, settings: ClientSettings) -> StoreClient:
@@ -323,7 +363,7 @@ class StoreClient:
                 if (
                     int(n) == size
                     and view[payload:] == digest
-                    and checksum(view[:payload]) == digest
+                    and verify(keys[i], view[:payload], digest)
                 ):
                     out[i] = payload
         cold = [i for i, got_one in enumerate(out) if got_one is None]
@@ -352,7 +392,7 @@ class StoreClient:
                 continue
             view = memory_at(addresses[i], n)
             digest = bytes(view[size:])
-            if checksum(view[:size]) == digest:
+            if verify(keys[i], view[:size], digest):
                 out[i] = size
                 fresh.append((keys[i], n, digest))
             else:
@@ -382,10 +422,19 @@ class StoreClient:
                 [[sizes[i], CHECKSUM_BYTES] for i in hot],
                 [[0, sizes[i]] for i in hot],
             )
-            read = [i for i, n in zip(hot, got, strict=True) if int(n) == hot[i][1]]
-            values = self._digests([addresses[i] for i in read], [sizes[i] for i in read])
-            for i, value in zip(read, values, strict=True):
-                if value == hot[i][2] and memory_at(digests[i], CHECKSUM_BYTES) == value:
+            read = [
+                i
+                for i, n in zip(hot, got, strict=True)
+                if int(n) == hot[i][1] and memory_at(digests[i], CHECKSUM_BYTES) == hot[i][2]
+            ]
+            good = self._verified(
+                [keys[i] for i in read],
+                [addresses[i] for i in read],
+                [sizes[i] for i in read],
+                [digests[i] for i in read],
+            )
+            for i, ok in zip(read, good, strict=True):
+                if ok:
                     out[i] = sizes[i]
         cold = [i for i, got_one in enumerate(out) if got_one is None]
         self._forget([keys[i] for i in cold if i in hot])
@@ -400,8 +449,13 @@ class StoreClient:
             )
         ]
         read = [i for i, n in zip(cold, codes, strict=True) if n == sizes[i] + CHECKSUM_BYTES]
-        values = self._digests([addresses[i] for i in read], [sizes[i] for i in read])
-        computed = dict(zip(read, values, strict=True))
+        good = self._verified(
+            [keys[i] for i in read],
+            [addresses[i] for i in read],
+            [sizes[i] for i in read],
+            [digests[i] for i in read],
+        )
+        verified = dict(zip(read, good, strict=True))
         fresh: list[tuple[str, int, bytes]] = []
         for i, n in zip(cold, codes, strict=True):
             if n in _UNREACHABLE:
@@ -417,13 +471,134 @@ class StoreClient:
                 out[i] = CORRUPTED
                 continue
             digest = bytes(memory_at(digests[i], CHECKSUM_BYTES))
-            if computed[i] == digest:
+            if verified[i]:
                 out[i] = sizes[i]
                 fresh.append((keys[i], n, digest))
             else:
                 out[i] = CORRUPTED
         self._remember(fresh)
         return [int(n) for n in out]  # type: ignore[arg-type]
+
+    def put_objects(
+        self,
+        keys: Sequence[str],
+        addresses: Sequence[int],
+        sizes: Sequence[int],
+        *,
+        local: bool = True,
+    ) -> list[int]:
+        """Store objects already framed (`sizes[i]` bytes at `addresses[i]`: payload, then a
+        digest the caller wrote, of either kind) as they are; codes as `put_from`."""
+        store = self._live()
+        if local and self.settings.segment_bytes > 0:
+            from mooncake.store import ReplicateConfig
+
+            config = ReplicateConfig()
+            config.preferred_segment = self.segment
+            codes = store.batch_put_from(list(keys), list(addresses), list(sizes), config)
+        else:
+            codes = store.batch_put_from(list(keys), list(addresses), list(sizes))
+        return self._put_codes(codes)
+
+    # --- zero-copy access to this client's own segment ------------------------------------------
+
+    def local_replicas(self, keys: Sequence[str], *, cached: bool = False) -> list[Replica | None]:
+        """Each key's complete replica in this client's own segment, or None (no such object,
+        not complete, or held in another segment only). With `cached`, a key looked up within
+        `replica_cache_s` is answered from that lookup with no master round trip: the caller
+        must verify what it reads there by a digest keyed to the object (a cached replica may
+        have moved since), and `forget_local` the keys that failed."""
+        out: list[Replica | None] = [None] * len(keys)
+        ask: list[int] = []
+        ttl = self.settings.replica_cache_s
+        now = time.monotonic()
+        if cached and ttl > 0:
+            with self._cache_lock:
+                for i, key in enumerate(keys):
+                    hit = self._local.get(key)
+                    if hit is not None and now - hit[0] < ttl:
+                        out[i] = hit[1]
+                    else:
+                        ask.append(i)
+        else:
+            ask = list(range(len(keys)))
+        if not ask:
+            return out
+        from mooncake.store import ReplicaStatus
+
+        try:
+            descs = self._live().batch_get_replica_desc([keys[i] for i in ask])
+        except RuntimeError:  # the master out of reach: the caller reads through the store
+            return out
+        fresh: list[tuple[str, Replica]] = []
+        for i in ask:
+            for r in descs.get(keys[i], ()):
+                if not r.is_memory_replica() or r.status != ReplicaStatus.COMPLETE:
+                    continue
+                bd = r.get_memory_descriptor().buffer_descriptor
+                if bd.transport_endpoint == self.segment:
+                    out[i] = Replica(int(bd.buffer_address), int(bd.size))
+                    fresh.append((keys[i], out[i]))  # type: ignore[arg-type]
+                    break
+        if cached and ttl > 0 and fresh:
+            with self._cache_lock:
+                for key, replica in fresh:
+                    self._local.pop(key, None)
+                    self._local[key] = (now, replica)
+                while len(self._local) > REPLICA_CACHE_KEYS:  # oldest first
+                    del self._local[next(iter(self._local))]
+        return out
+
+    def forget_local(self, keys: Sequence[str]) -> None:
+        """Drop cached `local_replicas` answers of `keys` (they failed their digest there)."""
+        with self._cache_lock:
+            for key in keys:
+                self._local.pop(key, None)
+
+    def reserve_local(self, keys: Sequence[str], size: int) -> list[Replica | int | None]:
+        """Objects of `size` bytes allocated in this client's own segment for the caller to
+        write in place (a put session started and ended: the object reads as zeros, which no
+        digest accepts, until written). Per key: its `Replica`, `EXISTS` (the store holds the
+        key: nothing to write), or None (not reserved here: the segment had no room, or the
+        master placed it elsewhere and it was removed again; put it through the store).
+        `StoreUnavailable` when the master cannot be reached."""
+        from mooncake.store import ReplicateConfig
+
+        if not keys:
+            return []
+        store = self._live()
+        if self.settings.segment_bytes <= 0:
+            return [None] * len(keys)
+        config = ReplicateConfig()
+        config.preferred_segment = self.segment
+        codes = [
+            int(c) for c in store.batch_put_session_start(list(keys), [size] * len(keys), config)
+        ]
+        if any(c in _UNREACHABLE for c in codes):
+            raise StoreUnavailable(f"Mooncake master {self.settings.master.rpc} unreachable")
+        out: list[Replica | int | None] = [
+            EXISTS if c == OBJECT_ALREADY_EXISTS else None for c in codes
+        ]
+        started = [i for i, c in enumerate(codes) if c == 0]
+        if not started:
+            return out
+        ends = [int(c) for c in store.batch_put_session_end([keys[i] for i in started])]
+        if any(c in _UNREACHABLE for c in ends):
+            raise StoreUnavailable(f"Mooncake master {self.settings.master.rpc} unreachable")
+        failed = [keys[i] for i, c in zip(started, ends, strict=True) if c != 0]
+        if failed:
+            store.batch_put_session_revoke(failed)
+        ended = [i for i, c in zip(started, ends, strict=True) if c == 0]
+        found = self.local_replicas([keys[i] for i in ended])
+        elsewhere: list[str] = []
+        for i, replica in zip(ended, found, strict=True):
+            if replica is not None and replica.size == size:
+                out[i] = replica
+            else:
+                elsewhere.append(keys[i])
+        if elsewhere:  # all zeros in another segment: gone before anyone is told of it
+            store.batch_remove(elsewhere, True)
+        return out
 
     # --- the replica cache ------------------------------------------------------------------------
 
@@ -489,6 +664,8 @@ class StoreClient:
             return
         with self._cache_lock:
             gone = [k for k in keys if self._replicas.pop(k, None) is not None]
+            for k in keys:
+                self._local.pop(k, None)
         if gone and not self._closed:
             self._store.batch_get_session_end(gone)
 

@@ -8,7 +8,8 @@ store itself and reported (`adopt`, found in the store): `held`. The store may l
 behind it (evicted, its segment's process gone, the master restarted); the next read finds it
 missing and the sidecar drops it, as it drops a corrupted one (the object is then also
 removed from the store). Every read is verified against the digest stored with the object
-(`workers.mooncake_store.client`).
+(`workers.mooncake_store.client`); an artifact the connector's GPU path wrote (a keyed-MAC
+digest) is served with its XXH3-128 checksum, what HTTP readers check.
 
 Store calls run on this tier's threads with a deadline (`timeout_s` plus the bytes at
 `MIN_RATE_BPS`): a master that is down fails the call with `StoreUnavailable` within it, never
@@ -39,6 +40,7 @@ from workers.mooncake_store import (
     StoreUnavailable,
     checksum,
 )
+from workers.mooncake_store.digest import is_mac
 from workers.sidecar.store import ArtifactCorrupted, ArtifactMissing, ArtifactTooLarge
 
 STAGING_BYTES = 64 << 20
@@ -222,6 +224,8 @@ class StoreTier:
             await self._drop_corrupted([key])
             raise ArtifactCorrupted(f"{key}: failed its checksum in the store and was dropped")
         digest = data[n:]
+        if is_mac(digest):  # the connector's GPU path wrote it; HTTP readers check XXH3
+            digest = checksum(data[:n])
         self._held[key] = HeldArtifact(key, n, digest)
         return data[:n], digest
 

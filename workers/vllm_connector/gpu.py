@@ -276,7 +276,60 @@ class CudaPagedKV:
         timing = (start, gathered) if start is not None else None
         return StagedSave(host, chunks, step, timing)
 
+    def device_gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Blocks gathered into device staging, uint8 `[n, heads, payload bytes]`, by one launch
+        queued on the connector's stream (the engine's stream waits for the kernel only); for a
+        caller that moves the staging on from the device itself (`store_path`'s zero-copy save).
+        On CPU tensors, done at once."""
+        ids = self._checked_ids(block_ids, distinct=False)
+        n, h = len(ids), self.num_kv_heads
+        shape = self.paged.geometry.head_buffer_shape(n, block_major=True)
+        if self._stream is None:
+            staging = split_heads(self.paged, ids, block_major=True)
+            return staging.reshape(n, h, -1).view(torch.uint8)
+        assert self._engine_stream is not None
+        dev, stream = self.device, self._stream
+        with torch.cuda.device(dev):
+            engine = torch.cuda.current_stream(dev)
+            stream.wait_stream(engine)
+            with torch.cuda.stream(stream):
+                staging = torch.empty(shape, dtype=self.dtype, device=dev)
+                split_heads(self.paged, self._ids_on_device(ids), staging, block_major=True)
+                gathered = self._event()
+            engine.wait_event(gathered)
+        return staging.view(n, h, -1).view(torch.uint8)
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The connector's CUDA stream (None on CPU tensors): what `device_gather` and
+        `device_scatter` queue on, and where a caller queues copies that go with them."""
+        return self._stream
+
     # --- load ----------------------------------------------------------------------------------
+
+    def device_scatter(self, units: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Write blocks whose payloads are in device staging `units` (uint8 `[>= n, heads,
+        payload bytes]`, on the cache's device) into the cache: one launch queued on the
+        connector's stream after the work already there; returns once the blocks are written."""
+        ids = self._checked_ids(block_ids, distinct=True)
+        n = len(ids)
+        if units.device != self.device or tuple(units.shape[1:]) != (
+            self.num_kv_heads,
+            self.payload_nbytes,
+        ):
+            raise LayoutError("device staging does not hold these blocks of this cache")
+        if n == 0:
+            return
+        shape = self.paged.geometry.head_buffer_shape(n, block_major=True)
+        staging = units[:n].reshape(-1).view(self.dtype).view(shape)
+        if self._stream is None:
+            merge_heads(staging, self.paged, ids, block_major=True)
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            merge_heads(staging, self.paged, self._ids_on_device(ids), block_major=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        done.synchronize()
 
     def load_staging(self, n: int) -> LoadStaging:
         """Pinned host staging for a load of `n` blocks, for payloads read straight into its

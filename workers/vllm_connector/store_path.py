@@ -17,12 +17,29 @@ engine); a load larger than the load region goes in rounds of whole blocks.
 connector reports what it stored (`SidecarClient.report_store`) and the keys a load found
 missing or corrupted (a corrupted object is also removed from the store, so a later save
 writes it again rather than meeting `OBJECT_ALREADY_EXISTS`).
+
+**Zero copy** (a CUDA cache with a store client that mounts its own segment: `zero_copy`, on
+by default there): the store's host copy and the CPU hashing leave the path.
+- A save gathers into device staging (`CudaPagedKV.device_gather`), frames the objects there
+  with their digests in one pass (`gpu_digest.frame`, the keyed MAC), reserves the objects in
+  the client's own segment (`StoreClient.reserve_local`) and copies them down straight into the
+  store's memory, one strided DMA copy per run of objects (`host_copy`); reservations go by
+  `chunk_objects`, so the master's round trips for the next chunk overlap the copy of this one.
+  The blocks are reported only after the copies are done. An object the store placed elsewhere
+  goes through registered staging and `put_objects` (same bytes, digest included).
+- A load looks up where the objects are (`StoreClient.local_replicas`, cached for
+  `replica_cache_s`), copies those in this process's segment up by strided DMA, checks each
+  digest on the device while it unframes the payloads (`gpu_digest.unframe`) and scatters the
+  good prefix. An object not readable that way (in another segment, an XXH3 digest, a
+  replica that moved: the keyed digest fails) is read through `get_split`, verified on the CPU,
+  and copied up.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,13 +49,17 @@ import torch
 from workers.mooncake_store import (
     CHECKSUM_BYTES,
     CORRUPTED,
+    EXISTS,
     MISSING,
     ClientSettings,
     MasterAddress,
+    Replica,
     StoreClient,
     StoreError,
 )
+from workers.vllm_connector import gpu_digest
 from workers.vllm_connector.gpu import CudaPagedKV, LoadStaging, StagedSave
+from workers.vllm_connector.host_copy import HostSegments, copy_rows, cuda_runtime, strided_runs
 from workers.vllm_connector.load import LoadOutcome
 from workers.vllm_connector.payload import WorkerKV
 from workers.vllm_connector.plan import ConnectorSettings
@@ -47,6 +68,11 @@ STAGING_BYTES = 512 << 20
 """Bytes of each registered staging region (saves, loads) by default."""
 ALIGN = 4096
 """Extents start on page boundaries."""
+UNREAD = -9
+"""A zero-copy load's code for a key not read yet (neither missing nor corrupted)."""
+CHUNK_OBJECTS = 128
+"""Objects per master round trip of a zero-copy save or load (the next chunk's round trip
+overlaps this one's copy)."""
 
 
 class RegisteredRegion:
@@ -121,9 +147,20 @@ class StoreLoadOutcome:
 
 class StagedStore:
     """A save's blocks in registered staging: `n` blocks of `heads` payloads, then the digest
-    slots; `staged` waits for a CUDA cache's copy down."""
+    slots; `staged` waits for a CUDA cache's copy down. A zero-copy save's blocks are in device
+    staging instead (`units` on the device, no digest slots, no extent)."""
 
-    __slots__ = ("__weakref__", "_give", "digests", "n", "offset", "size", "staged", "units")
+    __slots__ = (
+        "__weakref__",
+        "_give",
+        "digests",
+        "n",
+        "offset",
+        "on_device",
+        "size",
+        "staged",
+        "units",
+    )
 
     def __init__(
         self,
@@ -132,9 +169,12 @@ class StagedStore:
         units: torch.Tensor,
         digests: torch.Tensor,
         staged: StagedSave | None,
+        *,
+        on_device: bool = False,
     ) -> None:
         self.offset, self.size = offset, size
         self.units, self.digests, self.staged = units, digests, staged
+        self.on_device = on_device
         self.n = int(units.shape[0])
         self._give: weakref.finalize[..., object] | None = None
 
@@ -149,6 +189,19 @@ class StagedStore:
             self._give()
 
 
+@dataclass(slots=True)
+class ZeroCopyCounts:
+    """What the zero-copy path did: objects moved directly and through the store's own
+    calls, and the seconds the last save and load spent in master round trips."""
+
+    saved_direct: int = 0
+    saved_through_store: int = 0
+    loaded_direct: int = 0
+    loaded_through_store: int = 0
+    last_save_store_s: float = 0.0
+    last_load_store_s: float = 0.0
+
+
 class StoreKV:
     """One rank's cache saved to and loaded from Mooncake Store through `client` (see the
     module docstring). `gather` runs on the engine's thread, `put` on the save thread, `load`
@@ -161,6 +214,8 @@ class StoreKV:
         *,
         staging_bytes: int = STAGING_BYTES,
         local: bool = True,
+        zero_copy: bool | None = None,
+        chunk_objects: int = CHUNK_OBJECTS,
     ) -> None:
         self.client = client
         self.kv = kv
@@ -168,6 +223,29 @@ class StoreKV:
         pinned = isinstance(kv, CudaPagedKV) and kv.device.type == "cuda"
         self._unit = kv.payload_nbytes
         self._heads = kv.num_kv_heads
+        if chunk_objects < 1:
+            raise ValueError("chunk_objects must be >= 1")
+        self.chunk_objects = chunk_objects
+        can = (
+            isinstance(kv, CudaPagedKV)
+            and client.settings.segment_bytes > 0
+            and self._unit % 8 == 0
+            and (kv.device.type != "cuda" or cuda_runtime() is not None)
+        )
+        if zero_copy and not can:
+            raise ValueError(
+                "zero copy needs a CudaPagedKV, a store client with its own segment and payloads "
+                "of a multiple of 8 bytes (and the CUDA runtime on a device)"
+            )
+        self.zero_copy = (can and pinned) if zero_copy is None else zero_copy
+        """Saves and loads copy between the device and the store's memory directly."""
+        self.counts = ZeroCopyCounts()
+        self._segments = (
+            HostSegments(kv.device) if self.zero_copy and isinstance(kv, CudaPagedKV) else None
+        )
+        self._device_lock = threading.Lock()
+        self._device_bytes = 0  # device staging held by zero-copy saves not yet put
+        self._device_budget = staging_bytes
         if self._block_bytes > staging_bytes:
             raise ValueError(
                 f"store staging of {staging_bytes} bytes holds no block "
@@ -196,6 +274,10 @@ class StoreKV:
     def gather(self, block_ids: Sequence[int]) -> StagedStore | None:
         """Copy blocks out of the cache into save staging (one gather; a CUDA cache's copy down
         goes on after this returns); None when the staging has no room (drop the save)."""
+        if self.zero_copy:
+            on_device = self._gather_device(block_ids)
+            if on_device is not None:
+                return on_device
         n, h, unit = len(block_ids), self._heads, self._unit
         got = self._take(self._saves, n)
         if got is None:
@@ -219,6 +301,43 @@ class StoreKV:
         out._give = weakref.finalize(out, self._saves.give, offset, size)
         return out
 
+    def _gather_device(self, block_ids: Sequence[int]) -> StagedStore | None:
+        """The blocks in device staging, or None when zero-copy saves in flight already hold
+        `staging_bytes` of it (the save then goes through host staging)."""
+        assert isinstance(self.kv, CudaPagedKV)
+        nbytes = len(block_ids) * self._heads * self._unit
+        with self._device_lock:
+            if self._device_bytes + nbytes > self._device_budget:
+                return None
+            self._device_bytes += nbytes
+        try:
+            units = self.kv.device_gather(block_ids)
+        except BaseException:
+            self._give_device(nbytes)
+            raise
+        out = StagedStore(-1, 0, units, units.new_empty(0), None, on_device=True)
+        out._give = weakref.finalize(out, self._give_device, nbytes)
+        return out
+
+    def _give_device(self, nbytes: int) -> None:
+        with self._device_lock:
+            self._device_bytes -= nbytes
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[object]:
+        """The cache's device and its connector stream, current (nothing on CPU tensors)."""
+        kv = self.kv
+        if not isinstance(kv, CudaPagedKV) or kv.stream is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(kv.device))
+        stack.enter_context(torch.cuda.stream(kv.stream))
+        return stack
+
+    def _sync(self) -> None:
+        kv = self.kv
+        if isinstance(kv, CudaPagedKV) and kv.stream is not None:
+            kv.stream.synchronize()
+
     def put(self, staged: StagedStore, rows: Sequence[Sequence[tuple[int, str]]]) -> SaveOutcome:
         """Store `rows[i]` ((local head, key) pairs) of block `i` of `staged` in one batch put.
         `StoreUnavailable` / `StoreFull` / `StoreError` when the store took none."""
@@ -230,6 +349,8 @@ class StoreKV:
     def _put(self, staged: StagedStore, rows: Sequence[Sequence[tuple[int, str]]]) -> SaveOutcome:
         if len(rows) != staged.n:
             raise ValueError(f"{len(rows)} key rows for {staged.n} staged blocks")
+        if staged.on_device:
+            return self._put_device(staged, rows)
         staged.wait()
         h, unit = self._heads, self._unit
         base, dbase = int(staged.units.data_ptr()), int(staged.digests.data_ptr())
@@ -256,6 +377,117 @@ class StoreKV:
             else:
                 refused.append(key)
         return SaveOutcome(stored, refused)
+
+    def _put_device(
+        self, staged: StagedStore, rows: Sequence[Sequence[tuple[int, str]]]
+    ) -> SaveOutcome:
+        """A zero-copy save (see the module docstring)."""
+        assert isinstance(self.kv, CudaPagedKV) and self._segments is not None
+        h, unit = self._heads, self._unit
+        size = unit + CHECKSUM_BYTES
+        keys: list[str] = []
+        index: list[int] = []
+        for i, row in enumerate(rows):
+            for j, key in row:
+                keys.append(key)
+                index.append(i * h + j)
+        if not keys:
+            return SaveOutcome([], [])
+        m, dev = len(keys), self.kv.device
+        flat = staged.units.view(-1, unit)
+        done: list[bool] = [False] * m  # stored (written here, put, or already there)
+        reserved: list[str] = []  # reserved here and not yet written
+        with self._on_stream():
+            if index != list(range(flat.shape[0])):
+                flat = flat.index_select(0, torch.tensor(index).to(dev, non_blocking=True))
+            objects = torch.empty((m, size), dtype=torch.uint8, device=dev)
+            gpu_digest.frame(flat, gpu_digest.keys_tensor(keys, unit, dev), objects)
+            digests = objects[:, unit:]
+            if dev.type == "cuda":
+                digests = torch.empty((m, CHECKSUM_BYTES), dtype=torch.uint8, pin_memory=True)
+                digests.copy_(objects[:, unit:], non_blocking=True)
+            through: list[int] = []  # not reserved here: put through the store
+            store_s = 0.0
+            written = 0
+            try:
+                for a in range(0, m, self.chunk_objects):
+                    t0 = time.perf_counter()
+                    got = self.client.reserve_local(keys[a : a + self.chunk_objects], size)
+                    store_s += time.perf_counter() - t0
+                    at: list[int] = []
+                    addresses: list[int] = []
+                    unusable: list[str] = []
+                    for i, r in enumerate(got, a):
+                        if isinstance(r, Replica) and self._segments.ready(r.address, r.size):
+                            at.append(i)
+                            addresses.append(r.address)
+                            reserved.append(keys[i])
+                        elif r == EXISTS:
+                            done[i] = True
+                        else:
+                            if isinstance(r, Replica):
+                                unusable.append(keys[i])
+                            through.append(i)
+                    if unusable:  # reserved where the device cannot copy to: not written here
+                        self.client.remove(unusable)
+                    for run in strided_runs(at, addresses, size):
+                        first = at[run.first]
+                        copy_rows(
+                            addresses[run.first], run.pitch,
+                            int(objects[first].data_ptr()), size,
+                            size, run.count, dev,
+                        )  # fmt: skip
+                    for i in at:
+                        done[i] = True
+                    written += len(at)
+                self._sync()
+                reserved.clear()
+            finally:
+                if reserved:  # a failure midway: what was reserved may never be written
+                    self._sync()
+                    with contextlib.suppress(StoreError):
+                        self.client.remove(reserved)
+            self.counts.last_save_store_s = store_s
+            self.counts.saved_direct += written
+            if through:
+                codes = self._put_through(keys, objects, through, any(done))
+                for i, code in zip(through, codes, strict=True):
+                    done[i] = code == 0
+                self.counts.saved_through_store += len(through)
+        view = digests.numpy()
+        stored = [(k, unit, view[i].tobytes()) for i, k in enumerate(keys) if done[i]]
+        return SaveOutcome(stored, [k for i, k in enumerate(keys) if not done[i]])
+
+    def _put_through(
+        self, keys: list[str], objects: torch.Tensor, which: list[int], some_stored: bool
+    ) -> list[int]:
+        """`put_objects` of the framed objects `which` from registered staging (objects the
+        store placed outside this client's segment); per key its code. The store's errors
+        pass on unless `some_stored` (then these keys are refused, the rest reported)."""
+        size = int(objects.shape[1])
+        got = self._saves.take(len(which) * size)
+        if got is None:
+            return [-1] * len(which)
+        offset, extent = got
+        try:
+            rows = extent.view(len(which), size)
+            picked = objects.index_select(0, torch.tensor(which).to(objects.device))
+            rows.copy_(picked, non_blocking=True)
+            self._sync()
+            base = int(rows.data_ptr())
+            try:
+                return self.client.put_objects(
+                    [keys[i] for i in which],
+                    [base + k * size for k in range(len(which))],
+                    [size] * len(which),
+                    local=self.local,
+                )
+            except StoreError:
+                if not some_stored:
+                    raise
+                return [-1] * len(which)
+        finally:
+            self._saves.give(offset, len(which) * size)
 
     # --- load ------------------------------------------------------------------------------------
 
@@ -287,6 +519,8 @@ class StoreKV:
     def _load_round(
         self, rows: Sequence[Sequence[str]], block_ids: Sequence[int]
     ) -> tuple[int, str | None, list[str]]:
+        if self.zero_copy:
+            return self._load_round_device(rows, block_ids)
         n, h, unit = len(rows), self._heads, self._unit
         got = self._take(self._loads, n)
         if got is None:  # the load thread is the region's only user: it is free between loads
@@ -303,17 +537,7 @@ class StoreKV:
                 codes = self.client.get_split(keys, addresses, [unit] * len(keys), digests)
             except StoreError as exc:
                 return 0, f"Mooncake Store: {exc}", []
-            first = next((u for u, c in enumerate(codes) if c < 0), None)
-            good = n if first is None else first // h
-            why = None
-            if first is not None:
-                what = "missing" if codes[first] == MISSING else "corrupted"
-                why = f"{keys[first]}: {what} in Mooncake Store"
-            gone = [k for k, c in zip(keys, codes, strict=True) if c in (MISSING, CORRUPTED)]
-            corrupted = [k for k, c in zip(keys, codes, strict=True) if c == CORRUPTED]
-            if corrupted:
-                with contextlib.suppress(StoreError):  # the next reader removes it again
-                    self.client.remove(corrupted)
+            good, why, gone = self._settle(keys, codes)
             if good:
                 if isinstance(self.kv, CudaPagedKV):
                     self.kv.scatter_staged(LoadStaging(units), block_ids[:good])
@@ -325,8 +549,119 @@ class StoreKV:
         finally:
             self._loads.give(offset, size)
 
+    def _settle(self, keys: list[str], codes: Sequence[int]) -> tuple[int, str | None, list[str]]:
+        """(blocks before the first key not read, why that one was not, keys found gone) of a
+        round's per-key codes; a corrupted object is also removed from the store."""
+        h = self._heads
+        first = next((u for u, c in enumerate(codes) if c < 0), None)
+        good = len(keys) // h if first is None else first // h
+        why = None
+        if first is not None:
+            what = {MISSING: "missing", CORRUPTED: "corrupted"}.get(codes[first], "not read")
+            why = f"{keys[first]}: {what} in Mooncake Store"
+        gone = [k for k, c in zip(keys, codes, strict=True) if c in (MISSING, CORRUPTED)]
+        corrupted = [k for k, c in zip(keys, codes, strict=True) if c == CORRUPTED]
+        if corrupted:
+            with contextlib.suppress(StoreError):  # the next reader removes it again
+                self.client.remove(corrupted)
+        return good, why, gone
+
+    def _load_round_device(
+        self, rows: Sequence[Sequence[str]], block_ids: Sequence[int]
+    ) -> tuple[int, str | None, list[str]]:
+        """A zero-copy load round (see the module docstring)."""
+        assert isinstance(self.kv, CudaPagedKV) and self._segments is not None
+        n, h, unit = len(rows), self._heads, self._unit
+        size = unit + CHECKSUM_BYTES
+        keys = [key for row in rows for key in row]
+        m, dev = len(keys), self.kv.device
+        copied = [False] * m
+        store_s = 0.0
+        with self._on_stream():
+            lanes = gpu_digest.keys_tensor(keys, unit, dev)
+            objects = torch.empty((m, size), dtype=torch.uint8, device=dev)
+            payloads = torch.empty((n, h, unit), dtype=torch.uint8, device=dev)
+            flat = payloads.view(m, unit)
+            ok = torch.zeros(m, dtype=torch.int32, device=dev)
+            for a in range(0, m, self.chunk_objects):
+                b = min(a + self.chunk_objects, m)
+                t0 = time.perf_counter()
+                found = self.client.local_replicas(keys[a:b], cached=True)
+                store_s += time.perf_counter() - t0
+                at: list[int] = []
+                addresses: list[int] = []
+                for i, r in enumerate(found, a):
+                    if r is not None and r.size == size and self._segments.ready(r.address, size):
+                        at.append(i)
+                        addresses.append(r.address)
+                        copied[i] = True
+                for run in strided_runs(at, addresses, size):
+                    first = at[run.first]
+                    copy_rows(
+                        int(objects[first].data_ptr()), size,
+                        addresses[run.first], run.pitch,
+                        size, run.count, dev,
+                    )  # fmt: skip
+                if at:
+                    ok[a:b] = gpu_digest.unframe(objects[a:b], lanes[a:b], flat[a:b])
+            verified = ok.cpu().tolist()  # waits for the copies and the checks
+        codes = [unit if c and v else UNREAD for c, v in zip(copied, verified, strict=True)]
+        stale = [keys[i] for i in range(m) if copied[i] and not verified[i]]
+        if stale:  # another key's bytes, an XXH3 digest or a torn read: ask the master afresh
+            self.client.forget_local(stale)
+        slow = [i for i in range(m) if codes[i] < 0]
+        self.counts.last_load_store_s = store_s
+        self.counts.loaded_direct += m - len(slow)
+        self.counts.loaded_through_store += len(slow)
+        why_store: str | None = None
+        if slow:
+            why_store = self._read_through(keys, slow, flat, codes)
+        good, why, gone = self._settle(keys, codes)
+        if why_store is not None and why is not None and UNREAD in codes:
+            why = why_store
+        if good:
+            self.kv.device_scatter(payloads, block_ids[:good])
+        return good, why, gone
+
+    def _read_through(
+        self, keys: list[str], which: list[int], flat: torch.Tensor, codes: list[int]
+    ) -> str | None:
+        """`get_split` of the keys `which` into registered staging, each verified on the CPU and
+        copied up into its row of `flat`; their codes into `codes`. The store's error, if it
+        failed (those keys then stay `UNREAD`: not reported gone)."""
+        unit = self._unit
+        nbytes = len(which) * (unit + CHECKSUM_BYTES)
+        got = self._loads.take(nbytes)
+        if got is None:  # the load thread is the region's only user: it is free between loads
+            raise RuntimeError("load staging is in use")
+        offset, extent = got
+        try:
+            base = int(extent.data_ptr())
+            dbase = base + len(which) * unit
+            try:
+                read = self.client.get_split(
+                    [keys[i] for i in which],
+                    [base + k * unit for k in range(len(which))],
+                    [unit] * len(which),
+                    [dbase + k * CHECKSUM_BYTES for k in range(len(which))],
+                )
+            except StoreError as exc:
+                return f"Mooncake Store: {exc}"
+            slots = extent[: len(which) * unit].view(len(which), unit)
+            with self._on_stream():
+                for k, (i, code) in enumerate(zip(which, read, strict=True)):
+                    codes[i] = code
+                    if code >= 0:
+                        flat[i].copy_(slots[k], non_blocking=True)
+                self._sync()
+            return None
+        finally:
+            self._loads.give(offset, nbytes)
+
     def close(self) -> None:
-        """Unregister the staging (the client stays the caller's)."""
+        """Unregister the staging and the store's memory (the client stays the caller's)."""
+        if self._segments is not None:
+            self._segments.close()
         self._saves.close()
         self._loads.close()
 
