@@ -19,6 +19,7 @@ from loadgen.sim.workload import SimSession, agentic_sessions, kv_working_set, t
 from loadgen.workloads import GENERATORS, generate
 from ownerserve.errors import ConfigError
 from ownerserve.kvstate import KVStateSpec, SwaPolicy, load_spec, swa_policy_from_value
+from ownerserve.kvstate.retention import Retention
 from ownerserve.profiles import TimingProfile, load_profile
 from planner.calibration import Calibrator
 from planner.cost import CostConfig
@@ -221,6 +222,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "cost, periodic:N, or lru (no typed parts: every token's window entries cached and "
         "offloaded with its block)",
     )
+    parser.add_argument(
+        "--retention",
+        default=None,
+        help="with a hybrid --kv-spec: which boundaries a worker's HBM keeps the windows of "
+        "(vLLM's prefix-cache retention interval): full (default, every cached boundary), "
+        "zero (each computed prompt's last), or N (every N tokens too); a hit resumes where "
+        "they are or rebuilds them (ownerserve.kvstate.resume)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="directory for JSON and plots")
 
@@ -234,6 +243,19 @@ def peer_kv_spec(name: str, spec: KVStateSpec | None) -> KVStateSpec | None:
     if spec is not None and name.startswith("sglang"):
         return replace(spec, swa_policy=SwaPolicy.zero())
     return spec
+
+
+def retention_of(args: argparse.Namespace) -> Retention | None:
+    """The `--retention` asked for (None: full)."""
+    value = getattr(args, "retention", None)
+    if value is None:
+        return None
+    if getattr(args, "kv_spec", None) is None:
+        raise SystemExit("ownerserve sim: --retention needs --kv-spec")
+    try:
+        return Retention.parse(value)
+    except ConfigError as exc:
+        raise SystemExit(f"ownerserve sim: --retention: {exc}") from None
 
 
 def kv_spec_of(args: argparse.Namespace) -> tuple[KVStateSpec | None, bool]:
@@ -424,6 +446,7 @@ def run_policies(
     profile = load_profile(args.profile)
     spec = spec or cluster_spec(args, profile, sessions)
     kv_spec, typed = kv_spec_of(args)
+    retention = retention_of(args)
     rows = []
     for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
         oracle = name == "oracle"
@@ -447,6 +470,7 @@ def run_policies(
             calibrator=Calibrator() if not peer and args.calibration == "on" else None,
             kv_spec=peer_kv_spec(name, kv_spec),
             typed_state=typed,
+            retention=retention,
         )
         sim.gate = gate_for(
             name,

@@ -25,7 +25,13 @@ after it ends, kept through a short predicted gap) fill `WorkerView.ws_tokens` a
 request's `home_worker`; a CPU tier per worker (`ClusterSpec.cpu_blocks`) takes the blocks HBM
 evicts, LRU, and a prefix found there is loaded at the profile's `cpu_load_bps` instead of
 recomputed; a program-level gate (`loadgen.sim.admission`: the router's admission queue, or
-ThunderAgent's program scheduler) may hold requests before they are planned. Goodput counts
+ThunderAgent's program scheduler) may hold requests before they are planned.
+
+With a hybrid-attention KV spec (`kv_spec`), a hit resumes by the emulated engine's rule
+(`ownerserve.kvstate.resume`): where the worker's HBM kept the windows (every cached boundary
+by default; `retention` may keep fewer, as vLLM's retention interval does), or rebuilding them
+by recomputing n_win·L tokens; a fetch or migration moves the sealed blocks only and the
+destination resumes by the same rule. The planner sees each worker's restorable boundary. Goodput counts
 the completed sessions whose steps' p90 TTFT met the SLO (`loadgen.capacity`'s definition).
 """
 
@@ -42,7 +48,16 @@ from typing import Any
 from loadgen.report import percentile
 from loadgen.sim.admission import ProgramGate
 from loadgen.sim.workload import SimSession
-from ownerserve.kvstate import KVStateSpec, SwaPolicy
+from ownerserve.kvfetch import FETCH_BRINGS_WINDOWS
+from ownerserve.kvstate import (
+    KVStateSpec,
+    ResumeRule,
+    SwaPolicy,
+    moved_windows,
+    rebuild_s,
+    resume_point,
+)
+from ownerserve.kvstate.retention import Retention
 from ownerserve.profiles import TimingProfile
 from ownerserve.types import Role, Tier
 from planner.calibration import Calibrator
@@ -149,6 +164,7 @@ class _Worker:
         "stall_ends",
         "stall_starts",
         "wid",
+        "windows",
     )
 
     def __init__(self, idx: int, wid: str, role: Role, node: str, capacity: int) -> None:
@@ -170,6 +186,9 @@ class _Worker:
         self.stall_ends: list[float] = []
         self.stall_busy: list[float] = []
         self.scraped = (-1.0, 0.0)  # (scrape period index, kv_usage then)
+        # a hybrid spec under a retention that keeps only some boundaries' windows: the HBM
+        # blocks whose boundary (the end of the block) keeps them
+        self.windows: set[int] = set()
 
     def add_stall(self, start: float, seconds: float) -> None:
         before = (
@@ -211,7 +230,9 @@ class _FullView:
         self.sim = sim
         n = len(sim.workers)
         self.version = [0] * n
-        self.cache: list[tuple[int, int, int, int, bool, WorkerView] | None] = [None] * n
+        self.cache: list[tuple[int, int, int, int, bool, int | None, WorkerView] | None] = [
+            None
+        ] * n
         self.wakeups: list[tuple[float, int]] = []  # (prefill end, worker): its queue shrinks
         self.nic_busy: set[str] = set()
         self.node_workers: dict[str, list[int]] = {}
@@ -266,16 +287,26 @@ class _FullView:
         closed = sim.closed_to_programs
         cache = self.cache
         views = []
+        windows = sim.windows_kept
         for w in sim.workers:
             i = w.idx
             n = depth.get(i, 0)
             m = cpu.get(i, n)
             t = ws(w.wid, now) if ws is not None else 0
             x = closed is not None and closed(w.wid, now)
+            k = sim._windows_at(w, held.chain, n) if windows and n else None
             c = cache[i]
-            if c is None or c[0] != version[i] or c[1] != n or c[2] != m or c[3] != t or c[4] != x:
-                c = cache[i] = (version[i], n, m, t, x, sim._view_at(w, now, n, m, t, x))
-            views.append(c[5])
+            if (
+                c is None
+                or c[0] != version[i]
+                or c[1] != n
+                or c[2] != m
+                or c[3] != t
+                or c[4] != x
+                or c[5] != k
+            ):
+                c = cache[i] = (version[i], n, m, t, x, k, sim._view_at(w, now, n, m, t, x, k))
+            views.append(c[6])
         return ClusterView(workers=tuple(views))
 
 
@@ -328,6 +359,10 @@ class SimResult:
     window entries kept with them)."""
     swa_written_bytes: int = 0
     """Window checkpoint bytes the SWA policy wrote off-GPU as the sessions' prompts grew."""
+    resumes: dict[str, int] = field(default_factory=dict)
+    """A hybrid spec's GPU hits and moves by how they resumed (`RESUME_KINDS`)."""
+    window_rebuild_tokens: int = 0
+    """Tokens recomputed to rebuild windows where a hybrid hit resumed."""
 
     @property
     def goodput_per_min(self) -> float:
@@ -400,6 +435,8 @@ class SimResult:
             ),
             "offload_gb": self.offload_bytes / 1e9,
             "swa_written_gb": self.swa_written_bytes / 1e9,
+            "resumes": dict(self.resumes),
+            "window_rebuild_tokens": self.window_rebuild_tokens,
         }
 
 
@@ -423,6 +460,7 @@ class Simulator:
         calibrator: Calibrator | None = None,
         kv_spec: KVStateSpec | None = None,
         typed_state: bool = True,
+        retention: Retention | None = None,
     ) -> None:
         self.spec = spec
         self.kv_spec = kv_spec
@@ -435,6 +473,22 @@ class Simulator:
         self.swa_policy = (
             SwaPolicy.full() if kv_spec is not None and not typed_state else None
         )  # None: the spec's own
+        rule = None if kv_spec is None else ResumeRule.of(kv_spec, spec.block_tokens)
+        self.resume_rule = rule if rule is not None and rule.hybrid else None
+        """A hybrid spec's resume rule (`ownerserve.kvstate.resume`): where a hit resumes on
+        its worker (at the windows it holds, or rebuilding them), as the emulated engine
+        does; None: a hit resumes at its sealed blocks."""
+        self.retention = retention or Retention()
+        """Which boundaries a worker's HBM keeps the windows of (vLLM's prefix-cache retention
+        interval, `ownerserve.kvstate.retention`): full (the default) keeps every cached
+        boundary's; `zero` only each computed prompt's last, `periodic(N)` also every N
+        tokens. The sim does not model a window pool evicting apart from the sealed blocks
+        (the emulated engine frees window blocks as they leave the window, so under
+        pressure its front windows go first)."""
+        self.windows_kept = (
+            self.resume_rule is not None and typed_state and self.retention.interval is not None
+        )
+        """Whether workers keep windows at some boundaries only (`_Worker.windows`)."""
         self.offload_bytes = 0
         self.calibrator = calibrator
         """Fed each plan's observed TTFT, TPOT and transfer time once its first token is out,
@@ -444,6 +498,8 @@ class Simulator:
         """(first token's time, seq, plan, TTFT from the plan, TPOT, transfer s), a heap."""
         self._moved_s: float | None = None
         """The KV transfer of the plan `_execute` ran last (None: nothing moved)."""
+        self._resumed_blocks = 0
+        """Where the last hybrid hit resumed (`_resume`)."""
         # False: `WorkerView.ws_tokens` stays 0 (for policies that do not read it, the peers)
         self.ws_views = working_set_views
         self.gate = gate
@@ -547,6 +603,8 @@ class Simulator:
         short = max(0, count - len(victims))
         victims.extend(b for _, b in spared[:short])
         log.extendleft(reversed(spared[short:]))
+        if self.windows_kept:
+            w.windows.difference_update(victims)
         for victim in victims:
             del cache[victim]
             hs = self.holders[victim]
@@ -586,6 +644,32 @@ class Simulator:
             hs.discard(w.idx)
             if not hs:
                 del holders[b]
+
+    def _keep_windows(self, w: _Worker, chain: tuple[int, ...], lo: int, hi: int) -> None:
+        """`w` computed (or, P/D, was handed) the prompt `chain` past block `lo`: the
+        boundaries in (lo, hi] the retention keeps hold their windows (only tracked when
+        `windows_kept`; every boundary past `len(chain)` is none of the prompt's)."""
+        if not self.windows_kept:
+            return
+        bt = self.spec.block_tokens
+        last = len(chain) * bt
+        keeps = self.retention.keeps
+        wins = w.windows
+        cache = w.cache
+        for j in range(lo + 1, hi + 1):
+            if keeps(j * bt, last) and chain[j - 1] in cache:
+                wins.add(chain[j - 1])
+
+    def _windows_at(self, w: _Worker, chain: tuple[int, ...], n: int) -> int:
+        """The deepest boundary j <= n of `chain` whose windows `w`'s HBM holds (its HBM holds
+        blocks [0, n)): n when every boundary keeps them (`windows_kept` off)."""
+        if not self.windows_kept:
+            return n
+        wins = w.windows
+        for j in range(n, 0, -1):
+            if chain[j - 1] in wins:
+                return j
+        return 0
 
     @staticmethod
     def _cpu_extent(w: _Worker, chain: tuple[int, ...], start: int) -> int:
@@ -639,14 +723,23 @@ class Simulator:
             m,
             self.ws.tokens(w.wid, now) if self.ws_views else 0,
             closed is not None and closed(w.wid, now),
+            self._windows_at(w, held.chain, n) if self.windows_kept and n else None,
         )
 
     def _view_at(
-        self, w: _Worker, now: float, n: int, m: int, ws_tokens: int, closed: bool = False
+        self,
+        w: _Worker,
+        now: float,
+        n: int,
+        m: int,
+        ws_tokens: int,
+        closed: bool = False,
+        restorable: int | None = None,
     ) -> WorkerView:
         """The view of `w` at `now` for a request whose chain it holds `n` blocks of in HBM
         and `m` in HBM and CPU together; `ws_tokens` its working set; `closed`: admission
-        closed it to programs."""
+        closed it to programs; `restorable`: the deepest boundary whose windows its HBM holds
+        (a hybrid spec under a retention that keeps some only; None: every one)."""
         jobs, tokens = w.pending_tokens(now)
         if m > n:
             cached = {Tier.GPU: n, Tier.CPU: m} if n else {Tier.CPU: m}
@@ -666,6 +759,7 @@ class Simulator:
             ws_tokens=ws_tokens,
             offloads=self.offloads,
             programs_closed=closed,
+            restorable_blocks=restorable,
         )
 
     def _kv_usage(self, w: _Worker, now: float) -> float:
@@ -985,6 +1079,21 @@ class Simulator:
         extra = 0 if self.typed_state else tokens * kv.swa_bytes_per_token
         return kv.total_bytes(tokens) + extra
 
+    def _resume(
+        self, rule: ResumeRule, sealed: int, windows: int, limit: int, res: SimResult
+    ) -> float:
+        """A hybrid hit of `sealed` blocks with windows at `windows` resumes by the engine's
+        rule (`resume_point`, the profile's prefill timing, at most `limit` blocks): sets
+        `_resumed_blocks`, counts the resume and its rebuilt tokens, and returns the
+        rebuild's seconds (prefill_s(R, S − R) − base_s, as the emulated engine charges)."""
+        prof = self.profile
+        out = resume_point(rule, prof.prefill, sealed, windows, limit=limit)
+        self._resumed_blocks = out.blocks
+        res.resumes[out.how] = res.resumes.get(out.how, 0) + 1
+        res.window_rebuild_tokens += out.rebuild_tokens
+        bs = self.spec.block_tokens
+        return rebuild_s(prof.prefill, out.rebuild_tokens, out.blocks * bs)
+
     def _transfer(self, src: _Worker, dst: _Worker, nbytes: float, ready: float) -> float:
         """Queue `nbytes` on the sender's NIC from `ready`; returns the arrival time."""
         if nbytes <= 0:
@@ -1021,6 +1130,9 @@ class Simulator:
         reused_blocks = held.depth(p.idx)
         extra_recompute_s = 0.0  # a hybrid restore's windows and incomplete block
         load_ready: float | None = None  # when a CPU-tier restore's load is done
+        rule = self.resume_rule
+        limit = (turn.input_tokens - 1) // bt  # the engine computes the last prompt token
+        resumed = False  # the hybrid resume rule placed the hit already
         if c.action in (Action.ARTIFACT_FETCH, Action.STATE_MIGRATION) and c.source_worker:
             # both copy the source's prefix into P (the router's `fetch`, the emulator's
             # /ownerserve/kv/fetch); the source keeps its copy (it is evictable there)
@@ -1028,7 +1140,19 @@ class Simulator:
             fetch_blocks = max(0, held.depth(src.idx) - reused_blocks)
             nbytes = fetch_blocks * self.block_bytes
             kv = self.kv_spec
-            if kv is not None and fetch_blocks:
+            if kv is not None and rule is not None and fetch_blocks:
+                # what the planner priced (RequestCosts.peer_restore): the sealed blocks move
+                # (a fetch brings no windows), and P resumes by the rule over its own windows
+                lo, hi = reused_blocks * bt, (reused_blocks + fetch_blocks) * bt
+                nbytes = kv.sealed_bytes(lo, hi)
+                if FETCH_BRINGS_WINDOWS:
+                    nbytes += kv.mutable_bytes(hi)
+                own = self._windows_at(p, turn.chain, reused_blocks)
+                sealed = reused_blocks + fetch_blocks
+                windows = moved_windows(own, sealed, FETCH_BRINGS_WINDOWS)
+                extra_recompute_s += self._resume(rule, sealed, windows, limit, res)
+                resumed = True
+            elif kv is not None and fetch_blocks:
                 # what the planner priced (RequestCosts.peer_restore): sealed KV and the
                 # windows at the boundary from the peer's GPU, the incomplete block recomputed
                 r = min((reused_blocks + fetch_blocks) * bt, turn.input_tokens - 1)
@@ -1047,7 +1171,7 @@ class Simulator:
             self._moved_s = ready - now if nbytes else None
             res.fetch_kv_bytes += nbytes
             res.network_kv_bytes += nbytes
-            reused_blocks += fetch_blocks
+            reused_blocks = self._resumed_blocks if resumed else reused_blocks + fetch_blocks
             self._insert(p, turn.chain[: held.depth(src.idx)])
         if self.offloads:
             # the prefix past HBM found in P's CPU tier loads over PCIe instead of recomputing
@@ -1083,6 +1207,12 @@ class Simulator:
                     reused_blocks * bt, turn.input_tokens
                 )
                 reused_blocks = extent
+                resumed = True  # the restore plan rebuilt its windows (planner.restore)
+        if rule is not None and not resumed and reused_blocks:
+            # a GPU hit resumes where P's windows are, or rebuilds them (the engine's rule)
+            k = self._windows_at(p, turn.chain, reused_blocks)
+            extra_recompute_s += self._resume(rule, reused_blocks, k, limit, res)
+            reused_blocks = self._resumed_blocks
         reused_tokens = min(reused_blocks * bt, turn.input_tokens)
         new_tokens = turn.input_tokens - reused_tokens
         start = max(ready, p.prefill_free_at)
@@ -1105,6 +1235,7 @@ class Simulator:
         if p.decode_active:
             res.decode_interference_s += dur * p.decode_active
         self._insert(p, turn.chain)
+        self._keep_windows(p, turn.chain, reused_blocks, len(turn.chain))
         if best_avail:
             res.owner_opportunities += 1
             if reused_blocks >= best_avail:
@@ -1123,6 +1254,8 @@ class Simulator:
             res.pd_kv_bytes += nbytes
             res.network_kv_bytes += nbytes
             self._insert(d, turn.chain)
+            # the pull brings the windows at the prompt's end (`kv_to_decode`'s M(N))
+            self._keep_windows(d, turn.chain, len(turn.chain) - 1, len(turn.chain))
             # the router's commit: the decode worker claims the blocks this request created;
             # P keeps a transient (evictable) copy
             owner = self.owner

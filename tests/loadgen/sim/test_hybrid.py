@@ -10,6 +10,7 @@ import pytest
 from loadgen.sim.engine import ClusterSpec, Simulator
 from loadgen.sim.workload import SimSession, SimTurn
 from ownerserve.kvstate import SwaPolicy, load_spec
+from ownerserve.kvstate.retention import Retention
 from ownerserve.profiles import load_profile
 from ownerserve.types import Tier
 from planner.restore import plan_restore
@@ -101,3 +102,85 @@ def test_sglang_peers_keep_no_window_checkpoints_and_the_others_the_spec_s_polic
     assert peer_kv_spec("dynamo-kv", V4) is V4
     assert peer_kv_spec("ownerserve", V4) is V4
     assert peer_kv_spec("sglang-cache-aware", None) is None
+
+
+class _Watching(_Colocated):
+    def __init__(self) -> None:
+        super().__init__()
+        self.restorable: list[int | None] = []
+
+    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+        self.restorable.append(cluster.workers[0].restorable_blocks)
+        return super().plan(request, cluster)
+
+
+def _resume_run(retention: Retention | None) -> tuple[Simulator, _Watching]:
+    """A computes a 100-block prompt on h0; B then shares its first 90 blocks."""
+    a = tuple(range(1, 101))
+    b = (*a[:90], 301, 302)
+    sessions = [
+        SimSession(0, 0.0, (SimTurn(a, 100 * BT + 5, 1, 0.0),)),
+        SimSession(1, 60.0, (SimTurn(b, 92 * BT + 5, 1, 0.0),)),
+    ]
+    spec = ClusterSpec(0, 0, 1, block_tokens=BT, hbm_kv_bytes=1000 * BB)
+    pol = _Watching()
+    sim = Simulator(spec, PROFILE, pol, kv_spec=V4, retention=retention)
+    sim.res = sim.run(sessions)  # type: ignore[attr-defined]
+    return sim, pol
+
+
+def test_a_gpu_hit_resumes_where_the_retention_kept_its_windows() -> None:
+    """The engine's resume rule in the simulator: B's 90-block hit on A's prefix resumes at
+    the deepest boundary whose windows h0 kept (the planner sees it too), cut back or
+    rebuilt by the rule's times (hand-computed in tests/ownerserve/kvstate/test_resume.py)."""
+    # every boundary keeps its windows (the default): cached at 90, nothing shown
+    full, pol = _resume_run(None)
+    assert pol.restorable == [None, None]
+    assert full.res.resumes == {"cached": 1}  # type: ignore[attr-defined]
+    assert full.res.reused_tokens == 90 * BT  # type: ignore[attr-defined]
+    # every 40 blocks and the last: windows at 80; computing [80, 90) beats a 7808-token
+    # rebuild, so B reuses 80 blocks
+    p40, pol = _resume_run(Retention(40 * BT))
+    assert pol.restorable == [None, 80]
+    assert p40.res.resumes == {"truncated": 1}  # type: ignore[attr-defined]
+    assert p40.res.reused_tokens == 80 * BT  # type: ignore[attr-defined]
+    # only A's last boundary (100): none at or below 90; rebuilding 7808 tokens over 3712
+    # beats computing all 11520, so B reuses 90 blocks and recomputes 7808 tokens more
+    zero, pol = _resume_run(Retention(0))
+    assert pol.restorable == [None, 0]
+    assert zero.res.resumes == {"rebuilt": 1}  # type: ignore[attr-defined]
+    assert zero.res.window_rebuild_tokens == 7808  # type: ignore[attr-defined]
+    assert zero.res.reused_tokens == 90 * BT  # type: ignore[attr-defined]
+    assert zero.res.ttft_s[1] > full.res.ttft_s[1]  # type: ignore[attr-defined]
+
+
+class _FetchSecond:
+    """A's turn on h0, then B fetched from h0 to h1."""
+
+    name = "fixed"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+        self.calls += 1
+        if self.calls == 1:
+            cand = Candidate(Action.COLOCATED_PREFILL, "h0", "h0", CostBreakdown())
+        else:
+            cand = Candidate(Action.ARTIFACT_FETCH, "h1", "h1", CostBreakdown(), "h0")
+        return Plan(self.name, RequestClass.FORKED_ROLLOUT, cand)
+
+
+def test_a_fetch_moves_sealed_kv_only_and_the_destination_rebuilds_the_windows() -> None:
+    a = tuple(range(1, 101))
+    sessions = [
+        SimSession(0, 0.0, (SimTurn(a, 100 * BT + 5, 1, 0.0),)),
+        SimSession(1, 60.0, (SimTurn((*a, 301), 101 * BT + 5, 1, 0.0),)),
+    ]
+    spec = ClusterSpec(0, 0, 2, block_tokens=BT, hbm_kv_bytes=1000 * BB)
+    sim = Simulator(spec, PROFILE, _FetchSecond(), kv_spec=V4)
+    res = sim.run(sessions)
+    assert [w.wid for w in sim.workers] == ["h0", "h1"]
+    assert res.fetch_kv_bytes == 100 * BB == V4.sealed_bytes(0, 100 * BT)  # no windows
+    assert res.resumes == {"rebuilt": 1}  # h1 held nothing: all 7808 rebuilt over 4992
+    assert res.window_rebuild_tokens == 7808 and res.reused_tokens == 100 * BT
