@@ -22,7 +22,6 @@ import shlex
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -39,10 +38,10 @@ from loadgen.bench import (
 from loadgen.capacity import (
     MAX_LATE_SHARE,
     RATED_WORKLOADS,
-    CapacityPlan,
-    default_num_blocks,
+    capacity_plan_from_args,
     kv_demand,
     run_capacity,
+    size_plan_blocks,
     sizing_lines,
     write_capacity_outputs,
 )
@@ -660,31 +659,12 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         profile = load_profile(args.profile)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--profile: {exc}") from None
-    plan = CapacityPlan(
-        spec=ClusterSpec(args.prefill, args.decode, args.hybrid, args.profile, args.speed),
-        targets=targets,
-        rates=rates,
-        workload=args.workload,
-        seed=args.seed,
-        scale=scale,
-        sessions=sessions,
-        time_scale=args.time_scale,
-        slo_ttft_p90_s=args.slo_ttft_p90_s,
-        duration_s=args.duration_s or (20.0 if args.quick else 60.0),
-        out_dir=args.out_dir,
-        log_dir=args.log_dir or Path(tempfile.mkdtemp(prefix="ownerserve-capacity-")),
-        max_inflight=args.max_inflight,
-        planner=_planner_settings(args.planner),
+    plan = capacity_plan_from_args(
+        args, targets, rates, _planner_settings(args.planner), sessions=sessions, scale=scale
     )
     spec = plan.spec
     demands = {r: kv_demand(plan.workload_at(r), profile, spec.speed, spec.model) for r in rates}
-    workers = spec.prefill + spec.decode + spec.hybrid
-    num_blocks = args.num_blocks or default_num_blocks(demands[rates[-1]], workers)
-    cpu_blocks = num_blocks if args.cpu_num_blocks is None else args.cpu_num_blocks
-    extra: tuple[str, ...] = ("--num-blocks", str(num_blocks))
-    if cpu_blocks:
-        extra += ("--cpu-num-blocks", str(cpu_blocks))
-    plan.spec = replace(spec, extra_args=extra)
+    num_blocks, cpu_blocks = size_plan_blocks(plan, demands[rates[-1]], args)
     sizing = sizing_lines(plan, demands, num_blocks, cpu_blocks)
     plan.log("\n".join(sizing))
     plan.log(f"process logs and request records: {plan.log_dir}")

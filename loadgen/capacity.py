@@ -16,6 +16,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -349,6 +350,50 @@ class CapacityPlan:
         return sweep_workload(
             self.workload, self.seed, self.scale, self.sessions, rate, self.time_scale
         )
+
+
+def capacity_plan_from_args(
+    args: Any,
+    targets: list[Target],
+    rates: list[float],
+    planner: dict[str, object],
+    *,
+    sessions: int,
+    scale: float,
+) -> CapacityPlan:
+    """The `CapacityPlan` of `ownerserve bench capacity`'s arguments (the sweep's and the
+    search's alike; the search passes no rates)."""
+    return CapacityPlan(
+        spec=ClusterSpec(args.prefill, args.decode, args.hybrid, args.profile, args.speed),
+        targets=targets,
+        rates=rates,
+        workload=args.workload,
+        seed=args.seed,
+        scale=scale,
+        sessions=sessions,
+        time_scale=args.time_scale,
+        slo_ttft_p90_s=args.slo_ttft_p90_s,
+        duration_s=args.duration_s or (20.0 if args.quick else 60.0),
+        out_dir=args.out_dir,
+        log_dir=args.log_dir or Path(tempfile.mkdtemp(prefix="ownerserve-capacity-")),
+        max_inflight=args.max_inflight,
+        planner=planner,
+    )
+
+
+def size_plan_blocks(plan: CapacityPlan, demand: KVDemand, args: Any) -> tuple[int, int]:
+    """Give `plan`'s workers their KV pools: `--num-blocks` (or `default_num_blocks` of
+    `demand`) GPU blocks and `--cpu-num-blocks` (default: as many) CPU blocks per worker, set
+    as the emulators' arguments. Returns (GPU blocks, CPU blocks)."""
+    spec = plan.spec
+    workers = spec.prefill + spec.decode + spec.hybrid
+    num_blocks = args.num_blocks or default_num_blocks(demand, workers)
+    cpu_blocks = num_blocks if args.cpu_num_blocks is None else args.cpu_num_blocks
+    extra: tuple[str, ...] = ("--num-blocks", str(num_blocks))
+    if cpu_blocks:
+        extra += ("--cpu-num-blocks", str(cpu_blocks))
+    plan.spec = replace(spec, extra_args=extra)
+    return num_blocks, cpu_blocks
 
 
 @dataclass

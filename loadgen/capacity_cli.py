@@ -12,7 +12,6 @@ import os
 import shlex
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,12 +19,12 @@ from typing import Any
 
 from loadgen.bench import OWN_POLICIES, PEER_LABELS, Target, machine_line, replace_section
 from loadgen.capacity import (
-    CapacityPlan,
     CapacityPoint,
     SearchPlan,
-    default_num_blocks,
+    capacity_plan_from_args,
     kv_demand,
     run_capacity_search,
+    size_plan_blocks,
 )
 from loadgen.capacity_report import (
     capacity_table,
@@ -238,32 +237,12 @@ def _run_emulated(
     sessions = args.sessions or (3 if args.quick else 12)
     scale = args.scale or (0.03 if args.quick else 0.05)
     targets = [Target(t, "own" if t in OWN_POLICIES else "peer") for t in labels]
-    spec = ClusterSpec(args.prefill, args.decode, args.hybrid, args.profile, args.speed)
-    base = CapacityPlan(
-        spec=spec,
-        targets=targets,
-        rates=[],
-        workload=args.workload,
-        seed=args.seed,
-        scale=scale,
-        sessions=sessions,
-        time_scale=args.time_scale,
-        slo_ttft_p90_s=args.slo_ttft_p90_s,
-        duration_s=args.duration_s or (20.0 if args.quick else 60.0),
-        out_dir=args.out_dir,
-        log_dir=args.log_dir or Path(tempfile.mkdtemp(prefix="ownerserve-capacity-")),
-        max_inflight=args.max_inflight,
-        planner=planner,
-    )
+    base = capacity_plan_from_args(args, targets, [], planner, sessions=sessions, scale=scale)
+    spec = base.spec
     sizing = args.sizing_rate or 240.0
     demand = kv_demand(base.workload_at(sizing), profile, spec.speed, spec.model)
+    num_blocks, cpu_blocks = size_plan_blocks(base, demand, args)
     workers = spec.prefill + spec.decode + spec.hybrid
-    num_blocks = args.num_blocks or default_num_blocks(demand, workers)
-    cpu_blocks = num_blocks if args.cpu_num_blocks is None else args.cpu_num_blocks
-    extra: tuple[str, ...] = ("--num-blocks", str(num_blocks))
-    if cpu_blocks:
-        extra += ("--cpu-num-blocks", str(cpu_blocks))
-    base.spec = replace(spec, extra_args=extra)
     plan = SearchPlan(
         base=base,
         profile=profile,
