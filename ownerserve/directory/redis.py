@@ -2,8 +2,11 @@
 
 Every operation is one round trip (`EVALSHA`; `EVALSHA_RO` for the scripts that only read,
 lookup and artifact_info, where the server has it (Redis >= 7); or a plain `GET` for the
-session owner); a lookup costs one round trip for a chain of any length. Leases use the
-server's clock (`redis.call('TIME')`), never the client's.
+session owner); a lookup costs one round trip for a chain of any length. Writes whose entries
+have no bound (`add_replica`, `drop_worker`, `sweep`, `restore_cached`, a cached view dropped
+by `apply_events` or `register_worker`) go in script steps of ~256 entries instead
+(`*_STEP_ENTRIES`): Redis serves nothing else while a script runs. Leases use the server's
+clock (`redis.call('TIME')`), never the client's.
 
 Key layout (namespace `ns` = `DirectorySettings.key_prefix`; `P` = `{ns}:`, a Redis Cluster
 hash tag, so every key of one namespace lives in one slot and every script is single-slot):
@@ -25,6 +28,9 @@ hash tag, so every key of one namespace lives in one slot and every script is si
                            `transfer` moves ids from one worker's :arts to another's)
     P w:<worker>:drops  SET  lives being dropped; their index sets moved aside as
                            w:<worker>:d<life>:arts/:reps/:sess/:eh (drop_worker's steps)
+    P w:<worker>:clears  SET  cached views being dropped (numbered by P clrn), each an :eh
+                           moved aside as w:<worker>:clr<n> (clear_step's steps empty them);
+                           :clrfresh  SET  blocks stored since the latest (left alone)
     P s:<session>    STRING  decode owner, with a TTL (PX)
     P f:<id>         SET   sessions sharing the artifact copy-on-write (fork refs)
 
@@ -111,6 +117,7 @@ SCRIPT_NAMES = (
     "raise_epoch",
     "restore_cached",
     "touch",
+    "clear_step",
 )
 FULL_SWEEP_S = 86_400.0
 """At most this long between sweeps that scan every lease and block record (which also write
@@ -122,6 +129,16 @@ so a step stays in the milliseconds however long the expired chains (bench/direc
 DROP_STEP_ENTRIES = 256
 """The same bound for each `drop_worker` script call: a worker holding 10^5 leases, replica
 blocks and cached blocks took one call of 1.1-4.1 s in a 30-minute chaos run (Redis slow log)."""
+REPLICA_STEP_ENTRIES = 256
+"""The same bound, in blocks, for each `add_replica` script call: one call over a long chain
+held Redis 1.44 s (its slow log, while it replayed its AOF)."""
+CLEAR_STEP_ENTRIES = 256
+"""The same bound, in blocks, for each `clear_step` script call: a worker's cached view
+dropped (a gap in its events, `AllBlocksCleared`, a new chain root) is set aside at once and
+its blocks' bits cleared in steps (one call for 10^5 cached blocks held Redis ~0.24 s)."""
+RESTORE_STEP_ENTRIES = 256
+"""The same bound, in entries, for each `restore_cached` script call (after Redis lost its
+data, a worker's whole cached view is written again)."""
 ENGINE_MAP_LIMIT = 32_768
 """Per worker, the engine hashes whose block hashes this router keeps (a cache of Redis's
 `w:<worker>:eh`, read for a stored event's parent): a removed block leaves it, and past the
@@ -465,19 +482,27 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
             )
 
     async def put_replica(self, write: ReplicaWrite) -> None:
-        blocks = write.blocks
-        await self._run(
-            "add_replica",
-            [self.key("blk")],
-            [
-                hex_block(write.artifact_id),
-                write.worker,
-                write.tier.value,
-                _ms(write.ttl_s),
-                1 if write.read_only else 0,
-                hex_blocks(blocks) if blocks else "",
-            ],
-        )
+        await self.put_replica_steps(write)
+
+    async def put_replica_steps(
+        self, write: ReplicaWrite, step_entries: int = REPLICA_STEP_ENTRIES
+    ) -> None:
+        """`add_replica` in script calls of `step_entries` blocks each, from the chain's first
+        block on, every line with the first call's expiry (the artifact's own blocks are read
+        once, before). Between calls a reader sees the copy on a leading part of the blocks,
+        listed in the worker's `:reps` set there; a call that fails leaves that part, which
+        expires with the copy."""
+        if write.blocks:
+            hexed = hex_blocks(write.blocks)
+        else:
+            aid = hex_block(write.artifact_id)
+            hexed = _s(await self._client.hget(self.key("a:" + aid), "blocks") or aid)
+        head = [write.worker, write.tier.value, _ms(write.ttl_s), 1 if write.read_only else 0]
+        expires: int | str = ""
+        step = 16 * step_entries
+        for first in range(0, len(hexed), step):
+            part = hexed[first : first + step]
+            expires = int(await self._run("add_replica", [self.key("blk")], [*head, part, expires]))
 
     async def move_leases(self, move: TransferMove) -> tuple[int, tuple[Lease, ...]]:
         """One script (`transfer.lua`): the replica lines and the owners are one pass over the
@@ -535,6 +560,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
             [p + "workers", p + "widx", p + "w:" + worker, p + "wnext"],
             [worker, hex_block(model_root), int(block_size)],
         )
+        await self._clear_steps(worker)  # a new chain root or block size drops the old view
         self._registration[worker] = (model_root, block_size)
         self.groups.register_worker(worker, model_root, block_size)
 
@@ -635,7 +661,9 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
                 continue  # another router re-registered it: refetch root/block size, retry
             if status == "dup":
                 return EventApplyResult(duplicate=True, expected_seq=int(reply[1]))
-            _, stored, removed, gap, expected, skipped, unknown_parent = reply
+            _, stored, removed, gap, expected, skipped, unknown_parent, pending = reply
+            if int(pending):
+                await self._clear_steps(worker)
             return EventApplyResult(
                 stored=int(stored),
                 removed=int(removed),
@@ -665,11 +693,23 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         while int(more):
             n, more = await self._run("drop_worker", keys, [worker, "+", step_entries])
             total += max(0, int(n))
+        await self._clear_steps(worker)  # cached views a gap set aside before the death
         if fenced:
             return 0
         self._engine_map.pop(worker, None)
         self.groups.drop_worker(worker)
         return total
+
+    async def _clear_steps(self, worker: str, step_entries: int = CLEAR_STEP_ENTRIES) -> int:
+        """Run `clear_step` until none of `worker`'s cached views set aside is left (another
+        router's included): the blocks whose cached bits went."""
+        cleared, more = 0, 1
+        while more:
+            n, more = await self._run(
+                "clear_step", [self.key("w:" + worker)], [worker, step_entries]
+            )
+            cleared, more = cleared + int(n), int(more)
+        return cleared
 
     async def worker_life(self, worker: str) -> int:
         check_worker(worker)
@@ -794,16 +834,27 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         """Raise the fencing epoch counter to at least `floor`; returns its value."""
         return int(await self._run("raise_epoch", [self.key("epoch")], [int(floor)]))
 
-    async def restore_cached(self, worker: str, entries: Sequence[tuple[int, int, int]]) -> int:
-        """Re-record a registered worker's cached blocks: (engine hash, block hash, tier bits)."""
-        if not entries:
-            return 0
+    async def restore_cached(
+        self,
+        worker: str,
+        entries: Sequence[tuple[int, int, int]],
+        step_entries: int = RESTORE_STEP_ENTRIES,
+    ) -> int:
+        """Re-record a registered worker's cached blocks: (engine hash, block hash, tier bits),
+        in script calls of `step_entries` entries (a worker's whole cached view may be 10^5);
+        the blocks recorded (a block in two calls counts twice), -1 if it is not registered."""
         p = self.prefix
-        args: list[Any] = [worker]
-        for engine_hash, block, bits in entries:
-            args += [str(engine_hash), hex_block(block), int(bits)]
         keys = [p + "w:" + worker, p + "w:" + worker + ":eh", p + "blk"]
-        return int(await self._run("restore_cached", keys, args))
+        done = 0
+        for first in range(0, len(entries), step_entries):
+            args: list[Any] = [worker]
+            for engine_hash, block, bits in entries[first : first + step_entries]:
+                args += [str(engine_hash), hex_block(block), int(bits)]
+            n = int(await self._run("restore_cached", keys, args))
+            if n < 0:
+                return n
+            done += n
+        return done
 
     async def ping(self) -> float:
         """Round-trip time of a PING, in seconds (raises if Redis is unreachable)."""

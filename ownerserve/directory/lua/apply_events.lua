@@ -4,7 +4,8 @@
 --   'R', tier bit, engine csv        'C'        'X', n (blocks the client could not map: their
 --   block size)        'Y', n (blocks whose parent the client's map and this worker's lack)
 -- Reply: 'ok', stored, removed, gap, expected, skipped (every block not mapped), of those the
--- ones with an unknown parent
+-- ones with an unknown parent, pending clears (a gap or 'C' drops the cached view in steps:
+-- the caller runs `clear_step` while some are pending)
 local info = redis.call('HMGET', KEYS[1], 'idx', 'seq', 'root', 'bs')
 if not info[1] or not info[3] then
   return { 'unknown' }
@@ -22,7 +23,7 @@ end
 local gap, expected = 0, -1
 if last and seq > last + 1 then
   gap, expected = 1, last + 1
-  clear_cached(worker, j)
+  defer_clear(worker)
 end
 local stored, removed, skipped, parentless = 0, 0, 0, 0
 local i = 6
@@ -34,9 +35,10 @@ while i <= #ARGV do
     local blocks = split16(ARGV[i + 4])
     local ehs = split_csv(ARGV[i + 5])
     if pe == '' or redis.call('HGET', KEYS[2], pe) == po then
-      update_blocks(blocks, function(_, own, cache, reps)
+      local fresh = take_fresh(worker, blocks)
+      update_blocks(blocks, function(k, own, cache, reps)
         local c = string.byte(cache, j) or 0
-        local nv = bit.bor(c, bitv)
+        local nv = bit.bor(fresh[k] and 0 or c, bitv)
         if nv ~= c then
           return own, cache_set(cache, j, nv), reps
         end
@@ -74,7 +76,7 @@ while i <= #ARGV do
     end
     i = i + 3
   elseif op == 'C' then
-    clear_cached(worker, j)
+    defer_clear(worker)
     i = i + 1
   elseif op == 'X' or op == 'Y' then
     skipped = skipped + tonumber(ARGV[i + 1])
@@ -87,4 +89,5 @@ while i <= #ARGV do
   end
 end
 redis.call('HSET', KEYS[1], 'seq', seq)
-return { 'ok', stored, removed, gap, expected, skipped, parentless }
+local pending = redis.call('SCARD', P .. 'w:' .. worker .. ':clears')
+return { 'ok', stored, removed, gap, expected, skipped, parentless, pending }

@@ -177,24 +177,79 @@ local function delete_artifact(id, worker, keep_use)
   redis.call('SREM', P .. 'w:' .. worker .. ':arts', id)
 end
 
--- drop worker's whole cached view (resync / AllBlocksCleared / death); returns blocks cleared
-local function clear_cached(worker, j)
-  local ehk = P .. 'w:' .. worker .. ':eh'
-  local blocks, seen = {}, {}
-  for _, b in ipairs(redis.call('HVALS', ehk)) do
+-- drop a worker's whole cached view (a gap in its events, AllBlocksCleared, a new chain root)
+-- in steps (`clear_step.lua`): its `:eh` hash moves aside (RENAME is O(1)) as a pending clear
+-- `w:<worker>:clr<n>`, listed in `w:<worker>:clears`, so the events applied from then on build
+-- the new view in a fresh `:eh`. A block they store is listed in `w:<worker>:clrfresh` the
+-- first time (its old bits go then: `take_fresh`), and the steps clear the bits of the rest;
+-- a later clear empties that list (what it held is in the `:eh` set aside by then)
+local function defer_clear(worker)
+  local wp = P .. 'w:' .. worker
+  redis.call('DEL', wp .. ':clrfresh')
+  if redis.call('EXISTS', wp .. ':eh') == 0 then
+    return
+  end
+  local n = redis.call('INCR', P .. 'clrn')
+  redis.call('RENAME', wp .. ':eh', wp .. ':clr' .. n)
+  redis.call('SADD', wp .. ':clears', n)
+end
+
+-- for `blocks` the worker stores: true at k where a clear is pending and blocks[k] is stored
+-- for the first time since the latest one (listed now: the steps leave it alone)
+local function take_fresh(worker, blocks)
+  local wp = P .. 'w:' .. worker
+  local fresh = {}
+  if redis.call('EXISTS', wp .. ':clears') == 0 then
+    return fresh
+  end
+  local fk, new = wp .. ':clrfresh', {}
+  for k = 1, #blocks do
+    if redis.call('SISMEMBER', fk, blocks[k]) == 0 then
+      fresh[k] = true
+      new[#new + 1] = blocks[k]
+    end
+  end
+  multi('SADD', fk, new)
+  return fresh
+end
+
+-- take up to n values off a hash set aside (a page of HSCAN, its cursor kept beside it as
+-- key .. 'c': a full round returns every field; the hash and its cursor go after it)
+local function take_hash_page(key, n)
+  local ck = key .. 'c'
+  local page = redis.call('HSCAN', key, redis.call('GET', ck) or '0', 'COUNT', n)
+  local fields, values = {}, {}
+  for i = 1, #page[2], 2 do
+    fields[#fields + 1] = page[2][i]
+    values[#values + 1] = page[2][i + 1]
+  end
+  if page[1] == '0' then
+    redis.call('DEL', key, ck)
+  else
+    redis.call('SET', ck, page[1])
+    multi('HDEL', key, fields)
+  end
+  return values
+end
+
+-- the worker with byte index j caches none of `blocks` any more; returns the blocks cleared
+local function uncache(blocks, j)
+  local uniq, seen = {}, {}
+  for _, b in ipairs(blocks) do
     if not seen[b] then
       seen[b] = true
-      blocks[#blocks + 1] = b
+      uniq[#uniq + 1] = b
     end
   end
   local n = 0
-  update_blocks(blocks, function(_, own, cache, reps)
-    if (string.byte(cache, j) or 0) ~= 0 then
-      n = n + 1
-      return own, cache_set(cache, j, 0), reps
-    end
-  end)
-  redis.call('DEL', ehk)
+  if j > 0 then
+    update_blocks(uniq, function(_, own, cache, reps)
+      if (string.byte(cache, j) or 0) ~= 0 then
+        n = n + 1
+        return own, cache_set(cache, j, 0), reps
+      end
+    end)
+  end
   return n
 end
 

@@ -81,47 +81,17 @@ local undo = {
     return #sids
   end,
   eh = function(blocks)
-    local uniq, seen = {}, {}
-    for _, b in ipairs(blocks) do
-      if not seen[b] then
-        seen[b] = true
-        uniq[#uniq + 1] = b
-      end
-    end
-    if j > 0 then
-      update_blocks(uniq, function(_, own, cache, reps)
-        if (string.byte(cache, j) or 0) ~= 0 then
-          dropped = dropped + 1
-          return own, cache_set(cache, j, 0), reps
-        end
-      end)
-    end
+    dropped = dropped + uncache(blocks, j)
     return #blocks
   end,
 }
 
--- take up to n members off a moved set (SPOP), or a page of a moved `:eh` hash's values (its
--- HSCAN cursor kept beside it: a full round returns every field; the hash goes after it)
+-- take up to n members off a moved set (SPOP), or a page of a moved `:eh` hash's values
 local function take(key, s, n)
   if s ~= 'eh' then
     return redis.call('SPOP', key, n)
   end
-  local ck = key .. 'c'
-  local page = redis.call('HSCAN', key, redis.call('GET', ck) or '0', 'COUNT', n)
-  local fields, values = {}, {}
-  for i = 1, #page[2], 2 do
-    fields[#fields + 1] = page[2][i]
-    values[#values + 1] = page[2][i + 1]
-  end
-  if page[1] == '0' then
-    redis.call('DEL', key, ck)
-  else
-    redis.call('SET', ck, page[1])
-    if #fields > 0 then
-      redis.call('HDEL', key, unpack(fields))
-    end
-  end
-  return values
+  return take_hash_page(key, n)
 end
 
 -- a step spends at least 1 an attempt, so every call ends and every step makes progress

@@ -1,5 +1,5 @@
 -- register_worker: give the worker a byte index in cached values and record its chain root and
--- block size (a change drops its cached view). KEYS: workers, widx, w:<worker>, wnext
+-- block size (a change drops its cached view, in steps). KEYS: workers, widx, w:<worker>, wnext
 -- ARGV: P, worker, root (hex), block size
 local worker = ARGV[2]
 local j = redis.call('HGET', KEYS[1], worker)
@@ -10,7 +10,7 @@ if not j then
 else
   local cur = redis.call('HMGET', KEYS[3], 'root', 'bs')
   if cur[1] and (cur[1] ~= ARGV[3] or cur[2] ~= ARGV[4]) then
-    clear_cached(worker, tonumber(j))
+    defer_clear(worker) -- the caller runs `clear_step` after
     redis.call('HDEL', KEYS[3], 'seq')
   end
 end

@@ -14,8 +14,9 @@ import pytest
 
 from ownerserve.directory import redis as redis_backend
 from ownerserve.directory.base import Artifact, Holding, HoldKind
+from ownerserve.directory.common import ReplicaWrite
 from ownerserve.directory.redis import RedisDirectory
-from ownerserve.events import BlockRemoved, BlockStored, EventBatch
+from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
 from ownerserve.types import Tier
 from tests.conftest import RedisServer
@@ -424,3 +425,178 @@ async def test_the_engine_hash_map_stays_under_its_bound_and_forgets_removed_blo
     kept = list(a._engine_map["w1"])
     await a.apply_events("w1", EventBatch(seq, 0.0, (BlockRemoved(tuple(kept[:10])),)))
     assert not set(kept[:10]) & set(a._engine_map["w1"])
+
+
+def _replica_lines_normalized(records: list[Any]) -> list[str | None]:
+    """Block records with every replica line's expiry blanked (two writes made apart)."""
+    return [None if r is None else re.sub(r"\t\d+\t([01])\n", r"\t-\t\1\n", r) for r in records]
+
+
+async def test_a_long_replica_is_added_in_steps_readers_see_a_prefix_and_it_ends_as_one_call(
+    pair: tuple[RedisDirectory, RedisDirectory], redis_server: RedisServer
+) -> None:
+    """`add_replica` over a 20,000-block artifact runs in many script calls of
+    `REPLICA_STEP_ENTRIES` blocks: a reader between them (one MULTI of the chain's records and
+    the worker's `:reps` set) sees the copy on a leading part of the chain only, every block
+    of it listed in the set, growing; once the call returns the records, the set and a lookup
+    are those of the same write made in one script call (another namespace), and so for a
+    write naming its blocks."""
+    a, b = pair
+    n = 20_000
+    chain = tuple(block_hash_chain(list(range(n * BS)), BS, ROOT))
+    fields = [_hex(h) for h in chain]
+    lease = await a.claim(Artifact(chain), "w1", 60)
+    one = RedisDirectory.from_url(
+        redis_server.url, f"rb1-{uuid.uuid4().hex[:8]}", socket_timeout_s=10
+    )
+    try:
+        assert (await one.claim(Artifact(chain), "w1", 60)).artifact_id == lease.artifact_id
+        whole = ReplicaWrite(lease.artifact_id, "w2", Tier.GPU, 60.0, True, None)
+        await one.put_replica_steps(whole, step_entries=n + 1)
+        named = ReplicaWrite(lease.artifact_id, "w3", Tier.CPU, 60.0, True, chain)
+        await one.put_replica_steps(named, step_entries=n + 1)
+
+        seen: list[int] = []
+        written = asyncio.Event()
+
+        async def read() -> None:
+            while not written.is_set() or not seen or seen[-1] < n:
+                async with b.client.pipeline(transaction=True) as tx:
+                    tx.hmget(b.key("blk"), fields)
+                    tx.smembers(b.key("w:w2:reps"))
+                    records, listed = await tx.execute()
+                has = [r is not None and "\nw2\t" in r for r in records]
+                k = has.index(False) if False in has else n
+                assert not any(has[k:]), "a replica line past the copy's leading part"
+                assert set(fields[:k]) <= set(listed), "a replica block not in w2's :reps"
+                assert not seen or k >= seen[-1]
+                seen.append(k)
+                assert (await b.lookup(chain)).longest("w2", Tier.GPU) >= k
+
+        reader = asyncio.create_task(read())
+        await until(lambda: bool(seen), what="the reader's first read")
+        before = await _script_calls(a)
+        await a.add_replica(lease.artifact_id, "w2", Tier.GPU, 60.0)
+        calls = await _script_calls(a) - before
+        written.set()
+        async with asyncio.timeout(60.0):
+            await reader
+        await a.add_replica(lease.artifact_id, "w3", Tier.CPU, 60.0, blocks=chain)
+
+        assert calls >= n // redis_backend.REPLICA_STEP_ENTRIES
+        assert any(0 < k < n for k in seen), seen  # other clients were served between steps
+        got = await a.client.hmget(a.key("blk"), fields)
+        want = await one.client.hmget(one.key("blk"), fields)
+        assert _replica_lines_normalized(got) == _replica_lines_normalized(want)
+        for w in ("w2", "w3"):
+            reps = await a.client.smembers(a.key(f"w:{w}:reps"))
+            assert reps == await one.client.smembers(one.key(f"w:{w}:reps")) == set(fields)
+        # every line of the stepped copy expires at once, and its hints cover every block
+        assert len({re.findall(r"w2\t\w+\t(\d+)", str(r))[0] for r in got}) == 1
+        hinted = "".join(str(v) for v in (await a.client.hgetall(a.key("rxb"))).values())
+        assert set(re.findall(".{16}", hinted)) == set(fields)
+        assert (await a.lookup(chain)).holdings == (await one.lookup(chain)).holdings
+    finally:
+        await one.flush_namespace()
+        await one.close()
+
+
+async def test_a_restored_cached_view_is_written_in_bounded_steps(
+    pair: tuple[RedisDirectory, RedisDirectory],
+) -> None:
+    """`restore_cached` (after Redis lost its data) writes a worker's whole cached view in
+    script calls of `step_entries` entries: every block is recorded, the engine hashes map
+    onto them (a later removal applies), and an unregistered worker gives -1."""
+    a, b = pair
+    await a.register_worker("w1", ROOT, BS)
+    n = 1_000
+    chain = tuple(block_hash_chain(list(range(n * BS)), BS, ROOT))
+    entries = [(10_000 + k, h, 1) for k, h in enumerate(chain)]
+    before = await _script_calls(a)
+    assert await a.restore_cached("w1", entries, step_entries=100) == n
+    assert await _script_calls(a) - before >= 10  # (a first call may load the script)
+    assert (await b.lookup(chain)).longest("w1", Tier.GPU) == n
+    removed = BlockRemoved((10_000 + n // 2,))
+    assert (await a.apply_events("w1", EventBatch(0, 0.0, (removed,)))).removed == 1
+    assert (await b.lookup(chain)).longest("w1", Tier.GPU) == n // 2
+    assert await a.restore_cached("w9", entries[:1]) == -1
+
+
+def _cached_on(record: str | None, j: int) -> int:
+    """The tier bits of the worker with byte index `j` in a block record."""
+    if record is None:
+        return 0
+    cache = record[16 : record.index("\n", 16)]
+    return ord(cache[j - 1]) if len(cache) >= j else 0
+
+
+async def test_a_dropped_cached_view_is_cleared_in_steps_and_the_new_view_is_whole_meanwhile(
+    pair: tuple[RedisDirectory, RedisDirectory],
+) -> None:
+    """A gap in a worker's events drops its cached view: 6,000 blocks set aside at once and
+    their bits cleared in many `clear_step` calls. A reader between them sees what the batch
+    stored (the new view) whole, and the old view's bits only going (a stale positive, never
+    a block of the new view missing); a block of the old view stored again, under a new
+    engine hash as after an engine restart, keeps its new bits. Once the call returns, no
+    key of the clear is left. A clear left pending (its router died after the script) is
+    finished by the next batch, which another router applies."""
+    a, b = pair
+    await a.register_worker("w1", ROOT, BS)
+    n = 6_000
+    old_tokens = tuple(10_000 + t for t in range(n * BS))
+    old = tuple(block_hash_chain(list(old_tokens), BS, ROOT))
+    new_tokens = tuple(90_000_000 + t for t in range(20 * BS))
+    new = tuple(block_hash_chain(list(new_tokens), BS, ROOT))
+    await a.apply_events(
+        "w1", EventBatch(0, 0.0, (BlockStored(tuple(range(1, n + 1)), None, old_tokens, BS),))
+    )
+    j = int(str(await a.client.hget(a.key("w:w1"), "idx")))
+    fields = [_hex(h) for h in (*new, *old[10:])]
+    again = BlockStored(tuple(range(100_001, 100_011)), None, old_tokens[: 10 * BS], BS)
+    fresh = BlockStored(tuple(range(200_001, 200_021)), None, new_tokens, BS, Tier.CPU)
+
+    stale_seen: list[int] = []
+    applied = asyncio.Event()
+
+    async def read() -> None:
+        while not applied.is_set():
+            async with b.client.pipeline(transaction=True) as tx:
+                tx.hget(b.key("w:w1"), "seq")
+                tx.hmget(b.key("blk"), fields)
+                seq, records = await tx.execute()
+            if seq is None or int(seq) != 5:
+                continue  # the gap's batch not applied yet (or applied, seq not yet read)
+            assert all(_cached_on(r, j) == 2 for r in records[:20]), "the new view is partial"
+            stale = sum(_cached_on(r, j) != 0 for r in records[20:])
+            assert not stale_seen or stale <= stale_seen[-1], "an old block cached again"
+            stale_seen.append(stale)
+
+    reader = asyncio.create_task(read())
+    before = await _script_calls(a)
+    gap = await a.apply_events("w1", EventBatch(5, 0.0, (again, fresh)))
+    calls = await _script_calls(a) - before
+    applied.set()
+    async with asyncio.timeout(60.0):
+        await reader
+
+    assert gap.gap and gap.stored == 30
+    assert calls >= n // redis_backend.CLEAR_STEP_ENTRIES
+    assert any(0 < k < n - 10 for k in stale_seen), stale_seen  # served between steps
+    m = await b.lookup(old)
+    assert (m.longest("w1", Tier.GPU), (await b.lookup(new)).longest("w1", Tier.CPU)) == (10, 20)
+    assert await a.client.hmget(a.key("blk"), [_hex(h) for h in old[10:]]) == [None] * (n - 10)
+    clear_keys = [k async for k in a.client.scan_iter(match=a.key("w:w1:clr*"))]
+    assert clear_keys == [] and not await a.client.exists(a.key("w:w1:clears"))
+
+    # AllBlocksCleared applied by a router that died before its steps: the clear is pending
+    keys = [a.key("w:w1"), a.key("w:w1:eh"), a.key("blk")]
+    cleared = EventBatch(6, 0.0, (AllBlocksCleared(),))
+    reply = await a._run("apply_events", keys, a._event_args("w1", ROOT, BS, cleared, {}))
+    assert int(reply[-1]) == 1
+    assert (await b.lookup(old)).longest("w1") == 10  # not cleared yet: a stale positive
+    restored = BlockStored(tuple(range(300_001, 300_006)), None, new_tokens[: 5 * BS], BS)
+    await b.apply_events("w1", EventBatch(7, 0.0, (restored,)))
+    assert (await b.lookup(old)).longest("w1") == 0
+    assert (await b.lookup(new)).longest("w1", Tier.GPU) == 5
+    assert (await b.lookup(new)).longest("w1", Tier.CPU) == 0
+    assert [k async for k in a.client.scan_iter(match=a.key("w:w1:clr*"))] == []
