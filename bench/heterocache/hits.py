@@ -19,7 +19,9 @@ prompt's last token. The router waits for each worker's KV events to be applied 
 next request, so a prediction reads what the engine published. Error:
 |Σ predicted − Σ delivered| / Σ delivered and the share of requests that differ, per spec,
 per action and per outcome (`outcome`: as planned, a partial fetch, or a fallback and its
-reason, scored apart; `as_planned` alone), for both.
+reason, scored apart; `as_planned` alone), for both. Beside them, what the peers' prefix-aware
+routers would have credited the same requests with on the same workers (`PEER_CREDITS`,
+`peers`), scored on the requests that moved no KV.
 """
 
 from __future__ import annotations
@@ -38,9 +40,12 @@ from ownerserve.config import settings_from_dict
 from ownerserve.kvfetch import FETCH_BRINGS_WINDOWS
 from ownerserve.kvstate import KVStateSpec, ResumeRule, load_spec, moved_windows, resume_point
 from ownerserve.profiles import TimingProfile, load_profile
+from ownerserve.types import Tier
 from router.app import create_app
 from router.server import running_app
 from router.state import Router
+from router.tokens import ModelTokenizer
+from router.views import held_by_worker
 
 # (spec, a model name it is found by, emulator flags)
 SPECS: tuple[tuple[str, str], ...] = (
@@ -120,8 +125,16 @@ def predicted_tokens(
     resume rule puts a hit over them (`resume_blocks`) with the windows at the directory's
     restorable boundary on the plan's worker (`restorable`; after a move the destination's
     own, as a fetch brings none: `FETCH_BRINGS_WINDOWS`). In tokens, at most the prompt less
-    one token rounded down to a block (an engine never caches the prompt's last token)."""
+    one token rounded down to a block (an engine never caches the prompt's last token); for a
+    remote prefill all of that: its decode worker reports the KV it pulled as cached (the
+    planner priced moving the whole prompt to it, `kv_to_decode`)."""
     chosen = record["chosen"]
+    bs = spec.block_tokens
+    cap = (prompt_tokens - 1) // bs * bs
+    if chosen["action"] == "remote_prefill":
+        # its decode worker pulls the prompt's KV (what it lacks) and reports it as cached,
+        # as vLLM counts KV transfers: every full block short of the last token
+        return cap
     blocks = int(chosen.get("reused_blocks", 0))
     if not planner_only and ResumeRule.of(spec).hybrid:
         u = unit(record, chosen["decode_worker"])  # none: it holds nothing of the prompt
@@ -129,8 +142,6 @@ def predicted_tokens(
         moved = chosen["action"] in MOVES
         k = moved_windows(own, blocks, moved and FETCH_BRINGS_WINDOWS)
         blocks = resume_blocks(spec, profile, k, blocks)
-    bs = spec.block_tokens
-    cap = (prompt_tokens - 1) // bs * bs
     return min(blocks * bs, cap)
 
 
@@ -149,6 +160,36 @@ def outcome(record: dict[str, Any]) -> str:
 
 def error(pred: int, got: int) -> float:
     return abs(pred - got) / got if got else (0.0 if pred == 0 else float("inf"))
+
+
+PEER_CREDITS = {
+    "kv_events_credit": "llm-d precise prefix / Dynamo KV router (the KV events' sealed blocks)",
+    "approx_tree_credit": "sglang-router / vllm-router (approximate tree of the prompts sent)",
+}
+"""What the peers' prefix-aware routers would credit a request with on the worker the plan
+chose: the sealed GPU blocks the worker's KV events show (llm-d's precise-prefix-cache
+scorer, Dynamo's KV router: no notion of windows), or the longest prefix of the prompt's
+chain the router sent that worker (SGLang's and vLLM's routers' approximate radix tree, no
+word from the engine, no eviction here: their tree's default bound is far above this run)."""
+
+
+def peer_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per peer crediting rule, over the requests that ran on the worker holding what it
+    credits (no fetch or migration: the peers move no KV): tokens credited, delivered, error,
+    requests differing."""
+    stay = [r for r in rows if r["action"] not in MOVES]
+    got = sum(r["delivered"] for r in stay)
+    out: dict[str, Any] = {}
+    for key in PEER_CREDITS:
+        credit = sum(r[key] for r in stay)
+        out[key] = {
+            "requests": len(stay),
+            "credited_tokens": credit,
+            "delivered_tokens": got,
+            "error": error(credit, got),
+            "requests_differing": sum(1 for r in stay if r[key] != r["delivered"]),
+        }
+    return out
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -184,6 +225,8 @@ async def run_spec(spec_name: str, model: str, sessions: int, turns: int) -> dic
         )
         app = create_app(settings)
         router: Router = app.state.router
+        tok = ModelTokenizer(settings.models[0])  # the router's tokenization, its own caches
+        sent: dict[str, set[int]] = {}  # per worker, the blocks of every prompt sent there
         async with (
             running_app(app, "127.0.0.1", 0) as url,
             httpx.AsyncClient(base_url=url, timeout=120) as client,
@@ -197,6 +240,10 @@ async def run_spec(spec_name: str, model: str, sessions: int, turns: int) -> dic
                     msgs = convs[s]
                     msgs.append({"role": "user", "content": tool_output(s, t + 1, 20 + 10 * t)})
                     await events_applied(router, ws)
+                    # what the peers' prefix-aware routers would credit, before the request
+                    chain = tok.tokenize_chat(f"s{s}", msgs).chain
+                    assert router.directory is not None
+                    held = held_by_worker(await router.directory.lookup(chain), router.pool)
                     resp = await client.post(
                         "/v1/chat/completions",
                         json={"model": model, "messages": msgs, "max_tokens": 40},
@@ -217,6 +264,14 @@ async def run_spec(spec_name: str, model: str, sessions: int, turns: int) -> dic
                     delivered = int(
                         (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                     )
+                    worker = record["chosen"]["decode_worker"]
+                    cap = (n - 1) // bs * bs
+                    events_blocks = held.get(worker, {}).get(Tier.GPU, 0)
+                    mine = sent.setdefault(worker, set())
+                    tree_blocks = next(
+                        (i for i, h in enumerate(chain) if h not in mine), len(chain)
+                    )
+                    mine.update(chain)
                     rows.append(
                         {
                             "session": s,
@@ -230,6 +285,9 @@ async def run_spec(spec_name: str, model: str, sessions: int, turns: int) -> dic
                                 record, n, spec, profile, planner_only=True
                             ),
                             "delivered": delivered,
+                            "chain_blocks": len(chain),
+                            "kv_events_credit": min(events_blocks * bs, cap),
+                            "approx_tree_credit": min(tree_blocks * bs, cap),
                             "record": {
                                 k: record.get(k)
                                 for k in (
@@ -258,6 +316,7 @@ async def run_spec(spec_name: str, model: str, sessions: int, turns: int) -> dic
         "as_planned": summary(by_outcome.get("as_planned", [])),
         "by_action": {a: summary(rs) for a, rs in sorted(by_action.items())},
         "by_outcome": {o: summary(rs) for o, rs in sorted(by_outcome.items())},
+        "peers": peer_rows(rows),
         "rows": rows,
     }
 
@@ -287,6 +346,13 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
                 f" differing={part['requests_differing']}"
                 f" | planner priced: error={part['planner_priced_error']:.4f}"
                 f" differing={part['planner_priced_differing']}",
+                flush=True,
+            )
+        for key, part in res["peers"].items():
+            print(
+                f"  peer {key:23s} requests={part['requests']} credited={part['credited_tokens']}"
+                f" delivered={part['delivered_tokens']} error={part['error']:.4f}"
+                f" differing={part['requests_differing']}",
                 flush=True,
             )
         out.append(res)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bench.heterocache.hits import outcome, predicted_tokens, resume_blocks
+from bench.heterocache.hits import outcome, peer_rows, predicted_tokens, resume_blocks
 from loadgen.cluster import DEFAULT_PROFILE
 from ownerserve.kvstate import load_spec
 from ownerserve.kvstate.retention import Retention
@@ -74,3 +74,36 @@ def test_fallbacks_and_partial_fetches_are_told_apart() -> None:
     fb = {"ran": "colocated", "reason": "kv_fetch_empty", "gave_up": []}
     empty = record("state_migration", 3, "h0", fetched_blocks=[0, 3], fallback=fb)
     assert outcome(empty) == "fallback:kv_fetch_empty"
+
+
+def test_the_peers_credits_are_scored_on_the_requests_that_moved_no_kv() -> None:
+    def row(action: str, delivered: int, events: int, tree: int) -> dict[str, Any]:
+        return {
+            "action": action,
+            "delivered": delivered,
+            "kv_events_credit": events,
+            "approx_tree_credit": tree,
+        }
+
+    rows = [
+        row("colocated_prefill", 16, 4432, 4432),  # the windows cut it back to block 1
+        row("colocated_prefill", 800, 800, 960),  # the tree missed an eviction
+        row("state_migration", 0, 5000, 5000),  # a move: the peers would not have made it
+    ]
+    peers = peer_rows(rows)
+    assert peers["kv_events_credit"] == {
+        "requests": 2,
+        "credited_tokens": 5232,
+        "delivered_tokens": 816,
+        "error": pytest.approx((5232 - 816) / 816),
+        "requests_differing": 1,
+    }
+    assert peers["approx_tree_credit"]["credited_tokens"] == 5392
+    assert peers["approx_tree_credit"]["requests_differing"] == 2
+
+
+def test_a_remote_prefill_is_credited_with_the_prompt_its_decode_worker_pulls() -> None:
+    rp = record("remote_prefill", 0)
+    swa = load_spec("qwen3-8b-swa")
+    assert predicted_tokens(rp, 6923, swa, PROFILE) == 6912
+    assert predicted_tokens(rp, 6923, swa, PROFILE, planner_only=True) == 6912
