@@ -31,8 +31,9 @@ With a hybrid-attention KV spec (`kv_spec`), a hit resumes by the emulated engin
 (`ownerserve.kvstate.resume`): where the worker's HBM kept the windows (every cached boundary
 by default; `retention` may keep fewer, as vLLM's retention interval does), or rebuilding them
 by recomputing n_win·L tokens; a fetch or migration moves the sealed blocks only and the
-destination resumes by the same rule. The planner sees each worker's restorable boundary. Goodput counts
-the completed sessions whose steps' p90 TTFT met the SLO (`loadgen.capacity`'s definition).
+destination resumes by the same rule. The planner sees each worker's restorable boundary.
+Goodput counts the completed sessions whose steps' p90 TTFT met the SLO
+(`loadgen.capacity`'s definition).
 """
 
 from __future__ import annotations
