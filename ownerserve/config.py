@@ -84,6 +84,10 @@ class ServerSettings(_Strict):
     tokenizer_cache_mib: int = Field(default=256, ge=1)
     """What the tokenizer's caches may hold, every model together (`router/tokens.py`: each
     session's last prompt, rendered messages by content), least recently used first out."""
+    tokenizer_cache_sessions: int = Field(default=8192, ge=1)
+    """Sessions whose last prompt each model's tokenizer keeps (within `tokenizer_cache_mib`):
+    a session's next turn reuses the blocks of its unchanged leading messages. Past it the
+    least recently seen session goes, and its next turn is tokenized whole."""
 
     @field_validator("api_keys")
     @classmethod
@@ -112,6 +116,21 @@ class DirectorySettings(_Strict):
     costs ~0.6 s of router CPU (in-process) or ~7 s of Redis time per 20,000 sessions
     (`bench.directory.sweep`): every 5 minutes that is ~0.2% and ~2% of a core."""
     key_prefix: str = "os"
+    redis_step_entries: int = Field(default=256, ge=1)
+    """Redis: at most about this many entries per script call of the writes that touch
+    unboundedly many (the sweep, a dead worker's drop, a replica over a long chain, a dropped
+    cached view, a cached view restored), which then go in several calls: Redis serves
+    nothing else while a script runs, and one call over 10^5 entries had held it for seconds
+    (`ownerserve/directory/README.md`). Smaller: shorter waits for the other clients, more
+    round trips."""
+    engine_map_entries: int = Field(default=32_768, ge=1)
+    """Redis: per worker, the engine hash -> block hash pairs the router keeps from its KV
+    events (~150 B each; a stored block's parent not kept costs one more read of Redis).
+    Sized to a worker's cached blocks, it is read from Redis only after restarts."""
+    max_pending_writes: int = Field(default=100_000, ge=1)
+    """Redis: writes the router queues while Redis is unreachable (it serves from its local
+    view meanwhile, and replays them when Redis is back); past it the oldest goes (counted as
+    `dropped` in `/health`'s directory stats)."""
 
     @field_validator("redis_url")
     @classmethod
@@ -167,6 +186,17 @@ class PlannerSettings(_Strict):
     )
     retention_factor: float = Field(
         default=2.0, ge=0, description="kept for this many predicted gaps"
+    )
+    retention_max_sessions: int = Field(
+        default=65_536,
+        ge=1,
+        description="sessions whose working set and gap history the router remembers (the "
+        "least recently active idle one goes first; ~0.3 KB each)",
+    )
+    retention_max_tools: int = Field(
+        default=1_024,
+        ge=1,
+        description="tool names whose gap averages the router keeps (the oldest name goes first)",
     )
     migration_margin_s: float = Field(
         default=0.05, ge=0, description="hysteresis of a state migration: fixed margin, seconds"

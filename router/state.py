@@ -71,7 +71,9 @@ class Router:
         self.pool.on_worker_dead = functools.partial(membership.on_worker_dead, self)
         self.pool.on_worker_back = functools.partial(membership.on_worker_back, self)
         self.tokenizers = TokenizationCache(
-            settings.models, settings.server.tokenizer_cache_mib * 1024 * 1024
+            settings.models,
+            settings.server.tokenizer_cache_mib * 1024 * 1024,
+            settings.server.tokenizer_cache_sessions,
         )
         self.telemetry = Telemetry(settings.telemetry)
         self.metrics = self.telemetry.metrics
@@ -92,6 +94,8 @@ class Router:
                 prior_gap_s=p.retention_prior_gap_s,
                 max_gap_s=p.retention_max_gap_s,
                 factor=p.retention_factor,
+                max_sessions=p.retention_max_sessions,
+                max_tools=p.retention_max_tools,
             )
         )
         """The sessions' KV working sets per worker (the planner's W_disp)."""

@@ -12,10 +12,11 @@ Cached so a turn of a long session only tokenizes and hashes what is new:
   (no token comparison needed). Templates that render the whole prompt at once fall back to
   comparing text prefixes.
 
-Both caches are least recently used first out, bounded by entries and by bytes (what the
-entries hold as `_SessionState.nbytes` and the messages' sizes count it;
-`server.tokenizer_cache_mib`, 256 MiB by default, for every model together: a session's
-6K-token prompt holds ~60-130 KiB, so a bound by count alone let 8,192 of them take ~1 GB).
+Both caches are least recently used first out, bounded by entries (sessions:
+`server.tokenizer_cache_sessions` a model, 8,192 by default) and by bytes (what the entries
+hold as `_SessionState.nbytes` and the messages' sizes count it; `server.tokenizer_cache_mib`,
+256 MiB by default, for every model together: a session's 6K-token prompt holds ~60-130 KiB,
+so a bound by count alone let 8,192 of them take ~1 GB).
 """
 
 from __future__ import annotations
@@ -417,10 +418,18 @@ class ModelTokenizer:
 class TokenizationCache:
     """Every configured model's `ModelTokenizer`."""
 
-    def __init__(self, models: Sequence[ModelSettings], max_bytes: int = 256 * 1024 * 1024) -> None:
-        """`max_bytes`: what every model's caches may hold together, split evenly."""
+    def __init__(
+        self,
+        models: Sequence[ModelSettings],
+        max_bytes: int = 256 * 1024 * 1024,
+        max_sessions: int = 8192,
+    ) -> None:
+        """`max_bytes`: what every model's caches may hold together, split evenly;
+        `max_sessions`: the sessions' last prompts each model's cache keeps."""
         share = max_bytes // max(1, len(models))
-        self._models = {m.name: ModelTokenizer(m, max_bytes=share) for m in models}
+        self._models = {
+            m.name: ModelTokenizer(m, max_sessions=max_sessions, max_bytes=share) for m in models
+        }
 
     def get(self, model: str) -> ModelTokenizer | None:
         return self._models.get(model)

@@ -34,8 +34,16 @@ def open_directory(
     from ownerserve.directory.resilient import ResilientDirectory
 
     assert settings.redis_url is not None  # DirectorySettings validates this
-    primary = RedisDirectory.from_url(settings.redis_url, settings.key_prefix, cluster=cluster)
-    return ResilientDirectory(primary) if resilient else primary
+    primary = RedisDirectory.from_url(
+        settings.redis_url,
+        settings.key_prefix,
+        cluster=cluster,
+        step_entries=settings.redis_step_entries,
+        engine_map_limit=settings.engine_map_entries,
+    )
+    if not resilient:
+        return primary
+    return ResilientDirectory(primary, max_pending=settings.max_pending_writes)
 
 
 __all__ = [

@@ -122,29 +122,22 @@ SCRIPT_NAMES = (
 FULL_SWEEP_S = 86_400.0
 """At most this long between sweeps that scan every lease and block record (which also write
 the expiry hints the sweeps in between follow: a hint missed for any reason is mended then)."""
-SWEEP_STEP_ENTRIES = 256
-"""At most about this many entries (expiry hints and the block records they lead to) per
-`sweep_due` script call: Redis runs one script at a time and serves nothing else meanwhile,
-so a step stays in the milliseconds however long the expired chains (bench/directory/sweep.py)."""
-DROP_STEP_ENTRIES = 256
-"""The same bound for each `drop_worker` script call: a worker holding 10^5 leases, replica
-blocks and cached blocks took one call of 1.1-4.1 s in a 30-minute chaos run (Redis slow log)."""
-REPLICA_STEP_ENTRIES = 256
-"""The same bound, in blocks, for each `add_replica` script call: one call over a long chain
-held Redis 1.44 s (its slow log, while it replayed its AOF)."""
-CLEAR_STEP_ENTRIES = 256
-"""The same bound, in blocks, for each `clear_step` script call: a worker's cached view
-dropped (a gap in its events, `AllBlocksCleared`, a new chain root) is set aside at once and
-its blocks' bits cleared in steps (one call for 10^5 cached blocks held Redis ~0.24 s)."""
-RESTORE_STEP_ENTRIES = 256
-"""The same bound, in entries, for each `restore_cached` script call (after Redis lost its
-data, a worker's whole cached view is written again)."""
+STEP_ENTRIES = 256
+"""By default (`directory.redis_step_entries`), at most about this many entries per script
+call of the writes whose entries have no bound (`RedisDirectory.step_entries`): Redis runs one
+script at a time and serves nothing else meanwhile, so a step stays in the milliseconds. In one
+call each had held Redis for seconds: `sweep_due` over long expired chains 1.3-5.9 s, a
+`drop_worker` of a worker holding 10^5 leases, replica blocks and cached blocks 1.1-4.1 s (the
+chaos runs' slow log), an `add_replica` over a long chain 1.44 s (while Redis replayed its
+AOF), a gap dropping 10^5 cached blocks 0.2 s (bench/directory/steps.py). An entry: an expiry
+hint and the block records it leads to (`sweep_due`), an index entry undone (`drop_worker`),
+a block (`add_replica`, `clear_step`), an engine hash (`restore_cached`)."""
 ENGINE_MAP_LIMIT = 32_768
-"""Per worker, the engine hashes whose block hashes this router keeps (a cache of Redis's
-`w:<worker>:eh`, read for a stored event's parent): a removed block leaves it, and past the
-limit the oldest quarter goes (a parent not here costs one HMGET). It was 10^6 entries and
-kept every block ever stored: ~150 B an entry, the router's largest growth under the chaos
-load (bench/router_memory/growth.py)."""
+"""By default (`directory.engine_map_entries`), per worker, the engine hashes whose block
+hashes this router keeps (a cache of Redis's `w:<worker>:eh`, read for a stored event's
+parent): a removed block leaves it, and past the limit the oldest quarter goes (a parent not
+here costs one HMGET). It was 10^6 entries and kept every block ever stored: ~150 B an entry,
+the router's largest growth under the chaos load (bench/router_memory/growth.py)."""
 TOUCH_FLUSH_S = 0.5
 TOUCH_FLUSH_IDS = 512
 """Reuse counts from lookups are sent in batches: at most this late, or this many artifacts."""
@@ -182,9 +175,22 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
 
     backend_name = "redis"
 
-    def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str = "os") -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis | RedisCluster,
+        namespace: str = "os",
+        *,
+        step_entries: int = STEP_ENTRIES,
+        engine_map_limit: int = ENGINE_MAP_LIMIT,
+    ) -> None:
         if not namespace or any(c in namespace for c in "{}"):
             raise InvalidRequestError(f"invalid directory namespace {namespace!r}")
+        if step_entries < 1 or engine_map_limit < 1:
+            raise InvalidRequestError("step_entries and engine_map_limit must be >= 1")
+        self.step_entries = step_entries
+        """Entries per script call of the stepped writes (`STEP_ENTRIES`)."""
+        self.engine_map_limit = engine_map_limit
+        """Engine hashes kept per worker (`ENGINE_MAP_LIMIT`)."""
         self._client = client
         self.namespace = namespace
         self.prefix = "{" + namespace + "}:"
@@ -215,6 +221,8 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         cluster: bool | None = None,
         socket_timeout_s: float = 1.0,
         max_connections: int = 64,
+        step_entries: int = STEP_ENTRIES,
+        engine_map_limit: int = ENGINE_MAP_LIMIT,
     ) -> RedisDirectory:
         """Connect to `url`; a Redis Cluster if `cluster` is true or the URL has `?cluster=1`."""
         plain, flagged = split_cluster_flag(url)
@@ -228,7 +236,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
             client = RedisCluster.from_url(plain, max_connections=max_connections, **kwargs)
         else:
             client = aioredis.Redis.from_url(plain, max_connections=max_connections, **kwargs)
-        return cls(client, namespace)
+        return cls(client, namespace, step_entries=step_entries, engine_map_limit=engine_map_limit)
 
     @property
     def client(self) -> aioredis.Redis | RedisCluster:
@@ -484,9 +492,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
     async def put_replica(self, write: ReplicaWrite) -> None:
         await self.put_replica_steps(write)
 
-    async def put_replica_steps(
-        self, write: ReplicaWrite, step_entries: int = REPLICA_STEP_ENTRIES
-    ) -> None:
+    async def put_replica_steps(self, write: ReplicaWrite, step_entries: int | None = None) -> None:
         """`add_replica` in script calls of `step_entries` blocks each, from the chain's first
         block on, every line with the first call's expiry (the artifact's own blocks are read
         once, before). Between calls a reader sees the copy on a leading part of the blocks,
@@ -499,7 +505,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
             hexed = _s(await self._client.hget(self.key("a:" + aid), "blocks") or aid)
         head = [write.worker, write.tier.value, _ms(write.ttl_s), 1 if write.read_only else 0]
         expires: int | str = ""
-        step = 16 * step_entries
+        step = 16 * (step_entries or self.step_entries)
         for first in range(0, len(hexed), step):
             part = hexed[first : first + step]
             expires = int(await self._run("add_replica", [self.key("blk")], [*head, part, expires]))
@@ -633,10 +639,9 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
             elif isinstance(ev, AllBlocksCleared):
                 local.clear()
                 ops.append("C")
-        if len(local) > ENGINE_MAP_LIMIT:
-            for engine_hash in list(
-                itertools.islice(local, len(local) - ENGINE_MAP_LIMIT * 3 // 4)
-            ):
+        limit = self.engine_map_limit
+        if len(local) > limit:
+            for engine_hash in list(itertools.islice(local, len(local) - limit * 3 // 4)):
                 del local[engine_hash]
         return [worker, hex_block(root), block_size, int(batch.seq), *ops]
 
@@ -679,7 +684,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         return await self.drop_worker_steps(worker, life)
 
     async def drop_worker_steps(
-        self, worker: str, life: int | None = None, step_entries: int = DROP_STEP_ENTRIES
+        self, worker: str, life: int | None = None, step_entries: int | None = None
     ) -> int:
         """`drop_worker` in script calls of about `step_entries` entries each: the first ends
         the life and moves its index sets aside, the rest undo them until none is left (a
@@ -687,6 +692,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         check_worker(worker)
         keys = [self.key("blk"), self.key("w:" + worker)]
         arg = "" if life is None else life
+        step_entries = step_entries or self.step_entries
         dropped, more = await self._run("drop_worker", keys, [worker, arg, step_entries])
         fenced = int(dropped) < 0  # that life was dropped already (by another router replica)
         total = 0 if fenced else int(dropped)
@@ -700,13 +706,13 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         self.groups.drop_worker(worker)
         return total
 
-    async def _clear_steps(self, worker: str, step_entries: int = CLEAR_STEP_ENTRIES) -> int:
+    async def _clear_steps(self, worker: str) -> int:
         """Run `clear_step` until none of `worker`'s cached views set aside is left (another
         router's included): the blocks whose cached bits went."""
         cleared, more = 0, 1
         while more:
             n, more = await self._run(
-                "clear_step", [self.key("w:" + worker)], [worker, step_entries]
+                "clear_step", [self.key("w:" + worker)], [worker, self.step_entries]
             )
             cleared, more = cleared + int(n), int(more)
         return cleared
@@ -753,7 +759,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         self,
         min_interval_s: float = 0.0,
         batch: int = 500,
-        step_entries: int = SWEEP_STEP_ENTRIES,
+        step_entries: int | None = None,
     ) -> int:
         """Expired leases and replica lines (counted), then the index sets that pointed at
         them: each worker's sessions that ended or moved on, fork refs of ended sessions (not
@@ -776,6 +782,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         dropped = 0
         hinted = [self.key(k) for k in ("lx", "rx", "sx", "fx")]
         if await self._client.exists(self.key("xidx")):
+            step_entries = step_entries or self.step_entries
             # each step handles one hint at least, and every hint handled leaves the due
             # range; the bound only guards the loop (hints written meanwhile wait for the next)
             hints = sum([await self._client.zcard(k) for k in hinted])
@@ -838,7 +845,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         self,
         worker: str,
         entries: Sequence[tuple[int, int, int]],
-        step_entries: int = RESTORE_STEP_ENTRIES,
+        step_entries: int | None = None,
     ) -> int:
         """Re-record a registered worker's cached blocks: (engine hash, block hash, tier bits),
         in script calls of `step_entries` entries (a worker's whole cached view may be 10^5);
@@ -846,9 +853,10 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         p = self.prefix
         keys = [p + "w:" + worker, p + "w:" + worker + ":eh", p + "blk"]
         done = 0
-        for first in range(0, len(entries), step_entries):
+        step = step_entries or self.step_entries
+        for first in range(0, len(entries), step):
             args: list[Any] = [worker]
-            for engine_hash, block, bits in entries[first : first + step_entries]:
+            for engine_hash, block, bits in entries[first : first + step]:
                 args += [str(engine_hash), hex_block(block), int(bits)]
             n = int(await self._run("restore_cached", keys, args))
             if n < 0:

@@ -67,6 +67,13 @@ UNREACHABLE: tuple[type[BaseException], ...] = (
 )
 """Errors that mean "Redis is unreachable" (not "Redis said no")."""
 
+EPOCH_MAP_GRACE_S = 60.0
+"""An epoch translation is kept this long past the end of the lease it leads to (a holder's
+late release; the router's clock against Redis's, whose leases' expiries it reads)."""
+EPOCH_MAP_MIN_PRUNE = 1024
+"""The epoch translations are pruned once they are twice as many as after the last pruning,
+and at least this many."""
+
 
 @dataclass(frozen=True, slots=True)
 class _Pending:
@@ -90,6 +97,8 @@ class ResilientDirectory(TransferEntryPoints, ReplicaEntryPoints):
         retry_interval_s: float = 0.5,
         max_pending: int = 100_000,
         boot_check_s: float = 1.0,
+        epoch_grace_s: float = EPOCH_MAP_GRACE_S,
+        epoch_map_min: int = EPOCH_MAP_MIN_PRUNE,
     ) -> None:
         self.primary = primary
         self.local = fallback or InMemoryDirectory(first_epoch=PROVISIONAL_EPOCH_BASE)
@@ -102,6 +111,12 @@ class ResilientDirectory(TransferEntryPoints, ReplicaEntryPoints):
         self._pending: deque[_Pending] = deque()
         self._lock = asyncio.Lock()
         self._epoch_map: dict[int, int] = {}  # provisional or pre-loss epoch -> Redis epoch
+        self._epoch_ends: dict[int, float] = {}
+        """Each Redis epoch `_epoch_map` leads to: the latest end seen of its leases (a
+        translation matters only while they may be live)."""
+        self.epoch_grace_s = epoch_grace_s
+        self.epoch_map_min = epoch_map_min
+        self._prune_epochs_at = epoch_map_min
         self._max_primary_epoch = 0
         self._boot: str | None = None
         self._reconnect: asyncio.Task[None] | None = None
@@ -128,7 +143,28 @@ class ResilientDirectory(TransferEntryPoints, ReplicaEntryPoints):
     def _epoch(self, epoch: int) -> int:
         return self._epoch_map.get(epoch, epoch)
 
+    def _translate(self, old: int, lease: Lease) -> None:
+        """From now on `old` (a provisional or pre-loss epoch) means `lease`'s epoch, while
+        its leases may be live: the translations whose leases all ended `epoch_grace_s` ago
+        go, in a pruning each time the map has doubled (at least `epoch_map_min`; amortized
+        O(1) a translation), so the map holds those of live leases, and at most as many
+        again."""
+        self._epoch_map[old] = lease.epoch
+        ends = self._epoch_ends
+        ends[lease.epoch] = max(ends.get(lease.epoch, 0.0), lease.expires_at)
+        if len(self._epoch_map) < self._prune_epochs_at:
+            return
+        cutoff = time.time() - self.epoch_grace_s
+        self._epoch_map = {
+            k: v for k, v in self._epoch_map.items() if ends.get(v, float("inf")) > cutoff
+        }
+        kept = set(self._epoch_map.values())
+        self._epoch_ends = {e: x for e, x in ends.items() if e in kept}
+        self._prune_epochs_at = max(self.epoch_map_min, 2 * len(self._epoch_map))
+
     def _seen(self, lease: Lease) -> Lease:
+        if lease.epoch in self._epoch_ends:  # renewed: its translations live as long
+            self._epoch_ends[lease.epoch] = max(self._epoch_ends[lease.epoch], lease.expires_at)
         if lease.epoch < PROVISIONAL_EPOCH_BASE:
             self._max_primary_epoch = max(self._max_primary_epoch, lease.epoch)
         return lease
@@ -405,7 +441,7 @@ class ResilientDirectory(TransferEntryPoints, ReplicaEntryPoints):
                 fence = None if fence is None else self._epoch(fence)
                 lease = self._seen(await self.primary.claim(artifact, worker, lease_s, fence))
                 if provisional.worker == worker and lease.worker == worker:
-                    self._epoch_map[provisional.epoch] = lease.epoch
+                    self._translate(provisional.epoch, lease)
                 elif lease.worker != worker:
                     self.stats["conflicts"] += 1
                 self.local.install_lease(artifact, lease)
@@ -445,7 +481,8 @@ class ResilientDirectory(TransferEntryPoints, ReplicaEntryPoints):
         over but Redis did not (its lease had ended, another router dropped the worker) is a
         conflict: its provisional owner is fenced, and the local view takes Redis's lease."""
         if provisional and leases:
-            self._epoch_map[provisional[0].epoch] = leases[0].epoch
+            for lease in leases:  # one epoch for all: the latest end counts
+                self._translate(provisional[0].epoch, lease)
         await self._install_transfer(move, leases)
         moved = {x.artifact_id for x in leases}
         lost = [x for x in provisional if x.artifact_id not in moved]
@@ -474,10 +511,10 @@ class ResilientDirectory(TransferEntryPoints, ReplicaEntryPoints):
             if lease.worker != old.worker:
                 self.stats["conflicts"] += 1  # another router got there first
                 continue
-            self._epoch_map[old.epoch] = lease.epoch
             for k, v in list(self._epoch_map.items()):
                 if v == old.epoch:
-                    self._epoch_map[k] = lease.epoch
+                    self._translate(k, lease)
+            self._translate(old.epoch, lease)
         for worker, tier, ro, remaining, blocks in snap.replicas:
             await self.primary.add_replica(blocks[-1], worker, tier, remaining, ro, blocks)
         for session_id, worker, remaining in snap.sessions:

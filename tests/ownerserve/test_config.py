@@ -47,6 +47,39 @@ def test_bad_config_names_file_and_key(tmp_path: Path, text: str, fragment: str)
     assert str(p) in msg and fragment in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("server: {tokenizer_cache_sessions: 0}\n", "server.tokenizer_cache_sessions"),
+        ("planner: {retention_max_sessions: 0}\n", "planner.retention_max_sessions"),
+        ("planner: {retention_max_tools: -1}\n", "planner.retention_max_tools"),
+        ("directory: {redis_step_entries: 0}\n", "directory.redis_step_entries"),
+        ("directory: {engine_map_entries: many}\n", "directory.engine_map_entries"),
+        ("directory: {max_pending_writes: 0}\n", "directory.max_pending_writes"),
+    ],
+)
+def test_a_table_or_step_bound_below_one_is_a_config_error(
+    tmp_path: Path, text: str, fragment: str
+) -> None:
+    p = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_settings(p)
+    msg = str(info.value)
+    assert str(p) in msg and fragment in msg and "\n" not in msg
+
+
+def test_the_bounds_default_to_their_former_constants() -> None:
+    s = load_settings(REPO / "configs" / "cluster.sample.yaml")
+    assert s.server.tokenizer_cache_sessions == 8192
+    assert (s.planner.retention_max_sessions, s.planner.retention_max_tools) == (65_536, 1_024)
+    d = s.directory
+    assert (d.redis_step_entries, d.engine_map_entries, d.max_pending_writes) == (
+        256,
+        32_768,
+        100_000,
+    )
+
+
 def test_environment_overrides_file(tmp_path: Path) -> None:
     p = _write(tmp_path, "server: {port: 1234}\n")
     assert load_settings(p, env={"OWNERSERVE_SERVER__PORT": "4321"}).server.port == 4321

@@ -3,12 +3,12 @@ few steps' blocks each operation takes several script calls."""
 
 from __future__ import annotations
 
-from ownerserve.directory.redis import CLEAR_STEP_ENTRIES, REPLICA_STEP_ENTRIES
+from ownerserve.directory.redis import STEP_ENTRIES
 from tests.bench import run_bench
 
 
 def test_the_steps_bench_reports_several_calls_for_each_operation() -> None:
-    n = 3 * max(REPLICA_STEP_ENTRIES, CLEAR_STEP_ENTRIES)
+    n = 3 * STEP_ENTRIES
     out = run_bench("bench.directory.steps", ["--blocks", str(n)], 120)
     rows = {
         cells[0]: cells[1:]

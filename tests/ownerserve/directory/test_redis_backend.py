@@ -402,13 +402,13 @@ async def test_a_drop_of_a_worker_holding_many_entries_goes_in_bounded_steps(
 
 
 async def test_the_engine_hash_map_stays_under_its_bound_and_forgets_removed_blocks(
-    pair: tuple[RedisDirectory, RedisDirectory], monkeypatch: pytest.MonkeyPatch
+    pair: tuple[RedisDirectory, RedisDirectory],
 ) -> None:
     """The router's copy of a worker's engine-hash map (read for stored events' parents) is
-    bounded by `ENGINE_MAP_LIMIT` however many sessions' blocks the worker stores, a removed
+    bounded by `engine_map_limit` however many sessions' blocks the worker stores, a removed
     block leaves it, and a parent it no longer holds is read from Redis: the child applies."""
-    monkeypatch.setattr(redis_backend, "ENGINE_MAP_LIMIT", 64)
     a, _ = pair
+    a.engine_map_limit = 64
     await a.register_worker("w1", ROOT, BS)
     seq = 0
     for s in range(100):  # 100 sessions' prefixes of 2 blocks each: 200 engine hashes
@@ -436,7 +436,7 @@ async def test_a_long_replica_is_added_in_steps_readers_see_a_prefix_and_it_ends
     pair: tuple[RedisDirectory, RedisDirectory], redis_server: RedisServer
 ) -> None:
     """`add_replica` over a 20,000-block artifact runs in many script calls of
-    `REPLICA_STEP_ENTRIES` blocks: a reader between them (one MULTI of the chain's records and
+    `step_entries` (256) blocks: a reader between them (one MULTI of the chain's records and
     the worker's `:reps` set) sees the copy on a leading part of the chain only, every block
     of it listed in the set, growing; once the call returns the records, the set and a lookup
     are those of the same write made in one script call (another namespace), and so for a
@@ -483,7 +483,7 @@ async def test_a_long_replica_is_added_in_steps_readers_see_a_prefix_and_it_ends
             await reader
         await a.add_replica(lease.artifact_id, "w3", Tier.CPU, 60.0, blocks=chain)
 
-        assert calls >= n // redis_backend.REPLICA_STEP_ENTRIES
+        assert calls >= n // a.step_entries
         assert any(0 < k < n for k in seen), seen  # other clients were served between steps
         got = await a.client.hmget(a.key("blk"), fields)
         want = await one.client.hmget(one.key("blk"), fields)
@@ -580,7 +580,7 @@ async def test_a_dropped_cached_view_is_cleared_in_steps_and_the_new_view_is_who
         await reader
 
     assert gap.gap and gap.stored == 30
-    assert calls >= n // redis_backend.CLEAR_STEP_ENTRIES
+    assert calls >= n // a.step_entries
     assert any(0 < k < n - 10 for k in stale_seen), stale_seen  # served between steps
     m = await b.lookup(old)
     assert (m.longest("w1", Tier.GPU), (await b.lookup(new)).longest("w1", Tier.CPU)) == (10, 20)

@@ -234,6 +234,59 @@ def test_open_directory_builds_the_configured_backend(redis_server: RedisServer)
     assert split_cluster_flag("redis://h:1/0") == ("redis://h:1/0", False)
 
 
+def test_open_directory_passes_the_configured_bounds(redis_server: RedisServer) -> None:
+    settings = DirectorySettings(
+        backend="redis",
+        redis_url=redis_server.url,
+        redis_step_entries=7,
+        engine_map_entries=9,
+        max_pending_writes=11,
+    )
+    d = open_directory(settings)
+    assert isinstance(d, ResilientDirectory) and d.max_pending == 11
+    assert (d.primary.step_entries, d.primary.engine_map_limit) == (7, 9)
+    plain = open_directory(DirectorySettings(backend="redis", redis_url=redis_server.url))
+    assert isinstance(plain, ResilientDirectory) and plain.max_pending == 100_000
+    assert (plain.primary.step_entries, plain.primary.engine_map_limit) == (256, 32_768)
+    asyncio.run(d.close())
+    asyncio.run(plain.close())
+
+
+async def test_epoch_translations_are_kept_only_while_their_leases_may_live(
+    server: RedisServer,
+) -> None:
+    """Claims made during an outage get real epochs on replay, and the provisional ones are
+    translated from then on; once those leases ended (and a grace, 0 here) their translations
+    go at the map's next pruning, while a later outage's, still live, stay and translate."""
+    primary = RedisDirectory.from_url(server.url, "rs", socket_timeout_s=2.0)
+    d = ResilientDirectory(primary, retry_interval_s=0.05, epoch_grace_s=0.0, epoch_map_min=16)
+
+    async def outage_claims(first: int, lease_s: float) -> list[tuple[int, int]]:
+        server.stop()
+        held = []
+        for i in range(first, first + 20):
+            chain = tuple(block_hash_chain([i, *TOKENS[: 2 * BS - 1]], BS, ROOT))
+            lease = await d.claim(Artifact(chain), "w1", lease_s)
+            assert lease.epoch >= PROVISIONAL_EPOCH_BASE
+            held.append((lease.artifact_id, lease.epoch))
+        server.start()
+        assert await d.wait_reconciled(10)
+        return held
+
+    try:
+        await outage_claims(0, 1.0)
+        assert len(d._epoch_map) == 20  # pruned once at 16, all live then
+        ends = max(d._epoch_ends.values())
+        await until(lambda: time.time() > ends, what="the replayed 1 s leases to end")
+        live = await outage_claims(100, 60.0)
+        assert set(d._epoch_map) == {epoch for _, epoch in live}
+        for aid, epoch in live[:3]:
+            renewed = await d.renew(aid, "w1", epoch, 60.0)
+            assert renewed.epoch < PROVISIONAL_EPOCH_BASE
+    finally:
+        await d.close()
+
+
 async def test_namespace_is_a_single_hash_tag() -> None:
     with pytest.raises(InvalidRequestError, match="namespace"):
         RedisDirectory.from_url("redis://127.0.0.1:1/0", "a{b}")
