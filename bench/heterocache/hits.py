@@ -21,7 +21,7 @@ next request, so a prediction reads what the engine published. Error:
 per action and per outcome (`outcome`: as planned, a partial fetch, or a fallback and its
 reason, scored apart; `as_planned` alone), for both. Beside them, what the peers' prefix-aware
 routers would have credited the same requests with on the same workers (`PEER_CREDITS`,
-`peers`), scored on the requests that moved no KV.
+`peers`), scored on the requests that moved no KV (no fetch, migration or P/D hand-over).
 """
 
 from __future__ import annotations
@@ -174,10 +174,11 @@ word from the engine, no eviction here: their tree's default bound is far above 
 
 
 def peer_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per peer crediting rule, over the requests that ran on the worker holding what it
-    credits (no fetch or migration: the peers move no KV): tokens credited, delivered, error,
-    requests differing."""
-    stay = [r for r in rows if r["action"] not in MOVES]
+    """Per peer crediting rule, over the requests computed where they ran on what that worker
+    held (no fetch or migration: the peers move no KV; no P/D hand-over: its decode worker
+    reports the prompt it pulled as cached): tokens credited, delivered, error, requests
+    differing."""
+    stay = [r for r in rows if r["action"] not in MOVES and r["action"] != "remote_prefill"]
     got = sum(r["delivered"] for r in stay)
     out: dict[str, Any] = {}
     for key in PEER_CREDITS:

@@ -89,6 +89,7 @@ def test_the_peers_credits_are_scored_on_the_requests_that_moved_no_kv() -> None
         row("colocated_prefill", 16, 4432, 4432),  # the windows cut it back to block 1
         row("colocated_prefill", 800, 800, 960),  # the tree missed an eviction
         row("state_migration", 0, 5000, 5000),  # a move: the peers would not have made it
+        row("remote_prefill", 6912, 0, 0),  # D reports what it pulled
     ]
     peers = peer_rows(rows)
     assert peers["kv_events_credit"] == {
