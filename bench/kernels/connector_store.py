@@ -18,8 +18,20 @@ alone, unhashed) and given as a share of the pinned copy in the same direction; 
 end to end. Checks, on fresh random KV into NaN-poisoned blocks: every load bit-exact, and a
 TP-mismatch load (two TP=2 ranks of 4 heads each reading the TP=1 save) bit-exact.
 
+A third placement, `zero copy` (`StoreKV(zero_copy=True)`, the default on a CUDA cache with its
+own segment): save = gather into device staging + framing with the keyed-MAC digest on the
+device (`gpu_digest.frame`) + objects reserved in the client's own segment, by chunks of
+`--chunk-objects` (`reserve_local`: three master round trips each) + strided DMA copies
+straight into them; load = replica lookup (`local_replicas`; cold: asked of the master every
+time, cached: the `replica_cache_s` answers) + strided DMA copies up from the page-locked
+segment + digest check and unframing on the device (`gpu_digest.unframe`) + one scatter. Parts:
+kernels and copies with CUDA events, master round trips with host timers; the segment's
+registration (once) apart. Checks: the objects in the segment are the reference payloads with
+digests the numpy implementation agrees with, loads bit-exact (TP 1 -> 2 too), every object
+moved directly (none through the store's own calls).
+
     python3 bench/kernels/connector_store.py --out FILE [--reps 10] [--digest-threads 8]
-        [--replica-cache-s 5]
+        [--replica-cache-s 5] [--chunk-objects 128] [--only zero-copy]
 
 Needs PyTorch with CUDA, Triton, xxhash and the mooncake wheel (`mooncake.store`, its
 `mooncake_master` executable); without CUDA it says so and exits 0. `--device cpu --small` runs
@@ -31,12 +43,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import datetime as dt
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +68,10 @@ from workers.mooncake_store import (
     StoreClient,
     StoreError,
 )
+from workers.mooncake_store.digest import mac_digests
+from workers.vllm_connector import gpu_digest
 from workers.vllm_connector.gpu import CudaPagedKV
+from workers.vllm_connector.host_copy import copy_rows, strided_runs
 from workers.vllm_connector.plan import block_keys
 from workers.vllm_connector.store_path import StoreKV
 
@@ -171,7 +188,7 @@ def placement(
     unit = kv.payload_nbytes
     nbytes = shape.n * shape.heads * unit
     staging = 3 * shape.n * shape.heads * (unit + CHECKSUM_BYTES)  # two saves at once fit
-    w = StoreKV(writer, kv, staging_bytes=staging)
+    w = StoreKV(writer, kv, staging_bytes=staging, zero_copy=False)
     g = torch.Generator().manual_seed(1)
     ids = torch.randperm(shape.num_blocks, generator=g)[: shape.n].tolist()
     dst_ids = torch.randperm(shape.num_blocks, generator=g)[: shape.n].tolist()
@@ -235,7 +252,7 @@ def placement(
 
     # load: into NaN-poisoned blocks, all heads, then two TP=2 ranks
     dst_layers = [torch.full_like(t, float("nan")) for t in layers]
-    reader = StoreKV(writer, CudaPagedKV(dst_layers), staging_bytes=staging)
+    reader = StoreKV(writer, CudaPagedKV(dst_layers), staging_bytes=staging, zero_copy=False)
 
     def poison() -> None:
         for t in dst_layers:
@@ -259,7 +276,7 @@ def placement(
         tp_layers = fa_layers(shape, len(local), device)
         for t in tp_layers:
             t.fill_(float("nan"))
-        tp = StoreKV(writer, CudaPagedKV(tp_layers), staging_bytes=staging)
+        tp = StoreKV(writer, CudaPagedKV(tp_layers), staging_bytes=staging, zero_copy=False)
         got = tp.load(rows_of(shape, local), dst_ids)
         r.check(
             f"{name}: TP=2 rank {rank} (heads {local[0]}-{local[-1]}) load of the TP=1 save "
@@ -329,6 +346,351 @@ def placement(
     ]
 
 
+def part_ms(
+    device: torch.device,
+    stream: torch.cuda.Stream | None,
+    fn: Callable[[], object],
+    reps: int,
+    before: Callable[[], object] | None = None,
+) -> float:
+    """Median milliseconds of `fn`'s device work (CUDA events on `stream`; host time on the
+    CPU), after 2 warm-up runs."""
+    if device.type != "cuda" or stream is None:
+        return median_s(fn, device, reps, before) * 1e3
+    times = []
+    for i in range(reps + 2):
+        if before is not None:
+            before()
+        torch.cuda.synchronize(device)
+        with torch.cuda.stream(stream):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+        end.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def zero_copy(
+    r: Report,
+    shape: Shape,
+    device: torch.device,
+    master: MooncakeMaster,
+    segment: int,
+    reps: int,
+    chunk_objects: int,
+    copy_up: float,
+    copy_down: float,
+) -> list[str]:
+    """The zero-copy placement: save and load through the client's own segment directly, the
+    parts timed apart, the checks; the summary rows."""
+    name = "zero copy"
+    c = StoreClient.open(ClientSettings(master.address, segment_bytes=segment, replica_cache_s=5))
+    try:
+        return _zero_copy(r, name, shape, device, c, reps, chunk_objects, copy_up, copy_down)
+    finally:
+        c.close()
+
+
+def _zero_copy(
+    r: Report,
+    name: str,
+    shape: Shape,
+    device: torch.device,
+    c: StoreClient,
+    reps: int,
+    chunk_objects: int,
+    copy_up: float,
+    copy_down: float,
+) -> list[str]:
+    layers = fa_layers(shape, shape.heads, device)
+    kv = CudaPagedKV(layers)
+    unit = kv.payload_nbytes
+    size = unit + CHECKSUM_BYTES
+    nbytes = shape.n * shape.heads * unit
+    staging = 3 * shape.n * shape.heads * size
+    w = StoreKV(c, kv, staging_bytes=staging, zero_copy=True, chunk_objects=chunk_objects)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randperm(shape.num_blocks, generator=g)[: shape.n].tolist()
+    dst_ids = torch.randperm(shape.num_blocks, generator=g)[: shape.n].tolist()
+    rows = rows_of(shape, list(range(shape.heads)))
+    keys = [k for row in rows for k in row]
+    save_rows = [list(enumerate(row)) for row in rows]
+    store_s: list[float] = []
+
+    def remove() -> None:
+        c.remove(keys)
+
+    def save() -> None:
+        staged = w.gather(ids)
+        assert staged is not None and staged.on_device
+        out = w.put(staged, save_rows)
+        if out.refused:
+            raise StoreError(f"the store refused {len(out.refused)} artifacts")
+        store_s.append(w.counts.last_save_store_s)
+
+    remove()
+    save()
+    assert w._segments is not None
+    register_s = w._segments.register_s
+    registered = w._segments.registered_bytes
+    # what the save left in the segment: the reference payloads, digests numpy agrees with
+    expect = ref.split_heads(kv.paged, ids, block_major=True).reshape(len(keys), -1)
+    expect_bytes = expect.view(torch.uint8).cpu().numpy()
+    replicas = c.local_replicas(keys)
+    held = [ctypes.string_at(p.address, p.size) if p is not None else b"" for p in replicas]
+    r.check(
+        f"{name}: every object in the client's own segment, payload = reference split (bit-exact)",
+        all(len(o) == size for o in held)
+        and all(o[:unit] == expect_bytes[i].tobytes() for i, o in enumerate(held)),
+    )
+    sample = list(range(0, len(keys), max(1, len(keys) // 16)))
+    want = mac_digests([keys[i] for i in sample], [held[i][:unit] for i in sample])
+    r.check(
+        f"{name}: the device's digests = the numpy implementation's ({len(sample)} objects)",
+        [held[i][unit:] for i in sample] == want,
+    )
+    r.check(
+        f"{name}: every object saved directly",
+        w.counts.saved_direct == len(keys) and w.counts.saved_through_store == 0,
+    )
+    store_s.clear()
+    save_s = median_s(save, device, reps, before=remove)
+    save_store_ms = statistics.median(store_s) * 1e3
+    sweep = []
+    for ch in sorted({32, 128, 512} - {chunk_objects}):
+        w.chunk_objects = ch
+        sweep.append((ch, median_s(save, device, reps, before=remove)))
+    w.chunk_objects = chunk_objects
+
+    # save parts: gather kernel, framing + digest kernel, reservations alone, copy down alone
+    stream = kv.stream
+    gather_ms = part_ms(device, stream, lambda: kv.device_gather(ids), reps)
+    flat = kv.device_gather(ids).view(-1, unit)
+    lanes = gpu_digest.keys_tensor(keys, unit, device)
+    objects = torch.empty((len(keys), size), dtype=torch.uint8, device=device)
+    frame_ms = part_ms(device, stream, lambda: gpu_digest.frame(flat, lanes, objects), reps)
+    other = [f"{k}#copy" for k in keys]
+
+    def reserve() -> list[object]:
+        got: list[object] = []
+        for a in range(0, len(other), chunk_objects):
+            got += c.reserve_local(other[a : a + chunk_objects], size)
+        return got
+
+    reserve_s = median_s(reserve, device, reps, before=lambda: c.remove(other))
+    c.remove(other)
+    spots = reserve()
+    addresses = [int(p.address) for p in spots]  # type: ignore[attr-defined]
+    runs = strided_runs(list(range(len(other))), addresses, size)
+    for p in addresses:
+        assert w._segments.ready(p, size)
+
+    def copy_down_direct() -> None:
+        for run in runs:
+            copy_rows(
+                addresses[run.first], run.pitch,
+                int(objects[run.first].data_ptr()), size, size, run.count, device,
+            )  # fmt: skip
+
+    down_ms = part_ms(device, stream, copy_down_direct, reps)
+
+    def copy_up_direct() -> None:
+        for run in runs:
+            copy_rows(
+                int(objects[run.first].data_ptr()), size,
+                addresses[run.first], run.pitch, size, run.count, device,
+            )  # fmt: skip
+
+    up_ms = part_ms(device, stream, copy_up_direct, reps)
+    c.remove(other)
+    remove()
+    save()
+
+    # load: into NaN-poisoned blocks, replicas asked of the master each time and cached
+    dst_layers = [torch.full_like(t, float("nan")) for t in layers]
+    reader = StoreKV(c, CudaPagedKV(dst_layers), staging_bytes=staging, zero_copy=True)
+    reader.chunk_objects = chunk_objects
+    lookup_s: list[float] = []
+
+    def poison() -> None:
+        for t in dst_layers:
+            t[:, dst_ids] = float("nan")
+
+    def cold() -> None:
+        poison()
+        c.forget_local(keys)
+
+    def load() -> None:
+        reader.load(rows, dst_ids)
+        lookup_s.append(reader.counts.last_load_store_s)
+
+    def exact(dst: list[torch.Tensor], part: slice = slice(None)) -> bool:
+        return all(
+            torch.equal(b[:, dst_ids].view(torch.int16), a[:, ids][..., part, :].view(torch.int16))
+            for a, b in zip(layers, dst, strict=True)
+        )
+
+    cold()
+    got = reader.load(rows, dst_ids)
+    r.check(
+        f"{name}: load into NaN-poisoned blocks = source blocks (bit-exact), all read directly",
+        got.load.blocks == shape.n
+        and got.load.refused is None
+        and exact(dst_layers)
+        and reader.counts.loaded_direct == len(keys)
+        and reader.counts.loaded_through_store == 0,
+    )
+    lookup_s.clear()
+    load_cold_s = median_s(load, device, reps, before=cold)
+    lookup_cold_ms = statistics.median(lookup_s) * 1e3
+    lookup_s.clear()
+    load_hot_s = median_s(load, device, reps, before=poison)
+    lookup_hot_ms = statistics.median(lookup_s) * 1e3
+    r.check(f"{name}: loads timed bit-exact", exact(dst_layers))
+    for rank in range(2):
+        local = heads_for_rank(shape.heads, 2, rank)
+        tp_layers = fa_layers(shape, len(local), device)
+        for t in tp_layers:
+            t.fill_(float("nan"))
+        tp = StoreKV(c, CudaPagedKV(tp_layers), staging_bytes=staging, zero_copy=True)
+        got = tp.load(rows_of(shape, local), dst_ids)
+        r.check(
+            f"{name}: TP=2 rank {rank} (heads {local[0]}-{local[-1]}) load of the TP=1 save "
+            "(bit-exact, all read directly)",
+            got.load.blocks == shape.n
+            and exact(tp_layers, slice(local[0], local[-1] + 1))
+            and tp.counts.loaded_through_store == 0,
+        )
+        tp.close()
+
+    # load parts: the lookup alone, the digest check + unframing, the scatter
+    lookup_ms = median_s(lambda: c.local_replicas(keys), device, reps) * 1e3
+    # what the master's round trips cost: one call of every key, the binding's answer alone,
+    # and the chunks on threads at once
+    raw = c._store
+    raw_desc_ms = median_s(lambda: raw.batch_get_replica_desc(keys), device, reps) * 1e3
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    config.preferred_segment = c.segment
+    sizes = [size] * len(other)
+    start_ms = (
+        median_s(
+            lambda: raw.batch_put_session_start(other, sizes, config),
+            device,
+            reps,
+            before=lambda: c.remove(other),
+        )
+        * 1e3
+    )
+    end_ms = (
+        median_s(
+            lambda: raw.batch_put_session_end(other),
+            device,
+            reps,
+            before=lambda: (c.remove(other), raw.batch_put_session_start(other, sizes, config)),
+        )
+        * 1e3
+    )
+    c.remove(other)
+    pool = ThreadPoolExecutor(4)
+    parts = [keys[a : a + chunk_objects] for a in range(0, len(keys), chunk_objects)]
+    threaded_ms = median_s(lambda: list(pool.map(c.local_replicas, parts)), device, reps) * 1e3
+    pool.shutdown()
+    payloads = torch.empty((shape.n, shape.heads, unit), dtype=torch.uint8, device=device)
+    unframe_ms = part_ms(
+        device,
+        stream,
+        lambda: gpu_digest.unframe(objects, lanes, payloads.view(-1, unit)),
+        reps,
+    )
+    rk = reader.kv
+    assert isinstance(rk, CudaPagedKV)
+    scatter_ms = part_ms(device, rk.stream, lambda: rk.device_scatter(payloads, dst_ids), reps)
+    reader.close()
+    w.close()
+    remove()
+
+    def row(what: str, seconds: float, copy: float | None, target: bool = False) -> str:
+        rate = gbs(nbytes, seconds)
+        share = "" if copy is None else f"{rate / copy:.1%}"
+        verdict = ""
+        if target and copy is not None:
+            verdict = "met" if rate / copy >= TARGET else "NOT met"
+        return f"| {name}: {what} | {seconds * 1e3:.3f} | {rate:.1f} | {share} | {verdict} |"
+
+    r.say(
+        f"{name}: save {save_s * 1e3:.3f} ms = {gbs(nbytes, save_s) / copy_down:.1%} of the copy "
+        f"down; load {load_cold_s * 1e3:.3f} ms (replicas looked up) = "
+        f"{gbs(nbytes, load_cold_s) / copy_up:.1%}, {load_hot_s * 1e3:.3f} ms (cached) = "
+        f"{gbs(nbytes, load_hot_s) / copy_up:.1%} of the copy up; segment registered once: "
+        f"{registered / 2**20:.0f} MiB in {register_s * 1e3:.1f} ms"
+    )
+    out = [
+        row(
+            f"save end to end (device gather + frame/digest + reserve by {chunk_objects} + "
+            "copy down)",
+            save_s,
+            copy_down,
+            target=True,
+        ),
+    ]
+    out += [row(f"save end to end, reserving by {ch}", t, copy_down) for ch, t in sweep]
+    out += [
+        row("of it: gather kernel (CUDA events)", gather_ms / 1e3, None),
+        row(
+            f"of it: frame + keyed-MAC digest kernel, {len(keys)} objects (CUDA events)",
+            frame_ms / 1e3,
+            None,
+        ),
+        row(
+            f"of it: reserve_local alone ({-(-len(keys) // chunk_objects)} x 3 master round trips)",
+            reserve_s,
+            None,
+        ),
+        row("of it: master round trips inside the timed saves (median)", save_store_ms / 1e3, None),
+        row(
+            f"of it: strided copy down alone ({len(runs)} copies, CUDA events)",
+            down_ms / 1e3,
+            copy_down,
+        ),
+        row(
+            "load end to end, replicas looked up (lookup + copy up + check/unframe + scatter)",
+            load_cold_s,
+            copy_up,
+            target=True,
+        ),
+        row("load end to end, replicas cached", load_hot_s, copy_up, target=True),
+        row("of it: replica lookup alone (local_replicas, uncached)", lookup_ms / 1e3, None),
+        row(
+            "of it: lookups inside the timed loads, looked up (median)", lookup_cold_ms / 1e3, None
+        ),
+        row("of it: lookups inside the timed loads, cached (median)", lookup_hot_ms / 1e3, None),
+        row(
+            f"master: batch_get_replica_desc of {len(keys)} keys, one call, answer unread",
+            raw_desc_ms / 1e3,
+            None,
+        ),
+        row(f"master: batch_put_session_start of {len(keys)} keys", start_ms / 1e3, None),
+        row(f"master: batch_put_session_end of {len(keys)} keys", end_ms / 1e3, None),
+        row(
+            f"master: local_replicas by {chunk_objects} on 4 threads at once",
+            threaded_ms / 1e3,
+            None,
+        ),
+        row(
+            f"of it: strided copy up alone ({len(runs)} copies, CUDA events)", up_ms / 1e3, copy_up
+        ),
+        row("of it: digest check + unframe kernel (CUDA events)", unframe_ms / 1e3, None),
+        row("of it: scatter kernel (CUDA events)", scatter_ms / 1e3, None),
+    ]
+    return out
+
+
 def run(
     shape: Shape,
     device: torch.device,
@@ -337,6 +699,8 @@ def run(
     digest_threads: int,
     replica_cache_s: float,
     master_log: Path | None,
+    chunk_objects: int = 128,
+    only_zero_copy: bool = False,
 ) -> Report:
     r = Report()
     r.say(
@@ -377,13 +741,20 @@ def run(
     with MooncakeMaster(log_path=master_log) as master:
         r.say(f"mooncake_master {master.binary} at {master.address.url}")
         r.say(f"digest threads {digest_threads}, replica cache {replica_cache_s} s")
-        with client(master, segment, digest_threads, replica_cache_s) as own:
-            rows += placement(r, "own segment", shape, device, own, reps, copy_up, copy_down)
-        with (
-            client(master, segment, 1) as _sidecar,
-            client(master, 0, digest_threads, replica_cache_s) as conn,
-        ):
-            rows += placement(r, "sidecar segment", shape, device, conn, reps, copy_up, copy_down)
+        r.say(f"zero copy: reservations and lookups by {chunk_objects} objects")
+        rows += zero_copy(
+            r, shape, device, master, segment, reps, chunk_objects, copy_up, copy_down
+        )
+        if not only_zero_copy:
+            with client(master, segment, digest_threads, replica_cache_s) as own:
+                rows += placement(r, "own segment", shape, device, own, reps, copy_up, copy_down)
+            with (
+                client(master, segment, 1) as _sidecar,
+                client(master, 0, digest_threads, replica_cache_s) as conn,
+            ):
+                rows += placement(
+                    r, "sidecar segment", shape, device, conn, reps, copy_up, copy_down
+                )
     rows += [
         "",
         "checks: " + ("all passed" if not r.failures else "FAILED: " + "; ".join(r.failures)),
@@ -405,6 +776,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the store client's replica cache (the connector's default; 0: every get asks the "
         "master)",
     )
+    ap.add_argument(
+        "--chunk-objects",
+        type=int,
+        default=128,
+        help="objects per master round trip of a zero-copy save or load",
+    )
+    ap.add_argument(
+        "--only",
+        choices=["zero-copy"],
+        help="run the zero-copy placement alone (the others take minutes)",
+    )
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--small", action="store_true", help="a small request (smoke runs)")
     args = ap.parse_args(argv)
@@ -421,6 +803,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 digest_threads=args.digest_threads,
                 replica_cache_s=args.replica_cache_s,
                 master_log=Path(tmp) / "master.log",
+                chunk_objects=args.chunk_objects,
+                only_zero_copy=args.only == "zero-copy",
             )
         except MasterUnavailable as exc:
             print(f"connector_store: no Mooncake master can run here: {exc}")

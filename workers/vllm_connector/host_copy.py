@@ -9,9 +9,9 @@ on the CPU). On CPU tensors (tests) the same calls copy row by row with `memmove
 
 A segment is found by the mapping that holds a replica's address (`/proc/self/maps`): the store
 allocates it anonymously at setup and names no base. The whole mapping is registered (the
-client's own buffers may share it); it stays registered until `close`, which runs before the
-client closes. A replica outside every registered mapping is not copied from here: the caller
-reads it through the store instead.
+client's own buffers may share it), once per process: its users share it, and the last one to
+close unregisters it, before the client that owns the memory closes. A replica outside every
+registered mapping is not copied from here: the caller reads it through the store instead.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 CUDA_MEMCPY_DEFAULT = 4
 """`cudaMemcpyDefault`: the direction read off the pointers (unified addressing)."""
 CUDA_HOST_REGISTER_DEFAULT = 0
-CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 
 
 class HostCopyError(RuntimeError):
@@ -74,6 +74,9 @@ def cuda_runtime() -> ctypes.CDLL | None:
             path = line.split()[-1]
             if "/libcudart.so" in path and path not in paths:
                 paths.append(path)
+    # else the runtime of the CUDA wheels beside PyTorch (its primary context is the same)
+    wheels = Path(torch.__file__).resolve().parent.parent / "nvidia"
+    paths += sorted(str(p) for p in wheels.glob("**/libcudart.so*"))
     for name in [*paths, "libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
         try:
             lib = ctypes.CDLL(name)
@@ -126,58 +129,88 @@ def mapping_of(address: int) -> tuple[int, int] | None:
     return None
 
 
+_registry_lock = threading.Lock()
+_registered: dict[int, list[int]] = {}  # mapping start -> [end, users], page-locked in-process
+
+
 class HostSegments:
     """The store's memory in this process that the device copies from and into: mappings found
-    by a replica's address and page-locked once (on a CUDA device; on the CPU nothing needs
-    locking, and every mapping counts as ready)."""
+    by a replica's address and page-locked once per process (on a CUDA device; on the CPU
+    nothing needs locking), shared by every user of the same mapping and unregistered when the
+    last one closes."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._lock = threading.Lock()
-        self._ranges: list[tuple[int, int]] = []  # (start, end), registered
-        self._refused: set[int] = set()  # mapping starts that failed to register
-        self.registered_bytes = 0
+        self._ranges: list[tuple[int, int]] = []  # (start, end) this user holds
+        self._refused: set[int] = set()  # mapping starts that could not be registered
         self.register_s = 0.0
-        """Seconds spent registering (once per mapping: page-locking the whole segment)."""
+        """Seconds this user spent registering (page-locking a whole segment, once)."""
 
     def ready(self, address: int, size: int) -> bool:
         """Whether `[address, address + size)` is in registered memory, registering the mapping
         that holds it on first use; False when it cannot be (read it through the store)."""
+        end = address + size
         with self._lock:
-            for lo, hi in self._ranges:
-                if lo <= address and address + size <= hi:
-                    return True
-            found = mapping_of(address)
-            if found is None or found[0] in self._refused:
-                return False
-            lo, n = found
-            if address + size > lo + n or any(lo < b and a < lo + n for a, b in self._ranges):
-                self._refused.add(lo)
-                return False
-            if self.device.type == "cuda":
-                lib = cuda_runtime()
-                if lib is None:
+            if any(lo <= address and end <= hi for lo, hi in self._ranges):
+                return True
+            with _registry_lock:
+                for lo, entry in _registered.items():
+                    if lo <= address and end <= entry[0]:
+                        entry[1] += 1
+                        self._ranges.append((lo, entry[0]))
+                        return True
+                found = mapping_of(address)
+                if found is None or found[0] in self._refused:
+                    return False
+                lo, n = found
+                if end > lo + n or any(lo < e[0] and a < lo + n for a, e in _registered.items()):
+                    self._refused.add(lo)  # it grew over, or into, a registered one
+                    return False
+                if not self._register(lo, n):
                     self._refused.add(lo)
                     return False
-                t0 = time.perf_counter()
-                with torch.cuda.device(self.device):
-                    rc = lib.cudaHostRegister(lo, n, CUDA_HOST_REGISTER_DEFAULT)
-                self.register_s += time.perf_counter() - t0
-                if rc != 0:
-                    lib.cudaGetLastError()
-                    self._refused.add(lo)
-                    return False
-            self._ranges.append((lo, lo + n))
-            self.registered_bytes += n
+                _registered[lo] = [lo + n, 1]
+                self._ranges.append((lo, lo + n))
+                return True
+
+    def _register(self, start: int, size: int) -> bool:
+        if self.device.type != "cuda":
             return True
+        lib = cuda_runtime()
+        if lib is None:
+            return False
+        t0 = time.perf_counter()
+        with torch.cuda.device(self.device):
+            rc = lib.cudaHostRegister(start, size, CUDA_HOST_REGISTER_DEFAULT)
+        self.register_s += time.perf_counter() - t0
+        if rc != 0:
+            lib.cudaGetLastError()
+            return False
+        return True
+
+    @property
+    def registered_bytes(self) -> int:
+        with self._lock:
+            return sum(hi - lo for lo, hi in self._ranges)
 
     def close(self) -> None:
-        """Unregister every mapping (before the store client that owns them closes)."""
+        """Let go of every mapping; the last user unregisters it (before the store client
+        that owns the memory closes)."""
         with self._lock:
             ranges, self._ranges = self._ranges, []
-        if self.device.type == "cuda" and ranges:
+        gone: list[int] = []
+        with _registry_lock:
+            for lo, _ in ranges:
+                entry = _registered.get(lo)
+                if entry is not None:
+                    entry[1] -= 1
+                    if entry[1] == 0:
+                        del _registered[lo]
+                        gone.append(lo)
+        if self.device.type == "cuda" and gone:
             lib = cuda_runtime()
             if lib is not None:
                 torch.cuda.synchronize(self.device)
-                for lo, _ in ranges:
+                for lo in gone:
                     lib.cudaHostUnregister(lo)

@@ -24,7 +24,8 @@ by default there): the store's host copy and the CPU hashing leave the path.
   with their digests in one pass (`gpu_digest.frame`, the keyed MAC), reserves the objects in
   the client's own segment (`StoreClient.reserve_local`) and copies them down straight into the
   store's memory, one strided DMA copy per run of objects (`host_copy`); reservations go by
-  `chunk_objects`, so the master's round trips for the next chunk overlap the copy of this one.
+  `chunk_objects`, every chunk's round trips at once on `rpc_threads` threads (the binding
+  lets go of the GIL), each chunk's copy queued as soon as its answer is in.
   The blocks are reported only after the copies are done. An object the store placed elsewhere
   goes through registered staging and `put_objects` (same bytes, digest included).
 - A load looks up where the objects are (`StoreClient.local_replicas`, cached for
@@ -42,6 +43,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +70,8 @@ STAGING_BYTES = 512 << 20
 """Bytes of each registered staging region (saves, loads) by default."""
 ALIGN = 4096
 """Extents start on page boundaries."""
+RPC_THREADS = 4
+"""Threads that run a zero-copy save's or load's master round trips, every chunk's at once."""
 UNREAD = -9
 """A zero-copy load's code for a key not read yet (neither missing nor corrupted)."""
 CHUNK_OBJECTS = 128
@@ -216,6 +220,7 @@ class StoreKV:
         local: bool = True,
         zero_copy: bool | None = None,
         chunk_objects: int = CHUNK_OBJECTS,
+        rpc_threads: int = RPC_THREADS,
     ) -> None:
         self.client = client
         self.kv = kv
@@ -246,6 +251,9 @@ class StoreKV:
         self._device_lock = threading.Lock()
         self._device_bytes = 0  # device staging held by zero-copy saves not yet put
         self._device_budget = staging_bytes
+        if rpc_threads < 1:
+            raise ValueError("rpc_threads must be >= 1")
+        self._rpc = ThreadPoolExecutor(rpc_threads, thread_name_prefix="store-rpc")
         if self._block_bytes > staging_bytes:
             raise ValueError(
                 f"store staging of {staging_bytes} bytes holds no block "
@@ -409,44 +417,58 @@ class StoreKV:
             through: list[int] = []  # not reserved here: put through the store
             store_s = 0.0
             written = 0
+            starts = list(range(0, m, self.chunk_objects))
+            pending = [
+                self._rpc.submit(self.client.reserve_local, keys[a : a + self.chunk_objects], size)
+                for a in starts
+            ]
             try:
-                for a in range(0, m, self.chunk_objects):
+                for a, future in zip(starts, pending, strict=True):
                     t0 = time.perf_counter()
-                    got = self.client.reserve_local(keys[a : a + self.chunk_objects], size)
+                    got = future.result()
                     store_s += time.perf_counter() - t0
                     at: list[int] = []
                     addresses: list[int] = []
-                    unusable: list[str] = []
                     for i, r in enumerate(got, a):
-                        if isinstance(r, Replica) and self._segments.ready(r.address, r.size):
+                        if isinstance(r, Replica) and r.size == size:
                             at.append(i)
                             addresses.append(r.address)
                             reserved.append(keys[i])
                         elif r == EXISTS:
                             done[i] = True
                         else:
-                            if isinstance(r, Replica):
-                                unusable.append(keys[i])
                             through.append(i)
-                    if unusable:  # reserved where the device cannot copy to: not written here
-                        self.client.remove(unusable)
+                    unusable: list[str] = []
                     for run in strided_runs(at, addresses, size):
-                        first = at[run.first]
+                        rows_at = at[run.first : run.first + run.count]
+                        lo, span = addresses[run.first], run.pitch * (run.count - 1) + size
+                        if not self._segments.ready(lo, span):  # the device cannot reach it
+                            unusable += [keys[i] for i in rows_at]
+                            through += rows_at
+                            continue
                         copy_rows(
-                            addresses[run.first], run.pitch,
-                            int(objects[first].data_ptr()), size,
+                            lo, run.pitch, int(objects[rows_at[0]].data_ptr()), size,
                             size, run.count, dev,
                         )  # fmt: skip
-                    for i in at:
-                        done[i] = True
-                    written += len(at)
+                        for i in rows_at:
+                            done[i] = True
+                        written += run.count
+                    if unusable:  # reserved here but not written: gone before anyone is told
+                        self.client.remove(unusable)
+                        reserved = [k for k in reserved if k not in set(unusable)]
                 self._sync()
                 reserved.clear()
             finally:
-                if reserved:  # a failure midway: what was reserved may never be written
+                if reserved or not all(f.done() for f in pending):
+                    # a failure midway: what was reserved may never be written
+                    for a, future in zip(starts, pending, strict=True):
+                        with contextlib.suppress(Exception):
+                            got = future.result()
+                            mine = zip(keys[a : a + len(got)], got, strict=True)
+                            reserved += [k for k, r in mine if isinstance(r, Replica)]
                     self._sync()
                     with contextlib.suppress(StoreError):
-                        self.client.remove(reserved)
+                        self.client.remove(sorted(set(reserved)))
             self.counts.last_save_store_s = store_s
             self.counts.saved_direct += written
             if through:
@@ -583,27 +605,36 @@ class StoreKV:
             payloads = torch.empty((n, h, unit), dtype=torch.uint8, device=dev)
             flat = payloads.view(m, unit)
             ok = torch.zeros(m, dtype=torch.int32, device=dev)
-            for a in range(0, m, self.chunk_objects):
-                b = min(a + self.chunk_objects, m)
+            starts = list(range(0, m, self.chunk_objects))
+            pending = [
+                self._rpc.submit(
+                    self.client.local_replicas, keys[a : a + self.chunk_objects], cached=True
+                )
+                for a in starts
+            ]
+            for a, future in zip(starts, pending, strict=True):
                 t0 = time.perf_counter()
-                found = self.client.local_replicas(keys[a:b], cached=True)
+                found = future.result()
                 store_s += time.perf_counter() - t0
                 at: list[int] = []
                 addresses: list[int] = []
                 for i, r in enumerate(found, a):
-                    if r is not None and r.size == size and self._segments.ready(r.address, size):
+                    if r is not None and r.size == size:
                         at.append(i)
                         addresses.append(r.address)
-                        copied[i] = True
                 for run in strided_runs(at, addresses, size):
-                    first = at[run.first]
+                    rows_at = at[run.first : run.first + run.count]
+                    lo, span = addresses[run.first], run.pitch * (run.count - 1) + size
+                    if not self._segments.ready(lo, span):  # read through the store instead
+                        continue
                     copy_rows(
-                        int(objects[first].data_ptr()), size,
-                        addresses[run.first], run.pitch,
+                        int(objects[rows_at[0]].data_ptr()), size, lo, run.pitch,
                         size, run.count, dev,
                     )  # fmt: skip
-                if at:
-                    ok[a:b] = gpu_digest.unframe(objects[a:b], lanes[a:b], flat[a:b])
+                    for i in rows_at:
+                        copied[i] = True
+            if any(copied):
+                ok = gpu_digest.unframe(objects, lanes, flat)
             verified = ok.cpu().tolist()  # waits for the copies and the checks
         codes = [unit if c and v else UNREAD for c, v in zip(copied, verified, strict=True)]
         stale = [keys[i] for i in range(m) if copied[i] and not verified[i]]
@@ -660,6 +691,7 @@ class StoreKV:
 
     def close(self) -> None:
         """Unregister the staging and the store's memory (the client stays the caller's)."""
+        self._rpc.shutdown(wait=True)
         if self._segments is not None:
             self._segments.close()
         self._saves.close()

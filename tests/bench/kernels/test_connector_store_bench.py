@@ -1,7 +1,7 @@
 """`bench/kernels/connector_store.py` runs end to end on CPU tensors (a smoke test, not a
-measurement; the numbers come from a GPU host): both placements' checks pass (bit-exact loads,
-TP-mismatch loads), every timed part has its row, the report file is written; without CUDA the
-default run says it skipped."""
+measurement; the numbers come from a GPU host): every placement's checks pass (bit-exact loads,
+TP-mismatch loads; the zero-copy one's objects and digests), every timed part has its row, the
+report file is written; without CUDA the default run says it skipped."""
 
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ def test_the_store_bench_runs_its_cpu_smoke_and_writes_the_report(tmp_path: Path
         rows = [line for line in out.splitlines() if line.startswith(f"| {placement}:")]
         assert len(rows) == 9, out
         assert "save end to end" in rows[0] and "load end to end" in rows[5]
+    checks = [line for line in out.splitlines() if line.startswith("check zero copy:")]
+    assert len(checks) == 7 and all(c.endswith(": ok") for c in checks), out
+    rows = [line for line in out.splitlines() if line.startswith("| zero copy:")]
+    assert len(rows) == 20, out
+    assert "save end to end" in rows[0] and "load end to end, replicas cached" in rows[9]
     assert out_file.read_text().splitlines()[-1] == "checks: all passed"
 
 
