@@ -31,7 +31,7 @@ digests the numpy implementation agrees with, loads bit-exact (TP 1 -> 2 too), e
 moved directly (none through the store's own calls).
 
     python3 bench/kernels/connector_store.py --out FILE [--reps 10] [--digest-threads 8]
-        [--replica-cache-s 5] [--chunk-objects 128] [--only zero-copy]
+        [--replica-cache-s 5] [--chunk-objects 64] [--only zero-copy]
 
 Needs PyTorch with CUDA, Triton, xxhash and the mooncake wheel (`mooncake.store`, its
 `mooncake_master` executable); without CUDA it says so and exits 0. `--device cpu --small` runs
@@ -461,7 +461,7 @@ def _zero_copy(
     save_s = median_s(save, device, reps, before=remove)
     save_store_ms = statistics.median(store_s) * 1e3
     sweep = []
-    for ch in sorted({32, 128, 512} - {chunk_objects}):
+    for ch in sorted({32, 64, 128, 512} - {chunk_objects})[:3]:
         w.chunk_objects = ch
         sweep.append((ch, median_s(save, device, reps, before=remove)))
     w.chunk_objects = chunk_objects
@@ -699,7 +699,7 @@ def run(
     digest_threads: int,
     replica_cache_s: float,
     master_log: Path | None,
-    chunk_objects: int = 128,
+    chunk_objects: int = 64,
     only_zero_copy: bool = False,
 ) -> Report:
     r = Report()
@@ -779,7 +779,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--chunk-objects",
         type=int,
-        default=128,
+        default=64,
         help="objects per master round trip of a zero-copy save or load",
     )
     ap.add_argument(

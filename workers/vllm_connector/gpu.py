@@ -23,6 +23,9 @@ of `load_staging` (`SidecarClient.get_many_into`) and writes them with `scatter_
 handed over as bytes (`scatter_payloads`) are first copied into pinned memory on the host (the
 slow part: see `bench/RESULTS.md`).
 
+The store path's zero copy takes the blocks from device staging itself (`device_gather`) and
+writes them from device staging (`device_scatter`), on the same stream.
+
 On CPU tensors the same class runs the kernels' reference path with no streams or pinning (the
 tests' CPU half; vLLM's CPU backend uses `CpuAttnKV`).
 """

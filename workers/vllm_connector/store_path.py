@@ -74,7 +74,7 @@ RPC_THREADS = 4
 """Threads that run a zero-copy save's or load's master round trips, every chunk's at once."""
 UNREAD = -9
 """A zero-copy load's code for a key not read yet (neither missing nor corrupted)."""
-CHUNK_OBJECTS = 128
+CHUNK_OBJECTS = 64
 """Objects per master round trip of a zero-copy save or load (the next chunk's round trip
 overlaps this one's copy)."""
 

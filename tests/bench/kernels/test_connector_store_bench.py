@@ -32,8 +32,8 @@ def test_the_store_bench_runs_its_cpu_smoke_and_writes_the_report(tmp_path: Path
     checks = [line for line in out.splitlines() if line.startswith("check zero copy:")]
     assert len(checks) == 7 and all(c.endswith(": ok") for c in checks), out
     rows = [line for line in out.splitlines() if line.startswith("| zero copy:")]
-    assert len(rows) == 20, out
-    assert "save end to end" in rows[0] and "load end to end, replicas cached" in rows[9]
+    assert len(rows) == 21, out
+    assert "save end to end" in rows[0] and "load end to end, replicas cached" in rows[10]
     assert out_file.read_text().splitlines()[-1] == "checks: all passed"
 
 
