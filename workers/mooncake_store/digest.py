@@ -32,8 +32,6 @@ DIGEST_BYTES = 16
 """Bytes of every digest (either kind)."""
 MAC_TAG = 0x6B
 """The last byte of every `KEYED_MAC` digest."""
-XXH3 = "xxh3-128"
-KEYED_MAC = "keyed-mac-120"
 
 # splitmix64 (Steele, Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA
 # 2014): the multiplier of word i in lane j is mix(SEEDS[j] + GAMMA * (i + 1)) | 1
@@ -110,12 +108,3 @@ def verify(key: str, payload: Any, digest: Any) -> bool:
         return True
     return checksum(payload) == digest
 
-
-def kind(key: str, payload: Any, digest: Any) -> str | None:
-    """The kind `payload`'s `digest` verifies as, or None when it fails both."""
-    if len(digest) != DIGEST_BYTES:
-        return None
-    digest = bytes(digest)
-    if is_mac(digest) and mac_digests([key], [payload])[0] == digest:
-        return KEYED_MAC
-    return XXH3 if checksum(payload) == digest else None
