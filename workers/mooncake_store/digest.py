@@ -107,4 +107,3 @@ def verify(key: str, payload: Any, digest: Any) -> bool:
     if is_mac(digest) and mac_digests([key], [payload])[0] == digest:
         return True
     return checksum(payload) == digest
-
