@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from ownerserve.errors import ConfigError
 from ownerserve.kvfetch import FETCH_BRINGS_WINDOWS
 from ownerserve.kvstate import KVStateSpec, load_spec
-from ownerserve.kvstate.resume import ResumeRule, moved_windows, rebuild_s, resume_point
+from ownerserve.kvstate.resume import Resume, ResumeRule, moved_windows, rebuild_s, resume_point
 from ownerserve.profiles import PrefillTiming, TimingProfile, load_profile
 from ownerserve.records import fast_init
 from ownerserve.types import Role, Tier
@@ -865,13 +865,7 @@ class RequestCosts:
         rule = self.rule
         if k is None or rule is None:
             return gpu, 0.0
-        res = resume_point(rule, c.prefill, gpu, k, limit=self.limit)
-        if not res.rebuild_tokens:
-            return res.blocks, 0.0
-        bs = self.request.block_size
-        return res.blocks, w.prefill_scale * rebuild_s(
-            c.prefill, res.rebuild_tokens, res.blocks * bs
-        )
+        return self._priced(w, c, resume_point(rule, c.prefill, gpu, k, limit=self.limit))
 
     def resume_moved(
         self, w: WorkerView, held: int, moved: int, c: ProfileConstants | None = None
@@ -893,12 +887,15 @@ class RequestCosts:
         own = g if k is None or k > g else k
         sealed = held + moved
         windows = moved_windows(own, sealed, FETCH_BRINGS_WINDOWS)
-        res = resume_point(rule, c.prefill, sealed, windows, limit=self.limit)
+        return self._priced(w, c, resume_point(rule, c.prefill, sealed, windows, limit=self.limit))
+
+    def _priced(self, w: WorkerView, c: ProfileConstants, res: Resume) -> tuple[int, float]:
+        """(blocks, seconds) of a resume point on w: its blocks and the window rebuild it
+        pays, s_p · rebuild_s(R, blocks · bs) (0 when nothing is rebuilt)."""
         if not res.rebuild_tokens:
             return res.blocks, 0.0
-        bs = self.request.block_size
         return res.blocks, w.prefill_scale * rebuild_s(
-            c.prefill, res.rebuild_tokens, res.blocks * bs
+            c.prefill, res.rebuild_tokens, res.blocks * self.request.block_size
         )
 
     def peer_restore(
