@@ -16,6 +16,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="override server.port")
     parser.add_argument("--policy", help="override planner.policy")
     parser.add_argument("--log-level", default="warning", help="python log level")
+    parser.add_argument(
+        "--request-log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error", "critical"),
+        help="level of the `ownerserve.requests` logger: at info (the default) one logfmt line "
+        "per request whatever --log-level says; warning or above turns the lines off",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,6 +38,9 @@ def run(args: argparse.Namespace) -> int:
                 data[section][key] = value
     settings = settings_from_dict(data, source=args.config)
     logging.basicConfig(level=args.log_level.upper())
+    from router.requestlog import REQUEST_LOGGER
+
+    logging.getLogger(REQUEST_LOGGER).setLevel(args.request_log_level.upper())
     from router.server import serve
 
     print(

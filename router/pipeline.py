@@ -56,6 +56,7 @@ from router.migration import (
 )
 from router.plans import Fallback, GaveUp, PlanRecord, restore_shown
 from router.prompt import Prompt
+from router.requestlog import REQUEST_ID_HEADER, RequestLog, request_id
 from router.requests import Endpoint, parse_request
 from router.stages import (
     ChunkHolders,
@@ -102,11 +103,15 @@ async def respond(
     """Serve one completion request whose bytes arrived at `t0` (`time.perf_counter()`):
     `body` already read, or `read()` reads it (after the API key check). Every failure
     becomes an OpenAI error response, or an SSE error event when the response already
-    started; a client disconnect ends it quietly."""
+    started; a client disconnect ends it quietly. However it ends, its answer carries its
+    request id (`x-request-id`) and its log line is written once, here
+    (`router.requestlog`)."""
     if not router.started:
         await router.start()
     metrics = router.metrics
     headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
+    record = RequestLog(request_id(headers.get("x-request-id")))
+    out.request_id = record.rid.encode()
     label = "?"
     try:
         router.check_auth(headers)
@@ -115,15 +120,17 @@ async def respond(
             body = await read()
         svc = router.services.parse
         req = parse_request(body, endpoint)
-        label = model_label(svc, req.model)
+        label = record.model = model_label(svc, req.model)
         mt = served_model(svc, req.model)
         t = metrics.stages.lap(PARSE, t0)
         async with asyncio.timeout(router.settings.server.request_timeout_s):
-            outcome = await _route(router, req, mt, headers, raw_headers, out, t0, t)
+            outcome = await _route(router, req, mt, headers, raw_headers, out, t0, t, record)
         metrics.of(metrics.requests, label, outcome).inc()
     except ClientDisconnected:
+        record.cancelled(out.started)
         return
     except asyncio.CancelledError:
+        record.cancelled(out.started)
         task = asyncio.current_task()
         if task is None or not (out.disconnected or out.stopping):
             raise
@@ -131,26 +138,31 @@ async def respond(
         if out.disconnected:
             metrics.of(metrics.requests, label, "client_disconnected").inc()
             return
-        await _fail(router, out, label, ShuttingDownError("the router is shutting down"))
+        await _fail(router, out, label, ShuttingDownError("the router is shutting down"), record)
     except BaseException as exc:
         out.detach()  # what follows must not be cancelled by a late disconnect
         if isinstance(exc, TimeoutError):
             exc = UpstreamTimeoutError("request timed out")
         if not isinstance(exc, Exception):
             raise
-        await _fail(router, out, label, exc)
+        await _fail(router, out, label, exc, record)
+    finally:
+        record.emit(time.perf_counter() - t0)
 
 
-async def _fail(router: Router, out: ResponseWriter, label: str, exc: Exception) -> None:
+async def _fail(
+    router: Router, out: ResponseWriter, label: str, exc: Exception, record: RequestLog
+) -> None:
     """End the response with `exc`: an OpenAI error answer, or an SSE error event (and the
     stream's end) when the response already started."""
     metrics = router.metrics
     status, err = error_status_and_body(exc)
     metrics.of(metrics.requests, label, str(status)).inc()
+    record.failed(status, exc, out.started)
     if out.started:
         await out.fail(exc)
         return
-    headers_out = [(b"content-type", b"application/json")]
+    headers_out = [(b"content-type", b"application/json"), (REQUEST_ID_HEADER, out.request_id)]
     if isinstance(exc, RateLimitError):
         headers_out.append((b"retry-after", str(exc.retry_after_s).encode()))
     await out.start(status, headers_out, err)
@@ -174,9 +186,11 @@ async def _route(
     out: ResponseWriter,
     t0: float,
     t: float,
+    record: RequestLog,
 ) -> str:
-    """Every stage after `parse` (`t`: when parse ended), within the request's span; the
-    request's outcome as `ownerserve_requests_total` counts it (`outcome`)."""
+    """Every stage after `parse` (`t`: when parse ended), within the request's span, telling
+    `record` what each learns; the request's outcome as `ownerserve_requests_total` counts it
+    (`outcome`)."""
     svc = router.services
     tel = router.telemetry
     metrics = router.metrics
@@ -189,9 +203,12 @@ async def _route(
             t = times.lap(IDENTIFY, t)
             prompt = tokenize(req, mt, session, svc.sessions)
             t = times.lap(TOKENIZE, t)
+        record.session = prompt.session.session_id
+        record.prompt_tokens = prompt.tokens
         with RequestLease(svc.lease, prompt) as lease:
             queued_s = await admit(svc.admission, prompt, out)
             t = times.lap(ADMIT, t)
+            record.queued_s = queued_s
             with tel.start_span("ownerserve.directory.lookup", blocks=len(prompt.tok.chain)):
                 match, holders = await look_up(svc.look_up, prompt)
             t = times.lap(LOOK_UP, t)
@@ -209,11 +226,14 @@ async def _route(
                 out_headers, t0 + queued_s,
             )  # fmt: skip
             t = tries.t
+            record.fallback = tries.fallback
             if served is None:
                 if tries.last_error is not None:
                     raise UpstreamError(f"no worker could serve the request: {tries.last_error}")
                 raise NoWorkerAvailableError(f"no healthy worker serves model '{req.model}'")
             opened, planned, ran = served
+            record.planned(ran, mt.block_size, prompt.tokens)
+            record.status = opened.status
 
             # stream (-> commit; -> a continuation on another worker, when its worker fails
             # mid-stream) -> observe
@@ -280,8 +300,16 @@ async def _route(
                 opened.transfer_s,
                 queued_s,
             )
-            record_service(info, prompt.tokens, output_tokens(opened, prompt.req.stream, events))
+            output = output_tokens(opened, prompt.req.stream, events)
+            record_service(info, prompt.tokens, output)
             times.lap(OBSERVE, now)
+            record.output_tokens = output
+            record.ttft_s = answer.ttft_s
+            record.fallback = tries.fallback
+            final = opened.final_worker.worker_id
+            if final != record.decode:
+                record.worker = final
+            record.answered(opened.status, ok)
             return outcome(opened.status, ok)
 
 

@@ -17,6 +17,7 @@ from ownerserve.http import public_error_body, sse_error_event
 from router.executor import OpenedResponse, UpstreamTimeoutError, cause_of
 from router.migration import Splice, Transcript
 from router.plans import PlanRecord, plan_header
+from router.requestlog import REQUEST_ID_HEADER
 from router.services import StreamServices
 from router.upstream import UpstreamTimeout
 from router.writer import ResponseWriter
@@ -73,7 +74,8 @@ async def stream(
     stall_s: float | None = None,
 ) -> bool:
     """Send `opened` to the client (streamed when the client asked, `streamed`, and the
-    worker said 200) with the plan header of `shown` (also kept for `GET /admin/plans`), and
+    worker said 200) with the plan header of `shown` (also kept for `GET /admin/plans`) and
+    its request id (`out.request_id`), and
     call `first_bytes` once the answer's first bytes are there (a whole answer's before it
     is sent). True when the answer was served whole; the caller closes `opened`. A stream
     that may move to another worker (`transcript`: what the client got is kept there, in
@@ -101,6 +103,7 @@ async def stream(
                 shown.restore,
             ),
         ),
+        (REQUEST_ID_HEADER, out.request_id),
     ]
     out.sse = streaming and opened.content_type.startswith(b"text/event-stream")
     if not streaming:

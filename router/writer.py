@@ -12,7 +12,7 @@ class ResponseWriter:
     writes to the socket; `router.asgi.ASGIResponseWriter` turns the calls into ASGI
     messages. Tracks how far the response got, so a failure can end it properly."""
 
-    __slots__ = ("disconnected", "ended", "sse", "started", "stopping")
+    __slots__ = ("disconnected", "ended", "request_id", "sse", "started", "stopping")
 
     def __init__(self) -> None:
         self.started = False
@@ -23,6 +23,9 @@ class ResponseWriter:
         self.stopping = False
         """Set by the server when it stops with the request unfinished (the request task is
         cancelled): the response ends with an error (`ShuttingDownError`)."""
+        self.request_id = b""
+        """The request's id (`router.requestlog.request_id`), set by the runner: its answer
+        carries it in `x-request-id`."""
 
     async def start(
         self, status: int, headers: list[tuple[bytes, bytes]], body: bytes | None = None

@@ -29,6 +29,7 @@ from router.frontdoors.chat import ChatStreamReader, StreamError, answer_of, err
 from router.frontdoors.responses import Conversation, ResponsesRequest
 from router.frontdoors.store import ConversationStore, open_store
 from router.pipeline import respond
+from router.requestlog import REQUEST_ID_HEADER, RequestLog, request_id
 from router.requests import Endpoint
 from router.session import SESSION_HEADERS, identify_session
 from router.streaming import PLAN_HEADER
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-_KEPT_HEADERS = (PLAN_HEADER, b"retry-after")
+_KEPT_HEADERS = (PLAN_HEADER, REQUEST_ID_HEADER, b"retry-after")
 """What the pipeline's response headers keep on a front door (the content type is the route's)."""
 _RESPONSE_PATH = re.compile(r"^/v1/responses/([A-Za-z0-9_.:-]{1,200})(/cancel)?$")
 
@@ -301,10 +302,15 @@ class FrontDoors:
             try:
                 chat, translation = await prepare(await self._read(scope, receive, raw), raw)
             except OwnerServeError as exc:
+                # refused before the pipeline, which counts and logs every other outcome
+                given = next((v for k, v in raw if k == REQUEST_ID_HEADER), None)
+                record = RequestLog(request_id(None if given is None else given.decode("latin-1")))
+                out.request_id = record.rid.encode()
                 status = await _send_error(out, exc, messages_shape)
-                # refused before the pipeline, which counts every other outcome
                 metrics = self.router.metrics
                 metrics.of(metrics.requests, "?", str(status)).inc()
+                record.failed(status, exc, False)
+                record.emit(time.perf_counter() - t0)
                 return
             writer = DoorWriter(out, translation)
             out.watcher = asyncio.create_task(
@@ -436,10 +442,11 @@ class FrontDoors:
 
 
 async def _send_error(out: ResponseWriter, exc: OwnerServeError, messages_shape: bool) -> int:
-    """`exc` as a whole answer: Anthropic's shape on `/v1/messages`, else OpenAI's; returns
-    its status."""
+    """`exc` as a whole answer (with its request id, when `out` has one): Anthropic's shape on
+    `/v1/messages`, else OpenAI's; returns its status."""
     status, body = error_status_and_body(exc)
     if messages_shape:
         body = messages.error_body(status, str(exc))
-    await out.start(status, _JSON, body)
+    headers = _JSON if not out.request_id else [*_JSON, (REQUEST_ID_HEADER, out.request_id)]
+    await out.start(status, headers, body)
     return status
