@@ -232,6 +232,18 @@ class WorkingSets:
             return None, 0
         return s.worker, s.tokens
 
+    def largest(self, n: int, now: float) -> list[tuple[str, str, int]]:
+        """The `n` sessions holding the most KV counted in a working set at `now`, largest
+        first: (session, worker, tokens counted there, less a spawner's shared prefix). One
+        pass over the sessions remembered (`max_sessions` at most): for the admin API."""
+        self._expire(now)
+        counted = (
+            (s.tokens - s.shared, sid, s.worker)
+            for sid, s in self._sessions.items()
+            if s.tokens and s.worker and self._counted(s)
+        )
+        return [(sid, w, t) for t, sid, w in heapq.nlargest(n, counted)]
+
     def growth(self, tokens: int) -> int:
         """Tokens a session now needing `tokens` is expected to grow by: up to the average
         size sessions had when released (`peak_tokens`), 0 past it or before any was."""

@@ -87,6 +87,25 @@ class WorkingSet:
         return load.kv_capacity_tokens or self.profile_capacity_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class AdmissionShown:
+    """One worker as admission sees it (`Admission.shown`)."""
+
+    kv_usage: float
+    """`WorkingSet.usage`: its KV pool's share in use, the router's requests since the last
+    scrape counted; paused at `high_watermark`."""
+    kv_capacity_tokens: int
+    programs_tokens: int
+    """The sessions' working set counted there (`planner.workingset`, and what the queue
+    released onto it)..."""
+    programs_budget_tokens: int
+    """... against its KV pool plus its CPU tier: closed to new sessions past the high
+    watermark of this."""
+    sessions: int
+    paused: bool
+    closed: bool
+
+
 @dataclass(eq=False, slots=True)
 class Waiter:
     """A request in the admission queue (the key of its `planner.admission.Queued`)."""
@@ -336,6 +355,21 @@ class Admission:
         worker's state follows."""
         closed = ws.closed = programs_closed(ws.closed, programs, sessions, self.settings)
         return closed
+
+    def shown(self, worker: WorkerState, now: float) -> AdmissionShown:
+        """What admission decides `worker`'s requests by, for the admin API: read, never
+        decided (its paused and closed states are as last decided)."""
+        ws = self.working_set(worker)
+        tokens, budget = self._programs_load(worker, ws, now)
+        return AdmissionShown(
+            ws.usage(worker.load),
+            ws.capacity(worker.load),
+            tokens,
+            budget,
+            self._sessions_on(worker, ws, now),
+            ws.paused,
+            ws.closed,
+        )
 
     def closed_to_programs(self, worker: WorkerState, now: float) -> bool:
         """Whether `worker` is closed to programs now (`WorkerView.programs_closed`: no

@@ -39,6 +39,7 @@ from router.asgi import Receive, Scope, Send, handle_completion
 from router.frontdoors import FrontDoors
 from router.requests import Endpoint
 from router.state import Router
+from router.status import router_status
 
 _HOT_PATHS = {e.value: e for e in Endpoint}
 
@@ -221,6 +222,11 @@ def create_app(
                 for w, s in snap.items()
             }
         )
+
+    @app.get("/admin/status")
+    async def status(request: Request) -> JSONResponse:
+        admin_auth(request)
+        return JSONResponse(await router_status(router))
 
     @app.get("/admin/links")
     async def links(request: Request) -> JSONResponse:

@@ -229,3 +229,15 @@ def test_many_distinct_sessions_and_tools_stay_under_their_bounds() -> None:
         assert len(ws._tools) <= 10
     assert ws.home("long", 30.0) == ("w1", 500)  # in flight: counted, never forgotten
     assert "s1999" in ws._sessions and "s0" not in ws._sessions
+
+
+def test_largest_lists_the_sessions_holding_the_most_kv_now_largest_first() -> None:
+    ws = WorkingSets(RetentionConfig(prior_gap_s=2.0, factor=2.0, max_gap_s=60.0))
+    ws.started("small", "w0", 100, now=0.0)
+    ws.started("big", "w1", 5000, now=0.0)
+    ws.started("mid", "w0", 800, now=0.0)
+    ws.ended("mid", 900, now=1.0)  # kept through its gap: still counted
+    assert ws.largest(2, 1.0) == [("big", "w1", 5000), ("mid", "w0", 900)]
+    ws.ended("big", 5000, now=1.0)
+    # past their keep the idle sessions are counted nowhere; the one in flight still is
+    assert ws.largest(10, 10.0) == [("small", "w0", 100)]
