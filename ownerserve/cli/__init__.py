@@ -26,6 +26,11 @@ class _Command:
 
 COMMANDS: tuple[_Command, ...] = (
     _Command("serve", "router.cli", "run the OpenAI-compatible proxy from a cluster config file"),
+    _Command(
+        "status",
+        "ownerserve.cli.status",
+        "show a running router's workers, admission and recent plans (its admin API)",
+    ),
     _Command("demo", "ownerserve.cli.demo", "run a session on a local emulated xPyD cluster"),
     _Command("worker", "workers.cli", "run a worker-side process (emulated engine, sidecar)"),
     _Command("loadgen", "loadgen.cli", "drive an OpenAI endpoint with agentic traffic"),

@@ -164,7 +164,9 @@ def test_unknown_key_in_config_names_it(tmp_path: Path) -> None:
     assert "planner.polcy: unknown key" in proc.stderr
 
 
-@pytest.mark.parametrize("command", ["serve", "demo", "worker", "loadgen", "bench", "sim"])
+@pytest.mark.parametrize(
+    "command", ["serve", "status", "demo", "worker", "loadgen", "bench", "sim"]
+)
 def test_every_command_has_help(command: str) -> None:
     proc = _cli(command, "--help")
     assert proc.returncode == 0, proc.stderr
