@@ -52,6 +52,9 @@ def test_serve_runs_the_config_and_stops_on_sigterm(tmp_path: Path):
             out, err = proc.communicate(timeout=20)
         assert proc.returncode == 0, err.decode()
         assert b"serving the OpenAI API" in out
+        # the request's log line, at INFO though the rest logs at WARNING (the default)
+        rid = resp.headers["x-request-id"]
+        assert f"INFO:ownerserve.requests:rid={rid} ".encode() in err, err.decode()
 
 
 def test_serve_with_a_bad_config_is_a_one_line_error(tmp_path: Path):
