@@ -95,6 +95,9 @@ async def commit(svc: CommitServices, plan: Plan, prompt: Prompt, match: Match) 
     try:
         with svc.span("ownerserve.directory.commit"):
             await commit_plan(directory, served, svc.lifetimes, concurrent=not svc.inline)
+        decode = svc.pool.get(plan.chosen.decode_worker)
+        if decode is not None and tok.chain:
+            decode.note_commit(tok.chain[-1], time.time())  # its KV events may lag this
     except OwnerServeError as exc:
         svc.errors.inc()
         log.warning("directory commit failed: %s", exc)

@@ -65,10 +65,14 @@ class LiveWorkerSink:
         self._state = state
 
     async def apply_events(self, worker: str, batch: EventBatch) -> EventApplyResult:
-        if not self._state.healthy:
+        state = self._state
+        if not state.healthy:
             log.debug("worker %s is dead: ignoring its KV event batch %d", worker, batch.seq)
             return EventApplyResult()
-        return await self._sink.apply_events(worker, batch)
+        result = await self._sink.apply_events(worker, batch)
+        if batch.ts > state.events_ts:
+            state.events_ts = batch.ts
+        return result
 
     async def drop_worker(self, worker: str) -> int:
         return await self._sink.drop_worker(worker)

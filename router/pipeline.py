@@ -355,7 +355,9 @@ async def _open(
     t = tries.t
     for attempt in range(retries + 1):
         with tel.start_span("ownerserve.plan", attempt=attempt) as plan_span:
-            planned = plan(policy, rview, svc.cluster, match, tries.excluded, holders)
+            planned = plan(
+                policy, rview, svc.cluster, match, tries.excluded, holders, prompt.tok.chain
+            )
             if plan_span is not None and planned is not None:
                 plan_span.set_attributes(plan_attributes(planned))
         t = times.lap(PLAN, t)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -18,6 +19,10 @@ from ownerserve.tasks import cancel_and_wait
 from ownerserve.types import PD_PATHS, KVPath, Role
 from router.backends import Backend, WorkerAddress, WorkerLoad, backend_for
 from router.upstream import UpstreamPool
+
+FRESH_COMMITS = 256
+"""Prefixes per worker whose commit `WorkerState.fresh_lease` remembers (a few seconds of a
+busy worker's requests: what its KV events may lag behind)."""
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +105,27 @@ class WorkerState:
     not read): its death drops that life only (`Directory.drop_worker`)."""
     view_cache: tuple[Any, Any] | None = None
     """The router's last planner view of this worker, with the inputs it was built from."""
+    events_ts: float = float("-inf")
+    """The newest engine timestamp (wall clock) of its KV event batches applied so far."""
+    fresh_commits: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    """The chain tips of the last `FRESH_COMMITS` prefixes this router committed here, with
+    the wall time of each commit (`note_commit`, `fresh_lease`)."""
+
+    def note_commit(self, tip: int, wall: float) -> None:
+        """This router committed the prefix ending in block `tip` here at `wall` (time.time())."""
+        commits = self.fresh_commits
+        commits[tip] = wall
+        commits.move_to_end(tip)
+        if len(commits) > FRESH_COMMITS:
+            commits.popitem(last=False)
+
+    def fresh_lease(self, tip: int) -> bool:
+        """The prefix ending in `tip` was committed here by this router after every KV event
+        batch of the worker applied so far was published: its events have not caught up with
+        the engine's storing it (they are published at the step that seals the blocks, before
+        the answer the commit follows), so the lease is the news, not a stale record."""
+        wall = self.fresh_commits.get(tip)
+        return wall is not None and wall > self.events_ts
 
     @property
     def worker_id(self) -> str:

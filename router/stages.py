@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
 import orjson
@@ -214,10 +214,12 @@ def plan(
     match: Match,
     excluded: Collection[str],
     holders: ChunkHolders,
+    chain: Sequence[int] = (),
 ) -> Plan | None:
     """The policy's plan over the routable workers of the request's model not yet excluded
-    (those that failed it before its first byte); None when there is none left."""
-    cluster = cluster_view(sources, rview.model, match, excluded, holders)
+    (those that failed it before its first byte); None when there is none left. `chain`: the
+    request's block chain (`cluster_view`)."""
+    cluster = cluster_view(sources, rview.model, match, excluded, holders, chain)
     if not cluster.workers:
         return None
     return policy.plan(rview, cluster)

@@ -5,7 +5,7 @@ the request's `RequestView`."""
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -27,12 +27,14 @@ def cluster_view(
     match: Match,
     excluded: Collection[str],
     chunk_holders: Mapping[str, tuple[int, ...]] | None = None,
+    chain: Sequence[int] = (),
 ) -> ClusterView:
     """The routable workers of `model` but `excluded`, with what `match` found on each (and,
     for a chunked prompt, the chunks `chunk_holders` says each holds), and the draining ones
     that can still serve their KV (`ClusterView.sources`: their sessions move away by fetch
-    or migration instead of recomputing)."""
-    cached = held_by_worker(match, router.pool)
+    or migration instead of recomputing). `chain` is the request's block chain (what
+    `held_by_worker` checks a fresh lease against)."""
+    cached = held_by_worker(match, router.pool, chain)
     windows = restorable_by_worker(match)
     now = time.monotonic()
     views = []
@@ -119,13 +121,19 @@ def cluster_view(
     return ClusterView(tuple(views), tuple(sources), pd_mixed)
 
 
-def held_by_worker(match: Match, pool: WorkerPool) -> dict[str, dict[Tier, int]]:
-    """The longest prefix of the request's chain each worker holds in each tier, as the
+def held_by_worker(
+    match: Match, pool: WorkerPool, chain: Sequence[int] = ()
+) -> dict[str, dict[Tier, int]]:
+    """The longest prefix of the request's `chain` each worker holds in each tier, as the
     planner prices it (`WorkerView.cached_blocks`). On a worker that publishes KV events
     (`kv_events_endpoint`), a lease (an owner's or a replica's record: `HoldKind.OWNER`,
     `REPLICA`) counts only as far as its events show the blocks cached in that tier: a lease
     does not pin the engine's blocks, and once the engine evicts them (its BlockRemoved) the
-    lease still names them, which priced prefix hits the engine no longer had."""
+    lease still names them, which priced prefix hits the engine no longer had. Except a
+    lease this router committed after the newest event batch it applied from the worker
+    (`WorkerState.fresh_lease`): the events that show those blocks stored are still on their
+    way (a client's next turn can beat them, by seconds on a loaded router), and nothing
+    newer says they left."""
     cached: dict[str, dict[Tier, int]] = {}
     leased: dict[str, dict[Tier, int]] = {}
     for h in match.holdings:
@@ -136,7 +144,12 @@ def held_by_worker(match: Match, pool: WorkerPool) -> dict[str, dict[Tier, int]]
     for worker, tiers in leased.items():
         w = pool.get(worker)
         if w is not None and w.settings.kv_events_endpoint is not None:
-            continue  # min(lease, cached) adds nothing to what the events show
+            # min(lease, cached) adds nothing to what the events show, unless they lag
+            n = len(chain)
+            fresh = {t: b for t, b in tiers.items() if 0 < b <= n and w.fresh_lease(chain[b - 1])}
+            if not fresh:
+                continue
+            tiers = fresh
         seen = cached.setdefault(worker, {})
         for tier, blocks in tiers.items():
             if blocks > seen.get(tier, 0):

@@ -146,7 +146,7 @@ async def test_remote_prefill_vllm_protocol_then_decode_continuation_on_the_owne
         turn2 = [*messages, {"role": "assistant", "content": text[:20]},
                  {"role": "tool", "content": "ok"}]  # fmt: skip
         plan2, text2, usage2 = await chat(client, turn2, "agent-1")
-        assert (plan2["action"], plan2["d"]) == ("decode_continuation", "d0")
+        assert (plan2["action"], plan2["d"]) == ("decode_continuation", "d0"), str(plan2)
         assert usage2["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 16
         assert text2
 

@@ -140,7 +140,7 @@ async def test_an_unkeyed_session_sticks_to_its_owner_and_forks_are_recognised(h
             model=MODEL, messages=messages, max_tokens=4
         )
         plan = plan_fields(second.headers["x-ownerserve-plan"])
-        assert (plan["action"], plan["d"]) == ("decode_continuation", owner)
+        assert (plan["action"], plan["d"]) == ("decode_continuation", owner), str(plan)
         # two branches from the same point: n > 1 is a forked rollout
         forked = await client.chat.completions.with_raw_response.create(
             model=MODEL, messages=messages, max_tokens=4, n=2

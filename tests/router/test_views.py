@@ -13,6 +13,7 @@ from ownerserve.events import BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
 from ownerserve.types import Tier
 from router.backends import WorkerLoad
+from router.membership import LiveWorkerSink
 from router.state import Router
 from router.views import cluster_view
 
@@ -130,3 +131,51 @@ async def test_a_hybrid_workers_view_shows_where_its_windows_let_a_hit_resume() 
     await d.apply_events("w0", EventBatch(1, 0.0, (rest,)))
     w0, _ = cluster_view(router.services.cluster, MODEL, await d.lookup(chain), ()).workers
     assert w0.restorable_blocks == 8
+
+
+async def test_a_lease_committed_after_the_last_event_counts_until_a_newer_batch() -> None:
+    """w0's KV events lag: the router committed w0's 8-block prefix (a served turn) at wall
+    time 100, and no batch of w0 published after that has been applied. Its lease is then
+    the news and counts whole, whether the batches applied meanwhile were older (ts 50) or
+    none; a batch published after the commit (ts 150) shows what the engine holds, and the
+    view follows it again (here 4 blocks). A prefix committed elsewhere, or never, is not
+    fresh."""
+    settings = settings_from_dict(
+        {
+            "models": [{"name": MODEL, "block_size": 4}],
+            "workers": [
+                {"id": "w0", "url": "http://127.0.0.1:9", "node": "n0",
+                 "kv_events_endpoint": "tcp://127.0.0.1:9"},
+            ],
+            "admission": {"enabled": False},
+        }
+    )  # fmt: skip
+    router = Router(settings)
+    d = InMemoryDirectory()
+    root = chain_root(MODEL)
+    tokens = tuple(range(32))
+    chain = tuple(block_hash_chain(tokens, 4, root))
+    engine = tuple(range(1000, 1008))
+    await d.register_worker("w0", root, 4)
+    await d.claim(Artifact(chain=chain), "w0", 500.0)
+    state = router.pool.get("w0")
+    assert state is not None
+    sink = LiveWorkerSink(d, state)
+    cluster = router.services.cluster
+
+    async def gpu_blocks(request_chain: tuple[int, ...]) -> dict[Tier, int]:
+        match = await d.lookup(request_chain)
+        return cluster_view(cluster, MODEL, match, (), chain=request_chain).workers[0].cached_blocks
+
+    assert await gpu_blocks(chain) == {}  # a lease nobody says is fresh: the events rule
+    state.note_commit(chain[-1], 100.0)
+    assert await gpu_blocks(chain) == {Tier.GPU: 8}
+    longer = (*chain, 12345)  # the next turn's chain extends the committed prefix
+    assert await gpu_blocks(longer) == {Tier.GPU: 8}
+    other = BlockStored((2000,), None, tuple(range(200, 204)), 4, Tier.GPU)
+    await sink.apply_events("w0", EventBatch(0, 50.0, (other,)))
+    assert await gpu_blocks(chain) == {Tier.GPU: 8}
+    stored = BlockStored(engine[:4], None, tokens[:16], 4, Tier.GPU)
+    await sink.apply_events("w0", EventBatch(1, 150.0, (stored,)))
+    assert state.events_ts == 150.0
+    assert await gpu_blocks(chain) == {Tier.GPU: 4}
