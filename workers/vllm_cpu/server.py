@@ -68,6 +68,9 @@ class VllmServerSpec:
     sidecar_url: str | None = None
     # With `sidecar_url` on a hybrid instance: MultiConnector [NixlConnector, OwnerServe].
     nixl_with_sidecar: bool = False
+    # More of the OwnerServe connector's `kv_connector_extra_config` (`ConnectorSettings`: its
+    # Mooncake Store `store`, say), as (name, value) pairs.
+    connector_extra: tuple[tuple[str, object], ...] = ()
 
     @property
     def url(self) -> str:
@@ -107,6 +110,7 @@ def kv_transfer_config(spec: VllmServerSpec) -> dict[str, object] | None:
         "kv_connector_extra_config": {
             "sidecar_url": spec.sidecar_url,
             "model": spec.served_model_name,
+            **dict(spec.connector_extra),
         },
     }
     # A refused artifact (missing, corrupted) is recomputed, not an error for the request.

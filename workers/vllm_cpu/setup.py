@@ -26,8 +26,9 @@ VLLM_VERSION = "0.32.0"
 TORCH_PIN = "torch==2.13.0"
 NIXL_PINS = ("nixl-cu12==1.5.1", "nixl==1.5.1")
 # No CPU builds exist for these and a text model needs none of them; any of them pulls CUDA torch.
-CONNECTOR_REQUIREMENTS = ("xxhash>=3.0",)
-"""What `workers/vllm_connector` needs in the vLLM venv beyond vLLM (the artifact checksum)."""
+CONNECTOR_REQUIREMENTS = ("xxhash>=3.0", "mooncake-transfer-engine-non-cuda>=0.3.13")
+"""What `workers/vllm_connector` needs in the vLLM venv beyond vLLM: the artifact checksum, and
+the Mooncake Store client of its store path (`kv_connector_extra_config.store`)."""
 _SKIPPED_REQUIREMENTS = ("torch", "torchaudio", "torchvision", "torchcodec")
 READY_MARKER = ".ownerserve-ready"
 

@@ -372,13 +372,21 @@ def pytest_runtest_makereport(
     if report.failed:
         funcargs = getattr(item, "funcargs", {})
         for name, value in funcargs.items():
-            parts = (value.prefill, value.decode) if isinstance(value, PDPair) else (value,)
-            for part in parts:
+            for part in _log_holders(value):
                 path = getattr(part, "log_path", None)
                 if isinstance(path, Path) and path.exists():
                     tail = path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
                     report.sections.append((f"log of {name}: {path.name}", tail))
     return report
+
+
+def _log_holders(value: object) -> list[object]:
+    """`value` and the servers and sidecars it is made of (a P/D pair, a test's workers)."""
+    if isinstance(value, PDPair):
+        return [value.prefill, value.decode]
+    if isinstance(value, tuple | list):
+        return [part for v in value for part in _log_holders(v)]
+    return [value, *(getattr(value, a) for a in ("server", "sidecar") if hasattr(value, a))]
 
 
 @dataclass(slots=True)
@@ -448,9 +456,11 @@ async def same_artifacts(
         assert got.content == want.content, key
 
 
-def start_sidecar(worker_id: str, work_dir: Path) -> Sidecar:
-    """Start `ownerserve worker sidecar` and wait for `/health` (skips when the server has not
-    landed)."""
+def start_sidecar(
+    worker_id: str, work_dir: Path, extra: Sequence[str] = SIDECAR_FILE_TIER_ARGS
+) -> Sidecar:
+    """Start `ownerserve worker sidecar` with `extra` flags and wait for `/health` (skips when
+    the server has not landed)."""
     if not SIDECAR_SERVER_PRESENT:
         pytest.skip("the sidecar server (workers/sidecar/server.py) is not in this tree")
     port = free_port()
@@ -468,7 +478,7 @@ def start_sidecar(worker_id: str, work_dir: Path) -> Sidecar:
         str(port),
         "--store-dir",
         str(store_dir),
-        *SIDECAR_FILE_TIER_ARGS,
+        *extra,
     ]
     with log_path.open("wb") as log:
         process = subprocess.Popen(
