@@ -197,24 +197,34 @@ class VllmClient:
             limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
         self._owns_client = client is None
+        self._connect_timeout_s = connect_timeout_s
         self.backend = VLLMBackend()
 
     async def aclose(self) -> None:
         if self._owns_client:
             await self._client.aclose()
 
+    def _bound(self, timeout_s: float) -> httpx.Timeout:
+        """`timeout_s` for the call's reads; the connect keeps the client's own bound (a
+        shared machine's stall can outlast a short one: it is not the server's answer)."""
+        return httpx.Timeout(timeout_s, connect=self._connect_timeout_s)
+
     async def health(self, timeout_s: float = 2.0) -> bool:
         """True when `/health` answers 200 within `timeout_s`."""
         try:
-            r = await self._client.get(self.base_url + self.backend.health_path, timeout=timeout_s)
+            r = await self._client.get(
+                self.base_url + self.backend.health_path, timeout=self._bound(timeout_s)
+            )
         except httpx.HTTPError:
             return False
         return r.status_code == 200
 
-    async def load(self, timeout_s: float = 2.0) -> VllmLoad:
-        """Scrape `/metrics`."""
+    async def load(self, timeout_s: float = 30.0) -> VllmLoad:
+        """Scrape `/metrics` (its answer within `timeout_s`)."""
         try:
-            r = await self._client.get(self.base_url + self.backend.metrics_path, timeout=timeout_s)
+            r = await self._client.get(
+                self.base_url + self.backend.metrics_path, timeout=self._bound(timeout_s)
+            )
             r.raise_for_status()
         except httpx.HTTPError as exc:
             raise UpstreamError(f"{self.name}: /metrics failed: {exc}") from exc
