@@ -332,10 +332,19 @@ async def test_a_prefix_owned_by_busy_a_is_fetched_onto_b_and_only_its_tail_is_c
 async def test_a_session_resident_on_draining_a_migrates_to_b_which_computes_only_the_new_turn(
     vllm_install: VllmCpuInstall, a_and_b: tuple[Worker, Worker]
 ) -> None:
-    async with ab_router(vllm_install, a_and_b) as (a, b, client, router, http, b_direct):
-        first = turn("migrated session", 50)
+    await migrates_from_draining_a(vllm_install, a_and_b, "migrated session", "migrate")
+
+
+async def migrates_from_draining_a(
+    install: VllmCpuInstall, workers: tuple[Worker, Worker], topic: str, tag: str
+) -> None:
+    """A session's first turn on `topic` computed on a; a drains; its next turn moves to b
+    by state migration, b loads the first turn's blocks and computes only the new turn, with
+    the tokens of the turn computed whole (`tag`: its session and cache salt)."""
+    async with ab_router(install, workers) as (a, b, client, router, http, b_direct):
+        first = turn(topic, 50)
         await drain(client, "b")
-        resident, answer = await computed_on_a(client, router, http, a.sidecar, first, "migrate")
+        resident, answer = await computed_on_a(client, router, http, a.sidecar, first, tag)
 
         # A drains: it takes no request, but its KV (its sidecar) still serves its sessions
         await drain(client, "b", False)
@@ -347,7 +356,7 @@ async def test_a_session_resident_on_draining_a_migrates_to_b_which_computes_onl
         ]
         prompt = prompt_of(router, second)
         before = await b_direct.load()
-        plan, tokens, lps = await chat(client, second, "migrate")
+        plan, tokens, lps = await chat(client, second, tag)
         used = tokens_by_source(before, await b_direct.load())
         assert route_of(plan) == ("state_migration", "a", "b"), plan
         assert plan["fetched"] == "1" and "fallback" not in plan, plan
@@ -362,9 +371,9 @@ async def test_a_session_resident_on_draining_a_migrates_to_b_which_computes_onl
         assert used["local_compute"] == len(prompt.token_ids) - used["external_kv_transfer"]
         assert used["local_compute"] < len(prompt.token_ids) - len(resident.token_ids) + BLOCK
         blocks = plan["fetched_blocks"]
-        print(f"\nmigration: {len(prompt.token_ids)} prompt tokens, {blocks} blocks, {used}")
+        print(f"\n{tag}: {len(prompt.token_ids)} prompt tokens, {blocks} blocks, {used}")
 
-        reference = await computed_whole(b.server, second, "migrate")
+        reference = await computed_whole(b.server, second, tag)
         assert_same_answer((tokens, lps), reference)
 
 
