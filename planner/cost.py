@@ -400,6 +400,8 @@ class WorkerTerms(NamedTuple):
     held: HeldTerms | None
     w_disp_s: float
     """W_disp(w)."""
+    copy_s: float = 0.0
+    """What a remote prefill from w adds to W_disp(w) (`ScanTerms.copy_s`)."""
 
 
 class ScanTerms:
@@ -416,6 +418,7 @@ class ScanTerms:
     `__init__` costs ~2x a plain one's."""
 
     __slots__ = (
+        "copy_s",
         "decode_s",
         "dup",
         "dup_gpu",
@@ -448,6 +451,7 @@ class ScanTerms:
         restore_s: list[float],
         dup_gpu: list[float],
         resumed: list[int],
+        copy_s: list[float],
     ) -> None:
         self.workers = workers
         self.queue_s = queue_s
@@ -463,6 +467,9 @@ class ScanTerms:
         self.restore_s = restore_s
         self.dup_gpu = dup_gpu
         self.resumed = resumed
+        self.copy_s = copy_s
+        """Per worker, what a remote prefill from it adds to W_disp: X_dup of its transient
+        prompt copy, less the X_dup of dup(w, held(w)) its q carries (0: none)."""
 
     def held_terms(self, i: int) -> HeldTerms | None:
         """The `HeldTerms` of `workers[i]`; None when it holds nothing."""
@@ -488,6 +495,7 @@ class ScanTerms:
             self.dup[i],
             self.held_terms(i),
             self.w_disp_s[i],
+            self.copy_s[i],
         )
 
 
@@ -595,6 +603,10 @@ class RequestCosts:
             W_disp(w)  = displacement(w, gpu(w)): the reload of the working-set KV its new
                          KV pushes out (0 on most workers: the room test is inline),
                          + dup_price(w, dup(w, held(w))): what its duplicate displaces
+            copy_s(w)  = max(0, dup_price(w, prompt_copy(r)) − dup_price(w, dup(w, held)))
+                         on a worker that can be a remote prefill's P (not DECODE, in a P/D
+                         group): what its transient prompt copy displaces beyond what q
+                         carries
         """
         n, bs, ob, bk, owner = self.n, self.request.block_size, self.ob, self.bk, self.owner
         o = self.o
@@ -618,6 +630,8 @@ class RequestCosts:
         # are made with the first holder)
         n_w = len(workers)
         disps = [0.0] * n_w
+        copies = [0.0] * n_w
+        copy_all = self.prompt_copy(0)  # a remote prefill's copy on a P holding nothing
         holds = [False] * n_w
         gpus: list[int] = []
         helds: list[int] = []
@@ -684,11 +698,16 @@ class RequestCosts:
                         self.prefill(w, r, c) if ch or fetchable else sp * _prefill_base(c, n, r)
                     )
                     dups.append(dh)
+                    xd = 0.0
                     if dh and dup_on:
                         xd = self.dup_price(w, dh, ws, cap, c)
                         if xd:
                             qs[-1] += xd
                             disps[len(qs) - 1] += xd
+                    if dup_on and w.role is not _DECODE and w.pd_group is not None:
+                        xc = self.dup_price(w, self.prompt_copy(r), ws, cap, c) - xd
+                        if xc > 0.0:
+                            copies[len(qs) - 1] = xc
                     if not gpus:
                         gpus, helds, reuses = [0] * n_w, [0] * n_w, [0] * n_w
                         restores, dup_gpus, resumes = [0.0] * n_w, [0.0] * n_w, [0] * n_w
@@ -702,6 +721,7 @@ class RequestCosts:
                     resumes[j] = resumed
                     continue
             pfs.append(self.prefill(w, 0, c) if fetchable else sp * pf_all)
+            xd = 0.0
             if dup_none and w.worker_id != owner:
                 dups.append(dup_none)
                 if dup_on:
@@ -711,6 +731,10 @@ class RequestCosts:
                         disps[len(qs) - 1] += xd
             else:
                 dups.append(0)
+            if dup_on and w.role is not _DECODE and w.pd_group is not None:
+                xc = self.dup_price(w, copy_all, ws, cap, c) - xd
+                if xc > 0.0:
+                    copies[len(qs) - 1] = xc
         return ScanTerms(
             workers,
             qs,
@@ -726,6 +750,7 @@ class RequestCosts:
             restores,
             dup_gpus,
             resumes,
+            copies,
         )
 
     def kv_wait(self, w: WorkerView, gpu: int, decode: float, cap_p: float) -> float:
@@ -792,21 +817,25 @@ class RequestCosts:
         share of evictions is its true price (λ·M_HBM stays the small cost of holding it):
 
             d      = dup_bytes / K                          tokens of the copy
-            busy   = max(kv_usage · cap + inflight_prefill_tokens, others)
+            busy   = max(kv_usage · cap + inflight_prefill_tokens, others, cached_tokens)
             ρ(w)   = min(1, busy / cap)                     share of w's pool that is reusable
-                                                            (running KV or a working set)
+                                                            (running KV, a working set, or
+                                                            the idle prefix cache)
             X_dup  = ξ · reload(w, ρ(w) · d)                reload as W_disp's: the copy's
                                                             ρ(w)·d tokens that land on it
 
-        ~0 on an empty pool, the copy's recompute on a full one. `others` = ws_tokens(w) −
+        ~0 on an empty pool, the copy's recompute on a full one; a pool full of idle cached
+        prefixes is full (the copy evicts them). `others` = ws_tokens(w) −
         [w = home_worker]·home_tokens, `cap` and `c` as `displacement`'s. The search charges it
-        with W_disp, once per worker of a route (on a remote prefill's P: its own dup(P, held),
-        for the transient copy it keeps)."""
+        with W_disp, once per worker of a route; on a remote prefill's P for its transient
+        prompt copy, `prompt_copy(r)` (`ScanTerms.copy_s`)."""
         if cap <= 0:
             return 0.0
         busy = w.kv_usage * cap + w.inflight_prefill_tokens
         if others > busy:
             busy = others
+        if w.cached_tokens > busy:
+            busy = w.cached_tokens
         rho = busy / cap
         if rho <= 0.0:
             return 0.0
@@ -1233,6 +1262,7 @@ class RequestCosts:
         # T_network and M_HBM by action; the NIC time is informational
         nic = 0.0
         if action is _REMOTE:
+            wd += terms.copy_s[ip]  # P's transient copy, priced as the duplicate it is
             nbytes = self.kv_to_decode(gpu_d)
             tn = tt = self.transfer_s(p, d, nbytes)
             nic = self.nic_s(p, d, nbytes)

@@ -268,6 +268,7 @@ class OwnerServePolicy:
         # what a holder holds (`ScanTerms.holds`)
         t_gpu, t_held, t_reused = terms.gpu, terms.held, terms.reused
         t_restore, t_dup_gpu = terms.restore_s, terms.dup_gpu
+        t_copy = terms.copy_s  # a remote prefill's X_dup on P beyond what q carries
         # the columns of one scan (one length: no `strict`, whose keyword costs a parse)
         for i, w, q, dec, pf, stalled, dup, holds in zip(  # noqa: B905
             range(len(ws)),
@@ -318,8 +319,8 @@ class OwnerServePolicy:
                     n_p += 1
                     if role is not _PREFILL:
                         n_both += 1
-                    # the P part: q + prefill + λ·N·K + μ·stalled·prefill
-                    a = q + pf + copy_none
+                    # the P part: q + prefill + λ·N·K + μ·stalled·prefill + copy(P)
+                    a = q + pf + copy_none + t_copy[i]
                     if stalled:
                         a += mu * (stalled * pf)
                     key = f"{w.pd_group}\0{w.node}" if mixed else w.node
@@ -368,8 +369,8 @@ class OwnerServePolicy:
                 n_p += 1
                 if role is not _PREFILL:
                     n_both += 1
-                # the P part: q + prefill + restore + λ·(N − r)·K + μ·stalled·prefill
-                a = q + pf + rest + lam * k.prompt_copy(r) + mu * (stalled * pf)
+                # the P part: q + prefill + restore + λ·(N − r)·K + μ·stalled·prefill + copy(P)
+                a = q + pf + rest + lam * k.prompt_copy(r) + mu * (stalled * pf) + t_copy[i]
                 key = f"{w.pd_group}\0{w.node}" if mixed else w.node
                 node = nodes.get(key)
                 if node is None:
