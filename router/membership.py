@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 from ownerserve.config import WorkerSettings
 from ownerserve.directory.base import EventApplyResult
 from ownerserve.errors import DirectoryUnavailableError
-from ownerserve.events import EventBatch
+from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from ownerserve.types import Tier
 from router.backends.kv_events import KVEventSink
 from router.pool import WorkerState
 
@@ -68,10 +69,29 @@ class LiveWorkerSink:
         if not self._state.healthy:
             log.debug("worker %s is dead: ignoring its KV event batch %d", worker, batch.seq)
             return EventApplyResult()
+        count_gpu_blocks(self._state, batch)
         return await self._sink.apply_events(worker, batch)
 
     async def drop_worker(self, worker: str) -> int:
+        self._state.gpu_blocks.clear()
         return await self._sink.drop_worker(worker)
+
+
+def count_gpu_blocks(state: WorkerState, batch: EventBatch) -> None:
+    """Keep `state.gpu_blocks` (what the worker's HBM holds, `WorkerView.cached_tokens`) as
+    `batch` changes it. Counted from the batch itself, not from what the directory applied: a
+    batch another router replica applied first is a duplicate there, and counts here."""
+    held = state.gpu_blocks
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            if event.tier == Tier.GPU and not event.group_idx:
+                held.update(event.engine_hashes)
+                state.block_tokens = event.block_size
+        elif isinstance(event, BlockRemoved):
+            if event.tier == Tier.GPU and not event.group_idx:
+                held.difference_update(event.engine_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            held.clear()
 
 
 async def add_worker(router: Router, worker: WorkerSettings) -> None:

@@ -9,10 +9,11 @@ import time
 from ownerserve.config import settings_from_dict
 from ownerserve.directory.base import Artifact, HoldKind, Match
 from ownerserve.directory.memory import InMemoryDirectory
-from ownerserve.events import BlockRemoved, BlockStored, EventBatch
+from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
 from ownerserve.types import Tier
 from router.backends import WorkerLoad
+from router.membership import LiveWorkerSink
 from router.state import Router
 from router.views import cluster_view
 
@@ -130,3 +131,31 @@ async def test_a_hybrid_workers_view_shows_where_its_windows_let_a_hit_resume() 
     await d.apply_events("w0", EventBatch(1, 0.0, (rest,)))
     w0, _ = cluster_view(router.services.cluster, MODEL, await d.lookup(chain), ()).workers
     assert w0.restorable_blocks == 8
+
+
+async def test_a_workers_view_shows_the_kv_its_events_say_its_hbm_holds() -> None:
+    """`WorkerView.cached_tokens` counts the GPU blocks a worker's KV events stored and did not
+    remove (the CPU tier's and other KV cache groups' apart), from each batch, also one the
+    directory took as a duplicate from another replica; a cleared cache counts nothing."""
+    router = _router()
+    directory = InMemoryDirectory()
+    root = chain_root(MODEL)
+    await directory.register_worker("w0", root, 4)
+    state = router.pool.get("w0")
+    assert state is not None
+    sink = LiveWorkerSink(directory, state)
+    tokens = tuple(range(12))
+    stored = BlockStored((1, 2, 3), None, tokens, 4)
+    offloaded = BlockStored((1,), None, tokens[:4], 4, tier=Tier.CPU)
+    window = BlockStored((7,), None, tokens[:4], 4, group_idx=1)
+    await sink.apply_events("w0", EventBatch(0, 1.0, (stored, offloaded, window)))
+    cluster = router.services.cluster
+    w0, w1 = cluster_view(cluster, MODEL, Match(chain_len=0), ()).workers
+    assert (w0.cached_tokens, w1.cached_tokens) == (12, 0)
+    # the same batch again (another replica applied it first): the count does not double
+    await sink.apply_events("w0", EventBatch(0, 1.0, (stored,)))
+    await sink.apply_events("w0", EventBatch(1, 2.0, (BlockRemoved((3,)),)))
+    w0 = cluster_view(cluster, MODEL, Match(chain_len=0), ()).workers[0]
+    assert w0.cached_tokens == 8
+    await sink.apply_events("w0", EventBatch(2, 3.0, (AllBlocksCleared(),)))
+    assert cluster_view(cluster, MODEL, Match(chain_len=0), ()).workers[0].cached_tokens == 0
