@@ -400,8 +400,6 @@ class WorkerTerms(NamedTuple):
     held: HeldTerms | None
     w_disp_s: float
     """W_disp(w)."""
-    copy_s: float = 0.0
-    """What a remote prefill from w adds to W_disp(w) (`ScanTerms.copy_s`)."""
 
 
 class ScanTerms:
@@ -418,7 +416,6 @@ class ScanTerms:
     `__init__` costs ~2x a plain one's."""
 
     __slots__ = (
-        "copy_s",
         "decode_s",
         "dup",
         "dup_gpu",
@@ -451,7 +448,6 @@ class ScanTerms:
         restore_s: list[float],
         dup_gpu: list[float],
         resumed: list[int],
-        copy_s: list[float],
     ) -> None:
         self.workers = workers
         self.queue_s = queue_s
@@ -467,9 +463,6 @@ class ScanTerms:
         self.restore_s = restore_s
         self.dup_gpu = dup_gpu
         self.resumed = resumed
-        self.copy_s = copy_s
-        """Per worker, what a remote prefill from it adds to W_disp: X_dup of its transient
-        prompt copy, less the X_dup of dup(w, held(w)) its q carries (0: none)."""
 
     def held_terms(self, i: int) -> HeldTerms | None:
         """The `HeldTerms` of `workers[i]`; None when it holds nothing."""
@@ -495,7 +488,6 @@ class ScanTerms:
             self.dup[i],
             self.held_terms(i),
             self.w_disp_s[i],
-            self.copy_s[i],
         )
 
 
@@ -603,10 +595,6 @@ class RequestCosts:
             W_disp(w)  = displacement(w, gpu(w)): the reload of the working-set KV its new
                          KV pushes out (0 on most workers: the room test is inline),
                          + dup_price(w, dup(w, held(w))): what its duplicate displaces
-            copy_s(w)  = max(0, dup_price(w, prompt_copy(r)) − dup_price(w, dup(w, held)))
-                         on a worker that can be a remote prefill's P (not DECODE, in a P/D
-                         group): what its transient prompt copy displaces beyond what q
-                         carries
         """
         n, bs, ob, bk, owner = self.n, self.request.block_size, self.ob, self.bk, self.owner
         o = self.o
@@ -630,8 +618,6 @@ class RequestCosts:
         # are made with the first holder)
         n_w = len(workers)
         disps = [0.0] * n_w
-        copies = [0.0] * n_w
-        copy_all = self.prompt_copy(0)  # a remote prefill's copy on a P holding nothing
         holds = [False] * n_w
         gpus: list[int] = []
         helds: list[int] = []
@@ -668,15 +654,14 @@ class RequestCosts:
             if cap * (1.0 - usage) - inflight < seq:
                 q += self.kv_wait(w, cb.get(_GPU, 0) if cb else 0, dec, cap_p)
             ws = w.ws_tokens
+            if ws and w.worker_id == home:
+                ws -= home_tokens
             if w.programs_closed and w.worker_id != home:
                 q += PROGRAMS_CLOSED_S
-            if ws and disp_on:
-                if w.worker_id == home:
-                    ws -= home_tokens
-                if ws > 0 and cap - ws < grown:
-                    disp = self.displacement(w, cb.get(_GPU, 0) if cb else 0, ws, cap, c)
-                    q += disp
-                    disps[len(qs)] = disp
+            if disp_on and ws > 0 and cap - ws < grown:
+                disp = self.displacement(w, cb.get(_GPU, 0) if cb else 0, ws, cap, c)
+                q += disp
+                disps[len(qs)] = disp
             qs.append(q)
             decs.append(dec)
             stalls.append(stalled)
@@ -698,16 +683,11 @@ class RequestCosts:
                         self.prefill(w, r, c) if ch or fetchable else sp * _prefill_base(c, n, r)
                     )
                     dups.append(dh)
-                    xd = 0.0
                     if dh and dup_on:
                         xd = self.dup_price(w, dh, ws, cap, c)
                         if xd:
                             qs[-1] += xd
                             disps[len(qs) - 1] += xd
-                    if dup_on and w.role is not _DECODE and w.pd_group is not None:
-                        xc = self.dup_price(w, self.prompt_copy(r), ws, cap, c) - xd
-                        if xc > 0.0:
-                            copies[len(qs) - 1] = xc
                     if not gpus:
                         gpus, helds, reuses = [0] * n_w, [0] * n_w, [0] * n_w
                         restores, dup_gpus, resumes = [0.0] * n_w, [0.0] * n_w, [0] * n_w
@@ -721,7 +701,6 @@ class RequestCosts:
                     resumes[j] = resumed
                     continue
             pfs.append(self.prefill(w, 0, c) if fetchable else sp * pf_all)
-            xd = 0.0
             if dup_none and w.worker_id != owner:
                 dups.append(dup_none)
                 if dup_on:
@@ -731,10 +710,6 @@ class RequestCosts:
                         disps[len(qs) - 1] += xd
             else:
                 dups.append(0)
-            if dup_on and w.role is not _DECODE and w.pd_group is not None:
-                xc = self.dup_price(w, copy_all, ws, cap, c) - xd
-                if xc > 0.0:
-                    copies[len(qs) - 1] = xc
         return ScanTerms(
             workers,
             qs,
@@ -750,7 +725,6 @@ class RequestCosts:
             restores,
             dup_gpus,
             resumes,
-            copies,
         )
 
     def kv_wait(self, w: WorkerView, gpu: int, decode: float, cap_p: float) -> float:
@@ -827,8 +801,8 @@ class RequestCosts:
         ~0 on an empty pool, the copy's recompute on a full one; a pool full of idle cached
         prefixes is full (the copy evicts them). `others` = ws_tokens(w) −
         [w = home_worker]·home_tokens, `cap` and `c` as `displacement`'s. The search charges it
-        with W_disp, once per worker of a route; on a remote prefill's P for its transient
-        prompt copy, `prompt_copy(r)` (`ScanTerms.copy_s`)."""
+        with W_disp, once per worker of a route; on a remote prefill's P also for its transient
+        prompt copy (`copy_price`)."""
         if cap <= 0:
             return 0.0
         busy = w.kv_usage * cap + w.inflight_prefill_tokens
@@ -848,6 +822,29 @@ class RequestCosts:
             if load < reload:
                 reload = load
         return self.xi * reload
+
+    def copy_price(self, w: WorkerView, r: int, dup_bytes: float) -> float:
+        """copy(P): what the transient copy of the prompt a remote prefill from P keeps
+        (`prompt_copy(r)`, r reused tokens) displaces there, beyond the X_dup of its part of
+        the owned prefix (`dup_bytes` = dup(P, held(P))) that q(P) already carries:
+
+            copy(P) = max(0, X_dup(P, prompt_copy(r)) − X_dup(P, dup(P, held(P))))
+
+        A colocated route leaves the prompt's KV once; P→D leaves it on P and D. `others`,
+        `cap` as `dup_price`'s; 0 when ξ = 0."""
+        if self.xi <= 0:
+            return 0.0
+        c = self.constants(w.profile)
+        cap = w.kv_capacity_tokens or (
+            c.capacity_tokens if self.spec is None else c.hbm_kv_bytes / self.k
+        )
+        others = w.ws_tokens
+        if others and w.worker_id == self.request.home_worker:
+            others -= self.request.home_tokens
+        x = self.dup_price(w, self.prompt_copy(r), others, cap, c)
+        if dup_bytes and x > 0.0:
+            x -= self.dup_price(w, dup_bytes, others, cap, c)
+        return x if x > 0.0 else 0.0
 
     def restore(
         self, w: WorkerView, gpu: int, cpu: int, ssd: int, c: ProfileConstants | None = None
@@ -1262,7 +1259,7 @@ class RequestCosts:
         # T_network and M_HBM by action; the NIC time is informational
         nic = 0.0
         if action is _REMOTE:
-            wd += terms.copy_s[ip]  # P's transient copy, priced as the duplicate it is
+            wd += self.copy_price(p, r, dup_p)  # P's transient copy, the duplicate it is
             nbytes = self.kv_to_decode(gpu_d)
             tn = tt = self.transfer_s(p, d, nbytes)
             nic = self.nic_s(p, d, nbytes)

@@ -224,6 +224,7 @@ class OwnerServePolicy:
         # how a colocated candidate on a worker holding nothing is named
         kind_none = colocated_kind(request, "", 0, 0, cont)
         lam, mu = k.lam, k.mu
+        xi_on = k.xi > 0
         handshake = model.config.pd_handshake_s
         # λ·M_HBM of remote prefill from a P worker holding nothing: its copy of the prompt
         copy_none = lam * k.prompt_copy(0)
@@ -268,7 +269,6 @@ class OwnerServePolicy:
         # what a holder holds (`ScanTerms.holds`)
         t_gpu, t_held, t_reused = terms.gpu, terms.held, terms.reused
         t_restore, t_dup_gpu = terms.restore_s, terms.dup_gpu
-        t_copy = terms.copy_s  # a remote prefill's X_dup on P beyond what q carries
         # the columns of one scan (one length: no `strict`, whose keyword costs a parse)
         for i, w, q, dec, pf, stalled, dup, holds in zip(  # noqa: B905
             range(len(ws)),
@@ -320,11 +320,13 @@ class OwnerServePolicy:
                     if role is not _PREFILL:
                         n_both += 1
                     # the P part: q + prefill + λ·N·K + μ·stalled·prefill + copy(P)
-                    a = q + pf + copy_none + t_copy[i]
+                    a = q + pf + copy_none
                     if stalled:
                         a += mu * (stalled * pf)
                     key = f"{w.pd_group}\0{w.node}" if mixed else w.node
                     node = nodes.get(key)
+                    if xi_on and (node is None or a < node.cost2):  # copy(P) ≥ 0: else no use
+                        a += k.copy_price(w, 0, dup)
                     if node is None:
                         nodes[key] = _NodeBest(a, i)
                     elif a < node.cost2:  # one of its best two (inline: a call costs more)
@@ -370,9 +372,11 @@ class OwnerServePolicy:
                 if role is not _PREFILL:
                     n_both += 1
                 # the P part: q + prefill + restore + λ·(N − r)·K + μ·stalled·prefill + copy(P)
-                a = q + pf + rest + lam * k.prompt_copy(r) + mu * (stalled * pf) + t_copy[i]
+                a = q + pf + rest + lam * k.prompt_copy(r) + mu * (stalled * pf)
                 key = f"{w.pd_group}\0{w.node}" if mixed else w.node
                 node = nodes.get(key)
+                if xi_on and (node is None or a < node.cost2):
+                    a += k.copy_price(w, r, dup)
                 if node is None:
                     nodes[key] = _NodeBest(a, i)
                 elif a < node.cost2:  # one of its best two (inline: a call costs more)

@@ -86,7 +86,7 @@ def test_a_remote_prefill_pays_for_its_transient_copy_on_p() -> None:
     d0 = worker("d0", Role.DECODE, running=20)  # colocating would stall its 20 decodes
     d = 0.9 * 20_000
     price = (1e-4 + 1e-8 * d / 2) * d
-    assert k.worker(full_p).copy_s == pytest.approx(price)
+    assert k.copy_price(full_p, 0, 0.0) == pytest.approx(price)
     assert k.worker(full_p).w_disp_s == 0.0  # nothing is charged until the route is remote
     remote = k.candidate(Route(Action.REMOTE_PREFILL, full_p, d0)).cost
     assert remote.w_disp == pytest.approx(price)
