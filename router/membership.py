@@ -73,25 +73,31 @@ class LiveWorkerSink:
         return await self._sink.apply_events(worker, batch)
 
     async def drop_worker(self, worker: str) -> int:
-        self._state.gpu_blocks.clear()
+        self._state.gpu_blocks = 0
         return await self._sink.drop_worker(worker)
 
 
 def count_gpu_blocks(state: WorkerState, batch: EventBatch) -> None:
     """Keep `state.gpu_blocks` (what the worker's HBM holds, `WorkerView.cached_tokens`) as
-    `batch` changes it. Counted from the batch itself, not from what the directory applied: a
-    batch another router replica applied first is a duplicate there, and counts here."""
-    held = state.gpu_blocks
+    `batch` changes it: GPU blocks stored less those removed, none after AllBlocksCleared (a
+    lost range of events is one, `KVEventSubscriber._lost`). Counted from the batch itself, not
+    from what the directory applied: a batch another router replica applied first is a
+    duplicate there, and counts here. A count, not a set of hashes: the subscriber passes each
+    batch once, and a removal of a block stored before it subscribed is floored at 0."""
+    n = state.gpu_blocks
     for event in batch.events:
         if isinstance(event, BlockStored):
             if event.tier == Tier.GPU and not event.group_idx:
-                held.update(event.engine_hashes)
+                n += len(event.engine_hashes)
                 state.block_tokens = event.block_size
         elif isinstance(event, BlockRemoved):
             if event.tier == Tier.GPU and not event.group_idx:
-                held.difference_update(event.engine_hashes)
+                n -= len(event.engine_hashes)
+                if n < 0:
+                    n = 0
         elif isinstance(event, AllBlocksCleared):
-            held.clear()
+            n = 0
+    state.gpu_blocks = n
 
 
 async def add_worker(router: Router, worker: WorkerSettings) -> None:

@@ -100,17 +100,17 @@ class WorkerState:
     not read): its death drops that life only (`Directory.drop_worker`)."""
     view_cache: tuple[Any, Any] | None = None
     """The router's last planner view of this worker, with the inputs it was built from."""
-    gpu_blocks: set[int] = field(default_factory=set)
-    """The engine's hashes of the blocks its KV events say its HBM holds (untagged events,
-    or group 0's where the engine tags its KV cache groups), running and idle alike
-    (`router.membership.LiveWorkerSink`)."""
+    gpu_blocks: int = 0
+    """Blocks its KV events say its HBM holds, running and idle alike: stored less removed
+    (untagged events, or group 0's where the engine tags its KV cache groups;
+    `router.membership.count_gpu_blocks`)."""
     block_tokens: int = 0
     """The block size of its KV events (0: none seen yet)."""
 
     @property
     def cached_tokens(self) -> int:
         """Tokens of KV its HBM holds, as its KV events tell (`WorkerView.cached_tokens`)."""
-        return len(self.gpu_blocks) * self.block_tokens
+        return self.gpu_blocks * self.block_tokens
 
     @property
     def worker_id(self) -> str:

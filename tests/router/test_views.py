@@ -135,12 +135,11 @@ async def test_a_hybrid_workers_view_shows_where_its_windows_let_a_hit_resume() 
 
 async def test_a_workers_view_shows_the_kv_its_events_say_its_hbm_holds() -> None:
     """`WorkerView.cached_tokens` counts the GPU blocks a worker's KV events stored and did not
-    remove (the CPU tier's and other KV cache groups' apart), from each batch, also one the
-    directory took as a duplicate from another replica; a cleared cache counts nothing."""
+    remove (the CPU tier's and other KV cache groups' apart), from every batch its subscriber
+    passes; a cleared cache, or a dropped worker, counts nothing."""
     router = _router()
     directory = InMemoryDirectory()
-    root = chain_root(MODEL)
-    await directory.register_worker("w0", root, 4)
+    await directory.register_worker("w0", chain_root(MODEL), 4)
     state = router.pool.get("w0")
     assert state is not None
     sink = LiveWorkerSink(directory, state)
@@ -150,12 +149,20 @@ async def test_a_workers_view_shows_the_kv_its_events_say_its_hbm_holds() -> Non
     window = BlockStored((7,), None, tokens[:4], 4, group_idx=1)
     await sink.apply_events("w0", EventBatch(0, 1.0, (stored, offloaded, window)))
     cluster = router.services.cluster
-    w0, w1 = cluster_view(cluster, MODEL, Match(chain_len=0), ()).workers
-    assert (w0.cached_tokens, w1.cached_tokens) == (12, 0)
-    # the same batch again (another replica applied it first): the count does not double
-    await sink.apply_events("w0", EventBatch(0, 1.0, (stored,)))
-    await sink.apply_events("w0", EventBatch(1, 2.0, (BlockRemoved((3,)),)))
-    w0 = cluster_view(cluster, MODEL, Match(chain_len=0), ()).workers[0]
-    assert w0.cached_tokens == 8
+
+    def cached() -> list[int]:
+        return [
+            v.cached_tokens for v in cluster_view(cluster, MODEL, Match(chain_len=0), ()).workers
+        ]
+
+    assert cached() == [12, 0]
+    removed = (BlockRemoved((3,)), BlockRemoved((1,), tier=Tier.CPU))
+    await sink.apply_events("w0", EventBatch(1, 2.0, removed))
+    assert cached() == [8, 0]
     await sink.apply_events("w0", EventBatch(2, 3.0, (AllBlocksCleared(),)))
-    assert cluster_view(cluster, MODEL, Match(chain_len=0), ()).workers[0].cached_tokens == 0
+    assert cached() == [0, 0]
+    # a removal of blocks stored before the subscription does not go below nothing
+    await sink.apply_events("w0", EventBatch(3, 4.0, (BlockRemoved((9, 10)), stored)))
+    assert cached() == [12, 0]
+    await sink.drop_worker("w0")
+    assert cached() == [0, 0]
