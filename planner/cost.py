@@ -654,15 +654,14 @@ class RequestCosts:
             if cap * (1.0 - usage) - inflight < seq:
                 q += self.kv_wait(w, cb.get(_GPU, 0) if cb else 0, dec, cap_p)
             ws = w.ws_tokens
+            if ws and w.worker_id == home:
+                ws -= home_tokens
             if w.programs_closed and w.worker_id != home:
                 q += PROGRAMS_CLOSED_S
-            if ws and disp_on:
-                if w.worker_id == home:
-                    ws -= home_tokens
-                if ws > 0 and cap - ws < grown:
-                    disp = self.displacement(w, cb.get(_GPU, 0) if cb else 0, ws, cap, c)
-                    q += disp
-                    disps[len(qs)] = disp
+            if disp_on and ws > 0 and cap - ws < grown:
+                disp = self.displacement(w, cb.get(_GPU, 0) if cb else 0, ws, cap, c)
+                q += disp
+                disps[len(qs)] = disp
             qs.append(q)
             decs.append(dec)
             stalls.append(stalled)
@@ -792,21 +791,25 @@ class RequestCosts:
         share of evictions is its true price (λ·M_HBM stays the small cost of holding it):
 
             d      = dup_bytes / K                          tokens of the copy
-            busy   = max(kv_usage · cap + inflight_prefill_tokens, others)
+            busy   = max(kv_usage · cap + inflight_prefill_tokens, others, cached_tokens)
             ρ(w)   = min(1, busy / cap)                     share of w's pool that is reusable
-                                                            (running KV or a working set)
+                                                            (running KV, a working set, or
+                                                            the idle prefix cache)
             X_dup  = ξ · reload(w, ρ(w) · d)                reload as W_disp's: the copy's
                                                             ρ(w)·d tokens that land on it
 
-        ~0 on an empty pool, the copy's recompute on a full one. `others` = ws_tokens(w) −
+        ~0 on an empty pool, the copy's recompute on a full one; a pool full of idle cached
+        prefixes is full (the copy evicts them). `others` = ws_tokens(w) −
         [w = home_worker]·home_tokens, `cap` and `c` as `displacement`'s. The search charges it
-        with W_disp, once per worker of a route (on a remote prefill's P: its own dup(P, held),
-        for the transient copy it keeps)."""
+        with W_disp, once per worker of a route; on a remote prefill's P also for its transient
+        prompt copy (`copy_price`)."""
         if cap <= 0:
             return 0.0
         busy = w.kv_usage * cap + w.inflight_prefill_tokens
         if others > busy:
             busy = others
+        if w.cached_tokens > busy:
+            busy = w.cached_tokens
         rho = busy / cap
         if rho <= 0.0:
             return 0.0
@@ -819,6 +822,29 @@ class RequestCosts:
             if load < reload:
                 reload = load
         return self.xi * reload
+
+    def copy_price(self, w: WorkerView, r: int, dup_bytes: float) -> float:
+        """copy(P): what the transient copy of the prompt a remote prefill from P keeps
+        (`prompt_copy(r)`, r reused tokens) displaces there, beyond the X_dup of its part of
+        the owned prefix (`dup_bytes` = dup(P, held(P))) that q(P) already carries:
+
+            copy(P) = max(0, X_dup(P, prompt_copy(r)) − X_dup(P, dup(P, held(P))))
+
+        A colocated route leaves the prompt's KV once; P→D leaves it on P and D. `others`,
+        `cap` as `dup_price`'s; 0 when ξ = 0."""
+        if self.xi <= 0:
+            return 0.0
+        c = self.constants(w.profile)
+        cap = w.kv_capacity_tokens or (
+            c.capacity_tokens if self.spec is None else c.hbm_kv_bytes / self.k
+        )
+        others = w.ws_tokens
+        if others and w.worker_id == self.request.home_worker:
+            others -= self.request.home_tokens
+        x = self.dup_price(w, self.prompt_copy(r), others, cap, c)
+        if dup_bytes and x > 0.0:
+            x -= self.dup_price(w, dup_bytes, others, cap, c)
+        return x if x > 0.0 else 0.0
 
     def restore(
         self, w: WorkerView, gpu: int, cpu: int, ssd: int, c: ProfileConstants | None = None
@@ -1233,6 +1259,7 @@ class RequestCosts:
         # T_network and M_HBM by action; the NIC time is informational
         nic = 0.0
         if action is _REMOTE:
+            wd += self.copy_price(p, r, dup_p)  # P's transient copy, the duplicate it is
             nbytes = self.kv_to_decode(gpu_d)
             tn = tt = self.transfer_s(p, d, nbytes)
             nic = self.nic_s(p, d, nbytes)

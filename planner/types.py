@@ -99,6 +99,10 @@ class WorkerView:
     # hit resumes there or rebuilds its windows (`ownerserve.kvstate.resume`). None: not known
     # (its events name no KV cache groups), as if its HBM kept every cached boundary's windows
     restorable_blocks: int | None = None
+    # tokens of KV its HBM pool holds in all: the running sequences' and the idle prefix
+    # cache's (the GPU blocks its KV events say are stored, × block size; the simulator's
+    # cache); what a copy put here evicts once the pool is full (X_dup). 0: not known
+    cached_tokens: int = 0
 
 
 @fast_init

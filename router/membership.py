@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 from ownerserve.config import WorkerSettings
 from ownerserve.directory.base import EventApplyResult
 from ownerserve.errors import DirectoryUnavailableError
-from ownerserve.events import EventBatch
+from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from ownerserve.types import Tier
 from router.backends.kv_events import KVEventSink
 from router.pool import WorkerState
 
@@ -69,13 +70,38 @@ class LiveWorkerSink:
         if not state.healthy:
             log.debug("worker %s is dead: ignoring its KV event batch %d", worker, batch.seq)
             return EventApplyResult()
+        count_gpu_blocks(state, batch)
         result = await self._sink.apply_events(worker, batch)
         if batch.ts > state.events_ts:
             state.events_ts = batch.ts
         return result
 
     async def drop_worker(self, worker: str) -> int:
+        self._state.gpu_blocks = 0
         return await self._sink.drop_worker(worker)
+
+
+def count_gpu_blocks(state: WorkerState, batch: EventBatch) -> None:
+    """Keep `state.gpu_blocks` (what the worker's HBM holds, `WorkerView.cached_tokens`) as
+    `batch` changes it: GPU blocks stored less those removed, none after AllBlocksCleared (a
+    lost range of events is one, `KVEventSubscriber._lost`). Counted from the batch itself, not
+    from what the directory applied: a batch another router replica applied first is a
+    duplicate there, and counts here. A count, not a set of hashes: the subscriber passes each
+    batch once, and a removal of a block stored before it subscribed is floored at 0."""
+    n = state.gpu_blocks
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            if event.tier == Tier.GPU and not event.group_idx:
+                n += len(event.engine_hashes)
+                state.block_tokens = event.block_size
+        elif isinstance(event, BlockRemoved):
+            if event.tier == Tier.GPU and not event.group_idx:
+                n -= len(event.engine_hashes)
+                if n < 0:
+                    n = 0
+        elif isinstance(event, AllBlocksCleared):
+            n = 0
+    state.gpu_blocks = n
 
 
 async def add_worker(router: Router, worker: WorkerSettings) -> None:

@@ -127,6 +127,18 @@ class WorkerState:
         wall = self.fresh_commits.get(tip)
         return wall is not None and wall > self.events_ts
 
+    gpu_blocks: int = 0
+    """Blocks its KV events say its HBM holds, running and idle alike: stored less removed
+    (untagged events, or group 0's where the engine tags its KV cache groups;
+    `router.membership.count_gpu_blocks`)."""
+    block_tokens: int = 0
+    """The block size of its KV events (0: none seen yet)."""
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens of KV its HBM holds, as its KV events tell (`WorkerView.cached_tokens`)."""
+        return self.gpu_blocks * self.block_tokens
+
     @property
     def worker_id(self) -> str:
         return self.settings.id

@@ -102,6 +102,7 @@ def cluster_view(
             w.kv_api_ok,  # with the settings: kv_api and chunk_api
             chunks,
             restorable,
+            w.cached_tokens,
         )
         group = w.pd_group
         if group is not None:
@@ -203,6 +204,7 @@ def _view(
         chunk_api=w.chunk_api,
         chunks_held=chunks_held,
         restorable_blocks=restorable,
+        cached_tokens=w.cached_tokens,
     )
 
 

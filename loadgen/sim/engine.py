@@ -761,6 +761,7 @@ class Simulator:
             offloads=self.offloads,
             programs_closed=closed,
             restorable_blocks=restorable,
+            cached_tokens=len(w.cache) * self.spec.block_tokens,
         )
 
     def _kv_usage(self, w: _Worker, now: float) -> float:

@@ -224,6 +224,7 @@ class OwnerServePolicy:
         # how a colocated candidate on a worker holding nothing is named
         kind_none = colocated_kind(request, "", 0, 0, cont)
         lam, mu = k.lam, k.mu
+        xi_on = k.xi > 0
         handshake = model.config.pd_handshake_s
         # λ·M_HBM of remote prefill from a P worker holding nothing: its copy of the prompt
         copy_none = lam * k.prompt_copy(0)
@@ -318,12 +319,14 @@ class OwnerServePolicy:
                     n_p += 1
                     if role is not _PREFILL:
                         n_both += 1
-                    # the P part: q + prefill + λ·N·K + μ·stalled·prefill
+                    # the P part: q + prefill + λ·N·K + μ·stalled·prefill + copy(P)
                     a = q + pf + copy_none
                     if stalled:
                         a += mu * (stalled * pf)
                     key = f"{w.pd_group}\0{w.node}" if mixed else w.node
                     node = nodes.get(key)
+                    if xi_on and (node is None or a < node.cost2):  # copy(P) ≥ 0: else no use
+                        a += k.copy_price(w, 0, dup)
                     if node is None:
                         nodes[key] = _NodeBest(a, i)
                     elif a < node.cost2:  # one of its best two (inline: a call costs more)
@@ -368,10 +371,12 @@ class OwnerServePolicy:
                 n_p += 1
                 if role is not _PREFILL:
                     n_both += 1
-                # the P part: q + prefill + restore + λ·(N − r)·K + μ·stalled·prefill
+                # the P part: q + prefill + restore + λ·(N − r)·K + μ·stalled·prefill + copy(P)
                 a = q + pf + rest + lam * k.prompt_copy(r) + mu * (stalled * pf)
                 key = f"{w.pd_group}\0{w.node}" if mixed else w.node
                 node = nodes.get(key)
+                if xi_on and (node is None or a < node.cost2):
+                    a += k.copy_price(w, r, dup)
                 if node is None:
                     nodes[key] = _NodeBest(a, i)
                 elif a < node.cost2:  # one of its best two (inline: a call costs more)

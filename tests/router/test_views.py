@@ -9,7 +9,7 @@ import time
 from ownerserve.config import settings_from_dict
 from ownerserve.directory.base import Artifact, HoldKind, Match
 from ownerserve.directory.memory import InMemoryDirectory
-from ownerserve.events import BlockRemoved, BlockStored, EventBatch
+from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
 from ownerserve.types import Tier
 from router.backends import WorkerLoad
@@ -179,3 +179,38 @@ async def test_a_lease_committed_after_the_last_event_counts_until_a_newer_batch
     await sink.apply_events("w0", EventBatch(1, 150.0, (stored,)))
     assert state.events_ts == 150.0
     assert await gpu_blocks(chain) == {Tier.GPU: 4}
+
+
+async def test_a_workers_view_shows_the_kv_its_events_say_its_hbm_holds() -> None:
+    """`WorkerView.cached_tokens` counts the GPU blocks a worker's KV events stored and did not
+    remove (the CPU tier's and other KV cache groups' apart), from every batch its subscriber
+    passes; a cleared cache, or a dropped worker, counts nothing."""
+    router = _router()
+    directory = InMemoryDirectory()
+    await directory.register_worker("w0", chain_root(MODEL), 4)
+    state = router.pool.get("w0")
+    assert state is not None
+    sink = LiveWorkerSink(directory, state)
+    tokens = tuple(range(12))
+    stored = BlockStored((1, 2, 3), None, tokens, 4)
+    offloaded = BlockStored((1,), None, tokens[:4], 4, tier=Tier.CPU)
+    window = BlockStored((7,), None, tokens[:4], 4, group_idx=1)
+    await sink.apply_events("w0", EventBatch(0, 1.0, (stored, offloaded, window)))
+    cluster = router.services.cluster
+
+    def cached() -> list[int]:
+        return [
+            v.cached_tokens for v in cluster_view(cluster, MODEL, Match(chain_len=0), ()).workers
+        ]
+
+    assert cached() == [12, 0]
+    removed = (BlockRemoved((3,)), BlockRemoved((1,), tier=Tier.CPU))
+    await sink.apply_events("w0", EventBatch(1, 2.0, removed))
+    assert cached() == [8, 0]
+    await sink.apply_events("w0", EventBatch(2, 3.0, (AllBlocksCleared(),)))
+    assert cached() == [0, 0]
+    # a removal of blocks stored before the subscription does not go below nothing
+    await sink.apply_events("w0", EventBatch(3, 4.0, (BlockRemoved((9, 10)), stored)))
+    assert cached() == [12, 0]
+    await sink.drop_worker("w0")
+    assert cached() == [0, 0]
