@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -459,20 +459,42 @@ async def test_a_resume_whose_artifact_is_corrupted_recomputes_from_it_with_the_
 async def test_a_fetch_of_a_corrupted_artifact_brings_the_good_prefix_and_says_so(
     vllm_install: VllmCpuInstall, a_and_b: tuple[Worker, Worker]
 ) -> None:
-    async with ab_router(vllm_install, a_and_b) as (a, b, client, router, http, b_direct):
-        prompt = await prefix_on_a(client, router, http, a, "corrupted source")
-        bad_block = 7
+    bad_block = 7
+
+    async def corrupt(a: Worker, prompt: Prompt) -> None:
         _flip_a_byte(a.sidecar.artifact_file(prompt.key(bad_block, 2)))
 
-        # A drains: a new session with its prefix fetches it from A's sidecar
+    await fetch_stops_at_a_bad_artifact(
+        vllm_install, a_and_b, "corrupted source", "corrupt", corrupt, bad_block
+    )
+
+
+async def fetch_stops_at_a_bad_artifact(
+    install: VllmCpuInstall,
+    workers: tuple[Worker, Worker],
+    topic: str,
+    tag: str,
+    spoil: Callable[[Worker, Prompt], Awaitable[None]],
+    bad_block: int,
+) -> None:
+    """A prefix on `topic` computed on a, then `spoil`ed there from `bad_block` on (an
+    artifact corrupted or gone); a drains, and a new session with the prefix fetches it onto
+    b: the fetch brings the good blocks before `bad_block` and says so, b computes the rest
+    with the tokens of the prompt computed whole (`tag`: its session and cache salt), and b's
+    connector saves what it computed, so b then holds the prefix whole."""
+    async with ab_router(install, workers) as (a, b, client, router, http, b_direct):
+        prompt = await prefix_on_a(client, router, http, a, topic)
+        await spoil(a, prompt)
+
+        # A drains: a new session with its prefix fetches it from A's KV
         await drain(client, "b", False)
         await drain(client, "a")
         before = await b_direct.load()
-        plan, tokens, lps = await chat(client, prompt.messages, "corrupt-second")
+        plan, tokens, lps = await chat(client, prompt.messages, f"{tag}-second")
         used = tokens_by_source(before, await b_direct.load())
         assert route_of(plan) == ("artifact_fetch", "a", "b"), plan
-        # A's sidecar checks what it serves: the corrupted artifact is dropped and answered
-        # missing, so B gets the prefix up to it and says so; B computes the rest
+        # what is read is checked: the bad artifact is dropped and answered missing, so B
+        # gets the prefix up to it and says so; B computes the rest
         assert plan["fetched"] == "1", plan
         assert plan["fetched_blocks"].startswith(f"{bad_block}/"), plan
         assert "fallback" not in plan and "ran" not in plan, plan
@@ -482,9 +504,9 @@ async def test_a_fetch_of_a_corrupted_artifact_brings_the_good_prefix_and_says_s
         assert all(await present(http, b.sidecar, good))
         await same_artifacts(http, b.sidecar, a.sidecar, good)
         assert used["local_compute"] == len(prompt.token_ids) - used["external_kv_transfer"]
-        print(f"\ncorrupted fetch: {len(prompt.token_ids)} prompt tokens, {used}, {plan}")
+        print(f"\n{tag} fetch: {len(prompt.token_ids)} prompt tokens, {used}, {plan}")
         assert_same_answer(
-            (tokens, lps), await computed_whole(b.server, prompt.messages, "corrupt-fetch")
+            (tokens, lps), await computed_whole(b.server, prompt.messages, f"{tag}-fetch")
         )
         # what B computed its connector saved: B now holds the prefix whole, good copies
         await until_saved(http, b.sidecar, prompt.keys)

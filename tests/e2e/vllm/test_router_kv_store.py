@@ -29,19 +29,17 @@ import pytest
 from ownerserve.ports import free_port
 from tests.e2e.vllm.conftest import (
     BLOCK,
-    HEADS,
     HYBRID_KV_BLOCKS,
     Sidecar,
     _server,
     _start,
     present,
-    same_artifacts,
     start_sidecar,
     tokens_by_source,
     until,
-    until_saved,
 )
 from tests.e2e.vllm.test_router_kv_paths import (
+    Prompt,
     Worker,
     _resume_after_eviction,
     ab_router,
@@ -49,11 +47,11 @@ from tests.e2e.vllm.test_router_kv_paths import (
     chat,
     computed_whole,
     drain,
+    fetch_stops_at_a_bad_artifact,
     kv_router,
     migrates_from_draining_a,
     prefix_on_a,
     prompt_of,
-    route_of,
     turn,
 )
 from workers.mooncake_store import (
@@ -182,35 +180,17 @@ async def test_an_object_corrupted_or_gone_from_the_store_is_recomputed_with_the
     store_workers: tuple[Worker, Worker],
     store_master: MooncakeMaster,
 ) -> None:
-    async with ab_router(vllm_install, store_workers) as (a, b, client, router, http, b_direct):
-        prompt = await prefix_on_a(client, router, http, a, "store corrupted source")
-        bad_block, gone_block = 7, 9
+    bad_block, gone_block = 7, 9
+
+    async def spoil(_: Worker, prompt: Prompt) -> None:
         bad, gone = prompt.key(bad_block, 1), prompt.key(gone_block, 0)
         await asyncio.to_thread(tamper, store_master, corrupt=bad, drop=gone)
 
-        # A drains: a new session with its prefix fetches it out of the store
-        await drain(client, "b", False)
-        await drain(client, "a")
-        before = await b_direct.load()
-        plan, tokens, lps = await chat(client, prompt.messages, "store-corrupt-second")
-        used = tokens_by_source(before, await b_direct.load())
-        assert route_of(plan) == ("artifact_fetch", "a", "b"), plan
-        # the read stops at the corrupted object: B gets the prefix before it, says so, and
-        # computes the rest
-        assert plan["fetched"] == "1", plan
-        assert plan["fetched_blocks"].startswith(f"{bad_block}/"), plan
-        assert "fallback" not in plan and "ran" not in plan, plan
-        assert used["external_kv_transfer"] <= bad_block * BLOCK
-        good = prompt.keys[: bad_block * len(HEADS)]
-        assert all(await present(http, b.sidecar, good))
-        await same_artifacts(http, b.sidecar, a.sidecar, good)
-        assert used["local_compute"] == len(prompt.token_ids) - used["external_kv_transfer"]
-        print(f"\nstore corrupted fetch: {len(prompt.token_ids)} prompt tokens, {used}, {plan}")
-        assert_same_answer(
-            (tokens, lps), await computed_whole(b.server, prompt.messages, "s-corrupt")
-        )
-        # what B computed its connector put back: the prefix is whole in the store again
-        await until_saved(http, b.sidecar, prompt.keys)
+    # the read stops at the corrupted object; B's save puts it back whole (a corrupted
+    # object read is also removed from the store)
+    await fetch_stops_at_a_bad_artifact(
+        vllm_install, store_workers, "store corrupted source", "s-corrupt", spoil, bad_block
+    )
 
 
 async def test_the_master_killed_falls_back_to_recompute_and_restarted_takes_saves_again(
