@@ -197,7 +197,6 @@ class VllmClient:
             limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
         self._owns_client = client is None
-        self._connect_timeout_s = connect_timeout_s
         self.backend = VLLMBackend()
 
     async def aclose(self) -> None:
@@ -207,7 +206,7 @@ class VllmClient:
     def _bound(self, timeout_s: float) -> httpx.Timeout:
         """`timeout_s` for the call's reads; the connect keeps the client's own bound (a
         shared machine's stall can outlast a short one: it is not the server's answer)."""
-        return httpx.Timeout(timeout_s, connect=self._connect_timeout_s)
+        return httpx.Timeout(timeout_s, connect=self._client.timeout.connect)
 
     async def health(self, timeout_s: float = 2.0) -> bool:
         """True when `/health` answers 200 within `timeout_s`."""
