@@ -8,11 +8,10 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ownerserve.config import WorkerSettings
-from ownerserve.directory.base import EventApplyResult
+from ownerserve.directory.base import Directory, EventApplyResult
 from ownerserve.errors import DirectoryUnavailableError
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.types import Tier
-from router.backends.kv_events import KVEventSink
 from router.pool import WorkerState
 
 if TYPE_CHECKING:
@@ -59,9 +58,14 @@ class LiveWorkerSink:
     """The directory as a worker's KV event subscriber sees it: batches of a worker the pool
     holds dead are ignored. When the worker dies the directory forgets what it held, and
     batches still queued in the subscription (published just before the death) must not
-    bring those blocks back; once the worker answers again its new events count."""
+    bring those blocks back; once the worker answers again its new events count.
 
-    def __init__(self, sink: KVEventSink, state: WorkerState) -> None:
+    A batch goes to the directory with the life this router last saw the worker in
+    (`WorkerState.directory_life`), which refuses it once another router replica (or this
+    one, while the batch was on its way) has dropped that life. The refusal tells this
+    router the life it missed: the batches after it are the next life's."""
+
+    def __init__(self, sink: Directory, state: WorkerState) -> None:
         self._sink = sink
         self._state = state
 
@@ -71,7 +75,17 @@ class LiveWorkerSink:
             log.debug("worker %s is dead: ignoring its KV event batch %d", worker, batch.seq)
             return EventApplyResult()
         count_gpu_blocks(state, batch)
-        result = await self._sink.apply_events(worker, batch)
+        result = await self._sink.apply_events(worker, batch, state.directory_life)
+        if result.fenced is not None:
+            log.info(
+                "worker %s: KV event batch %d is of a life dropped since (%s, now %d): ignored",
+                worker,
+                batch.seq,
+                state.directory_life,
+                result.fenced,
+            )
+            state.directory_life = result.fenced
+            return result
         if batch.ts > state.events_ts:
             state.events_ts = batch.ts
         return result

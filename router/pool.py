@@ -103,6 +103,9 @@ class WorkerState:
     directory_life: int | None = None
     """The directory's `worker_life` of it when this router last saw it come alive (None:
     not read): its death drops that life only (`Directory.drop_worker`)."""
+    death_unrecorded: bool = False
+    """Its death hook failed (the directory may still name its dead life): retried at its
+    next probe, and before it counts as back."""
     view_cache: tuple[Any, Any] | None = None
     """The router's last planner view of this worker, with the inputs it was built from."""
     events_ts: float = float("-inf")
@@ -307,6 +310,8 @@ class WorkerPool:
         `dead_after_failures` failed probes in a row."""
         url = state.address.url
         if await self._get(url, state.backend.health_path) is not None:
+            if state.death_unrecorded:
+                await self._record_death(state)  # its old life goes before its new one counts
             await self._probe_kv_api(state)
             was_dead = not state.healthy
             state.healthy = True
@@ -327,6 +332,8 @@ class WorkerPool:
         state.health_failures += 1
         if state.healthy and state.health_failures >= self.dead_after_failures:
             await self.mark_dead(state)
+        elif state.death_unrecorded:
+            await self._record_death(state)
 
     async def _get(self, url: str, path: str) -> bytes | None:
         """The body of a 200 answer to `GET url+path` within `health_timeout_s`; None when it
@@ -369,8 +376,18 @@ class WorkerPool:
             return
         state.healthy = False
         log.warning("worker %s is unreachable; marking it dead", state.worker_id)
-        if self.on_worker_dead is not None:
-            try:
-                await self.on_worker_dead(state.worker_id)
-            except Exception:
-                log.exception("worker %s: death hook failed", state.worker_id)
+        await self._record_death(state)
+
+    async def _record_death(self, state: WorkerState) -> None:
+        """Run the death hook (the directory forgets the life that ended); one that fails is
+        run again at the worker's next probe (`WorkerState.death_unrecorded`): a directory
+        error at the wrong moment must not leave a dead life named until its entries expire."""
+        if self.on_worker_dead is None:
+            return
+        try:
+            await self.on_worker_dead(state.worker_id)
+        except Exception:
+            state.death_unrecorded = True
+            log.exception("worker %s: death hook failed (retried next probe)", state.worker_id)
+        else:
+            state.death_unrecorded = False

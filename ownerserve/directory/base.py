@@ -121,6 +121,9 @@ class EventApplyResult:
     forgot the worker's blocks (its death, an event gap) while its engine kept them."""
     duplicate: bool = False
     """The batch's seq was already applied (another router replica fed it first): ignored."""
+    fenced: int | None = None
+    """The batch was of a life the directory has dropped since: ignored. The worker's
+    current life (`Directory.worker_life`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,8 +244,15 @@ class Directory(Protocol):
 
     async def drop_fork_ref(self, artifact_id: int, session_id: str) -> int: ...
 
-    async def apply_events(self, worker: str, batch: EventBatch) -> EventApplyResult:
-        """Apply a worker's KV event batch (stores/evictions/clears) with gap detection."""
+    async def apply_events(
+        self, worker: str, batch: EventBatch, life: int | None = None
+    ) -> EventApplyResult:
+        """Apply a worker's KV event batch (stores/evictions/clears) with gap detection.
+
+        `life`: the worker's `worker_life` when the caller last saw it alive. Once that life
+        was dropped the batch is refused (`EventApplyResult.fenced`): it was published before
+        the death (queued in a subscription, or held back by a Redis outage) and must not
+        name the dead life's blocks in the next one. None: any life (a caller with one view)."""
         ...
 
     async def drop_worker(self, worker: str, life: int | None = None) -> int:

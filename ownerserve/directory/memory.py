@@ -601,10 +601,15 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
             del self._forks[artifact_id]
         return len(refs)
 
-    async def apply_events(self, worker: str, batch: EventBatch) -> EventApplyResult:
+    async def apply_events(
+        self, worker: str, batch: EventBatch, life: int | None = None
+    ) -> EventApplyResult:
         rec = self._workers.get(worker)
         if rec is None:
             raise InvalidRequestError(f"worker {worker!r} is not registered with the directory")
+        current = self._lives.get(worker, 0)
+        if life is not None and current > life:
+            return EventApplyResult(fenced=current)
         last = rec.seq
         if last is not None and batch.seq <= last:
             return EventApplyResult(duplicate=True, expected_seq=last + 1)

@@ -598,7 +598,13 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         return {m: int(_s(v), 16) for m, v in zip(missing, values, strict=True) if v is not None}
 
     def _event_args(
-        self, worker: str, root: int, block_size: int, batch: EventBatch, fetched: dict[int, int]
+        self,
+        worker: str,
+        root: int,
+        block_size: int,
+        batch: EventBatch,
+        fetched: dict[int, int],
+        life: int | None = None,
     ) -> list[Any]:
         local = self._engine_map.setdefault(worker, {})
         local.update(fetched)
@@ -643,9 +649,12 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         if len(local) > limit:
             for engine_hash in list(itertools.islice(local, len(local) - limit * 3 // 4)):
                 del local[engine_hash]
-        return [worker, hex_block(root), block_size, int(batch.seq), *ops]
+        fence = "" if life is None else int(life)
+        return [worker, hex_block(root), block_size, int(batch.seq), fence, *ops]
 
-    async def apply_events(self, worker: str, batch: EventBatch) -> EventApplyResult:
+    async def apply_events(
+        self, worker: str, batch: EventBatch, life: int | None = None
+    ) -> EventApplyResult:
         check_worker(worker)
         p = self.prefix
         keys = [p + "w:" + worker, p + "w:" + worker + ":eh", p + "blk"]
@@ -655,9 +664,8 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
             if reg is None or attempt:
                 reg = await self._fetch_registration(worker)
             fetched = await self._known_parents(worker, batch)
-            reply = await self._run(
-                "apply_events", keys, self._event_args(worker, *reg, batch, fetched)
-            )
+            args = self._event_args(worker, *reg, batch, fetched, life)
+            reply = await self._run("apply_events", keys, args)
             status = reply[0]
             if status == "unknown":
                 self._registration.pop(worker, None)
@@ -666,6 +674,8 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
                 continue  # another router re-registered it: refetch root/block size, retry
             if status == "dup":
                 return EventApplyResult(duplicate=True, expected_seq=int(reply[1]))
+            if status == "fenced":
+                return EventApplyResult(fenced=int(reply[1]))
             _, stored, removed, gap, expected, skipped, unknown_parent, pending = reply
             if int(pending):
                 await self._clear_steps(worker)

@@ -333,14 +333,21 @@ class ResilientDirectory(TransferEntryPoints, ReplicaEntryPoints):
             await self.local.register_worker(worker, *reg)
         return await self.local.apply_events(worker, batch)
 
-    async def apply_events(self, worker: str, batch: EventBatch) -> EventApplyResult:
-        async def mirror(_: Any) -> None:
-            await self._local_events(worker, batch)
+    async def apply_events(
+        self, worker: str, batch: EventBatch, life: int | None = None
+    ) -> EventApplyResult:
+        """`life` fences the batch on Redis, whose life counts every replica's drops (the
+        local view counts only this router's: it follows Redis's answer, and during an
+        outage takes the batch; the replay is fenced on Redis)."""
+
+        async def mirror(result: EventApplyResult) -> None:
+            if result.fenced is None:
+                await self._local_events(worker, batch)
 
         result: EventApplyResult = await self._write(
             "apply_events",
-            (worker, batch),
-            lambda: self.primary.apply_events(worker, batch),
+            (worker, batch, life),
+            lambda: self.primary.apply_events(worker, batch, life),
             mirror,
             lambda: self._local_events(worker, batch),
         )

@@ -119,3 +119,28 @@ async def test_a_replicas_late_verdict_on_a_death_another_dropped_spares_the_nex
     await membership.on_worker_back(b, "w0")
     await membership.on_worker_dead(b, "w0")  # a death of the life B saw: dropped
     assert (await directory.lookup((block,), "s1")).owner is None
+
+
+async def test_a_batch_of_a_life_another_replica_dropped_is_refused_and_the_next_counts():
+    # replica B still holds the worker alive when replica A drops its life; a batch B had
+    # queued from before the death must not name the dead life's blocks in the next one
+    directory = InMemoryDirectory()
+    a, b = _router(directory), _router(directory)
+    for router in (a, b):
+        await membership.register(router, "w0")
+    state = b.pool.get("w0")
+    assert state is not None and state.directory_life == 0
+    sink = membership.LiveWorkerSink(directory, state)
+    root = chain_root("tiny")
+    first, second = hash_block(root, [1, 2, 3, 4]), hash_block(root, [5, 6, 7, 8])
+
+    await membership.on_worker_dead(a, "w0")
+    late = EventBatch(3, 3.0, (BlockStored((1,), None, (1, 2, 3, 4), 4),))
+    result = await sink.apply_events("w0", late)
+    assert result.fenced == 1 and result.stored == 0
+    assert (await directory.lookup((first,))).longest("w0", Tier.GPU) == 0
+    assert state.directory_life == 1  # B learnt the life it missed
+
+    fresh = EventBatch(0, 4.0, (BlockStored((2,), None, (5, 6, 7, 8), 4),))
+    assert (await sink.apply_events("w0", fresh)).stored == 1
+    assert (await directory.lookup((second,))).longest("w0", Tier.GPU) == 1

@@ -171,3 +171,50 @@ def pool_groups() -> dict[str, str | None]:
 def test_kv_paths_a_worker_cannot_have_are_config_errors(entry: dict[str, Any], error: str) -> None:
     with pytest.raises(ValidationError, match=error):
         WorkerSettings(id="w", url="http://127.0.0.1:1", **entry)
+
+
+async def test_a_death_the_directory_failed_to_record_is_recorded_at_the_next_probe() -> None:
+    # the death hook's drop may fail (a directory error at that moment): the dead life must
+    # still go, at a later probe while the worker is dead, or before it counts as back
+    worker = await FakeWorker("w").start()
+    http = UpstreamPool(connect_timeout_s=10.0)
+    pool = WorkerPool(
+        [WorkerSettings(id="w", url=worker.url)],
+        health_interval_s=3600.0,  # one round at start; the test probes by hand after it
+        health_timeout_s=10.0,
+        dead_after_failures=1,
+    )
+    calls: list[str] = []
+    failures = [RuntimeError("directory said no")] * 2
+
+    async def on_dead(worker_id: str) -> None:
+        calls.append("dead")
+        if failures:
+            raise failures.pop()
+
+    async def on_back(worker_id: str) -> None:
+        calls.append("back")
+
+    pool.on_worker_dead, pool.on_worker_back = on_dead, on_back
+    await pool.start(http)
+    try:
+        state = pool.get("w")
+        assert state is not None
+        await until(lambda: state.last_seen > 0, what="the first round's probe")
+        worker.health_hangs = True  # a stalled worker: each probe times out
+        pool.health_timeout_s = 0.05
+        await pool.check(state)
+        assert not state.healthy and state.death_unrecorded and calls == ["dead"]
+        await pool.check(state)  # still dead: the hook runs again (and fails again)
+        assert state.death_unrecorded and calls == ["dead", "dead"]
+        worker.health_hangs = False
+        pool.health_timeout_s = 10.0
+        await pool.check(state)  # back: the old life is dropped first, then it counts
+        assert calls == ["dead", "dead", "dead", "back"]
+        assert state.healthy and not state.death_unrecorded
+        await pool.check(state)
+        assert calls == ["dead", "dead", "dead", "back"]
+    finally:
+        await pool.close()
+        await http.close()
+        await worker.stop()

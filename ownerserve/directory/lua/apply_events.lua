@@ -1,17 +1,23 @@
 -- apply_events: one KV event batch of a worker, with gap detection. KEYS: w:<worker>,
--- w:<worker>:eh, blk. ARGV: P, worker, root (hex), block size, seq, then ops:
+-- w:<worker>:eh, blk. ARGV: P, worker, root (hex), block size, seq, life ('' = any, else the
+-- worker's life count the caller saw while it lived: once that life was dropped the batch was
+-- published before the death and is refused, reply { 'fenced', life }), then ops:
 --   'S', tier bit, parent engine hash ('' at chain start), parent block (hex), blocks hex, engine csv
 --   'R', tier bit, engine csv        'C'        'X', n (blocks the client could not map: their
 --   block size)        'Y', n (blocks whose parent the client's map and this worker's lack)
 -- Reply: 'ok', stored, removed, gap, expected, skipped (every block not mapped), of those the
 -- ones with an unknown parent, pending clears (a gap or 'C' drops the cached view in steps:
 -- the caller runs `clear_step` while some are pending)
-local info = redis.call('HMGET', KEYS[1], 'idx', 'seq', 'root', 'bs')
+local info = redis.call('HMGET', KEYS[1], 'idx', 'seq', 'root', 'bs', 'life')
 if not info[1] or not info[3] then
   return { 'unknown' }
 end
 if info[3] ~= ARGV[3] or info[4] ~= ARGV[4] then
   return { 'reregistered' }
+end
+local life = tonumber(info[5] or '0')
+if ARGV[6] ~= '' and life > tonumber(ARGV[6]) then
+  return { 'fenced', life }
 end
 local worker = ARGV[2]
 local j = tonumber(info[1])
@@ -26,7 +32,7 @@ if last and seq > last + 1 then
   defer_clear(worker)
 end
 local stored, removed, skipped, parentless = 0, 0, 0, 0
-local i = 6
+local i = 7
 while i <= #ARGV do
   local op = ARGV[i]
   if op == 'S' then

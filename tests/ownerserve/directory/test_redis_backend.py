@@ -354,6 +354,25 @@ async def test_a_late_second_drop_of_a_dead_worker_keeps_what_it_recorded_once_b
     assert (await b.lookup(CHAIN[:8], "s-new")).owner is None
 
 
+async def test_a_batch_of_a_dropped_life_is_refused_and_the_next_lifes_batches_count(
+    pair: tuple[RedisDirectory, RedisDirectory],
+) -> None:
+    """Replica B applies a batch of the life it saw after replica A dropped that life (the
+    batch was queued in B's subscription, or held back by an outage): refused, the blocks stay
+    forgotten; a batch sent with the life the refusal names counts."""
+    a, b = pair
+    await a.register_worker("w1", ROOT, BS)
+    seen_by_b = await b.worker_life("w1")
+    await a.drop_worker("w1", await a.worker_life("w1"))
+    old = BlockStored((7,), None, tuple(TOKENS[:BS]), BS)
+    result = await b.apply_events("w1", EventBatch(5, 0.0, (old,)), seen_by_b)
+    assert result.fenced == seen_by_b + 1 and result.stored == 0
+    assert (await a.lookup(CHAIN[:1])).holdings == ()
+    new = BlockStored((8,), None, tuple(TOKENS[:BS]), BS)
+    assert (await b.apply_events("w1", EventBatch(0, 0.0, (new,)), result.fenced)).stored == 1
+    assert (await a.lookup(CHAIN[:1])).holdings == (Holding("w1", Tier.GPU, 1, HoldKind.CACHED),)
+
+
 async def _script_calls(d: RedisDirectory) -> int:
     stats = await d.client.info("commandstats")
     return sum(int(v["calls"]) for k, v in stats.items() if k.startswith("cmdstat_evalsha"))

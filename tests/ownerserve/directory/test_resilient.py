@@ -168,6 +168,31 @@ async def test_a_provisional_claim_that_lost_on_replay_is_fenced(
         await other.close()
 
 
+async def test_a_batch_queued_in_an_outage_is_refused_on_replay_once_its_life_was_dropped(
+    server: RedisServer, resilient: ResilientDirectory
+) -> None:
+    # the worker dies while this router cannot reach Redis; another router, which can, drops
+    # it: the batch this router queued from before the death must not bring its blocks back
+    d = resilient
+    await d.register_worker("w1", ROOT, BS)
+    life = await d.worker_life("w1")
+    d.retry_interval_s = 3600.0  # the replay below runs by hand, after the other's drop
+    with contextlib.suppress(RedisConnectionError):
+        await d.primary.client.shutdown(save=True)  # keeps dump.rdb: comes back with its data
+    server.stop()
+    assert (await d.apply_events("w1", EventBatch(1, 0.0, (stored(0, 4, None),)), life)).stored
+    assert d.pending == 1
+    server.start()
+    other = await fresh_view(server)
+    try:
+        await other.drop_worker("w1", life)
+        await d._reconcile()
+        assert d.pending == 0 and (await d.health()).healthy
+        assert (await other.lookup(CHAIN[:4])).holdings == ()
+    finally:
+        await other.close()
+
+
 async def test_no_call_fails_while_redis_goes_away_and_comes_back(
     server: RedisServer, resilient: ResilientDirectory
 ) -> None:
