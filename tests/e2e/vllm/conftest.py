@@ -426,6 +426,16 @@ class Sidecar:
                 self.process.wait(timeout=10)
 
 
+SIDECAR_TIMEOUT_S = 60.0
+"""The tests' own HTTP calls to sidecars (lookups, artifact reads): httpx's default 5 s had a
+GET time out while sending its headers on a 2-core machine at load 20."""
+
+
+def sidecar_http() -> httpx.AsyncClient:
+    """An HTTP client for the tests' own calls to sidecars, bounded by `SIDECAR_TIMEOUT_S`."""
+    return httpx.AsyncClient(timeout=SIDECAR_TIMEOUT_S)
+
+
 async def present(http: httpx.AsyncClient, sidecar: Sidecar, keys: list[str]) -> list[bool]:
     """Whether `sidecar` holds each of `keys`."""
     r = await http.post(sidecar.url + "/ownerserve/kv/lookup", json={"keys": keys})

@@ -43,6 +43,7 @@ from tests.e2e.vllm.conftest import (
     completion_body,
     present,
     same_artifacts,
+    sidecar_http,
     tokens_by_source,
     until,
     until_saved,
@@ -120,7 +121,7 @@ async def ab_router(
     a, b = a_and_b
     b_direct = vllm_client("b", b.server.url)
     try:
-        async with kv_router(install, [a, b]) as (client, router), httpx.AsyncClient() as http:
+        async with kv_router(install, [a, b]) as (client, router), sidecar_http() as http:
             yield a, b, client, router, http, b_direct
     finally:
         await b_direct.aclose()
@@ -420,7 +421,7 @@ async def test_a_session_evicted_from_vllm_resumes_from_its_sidecar_with_the_sam
     sidecar_a: Sidecar, vllm_install: VllmCpuInstall, vllm_hybrid: VllmServer
 ) -> None:
     a = Worker("a", vllm_hybrid, sidecar_a)
-    async with kv_router(vllm_install, [a]) as (client, router), httpx.AsyncClient() as http:
+    async with kv_router(vllm_install, [a]) as (client, router), sidecar_http() as http:
         resident, prompt, used, answer, _ = await _resume_after_eviction(
             client, router, http, vllm_hybrid, sidecar_a, "cold resume"
         )
@@ -439,7 +440,7 @@ async def test_a_resume_whose_artifact_is_corrupted_recomputes_from_it_with_the_
     sidecar_a: Sidecar, vllm_install: VllmCpuInstall, vllm_hybrid: VllmServer
 ) -> None:
     a = Worker("a", vllm_hybrid, sidecar_a)
-    async with kv_router(vllm_install, [a]) as (client, router), httpx.AsyncClient() as http:
+    async with kv_router(vllm_install, [a]) as (client, router), sidecar_http() as http:
         bad_block = 5
         resident, prompt, used, answer, bad_key = await _resume_after_eviction(
             client, router, http, vllm_hybrid, sidecar_a, "corrupt resume", bad_block

@@ -34,6 +34,7 @@ from tests.e2e.vllm.conftest import (
     _server,
     _start,
     present,
+    sidecar_http,
     start_sidecar,
     tokens_by_source,
     until,
@@ -76,7 +77,10 @@ STAGING_BYTES = 32 << 20
 @pytest.fixture(scope="module")
 def store_master(vllm_work_dir: Path) -> Iterator[MooncakeMaster]:
     try:
-        master = MooncakeMaster(client_ttl_s=2, log_path=vllm_work_dir / "store-master.log")
+        # a client whose heartbeat lapses past the TTL loses its segment and every object in
+        # it: 2 s (what tests of a killed client use) lapsed once for a sidecar on a 2-core
+        # machine at load 20, mid-test; these tests kill no client
+        master = MooncakeMaster(client_ttl_s=30, log_path=vllm_work_dir / "store-master.log")
         master.start()
     except MasterUnavailable as exc:
         pytest.skip(f"mooncake_master cannot run here: {exc}")
@@ -152,7 +156,7 @@ async def test_a_session_migrates_from_draining_a_to_b_through_the_store(
     store_workers: tuple[Worker, Worker],
     store_master: MooncakeMaster,
 ) -> None:
-    async with httpx.AsyncClient() as http:
+    async with sidecar_http() as http:
         for worker in store_workers:
             await on_the_store(http, worker.sidecar, store_master)
     await migrates_from_draining_a(vllm_install, store_workers, "stored session", "s-migrate")
@@ -164,7 +168,7 @@ async def test_a_session_evicted_from_vllm_resumes_from_the_store_with_the_same_
     vllm_install: VllmCpuInstall, store_workers: tuple[Worker, Worker]
 ) -> None:
     a = store_workers[0]
-    async with kv_router(vllm_install, [a]) as (client, router), httpx.AsyncClient() as http:
+    async with kv_router(vllm_install, [a]) as (client, router), sidecar_http() as http:
         resident, prompt, used, answer, _ = await _resume_after_eviction(
             client, router, http, a.server, a.sidecar, "store cold resume"
         )
