@@ -1,6 +1,7 @@
 """What follows an answer: the `commit` stage (ownership into the directory, the chunk holders
 of a chunked prompt, a hot prefix's replica when the plan asks for one), then `observe`
-(metrics, calibration) and the session's attained service (`record_service`)."""
+(metrics, calibration), the prompt's prefix reuse (`record_reuse`) and the session's attained
+service (`record_service`)."""
 
 from __future__ import annotations
 
@@ -186,6 +187,38 @@ def observe(
         if ttft_s is not None and queued_s > 0.0:
             ttft_s -= queued_s
         svc.calibrator.observe_plan(plan, ttft_s=ttft_s, tpot_s=tpot_s, transfer_s=transfer_s)
+
+
+def record_reuse(
+    svc: ObserveServices,
+    model: str,
+    plan: Plan,
+    match: Match,
+    prompt_tokens: int,
+    block_size: int,
+    delivered: int | None,
+) -> None:
+    """Count an answered request's prompt and its prefix reuse in
+    `ownerserve_prefix_tokens_total`, under the worker that ran its prefill (`plan`: the plan
+    as it ran): the prompt; the longest prefix its directory lookup (`match`, the one the
+    request made) found held anywhere; what the plan expected that worker to reuse; and what
+    the worker reported cached (`delivered`, with the prompt as `reported`; nothing when its
+    answer did not say). Each capped at the prompt; no directory call, no scan but the
+    match's holdings."""
+    c = plan.chosen
+    prompt, available, predicted, cached, reported = svc.metrics.prefix_tokens_of(
+        model, c.prefill_worker
+    )
+    held = 0
+    for h in match.holdings:
+        if h.blocks > held:
+            held = h.blocks
+    prompt.inc(prompt_tokens)
+    available.inc(min(held * block_size, prompt_tokens))
+    predicted.inc(min(c.reused_blocks * block_size, prompt_tokens))
+    if delivered is not None:
+        cached.inc(min(delivered, prompt_tokens))
+        reported.inc(prompt_tokens)
 
 
 def tpot(ttft_s: float | None, e2e_s: float, output_events: int) -> float | None:

@@ -138,21 +138,26 @@ class Router:
         self.services = self.request_services()
         """Each stage's services (rebuilt when the directory opens and when the router
         starts: the directory and the executor come then)."""
+        self._model_names = tuple(m.name for m in settings.models)
         self.metrics.start_at_zero(
-            (m.name for m in settings.models), self.planner.default.name, [a.value for a in Action]
+            self._model_names, self.planner.default.name, [a.value for a in Action]
         )
         self.metrics.on_read(self._observe_metrics)
 
     def _observe_metrics(self) -> None:
         """The gauges of the workers' states and of the open leases, set as each read of the
-        metrics begins (`RouterMetrics.on_read`), and each worker's error counters there."""
+        metrics begins (`RouterMetrics.on_read`), and each worker's error counters and prefix
+        reuse counters (per model it serves) there."""
         m = self.metrics
+        every_model = self._model_names
         for w in self.pool.all():
             wid = w.worker_id
             m.of(m.breaker, wid).set(int(w.breaker.state))
             m.of(m.healthy, wid).set(1 if w.healthy else 0)
             m.of(m.inflight, wid).set(w.inflight)
             m.worker_at_zero(wid)
+            for model in w.settings.models or every_model:
+                m.prefix_tokens_of(model, wid)
         m.leases_open.set(self.leases.open)
 
     # --- lifecycle -------------------------------------------------------------------------

@@ -1,0 +1,144 @@
+"""The KV economics the router exports, against emulated engines (real processes) and the
+in-process directory: per answered request the prompt's prefix reuse
+(`ownerserve_prefix_tokens_total`: its prompt, what the directory held, what the plan
+predicted, what the prefill worker reported cached) agrees with the request log and with what
+each worker counted itself."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+import pytest
+
+from loadgen.cluster import EmulatedWorker
+from router.requestlog import REQUEST_LOGGER, parse_logfmt
+from tests.e2e.router_cluster import (
+    MODEL,
+    metric_value,
+    plan_fields,
+    proxy_client,
+    router_settings,
+    sse_chunks,
+    workers_fixture,
+)
+from tests.waiting import until
+
+pytestmark = pytest.mark.timeout(180)
+
+cluster = workers_fixture(
+    lambda: (EmulatedWorker("h0", "hybrid", speed=20), EmulatedWorker("h1", "hybrid", speed=20))
+)
+
+SYSTEM = {"role": "system", "content": "You are a coding agent working on one repository.\n"}
+REPO = "".join(
+    f"def handler_{i}(request):\n    return route(request, shard={i})\n" for i in range(30)
+)
+
+
+async def turn(
+    client: httpx.AsyncClient,
+    session: str,
+    messages: list[dict[str, Any]],
+    *,
+    stream: bool = True,
+    policy: str | None = None,
+) -> tuple[dict[str, str], dict[str, Any], str]:
+    """One chat turn (streamed with its usage chunk, or whole): (its plan, its usage, its
+    answer's text)."""
+    body: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 6}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    headers = {"x-session-id": session}
+    if policy is not None:
+        headers["x-ownerserve-policy"] = policy
+    if not stream:
+        resp = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert resp.status_code == 200, resp.text
+        answer = resp.json()
+        text = answer["choices"][0]["message"]["content"] or ""
+        return plan_fields(resp.headers["x-ownerserve-plan"]), answer["usage"], text
+    usage: dict[str, Any] = {}
+    parts: list[str] = []
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
+        assert resp.status_code == 200, (await resp.aread()).decode()
+        plan = plan_fields(resp.headers["x-ownerserve-plan"])
+        async for chunk in sse_chunks(resp):
+            for choice in chunk.get("choices") or ():
+                parts.append(choice["delta"].get("content") or "")
+            usage = chunk.get("usage") or usage
+    return plan, usage, "".join(parts)
+
+
+def prefix_tokens(text: str, worker: str, kind: str) -> float:
+    return metric_value(text, "ownerserve_prefix_tokens_total", worker=worker, kind=kind)
+
+
+def engine_hits(workers: Any) -> dict[str, float]:
+    """Each worker's own count of prompt tokens found in its prefix cache."""
+    return {w.worker_id: metric_value(w.metrics(), "vllm:prefix_cache_hits_total") for w in workers}
+
+
+async def test_prefix_reuse_agrees_with_the_request_log_and_the_workers_own_cache_hits(
+    cluster: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=REQUEST_LOGGER)
+    ids = [w.worker_id for w in cluster]
+    settings = router_settings(
+        cluster, planner={"policy": "ownerserve", "allow_policy_header": True}
+    )
+    hits_before = engine_hits(cluster)
+    async with proxy_client(settings) as (client, _):
+        before = (await client.get("/metrics")).text
+        for w in ids:  # every label set is there before the first request
+            for kind in ("prompt", "available", "predicted", "delivered", "reported"):
+                assert f'kind="{kind}",model="{MODEL}",worker="{w}"' in before
+        messages = [SYSTEM, {"role": "user", "content": "Repository:\n" + REPO + "Fix shard 3."}]
+        usages: list[dict[str, Any]] = []
+        plans: list[dict[str, str]] = []
+        for k in range(3):  # a session's turns, each extending the last: reuse grows
+            plan, usage, text = await turn(client, "econ-a", messages, stream=k != 1)
+            plans.append(plan)
+            usages.append(usage)
+            messages += [
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": f"Now shard {k + 4}, please."},
+            ]
+        # a remote prefill of a new prompt: P holds none of it, D counts all P sent as cached,
+        # and the prefill worker's own answer is what counts as delivered
+        fresh = [{"role": "user", "content": "An unrelated question about caching. " * 30}]
+        plan, usage, _ = await turn(client, "econ-b", fresh, policy="static-pd")
+        assert plan["action"] == "remote_prefill" and plan["p"] != plan["d"]
+        plans.append(plan)
+        usages.append(usage)
+
+        n = len(plans)
+        await until(
+            lambda: sum(r.name == REQUEST_LOGGER for r in caplog.records) >= n,
+            what="every request's log line",
+        )
+        logged = [parse_logfmt(r.getMessage()) for r in caplog.records if r.name == REQUEST_LOGGER]
+        after = (await client.get("/metrics")).text
+
+    by_p = {w: [line for line in logged if line["prefill"] == w] for w in ids}
+    for w in ids:
+        assert prefix_tokens(after, w, "prompt") == sum(int(x["prompt_tokens"]) for x in by_p[w])
+        assert prefix_tokens(after, w, "predicted") == sum(int(x["reused_tokens"]) for x in by_p[w])
+        # every emulated answer reports its cached tokens: reported is the whole prompt
+        assert prefix_tokens(after, w, "reported") == prefix_tokens(after, w, "prompt")
+    # the router's prompt tokens are the engines' own count of them
+    assert sum(prefix_tokens(after, w, "prompt") for w in ids) == sum(
+        u["prompt_tokens"] for u in usages
+    )
+    # the session's later turns found its earlier prompt held: available at least predicted
+    session_p = plans[1]["p"]
+    assert prefix_tokens(after, session_p, "available") > 0
+    for w in ids:
+        assert prefix_tokens(after, w, "available") >= prefix_tokens(after, w, "predicted")
+    # delivered is each prefill worker's own cache hits (the workers count them too), not the
+    # decode side's report of a remote prefill (it counts what P sent as cached)
+    hits = engine_hits(cluster)
+    for w in ids:
+        assert prefix_tokens(after, w, "delivered") == hits[w] - hits_before[w]
+    assert usages[-1]["prompt_tokens_details"]["cached_tokens"] > 0  # D's report
