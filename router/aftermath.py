@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ownerserve.directory.base import Match
+from ownerserve.directory.base import Lease, Match
 from ownerserve.errors import OwnerServeError
 from ownerserve.records import fast_init
 from ownerserve.types import Tier
@@ -95,16 +95,29 @@ async def commit(svc: CommitServices, plan: Plan, prompt: Prompt, match: Match) 
     )
     try:
         with svc.span("ownerserve.directory.commit"):
-            await commit_plan(directory, served, svc.lifetimes, concurrent=not svc.inline)
+            lease = await commit_plan(directory, served, svc.lifetimes, concurrent=not svc.inline)
         decode = svc.pool.get(plan.chosen.decode_worker)
         if decode is not None and tok.chain:
             decode.note_commit(tok.chain[-1], time.time())  # its KV events may lag this
+            if lease is not None and not decode.settings.kv_events_endpoint:
+                held_for(svc, decode.worker_id, lease, len(tok.chain), match)
     except OwnerServeError as exc:
         svc.errors.inc()
         log.warning("directory commit failed: %s", exc)
     except Exception:
         svc.errors.inc()
         log.exception("directory commit failed")
+
+
+def held_for(svc: CommitServices, worker: str, lease: Lease, blocks: int, match: Match) -> None:
+    """A commit of a prompt of `blocks` blocks on `worker`, which publishes no KV events, got
+    `lease`: the KV the router holds there (`CommittedLeases`) takes the blocks its claim
+    covered (those past the prefix `match` found owned), or keeps a renewed lease's count.
+    Another worker's lease (it owned the blocks already) is not this worker's."""
+    if lease.worker != worker:
+        return
+    owned = min(match.owner_blocks, blocks) if match.owner is not None else 0
+    svc.committed.held(lease, blocks - owned if owned < blocks else None)
 
 
 async def record_chunks(svc: CommitServices, plan: Plan, prompt: Prompt) -> None:

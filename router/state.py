@@ -19,6 +19,7 @@ from ownerserve.errors import AuthenticationError
 from ownerserve.kvstate import KVStateSpec, load_spec
 from ownerserve.profiles import load_profile
 from ownerserve.tasks import cancel_and_wait, finish_or_cancel
+from ownerserve.types import TIER_ORDER, Tier
 from planner.calibration import Calibrator
 from planner.policies import Planner
 from planner.types import Action
@@ -26,7 +27,7 @@ from planner.workingset import RetentionConfig, WorkingSets
 from router import membership
 from router.admission import Admission
 from router.aftermath import REPLICA_TTL_S
-from router.commit import Lifetimes, PendingCommits
+from router.commit import CommittedLeases, Lifetimes, PendingCommits
 from router.executor import PlanExecutor
 from router.lease import LeaseLedger, LeaseServices
 from router.links import NicLedger
@@ -135,6 +136,11 @@ class Router:
         """The requests' open `RequestLease`s (`open`: how many hold something now)."""
         self.pending_commits = PendingCommits()
         """Each session's directory commit still in flight (a directory whose calls wait)."""
+        self.committed_leases = CommittedLeases()
+        """The blocks of the leases this router's commits hold, per worker without KV events
+        (`ownerserve_kv_blocks{source="leases"}`)."""
+        self._block_sizes = {m.name: m.block_size for m in settings.models}
+        self._economics: asyncio.Task[None] | None = None
         self.services = self.request_services()
         """Each stage's services (rebuilt when the directory opens and when the router
         starts: the directory and the executor come then)."""
@@ -146,8 +152,9 @@ class Router:
 
     def _observe_metrics(self) -> None:
         """The gauges of the workers' states and of the open leases, set as each read of the
-        metrics begins (`RouterMetrics.on_read`), and each worker's error counters and prefix
-        reuse counters (per model it serves) there."""
+        metrics begins (`RouterMetrics.on_read`), each worker's KV per tier (from its KV
+        events, or the leases this router holds for it), and each worker's error counters and
+        prefix reuse counters (per model it serves) there."""
         m = self.metrics
         every_model = self._model_names
         for w in self.pool.all():
@@ -156,8 +163,19 @@ class Router:
             m.of(m.healthy, wid).set(1 if w.healthy else 0)
             m.of(m.inflight, wid).set(w.inflight)
             m.worker_at_zero(wid)
-            for model in w.settings.models or every_model:
+            models = w.settings.models or every_model
+            for model in models:
                 m.prefix_tokens_of(model, wid)
+            if w.settings.kv_events_endpoint:
+                for tier in TIER_ORDER:
+                    blocks, per_block = w.tier_blocks(tier)
+                    m.of(m.kv_blocks, wid, tier.value, "events").set(blocks)
+                    m.of(m.kv_tokens, wid, tier.value, "events").set(blocks * per_block)
+            else:
+                blocks = self.committed_leases.blocks(wid)
+                per_block = self._block_sizes.get(models[0], 0) if models else 0
+                m.of(m.kv_blocks, wid, Tier.GPU.value, "leases").set(blocks)
+                m.of(m.kv_tokens, wid, Tier.GPU.value, "leases").set(blocks * per_block)
         m.leases_open.set(self.leases.open)
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -189,6 +207,7 @@ class Router:
             await self.pool.start(self.http)
             if self.settings.directory.sweep_interval_s > 0:
                 self._sweeper = asyncio.create_task(self._sweep_loop(), name="directory-sweep")
+            self._economics = asyncio.create_task(self._economics_loop(), name="kv-economics")
             self.services = self.request_services()
             self.started = True
 
@@ -209,9 +228,20 @@ class Router:
                 self.metrics.sweep_errors.inc()
                 log.warning("directory sweep failed: %r", exc)
 
+    async def _economics_loop(self) -> None:
+        """Every health interval, what the KV economics metrics read and a read must not do:
+        the expired leases leave `committed_leases` (a metrics read may run on the OTLP
+        export's thread, and only reads)."""
+        interval = self.settings.server.health_interval_s
+        while True:
+            self.committed_leases.expire()
+            await asyncio.sleep(interval)
+
     async def close(self) -> None:
         await cancel_and_wait(self._sweeper)
         self._sweeper = None
+        await cancel_and_wait(self._economics)
+        self._economics = None
         await self.admission.close()
         await self.pool.close()
         for sub in self.subscribers:
@@ -292,6 +322,7 @@ class Router:
                 self.spawn,
                 self.pending_commits,
                 metrics.commit_errors,
+                self.committed_leases,
             ),
             observe=ObserveServices(metrics, self.calibrator),
             lease=LeaseServices(

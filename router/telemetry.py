@@ -285,6 +285,23 @@ class RouterMetrics:
             ["model", "worker", "kind"],
         )
         self._prefix_children: dict[tuple[str, str], tuple[Any, ...]] = {}
+        self.kv_blocks, self.kv_tokens = (
+            gauge(name, doc, ["worker", "tier", "source"])
+            for name, doc in (
+                (
+                    "ownerserve_kv_blocks",
+                    "KV blocks each worker holds per tier (gpu, cpu, ssd), by source: events "
+                    "(a worker publishing KV events: blocks stored less removed, as the router "
+                    "applies its event batches) or leases (a worker without KV events: the "
+                    "blocks of the live leases this router's commits took there, gpu only)",
+                ),
+                (
+                    "ownerserve_kv_tokens",
+                    "Tokens of KV each worker holds per tier: ownerserve_kv_blocks times the "
+                    "block size (its events', or its model's for leases)",
+                ),
+            )
+        )
         self.subscriber_close_errors = counter(
             "ownerserve_kv_subscriber_close_errors_total",
             "KV event subscriptions that failed to close",

@@ -1,8 +1,9 @@
-"""The KV economics the router exports, against emulated engines (real processes) and the
-in-process directory: per answered request the prompt's prefix reuse
+"""The KV economics the router exports, against emulated engines (real processes, with a CPU
+tier) and the in-process directory: per answered request the prompt's prefix reuse
 (`ownerserve_prefix_tokens_total`: its prompt, what the directory held, what the plan
 predicted, what the prefill worker reported cached) agrees with the request log and with what
-each worker counted itself."""
+each worker counted itself; the KV each worker holds per tier (`ownerserve_kv_blocks`, from
+its KV events) is what the worker's `GET /kv_blocks` shows."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(180)
 
+CPU_TIER = ("--cpu-num-blocks", "4096")
+
 cluster = workers_fixture(
-    lambda: (EmulatedWorker("h0", "hybrid", speed=20), EmulatedWorker("h1", "hybrid", speed=20))
+    lambda: tuple(EmulatedWorker(wid, "hybrid", speed=20, extra=CPU_TIER) for wid in ("h0", "h1"))
 )
 
 SYSTEM = {"role": "system", "content": "You are a coding agent working on one repository.\n"}
@@ -73,6 +76,26 @@ async def turn(
 
 def prefix_tokens(text: str, worker: str, kind: str) -> float:
     return metric_value(text, "ownerserve_prefix_tokens_total", worker=worker, kind=kind)
+
+
+def kv_blocks(text: str, worker: str, tier: str) -> float:
+    return metric_value(text, "ownerserve_kv_blocks", worker=worker, tier=tier, source="events")
+
+
+async def held(workers: Any) -> dict[str, dict[str, Any]]:
+    """Each worker's `GET /kv_blocks`."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        return {w.worker_id: (await http.get(w.url + "/kv_blocks")).json() for w in workers}
+
+
+async def cold(workers: Any) -> None:
+    """Every worker's caches dropped, its CPU tier's too, before a router subscribes to its
+    KV events (a router counts what a worker holds from the events it gets: what was stored
+    before it subscribed is not among them)."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        for w in workers:
+            resp = await http.post(w.url + "/reset_prefix_cache?reset_external=true")
+            assert resp.status_code == 200, resp.text
 
 
 def engine_hits(workers: Any) -> dict[str, float]:
@@ -142,3 +165,31 @@ async def test_prefix_reuse_agrees_with_the_request_log_and_the_workers_own_cach
     for w in ids:
         assert prefix_tokens(after, w, "delivered") == hits[w] - hits_before[w]
     assert usages[-1]["prompt_tokens_details"]["cached_tokens"] > 0  # D's report
+
+
+async def test_kv_held_per_worker_and_tier_is_what_each_worker_shows(cluster: Any) -> None:
+    await cold(cluster)
+    settings = router_settings(cluster)
+    async with proxy_client(settings) as (client, _):
+        for i in range(4):  # sessions on both workers, their prompts written through to CPU
+            messages = [{"role": "user", "content": f"Session {i}: explain the build. " * 40}]
+            await turn(client, f"econ-held-{i}", messages, policy=None)
+        shown: dict[str, Any] = {}
+
+        async def agree() -> bool:
+            text = (await client.get("/metrics")).text
+            shown.update(workers=await held(cluster), text=text)
+            return all(
+                kv_blocks(text, wid, "gpu") == kv["blocks_held"]
+                and kv_blocks(text, wid, "cpu") == kv["cpu_blocks_held"]
+                for wid, kv in shown["workers"].items()
+            )
+
+        await until(agree, what="the router's KV per worker and tier equal to the workers'")
+    text, workers = shown["text"], shown["workers"]
+    assert sum(kv["blocks_held"] for kv in workers.values()) > 0
+    assert sum(kv["cpu_blocks_held"] for kv in workers.values()) > 0
+    for wid, kv in workers.items():
+        assert kv_blocks(text, wid, "ssd") == 0
+        tokens = metric_value(text, "ownerserve_kv_tokens", worker=wid, tier="gpu", source="events")
+        assert tokens == kv["blocks_held"] * kv["block_size"]
