@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Mapping
 from typing import Any
 
 from ownerserve.config import Settings
-from ownerserve.directory.base import Directory
+from ownerserve.directory.base import CachedCounts, Directory
 from ownerserve.errors import AuthenticationError
 from ownerserve.kvstate import KVStateSpec, load_spec
 from ownerserve.profiles import load_profile
@@ -141,6 +141,9 @@ class Router:
         (`ownerserve_kv_blocks{source="leases"}`)."""
         self._block_sizes = {m.name: m.block_size for m in settings.models}
         self._economics: asyncio.Task[None] | None = None
+        self.cached_counts: CachedCounts | None = None
+        """The directory's GPU-cached blocks over every worker, as last read
+        (`ownerserve_kv_blocks_distinct`, `_kv_block_copies`; None before the first read)."""
         self.services = self.request_services()
         """Each stage's services (rebuilt when the directory opens and when the router
         starts: the directory and the executor come then)."""
@@ -153,8 +156,9 @@ class Router:
     def _observe_metrics(self) -> None:
         """The gauges of the workers' states and of the open leases, set as each read of the
         metrics begins (`RouterMetrics.on_read`), each worker's KV per tier (from its KV
-        events, or the leases this router holds for it), and each worker's error counters and
-        prefix reuse counters (per model it serves) there."""
+        events, or the leases this router holds for it), the directory's GPU-cached counts as
+        last read, and each worker's error counters and prefix reuse counters (per model it
+        serves) there."""
         m = self.metrics
         every_model = self._model_names
         for w in self.pool.all():
@@ -177,6 +181,10 @@ class Router:
                 m.of(m.kv_blocks, wid, Tier.GPU.value, "leases").set(blocks)
                 m.of(m.kv_tokens, wid, Tier.GPU.value, "leases").set(blocks * per_block)
         m.leases_open.set(self.leases.open)
+        counts = self.cached_counts
+        if counts is not None:
+            m.of(m.kv_distinct, Tier.GPU.value).set(counts.distinct)
+            m.of(m.kv_copies, Tier.GPU.value).set(counts.copies)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -229,12 +237,19 @@ class Router:
                 log.warning("directory sweep failed: %r", exc)
 
     async def _economics_loop(self) -> None:
-        """Every health interval, what the KV economics metrics read and a read must not do:
-        the expired leases leave `committed_leases` (a metrics read may run on the OTLP
-        export's thread, and only reads)."""
+        """Every health interval, what the KV economics metrics read and a read must not do
+        (a metrics read may run on the OTLP export's thread, and only reads): the expired
+        leases leave `committed_leases`, and the directory's GPU-cached counts are read (one
+        round trip, `Directory.cached_counts`; a failed read keeps the last)."""
         interval = self.settings.server.health_interval_s
         while True:
             self.committed_leases.expire()
+            directory = self.directory
+            if directory is not None:
+                try:
+                    self.cached_counts = await directory.cached_counts()
+                except Exception as exc:
+                    log.debug("reading the directory's cached counts failed: %r", exc)
             await asyncio.sleep(interval)
 
     async def close(self) -> None:

@@ -302,6 +302,23 @@ class RouterMetrics:
                 ),
             )
         )
+        self.kv_distinct, self.kv_copies = (
+            gauge(name, doc, ["tier"])
+            for name, doc in (
+                (
+                    "ownerserve_kv_blocks_distinct",
+                    "Distinct KV blocks that at least one worker caches, by tier (gpu), as the "
+                    "directory's record of every worker's KV events says (all router replicas' "
+                    "workers of the directory); read every health interval",
+                ),
+                (
+                    "ownerserve_kv_block_copies",
+                    "(block, worker) pairs of cached KV blocks, by tier (gpu): each worker's "
+                    "blocks summed, as the directory records them. The HBM duplicate factor "
+                    "is ownerserve_kv_block_copies / ownerserve_kv_blocks_distinct",
+                ),
+            )
+        )
         self.subscriber_close_errors = counter(
             "ownerserve_kv_subscriber_close_errors_total",
             "KV event subscriptions that failed to close",
