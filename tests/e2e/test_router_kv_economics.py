@@ -3,11 +3,15 @@ tier) and the in-process directory: per answered request the prompt's prefix reu
 (`ownerserve_prefix_tokens_total`: its prompt, what the directory held, what the plan
 predicted, what the prefill worker reported cached) agrees with the request log and with what
 each worker counted itself; the KV each worker holds per tier (`ownerserve_kv_blocks`, from
-its KV events) is what the worker's `GET /kv_blocks` shows."""
+its KV events) is what the worker's `GET /kv_blocks` shows; and after multi-turn sessions
+sharing a prefix over both workers, the HBM duplicate factor the router exports
+(`ownerserve_kv_block_copies / ownerserve_kv_blocks_distinct`, from the directory's counts,
+in-process and on Redis) and each worker's GPU blocks agree with the workers' own within 5%."""
 
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 import httpx
@@ -193,3 +197,76 @@ async def test_kv_held_per_worker_and_tier_is_what_each_worker_shows(cluster: An
         assert kv_blocks(text, wid, "ssd") == 0
         tokens = metric_value(text, "ownerserve_kv_tokens", worker=wid, tier="gpu", source="events")
         assert tokens == kv["blocks_held"] * kv["block_size"]
+
+
+AGREE = 0.05
+"""How far the router's figures may be from the workers' own (relative)."""
+
+
+def near(got: float, want: float) -> bool:
+    return abs(got - want) <= AGREE * want
+
+
+@pytest.mark.parametrize("backend", ["memory", pytest.param("redis", marks=pytest.mark.redis)])
+async def test_the_duplicate_factor_and_gpu_blocks_agree_with_the_workers(
+    cluster: Any, backend: str, request: pytest.FixtureRequest
+) -> None:
+    await cold(cluster)
+    sections: dict[str, Any] = {"planner": {"policy": "ownerserve", "allow_policy_header": True}}
+    if backend == "redis":
+        server = request.getfixturevalue("redis_server")
+        prefix = f"econ-{uuid.uuid4().hex[:8]}"
+        sections["directory"] = {"backend": "redis", "redis_url": server.url, "key_prefix": prefix}
+    settings = router_settings(cluster, **sections)
+    shared = {"role": "system", "content": "Shared instructions for every agent.\n" + REPO}
+    sessions: dict[str, list[dict[str, Any]]] = {
+        f"econ-dup-{backend}-{i}": [shared, {"role": "user", "content": f"Task {i}: fix it."}]
+        for i in range(4)
+    }
+    workers_used: set[str] = set()
+    measured: dict[str, Any] = {}
+    async with proxy_client(settings) as (client, _):
+        for k in range(3):
+            for i, (sid, messages) in enumerate(sessions.items()):
+                # half the sessions go round the workers turn by turn: the shared prefix and
+                # their own earlier turns end up cached on both
+                policy = "round-robin" if i % 2 else None
+                plan, _, text = await turn(client, sid, messages, policy=policy)
+                workers_used.add(plan["p"])
+                messages += [
+                    {"role": "assistant", "content": text},
+                    {"role": "user", "content": f"Turn {k + 1}: and the tests?"},
+                ]
+
+        async def agree() -> bool:
+            text = (await client.get("/metrics")).text
+            shown = await held(cluster)
+            union = set().union(*(kv["block_hashes"] for kv in shown.values()))
+            measured.update(
+                workers_distinct=len(union),
+                workers_copies=sum(kv["blocks_held"] for kv in shown.values()),
+                router_distinct=metric_value(text, "ownerserve_kv_blocks_distinct", tier="gpu"),
+                router_copies=metric_value(text, "ownerserve_kv_block_copies", tier="gpu"),
+                per_worker={
+                    wid: (kv_blocks(text, wid, "gpu"), kv["blocks_held"])
+                    for wid, kv in shown.items()
+                },
+            )
+            m = measured
+            if not m["router_distinct"] or not m["workers_distinct"]:
+                return False
+            m["router_factor"] = m["router_copies"] / m["router_distinct"]
+            m["workers_factor"] = m["workers_copies"] / m["workers_distinct"]
+            return (
+                near(m["router_distinct"], m["workers_distinct"])
+                and near(m["router_copies"], m["workers_copies"])
+                and near(m["router_factor"], m["workers_factor"])
+                and all(near(got, want) for got, want in m["per_worker"].values())
+            )
+
+        try:
+            await until(agree, what="the router's KV figures within 5% of the workers'")
+        finally:
+            print(f"\n{backend}: {measured}")
+    assert workers_used == {w.worker_id for w in cluster}
+    assert measured["workers_factor"] > 1.2  # the shared prefix is on both workers
