@@ -1,6 +1,7 @@
 """What follows an answer: the `commit` stage (ownership into the directory, the chunk holders
 of a chunked prompt, a hot prefix's replica when the plan asks for one), then `observe`
-(metrics, calibration) and the session's attained service (`record_service`)."""
+(metrics, calibration), the prompt's prefix reuse (`record_reuse`) and the session's attained
+service (`record_service`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ownerserve.directory.base import Match
+from ownerserve.directory.base import Lease, Match
 from ownerserve.errors import OwnerServeError
 from ownerserve.records import fast_init
 from ownerserve.types import Tier
@@ -94,16 +95,29 @@ async def commit(svc: CommitServices, plan: Plan, prompt: Prompt, match: Match) 
     )
     try:
         with svc.span("ownerserve.directory.commit"):
-            await commit_plan(directory, served, svc.lifetimes, concurrent=not svc.inline)
+            lease = await commit_plan(directory, served, svc.lifetimes, concurrent=not svc.inline)
         decode = svc.pool.get(plan.chosen.decode_worker)
         if decode is not None and tok.chain:
             decode.note_commit(tok.chain[-1], time.time())  # its KV events may lag this
+            if lease is not None and not decode.settings.kv_events_endpoint:
+                held_for(svc, decode.worker_id, lease, len(tok.chain), match)
     except OwnerServeError as exc:
         svc.errors.inc()
         log.warning("directory commit failed: %s", exc)
     except Exception:
         svc.errors.inc()
         log.exception("directory commit failed")
+
+
+def held_for(svc: CommitServices, worker: str, lease: Lease, blocks: int, match: Match) -> None:
+    """A commit of a prompt of `blocks` blocks on `worker`, which publishes no KV events, got
+    `lease`: the KV the router holds there (`CommittedLeases`) takes the blocks its claim
+    covered (those past the prefix `match` found owned), or keeps a renewed lease's count.
+    Another worker's lease (it owned the blocks already) is not this worker's."""
+    if lease.worker != worker:
+        return
+    owned = min(match.owner_blocks, blocks) if match.owner is not None else 0
+    svc.committed.held(lease, blocks - owned if owned < blocks else None)
 
 
 async def record_chunks(svc: CommitServices, plan: Plan, prompt: Prompt) -> None:
@@ -186,6 +200,38 @@ def observe(
         if ttft_s is not None and queued_s > 0.0:
             ttft_s -= queued_s
         svc.calibrator.observe_plan(plan, ttft_s=ttft_s, tpot_s=tpot_s, transfer_s=transfer_s)
+
+
+def record_reuse(
+    svc: ObserveServices,
+    model: str,
+    plan: Plan,
+    match: Match,
+    prompt_tokens: int,
+    block_size: int,
+    delivered: int | None,
+) -> None:
+    """Count an answered request's prompt and its prefix reuse in
+    `ownerserve_prefix_tokens_total`, under the worker that ran its prefill (`plan`: the plan
+    as it ran): the prompt; the longest prefix its directory lookup (`match`, the one the
+    request made) found held anywhere; what the plan expected that worker to reuse; and what
+    the worker reported cached (`delivered`, with the prompt as `reported`; nothing when its
+    answer did not say). Each capped at the prompt; no directory call, no scan but the
+    match's holdings."""
+    c = plan.chosen
+    prompt, available, predicted, cached, reported = svc.metrics.prefix_tokens_of(
+        model, c.prefill_worker
+    )
+    held = 0
+    for h in match.holdings:
+        if h.blocks > held:
+            held = h.blocks
+    prompt.inc(prompt_tokens)
+    available.inc(min(held * block_size, prompt_tokens))
+    predicted.inc(min(c.reused_blocks * block_size, prompt_tokens))
+    if delivered is not None:
+        cached.inc(min(delivered, prompt_tokens))
+        reported.inc(prompt_tokens)
 
 
 def tpot(ttft_s: float | None, e2e_s: float, output_events: int) -> float | None:

@@ -7,12 +7,16 @@ worker owns — unless the session moved there with its KV (a state migration fr
 owner): then it owns that prefix, and the source's copy is a short-TTL replica that ages out
 (`Directory.transfer`). A remote prefill leaves a transient copy on the prefill worker: a
 short-TTL replica. A forked branch takes a copy-on-write reference on the prefix it shares.
+`CommittedLeases` keeps, per worker, the blocks of the live leases these commits took: the
+KV the router holds for a worker that publishes no KV events.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+import heapq
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -207,3 +211,78 @@ class PendingCommits:
         task = self._tasks.get(session_id) if session_id is not None else None
         if task is not None and not task.done():
             await asyncio.wait((task,), timeout=self.wait_s)
+
+
+class CommittedLeases:
+    """Per worker, the blocks of the live leases this router's commits took there (a claim's
+    new blocks) or renewed (the count its claim gave): what the router holds for a worker
+    that publishes no KV events (`ownerserve_kv_blocks{source="leases"}`). A lease counts
+    until its expiry (the directory's clock: unix seconds), or until its worker dies or is
+    removed (`forget_worker`); expired ones leave at the next write or `expire` (which the
+    router runs every health interval: a read only reads, so a metrics export on another
+    thread may call it). A heap by expiry, one entry per write: amortised O(log n) a write.
+    Leases another router replica took, and leases a state migration handed over, are not
+    seen here."""
+
+    __slots__ = ("_blocks", "_clock", "_expiries", "_leases")
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._leases: dict[int, tuple[str, int, float]] = {}
+        """Artifact id -> (worker, blocks, expiry)."""
+        self._blocks: dict[str, int] = {}
+        """Per worker: the blocks of its leases here."""
+        self._expiries: list[tuple[float, int]] = []
+        """(expiry, artifact id) of every write, a heap; entries a later write replaced are
+        skipped."""
+
+    def held(self, lease: Lease, blocks: int | None) -> None:
+        """`lease` was taken (`blocks`: its new blocks) or renewed (None: the blocks its
+        claim counted, if this ledger saw it; a renewal of a lease it never saw adds none)."""
+        now = self._clock()
+        self.expire(now)
+        old = self._leases.pop(lease.artifact_id, None)
+        if old is not None:
+            self._add(old[0], -old[1])
+            if blocks is None:
+                blocks = old[1]
+        if blocks is None or blocks <= 0 or lease.expires_at <= now:
+            return
+        self._leases[lease.artifact_id] = (lease.worker, blocks, lease.expires_at)
+        self._add(lease.worker, blocks)
+        heapq.heappush(self._expiries, (lease.expires_at, lease.artifact_id))
+
+    def blocks(self, worker: str) -> int:
+        """The blocks of `worker`'s leases this router took, as of the last write or
+        `expire` (a plain read)."""
+        return self._blocks.get(worker, 0)
+
+    def forget_worker(self, worker: str) -> None:
+        """`worker` died or left: its leases end (the directory drops them too)."""
+        for aid in [a for a, (w, _, _) in self._leases.items() if w == worker]:
+            del self._leases[aid]
+        self._blocks.pop(worker, None)
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def _add(self, worker: str, blocks: int) -> None:
+        n = self._blocks.get(worker, 0) + blocks
+        if n > 0:
+            self._blocks[worker] = n
+        else:
+            self._blocks.pop(worker, None)
+
+    def expire(self, now: float | None = None) -> None:
+        """Drop the leases expired at `now` (default: the clock's now)."""
+        if now is None:
+            now = self._clock()
+        heap, leases = self._expiries, self._leases
+        while heap and heap[0][0] <= now:
+            expires_at, aid = heapq.heappop(heap)
+            entry = leases.get(aid)
+            if entry is not None and entry[2] == expires_at:
+                del leases[aid]
+                self._add(entry[0], -entry[1])
+        if not leases:
+            heap.clear()

@@ -157,6 +157,9 @@ class OpenedResponse:
     chunks: tuple[int, int, int] | None = None
     """Chunk reuse: the prompt's chunks (reused, fetched, recomputed) as they ran (set by the
     pipeline; the plan header's `chunks=`)."""
+    prefill_answer: bytes | None = None
+    """A remote prefill's answer from P (after-prefill hand-over: read whole), whose usage
+    says what P's cache held of the prompt (`router.inflight.delivered_tokens`)."""
 
     async def aclose(self) -> None:
         """Release the connection (or abort it if the body was not fully read: that cancels
@@ -538,6 +541,7 @@ class PlanExecutor:
             return await self._colocated(decode, req, headers, limits, gave_up)
         opened.transfer_s = transfer_s
         opened.workers = [prefill, decode]
+        opened.prefill_answer = data
         return opened
 
     def _release_handoff(self, prefill: WorkerState, p_answer: Any) -> None:

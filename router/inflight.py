@@ -1,6 +1,7 @@
-"""What a request's prompt and answer say that its accounting needs (`router.lease`): the tool
-whose result a chat's last message carries, the tool a whole answer calls, and how many output
-tokens an answer had."""
+"""What a request's prompt and answer say that its accounting needs (`router.lease`,
+`router.aftermath`): the tool whose result a chat's last message carries, the tool a whole
+answer calls, how many output tokens an answer had, and how many prompt tokens its prefill
+worker reported cached."""
 
 from __future__ import annotations
 
@@ -60,14 +61,37 @@ def output_tokens(opened: OpenedResponse | None, streamed: bool, events: int) ->
 def completion_tokens(body: bytes) -> int:
     """`usage.completion_tokens` of a whole OpenAI answer, found without parsing it (0 if
     absent)."""
-    key = b'"completion_tokens":'
+    return _number_after(body, b'"completion_tokens":') or 0
+
+
+def _number_after(body: bytes, key: bytes) -> int | None:
+    """The integer after the last `key` in `body` (spaces after it skipped); None when `key`
+    is absent or no digits follow (`null`)."""
     i = body.rfind(key)
     if i < 0:
-        return 0
+        return None
     i += len(key)
     while i < len(body) and body[i] == 0x20:
         i += 1
     j = i
     while j < len(body) and 0x30 <= body[j] <= 0x39:
         j += 1
-    return int(body[i:j]) if j > i else 0
+    return int(body[i:j]) if j > i else None
+
+
+def cached_tokens(body: bytes) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens` of an OpenAI answer (a whole body, or the
+    tail of a stream holding its usage chunk), found without parsing it: the last such key
+    (a message quoting the key has it escaped, `\\"`, so it never matches); None when the
+    answer does not report it."""
+    return _number_after(body, b'"cached_tokens":')
+
+
+def delivered_tokens(opened: OpenedResponse, streamed: bool, tail: bytes) -> int | None:
+    """The prompt tokens an answered request's prefill worker reported cached: P's answer's
+    after a remote prefill (`OpenedResponse.prefill_answer`), else the answer's own (whole:
+    its body; streamed: `tail`, its last reads, where the usage chunk is when the client asked
+    for one); None when the answer does not say."""
+    if opened.prefill_answer is not None:
+        return cached_tokens(opened.prefill_answer)
+    return cached_tokens(tail if streamed else opened.first)

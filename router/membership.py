@@ -74,7 +74,7 @@ class LiveWorkerSink:
         if not state.healthy:
             log.debug("worker %s is dead: ignoring its KV event batch %d", worker, batch.seq)
             return EventApplyResult()
-        count_gpu_blocks(state, batch)
+        count_kv_blocks(state, batch)
         result = await self._sink.apply_events(worker, batch, state.directory_life)
         if result.fenced is not None:
             log.info(
@@ -91,31 +91,46 @@ class LiveWorkerSink:
         return result
 
     async def drop_worker(self, worker: str) -> int:
-        self._state.gpu_blocks = 0
+        state = self._state
+        state.gpu_blocks = state.cpu_blocks = state.ssd_blocks = 0
         return await self._sink.drop_worker(worker)
 
 
-def count_gpu_blocks(state: WorkerState, batch: EventBatch) -> None:
-    """Keep `state.gpu_blocks` (what the worker's HBM holds, `WorkerView.cached_tokens`) as
-    `batch` changes it: GPU blocks stored less those removed, none after AllBlocksCleared (a
-    lost range of events is one, `KVEventSubscriber._lost`). Counted from the batch itself, not
-    from what the directory applied: a batch another router replica applied first is a
-    duplicate there, and counts here. A count, not a set of hashes: the subscriber passes each
-    batch once, and a removal of a block stored before it subscribed is floored at 0."""
-    n = state.gpu_blocks
+def count_kv_blocks(state: WorkerState, batch: EventBatch) -> None:
+    """Keep the worker's blocks per tier as `batch` changes them: `state.gpu_blocks` (what its
+    HBM holds, `WorkerView.cached_tokens`), `cpu_blocks` and `ssd_blocks` (its offloading
+    tiers), each stored less removed, none after AllBlocksCleared (every tier, as the directory
+    takes it; a lost range of events is one, `KVEventSubscriber._lost`). Counted from the batch
+    itself, not from what the directory applied: a batch another router replica applied first
+    is a duplicate there, and counts here. Counts, not sets of hashes: the subscriber passes
+    each batch once, and a removal of a block stored before it subscribed is floored at 0.
+    Untagged events, or group 0's where the engine tags its KV cache groups."""
+    gpu, cpu, ssd = state.gpu_blocks, state.cpu_blocks, state.ssd_blocks
     for event in batch.events:
         if isinstance(event, BlockStored):
-            if event.tier == Tier.GPU and not event.group_idx:
-                n += len(event.engine_hashes)
-                state.block_tokens = event.block_size
+            if not event.group_idx:
+                n = len(event.engine_hashes)
+                if event.tier == Tier.GPU:
+                    gpu += n
+                    state.block_tokens = event.block_size
+                else:
+                    if event.tier == Tier.CPU:
+                        cpu += n
+                    else:
+                        ssd += n
+                    state.offload_block_tokens = event.block_size
         elif isinstance(event, BlockRemoved):
-            if event.tier == Tier.GPU and not event.group_idx:
-                n -= len(event.engine_hashes)
-                if n < 0:
-                    n = 0
+            if not event.group_idx:
+                n = len(event.engine_hashes)
+                if event.tier == Tier.GPU:
+                    gpu = max(0, gpu - n)
+                elif event.tier == Tier.CPU:
+                    cpu = max(0, cpu - n)
+                else:
+                    ssd = max(0, ssd - n)
         elif isinstance(event, AllBlocksCleared):
-            n = 0
-    state.gpu_blocks = n
+            gpu = cpu = ssd = 0
+    state.gpu_blocks, state.cpu_blocks, state.ssd_blocks = gpu, cpu, ssd
 
 
 async def add_worker(router: Router, worker: WorkerSettings) -> None:
@@ -136,6 +151,7 @@ async def remove_worker(router: Router, worker_id: str) -> bool:
     if state is None and worker_id not in router.undropped:
         return False
     router.working_sets.forget_worker(worker_id)
+    router.committed_leases.forget_worker(worker_id)
     for sub in [s for s in router.subscribers if s.worker == worker_id]:
         router.subscribers.remove(sub)
         await close_subscriber(router, sub)
@@ -160,6 +176,7 @@ async def on_worker_dead(router: Router, worker_id: str) -> None:
     and the worker come back: its new records stay)."""
     router.calibrator.forget(worker_id)
     router.working_sets.forget_worker(worker_id)
+    router.committed_leases.forget_worker(worker_id)
     if router.directory is not None:
         state = router.pool.get(worker_id)
         life = state.directory_life if state is not None else None

@@ -36,14 +36,14 @@ from ownerserve.errors import (
 )
 from ownerserve.http import error_status_and_body
 from planner.types import Plan, Policy, RequestView
-from router.aftermath import after_first_bytes, observe, record_service, tpot
+from router.aftermath import after_first_bytes, observe, record_reuse, record_service, tpot
 from router.executor import (
     OpenedResponse,
     RetryableUpstreamError,
     UpstreamTimeoutError,
     forward_headers,
 )
-from router.inflight import output_tokens
+from router.inflight import delivered_tokens, output_tokens
 from router.lease import RequestLease
 from router.migration import (
     Partial,
@@ -300,6 +300,11 @@ async def _route(
                 opened.transfer_s,
                 queued_s,
             )
+            if opened.status == 200:
+                record_reuse(
+                    svc.observe, mt.settings.name, ran, match, prompt.tokens, mt.block_size,
+                    delivered_tokens(opened, prompt.req.stream, answer.tail),
+                )  # fmt: skip
             output = output_tokens(opened, prompt.req.stream, events)
             record_service(info, prompt.tokens, output)
             times.lap(OBSERVE, now)

@@ -16,7 +16,7 @@ from typing import Any
 
 from ownerserve.config import WorkerSettings
 from ownerserve.tasks import cancel_and_wait
-from ownerserve.types import PD_PATHS, KVPath, Role
+from ownerserve.types import PD_PATHS, KVPath, Role, Tier
 from router.backends import Backend, WorkerAddress, WorkerLoad, backend_for
 from router.upstream import UpstreamPool
 
@@ -133,9 +133,23 @@ class WorkerState:
     gpu_blocks: int = 0
     """Blocks its KV events say its HBM holds, running and idle alike: stored less removed
     (untagged events, or group 0's where the engine tags its KV cache groups;
-    `router.membership.count_gpu_blocks`)."""
+    `router.membership.count_kv_blocks`)."""
     block_tokens: int = 0
-    """The block size of its KV events (0: none seen yet)."""
+    """The block size of its GPU KV events (0: none seen yet)."""
+    cpu_blocks: int = 0
+    ssd_blocks: int = 0
+    """Blocks its KV events say its CPU and SSD tiers hold (vLLM's KV offloading: medium
+    CPU, DISK), counted as `gpu_blocks` is."""
+    offload_block_tokens: int = 0
+    """The block size of its CPU and SSD KV events (0: none seen yet)."""
+
+    def tier_blocks(self, tier: Tier) -> tuple[int, int]:
+        """(blocks, tokens per block) its KV events say `tier` holds (tokens per block 0
+        while no event of the tier came)."""
+        if tier == Tier.GPU:
+            return self.gpu_blocks, self.block_tokens
+        blocks = self.cpu_blocks if tier == Tier.CPU else self.ssd_blocks
+        return blocks, self.offload_block_tokens
 
     @property
     def cached_tokens(self) -> int:

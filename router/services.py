@@ -18,7 +18,7 @@ from planner.calibration import Calibrator
 from planner.policies import Planner
 from planner.workingset import WorkingSets
 from router.admission import Admission
-from router.commit import Lifetimes, PendingCommits
+from router.commit import CommittedLeases, Lifetimes, PendingCommits
 from router.executor import PlanExecutor
 from router.lease import LeaseServices
 from router.links import NicLedger
@@ -74,6 +74,8 @@ class Members(Protocol):
     def calibrator(self) -> Calibrator: ...
     @property
     def metrics(self) -> RouterMetrics: ...
+    @property
+    def committed_leases(self) -> CommittedLeases: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +149,8 @@ class StreamServices:
 class CommitServices:
     """`commit` and what follows an answer: the directory and how its writes run (`inline`
     with the in-process one), the sessions' commit times, what the writes' lifetimes are,
-    the executor and pool of a replica's copy, and the counter of failed writes."""
+    the executor and pool of a replica's copy, the counter of failed writes, and the leases
+    held for workers without KV events."""
 
     directory: Directory | None
     inline: bool
@@ -161,6 +164,7 @@ class CommitServices:
     spawn: Spawn
     pending: PendingCommits
     errors: Any
+    committed: CommittedLeases
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,11 +14,12 @@ from collections.abc import Awaitable, Mapping
 from typing import Any
 
 from ownerserve.config import Settings
-from ownerserve.directory.base import Directory
+from ownerserve.directory.base import CachedCounts, Directory
 from ownerserve.errors import AuthenticationError
 from ownerserve.kvstate import KVStateSpec, load_spec
 from ownerserve.profiles import load_profile
 from ownerserve.tasks import cancel_and_wait, finish_or_cancel
+from ownerserve.types import TIER_ORDER, Tier
 from planner.calibration import Calibrator
 from planner.policies import Planner
 from planner.types import Action
@@ -26,7 +27,7 @@ from planner.workingset import RetentionConfig, WorkingSets
 from router import membership
 from router.admission import Admission
 from router.aftermath import REPLICA_TTL_S
-from router.commit import Lifetimes, PendingCommits
+from router.commit import CommittedLeases, Lifetimes, PendingCommits
 from router.executor import PlanExecutor
 from router.lease import LeaseLedger, LeaseServices
 from router.links import NicLedger
@@ -135,25 +136,55 @@ class Router:
         """The requests' open `RequestLease`s (`open`: how many hold something now)."""
         self.pending_commits = PendingCommits()
         """Each session's directory commit still in flight (a directory whose calls wait)."""
+        self.committed_leases = CommittedLeases()
+        """The blocks of the leases this router's commits hold, per worker without KV events
+        (`ownerserve_kv_blocks{source="leases"}`)."""
+        self._block_sizes = {m.name: m.block_size for m in settings.models}
+        self._economics: asyncio.Task[None] | None = None
+        self.cached_counts: CachedCounts | None = None
+        """The directory's GPU-cached blocks over every worker, as last read
+        (`ownerserve_kv_blocks_distinct`, `_kv_block_copies`; None before the first read)."""
         self.services = self.request_services()
         """Each stage's services (rebuilt when the directory opens and when the router
         starts: the directory and the executor come then)."""
+        self._model_names = tuple(m.name for m in settings.models)
         self.metrics.start_at_zero(
-            (m.name for m in settings.models), self.planner.default.name, [a.value for a in Action]
+            self._model_names, self.planner.default.name, [a.value for a in Action]
         )
         self.metrics.on_read(self._observe_metrics)
 
     def _observe_metrics(self) -> None:
         """The gauges of the workers' states and of the open leases, set as each read of the
-        metrics begins (`RouterMetrics.on_read`), and each worker's error counters there."""
+        metrics begins (`RouterMetrics.on_read`), each worker's KV per tier (from its KV
+        events, or the leases this router holds for it), the directory's GPU-cached counts as
+        last read, and each worker's error counters and prefix reuse counters (per model it
+        serves) there."""
         m = self.metrics
+        every_model = self._model_names
         for w in self.pool.all():
             wid = w.worker_id
             m.of(m.breaker, wid).set(int(w.breaker.state))
             m.of(m.healthy, wid).set(1 if w.healthy else 0)
             m.of(m.inflight, wid).set(w.inflight)
             m.worker_at_zero(wid)
+            models = w.settings.models or every_model
+            for model in models:
+                m.prefix_tokens_of(model, wid)
+            if w.settings.kv_events_endpoint:
+                for tier in TIER_ORDER:
+                    blocks, per_block = w.tier_blocks(tier)
+                    m.of(m.kv_blocks, wid, tier.value, "events").set(blocks)
+                    m.of(m.kv_tokens, wid, tier.value, "events").set(blocks * per_block)
+            else:
+                blocks = self.committed_leases.blocks(wid)
+                per_block = self._block_sizes.get(models[0], 0) if models else 0
+                m.of(m.kv_blocks, wid, Tier.GPU.value, "leases").set(blocks)
+                m.of(m.kv_tokens, wid, Tier.GPU.value, "leases").set(blocks * per_block)
         m.leases_open.set(self.leases.open)
+        counts = self.cached_counts
+        if counts is not None:
+            m.of(m.kv_distinct, Tier.GPU.value).set(counts.distinct)
+            m.of(m.kv_copies, Tier.GPU.value).set(counts.copies)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -184,6 +215,7 @@ class Router:
             await self.pool.start(self.http)
             if self.settings.directory.sweep_interval_s > 0:
                 self._sweeper = asyncio.create_task(self._sweep_loop(), name="directory-sweep")
+            self._economics = asyncio.create_task(self._economics_loop(), name="kv-economics")
             self.services = self.request_services()
             self.started = True
 
@@ -204,9 +236,27 @@ class Router:
                 self.metrics.sweep_errors.inc()
                 log.warning("directory sweep failed: %r", exc)
 
+    async def _economics_loop(self) -> None:
+        """Every health interval, what the KV economics metrics read and a read must not do
+        (a metrics read may run on the OTLP export's thread, and only reads): the expired
+        leases leave `committed_leases`, and the directory's GPU-cached counts are read (one
+        round trip, `Directory.cached_counts`; a failed read keeps the last)."""
+        interval = self.settings.server.health_interval_s
+        while True:
+            self.committed_leases.expire()
+            directory = self.directory
+            if directory is not None:
+                try:
+                    self.cached_counts = await directory.cached_counts()
+                except Exception as exc:
+                    log.debug("reading the directory's cached counts failed: %r", exc)
+            await asyncio.sleep(interval)
+
     async def close(self) -> None:
         await cancel_and_wait(self._sweeper)
         self._sweeper = None
+        await cancel_and_wait(self._economics)
+        self._economics = None
         await self.admission.close()
         await self.pool.close()
         for sub in self.subscribers:
@@ -287,6 +337,7 @@ class Router:
                 self.spawn,
                 self.pending_commits,
                 metrics.commit_errors,
+                self.committed_leases,
             ),
             observe=ObserveServices(metrics, self.calibrator),
             lease=LeaseServices(

@@ -41,6 +41,9 @@ class Answer:
     cut: Cut | None = None
     """The worker streaming it failed mid-stream, the stream still open: the runner continues
     it on another worker or ends it (`end_cut`)."""
+    tail: bytes = b""
+    """A streamed answer's last two reads from its first worker, once it ended: where its
+    usage chunk is, when the client asked for one (`router.inflight.delivered_tokens`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +126,7 @@ async def stream(
     answer.ttft_s = time.perf_counter() - t0
     first = opened.first
     events = first.count(b"data: ")
+    last = [b"", first]  # the last two reads, unchanged by the transcript
     if transcript is not None:
         first = transcript.keep(first)
     if first:
@@ -140,6 +144,8 @@ async def stream(
 
                 def sink(chunk: bytes) -> bool:
                     counted[0] += chunk.count(b"data: ")
+                    last[0] = last[1]
+                    last[1] = chunk
                     return write_nowait(chunk)
 
             else:
@@ -147,6 +153,8 @@ async def stream(
 
                 def sink(chunk: bytes) -> bool:
                     counted[0] += chunk.count(b"data: ")
+                    last[0] = last[1]
+                    last[1] = chunk
                     chunk = keep(chunk)
                     return write_nowait(chunk) if chunk else False
 
@@ -161,6 +169,8 @@ async def stream(
                 opened.finished = True
                 break
             events += chunk.count(b"data: ")
+            last[0] = last[1]
+            last[1] = chunk
             if transcript is not None:
                 chunk = transcript.keep(chunk)
                 if not chunk:
@@ -176,6 +186,7 @@ async def stream(
         return False
     answer.events += events
     answer.output_events = max(0, answer.events - 1)
+    answer.tail = last[0] + last[1]
     await out.end()
     return ok
 

@@ -103,6 +103,9 @@ OWNER_LOOKUP_RESULTS = ("hit", "miss", "none")
 KV_FETCH_RESULTS = ("full", "partial", "empty", "failed")
 MIGRATION_OUTCOMES = ("migrated", "refused_guided", "refused_partial", "refused_limit", "failed")
 UPSTREAM_HOPS = ("connect", "first_byte", "kv_transfer", "stream_gap")
+PREFIX_KINDS = ("prompt", "available", "predicted", "delivered", "reported")
+"""The kinds of `ownerserve_prefix_tokens_total`, in the order `RouterMetrics.prefix_tokens_of`
+gives their counters."""
 
 
 class RouterMetrics:
@@ -268,6 +271,54 @@ class RouterMetrics:
             "under the low one (it takes nothing from the admission queue)",
             ["worker"],
         )
+        self.prefix_tokens = counter(
+            "ownerserve_prefix_tokens_total",
+            "Prompt tokens of answered requests and their prefix reuse, by model and the worker "
+            "that ran the prefill: prompt (every prompt token); available (the longest prefix "
+            "of the prompt that the request's directory lookup found held anywhere, any worker, "
+            "tier or kind, capped at the prompt); predicted (what the plan as it ran expected "
+            "its prefill worker to hold or load, the plan's reused blocks); delivered (what the "
+            "prefill worker's answer reported cached, usage.prompt_tokens_details.cached_tokens; "
+            "only answers that report it); reported (the prompt tokens of those answers). "
+            "available low: a cold workload; predicted < available: a routing loss; "
+            "delivered < predicted over reported: a stale index",
+            ["model", "worker", "kind"],
+        )
+        self._prefix_children: dict[tuple[str, str], tuple[Any, ...]] = {}
+        self.kv_blocks, self.kv_tokens = (
+            gauge(name, doc, ["worker", "tier", "source"])
+            for name, doc in (
+                (
+                    "ownerserve_kv_blocks",
+                    "KV blocks each worker holds per tier (gpu, cpu, ssd), by source: events "
+                    "(a worker publishing KV events: blocks stored less removed, as the router "
+                    "applies its event batches) or leases (a worker without KV events: the "
+                    "blocks of the live leases this router's commits took there, gpu only)",
+                ),
+                (
+                    "ownerserve_kv_tokens",
+                    "Tokens of KV each worker holds per tier: ownerserve_kv_blocks times the "
+                    "block size (its events', or its model's for leases)",
+                ),
+            )
+        )
+        self.kv_distinct, self.kv_copies = (
+            gauge(name, doc, ["tier"])
+            for name, doc in (
+                (
+                    "ownerserve_kv_blocks_distinct",
+                    "Distinct KV blocks that at least one worker caches, by tier (gpu), as the "
+                    "directory's record of every worker's KV events says (all router replicas' "
+                    "workers of the directory); read every health interval",
+                ),
+                (
+                    "ownerserve_kv_block_copies",
+                    "(block, worker) pairs of cached KV blocks, by tier (gpu): each worker's "
+                    "blocks summed, as the directory records them. The HBM duplicate factor "
+                    "is ownerserve_kv_block_copies / ownerserve_kv_blocks_distinct",
+                ),
+            )
+        )
         self.subscriber_close_errors = counter(
             "ownerserve_kv_subscriber_close_errors_total",
             "KV event subscriptions that failed to close",
@@ -300,6 +351,18 @@ class RouterMetrics:
         self.of(self.stream_errors, worker)
         for hop in UPSTREAM_HOPS:
             self.of(self.upstream_timeouts, worker, hop)
+
+    def prefix_tokens_of(self, model: str, worker: str) -> tuple[Any, ...]:
+        """The `ownerserve_prefix_tokens_total` counters of `model` and `worker`, one per kind
+        (`PREFIX_KINDS`' order), memoised: an answered request adds to them with one lookup.
+        Created at 0 (what `on_read`'s observer does for every worker and model it serves)."""
+        key = (model, worker)
+        children = self._prefix_children.get(key)
+        if children is None:
+            metric = self.prefix_tokens
+            children = tuple(metric.labels(model, worker, kind) for kind in PREFIX_KINDS)
+            self._prefix_children[key] = children
+        return children
 
     def on_read(self, observe: Callable[[], None]) -> None:
         """Call `observe` as each read of the metrics begins (it sets gauges from the

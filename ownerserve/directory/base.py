@@ -147,6 +147,16 @@ class ArtifactInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class CachedCounts:
+    """How much the workers' KV events say they cache on GPU, over all workers: `distinct`
+    blocks cached by at least one worker, `copies` the (block, worker) pairs (each worker's
+    GPU blocks, summed). `copies / distinct` is the HBM duplicate factor."""
+
+    distinct: int = 0
+    copies: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class DirectoryHealth:
     backend: str
     healthy: bool
@@ -268,6 +278,12 @@ class Directory(Protocol):
     async def worker_life(self, worker: str) -> int:
         """How many times `worker` was dropped (0 for one never dropped): read when it is
         seen alive, passed to `drop_worker` when it dies."""
+        ...
+
+    async def cached_counts(self) -> CachedCounts:
+        """The GPU-cached blocks, distinct and copies (`CachedCounts`), over every worker:
+        kept as the cached bits change (a store, a removal, a dropped view), so a read is one
+        round trip whatever the directory holds."""
         ...
 
     async def health(self) -> DirectoryHealth: ...

@@ -15,6 +15,7 @@ from typing import TypeVar
 from ownerserve.directory.base import (
     Artifact,
     ArtifactInfo,
+    CachedCounts,
     DirectoryHealth,
     EventApplyResult,
     Holding,
@@ -41,6 +42,7 @@ from ownerserve.types import TIER_ORDER, Tier
 
 SWEEP_SLICE = 4096
 """Records `InMemoryDirectory.sweep` handles between yields to the event loop."""
+_GPU = TIER_BIT[Tier.GPU]
 
 
 _T = TypeVar("_T")
@@ -147,6 +149,10 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
         self._forks: dict[int, set[str]] = {}
         self.groups = GroupHoldings()
         """KV cache groups of workers serving hybrid models (restorable units)."""
+        self._gpu_distinct = 0
+        self._gpu_copies = 0
+        """Blocks some worker caches on GPU, and (block, worker) GPU pairs (`cached_counts`):
+        kept by `_set_cached` and `_clear_cached`, the only writers of `_cached`."""
 
     # --- helpers -----------------------------------------------------------------------
 
@@ -192,6 +198,8 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
         new = cur | bit if on else cur & ~bit
         if new == cur:
             return False
+        if (cur ^ new) & _GPU:
+            self._gpu_changed(holders, worker, 1 if new & _GPU else -1)
         if holders is None:
             holders = self._cached[block] = {}
         if new:
@@ -202,11 +210,25 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
                 del self._cached[block]
         return True
 
+    def _gpu_changed(self, holders: dict[str, int] | None, worker: str, step: int) -> None:
+        """`worker` starts (`step` 1) or stops (-1) caching a block on GPU whose holders were
+        `holders`: one copy more or less, and one distinct block when no other worker caches
+        it on GPU."""
+        self._gpu_copies += step
+        if not holders or not any(m & _GPU for w, m in holders.items() if w != worker):
+            self._gpu_distinct += step
+
     def _clear_cached(self, worker: str, rec: _WorkerRecord) -> int:
         n = 0
         for block in rec.engine_map.values():
             holders = self._cached.get(block)
-            if holders and holders.pop(worker, 0):
+            if not holders:
+                continue
+            mask = holders.get(worker, 0)
+            if mask:
+                if mask & _GPU:
+                    self._gpu_changed(holders, worker, -1)
+                del holders[worker]
                 n += 1
                 if not holders:
                     del self._cached[block]
@@ -758,6 +780,9 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
             for sid in sids:
                 self._session(sid, now)
         return dropped
+
+    async def cached_counts(self) -> CachedCounts:
+        return CachedCounts(self._gpu_distinct, self._gpu_copies)
 
     async def health(self) -> DirectoryHealth:
         return DirectoryHealth(

@@ -33,6 +33,9 @@ hash tag, so every key of one namespace lives in one slot and every script is si
                            :clrfresh  SET  blocks stored since the latest (left alone)
     P s:<session>    STRING  decode owner, with a TTL (PX)
     P f:<id>         SET   sessions sharing the artifact copy-on-write (fork refs)
+    P kvn            HASH  d: blocks some worker caches on GPU, c: (block, worker) GPU pairs;
+                           moved by every script that changes a cached byte's GPU bit
+                           (`update_blocks` in common.lua), read by `cached_counts`
 
 Block hashes are 16 hex digits; a chain travels as one string argument (one argument per
 block measured no cheaper on the server: Redis builds the same Lua strings either way).
@@ -69,6 +72,7 @@ from redis.exceptions import NoScriptError, RedisError
 from ownerserve.directory.base import (
     Artifact,
     ArtifactInfo,
+    CachedCounts,
     DirectoryHealth,
     EventApplyResult,
     Holding,
@@ -873,6 +877,13 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
                 return n
             done += n
         return done
+
+    async def cached_counts(self) -> CachedCounts:
+        """`kvn`'s counts (one HMGET): kept by the scripts as cached bits change, so they
+        count from the first write of this layout on; a dataset written before it existed
+        is not in them (a negative count, a removal of a block stored before, reads as 0)."""
+        distinct, copies = await self._client.hmget(self.key("kvn"), ["d", "c"])
+        return CachedCounts(max(0, int(distinct or 0)), max(0, int(copies or 0)))
 
     async def ping(self) -> float:
         """Round-trip time of a PING, in seconds (raises if Redis is unreachable)."""

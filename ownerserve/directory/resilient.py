@@ -35,6 +35,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ownerserve.directory.base import (
     Artifact,
     ArtifactInfo,
+    CachedCounts,
     DirectoryHealth,
     EventApplyResult,
     Lease,
@@ -376,6 +377,14 @@ class ResilientDirectory(TransferEntryPoints, ReplicaEntryPoints):
             lambda: self.primary.sweep(min_interval_s), self.local.sweep
         )
         return dropped
+
+    async def cached_counts(self) -> CachedCounts:
+        """Redis's counts; the local view's while Redis is unreachable (what this router's
+        mirrored event batches cached)."""
+        counts: CachedCounts = await self._read(
+            self.primary.cached_counts, self.local.cached_counts
+        )
+        return counts
 
     async def health(self) -> DirectoryHealth:
         if self._healthy:

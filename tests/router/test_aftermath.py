@@ -1,15 +1,18 @@
-"""The router's aftermath: what a served answer teaches the calibrator."""
+"""The router's aftermath: what a served answer teaches the calibrator, and how its prompt's
+prefix reuse is counted."""
 
 from __future__ import annotations
 
 import pytest
 
-from ownerserve.directory.base import Match
+from ownerserve.directory.base import Holding, HoldKind, Match
+from ownerserve.types import Tier
 from planner.calibration import CalibrationConfig, Calibrator
 from planner.policies import OwnerServePolicy
-from router.aftermath import observe
+from planner.types import Action, Candidate, CostBreakdown, Plan, RequestClass
+from router.aftermath import observe, record_reuse
 from router.services import ObserveServices
-from router.telemetry import RouterMetrics
+from router.telemetry import PREFIX_KINDS, RouterMetrics
 from tests.planner.util import example, unit_model
 
 
@@ -40,3 +43,42 @@ def test_without_a_queue_the_sample_is_the_whole_ttft() -> None:
     cal = _served(queued_s=0.0)
     (scales,) = cal.snapshot().values()
     assert scales.prefill == pytest.approx(2.0)
+
+
+def _prefix_tokens(metrics: RouterMetrics) -> dict[tuple[str, str, str], float]:
+    return {
+        (s.labels["model"], s.labels["worker"], s.labels["kind"]): s.value
+        for family in metrics.registry.collect()
+        if family.name == "ownerserve_prefix_tokens"
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+
+
+def test_prefix_reuse_is_counted_under_the_prefill_worker_each_kind_capped_at_the_prompt() -> None:
+    metrics = RouterMetrics()
+    svc = ObserveServices(metrics, Calibrator())
+    plan = Plan(
+        "fixed",
+        RequestClass.SMALL_INCREMENTAL_TURN,
+        Candidate(Action.REMOTE_PREFILL, "p0", "d0", CostBreakdown(), reused_blocks=3),
+    )
+    match = Match(
+        chain_len=6,
+        holdings=(
+            Holding("d1", Tier.GPU, 5, HoldKind.CACHED),
+            Holding("p0", Tier.GPU, 3, HoldKind.OWNER),
+            Holding("d0", Tier.CPU, 6, HoldKind.CACHED),  # every tier and worker counts
+        ),
+    )
+    record_reuse(svc, "tiny", plan, match, 90, 16, 40)
+    record_reuse(svc, "tiny", plan, Match(chain_len=6), 90, 16, None)  # reported nothing
+    got = _prefix_tokens(metrics)
+    assert {k: v for k, v in got.items() if v} == {
+        ("tiny", "p0", "prompt"): 180,
+        ("tiny", "p0", "available"): 90,  # 6 blocks of 16, capped at the 90-token prompt
+        ("tiny", "p0", "predicted"): 96,  # 3 blocks, twice
+        ("tiny", "p0", "delivered"): 40,
+        ("tiny", "p0", "reported"): 90,  # the one answer that said
+    }
+    assert set(got) == {("tiny", "p0", kind) for kind in PREFIX_KINDS}

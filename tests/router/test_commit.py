@@ -1,14 +1,15 @@
-"""Directory commits after a response, against the real in-memory directory."""
+"""Directory commits after a response, against the real in-memory directory; the ledger of
+the leases they hold per worker (`CommittedLeases`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ownerserve.directory.base import HoldKind, Match
+from ownerserve.directory.base import HoldKind, Lease, Match
 from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.types import Tier
 from planner.types import Action, Candidate, CostBreakdown, Plan, RequestClass
-from router.commit import Lifetimes, commit_plan
+from router.commit import CommittedLeases, Lifetimes, commit_plan
 
 CHAIN = tuple(range(1000, 1010))
 
@@ -135,3 +136,25 @@ async def test_a_state_migration_hands_the_prefix_over_and_the_source_copy_ages_
     await directory.sweep()
     aged = await directory.lookup(CHAIN, "s1")
     assert aged.owner == "b" and aged.longest("a") == 0
+
+
+def test_the_leases_held_per_worker_count_their_claims_renewals_keep_them_expiry_ends_them():
+    now = [100.0]
+    held = CommittedLeases(clock=lambda: now[0])
+    held.held(Lease(1, "w0", 1, 160.0), 8)  # a session's first turn: 8 new blocks
+    held.held(Lease(2, "w0", 2, 170.0), 3)  # its next turn: a delta of 3
+    held.held(Lease(3, "w1", 3, 130.0), 5)
+    held.held(Lease(4, "w1", 4, 200.0), None)  # a renewal of a lease never seen: nothing
+    assert (held.blocks("w0"), held.blocks("w1"), len(held)) == (11, 5, 3)
+    held.held(Lease(1, "w0", 1, 190.0), None)  # renewed: its 8 blocks, a later expiry
+    now[0] = 165.0
+    held.expire()
+    assert (held.blocks("w0"), held.blocks("w1")) == (11, 0)  # w1's lease and nothing else
+    now[0] = 175.0
+    assert held.blocks("w0") == 11  # a read only reads: expired leases leave at `expire`
+    held.expire()
+    assert held.blocks("w0") == 8  # the delta's lease ended, the renewed one lives
+    held.held(Lease(5, "w0", 5, 150.0), 4)  # already expired when it came: not counted
+    assert held.blocks("w0") == 8
+    held.forget_worker("w0")
+    assert (held.blocks("w0"), len(held)) == (0, 0)

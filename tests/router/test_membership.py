@@ -1,5 +1,6 @@
 """Worker membership: removing a worker whose directory records or KV event subscription
-cannot be cleaned up is reported (error, log, metric), not passed off as success."""
+cannot be cleaned up is reported (error, log, metric), not passed off as success; a worker's
+KV per tier is counted from the event batches the router applies."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from ownerserve.config import settings_from_dict
 from ownerserve.directory.base import Artifact
 from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.errors import DirectoryUnavailableError
-from ownerserve.events import BlockStored, EventBatch
+from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import chain_root, hash_block
 from ownerserve.types import Tier
 from router import membership
@@ -144,3 +145,44 @@ async def test_a_batch_of_a_life_another_replica_dropped_is_refused_and_the_next
     fresh = EventBatch(0, 4.0, (BlockStored((2,), None, (5, 6, 7, 8), 4),))
     assert (await sink.apply_events("w0", fresh)).stored == 1
     assert (await directory.lookup((second,))).longest("w0", Tier.GPU) == 1
+
+
+async def test_kv_events_count_each_tiers_blocks_and_a_clear_or_a_resync_empties_them():
+    directory = InMemoryDirectory()
+    router = _router(directory)
+    await directory.register_worker("w0", chain_root("tiny"), 4)
+    state = router.pool.get("w0")
+    assert state is not None
+    sink = membership.LiveWorkerSink(directory, state)
+    tokens = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
+    events = (
+        BlockStored((1, 2, 3), None, tokens, 4),
+        BlockStored((1, 2), None, tokens[:8], 4, Tier.CPU),
+        BlockStored((1,), None, tokens[:4], 4, Tier.SSD),
+        BlockStored((9, 10), None, tokens[:8], 4, group_idx=1),  # a window group: not counted
+        BlockRemoved((3,)),
+        BlockRemoved((7, 8, 9), Tier.SSD),  # more than it stored: floored at 0
+    )
+    await sink.apply_events("w0", EventBatch(0, 0.0, events))
+    assert (state.gpu_blocks, state.cpu_blocks, state.ssd_blocks) == (2, 2, 0)
+    assert state.tier_blocks(Tier.GPU) == (2, 4) and state.tier_blocks(Tier.CPU) == (2, 4)
+    assert state.cached_tokens == 8
+    await sink.apply_events("w0", EventBatch(1, 1.0, (AllBlocksCleared(),)))
+    assert (state.gpu_blocks, state.cpu_blocks, state.ssd_blocks) == (0, 0, 0)
+    await sink.apply_events("w0", EventBatch(2, 2.0, events[:2]))
+    assert (state.gpu_blocks, state.cpu_blocks) == (3, 2)
+    await sink.drop_worker("w0")  # the engine restarted (its seq went back)
+    assert (state.gpu_blocks, state.cpu_blocks, state.ssd_blocks) == (0, 0, 0)
+
+
+async def test_a_dead_or_removed_worker_keeps_none_of_the_leases_the_router_held_for_it():
+    directory = InMemoryDirectory()
+    router = _router(directory)
+    lease = await directory.claim(Artifact((11, 12)), "w0", 60.0)
+    router.committed_leases.held(lease, 2)
+    assert router.committed_leases.blocks("w0") == 2
+    await membership.on_worker_dead(router, "w0")
+    assert router.committed_leases.blocks("w0") == 0
+    router.committed_leases.held(lease, 2)
+    assert await membership.remove_worker(router, "w0")
+    assert router.committed_leases.blocks("w0") == 0 and not router.committed_leases

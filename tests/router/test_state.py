@@ -1,5 +1,6 @@
 """A router's bounds come from its settings: the tokenizer's session cache and the working
-sets' tables are built with the configured sizes."""
+sets' tables are built with the configured sizes; its prefix reuse counters start at 0 for
+every worker and model it serves."""
 
 from __future__ import annotations
 
@@ -46,3 +47,30 @@ def test_the_working_sets_take_the_configured_table_sizes() -> None:
     assert (config.max_sessions, config.max_tools) == (7, 5)
     default = _router().working_sets.config
     assert (default.max_sessions, default.max_tools) == (65_536, 1_024)
+
+
+def test_prefix_reuse_counters_start_at_zero_for_each_worker_and_the_models_it_serves() -> None:
+    router = Router(
+        settings_from_dict(
+            {
+                "models": [{"name": MODEL, "block_size": 4}, {"name": "other"}],
+                "workers": [
+                    {"id": "w0", "url": "http://127.0.0.1:9"},
+                    {"id": "w1", "url": "http://127.0.0.1:10", "models": ["other"]},
+                ],
+            }
+        )
+    )
+    text = router.metrics.exposition().decode()
+    series = {
+        line.split(" ")[0]
+        for line in text.splitlines()
+        if line.startswith("ownerserve_prefix_tokens_total{")
+    }
+    expected = {
+        f'ownerserve_prefix_tokens_total{{kind="{kind}",model="{model}",worker="{worker}"}}'
+        for worker, models in (("w0", (MODEL, "other")), ("w1", ("other",)))
+        for model in models
+        for kind in ("prompt", "available", "predicted", "delivered", "reported")
+    }
+    assert series == expected

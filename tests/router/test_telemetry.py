@@ -1,6 +1,7 @@
 """Telemetry over real transports: spans exported by the OTLP/HTTP exporter to a receiver,
 W3C trace context on the upstream request, and every metric the Grafana dashboard plots
-exported on `/metrics`, the open request leases among them."""
+exported on `/metrics`, the open request leases among them, and the KV a worker without KV
+events holds by the leases the router took for it."""
 
 from __future__ import annotations
 
@@ -123,5 +124,51 @@ async def test_open_request_leases_are_exported_while_held_and_zero_once_idle():
                 return await leases_open() == 0.0
 
             await until(idle, what="the lease given back")
+    finally:
+        await worker.stop()
+
+
+def _sample(text: str, name: str, **labels: str) -> float | None:
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
+            return float(value)
+    return None
+
+
+async def test_a_worker_without_kv_events_holds_the_blocks_of_its_leases_until_they_expire():
+    worker = await FakeWorker("w0").start()
+    try:
+        settings = settings_from_dict(
+            {
+                "server": {"port": 0, "health_interval_s": 0.1},
+                "directory": {"lease_s": 1.0},
+                "models": [{"name": MODEL, "block_size": 4}],
+                "workers": [{"id": "w0", "url": worker.url}],
+            }
+        )
+        policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+        app = create_app(settings, planner=fixed_planner(settings, policy))
+        labels = {"worker": "w0", "tier": "gpu", "source": "leases"}
+        async with running_app(app, "127.0.0.1", 0) as url, httpx.AsyncClient() as client:
+
+            async def metrics() -> str:
+                return (await client.get(url + "/metrics")).text
+
+            assert _sample(await metrics(), "ownerserve_kv_blocks", **labels) == 0.0
+            resp = await client.post(url + "/v1/chat/completions", json=CHAT)
+            assert resp.status_code == 200
+            text = await metrics()
+            prompt = _sample(text, "ownerserve_prefix_tokens_total", worker="w0", kind="prompt")
+            assert prompt is not None and prompt >= 8
+            blocks = prompt // 4  # the prompt's sealed blocks, all claimed by its commit
+            assert _sample(text, "ownerserve_kv_blocks", **labels) == blocks
+            assert _sample(text, "ownerserve_kv_tokens", **labels) == blocks * 4
+            assert _sample(text, "ownerserve_kv_blocks", worker="w0", source="events") is None
+
+            async def expired() -> bool:
+                return _sample(await metrics(), "ownerserve_kv_blocks", **labels) == 0.0
+
+            await until(expired, what="the lease's blocks gone once it expired")
     finally:
         await worker.stop()

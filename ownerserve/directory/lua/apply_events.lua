@@ -62,24 +62,35 @@ while i <= #ARGV do
     end
     i = i + 6
   elseif op == 'R' then
+    -- the blocks of the engine hashes, each once, lose the tier bit in one pass; an engine
+    -- hash whose block the worker no longer caches in any tier leaves its map
     local bitv = tonumber(ARGV[i + 1])
-    for _, e in ipairs(split_csv(ARGV[i + 2])) do
-      local b = redis.call('HGET', KEYS[2], e)
-      if b then
-        local left = 0
-        update_blocks({ b }, function(_, own, cache, reps)
-          local c = string.byte(cache, j) or 0
-          left = bit.band(c, bit.bnot(bitv))
-          if left ~= c then
-            removed = removed + 1
-            return own, cache_set(cache, j, left), reps
-          end
-        end)
-        if left == 0 then
-          redis.call('HDEL', KEYS[2], e)
-        end
+    local ehs = split_csv(ARGV[i + 2])
+    local found = hmget(KEYS[2], ehs)
+    local blocks, at, left = {}, {}, {}
+    for k = 1, #ehs do
+      local b = found[k]
+      if b and not at[b] then
+        blocks[#blocks + 1] = b
+        at[b] = #blocks
       end
     end
+    update_blocks(blocks, function(k, own, cache, reps)
+      local c = string.byte(cache, j) or 0
+      left[k] = bit.band(c, bit.bnot(bitv))
+      if left[k] ~= c then
+        removed = removed + 1
+        return own, cache_set(cache, j, left[k]), reps
+      end
+    end)
+    local gone = {}
+    for k = 1, #ehs do
+      local b = found[k]
+      if b and left[at[b]] == 0 then
+        gone[#gone + 1] = ehs[k]
+      end
+    end
+    multi('HDEL', KEYS[2], gone)
     i = i + 3
   elseif op == 'C' then
     defer_clear(worker)

@@ -100,15 +100,44 @@ local function cache_set(cache, j, nv)
   return string.sub(cache, 1, j - 1) .. string.char(nv) .. string.sub(cache, j + 1)
 end
 
+-- the GPU-cached blocks over every worker, kept as cached bytes change (`update_blocks`, the
+-- one writer of block records): field d, blocks some worker caches on GPU; c, (block, worker)
+-- GPU pairs. Read by `RedisDirectory.cached_counts` (one HMGET)
+local KVN = P .. 'kvn'
+
+-- how many workers a block's cached bytes say cache it on GPU (tier bit 1)
+local function gpu_holders(cache)
+  local n = 0
+  for k = 1, #cache do
+    if bit.band(string.byte(cache, k), 1) == 1 then
+      n = n + 1
+    end
+  end
+  return n
+end
+
 -- read-modify-write the records of `blocks`; fn(i, own, cache, reps) returns the new
--- (own, cache, reps), or nil to leave block i alone
+-- (own, cache, reps), or nil to leave block i alone. A cached byte's GPU bit that changes
+-- moves the counts in `kvn` (one HINCRBY per call and field, none when none moved)
 local function update_blocks(blocks, fn)
   local cur = hmget(BLK, blocks)
   local sets, dels = {}, {}
+  local dd, dc = 0, 0
   for i = 1, #blocks do
     local own, cache, reps = rec_parse(cur[i])
     local o2, c2, r2 = fn(i, own, cache, reps)
     if o2 ~= nil then
+      if c2 ~= cache then
+        local before, after = gpu_holders(cache), gpu_holders(c2)
+        if before ~= after then
+          dc = dc + after - before
+          if before == 0 then
+            dd = dd + 1
+          elseif after == 0 then
+            dd = dd - 1
+          end
+        end
+      end
       local v = rec_pack(o2, c2, r2)
       if v ~= cur[i] then
         if v then
@@ -122,6 +151,12 @@ local function update_blocks(blocks, fn)
   end
   multi('HSET', BLK, sets)
   multi('HDEL', BLK, dels)
+  if dd ~= 0 then
+    redis.call('HINCRBY', KVN, 'd', dd)
+  end
+  if dc ~= 0 then
+    redis.call('HINCRBY', KVN, 'c', dc)
+  end
 end
 
 -- forget the owner of `id`'s blocks that still point at it

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from ownerserve.directory.base import Artifact, Directory, Holding, HoldKind, Lease
+from ownerserve.directory.base import (
+    Artifact,
+    CachedCounts,
+    Directory,
+    Holding,
+    HoldKind,
+    Lease,
+)
+from ownerserve.directory.memory import InMemoryDirectory
+from ownerserve.directory.redis import RedisDirectory
 from ownerserve.errors import InvalidRequestError, StaleEpochError
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
@@ -388,6 +397,73 @@ async def test_reregistering_with_another_root_drops_the_cached_view(backend: Ba
     # its seq was reset: a restarted publisher's seq 0 is accepted
     r = await d.apply_events("w1", EventBatch(0, 0.0, ()))
     assert not r.duplicate
+
+
+# --- the GPU-cached counts (the HBM duplicate factor) --------------------------------------------
+
+
+async def gpu_truth(backend: Backend) -> CachedCounts:
+    """What the backend's block records say is cached on GPU, counted the long way (every
+    record read): what `cached_counts` keeps without reading them."""
+    d = backend.directory
+    if isinstance(d, InMemoryDirectory):
+        holders = [sum(m & 1 for m in ws.values()) for ws in d._cached.values()]
+    else:
+        assert isinstance(d, RedisDirectory)
+        records = await d.client.hgetall(d.key("blk"))
+        holders = []
+        for raw in records.values():
+            value = str(raw)  # the client decodes replies
+            cached = value[16 : value.index("\n", 16)]  # after the owner's 16 hex digits
+            holders.append(sum(ord(c) & 1 for c in cached))
+    return CachedCounts(sum(1 for h in holders if h), sum(holders))
+
+
+async def test_cached_counts_follow_stores_removals_gaps_clears_drops_and_new_roots(
+    backend: Backend,
+) -> None:
+    d = backend.directory
+
+    async def counts() -> tuple[int, int]:
+        got = await d.cached_counts()
+        assert got == await gpu_truth(backend)
+        return got.distinct, got.copies
+
+    assert await counts() == (0, 0)
+    for w in ("w1", "w2", "w3"):
+        await d.register_worker(w, ROOT, BS)
+    await d.apply_events("w1", EventBatch(1, 0.0, (stored([eng(i) for i in range(10)], None, 0),)))
+    both = (
+        stored([eng(i) for i in range(6)], None, 0),
+        stored([eng(i) for i in range(10)], None, 0, Tier.CPU),  # CPU copies: not counted
+    )
+    await d.apply_events("w2", EventBatch(1, 0.0, both))
+    assert await counts() == (10, 16)
+    # a block stored twice is still one copy
+    await d.apply_events("w2", EventBatch(2, 0.0, (stored([eng(0)], None, 0),)))
+    assert await counts() == (10, 16)
+    removed = (BlockRemoved((eng(8), eng(9), eng(8))), BlockRemoved((eng(7),), Tier.CPU))
+    await d.apply_events("w1", EventBatch(2, 0.0, removed))
+    assert await counts() == (8, 14)
+    # a gap drops w2's whole view; the batch that shows it stores some again
+    gap = (stored([eng(i) for i in range(4)], None, 0),)
+    assert (await d.apply_events("w2", EventBatch(7, 0.0, gap))).gap
+    assert await counts() == (8, 12)
+    await d.apply_events("w3", EventBatch(1, 0.0, (stored([eng(0), eng(1)], None, 0),)))
+    assert await counts() == (8, 14)
+    await d.apply_events("w1", EventBatch(3, 0.0, (AllBlocksCleared(),)))
+    assert await counts() == (4, 6)
+    await d.register_worker("w2", chain_root("other-model"), BS)  # a new root: view dropped
+    assert await counts() == (2, 2)
+    await d.apply_events("w1", EventBatch(4, 0.0, (stored([eng(i) for i in range(5)], None, 0),)))
+    assert await counts() == (5, 7)
+    if isinstance(d, RedisDirectory):
+        await d.drop_worker_steps("w1", step_entries=2)  # the drop's steps, each counted
+    else:
+        await d.drop_worker("w1")
+    assert await counts() == (2, 2)
+    await d.drop_worker("w3")
+    assert await counts() == (0, 0)
 
 
 # --- owner death ---------------------------------------------------------------------------------

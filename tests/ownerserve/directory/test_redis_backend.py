@@ -1,4 +1,5 @@
-"""What only the Redis backend does: batched reuse counts, the worker-name map, script reloads."""
+"""What only the Redis backend does: batched reuse counts, the worker-name map, script reloads,
+the GPU-cached counts rebuilt after a data loss."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from typing import Any
 import pytest
 
 from ownerserve.directory import redis as redis_backend
-from ownerserve.directory.base import Artifact, Holding, HoldKind
+from ownerserve.directory.base import Artifact, CachedCounts, Holding, HoldKind
 from ownerserve.directory.common import ReplicaWrite
+from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.directory.redis import RedisDirectory
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
@@ -539,6 +541,41 @@ async def test_a_restored_cached_view_is_written_in_bounded_steps(
     assert (await a.apply_events("w1", EventBatch(0, 0.0, (removed,)))).removed == 1
     assert (await b.lookup(chain)).longest("w1", Tier.GPU) == n // 2
     assert await a.restore_cached("w9", entries[:1]) == -1
+
+
+async def test_cached_counts_lost_with_the_data_come_back_with_restore_cached(
+    pair: tuple[RedisDirectory, RedisDirectory],
+) -> None:
+    """The GPU-cached counts live in the namespace (`kvn`): lost with its data, rebuilt as
+    `restore_cached` re-records the workers' views (in steps, a block in several of them
+    counted once), to what the in-memory directory fed the same events counts."""
+    a, b = pair
+    local = InMemoryDirectory()
+    n = 40
+    tokens = tuple(range(n * BS))
+    batches = {
+        "w1": (BlockStored(tuple(range(1, n + 1)), None, tokens, BS),),
+        "w2": (
+            BlockStored(tuple(range(101, 121)), None, tokens[: 20 * BS], BS),
+            BlockStored(tuple(range(201, 231)), None, tokens[: 30 * BS], BS, Tier.CPU),
+            BlockRemoved((105,)),
+        ),
+    }
+    for d in (a, local):
+        for worker, events in batches.items():
+            await d.register_worker(worker, ROOT, BS)
+            await d.apply_events(worker, EventBatch(0, 0.0, events))
+    counts = await local.cached_counts()
+    assert counts == CachedCounts(n, n + 19) and await b.cached_counts() == counts
+    await a.flush_namespace()  # Redis lost its data
+    assert await b.cached_counts() == CachedCounts(0, 0)
+    snapshot = local.export_state()
+    for worker, (root, block_size) in snapshot.registrations.items():
+        await a.register_worker(worker, root, block_size)
+    for worker, entries in snapshot.cached.items():
+        assert await a.restore_cached(worker, entries, step_entries=7) > 0
+        assert await a.restore_cached(worker, entries[:9]) > 0  # again: the same bits
+    assert await b.cached_counts() == counts
 
 
 def _cached_on(record: str | None, j: int) -> int:

@@ -15,7 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from ownerserve.config import DirectorySettings
 from ownerserve.directory import InMemoryDirectory, open_directory
-from ownerserve.directory.base import Artifact, Holding, HoldKind
+from ownerserve.directory.base import Artifact, CachedCounts, Holding, HoldKind
 from ownerserve.directory.redis import RedisDirectory, split_cluster_flag
 from ownerserve.directory.resilient import PROVISIONAL_EPOCH_BASE, ResilientDirectory
 from ownerserve.errors import InvalidRequestError, StaleEpochError
@@ -74,6 +74,7 @@ async def during_outage(d: ResilientDirectory) -> int:
     r = await d.apply_events("w1", EventBatch(2, 0.0, (stored(4, 2, 7003),)))
     assert r.stored == 2
     assert (await d.lookup(CHAIN[:16])).holdings[-1] == Holding("w1", Tier.GPU, 6, HoldKind.CACHED)
+    assert await d.cached_counts() == CachedCounts(6, 6)  # the local view's
     h = await d.health()
     assert not h.healthy and h.pending_reconcile == 3
     return delta.epoch
@@ -106,6 +107,7 @@ async def check_reconciled(server: RedisServer, lease: tuple[int, int]) -> None:
             ("w3", Tier.CPU, 8, "replica"),
             ("w1", Tier.GPU, 6, "cached"),
         ]
+        assert await view.cached_counts() == CachedCounts(6, 6)  # restored or replayed
         assert (m.owner, m.session_owner) == ("w2", "w1")
         assert m.owner_epoch < PROVISIONAL_EPOCH_BASE
         assert await view.get_session_owner("s2") == "w2"

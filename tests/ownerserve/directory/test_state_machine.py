@@ -1,5 +1,6 @@
 """Hypothesis state machine: the in-memory and Redis backends (plain, and inside the healthy
-`ResilientDirectory`, whose local mirror is checked too) against a brute-force model.
+`ResilientDirectory`, whose local mirror is checked too) against a brute-force model: lookups,
+and the GPU-cached counts (distinct blocks, copies) after every step.
 
 The model keeps leases as "who holds which blocks" and answers lookups by scanning
 everything; the backends keep per-block indexes. Leases here never expire (time-based
@@ -28,7 +29,7 @@ from hypothesis.stateful import (
 )
 
 from ownerserve.directory import InMemoryDirectory
-from ownerserve.directory.base import Artifact, Holding, HoldKind, Lease, Match
+from ownerserve.directory.base import Artifact, CachedCounts, Holding, HoldKind, Lease, Match
 from ownerserve.directory.common import sort_holdings
 from ownerserve.directory.redis import RedisDirectory
 from ownerserve.directory.resilient import ResilientDirectory
@@ -452,6 +453,13 @@ def make_machine(redis_url: str) -> type[RuleBasedStateMachine]:
                 assert self.both(call, _same) == want
                 mirror = self.loop.run_until_complete(self.resilient.local.lookup(chain, "s1"))
                 assert mirror == want
+
+        @invariant()
+        def gpu_cached_counts_agree(self) -> None:
+            gpu = [b for w in self.model.workers.values() for b, t in w.cached if t == Tier.GPU]
+            want = CachedCounts(len(set(gpu)), len(gpu))
+            assert self.both(lambda d: d.cached_counts(), _same) == want
+            assert self.loop.run_until_complete(self.resilient.local.cached_counts()) == want
 
         @rule(c=st.integers(0, 1), end=st.integers(0, N), sid=st.sampled_from((None, *SESSIONS)))
         def lookup(self, c: int, end: int, sid: str | None) -> None:
