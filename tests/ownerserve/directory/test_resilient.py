@@ -195,6 +195,49 @@ async def test_a_batch_queued_in_an_outage_is_refused_on_replay_once_its_life_wa
         await other.close()
 
 
+async def test_writes_coming_on_during_the_replay_do_not_keep_redis_out_of_reach(
+    server: RedisServer, resilient: ResilientDirectory
+) -> None:
+    # a router under load writes all the time; the replay of what it queued is one round trip
+    # a write: if new writes kept queueing at the local view's speed, the replay never ends
+    d = resilient
+    d.retry_interval_s = 3600.0  # the replay below runs by hand, the writer beside it
+    await d.register_worker("w1", ROOT, BS)
+    with contextlib.suppress(RedisConnectionError):
+        await d.primary.client.shutdown(save=True)
+    server.stop()
+    for i in range(200):
+        await d.set_session_owner(f"queued-{i}", "w1", 60.0)
+    assert d.pending == 200
+    server.start()
+    written = 0
+
+    async def keep_writing() -> None:
+        nonlocal written
+        while True:
+            await d.set_session_owner(f"live-{written}", "w1", 60.0)
+            written += 1
+            await asyncio.sleep(0)  # as requests do between their writes: others run
+
+    writer = asyncio.create_task(keep_writing())  # runs from the replay's first round trip
+    try:
+        async with asyncio.timeout(60):
+            await d._reconcile()
+        assert d.healthy and d.pending == 0
+        await until(lambda: written > 10, what="writes going on, to Redis now")
+        assert d.healthy and d.pending == 0
+    finally:
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await writer
+    view = await fresh_view(server)
+    try:
+        assert await view.get_session_owner("queued-199") == "w1"
+        assert await view.get_session_owner(f"live-{written - 1}") == "w1"
+    finally:
+        await view.close()
+
+
 async def test_no_call_fails_while_redis_goes_away_and_comes_back(
     server: RedisServer, resilient: ResilientDirectory
 ) -> None:
