@@ -100,6 +100,7 @@ class KVEventSubscriber:
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sub: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
         self._expected: int | None = None
         self._last_ts = float("-inf")
 
@@ -116,6 +117,7 @@ class KVEventSubscriber:
         self._task = asyncio.create_task(self._run(), name=f"kv-events:{self.worker}")
 
     async def close(self) -> None:
+        self._closing = True  # ends the loop even if a step swallowed the cancel below
         await cancel_and_wait(self._task)
         self._task = None
         if self._sub is not None:
@@ -123,18 +125,22 @@ class KVEventSubscriber:
             self._sub = None
 
     async def _run(self) -> None:
-        assert self._sub is not None
+        sub = self._sub
+        assert sub is not None
         # Batches published before the SUB connection was up are lost on PUB/SUB; fetch them.
         await self._guarded(self.catch_up())
         idle_ms = None
         if self.replay_endpoint is not None and self.catch_up_interval_s is not None:
             idle_ms = int(self.catch_up_interval_s * 1000)
-        while True:
-            if not await self._sub.poll(idle_ms):
+        # `_closing`, not only the cancel: a step that swallows a cancel (asyncio.timeout on
+        # Python 3.11 may turn one that coincides with its own expiry into a TimeoutError)
+        # would otherwise go on polling a socket `close` has closed
+        while not self._closing:
+            if not await sub.poll(idle_ms):
                 # Quiet for a while: a lost *last* batch shows no gap until the next one.
                 await self._guarded(self.catch_up())
                 continue
-            frames = await self._sub.recv_multipart()
+            frames = await sub.recv_multipart()
             try:
                 batch = decode_message(frames)
             except KVEventWireError as exc:
