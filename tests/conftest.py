@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import TextIO
 
 import pytest
 
@@ -61,6 +62,19 @@ def redis_server_factory(redis_binary: str) -> Iterator[Callable[..., RedisServe
 HANG_REPORT_MARGIN_S = 15.0
 
 
+def _write_await_chain(coro: object, out: TextIO) -> None:
+    """The coroutines `coro` awaits, innermost last (a task's own stack shows only its top)."""
+    for _ in range(64):
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        code = frame.f_code
+        out.write(f"    awaits {code.co_filename}:{frame.f_lineno} {code.co_name}\n")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    if coro is not None:
+        out.write(f"    on {coro!r}\n")
+
+
 def _report_hang(signum: int, frame: object) -> None:
     """Print every asyncio task's and every thread's stack (runs in the main thread)."""
     out = sys.__stderr__
@@ -74,6 +88,7 @@ def _report_hang(signum: int, frame: object) -> None:
     for task in tasks:
         out.write(f"--- {task!r}\n")
         task.print_stack(file=out)
+        _write_await_chain(task.get_coro(), out)
     out.write("===== hang report: threads =====\n")
     out.flush()
     faulthandler.dump_traceback(file=out, all_threads=True)
