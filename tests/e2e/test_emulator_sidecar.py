@@ -33,7 +33,10 @@ def with_sidecars(tmp_path: Path, *ids: str) -> Iterator[list[tuple[EmulatedWork
             sc.start()
         for sc in scs:
             sc.wait_healthy()
-        ws = [EmulatedWorker(i, "hybrid", speed=20, sidecar_url=sc.url) for i, sc in zip(ids, scs)]
+        ws = [
+            EmulatedWorker(i, "hybrid", speed=20, sidecar_url=sc.url)
+            for i, sc in zip(ids, scs, strict=True)
+        ]
         with emulated_workers(*ws):
             yield list(zip(ws, scs, strict=True))
     finally:
