@@ -367,7 +367,8 @@ def _add_chaos_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser
         description="Run a fixed number of concurrent agent sessions, their turns spread over "
         "two `ownerserve serve` replicas that share one Redis ownership directory, on emulated "
         "workers, for --duration seconds, while a seeded fault schedule kills, stops and "
-        "restarts workers, Redis and a replica. Writes chaos_latest.json, a dated copy and "
+        "restarts workers, Redis, a replica, a worker's KV sidecar and the Mooncake Store "
+        "master. Writes chaos_latest.json, a dated copy and "
         "chaos_latest.md to --out-dir: requests by outcome (hung must be 0), sessions lost "
         "(0), each dead worker's time until the directory names it as no owner (bound: one "
         "lease), stale directory entries (0), KV and leases still held once idle (none), the "
@@ -379,8 +380,20 @@ def _add_chaos_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument(
         "--faults",
         default=",".join(FAULT_KINDS),
-        help="faults, comma list (default: all; sidecar_kill is skipped on emulated workers, "
-        "which have no sidecar)",
+        help="faults, comma list (default: all). sidecar_kill SIGKILLs a worker's KV sidecar "
+        "mid-fetch and needs --kv-sidecars tcp or store; store_master_kill SIGKILLs the "
+        "Mooncake Store master and needs --kv-sidecars store (skipped otherwise, and said)",
+    )
+    p.add_argument(
+        "--kv-sidecars",
+        choices=("auto", "off", "tcp", "store"),
+        default="auto",
+        help="give each emulated worker its own KV sidecar process (ownerserve worker "
+        "sidecar), which its KV is saved to, loaded from and fetched through, its replicas "
+        "published to the Redis directory: tcp (sidecars move KV over TCP), store (their "
+        "artifacts on one mooncake_master) or off (the workers serve their KV API in-process). "
+        "auto (default): store with store_master_kill among --faults, tcp with sidecar_kill, "
+        "else off",
     )
     p.add_argument("--repeats", type=int, default=2, help="times each fault runs (default 2)")
     p.add_argument("--prefill", type=int, default=1)
@@ -471,6 +484,7 @@ def run_chaos_command(args: argparse.Namespace) -> int:
         stream_share=args.stream_share,
         time_scale=args.time_scale,
         progress=not args.quiet,
+        kv_sidecars=args.kv_sidecars,
     )
     try:
         plan.check()

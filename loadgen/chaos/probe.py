@@ -122,6 +122,32 @@ class DirectoryProbe:
         cached_blocks = await self._cached_blocks(worker) if cached else 0
         return Named(tuple(sorted(leases)), sessions, replicas, cached_blocks)
 
+    async def replica_blocks(
+        self, worker: str, *, tiers: Sequence[str], limit: int | None
+    ) -> list[int]:
+        """Blocks (at most `limit`, None: all) the directory names as `worker`'s live replicas
+        in one of `tiers` (a sidecar publishes its own as `cpu` and `ssd`)."""
+        p, r = self.p, self.r
+        now = await self.now_ms()
+        blocks = sorted(str(b) for b in await r.smembers(f"{p}w:{worker}:reps"))
+        out: list[int] = []
+        for block, rec in zip(
+            blocks, await r.hmget(p + "blk", blocks) if blocks else [], strict=True
+        ):
+            if _live_replica_lines(rec, worker, now, tiers):
+                out.append(int(block, 16))
+                if limit is not None and len(out) >= limit:
+                    break
+        return out
+
+    async def replica_lines(self, worker: str, *, tiers: Sequence[str]) -> int:
+        """How many live replica lines in `tiers` name `worker`."""
+        p, r = self.p, self.r
+        now = await self.now_ms()
+        blocks = list(await r.smembers(f"{p}w:{worker}:reps"))
+        recs = await r.hmget(p + "blk", blocks) if blocks else []
+        return sum(_live_replica_lines(rec, worker, now, tiers) for rec in recs)
+
     async def _cached_blocks(self, worker: str) -> int:
         idx = await self.r.hget(f"{self.p}w:{worker}", "idx")
         if idx is None:
@@ -137,8 +163,10 @@ class DirectoryProbe:
         return n
 
 
-def _live_replica_lines(rec: object, worker: str, now_ms: int) -> int:
-    """Live replica lines of `worker` in one block record."""
+def _live_replica_lines(
+    rec: object, worker: str, now_ms: int, tiers: Sequence[str] | None = None
+) -> int:
+    """Live replica lines of `worker` in one block record (in one of `tiers`; None: any)."""
     if not rec:
         return 0
     text = str(rec)
@@ -149,8 +177,8 @@ def _live_replica_lines(rec: object, worker: str, now_ms: int) -> int:
     for line in text[nl + 1 :].split("\n"):
         if not line:
             continue
-        who, _tier, expires, _ro = line.split("\t")
-        if who == worker and int(expires) > now_ms:
+        who, tier, expires, _ro = line.split("\t")
+        if who == worker and int(expires) > now_ms and (tiers is None or tier in tiers):
             n += 1
     return n
 
@@ -193,6 +221,11 @@ WORKER_GAUGES: dict[str, str] = {
     "kv_transfers_held": "ownerserve_emulator_kv_transfers_held",
 }
 """An emulated worker's gauges that a request holds while it lives (0 on an idle worker)."""
+
+SIDECAR_GAUGES: dict[str, str] = {
+    "fetches_in_flight": "ownerserve_sidecar_fetches_in_flight",
+}
+"""A KV sidecar's gauges that a fetch holds while it runs (0 on an idle sidecar)."""
 
 ROUTER_GAUGES: dict[str, str] = {
     "inflight": "ownerserve_worker_inflight",
