@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from ownerserve.directory import Directory
@@ -39,12 +39,17 @@ class ReplicaPublisher:
     holdings: Callable[[], Mapping[int, Tier]]
     ttl_s: float = 30.0
     flush_every_s: float = 0.2
+    prune: Callable[[], Awaitable[bool]] | None = None
+    """Called before each renewal: drops what is no longer stored from `holdings()`; False
+    when that cannot be told now (the store out of reach): the renewal is skipped, so what
+    it would have named expires unless a later renewal names it."""
     _dirty: dict[int, Tier] = field(default_factory=dict)
     _task: asyncio.Task[None] | None = None
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _published_blocks: int = 0
     _calls: int = 0
     _failures: int = 0
+    _skipped: int = 0
 
     @property
     def renew_every_s(self) -> float:
@@ -86,6 +91,15 @@ class ReplicaPublisher:
 
     async def renew(self) -> None:
         """Write every held block again (extends the TTL of what is still stored)."""
+        if self.prune is not None:
+            try:
+                known = await self.prune()
+            except Exception as exc:
+                known = False
+                log.warning("checking the replicas of %s failed: %r", self.worker, exc)
+            if not known:
+                self._skipped += 1
+                return
         held = dict(self.holdings())
         self._dirty.clear()
         try:

@@ -372,7 +372,11 @@ class Sidecar:
         self.http = httpx.AsyncClient(timeout=self.config.fetch_timeout_s)
         self.directory = open_directory(self.config.directory_settings(), resilient=False)
         self.publisher = ReplicaPublisher(
-            self.directory, self.config.worker_id, self.holdings, ttl_s=self.config.replica_ttl_s
+            self.directory,
+            self.config.worker_id,
+            self.holdings,
+            ttl_s=self.config.replica_ttl_s,
+            prune=None if self.shared is None else self.drop_lost,
         )
         self.publisher.note(self.holdings())  # what the SSD tier kept over a restart
         self.publisher.start()
@@ -429,6 +433,27 @@ class Sidecar:
             if keys:
                 out[chunk.chunk_hash] = self._tier(keys)
         return out
+
+    async def drop_lost(self) -> bool:
+        """On Mooncake Store: stop holding, listing and publishing what the store lost behind
+        this sidecar (a restarted master holds none of its objects); before each renewal of
+        the replicas, so the directory names a lost object at most one TTL. False when the
+        store cannot be reached (what it holds is unknown then)."""
+        assert self.shared is not None
+        try:
+            lost = await self.shared.drop_lost()
+        except MooncakeStoreError as exc:
+            log.warning("sidecar %s: Mooncake Store out of reach: %s", self.config.worker_id, exc)
+            return False
+        for key in lost:
+            self.index.discard(key)
+        if lost:
+            log.warning(
+                "sidecar %s: %d artifacts gone from Mooncake Store (no longer held)",
+                self.config.worker_id,
+                len(lost),
+            )
+        return True
 
     def _note(self, keys: Iterable[tuple[str, int | None]]) -> None:
         """Index stored (key, artifacts that make its block whole) and publish the blocks that

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +51,9 @@ MIN_RATE_BPS = 250e6
 REPLICA_CACHE_S = 5.0
 """The client's replica cache (`ClientSettings.replica_cache_s`): artifacts read again within
 it skip the master's lookup (bench/history/mooncake_store.md)."""
+
+EXISTS_BATCH = 4096
+"""Keys per existence check of what is held (`drop_lost`)."""
 
 T = TypeVar("T")
 
@@ -147,6 +151,21 @@ class StoreTier:
             if there:
                 self._held[artifact.key] = artifact
         return found
+
+    async def drop_lost(self, batch: int = EXISTS_BATCH) -> list[str]:
+        """Stop holding what the store no longer has (evicted, its segment's process gone, the
+        master restarted: a restarted master knows none of the objects it held): one
+        existence check per `batch` held keys. The keys dropped; `StoreUnavailable` when the
+        store cannot be reached (then nothing is dropped: what is held is unknown)."""
+        keys = list(self._held)
+        lost: list[str] = []
+        for i in range(0, len(keys), batch):
+            part = keys[i : i + batch]
+            found = await self._call(0, functools.partial(self.client.exists, part))
+            lost.extend(k for k, there in zip(part, found, strict=True) if not there)
+        for key in lost:
+            self._held.pop(key, None)
+        return lost
 
     def count(self) -> int:
         return len(self._held)
