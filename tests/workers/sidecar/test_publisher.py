@@ -78,3 +78,22 @@ async def test_a_failed_last_flush_at_close_is_counted_and_logged_with_its_error
     messages = [r.getMessage() for r in caplog.records]
     assert any("directory down" in m for m in messages), messages
     assert any("2 replicas of w0 unpublished" in m for m in messages), messages
+
+
+async def test_a_renewal_names_only_what_prune_kept_and_none_when_it_cannot_tell() -> None:
+    held = {1: Tier.CPU, 2: Tier.CPU}
+    known = True
+
+    async def prune() -> bool:
+        held.pop(2, None)  # the store lost it
+        return known
+
+    directory = InMemoryDirectory()
+    pub = ReplicaPublisher(directory, "w0", lambda: held, ttl_s=30.0, prune=prune)
+    await pub.renew()
+    assert pub.stats().published_blocks == 1
+    assert (await directory.lookup([1])).longest("w0", Tier.CPU) == 1
+    assert (await directory.lookup([2])).longest("w0", Tier.CPU) == 0
+    known = False  # the store out of reach: nothing renewed, what is named expires
+    await pub.renew()
+    assert pub.stats().published_blocks == 1 and pub.stats().publish_calls == 1
