@@ -475,14 +475,13 @@ class _Run:
         return body if isinstance(body, dict) else None
 
     async def fetching_from(self, worker: str) -> bool:
-        """Whether a peer sidecar has a fetch from `worker`'s sidecar running now."""
-        for sc in self.topo.sidecars:
-            if sc.worker_id == worker:
-                continue
-            health = await self.sidecar_health(sc)
-            if health is not None and int((health.get("fetching_from") or {}).get(worker, 0)):
-                return True
-        return False
+        """Whether a peer sidecar has a fetch from `worker`'s sidecar running now (all asked
+        at once: a fetch of the emulated blocks lasts milliseconds)."""
+        peers = [sc for sc in self.topo.sidecars if sc.worker_id != worker]
+        healths = await asyncio.gather(*(self.sidecar_health(sc) for sc in peers))
+        return any(
+            h is not None and int((h.get("fetching_from") or {}).get(worker, 0)) for h in healths
+        )
 
     async def all_see_kv_api(self, worker: str, up: bool) -> bool:
         """Whether every replica's admin API shows `worker`'s KV API (its sidecar) as `up`."""
@@ -512,36 +511,57 @@ class _Run:
         return out
 
     async def kill_sidecar(self, rec: FaultRecord, sc: KVSidecar) -> None:
-        """SIGKILL `sc` while a peer sidecar's fetch from it runs (watched for 10 s; a fetch of
-        the emulated blocks lasts milliseconds, so if none is seen `sc` is frozen until one
-        is stuck on it, up to 20 s more, and killed frozen), wait until the directory names
-        none of its replicas, start it again and wait until every replica uses it again."""
+        """SIGKILL `sc` while a peer sidecar's fetch from it runs (watched for two leases; a
+        fetch of the emulated blocks lasts milliseconds, so if none is seen `sc` is frozen
+        until one is stuck on it or every replica holds its KV API down, when no plan fetches
+        from it any more, and killed frozen), wait until the directory names none of its
+        replicas, start it again and wait until every replica uses it again. Its replicas'
+        time in the directory counts from when it stopped renewing them: the kill, or the
+        freeze."""
         plan, worker = self.plan, sc.worker_id
         before = await self.fetch_counts()
-        if await self.wait_for(lambda: self.fetching_from(worker), 10.0, poll_s=0.02) is not None:
-            rec.detail["killed"] = "with a fetch from it in flight"
-        elif sc.process is not None and sc.process.pid is not None:
-            os.killpg(sc.process.pid, signal.SIGSTOP)
-            if await self.wait_for(lambda: self.fetching_from(worker), 20.0, poll_s=0.05):
-                rec.detail["killed"] = "frozen, once a fetch from it was in flight"
-            else:
-                rec.detail["killed"] = "frozen, idle: no fetch from it within 30 s"
-                rec.problems.append(f"no fetch from {worker}'s sidecar within 30 s: killed idle")
-        at_kill = await self.probe_sidecar_replicas(worker)
-        killed = self.load_now()
-        await asyncio.to_thread(sc.kill)
+        rec.detail["replicas_before"] = await self.probe_sidecar_replicas(worker)
         bound = 2 * plan.lease_s + 5.0
-        down = await self.wait_for(lambda: self.all_see_kv_api(worker, False), bound)
+        watch = 2 * plan.lease_s
+        gone: asyncio.Task[float | None] | None = None
 
         async def unnamed() -> bool:
             return await self.probe_sidecar_replicas(worker) == 0
 
-        gone = await self.wait_for(unnamed, bound, poll_s=0.25)
-        gone_s = None if gone is None else round(self.load_now() - killed, 2)
+        async def fetch_or_down() -> bool:
+            return await self.fetching_from(worker) or await self.all_see_kv_api(worker, False)
+
+        caught = await self.wait_for(lambda: self.fetching_from(worker), watch, poll_s=0.01)
+        stopped: float | None = None
+        if caught is not None:
+            rec.detail["killed"] = "with a fetch from it in flight"
+        elif sc.process is not None and sc.process.pid is not None:
+            os.killpg(sc.process.pid, signal.SIGSTOP)
+            stopped = self.load_now()
+            gone = asyncio.create_task(self.wait_for(unnamed, bound, poll_s=0.25))
+            await self.wait_for(fetch_or_down, 15.0, poll_s=0.02)
+            if await self.fetching_from(worker):
+                rec.detail["killed"] = "frozen, once a fetch from it was in flight"
+            else:
+                rec.detail["killed"] = (
+                    f"frozen, idle: no fetch from it within {watch:g} s, nor frozen until "
+                    "the replicas held its KV API down"
+                )
+                rec.problems.append(f"no fetch from {worker}'s sidecar in flight: killed idle")
+        at_kill = await self.probe_sidecar_replicas(worker)
+        killed = self.load_now()
+        stopped = killed if stopped is None else stopped
+        await asyncio.to_thread(sc.kill)
+        if gone is None:
+            gone = asyncio.create_task(self.wait_for(unnamed, bound, poll_s=0.25))
+        down = await self.wait_for(lambda: self.all_see_kv_api(worker, False), bound)
+        took = await gone  # watched from the stop: the freeze, or the kill
+        gone_s = None if took is None else round(took, 2)
+        rec.detail["frozen_s"] = round(killed - stopped, 2)
         rec.detail["replicas_at_kill"] = at_kill
         rec.detail["kv_api_down_by_every_replica_s"] = None if down is None else round(down, 2)
         rec.detail["replicas_gone_s"] = gone_s
-        # a replica line lives one TTL after its last renewal, which came before the kill
+        # a replica line lives one TTL after its last renewal, which came before the stop
         if gone_s is None or gone_s > plan.lease_s + 1.0:
             rec.problems.append(
                 f"the directory named replicas on {worker}'s dead sidecar "
