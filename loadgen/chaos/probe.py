@@ -17,6 +17,9 @@ from ownerserve.config import DirectorySettings
 from ownerserve.directory import open_directory
 from ownerserve.directory.redis import RedisDirectory
 
+READ_STEP = 2000
+"""Block records per Redis read of a worker's replicas."""
+
 
 @dataclass(frozen=True, slots=True)
 class Named:
@@ -131,13 +134,13 @@ class DirectoryProbe:
         now = await self.now_ms()
         blocks = sorted(str(b) for b in await r.smembers(f"{p}w:{worker}:reps"))
         out: list[int] = []
-        for block, rec in zip(
-            blocks, await r.hmget(p + "blk", blocks) if blocks else [], strict=True
-        ):
-            if _live_replica_lines(rec, worker, now, tiers):
-                out.append(int(block, 16))
-                if limit is not None and len(out) >= limit:
-                    break
+        for i in range(0, len(blocks), READ_STEP):  # no single call holds Redis long
+            part = blocks[i : i + READ_STEP]
+            for block, rec in zip(part, await r.hmget(p + "blk", part), strict=True):
+                if _live_replica_lines(rec, worker, now, tiers):
+                    out.append(int(block, 16))
+                    if limit is not None and len(out) >= limit:
+                        return out
         return out
 
     async def replica_lines(self, worker: str, *, tiers: Sequence[str]) -> int:
@@ -145,8 +148,11 @@ class DirectoryProbe:
         p, r = self.p, self.r
         now = await self.now_ms()
         blocks = list(await r.smembers(f"{p}w:{worker}:reps"))
-        recs = await r.hmget(p + "blk", blocks) if blocks else []
-        return sum(_live_replica_lines(rec, worker, now, tiers) for rec in recs)
+        n = 0
+        for i in range(0, len(blocks), READ_STEP):
+            recs = await r.hmget(p + "blk", blocks[i : i + READ_STEP])
+            n += sum(_live_replica_lines(rec, worker, now, tiers) for rec in recs)
+        return n
 
     async def _cached_blocks(self, worker: str) -> int:
         idx = await self.r.hget(f"{self.p}w:{worker}", "idx")

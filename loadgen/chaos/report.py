@@ -127,7 +127,8 @@ def _sidecar_checks(plan: ChaosPlan, records: Sequence[FaultRecord]) -> list[dic
             )
         )
         stale = sum(
-            sum((r.detail.get("lost_blocks_named_after_ttl") or {}).values()) for r in masters
+            sum(n or 0 for n in (r.detail.get("lost_blocks_named_after_ttl") or {}).values())
+            for r in masters
         )
         out.append(
             _check(

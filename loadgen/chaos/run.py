@@ -630,6 +630,9 @@ class _Run:
         stale = await self.lost_blocks_named(named)
         rec.detail["replica_blocks_at_kill"] = {w: len(b) for w, b in named.items()}
         rec.detail["lost_blocks_named_after_ttl"] = stale
+        unread = sorted(w for w, n in stale.items() if n is None)
+        if unread:
+            rec.problems.append(f"the directory could not be read for {unread}'s replicas")
         if any(stale.values()):
             rec.problems.append(
                 f"{plan.lease_s + 1.0:g} s after the master's restart the directory still named "
@@ -649,17 +652,22 @@ class _Run:
                 out[sc.worker_id] = []
         return out
 
-    async def lost_blocks_named(self, named: dict[str, list[int]]) -> dict[str, int]:
+    async def lost_blocks_named(self, named: dict[str, list[int]]) -> dict[str, int | None]:
         """Of `named` (blocks per worker), those the directory still names as the worker's
-        sidecar replicas whose artifact its sidecar does not serve."""
-        out: dict[str, int] = {}
+        sidecar replicas whose artifact its sidecar does not serve (None: the directory could
+        not be read, twice)."""
+        out: dict[str, int | None] = {}
         for worker, blocks in named.items():
             sc = self.topo.sidecar(worker)
-            try:
-                still = set(
-                    await self.probe.replica_blocks(worker, tiers=("cpu", "ssd"), limit=None)
-                )
-            except (RedisError, OSError):
+            still: set[int] | None = None
+            for _ in range(2):  # the first call after a Redis restart finds its socket closed
+                with contextlib.suppress(RedisError, OSError):
+                    still = set(
+                        await self.probe.replica_blocks(worker, tiers=("cpu", "ssd"), limit=None)
+                    )
+                    break
+            if still is None:
+                out[worker] = None
                 continue
             n = 0
             for block in blocks:
