@@ -405,6 +405,14 @@ def _add_chaos_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser
         "--lease-s", type=float, default=10.0, help="the directory's lease TTL (default 10)"
     )
     p.add_argument(
+        "--replica-ttl-s",
+        type=float,
+        default=30.0,
+        help="with KV sidecars: their --replica-ttl-s (default 30, the sidecar's): what they "
+        "publish is renewed every third of it; the bound on a dead sidecar's replicas and a "
+        "restarted store master's lost objects in the directory",
+    )
+    p.add_argument(
         "--stop-s",
         type=float,
         default=8.0,
@@ -461,8 +469,10 @@ def run_chaos_command(args: argparse.Namespace) -> int:
         raise ConfigError("--speed must be > 0 and worker counts >= 0")
     if not 0.0 <= args.stream_share <= 1.0:
         raise ConfigError("--stream-share must be within [0, 1]")
-    if min(args.lease_s, args.stop_s, args.settle_s, args.time_scale) <= 0:
-        raise ConfigError("--lease-s, --stop-s, --settle-s and --time-scale must be > 0")
+    if min(args.lease_s, args.replica_ttl_s, args.stop_s, args.settle_s, args.time_scale) <= 0:
+        raise ConfigError(
+            "--lease-s, --replica-ttl-s, --stop-s, --settle-s and --time-scale must be > 0"
+        )
     plan = ChaosPlan(
         out_dir=args.out_dir,
         log_dir=args.log_dir or Path(tempfile.mkdtemp(prefix="ownerserve-chaos-")),
@@ -485,6 +495,7 @@ def run_chaos_command(args: argparse.Namespace) -> int:
         time_scale=args.time_scale,
         progress=not args.quiet,
         kv_sidecars=args.kv_sidecars,
+        replica_ttl_s=args.replica_ttl_s,
     )
     try:
         plan.check()

@@ -109,9 +109,12 @@ class DirectoryProbe:
             "command_stalls": [[int(t), int(ms)] for t, ms in history],
         }
 
-    async def named(self, worker: str, *, cached: bool = False) -> Named:
+    async def named(
+        self, worker: str, *, cached: bool = False, replica_tiers: Sequence[str] | None = None
+    ) -> Named:
         """What the directory names `worker` in (`cached`: also scan every block record for
-        its cached view, which costs a pass over the block table)."""
+        its cached view, which costs a pass over the block table; `replica_tiers`: count only
+        the replica lines in these tiers, None: all)."""
         p, r = self.p, self.r
         now = await self.now_ms()
         leases = (await self.live_leases()).get(worker, [])
@@ -120,8 +123,9 @@ class DirectoryProbe:
         sessions = sum(1 for o in owners if o == worker)
         blocks = list(await r.smembers(f"{p}w:{worker}:reps"))
         replicas = 0
-        for rec in await r.hmget(p + "blk", blocks) if blocks else []:
-            replicas += _live_replica_lines(rec, worker, now)
+        for i in range(0, len(blocks), READ_STEP):
+            for rec in await r.hmget(p + "blk", blocks[i : i + READ_STEP]):
+                replicas += _live_replica_lines(rec, worker, now, replica_tiers)
         cached_blocks = await self._cached_blocks(worker) if cached else 0
         return Named(tuple(sorted(leases)), sessions, replicas, cached_blocks)
 

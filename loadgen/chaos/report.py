@@ -98,7 +98,7 @@ def _kv_fetches(attempts: Sequence[Attempt], records: Sequence[FaultRecord]) -> 
 def _sidecar_checks(plan: ChaosPlan, records: Sequence[FaultRecord]) -> list[dict[str, Any]]:
     """The checks of the KV-store faults that ran: a dead sidecar's replicas and a restarted
     master's lost objects out of the directory within one replica TTL, puts taken again."""
-    bound = plan.lease_s + 1.0
+    bound = plan.replica_ttl_s + 1.0
     kills = [r for r in records if r.fault.kind == "sidecar_kill"]
     masters = [r for r in records if r.fault.kind == "store_master_kill"]
     out = []
@@ -278,6 +278,7 @@ def build_report(
             "speed": plan.speed,
             "lease_s": plan.lease_s,
             "kv_sidecars": plan.sidecar_mode(),
+            "replica_ttl_s": plan.replica_ttl_s,
         },
         "load": {
             "duration_s": plan.duration_s,

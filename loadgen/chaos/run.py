@@ -79,6 +79,9 @@ class ChaosPlan:
     profile: str = DEFAULT_PROFILE
     speed: float = 4.0
     lease_s: float = 10.0
+    replica_ttl_s: float = 30.0
+    """The KV sidecars' `--replica-ttl-s`: what they publish lives this long unless renewed
+    (every third of it), the bound on a dead sidecar's or a lost object's replicas."""
     faults: tuple[str, ...] = FAULT_KINDS
     repeats: int = 2
     stop_s: float = 8.0
@@ -199,8 +202,12 @@ class _Run:
     # --- measuring ---------------------------------------------------------------------------
 
     async def named(self, worker: str, *, cached: bool = False) -> Named | None:
+        """What the directory names `worker` in; with KV sidecars, leaving out the replicas its
+        sidecar publishes (`cpu`, `ssd`): the sidecar outlives its engine's death and serves
+        them, so they are not stale (a dead sidecar's are checked by `sidecar_kill`)."""
+        tiers = ("gpu",) if self.topo.sidecars else None
         try:
-            return await self.probe.named(worker, cached=cached)
+            return await self.probe.named(worker, cached=cached, replica_tiers=tiers)
         except (RedisError, OSError):
             return None
 
@@ -521,7 +528,7 @@ class _Run:
         plan, worker = self.plan, sc.worker_id
         before = await self.fetch_counts()
         rec.detail["replicas_before"] = await self.probe_sidecar_replicas(worker)
-        bound = 2 * plan.lease_s + 5.0
+        bound = 2 * plan.replica_ttl_s + 5.0
         watch = 2 * plan.lease_s
         gone: asyncio.Task[float | None] | None = None
 
@@ -562,11 +569,11 @@ class _Run:
         rec.detail["kv_api_down_by_every_replica_s"] = None if down is None else round(down, 2)
         rec.detail["replicas_gone_s"] = gone_s
         # a replica line lives one TTL after its last renewal, which came before the stop
-        if gone_s is None or gone_s > plan.lease_s + 1.0:
+        if gone_s is None or gone_s > plan.replica_ttl_s + 1.0:
             rec.problems.append(
                 f"the directory named replicas on {worker}'s dead sidecar "
                 + ("past the wait's bound" if gone_s is None else f"for {gone_s:.1f} s")
-                + f" (bound: one replica TTL, {plan.lease_s:g} s)"
+                + f" (bound: one replica TTL, {plan.replica_ttl_s:g} s)"
             )
         if down is None:
             rec.problems.append(f"a replica did not hold {worker}'s KV API down within {bound:g} s")
@@ -624,7 +631,7 @@ class _Run:
             rec.problems.append("a sidecar took no put within 60 s of the master's restart")
         # every object the master held is gone; what the directory still names past one TTL
         # (and its sidecar cannot serve) is stale
-        left = plan.lease_s + 1.0 - (time.monotonic() - restarted)
+        left = plan.replica_ttl_s + 1.0 - (time.monotonic() - restarted)
         if left > 0:
             await asyncio.sleep(left)
         stale = await self.lost_blocks_named(named)
@@ -635,8 +642,8 @@ class _Run:
             rec.problems.append(f"the directory could not be read for {unread}'s replicas")
         if any(stale.values()):
             rec.problems.append(
-                f"{plan.lease_s + 1.0:g} s after the master's restart the directory still named "
-                f"blocks whose artifacts it lost, as sidecar replicas: {stale}"
+                f"{plan.replica_ttl_s + 1.0:g} s after the master's restart the directory "
+                f"still named blocks whose artifacts it lost, as sidecar replicas: {stale}"
             )
         rec.detail["router_fetches"] = _delta(before, await self.fetch_counts())
 
@@ -847,6 +854,7 @@ def run_chaos(plan: ChaosPlan, command: str = "") -> dict[str, Any]:
         plan.spec(),
         plan.log_dir,
         lease_s=plan.lease_s,
+        replica_ttl_s=plan.replica_ttl_s,
         timeouts=plan.timeouts,
         kv_sidecars=plan.sidecar_mode(),
     )

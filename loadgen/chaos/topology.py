@@ -111,6 +111,7 @@ class Topology:
         timeouts: RouterTimeouts,
         replicas: int = 2,
         kv_sidecars: str = "off",
+        replica_ttl_s: float = 30.0,
     ) -> None:
         binary = find_redis_binary()
         if binary is None:
@@ -143,7 +144,7 @@ class Topology:
             for w in self.cluster.workers:
                 extra = [
                     "--directory", self.redis.url, "--directory-prefix", DIRECTORY_PREFIX,
-                    "--replica-ttl-s", f"{lease_s:g}", "--memory-bytes", SIDECAR_MEMORY,
+                    "--replica-ttl-s", f"{replica_ttl_s:g}", "--memory-bytes", SIDECAR_MEMORY,
                 ]  # fmt: skip
                 if self.master is not None:
                     extra += ["--store", self.master.address.url]

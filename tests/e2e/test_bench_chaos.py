@@ -67,7 +67,7 @@ def test_a_short_soak_with_kv_sidecars_survives_a_sidecar_and_the_store_master_d
     cmd = [sys.executable, "-m", "ownerserve", "bench", "chaos", "--duration", "30",
            "--sessions", "3", "--prefill", "0", "--decode", "1", "--hybrid", "2",
            "--faults", "sidecar_kill,store_master_kill", "--repeats", "1", "--lease-s", "5",
-           "--kv-sidecars", "store", "--quiet", "--out-dir", str(out),
+           "--replica-ttl-s", "5", "--kv-sidecars", "store", "--quiet", "--out-dir", str(out),
            "--log-dir", str(tmp_path / "logs")]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=390)
     assert (out / "chaos_latest.json").is_file(), proc.stderr[-3000:]
