@@ -147,6 +147,20 @@ class DirectoryProbe:
                         return out
         return out
 
+    async def replica_expiry_ms(self, worker: str, *, tiers: Sequence[str]) -> int | None:
+        """The latest expiry (Redis time, ms) of `worker`'s live replica lines in `tiers`:
+        until when the directory names them if nothing renews them; None when none lives."""
+        p, r = self.p, self.r
+        now = await self.now_ms()
+        blocks = list(await r.smembers(f"{p}w:{worker}:reps"))
+        latest: int | None = None
+        for i in range(0, len(blocks), READ_STEP):
+            for rec in await r.hmget(p + "blk", blocks[i : i + READ_STEP]):
+                for expires in _replica_expiries(rec, worker, tiers):
+                    if expires > now and (latest is None or expires > latest):
+                        latest = expires
+        return latest
+
     async def replica_lines(self, worker: str, *, tiers: Sequence[str]) -> int:
         """How many live replica lines in `tiers` name `worker`."""
         p, r = self.p, self.r
@@ -171,6 +185,23 @@ class DirectoryProbe:
             if j <= len(cache) and cache[j - 1] != "\0":
                 n += 1
         return n
+
+
+def _replica_expiries(rec: object, worker: str, tiers: Sequence[str]) -> list[int]:
+    """The expiries (ms) of `worker`'s replica lines in `tiers` in one block record."""
+    if not rec:
+        return []
+    text = str(rec)
+    nl = text.find("\n", 16)
+    if nl < 0:
+        return []
+    out = []
+    for line in text[nl + 1 :].split("\n"):
+        if line:
+            who, tier, expires, _ro = line.split("\t")
+            if who == worker and tier in tiers:
+                out.append(int(expires))
+    return out
 
 
 def _live_replica_lines(

@@ -540,11 +540,13 @@ class _Run:
 
         caught = await self.wait_for(lambda: self.fetching_from(worker), watch, poll_s=0.01)
         stopped: float | None = None
+        stopped_ms: int | None = None  # Redis time: what the replica lines' expiries are in
         if caught is not None:
             rec.detail["killed"] = "with a fetch from it in flight"
         elif sc.process is not None and sc.process.pid is not None:
             os.killpg(sc.process.pid, signal.SIGSTOP)
             stopped = self.load_now()
+            stopped_ms = await self.redis_ms()
             gone = asyncio.create_task(self.wait_for(unnamed, bound, poll_s=0.25))
             await self.wait_for(fetch_or_down, 15.0, poll_s=0.02)
             if await self.fetching_from(worker):
@@ -559,20 +561,36 @@ class _Run:
         killed = self.load_now()
         stopped = killed if stopped is None else stopped
         await asyncio.to_thread(sc.kill)
+        stopped_ms = await self.redis_ms() if stopped_ms is None else stopped_ms
         if gone is None:
             gone = asyncio.create_task(self.wait_for(unnamed, bound, poll_s=0.25))
         down = await self.wait_for(lambda: self.all_see_kv_api(worker, False), bound)
+        # nothing renews them now: the latest expiry is how long past the stop they are named
+        # (exact, where the polling above also counts its own reads' time on a busy Redis)
+        expiry = await self.replica_expiry(worker)
+        named_for = (
+            None
+            if stopped_ms is None or expiry is None
+            else round(max(0, expiry - stopped_ms) / 1000, 2)
+        )
+        if expiry is None and stopped_ms is not None:
+            named_for = 0.0  # all expired already (or none read: `replicas_gone_s` says)
         took = await gone  # watched from the stop: the freeze, or the kill
         gone_s = None if took is None else round(took, 2)
         rec.detail["frozen_s"] = round(killed - stopped, 2)
         rec.detail["replicas_at_kill"] = at_kill
         rec.detail["kv_api_down_by_every_replica_s"] = None if down is None else round(down, 2)
         rec.detail["replicas_gone_s"] = gone_s
+        rec.detail["replicas_named_past_stop_s"] = named_for
         # a replica line lives one TTL after its last renewal, which came before the stop
-        if gone_s is None or gone_s > plan.replica_ttl_s + 1.0:
+        if gone_s is None or named_for is None or named_for > plan.replica_ttl_s:
             rec.problems.append(
                 f"the directory named replicas on {worker}'s dead sidecar "
-                + ("past the wait's bound" if gone_s is None else f"for {gone_s:.1f} s")
+                + (
+                    "past the wait's bound"
+                    if gone_s is None or named_for is None
+                    else f"until {named_for:.1f} s after it stopped"
+                )
                 + f" (bound: one replica TTL, {plan.replica_ttl_s:g} s)"
             )
         if down is None:
@@ -585,6 +603,18 @@ class _Run:
         if back is None:
             rec.problems.append(f"a replica did not use {worker}'s sidecar again within 30 s")
         rec.detail["router_fetches"] = _delta(before, await self.fetch_counts())
+
+    async def redis_ms(self) -> int | None:
+        for _ in range(2):  # the first call after a Redis restart finds its socket closed
+            with contextlib.suppress(RedisError, OSError):
+                return await self.probe.now_ms()
+        return None
+
+    async def replica_expiry(self, worker: str) -> int | None:
+        for _ in range(2):
+            with contextlib.suppress(RedisError, OSError):
+                return await self.probe.replica_expiry_ms(worker, tiers=("cpu", "ssd"))
+        return None
 
     async def probe_sidecar_replicas(self, worker: str) -> int | None:
         try:

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from loadgen.chaos.load import Attempt, kept_plan
-from loadgen.chaos.probe import _live_replica_lines
+from loadgen.chaos.probe import _live_replica_lines, _replica_expiries
 from loadgen.chaos.report import _fault_of, _kv_fetches
 from loadgen.chaos.run import FaultRecord
 from loadgen.chaos.schedule import (
@@ -92,6 +92,9 @@ def test_replica_lines_of_a_block_record_are_counted_while_live() -> None:
     assert _live_replica_lines(None, "h0", now_ms=0) == 0
     assert _live_replica_lines(record, "h0", now_ms=0, tiers=("cpu", "ssd")) == 1
     assert _live_replica_lines(record, "h0", now_ms=1000, tiers=("cpu", "ssd")) == 0
+    assert _replica_expiries(record, "h0", ("cpu", "ssd")) == [500]
+    assert _replica_expiries(record, "h0", ("gpu", "cpu")) == [2000, 500]
+    assert _replica_expiries(None, "h0", ("cpu",)) == []
 
 
 STORE_KINDS = ("worker_kill", "sidecar_kill", "store_master_kill", "redis_restart")
