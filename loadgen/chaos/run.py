@@ -617,10 +617,10 @@ class _Run:
         return None
 
     async def probe_sidecar_replicas(self, worker: str) -> int | None:
-        try:
-            return await self.probe.replica_lines(worker, tiers=("cpu", "ssd"))
-        except (RedisError, OSError):
-            return None
+        for _ in range(2):  # a busy Redis times a read out now and then
+            with contextlib.suppress(RedisError, OSError):
+                return await self.probe.replica_lines(worker, tiers=("cpu", "ssd"))
+        return None
 
     async def sidecar_put(self, sc: KVSidecar, n: int) -> bool:
         """Whether `sc` takes a put now (a probe artifact outside the KV key layout: held,
@@ -681,12 +681,13 @@ class _Run:
         """Per worker, up to `sample` blocks the directory names as its sidecar's replicas."""
         out: dict[str, list[int]] = {}
         for sc in self.topo.sidecars:
-            try:
-                out[sc.worker_id] = await self.probe.replica_blocks(
-                    sc.worker_id, tiers=("cpu", "ssd"), limit=sample
-                )
-            except (RedisError, OSError):
-                out[sc.worker_id] = []
+            out[sc.worker_id] = []
+            for _ in range(2):
+                with contextlib.suppress(RedisError, OSError):
+                    out[sc.worker_id] = await self.probe.replica_blocks(
+                        sc.worker_id, tiers=("cpu", "ssd"), limit=sample
+                    )
+                    break
         return out
 
     async def lost_blocks_named(self, named: dict[str, list[int]]) -> dict[str, int | None]:
