@@ -518,7 +518,7 @@ class _Run:
         return out
 
     async def kill_sidecar(self, rec: FaultRecord, sc: KVSidecar) -> None:
-        """SIGKILL `sc` while a peer sidecar's fetch from it runs (watched for two leases; a
+        """SIGKILL `sc` while a peer sidecar's fetch from it runs (watched for one lease; a
         fetch of the emulated blocks lasts milliseconds, so if none is seen `sc` is frozen
         until one is stuck on it or every replica holds its KV API down, when no plan fetches
         from it any more, and killed frozen), wait until the directory names none of its
@@ -529,7 +529,7 @@ class _Run:
         before = await self.fetch_counts()
         rec.detail["replicas_before"] = await self.probe_sidecar_replicas(worker)
         bound = 2 * plan.replica_ttl_s + 5.0
-        watch = 2 * plan.lease_s
+        watch = plan.lease_s
         gone: asyncio.Task[float | None] | None = None
 
         async def unnamed() -> bool:
