@@ -128,15 +128,14 @@ def _sidecar_checks(plan: ChaosPlan, records: Sequence[FaultRecord]) -> list[dic
                 "60 s",
             )
         )
-        stale = sum(
-            sum(n or 0 for n in (r.detail.get("lost_blocks_named_after_ttl") or {}).values())
-            for r in masters
-        )
+        counts = [r.detail.get("lost_blocks_named_after_ttl") or {} for r in masters]
+        stale = sum(n or 0 for c in counts for n in c.values())
+        unread = sorted({w for c in counts for w, n in c.items() if n is None})
         out.append(
             _check(
                 "no block the restarted master lost is still named one TTL later",
-                stale == 0,
-                stale,
+                stale == 0 and not unread,
+                f"{stale}" + (f" (not read: {', '.join(unread)})" if unread else ""),
                 "0",
             )
         )
