@@ -573,10 +573,10 @@ class _Run:
             if stopped_ms is None or expiry is None
             else round(max(0, expiry - stopped_ms) / 1000, 2)
         )
-        if expiry is None and stopped_ms is not None:
-            named_for = 0.0  # all expired already (or none read: `replicas_gone_s` says)
         took = await gone  # watched from the stop: the freeze, or the kill
         gone_s = None if took is None else round(took, 2)
+        if expiry is None:
+            named_for = gone_s  # all expired before the read: the polled time bounds it
         rec.detail["frozen_s"] = round(killed - stopped, 2)
         rec.detail["replicas_at_kill"] = at_kill
         rec.detail["kv_api_down_by_every_replica_s"] = None if down is None else round(down, 2)
