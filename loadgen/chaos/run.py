@@ -541,6 +541,7 @@ class _Run:
         caught = await self.wait_for(lambda: self.fetching_from(worker), watch, poll_s=0.01)
         stopped: float | None = None
         stopped_ms: int | None = None  # Redis time: what the replica lines' expiries are in
+        frozen_expiry: asyncio.Task[int | None] | None = None
         if caught is not None:
             rec.detail["killed"] = "with a fetch from it in flight"
         elif sc.process is not None and sc.process.pid is not None:
@@ -548,6 +549,9 @@ class _Run:
             stopped = self.load_now()
             stopped_ms = await self.redis_ms()
             gone = asyncio.create_task(self.wait_for(unnamed, bound, poll_s=0.25))
+            # read while the latest lines still live (a renewal sent before the freeze may
+            # land a moment after it)
+            frozen_expiry = asyncio.create_task(self.replica_expiry(worker, after_s=1.0))
             await self.wait_for(fetch_or_down, 15.0, poll_s=0.02)
             if await self.fetching_from(worker):
                 rec.detail["killed"] = "frozen, once a fetch from it was in flight"
@@ -567,7 +571,10 @@ class _Run:
         down = await self.wait_for(lambda: self.all_see_kv_api(worker, False), bound)
         # nothing renews them now: the latest expiry is how long past the stop they are named
         # (exact, where the polling above also counts its own reads' time on a busy Redis)
-        expiry = await self.replica_expiry(worker)
+        expiries = [await self.replica_expiry(worker)]
+        if frozen_expiry is not None:
+            expiries.append(await frozen_expiry)
+        expiry = max((e for e in expiries if e is not None), default=None)
         named_for = (
             None
             if stopped_ms is None or expiry is None
@@ -610,7 +617,8 @@ class _Run:
                 return await self.probe.now_ms()
         return None
 
-    async def replica_expiry(self, worker: str) -> int | None:
+    async def replica_expiry(self, worker: str, after_s: float = 0.0) -> int | None:
+        await asyncio.sleep(after_s)
         for _ in range(2):
             with contextlib.suppress(RedisError, OSError):
                 return await self.probe.replica_expiry_ms(worker, tiers=("cpu", "ssd"))
