@@ -15,6 +15,7 @@ from ownerserve.directory.base import Lease, Match
 from ownerserve.errors import OwnerServeError
 from ownerserve.records import fast_init
 from ownerserve.types import Tier
+from planner.explain import deciding_term
 from planner.types import Plan
 from router.commit import commit_plan
 from router.executor import FetchSpec
@@ -182,6 +183,7 @@ def observe(
     m = svc.metrics
     action = plan.action.value
     m.of(m.actions, plan.policy, action).inc()
+    m.of(m.decisions, plan.request_class.value, action, deciding_term(plan)).inc()
     if match.owner is not None:
         used = match.owner in (plan.chosen.decode_worker, plan.chosen.source_worker)
         m.of(m.owner_lookups, "hit" if used else "miss").inc()
