@@ -43,6 +43,9 @@ LATENCY_BUCKETS_S = (*_one_two_five(0.001, 10.0), 30.0, 60.0)
 TPOT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 1.0)
 QUEUE_WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 OVERHEAD_BUCKETS_S = _one_two_five(0.00005, 0.1)
+MARGIN_BUCKETS_S = (0.0, *_one_two_five(0.0001, 10.0))
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0, 8.0)
+"""Observed over predicted: 1.0 where the cost model was exact."""
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _NO_SPAN = contextlib.nullcontext()
@@ -141,6 +144,21 @@ class RouterMetrics:
             "saved the most against the runner-up; only_candidate, or policy when the policy "
             "chose a costlier one by its own rule)",
             ["class", "action", "term"],
+        )
+        self.margin = histogram(
+            "ownerserve_plan_margin_seconds",
+            "How much cheaper the chosen candidate was than the runner-up (C(runner-up) - "
+            "C(chosen)), by action; plans with a runner-up the cost model ranked below it",
+            ["action"],
+            buckets=MARGIN_BUCKETS_S,
+        )
+        self.prediction = histogram(
+            "ownerserve_prediction_ratio",
+            "Observed over predicted, per answered plan that ran as planned, by phase: ttft "
+            "(the router's TTFT less the admission queue against T_queue + T_prefill + "
+            "T_network + T_restore) and tpot (against the decode step); the calibration error",
+            ["phase", "action"],
+            buckets=RATIO_BUCKETS,
         )
         self.owner_lookups = counter(
             "ownerserve_owner_lookups_total",

@@ -299,6 +299,7 @@ async def test_why_plans_went_where_they_did_who_holds_the_kv_and_what_admission
     )
     admin = {"x-admin-token": "adm"}
     decided: list[str] = []
+    margins: list[float] = []
     async with proxy_client(settings) as (client, _):
         text = (await client.get("/metrics")).text
         assert samples(text, "ownerserve_admission_high_watermark") == [({}, 0.95)]
@@ -307,6 +308,7 @@ async def test_why_plans_went_where_they_did_who_holds_the_kv_and_what_admission
             for k in range(2):
                 plan, _, text_ = await turn(client, f"econ-top-{i}", messages)
                 decided.append(plan["action"])
+                margins += [float(plan["margin"])] if "margin" in plan else []
                 messages += [
                     {"role": "assistant", "content": text_},
                     {"role": "user", "content": f"Turn {k + 1}: go on."},
@@ -314,6 +316,7 @@ async def test_why_plans_went_where_they_did_who_holds_the_kv_and_what_admission
         # a baseline policy's plans are told apart from the cost model's
         plan, _, _ = await turn(client, "econ-rr", [SYSTEM], policy="round-robin")
         decided.append(plan["action"])
+        margins += [float(plan["margin"])] if "margin" in plan else []
 
         async def top_shown() -> bool:
             metrics = (await client.get("/metrics")).text
@@ -351,3 +354,13 @@ async def test_why_plans_went_where_they_did_who_holds_the_kv_and_what_admission
         closed = metric_value(metrics, "ownerserve_admission_worker_closed", worker=w["id"])
         assert closed == (1.0 if a["closed"] else 0.0)
     assert metric_value(metrics, "ownerserve_admission_cluster_full") == 0.0
+    # how close each choice was, and how far off its predicted timings were
+    kept = [x for x in margins if x >= 0]
+    assert metric_value(metrics, "ownerserve_plan_margin_seconds_count") == len(kept) > 0
+    assert metric_value(metrics, "ownerserve_plan_margin_seconds_sum") == pytest.approx(
+        sum(kept), rel=1e-3
+    )
+    for phase in ("ttft", "tpot"):  # every turn streamed its answer, as planned
+        count = metric_value(metrics, "ownerserve_prediction_ratio_count", phase=phase)
+        ratio = metric_value(metrics, "ownerserve_prediction_ratio_sum", phase=phase) / count
+        assert count == len(decided) and 0.1 < ratio < 10, (phase, count, ratio)
