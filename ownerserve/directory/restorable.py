@@ -199,6 +199,19 @@ class GroupHoldings:
 
     # --- lookups -----------------------------------------------------------------------------
 
+    def groups_of(self, worker: str) -> tuple[GroupInfo, ...]:
+        """The worker's KV cache groups as its events named them, by index."""
+        rec = self._workers.get(worker)
+        return () if rec is None else tuple(rec.groups[g] for g in sorted(rec.groups))
+
+    def held_blocks(
+        self, worker: str, group: int, chain: Sequence[int], tier: Tier = Tier.GPU
+    ) -> tuple[bool, ...]:
+        """Per block of `chain`, whether the worker's group `group` holds it in `tier`."""
+        rec = self._workers.get(worker)
+        held = set() if rec is None else rec.held.get((group, tier), set())
+        return tuple(h in held for h in chain)
+
     def restorable(self, worker: str, chain: Sequence[int]) -> list[RestorableUnit]:
         """Per tier where the worker holds any of `chain`, how deep it can restore it."""
         rec = self._workers.get(worker)
