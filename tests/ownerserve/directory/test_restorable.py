@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from ownerserve.directory.base import Holding, HoldKind
-from ownerserve.directory.restorable import GroupHoldings, RestorableUnit
+from ownerserve.directory.restorable import GroupHoldings, GroupInfo, RestorableUnit
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
 from ownerserve.types import Tier
@@ -163,6 +163,7 @@ def test_a_window_store_before_any_attention_store_is_placed_at_its_last_blocks(
     g.register_worker("w", ROOT, BS)
     # no attention group's store maps these engine hashes: the kept blocks are the range's last
     g.split("w", batch(1, window_kept(SWA, 0, 6, 2)))
-    held = g._workers["w"].held[(SWA, Tier.GPU)]
-    assert held == {CHAIN[4], CHAIN[5]}
+    assert g.held_blocks("w", SWA, CHAIN[:8]) == (False,) * 4 + (True, True, False, False)
+    assert g.held_blocks("w", SWA, CHAIN[:8], Tier.CPU) == (False,) * 8
+    assert g.groups_of("w") == (GroupInfo(SWA, "sliding_window", 2 * BS),)
     assert g._workers["w"].engine_map == {}  # placed, not learned
