@@ -32,6 +32,20 @@ measured, such a read returns the other object's bytes with that object's valid 
 cached read must also match the digest first read for the key (keys name their bytes), else the
 key is read afresh through the master.
 
+**Direct reads** (`ClientSettings.direct_reads`; the sidecar's store tier turns it on): a
+batch get of several keys asks the master for their replicas' addresses in one call, then reads
+them through a Transfer Engine of this process on the master's metadata server (the store's
+segments are registered there under their names): objects of at most `COALESCE_MAX_BYTES`
+lying at most `COALESCE_GAP_BYTES` apart in one segment (a batch put lands its objects one
+size class apart) go as one transfer into a registered scratch area and are copied to their
+slots, larger ones straight into their slots. The store's own `batch_get_into` moves each object
+on its own (~0.1 ms apiece on loopback TCP whatever its size: 256 x 4 KiB took 30 ms against
+0.6-2 ms for one read of the same bytes). Every object read so is verified as any other; a
+replica not found, a transfer that fails (its segment gone) or an object not fitting its slot
+is read again through the store's own call, which says why. A single key keeps the store's
+own get (one lookup either way) and, read again, the replica cache; a batch read directly
+skips the cache (its one lookup serves the whole batch).
+
 **Zero-copy access** (the connector's GPU path, `workers.vllm_connector.store_path`): the
 replicas of objects in this client's own segment are memory of this process
 (`local_replicas`: the master's replica descriptors, an address each); objects reserved there
@@ -64,6 +78,12 @@ CHECKSUM_BYTES = DIGEST_BYTES
 """Bytes of the digest stored after every payload (`workers.mooncake_store.digest`)."""
 PARALLEL_DIGEST_BYTES = 4 << 20
 """Below this many payload bytes a batch is hashed on the calling thread."""
+COALESCE_MAX_BYTES = 256 << 10
+"""Objects up to this size are read together with their neighbours (`direct_reads`)."""
+COALESCE_GAP_BYTES = 16 << 10
+"""The most bytes between two objects read in one transfer (read and thrown away)."""
+SCRATCH_BYTES = 8 << 20
+"""The registered scratch area coalesced reads land in (one batch's runs at a time)."""
 REPLICA_CACHE_KEYS = 1 << 16
 """Most keys whose replicas one client keeps cached (the oldest go first)."""
 
@@ -140,6 +160,10 @@ class ClientSettings:
     session: the next reads of it skip the master's lookup); 0: off. Each cached read is checked
     against the digest first read for the key, so a replica that moved meanwhile is read afresh,
     never served."""
+    direct_reads: bool = False
+    """Batch gets look the replicas up (`batch_get_replica_desc`) and read them where they lie
+    through this client's own Transfer Engine, small objects lying near each other in one
+    transfer (`DirectReads`), instead of the store's one transfer per object."""
 
 
 class RegisteredBuffer:
@@ -164,6 +188,74 @@ class RegisteredBuffer:
         self._map.close()
 
 
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where an object's complete memory replica lies: `size` bytes (payload and digest) at
+    `address` in the segment named `segment`."""
+
+    segment: str
+    address: int
+    size: int
+
+
+class DirectReads:
+    """A Transfer Engine of this process on the master's metadata server, which reads the
+    store's replicas where they lie (`ClientSettings.direct_reads`)."""
+
+    def __init__(self, metadata_url: str, host: str) -> None:
+        from mooncake.engine import TransferEngine
+
+        self.te = TransferEngine()
+        rc = self.te.initialize(host, metadata_url, "tcp", "")
+        if rc != 0:
+            raise StoreUnavailable(f"Transfer Engine initialize on {metadata_url} failed: {rc}")
+        self._scratch = mmap.mmap(-1, SCRATCH_BYTES)
+        self.scratch = ctypes.addressof(ctypes.c_char.from_buffer(self._scratch))
+        self.register(self.scratch, SCRATCH_BYTES)
+        self.lock = threading.Lock()
+        """Held while the scratch area is in use."""
+
+    def register(self, address: int, size: int) -> None:
+        rc = self.te.register_memory(address, size, "cpu:0")
+        if rc != 0:
+            raise StoreError(f"Transfer Engine register_memory({size} bytes) failed: {rc}")
+
+    def unregister(self, address: int) -> None:
+        self.te.unregister_memory(address)
+
+    def read(
+        self, segment: str, locals_: Sequence[int], remotes: Sequence[int], sizes: Sequence[int]
+    ) -> bool:
+        """Read each range of `segment` into registered memory here, in one batch."""
+        if len(remotes) == 1:
+            rc = self.te.transfer_sync_read(segment, locals_[0], remotes[0], sizes[0])
+        else:
+            rc = self.te.batch_transfer_sync_read(
+                segment, list(locals_), list(remotes), list(sizes)
+            )
+        return int(rc) == 0
+
+
+def _runs(order: Sequence[tuple[int, Location]]) -> list[list[tuple[int, Location]]]:
+    """Objects of one segment, by address, cut into runs read in one transfer each: small
+    neighbours together (`COALESCE_*`), within `SCRATCH_BYTES`; a large object alone."""
+    runs: list[list[tuple[int, Location]]] = []
+    for item in order:
+        loc = item[1]
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and loc.size <= COALESCE_MAX_BYTES
+            and last[-1][1].size <= COALESCE_MAX_BYTES
+            and 0 <= loc.address - (last[-1][1].address + last[-1][1].size) <= COALESCE_GAP_BYTES
+            and loc.address + loc.size - last[0][1].address <= SCRATCH_BYTES
+        ):
+            last.append(item)
+        else:
+            runs.append([item])
+    return runs
+
+
 class StoreClient:
     """One `MooncakeDistributedStore` set up against a master (`open`). Methods block; the
     answers per key keep the order of the keys asked for."""
@@ -183,6 +275,13 @@ class StoreClient:
             if settings.digest_threads > 1
             else None
         )
+        self.direct_objects = 0
+        """Objects read where their replicas lie (`direct_reads`), since `open`."""
+        self.direct_transfers = 0
+        """The transfers they took (neighbours share one)."""
+        self._direct: DirectReads | None = None
+        if settings.direct_reads:
+            self._direct = DirectReads(settings.master.metadata_url, settings.local_host)
 
     def _digests(self, addresses: Sequence[int], sizes: Sequence[int]) -> list[bytes]:
         """The checksum of each payload, on the digest threads when they are worth it."""
@@ -265,10 +364,14 @@ class StoreClient:
         rc = self._live().register_buffer(address, size)
         if rc != 0:
             raise StoreError(f"register_buffer({size} bytes) failed with {rc}")
+        if self._direct is not None:
+            self._direct.register(address, size)
 
     def unregister(self, address: int) -> None:
         if not self._closed:
             self._store.unregister_buffer(address)
+            if self._direct is not None:
+                self._direct.unregister(address)
 
     def buffer(self, size: int) -> RegisteredBuffer:
         """A new registered buffer of `size` bytes."""
@@ -347,7 +450,9 @@ class StoreClient:
         `StoreUnavailable` when the master cannot be reached."""
         store = self._live()
         out: list[int | None] = [None] * len(keys)
-        hot = self._hot(keys, lambda i, size: size <= capacities[i])
+        # a batch read directly needs no cached replicas: one lookup for all of it
+        batch = self._direct is not None and len(keys) > 1
+        hot = {} if batch else self._hot(keys, lambda i, size: size <= capacities[i])
         if hot:
             got = store.batch_get_into_multi_buffer_ranges(
                 [keys[i] for i in hot],
@@ -370,10 +475,28 @@ class StoreClient:
         self._forget([keys[i] for i in cold if i in hot])
         if not cold:
             return [int(n) for n in out]  # type: ignore[arg-type]
-        codes = store.batch_get_into(
-            [keys[i] for i in cold], [addresses[i] for i in cold], [capacities[i] for i in cold]
-        )
         fresh: list[tuple[str, int, bytes]] = []
+        if self._direct is not None and len(cold) > 1:
+            read = self._read_direct(self._direct, keys, addresses, capacities, cold)
+            for i, n in read.items():
+                view = memory_at(addresses[i], n)
+                size = n - CHECKSUM_BYTES
+                digest = bytes(view[size:])
+                if verify(keys[i], view[:size], digest):
+                    out[i] = size
+                    fresh.append((keys[i], n, digest))
+                else:
+                    out[i] = CORRUPTED
+            cold = [i for i in cold if i not in read]
+        codes = (
+            store.batch_get_into(
+                [keys[i] for i in cold],
+                [addresses[i] for i in cold],
+                [capacities[i] for i in cold],
+            )
+            if cold
+            else []
+        )
         for i, n in zip(cold, codes, strict=True):
             n = int(n)
             if n in _UNREACHABLE:
@@ -399,6 +522,102 @@ class StoreClient:
                 out[i] = CORRUPTED
         self._remember(fresh)
         return [int(n) for n in out]  # type: ignore[arg-type]
+
+    def locate(self, keys: Sequence[str]) -> list[Location | None]:
+        """Each key's first complete memory replica (one master call), or None: no such object,
+        or the master out of reach (the caller then reads through the store, which says so)."""
+        from mooncake.store import ReplicaStatus
+
+        try:
+            descs = self._live().batch_get_replica_desc(list(keys))
+        except RuntimeError:
+            return [None] * len(keys)
+        out: list[Location | None] = []
+        for key in keys:
+            found = None
+            for r in descs.get(key, ()):
+                if r.is_memory_replica() and r.status == ReplicaStatus.COMPLETE:
+                    bd = r.get_memory_descriptor().buffer_descriptor
+                    found = Location(bd.transport_endpoint, int(bd.buffer_address), int(bd.size))
+                    break
+            out.append(found)
+        return out
+
+    def _read_direct(
+        self,
+        direct: DirectReads,
+        keys: Sequence[str],
+        addresses: Sequence[int],
+        capacities: Sequence[int],
+        which: Sequence[int],
+    ) -> dict[int, int]:
+        """Read the objects `which` (indexes) where their replicas lie into their slots
+        (module docstring, *Direct reads*), unverified; index -> object bytes of those read.
+        The rest (not found, too large for the slot, a transfer failed) are left out."""
+        located = self.locate([keys[i] for i in which])
+        by_segment: dict[str, list[tuple[int, Location]]] = {}
+        for i, loc in zip(which, located, strict=True):
+            if loc is not None and CHECKSUM_BYTES <= loc.size <= capacities[i]:
+                by_segment.setdefault(loc.segment, []).append((i, loc))
+        done: dict[int, int] = {}
+        for segment, items in by_segment.items():
+            items.sort(key=lambda item: item[1].address)
+            alone: list[tuple[int, Location]] = []
+            together: list[list[tuple[int, Location]]] = []
+            for run in _runs(items):
+                if len(run) == 1:
+                    alone.append(run[0])
+                else:
+                    together.append(run)
+            if alone and direct.read(
+                segment,
+                [addresses[i] for i, _ in alone],
+                [loc.address for _, loc in alone],
+                [loc.size for _, loc in alone],
+            ):
+                done.update((i, loc.size) for i, loc in alone)
+                self.direct_objects += len(alone)
+                self.direct_transfers += len(alone)
+            if not together:
+                continue
+            with direct.lock:  # runs of one call share the scratch area, one after another
+                batch: list[list[tuple[int, Location]]] = []
+                used = 0
+                for run in [*together, []]:
+                    span = run[-1][1].address + run[-1][1].size - run[0][1].address if run else 0
+                    if batch and (not run or used + span > SCRATCH_BYTES):
+                        self._read_runs(direct, segment, batch, addresses, done)
+                        batch, used = [], 0
+                    if run:
+                        batch.append(run)
+                        used += span
+        return done
+
+    def _read_runs(
+        self,
+        direct: DirectReads,
+        segment: str,
+        runs: list[list[tuple[int, Location]]],
+        addresses: Sequence[int],
+        done: dict[int, int],
+    ) -> None:
+        """One transfer per run into the scratch area, then each object to its slot."""
+        offsets, starts, spans, at = [], [], [], 0
+        for run in runs:
+            start = run[0][1].address
+            span = run[-1][1].address + run[-1][1].size - start
+            offsets.append(direct.scratch + at)
+            starts.append(start)
+            spans.append(span)
+            at += span
+        if not direct.read(segment, offsets, starts, spans):
+            return
+        self.direct_transfers += len(runs)
+        for run, base, start in zip(runs, offsets, starts, strict=True):
+            for i, loc in run:
+                ctypes.memmove(addresses[i], base + loc.address - start, loc.size)
+                done[i] = loc.size
+                self.direct_objects += 1
 
     def get_split(
         self,

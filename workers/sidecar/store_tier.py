@@ -132,6 +132,7 @@ class StoreTier:
                 local_host=host,
                 segment_bytes=segment_bytes,
                 replica_cache_s=replica_cache_s,
+                direct_reads=True,
             )
         )
         try:
