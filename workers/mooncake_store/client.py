@@ -63,6 +63,7 @@ re-mounted, the objects of before gone).
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import threading
 import time
@@ -71,8 +72,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from ownerserve.ports import free_port
 from workers.mooncake_store.digest import DIGEST_BYTES, checksum, verify
 from workers.mooncake_store.master import MasterAddress, master_answers
+
+log = logging.getLogger(__name__)
 
 CHECKSUM_BYTES = DIGEST_BYTES
 """Bytes of the digest stored after every payload (`workers.mooncake_store.digest`)."""
@@ -206,7 +210,10 @@ class DirectReads:
         from mooncake.engine import TransferEngine
 
         self.te = TransferEngine()
-        rc = self.te.initialize(host, metadata_url, "tcp", "")
+        # a name of its own on the metadata server (without a port, every reader on one host
+        # would claim the same name there, and all but the first fail to start)
+        self.name = f"{host}:{free_port()}"
+        rc = self.te.initialize(self.name, metadata_url, "tcp", "")
         if rc != 0:
             raise StoreUnavailable(f"Transfer Engine initialize on {metadata_url} failed: {rc}")
         self._scratch = mmap.mmap(-1, SCRATCH_BYTES)
@@ -281,7 +288,10 @@ class StoreClient:
         """The transfers they took (neighbours share one)."""
         self._direct: DirectReads | None = None
         if settings.direct_reads:
-            self._direct = DirectReads(settings.master.metadata_url, settings.local_host)
+            try:
+                self._direct = DirectReads(settings.master.metadata_url, settings.local_host)
+            except StoreError as exc:  # the store's own gets still serve every read
+                log.warning("Mooncake Store direct reads are off: %s", exc)
 
     def _digests(self, addresses: Sequence[int], sizes: Sequence[int]) -> list[bytes]:
         """The checksum of each payload, on the digest threads when they are worth it."""
