@@ -530,7 +530,8 @@ class StoreClient:
                 fresh.append((keys[i], n, digest))
             else:
                 out[i] = CORRUPTED
-        self._remember(fresh)
+        if not batch:  # a batch read directly again looks its replicas up again, in one call
+            self._remember(fresh)
         return [int(n) for n in out]  # type: ignore[arg-type]
 
     def locate(self, keys: Sequence[str]) -> list[Location | None]:
