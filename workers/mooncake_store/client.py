@@ -44,7 +44,10 @@ on its own (~0.1 ms apiece on loopback TCP whatever its size: 256 x 4 KiB took 3
 replica not found, a transfer that fails (its segment gone) or an object not fitting its slot
 is read again through the store's own call, which says why. A single key keeps the store's
 own get (one lookup either way) and, read again, the replica cache; a batch read directly
-skips the cache (its one lookup serves the whole batch).
+skips the get sessions: with the replica cache on, the places of a batch's replicas read
+within `replica_cache_s` are kept, so a batch read again needs no lookup at all, each object
+checked against the digest first read there (keys name their bytes: one that moved is read
+afresh through the store).
 
 **Zero-copy access** (the connector's GPU path, `workers.vllm_connector.store_path`): the
 replicas of objects in this client's own segment are memory of this process
@@ -277,6 +280,8 @@ class StoreClient:
         self._replicas: dict[str, tuple[float, int, bytes]] = {}
         self._seen: dict[str, float] = {}  # keys read once lately, when
         self._local: dict[str, tuple[float, Replica]] = {}  # `local_replicas(cached=True)`
+        # direct batch reads: key -> (when, where its replica lay, the digest read there)
+        self._located: dict[str, tuple[float, Location, bytes]] = {}
         self._digest_pool = (
             ThreadPoolExecutor(settings.digest_threads, thread_name_prefix="store-digest")
             if settings.digest_threads > 1
@@ -286,6 +291,8 @@ class StoreClient:
         """Objects read where their replicas lie (`direct_reads`), since `open`."""
         self.direct_transfers = 0
         """The transfers they took (neighbours share one)."""
+        self.direct_lookups = 0
+        """The master calls that located them (none for a batch whose places were kept)."""
         self._direct: DirectReads | None = None
         if settings.direct_reads:
             try:
@@ -487,17 +494,25 @@ class StoreClient:
             return [int(n) for n in out]  # type: ignore[arg-type]
         fresh: list[tuple[str, int, bytes]] = []
         if self._direct is not None and len(cold) > 1:
-            read = self._read_direct(self._direct, keys, addresses, capacities, cold)
+            known = self._known_locations([keys[i] for i in cold])
+            read, where = self._read_direct(self._direct, keys, addresses, capacities, cold, known)
+            located: list[tuple[str, Location, bytes]] = []
+            again: list[int] = []
             for i, n in read.items():
                 view = memory_at(addresses[i], n)
                 size = n - CHECKSUM_BYTES
                 digest = bytes(view[size:])
-                if verify(keys[i], view[:size], digest):
+                was = known.get(keys[i])
+                if was is not None and was[1] != digest:
+                    again.append(i)  # the replica moved since: read it afresh
+                elif verify(keys[i], view[:size], digest):
                     out[i] = size
                     fresh.append((keys[i], n, digest))
+                    located.append((keys[i], where[i], digest))
                 else:
                     out[i] = CORRUPTED
-            cold = [i for i in cold if i not in read]
+            self._keep_locations(located, [keys[i] for i in again])
+            cold = [i for i in cold if i not in read or i in again]
         codes = (
             store.batch_get_into(
                 [keys[i] for i in cold],
@@ -554,6 +569,37 @@ class StoreClient:
             out.append(found)
         return out
 
+    def _known_locations(self, keys: Sequence[str]) -> dict[str, tuple[Location, bytes]]:
+        """The replicas of `keys` located and read within `replica_cache_s`, with the digest
+        read there (a batch read again needs no lookup)."""
+        ttl = self.settings.replica_cache_s
+        if ttl <= 0:
+            return {}
+        now = time.monotonic()
+        out: dict[str, tuple[Location, bytes]] = {}
+        with self._cache_lock:
+            for key in keys:
+                hit = self._located.get(key)
+                if hit is not None and now - hit[0] < ttl:
+                    out[key] = (hit[1], hit[2])
+        return out
+
+    def _keep_locations(
+        self, located: Sequence[tuple[str, Location, bytes]], stale: Sequence[str]
+    ) -> None:
+        ttl = self.settings.replica_cache_s
+        if ttl <= 0:
+            return
+        now = time.monotonic()
+        with self._cache_lock:
+            for key in stale:
+                self._located.pop(key, None)
+            for key, loc, digest in located:
+                self._located.pop(key, None)
+                self._located[key] = (now, loc, digest)
+            while len(self._located) > REPLICA_CACHE_KEYS:  # oldest first
+                del self._located[next(iter(self._located))]
+
     def _read_direct(
         self,
         direct: DirectReads,
@@ -561,14 +607,22 @@ class StoreClient:
         addresses: Sequence[int],
         capacities: Sequence[int],
         which: Sequence[int],
-    ) -> dict[int, int]:
+        known: dict[str, tuple[Location, bytes]],
+    ) -> tuple[dict[int, int], dict[int, Location]]:
         """Read the objects `which` (indexes) where their replicas lie into their slots
-        (module docstring, *Direct reads*), unverified; index -> object bytes of those read.
-        The rest (not found, too large for the slot, a transfer failed) are left out."""
-        located = self.locate([keys[i] for i in which])
+        (module docstring, *Direct reads*), unverified: index -> object bytes of those read,
+        and where each was. Replicas in `known` are not looked up again. The rest (not found,
+        too large for the slot, a transfer failed) are left out."""
+        ask = [i for i in which if keys[i] not in known]
+        found = dict(zip(ask, self.locate([keys[i] for i in ask]), strict=True)) if ask else {}
+        self.direct_lookups += 1 if ask else 0
+        where: dict[int, Location] = {}
         by_segment: dict[str, list[tuple[int, Location]]] = {}
-        for i, loc in zip(which, located, strict=True):
+        for i in which:
+            hit = known.get(keys[i])
+            loc = hit[0] if hit is not None else found.get(i)
             if loc is not None and CHECKSUM_BYTES <= loc.size <= capacities[i]:
+                where[i] = loc
                 by_segment.setdefault(loc.segment, []).append((i, loc))
         done: dict[int, int] = {}
         for segment, items in by_segment.items():
@@ -602,7 +656,7 @@ class StoreClient:
                     if run:
                         batch.append(run)
                         used += span
-        return done
+        return done, where
 
     def _read_runs(
         self,
@@ -896,6 +950,7 @@ class StoreClient:
             gone = [k for k in keys if self._replicas.pop(k, None) is not None]
             for k in keys:
                 self._local.pop(k, None)
+                self._located.pop(k, None)
         if gone and not self._closed:
             self._store.batch_get_session_end(gone)
 

@@ -1,7 +1,8 @@
 """Batch gets with `direct_reads` against a real master: objects read where their replicas lie
 (neighbours in one transfer) arrive byte for byte in their slots, and what such a read cannot
 take (an object missing, failing its digest, larger than its slot) is answered as the store's
-own get answers it."""
+own get answers it; a batch read again within `replica_cache_s` skips the lookup, and one whose
+replica moved since is read afresh."""
 
 from __future__ import annotations
 
@@ -85,3 +86,33 @@ def test_what_a_direct_read_cannot_take_is_answered_as_the_store_answers_it(
     assert writer.remove(["good"]) == [True]
     assert reader.get_into(["good", "foreign"], addrs[:2], caps[:2]) == [MISSING, CORRUPTED]
     dst.close()
+
+
+def test_a_batch_read_again_needs_no_lookup_and_a_moved_replica_is_read_afresh(
+    master: MooncakeMaster, writer: StoreClient
+) -> None:
+    reader = StoreClient.open(
+        ClientSettings(master.address, segment_bytes=0, direct_reads=True, replica_cache_s=60)
+    )
+    try:
+        size = 4096
+        put_batch(writer, ["a", "b"], [b"A" * size, b"B" * size])
+        dst = reader.buffer(1 << 16)
+        addrs, caps = [dst.address, dst.address + 8192], [size + CHECKSUM_BYTES] * 2
+        for _ in range(3):
+            assert reader.get_into(["a", "b"], addrs, caps) == [size, size]
+        assert reader.direct_lookups == 1 and reader.direct_objects == 6
+        # another client's removal, then another object of the same size in "a"'s memory
+        assert writer.remove(["a"]) == [True]
+        put_batch(writer, ["c"], [b"C" * size])
+        dst.view[: 2 * 8192] = bytes(2 * 8192)
+        got = reader.get_into(["a", "b"], addrs, caps)
+        # "c" may or may not have taken "a"'s old memory: either "a" misses, or the old bytes
+        # still there are "a"'s own, verified; never "c"'s
+        assert got[1] == size and bytes(dst.view[8192 : 8192 + size]) == b"B" * size
+        assert got[0] == MISSING or (got[0] == size and bytes(dst.view[:size]) == b"A" * size)
+        if got[0] == MISSING:
+            assert "a" not in reader._located
+        dst.close()
+    finally:
+        reader.close()
