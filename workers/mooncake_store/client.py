@@ -512,7 +512,8 @@ class StoreClient:
                 else:
                     out[i] = CORRUPTED
             self._keep_locations(located, [keys[i] for i in again])
-            cold = [i for i in cold if i not in read or i in again]
+            afresh = set(again)
+            cold = [i for i in cold if i not in read or i in afresh]
         codes = (
             store.batch_get_into(
                 [keys[i] for i in cold],
