@@ -42,12 +42,15 @@ slots, larger ones straight into their slots. The store's own `batch_get_into` m
 on its own (~0.1 ms apiece on loopback TCP whatever its size: 256 x 4 KiB took 30 ms against
 0.6-2 ms for one read of the same bytes). Every object read so is verified as any other; a
 replica not found, a transfer that fails (its segment gone) or an object not fitting its slot
-is read again through the store's own call, which says why. A single key keeps the store's
-own get (one lookup either way) and, read again, the replica cache; a batch read directly
-skips the get sessions: with the replica cache on, the places of a batch's replicas read
-within `replica_cache_s` are kept, so a batch read again needs no lookup at all, each object
-checked against the digest first read there (keys name their bytes: one that moved is read
-afresh through the store).
+is read again through the store's own call, which says why. Batches of larger objects (slots
+of more than `COALESCE_MAX_BYTES` on average) keep the store's gets: their lookup is a small
+part of them, and read again, the store's ranged reads through get sessions measured faster
+than the engine's batch read (1.56x against 1.17x a raw read, 16 x 1 MiB). A single key
+keeps the store's own get (one lookup either way) and, read again, the replica cache. A batch
+read directly skips the get sessions: with the replica cache on, the places of its replicas
+read within `replica_cache_s` are kept, so a batch read again needs no lookup at all, each
+object checked against the digest first read there (keys name their bytes: one that moved is
+read afresh through the store).
 
 **Zero-copy access** (the connector's GPU path, `workers.vllm_connector.store_path`): the
 replicas of objects in this client's own segment are memory of this process
@@ -468,7 +471,11 @@ class StoreClient:
         store = self._live()
         out: list[int | None] = [None] * len(keys)
         # a batch read directly needs no cached replicas: one lookup for all of it
-        batch = self._direct is not None and len(keys) > 1
+        batch = (
+            self._direct is not None
+            and len(keys) > 1
+            and sum(capacities) <= COALESCE_MAX_BYTES * len(keys)
+        )
         hot = {} if batch else self._hot(keys, lambda i, size: size <= capacities[i])
         if hot:
             got = store.batch_get_into_multi_buffer_ranges(
@@ -493,7 +500,7 @@ class StoreClient:
         if not cold:
             return [int(n) for n in out]  # type: ignore[arg-type]
         fresh: list[tuple[str, int, bytes]] = []
-        if self._direct is not None and len(cold) > 1:
+        if batch and len(cold) > 1:
             known = self._known_locations([keys[i] for i in cold])
             read, where = self._read_direct(self._direct, keys, addresses, capacities, cold, known)
             located: list[tuple[str, Location, bytes]] = []

@@ -59,10 +59,11 @@ def test_a_batch_is_read_where_it_lies_neighbours_together_byte_for_byte(
     put_batch(writer, ["l0", "l1"], large)
     payloads = [*small, *large]
     keys = [*(f"s{i}" for i in range(64)), "l0", "l1"]
-    stride = (1 << 20) + 4096  # slots of another layout than the writer's segment
-    dst = reader.buffer(stride * len(keys))
-    addrs = [dst.address + i * stride for i in range(len(keys))]
-    got = reader.get_into(keys, addrs, [stride] * len(keys))
+    # slots of another layout than the writer's segment
+    caps = [8192] * 64 + [(1 << 20) + 4096] * 2
+    dst = reader.buffer(sum(caps))
+    addrs = [dst.address + sum(caps[:i]) for i in range(len(keys))]
+    got = reader.get_into(keys, addrs, caps)
     assert got == [len(p) for p in payloads]
     for p, a in zip(payloads, addrs, strict=True):
         start = a - dst.address
