@@ -54,13 +54,13 @@ def test_a_batch_is_read_where_it_lies_neighbours_together_byte_for_byte(
     writer: StoreClient, reader: StoreClient
 ) -> None:
     small = [os.urandom(4096) for _ in range(64)]
-    large = [os.urandom(1 << 20) for _ in range(2)]
+    large = [os.urandom(128 << 10) for _ in range(2)]  # read alone, straight into its slot
     put_batch(writer, [f"s{i}" for i in range(64)], small)
     put_batch(writer, ["l0", "l1"], large)
     payloads = [*small, *large]
     keys = [*(f"s{i}" for i in range(64)), "l0", "l1"]
     # slots of another layout than the writer's segment
-    caps = [8192] * 64 + [(1 << 20) + 4096] * 2
+    caps = [8192] * 64 + [(128 << 10) + 4096] * 2
     dst = reader.buffer(sum(caps))
     addrs = [dst.address + sum(caps[:i]) for i in range(len(keys))]
     got = reader.get_into(keys, addrs, caps)
