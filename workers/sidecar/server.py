@@ -231,6 +231,7 @@ class _Counters:
     served_bytes: Counter
     stored: Counter
     not_found: Counter
+    store_lost: Counter
 
     @classmethod
     def new(cls) -> _Counters:
@@ -250,6 +251,11 @@ class _Counters:
             Counter(p + "served_bytes", "Artifact bytes answered to GET", registry=r),
             Counter(p + "stored_artifacts", "Artifacts stored by PUT", registry=r),
             Counter(p + "lookup_misses", "GETs of artifacts not stored", registry=r),
+            Counter(
+                p + "store_lost_artifacts",
+                "Held artifacts the Mooncake Store no longer had at an audit (no longer held)",
+                registry=r,
+            ),
         )
 
 
@@ -365,7 +371,11 @@ class Sidecar:
         self.http = httpx.AsyncClient(timeout=self.config.fetch_timeout_s)
         self.directory = open_directory(self.config.directory_settings(), resilient=False)
         self.publisher = ReplicaPublisher(
-            self.directory, self.config.worker_id, self.holdings, ttl_s=self.config.replica_ttl_s
+            self.directory,
+            self.config.worker_id,
+            self.holdings,
+            ttl_s=self.config.replica_ttl_s,
+            audit=self.audit_store if self.shared is not None else None,
         )
         self.publisher.note(self.holdings())  # what the SSD tier kept over a restart
         self.publisher.start()
@@ -386,6 +396,22 @@ class Sidecar:
         await asyncio.to_thread(self.store.close)  # SSD writes still waiting reach their files
         if self.shared is not None:
             await asyncio.to_thread(self.shared.close)
+
+    async def audit_store(self) -> None:
+        """Stop holding (and indexing) what the Mooncake Store lost behind this sidecar
+        (`StoreTier.audit`); the publisher's renewal then withdraws those blocks."""
+        assert self.shared is not None
+        lost = await self.shared.audit()
+        for key in lost:
+            self.index.discard(key)
+        if lost:
+            self.counters.store_lost.inc(len(lost))
+            log.warning(
+                "sidecar %s: %d held artifacts are gone from Mooncake Store (%s...)",
+                self.config.worker_id,
+                len(lost),
+                lost[0],
+            )
 
     # --- the store, indexed -------------------------------------------------------------------
 
