@@ -26,7 +26,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from planner.types import Action, ClusterView, Plan, WorkerView
+from planner.types import Action, ClusterView, CostBreakdown, Plan, WorkerView
+
+
+def predicted_ttft_s(cost: CostBreakdown) -> float:
+    """The time to first token a plan's cost predicts: T_queue + T_prefill + T_network +
+    T_restore (what a remote prefill's or a moved plan's TTFT is observed against)."""
+    return cost.t_queue + cost.t_prefill + cost.t_network + cost.t_restore
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +145,7 @@ class Calibrator:
         used = 0
         if ttft_s is not None:
             if c.action is Action.REMOTE_PREFILL or (c.source_worker and b.t_network > 0.0):
-                predicted = b.t_queue + b.t_prefill + b.t_network + b.t_restore
-                used += self.observe_handover(c.decode_worker, ttft_s, predicted)
+                used += self.observe_handover(c.decode_worker, ttft_s, predicted_ttft_s(b))
             else:
                 observed = ttft_s - b.t_network - b.t_restore
                 used += self.observe_prefill(c.prefill_worker, observed, b.t_queue + b.t_prefill)

@@ -885,13 +885,15 @@ class RequestCosts:
         engine's own prefill timing of w's profile `c`, windows at w's restorable boundary
         `restorable_blocks`, both capped at (N − 1) // bs) and the window rebuild it pays,
         s_p · (prefill_s(R, S − R) − base_s) for R rebuilt tokens at S = blocks·bs (0 when
-        cached or cut back). A worker whose restorable boundary is not known resumes at
-        `gpu` with nothing rebuilt (its HBM taken to keep every boundary's windows)."""
+        cached or cut back; a worker that never rebuilds windows, `rebuilds_windows` off,
+        only cuts back). A worker whose restorable boundary is not known resumes at `gpu`
+        with nothing rebuilt (its HBM taken to keep every boundary's windows)."""
         k = w.restorable_blocks
         rule = self.rule
         if k is None or rule is None:
             return gpu, 0.0
-        return self._priced(w, c, resume_point(rule, c.prefill, gpu, k, limit=self.limit))
+        res = resume_point(rule, c.prefill, gpu, k, limit=self.limit, rebuild=w.rebuilds_windows)
+        return self._priced(w, c, res)
 
     def resume_moved(
         self, w: WorkerView, held: int, moved: int, c: ProfileConstants | None = None
@@ -913,7 +915,10 @@ class RequestCosts:
         own = g if k is None or k > g else k
         sealed = held + moved
         windows = moved_windows(own, sealed, FETCH_BRINGS_WINDOWS)
-        return self._priced(w, c, resume_point(rule, c.prefill, sealed, windows, limit=self.limit))
+        res = resume_point(
+            rule, c.prefill, sealed, windows, limit=self.limit, rebuild=w.rebuilds_windows
+        )
+        return self._priced(w, c, res)
 
     def _priced(self, w: WorkerView, c: ProfileConstants, res: Resume) -> tuple[int, float]:
         """(blocks, seconds) of a resume point on w: its blocks and the window rebuild it

@@ -6,7 +6,7 @@ import functools
 import re
 from typing import Any
 
-from planner.types import Action, Candidate, Plan
+from planner.types import Action, Candidate, CostBreakdown, Plan
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:/@+-]")
 
@@ -51,6 +51,53 @@ def plan_to_header(plan: Plan) -> str:
             default += f":{plan.default_cost_s:.6g}"
         parts.append(f"default={default}")
     return ";".join(parts)
+
+
+DECISION_TERMS: tuple[str, ...] = (
+    "queue",
+    "compute",
+    "network",
+    "restore",
+    "hbm",
+    "interference",
+    "move",
+    "displacement",
+)
+"""The additive terms of C(a) (`CostBreakdown.total`), as `deciding_term` names them."""
+ONLY_CANDIDATE = "only_candidate"
+"""`deciding_term` of a plan that priced no other candidate."""
+NOT_BY_COST = "policy"
+"""`deciding_term` of a plan whose chosen candidate costs more than its runner-up: the policy
+chose by its own rule (a baseline, a class default), not by the cost model."""
+
+
+def _terms(b: CostBreakdown) -> tuple[float, ...]:
+    """`b`'s additive terms in `DECISION_TERMS`' order; they sum to `b.total`."""
+    return (
+        b.t_queue,
+        b.t_compute,
+        b.t_network,
+        b.t_restore,
+        b.lam * b.m_hbm_bytes,
+        b.mu * b.i_decode,
+        b.h_move,
+        b.w_disp,
+    )
+
+
+def deciding_term(plan: Plan) -> str:
+    """What the plan's choice turned on: the term of C(a) in which the chosen candidate saves
+    the most against the runner-up (runner-up's term less the chosen's, the largest; ties to
+    the earlier term). `ONLY_CANDIDATE` without a runner-up; `NOT_BY_COST` when the chosen
+    costs more than the runner-up. E.g. a decode continuation chosen for the KV it holds
+    saves in `compute`; one chosen over a busier owner in `queue`."""
+    runner = plan.runner_up
+    if runner is None:
+        return ONLY_CANDIDATE
+    if plan.margin_s < 0:
+        return NOT_BY_COST
+    saved = [r - c for r, c in zip(_terms(runner.cost), _terms(plan.chosen.cost), strict=True)]
+    return DECISION_TERMS[saved.index(max(saved))]
 
 
 def candidate_to_dict(c: Candidate) -> dict[str, Any]:

@@ -99,6 +99,10 @@ class WorkerView:
     # hit resumes there or rebuilds its windows (`ownerserve.kvstate.resume`). None: not known
     # (its events name no KV cache groups), as if its HBM kept every cached boundary's windows
     restorable_blocks: int | None = None
+    # its engine rebuilds a hybrid model's windows at the sealed boundary when that is the
+    # cheaper (`ownerserve.kvstate.resume`, the emulated engine); False: it only cuts the hit
+    # back to `restorable_blocks` (vLLM)
+    rebuilds_windows: bool = True
     # tokens of KV its HBM pool holds in all: the running sequences' and the idle prefix
     # cache's (the GPU blocks its KV events say are stored, × block size; the simulator's
     # cache); what a copy put here evicts once the pool is full (X_dup). 0: not known

@@ -15,6 +15,8 @@ from ownerserve.directory.base import Lease, Match
 from ownerserve.errors import OwnerServeError
 from ownerserve.records import fast_init
 from ownerserve.types import Tier
+from planner.calibration import predicted_ttft_s
+from planner.explain import deciding_term
 from planner.types import Plan
 from router.commit import commit_plan
 from router.executor import FetchSpec
@@ -182,6 +184,9 @@ def observe(
     m = svc.metrics
     action = plan.action.value
     m.of(m.actions, plan.policy, action).inc()
+    m.of(m.decisions, plan.request_class.value, action, deciding_term(plan)).inc()
+    if plan.runner_up is not None and plan.margin_s >= 0.0:
+        m.of(m.margin, action).observe(plan.margin_s)
     if match.owner is not None:
         used = match.owner in (plan.chosen.decode_worker, plan.chosen.source_worker)
         m.of(m.owner_lookups, "hit" if used else "miss").inc()
@@ -199,6 +204,11 @@ def observe(
     if fallback is None:
         if ttft_s is not None and queued_s > 0.0:
             ttft_s -= queued_s
+        cost = plan.chosen.cost
+        if ttft_s is not None and (predicted := predicted_ttft_s(cost)) > 0.0:
+            m.of(m.prediction, "ttft", action).observe(ttft_s / predicted)
+        if tpot_s is not None and cost.t_decode_step > 0.0:
+            m.of(m.prediction, "tpot", action).observe(tpot_s / cost.t_decode_step)
         svc.calibrator.observe_plan(plan, ttft_s=ttft_s, tpot_s=tpot_s, transfer_s=transfer_s)
 
 

@@ -46,6 +46,7 @@ from ownerserve.tasks import cancel_and_wait
 from router.asgi import Message
 from router.frontdoors.messages import error_body as messages_error_body
 from router.pipeline import respond
+from router.requestlog import REQUEST_ID_HEADER, log_refused, request_id
 from router.requests import Endpoint
 from router.state import Router
 from router.upstream import set_no_delay
@@ -427,11 +428,15 @@ class _Connection(asyncio.Protocol):
         _, body = error_status_and_body(exc)
         if self._url.split(b"?", 1)[0].startswith(b"/v1/messages"):
             body = messages_error_body(status, message)  # that route's own error shape
+        given = next((v for k, v in self._headers if k == REQUEST_ID_HEADER), None)
+        rid = request_id(given.decode("latin-1") if given is not None else None)
         head = _status_line(status, False) + (
             b"content-type: application/json\r\nconnection: close\r\n"
-            b"content-length: %d\r\n\r\n" % len(body)
+            b"x-request-id: %s\r\ncontent-length: %d\r\n\r\n" % (rid.encode(), len(body))
         )
         self.transport.write(head + body)
+        since = self.reading_since if self.reading_since is not None else self.last_active
+        log_refused(rid, status, exc, time.monotonic() - since)
         if linger:
             self._linger()
         else:

@@ -212,6 +212,16 @@ class RequestLog:
             log.info(self.line(e2e_s))
 
 
+def log_refused(rid: str, status: int, exc: BaseException, e2e_s: float) -> None:
+    """The line of a request the HTTP server refused before the request path saw it (408,
+    411, 413, 431, an upgrade's 400): its id, status, outcome and error."""
+    record = RequestLog(rid)
+    record.status = status
+    record.outcome = "refused" if status < 500 else "error"
+    record.error = error_name(exc)
+    record.emit(e2e_s)
+
+
 def parse_logfmt(line: str) -> dict[str, str]:
     """The keys and values of a logfmt line as `RequestLog.line` writes it (quoted values
     unquoted): for tests and for tools that read the log."""

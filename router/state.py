@@ -9,6 +9,7 @@ import asyncio
 import functools
 import hmac
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Mapping
 from typing import Any
@@ -25,7 +26,7 @@ from planner.policies import Planner
 from planner.types import Action
 from planner.workingset import RetentionConfig, WorkingSets
 from router import membership
-from router.admission import Admission
+from router.admission import Admission, AdmissionShown
 from router.aftermath import REPLICA_TTL_S
 from router.commit import CommittedLeases, Lifetimes, PendingCommits
 from router.executor import PlanExecutor
@@ -45,7 +46,7 @@ from router.services import (
     ViewServices,
 )
 from router.session import DerivedSessionCache, SessionTable
-from router.telemetry import Telemetry
+from router.telemetry import TOP_SESSIONS, Telemetry
 from router.tokens import TokenizationCache
 from router.upstream import UpstreamPool
 
@@ -144,6 +145,14 @@ class Router:
         self.cached_counts: CachedCounts | None = None
         """The directory's GPU-cached blocks over every worker, as last read
         (`ownerserve_kv_blocks_distinct`, `_kv_block_copies`; None before the first read)."""
+        self.admission_view: tuple[tuple[str, AdmissionShown], ...] = ()
+        """Each worker as admission saw it at the last economics read (`ownerserve_admission_*`
+        gauges)."""
+        self.admission_full = False
+        """`Admission.cluster_full` at the last economics read."""
+        self.top_sessions: tuple[tuple[str, str, int], ...] = ()
+        """The sessions holding the most KV at the last economics read: (session, worker,
+        tokens), `ownerserve_session_kv_tokens`."""
         self.services = self.request_services()
         """Each stage's services (rebuilt when the directory opens and when the router
         starts: the directory and the executor come then)."""
@@ -151,6 +160,7 @@ class Router:
         self.metrics.start_at_zero(
             self._model_names, self.planner.default.name, [a.value for a in Action]
         )
+        self.metrics.admission_high.set(settings.admission.high_watermark)
         self.metrics.on_read(self._observe_metrics)
 
     def _observe_metrics(self) -> None:
@@ -180,6 +190,13 @@ class Router:
                 per_block = self._block_sizes.get(models[0], 0) if models else 0
                 m.of(m.kv_blocks, wid, Tier.GPU.value, "leases").set(blocks)
                 m.of(m.kv_tokens, wid, Tier.GPU.value, "leases").set(blocks * per_block)
+        for wid, a in self.admission_view:
+            m.of(m.admission_kv_usage, wid).set(a.kv_usage)
+            budget = a.programs_budget_tokens
+            m.of(m.admission_ws_ratio, wid).set(a.programs_tokens / budget if budget else 0.0)
+            m.of(m.admission_closed, wid).set(1 if a.closed else 0)
+        m.admission_full.set(1 if self.admission_full else 0)
+        m.show_top_sessions(self.top_sessions)
         m.leases_open.set(self.leases.open)
         counts = self.cached_counts
         if counts is not None:
@@ -239,11 +256,12 @@ class Router:
     async def _economics_loop(self) -> None:
         """Every health interval, what the KV economics metrics read and a read must not do
         (a metrics read may run on the OTLP export's thread, and only reads): the expired
-        leases leave `committed_leases`, and the directory's GPU-cached counts are read (one
-        round trip, `Directory.cached_counts`; a failed read keeps the last)."""
+        leases leave `committed_leases`, admission's view and the top sessions are taken
+        (`read_economics`), and the directory's GPU-cached counts are read (one round trip,
+        `Directory.cached_counts`; a failed read keeps the last)."""
         interval = self.settings.server.health_interval_s
         while True:
-            self.committed_leases.expire()
+            self.read_economics(time.monotonic())
             directory = self.directory
             if directory is not None:
                 try:
@@ -251,6 +269,15 @@ class Router:
                 except Exception as exc:
                     log.debug("reading the directory's cached counts failed: %r", exc)
             await asyncio.sleep(interval)
+
+    def read_economics(self, now: float) -> None:
+        """What `_observe_metrics` sets the admission and session gauges from, taken on the
+        event loop (reading them expires sessions and working sets)."""
+        self.committed_leases.expire()
+        self.top_sessions = tuple(self.working_sets.largest(TOP_SESSIONS, now))
+        admission = self.admission
+        self.admission_view = tuple((w.worker_id, admission.shown(w, now)) for w in self.pool.all())
+        self.admission_full = admission.cluster_full(now)
 
     async def close(self) -> None:
         await cancel_and_wait(self._sweeper)

@@ -10,11 +10,10 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from router.telemetry import TOP_SESSIONS
+
 if TYPE_CHECKING:
     from router.state import Router
-
-TOP_SESSIONS = 10
-"""Sessions listed by the KV they hold."""
 
 
 def worker_status(router: Router, now: float) -> list[dict[str, Any]]:

@@ -43,6 +43,9 @@ LATENCY_BUCKETS_S = (*_one_two_five(0.001, 10.0), 30.0, 60.0)
 TPOT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 1.0)
 QUEUE_WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 OVERHEAD_BUCKETS_S = _one_two_five(0.00005, 0.1)
+MARGIN_BUCKETS_S = (0.0, *_one_two_five(0.0001, 10.0))
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0, 8.0)
+"""Observed over predicted: 1.0 where the cost model was exact."""
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _NO_SPAN = contextlib.nullcontext()
@@ -103,6 +106,10 @@ OWNER_LOOKUP_RESULTS = ("hit", "miss", "none")
 KV_FETCH_RESULTS = ("full", "partial", "empty", "failed")
 MIGRATION_OUTCOMES = ("migrated", "refused_guided", "refused_partial", "refused_limit", "failed")
 UPSTREAM_HOPS = ("connect", "first_byte", "kv_transfer", "stream_gap")
+TOP_SESSIONS = 10
+"""Sessions listed by the KV they hold (the admin status, `ownerserve_session_kv_tokens`)."""
+MAX_SESSION_LABEL_CHARS = 128
+"""A session id is cut to this many characters as `ownerserve_session_kv_tokens`' label."""
 PREFIX_KINDS = ("prompt", "available", "predicted", "delivered", "reported")
 """The kinds of `ownerserve_prefix_tokens_total`, in the order `RouterMetrics.prefix_tokens_of`
 gives their counters."""
@@ -129,6 +136,29 @@ class RouterMetrics:
         )
         self.actions = counter(
             "ownerserve_plan_actions_total", "Plans by action and policy", ["policy", "action"]
+        )
+        self.decisions = counter(
+            "ownerserve_plan_decisions_total",
+            "Plans by request class, action and the cost term the choice turned on "
+            "(planner.explain.deciding_term: the term of C(a) in which the chosen candidate "
+            "saved the most against the runner-up; only_candidate, or policy when the policy "
+            "chose a costlier one by its own rule)",
+            ["class", "action", "term"],
+        )
+        self.margin = histogram(
+            "ownerserve_plan_margin_seconds",
+            "How much cheaper the chosen candidate was than the runner-up (C(runner-up) - "
+            "C(chosen)), by action; plans with a runner-up the cost model ranked below it",
+            ["action"],
+            buckets=MARGIN_BUCKETS_S,
+        )
+        self.prediction = histogram(
+            "ownerserve_prediction_ratio",
+            "Observed over predicted, per answered plan that ran as planned, by phase: ttft "
+            "(the router's TTFT less the admission queue against T_queue + T_prefill + "
+            "T_network + T_restore) and tpot (against the decode step); the calibration error",
+            ["phase", "action"],
+            buckets=RATIO_BUCKETS,
         )
         self.owner_lookups = counter(
             "ownerserve_owner_lookups_total",
@@ -271,6 +301,47 @@ class RouterMetrics:
             "under the low one (it takes nothing from the admission queue)",
             ["worker"],
         )
+        self.admission_kv_usage, self.admission_ws_ratio, self.admission_closed = (
+            gauge(name, doc, ["worker"])
+            for name, doc in (
+                (
+                    "ownerserve_admission_kv_usage",
+                    "Each worker's KV pool share in use as admission counts it (the scrape's "
+                    "plus the router's requests since): new requests queue while every worker "
+                    "is at ownerserve_admission_high_watermark",
+                ),
+                (
+                    "ownerserve_admission_working_set_ratio",
+                    "Each worker's sessions' KV working set over its KV pool plus CPU tier "
+                    "(the tokens admission counts there against that budget)",
+                ),
+                (
+                    "ownerserve_admission_worker_closed",
+                    "1 while a worker is closed to new and resuming sessions (its working set "
+                    "over the high watermark of its budget)",
+                ),
+            )
+        )
+        self.admission_high, self.admission_full = (
+            gauge(name, doc)
+            for name, doc in (
+                (
+                    "ownerserve_admission_high_watermark",
+                    "admission.high_watermark, as configured (a constant to compare against)",
+                ),
+                (
+                    "ownerserve_admission_cluster_full",
+                    "1 while the sessions' working sets fill the whole cluster (sessions are "
+                    "then paused at tool boundaries and closed workers take no new ones)",
+                ),
+            )
+        )
+        self.session_kv_tokens = gauge(
+            "ownerserve_session_kv_tokens",
+            "The sessions holding the most KV (the admin status's top sessions, read every "
+            "health interval), by the worker holding it: tokens in its working set there",
+            ["session", "worker"],
+        )
         self.prefix_tokens = counter(
             "ownerserve_prefix_tokens_total",
             "Prompt tokens of answered requests and their prefix reuse, by model and the worker "
@@ -285,6 +356,7 @@ class RouterMetrics:
             ["model", "worker", "kind"],
         )
         self._prefix_children: dict[tuple[str, str], tuple[Any, ...]] = {}
+        self._top_sessions: tuple[tuple[str, str, int], ...] = ()
         self.kv_blocks, self.kv_tokens = (
             gauge(name, doc, ["worker", "tier", "source"])
             for name, doc in (
@@ -351,6 +423,17 @@ class RouterMetrics:
         self.of(self.stream_errors, worker)
         for hop in UPSTREAM_HOPS:
             self.of(self.upstream_timeouts, worker, hop)
+
+    def show_top_sessions(self, top: tuple[tuple[str, str, int], ...]) -> None:
+        """`ownerserve_session_kv_tokens` holds `top` alone ((session, worker, tokens); a
+        session id cut to `MAX_SESSION_LABEL_CHARS`): redone only when it changed."""
+        if top == self._top_sessions:
+            return
+        self._top_sessions = top
+        gauge = self.session_kv_tokens
+        gauge.clear()
+        for session, worker, tokens in top:
+            gauge.labels(session[:MAX_SESSION_LABEL_CHARS], worker).set(tokens)
 
     def prefix_tokens_of(self, model: str, worker: str) -> tuple[Any, ...]:
         """The `ownerserve_prefix_tokens_total` counters of `model` and `worker`, one per kind

@@ -204,6 +204,7 @@ def _view(
         chunk_api=w.chunk_api,
         chunks_held=chunks_held,
         restorable_blocks=restorable,
+        rebuilds_windows=w.backend.rebuilds_windows,
         cached_tokens=w.cached_tokens,
     )
 

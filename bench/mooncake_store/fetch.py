@@ -12,6 +12,9 @@ measures, interleaved per repeat in an order shuffled anew each repeat:
 - replicas cached: the same through a second client with its replica cache on
   (`ClientSettings.replica_cache_s`, 5 s): from a key's second read on, ranged gets through a
   get session's cached replica (no master round trip), each checked against the key's digest;
+- store tier: the same through a client set up as the sidecar's store tier sets it up (the
+  replica cache, and `direct_reads`: a batch of several keys looked up in one call, its
+  replicas read where they lie, neighbours in one transfer);
 - raw TE: one `transfer_sync_read` of all the row's bytes (the strongest raw baseline); for rows
   of many keys also `raw per-artifact`: one `batch_transfer_sync_read`, a segment per artifact.
 
@@ -90,6 +93,7 @@ def row(
     master: MasterAddress,
     client: StoreClient,
     cached_client: StoreClient,
+    tier_client: StoreClient,
     size: int,
     keys: int,
     repeats: int,
@@ -123,6 +127,14 @@ def row(
         def cached() -> None:
             assert cached_client.get_into(names, addrs_cached, caps) == [size] * keys
 
+        # what the sidecar's store tier runs: the replica cache for a key read again, and a
+        # batch's replicas looked up in one call and read where they lie (`direct_reads`)
+        dst_tier = tier_client.buffer(stride * keys)
+        addrs_tier = [dst_tier.address + i * stride for i in range(keys)]
+
+        def tier() -> None:
+            assert tier_client.get_into(names, addrs_tier, caps) == [size] * keys
+
         def raw_te() -> None:
             assert engine.te.transfer_sync_read(session, local.addr, int(raw_addr), total) == 0
 
@@ -135,7 +147,12 @@ def row(
             )
             assert rc == 0
 
-        paths: dict[str, Callable[[], None]] = {"store": store, "cached": cached, "raw": raw_te}
+        paths: dict[str, Callable[[], None]] = {
+            "store": store,
+            "cached": cached,
+            "tier": tier,
+            "raw": raw_te,
+        }
         if keys > 1:
             paths["seg"] = raw_seg
         reps = max(3, min(repeats, (1 << 30) // total))
@@ -150,6 +167,7 @@ def row(
                     t.setdefault(name, []).append(time.perf_counter() - t0)
         dst.close()
         dst_cached.close()
+        dst_tier.close()
         local.retire()  # unregistered before its memory goes (a later buffer may reuse it)
         return {k: _rate(total, v) for k, v in t.items()}
     finally:
@@ -166,27 +184,36 @@ def main(repeats: int, rows: list[tuple[int, int]], with_sidecar: bool) -> None:
         cached_client = StoreClient.open(
             ClientSettings(master.address, segment_bytes=0, replica_cache_s=CACHE_S)
         )
+        tier_client = StoreClient.open(
+            ClientSettings(
+                master.address, segment_bytes=0, replica_cache_s=CACHE_S, direct_reads=True
+            )
+        )
         print(
             "| artifacts | store fetch MB/s | raw TE MB/s | ratio | replicas cached MB/s | ratio "
-            "| raw per-artifact MB/s | ratio | sidecar fetch MB/s | store / sidecar |"
+            "| store tier MB/s | ratio | raw per-artifact MB/s | tier / per-artifact "
+            "| sidecar fetch MB/s "
+            "| store / sidecar |"
         )
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         nan = float("nan")
         for size, keys in rows:
-            r = row(master.address, client, cached_client, size, keys, repeats)
+            r = row(master.address, client, cached_client, tier_client, size, keys, repeats)
             side = nan
             if with_sidecar:
                 s = asyncio.run(sidecar_bench.row(size, keys, repeats, True))
                 side = s.get("mc", nan)
-            st, raw, seg, ca = r["store"], r["raw"], r.get("seg", nan), r["cached"]
-            seg_cols = f"{seg:.1f} | {st / seg:.2f}" if keys > 1 else "- | -"
+            st, raw, seg, ca, ti = r["store"], r["raw"], r.get("seg", nan), r["cached"], r["tier"]
+            seg_cols = f"{seg:.1f} | {ti / seg:.2f}" if keys > 1 else "- | -"
             print(
                 f"| {sidecar_bench._label(size, keys)} | {st:.1f} | {raw:.1f} | {st / raw:.2f} "
-                f"| {ca:.1f} | {ca / raw:.2f} | {seg_cols} | {side:.1f} | {st / side:.2f} |",
+                f"| {ca:.1f} | {ca / raw:.2f} | {ti:.1f} | {ti / raw:.2f} | {seg_cols} "
+                f"| {side:.1f} | {st / side:.2f} |",
                 flush=True,
             )
         client.close()
         cached_client.close()
+        tier_client.close()
 
 
 def _rows(text: str) -> list[tuple[int, int]]:

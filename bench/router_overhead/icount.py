@@ -2,7 +2,8 @@
 CPU that the machine's load does not move (the CPU seconds `bench.router_overhead.run` reads on
 a shared 2-core VM vary by 2x and more from run to run; an A/B of a few percent needs this).
 
-    .venv/bin/python -m bench.router_overhead.icount [--scenario repeated|stream|agent]
+    .venv/bin/python -m bench.router_overhead.icount [--scenario repeated|stream|agent] \
+        [--request-log]
 
 Runs the router in-process on its own HTTP server, with the bench's two fast backends in their
 own processes (not counted), and sends it requests one after another over one keep-alive
@@ -12,7 +13,10 @@ connection from a client in the same process (counted: the raw protocol of
 two counts over the difference of the requests: startup and shutdown cancel out. Health checks
 are made rare (600 s) so that none lands in the window; the prompts: `repeated` (64 prompts
 cycled, not streamed), `stream` (the same, streamed), `agent` (8-turn sessions, streamed).
-Takes about ten minutes (callgrind runs Python some 50x slower).
+Takes about ten minutes (callgrind runs Python some 50x slower). `--request-log` counts with the
+per-request log line on, as `ownerserve serve` writes it (its logger at INFO, a stream handler
+on stderr, `logging.basicConfig`'s format); without it the line is off (its logger at WARNING:
+`RequestRecord.emit` builds nothing).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import logging
 import re
 import subprocess
 import sys
@@ -37,9 +42,14 @@ from ownerserve.ports import free_port
 SCENARIOS = {"repeated": (False, 0), "stream": (True, 0), "agent": (True, 8)}
 
 
-async def _serve(n: int, stream: bool, turns: int) -> None:
+async def _serve(n: int, stream: bool, turns: int, request_log: bool) -> None:
     """`n` requests through the router, one after another."""
+    from router.requestlog import REQUEST_LOGGER
     from router.server import running
+
+    if request_log:  # as `ownerserve serve` sets it up
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger(REQUEST_LOGGER).setLevel(logging.INFO)
 
     backends = [free_port(), free_port()]
     with contextlib.ExitStack() as stack:
@@ -67,13 +77,13 @@ async def _serve(n: int, stream: bool, turns: int) -> None:
             transport.close()
 
 
-def _count(n: int, scenario: str) -> int:
+def _count(n: int, scenario: str, request_log: bool) -> int:
     """Instructions callgrind counted in a run of `n` requests."""
     with tempfile.TemporaryDirectory() as tmp:
         out = subprocess.run(
             ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out",
              sys.executable, "-m", "bench.router_overhead.icount", "--serve", str(n),
-             "--scenario", scenario],
+             "--scenario", scenario, *(["--request-log"] if request_log else [])],
             cwd=REPO, capture_output=True, text=True, check=True,
         )  # fmt: skip
     found = re.search(r"Collected : (\d+)", out.stderr)
@@ -87,15 +97,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="repeated")
     ap.add_argument("--few", type=int, default=20)
     ap.add_argument("--many", type=int, default=520)
+    ap.add_argument("--request-log", action="store_true", help="with the per-request log line on")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # one counted run
     args = ap.parse_args(argv)
     stream, turns = SCENARIOS[args.scenario]
     if args.serve is not None:
-        uvloop.run(_serve(args.serve, stream, turns))
+        uvloop.run(_serve(args.serve, stream, turns, args.request_log))
         return 0
-    few, many = _count(args.few, args.scenario), _count(args.many, args.scenario)
+    few = _count(args.few, args.scenario, args.request_log)
+    many = _count(args.many, args.scenario, args.request_log)
     per_request = (many - few) / (args.many - args.few)
-    print(f"{args.scenario}: {per_request:,.0f} instructions per request")
+    log = ", request log on" if args.request_log else ""
+    print(f"{args.scenario}{log}: {per_request:,.0f} instructions per request")
     return 0
 
 

@@ -31,7 +31,11 @@ COMMANDS: tuple[_Command, ...] = (
         "ownerserve.cli.status",
         "show a running router's workers, admission and recent plans (its admin API)",
     ),
-    _Command("demo", "ownerserve.cli.demo", "run a session on a local emulated xPyD cluster"),
+    _Command(
+        "demo",
+        "ownerserve.cli.demo",
+        "run agent sessions on a local emulated xPyD cluster, beside two peer routers",
+    ),
     _Command("worker", "workers.cli", "run a worker-side process (emulated engine, sidecar)"),
     _Command("loadgen", "loadgen.cli", "drive an OpenAI endpoint with agentic traffic"),
     _Command("bench", "loadgen.bench_cli", "run the project's benchmarks side by side"),

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
-from ownerserve.hashing import hash_block
+from ownerserve.hashing import block_hash_chain, hash_block
 from ownerserve.types import Tier
 
 if TYPE_CHECKING:
@@ -138,6 +138,14 @@ class GroupHoldings:
         rec = self._workers.get(worker)
         if rec is None:
             rec = self._workers[worker] = _Worker()
+        if rec.root is not None:
+            # An attention group stores every block it caches, a window group only those its
+            # retention keeps; the attention groups' stores of this step map the engine hashes
+            # a window group's store names before that store is read (vLLM publishes the
+            # window groups' first).
+            for e in events:
+                if isinstance(e, BlockStored) and e.group_kind in ATTENTION_KINDS:
+                    _place(rec, e)
         chain: list[KVEvent] = []
         for e in events:
             if isinstance(e, AllBlocksCleared):
@@ -178,23 +186,9 @@ class GroupHoldings:
                 if h is not None:
                     held.discard(h)
             return
-        bs = rec.block_size
         if len(rec.engine_map) > ENGINE_MAP_LIMIT:
             _prune(rec)
-        if e.block_size != bs or len(e.token_ids) != bs * len(e.engine_hashes):
-            return  # not mappable onto the chain (the directory counts these as skipped)
-        parent: int | None = (
-            rec.root if e.parent_engine_hash is None else rec.engine_map.get(e.parent_engine_hash)
-        )
-        for k, eh in enumerate(e.engine_hashes):
-            h = rec.engine_map.get(eh)
-            if h is None:
-                if parent is None:
-                    return  # a parent never seen: the rest cannot be placed on the chain
-                h = hash_block(parent, e.token_ids[k * bs : (k + 1) * bs])
-                rec.engine_map[eh] = h
-            held.add(h)
-            parent = h
+        held.update(_place(rec, e))
 
     def clear(self, worker: str) -> None:
         """The worker dropped its cache (or its events were lost): nothing is held."""
@@ -204,6 +198,19 @@ class GroupHoldings:
             rec.engine_map.clear()
 
     # --- lookups -----------------------------------------------------------------------------
+
+    def groups_of(self, worker: str) -> tuple[GroupInfo, ...]:
+        """The worker's KV cache groups as its events named them, by index."""
+        rec = self._workers.get(worker)
+        return () if rec is None else tuple(rec.groups[g] for g in sorted(rec.groups))
+
+    def held_blocks(
+        self, worker: str, group: int, chain: Sequence[int], tier: Tier = Tier.GPU
+    ) -> tuple[bool, ...]:
+        """Per block of `chain`, whether the worker's group `group` holds it in `tier`."""
+        rec = self._workers.get(worker)
+        held = set() if rec is None else rec.held.get((group, tier), set())
+        return tuple(h in held for h in chain)
 
     def restorable(self, worker: str, chain: Sequence[int]) -> list[RestorableUnit]:
         """Per tier where the worker holds any of `chain`, how deep it can restore it."""
@@ -246,6 +253,45 @@ def annotate(groups: GroupHoldings, match: Match, chain: Sequence[int]) -> Match
         return match
     units = groups.restorable_all(chain)
     return dataclasses.replace(match, restorable=units) if units else match
+
+
+def _place(rec: _Worker, e: BlockStored) -> list[int]:
+    """The chain hashes of the blocks `e` stores, learning their engine hashes.
+
+    A store names one engine hash per block of its token range, in order; or, from a window
+    group, only the blocks its retention kept of that range (vLLM 0.32's `cache_full_blocks`
+    skips the blocks the window or the retention interval dropped, keeping the range's tokens
+    and its parent). Those are placed by the engine hashes the attention groups' stores mapped,
+    else as the range's last blocks (the window drops the leading ones), without learning
+    them. A store that fits neither, or whose parent was never seen, is not placed (the
+    directory counts such stores as skipped)."""
+    bs = rec.block_size
+    n = len(e.engine_hashes)
+    if e.block_size != bs or not n or len(e.token_ids) % bs or len(e.token_ids) < bs * n:
+        return []
+    parent: int | None = (
+        rec.root if e.parent_engine_hash is None else rec.engine_map.get(e.parent_engine_hash)
+    )
+    span = len(e.token_ids) // bs
+    if n < span:
+        known = [rec.engine_map.get(eh) for eh in e.engine_hashes]
+        if all(h is not None for h in known):
+            return [h for h in known if h is not None]
+        if parent is None:
+            return []
+        hashes = block_hash_chain(e.token_ids, bs, parent)
+        return [h if h is not None else hashes[span - n + k] for k, h in enumerate(known)]
+    out: list[int] = []
+    for k, eh in enumerate(e.engine_hashes):
+        h = rec.engine_map.get(eh)
+        if h is None:
+            if parent is None:
+                break  # a parent never seen: the rest cannot be placed on the chain
+            h = hash_block(parent, e.token_ids[k * bs : (k + 1) * bs])
+            rec.engine_map[eh] = h
+        out.append(h)
+        parent = h
+    return out
 
 
 def _prune(rec: _Worker) -> None:

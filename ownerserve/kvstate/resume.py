@@ -17,6 +17,10 @@ R(E) = min(rebuild_tokens, E·B):
     rebuilt    prefill_s(R, E·B − R) − base_s ≤ C(k, E)          resume at E, R tokens recomputed
     truncated  otherwise                                         resume at k (cold when k = 0)
 
+An engine that never rebuilds windows (vLLM 0.32: its hybrid KV cache coordinator resumes only
+where every window group holds the blocks before the boundary) has no `rebuilt` option: it
+resumes at E when the windows are there, else at k (`resume_point(..., rebuild=False)`).
+
 With a CPU tier continuing the prefix past the HBM hit H for h more blocks (`HostHit`,
 E = H + h), the options are loading them (and rebuilding the windows at E unless the CPU tier
 holds them), loading only up to the deepest boundary c whose windows HBM or the CPU tier
@@ -136,14 +140,17 @@ def resume_point(
     *,
     limit: int | None = None,
     host: HostHit | None = None,
+    rebuild: bool = True,
 ) -> Resume:
     """Where a prefix hit resumes (module docstring): the sealed groups hold `sealed` leading
     blocks of the prompt in HBM (for a move, with those it brings), and `windows` is the
     deepest boundary (blocks) whose windows and state are held there; `limit` caps both at
     the prompt's blocks an engine may reuse ((N − 1) // B: the last prompt token is always
-    computed); `host`: the prefix continues in the CPU tier. `prefill` times the options (the
-    engine's own profile: the rule is the engine's decision, whatever the caller's
-    calibration)."""
+    computed); `host`: the prefix continues in the CPU tier; `rebuild`: the engine may
+    rebuild windows (False: vLLM, whose hybrid KV cache coordinator only cuts a hit back to
+    the deepest boundary whose windows it holds, and loads a host continuation only where
+    its windows are held). `prefill` times the options (the engine's own profile: the rule
+    is the engine's decision, whatever the caller's calibration)."""
     if limit is not None and sealed > limit:
         sealed = limit
     sealed = max(sealed, 0)
@@ -166,7 +173,7 @@ def resume_point(
         return r, rebuild_s(prefill, r, blocks * bs)
 
     options: list[tuple[float, Resume]] = []
-    if extra and host is not None:
+    if extra and host is not None and (rebuild or host.windows_at_end):
         r, t = (0, 0.0) if host.windows_at_end else rebuilt(end)
         how = "rebuilt" if r else "cached"
         options.append((host.load_s + t, Resume(sealed, extra, r, how)))
@@ -178,7 +185,7 @@ def resume_point(
     if windows == sealed and sealed:
         options.append((compute_s(sealed), Resume(sealed, 0, 0, "cached")))
     else:
-        if sealed:
+        if sealed and rebuild:
             r, t = rebuilt(sealed)
             options.append((t + compute_s(sealed), Resume(sealed, 0, r, "rebuilt")))
         how = "truncated" if windows else "cold"

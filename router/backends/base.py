@@ -143,6 +143,11 @@ class Backend(Protocol):
     health_path: str
     metrics_path: str
     pd_handoff: PDHandoff
+    rebuilds_windows: bool
+    """A hybrid model's prefix hit whose sliding windows the worker does not hold at the
+    sealed boundary: whether its engine rebuilds them there by recomputing the last n_win·L
+    tokens over the cached sealed KV (True), or only cuts the hit back to the deepest
+    boundary whose windows it holds (False)."""
 
     def parse_load(self, metrics_text: str) -> WorkerLoad:
         """After each scrape: the worker's load from its `/metrics` text."""

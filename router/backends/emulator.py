@@ -25,6 +25,7 @@ class EmulatorBackend(VLLMRequestFlow):
     """Emulated engines: vLLM's request flow, the KV API on the engine, KV events it binds."""
 
     kind = BackendKind.EMULATOR
+    rebuilds_windows = True  # `workers.emulator.hetero`: the resume rule, rebuilds included
 
     def kv_event_subscriber(
         self, settings: WorkerSettings, sink: KVEventSink

@@ -28,6 +28,7 @@ class SGLangBackend:
     goes through the worker's sidecar."""
 
     kind = BackendKind.SGLANG
+    rebuilds_windows = True  # not measured against a hybrid SGLang: the resume rule as written
     health_path = "/health"
     metrics_path = "/metrics"
     pd_handoff = PDHandoff.RENDEZVOUS

@@ -158,6 +158,9 @@ class VLLMBackend(VLLMRequestFlow):
     """Real vLLM servers; an artifact fetch goes through the worker's sidecar."""
 
     kind = BackendKind.VLLM
+    # vLLM 0.32's hybrid KV cache coordinator resumes only where every window group holds its
+    # blocks (`SlidingWindowManager.find_longest_cache_hit`): it never rebuilds a window
+    rebuilds_windows = False
     kv_event_sources_path = "/kv_event_sources"
 
     def kv_event_subscriber(

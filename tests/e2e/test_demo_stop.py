@@ -18,6 +18,7 @@ import httpx
 import orjson
 import pytest
 
+from ownerserve.cli.demo import ROLES
 from tests.waiting import until_sync
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +33,7 @@ class _Demo:
 
     def __init__(self, log: IO[str], speed: float) -> None:
         cmd = [sys.executable, "-m", "ownerserve", "demo", "--port", "0", "--speed", str(speed),
-               "--turns", "1"]  # fmt: skip
+               "--steps", "1", "--no-compare"]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True
         )
@@ -139,7 +140,7 @@ def test_sigkilled_demo_leaves_no_worker_running(tmp_path: Path) -> None:
     with _demo(tmp_path, speed=8.0) as demo:
         demo.wait_serving()
         workers = _emulator_children(demo.proc.pid)
-        assert len(workers) == 3
+        assert len(workers) == len(ROLES)
         try:
             demo.proc.kill()  # SIGKILL: the demo runs nothing more, no cleanup of its own
             demo.proc.wait()

@@ -11,6 +11,7 @@ in-process and on Redis) and each worker's GPU blocks agree with the workers' ow
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from typing import Any
 
@@ -18,6 +19,7 @@ import httpx
 import pytest
 
 from loadgen.cluster import EmulatedWorker
+from planner.explain import DECISION_TERMS, NOT_BY_COST, ONLY_CANDIDATE
 from router.requestlog import REQUEST_LOGGER, parse_logfmt
 from tests.e2e.router_cluster import (
     MODEL,
@@ -270,3 +272,96 @@ async def test_the_duplicate_factor_and_gpu_blocks_agree_with_the_workers(
             print(f"\n{backend}: {measured}")
     assert workers_used == {w.worker_id for w in cluster}
     assert measured["workers_factor"] > 1.2  # the shared prefix is on both workers
+
+
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Each sample of `name`: (its labels, its value)."""
+    out = []
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] != name:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', head))
+        out.append((labels, float(value)))
+    return out
+
+
+async def test_why_plans_went_where_they_did_who_holds_the_kv_and_what_admission_sees(
+    cluster: Any,
+) -> None:
+    # three of an operator's questions, from /metrics alone, against what the router's admin
+    # status and its plans' headers say
+    await cold(cluster)
+    settings = router_settings(
+        cluster,
+        server={"admin_token": "adm"},
+        planner={"policy": "ownerserve", "allow_policy_header": True},
+    )
+    admin = {"x-admin-token": "adm"}
+    decided: list[str] = []
+    margins: list[float] = []
+    async with proxy_client(settings) as (client, _):
+        text = (await client.get("/metrics")).text
+        assert samples(text, "ownerserve_admission_high_watermark") == [({}, 0.95)]
+        for i, size in enumerate((1, 4, 2)):  # sessions of different sizes
+            messages = [SYSTEM, {"role": "user", "content": "Repository:\n" + REPO * size}]
+            for k in range(2):
+                plan, _, text_ = await turn(client, f"econ-top-{i}", messages)
+                decided.append(plan["action"])
+                margins += [float(plan["margin"])] if "margin" in plan else []
+                messages += [
+                    {"role": "assistant", "content": text_},
+                    {"role": "user", "content": f"Turn {k + 1}: go on."},
+                ]
+        # a baseline policy's plans are told apart from the cost model's
+        plan, _, _ = await turn(client, "econ-rr", [SYSTEM], policy="round-robin")
+        decided.append(plan["action"])
+        margins += [float(plan["margin"])] if "margin" in plan else []
+
+        async def top_shown() -> bool:
+            metrics = (await client.get("/metrics")).text
+            status = (await client.get("/admin/status", headers=admin)).json()
+            top = {(s["session"], s["worker"]): float(s["tokens"]) for s in status["top_sessions"]}
+            shown = {
+                (labels["session"], labels["worker"]): v
+                for labels, v in samples(metrics, "ownerserve_session_kv_tokens")
+            }
+            return bool(top) and shown == top
+
+        await until(top_shown, what="the top sessions on /metrics as the admin status has them")
+        metrics = (await client.get("/metrics")).text
+        status = (await client.get("/admin/status", headers=admin)).json()
+    # the largest session holds the most KV, and says so
+    ranked = sorted(samples(metrics, "ownerserve_session_kv_tokens"), key=lambda s: -s[1])
+    assert ranked[0][0]["session"] == "econ-top-1"
+    # every plan counted once, by class, action and the term its choice turned on
+    decisions = samples(metrics, "ownerserve_plan_decisions_total")
+    assert sum(v for _, v in decisions) == len(decided)
+    by_action: dict[str, float] = {}
+    for labels, v in decisions:
+        by_action[labels["action"]] = by_action.get(labels["action"], 0) + v
+        assert labels["term"] in (*DECISION_TERMS, ONLY_CANDIDATE, NOT_BY_COST), labels
+    assert by_action == {a: float(decided.count(a)) for a in set(decided)}
+    # the follow-up turns stayed with their KV: the choice turned on compute saved
+    assert any(labels["term"] == "compute" for labels, _ in decisions)
+    # admission's view of each worker, as the admin status shows it
+    for w in status["workers"]:
+        a = w["admission"]
+        got = samples(metrics, "ownerserve_admission_kv_usage")
+        assert ({"worker": w["id"]}, pytest.approx(a["kv_usage"], abs=0.05)) in [
+            (labels, v) for labels, v in got
+        ]
+        closed = metric_value(metrics, "ownerserve_admission_worker_closed", worker=w["id"])
+        assert closed == (1.0 if a["closed"] else 0.0)
+    assert metric_value(metrics, "ownerserve_admission_cluster_full") == 0.0
+    # how close each choice was, and how far off its predicted timings were
+    kept = [x for x in margins if x >= 0]
+    assert metric_value(metrics, "ownerserve_plan_margin_seconds_count") == len(kept) > 0
+    assert metric_value(metrics, "ownerserve_plan_margin_seconds_sum") == pytest.approx(
+        sum(kept), rel=1e-3
+    )
+    for phase in ("ttft", "tpot"):  # every turn streamed its answer, as planned
+        count = metric_value(metrics, "ownerserve_prediction_ratio_count", phase=phase)
+        ratio = metric_value(metrics, "ownerserve_prediction_ratio_sum", phase=phase) / count
+        # the workers run 20x faster than their profile says, less what calibration learnt
+        assert count == len(decided) and 0 < ratio < 10, (phase, count, ratio)

@@ -1,9 +1,9 @@
 """The per-request log line (`router.requestlog`) against the real router app in front of an
 emulated worker (a real process): exactly one logfmt line on `ownerserve.requests` for each
 request however it ends — a streamed and a whole answer, a request refused with a 4xx (by the
-pipeline, and by a front door before it), a client that walks away mid-stream — whose fields
-parse and whose request id is the one its answer's `x-request-id` header carries (the
-client's, sanitised, or a new one)."""
+pipeline, by a front door before it, by the HTTP server before either), a client that walks
+away mid-stream — whose fields parse and whose request id is the one its answer's
+`x-request-id` header carries (the client's, sanitised, or a new one)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from loadgen.cluster import MODEL, EmulatedWorker
+from router.httpserver import MAX_HEADER_BYTES
 from router.requestlog import REQUEST_LOGGER, parse_logfmt
 from tests.e2e.router_cluster import proxy_client, router_settings, workers_fixture
 from tests.waiting import until
@@ -131,6 +132,34 @@ async def test_a_request_a_front_door_refuses_logs_one_line(
     assert answered.status_code == 200 and answered.headers["x-request-id"] == "m-2"
     second = lines(request_log)[1]
     assert (second["rid"], second["status"], second["outcome"]) == ("m-2", "200", "ok")
+    assert len(lines(request_log)) == 2
+
+
+async def test_requests_the_http_server_refuses_log_one_line_each_under_their_answer_id(
+    workers: Any, request_log: pytest.LogCaptureFixture
+) -> None:
+    # refused before the request path: a body over server.max_body_bytes (413, under the
+    # client's id), request headers over the server's limit (431, under a new one)
+    settings = router_settings(workers, server={"max_body_bytes": 4096})
+    big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 10_000}]}
+    async with proxy_client(settings) as (client, _):
+        too_big = await client.post(
+            "/v1/chat/completions", json=big, headers={"x-request-id": "big-1"}
+        )
+        first = await one_line(request_log)
+        too_long = await client.post(
+            "/v1/chat/completions", json={}, headers={"x-filler": "y" * (MAX_HEADER_BYTES + 1)}
+        )
+        await until(lambda: len(lines(request_log)) == 2, what="the second refusal's line")
+    assert too_big.status_code == 413 and too_big.headers["x-request-id"] == "big-1"
+    assert (first["rid"], first["status"], first["outcome"]) == ("big-1", "413", "refused")
+    error = too_big.json()["error"]
+    assert first["error"] == (error.get("code") or error["type"])
+    second = lines(request_log)[1]
+    assert too_long.status_code == 431
+    assert second["rid"] == too_long.headers["x-request-id"] and len(second["rid"]) == 32
+    assert (second["status"], second["outcome"]) == ("431", "refused")
+    assert float(first["e2e_s"]) >= 0 and float(second["e2e_s"]) >= 0
     assert len(lines(request_log)) == 2
 
 

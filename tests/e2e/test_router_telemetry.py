@@ -192,8 +192,8 @@ async def test_otlp_gets_every_histogram_the_exposition_shows_gauges_unscraped_a
         )
 
         metrics = receiver.latest_metrics()
-        for name in histogram_names:
-            assert metrics[name].unit == "s"
+        for name in histogram_names:  # seconds, or observed over predicted
+            assert metrics[name].unit == ("1" if name.endswith("_ratio") else "s"), name
             assert metrics[name].histogram.aggregation_temporality == 2  # cumulative
         requests = metrics["ownerserve_requests_total"]
         assert requests.sum.is_monotonic and requests.sum.aggregation_temporality == 2
@@ -270,11 +270,13 @@ def prometheus(tmp_path: Path, jobs: dict[str, list[str]]) -> Iterator[str]:
 def dashboard_queries(rate_interval: str) -> list[tuple[str, str]]:
     """(panel title, PromQL) for every target of the dashboard, its variables substituted:
     Grafana's `$__rate_interval` and `$__interval` by what the test gives, the dashboard's own
-    variables by their current values."""
+    variables by their current values ("All": the variable's `allValue`)."""
     dashboard = json.loads(DASHBOARD.read_text())
     values = {"__rate_interval": rate_interval, "__interval": f"{SCRAPE_INTERVAL_S}s"}
     for var in dashboard.get("templating", {}).get("list", []):
         current = var.get("current", {}).get("value")
+        if current == "$__all":  # "All" of a multi-value variable: its allValue regex
+            current = var["allValue"]
         if current is not None:
             values[var["name"]] = str(current)
 

@@ -2,13 +2,16 @@
 an artifact one sidecar put is fetched by the other byte for byte (its store client reads what
 the first put); a corrupted or vanished object reads as missing and is dropped; the master
 killed fails puts, gets and fetches at once with a clear error (nothing hangs) and, restarted,
-takes puts again; a sidecar process killed takes its segment, and so its artifacts, with it.
+takes puts again; a sidecar process killed takes its segment, and so its artifacts, with it:
+another sidecar's fetch reads them as missing, and the survivor that had fetched them stops
+holding them and withdraws them from the directory without anyone reading them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import Awaitable, Iterator
 from pathlib import Path
 
@@ -16,9 +19,11 @@ import httpx
 import pytest
 
 from loadgen.chaos.probe import DirectoryProbe
+from ownerserve.config import DirectorySettings
+from ownerserve.directory import HoldKind, open_directory
 from ownerserve.kvstate.heads import head_keys
 from tests.conftest import RedisServer
-from tests.e2e.router_cluster import MODEL
+from tests.e2e.router_cluster import MODEL, metric_value
 from tests.e2e.test_sidecar import SidecarProcess, fetch_body, put_blocks
 from tests.waiting import until
 from workers.mooncake_store import (
@@ -46,11 +51,13 @@ def master(tmp_path: Path) -> Iterator[MooncakeMaster]:
         m.stop()
 
 
-def on_store(tmp_path: Path, worker_id: str, master: MooncakeMaster) -> SidecarProcess:
+def on_store(
+    tmp_path: Path, worker_id: str, master: MooncakeMaster, extra: tuple[str, ...] = ()
+) -> SidecarProcess:
     return SidecarProcess(
         worker_id,
         tmp_path / worker_id,
-        extra=("--store", master.address.url, "--store-segment-bytes", "64M"),
+        extra=("--store", master.address.url, "--store-segment-bytes", "64M", *extra),
     )
 
 
@@ -218,3 +225,59 @@ async def test_objects_a_restarted_master_lost_leave_the_directory_within_a_ttl(
 
 async def _same(got: Awaitable[list[int]], want: list[int]) -> bool:
     return sorted(await got) == sorted(want)
+
+
+async def test_sidecar_killed_the_survivor_withdraws_its_artifacts_from_the_directory_unread(
+    tmp_path: Path, master: MooncakeMaster, redis_server: RedisServer
+) -> None:
+    chain = [0x7500, 0x7501]
+    prefix = f"mcs-{uuid.uuid4().hex[:8]}"
+    shared = ("--directory", redis_server.url, "--directory-prefix", prefix, "--replica-ttl-s", "3")
+    a, b, c = (on_store(tmp_path, w, master, shared) for w in ("w0", "w1", "w2"))
+    directory = open_directory(
+        DirectorySettings(backend="redis", redis_url=redis_server.url, key_prefix=prefix),
+        resilient=False,
+    )
+
+    async def replicas() -> dict[str, int]:
+        match = await directory.lookup(tuple(chain))
+        return {h.worker: h.blocks for h in match.holdings if h.kind is HoldKind.REPLICA}
+
+    try:
+        with contextlib.ExitStack() as stack:
+            for s in (a, b, c):
+                s.start()
+                stack.callback(s.stop)
+            async with httpx.AsyncClient(timeout=30) as http:
+                stored = await put_blocks(http, a, chain, 8192)
+                r = await http.post(f"{b.url}{KV}/fetch", json=fetch_body(a, chain))
+                assert r.json()["blocks"] == 2  # b holds them now: the same objects, a's segment
+
+                async def both_published() -> bool:
+                    return await replicas() == {"w0": 2, "w1": 2}
+
+                await until(both_published, what="w0's and w1's replicas in the directory")
+                a.kill()  # SIGKILL: the objects lived in its segment
+
+                # another worker's fetch from the survivor reads them as missing (the router
+                # then recomputes: `kv_fetch_empty`), never hangs nor takes other bytes
+                r = await http.post(f"{c.url}{KV}/fetch", json=fetch_body(b, chain))
+                assert r.status_code == 200, r.text
+                assert r.json() == {"blocks": 0, "artifacts": 0, "bytes": 0}
+
+                async def none_named() -> bool:
+                    return await replicas() == {}
+
+                # nobody reads them on w1: the master drops a's objects after its client TTL
+                # (2 s), w1's audit finds them gone and its renewal withdraws them; w0's own
+                # replicas expire unrenewed (3 s)
+                await until(none_named, timeout_s=60, poll_s=0.1, what="no replica of the chain")
+                present = await http.post(f"{b.url}{KV}/lookup", json={"keys": list(stored)})
+                assert present.json()["present"] == [False] * len(stored)
+                metrics = (await http.get(f"{b.url}/metrics")).text
+                lost = metric_value(metrics, "ownerserve_sidecar_store_lost_artifacts_total")
+                assert lost == len(stored)
+                for key in stored:
+                    assert (await http.get(f"{b.url}{KV}/artifacts/{key}")).status_code == 404
+    finally:
+        await directory.close()

@@ -127,6 +127,19 @@ def test_a_gpu_hit_resumes_where_the_worker_s_windows_are_or_rebuilds_them() -> 
     assert dense.scan((cut,)).resumed == [100]
 
 
+def test_a_worker_that_never_rebuilds_windows_resumes_at_its_restorable_boundary() -> None:
+    """A vLLM worker (`WorkerView.rebuilds_windows` off) cuts a hybrid GPU hit back to the
+    directory's restorable boundary even where a rebuild would be the cheaper, and the plan
+    expects that much reuse of it, nothing rebuilt."""
+    k = RequestCosts(MODEL, _req(20_000, kv_spec=V4))
+    vllm = _w("vllm", cached_blocks={Tier.GPU: 100}, restorable_blocks=30, rebuilds_windows=False)
+    cold = _w("cold", cached_blocks={Tier.GPU: 100}, restorable_blocks=0, rebuilds_windows=False)
+    terms = k.scan((vllm, cold))
+    assert terms.resumed == [30, 0] and terms.reused == [3840, 0]
+    assert terms.restore_s == [0.0, 0.0]
+    assert k.candidate(Route(Action.COLOCATED_PREFILL, vllm, vllm)).reused_blocks == 30
+
+
 def test_every_restore_is_planned_with_the_request_s_spec_resident_prefix_included() -> None:
     w = _w("w", cached_blocks={Tier.GPU: 10, Tier.CPU: 60})
     spec = replace(V4, swa_policy=SwaPolicy.zero())

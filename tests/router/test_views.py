@@ -214,3 +214,22 @@ async def test_a_workers_view_shows_the_kv_its_events_say_its_hbm_holds() -> Non
     assert cached() == [12, 0]
     await sink.drop_worker("w0")
     assert cached() == [0, 0]
+
+
+def test_a_vllm_workers_view_says_its_engine_never_rebuilds_windows() -> None:
+    """vLLM's hybrid KV cache coordinator only cuts a hit back to the windows it holds: its
+    view turns the planner's rebuild off; an emulated engine's keeps it (the resume rule)."""
+    router = Router(
+        settings_from_dict(
+            {
+                "models": [{"name": MODEL, "block_size": 4}],
+                "workers": [
+                    {"id": "v", "url": "http://127.0.0.1:9", "kind": "vllm"},
+                    {"id": "e", "url": "http://127.0.0.1:10", "kind": "emulator"},
+                ],
+                "admission": {"enabled": False},
+            }
+        )
+    )
+    views = cluster_view(router.services.cluster, MODEL, Match(chain_len=0), ()).workers
+    assert {w.worker_id: w.rebuilds_windows for w in views} == {"v": False, "e": True}

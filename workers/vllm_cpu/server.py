@@ -63,6 +63,8 @@ class VllmServerSpec:
     max_model_len: int = 2048
     max_num_seqs: int = 8
     served_model_name: str = SERVED_NAME
+    # The model dir to serve; None: the install's tiny Llama (`VllmCpuInstall.model`).
+    model: Path | None = None
     extra_args: tuple[str, ...] = ()
     # Load the OwnerServe KV connector against this sidecar (`workers.vllm_connector`).
     sidecar_url: str | None = None
@@ -132,7 +134,7 @@ def server_argv(install: VllmCpuInstall, spec: VllmServerSpec) -> list[str]:
         str(install.python),
         str(LAUNCHER),
         "serve",
-        str(install.model),
+        str(install.model if spec.model is None else spec.model),
         "--host",
         "127.0.0.1",
         "--port",

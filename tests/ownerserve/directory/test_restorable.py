@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from ownerserve.directory.base import Holding, HoldKind
-from ownerserve.directory.restorable import GroupHoldings, RestorableUnit
+from ownerserve.directory.restorable import GroupHoldings, GroupInfo, RestorableUnit
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
 from ownerserve.types import Tier
@@ -125,3 +125,45 @@ def test_the_engine_hash_map_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None
     g.split("w", batch(3, stored(CSA, 8, 1)))  # its parent (block 7) is forgotten: not placed
     assert g.restorable("w", CHAIN) == [RestorableUnit("w", Tier.GPU, 0, 2, 2)]
     assert len(g._workers["w"].engine_map) == 2
+
+
+def window_kept(group: int, first: int, n: int, kept: int) -> BlockStored:
+    """A window group's store as vLLM 0.32 publishes it: the token range of blocks
+    [first, first + n) and its parent, but the hashes of only its last `kept` blocks (the
+    window and the retention interval dropped the others before they were cached)."""
+    full = stored(group, first, n)
+    return replace(full, engine_hashes=full.engine_hashes[n - kept :])
+
+
+async def test_a_window_store_of_the_kept_blocks_only_is_placed_at_them(backend: Backend) -> None:
+    d = backend.directory
+    await d.register_worker("w1", ROOT, BS)
+    # vLLM publishes the window groups' stores of a step before the attention group's
+    await d.apply_events("w1", batch(1, window_kept(SWA, 0, 6, 2), stored(CSA, 0, 6)))
+    m = await d.lookup(CHAIN[:6])
+    # the window holds blocks 4, 5: every group can restore boundary 6
+    assert m.restorable_on("w1") == RestorableUnit("w1", Tier.GPU, 6, 6, 2)
+    # a branch sharing blocks [0, 4): the attention group holds them, the window does not hold
+    # blocks 2, 3, so nothing before boundary 6 is restorable (a dense view would say 4)
+    branch = (await d.lookup(CHAIN[:4])).restorable_on("w1")
+    assert branch is not None and (branch.blocks, branch.sealed_blocks) == (0, 4)
+    # the branch's own prefill keeps blocks 2, 3 of the window (its attention blocks hit)
+    await d.apply_events("w1", batch(2, window_kept(SWA, 0, 4, 2), stored(CSA, 0, 4)))
+    assert (await d.lookup(CHAIN[:4])).restorable_on("w1") == RestorableUnit(
+        "w1", Tier.GPU, 4, 4, 2
+    )
+    # the window's removal of block 3 goes by the engine hash the attention store mapped
+    await d.apply_events("w1", batch(3, removed(SWA, 3)))
+    u = (await d.lookup(CHAIN[:4])).restorable_on("w1")
+    assert u is not None and u.blocks == 0
+
+
+def test_a_window_store_before_any_attention_store_is_placed_at_its_last_blocks() -> None:
+    g = GroupHoldings()
+    g.register_worker("w", ROOT, BS)
+    # no attention group's store maps these engine hashes: the kept blocks are the range's last
+    g.split("w", batch(1, window_kept(SWA, 0, 6, 2)))
+    assert g.held_blocks("w", SWA, CHAIN[:8]) == (False,) * 4 + (True, True, False, False)
+    assert g.held_blocks("w", SWA, CHAIN[:8], Tier.CPU) == (False,) * 8
+    assert g.groups_of("w") == (GroupInfo(SWA, "sliding_window", 2 * BS),)
+    assert g._workers["w"].engine_map == {}  # placed, not learned

@@ -62,6 +62,21 @@ def test_qwen_s_4096_token_windows_cut_a_short_hit_back_to_its_cached_windows() 
     assert resume_point(QWEN, PREFILL, 277, 277, limit=276) == Resume(276, 0, 0, "cached")
 
 
+def test_an_engine_that_never_rebuilds_resumes_at_its_windows_or_its_sealed_boundary() -> None:
+    # vLLM: the rebuild that was the cheaper (windows at 30 of 100) is no option, nor is the tie
+    assert resume_point(V4, PREFILL, 100, 30, rebuild=False) == Resume(30, 0, 0, "truncated")
+    assert resume_point(V4, PREFILL, 11, 0, rebuild=False) == Resume(0, 0, 0, "cold")
+    assert resume_point(QWEN, PREFILL, 277, 0, rebuild=False) == Resume(0, 0, 0, "cold")
+    assert resume_point(V4, PREFILL, 100, 100, rebuild=False) == Resume(100, 0, 0, "cached")
+    # a CPU continuation whose windows are not held at its end is not loaded to rebuild them
+    none = HostHit(20, 0.001, windows_at_end=False, checkpoint=10)
+    assert resume_point(V4, PREFILL, 10, 10, host=none, rebuild=False) == Resume(10, 0, 0, "cached")
+    held = HostHit(20, 0.001, windows_at_end=True, checkpoint=30)
+    assert resume_point(V4, PREFILL, 10, 10, host=held, rebuild=False) == Resume(
+        10, 20, 0, "cached"
+    )
+
+
 def test_a_cpu_continuation_loads_or_stops_at_the_deepest_held_windows() -> None:
     # HBM 10 blocks (windows there), CPU 20 more in 0.01 s: loading wins over computing
     # [10, 30) = 2560 tokens over 1280 (0.1109 s)

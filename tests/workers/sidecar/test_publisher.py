@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from ownerserve.directory.common import ReplicaWrite
 from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.types import Tier
 from tests.waiting import until
@@ -80,20 +81,55 @@ async def test_a_failed_last_flush_at_close_is_counted_and_logged_with_its_error
     assert any("2 replicas of w0 unpublished" in m for m in messages), messages
 
 
-async def test_a_renewal_names_only_what_prune_kept_and_none_when_it_cannot_tell() -> None:
-    held = {1: Tier.CPU, 2: Tier.CPU}
-    known = True
-
-    async def prune() -> bool:
-        held.pop(2, None)  # the store lost it
-        return known
-
+async def test_renewal_withdraws_blocks_no_longer_held_or_moved_to_another_tier() -> None:
     directory = InMemoryDirectory()
-    pub = ReplicaPublisher(directory, "w0", lambda: held, ttl_s=30.0, prune=prune)
+    held = {1: Tier.CPU, 2: Tier.CPU, 3: Tier.CPU}
+    pub = ReplicaPublisher(directory, "w0", lambda: held, ttl_s=300.0)
+    await pub.publish(held)
+    assert (await directory.lookup([1, 2, 3])).longest("w0", Tier.CPU) == 3
+    held = {1: Tier.CPU, 2: Tier.SSD}  # 2 demoted, 3 gone
     await pub.renew()
-    assert pub.stats().published_blocks == 1
-    assert (await directory.lookup([1])).longest("w0", Tier.CPU) == 1
-    assert (await directory.lookup([2])).longest("w0", Tier.CPU) == 0
-    known = False  # the store out of reach: nothing renewed, what is named expires
+    assert pub.stats().withdrawn_blocks == 2  # their CPU lines, rewritten to expire at once
+
+    async def withdrawn() -> bool:
+        match = await directory.lookup([1, 2, 3])
+        return match.longest("w0", Tier.CPU) == 1 and match.longest("w0", Tier.SSD) == 2
+
+    await until(withdrawn, what="2's CPU line and 3 withdrawn")
+    assert (await directory.lookup([3])).longest("w0") == 0
+
+
+class FlakyDirectory(InMemoryDirectory):
+    """An in-memory directory whose replica writes fail while `down`."""
+
+    down = False
+
+    async def put_replica(self, write: ReplicaWrite) -> None:
+        if self.down:
+            raise ConnectionError("directory down")
+        await super().put_replica(write)
+
+
+async def test_renewal_audits_first_and_a_failed_withdrawal_is_tried_again() -> None:
+    directory = FlakyDirectory()
+    held = {1: Tier.CPU, 2: Tier.CPU}
+    audits: list[int] = []
+
+    async def audit() -> None:  # the backing store lost block 2
+        audits.append(1)
+        held.pop(2, None)
+
+    pub = ReplicaPublisher(directory, "w0", lambda: dict(held), ttl_s=300.0, audit=audit)
+    await pub.publish(held)
+    directory.down = True
     await pub.renew()
-    assert pub.stats().published_blocks == 1 and pub.stats().publish_calls == 1
+    assert audits == [1] and pub.stats().withdrawn_blocks == 0
+    directory.down = False
+    assert (await directory.lookup([1, 2])).longest("w0", Tier.CPU) == 2  # not withdrawn yet
+    await pub.renew()
+    assert pub.stats().withdrawn_blocks == 1
+
+    async def withdrawn() -> bool:
+        return (await directory.lookup([1, 2])).longest("w0", Tier.CPU) == 1
+
+    await until(withdrawn, what="block 2 withdrawn at the next renewal")
