@@ -367,7 +367,8 @@ def _add_chaos_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser
         description="Run a fixed number of concurrent agent sessions, their turns spread over "
         "two `ownerserve serve` replicas that share one Redis ownership directory, on emulated "
         "workers, for --duration seconds, while a seeded fault schedule kills, stops and "
-        "restarts workers, Redis and a replica. Writes chaos_latest.json, a dated copy and "
+        "restarts workers, Redis, a replica, a worker's KV sidecar and the Mooncake Store "
+        "master. Writes chaos_latest.json, a dated copy and "
         "chaos_latest.md to --out-dir: requests by outcome (hung must be 0), sessions lost "
         "(0), each dead worker's time until the directory names it as no owner (bound: one "
         "lease), stale directory entries (0), KV and leases still held once idle (none), the "
@@ -379,8 +380,20 @@ def _add_chaos_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument(
         "--faults",
         default=",".join(FAULT_KINDS),
-        help="faults, comma list (default: all; sidecar_kill is skipped on emulated workers, "
-        "which have no sidecar)",
+        help="faults, comma list (default: all). sidecar_kill SIGKILLs a worker's KV sidecar "
+        "mid-fetch and needs --kv-sidecars tcp or store; store_master_kill SIGKILLs the "
+        "Mooncake Store master and needs --kv-sidecars store (skipped otherwise, and said)",
+    )
+    p.add_argument(
+        "--kv-sidecars",
+        choices=("auto", "off", "tcp", "store"),
+        default="auto",
+        help="give each emulated worker its own KV sidecar process (ownerserve worker "
+        "sidecar), which its KV is saved to, loaded from and fetched through, its replicas "
+        "published to the Redis directory: tcp (sidecars move KV over TCP), store (their "
+        "artifacts on one mooncake_master) or off (the workers serve their KV API in-process). "
+        "auto (default): store with store_master_kill among --faults, tcp with sidecar_kill, "
+        "else off",
     )
     p.add_argument("--repeats", type=int, default=2, help="times each fault runs (default 2)")
     p.add_argument("--prefill", type=int, default=1)
@@ -390,6 +403,14 @@ def _add_chaos_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument("--speed", type=float, default=4.0, help="emulated time runs N× faster")
     p.add_argument(
         "--lease-s", type=float, default=10.0, help="the directory's lease TTL (default 10)"
+    )
+    p.add_argument(
+        "--replica-ttl-s",
+        type=float,
+        default=30.0,
+        help="with KV sidecars: their --replica-ttl-s (default 30, the sidecar's): what they "
+        "publish is renewed every third of it; the bound on a dead sidecar's replicas and a "
+        "restarted store master's lost objects in the directory",
     )
     p.add_argument(
         "--stop-s",
@@ -448,8 +469,10 @@ def run_chaos_command(args: argparse.Namespace) -> int:
         raise ConfigError("--speed must be > 0 and worker counts >= 0")
     if not 0.0 <= args.stream_share <= 1.0:
         raise ConfigError("--stream-share must be within [0, 1]")
-    if min(args.lease_s, args.stop_s, args.settle_s, args.time_scale) <= 0:
-        raise ConfigError("--lease-s, --stop-s, --settle-s and --time-scale must be > 0")
+    if min(args.lease_s, args.replica_ttl_s, args.stop_s, args.settle_s, args.time_scale) <= 0:
+        raise ConfigError(
+            "--lease-s, --replica-ttl-s, --stop-s, --settle-s and --time-scale must be > 0"
+        )
     plan = ChaosPlan(
         out_dir=args.out_dir,
         log_dir=args.log_dir or Path(tempfile.mkdtemp(prefix="ownerserve-chaos-")),
@@ -471,6 +494,8 @@ def run_chaos_command(args: argparse.Namespace) -> int:
         stream_share=args.stream_share,
         time_scale=args.time_scale,
         progress=not args.quiet,
+        kv_sidecars=args.kv_sidecars,
+        replica_ttl_s=args.replica_ttl_s,
     )
     try:
         plan.check()

@@ -251,6 +251,9 @@ class EmulatedWorker(LoopbackServer):
     port: int = field(default_factory=free_port)
     bootstrap_port: int = field(default_factory=free_port)
     events_port: int = field(default_factory=free_port)
+    sidecar_url: str | None = None
+    """Its own KV sidecar (`KVSidecar`): its KV is saved there and loaded from there, and the
+    router's fetches go through it; None: it serves its KV API itself."""
     process: ManagedProcess | None = None
 
     def command(self) -> list[str]:
@@ -264,6 +267,7 @@ class EmulatedWorker(LoopbackServer):
             "--speed", str(self.speed), "--model", self.model, "--worker-id", self.worker_id,
             "--bootstrap-port", str(self.bootstrap_port),
             "--kv-events-port", str(self.events_port), *self.extra,
+            *(("--sidecar-url", self.sidecar_url) if self.sidecar_url else ()),
         ]  # fmt: skip
 
     def start(self) -> EmulatedWorker:
@@ -295,10 +299,42 @@ class EmulatedWorker(LoopbackServer):
         }
         if self.profile != DEFAULT_PROFILE:
             out["profile"] = self.profile
+        if self.sidecar_url is not None:
+            out["sidecar_url"] = self.sidecar_url
         cpu_blocks = _flag(self.extra, "--cpu-num-blocks")
         if cpu_blocks:
             out["cpu_kv_tokens"] = cpu_blocks * (_flag(self.extra, "--block-size") or 16)
         return out
+
+
+@dataclass(eq=False)
+class KVSidecar(LoopbackServer):
+    """One worker's KV sidecar (`ownerserve worker sidecar`, workers/sidecar) on a loopback
+    port picked when it is made; `extra` carries its directory and store options."""
+
+    worker_id: str
+    store_dir: Path
+    extra: tuple[str, ...] = ()
+    log_path: Path | None = None
+    port: int = field(default_factory=free_port)
+    process: ManagedProcess | None = None
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "ownerserve", "worker", "sidecar",
+            "--worker-id", self.worker_id, "--port", str(self.port),
+            "--store-dir", str(self.store_dir), *self.extra,
+        ]  # fmt: skip
+
+    def start(self) -> KVSidecar:
+        """Start the process (a fresh one on the same port: its memory tier empty)."""
+        name = f"sidecar {self.worker_id}"
+        self.process = ManagedProcess(name, self.command(), self.log_path).start()
+        return self
+
+    def wait_healthy(self, timeout_s: float = 90.0) -> None:
+        assert self.process is not None, "start() first"
+        wait_healthy([(self.process, self.url)], timeout_s=timeout_s)
 
 
 def _flag(args: Sequence[str], name: str) -> int:
@@ -421,6 +457,12 @@ def ownerserve_config(
                 "models": [spec.model],
                 "bootstrap_port": w.bootstrap_port,
                 "kv_events_endpoint": f"tcp://127.0.0.1:{w.events_port}",
+                # its fetches through its sidecar, which pulls blocks, not chunks
+                **(
+                    {"sidecar_url": w.sidecar_url, "kv_paths": ["nixl_pd", "sidecar"]}
+                    if w.sidecar_url
+                    else {}
+                ),
             }
             for w in cluster.workers
         ],

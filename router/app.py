@@ -150,6 +150,8 @@ def create_app(
             "draining": w.draining,
             "breaker": w.breaker.state.name.lower(),
             "inflight": w.inflight,
+            # its KV API (a sidecar's, probed) reachable: it takes part in fetches
+            "kv_api_ok": w.kv_api_ok,
             "load": {
                 "running": w.load.running,
                 "waiting": w.load.waiting,

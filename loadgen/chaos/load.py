@@ -87,6 +87,9 @@ class Attempt:
     outcome: str
     status: int = 0
     detail: str = ""
+    plan: str = ""
+    """Its `x-ownerserve-plan` header's `PLAN_KEYS` (`key=value;...`): what ran and what was
+    given up."""
 
     @property
     def ok(self) -> bool:
@@ -104,7 +107,33 @@ class Attempt:
             "outcome": self.outcome,
             "status": self.status,
             "detail": self.detail,
+            "plan": self.plan,
         }
+
+    def plan_fields(self) -> dict[str, str]:
+        return plan_fields(self.plan)
+
+
+PLAN_KEYS = ("action", "p", "d", "src", "fetched", "fetched_blocks", "ran", "fallback", "reason")
+"""The plan header's fields an attempt keeps (the cost terms are left out)."""
+
+
+def plan_fields(header: str) -> dict[str, str]:
+    """`key=value;...` as a dict (a value holding `=` keeps it)."""
+    out = {}
+    for part in header.split(";"):
+        key, sep, value = part.partition("=")
+        if sep:
+            out[key] = value
+    return out
+
+
+def kept_plan(header: str | None) -> str:
+    """The `PLAN_KEYS` of a plan header, in the header's order."""
+    if not header:
+        return ""
+    fields = plan_fields(header)
+    return ";".join(f"{k}={fields[k]}" for k in PLAN_KEYS if k in fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,8 +288,8 @@ class ChaosLoad:
         self.inflight += 1
         try:
             async with asyncio.timeout(self.opts.hang_s):
-                status = await self._exchange(client, body, headers, step.max_tokens)
-            record = replace(record, status=status)
+                status, plan = await self._exchange(client, body, headers, step.max_tokens)
+            record = replace(record, status=status, plan=plan)
         except TimeoutError:
             record = replace(record, outcome="hung", detail=f"no answer in {self.opts.hang_s:g} s")
         except _Failed as exc:
@@ -271,8 +300,9 @@ class ChaosLoad:
 
     async def _exchange(
         self, client: httpx.AsyncClient, body: dict[str, Any], headers: dict[str, str], want: int
-    ) -> int:
-        """Send one request and read its whole answer; its status, or `_Failed`."""
+    ) -> tuple[int, str]:
+        """Send one request and read its whole answer; its status and plan (`kept_plan`), or
+        `_Failed`."""
         try:
             async with client.stream(
                 "POST", "/v1/chat/completions", content=orjson.dumps(body), headers=headers
@@ -284,7 +314,7 @@ class ChaosLoad:
                     await self._read_stream(resp, want)
                 else:
                     self._check_whole(await resp.aread(), want)
-                return resp.status_code
+                return resp.status_code, kept_plan(resp.headers.get("x-ownerserve-plan"))
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise _Failed("connect", f"{type(exc).__name__}: {exc}") from None
         except httpx.HTTPError as exc:

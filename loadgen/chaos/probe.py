@@ -17,6 +17,9 @@ from ownerserve.config import DirectorySettings
 from ownerserve.directory import open_directory
 from ownerserve.directory.redis import RedisDirectory
 
+READ_STEP = 2000
+"""Block records per Redis read of a worker's replicas."""
+
 
 @dataclass(frozen=True, slots=True)
 class Named:
@@ -106,9 +109,12 @@ class DirectoryProbe:
             "command_stalls": [[int(t), int(ms)] for t, ms in history],
         }
 
-    async def named(self, worker: str, *, cached: bool = False) -> Named:
+    async def named(
+        self, worker: str, *, cached: bool = False, replica_tiers: Sequence[str] | None = None
+    ) -> Named:
         """What the directory names `worker` in (`cached`: also scan every block record for
-        its cached view, which costs a pass over the block table)."""
+        its cached view, which costs a pass over the block table; `replica_tiers`: count only
+        the replica lines in these tiers, None: all)."""
         p, r = self.p, self.r
         now = await self.now_ms()
         leases = (await self.live_leases()).get(worker, [])
@@ -117,10 +123,54 @@ class DirectoryProbe:
         sessions = sum(1 for o in owners if o == worker)
         blocks = list(await r.smembers(f"{p}w:{worker}:reps"))
         replicas = 0
-        for rec in await r.hmget(p + "blk", blocks) if blocks else []:
-            replicas += _live_replica_lines(rec, worker, now)
+        for i in range(0, len(blocks), READ_STEP):
+            for rec in await r.hmget(p + "blk", blocks[i : i + READ_STEP]):
+                replicas += _live_replica_lines(rec, worker, now, replica_tiers)
         cached_blocks = await self._cached_blocks(worker) if cached else 0
         return Named(tuple(sorted(leases)), sessions, replicas, cached_blocks)
+
+    async def replica_blocks(
+        self, worker: str, *, tiers: Sequence[str], limit: int | None
+    ) -> list[int]:
+        """Blocks (at most `limit`, None: all) the directory names as `worker`'s live replicas
+        in one of `tiers` (a sidecar publishes its own as `cpu` and `ssd`)."""
+        p, r = self.p, self.r
+        now = await self.now_ms()
+        blocks = sorted(str(b) for b in await r.smembers(f"{p}w:{worker}:reps"))
+        out: list[int] = []
+        for i in range(0, len(blocks), READ_STEP):  # no single call holds Redis long
+            part = blocks[i : i + READ_STEP]
+            for block, rec in zip(part, await r.hmget(p + "blk", part), strict=True):
+                if _live_replica_lines(rec, worker, now, tiers):
+                    out.append(int(block, 16))
+                    if limit is not None and len(out) >= limit:
+                        return out
+        return out
+
+    async def replica_expiry_ms(self, worker: str, *, tiers: Sequence[str]) -> int | None:
+        """The latest expiry (Redis time, ms) of `worker`'s live replica lines in `tiers`:
+        until when the directory names them if nothing renews them; None when none lives."""
+        p, r = self.p, self.r
+        now = await self.now_ms()
+        blocks = list(await r.smembers(f"{p}w:{worker}:reps"))
+        latest: int | None = None
+        for i in range(0, len(blocks), READ_STEP):
+            for rec in await r.hmget(p + "blk", blocks[i : i + READ_STEP]):
+                for expires in _replica_expiries(rec, worker, tiers):
+                    if expires > now and (latest is None or expires > latest):
+                        latest = expires
+        return latest
+
+    async def replica_lines(self, worker: str, *, tiers: Sequence[str]) -> int:
+        """How many live replica lines in `tiers` name `worker`."""
+        p, r = self.p, self.r
+        now = await self.now_ms()
+        blocks = list(await r.smembers(f"{p}w:{worker}:reps"))
+        n = 0
+        for i in range(0, len(blocks), READ_STEP):
+            recs = await r.hmget(p + "blk", blocks[i : i + READ_STEP])
+            n += sum(_live_replica_lines(rec, worker, now, tiers) for rec in recs)
+        return n
 
     async def _cached_blocks(self, worker: str) -> int:
         idx = await self.r.hget(f"{self.p}w:{worker}", "idx")
@@ -137,8 +187,27 @@ class DirectoryProbe:
         return n
 
 
-def _live_replica_lines(rec: object, worker: str, now_ms: int) -> int:
-    """Live replica lines of `worker` in one block record."""
+def _replica_expiries(rec: object, worker: str, tiers: Sequence[str]) -> list[int]:
+    """The expiries (ms) of `worker`'s replica lines in `tiers` in one block record."""
+    if not rec:
+        return []
+    text = str(rec)
+    nl = text.find("\n", 16)
+    if nl < 0:
+        return []
+    out = []
+    for line in text[nl + 1 :].split("\n"):
+        if line:
+            who, tier, expires, _ro = line.split("\t")
+            if who == worker and tier in tiers:
+                out.append(int(expires))
+    return out
+
+
+def _live_replica_lines(
+    rec: object, worker: str, now_ms: int, tiers: Sequence[str] | None = None
+) -> int:
+    """Live replica lines of `worker` in one block record (in one of `tiers`; None: any)."""
     if not rec:
         return 0
     text = str(rec)
@@ -149,8 +218,8 @@ def _live_replica_lines(rec: object, worker: str, now_ms: int) -> int:
     for line in text[nl + 1 :].split("\n"):
         if not line:
             continue
-        who, _tier, expires, _ro = line.split("\t")
-        if who == worker and int(expires) > now_ms:
+        who, tier, expires, _ro = line.split("\t")
+        if who == worker and int(expires) > now_ms and (tiers is None or tier in tiers):
             n += 1
     return n
 
@@ -193,6 +262,11 @@ WORKER_GAUGES: dict[str, str] = {
     "kv_transfers_held": "ownerserve_emulator_kv_transfers_held",
 }
 """An emulated worker's gauges that a request holds while it lives (0 on an idle worker)."""
+
+SIDECAR_GAUGES: dict[str, str] = {
+    "fetches_in_flight": "ownerserve_sidecar_fetches_in_flight",
+}
+"""A KV sidecar's gauges that a fetch holds while it runs (0 on an idle sidecar)."""
 
 ROUTER_GAUGES: dict[str, str] = {
     "inflight": "ownerserve_worker_inflight",

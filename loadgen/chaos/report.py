@@ -66,6 +66,82 @@ def _requests(attempts: Sequence[Attempt], records: Sequence[FaultRecord]) -> di
     }
 
 
+FETCH_ACTIONS = ("artifact_fetch", "state_migration")
+"""Plans that move a prefix between workers (through their sidecars, when they have them)."""
+
+
+def _kv_fetches(attempts: Sequence[Attempt], records: Sequence[FaultRecord]) -> dict[str, Any]:
+    """The answered requests whose plan fetched a prefix: how many, how many found their fetch
+    cut (`fetched=0`: recomputed instead) or ran something else (`fallback=`, shown in the plan
+    header), overall and by the fault whose window they overlap."""
+
+    def tally(group: Sequence[Attempt]) -> dict[str, int]:
+        plans = [a.plan_fields() for a in group]
+        fetches = [p for p in plans if p.get("action") in FETCH_ACTIONS]
+        return {
+            "plans": len(fetches),
+            "fetched": sum(1 for p in fetches if p.get("fetched") == "1"),
+            "cut_recomputed": sum(1 for p in fetches if p.get("fetched") == "0"),
+            "fallback": sum(1 for p in fetches if "fallback" in p),
+        }
+
+    answered = [a for a in attempts if a.ok]
+    by_fault: dict[str, list[Attempt]] = {}
+    for a in answered:
+        by_fault.setdefault(_fault_of(a, records), []).append(a)
+    return {
+        **tally(answered),
+        "by_fault": {k: tally(v) for k, v in sorted(by_fault.items())},
+    }
+
+
+def _sidecar_checks(plan: ChaosPlan, records: Sequence[FaultRecord]) -> list[dict[str, Any]]:
+    """The checks of the KV-store faults that ran: a dead sidecar's replicas and a restarted
+    master's lost objects out of the directory within one replica TTL, puts taken again."""
+    kills = [r for r in records if r.fault.kind == "sidecar_kill"]
+    masters = [r for r in records if r.fault.kind == "store_master_kill"]
+    out = []
+    if kills:
+        named = [r.detail.get("replicas_named_past_stop_s") for r in kills]
+        gone = [r.detail.get("replicas_gone_s") for r in kills]
+        never = any(g is None for g in gone) or any(n is None for n in named)
+        out.append(
+            _check(
+                "a dead sidecar's replicas leave the directory within one TTL",
+                not never and all(n is not None and n <= plan.replica_ttl_s for n in named),
+                "max "
+                + ("never" if never else f"{max(n for n in named if n is not None):.1f} s")
+                + " past its stop",
+                f"{plan.replica_ttl_s:g} s",
+            )
+        )
+    if masters:
+        resumed = [r.detail.get("puts_resumed_s") for r in masters]
+        never = any(x is None for x in resumed)
+        out.append(
+            _check(
+                "every sidecar takes puts again after the store master's restart",
+                not never,
+                "never"
+                if never
+                else f"max {max(x for x in resumed if x is not None):.1f} s after its start",
+                "60 s",
+            )
+        )
+        counts = [r.detail.get("lost_blocks_named_after_ttl") or {} for r in masters]
+        stale = sum(n or 0 for c in counts for n in c.values())
+        unread = sorted({w for c in counts for w, n in c.items() if n is None})
+        out.append(
+            _check(
+                "no block the restarted master lost is still named one TTL later",
+                stale == 0 and not unread,
+                f"{stale}" + (f" (not read: {', '.join(unread)})" if unread else ""),
+                "0",
+            )
+        )
+    return out
+
+
 def _replica_memory(samples: Sequence[dict[str, Any]], duration_s: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in sorted({s["replica"] for s in samples}):
@@ -166,6 +242,7 @@ def build_report(
             sum(1 for r in records for p in r.problems if "the fault failed" in p),
             "0",
         ),
+        *_sidecar_checks(plan, records),
     ]
     unexplained = sum(requests["failed_by_fault"].get("none", {}).values())
     findings = [p for r in records for p in r.problems]
@@ -201,6 +278,8 @@ def build_report(
             "profile": plan.profile,
             "speed": plan.speed,
             "lease_s": plan.lease_s,
+            "kv_sidecars": plan.sidecar_mode(),
+            "replica_ttl_s": plan.replica_ttl_s,
         },
         "load": {
             "duration_s": plan.duration_s,
@@ -212,6 +291,7 @@ def build_report(
             "recover_s": plan.recover_s,
         },
         "requests": requests,
+        "kv_fetches": _kv_fetches(result.attempts, records),
         "sessions": {
             "started": len(result.sessions),
             "completed": sessions["completed"],
@@ -277,7 +357,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"sharing one Redis directory, workers "
         + ", ".join(f"{w} ({role})" for w, role in report["topology"]["workers"].items())
         + f", lease "
-        f"{report['topology']['lease_s']:g} s.",
+        f"{report['topology']['lease_s']:g} s"
+        + (
+            f", KV sidecars: {report['topology']['kv_sidecars']}."
+            if report["topology"].get("kv_sidecars", "off") != "off"
+            else "."
+        ),
         "",
         "| check | ok | value | bound |",
         "| --- | --- | --- | --- |",
@@ -296,6 +381,7 @@ def markdown(report: dict[str, Any]) -> str:
         "| --- | --- | --- | --- | --- |",
         f"| | {ss['started']} | {ss['completed']} | {ss['lost']} | {ss['cut_at_end']} |",
         "",
+        *_fetch_lines(report),
         "| fault | target | at s | took s | what happened | problems |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
@@ -332,6 +418,21 @@ def markdown(report: dict[str, Any]) -> str:
     if report["notes"]:
         lines += ["", "Notes:", *(f"- {x}" for x in report["notes"])]
     return "\n".join(lines) + "\n"
+
+
+def _fetch_lines(report: dict[str, Any]) -> list[str]:
+    kv = report.get("kv_fetches")
+    if not kv:
+        return []
+    lines = [
+        "| fetch plans (answered) | plans | fetched | cut: recomputed | ran a fallback |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, t in [("all", kv), *kv["by_fault"].items()]:
+        lines.append(
+            f"| {name} | {t['plans']} | {t['fetched']} | {t['cut_recomputed']} | {t['fallback']} |"
+        )
+    return [*lines, ""]
 
 
 def _num(x: float | None) -> str:

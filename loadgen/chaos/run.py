@@ -23,20 +23,26 @@ from redis.exceptions import RedisError
 from loadgen.chaos.load import ChaosLoad, LoadOptions, LoadResult
 from loadgen.chaos.probe import (
     ROUTER_GAUGES,
+    SIDECAR_GAUGES,
     WORKER_GAUGES,
     DirectoryProbe,
     Named,
+    counters,
     proc_stats,
     scrape,
 )
 from loadgen.chaos.schedule import (
     FAULT_KINDS,
-    UNSUPPORTED_ON_EMULATOR,
     ScheduledFault,
     fault_schedule,
+    sidecar_mode_for,
+    unsupported,
 )
-from loadgen.chaos.topology import Replica, RouterTimeouts, Topology
-from loadgen.cluster import DEFAULT_PROFILE, MODEL, ClusterSpec, EmulatedWorker
+from loadgen.chaos.topology import DIRECTORY_PREFIX, Replica, RouterTimeouts, Topology
+from loadgen.cluster import DEFAULT_PROFILE, MODEL, ClusterSpec, EmulatedWorker, KVSidecar
+from ownerserve.kvstate.heads import head_keys
+from workers.mooncake_store import MasterUnavailable
+from workers.mooncake_store.master import find_master_binary
 
 ROUTER_COUNTERS = (
     "ownerserve_requests_total",
@@ -48,6 +54,7 @@ ROUTER_COUNTERS = (
     "ownerserve_directory_commit_errors_total",
     "ownerserve_directory_drop_worker_errors_total",
     "ownerserve_directory_sweep_errors_total",
+    "ownerserve_kv_fetches_total",
 )
 """The replicas' counters the report carries (what the routers saw of the faults)."""
 
@@ -72,6 +79,9 @@ class ChaosPlan:
     profile: str = DEFAULT_PROFILE
     speed: float = 4.0
     lease_s: float = 10.0
+    replica_ttl_s: float = 30.0
+    """The KV sidecars' `--replica-ttl-s`: what they publish lives this long unless renewed
+    (every third of it), the bound on a dead sidecar's or a lost object's replicas."""
     faults: tuple[str, ...] = FAULT_KINDS
     repeats: int = 2
     stop_s: float = 8.0
@@ -85,6 +95,22 @@ class ChaosPlan:
     sample_s: float = 2.0
     timeouts: RouterTimeouts = field(default_factory=RouterTimeouts)
     progress: bool = True
+    kv_sidecars: str = "auto"
+    """`off`, `tcp`, `store` (`loadgen.chaos.topology.KV_SIDECAR_MODES`) or `auto`: the least
+    that `faults` run on (`sidecar_mode_for`)."""
+    master_down_s: float = 2.0
+    """How long a killed Mooncake Store master stays down."""
+
+    def sidecar_mode(self) -> str:
+        if self.kv_sidecars != "auto":
+            return self.kv_sidecars
+        mode = sidecar_mode_for(self.faults)
+        if mode == "store":
+            try:
+                find_master_binary()
+            except MasterUnavailable:  # no Mooncake here: store_master_kill is skipped, said
+                return sidecar_mode_for([k for k in self.faults if k != "store_master_kill"])
+        return mode
 
     def spec(self) -> ClusterSpec:
         # the emulators' P/D holds expire well inside the settle bound
@@ -150,7 +176,7 @@ class _Run:
     def __init__(self, plan: ChaosPlan, topo: Topology) -> None:
         self.plan = plan
         self.topo = topo
-        self.probe = DirectoryProbe(topo.redis.url)
+        self.probe = DirectoryProbe(topo.redis.url, DIRECTORY_PREFIX)
         self.http = httpx.AsyncClient(timeout=5.0)
         self.load: ChaosLoad | None = None
         self.t0 = time.monotonic()
@@ -176,8 +202,12 @@ class _Run:
     # --- measuring ---------------------------------------------------------------------------
 
     async def named(self, worker: str, *, cached: bool = False) -> Named | None:
+        """What the directory names `worker` in; with KV sidecars, leaving out the replicas its
+        sidecar publishes (`cpu`, `ssd`): the sidecar outlives its engine's death and serves
+        them, so they are not stale (a dead sidecar's are checked by `sidecar_kill`)."""
+        tiers = ("gpu",) if self.topo.sidecars else None
         try:
-            return await self.probe.named(worker, cached=cached)
+            return await self.probe.named(worker, cached=cached, replica_tiers=tiers)
         except (RedisError, OSError):
             return None
 
@@ -207,6 +237,8 @@ class _Run:
             out[w.worker_id] = await scrape(self.http, w.url, WORKER_GAUGES)
         for r in self.topo.replicas:
             out["router " + r.name] = await scrape(self.http, r.url, ROUTER_GAUGES)
+        for sc in self.topo.sidecars:
+            out["sidecar " + sc.worker_id] = await scrape(self.http, sc.url, SIDECAR_GAUGES)
         return out
 
     async def admin_state(self, replica: Replica) -> dict[str, tuple[bool, int]] | None:
@@ -294,6 +326,10 @@ class _Run:
             await self.restart_redis(rec)
         elif kind == "router_restart":
             await self.restart_router(rec, self.topo.replica(target))
+        elif kind == "sidecar_kill":
+            await self.kill_sidecar(rec, self.topo.sidecar(target))
+        elif kind == "store_master_kill":
+            await self.restart_master(rec)
         else:
             raise AssertionError(f"no action for {kind}")
 
@@ -436,6 +472,263 @@ class _Run:
         if back is None:
             rec.problems.append("a replica's directory was not healthy within 60 s of Redis")
 
+    # --- the KV sidecars and their store ----------------------------------------------------
+
+    async def sidecar_health(self, sc: KVSidecar) -> dict[str, Any] | None:
+        try:
+            body = (await self.http.get(sc.url + "/health", timeout=2.0)).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        return body if isinstance(body, dict) else None
+
+    async def fetching_from(self, worker: str) -> bool:
+        """Whether a peer sidecar has a fetch from `worker`'s sidecar running now (all asked
+        at once: a fetch of the emulated blocks lasts milliseconds)."""
+        peers = [sc for sc in self.topo.sidecars if sc.worker_id != worker]
+        healths = await asyncio.gather(*(self.sidecar_health(sc) for sc in peers))
+        return any(
+            h is not None and int((h.get("fetching_from") or {}).get(worker, 0)) for h in healths
+        )
+
+    async def all_see_kv_api(self, worker: str, up: bool) -> bool:
+        """Whether every replica's admin API shows `worker`'s KV API (its sidecar) as `up`."""
+        for r in self.topo.replicas:
+            try:
+                resp = await self.http.get(
+                    r.url + "/admin/workers",
+                    headers={"authorization": f"Bearer {self.topo.admin_token}"},
+                )
+                rows = {w["id"]: bool(w["kv_api_ok"]) for w in resp.json()["workers"]}
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return False
+            if rows.get(worker) is not up:
+                return False
+        return True
+
+    async def fetch_counts(self) -> dict[str, float]:
+        """The replicas' `ownerserve_kv_fetches_total` by result and fallbacks, summed."""
+        out: dict[str, float] = {}
+        for r in self.topo.replicas:
+            got = await counters(
+                self.http, r.url, ("ownerserve_kv_fetches_total", "ownerserve_fallbacks_total")
+            )
+            for key, value in (got or {}).items():
+                name = key.replace("ownerserve_", "").replace("_total", "")
+                out[name] = out.get(name, 0.0) + value
+        return out
+
+    async def kill_sidecar(self, rec: FaultRecord, sc: KVSidecar) -> None:
+        """SIGKILL `sc` while a peer sidecar's fetch from it runs (watched for one lease; a
+        fetch of the emulated blocks lasts milliseconds, so if none is seen `sc` is frozen
+        until one is stuck on it or every replica holds its KV API down, when no plan fetches
+        from it any more, and killed frozen), wait until the directory names none of its
+        replicas, start it again and wait until every replica uses it again. Its replicas'
+        time in the directory counts from when it stopped renewing them: the kill, or the
+        freeze."""
+        plan, worker = self.plan, sc.worker_id
+        before = await self.fetch_counts()
+        rec.detail["replicas_before"] = await self.probe_sidecar_replicas(worker)
+        bound = 2 * plan.replica_ttl_s + 5.0
+        watch = plan.lease_s
+        gone: asyncio.Task[float | None] | None = None
+
+        async def unnamed() -> bool:
+            return await self.probe_sidecar_replicas(worker) == 0
+
+        async def fetch_or_down() -> bool:
+            return await self.fetching_from(worker) or await self.all_see_kv_api(worker, False)
+
+        caught = await self.wait_for(lambda: self.fetching_from(worker), watch, poll_s=0.01)
+        stopped: float | None = None
+        stopped_ms: int | None = None  # Redis time: what the replica lines' expiries are in
+        frozen_expiry: asyncio.Task[int | None] | None = None
+        if caught is not None:
+            rec.detail["killed"] = "with a fetch from it in flight"
+        elif sc.process is not None and sc.process.pid is not None:
+            os.killpg(sc.process.pid, signal.SIGSTOP)
+            stopped = self.load_now()
+            stopped_ms = await self.redis_ms()
+            gone = asyncio.create_task(self.wait_for(unnamed, bound, poll_s=0.25))
+            # read while the latest lines still live (a renewal sent before the freeze may
+            # land a moment after it)
+            frozen_expiry = asyncio.create_task(self.replica_expiry(worker, after_s=1.0))
+            await self.wait_for(fetch_or_down, 15.0, poll_s=0.02)
+            if await self.fetching_from(worker):
+                rec.detail["killed"] = "frozen, once a fetch from it was in flight"
+            else:
+                rec.detail["killed"] = (
+                    f"frozen, idle: no fetch from it within {watch:g} s, nor frozen until "
+                    "the replicas held its KV API down"
+                )
+                rec.problems.append(f"no fetch from {worker}'s sidecar in flight: killed idle")
+        at_kill = await self.probe_sidecar_replicas(worker)
+        killed = self.load_now()
+        stopped = killed if stopped is None else stopped
+        await asyncio.to_thread(sc.kill)
+        stopped_ms = await self.redis_ms() if stopped_ms is None else stopped_ms
+        if gone is None:
+            gone = asyncio.create_task(self.wait_for(unnamed, bound, poll_s=0.25))
+        down = await self.wait_for(lambda: self.all_see_kv_api(worker, False), bound)
+        # nothing renews them now: the latest expiry is how long past the stop they are named
+        # (exact, where the polling above also counts its own reads' time on a busy Redis)
+        expiries = [await self.replica_expiry(worker)]
+        if frozen_expiry is not None:
+            expiries.append(await frozen_expiry)
+        expiry = max((e for e in expiries if e is not None), default=None)
+        named_for = (
+            None
+            if stopped_ms is None or expiry is None
+            else round(max(0, expiry - stopped_ms) / 1000, 2)
+        )
+        took = await gone  # watched from the stop: the freeze, or the kill
+        gone_s = None if took is None else round(took, 2)
+        if expiry is None:
+            named_for = gone_s  # all expired before the read: the polled time bounds it
+        rec.detail["frozen_s"] = round(killed - stopped, 2)
+        rec.detail["replicas_at_kill"] = at_kill
+        rec.detail["kv_api_down_by_every_replica_s"] = None if down is None else round(down, 2)
+        rec.detail["replicas_gone_s"] = gone_s
+        rec.detail["replicas_named_past_stop_s"] = named_for
+        # a replica line lives one TTL after its last renewal, which came before the stop
+        if gone_s is None or named_for is None or named_for > plan.replica_ttl_s:
+            rec.problems.append(
+                f"the directory named replicas on {worker}'s dead sidecar "
+                + (
+                    "past the wait's bound"
+                    if gone_s is None or named_for is None
+                    else f"until {named_for:.1f} s after it stopped"
+                )
+                + f" (bound: one replica TTL, {plan.replica_ttl_s:g} s)"
+            )
+        if down is None:
+            rec.problems.append(f"a replica did not hold {worker}'s KV API down within {bound:g} s")
+        await asyncio.to_thread(sc.start)
+        await asyncio.to_thread(sc.wait_healthy)
+        rec.detail["down_s"] = round(self.load_now() - killed, 2)
+        back = await self.wait_for(lambda: self.all_see_kv_api(worker, True), 30.0)
+        rec.detail["kv_api_up_again_s"] = None if back is None else round(back, 2)
+        if back is None:
+            rec.problems.append(f"a replica did not use {worker}'s sidecar again within 30 s")
+        rec.detail["router_fetches"] = _delta(before, await self.fetch_counts())
+
+    async def redis_ms(self) -> int | None:
+        for _ in range(2):  # the first call after a Redis restart finds its socket closed
+            with contextlib.suppress(RedisError, OSError):
+                return await self.probe.now_ms()
+        return None
+
+    async def replica_expiry(self, worker: str, after_s: float = 0.0) -> int | None:
+        await asyncio.sleep(after_s)
+        for _ in range(2):
+            with contextlib.suppress(RedisError, OSError):
+                return await self.probe.replica_expiry_ms(worker, tiers=("cpu", "ssd"))
+        return None
+
+    async def probe_sidecar_replicas(self, worker: str) -> int | None:
+        for _ in range(2):  # a busy Redis times a read out now and then
+            with contextlib.suppress(RedisError, OSError):
+                return await self.probe.replica_lines(worker, tiers=("cpu", "ssd"))
+        return None
+
+    async def sidecar_put(self, sc: KVSidecar, n: int) -> bool:
+        """Whether `sc` takes a put now (a probe artifact outside the KV key layout: held,
+        never indexed or published)."""
+        try:
+            resp = await self.http.put(
+                f"{sc.url}/ownerserve/kv/artifacts/chaos-probe-{n}", content=b"p" * 64
+            )
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 201
+
+    async def restart_master(self, rec: FaultRecord) -> None:
+        """SIGKILL the Mooncake Store master, start it again on the same ports after
+        `master_down_s`, then wait until every sidecar takes a put again, and until the
+        directory names no block whose artifact the master lost (a block named as a sidecar's
+        replica before the kill that its sidecar no longer serves) past one replica TTL."""
+        master = self.topo.master
+        assert master is not None, "store_master_kill needs --kv-sidecars store"
+        plan = self.plan
+        before = await self.fetch_counts()
+        named = await self.sidecar_replica_blocks()
+        t = time.monotonic()
+        await asyncio.to_thread(master.kill)
+        await asyncio.sleep(plan.master_down_s)
+        await asyncio.to_thread(master.start)
+        restarted = time.monotonic()
+        rec.detail["down_s"] = round(restarted - t, 2)
+        probe = [0]
+
+        async def puts_taken() -> bool:
+            probe[0] += 1
+            return all([await self.sidecar_put(sc, probe[0]) for sc in self.topo.sidecars])
+
+        resumed = await self.wait_for(puts_taken, 60.0, poll_s=0.25)
+        rec.detail["puts_resumed_s"] = None if resumed is None else round(resumed, 2)
+        if resumed is None:
+            rec.problems.append("a sidecar took no put within 60 s of the master's restart")
+        # every object the master held is gone; what the directory still names past one TTL
+        # (and its sidecar cannot serve) is stale
+        left = plan.replica_ttl_s + 1.0 - (time.monotonic() - restarted)
+        if left > 0:
+            await asyncio.sleep(left)
+        stale = await self.lost_blocks_named(named)
+        rec.detail["replica_blocks_at_kill"] = {w: len(b) for w, b in named.items()}
+        rec.detail["lost_blocks_named_after_ttl"] = stale
+        unread = sorted(w for w, n in stale.items() if n is None)
+        if unread:
+            rec.problems.append(f"the directory could not be read for {unread}'s replicas")
+        if any(stale.values()):
+            rec.problems.append(
+                f"{plan.replica_ttl_s + 1.0:g} s after the master's restart the directory "
+                f"still named blocks whose artifacts it lost, as sidecar replicas: {stale}"
+            )
+        rec.detail["router_fetches"] = _delta(before, await self.fetch_counts())
+
+    async def sidecar_replica_blocks(self, sample: int = 64) -> dict[str, list[int]]:
+        """Per worker, up to `sample` blocks the directory names as its sidecar's replicas."""
+        out: dict[str, list[int]] = {}
+        for sc in self.topo.sidecars:
+            out[sc.worker_id] = []
+            for _ in range(2):
+                with contextlib.suppress(RedisError, OSError):
+                    out[sc.worker_id] = await self.probe.replica_blocks(
+                        sc.worker_id, tiers=("cpu", "ssd"), limit=sample
+                    )
+                    break
+        return out
+
+    async def lost_blocks_named(self, named: dict[str, list[int]]) -> dict[str, int | None]:
+        """Of `named` (blocks per worker), those the directory still names as the worker's
+        sidecar replicas whose artifact its sidecar does not serve (None: the directory could
+        not be read, twice)."""
+        out: dict[str, int | None] = {}
+        for worker, blocks in named.items():
+            sc = self.topo.sidecar(worker)
+            still: set[int] | None = None
+            for _ in range(2):  # the first call after a Redis restart finds its socket closed
+                with contextlib.suppress(RedisError, OSError):
+                    still = set(
+                        await self.probe.replica_blocks(worker, tiers=("cpu", "ssd"), limit=None)
+                    )
+                    break
+            if still is None:
+                out[worker] = None
+                continue
+            n = 0
+            for block in blocks:
+                if block not in still:
+                    continue
+                key = head_keys(MODEL, block, (0,))[0]
+                try:
+                    resp = await self.http.get(f"{sc.url}/ownerserve/kv/artifacts/{key}")
+                except httpx.HTTPError:
+                    continue
+                if resp.status_code == 404:
+                    n += 1
+            out[worker] = n
+        return out
+
     async def restart_router(self, rec: FaultRecord, r: Replica) -> None:
         t = time.monotonic()
         await asyncio.to_thread(r.stop)
@@ -454,6 +747,15 @@ class _Run:
                 notes.append(f"worker {w.worker_id} was down at the end: started again")
                 await asyncio.to_thread(w.start)
                 await asyncio.to_thread(w.wait_healthy)
+        for sc in self.topo.sidecars:
+            if not sc.alive():
+                notes.append(f"sidecar {sc.worker_id} was down at the end: started again")
+                await asyncio.to_thread(sc.start)
+                await asyncio.to_thread(sc.wait_healthy)
+        master = self.topo.master
+        if master is not None and not master.running():
+            notes.append("the Mooncake Store master was down at the end: started again")
+            await asyncio.to_thread(master.start)
         if not self.topo.redis.alive():
             notes.append("redis was down at the end: started again")
             await asyncio.to_thread(self.topo.redis.start, REDIS_START_S)
@@ -497,8 +799,8 @@ async def _run_async(plan: ChaosPlan, topo: Topology, command: str) -> dict[str,
     try:
         baseline = await run.gauges()
         start_stats = {r.name: proc_stats(r.pid) if r.pid else None for r in topo.replicas}
-        kinds = tuple(k for k in plan.faults if k not in UNSUPPORTED_ON_EMULATOR)
-        skipped = {k: UNSUPPORTED_ON_EMULATOR[k] for k in plan.faults if k not in kinds}
+        skipped = unsupported(plan.faults, plan.sidecar_mode())
+        kinds = tuple(k for k in plan.faults if k not in skipped)
         prefill = [w.worker_id for w in topo.cluster.by_role("prefill")]
         victims = [w.worker_id for w in topo.workers if w.role != "prefill"]
         if "pd_drop" in kinds and not (prefill and topo.cluster.by_role("decode")):
@@ -515,6 +817,7 @@ async def _run_async(plan: ChaosPlan, topo: Topology, command: str) -> dict[str,
                 victims=victims,
                 prefill=prefill,
                 replica=topo.replicas[-1].name,
+                sidecars=[sc.worker_id for sc in topo.sidecars if sc.worker_id in victims],
             )
             if kinds
             else ()
@@ -555,8 +858,6 @@ async def _run_async(plan: ChaosPlan, topo: Topology, command: str) -> dict[str,
         with contextlib.suppress(asyncio.CancelledError):
             await sampler
         router_counters = {}
-        from loadgen.chaos.probe import counters
-
         for r in topo.replicas:
             router_counters[r.name] = await counters(run.http, r.url, ROUTER_COUNTERS)
         return build_report(
@@ -588,7 +889,14 @@ def run_chaos(plan: ChaosPlan, command: str = "") -> dict[str, Any]:
     from loadgen.chaos.report import write_report
 
     plan.check()
-    topo = Topology(plan.spec(), plan.log_dir, lease_s=plan.lease_s, timeouts=plan.timeouts)
+    topo = Topology(
+        plan.spec(),
+        plan.log_dir,
+        lease_s=plan.lease_s,
+        replica_ttl_s=plan.replica_ttl_s,
+        timeouts=plan.timeouts,
+        kv_sidecars=plan.sidecar_mode(),
+    )
     topo.start()
     try:
         report = asyncio.run(_run_async(plan, topo, command))
@@ -600,3 +908,9 @@ def run_chaos(plan: ChaosPlan, command: str = "") -> dict[str, Any]:
         topo.stop()
     write_report(report, plan.out_dir)
     return report
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """`after - before` per key, the keys that changed (a replica restarted meanwhile counts
+    from 0 again: its keys then show what it counted since)."""
+    return {k: v - before.get(k, 0.0) for k, v in sorted(after.items()) if v != before.get(k)}

@@ -14,6 +14,7 @@ FAULT_KINDS: tuple[str, ...] = (
     "router_restart",
     "pd_drop",
     "sidecar_kill",
+    "store_master_kill",
 )
 """Every fault the bench knows:
 
@@ -24,14 +25,41 @@ FAULT_KINDS: tuple[str, ...] = (
 - `router_restart`: SIGTERM the second router replica (a graceful stop), start it again;
 - `pd_drop`: SIGKILL the prefill worker of the P/D pair while it has requests in flight (the
   KV hand-over to its decode worker is cut), then as `worker_kill`;
-- `sidecar_kill`: SIGKILL a worker's sidecar mid-fetch. The emulated workers serve their own
-  KV API in-process, so on the emulated topology there is no sidecar to kill: skipped, and
-  the report says so."""
+- `sidecar_kill`: SIGKILL a worker's KV sidecar while a peer sidecar's fetch from it is in
+  flight; once the directory names none of its replicas, start it again (its memory tier
+  empty). Needs KV sidecars (`--kv-sidecars tcp` or `store`);
+- `store_master_kill`: SIGKILL the Mooncake Store master the sidecars keep their artifacts
+  on, start it again on the same ports (the objects it held are gone); the sidecars' puts
+  must resume. Needs `--kv-sidecars store`."""
 
-UNSUPPORTED_ON_EMULATOR: dict[str, str] = {
-    "sidecar_kill": "the emulated workers serve their KV API in-process: no sidecar process "
-    "exists to kill (a vLLM worker's sidecar, workers/sidecar, is not part of this topology)",
+SIDECAR_MODES: dict[str, tuple[str, ...]] = {
+    "sidecar_kill": ("tcp", "store"),
+    "store_master_kill": ("store",),
 }
+"""The faults that need KV sidecars, and the `--kv-sidecars` modes they run under."""
+
+
+def unsupported(kinds: Sequence[str], kv_sidecars: str) -> dict[str, str]:
+    """Of `kinds`, those the topology cannot run, and why."""
+    out = {}
+    for kind in kinds:
+        modes = SIDECAR_MODES.get(kind)
+        if modes is not None and kv_sidecars not in modes:
+            out[kind] = f"needs --kv-sidecars {' or '.join(modes)} (this run: {kv_sidecars}): " + (
+                "no sidecar process exists to kill"
+                if kind == "sidecar_kill"
+                else "no Mooncake Store master exists to kill"
+            )
+    return out
+
+
+def sidecar_mode_for(kinds: Sequence[str]) -> str:
+    """`--kv-sidecars auto`: the least topology every fault of `kinds` runs on."""
+    if "store_master_kill" in kinds:
+        return "store"
+    if "sidecar_kill" in kinds:
+        return "tcp"
+    return "off"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,13 +82,15 @@ def fault_schedule(
     victims: Sequence[str],
     prefill: Sequence[str],
     replica: str,
+    sidecars: Sequence[str] | None = None,
 ) -> tuple[ScheduledFault, ...]:
     """`repeats` rounds of every kind in `kinds`, each round in its own seeded order, spread
     evenly over `[start_s, end_s)`: fault i of n starts in the i-th of n equal slots, at a
     seeded point in the slot's first third (so two faults are at least two thirds of a slot
     apart). `worker_kill` and `worker_stop` pick their worker from `victims` in a seeded
-    order that visits each before repeating one, `pd_drop` its worker from `prefill`;
-    `router_restart` restarts `replica`."""
+    order that visits each before repeating one, `pd_drop` its worker from `prefill`,
+    `sidecar_kill` the worker whose sidecar dies from `sidecars` (default `victims`);
+    `router_restart` restarts `replica`, `store_master_kill` the `mooncake_master`."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if end_s <= start_s:
@@ -82,6 +112,7 @@ def fault_schedule(
         "worker_kill": _Cycle(victims, rng),
         "worker_stop": _Cycle(victims, rng),
         "pd_drop": _Cycle(prefill, rng),
+        "sidecar_kill": _Cycle(victims if sidecars is None else sidecars, rng),
     }
     width = (end_s - start_s) / len(order)
     out = []
@@ -93,6 +124,8 @@ def fault_schedule(
             target = "redis"
         elif kind == "router_restart":
             target = replica
+        elif kind == "store_master_kill":
+            target = "mooncake_master"
         else:
             target = ""
         out.append(ScheduledFault(round(at, 3), kind, target))

@@ -1,6 +1,9 @@
 """The chaos bench's processes: emulated workers (`loadgen.cluster`), one `redis-server` with an
 append-only file (so a restart keeps the dataset), and two `ownerserve serve` replicas whose
-configs differ only in their port, both on the one Redis directory."""
+configs differ only in their port, both on the one Redis directory. With KV sidecars each worker
+also has its own `ownerserve worker sidecar` (its KV saved, loaded and fetched through it, its
+replicas published to the Redis directory), on TCP between the sidecars or, with the store, on
+one `mooncake_master` (Mooncake Store holds the artifacts)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import yaml
 from loadgen.cluster import (
     ClusterSpec,
     EmulatedCluster,
+    KVSidecar,
     ManagedProcess,
     ownerserve_config,
     wait_healthy,
@@ -23,6 +27,21 @@ from loadgen.redis_server import RedisServer, find_redis_binary
 from ownerserve.config import settings_from_dict
 from ownerserve.errors import ConfigError
 from ownerserve.ports import free_port
+from workers.mooncake_store import MasterUnavailable, MooncakeMaster
+
+KV_SIDECAR_MODES = ("off", "tcp", "store")
+"""`--kv-sidecars`: none (the emulated workers serve their KV API in-process), one per worker
+moving KV between them over TCP, or one per worker on a Mooncake Store master."""
+SIDECAR_MEMORY = "256M"
+"""Each sidecar's memory tier (the emulated blocks' artifacts are their token ids: ~100 B)."""
+STORE_SEGMENT = "64M"
+"""Each sidecar's own segment of Mooncake Store."""
+STORE_CLIENT_TTL_S = 5
+"""How long the master keeps a client that stopped heartbeating (a killed sidecar's segment)."""
+
+
+DIRECTORY_PREFIX = "os"
+"""The directory's key prefix in Redis: the replicas' and the sidecars' (who publish there)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +110,8 @@ class Topology:
         lease_s: float,
         timeouts: RouterTimeouts,
         replicas: int = 2,
+        kv_sidecars: str = "off",
+        replica_ttl_s: float = 30.0,
     ) -> None:
         binary = find_redis_binary()
         if binary is None:
@@ -108,6 +129,34 @@ class Topology:
             data_dir=log_dir / "redis",
             extra=("--latency-monitor-threshold", "100", "--slowlog-max-len", "4096"),
         )
+        if kv_sidecars not in KV_SIDECAR_MODES:
+            raise ConfigError(f"--kv-sidecars: one of {', '.join(KV_SIDECAR_MODES)}")
+        self.master: MooncakeMaster | None = None
+        if kv_sidecars == "store":
+            try:
+                self.master = MooncakeMaster(
+                    client_ttl_s=STORE_CLIENT_TTL_S, log_path=log_dir / "mooncake_master.log"
+                )
+            except MasterUnavailable as exc:
+                raise ConfigError(f"--kv-sidecars store: {exc}") from None
+        self.sidecars: list[KVSidecar] = []
+        if kv_sidecars != "off":
+            for w in self.cluster.workers:
+                extra = [
+                    "--directory", self.redis.url, "--directory-prefix", DIRECTORY_PREFIX,
+                    "--replica-ttl-s", f"{replica_ttl_s:g}", "--memory-bytes", SIDECAR_MEMORY,
+                ]  # fmt: skip
+                if self.master is not None:
+                    extra += ["--store", self.master.address.url]
+                    extra += ["--store-segment-bytes", STORE_SEGMENT]
+                sc = KVSidecar(
+                    w.worker_id,
+                    log_dir / f"sidecar_{w.worker_id}",
+                    tuple(extra),
+                    log_path=log_dir / f"sidecar_{w.worker_id}.log",
+                )
+                self.sidecars.append(sc)
+                w.sidecar_url = sc.url
         self.admin_token = secrets.token_hex(16)
         self.lease_s = lease_s
         self.timeouts = timeouts
@@ -129,6 +178,12 @@ class Topology:
         for w in self.cluster.workers:
             if w.worker_id == worker_id:
                 return w
+        raise KeyError(worker_id)
+
+    def sidecar(self, worker_id: str) -> KVSidecar:
+        for sc in self.sidecars:
+            if sc.worker_id == worker_id:
+                return sc
         raise KeyError(worker_id)
 
     def replica(self, name: str) -> Replica:
@@ -157,6 +212,7 @@ class Topology:
         data["directory"] = {
             "backend": "redis",
             "redis_url": self.redis.url,
+            "key_prefix": DIRECTORY_PREFIX,
             "lease_s": self.lease_s,
             # purge what expired often, so a long run also exercises the replicas' sweeps
             "sweep_interval_s": max(5.0, self.lease_s),
@@ -166,6 +222,12 @@ class Topology:
     def start(self) -> None:
         try:
             self.redis.start()
+            if self.master is not None:
+                self.master.start()
+            for sc in self.sidecars:
+                sc.start()
+            for sc in self.sidecars:
+                sc.wait_healthy()
             self.cluster.start()
             for r in self.replicas:
                 r.start()
@@ -177,4 +239,8 @@ class Topology:
         for r in self.replicas:
             r.stop()
         self.cluster.stop()
+        for sc in self.sidecars:
+            sc.stop()
+        if self.master is not None:
+            self.master.stop()
         self.redis.stop()

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from loadgen.chaos.probe import DirectoryProbe
 from ownerserve.config import DirectorySettings
 from ownerserve.directory import HoldKind, open_directory
 from ownerserve.kvstate.heads import head_keys
@@ -182,6 +183,48 @@ async def test_sidecar_killed_its_segment_and_artifacts_read_as_missing(
                 assert r.status_code == 404, r.text
             present = await http.post(f"{b.url}{KV}/lookup", json={"keys": list(stored)})
             assert present.json()["present"] == [False] * len(stored)
+
+
+async def test_objects_a_restarted_master_lost_leave_the_directory_within_a_ttl(
+    tmp_path: Path, master: MooncakeMaster, redis_server: RedisServer
+) -> None:
+    chain = [0x7500, 0x7501]
+    ttl_s = 3.0
+    shared = ("--directory", redis_server.url, "--directory-prefix", "lost")
+    a = SidecarProcess(
+        "w0",
+        tmp_path / "w0",
+        extra=(
+            "--store", master.address.url, "--store-segment-bytes", "64M",
+            "--replica-ttl-s", f"{ttl_s:g}", *shared,
+        ),
+    )  # fmt: skip
+    probe = DirectoryProbe(redis_server.url, "lost")
+    try:
+        with contextlib.ExitStack() as stack:
+            a.start()
+            stack.callback(a.stop)
+            async with httpx.AsyncClient(timeout=60) as http:
+                await put_blocks(http, a, chain, 4096)
+
+                async def named() -> list[int]:
+                    return await probe.replica_blocks("w0", tiers=("cpu",), limit=None)
+
+                await until(lambda: _same(named(), chain), what="the replicas published")
+                master.kill()
+                master.start()  # same ports: the objects it held are gone
+                # a renewal no longer names what the store lost: the lines expire in one TTL
+                await until(lambda: _same(named(), []), timeout_s=4 * ttl_s, poll_s=0.1,
+                            what="the lost objects' replicas gone")  # fmt: skip
+                assert (await http.get(f"{a.url}/health")).json()["artifacts"] == 0
+                await put_blocks(http, a, chain[:1], 4096)  # what is put again is named again
+                await until(lambda: _same(named(), chain[:1]), what="a new put published")
+    finally:
+        await probe.close()
+
+
+async def _same(got: Awaitable[list[int]], want: list[int]) -> bool:
+    return sorted(await got) == sorted(want)
 
 
 async def test_sidecar_killed_the_survivor_withdraws_its_artifacts_from_the_directory_unread(

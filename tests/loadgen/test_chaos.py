@@ -8,11 +8,18 @@ from collections import Counter
 
 import pytest
 
-from loadgen.chaos.load import Attempt
-from loadgen.chaos.probe import _live_replica_lines
-from loadgen.chaos.report import _fault_of
+from loadgen.chaos.load import Attempt, kept_plan
+from loadgen.chaos.probe import _live_replica_lines, _replica_expiries
+from loadgen.chaos.report import _fault_of, _kv_fetches
 from loadgen.chaos.run import FaultRecord
-from loadgen.chaos.schedule import FAULT_KINDS, ScheduledFault, fault_schedule, slope_per_min
+from loadgen.chaos.schedule import (
+    FAULT_KINDS,
+    ScheduledFault,
+    fault_schedule,
+    sidecar_mode_for,
+    slope_per_min,
+    unsupported,
+)
 
 KINDS = ("worker_kill", "worker_stop", "redis_restart", "router_restart", "pd_drop")
 
@@ -83,3 +90,70 @@ def test_replica_lines_of_a_block_record_are_counted_while_live() -> None:
     assert _live_replica_lines(record, "h1", now_ms=3000) == 0
     assert _live_replica_lines("0123456789abcdef\x01\n", "h0", now_ms=0) == 0
     assert _live_replica_lines(None, "h0", now_ms=0) == 0
+    assert _live_replica_lines(record, "h0", now_ms=0, tiers=("cpu", "ssd")) == 1
+    assert _live_replica_lines(record, "h0", now_ms=1000, tiers=("cpu", "ssd")) == 0
+    assert _replica_expiries(record, "h0", ("cpu", "ssd")) == [500]
+    assert _replica_expiries(record, "h0", ("gpu", "cpu")) == [2000, 500]
+    assert _replica_expiries(None, "h0", ("cpu",)) == []
+
+
+STORE_KINDS = ("worker_kill", "sidecar_kill", "store_master_kill", "redis_restart")
+
+
+def test_the_kv_store_faults_pick_a_sidecar_each_round_and_the_master() -> None:
+    s = fault_schedule(
+        STORE_KINDS, 3, 10.0, 610.0, 1, victims=["h0", "h1", "d0"], prefill=["p0"],
+        replica="B", sidecars=["h0", "h1", "h2"],
+    )  # fmt: skip
+    assert Counter(f.kind for f in s) == {k: 3 for k in STORE_KINDS}
+    assert sorted(f.target for f in s if f.kind == "sidecar_kill") == ["h0", "h1", "h2"]
+    assert {f.target for f in s if f.kind == "store_master_kill"} == {"mooncake_master"}
+    assert all(a.kind != b.kind for a, b in itertools.pairwise(s))
+    default = fault_schedule(
+        ["sidecar_kill"], 2, 0.0, 10.0, 1, victims=["h0", "h1"], prefill=[], replica="B"
+    )
+    assert sorted(f.target for f in default) == ["h0", "h1"]  # without sidecars: the victims
+    with pytest.raises(ValueError, match="needs a worker"):
+        fault_schedule(
+            ["sidecar_kill"], 1, 0, 10, 0, victims=["h0"], prefill=[], replica="B", sidecars=[]
+        )
+
+
+def test_the_kv_store_faults_run_only_on_a_topology_that_has_the_processes() -> None:
+    kinds = ["worker_kill", "sidecar_kill", "store_master_kill"]
+    assert set(unsupported(kinds, "off")) == {"sidecar_kill", "store_master_kill"}
+    assert set(unsupported(kinds, "tcp")) == {"store_master_kill"}
+    assert unsupported(kinds, "store") == {}
+    assert "--kv-sidecars store" in unsupported(kinds, "tcp")["store_master_kill"]
+    assert sidecar_mode_for(kinds) == "store"
+    assert sidecar_mode_for(["sidecar_kill", "redis_restart"]) == "tcp"
+    assert sidecar_mode_for(["worker_kill"]) == "off"
+
+
+def test_fetch_plans_are_counted_fetched_cut_or_fallen_back_by_fault() -> None:
+    kill = FaultRecord(ScheduledFault(10.0, "sidecar_kill", "h0"), started_s=10.0, ended_s=20.0)
+
+    def answered(sent: float, header: str) -> Attempt:
+        return Attempt("s", 0, 0, 0, False, sent, 0.5, "ok", 200, plan=kept_plan(header))
+
+    fetched = "policy=ownerserve;action=artifact_fetch;p=h1;d=h1;src=h0;cost=0.1;fetched=1"
+    cut = (
+        "action=artifact_fetch;p=h1;d=h1;src=h0;t_queue=0;fetched=0;"
+        "fallback=colocated;reason=kv_transfer_failed;gave_up=kv_transfer_failed:h1"
+    )
+    attempts = [
+        answered(1.0, fetched),
+        answered(12.0, cut),
+        answered(13.0, "action=decode_continuation;p=h0;d=h0"),
+        Attempt("s", 1, 0, 0, False, 14.0, 1.0, "status", 502),
+    ]
+    assert kept_plan(cut) == (
+        "action=artifact_fetch;p=h1;d=h1;src=h0;fetched=0;fallback=colocated;"
+        "reason=kv_transfer_failed"
+    )
+    got = _kv_fetches(attempts, [kill])
+    assert (got["plans"], got["fetched"], got["cut_recomputed"], got["fallback"]) == (2, 1, 1, 1)
+    assert got["by_fault"]["sidecar_kill"] == {
+        "plans": 1, "fetched": 0, "cut_recomputed": 1, "fallback": 1
+    }  # fmt: skip
+    assert got["by_fault"]["none"]["fetched"] == 1

@@ -73,6 +73,7 @@ from workers.emulator.protocol import (
     stop_strings,
     usage,
 )
+from workers.emulator.sidecar_tier import SidecarTier
 from workers.emulator.textgen import (
     OutputText,
     ToolCallShape,
@@ -235,6 +236,11 @@ class EmulatorApp:
             hybrid=self.hybrid,
         )
         self.mover = KVMover(self.engine, config.node, self.worker_id, config.kv_lease_s)
+        self.sidecar: SidecarTier | None = None
+        if config.sidecar_url is not None:
+            self.sidecar = SidecarTier(config.sidecar_url, config.model)
+            self.engine.saver = self.sidecar.save
+            self.metrics.sidecar = self.sidecar
         self.publisher: KVEventPublisher | None = None
         self._started = False
         self.routes: dict[tuple[str, str], Handler] = {}
@@ -290,6 +296,8 @@ class EmulatorApp:
     async def shutdown(self) -> None:
         await self.engine.close()
         await self.mover.close()
+        if self.sidecar is not None:
+            await self.sidecar.close()
         if self.publisher is not None:
             self.engine.flush_events()
             await self.publisher.close()
@@ -498,6 +506,10 @@ class EmulatorApp:
                 raise InvalidRequestError("a remote-prefilled decode takes one prompt")
             remote = self._remote_prefill(req, ktp, sglang_decode)
 
+        if self.sidecar is not None and remote is None:
+            for h in hashes:
+                await self._load_from_sidecar(h)
+
         notify = asyncio.Event()
         seqs: list[Sequence] = []
         for i, (p, h, sp) in enumerate(zip(prompts, hashes, params, strict=True)):
@@ -640,6 +652,27 @@ class EmulatorApp:
         n = len(gen.seqs) // len(gen.prompts)
         cached = sum(max(0, gen.seqs[i * n].cached_tokens) for i in range(len(gen.prompts)))
         return usage(prompt_tokens, completion, cached)
+
+    async def _load_from_sidecar(self, hashes: list[int]) -> None:
+        """Load the prompt blocks past the HBM hit that its sidecar holds into the cache (a
+        connector's load before the scheduler sees the request), after the modelled copy
+        time of their bytes; the scheduler then finds them as a prefix hit."""
+        assert self.sidecar is not None
+        pool = self.pool
+        hit = next((i for i, h in enumerate(hashes) if not pool.contains(h)), len(hashes))
+        if hit == len(hashes):
+            return
+        blocks = await self.sidecar.load(hashes[hit:])
+        parent = hashes[hit - 1] if hit else None
+        if not blocks or blocks[0].parent_hash != parent:
+            return
+        nbytes = len(blocks) * self.engine.block_bytes
+        await self.mover.wait_for_link(nbytes, self.config.node)
+        ids = pool.insert(blocks)
+        pool.free(ids)  # resident and reusable; the request about to be scheduled hits them
+        self.metrics.kv_received_bytes["sidecar"] += nbytes
+        self.metrics.kv_received_blocks["sidecar"] += len(blocks)
+        self.engine.flush_events()
 
     async def _respond(self, gen: _Generation, send: Send) -> None:
         seqs = gen.seqs

@@ -83,6 +83,10 @@ class EmulatorConfig:
     swa_policy: str | None = None
     """Which boundaries the CPU tier keeps window checkpoints for (hybrid specs): `full`,
     `zero` or `periodic:N`; None: the spec's `swa_policy:` (default periodic 4096)."""
+    sidecar_url: str | None = None
+    """Its own KV sidecar (workers/sidecar): every computed block is saved there and a
+    request's blocks past its HBM hit that the sidecar holds are loaded from it
+    (`sidecar_tier`); None: none, its KV lives in HBM (and the CPU tier) only."""
     tool_call_every: int = 0
     """Tool-calling mode: when a chat request offers tools (tool_choice auto), every this
     many user turns is answered with a tool call, arguments drawn from its schema (0: off)."""
@@ -294,6 +298,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="hybrid specs: blocks of the sliding-window pool (default: --num-blocks's)",
     )
     parser.add_argument(
+        "--sidecar-url",
+        default=None,
+        help="its own KV sidecar's URL (ownerserve worker sidecar): computed blocks are saved "
+        "there, and blocks past a request's HBM hit that it holds are loaded from it",
+    )
+    parser.add_argument(
         "--tool-call-every",
         type=int,
         default=d.tool_call_every,
@@ -341,6 +351,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         kv_lease_s=args.kv_lease_duration,
         max_body_bytes=args.max_body_bytes,
         tool_call_every=args.tool_call_every,
+        sidecar_url=args.sidecar_url,
         kv_spec=args.kv_spec,
         retention_interval=args.prefix_cache_retention_interval,
         window_num_blocks=args.window_num_blocks,

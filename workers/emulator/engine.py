@@ -458,6 +458,8 @@ class Engine:
         self.on_abandon: Callable[[RemotePrefill], None] | None = None
         """Told of a remote prefill that finished here without being pulled, so the source
         frees it now (vLLM's consumer notifies the producer for a request it aborts)."""
+        self.saver: Callable[[list[CachedBlock]], None] | None = None
+        """Told of every block as it is computed (its sidecar's save, `sidecar_tier`)."""
         self._publish = publish
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -1091,6 +1093,8 @@ class Engine:
             new.append(NewBlock(seq.blocks[j], h, parent if j else None, tokens))
         seq.num_hashed = full
         self.pool.register(new)
+        if self.saver is not None:
+            self.saver([CachedBlock(b.block_hash, b.parent_hash, b.token_ids) for b in new])
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.state == SeqState.FINISHED:

@@ -17,6 +17,10 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.emulator.sidecar_tier import SidecarTier
 
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -36,7 +40,7 @@ CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 """vLLM's `CacheHitSource`: where cached prompt tokens came from (HBM, CPU tier, another
 instance, disk, a connector that does not say)."""
 FINISH_REASONS = ("stop", "length", "abort", "error")
-TRANSFER_KINDS = ("pd", "fetch", "chunk")
+TRANSFER_KINDS = ("pd", "fetch", "chunk", "sidecar")
 _G, _C = "gauge", "counter"
 """Metric kinds (Prometheus `# TYPE`)."""
 _OWN = "ownerserve_emulator_"
@@ -145,6 +149,8 @@ class EngineMetrics:
         self.chunks_fetched = 0
         """Chunks stored here from another worker's chunk store (chunk fetch)."""
         self.chunk_tokens_fetched = 0
+        self.sidecar: SidecarTier | None = None
+        """Its KV sidecar, whose saves and loads are rendered below; None: none."""
         self.hybrid = False
         """A hybrid-attention spec is served: render the HeteroCache families below."""
         self.resumes: dict[str, int] = {}
@@ -306,6 +312,20 @@ class EngineMetrics:
             ("kv_events_published", _C, "KV event batches published.", self.kv_events_published),
         ))
         # fmt: on
+        if self.sidecar is not None:
+            sc = self.sidecar
+            # fmt: off
+            e.singles(p, own, (
+                ("sidecar_blocks_saved", _C, "Blocks saved to its sidecar.", sc.saved),
+                ("sidecar_save_failures", _C, "Blocks its sidecar did not take (down, error).",
+                 sc.save_failed),
+                ("sidecar_saves_dropped", _C, "Blocks dropped unsaved (the save queue full).",
+                 sc.save_dropped),
+                ("sidecar_blocks_loaded", _C, "Blocks loaded from its sidecar.", sc.loaded),
+                ("sidecar_load_failures", _C, "Loads from its sidecar that failed (recomputed).",
+                 sc.load_failed),
+            ))
+            # fmt: on
         if self.hybrid:
             self._render_hetero(own, e)
         e.out.append("")

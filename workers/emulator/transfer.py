@@ -154,7 +154,7 @@ class KVMover:
             raise InvalidRequestError(f"{what}: {url} answered a non-object")
         return data
 
-    async def _transfer_sleep(self, nbytes: int, source_node: str | None) -> float:
+    async def wait_for_link(self, nbytes: int, source_node: str | None) -> float:
         """Wait while `nbytes` arrive: `link.transfer_s` on this engine's inbound link, after
         the transfers already queued on it (concurrent pulls share the bandwidth FIFO).
         Returns the modelled seconds of this transfer, queueing included."""
@@ -255,7 +255,7 @@ class KVMover:
                 pass
 
         source = asyncio.ensure_future(until_closed())
-        transfer = asyncio.ensure_future(self._transfer_sleep(nbytes, source_node))
+        transfer = asyncio.ensure_future(self.wait_for_link(nbytes, source_node))
         try:
             await asyncio.wait({source, transfer}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -352,7 +352,7 @@ class KVMover:
         except (KeyError, TypeError, ValueError):
             raise UpstreamError("fetch: source answered malformed blocks") from None
         nbytes = len(blocks) * self.block_bytes
-        seconds = await self._transfer_sleep(nbytes, answer.get("node"))
+        seconds = await self.wait_for_link(nbytes, answer.get("node"))
         ids = pool.insert(blocks)
         pool.free(ids)  # resident and reusable, referenced by nobody yet
         m = engine.metrics
@@ -394,7 +394,7 @@ class KVMover:
         asked = set(wanted)
         got = [(h, t) for h, t in got if h in asked and t > 0]
         nbytes = sum(t for _, t in got) * self.engine.profile.kv_bytes_per_token
-        seconds = await self._transfer_sleep(nbytes, answer.get("node"))
+        seconds = await self.wait_for_link(nbytes, answer.get("node"))
         m = self.engine.metrics
         fetched = 0
         for h, t in got:

@@ -292,6 +292,11 @@ class _StoreCollector(Collector):
             "SSD tier writes that failed (their artifacts are dropped on their next load)",
             value=s.ssd_write_errors,
         )
+        yield GaugeMetricFamily(
+            p + "fetches_in_flight",
+            "Fetches from peer sidecars running now",
+            value=sum(self.sidecar.fetching.values()),
+        )
         pub = self.sidecar.publisher.stats() if self.sidecar.publisher else None
         yield GaugeMetricFamily(
             p + "replica_publish_failures",
@@ -318,6 +323,8 @@ class Sidecar:
     shared: SharedTier | None = None
     """The Mooncake Store tier (`--store`): when set, artifacts live there, not in `store`."""
     _inflight: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    fetching: dict[str, int] = field(default_factory=dict)
+    """Fetches running now, by source worker (the body's `source_worker`, else its URL)."""
 
     @classmethod
     def create(cls, config: SidecarConfig, transport: Transport) -> Sidecar:
@@ -592,6 +599,8 @@ class Sidecar:
     async def fetch(self, body: KVFetchRequest) -> FetchOutcome:
         """Pull the stored prefix of `body.block_hashes` from the source sidecar; raises
         `FetchFailedError` (502) when the source cannot deliver it whole."""
+        source = body.source_worker or body.source_url
+        self.fetching[source] = self.fetching.get(source, 0) + 1
         try:
             outcome = await self._fetch(body)
         except FetchFailedError as exc:
@@ -599,6 +608,12 @@ class Sidecar:
             if exc.blocks is None:  # failed before any transfer: what was already here
                 exc.blocks = self.held_prefix(body.model or "", body.block_hashes)
             raise
+        finally:
+            left = self.fetching[source] - 1
+            if left:
+                self.fetching[source] = left
+            else:
+                del self.fetching[source]
         self.counters.fetches.labels("ok").inc()
         return outcome
 
@@ -727,6 +742,7 @@ class Sidecar:
             "bytes": s.memory_bytes + s.ssd_bytes + (shared.held_bytes() if shared else 0),
             "url": self.url,
             "store": shared.master.url if shared else None,
+            "fetching_from": dict(self.fetching),
         }
 
 
