@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--speed", type=float, default=1.0, help="emulated time runs this many times faster"
     )
     parser.add_argument(
+        "--admin-token",
+        default=None,
+        help="serve the admin API (`ownerserve status`) under this token (default: "
+        "$OWNERSERVE_SERVER__ADMIN_TOKEN, as `serve` reads it; none: off)",
+    )
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="export spans and metrics over OTLP to this collector (telemetry.otlp_endpoint)",
+    )
+    parser.add_argument(
         "--steps",
         type=int,
         default=len(SCRIPT),
@@ -67,17 +79,36 @@ def demo_workers(profile: str, speed: float) -> list[EmulatedWorker]:
     return [EmulatedWorker(wid, role, profile=profile, speed=speed) for wid, role in ROLES]
 
 
-def demo_settings(workers: Sequence[EmulatedWorker], host: str, port: int, policy: str) -> Settings:
-    return settings_from_dict(
-        {
-            "server": {"host": host, "port": port},
-            # the comparison picks its routers per request (x-ownerserve-policy)
-            "planner": {"policy": policy, "allow_policy_header": True},
-            "models": [{"name": MODEL}],
-            "workers": [w.worker_settings() for w in workers],
-        },
-        source="<demo>",
-    )
+def demo_settings(
+    workers: Sequence[EmulatedWorker],
+    host: str,
+    port: int,
+    policy: str,
+    *,
+    admin_token: str | None = None,
+    otlp_endpoint: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Settings:
+    """The demo's router: its workers, `policy`, the admin API under `admin_token` (none: off)
+    and telemetry to `otlp_endpoint` (none: `/metrics` only); `OWNERSERVE_*` variables in
+    `env` override as they do for `ownerserve serve`."""
+    data: dict[str, Any] = {
+        "server": {"host": host, "port": port},
+        # the comparison picks its routers per request (x-ownerserve-policy)
+        "planner": {"policy": policy, "allow_policy_header": True},
+        "models": [{"name": MODEL}],
+        "workers": [w.worker_settings() for w in workers],
+    }
+    given = {"OWNERSERVE_SERVER__HOST", "OWNERSERVE_SERVER__PORT", "OWNERSERVE_PLANNER__POLICY"}
+    if admin_token:
+        data["server"]["admin_token"] = admin_token
+        given.add("OWNERSERVE_SERVER__ADMIN_TOKEN")
+    if otlp_endpoint:
+        data["telemetry"] = {"otlp_endpoint": otlp_endpoint}
+        given.add("OWNERSERVE_TELEMETRY__OTLP_ENDPOINT")
+    # what a flag gave wins over the environment, as with `serve`
+    rest = {k: v for k, v in (env or {}).items() if k.upper() not in given}
+    return settings_from_dict(data, source="<demo>", env=rest)
 
 
 def _repo(name: str, modules: int) -> str:
@@ -390,7 +421,15 @@ def format_comparison(runs: Sequence[RunResult]) -> str:
 async def _main(args: argparse.Namespace, workers: Sequence[EmulatedWorker]) -> int:
     from router.server import SHUTDOWN_GRACE_S, running, stop_on_signals
 
-    settings = demo_settings(workers, args.host, args.port, args.policy)
+    settings = demo_settings(
+        workers,
+        args.host,
+        args.port,
+        args.policy,
+        admin_token=args.admin_token,
+        otlp_endpoint=args.otlp_endpoint,
+        env=os.environ,
+    )
     compared = [] if args.no_compare else [p for p in COMPARED if p != args.policy]
     steps = SCRIPT[: args.steps]
     stop = asyncio.Event()

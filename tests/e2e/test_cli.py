@@ -4,6 +4,7 @@ restarted at once), config errors, help texts."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -72,12 +73,15 @@ def test_demo_once_prints_the_script_and_the_routers_side_by_side_and_exits_zero
 class _Demo:
     """`ownerserve demo` (serving until stopped) as a child process of the test."""
 
-    def __init__(self, port: int, log: IO[str]) -> None:
+    def __init__(
+        self, port: int, log: IO[str], *extra: str, env: dict[str, str] | None = None
+    ) -> None:
         cmd = [sys.executable, "-m", "ownerserve", "demo", "--port", str(port), "--speed", "8",
-               "--steps", "1", "--no-compare"]  # fmt: skip
+               "--steps", "1", "--no-compare", *extra]  # fmt: skip
         self.proc = subprocess.Popen(
-            cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True
-        )
+            cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
+            env=None if env is None else {**os.environ, **env},
+        )  # fmt: skip
         self.log = log
 
     def wait_serving(self) -> None:
@@ -94,9 +98,11 @@ class _Demo:
 
 
 @contextlib.contextmanager
-def _demo(port: int, tmp_path: Path) -> Iterator[_Demo]:
+def _demo(
+    port: int, tmp_path: Path, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[_Demo]:
     with (tmp_path / f"demo-{port}-{time.monotonic_ns()}.log").open("w+") as log:
-        demo = _Demo(port, log)
+        demo = _Demo(port, log, *extra, env=env)
         try:
             yield demo
         finally:
@@ -163,6 +169,26 @@ def test_demo_restarted_at_once_on_the_same_port_binds(tmp_path: Path) -> None:
     assert "cannot bind" not in again.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_demo_serves_the_admin_api_under_the_token_its_flag_gives(tmp_path: Path) -> None:
+    # the flag wins over the variable `serve` reads, as `serve`'s own flags do
+    port = free_port()
+    env = {"OWNERSERVE_SERVER__ADMIN_TOKEN": "from-env"}
+    with _demo(port, tmp_path, "--admin-token", "from-flag", env=env) as demo:
+        demo.wait_serving()
+        shown = _cli(
+            "status", "--url", f"http://127.0.0.1:{port}", "--admin-token", "from-flag", "--json"
+        )
+        refused = _cli("status", "--url", f"http://127.0.0.1:{port}", "--admin-token", "from-env")
+        assert demo.stop() == 0
+    assert shown.returncode == 0, shown.stderr
+    assert sorted(w["id"] for w in json.loads(shown.stdout)["workers"]) == sorted(
+        wid for wid, _ in ROLES
+    )
+    assert refused.returncode == 2 and "token" in refused.stderr.lower(), refused.stderr
+
+
 def test_malformed_config_is_one_line_exit_2_without_traceback(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(
@@ -195,3 +221,26 @@ def test_every_command_has_help(command: str) -> None:
 def test_version() -> None:
     proc = _cli("version")
     assert proc.returncode == 0 and proc.stdout.startswith("ownerserve ")
+
+
+def test_the_demo_settings_take_the_flags_over_the_environment() -> None:
+    from ownerserve.cli.demo import demo_settings, demo_workers
+
+    workers = demo_workers("h100-llama3-8b", 1.0)
+    env = {
+        "OWNERSERVE_TELEMETRY__OTLP_ENDPOINT": "http://127.0.0.1:1",
+        "OWNERSERVE_SERVER__ADMIN_TOKEN": "env-token",
+        "OWNERSERVE_SERVER__PORT": "1",
+        "OWNERSERVE_ADMISSION__MAX_QUEUED": "7",
+    }
+    flagged = demo_settings(
+        workers, "127.0.0.1", 8123, "ownerserve", admin_token="flag-token",
+        otlp_endpoint="http://127.0.0.1:4318", env=env,
+    )  # fmt: skip
+    assert flagged.server.admin_token == "flag-token" and flagged.server.port == 8123
+    assert flagged.telemetry.otlp_endpoint == "http://127.0.0.1:4318"
+    assert flagged.admission.max_queued == 7  # what no flag sets comes from the environment
+    unflagged = demo_settings(workers, "127.0.0.1", 8123, "ownerserve", env=env)
+    assert unflagged.server.admin_token == "env-token"
+    assert unflagged.telemetry.otlp_endpoint == "http://127.0.0.1:1"
+    assert demo_settings(workers, "127.0.0.1", 8123, "ownerserve").server.admin_token is None
