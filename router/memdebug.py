@@ -1,0 +1,167 @@
+"""Where a live router's memory and descriptors go, for `GET /admin/debug/memory` (on only with
+`server.debug_memory_frames` > 0: tracing every allocation costs CPU and memory): the traced
+heap and its top allocation sites against a baseline, live objects by type, asyncio tasks by
+coroutine, open descriptors by kind and TCP sockets by peer (Linux `/proc`)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import socket
+import tracemalloc
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_TCP_STATES = {"01": "established", "06": "time_wait", "08": "close_wait", "0A": "listen"}
+
+
+def _rss_mb() -> float:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _hex_addr(text: str) -> tuple[str, int]:
+    host, port = text.split(":")
+    raw = bytes.fromhex(host)
+    if len(raw) == 4:
+        ip = socket.inet_ntop(socket.AF_INET, raw[::-1])
+    else:  # /proc prints an IPv6 address as four host-order 32-bit words
+        words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+        ip = socket.inet_ntop(socket.AF_INET6, words)
+    return ip, int(port, 16)
+
+
+def _tcp_by_inode() -> dict[str, tuple[tuple[str, int], tuple[str, int], str]]:
+    """Socket inode -> (local address, remote address, state), from /proc/self/net/tcp{,6}."""
+    out: dict[str, tuple[tuple[str, int], tuple[str, int], str]] = {}
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/self/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            state = _TCP_STATES.get(parts[3], parts[3])
+            out[parts[9]] = (_hex_addr(parts[1]), _hex_addr(parts[2]), state)
+    return out
+
+
+def descriptors() -> dict[str, Any]:
+    """Open descriptors by kind, and the TCP ones by peer: `client of :PORT` for a connection
+    accepted on one of this process's listening ports, else the remote `HOST:PORT`."""
+    kinds: Counter[str] = Counter()
+    inodes: list[str] = []
+    fd_dir = Path("/proc/self/fd")
+    try:
+        entries = list(fd_dir.iterdir())
+    except OSError:
+        return {"by_kind": {}, "tcp_by_peer": {}}
+    for entry in entries:
+        try:
+            target = os.readlink(entry)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            kinds["socket"] += 1
+            inodes.append(target[8:-1])
+        elif target.startswith("/"):
+            kinds["file"] += 1
+        else:
+            kinds[target.split(":", 1)[0]] += 1
+    tcp = _tcp_by_inode()
+    mine = [tcp[i] for i in inodes if i in tcp]
+    listening = {local[1] for local, _, state in mine if state == "listen"}
+    peers: Counter[str] = Counter()
+    for local, remote, state in mine:
+        if state == "listen":
+            peer = f"listening :{local[1]}"
+        elif local[1] in listening:
+            peer = f"client of :{local[1]}"
+        else:
+            peer = f"{remote[0]}:{remote[1]}"
+        peers[f"{peer} {state}"] += 1
+    kinds["socket (not tcp)"] = len(inodes) - len(mine)
+    return {"by_kind": dict(kinds), "tcp_by_peer": dict(peers.most_common())}
+
+
+def tasks() -> dict[str, int]:
+    """The running loop's tasks by the qualified name of their coroutine."""
+    names: Counter[str] = Counter()
+    for task in asyncio.all_tasks():
+        coro = task.get_coro()
+        names[getattr(coro, "__qualname__", type(coro).__qualname__)] += 1
+    return dict(names.most_common())
+
+
+def _type_counts() -> Counter[str]:
+    return Counter(type(o).__qualname__ for o in gc.get_objects())
+
+
+@dataclass(slots=True)
+class MemoryDebug:
+    """Tracemalloc with `frames` frames a trace from `start`, and the baseline each report
+    diffs against (the first report's, or the one `reset` takes)."""
+
+    frames: int
+    _base: tracemalloc.Snapshot | None = None
+    _base_types: Counter[str] = field(default_factory=Counter)
+    _started: bool = False
+
+    def start(self) -> None:
+        if self.frames > 0 and not tracemalloc.is_tracing():
+            tracemalloc.start(self.frames)
+            self._started = True
+
+    def stop(self) -> None:
+        """Stop the tracing `start` began (not one someone else's)."""
+        if self._started:
+            tracemalloc.stop()
+            self._started = False
+        self._base = None
+
+    def report(self, top: int = 25, reset: bool = False) -> dict[str, Any]:
+        """The heap traced now against the baseline (top `top` sites by bytes gained, each
+        site's frames most recent first), live objects by type gained, tasks, descriptors and
+        RSS."""
+        gc.collect()
+        body: dict[str, Any] = {"rss_mb": round(_rss_mb(), 2)}
+        if tracemalloc.is_tracing():
+            snap = tracemalloc.take_snapshot().filter_traces(
+                [tracemalloc.Filter(False, tracemalloc.__file__)]
+            )
+            traced, peak = tracemalloc.get_traced_memory()
+            body["traced_mb"] = round(traced / 2**20, 2)
+            body["traced_peak_mb"] = round(peak / 2**20, 2)
+            body["tracemalloc_overhead_mb"] = round(tracemalloc.get_tracemalloc_memory() / 2**20, 2)
+            if self._base is None or reset:
+                self._base = snap
+                self._base_types = _type_counts()
+                body["baseline"] = "taken now"
+            else:
+                key = "traceback" if self.frames > 1 else "lineno"
+                diff = snap.compare_to(self._base, key)
+                body["traced_gained_mb"] = round(sum(d.size_diff for d in diff) / 2**20, 3)
+                body["sites"] = [
+                    {
+                        "kib_gained": round(d.size_diff / 1024, 1),
+                        "blocks_gained": d.count_diff,
+                        "kib_now": round(d.size / 1024, 1),
+                        "at": [f"{f.filename}:{f.lineno}" for f in reversed(d.traceback)],
+                    }
+                    for d in diff[:top]
+                ]
+                types = _type_counts()
+                gained = ((types[t] - self._base_types.get(t, 0), t) for t in types)
+                body["objects_gained"] = {t: n for n, t in sorted(gained, reverse=True)[:top]}
+        body["tasks"] = tasks()
+        body["tasks_total"] = sum(body["tasks"].values())
+        body["descriptors"] = descriptors()
+        return body
