@@ -88,11 +88,13 @@ class ServerSettings(_Strict):
     """Sessions whose last prompt each model's tokenizer keeps (within `tokenizer_cache_mib`):
     a session's next turn reuses the blocks of its unchanged leading messages. Past it the
     least recently seen session goes, and its next turn is tokenized whole."""
+    debug_memory: bool = False
+    """Debugging only: serve `GET /admin/debug/memory` (the allocators' heap, asyncio tasks,
+    descriptors by peer; `router/memdebug.py`). Off (the default): that route is a 404."""
     debug_memory_frames: int = Field(default=0, ge=0, le=64)
-    """Debugging only: > 0 traces every allocation (tracemalloc, this many frames a trace) from
-    the router's start and serves `GET /admin/debug/memory` (the top allocation sites gained
-    since the first call, live objects, asyncio tasks, descriptors by peer; `router/memdebug.py`).
-    0 (the default): no tracing, and that route is a 404. Tracing slows every allocation."""
+    """With `debug_memory`: > 0 traces every allocation (tracemalloc, this many frames a
+    trace) from the router's start, and the route adds the top allocation sites gained since
+    its first call and objects by type. Tracing slows every allocation and takes memory."""
 
     @field_validator("api_keys")
     @classmethod

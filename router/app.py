@@ -82,7 +82,7 @@ def create_app(
     router = Router(settings, directory=directory, planner=planner, calibrator=calibrator)
 
     doors = FrontDoors(router)
-    memory = MemoryDebug(settings.server.debug_memory_frames)
+    memory = MemoryDebug(settings.server.debug_memory_frames if settings.server.debug_memory else 0)
 
     async def start() -> None:
         memory.start()
@@ -238,8 +238,8 @@ def create_app(
     @app.get("/admin/debug/memory")
     async def debug_memory(request: Request, top: int = 25, reset: bool = False) -> JSONResponse:
         admin_auth(request)
-        if memory.frames == 0:
-            raise NotFoundError("memory debugging is off: set server.debug_memory_frames")
+        if not settings.server.debug_memory:
+            raise NotFoundError("memory debugging is off: set server.debug_memory")
         return JSONResponse(memory.report(top=top, reset=reset))
 
     @app.get("/admin/links")

@@ -1,14 +1,21 @@
-"""Where a live router's memory and descriptors go, for `GET /admin/debug/memory` (on only with
-`server.debug_memory_frames` > 0: tracing every allocation costs CPU and memory): the traced
-heap and its top allocation sites against a baseline, live objects by type, asyncio tasks by
-coroutine, open descriptors by kind and TCP sockets by peer (Linux `/proc`)."""
+"""Where a live router's memory and descriptors go, for `GET /admin/debug/memory` (served only
+with `server.debug_memory`): the heap as the allocators hold it (pymalloc's blocks in use and
+arenas, glibc malloc's in use and held: a heap flat under a growing RSS is memory the allocators
+keep), with `server.debug_memory_frames` > 0 the traced heap and its top allocation sites
+against a baseline and live objects by type, asyncio tasks by coroutine, open descriptors by
+kind and TCP sockets by peer (Linux `/proc`)."""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import gc
 import os
+import re
 import socket
+import sys
+import tempfile
 import tracemalloc
 from collections import Counter
 from dataclasses import dataclass, field
@@ -26,6 +33,75 @@ def _rss_mb() -> float:
     except OSError:
         pass
     return 0.0
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _malloc_stats() -> dict[str, float]:
+    """glibc malloc's bytes in use and held from the system (`mallinfo2`, glibc >= 2.33),
+    in MiB; empty elsewhere."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        return {}
+    mallinfo2.restype = _MallInfo2
+    m = mallinfo2()
+    mib = 2**20
+    return {
+        "in_use_mb": round((m.uordblks + m.hblkhd) / mib, 2),
+        "held_mb": round((m.arena + m.hblkhd) / mib, 2),
+        "free_held_mb": round(m.fordblks / mib, 2),
+    }
+
+
+_PYMALLOC_LINES = {
+    "# bytes in allocated blocks": "in_use_mb",
+    "# bytes in available blocks": "free_in_pools_mb",
+    "# arenas allocated current": "arenas",
+}
+
+
+def _pymalloc_stats() -> dict[str, float]:
+    """pymalloc's bytes in allocated blocks, free in its pools, and arenas held (1 MiB each
+    on 3.10+), parsed from `sys._debugmallocstats`, which writes to the C-level stderr: fd 2
+    points at a temporary file meanwhile. Empty while tracemalloc traces (its hooks stand in
+    front of pymalloc, which then reports nothing)."""
+    stats: dict[str, float] = {}
+    with tempfile.TemporaryFile() as tmp:
+        saved = os.dup(2)
+        try:
+            sys.stderr.flush()
+            os.dup2(tmp.fileno(), 2)
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        text = tmp.read().decode(errors="replace")
+    for line in text.splitlines():
+        name, _, value = line.partition("=")
+        key = _PYMALLOC_LINES.get(name.strip())
+        if key is not None and (digits := re.sub(r"[^0-9]", "", value)):
+            n = int(digits)
+            stats[key] = n if key == "arenas" else round(n / 2**20, 2)
+    return stats
 
 
 def _hex_addr(text: str) -> tuple[str, int]:
@@ -107,8 +183,8 @@ def _type_counts() -> Counter[str]:
 
 @dataclass(slots=True)
 class MemoryDebug:
-    """Tracemalloc with `frames` frames a trace from `start`, and the baseline each report
-    diffs against (the first report's, or the one `reset` takes)."""
+    """Tracemalloc with `frames` frames a trace from `start` (0: none), and the baseline each
+    report diffs against (the first report's, or the one `reset` takes)."""
 
     frames: int
     _base: tracemalloc.Snapshot | None = None
@@ -132,7 +208,12 @@ class MemoryDebug:
         site's frames most recent first), live objects by type gained, tasks, descriptors and
         RSS."""
         gc.collect()
-        body: dict[str, Any] = {"rss_mb": round(_rss_mb(), 2)}
+        body: dict[str, Any] = {
+            "rss_mb": round(_rss_mb(), 2),
+            "pymalloc": _pymalloc_stats(),
+            "malloc": _malloc_stats(),
+            "allocated_blocks": sys.getallocatedblocks(),
+        }
         if tracemalloc.is_tracing():
             snap = tracemalloc.take_snapshot().filter_traces(
                 [tracemalloc.Filter(False, tracemalloc.__file__)]

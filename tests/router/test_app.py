@@ -640,9 +640,15 @@ async def test_memory_debug_route_is_off_by_default_and_shows_what_grew_when_on(
         off = await c.get("/admin/debug/memory", headers=ADMIN_AUTH)
     assert off.status_code == 404 and not tracemalloc.is_tracing()
     policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
-    server = {"admin_token": "adm", "debug_memory_frames": 4}
-    async with router_for([(w0, "hybrid", "emulator")], policy, server) as (c, _):
+    on = {"admin_token": "adm", "debug_memory": True}
+    async with router_for([(w0, "hybrid", "emulator")], policy, on) as (c, _):
         assert (await c.get("/admin/debug/memory")).status_code == 401
+        untraced = (await c.get("/admin/debug/memory", headers=ADMIN_AUTH)).json()
+    assert untraced["pymalloc"]["in_use_mb"] > 0 and untraced["pymalloc"]["arenas"] > 0
+    assert "traced_mb" not in untraced
+    async with router_for(
+        [(w0, "hybrid", "emulator")], policy, {**on, "debug_memory_frames": 4}
+    ) as (c, _):
         first = (await c.get("/admin/debug/memory", headers=ADMIN_AUTH)).json()
         kept = [bytearray(1 << 20) for _ in range(4)]  # 4 MiB more on the traced heap
         await c.post("/v1/chat/completions", json=CHAT)
