@@ -8,6 +8,7 @@ kind and TCP sockets by peer (Linux `/proc`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import gc
@@ -164,8 +165,60 @@ def descriptors() -> dict[str, Any]:
         else:
             peer = f"{remote[0]}:{remote[1]}"
         peers[f"{peer} {state}"] += 1
-    kinds["socket (not tcp)"] = len(inodes) - len(mine)
-    return {"by_kind": dict(kinds), "tcp_by_peer": dict(peers.most_common())}
+    unix = _unix_inodes()
+    orphans = {i for i in inodes if i not in tcp and i not in unix}
+    kinds["socket (unix)"] = sum(1 for i in inodes if i in unix)
+    # a TCP socket closed (reset, refused) but whose descriptor is still open is in no table
+    kinds["socket (closed tcp, fd open)"] = len(orphans)
+    return {
+        "by_kind": dict(kinds),
+        "tcp_by_peer": dict(peers.most_common()),
+        "closed_sockets": _socket_owners(orphans, fd_dir) if orphans else [],
+    }
+
+
+def _unix_inodes() -> set[str]:
+    try:
+        lines = Path("/proc/self/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return set()
+    return {parts[6] for line in lines if len(parts := line.split()) > 6}
+
+
+def _socket_owners(orphans: set[str], fd_dir: Path) -> list[dict[str, Any]]:
+    """Who holds each descriptor of `orphans` (socket inodes): the Python objects whose
+    `fileno()` is its fd (a `socket.socket`, or a transport's socket), with the transport's
+    protocol and the peer it was opened to."""
+    fds: dict[int, str] = {}
+    for entry in fd_dir.iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            target = os.readlink(entry)
+            if target[8:-1] in orphans:
+                fds[int(entry.name)] = target[8:-1]
+    owners: dict[int, list[str]] = {fd: [] for fd in fds}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, socket.socket):
+                fd, what = obj.fileno(), "socket.socket"
+            elif isinstance(obj, asyncio.BaseTransport):
+                sock = obj.get_extra_info("socket")
+                if sock is None:
+                    continue
+                fd = sock.fileno()
+                proto = obj.get_protocol() if hasattr(obj, "get_protocol") else None
+                closing = obj.is_closing()
+                peer = obj.get_extra_info("peername")
+                what = (
+                    f"{type(obj).__qualname__} protocol={type(proto).__qualname__} "
+                    f"closing={closing} peer={peer}"
+                )
+            else:
+                continue
+        except Exception:  # a half-closed object may refuse any of these
+            continue
+        if fd in owners:
+            owners[fd].append(what)
+    return [{"fd": fd, "inode": fds[fd], "held_by": owners[fd]} for fd in sorted(fds)]
 
 
 def tasks() -> dict[str, int]:

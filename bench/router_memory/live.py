@@ -35,11 +35,26 @@ def _replicas(log_dir: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
+def _kv_gauges(exposition: str) -> dict[str, float]:
+    """The GPU blocks the router's directory shows cached: per worker, distinct and copies (the
+    size of its mirror of the workers' caches)."""
+    out: dict[str, float] = {}
+    for line in exposition.splitlines():
+        if 'tier="gpu"' not in line or not line.startswith("ownerserve_kv_block"):
+            continue
+        name, _, value = line.rpartition(" ")
+        if name.startswith("ownerserve_kv_blocks{") and 'source="events"' in name:
+            out[name.split('worker="')[1].split('"')[0]] = float(value)
+        elif name.startswith(("ownerserve_kv_blocks_distinct", "ownerserve_kv_block_copies")):
+            out[name.split("{")[0].removeprefix("ownerserve_kv_")] = float(value)
+    return out
+
+
 async def sample(log_dir: Path, every_s: float, duration_s: float, top: int, out: Path) -> None:
     while not (replicas := _replicas(log_dir)):
         await asyncio.sleep(1.0)
     t0 = time.monotonic()
-    async with httpx.AsyncClient(timeout=60.0) as client:
+    async with httpx.AsyncClient(timeout=600.0) as client:
         with out.open("a") as f:
             while time.monotonic() - t0 < duration_s:
                 for name, (url, token) in replicas.items():
@@ -51,6 +66,8 @@ async def sample(log_dir: Path, every_s: float, duration_s: float, top: int, out
                             headers={"authorization": f"Bearer {token}"},
                         )
                         row.update(resp.json())
+                        metrics = await client.get(url + "/metrics")
+                        row["kv_gpu_blocks"] = _kv_gauges(metrics.text)
                     except (httpx.HTTPError, ValueError) as exc:
                         row["error"] = repr(exc)
                     f.write(json.dumps(row) + "\n")

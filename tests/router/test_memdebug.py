@@ -1,0 +1,34 @@
+"""The memory debug view's descriptor accounting (`router/memdebug.py`) against real sockets."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+from router.memdebug import descriptors
+from tests.router.fake_worker import free_port
+
+
+def test_a_refused_socket_still_open_is_counted_closed_with_its_holder() -> None:
+    before = descriptors()["by_kind"].get("socket (closed tcp, fd open)", 0)
+    sock = socket.socket()
+    try:
+        with contextlib.suppress(OSError):
+            sock.connect(("127.0.0.1", free_port()))  # nothing listens: refused
+        seen = descriptors()
+        closed = [c for c in seen["closed_sockets"] if c["fd"] == sock.fileno()]
+        assert seen["by_kind"]["socket (closed tcp, fd open)"] == before + 1
+        assert closed and closed[0]["held_by"] == ["socket.socket"]
+    finally:
+        sock.close()
+    assert descriptors()["by_kind"].get("socket (closed tcp, fd open)", 0) == before
+
+
+def test_a_connection_is_counted_by_its_peer() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)), server.accept()[0]:
+            peers = descriptors()["tcp_by_peer"]
+            assert peers[f"127.0.0.1:{port} established"] == 1
+            assert peers[f"listening :{port} listen"] == 1
+            assert peers[f"client of :{port} established"] == 1
