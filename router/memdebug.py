@@ -185,6 +185,12 @@ def _unix_inodes() -> set[str]:
     return {parts[6] for line in lines if len(parts := line.split()) > 6}
 
 
+def _is_uvloop_transport(obj: object) -> bool:
+    # uvloop's transports are not subclasses of asyncio's
+    cls = type(obj)
+    return cls.__module__ == "uvloop.loop" and cls.__qualname__.endswith("Transport")
+
+
 def _socket_owners(orphans: set[str], fd_dir: Path) -> list[dict[str, Any]]:
     """Who holds each descriptor of `orphans` (socket inodes): the Python objects whose
     `fileno()` is its fd (a `socket.socket`, or a transport's socket), with the transport's
@@ -200,7 +206,7 @@ def _socket_owners(orphans: set[str], fd_dir: Path) -> list[dict[str, Any]]:
         try:
             if isinstance(obj, socket.socket):
                 fd, what = obj.fileno(), "socket.socket"
-            elif isinstance(obj, asyncio.BaseTransport):
+            elif isinstance(obj, asyncio.BaseTransport) or _is_uvloop_transport(obj):
                 sock = obj.get_extra_info("socket")
                 if sock is None:
                     continue
