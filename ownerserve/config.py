@@ -88,6 +88,17 @@ class ServerSettings(_Strict):
     """Sessions whose last prompt each model's tokenizer keeps (within `tokenizer_cache_mib`):
     a session's next turn reuses the blocks of its unchanged leading messages. Past it the
     least recently seen session goes, and its next turn is tokenized whole."""
+    heap_trim_interval_s: float = Field(default=30.0, ge=0)
+    """Every this many seconds the router hands the free pages glibc malloc keeps back to the
+    OS (`router/heap.py`); 0: never. Without it RSS climbs while the heap in use stays flat
+    (2026-12-03 chaos run: +0.6-0.8 MB/min with the heap flat, malloc keeping 20 MB free)."""
+    debug_memory: bool = False
+    """Debugging only: serve `GET /admin/debug/memory` (the allocators' heap, asyncio tasks,
+    descriptors by peer; `router/memdebug.py`). Off (the default): that route is a 404."""
+    debug_memory_frames: int = Field(default=0, ge=0, le=64)
+    """With `debug_memory`: > 0 traces every allocation (tracemalloc, this many frames a
+    trace) from the router's start, and the route adds the top allocation sites gained since
+    its first call and objects by type. Tracing slows every allocation and takes memory."""
 
     @field_validator("api_keys")
     @classmethod

@@ -37,6 +37,7 @@ from planner.policies import Planner
 from router import membership
 from router.asgi import Receive, Scope, Send, handle_completion
 from router.frontdoors import FrontDoors
+from router.memdebug import MemoryDebug
 from router.requests import Endpoint
 from router.state import Router
 from router.status import router_status
@@ -81,12 +82,18 @@ def create_app(
     router = Router(settings, directory=directory, planner=planner, calibrator=calibrator)
 
     doors = FrontDoors(router)
+    memory = MemoryDebug(settings.server.debug_memory_frames if settings.server.debug_memory else 0)
+
+    async def start() -> None:
+        memory.start()
+        await router.start()
 
     async def close() -> None:
         await router.close()
         await doors.close()
+        memory.stop()
 
-    app = service_app("OwnerServe router", router.start, close)
+    app = service_app("OwnerServe router", start, close)
     app.state.router = router
     app.add_middleware(CompletionsASGI, router=router, doors=doors)
 
@@ -229,6 +236,13 @@ def create_app(
     async def status(request: Request) -> JSONResponse:
         admin_auth(request)
         return JSONResponse(await router_status(router))
+
+    @app.get("/admin/debug/memory")
+    async def debug_memory(request: Request, top: int = 25, reset: bool = False) -> JSONResponse:
+        admin_auth(request)
+        if not settings.server.debug_memory:
+            raise NotFoundError("memory debugging is off: set server.debug_memory")
+        return JSONResponse(memory.report(top=top, reset=reset))
 
     @app.get("/admin/links")
     async def links(request: Request) -> JSONResponse:

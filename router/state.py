@@ -30,6 +30,7 @@ from router.admission import Admission, AdmissionShown
 from router.aftermath import REPLICA_TTL_S
 from router.commit import CommittedLeases, Lifetimes, PendingCommits
 from router.executor import PlanExecutor
+from router.heap import trim_heap
 from router.lease import LeaseLedger, LeaseServices
 from router.links import NicLedger
 from router.plans import PlanRecord
@@ -142,6 +143,9 @@ class Router:
         (`ownerserve_kv_blocks{source="leases"}`)."""
         self._block_sizes = {m.name: m.block_size for m in settings.models}
         self._economics: asyncio.Task[None] | None = None
+        self._heap_trimmer: asyncio.Task[None] | None = None
+        self.heap_trims = 0
+        """Times the heap trim loop released memory to the OS (`router/heap.py`)."""
         self.cached_counts: CachedCounts | None = None
         """The directory's GPU-cached blocks over every worker, as last read
         (`ownerserve_kv_blocks_distinct`, `_kv_block_copies`; None before the first read)."""
@@ -233,6 +237,8 @@ class Router:
             if self.settings.directory.sweep_interval_s > 0:
                 self._sweeper = asyncio.create_task(self._sweep_loop(), name="directory-sweep")
             self._economics = asyncio.create_task(self._economics_loop(), name="kv-economics")
+            if self.settings.server.heap_trim_interval_s > 0:
+                self._heap_trimmer = asyncio.create_task(self._heap_trim_loop(), name="heap-trim")
             self.services = self.request_services()
             self.started = True
 
@@ -279,7 +285,18 @@ class Router:
         self.admission_view = tuple((w.worker_id, admission.shown(w, now)) for w in self.pool.all())
         self.admission_full = admission.cluster_full(now)
 
+    async def _heap_trim_loop(self) -> None:
+        """Every `server.heap_trim_interval_s`, malloc's free pages back to the OS
+        (`router/heap.py`): RSS follows the heap in use instead of its high-water mark."""
+        interval = self.settings.server.heap_trim_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            if trim_heap():
+                self.heap_trims += 1
+
     async def close(self) -> None:
+        await cancel_and_wait(self._heap_trimmer)
+        self._heap_trimmer = None
         await cancel_and_wait(self._sweeper)
         self._sweeper = None
         await cancel_and_wait(self._economics)

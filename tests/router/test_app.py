@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import tracemalloc
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -631,3 +632,33 @@ async def test_in_flight_counts_return_to_zero_after_retried_and_streamed_reques
         session = router.sessions.get("s1")
     assert inflight == [(0, 0), (0, 0)]
     assert session is not None and session.inflight == 0
+
+
+async def test_memory_debug_route_is_off_by_default_and_shows_what_grew_when_on(workers):
+    w0, _ = workers
+    async with _admin_router(w0) as (c, _):
+        off = await c.get("/admin/debug/memory", headers=ADMIN_AUTH)
+    assert off.status_code == 404 and not tracemalloc.is_tracing()
+    policy = FixedPolicy(Action.COLOCATED_PREFILL, "w0", "w0")
+    on = {"admin_token": "adm", "debug_memory": True}
+    async with router_for([(w0, "hybrid", "emulator")], policy, on) as (c, _):
+        assert (await c.get("/admin/debug/memory")).status_code == 401
+        untraced = (await c.get("/admin/debug/memory", headers=ADMIN_AUTH)).json()
+    assert untraced["pymalloc"]["in_use_mb"] > 0 and untraced["pymalloc"]["arenas"] > 0
+    assert "traced_mb" not in untraced
+    async with router_for(
+        [(w0, "hybrid", "emulator")], policy, {**on, "debug_memory_frames": 4}
+    ) as (c, _):
+        first = (await c.get("/admin/debug/memory", headers=ADMIN_AUTH)).json()
+        kept = [bytearray(1 << 20) for _ in range(4)]  # 4 MiB more on the traced heap
+        await c.post("/v1/chat/completions", json=CHAT)
+        then = (await c.get("/admin/debug/memory", headers=ADMIN_AUTH, params={"top": 5})).json()
+    assert first["baseline"] == "taken now" and "sites" not in first
+    assert then["traced_gained_mb"] >= 4
+    top = then["sites"][0]
+    assert len(kept) == 4 and top["kib_gained"] >= 4096 and "test_app.py:" in top["at"][0]
+    assert then["tasks_total"] >= 1
+    peers = then["descriptors"]["tcp_by_peer"]
+    assert any(p.startswith(f"127.0.0.1:{w0.port} ") for p in peers)  # its pooled connection
+    assert any(p.startswith("client of :") for p in peers)  # the test client's
+    assert not tracemalloc.is_tracing()  # the router stopped what it started
