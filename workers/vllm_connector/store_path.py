@@ -39,6 +39,7 @@ by default there): the store's host copy and the CPU hashing leave the path.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 import time
 import weakref
@@ -699,15 +700,8 @@ class StoreKV:
         with self._on_stream():
             objects = torch.empty(offsets[-1], dtype=torch.uint8, device=dev)
             self._frame_groups(staged.units, groups, keys, h, objects, offsets, check=False)
-            at_digest = torch.tensor(
-                [offsets[i] + sizes[i] - CHECKSUM_BYTES for i in range(m)], dtype=torch.int64
-            )
-            index = (at_digest[:, None] + torch.arange(CHECKSUM_BYTES)).reshape(-1).to(dev)
-            digests = objects.index_select(0, index).view(m, CHECKSUM_BYTES)
-            if dev.type == "cuda":
-                host = torch.empty((m, CHECKSUM_BYTES), dtype=torch.uint8, pin_memory=True)
-                digests = host.copy_(digests, non_blocking=True)
             base = int(objects.data_ptr())
+            written_at: dict[int, int] = {}  # object -> its address in the store's memory
             try:
                 for (a, _b), future in zip(reserving.bounds, reserving.futures, strict=True):
                     t0 = time.perf_counter()
@@ -724,6 +718,7 @@ class StoreKV:
                             copy_rows(
                                 r.address, sizes[i], base + offsets[i], sizes[i], sizes[i], 1, dev
                             )
+                            written_at[i] = r.address
                             done[i] = True
                             written += 1
                         elif r == EXISTS:
@@ -752,10 +747,18 @@ class StoreKV:
             for i, code in zip(through, codes, strict=True):
                 done[i] = code == 0
             self.counts.saved_through_store += len(through)
-        view = digests.cpu().numpy()
-        stored = [
-            (k, sizes[i] - CHECKSUM_BYTES, view[i].tobytes()) for i, k in enumerate(keys) if done[i]
-        ]
+        # the digests as the store holds them (read where the copies put them; those not
+        # written here from the device's objects: the same bytes, the digest being keyed)
+        stored = []
+        for i, k in enumerate(keys):
+            if not done[i]:
+                continue
+            at = offsets[i] + sizes[i] - CHECKSUM_BYTES
+            if i in written_at:
+                digest = ctypes.string_at(written_at[i] + sizes[i] - CHECKSUM_BYTES, CHECKSUM_BYTES)
+            else:
+                digest = objects[at : at + CHECKSUM_BYTES].cpu().numpy().tobytes()
+            stored.append((k, sizes[i] - CHECKSUM_BYTES, digest))
         return SaveOutcome(stored, [k for i, k in enumerate(keys) if not done[i]])
 
     def _put_through_sized(

@@ -126,20 +126,38 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def loaded(layers: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor, part: slice) -> bool:
-    k2, v2 = kv_of(layers, LAYOUT)
+    k2, v2 = (t.cpu() for t in kv_of(layers, LAYOUT))
     return torch.equal(bits(k2[:, DST_IDS]), bits(k[:, SRC_IDS][..., part, :])) and torch.equal(
         bits(v2[:, DST_IDS]), bits(v[:, SRC_IDS][..., part, :])
     )
 
 
-@pytest.mark.parametrize("zero_copy", [True, False])
+CUDA = torch.cuda.is_available()
+PATHS = [
+    ("cpu", True),
+    ("cpu", False),
+    pytest.param(
+        "cuda",
+        True,
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")],
+    ),
+    pytest.param(
+        "cuda",
+        False,
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")],
+    ),
+]
+
+
+@pytest.mark.parametrize(("device", "zero_copy"), PATHS)
 def test_grouped_objects_round_trip_bit_exactly_and_tp2_ranks_take_their_heads(
-    master: MooncakeMaster, zero_copy: bool
+    master: MooncakeMaster, device: str, zero_copy: bool
 ) -> None:
     k, v = random_kv("cpu")
     client = open_client(master)
     try:
-        w = StoreKV(client, make_kv(vllm_layers(k, v, LAYOUT)), zero_copy=zero_copy)
+        src = vllm_layers(k.to(device), v.to(device), LAYOUT)
+        w = StoreKV(client, make_kv(src), zero_copy=zero_copy)
         gs = groups()
         staged = w.gather(SRC_IDS, groups=gs)
         assert staged is not None and staged.on_device == zero_copy
@@ -149,7 +167,8 @@ def test_grouped_objects_round_trip_bit_exactly_and_tp2_ranks_take_their_heads(
             assert w.counts.saved_direct == 2 and w.counts.saved_through_store == 0
         # each object: the blocks' payloads, every head, block after block, then one digest
         unit = w.kv.payload_nbytes
-        expect = w.kv.device_gather(SRC_IDS).reshape(-1).numpy().tobytes()  # type: ignore[attr-defined]
+        gathered = w.kv.device_gather(SRC_IDS)  # type: ignore[attr-defined]
+        expect = gathered.reshape(-1).cpu().numpy().tobytes()
         for (key, nbytes, digest), g in zip(out.stored, gs, strict=True):
             (replica,) = client.local_replicas([key])
             assert replica is not None and replica.size == nbytes + CHECKSUM_BYTES
@@ -161,7 +180,7 @@ def test_grouped_objects_round_trip_bit_exactly_and_tp2_ranks_take_their_heads(
                 other = gs[0].key if key != gs[0].key else gs[1].key
                 assert not verify(other, obj[:nbytes], digest)
 
-        layers = nan_layers("cpu", HEADS, LAYOUT)
+        layers = nan_layers(device, HEADS, LAYOUT)
         r = StoreKV(client, make_kv(layers), zero_copy=zero_copy)
         for _ in range(2):  # the second zero-copy load answers the replicas from the cache
             result = r.load_groups(gs, DST_IDS)
@@ -172,7 +191,7 @@ def test_grouped_objects_round_trip_bit_exactly_and_tp2_ranks_take_their_heads(
         # TP=1 objects read by the two ranks of TP=2: whole objects, each rank its heads
         for rank in range(2):
             lo, hi = head_range(heads_for_rank(HEADS, 2, rank))
-            layers = nan_layers("cpu", hi - lo, LAYOUT)
+            layers = nan_layers(device, hi - lo, LAYOUT)
             tp = StoreKV(client, make_kv(layers), zero_copy=zero_copy)
             result = tp.load_groups(gs, DST_IDS, object_heads=HEADS, first_head=lo)
             assert (result.load.blocks, result.load.refused) == (4, None)
