@@ -299,6 +299,11 @@ class StoreKV:
         self._segments = (
             HostSegments(kv.device) if self.zero_copy and isinstance(kv, CudaPagedKV) else None
         )
+        self._copies: torch.cuda.Stream | None = None
+        """A grouped zero-copy save's or load's copies (the kernels stay on the connector's
+        stream, so a chunk's framing or check runs while another chunk's copy does)."""
+        if self.zero_copy and isinstance(kv, CudaPagedKV) and kv.stream is not None:
+            self._copies = torch.cuda.Stream(kv.device)
         self._device_lock = threading.Lock()
         self._device_bytes = 0  # device staging held by zero-copy saves not yet put
         self._device_budget = staging_bytes
@@ -436,6 +441,28 @@ class StoreKV:
         kv = self.kv
         if isinstance(kv, CudaPagedKV) and kv.stream is not None:
             kv.stream.synchronize()
+        if self._copies is not None:
+            self._copies.synchronize()
+
+    def _copying(self) -> contextlib.AbstractContextManager[object]:
+        """The copy stream, current (nothing on CPU tensors)."""
+        if self._copies is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._copies)
+
+    def _mark(self) -> torch.cuda.Event | None:
+        """An event recorded on the current stream (None on CPU tensors: work there is done)."""
+        if self._copies is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    @staticmethod
+    def _after(event: torch.cuda.Event | None) -> None:
+        """The current stream waits for `event`."""
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
 
     def put(self, staged: StagedStore, rows: Sequence[Sequence[tuple[int, str]]]) -> SaveOutcome:
         """Store `rows[i]` ((local head, key) pairs) of block `i` of `staged` in one batch put.
@@ -677,7 +704,9 @@ class StoreKV:
 
     def _put_groups_device(self, staged: StagedStore, groups: Sequence[ObjectGroup]) -> SaveOutcome:
         """A grouped zero-copy save: reservations (asked for at `gather` when it had the
-        groups), one framing pass, a copy per object straight into the store's memory."""
+        groups), chunk by chunk: the chunk framed on the connector's stream, then a copy per
+        object straight into the store's memory on the copy stream (the next chunk is framed
+        meanwhile)."""
         assert isinstance(self.kv, CudaPagedKV) and self._segments is not None
         h, dev = self._heads, self.kv.device
         keys = [g.key for g in groups]
@@ -699,32 +728,40 @@ class StoreKV:
         written = 0
         with self._on_stream():
             objects = torch.empty(offsets[-1], dtype=torch.uint8, device=dev)
-            self._frame_groups(staged.units, groups, keys, h, objects, offsets, check=False)
             base = int(objects.data_ptr())
             written_at: dict[int, int] = {}  # object -> its address in the store's memory
             try:
-                for (a, _b), future in zip(reserving.bounds, reserving.futures, strict=True):
+                for (a, b), future in zip(reserving.bounds, reserving.futures, strict=True):
+                    # this chunk framed, then copied on the copy stream while the next is framed
+                    self._frame_groups(
+                        staged.units, groups[a:b], keys[a:b], h, objects, offsets[a : b + 1],
+                        check=False,
+                    )  # fmt: skip
+                    framed = self._mark()
                     t0 = time.perf_counter()
                     got = future.result()
                     store_s += time.perf_counter() - t0
                     unusable: list[str] = []
-                    for i, r in enumerate(got, a):
-                        if isinstance(r, Replica) and r.size == sizes[i]:
-                            reserved.append(keys[i])
-                            if not self._segments.ready(r.address, sizes[i]):
-                                unusable.append(keys[i])
+                    with self._copying():
+                        self._after(framed)
+                        for i, r in enumerate(got, a):
+                            if isinstance(r, Replica) and r.size == sizes[i]:
+                                reserved.append(keys[i])
+                                if not self._segments.ready(r.address, sizes[i]):
+                                    unusable.append(keys[i])
+                                    through.append(i)
+                                    continue
+                                copy_rows(
+                                    r.address, sizes[i], base + offsets[i], sizes[i], sizes[i], 1,
+                                    dev,
+                                )  # fmt: skip
+                                written_at[i] = r.address
+                                done[i] = True
+                                written += 1
+                            elif r == EXISTS:
+                                done[i] = True
+                            else:
                                 through.append(i)
-                                continue
-                            copy_rows(
-                                r.address, sizes[i], base + offsets[i], sizes[i], sizes[i], 1, dev
-                            )
-                            written_at[i] = r.address
-                            done[i] = True
-                            written += 1
-                        elif r == EXISTS:
-                            done[i] = True
-                        else:
-                            through.append(i)
                     if unusable:  # reserved here but not written: gone before anyone is told
                         self.client.remove(unusable)
                         reserved = [k for k in reserved if k not in set(unusable)]
@@ -1040,11 +1077,11 @@ class StoreKV:
                 self.client.remove(corrupted)
         return good, why, gone
 
-    def _rank_units(self, units: torch.Tensor, good: int, first_head: int) -> torch.Tensor:
-        """The first `good` blocks of `[n, object heads, unit]` staging, this rank's heads."""
+    def _rank_units(self, units: torch.Tensor, lo: int, hi: int, first_head: int) -> torch.Tensor:
+        """Blocks `[lo, hi)` of `[n, object heads, unit]` staging, this rank's heads."""
         if units.shape[1] == self._heads:
-            return units[:good]
-        return units[:good, first_head : first_head + self._heads]
+            return units[lo:hi]
+        return units[lo:hi, first_head : first_head + self._heads]
 
     def _load_groups_host(
         self, groups: Sequence[ObjectGroup], block_ids: Sequence[int], heads: int, first_head: int
@@ -1071,7 +1108,7 @@ class StoreKV:
                 return 0, f"Mooncake Store: {exc}", []
             good, why, gone = self._settle_groups(groups, codes)
             if good:
-                mine = self._rank_units(units, good, first_head)
+                mine = self._rank_units(units, 0, good, first_head)
                 if isinstance(self.kv, CudaPagedKV):
                     self.kv.scatter_staged(LoadStaging(mine.contiguous()), block_ids[:good])
                 else:
@@ -1088,17 +1125,23 @@ class StoreKV:
         self, groups: Sequence[ObjectGroup], block_ids: Sequence[int], heads: int, first_head: int
     ) -> tuple[int, str | None, list[str]]:
         """A grouped zero-copy load round: replicas looked up chunk by chunk (cached), each
-        object copied up as soon as its chunk is answered, every digest checked on the device
-        while the payloads are unframed, then one scatter of this rank's heads."""
+        chunk's objects copied up on the copy stream as soon as it is answered; then chunk by
+        chunk on the connector's stream, each digest checked while the payloads are unframed
+        and the chunk's blocks (this rank's heads) scattered while later chunks still come up.
+        Objects not read that way are read through the store, and the good prefix is the
+        first `good` blocks of every group before the first one refused."""
         assert isinstance(self.kv, CudaPagedKV) and self._segments is not None
-        n, unit, m, dev = len(block_ids), self._unit, len(groups), self.kv.device
+        kv = self.kv
+        n, unit, m, dev = len(block_ids), self._unit, len(groups), kv.device
         keys = [g.key for g in groups]
         sizes = [self._object_bytes(g.count, heads) for g in groups]
         offsets = [0]
         for size in sizes:
             offsets.append(offsets[-1] + size)
         copied = [False] * m
+        verified = [0] * m
         store_s = 0.0
+        scattered = 0  # leading blocks already written into the cache
         with self._on_stream():
             objects = torch.empty(offsets[-1], dtype=torch.uint8, device=dev)
             units = torch.empty((n, heads, unit), dtype=torch.uint8, device=dev)
@@ -1108,23 +1151,48 @@ class StoreKV:
                 self._rpc.submit(self.client.local_replicas, keys[a:b], cached=True)
                 for a, b in bounds
             ]
+            arrived: list[torch.cuda.Event | None] = []
             for (a, _b), future in zip(bounds, pending, strict=True):
                 t0 = time.perf_counter()
                 found = future.result()
                 store_s += time.perf_counter() - t0
-                for i, r in enumerate(found, a):
-                    if (
-                        r is None
-                        or r.size != sizes[i]
-                        or not self._segments.ready(r.address, r.size)
-                    ):
-                        continue  # read through the store instead
-                    copy_rows(base + offsets[i], sizes[i], r.address, sizes[i], sizes[i], 1, dev)
-                    copied[i] = True
-            verified = [0] * m
-            if any(copied):
-                ok = self._frame_groups(units, groups, keys, heads, objects, offsets, check=True)
-                verified = ok.cpu().tolist()  # waits for the copies and the checks
+                with self._copying():
+                    for i, r in enumerate(found, a):
+                        if r is None or r.size != sizes[i]:
+                            continue  # read through the store instead
+                        if not self._segments.ready(r.address, r.size):
+                            continue
+                        copy_rows(
+                            base + offsets[i], sizes[i], r.address, sizes[i], sizes[i], 1, dev
+                        )
+                        copied[i] = True
+                    arrived.append(self._mark())
+            whole = True  # every group so far copied, verified and scattered
+            for (a, b), event in zip(bounds, arrived, strict=True):
+                if not any(copied[a:b]):
+                    whole = False
+                    continue
+                self._after(event)
+                ok = self._frame_groups(
+                    units, groups[a:b], keys[a:b], heads, objects, offsets[a : b + 1], check=True
+                )
+                verified[a:b] = ok.cpu().tolist()  # waits for this chunk's copies and checks
+                if not whole:
+                    continue
+                end = scattered
+                for i in range(a, b):
+                    if not (copied[i] and verified[i]):
+                        whole = False
+                        break
+                    end = groups[i].first + groups[i].count
+                if end > scattered:
+                    kv.device_scatter(
+                        self._rank_units(units, scattered, end, first_head),
+                        block_ids[scattered:end],
+                        wait=False,
+                    )
+                    scattered = end
+            self._sync()
         codes = [1 if c and v else UNREAD for c, v in zip(copied, verified, strict=True)]
         stale = [keys[i] for i in range(m) if copied[i] and not verified[i]]
         if stale:  # another key's bytes, an XXH3 digest or a torn read: ask the master afresh
@@ -1139,8 +1207,10 @@ class StoreKV:
         good, why, gone = self._settle_groups(groups, codes)
         if why_store is not None and why is not None and UNREAD in codes:
             why = why_store
-        if good:
-            self.kv.device_scatter(self._rank_units(units, good, first_head), block_ids[:good])
+        if good > scattered:
+            kv.device_scatter(
+                self._rank_units(units, scattered, good, first_head), block_ids[scattered:good]
+            )
         return good, why, gone
 
     def _read_groups_through(
