@@ -762,18 +762,15 @@ def grouped(
     one_s = median_s(save, device, reps, before=remove)
     w.first_chunk_objects = 1
 
-    # parts: gather, framing + digest, reservations alone, copy down / up alone
+    # parts: gather, digests, reservations alone, copy down / up alone (payload + digest each)
     stream = kv.stream
     gather_ms = part_ms(device, stream, lambda: kv.device_gather(ids), reps)
-    units = kv.device_gather(ids)
-    offsets = [0]
-    for n in sizes:
-        offsets.append(offsets[-1] + n)
-    objects = torch.empty(offsets[-1], dtype=torch.uint8, device=device)
-    frame_ms = part_ms(
+    flat = kv.device_gather(ids).reshape(-1)
+    digests = torch.empty((len(gs), CHECKSUM_BYTES), dtype=torch.uint8, device=device)
+    digest_ms = part_ms(
         device,
         stream,
-        lambda: w._frame_groups(units, gs, keys, shape.heads, objects, offsets, check=False),
+        lambda: w._digest_groups(flat, gs, keys, shape.heads, digests, check=False),
         reps,
     )
     other = [f"{k}#copy" for k in keys]
@@ -783,17 +780,23 @@ def grouped(
     c.remove(other)
     spots = c.reserve_local(other, sizes)
     addresses = [int(p.address) for p in spots]  # type: ignore[union-attr]
-    base = int(objects.data_ptr())
+    base, dbase = int(flat.data_ptr()), int(digests.data_ptr())
     for a, n in zip(addresses, sizes, strict=True):
         assert w._segments is not None and w._segments.ready(a, n)
+    at = [x.first * shape.heads * unit for x in gs]
+    d = CHECKSUM_BYTES
 
     def copy_down_direct() -> None:
         for i, a in enumerate(addresses):
-            copy_rows(a, sizes[i], base + offsets[i], sizes[i], sizes[i], 1, device)
+            n = sizes[i] - d
+            copy_rows(a, n, base + at[i], n, n, 1, device)
+            copy_rows(a + n, d, dbase + i * d, d, d, 1, device)
 
     def copy_up_direct() -> None:
         for i, a in enumerate(addresses):
-            copy_rows(base + offsets[i], sizes[i], a, sizes[i], sizes[i], 1, device)
+            n = sizes[i] - d
+            copy_rows(base + at[i], n, a, n, n, 1, device)
+            copy_rows(dbase + i * d, d, a + n, d, d, 1, device)
 
     down_ms = part_ms(device, stream, copy_down_direct, reps)
     up_ms = part_ms(device, stream, copy_up_direct, reps)
@@ -864,16 +867,16 @@ def grouped(
 
         tp_s.append(median_s(tp_load, device, reps))
         tp.close()
-    flat = torch.empty((shape.n, shape.heads, unit), dtype=torch.uint8, device=device)
-    unframe_ms = part_ms(
+    check_ms = part_ms(
         device,
         stream,
-        lambda: w._frame_groups(flat, gs, keys, shape.heads, objects, offsets, check=True),
+        lambda: w._digest_groups(flat, gs, keys, shape.heads, digests, check=True),
         reps,
     )
     rk = reader.kv
     assert isinstance(rk, CudaPagedKV)
-    scatter_ms = part_ms(device, rk.stream, lambda: rk.device_scatter(flat, dst_ids), reps)
+    staged = flat.view(shape.n, shape.heads, unit)
+    scatter_ms = part_ms(device, rk.stream, lambda: rk.device_scatter(staged, dst_ids), reps)
     reader.close()
     w.close()
     remove()
@@ -902,10 +905,14 @@ def grouped(
         row("save, reserved in put_groups (after the gather)", late_s, copy_down),
         row("save, reserved at gather in one round trip chain", one_s, copy_down),
         row("of it: gather kernel (CUDA events)", gather_ms / 1e3, None),
-        row("of it: frame + keyed-MAC digest kernels (CUDA events)", frame_ms / 1e3, None),
+        row("of it: keyed-MAC digest kernels, read in place (CUDA events)", digest_ms / 1e3, None),
         row(f"of it: reserve_local of {len(gs)} objects alone (3 round trips)", reserve_s, None),
         row("of it: reservations waited for inside the timed saves", save_store_ms / 1e3, None),
-        row(f"of it: copy down alone ({len(gs)} copies, CUDA events)", down_ms / 1e3, copy_down),
+        row(
+            f"of it: copy down alone ({len(gs)} payloads + digests, CUDA events)",
+            down_ms / 1e3,
+            copy_down,
+        ),
         row(
             "load end to end, replicas looked up (lookup + copy up + check/unframe + scatter)",
             load_cold_s,
@@ -928,8 +935,12 @@ def grouped(
         row(
             f"master: batch_get_replica_desc of {len(gs)} keys, answer unread", desc_ms / 1e3, None
         ),
-        row(f"of it: copy up alone ({len(gs)} copies, CUDA events)", up_ms / 1e3, copy_up),
-        row("of it: digest check + unframe kernels (CUDA events)", unframe_ms / 1e3, None),
+        row(
+            f"of it: copy up alone ({len(gs)} payloads + digests, CUDA events)",
+            up_ms / 1e3,
+            copy_up,
+        ),
+        row("of it: digest check kernels, read in place (CUDA events)", check_ms / 1e3, None),
         row("of it: scatter kernel (CUDA events)", scatter_ms / 1e3, None),
     ]
 

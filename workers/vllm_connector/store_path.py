@@ -383,14 +383,13 @@ class StoreKV:
             if self._device_bytes + nbytes > self._device_budget:
                 return None
             self._device_bytes += nbytes
-        reserving = self._reserve_ahead(groups) if groups else None
         try:
             units = self.kv.device_gather(block_ids)
         except BaseException:
             self._give_device(nbytes)
-            if reserving is not None:
-                reserving.cancel(self.client)
             raise
+        # asked for once the kernel is queued: its launch does not wait for the RPC threads
+        reserving = self._reserve_ahead(groups) if groups else None
         out = StagedStore(-1, 0, units, units.new_empty(0), None, on_device=True)
         out._give = weakref.finalize(out, self._give_device, nbytes)
         if reserving is not None:
@@ -668,52 +667,16 @@ class StoreKV:
                 staged.reserving.cancel(self.client)
             staged.release()
 
-    def _frame_groups(
-        self,
-        payloads: torch.Tensor,
-        groups: Sequence[ObjectGroup],
-        keys: list[str],
-        heads: int,
-        objects: torch.Tensor,
-        offsets: list[int],
-        *,
-        check: bool,
-    ) -> torch.Tensor:
-        """Frame (save: `payloads` -> `objects`) or check and unframe (load: `objects` ->
-        `payloads`, a flag per group) every group, one launch pair per run of groups of one
-        size; `payloads` is `[n, heads, unit]` flat, `objects` holds object g at `offsets[g]`."""
-        flat = payloads.reshape(-1)
-        dev = objects.device
-        flags: list[torch.Tensor] = []
-        a, m = 0, len(groups)
-        while a < m:
-            b = a + 1
-            while b < m and groups[b].count == groups[a].count:
-                b += 1
-            width = groups[a].count * heads * self._unit
-            lo = groups[a].first * heads * self._unit
-            rows = flat[lo : lo + (b - a) * width].view(b - a, width)
-            objs = objects[offsets[a] : offsets[b]].view(b - a, width + CHECKSUM_BYTES)
-            lanes = gpu_digest.keys_tensor(keys[a:b], width, dev)
-            if check:
-                flags.append(gpu_digest.unframe(objs, lanes, rows))
-            else:
-                gpu_digest.frame(rows, lanes, objs)
-            a = b
-        return torch.cat(flags) if flags else objects.new_empty(0, dtype=torch.int32)
-
     def _put_groups_device(self, staged: StagedStore, groups: Sequence[ObjectGroup]) -> SaveOutcome:
         """A grouped zero-copy save: reservations (asked for at `gather` when it had the
-        groups), chunk by chunk: the chunk framed on the connector's stream, then a copy per
-        object straight into the store's memory on the copy stream (the next chunk is framed
-        meanwhile)."""
+        groups); each object's payload copied from the gather's staging straight into the
+        store's memory on the copy stream, chunk by chunk as the reservations come in, while
+        the digests are computed on the connector's stream; then each digest after its
+        payload."""
         assert isinstance(self.kv, CudaPagedKV) and self._segments is not None
-        h, dev = self._heads, self.kv.device
+        h, unit, dev = self._heads, self._unit, self.kv.device
         keys = [g.key for g in groups]
         sizes = [self._object_bytes(g.count) for g in groups]
-        offsets = [0]
-        for n in sizes:
-            offsets.append(offsets[-1] + n)
         m = len(groups)
         reserving = staged.reserving
         if reserving is None or reserving.keys != keys or reserving.sizes != sizes:
@@ -726,24 +689,22 @@ class StoreKV:
         through: list[int] = []
         store_s = 0.0
         written = 0
+        flat = staged.units.reshape(-1)
         with self._on_stream():
-            objects = torch.empty(offsets[-1], dtype=torch.uint8, device=dev)
-            base = int(objects.data_ptr())
+            gathered = self._mark()  # the gather's staging is in
+            digests = torch.empty((m, CHECKSUM_BYTES), dtype=torch.uint8, device=dev)
+            self._digest_groups(flat, groups, keys, h, digests, check=False)
+            digested = self._mark()
+            base, dbase = int(flat.data_ptr()), int(digests.data_ptr())
             written_at: dict[int, int] = {}  # object -> its address in the store's memory
             try:
-                for (a, b), future in zip(reserving.bounds, reserving.futures, strict=True):
-                    # this chunk framed, then copied on the copy stream while the next is framed
-                    self._frame_groups(
-                        staged.units, groups[a:b], keys[a:b], h, objects, offsets[a : b + 1],
-                        check=False,
-                    )  # fmt: skip
-                    framed = self._mark()
+                for (a, _b), future in zip(reserving.bounds, reserving.futures, strict=True):
                     t0 = time.perf_counter()
                     got = future.result()
                     store_s += time.perf_counter() - t0
                     unusable: list[str] = []
                     with self._copying():
-                        self._after(framed)
+                        self._after(gathered)
                         for i, r in enumerate(got, a):
                             if isinstance(r, Replica) and r.size == sizes[i]:
                                 reserved.append(keys[i])
@@ -751,10 +712,9 @@ class StoreKV:
                                     unusable.append(keys[i])
                                     through.append(i)
                                     continue
-                                copy_rows(
-                                    r.address, sizes[i], base + offsets[i], sizes[i], sizes[i], 1,
-                                    dev,
-                                )  # fmt: skip
+                                width = sizes[i] - CHECKSUM_BYTES
+                                src = base + groups[i].first * h * unit
+                                copy_rows(r.address, width, src, width, width, 1, dev)
                                 written_at[i] = r.address
                                 done[i] = True
                                 written += 1
@@ -765,6 +725,12 @@ class StoreKV:
                     if unusable:  # reserved here but not written: gone before anyone is told
                         self.client.remove(unusable)
                         reserved = [k for k in reserved if k not in set(unusable)]
+                with self._copying():  # each digest after its payload, once computed
+                    self._after(digested)
+                    for i, address in written_at.items():
+                        at = address + sizes[i] - CHECKSUM_BYTES
+                        src = dbase + i * CHECKSUM_BYTES
+                        copy_rows(at, CHECKSUM_BYTES, src, CHECKSUM_BYTES, CHECKSUM_BYTES, 1, dev)
                 self._sync()
                 reserved.clear()
             finally:
@@ -780,36 +746,70 @@ class StoreKV:
         self.counts.last_save_store_s = store_s
         self.counts.saved_direct += written
         if through:
-            codes = self._put_through_sized(keys, objects, offsets, through, any(done))
+            codes = self._put_through_groups(keys, groups, flat, digests, through, any(done))
             for i, code in zip(through, codes, strict=True):
                 done[i] = code == 0
             self.counts.saved_through_store += len(through)
-        # the digests as the store holds them (read where the copies put them; those not
-        # written here from the device's objects: the same bytes, the digest being keyed)
+        # the digests as the store holds them (read where the copies put them; the others from
+        # the device: the same bytes, the digest being keyed)
         stored = []
         for i, k in enumerate(keys):
             if not done[i]:
                 continue
-            at = offsets[i] + sizes[i] - CHECKSUM_BYTES
             if i in written_at:
-                digest = ctypes.string_at(written_at[i] + sizes[i] - CHECKSUM_BYTES, CHECKSUM_BYTES)
+                at = written_at[i] + sizes[i] - CHECKSUM_BYTES
+                digest = ctypes.string_at(at, CHECKSUM_BYTES)
             else:
-                digest = objects[at : at + CHECKSUM_BYTES].cpu().numpy().tobytes()
+                digest = digests[i].cpu().numpy().tobytes()
             stored.append((k, sizes[i] - CHECKSUM_BYTES, digest))
         return SaveOutcome(stored, [k for i, k in enumerate(keys) if not done[i]])
 
-    def _put_through_sized(
+    def _digest_groups(
+        self,
+        flat: torch.Tensor,
+        groups: Sequence[ObjectGroup],
+        keys: list[str],
+        heads: int,
+        digests: torch.Tensor,
+        *,
+        check: bool,
+    ) -> torch.Tensor:
+        """Each group's `KEYED_MAC` digest over its blocks in `flat` (`[n, heads, unit]`
+        staging, flat) written into its row of `digests` (a save), or checked against it (a
+        load: a flag per group); one launch pair per run of groups of one size."""
+        flags: list[torch.Tensor] = []
+        a, m = 0, len(groups)
+        while a < m:
+            b = a + 1
+            while b < m and groups[b].count == groups[a].count:
+                b += 1
+            width = groups[a].count * heads * self._unit
+            lo = groups[a].first * heads * self._unit
+            rows = flat[lo : lo + (b - a) * width].view(b - a, width)
+            lanes = gpu_digest.keys_tensor(keys[a:b], width, flat.device)
+            if check:
+                flags.append(gpu_digest.check(rows, lanes, digests[a:b]))
+            else:
+                gpu_digest.digests(rows, lanes, digests[a:b])
+            a = b
+        return torch.cat(flags) if flags else digests.new_empty(0, dtype=torch.int32)
+
+    def _put_through_groups(
         self,
         keys: list[str],
-        objects: torch.Tensor,
-        offsets: list[int],
+        groups: Sequence[ObjectGroup],
+        flat: torch.Tensor,
+        digests: torch.Tensor,
         which: list[int],
         some_stored: bool,
     ) -> list[int]:
-        """`put_objects` of the framed objects `which` (object i at `offsets[i]` of the flat
-        `objects`) from registered staging; as `_put_through`."""
-        sizes = [offsets[i + 1] - offsets[i] for i in which]
-        got = self._saves.take(sum(sizes))
+        """`put_objects` of the groups `which` (payload from `flat`, then its digest) from
+        registered staging (objects the store placed outside this client's segment); as
+        `_put_through`."""
+        h, unit = self._heads, self._unit
+        widths = [groups[i].count * h * unit for i in which]
+        total = sum(widths) + len(which) * CHECKSUM_BYTES
+        got = self._saves.take(total)
         if got is None:
             return [-1] * len(which)
         offset, extent = got
@@ -817,23 +817,28 @@ class StoreKV:
             at = 0
             addresses = []
             with self._on_stream():
-                for i, n in zip(which, sizes, strict=True):
-                    extent[at : at + n].copy_(
-                        objects[offsets[i] : offsets[i] + n], non_blocking=True
+                for i, width in zip(which, widths, strict=True):
+                    lo = groups[i].first * h * unit
+                    extent[at : at + width].copy_(flat[lo : lo + width], non_blocking=True)
+                    extent[at + width : at + width + CHECKSUM_BYTES].copy_(
+                        digests[i], non_blocking=True
                     )
                     addresses.append(int(extent.data_ptr()) + at)
-                    at += n
+                    at += width + CHECKSUM_BYTES
                 self._sync()
             try:
                 return self.client.put_objects(
-                    [keys[i] for i in which], addresses, sizes, local=self.local
+                    [keys[i] for i in which],
+                    addresses,
+                    [w + CHECKSUM_BYTES for w in widths],
+                    local=self.local,
                 )
             except StoreError:
                 if not some_stored:
                     raise
                 return [-1] * len(which)
         finally:
-            self._saves.give(offset, sum(sizes))
+            self._saves.give(offset, total)
 
     # --- load ------------------------------------------------------------------------------------
 
@@ -1124,75 +1129,56 @@ class StoreKV:
     def _load_groups_device(
         self, groups: Sequence[ObjectGroup], block_ids: Sequence[int], heads: int, first_head: int
     ) -> tuple[int, str | None, list[str]]:
-        """A grouped zero-copy load round: replicas looked up chunk by chunk (cached), each
-        chunk's objects copied up on the copy stream as soon as it is answered; then chunk by
-        chunk on the connector's stream, each digest checked while the payloads are unframed
-        and the chunk's blocks (this rank's heads) scattered while later chunks still come up.
-        Objects not read that way are read through the store, and the good prefix is the
-        first `good` blocks of every group before the first one refused."""
+        """A grouped zero-copy load round: replicas looked up chunk by chunk (cached); each
+        object's payload copied up on the copy stream straight into its blocks' staging and its
+        digest beside, as soon as its chunk is answered; each chunk's digests checked on the
+        connector's stream while later chunks still come up; then one scatter of this rank's
+        heads of the good prefix. Objects not read that way are read through the store."""
         assert isinstance(self.kv, CudaPagedKV) and self._segments is not None
         kv = self.kv
         n, unit, m, dev = len(block_ids), self._unit, len(groups), kv.device
         keys = [g.key for g in groups]
         sizes = [self._object_bytes(g.count, heads) for g in groups]
-        offsets = [0]
-        for size in sizes:
-            offsets.append(offsets[-1] + size)
         copied = [False] * m
-        verified = [0] * m
         store_s = 0.0
-        scattered = 0  # leading blocks already written into the cache
         with self._on_stream():
-            objects = torch.empty(offsets[-1], dtype=torch.uint8, device=dev)
             units = torch.empty((n, heads, unit), dtype=torch.uint8, device=dev)
-            base = int(objects.data_ptr())
+            digests = torch.zeros((m, CHECKSUM_BYTES), dtype=torch.uint8, device=dev)
+            flat = units.view(-1)
+            base, dbase = int(flat.data_ptr()), int(digests.data_ptr())
+            made = self._mark()  # the buffers exist before the copy stream writes them
             bounds = chunk_bounds(m, self.first_chunk_objects, self.chunk_objects)
             pending = [
                 self._rpc.submit(self.client.local_replicas, keys[a:b], cached=True)
                 for a, b in bounds
             ]
-            arrived: list[torch.cuda.Event | None] = []
-            for (a, _b), future in zip(bounds, pending, strict=True):
+            flags: list[torch.Tensor] = []
+            for (a, b), future in zip(bounds, pending, strict=True):
                 t0 = time.perf_counter()
                 found = future.result()
                 store_s += time.perf_counter() - t0
                 with self._copying():
+                    self._after(made)
                     for i, r in enumerate(found, a):
                         if r is None or r.size != sizes[i]:
                             continue  # read through the store instead
                         if not self._segments.ready(r.address, r.size):
                             continue
-                        copy_rows(
-                            base + offsets[i], sizes[i], r.address, sizes[i], sizes[i], 1, dev
-                        )
+                        width = sizes[i] - CHECKSUM_BYTES
+                        dst = base + groups[i].first * heads * unit
+                        copy_rows(dst, width, r.address, width, width, 1, dev)
+                        at = dbase + i * CHECKSUM_BYTES
+                        copy_rows(at, CHECKSUM_BYTES, r.address + width, CHECKSUM_BYTES,
+                                  CHECKSUM_BYTES, 1, dev)  # fmt: skip
                         copied[i] = True
-                    arrived.append(self._mark())
-            whole = True  # every group so far copied, verified and scattered
-            for (a, b), event in zip(bounds, arrived, strict=True):
-                if not any(copied[a:b]):
-                    whole = False
-                    continue
-                self._after(event)
-                ok = self._frame_groups(
-                    units, groups[a:b], keys[a:b], heads, objects, offsets[a : b + 1], check=True
-                )
-                verified[a:b] = ok.cpu().tolist()  # waits for this chunk's copies and checks
-                if not whole:
-                    continue
-                end = scattered
-                for i in range(a, b):
-                    if not (copied[i] and verified[i]):
-                        whole = False
-                        break
-                    end = groups[i].first + groups[i].count
-                if end > scattered:
-                    kv.device_scatter(
-                        self._rank_units(units, scattered, end, first_head),
-                        block_ids[scattered:end],
-                        wait=False,
+                    arrived = self._mark()
+                self._after(arrived)
+                flags.append(
+                    self._digest_groups(
+                        flat, groups[a:b], keys[a:b], heads, digests[a:b], check=True
                     )
-                    scattered = end
-            self._sync()
+                )
+            verified = torch.cat(flags).cpu().tolist()  # waits for the copies and the checks
         codes = [1 if c and v else UNREAD for c, v in zip(copied, verified, strict=True)]
         stale = [keys[i] for i in range(m) if copied[i] and not verified[i]]
         if stale:  # another key's bytes, an XXH3 digest or a torn read: ask the master afresh
@@ -1207,10 +1193,8 @@ class StoreKV:
         good, why, gone = self._settle_groups(groups, codes)
         if why_store is not None and why is not None and UNREAD in codes:
             why = why_store
-        if good > scattered:
-            kv.device_scatter(
-                self._rank_units(units, scattered, good, first_head), block_ids[scattered:good]
-            )
+        if good:
+            kv.device_scatter(self._rank_units(units, 0, good, first_head), block_ids[:good])
         return good, why, gone
 
     def _read_groups_through(

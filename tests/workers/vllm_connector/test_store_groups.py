@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,7 +41,8 @@ from workers.mooncake_store import (
     StoreClient,
     verify,
 )
-from workers.mooncake_store.digest import is_mac
+from workers.mooncake_store.digest import is_mac, mac_digests
+from workers.vllm_connector import gpu_digest
 from workers.vllm_connector.plan import (
     ObjectGroup,
     group_key,
@@ -47,6 +52,7 @@ from workers.vllm_connector.plan import (
 from workers.vllm_connector.store_path import StoreKV, chunk_bounds
 
 LAYOUT = "flashattn"
+ROOT = Path(__file__).resolve().parents[3]
 
 # --- the layout, pure ------------------------------------------------------------------------
 
@@ -90,14 +96,58 @@ def test_round_trip_chunks_start_small_and_double() -> None:
     assert chunk_bounds(0, 1, 8) == []
 
 
+# --- the digest, read in place --------------------------------------------------------------
+
+
+def test_digests_read_in_place_are_the_framed_ones_and_check_binds_them() -> None:
+    g = torch.Generator().manual_seed(7)
+    keys = [f"g{i}" for i in range(3)]
+    payloads = torch.randint(0, 256, (3, 8 * 900), dtype=torch.uint8, generator=g)
+    lanes = gpu_digest.keys_tensor(keys, payloads.shape[1], torch.device("cpu"))
+    out = torch.zeros((3, CHECKSUM_BYTES), dtype=torch.uint8)
+    gpu_digest.digests(payloads, lanes, out)
+    want = mac_digests(keys, [bytes(p.numpy()) for p in payloads])
+    assert [bytes(d.numpy()) for d in out] == want
+    assert gpu_digest.check(payloads, lanes, out).tolist() == [1, 1, 1]
+    payloads[2, 77] ^= 0x10
+    out[0, 3] ^= 0x01
+    assert gpu_digest.check(payloads, lanes, out).tolist() == [0, 1, 0]
+
+
+INTERPRETED = """
+import torch
+from workers.mooncake_store.digest import mac_digests
+from workers.vllm_connector import gpu_digest
+
+keys = ["a", "b", "c"]
+unit = 8 * (gpu_digest.BLOCK * 2 + 3)  # several slices, a ragged last step
+payloads = torch.randint(0, 256, (3, unit), dtype=torch.uint8)
+lanes = gpu_digest.keys_tensor(keys, unit, torch.device("cpu"))
+out = torch.zeros((3, 16), dtype=torch.uint8)
+gpu_digest.digests(payloads, lanes, out)
+want = mac_digests(keys, [bytes(p.numpy()) for p in payloads])
+assert [bytes(d.numpy()) for d in out] == want
+payloads[1, 8 * 700 + 3] ^= 0x40
+assert gpu_digest.check(payloads, lanes, out).tolist() == [1, 0, 1]
+print("agree")
+"""
+
+
+def test_the_in_place_triton_kernels_match_numpy_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "agree"
+
+
 # --- through a real master -------------------------------------------------------------------
 
 
 @pytest.fixture
-def master(tmp_path: object) -> Iterator[MooncakeMaster]:
-    from pathlib import Path
-
-    assert isinstance(tmp_path, Path)
+def master(tmp_path: Path) -> Iterator[MooncakeMaster]:
     try:
         m = MooncakeMaster(client_ttl_s=2, log_path=tmp_path / "master.log").start()
     except MasterUnavailable as exc:
