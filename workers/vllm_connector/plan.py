@@ -5,7 +5,9 @@ A block's identity is the OwnerServe chain hash of its tokens (`ownerserve.hashi
 chain the router computes from the same token ids, block size and root), so a block saved by one
 worker is found by every other worker and by the router's directory. Its KV is stored as one
 artifact per KV head: key `HeadArtifactKey(model, head, chunk_hash)` with all layers of
-that head in the one artifact (`layer` left unset); MLA models have one head (head 0).
+that head in the one artifact (`layer` left unset); MLA models have one head (head 0). The
+store path's grouped layout (`object_groups`, `group_key`) keys one object per group of blocks
+holding every head instead.
 """
 
 from __future__ import annotations

@@ -34,6 +34,22 @@ by default there): the store's host copy and the CPU hashing leave the path.
   good prefix. An object not readable that way (in another segment, an XXH3 digest, a
   replica that moved: the keyed digest fails) is read through `get_split`, verified on the CPU,
   and copied up.
+
+**Object granularity.** `put` / `load` keep one object per block per KV head (the sidecar's
+artifacts, what the connector saves). `put_groups` / `load_groups` are the grouped layout: one
+object per group of blocks holding every KV head (`plan.object_groups`: cut at the request's
+multiples of `plan.BLOCKS_PER_OBJECT`, keyed `plan.group_key` by the last block's chain hash),
+payload `[blocks, heads, payload]` then one digest, so every reader verifies it as any other
+object (`digest.verify`). 8x-64x fewer keys a request, so the master's metadata stops bounding
+a transfer. A TP-mismatched reader reads whole objects (a TP-2 rank twice its bytes), verifies
+them and takes its heads (`object_heads`, `first_head`); a saver must hold every head its keys
+name. Zero copy: the save queues its gather, then asks for the reservations (`gather(groups=)`,
+on the RPC threads while the kernel runs), computes the digests in place on the connector's
+stream while the payloads go straight from the gather's staging into the store's memory on a
+copy stream (`gpu_digest.digests`), then each digest after its payload; the load copies
+payloads straight into the blocks' staging and the digests beside, checks them in place chunk
+by chunk (`gpu_digest.check`) and scatters the good prefix once. Round trips go in chunks of
+1, 2, 4, ... objects (`first_chunk_objects`, `chunk_bounds`).
 """
 
 from __future__ import annotations
