@@ -46,10 +46,11 @@ them and takes its heads (`object_heads`, `first_head`); a saver must hold every
 name. Zero copy: the save queues its gather, then asks for the reservations (`gather(groups=)`,
 on the RPC threads while the kernel runs), computes the digests in place on the connector's
 stream while the payloads go straight from the gather's staging into the store's memory on a
-copy stream (`gpu_digest.digests`), then each digest after its payload; the load copies
-payloads straight into the blocks' staging and the digests beside, checks them in place chunk
-by chunk (`gpu_digest.check`) and scatters the good prefix once. Round trips go in chunks of
-1, 2, 4, ... objects (`first_chunk_objects`, `chunk_bounds`).
+copy stream (`gpu_digest.digests`), then each digest after its payload; the load copies the
+objects up on the copy stream, and chunk by chunk checks and unframes them
+(`gpu_digest.unframe`) and scatters the chunk's blocks while later chunks still come up
+(measured faster than copying payloads apart and scattering once: 73% against 65% cached).
+Round trips go in chunks of 1, 2, 4, ... objects (`first_chunk_objects`, `chunk_bounds`).
 """
 
 from __future__ import annotations
@@ -683,6 +684,40 @@ class StoreKV:
                 staged.reserving.cancel(self.client)
             staged.release()
 
+    def _frame_groups(
+        self,
+        payloads: torch.Tensor,
+        groups: Sequence[ObjectGroup],
+        keys: list[str],
+        heads: int,
+        objects: torch.Tensor,
+        offsets: list[int],
+        *,
+        check: bool,
+    ) -> torch.Tensor:
+        """Frame (save: `payloads` -> `objects`) or check and unframe (load: `objects` ->
+        `payloads`, a flag per group) every group, one launch pair per run of groups of one
+        size; `payloads` is `[n, heads, unit]` flat, `objects` holds object g at `offsets[g]`."""
+        flat = payloads.reshape(-1)
+        dev = objects.device
+        flags: list[torch.Tensor] = []
+        a, m = 0, len(groups)
+        while a < m:
+            b = a + 1
+            while b < m and groups[b].count == groups[a].count:
+                b += 1
+            width = groups[a].count * heads * self._unit
+            lo = groups[a].first * heads * self._unit
+            rows = flat[lo : lo + (b - a) * width].view(b - a, width)
+            objs = objects[offsets[a] : offsets[b]].view(b - a, width + CHECKSUM_BYTES)
+            lanes = gpu_digest.keys_tensor(keys[a:b], width, dev)
+            if check:
+                flags.append(gpu_digest.unframe(objs, lanes, rows))
+            else:
+                gpu_digest.frame(rows, lanes, objs)
+            a = b
+        return torch.cat(flags) if flags else objects.new_empty(0, dtype=torch.int32)
+
     def _put_groups_device(self, staged: StagedStore, groups: Sequence[ObjectGroup]) -> SaveOutcome:
         """A grouped zero-copy save: reservations (asked for at `gather` when it had the
         groups); each object's payload copied from the gather's staging straight into the
@@ -1145,56 +1180,75 @@ class StoreKV:
     def _load_groups_device(
         self, groups: Sequence[ObjectGroup], block_ids: Sequence[int], heads: int, first_head: int
     ) -> tuple[int, str | None, list[str]]:
-        """A grouped zero-copy load round: replicas looked up chunk by chunk (cached); each
-        object's payload copied up on the copy stream straight into its blocks' staging and its
-        digest beside, as soon as its chunk is answered; each chunk's digests checked on the
-        connector's stream while later chunks still come up; then one scatter of this rank's
-        heads of the good prefix. Objects not read that way are read through the store."""
+        """A grouped zero-copy load round: replicas looked up chunk by chunk (cached), each
+        chunk's objects copied up on the copy stream as soon as it is answered; then chunk by
+        chunk on the connector's stream, each digest checked while the payloads are unframed
+        and the chunk's blocks (this rank's heads) scattered while later chunks still come up.
+        Objects not read that way are read through the store, and the good prefix is the
+        first `good` blocks of every group before the first one refused."""
         assert isinstance(self.kv, CudaPagedKV) and self._segments is not None
         kv = self.kv
         n, unit, m, dev = len(block_ids), self._unit, len(groups), kv.device
         keys = [g.key for g in groups]
         sizes = [self._object_bytes(g.count, heads) for g in groups]
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
         copied = [False] * m
+        verified = [0] * m
         store_s = 0.0
+        scattered = 0  # leading blocks already written into the cache
         with self._on_stream():
+            objects = torch.empty(offsets[-1], dtype=torch.uint8, device=dev)
             units = torch.empty((n, heads, unit), dtype=torch.uint8, device=dev)
-            digests = torch.zeros((m, CHECKSUM_BYTES), dtype=torch.uint8, device=dev)
-            flat = units.view(-1)
-            base, dbase = int(flat.data_ptr()), int(digests.data_ptr())
-            made = self._mark()  # the buffers exist before the copy stream writes them
+            base = int(objects.data_ptr())
             bounds = chunk_bounds(m, self.first_chunk_objects, self.chunk_objects)
             pending = [
                 self._rpc.submit(self.client.local_replicas, keys[a:b], cached=True)
                 for a, b in bounds
             ]
-            flags: list[torch.Tensor] = []
-            for (a, b), future in zip(bounds, pending, strict=True):
+            arrived: list[torch.cuda.Event | None] = []
+            for (a, _b), future in zip(bounds, pending, strict=True):
                 t0 = time.perf_counter()
                 found = future.result()
                 store_s += time.perf_counter() - t0
                 with self._copying():
-                    self._after(made)
                     for i, r in enumerate(found, a):
                         if r is None or r.size != sizes[i]:
                             continue  # read through the store instead
                         if not self._segments.ready(r.address, r.size):
                             continue
-                        width = sizes[i] - CHECKSUM_BYTES
-                        dst = base + groups[i].first * heads * unit
-                        copy_rows(dst, width, r.address, width, width, 1, dev)
-                        at = dbase + i * CHECKSUM_BYTES
-                        copy_rows(at, CHECKSUM_BYTES, r.address + width, CHECKSUM_BYTES,
-                                  CHECKSUM_BYTES, 1, dev)  # fmt: skip
+                        copy_rows(
+                            base + offsets[i], sizes[i], r.address, sizes[i], sizes[i], 1, dev
+                        )
                         copied[i] = True
-                    arrived = self._mark()
-                self._after(arrived)
-                flags.append(
-                    self._digest_groups(
-                        flat, groups[a:b], keys[a:b], heads, digests[a:b], check=True
-                    )
+                    arrived.append(self._mark())
+            whole = True  # every group so far copied, verified and scattered
+            for (a, b), event in zip(bounds, arrived, strict=True):
+                if not any(copied[a:b]):
+                    whole = False
+                    continue
+                self._after(event)
+                ok = self._frame_groups(
+                    units, groups[a:b], keys[a:b], heads, objects, offsets[a : b + 1], check=True
                 )
-            verified = torch.cat(flags).cpu().tolist()  # waits for the copies and the checks
+                verified[a:b] = ok.cpu().tolist()  # waits for this chunk's copies and checks
+                if not whole:
+                    continue
+                end = scattered
+                for i in range(a, b):
+                    if not (copied[i] and verified[i]):
+                        whole = False
+                        break
+                    end = groups[i].first + groups[i].count
+                if end > scattered:
+                    kv.device_scatter(
+                        self._rank_units(units, scattered, end, first_head),
+                        block_ids[scattered:end],
+                        wait=False,
+                    )
+                    scattered = end
+            self._sync()
         codes = [1 if c and v else UNREAD for c, v in zip(copied, verified, strict=True)]
         stale = [keys[i] for i in range(m) if copied[i] and not verified[i]]
         if stale:  # another key's bytes, an XXH3 digest or a torn read: ask the master afresh
@@ -1209,8 +1263,10 @@ class StoreKV:
         good, why, gone = self._settle_groups(groups, codes)
         if why_store is not None and why is not None and UNREAD in codes:
             why = why_store
-        if good:
-            kv.device_scatter(self._rank_units(units, 0, good, first_head), block_ids[:good])
+        if good > scattered:
+            kv.device_scatter(
+                self._rank_units(units, scattered, good, first_head), block_ids[scattered:good]
+            )
         return good, why, gone
 
     def _read_groups_through(
