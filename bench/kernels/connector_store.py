@@ -68,11 +68,11 @@ from workers.mooncake_store import (
     StoreClient,
     StoreError,
 )
-from workers.mooncake_store.digest import mac_digests
+from workers.mooncake_store.digest import mac_digests, verify
 from workers.vllm_connector import gpu_digest
 from workers.vllm_connector.gpu import CudaPagedKV
 from workers.vllm_connector.host_copy import copy_rows, strided_runs
-from workers.vllm_connector.plan import block_keys
+from workers.vllm_connector.plan import block_keys, head_range, object_groups
 from workers.vllm_connector.store_path import StoreKV
 
 DT = torch.bfloat16
@@ -691,6 +691,260 @@ def _zero_copy(
     return out
 
 
+def grouped(
+    r: Report,
+    shape: Shape,
+    device: torch.device,
+    c: StoreClient,
+    reps: int,
+    blocks_per_object: int,
+    copy_up: float,
+    copy_down: float,
+) -> list[str]:
+    """The grouped layout, zero copy: one object per `blocks_per_object` blocks with every
+    head; save and load through the client's own segment, the parts timed apart, the checks
+    (objects = the reference bytes, loads bit-exact, TP 1 -> 2 bit-exact); the summary rows."""
+    name = f"grouped by {blocks_per_object}"
+    layers = fa_layers(shape, shape.heads, device)
+    kv = CudaPagedKV(layers)
+    unit = kv.payload_nbytes
+    nbytes = shape.n * shape.heads * unit
+    staging = 3 * nbytes
+    w = StoreKV(c, kv, staging_bytes=staging, zero_copy=True, chunk_objects=64)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randperm(shape.num_blocks, generator=g)[: shape.n].tolist()
+    dst_ids = torch.randperm(shape.num_blocks, generator=g)[: shape.n].tolist()
+    hashes = [0x5000 + blocks_per_object * 0x10000 + i for i in range(shape.n)]
+    gs = object_groups(MODEL, 0, hashes, shape.heads, blocks_per_object)
+    keys = [x.key for x in gs]
+    sizes = [x.count * shape.heads * unit + CHECKSUM_BYTES for x in gs]
+    store_s: list[float] = []
+
+    def remove() -> None:
+        c.remove(keys)
+
+    def save(ahead: bool = True) -> None:
+        staged = w.gather(ids, groups=gs if ahead else None)
+        assert staged is not None and staged.on_device
+        out = w.put_groups(staged, gs)
+        if out.refused:
+            raise StoreError(f"the store refused {len(out.refused)} objects")
+        store_s.append(w.counts.last_save_store_s)
+
+    remove()
+    save()
+    expect = ref.split_heads(kv.paged, ids, block_major=True).reshape(-1)
+    expect_bytes = expect.view(torch.uint8).cpu().numpy().tobytes()
+    replicas = c.local_replicas(keys)
+    held = [ctypes.string_at(p.address, p.size) if p is not None else b"" for p in replicas]
+    at = [x.first * shape.heads * unit for x in gs]
+    r.check(
+        f"{name}: every object in the client's own segment = the blocks' reference bytes",
+        all(len(o) == n for o, n in zip(held, sizes, strict=True))
+        and all(
+            o[:-CHECKSUM_BYTES] == expect_bytes[a : a + n - CHECKSUM_BYTES]
+            for o, a, n in zip(held, at, sizes, strict=True)
+        ),
+    )
+    r.check(
+        f"{name}: the device's digests verify on the CPU (digest.verify)",
+        all(
+            verify(k, o[:-CHECKSUM_BYTES], o[-CHECKSUM_BYTES:])
+            for k, o in zip(keys[:2], held[:2], strict=True)
+        ),
+    )
+    r.check(f"{name}: every object saved directly", w.counts.saved_through_store == 0)
+    store_s.clear()
+    save_s = median_s(save, device, reps, before=remove)
+    save_store_ms = statistics.median(store_s) * 1e3
+    late_s = median_s(lambda: save(ahead=False), device, reps, before=remove)
+    w.first_chunk_objects = len(gs)
+    one_s = median_s(save, device, reps, before=remove)
+    w.first_chunk_objects = 1
+
+    # parts: gather, digests, reservations alone, copy down / up alone (payload + digest each)
+    stream = kv.stream
+    gather_ms = part_ms(device, stream, lambda: kv.device_gather(ids), reps)
+    flat = kv.device_gather(ids).reshape(-1)
+    digests = torch.empty((len(gs), CHECKSUM_BYTES), dtype=torch.uint8, device=device)
+    digest_ms = part_ms(
+        device,
+        stream,
+        lambda: w._digest_groups(flat, gs, keys, shape.heads, digests, check=False),
+        reps,
+    )
+    other = [f"{k}#copy" for k in keys]
+    reserve_s = median_s(
+        lambda: c.reserve_local(other, sizes), device, reps, before=lambda: c.remove(other)
+    )
+    c.remove(other)
+    spots = c.reserve_local(other, sizes)
+    addresses = [int(p.address) for p in spots]  # type: ignore[union-attr]
+    base, dbase = int(flat.data_ptr()), int(digests.data_ptr())
+    for a, n in zip(addresses, sizes, strict=True):
+        assert w._segments is not None and w._segments.ready(a, n)
+    at = [x.first * shape.heads * unit for x in gs]
+    d = CHECKSUM_BYTES
+
+    def copy_down_direct() -> None:
+        for i, a in enumerate(addresses):
+            n = sizes[i] - d
+            copy_rows(a, n, base + at[i], n, n, 1, device)
+            copy_rows(a + n, d, dbase + i * d, d, d, 1, device)
+
+    def copy_up_direct() -> None:
+        for i, a in enumerate(addresses):
+            n = sizes[i] - d
+            copy_rows(base + at[i], n, a, n, n, 1, device)
+            copy_rows(dbase + i * d, d, a + n, d, d, 1, device)
+
+    down_ms = part_ms(device, stream, copy_down_direct, reps)
+    up_ms = part_ms(device, stream, copy_up_direct, reps)
+    raw = c._store
+    desc_ms = median_s(lambda: raw.batch_get_replica_desc(keys), device, reps) * 1e3
+    lookup_ms = median_s(lambda: c.local_replicas(keys), device, reps) * 1e3
+    c.remove(other)
+    remove()
+    save()
+
+    # loads: all heads into NaN-poisoned blocks, looked up and cached; both TP=2 ranks
+    dst_layers = [torch.full_like(t, float("nan")) for t in layers]
+    reader = StoreKV(c, CudaPagedKV(dst_layers), staging_bytes=staging, zero_copy=True)
+    lookup_s: list[float] = []
+
+    def poison() -> None:
+        for t in dst_layers:
+            t[:, dst_ids] = float("nan")
+
+    def cold() -> None:
+        poison()
+        c.forget_local(keys)
+
+    def load() -> None:
+        got = reader.load_groups(gs, dst_ids)
+        assert got.load.blocks == shape.n
+        lookup_s.append(reader.counts.last_load_store_s)
+
+    def exact(dst: list[torch.Tensor], part: slice = slice(None)) -> bool:
+        return all(
+            torch.equal(b[:, dst_ids].view(torch.int16), a[:, ids][..., part, :].view(torch.int16))
+            for a, b in zip(layers, dst, strict=True)
+        )
+
+    cold()
+    got = reader.load_groups(gs, dst_ids)
+    r.check(
+        f"{name}: load into NaN-poisoned blocks = source blocks (bit-exact), all read directly",
+        got.load.blocks == shape.n
+        and got.load.refused is None
+        and exact(dst_layers)
+        and reader.counts.loaded_through_store == 0,
+    )
+    load_cold_s = median_s(load, device, reps, before=cold)
+    lookup_cold_ms = statistics.median(lookup_s) * 1e3
+    lookup_s.clear()
+    load_hot_s = median_s(load, device, reps, before=poison)
+    lookup_hot_ms = statistics.median(lookup_s) * 1e3
+    r.check(f"{name}: loads timed bit-exact", exact(dst_layers))
+    tp_s: list[float] = []
+    for rank in range(2):
+        lo, hi = head_range(heads_for_rank(shape.heads, 2, rank))
+        tp_layers = fa_layers(shape, hi - lo, device)
+        for t in tp_layers:
+            t.fill_(float("nan"))
+        tp = StoreKV(c, CudaPagedKV(tp_layers), staging_bytes=staging, zero_copy=True)
+        got = tp.load_groups(gs, dst_ids, object_heads=shape.heads, first_head=lo)
+        r.check(
+            f"{name}: TP=2 rank {rank} (heads {lo}-{hi - 1}) load of the TP=1 save "
+            "(bit-exact, whole objects read directly)",
+            got.load.blocks == shape.n
+            and exact(tp_layers, slice(lo, hi))
+            and tp.counts.loaded_through_store == 0,
+        )
+
+        def tp_load(tp: StoreKV = tp, lo: int = lo) -> None:
+            tp.load_groups(gs, dst_ids, object_heads=shape.heads, first_head=lo)
+
+        tp_s.append(median_s(tp_load, device, reps))
+        tp.close()
+    check_ms = part_ms(
+        device,
+        stream,
+        lambda: w._digest_groups(flat, gs, keys, shape.heads, digests, check=True),
+        reps,
+    )
+    rk = reader.kv
+    assert isinstance(rk, CudaPagedKV)
+    staged = flat.view(shape.n, shape.heads, unit)
+    scatter_ms = part_ms(device, rk.stream, lambda: rk.device_scatter(staged, dst_ids), reps)
+    reader.close()
+    w.close()
+    remove()
+
+    def row(what: str, seconds: float, copy: float | None, target: bool = False) -> str:
+        rate = gbs(nbytes, seconds)
+        share = "" if copy is None else f"{rate / copy:.1%}"
+        verdict = ""
+        if target and copy is not None:
+            verdict = "met" if rate / copy >= TARGET else "NOT met"
+        return f"| {name}: {what} | {seconds * 1e3:.3f} | {rate:.1f} | {share} | {verdict} |"
+
+    r.say(
+        f"{name}: {len(gs)} objects of {sizes[0] >> 20} MiB; save {save_s * 1e3:.3f} ms = "
+        f"{gbs(nbytes, save_s) / copy_down:.1%} of the copy down; load {load_cold_s * 1e3:.3f} ms"
+        f" (looked up) = {gbs(nbytes, load_cold_s) / copy_up:.1%}, {load_hot_s * 1e3:.3f} ms "
+        f"(cached) = {gbs(nbytes, load_hot_s) / copy_up:.1%} of the copy up"
+    )
+    return [
+        row(
+            f"save end to end ({len(gs)} objects reserved at gather, chunks 1, 2, 4, ...)",
+            save_s,
+            copy_down,
+            target=True,
+        ),
+        row("save, reserved in put_groups (after the gather)", late_s, copy_down),
+        row("save, reserved at gather in one round trip chain", one_s, copy_down),
+        row("of it: gather kernel (CUDA events)", gather_ms / 1e3, None),
+        row("of it: keyed-MAC digest kernels, read in place (CUDA events)", digest_ms / 1e3, None),
+        row(f"of it: reserve_local of {len(gs)} objects alone (3 round trips)", reserve_s, None),
+        row("of it: reservations waited for inside the timed saves", save_store_ms / 1e3, None),
+        row(
+            f"of it: copy down alone ({len(gs)} payloads + digests, CUDA events)",
+            down_ms / 1e3,
+            copy_down,
+        ),
+        row(
+            "load end to end, replicas looked up (lookup + copy up + check/unframe + scatter)",
+            load_cold_s,
+            copy_up,
+            target=True,
+        ),
+        row("load end to end, replicas cached", load_hot_s, copy_up, target=True),
+        row(
+            "TP=2 rank 0 / 1 load, cached (whole objects: 2x the bytes, half the heads)",
+            statistics.mean(tp_s),
+            copy_up,
+        ),
+        row(
+            "of it: lookups waited for inside the timed loads, looked up",
+            lookup_cold_ms / 1e3,
+            None,
+        ),
+        row("of it: lookups waited for inside the timed loads, cached", lookup_hot_ms / 1e3, None),
+        row(f"of it: local_replicas of {len(gs)} keys alone (uncached)", lookup_ms / 1e3, None),
+        row(
+            f"master: batch_get_replica_desc of {len(gs)} keys, answer unread", desc_ms / 1e3, None
+        ),
+        row(
+            f"of it: copy up alone ({len(gs)} payloads + digests, CUDA events)",
+            up_ms / 1e3,
+            copy_up,
+        ),
+        row("of it: digest check kernels, read in place (CUDA events)", check_ms / 1e3, None),
+        row("of it: scatter kernel (CUDA events)", scatter_ms / 1e3, None),
+    ]
+
+
 def run(
     shape: Shape,
     device: torch.device,
@@ -701,6 +955,8 @@ def run(
     master_log: Path | None,
     chunk_objects: int = 64,
     only_zero_copy: bool = False,
+    group_blocks: Sequence[int] = (8,),
+    per_head: bool = True,
 ) -> Report:
     r = Report()
     r.say(
@@ -742,9 +998,21 @@ def run(
         r.say(f"mooncake_master {master.binary} at {master.address.url}")
         r.say(f"digest threads {digest_threads}, replica cache {replica_cache_s} s")
         r.say(f"zero copy: reservations and lookups by {chunk_objects} objects")
-        rows += zero_copy(
-            r, shape, device, master, segment, reps, chunk_objects, copy_up, copy_down
-        )
+        if per_head:
+            rows += zero_copy(
+                r, shape, device, master, segment, reps, chunk_objects, copy_up, copy_down
+            )
+        if group_blocks:
+            # room for a save, its reserved copies and the largest object's size class
+            room = max(64 << 20, -(-6 * nbytes // (16 << 20)) * (16 << 20))
+            c = StoreClient.open(
+                ClientSettings(master.address, segment_bytes=room, replica_cache_s=5)
+            )
+            try:
+                for n in group_blocks:
+                    rows += grouped(r, shape, device, c, reps, n, copy_up, copy_down)
+            finally:
+                c.close()
         if not only_zero_copy:
             with client(master, segment, digest_threads, replica_cache_s) as own:
                 rows += placement(r, "own segment", shape, device, own, reps, copy_up, copy_down)
@@ -784,8 +1052,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument(
         "--only",
-        choices=["zero-copy"],
-        help="run the zero-copy placement alone (the others take minutes)",
+        choices=["zero-copy", "grouped"],
+        help="zero-copy: the zero-copy placements alone, per head and grouped (the others take "
+        "minutes); grouped: the grouped layout alone",
+    )
+    ap.add_argument(
+        "--group-blocks",
+        default="8",
+        help="comma-separated blocks per object of the grouped layout to run (empty: none)",
     )
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--small", action="store_true", help="a small request (smoke runs)")
@@ -804,7 +1078,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 replica_cache_s=args.replica_cache_s,
                 master_log=Path(tmp) / "master.log",
                 chunk_objects=args.chunk_objects,
-                only_zero_copy=args.only == "zero-copy",
+                only_zero_copy=args.only is not None,
+                group_blocks=[int(x) for x in args.group_blocks.split(",") if x.strip()],
+                per_head=args.only != "grouped",
             )
         except MasterUnavailable as exc:
             print(f"connector_store: no Mooncake master can run here: {exc}")

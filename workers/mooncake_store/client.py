@@ -852,12 +852,15 @@ class StoreClient:
             for key in keys:
                 self._local.pop(key, None)
 
-    def reserve_local(self, keys: Sequence[str], size: int) -> list[Replica | int | None]:
-        """Objects of `size` bytes allocated in this client's own segment for the caller to
-        write in place (a put session started and ended: the object reads as zeros, which no
-        digest accepts, until written). Per key: its `Replica`, `EXISTS` (the store holds the
-        key: nothing to write), or None (not reserved here: the segment had no room, or the
-        master placed it elsewhere and it was removed again; put it through the store).
+    def reserve_local(
+        self, keys: Sequence[str], size: int | Sequence[int]
+    ) -> list[Replica | int | None]:
+        """Objects of `size` bytes (one size, or one per key) allocated in this client's own
+        segment for the caller to write in place (a put session started and ended: the object
+        reads as zeros, which no digest accepts, until written). Per key: its `Replica`,
+        `EXISTS` (the store holds the key: nothing to write), or None (not reserved here: the
+        segment had no room, or the master placed it elsewhere and it was removed again; put
+        it through the store).
         `StoreUnavailable` when the master cannot be reached."""
         from mooncake.store import ReplicateConfig
 
@@ -866,11 +869,12 @@ class StoreClient:
         store = self._live()
         if self.settings.segment_bytes <= 0:
             return [None] * len(keys)
+        sizes = [size] * len(keys) if isinstance(size, int) else [int(n) for n in size]
+        if len(sizes) != len(keys):
+            raise ValueError(f"{len(sizes)} sizes for {len(keys)} keys")
         config = ReplicateConfig()
         config.preferred_segment = self.segment
-        codes = [
-            int(c) for c in store.batch_put_session_start(list(keys), [size] * len(keys), config)
-        ]
+        codes = [int(c) for c in store.batch_put_session_start(list(keys), sizes, config)]
         if any(c in _UNREACHABLE for c in codes):
             raise StoreUnavailable(f"Mooncake master {self.settings.master.rpc} unreachable")
         out: list[Replica | int | None] = [
@@ -889,7 +893,7 @@ class StoreClient:
         found = self.local_replicas([keys[i] for i in ended])
         elsewhere: list[str] = []
         for i, replica in zip(ended, found, strict=True):
-            if replica is not None and replica.size == size:
+            if replica is not None and replica.size == sizes[i]:
                 out[i] = replica
             else:
                 elsewhere.append(keys[i])

@@ -17,7 +17,7 @@ import triton.language as tl
 def mac_partials_kernel(
     src, src_row, dst, dst_row, partial, words, per, slices,
     gamma, seed0, seed1, mix1, mix2,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, COPY: tl.constexpr = True,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -33,7 +33,8 @@ def mac_partials_kernel(
         idx = off + tl.arange(0, BLOCK)
         live = idx < words
         w = tl.load(src + row * src_row + idx, mask=live, other=0)
-        tl.store(dst + row * dst_row + idx, w, mask=live)
+        if COPY:
+            tl.store(dst + row * dst_row + idx, w, mask=live)
         wu = w.to(tl.uint64, bitcast=True)
         i = (idx + 1).to(tl.uint64)
         z = seed0 + i * gamma

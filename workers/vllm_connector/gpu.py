@@ -310,10 +310,13 @@ class CudaPagedKV:
 
     # --- load ----------------------------------------------------------------------------------
 
-    def device_scatter(self, units: torch.Tensor, block_ids: Sequence[int]) -> None:
+    def device_scatter(
+        self, units: torch.Tensor, block_ids: Sequence[int], *, wait: bool = True
+    ) -> None:
         """Write blocks whose payloads are in device staging `units` (uint8 `[>= n, heads,
         payload bytes]`, on the cache's device) into the cache: one launch queued on the
-        connector's stream after the work already there; returns once the blocks are written."""
+        connector's stream after the work already there; returns once the blocks are written
+        (`wait` false: once queued; the caller waits for the stream)."""
         ids = self._checked_ids(block_ids, distinct=True)
         n = len(ids)
         if units.device != self.device or tuple(units.shape[1:]) != (
@@ -332,7 +335,8 @@ class CudaPagedKV:
             merge_heads(staging, self.paged, self._ids_on_device(ids), block_major=True)
             done = torch.cuda.Event()
             done.record(self._stream)
-        done.synchronize()
+        if wait:
+            done.synchronize()
 
     def load_staging(self, n: int) -> LoadStaging:
         """Pinned host staging for a load of `n` blocks, for payloads read straight into its

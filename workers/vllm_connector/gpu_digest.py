@@ -6,6 +6,9 @@ objects (payload then digest, the bytes the store holds).
   written after it (a save, before the objects go down to the store's memory).
 - `unframe`: objects `[n, unit + 16]` -> payloads `[n, unit]` and a flag per object, 1 where its
   digest is the keyed MAC of its payload under its key (a load, after the objects came up).
+- `digests` / `check`: the same digests of payloads read in place, written into or checked
+  against a separate `[n, 16]` buffer (the grouped layout's path: payloads and digests move
+  apart, so no framing copy; the copy engine moves payloads while these run).
 
 Each launch splits every payload into slices (`_slices`: enough programs to fill the device),
 sums its slice's lane products in uint64 (wrapping, as the numpy implementation), and a second,
@@ -41,7 +44,8 @@ BLOCK = 1024
 """64-bit words per program and step."""
 TARGET_PROGRAMS = 2048
 """Programs a launch aims for (payloads x slices)."""
-MAX_SLICES = 64
+MAX_SLICES = 256
+"""Slices per payload at most (a few large objects still fill the device)."""
 
 
 def keys_tensor(keys: list[str], nbytes: int, device: torch.device) -> torch.Tensor:
@@ -94,6 +98,77 @@ def unframe(objects: torch.Tensor, lanes: torch.Tensor, payloads: torch.Tensor) 
     want = torch.from_numpy(_cpu_digests(payloads, lanes))
     ok.copy_((objects[:, unit:] == want).all(dim=1).to(torch.int32))
     return ok
+
+
+def digests(payloads: torch.Tensor, lanes: torch.Tensor, out: torch.Tensor) -> None:
+    """Write each payload row's `KEYED_MAC` digest into the row of `out` (`[n, 16]` uint8),
+    the payloads read in place (no framing copy: the caller moves payload and digest apart)."""
+    n = _checked_digests(payloads, lanes, out)
+    if n == 0:
+        return
+    if payloads.device.type == "cuda" or _interpreting():
+        _run(payloads, None, lanes, out, None)
+        return
+    out.copy_(torch.from_numpy(_cpu_digests(payloads, lanes)))
+
+
+def check(payloads: torch.Tensor, lanes: torch.Tensor, digests: torch.Tensor) -> torch.Tensor:
+    """An int32 flag per payload row (on its device), 1 where the row of `digests` is its
+    `KEYED_MAC` under its key; the payloads read in place."""
+    n = _checked_digests(payloads, lanes, digests)
+    ok = torch.zeros(n, dtype=torch.int32, device=payloads.device)
+    if n == 0:
+        return ok
+    if payloads.device.type == "cuda" or _interpreting():
+        _run(payloads, None, lanes, digests, ok)
+        return ok
+    want = torch.from_numpy(_cpu_digests(payloads, lanes))
+    ok.copy_((digests == want).all(dim=1).to(torch.int32))
+    return ok
+
+
+def _checked_digests(payloads: torch.Tensor, lanes: torch.Tensor, digests: torch.Tensor) -> int:
+    n, unit = payloads.shape
+    if unit % 8:
+        raise ValueError(f"payloads of {unit} bytes: the device digest needs a multiple of 8")
+    if tuple(digests.shape) != (n, DIGEST_BYTES) or tuple(lanes.shape) != (n, 2):
+        raise ValueError("payloads, digests and key terms disagree on their shapes")
+    if not digests.is_contiguous() or digests.dtype != torch.uint8 or digests.data_ptr() % 8:
+        raise ValueError("digests must be contiguous uint8 rows, 8-byte aligned")
+    if payloads.dtype != torch.uint8 or payloads.stride(1) != 1 or payloads.stride(0) % 8:
+        raise ValueError("payloads must be uint8 rows, 8-byte aligned")
+    if payloads.data_ptr() % 8:
+        raise ValueError("payloads must be uint8 rows, 8-byte aligned")
+    return int(n)
+
+
+def _run(
+    payloads: torch.Tensor,
+    dst: torch.Tensor | None,
+    lanes: torch.Tensor,
+    digests: torch.Tensor,
+    verify: torch.Tensor | None,
+) -> None:
+    """The two launches over payloads read in place: digests written into `digests`
+    (`verify` None) or checked against them (flags into `verify`)."""
+    jit = _jit()
+    n, unit = payloads.shape
+    words = unit // 8
+    slices, per = _slices(n, words)
+    partial = torch.empty((n, slices, 2), dtype=torch.int64, device=payloads.device)
+    s64 = payloads.view(torch.int64)
+    jit.mac_partials_kernel[(n, slices)](
+        s64, s64.stride(0), s64, s64.stride(0), partial, words, per, slices,
+        GAMMA, SEEDS[0], SEEDS[1], MIX1, MIX2,
+        BLOCK=BLOCK, num_warps=4, COPY=False,
+    )  # fmt: skip
+    d64 = digests.view(torch.int64)
+    jit.mac_finish_kernel[(n,)](
+        partial, slices, lanes, d64, d64.stride(0),
+        verify if verify is not None else partial,
+        LANE1_MASK, MAC_TAG << 56,
+        VERIFY=verify is not None, SP=max(2, 1 << (slices - 1).bit_length()),
+    )  # fmt: skip
 
 
 def _cpu_digests(payloads: torch.Tensor, lanes: torch.Tensor) -> np.ndarray:

@@ -5,7 +5,9 @@ A block's identity is the OwnerServe chain hash of its tokens (`ownerserve.hashi
 chain the router computes from the same token ids, block size and root), so a block saved by one
 worker is found by every other worker and by the router's directory. Its KV is stored as one
 artifact per KV head: key `HeadArtifactKey(model, head, chunk_hash)` with all layers of
-that head in the one artifact (`layer` left unset); MLA models have one head (head 0).
+that head in the one artifact (`layer` left unset); MLA models have one head (head 0). The
+store path's grouped layout (`object_groups`, `group_key`) keys one object per group of blocks
+holding every head instead.
 """
 
 from __future__ import annotations
@@ -292,3 +294,77 @@ def first_failed_index(transfer: BlockTransfer, invalid_block_ids: set[int]) -> 
         if b in invalid_block_ids:
             return transfer.first_index + i
     return None
+
+
+BLOCKS_PER_OBJECT = 8
+"""Blocks per store object in the grouped layout (`object_groups`): the size the device
+measurement chose (`bench/kernels/connector_store.py`, `bench/history/mooncake_store.md`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectGroup:
+    """One store object of the grouped layout: `count` consecutive blocks of a save or load,
+    from its block `first` on, every KV head of each (`[count, heads, payload]`, block after
+    block, then one digest for the whole object)."""
+
+    key: str
+    first: int
+    count: int
+
+
+def group_key(
+    model: str,
+    last_hash: int,
+    count: int,
+    heads: int,
+    *,
+    pp_rank: int = 0,
+    layers: tuple[int, int] | None = None,
+) -> str:
+    """The key of the object holding the `count` blocks that end with the block of chain hash
+    `last_hash`, `heads` KV heads each: the chain hash names every block before it, so the key
+    names the object's bytes (a partial group has another key than the full one)."""
+    if count < 1 or heads < 1:
+        raise ValueError("a group holds at least one block of at least one head")
+    s = f"{model}@blocks:{count}@heads:{heads}@pp_rank:{pp_rank}@{last_hash:016x}"
+    if layers is not None:
+        s += f"@layers:{layers[0]}-{layers[1]}"
+    return s
+
+
+def object_groups(
+    model: str,
+    first_index: int,
+    chunk_hashes: Sequence[int],
+    heads: int,
+    blocks_per_object: int = BLOCKS_PER_OBJECT,
+    *,
+    pp_rank: int = 0,
+    layers: tuple[int, int] | None = None,
+) -> list[ObjectGroup]:
+    """The grouped layout's objects of consecutive blocks `chunk_hashes` (the first at position
+    `first_index` of the request's block list): cut at the request's multiples of
+    `blocks_per_object`, so a save and a later load of the same blocks cut alike (a save that
+    starts or ends inside a group writes that part as an object of its own)."""
+    if blocks_per_object < 1:
+        raise ValueError("blocks_per_object must be >= 1")
+    if first_index < 0:
+        raise ValueError("first_index must be >= 0")
+    out: list[ObjectGroup] = []
+    i, n = 0, len(chunk_hashes)
+    while i < n:
+        end = min(n, (first_index + i) // blocks_per_object * blocks_per_object
+                  + blocks_per_object - first_index)  # fmt: skip
+        count = end - i
+        key = group_key(model, chunk_hashes[end - 1], count, heads, pp_rank=pp_rank, layers=layers)
+        out.append(ObjectGroup(key, i, count))
+        i = end
+    return out
+
+
+def head_range(heads: Sequence[int]) -> tuple[int, int]:
+    """`[a, b)` of a rank's global KV heads (what it takes out of a grouped object's blocks);
+    `ValueError` when they are not one ascending contiguous run."""
+    if not heads or list(heads) != list(range(heads[0], heads[0] + len(heads))):
+        raise ValueError(f"heads {list(heads)} are not one contiguous ascending run")
+    return heads[0], heads[0] + len(heads)

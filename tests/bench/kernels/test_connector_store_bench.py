@@ -1,7 +1,7 @@
 """`bench/kernels/connector_store.py` runs end to end on CPU tensors (a smoke test, not a
 measurement; the numbers come from a GPU host): every placement's checks pass (bit-exact loads,
-TP-mismatch loads; the zero-copy one's objects and digests), every timed part has its row, the
-report file is written; without CUDA the default run says it skipped."""
+TP-mismatch loads; the zero-copy ones' objects and digests, per head and grouped), every timed
+part has its row, the report file is written; without CUDA the default run says it skipped."""
 
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ def test_the_store_bench_runs_its_cpu_smoke_and_writes_the_report(tmp_path: Path
     rows = [line for line in out.splitlines() if line.startswith("| zero copy:")]
     assert len(rows) == 21, out
     assert "save end to end" in rows[0] and "load end to end, replicas cached" in rows[10]
+    checks = [line for line in out.splitlines() if line.startswith("check grouped by 8:")]
+    assert len(checks) == 7 and all(c.endswith(": ok") for c in checks), out
+    rows = [line for line in out.splitlines() if line.startswith("| grouped by 8:")]
+    assert len(rows) == 18, out
+    assert "save end to end" in rows[0] and "load end to end, replicas cached" in rows[9]
     assert out_file.read_text().splitlines()[-1] == "checks: all passed"
 
 
