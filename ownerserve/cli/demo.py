@@ -356,17 +356,17 @@ async def run_compared(
     return runs
 
 
+def _table(title: str, head: str) -> list[str]:
+    """A report's first lines: a blank line, `title`, the column heads and a rule under them."""
+    return ["", title, head, "-" * len(head)]
+
+
 def format_report(results: Sequence[TurnResult]) -> str:
     head = (
         f"{'step':>4}  {'session':<6} {'what':<24} {'request class':<22} {'action':<19} "
         f"{'workers':<10} {'TTFT ms':>7} {'E2E ms':>7} {'prompt':>6} {'cached':>6}  runner-up"
     )
-    lines = [
-        "",
-        "OwnerServe demo: an agent session, its subagent and a competing session",
-        head,
-        "-" * len(head),
-    ]
+    lines = _table("OwnerServe demo: an agent session, its subagent and a competing session", head)
     for r in results:
         lines.append(
             f"{r.step:>4}  {r.session:<6} {r.what:<24} {r.request_class:<22} {r.action:<19} "
@@ -390,13 +390,11 @@ def format_comparison(runs: Sequence[RunResult]) -> str:
         f"{'router':<22} {'computed':>8} {'cached':>7} {'reuse held':>10} {'delivered':>9} "
         f"{'KV moved':>10} {'dup':>5} {'TTFT p50':>9} {'wall s':>6}"
     )
-    lines = [
-        "",
+    lines = _table(
         "The same steps under each router (cold caches each run; every prompt opens with the "
         "run's name, so no run reuses another's KV):",
         head,
-        "-" * len(head),
-    ]
+    )
     for r in runs:
         c = r.cluster
         moved = None if c.kv_bytes_pd is None else c.kv_bytes_pd + (c.kv_bytes_fetch or 0)
