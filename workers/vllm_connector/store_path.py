@@ -60,7 +60,7 @@ import ctypes
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -684,6 +684,22 @@ class StoreKV:
                 staged.reserving.cancel(self.client)
             staged.release()
 
+    def _size_runs(
+        self, flat: torch.Tensor, groups: Sequence[ObjectGroup], heads: int
+    ) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+        """The runs of consecutive groups of one block count, each served by one launch pair:
+        (first group, end, a group's payload bytes, the `[end - first, width]` view of their
+        payloads in `flat`, the `[n, heads, unit]` staging flat)."""
+        a, m = 0, len(groups)
+        while a < m:
+            b = a + 1
+            while b < m and groups[b].count == groups[a].count:
+                b += 1
+            width = groups[a].count * heads * self._unit
+            lo = groups[a].first * heads * self._unit
+            yield a, b, width, flat[lo : lo + (b - a) * width].view(b - a, width)
+            a = b
+
     def _frame_groups(
         self,
         payloads: torch.Tensor,
@@ -698,24 +714,15 @@ class StoreKV:
         """Frame (save: `payloads` -> `objects`) or check and unframe (load: `objects` ->
         `payloads`, a flag per group) every group, one launch pair per run of groups of one
         size; `payloads` is `[n, heads, unit]` flat, `objects` holds object g at `offsets[g]`."""
-        flat = payloads.reshape(-1)
         dev = objects.device
         flags: list[torch.Tensor] = []
-        a, m = 0, len(groups)
-        while a < m:
-            b = a + 1
-            while b < m and groups[b].count == groups[a].count:
-                b += 1
-            width = groups[a].count * heads * self._unit
-            lo = groups[a].first * heads * self._unit
-            rows = flat[lo : lo + (b - a) * width].view(b - a, width)
+        for a, b, width, rows in self._size_runs(payloads.reshape(-1), groups, heads):
             objs = objects[offsets[a] : offsets[b]].view(b - a, width + CHECKSUM_BYTES)
             lanes = gpu_digest.keys_tensor(keys[a:b], width, dev)
             if check:
                 flags.append(gpu_digest.unframe(objs, lanes, rows))
             else:
                 gpu_digest.frame(rows, lanes, objs)
-            a = b
         return torch.cat(flags) if flags else objects.new_empty(0, dtype=torch.int32)
 
     def _put_groups_device(self, staged: StagedStore, groups: Sequence[ObjectGroup]) -> SaveOutcome:
@@ -829,20 +836,12 @@ class StoreKV:
         staging, flat) written into its row of `digests` (a save), or checked against it (a
         load: a flag per group); one launch pair per run of groups of one size."""
         flags: list[torch.Tensor] = []
-        a, m = 0, len(groups)
-        while a < m:
-            b = a + 1
-            while b < m and groups[b].count == groups[a].count:
-                b += 1
-            width = groups[a].count * heads * self._unit
-            lo = groups[a].first * heads * self._unit
-            rows = flat[lo : lo + (b - a) * width].view(b - a, width)
+        for a, b, width, rows in self._size_runs(flat, groups, heads):
             lanes = gpu_digest.keys_tensor(keys[a:b], width, flat.device)
             if check:
                 flags.append(gpu_digest.check(rows, lanes, digests[a:b]))
             else:
                 gpu_digest.digests(rows, lanes, digests[a:b])
-            a = b
         return torch.cat(flags) if flags else digests.new_empty(0, dtype=torch.int32)
 
     def _put_through_groups(
