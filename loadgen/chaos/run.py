@@ -327,7 +327,7 @@ class _Run:
         elif kind == "router_restart":
             await self.restart_router(rec, self.topo.replica(target))
         elif kind == "sidecar_kill":
-            await self.kill_sidecar(rec, self.topo.sidecar(target))
+            await self.kill_sidecar(rec, await self.sidecar_holding_replicas(rec))
         elif kind == "store_master_kill":
             await self.restart_master(rec)
         else:
@@ -516,6 +516,36 @@ class _Run:
                 name = key.replace("ownerserve_", "").replace("_total", "")
                 out[name] = out.get(name, 0.0) + value
         return out
+
+    async def sidecar_holding_replicas(self, rec: FaultRecord) -> KVSidecar:
+        """The sidecar `rec` kills: the scheduled one once the directory names replicas on it
+        (a kill of a sidecar that holds nothing checks nothing; after a store master's restart,
+        or early in a run, the sidecars hold no replica until the load writes KV again), waited
+        on for two replica TTLs and a lease. If it still holds none, the peer sidecar among the
+        candidates that holds the most, recorded as a retarget; if none holds any, the
+        scheduled one, recorded as a problem."""
+        plan, scheduled = self.plan, rec.fault.target
+        victims = {w.worker_id for w in self.topo.workers if w.role != "prefill"}
+        candidates = [sc.worker_id for sc in self.topo.sidecars if sc.worker_id in victims]
+
+        async def holds() -> bool:
+            return bool(await self.probe_sidecar_replicas(scheduled))
+
+        waited = await self.wait_for(holds, 2 * plan.replica_ttl_s + plan.lease_s, poll_s=0.25)
+        if waited is not None:
+            rec.detail["waited_for_replicas_s"] = round(waited, 2)
+            return self.topo.sidecar(scheduled)
+        held = {w: await self.probe_sidecar_replicas(w) or 0 for w in candidates or [scheduled]}
+        best = max(held, key=lambda w: held[w])
+        if held[best] == 0:
+            rec.problems.append(
+                f"no sidecar held a replica to kill (waited on {scheduled}'s for "
+                f"{2 * plan.replica_ttl_s + plan.lease_s:g} s): the kill checks nothing"
+            )
+            return self.topo.sidecar(scheduled)
+        rec.fault = dataclasses.replace(rec.fault, target=best)
+        rec.detail["retargeted_from"] = scheduled
+        return self.topo.sidecar(best)
 
     async def kill_sidecar(self, rec: FaultRecord, sc: KVSidecar) -> None:
         """SIGKILL `sc` while a peer sidecar's fetch from it runs (watched for one lease; a

@@ -27,7 +27,9 @@ FAULT_KINDS: tuple[str, ...] = (
   KV hand-over to its decode worker is cut), then as `worker_kill`;
 - `sidecar_kill`: SIGKILL a worker's KV sidecar while a peer sidecar's fetch from it is in
   flight; once the directory names none of its replicas, start it again (its memory tier
-  empty). Needs KV sidecars (`--kv-sidecars tcp` or `store`);
+  empty). The scheduled sidecar is killed once the directory names replicas on it; if it
+  holds none within two replica TTLs and a lease, the peer holding the most is. Needs KV
+  sidecars (`--kv-sidecars tcp` or `store`);
 - `store_master_kill`: SIGKILL the Mooncake Store master the sidecars keep their artifacts
   on, start it again on the same ports (the objects it held are gone); the sidecars' puts
   must resume. Needs `--kv-sidecars store`."""
