@@ -471,7 +471,10 @@ class ResilientDirectory(TransferEntryPoints, ReplicaEntryPoints):
             async with self._lock:
                 self._pending.clear()
         self._boot = token
-        while True:
+        # `close` sets `_closed` before it cancels: a cancel that redis-py loses (Python 3.11's
+        # `wait_for` returns its inner result when the cancel lands as a call ends) must not
+        # leave a long queue replaying behind a closed directory
+        while not self._closed:
             async with self._lock:
                 if not self._pending:
                     self._healthy = True

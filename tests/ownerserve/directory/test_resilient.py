@@ -499,3 +499,23 @@ async def test_a_transfer_that_lost_on_replay_fences_its_provisional_owner(
             await d.renew(CHAIN[7], "dst", provisional, 60.0)
     finally:
         await other.close()
+
+
+async def test_closing_during_a_long_replay_stops_it_and_returns(server: RedisServer) -> None:
+    primary = RedisDirectory.from_url(server.url, "rs", socket_timeout_s=2.0)
+    d = ResilientDirectory(primary, retry_interval_s=0.05)
+    await d.register_worker("w1", ROOT, BS)
+    with contextlib.suppress(RedisConnectionError):
+        await d.primary.client.shutdown(save=True)
+    server.stop()
+    for i in range(3000):
+        await d.set_session_owner(f"queued-{i}", "w1", 60.0)
+    server.start()
+    await until(lambda: d.stats["replayed"] > 0, what="the replay under way")
+    async with asyncio.timeout(30):
+        await d.close()
+    assert d._reconnect is None or d._reconnect.done()
+    replayed = d.stats["replayed"]
+    assert d.pending > 0 and not d.healthy, "closed mid-replay: the rest stays queued"
+    await asyncio.sleep(0.2)  # nothing replays behind a closed directory
+    assert d.stats["replayed"] == replayed
