@@ -159,7 +159,7 @@ class OpenedResponse:
     pipeline; the plan header's `chunks=`)."""
     prefill_answer: bytes | None = None
     """A remote prefill's answer from P (after-prefill hand-over: read whole), whose usage
-    says what P's cache held of the prompt (`router.inflight.delivered_tokens`)."""
+    says what P's cache held of the prompt (`router.answers.delivered_tokens`)."""
 
     async def aclose(self) -> None:
         """Release the connection (or abort it if the body was not fully read: that cancels

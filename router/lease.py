@@ -45,8 +45,8 @@ from ownerserve.directory.base import Match
 from planner.types import Action, Plan
 from planner.workingset import WorkingSets
 from router.admission import Admission, WorkingSet
+from router.answers import output_tokens, tool_answered, tool_called
 from router.executor import OpenedResponse
-from router.inflight import output_tokens, tool_answered, tool_called
 from router.links import NicLedger
 from router.pool import WorkerPool, WorkerState
 from router.prompt import Prompt

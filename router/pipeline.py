@@ -37,13 +37,13 @@ from ownerserve.errors import (
 from ownerserve.http import error_status_and_body
 from planner.types import Plan, Policy, RequestView
 from router.aftermath import after_first_bytes, observe, record_reuse, record_service, tpot
+from router.answers import delivered_tokens, output_tokens
 from router.executor import (
     OpenedResponse,
     RetryableUpstreamError,
     UpstreamTimeoutError,
     forward_headers,
 )
-from router.inflight import delivered_tokens, output_tokens
 from router.lease import RequestLease
 from router.migration import (
     Partial,

@@ -43,7 +43,7 @@ class Answer:
     it on another worker or ends it (`end_cut`)."""
     tail: bytes = b""
     """A streamed answer's last two reads from its first worker, once it ended: where its
-    usage chunk is, when the client asked for one (`router.inflight.delivered_tokens`)."""
+    usage chunk is, when the client asked for one (`router.answers.delivered_tokens`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,9 +20,9 @@ from ownerserve.config import Settings, settings_from_dict
 from ownerserve.directory.base import Match
 from ownerserve.errors import ConfigError, RateLimitError
 from ownerserve.profiles import PROFILES_DIR
+from router.answers import completion_tokens
 from router.app import create_app
 from router.backends import WorkerLoad
-from router.inflight import completion_tokens
 from router.pool import WorkerState
 from router.server import running_app
 from router.state import Router

@@ -1,4 +1,4 @@
-"""The tool a request answers and the tool a whole answer calls (`router.inflight`): what the
+"""The tool a request answers and the tool a whole answer calls (`router.answers`): what the
 working sets learn tool gaps by; and the output and cached prompt tokens an answer reports."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import orjson
 
 from ownerserve.config import WorkerSettings
-from router.executor import OpenedResponse
-from router.inflight import (
+from router.answers import (
     cached_tokens,
     completion_tokens,
     delivered_tokens,
     tool_answered,
     tool_called,
 )
+from router.executor import OpenedResponse
 from router.pool import worker_state
 
 
