@@ -196,6 +196,18 @@ async def test_a_batch_queued_in_an_outage_is_refused_on_replay_once_its_life_wa
         await other.close()
 
 
+async def queued_in_an_outage(d: ResilientDirectory, server: RedisServer, n: int) -> None:
+    """Register a worker, stop Redis (its dataset saved), queue `n` session writes in the
+    outage, and start Redis again (the replay is `d`'s to run)."""
+    await d.register_worker("w1", ROOT, BS)
+    with contextlib.suppress(RedisConnectionError):
+        await d.primary.client.shutdown(save=True)
+    server.stop()
+    for i in range(n):
+        await d.set_session_owner(f"queued-{i}", "w1", 60.0)
+    server.start()
+
+
 async def test_writes_coming_on_during_the_replay_do_not_keep_redis_out_of_reach(
     server: RedisServer, resilient: ResilientDirectory
 ) -> None:
@@ -203,14 +215,8 @@ async def test_writes_coming_on_during_the_replay_do_not_keep_redis_out_of_reach
     # a write: if new writes kept queueing at the local view's speed, the replay never ends
     d = resilient
     d.retry_interval_s = 3600.0  # the replay below runs by hand, the writer beside it
-    await d.register_worker("w1", ROOT, BS)
-    with contextlib.suppress(RedisConnectionError):
-        await d.primary.client.shutdown(save=True)
-    server.stop()
-    for i in range(200):
-        await d.set_session_owner(f"queued-{i}", "w1", 60.0)
+    await queued_in_an_outage(d, server, 200)
     assert d.pending == 200
-    server.start()
     written = 0
     stop = asyncio.Event()
 
@@ -504,13 +510,7 @@ async def test_a_transfer_that_lost_on_replay_fences_its_provisional_owner(
 async def test_closing_during_a_long_replay_stops_it_and_returns(server: RedisServer) -> None:
     primary = RedisDirectory.from_url(server.url, "rs", socket_timeout_s=2.0)
     d = ResilientDirectory(primary, retry_interval_s=0.05)
-    await d.register_worker("w1", ROOT, BS)
-    with contextlib.suppress(RedisConnectionError):
-        await d.primary.client.shutdown(save=True)
-    server.stop()
-    for i in range(3000):
-        await d.set_session_owner(f"queued-{i}", "w1", 60.0)
-    server.start()
+    await queued_in_an_outage(d, server, 3000)
     await until(lambda: d.stats["replayed"] > 0, what="the replay under way")
     async with asyncio.timeout(30):
         await d.close()
