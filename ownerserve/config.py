@@ -138,6 +138,12 @@ class DirectorySettings(_Strict):
     """Redis: per worker, the engine hash -> block hash pairs the router keeps from its KV
     events (~150 B each; a stored block's parent not kept costs one more read of Redis).
     Sized to a worker's cached blocks, it is read from Redis only after restarts."""
+    mirror_cached_blocks: int = Field(default=65_536, ge=1)
+    """Redis: the (block, worker) pairs of the workers' caches the router's local view keeps
+    (~220 B each), what it routes by while Redis is unreachable and pushes back after Redis lost
+    its data. Past it the coldest go (the oldest stored; the chains the latest sessions looked
+    up last), so the router's memory is bounded by this, not by the cluster's KV: what it
+    forgot costs prefix misses during an outage, never a wrong owner."""
     max_pending_writes: int = Field(default=100_000, ge=1)
     """Redis: writes the router queues while Redis is unreachable (it serves from its local
     view meanwhile, and replays them when Redis is back); past it the oldest goes (counted as

@@ -242,7 +242,10 @@ def create_app(
         admin_auth(request)
         if not settings.server.debug_memory:
             raise NotFoundError("memory debugging is off: set server.debug_memory")
-        return JSONResponse(memory.report(top=top, reset=reset))
+        report = memory.report(top=top, reset=reset)
+        if router.directory is not None:  # its sizes: the local mirror's cached pairs
+            report["directory"] = (await router.directory.health()).stats
+        return JSONResponse(report)
 
     @app.get("/admin/links")
     async def links(request: Request) -> JSONResponse:

@@ -2,8 +2,8 @@
 `OWNERSERVE_SERVER__DEBUG_MEMORY=1` in its environment, so that each replica serves
 `GET /admin/debug/memory`, and `OWNERSERVE_SERVER__DEBUG_MEMORY_FRAMES=N` to trace): every
 `--every` seconds each replica's RSS, the allocators' heap (untraced) or the traced heap and its
-top allocation sites gained since the first sample, tasks and sockets by peer, one JSON line
-each.
+top allocation sites gained since the first sample, tasks and sockets by peer, the directory's
+stats (the local mirror's cached pairs and evictions), one JSON line each.
 
     .venv/bin/python -m bench.router_memory.live --log-dir /tmp/chaos/logs --out trace.jsonl
 
@@ -79,6 +79,7 @@ async def sample(log_dir: Path, every_s: float, duration_s: float, top: int, out
                         row.get("traced_mb"),
                         row.get("traced_gained_mb"),
                         row.get("tasks_total"),
+                        row.get("directory", {}).get("mirror_cached_pairs"),
                         flush=True,
                     )
                 await asyncio.sleep(every_s)

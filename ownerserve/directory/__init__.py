@@ -43,7 +43,11 @@ def open_directory(
     )
     if not resilient:
         return primary
-    return ResilientDirectory(primary, max_pending=settings.max_pending_writes)
+    return ResilientDirectory(
+        primary,
+        max_pending=settings.max_pending_writes,
+        mirror_cached_blocks=settings.mirror_cached_blocks,
+    )
 
 
 __all__ = [

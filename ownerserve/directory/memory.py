@@ -2,6 +2,10 @@
 
 Plain dicts in one process, same semantics as `RedisDirectory` (the shared contract suite runs
 against both). Time comes from an injectable clock so tests can expire leases without sleeping.
+
+With `cached_limit` the view of the workers' caches is bounded: past that many (block, worker)
+pairs the coldest go (`InMemoryDirectory._evict`). `ResilientDirectory` bounds its local mirror
+so; the embedded backend, the only view its router has, keeps every pair.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ from ownerserve.types import TIER_ORDER, Tier
 SWEEP_SLICE = 4096
 """Records `InMemoryDirectory.sweep` handles between yields to the event loop."""
 _GPU = TIER_BIT[Tier.GPU]
+EVICT_TO = 7 / 8
+"""An eviction brings the cached pairs down to this share of `cached_limit`, so it runs once
+per eighth of the limit stored, not on every batch past it."""
 
 
 _T = TypeVar("_T")
@@ -100,6 +107,7 @@ class _WorkerRecord:
     __slots__ = (
         "artifacts",
         "block_size",
+        "counted",
         "engine_map",
         "replica_blocks",
         "root",
@@ -112,6 +120,8 @@ class _WorkerRecord:
         self.block_size = block_size
         self.seq: int | None = None
         self.engine_map: dict[int, int] = {}  # engine hash -> OwnerServe block hash
+        self.counted = 0
+        """`len(engine_map)` as last added to `InMemoryDirectory._copies`."""
         self.artifacts: set[int] = set()
         self.replica_blocks: set[int] = set()
         self.sessions: set[str] = set()
@@ -135,7 +145,14 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
 
     backend_name = "memory"
 
-    def __init__(self, clock: Callable[[], float] = time.time, first_epoch: int = 1) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.time,
+        first_epoch: int = 1,
+        cached_limit: int | None = None,
+    ) -> None:
+        if cached_limit is not None and cached_limit < 1:
+            raise InvalidRequestError("cached_limit must be >= 1")
         self._clock = clock
         self._epoch = first_epoch - 1
         self._artifacts: dict[int, _ArtifactRecord] = {}
@@ -152,7 +169,19 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
         self._gpu_distinct = 0
         self._gpu_copies = 0
         """Blocks some worker caches on GPU, and (block, worker) GPU pairs (`cached_counts`):
-        kept by `_set_cached` and `_clear_cached`, the only writers of `_cached`."""
+        kept by `_set_cached`, `_clear_cached` and `_evict_pair`, the only writers of
+        `_cached`."""
+        self.cached_limit = cached_limit
+        """At most this many (block, worker) pairs of the workers' caches are kept (every
+        engine hash mapped, any tier); None: no bound."""
+        self._copies = 0
+        """The engine hashes mapped, over every worker: the pairs `cached_limit` bounds."""
+        self._recent: dict[str, tuple[int, ...]] = {}
+        """The latest chain looked up per session, oldest first (`note_chain`): what an
+        eviction spares. At most `cached_limit` blocks in all (`_recent_blocks`)."""
+        self._recent_blocks = 0
+        self.evicted = 0
+        """(block, worker) pairs evicted past `cached_limit`, in all."""
 
     # --- helpers -----------------------------------------------------------------------
 
@@ -233,7 +262,96 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
                 if not holders:
                     del self._cached[block]
         rec.engine_map.clear()
+        self._copies -= rec.counted
+        rec.counted = 0
         return n
+
+    # --- the bound on the cached view (`cached_limit`) -----------------------------------
+
+    @property
+    def cached_pairs(self) -> int:
+        """The (block, worker) pairs of the workers' caches kept (what `cached_limit`
+        bounds)."""
+        return self._copies
+
+    def note_chain(self, session_id: str, chain: tuple[int, ...]) -> None:
+        """`session_id` just looked `chain` up: an eviction spares its blocks before any
+        other's (the sessions looked up last, first). Only with `cached_limit`; O(1): the tuple
+        is kept, not copied (the router's is its tokenizer's, shared), at most `cached_limit`
+        blocks over all sessions, the oldest sessions dropped past it."""
+        limit = self.cached_limit
+        if limit is None:
+            return
+        recent = self._recent
+        old = recent.pop(session_id, None)
+        if old is not None:
+            self._recent_blocks -= len(old)
+        recent[session_id] = chain
+        self._recent_blocks += len(chain)
+        while self._recent_blocks > limit and len(recent) > 1:
+            first = next(iter(recent))
+            self._recent_blocks -= len(recent.pop(first))
+
+    def _recount(self, rec: _WorkerRecord) -> None:
+        n = len(rec.engine_map)
+        self._copies += n - rec.counted
+        rec.counted = n
+
+    def _evict_pair(self, worker: str, rec: _WorkerRecord, engine_hash: int, block: int) -> None:
+        """Forget that `worker` caches `block` (every tier), and its engine hash."""
+        del rec.engine_map[engine_hash]
+        holders = self._cached.get(block)
+        if holders is None:
+            return
+        mask = holders.get(worker, 0)
+        if mask & _GPU:
+            self._gpu_changed(holders, worker, -1)
+        holders.pop(worker, None)
+        if not holders:
+            del self._cached[block]
+
+    def _evict(self) -> None:
+        """Bring the cached pairs down to `EVICT_TO` of `cached_limit`: the coldest go, in
+        the order each worker first stored them, except the blocks of the chains the latest
+        sessions looked up (`note_chain`; at most half the target, newest first), which go
+        only if the rest is not enough. A pair forgotten makes lookups miss from that block
+        on, never credit a block the worker does not cache; a later event naming it as a
+        parent is skipped here (Redis, which keeps every pair, maps it)."""
+        assert self.cached_limit is not None
+        target = int(self.cached_limit * EVICT_TO)
+        spared: set[int] = set()
+        for chain in reversed(self._recent.values()):
+            if len(spared) + len(chain) > target // 2:
+                break
+            spared.update(chain)
+        while self._copies > target:
+            if self._evict_round(target, spared):
+                continue
+            if not spared:
+                return  # nothing left to evict
+            spared = set()  # the spared chains alone hold more than the target
+
+    def _evict_round(self, target: int, spared: set[int]) -> int:
+        """One round over the workers, each evicting its share of the excess (by how many
+        pairs it holds), oldest stored first, the `spared` blocks skipped; how many went."""
+        total = 0
+        for worker, rec in self._workers.items():
+            excess = self._copies - target
+            if excess <= 0:
+                break
+            share = -(-excess * rec.counted // max(self._copies, 1))
+            gone: list[tuple[int, int]] = []
+            for engine_hash, block in rec.engine_map.items():
+                if len(gone) >= share:
+                    break
+                if block not in spared:
+                    gone.append((engine_hash, block))
+            for engine_hash, block in gone:
+                self._evict_pair(worker, rec, engine_hash, block)
+            self._recount(rec)
+            total += len(gone)
+        self.evicted += total
+        return total
 
     # --- the Directory protocol ----------------------------------------------------------
 
@@ -675,6 +793,9 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
             elif isinstance(event, AllBlocksCleared):
                 self._clear_cached(worker, rec)
         rec.seq = batch.seq
+        self._recount(rec)
+        if self.cached_limit is not None and self._copies > self.cached_limit:
+            self._evict()
         return EventApplyResult(
             stored=stored,
             removed=removed,
@@ -792,6 +913,8 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
                 "artifacts": len(self._artifacts),
                 "owned_blocks": len(self._owner_of_block),
                 "cached_blocks": len(self._cached),
+                "cached_pairs": self._copies,
+                "cached_evicted": self.evicted,
                 "replica_blocks": len(self._replicas),
                 "sessions": len(self._sessions),
                 "workers": len(self._workers),

@@ -2,7 +2,12 @@
 
 `ResilientDirectory` sends every call to the primary (Redis) and mirrors each write into a
 local in-memory view. On a connection error it answers from the local view, queues the
-writes, and retries Redis in the background. When Redis answers again:
+writes, and retries Redis in the background. The view's copy of the workers' caches is bounded
+(`mirror_cached_blocks` (block, worker) pairs, `directory.mirror_cached_blocks`): past it the
+coldest go, the chains the latest sessions looked up kept longest, so a router's memory does not
+grow with the cluster's KV capacity (the mirror was its largest growth in the 30-minute chaos
+run); a cached view is a routing hint, so what it forgot costs prefix misses during an outage
+and after a lost dataset, never a wrong owner. When Redis answers again:
 
 - same dataset (its boot token is unchanged): the queued writes are replayed in order;
   leases claimed meanwhile get real epochs, and the provisional epochs handed out during the
@@ -79,6 +84,9 @@ them (`ResilientDirectory.catch_up_wait_s`)."""
 EPOCH_MAP_GRACE_S = 60.0
 """An epoch translation is kept this long past the end of the lease it leads to (a holder's
 late release; the router's clock against Redis's, whose leases' expiries it reads)."""
+MIRROR_CACHED_BLOCKS = 65_536
+"""By default (`directory.mirror_cached_blocks`), the (block, worker) pairs of the workers'
+caches the local view keeps (~220 B each: ~14 MB)."""
 EPOCH_MAP_MIN_PRUNE = 1024
 """The epoch translations are pruned once they are twice as many as after the last pruning,
 and at least this many."""
@@ -109,9 +117,14 @@ class ResilientDirectory(TransferEntryPoints, ReplicaEntryPoints):
         epoch_grace_s: float = EPOCH_MAP_GRACE_S,
         epoch_map_min: int = EPOCH_MAP_MIN_PRUNE,
         catch_up_wait_s: float = CATCH_UP_WAIT_S,
+        mirror_cached_blocks: int | None = MIRROR_CACHED_BLOCKS,
     ) -> None:
+        """`mirror_cached_blocks`: the bound of the local view's cached pairs (None: none);
+        a `fallback` given keeps its own."""
         self.primary = primary
-        self.local = fallback or InMemoryDirectory(first_epoch=PROVISIONAL_EPOCH_BASE)
+        self.local = fallback or InMemoryDirectory(
+            first_epoch=PROVISIONAL_EPOCH_BASE, cached_limit=mirror_cached_blocks
+        )
         self.retry_interval_s = retry_interval_s
         self.max_pending = max_pending
         self.boot_check_s = boot_check_s
@@ -295,6 +308,8 @@ class ResilientDirectory(TransferEntryPoints, ReplicaEntryPoints):
         await self._write_both("register_worker", worker, model_root, block_size)
 
     async def lookup(self, chain: Sequence[int], session_id: str | None = None) -> Match:
+        if session_id is not None:  # what the local view's bound spares longest
+            self.local.note_chain(session_id, chain if isinstance(chain, tuple) else tuple(chain))
         match: Match = await self._read(
             lambda: self.primary.lookup(chain, session_id),
             lambda: self.local.lookup(chain, session_id),
@@ -424,7 +439,11 @@ class ResilientDirectory(TransferEntryPoints, ReplicaEntryPoints):
             healthy=self._healthy,
             detail=detail,
             pending_reconcile=len(self._pending),
-            stats=dict(self.stats),
+            stats={
+                **self.stats,
+                "mirror_cached_pairs": self.local.cached_pairs,
+                "mirror_evicted": self.local.evicted,
+            },
         )
 
     async def close(self) -> None:
