@@ -531,7 +531,8 @@ class _Run:
         async def holds() -> bool:
             return bool(await self.probe_sidecar_replicas(scheduled))
 
-        waited = await self.wait_for(holds, 2 * plan.replica_ttl_s + plan.lease_s, poll_s=0.25)
+        bound = 2 * plan.replica_ttl_s + plan.lease_s
+        waited = await self.wait_for(holds, bound, poll_s=0.25)
         if waited is not None:
             rec.detail["waited_for_replicas_s"] = round(waited, 2)
             return self.topo.sidecar(scheduled)
@@ -540,7 +541,7 @@ class _Run:
         if held[best] == 0:
             rec.problems.append(
                 f"no sidecar held a replica to kill (waited on {scheduled}'s for "
-                f"{2 * plan.replica_ttl_s + plan.lease_s:g} s): the kill checks nothing"
+                f"{bound:g} s): the kill checks nothing"
             )
             return self.topo.sidecar(scheduled)
         rec.fault = dataclasses.replace(rec.fault, target=best)

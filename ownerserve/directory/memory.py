@@ -169,7 +169,7 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
         self._gpu_distinct = 0
         self._gpu_copies = 0
         """Blocks some worker caches on GPU, and (block, worker) GPU pairs (`cached_counts`):
-        kept by `_set_cached`, `_clear_cached` and `_evict_pair`, the only writers of
+        kept by `_set_cached` and `_uncache`, the only writers of
         `_cached`."""
         self.cached_limit = cached_limit
         """At most this many (block, worker) pairs of the workers' caches are kept (every
@@ -247,20 +247,22 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
         if not holders or not any(m & _GPU for w, m in holders.items() if w != worker):
             self._gpu_distinct += step
 
+    def _uncache(self, block: int, worker: str) -> bool:
+        """Forget that `worker` caches `block`, in every tier; whether it did."""
+        holders = self._cached.get(block)
+        mask = holders.get(worker, 0) if holders else 0
+        if not mask:
+            return False
+        assert holders is not None
+        if mask & _GPU:
+            self._gpu_changed(holders, worker, -1)
+        del holders[worker]
+        if not holders:
+            del self._cached[block]
+        return True
+
     def _clear_cached(self, worker: str, rec: _WorkerRecord) -> int:
-        n = 0
-        for block in rec.engine_map.values():
-            holders = self._cached.get(block)
-            if not holders:
-                continue
-            mask = holders.get(worker, 0)
-            if mask:
-                if mask & _GPU:
-                    self._gpu_changed(holders, worker, -1)
-                del holders[worker]
-                n += 1
-                if not holders:
-                    del self._cached[block]
+        n = sum(self._uncache(block, worker) for block in rec.engine_map.values())
         rec.engine_map.clear()
         self._copies -= rec.counted
         rec.counted = 0
@@ -300,15 +302,7 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
     def _evict_pair(self, worker: str, rec: _WorkerRecord, engine_hash: int, block: int) -> None:
         """Forget that `worker` caches `block` (every tier), and its engine hash."""
         del rec.engine_map[engine_hash]
-        holders = self._cached.get(block)
-        if holders is None:
-            return
-        mask = holders.get(worker, 0)
-        if mask & _GPU:
-            self._gpu_changed(holders, worker, -1)
-        holders.pop(worker, None)
-        if not holders:
-            del self._cached[block]
+        self._uncache(block, worker)
 
     def _evict(self) -> None:
         """Bring the cached pairs down to `EVICT_TO` of `cached_limit`: the coldest go, in

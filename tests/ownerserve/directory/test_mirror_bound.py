@@ -77,6 +77,14 @@ def gpu_counts(d: InMemoryDirectory) -> CachedCounts:
     return CachedCounts(distinct, copies)
 
 
+async def two_workers_capped_at(limit: int) -> tuple[InMemoryDirectory, Feed]:
+    """A view bounded to `limit` cached pairs with w1 and w2 registered, and their feed."""
+    d = InMemoryDirectory(cached_limit=limit)
+    for w in ("w1", "w2"):
+        await d.register_worker(w, ROOT, BS)
+    return d, Feed()
+
+
 async def test_a_capped_view_evicts_the_oldest_stored_pairs() -> None:
     capped = InMemoryDirectory(cached_limit=64)
     unbounded = InMemoryDirectory()
@@ -101,10 +109,7 @@ async def test_a_capped_view_evicts_the_oldest_stored_pairs() -> None:
 
 
 async def test_the_latest_sessions_chains_are_spared_and_found_in_full() -> None:
-    d = InMemoryDirectory(cached_limit=64)
-    feed = Feed()
-    for w in ("w1", "w2"):
-        await d.register_worker(w, ROOT, BS)
+    d, feed = await two_workers_capped_at(64)
     for s in range(12):
         worker = f"w{1 + s % 2}"
         d.note_chain(f"s{s}", chain(s))  # the router looks the chain up, then routes it
@@ -124,10 +129,7 @@ async def test_the_latest_sessions_chains_are_spared_and_found_in_full() -> None
 
 
 async def test_a_worker_dropped_from_a_capped_view_frees_its_pairs() -> None:
-    d = InMemoryDirectory(cached_limit=64)
-    feed = Feed()
-    for w in ("w1", "w2"):
-        await d.register_worker(w, ROOT, BS)
+    d, feed = await two_workers_capped_at(64)
     for s in range(6):
         worker = f"w{1 + s % 2}"
         await d.apply_events(worker, feed.batch(worker, s))
