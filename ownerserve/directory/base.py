@@ -216,6 +216,38 @@ class Directory(Protocol):
         by default the artifact's own blocks (or just its id if it was never claimed)."""
         ...
 
+    async def renew_replica_holder(
+        self, worker: str, tier: Tier, incarnation: int, ttl_s: float
+    ) -> bool:
+        """Start or extend the liveness lease of `worker`'s replica holder in `tier` (a KV
+        sidecar publishing its blocks): one record, whatever the blocks, so renewing it is
+        O(1). The lines `add_held_replicas` writes count in lookups only while this lease
+        lives at the incarnation they were written with.
+
+        `incarnation` is the holder's id for one continuous life (a positive integer the
+        holder picks at random when it starts one). Returns True when it extended the live
+        lease of that incarnation; False when it started one: there was no lease, or another
+        incarnation's (a restarted holder supersedes its dead predecessor, whose lines count
+        no more at once). An incarnation whose lease lapsed or was ended (`drop_worker`) is
+        not revived, since `sweep` may have purged part of its lines: that raises
+        `StaleEpochError`, and the holder starts a new incarnation and writes its lines again."""
+        ...
+
+    async def add_held_replicas(
+        self, worker: str, tier: Tier, incarnation: int, blocks: Sequence[int]
+    ) -> None:
+        """Record read-only copies of `blocks` on `worker` in `tier` that live as long as its
+        replica holder's lease at `incarnation` (`renew_replica_holder`), not by a TTL of
+        their own. Raises `StaleEpochError` unless that lease lives at that incarnation. A
+        block's line per worker and tier is one: this replaces an `add_replica` line there,
+        and is replaced by one."""
+        ...
+
+    async def drop_replicas(self, worker: str, tier: Tier, blocks: Sequence[int]) -> int:
+        """Withdraw `worker`'s replica lines of `blocks` in `tier` now (held or with a TTL):
+        a holder that lost blocks says so. Returns how many lines went."""
+        ...
+
     async def transfer(
         self,
         chain: Sequence[int],
@@ -239,7 +271,9 @@ class Directory(Protocol):
         ...
 
     async def sweep(self, min_interval_s: float = 0.0) -> int:
-        """Garbage-collect expired leases and replicas; returns how many records went. With
+        """Garbage-collect expired leases and replicas (replica lines whose holder's lease
+        ended, or that another incarnation superseded, included); returns how many records
+        went. With
         `min_interval_s` > 0 a backend shared by several routers sweeps only when no sweep
         began within that time (the others return 0 at once)."""
         ...

@@ -130,6 +130,16 @@ class ReplicaEntryPoints:
         raise NotImplementedError
 
 
+def check_incarnation(incarnation: int) -> int:
+    """A replica holder's incarnation: a positive integer below 2^63 (it travels as decimal
+    text and is compared as such)."""
+    if isinstance(incarnation, bool) or not isinstance(incarnation, int):
+        raise InvalidRequestError(f"incarnation must be an integer, got {incarnation!r}")
+    if not 0 < incarnation < 1 << 63:
+        raise InvalidRequestError(f"incarnation must be in [1, 2^63), got {incarnation}")
+    return incarnation
+
+
 def check_artifact(artifact: Artifact) -> None:
     if not artifact.chain:
         raise InvalidRequestError("artifact chain is empty")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ownerserve.directory.base import (
@@ -34,6 +34,7 @@ from ownerserve.directory.common import (
     TransferEntryPoints,
     TransferMove,
     check_artifact,
+    check_incarnation,
     check_ttl,
     check_worker,
     sort_holdings,
@@ -50,6 +51,13 @@ _GPU = TIER_BIT[Tier.GPU]
 EVICT_TO = 7 / 8
 """An eviction brings the cached pairs down to this share of `cached_limit`, so it runs once
 per eighth of the limit stored, not on every batch past it."""
+_HELD = float("inf")
+"""The expiry of a held replica line (`add_held_replicas`): it lives as its holder does."""
+
+_ReplicaLine = tuple[float, bool, int]
+"""A replica line: (expires at, read only, holder incarnation). Incarnation 0: a line with a
+TTL of its own (`add_replica`); else a held line, expiring `_HELD`, live while its holder's
+lease lives at that incarnation."""
 
 
 _T = TypeVar("_T")
@@ -138,6 +146,10 @@ class DirectorySnapshot:
     sessions: list[tuple[str, str, float]]
     forks: list[tuple[int, str]]
     cached: dict[str, list[tuple[int, int, int]]]
+    holders: list[tuple[str, Tier, int, float]] = field(default_factory=list)
+    """Live replica holders: worker, tier, incarnation, lease seconds left."""
+    held: list[tuple[str, Tier, int, tuple[int, ...]]] = field(default_factory=list)
+    """Their live lines: worker, tier, incarnation, blocks."""
 
 
 class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
@@ -157,7 +169,11 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
         self._epoch = first_epoch - 1
         self._artifacts: dict[int, _ArtifactRecord] = {}
         self._owner_of_block: dict[int, int] = {}  # block -> artifact id
-        self._replicas: dict[int, dict[tuple[str, Tier], tuple[float, bool]]] = {}
+        self._replicas: dict[int, dict[tuple[str, Tier], _ReplicaLine]] = {}
+        self._holders: dict[tuple[str, Tier], tuple[int, float]] = {}
+        """(worker, tier) -> (incarnation, lease expiry) of each replica holder: one record
+        however many lines it holds. Kept once the lease ended (as a tombstone: its
+        incarnation is not revived) until `drop_worker` or the next incarnation."""
         self._cached: dict[int, dict[str, int]] = {}  # block -> worker -> tier bits
         self._workers: dict[str, _WorkerRecord] = {}
         self._worker_index: dict[str, _WorkerRecord] = {}  # every worker ever seen
@@ -209,12 +225,33 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
         del self._artifacts[rec.artifact_id]
         self._worker(rec.worker).artifacts.discard(rec.artifact_id)
 
+    def _live_holders(self, now: float) -> dict[tuple[str, Tier], int]:
+        """(worker, tier) -> incarnation of each holder whose lease lives at `now`."""
+        return {k: inc for k, (inc, x) in self._holders.items() if x > now}
+
+    @staticmethod
+    def _line_live(
+        key: tuple[str, Tier], line: _ReplicaLine, now: float, holders: dict[tuple[str, Tier], int]
+    ) -> bool:
+        """Whether a replica line counts at `now`: before its expiry, or, held, while its
+        holder lives at its incarnation (`holders`: `_live_holders`)."""
+        expires, _ro, inc = line
+        return holders.get(key) == inc if inc else expires > now
+
     def _prune_replicas(
-        self, block: int, entries: dict[tuple[str, Tier], tuple[float, bool]], now: float
+        self,
+        block: int,
+        entries: dict[tuple[str, Tier], _ReplicaLine],
+        now: float,
+        holders: dict[tuple[str, Tier], int] | None = None,
     ) -> int:
-        """Delete `block`'s replica entries expired at `now`; workers left with none of it no
-        longer list it (their index is what `drop_worker` undoes). Returns how many went."""
-        gone = [k for k, (x, _) in entries.items() if x <= now]
+        """Delete `block`'s replica entries dead at `now` (expired, or held by a holder that
+        is no longer live at their incarnation); workers left with none of it no longer list
+        it (their index is what `drop_worker` undoes). Returns how many went."""
+        if holders is None:
+            holders = self._live_holders(now)
+        live = self._line_live
+        gone = [k for k, line in entries.items() if not live(k, line, now, holders)]
         for key in gone:
             del entries[key]
         for worker in {w for w, _ in gone if not any(k[0] == w for k in entries)}:
@@ -415,6 +452,7 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
         if self._replicas:
             replica_hits = list(map(self._replicas.get, chain))
             if replica_hits.count(None) < n:
+                live_holders = self._live_holders(now) if self._holders else {}
                 # every (worker, tier) with a replica somewhere on the chain; the scan from the
                 # deepest block stops once each has its deepest live block
                 remaining: set[tuple[str, Tier]] = set().union(*filter(None, replica_hits))
@@ -422,8 +460,10 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
                     entries = replica_hits[i]
                     if not entries or remaining.isdisjoint(entries):
                         continue
-                    for key, (expires, _ro) in entries.items():
-                        if expires > now and key in remaining:
+                    for key, (expires, _ro, inc) in entries.items():
+                        if key in remaining and (
+                            live_holders.get(key) == inc if inc else expires > now
+                        ):
                             remaining.discard(key)
                             hold(key[0], key[1], HoldKind.REPLICA, i + 1)
                     if not remaining:
@@ -578,9 +618,14 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
             if r.expires_at > now
         ]
         replicas: dict[tuple[str, Tier, bool, float], list[int]] = {}
+        holders = self._live_holders(now)
+        held: dict[tuple[str, Tier, int], list[int]] = {}
         for block, entries in self._replicas.items():
-            for (worker, tier), (expires, ro) in entries.items():
-                if expires > now:
+            for (worker, tier), (expires, ro, inc) in entries.items():
+                if inc:
+                    if holders.get((worker, tier)) == inc:
+                        held.setdefault((worker, tier, inc), []).append(block)
+                elif expires > now:
                     replicas.setdefault((worker, tier, ro, expires), []).append(block)
         return DirectorySnapshot(
             registrations={w: (r.root, r.block_size) for w, r in self._workers.items()},
@@ -593,6 +638,8 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
                 for w, r in self._workers.items()
                 if r.engine_map
             },
+            holders=[(w, t, inc, x - now) for (w, t), (inc, x) in self._holders.items() if x > now],
+            held=[(w, t, inc, tuple(b)) for (w, t, inc), b in held.items()],
         )
 
     async def renew(self, artifact_id: int, worker: str, epoch: int, lease_s: float) -> Lease:
@@ -626,8 +673,14 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
         if blocks is None:
             rec = self._artifacts.get(write.artifact_id)
             blocks = rec.blocks if rec is not None else (write.artifact_id,)
-        key = (worker, write.tier)
-        value = (now + write.ttl_s, write.read_only)
+        self._write_lines(worker, write.tier, (now + write.ttl_s, write.read_only, 0), blocks)
+
+    def _write_lines(
+        self, worker: str, tier: Tier, value: _ReplicaLine, blocks: Sequence[int]
+    ) -> None:
+        """`worker`'s line in `tier` of each of `blocks` becomes `value`."""
+        key = (worker, tier)
+        now = self._clock()
         replicas = self._replicas
         for b in blocks:
             entries = replicas.get(b)
@@ -635,11 +688,63 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
                 replicas[b] = {key: value}
                 continue
             if len(entries) >= 8:
-                # expired entries are skipped by lookups and purged by `sweep`; prune them here
+                # dead entries are skipped by lookups and purged by `sweep`; prune them here
                 # only when they pile up, not on every write
                 self._prune_replicas(b, entries, now)
             entries[key] = value
         self._worker(worker).replica_blocks.update(blocks)
+
+    async def renew_replica_holder(
+        self, worker: str, tier: Tier, incarnation: int, ttl_s: float
+    ) -> bool:
+        check_worker(worker)
+        check_incarnation(incarnation)
+        ttl_s = check_ttl(ttl_s, "ttl_s")
+        key = (worker, Tier(tier))
+        now = self._clock()
+        cur = self._holders.get(key)
+        if cur is not None and cur[0] == incarnation and cur[1] <= now:
+            raise StaleEpochError(
+                f"replica holder {worker}/{tier} incarnation {incarnation} has lapsed"
+            )
+        self._holders[key] = (incarnation, now + ttl_s)
+        return cur is not None and cur[0] == incarnation
+
+    def install_replica_holder(
+        self, worker: str, tier: Tier, incarnation: int, ttl_s: float
+    ) -> None:
+        """Mirror a holder lease decided elsewhere (by Redis): it lives at `incarnation` for
+        `ttl_s` from now, whatever this view held."""
+        self._holders[(worker, Tier(tier))] = (incarnation, self._clock() + ttl_s)
+
+    async def add_held_replicas(
+        self, worker: str, tier: Tier, incarnation: int, blocks: Sequence[int]
+    ) -> None:
+        check_worker(worker)
+        check_incarnation(incarnation)
+        tier = Tier(tier)
+        cur = self._holders.get((worker, tier))
+        if cur is None or cur[0] != incarnation or cur[1] <= self._clock():
+            raise StaleEpochError(
+                f"replica holder {worker}/{tier} is not live at incarnation {incarnation}"
+            )
+        self._write_lines(worker, tier, (_HELD, True, incarnation), blocks)
+
+    async def drop_replicas(self, worker: str, tier: Tier, blocks: Sequence[int]) -> int:
+        check_worker(worker)
+        key = (worker, Tier(tier))
+        dropped = 0
+        index = self._worker(worker).replica_blocks
+        for b in blocks:
+            entries = self._replicas.get(b)
+            if not entries or entries.pop(key, None) is None:
+                continue
+            dropped += 1
+            if not any(k[0] == worker for k in entries):
+                index.discard(b)
+            if not entries:
+                del self._replicas[b]
+        return dropped
 
     async def move_leases(self, move: TransferMove) -> tuple[int, tuple[Lease, ...]]:
         chain, from_worker, to_worker = move.chain, move.from_worker, move.to_worker
@@ -828,6 +933,9 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
             if not entries:
                 del self._replicas[b]
         rec.replica_blocks.clear()
+        for key, (inc, _) in list(self._holders.items()):
+            if key[0] == worker:  # ended, kept as a tombstone: the incarnation is not revived
+                self._holders[key] = (inc, -_HELD)
         dropped += self._clear_cached(worker, rec)
         now = self._clock()
         for sid in rec.sessions:
@@ -883,11 +991,12 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
                 if not refs:
                     del self._forks[aid]
         async for blocks, now in _slices(list(self._replicas), clock):
+            holders = self._live_holders(now)
             for b in blocks:
                 entries = self._replicas.get(b)
                 if entries is None:
                     continue
-                dropped += self._prune_replicas(b, entries, now)
+                dropped += self._prune_replicas(b, entries, now, holders)
                 if not entries:
                     del self._replicas[b]
         # sessions expire on their own (as Redis keys do): purged here, not counted
@@ -910,6 +1019,7 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
                 "cached_pairs": self._copies,
                 "cached_evicted": self.evicted,
                 "replica_blocks": len(self._replicas),
+                "replica_holders": len(self._holders),
                 "sessions": len(self._sessions),
                 "workers": len(self._workers),
                 "epoch": self._epoch,

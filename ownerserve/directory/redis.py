@@ -15,6 +15,13 @@ hash tag, so every key of one namespace lives in one slot and every script is si
                            digits, or dashes) + cached bytes (byte j: tier bits, gpu 1 cpu 2
                            ssd 4, of the worker with index j, from its KV events) + "\n" +
                            replica lines "worker\ttier\texpires_ms\tread_only\n"
+                           (a held line: expires_ms is "h<incarnation>", live while its
+                           holder's lease is, at that incarnation)
+    P hold           HASH  "worker\ttier" -> "incarnation\texpires_ms": replica holders'
+                           liveness leases (`renew_replica_holder`: one HSET a renewal)
+    P hx / hxc       ZSET / HASH  holder -> its expiry, or now where a purge of a
+                           superseded incarnation is due (a hint for `sweep`); holder -> the
+                           cursor of a purge under way (an SSCAN of its worker's :reps)
     P art            HASH  artifact id hex -> "worker\tepoch\texpires_ms\ttier"  (leases)
     P a:<id>         HASH  artifact metadata: worker epoch start n size kv tier created
                            blocks (hex of chain[start:])
@@ -87,6 +94,7 @@ from ownerserve.directory.common import (
     TransferEntryPoints,
     TransferMove,
     check_artifact,
+    check_incarnation,
     check_ttl,
     check_worker,
     hex_block,
@@ -122,6 +130,9 @@ SCRIPT_NAMES = (
     "restore_cached",
     "touch",
     "clear_step",
+    "holder",
+    "add_held",
+    "drop_replicas",
 )
 FULL_SWEEP_S = 86_400.0
 """At most this long between sweeps that scan every lease and block record (which also write
@@ -285,7 +296,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
     ) -> tuple[str, list[str], list[Any]]:
         """(script sha, keys, args) of a lookup: lets a benchmark pipeline many lookups."""
         p = self.prefix
-        keys = [p + "blk", p + "art"]
+        keys = [p + "blk", p + "art", p + "hold"]
         if session_id is not None:
             keys.append(p + "s:" + session_id)
         return self._scripts["lookup"].sha, keys, [p, hex_blocks(chain)]
@@ -313,8 +324,13 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         the holdings are worked out here, in the router, so the one Redis core every router
         shares does the least. An unknown worker index raises KeyError (`strict`) or drops
         that holding. Same rules as `InMemoryDirectory.lookup`."""
-        sess, now, runs, leases = reply
+        sess, now, runs, leases, held_by = reply
         now = int(now)
+        holders: dict[str, str] = {}  # "worker\ttier" -> incarnation, of the live holders
+        for i in range(0, len(held_by), 2):
+            inc, _, expires = _s(held_by[i + 1]).partition("\t")
+            if int(expires) > now:
+                holders[_s(held_by[i])] = inc
         live: dict[str, tuple[str, int, Tier]] = {}
         for i in range(0, len(leases), 2):
             rec = _s(leases[i + 1])
@@ -343,7 +359,11 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
             if nl + 1 < len(rec):
                 for line in rec[nl + 1 : -1].split("\n"):
                     worker, tier, expires, _ro = line.split("\t")
-                    if int(expires) > now:
+                    if (
+                        holders.get(worker + "\t" + tier) == expires[1:]
+                        if expires[0] == "h"
+                        else int(expires) > now
+                    ):
                         replicas[(worker, _TIERS[tier])] = end
             cache = rec[16:nl]
             if cached_open and cache != last_cache:
@@ -513,6 +533,64 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         for first in range(0, len(hexed), step):
             part = hexed[first : first + step]
             expires = int(await self._run("add_replica", [self.key("blk")], [*head, part, expires]))
+
+    # --- replica holders ---------------------------------------------------------------------
+
+    async def renew_replica_holder(
+        self, worker: str, tier: Tier, incarnation: int, ttl_s: float
+    ) -> bool:
+        """One script (`holder.lua`): an HSET of the holder's record and a ZADD of its hint."""
+        check_worker(worker)
+        check_incarnation(incarnation)
+        ttl_s = check_ttl(ttl_s, "ttl_s")
+        tier = Tier(tier)
+        reply = int(
+            await self._run(
+                "holder",
+                [self.key("hold"), self.key("hx")],
+                [worker, tier.value, str(incarnation), _ms(ttl_s)],
+            )
+        )
+        if reply < 0:
+            raise StaleEpochError(
+                f"replica holder {worker}/{tier} incarnation {incarnation} has lapsed"
+            )
+        return reply == 1
+
+    async def add_held_replicas(
+        self, worker: str, tier: Tier, incarnation: int, blocks: Sequence[int]
+    ) -> None:
+        """In script calls of `step_entries` blocks each (`add_held.lua`), each checking the
+        holder: one that fails leaves the lines written before it, which live with the
+        holder (a reader sees the copy on a part of `blocks`)."""
+        check_worker(worker)
+        check_incarnation(incarnation)
+        tier = Tier(tier)
+        hexed = hex_blocks(blocks)
+        step = 16 * self.step_entries
+        for first in range(0, len(hexed), step):
+            part = hexed[first : first + step]
+            ok = await self._run(
+                "add_held", [self.key("blk")], [worker, tier.value, str(incarnation), part]
+            )
+            if int(ok) < 0:
+                raise StaleEpochError(
+                    f"replica holder {worker}/{tier} is not live at incarnation {incarnation}"
+                )
+
+    async def drop_replicas(self, worker: str, tier: Tier, blocks: Sequence[int]) -> int:
+        """In script calls of `step_entries` blocks each (`drop_replicas.lua`)."""
+        check_worker(worker)
+        tier = Tier(tier)
+        hexed = hex_blocks(blocks)
+        step = 16 * self.step_entries
+        dropped = 0
+        for first in range(0, len(hexed), step):
+            part = hexed[first : first + step]
+            dropped += int(
+                await self._run("drop_replicas", [self.key("blk")], [worker, tier.value, part])
+            )
+        return dropped
 
     async def move_leases(self, move: TransferMove) -> tuple[int, tuple[Lease, ...]]:
         """One script (`transfer.lua`): the replica lines and the owners are one pass over the
@@ -794,12 +872,17 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
             return 0
         await self.flush_touches()
         dropped = 0
-        hinted = [self.key(k) for k in ("lx", "rx", "sx", "fx")]
+        hinted = [self.key(k) for k in ("lx", "rx", "sx", "fx", "hx")]
         if await self._client.exists(self.key("xidx")):
             step_entries = step_entries or self.step_entries
             # each step handles one hint at least, and every hint handled leaves the due
-            # range; the bound only guards the loop (hints written meanwhile wait for the next)
+            # range, but a holder's, which stays due while its scan of its worker's replica
+            # blocks goes on (a page a step); the bound only guards the loop (hints written
+            # meanwhile wait for the next)
             hints = sum([await self._client.zcard(k) for k in hinted])
+            for holder in await self._client.zrange(self.key("hx"), 0, -1):
+                held_by = _s(holder).rpartition("\t")[0]
+                hints += 2 + await self._client.scard(self.key(f"w:{held_by}:reps"))
             for _ in range(hints + 1):
                 handled, n, _ = await self._run("sweep_due", hinted, [step_entries])
                 dropped += int(n)

@@ -13,8 +13,9 @@ and after a lost dataset, never a wrong owner. When Redis answers again:
   leases claimed meanwhile get real epochs, and the provisional epochs handed out during the
   outage (all >= `PROVISIONAL_EPOCH_BASE`) are translated on later renew/release/claim calls;
 - dataset lost (restart without persistence): the epoch counter is raised above every epoch
-  seen, then the whole local view (workers, cached blocks, leases, replicas, sessions, fork
-  refs) is pushed back; old epochs are translated the same way.
+  seen, then the whole local view (workers, cached blocks, leases, replicas, replica holders
+  and their lines, sessions, fork refs) is pushed back; old epochs are translated the same
+  way.
 
 While the queued writes are replayed, new writes wait for the replay to end (up to
 `catch_up_wait_s`, then they queue behind it): a replay is one round trip a write, and writes
@@ -62,6 +63,7 @@ from ownerserve.directory.redis import RedisDirectory
 from ownerserve.errors import InvalidRequestError, OwnerServeError, StaleEpochError
 from ownerserve.events import EventBatch
 from ownerserve.tasks import cancel_and_wait
+from ownerserve.types import Tier
 
 log = logging.getLogger(__name__)
 
@@ -332,6 +334,31 @@ class ResilientDirectory(TransferEntryPoints, ReplicaEntryPoints):
     async def put_replica(self, write: ReplicaWrite) -> None:
         await self._write_both("put_replica", write)
 
+    async def renew_replica_holder(
+        self, worker: str, tier: Tier, incarnation: int, ttl_s: float
+    ) -> bool:
+        """Redis decides; the local view then holds the lease at that incarnation whatever it
+        held (`install_replica_holder`). During an outage the local view answers and the
+        renewal is queued: a replay Redis refuses (the lease lapsed there meanwhile) is a
+        conflict, and the holder learns it at its next renewal, which Redis answers."""
+
+        async def mirror(_: bool) -> None:
+            self.local.install_replica_holder(worker, tier, incarnation, ttl_s)
+
+        continued: bool = await self._write_both(
+            "renew_replica_holder", worker, tier, incarnation, ttl_s, mirror=mirror
+        )
+        return continued
+
+    async def add_held_replicas(
+        self, worker: str, tier: Tier, incarnation: int, blocks: Sequence[int]
+    ) -> None:
+        await self._write_both("add_held_replicas", worker, tier, incarnation, tuple(blocks))
+
+    async def drop_replicas(self, worker: str, tier: Tier, blocks: Sequence[int]) -> int:
+        dropped: int = await self._write_both("drop_replicas", worker, tier, tuple(blocks))
+        return dropped
+
     async def move_leases(self, move: TransferMove) -> tuple[int, tuple[Lease, ...]]:
         """As a claim: during an outage the local view hands the artifacts over at a
         provisional epoch and the call is queued; its replay maps that epoch onto the one Redis
@@ -590,6 +617,12 @@ class ResilientDirectory(TransferEntryPoints, ReplicaEntryPoints):
             self._translate(old.epoch, lease)
         for worker, tier, ro, remaining, blocks in snap.replicas:
             await self.primary.add_replica(blocks[-1], worker, tier, remaining, ro, blocks)
+        for worker, tier, incarnation, remaining in snap.holders:
+            with contextlib.suppress(StaleEpochError):  # a lapsed record survived: not revived
+                await self.primary.renew_replica_holder(worker, tier, incarnation, remaining)
+        for worker, tier, incarnation, blocks in snap.held:
+            with contextlib.suppress(StaleEpochError):
+                await self.primary.add_held_replicas(worker, tier, incarnation, blocks)
         for session_id, worker, remaining in snap.sessions:
             await self.primary.set_session_owner(session_id, worker, remaining)
         for artifact_id, session_id in snap.forks:

@@ -288,7 +288,39 @@ local function uncache(blocks, j)
   return n
 end
 
--- replica lines without those of `worker` (and, given `now`, without expired ones)
+-- replica holders (`renew_replica_holder`, `holder.lua`): `hold` hash "worker \t tier" ->
+-- "incarnation \t expires_ms", one record per holder however many lines it holds; a held
+-- replica line's expiry field is 'h' .. incarnation, and it lives while its holder's record
+-- does at that incarnation. `hx` hints each holder's expiry for `sweep_due` ("worker \t tier"
+-- -> expires_ms, or now where a purge of a superseded incarnation's lines is due); `hxc` holds
+-- the cursor of a purge under way (an SSCAN of the worker's `:reps` set)
+local HOLD, HX, HXC = P .. 'hold', P .. 'hx', P .. 'hxc'
+local holders_cache = nil
+
+-- "worker \t tier" -> incarnation of each holder live at `now` (read once per script call)
+local function live_holders(now)
+  if not holders_cache then
+    holders_cache = {}
+    local kv = redis.call('HGETALL', HOLD)
+    for k = 1, #kv, 2 do
+      local inc, x = string.match(kv[k + 1], '^(%d+)\t(%d+)$')
+      if inc and tonumber(x) > now then
+        holders_cache[kv[k]] = inc
+      end
+    end
+  end
+  return holders_cache
+end
+
+-- whether a replica line of worker `w` in tier `t` with expiry field `x` counts at `now`
+local function line_live(w, t, x, now)
+  if string.byte(x, 1) == 104 then -- 'h': a held line
+    return live_holders(now)[w .. '\t' .. t] == string.sub(x, 2)
+  end
+  return tonumber(x) > now
+end
+
+-- replica lines without those of `worker` (and, given `now`, without dead ones)
 -- workers of the `lost` lines with none `kept` in the record: their `w:<worker>:reps` sets
 -- still list it (`kept` is a set of workers; it is extended)
 local function orphans_of(lost, kept)
@@ -305,8 +337,8 @@ end
 local function reps_without(reps, worker, now)
   local keep, gone, lost, kept = {}, 0, {}, {}
   for line in string.gmatch(reps, '[^\n]*\n') do
-    local w, x = string.match(line, '^([^\t]*)\t%a+\t(%d+)\t[01]\n$')
-    if w == worker or (now and tonumber(x) <= now) then
+    local w, t, x = string.match(line, '^([^\t]*)\t(%a+)\t(h?%d+)\t[01]\n$')
+    if w == worker or (now and not line_live(w, t, x, now)) then
       gone = gone + 1
       lost[#lost + 1] = w
     else
@@ -324,7 +356,7 @@ local function unindex_reps(block, workers)
   end
 end
 
--- drop the expired replica lines of `blocks` (unlisting them from their workers' `:reps`
+-- drop the dead replica lines of `blocks` (unlisting them from their workers' `:reps`
 -- sets). Returns the lines dropped.
 local function prune_reps(blocks, now)
   local dropped = 0
@@ -340,13 +372,13 @@ local function prune_reps(blocks, now)
 end
 
 -- `reps` (the replica lines of `block`) with `entry`, the line of `worker` in `tier`, in place
--- of that worker's old line in that tier and of every expired line; the block leaves the
+-- of that worker's old line in that tier and of every dead line; the block leaves the
 -- `:reps` sets of the workers whose expired lines went and who keep none in it
 local function put_replica(block, reps, worker, tier, entry, now)
   local keep, lost, kept = {}, {}, { [worker] = true }
   for line in string.gmatch(reps, '[^\n]*\n') do
-    local w, t, x = string.match(line, '^([^\t]*)\t(%a+)\t(%d+)\t[01]\n$')
-    if w and tonumber(x) > now and not (w == worker and t == tier) then
+    local w, t, x = string.match(line, '^([^\t]*)\t(%a+)\t(h?%d+)\t[01]\n$')
+    if w and line_live(w, t, x, now) and not (w == worker and t == tier) then
       keep[#keep + 1] = line
       kept[w] = true
     elseif w then

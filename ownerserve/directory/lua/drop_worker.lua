@@ -1,6 +1,8 @@
 -- drop_worker: owner death, in steps bounded by the entries they touch (Redis serves nothing
 -- else while a script runs; a worker may hold 10^5 entries). Its leases end, replicas and
--- cached view go, its sessions lose their owner, its event seq resets, its life count goes up.
+-- cached view go, its sessions lose their owner, its event seq resets, its life count goes up,
+-- its replica holders' leases end (their records kept at expiry 0: an ended incarnation is
+-- never revived, and its lines go with the moved `:reps` set).
 -- KEYS: blk, w:<worker>. ARGV: P, worker, life, entries.
 -- life: '' = any, else the count the caller saw while the worker lived; past it (that life
 -- was dropped already, the worker may be back and recording) nothing new starts; '+' = only
@@ -30,6 +32,15 @@ if ARGV[3] ~= '+' then
       end
     end
     redis.call('SADD', pending, life)
+    for _, tier in ipairs({ 'gpu', 'cpu', 'ssd' }) do
+      local f = worker .. '\t' .. tier
+      local cur = redis.call('HGET', HOLD, f)
+      if cur then
+        redis.call('HSET', HOLD, f, string.match(cur, '^(%d+)') .. '\t0')
+        redis.call('ZREM', HX, f)
+        redis.call('HDEL', HXC, f)
+      end
+    end
   end
 end
 

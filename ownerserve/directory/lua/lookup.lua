@@ -1,19 +1,22 @@
 -- lookup: the records of a chain's blocks, run by run, and the leases of the artifacts they
 -- name, plus the session owner; the client turns them into holdings (`RedisDirectory.
 -- decode_lookup`), so the one Redis core shared by every router does only the reads.
--- KEYS: blk, art [, s:<sid>]. ARGV: P, chain (16 hex digits per block)
+-- KEYS: blk, art, hold [, s:<sid>]. ARGV: P, chain (16 hex digits per block)
 -- Reply: session owner, server time (ms), runs (flat: last block index of the run, its record
--- or '' when its blocks have none), leases (flat: artifact id, lease record or '')
+-- or '' when its blocks have none), leases (flat: artifact id, lease record or ''), replica
+-- holders (flat: "worker \t tier", "incarnation \t expires_ms"; only where a run has a held
+-- line, whose expiry field starts with 'h': a cached byte is at most 7, never a tab)
 local blocks = split16(ARGV[2])
 local n = #blocks
 local sess = false
-if KEYS[3] then
-  sess = redis.call('GET', KEYS[3])
+if KEYS[4] then
+  sess = redis.call('GET', KEYS[4])
 end
 local now = now_ms()
 if n == 0 then
-  return { sess, now, {}, {} }
+  return { sess, now, {}, {}, {} }
 end
+local held = false
 local vals = hmget(KEYS[1], blocks)
 local runs, ids, seen = {}, {}, {}
 local s = 1
@@ -26,6 +29,7 @@ while s <= n do
   runs[#runs + 1] = e
   if v then
     runs[#runs + 1] = v
+    held = held or string.find(v, '\th', 17, true) ~= nil
     local own = string.sub(v, 1, 16)
     if own ~= NOOWN and not seen[own] then
       seen[own] = true
@@ -44,4 +48,8 @@ if #ids > 0 then
     leases[#leases + 1] = recs[k] or ''
   end
 end
-return { sess, now, runs, leases }
+local holders = {}
+if held then
+  holders = redis.call('HGETALL', KEYS[3])
+end
+return { sess, now, runs, leases, holders }

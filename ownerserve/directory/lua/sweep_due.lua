@@ -6,8 +6,12 @@
 -- replica lines: counted) and the index entries of what ended (sessions in their workers'
 -- `:sess` sets, fork refs of ended sessions), mends a hint that was early (renewed since: its
 -- real expiry), drops a stale one. A due replica write's hint goes once its blocks' expired
--- lines are pruned. Every hint handled leaves the due range, so a step makes progress.
--- KEYS: lx, rx, sx, fx. ARGV: P, entries. Returns { hints handled, records dropped, entries }.
+-- lines are pruned. Every hint handled leaves the due range, so a step makes progress, but for
+-- a replica holder's (`hx`): a holder that lapsed, or whose superseded incarnation's lines are
+-- to go, has its worker's `:reps` set scanned a page per turn (the cursor in `hxc`), its dead
+-- lines pruned, and stays due until the scan ends (each page advances it); a live holder with
+-- no purge due has its hint mended to its expiry.
+-- KEYS: lx, rx, sx, fx, hx. ARGV: P, entries. Returns { hints handled, records dropped, entries }.
 local now = now_ms()
 local budget = tonumber(ARGV[2])
 local PAGE = 64
@@ -59,6 +63,31 @@ each_due(RX, function(id)
   redis.call('HDEL', RXB, id)
   dropped = dropped + prune_reps(blocks, now)
   return 1 + #blocks
+end)
+each_due(HX, function(f)
+  local cur = redis.call('HGET', HOLD, f)
+  local x = cur and tonumber(string.match(cur, '\t(%d+)$')) or 0
+  local cursor = redis.call('HGET', HXC, f)
+  if x > now and not cursor then
+    redis.call('ZADD', HX, x, f)
+    return 1
+  end
+  local worker = string.match(f, '^(.*)\t%a+$')
+  local page = redis.call(
+    'SSCAN', P .. 'w:' .. worker .. ':reps', cursor or '0', 'COUNT', math.max(1, budget - spent)
+  )
+  dropped = dropped + prune_reps(page[2], now)
+  if page[1] ~= '0' then
+    redis.call('HSET', HXC, f, page[1])
+  else
+    redis.call('HDEL', HXC, f)
+    if x > now then
+      redis.call('ZADD', HX, x, f)
+    else
+      redis.call('ZREM', HX, f) -- its record stays: that incarnation is never revived
+    end
+  end
+  return 1 + #page[2]
 end)
 -- a due session or fork-ref hint ("owner \t session"): mended while alive(owner, session)
 -- (to a time past now, so it leaves the due range), else the session leaves the owner's set
