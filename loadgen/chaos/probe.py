@@ -83,6 +83,16 @@ class DirectoryProbe:
                 out.setdefault(worker, []).append(int(epoch))
         return out
 
+    async def holders(self) -> dict[str, tuple[str, int]]:
+        """Replica holders' leases: "worker \t tier" -> (incarnation, expiry ms). A held
+        replica line ("h<incarnation>" in its expiry field) lives while its holder's lease
+        does at that incarnation, and until then expires as that lease does."""
+        out: dict[str, tuple[str, int]] = {}
+        for key, rec in (await self.r.hgetall(self.p + "hold")).items():
+            inc, _, expires = str(rec).partition("\t")
+            out[str(key)] = (inc, int(expires))
+        return out
+
     async def slow_commands(self, n: int = 10) -> list[dict[str, Any]]:
         """Redis's slow log (commands past `slowlog-log-slower-than`, 10 ms by default): the
         slowest first, each with its duration and its command cut short."""
@@ -122,10 +132,11 @@ class DirectoryProbe:
         owners = await r.mget([p + "s:" + sid for sid in sids]) if sids else []
         sessions = sum(1 for o in owners if o == worker)
         blocks = list(await r.smembers(f"{p}w:{worker}:reps"))
+        holders = await self.holders()
         replicas = 0
         for i in range(0, len(blocks), READ_STEP):
             for rec in await r.hmget(p + "blk", blocks[i : i + READ_STEP]):
-                replicas += _live_replica_lines(rec, worker, now, replica_tiers)
+                replicas += _live_replica_lines(rec, worker, now, holders, replica_tiers)
         cached_blocks = await self._cached_blocks(worker) if cached else 0
         return Named(tuple(sorted(leases)), sessions, replicas, cached_blocks)
 
@@ -137,11 +148,12 @@ class DirectoryProbe:
         p, r = self.p, self.r
         now = await self.now_ms()
         blocks = sorted(str(b) for b in await r.smembers(f"{p}w:{worker}:reps"))
+        holders = await self.holders()
         out: list[int] = []
         for i in range(0, len(blocks), READ_STEP):  # no single call holds Redis long
             part = blocks[i : i + READ_STEP]
             for block, rec in zip(part, await r.hmget(p + "blk", part), strict=True):
-                if _live_replica_lines(rec, worker, now, tiers):
+                if _live_replica_lines(rec, worker, now, holders, tiers):
                     out.append(int(block, 16))
                     if limit is not None and len(out) >= limit:
                         return out
@@ -153,10 +165,11 @@ class DirectoryProbe:
         p, r = self.p, self.r
         now = await self.now_ms()
         blocks = list(await r.smembers(f"{p}w:{worker}:reps"))
+        holders = await self.holders()
         latest: int | None = None
         for i in range(0, len(blocks), READ_STEP):
             for rec in await r.hmget(p + "blk", blocks[i : i + READ_STEP]):
-                for expires in _replica_expiries(rec, worker, tiers):
+                for expires in _replica_expiries(rec, worker, holders, tiers):
                     if expires > now and (latest is None or expires > latest):
                         latest = expires
         return latest
@@ -166,10 +179,11 @@ class DirectoryProbe:
         p, r = self.p, self.r
         now = await self.now_ms()
         blocks = list(await r.smembers(f"{p}w:{worker}:reps"))
+        holders = await self.holders()
         n = 0
         for i in range(0, len(blocks), READ_STEP):
             recs = await r.hmget(p + "blk", blocks[i : i + READ_STEP])
-            n += sum(_live_replica_lines(rec, worker, now, tiers) for rec in recs)
+            n += sum(_live_replica_lines(rec, worker, now, holders, tiers) for rec in recs)
         return n
 
     async def _cached_blocks(self, worker: str) -> int:
@@ -187,8 +201,11 @@ class DirectoryProbe:
         return n
 
 
-def _replica_expiries(rec: object, worker: str, tiers: Sequence[str]) -> list[int]:
-    """The expiries (ms) of `worker`'s replica lines in `tiers` in one block record."""
+def _replica_expiries(
+    rec: object, worker: str, holders: dict[str, tuple[str, int]], tiers: Sequence[str]
+) -> list[int]:
+    """The expiries (ms) of `worker`'s replica lines in `tiers` in one block record (a held
+    line's: its holder's lease's while at its incarnation, else 0)."""
     if not rec:
         return []
     text = str(rec)
@@ -200,12 +217,25 @@ def _replica_expiries(rec: object, worker: str, tiers: Sequence[str]) -> list[in
         if line:
             who, tier, expires, _ro = line.split("\t")
             if who == worker and tier in tiers:
-                out.append(int(expires))
+                out.append(_line_expiry(who, tier, expires, holders))
     return out
 
 
+def _line_expiry(who: str, tier: str, expires: str, holders: dict[str, tuple[str, int]]) -> int:
+    """When a replica line stops counting (ms): its own expiry, or, held ("h<incarnation>"),
+    its holder's lease's while the holder is at that incarnation (else 0: superseded)."""
+    if not expires.startswith("h"):
+        return int(expires)
+    inc, until = holders.get(who + "\t" + tier, ("", 0))
+    return until if inc == expires[1:] else 0
+
+
 def _live_replica_lines(
-    rec: object, worker: str, now_ms: int, tiers: Sequence[str] | None = None
+    rec: object,
+    worker: str,
+    now_ms: int,
+    holders: dict[str, tuple[str, int]],
+    tiers: Sequence[str] | None = None,
 ) -> int:
     """Live replica lines of `worker` in one block record (in one of `tiers`; None: any)."""
     if not rec:
@@ -219,7 +249,11 @@ def _live_replica_lines(
         if not line:
             continue
         who, tier, expires, _ro = line.split("\t")
-        if who == worker and int(expires) > now_ms and (tiers is None or tier in tiers):
+        if (
+            who == worker
+            and (tiers is None or tier in tiers)
+            and _line_expiry(who, tier, expires, holders) > now_ms
+        ):
             n += 1
     return n
 

@@ -85,16 +85,26 @@ def test_a_failure_is_put_down_to_the_fault_whose_window_it_overlaps() -> None:
 
 def test_replica_lines_of_a_block_record_are_counted_while_live() -> None:
     record = "0123456789abcdef\x01\x00\nh0\tgpu\t2000\t1\nh1\tcpu\t2000\t1\nh0\tcpu\t500\t1\n"
-    assert _live_replica_lines(record, "h0", now_ms=1000) == 1
-    assert _live_replica_lines(record, "h1", now_ms=1000) == 1
-    assert _live_replica_lines(record, "h1", now_ms=3000) == 0
-    assert _live_replica_lines("0123456789abcdef\x01\n", "h0", now_ms=0) == 0
-    assert _live_replica_lines(None, "h0", now_ms=0) == 0
-    assert _live_replica_lines(record, "h0", now_ms=0, tiers=("cpu", "ssd")) == 1
-    assert _live_replica_lines(record, "h0", now_ms=1000, tiers=("cpu", "ssd")) == 0
-    assert _replica_expiries(record, "h0", ("cpu", "ssd")) == [500]
-    assert _replica_expiries(record, "h0", ("gpu", "cpu")) == [2000, 500]
-    assert _replica_expiries(None, "h0", ("cpu",)) == []
+    none: dict[str, tuple[str, int]] = {}
+    assert _live_replica_lines(record, "h0", 1000, none) == 1
+    assert _live_replica_lines(record, "h1", 1000, none) == 1
+    assert _live_replica_lines(record, "h1", 3000, none) == 0
+    assert _live_replica_lines("0123456789abcdef\x01\n", "h0", 0, none) == 0
+    assert _live_replica_lines(None, "h0", 0, none) == 0
+    assert _live_replica_lines(record, "h0", 0, none, tiers=("cpu", "ssd")) == 1
+    assert _live_replica_lines(record, "h0", 1000, none, tiers=("cpu", "ssd")) == 0
+    assert _replica_expiries(record, "h0", none, ("cpu", "ssd")) == [500]
+    assert _replica_expiries(record, "h0", none, ("gpu", "cpu")) == [2000, 500]
+    assert _replica_expiries(None, "h0", none, ("cpu",)) == []
+
+
+def test_held_replica_lines_live_while_their_holder_does_at_their_incarnation() -> None:
+    record = "0123456789abcdef\x00\nh0\tcpu\th77\t1\nh0\tssd\th5\t1\n"
+    holders = {"h0\tcpu": ("77", 4000), "h0\tssd": ("6", 9000)}  # ssd: superseded by 6
+    assert _live_replica_lines(record, "h0", 1000, holders) == 1
+    assert _live_replica_lines(record, "h0", 5000, holders) == 0  # the holder's lease lapsed
+    assert _live_replica_lines(record, "h0", 1000, {}) == 0  # no holder: nothing counts
+    assert _replica_expiries(record, "h0", holders, ("cpu", "ssd")) == [4000, 0]
 
 
 STORE_KINDS = ("worker_kill", "sidecar_kill", "store_master_kill", "redis_restart")

@@ -35,7 +35,7 @@ def reference_owners(d: InMemoryDirectory, chain: tuple[int, ...], now: float) -
             owner = (rec.worker, i + 1, rec.epoch)
     replicas: dict[tuple[str, Tier], int] = {}
     for i in range(len(chain) - 1, -1, -1):
-        for key, (expires, _) in (d._replicas.get(chain[i]) or {}).items():
+        for key, (expires, _ro, _inc) in (d._replicas.get(chain[i]) or {}).items():
             if expires > now and key not in replicas:
                 replicas[key] = i + 1
     return {"held": held, "owner": owner, "replicas": replicas}

@@ -519,3 +519,27 @@ async def test_closing_during_a_long_replay_stops_it_and_returns(server: RedisSe
     assert d.pending > 0 and not d.healthy, "closed mid-replay: the rest stays queued"
     await asyncio.sleep(0.2)  # nothing replays behind a closed directory
     assert d.stats["replayed"] == replayed
+
+
+async def test_replica_holders_outlive_an_outage_and_a_lost_dataset(
+    server: RedisServer, resilient: ResilientDirectory
+) -> None:
+    """A holder renewed during an outage is answered by the local view; after Redis lost its
+    dataset the holder and its lines are pushed back, and its next renewal continues it."""
+    d = resilient
+    inc = 99
+    assert await d.renew_replica_holder("w3", Tier.CPU, inc, 60.0) is False
+    await d.add_held_replicas("w3", Tier.CPU, inc, CHAIN[:6])
+    server.stop()
+    assert await d.renew_replica_holder("w3", Tier.CPU, inc, 60.0) is True  # the local view
+    assert (await d.lookup(CHAIN[:8])).longest("w3", Tier.CPU) == 6
+    server.start()  # without persistence: the dataset is gone
+    assert await d.wait_reconciled(10)
+    view = await fresh_view(server)
+    try:
+        assert (await view.lookup(CHAIN[:8])).longest("w3", Tier.CPU) == 6
+    finally:
+        await view.close()
+    assert await d.renew_replica_holder("w3", Tier.CPU, inc, 60.0) is True
+    assert await d.drop_replicas("w3", Tier.CPU, CHAIN[4:6]) == 2
+    assert (await d.lookup(CHAIN[:8])).longest("w3", Tier.CPU) == 4
