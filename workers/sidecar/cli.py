@@ -106,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--replica-ttl-s",
         type=float,
         default=30.0,
-        help="lifetime of published replicas; renewed every third of it (default 30)",
+        help="lease of this sidecar's published replicas (one per tier, whatever it holds); "
+        "renewed every third of it (default 30)",
     )
     parser.add_argument(
         "--transfer-port",
