@@ -344,6 +344,25 @@ def _add_capacity_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPar
         help="--sim: tokens per KV block (default 64; the emulated engine's are 16)",
     )
     s.add_argument(
+        "--kv-spec",
+        default=None,
+        help="--sim: HeteroCache model spec (configs/models/NAME.yaml, e.g. deepseek-v4, "
+        "qwen3-8b-swa) every target's KV is kept by (SGLang's peers without window "
+        "checkpoints, as HiCache); HBM sized by its bytes per token; default: dense",
+    )
+    s.add_argument(
+        "--swa-policy",
+        default=None,
+        help="--sim, with --kv-spec: the SWA checkpoint policy instead of the spec's own "
+        "(full, zero, cost, periodic:N)",
+    )
+    s.add_argument(
+        "--retention",
+        default=None,
+        help="--sim, with a hybrid --kv-spec: which boundaries a worker's HBM keeps the "
+        "windows of (full, zero, or N tokens), as `ownerserve sim --retention`",
+    )
+    s.add_argument(
         "--compare",
         type=Path,
         default=None,

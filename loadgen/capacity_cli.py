@@ -168,6 +168,7 @@ def _run_sim(
     profile: Any,
 ) -> tuple[list[TargetCapacity], list[str], str]:
     from loadgen.capacity_sim import SIM_POLICY, sim_case, sim_observation, splits_for
+    from loadgen.sim.cli import kv_spec_of, retention_of
 
     if args.workers < 2 or args.block_tokens < 1:
         raise ConfigError("--workers must be >= 2 and --block-tokens >= 1")
@@ -176,6 +177,9 @@ def _run_sim(
     sessions = args.sessions or (8 if args.quick else 60)
     scale = args.scale or (0.03 if args.quick else 0.05)
     sizing = args.sizing_rate or 3840.0
+    kv_spec, typed = kv_spec_of(args)
+    if not typed:
+        raise ConfigError("--swa-policy lru: not a capacity target (no typed KV state)")
     case = sim_case(
         args.workload,
         args.workers,
@@ -186,6 +190,8 @@ def _run_sim(
         seed=args.seed,
         sizing_rate=sizing,
         block_tokens=args.block_tokens,
+        kv_spec=kv_spec,
+        retention=retention_of(args),
     )
     log = _log
     log(
@@ -220,7 +226,16 @@ def _run_sim(
         f"×{args.time_scale:g}.  ",
         f"Peer models: {names}.  " if names else "",
     ]
+    if kv_spec is not None:
+        header.append(
+            f"KV: HeteroCache spec `{args.kv_spec}` (SWA policy "
+            f"{kv_spec.swa_policy.caching.value}, "
+            f"retention {getattr(args, 'retention', None) or 'full'}; SGLang's peers keep no "
+            "window checkpoints, as HiCache).  "
+        )
     stem = f"capacity_sim_{args.workload}_w{args.workers}"
+    if kv_spec is not None:
+        stem += f"_{args.kv_spec}"
     return out, [h for h in header if h], stem
 
 

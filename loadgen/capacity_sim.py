@@ -25,10 +25,12 @@ from loadgen.capacity_search import (
     unloaded_ttft_s,
 )
 from loadgen.sim.admission import ProgramGate
-from loadgen.sim.cli import gate_for, split_roles
+from loadgen.sim.cli import gate_for, peer_kv_spec, split_roles
 from loadgen.sim.engine import ClusterSpec, Simulator
 from loadgen.sim.from_workload import Rendering, workload_sessions
 from loadgen.sim.workload import SimSession, kv_working_set
+from ownerserve.kvstate import KVStateSpec
+from ownerserve.kvstate.retention import Retention
 from ownerserve.profiles import TimingProfile
 
 SIM_POLICY: dict[str, str] = {
@@ -177,6 +179,12 @@ class SimCase:
     block_tokens: int
     hbm_kv_bytes: int
     cpu_blocks: int
+    kv_spec: KVStateSpec | None = None
+    """HeteroCache: the model's KV spec (None: dense, the profile's bytes per token); every
+    target's simulator keeps its KV by it (a peer by the spec its deployment keeps,
+    `loadgen.sim.cli.peer_kv_spec`), HBM is sized by its sealed bytes per token."""
+    retention: Retention | None = None
+    """With a hybrid spec: which boundaries keep their windows (None: every one)."""
 
     def sessions_at(self, rate: float) -> list[SimSession]:
         """The same sessions with the main sessions' arrivals at `rate` per minute (the rated
@@ -213,15 +221,20 @@ def sim_case(
     sizing_rate: float,
     hbm_pressure: float = 3.0,
     block_tokens: int = 64,
+    kv_spec: KVStateSpec | None = None,
+    retention: Retention | None = None,
 ) -> SimCase:
     """`sessions` main sessions of `workload`; HBM per worker sized as `ownerserve bench
     capacity` sizes it: the working set at `sizing_rate` is `hbm_pressure` × the cluster's HBM
-    (but a worker holds the largest session), with a CPU tier of as many blocks."""
+    (but a worker holds the largest session), with a CPU tier of as many blocks; the blocks'
+    bytes are the profile's per token, or with `kv_spec` its sealed bytes per token (as the
+    simulator sizes its blocks)."""
     w = sweep_workload(workload, seed, scale, sessions, sizing_rate, time_scale)
     sims = workload_sessions(w, Rendering(block_size=block_tokens))
     peak, largest = kv_working_set(sims, profile, block_tokens)
     blocks = max(math.ceil(peak / (hbm_pressure * workers)), largest, 1)
     ttft, tpot, ideal = references(sims, profile, block_tokens)
+    per_token = profile.kv_bytes_per_token if kv_spec is None else kv_spec.bytes_per_token()
     return SimCase(
         workload=workload,
         workers=workers,
@@ -231,8 +244,10 @@ def sim_case(
         tpot_ref_s=tpot,
         ideal_prefill_tokens=ideal,
         block_tokens=block_tokens,
-        hbm_kv_bytes=blocks * profile.kv_bytes_per_token * block_tokens,
+        hbm_kv_bytes=blocks * max(1, round(per_token * block_tokens)),
         cpu_blocks=blocks,
+        kv_spec=kv_spec,
+        retention=retention,
     )
 
 
@@ -311,6 +326,8 @@ def sim_observation(
         full_view=peer,
         rate_per_min=rate,
         working_set_views=not peer,
+        kv_spec=peer_kv_spec(name, case.kv_spec),
+        retention=case.retention,
     )
     gate = RecordingGate(gate_for(name, policy, sim, admission))
     sim.gate = gate

@@ -96,6 +96,36 @@ def test_targets_are_searched_on_their_own_shapes() -> None:
     assert splits_for("colocated") == ("0:0:1",)
 
 
+def test_a_hybrid_spec_sizes_the_hbm_by_its_bytes_and_reaches_every_target(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a HeteroCache spec the same blocks of HBM hold the spec's bytes, and each target's
+    simulator keeps its KV by it (an SGLang peer without window checkpoints)."""
+    import loadgen.capacity_sim as cs
+    from ownerserve.kvstate import SwaCaching, load_spec
+
+    spec = load_spec("deepseek-v4")
+    args = dict(sessions=3, scale=0.02, time_scale=0.005, seed=1, sizing_rate=240.0)
+    dense = sim_case("agentic-long", 4, PROFILE, **args)
+    hybrid = sim_case("agentic-long", 4, PROFILE, kv_spec=spec, **args)
+    assert hybrid.cpu_blocks == dense.cpu_blocks  # the same blocks
+    per_block = round(spec.bytes_per_token() * hybrid.block_tokens)
+    assert hybrid.hbm_kv_bytes == hybrid.cpu_blocks * per_block < dense.hbm_kv_bytes
+    built = []
+    real = cs.Simulator
+
+    def simulator(*a, **kw):  # the real simulator, each one kept to read what it was given
+        built.append(real(*a, **kw))
+        return built[-1]
+
+    monkeypatch.setattr(cs, "Simulator", simulator)
+    own = sim_observation(hybrid, "ownerserve", "0:0:1", 120.0, PROFILE)
+    sim_observation(hybrid, "sglang-router cache_aware", "0:0:1", 120.0, PROFILE)
+    assert built[0].kv_spec is spec and built[1].kv_spec.swa_policy.caching is SwaCaching.ZERO
+    assert built[0].block_bytes == per_block
+    assert own.detail["requests"] == sum(len(s.turns) for s in hybrid.sessions)
+
+
 def test_a_search_over_the_simulator_reports_each_target(case) -> None:
     settings = SearchSettings(start_rate=120.0, max_rate=480.0, min_rate=60.0, rel_tol=0.5)
 
