@@ -126,3 +126,21 @@ def merge_heads(
 ) -> None:
     """Per-head buffers -> paged, the inverse of `split_heads` on a rank of any TP size."""
     _module(backend, paged.device).merge_heads(head_buffers, paged, block_ids, block_major)
+
+
+def merge_heads_gated(
+    units: torch.Tensor,
+    paged: PagedKV,
+    block_ids: BlockIds,
+    flags: torch.Tensor,
+    group_of: BlockIds,
+    first_head: int = 0,
+    *,
+    backend: Backend | None = None,
+) -> None:
+    """Block-first units of `object_heads` heads -> paged (heads `[first_head, first_head +
+    heads)`), block `i` only where `flags[0 .. group_of[i]]` are all nonzero: a load's verified
+    prefix written with no host wait on the flags (Triton; the reference reads them)."""
+    _module(backend, paged.device).merge_heads_gated(
+        units, paged, block_ids, flags, group_of, first_head
+    )

@@ -140,3 +140,28 @@ def merge_heads(
     for lk, view in enumerate(paged.views):
         layer, kv = divmod(lk, g.kv_factor)
         view[ids] = head_buffers[:, :, layer, kv].permute(*order)
+
+
+def merge_heads_gated(
+    units: torch.Tensor,
+    paged: PagedKV,
+    block_ids: BlockIds,
+    flags: torch.Tensor,
+    group_of: BlockIds,
+    first_head: int = 0,
+) -> None:
+    """Block-first units `[n, object_heads, layers, kv, block_size, dim]` -> paged, heads
+    `[first_head, first_head + heads)` of each, block `i` only where `flags[0 .. group_of[i]]`
+    are all nonzero (the Triton version reads the flags on the device, with no host wait)."""
+    h = paged.geometry.num_kv_heads
+    ids = [int(b) for b in torch.as_tensor(block_ids).tolist()]
+    groups = [int(x) for x in torch.as_tensor(group_of).tolist()]
+    ok = [int(x) != 0 for x in flags.tolist()]
+    if len(ids) != int(units.shape[0]) or len(groups) != len(ids):
+        raise LayoutError("one block id and one group index per block")
+    if not 0 <= first_head <= int(units.shape[1]) - h:
+        raise LayoutError(f"heads [{first_head}, {first_head + h}) of {int(units.shape[1])}")
+    write = [i for i, grp in enumerate(groups) if all(ok[: grp + 1])]
+    if write:
+        picked = units[write][:, first_head : first_head + h].contiguous()
+        merge_heads(picked, paged, [ids[i] for i in write], block_major=True)

@@ -91,6 +91,8 @@ def copy_rows_kernel(
     H,
     ROWS_TOTAL,
     D,
+    gate_flags,
+    gate_map,
     SRC_TAB: tl.constexpr,
     SRC_IDS: tl.constexpr,
     DST_TAB: tl.constexpr,
@@ -99,15 +101,24 @@ def copy_rows_kernel(
     DP: tl.constexpr,
     LPP: tl.constexpr,
     ALIGN: tl.constexpr,
+    GATE: tl.constexpr = False,
 ):
     """Row copy: a row is one (token, head) vector of D elements, contiguous on both sides.
     Program (i, row tile, group) moves ROWS rows of block i for LPP consecutive layer-kv pairs
-    (LPP divides the number of pairs)."""
+    (LPP divides the number of pairs). With GATE, block i moves only when the int32 flags
+    `gate_flags[0 .. gate_map[i]]` are all nonzero (a load's verified prefix, read on the device:
+    the host need not wait for the checks before it queues the copy)."""
     i = tl.program_id(0)
     rt = tl.program_id(1)
     g = tl.program_id(2)
     rows = rt * ROWS + tl.arange(0, ROWS)
     rmask = rows < ROWS_TOTAL
+    if GATE:
+        last = tl.load(gate_map + i)
+        ok = tl.load(gate_flags)
+        for j in range(1, last + 1):
+            ok = ok & tl.load(gate_flags + j)
+        rmask = rmask & ((rows * 0 + ok) != 0)
     t = rows // H
     h = rows % H
     s_row = t.to(tl.int64) * src_tstride + h.to(tl.int64) * src_hstride

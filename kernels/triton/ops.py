@@ -125,9 +125,12 @@ def _launch(
     rope: RopeSpec | None = None,
     delta: int | torch.Tensor = 0,
     inv_freq: torch.Tensor | None = None,
+    gate: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Copy n blocks x lk layer-kv chunks from src to dst; with rope, K (lk % kvf == 0) is
-    re-rotated by `delta` (one int, or one value per token) and V (kvf == 2) copied."""
+    re-rotated by `delta` (one int, or one value per token) and V (kvf == 2) copied; with
+    `gate` (flags, group of each block), a block moves only where its prefix of flags is set
+    (the row copy)."""
     if n == 0:
         return
     if rope is not None:
@@ -138,7 +141,7 @@ def _launch(
     align = _align(src, dst)
     # One head: its stride is never used, so per-head buffers of MLA copy flat too.
     flat_ok = all(s.tstride == h * d and (h == 1 or s.hstride == d) for s in (src, dst))
-    if flat_ok:
+    if flat_ok and gate is None:
         chunk = g.chunk_elems
         tile = min(FLAT_TILE, triton.next_power_of_2(chunk))
         flat_grid = (n * lk, triton.cdiv(chunk, tile))
@@ -160,9 +163,10 @@ def _launch(
         src.base, _tab(src), src.lk_stride, _ids(src), src.bstride, src.tstride, src.hstride,
         dst.base, _tab(dst), dst.lk_stride, _ids(dst), dst.bstride, dst.tstride, dst.hstride,
         h, rows_total, d,
+        gate[0] if gate is not None else dst.base, gate[1] if gate is not None else dst.base,
         SRC_TAB=src.tab is not None, SRC_IDS=src.ids is not None,
         DST_TAB=dst.tab is not None, DST_IDS=dst.ids is not None,
-        ROWS=rows, DP=dp, LPP=kvf, ALIGN=align,
+        ROWS=rows, DP=dp, LPP=kvf, ALIGN=align, GATE=gate is not None,
         num_warps=NUM_WARPS,
     )  # fmt: skip
 
@@ -336,3 +340,47 @@ def merge_heads(
     n = ids.numel()
     src, dst = _head_side(head_buffers, paged, n, block_major), _paged_side(paged, ids)
     _launch(src, dst, paged, n, _lk(paged), g.kv_factor)
+
+
+def merge_heads_gated(
+    units: torch.Tensor,
+    paged: PagedKV,
+    block_ids: torch.Tensor,
+    flags: torch.Tensor,
+    group_of: torch.Tensor,
+    first_head: int = 0,
+) -> None:
+    """Block-first units `[n, object_heads, layers, kv, block_size, dim]` (contiguous, the KV
+    dtype; `object_heads` >= the cache's heads) -> paged, heads `[first_head, first_head +
+    heads)` of each, block `i` written only where `flags[0 .. group_of[i]]` (int32, on the
+    device) are all nonzero: one launch, queued with no host wait on the flags. `block_ids` and
+    `group_of`: int64 tensors on the device, ids distinct (not range-checked here)."""
+    g = paged.geometry
+    n, heads = int(units.shape[0]), int(units.shape[1])
+    if (
+        units.dim() != 6
+        or tuple(units.shape[2:]) != (g.num_layers, g.kv_factor, g.block_size, g.head_dim)
+        or not units.is_contiguous()
+        or units.dtype != g.dtype
+        or not 0 <= first_head <= heads - g.num_kv_heads
+    ):
+        raise LayoutError("gated units do not hold these blocks' heads of this cache")
+    if block_ids.numel() != n or group_of.numel() != n or n == 0:
+        if n == 0:
+            return
+        raise LayoutError("one block id and one group index per block")
+    unit = g.block_size * g.head_dim
+    per_unit = g.num_layers * g.kv_factor * unit
+    base = units[:, first_head:]
+    src = _Side(
+        base=base,
+        tab=None,
+        lk_stride=unit,
+        ids=None,
+        bstride=heads * per_unit,
+        tstride=g.head_dim,
+        hstride=per_unit,
+        aligned=base.data_ptr() % _VEC_BYTES == 0,
+    )
+    dst = _paged_side(paged, block_ids)
+    _launch(src, dst, paged, n, _lk(paged), g.kv_factor, gate=(flags, group_of))

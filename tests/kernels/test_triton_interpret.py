@@ -78,6 +78,32 @@ def test_triton_block_first_split_and_merge_match_reference(tri: ModuleType, nam
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("name", ["vllm", "vllm-mla"])
+@pytest.mark.parametrize(("flags", "first_head"), [([1, 1], 0), ([1, 0], 0), ([0, 1], 1)])
+def test_triton_gated_merge_writes_the_verified_prefix_like_the_reference(
+    tri: ModuleType, name: str, flags: list[int], first_head: int
+) -> None:
+    paged, tensors = make_layout(name)
+    g = paged.geometry
+    heads = g.num_kv_heads + first_head  # an object holding more heads than this rank's
+    units = torch.randn(len(IDS), heads, g.num_layers, g.kv_factor, g.block_size, g.head_dim)
+    units = units.bfloat16()
+    group_of = [0, 0, 1, 1]
+    before = [t.clone() for t in tensors]
+    ok = torch.tensor(flags, dtype=torch.int32)
+    tri.merge_heads_gated(units, paged, torch.tensor(IDS), ok, torch.tensor(group_of), first_head)
+    twin = kernels.vllm_kv(before, mla=name == "vllm-mla")
+    ref.merge_heads_gated(units, twin, IDS, ok, group_of, first_head)
+    for a, b in zip(tensors, before, strict=True):
+        assert torch.equal(a, b)
+    # the reference itself: blocks of the prefix written, the others untouched
+    written = ref.split_heads(twin, IDS, block_major=True)
+    mine = units[:, first_head : first_head + g.num_kv_heads]
+    prefix = 2 * (flags[0] != 0) * (1 + (flags[1] != 0))
+    assert torch.equal(written[:prefix], mine[:prefix])
+    assert not torch.equal(written[prefix:], mine[prefix:]) or prefix == len(IDS)
+
+
 def test_triton_copy_blocks_trtllm_to_sglang(tri: ModuleType) -> None:
     src, _ = make_layout("trtllm")
     dst, _ = make_layout("sglang")

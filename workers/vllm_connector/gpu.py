@@ -40,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from kernels import LayoutError, PagedKV, merge_heads, split_heads, vllm_kv
+from kernels import LayoutError, PagedKV, merge_heads, merge_heads_gated, split_heads, vllm_kv
 from workers.vllm_connector.payload import Payload
 
 # Host bytes per host<->device copy: a load assembles the next chunk while this one goes up; a
@@ -337,6 +337,45 @@ class CudaPagedKV:
             done.record(self._stream)
         if wait:
             done.synchronize()
+
+    def device_scatter_gated(
+        self,
+        units: torch.Tensor,
+        block_ids: Sequence[int],
+        flags: torch.Tensor,
+        group_of: Sequence[int],
+        first_head: int = 0,
+    ) -> None:
+        """Write the blocks whose payloads are in device staging `units` (uint8 `[n,
+        object_heads, payload bytes]`; heads `[first_head, first_head + heads)` are this cache's)
+        into the cache, block `i` only where the int32 `flags[0 .. group_of[i]]` are all nonzero
+        (a load's verified prefix of objects): one launch queued on the connector's stream, the
+        flags read there, so the host queues it before the checks are done and waits for
+        nothing (the caller waits for the stream). On CPU tensors the flags are read at once."""
+        ids = self._checked_ids(block_ids, distinct=True)
+        n, h = len(ids), self.num_kv_heads
+        heads = int(units.shape[1]) if units.dim() == 3 else -1
+        if (
+            units.device != self.device
+            or units.dim() != 3
+            or int(units.shape[0]) < n
+            or int(units.shape[2]) != self.payload_nbytes
+            or not 0 <= first_head <= heads - h
+            or len(group_of) != n
+        ):
+            raise LayoutError("device staging does not hold these blocks of this cache")
+        if n == 0:
+            return
+        if any(not 0 <= int(x) < flags.numel() for x in group_of):
+            raise LayoutError("a block's group has no flag")
+        shape = (n, heads, *self.paged.geometry.head_buffer_shape(1)[2:])
+        staging = units[:n].reshape(-1).view(self.dtype).view(shape)
+        if self._stream is None:
+            merge_heads_gated(staging, self.paged, ids, flags, list(group_of), first_head)
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            packed = self._ids_on_device([*ids, *(int(x) for x in group_of)])
+            merge_heads_gated(staging, self.paged, packed[:n], flags, packed[n:], first_head)
 
     def load_staging(self, n: int) -> LoadStaging:
         """Pinned host staging for a load of `n` blocks, for payloads read straight into its

@@ -83,11 +83,20 @@ def frame(payloads: torch.Tensor, lanes: torch.Tensor, objects: torch.Tensor) ->
     objects[:, unit:].copy_(torch.from_numpy(_cpu_digests(payloads, lanes)))
 
 
-def unframe(objects: torch.Tensor, lanes: torch.Tensor, payloads: torch.Tensor) -> torch.Tensor:
+def unframe(
+    objects: torch.Tensor,
+    lanes: torch.Tensor,
+    payloads: torch.Tensor,
+    ok: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Copy each object's payload into `payloads`; an int32 flag per object (on its device), 1
-    where its digest is the `KEYED_MAC` of the payload under its key."""
+    where its digest is the `KEYED_MAC` of the payload under its key: written into `ok` when
+    given (a contiguous int32 `[n]` slice, say of a load's flags of all its objects)."""
     n = _checked(payloads, objects, lanes)
-    ok = torch.zeros(n, dtype=torch.int32, device=objects.device)
+    if ok is None:
+        ok = torch.zeros(n, dtype=torch.int32, device=objects.device)
+    elif tuple(ok.shape) != (n,) or ok.dtype != torch.int32 or not ok.is_contiguous():
+        raise ValueError("ok must be a contiguous int32 flag per object")
     if n == 0:
         return ok
     if objects.device.type == "cuda" or _interpreting():

@@ -43,14 +43,18 @@ payload `[blocks, heads, payload]` then one digest, so every reader verifies it 
 object (`digest.verify`). 8x-64x fewer keys a request, so the master's metadata stops bounding
 a transfer. A TP-mismatched reader reads whole objects (a TP-2 rank twice its bytes), verifies
 them and takes its heads (`object_heads`, `first_head`); a saver must hold every head its keys
-name. Zero copy: the save queues its gather, then asks for the reservations (`gather(groups=)`,
-on the RPC threads while the kernel runs), computes the digests in place on the connector's
-stream while the payloads go straight from the gather's staging into the store's memory on a
-copy stream (`gpu_digest.digests`), then each digest after its payload; the load copies the
-objects up on the copy stream, and chunk by chunk checks and unframes them
-(`gpu_digest.unframe`) and scatters the chunk's blocks while later chunks still come up
-(measured faster than copying payloads apart and scattering once: 73% against 65% cached).
-Round trips go in chunks of 1, 2, 4, ... objects (`first_chunk_objects`, `chunk_bounds`).
+name. Zero copy: the save's gather and its digests (`gpu_digest.digests`, read in place) are
+one CUDA graph replay over a `SaveSlot` of the request's shape (`graphs.Captured`: the host
+cost of one replay, ~0.014 ms, where the Triton launches cost ~0.2-0.4 ms each), then the
+reservations are asked for (`gather(groups=)`, on the RPC threads) and each object's payload
+and then its digest go straight from the slot into the store's memory on a copy stream. The
+load copies the objects up on the copy stream into a `LoadSlot`; one replay checks and
+unframes the objects before the last (`gpu_digest.unframe`) and scatters their blocks, a
+second the last one's, each block written only where the flags of its object and all before
+it are set, read on the device (`kernels.merge_heads_gated`): the host waits once, at the end
+(`_load_groups_gated`; the chunked load that read each chunk's flags on the host,
+`_load_groups_device`, is kept behind `gated_load` to compare). Round trips go in chunks of
+1, 2, 4, ... objects (`first_chunk_objects`, `chunk_bounds`).
 """
 
 from __future__ import annotations
@@ -60,12 +64,15 @@ import ctypes
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
+import numpy as np
 import torch
 
+from kernels import merge_heads_gated, split_heads
 from workers.mooncake_store import (
     CHECKSUM_BYTES,
     CORRUPTED,
@@ -77,8 +84,10 @@ from workers.mooncake_store import (
     StoreClient,
     StoreError,
 )
+from workers.mooncake_store.digest import key_lanes
 from workers.vllm_connector import gpu_digest
 from workers.vllm_connector.gpu import CudaPagedKV, LoadStaging, StagedSave
+from workers.vllm_connector.graphs import Captured, Slots
 from workers.vllm_connector.host_copy import HostSegments, copy_rows, cuda_runtime, strided_runs
 from workers.vllm_connector.load import LoadOutcome
 from workers.vllm_connector.payload import WorkerKV
@@ -198,6 +207,51 @@ class Reserving:
                 client.remove(reserved)
 
 
+@dataclass(slots=True)
+class SaveSlot:
+    """A grouped zero-copy save's device work for one shape (`n` blocks cut into groups of
+    these counts), over buffers of its own: the ids and key terms go up from `host` into `up`,
+    then one replay of `launches` gathers the blocks into `staging` and writes each group's
+    digest into `digests`."""
+
+    staging: torch.Tensor
+    digests: torch.Tensor
+    host: torch.Tensor
+    up: torch.Tensor
+    launches: Captured
+    uploaded: torch.cuda.Event | None = None
+    """Recorded after the last upload from `host` (it may be written again once done)."""
+
+
+@dataclass(slots=True)
+class LoadSlot:
+    """A grouped zero-copy load's device work for one shape, over buffers of its own: objects
+    come up into `objects`; `head` checks and unframes objects `[0, split)` into `units`, clears
+    the flags of those not copied (`copied`) and scatters their blocks where the verified prefix
+    allows (`merge_heads_gated`), `tail` the same for `[split, m)`; `host` -> `up` holds the
+    block ids, each block's group and the key terms."""
+
+    objects: torch.Tensor
+    units: torch.Tensor
+    flags: torch.Tensor
+    host: torch.Tensor
+    up: torch.Tensor
+    copied_host: torch.Tensor
+    copied: torch.Tensor
+    head: Captured
+    tail: Captured
+    split: int
+
+
+def _groups_of(counts: Sequence[int]) -> list[ObjectGroup]:
+    """Unnamed groups of these block counts, in order (a shape's layout)."""
+    out, at = [], 0
+    for c in counts:
+        out.append(ObjectGroup("", at, c))
+        at += c
+    return out
+
+
 def chunk_bounds(m: int, first: int, most: int) -> list[tuple[int, int]]:
     """`[a, b)` chunks of `m` objects for master round trips: the first of `first` objects (its
     copy starts early), each next twice the last, at most `most`."""
@@ -218,6 +272,7 @@ class StagedStore:
     __slots__ = (
         "__weakref__",
         "_give",
+        "digested",
         "digests",
         "n",
         "offset",
@@ -245,6 +300,8 @@ class StagedStore:
         self._give: weakref.finalize[..., object] | None = None
         self.reserving: Reserving | None = None
         """A grouped zero-copy save's reservations, asked for before the gather ran."""
+        self.digested: torch.cuda.Event | None = None
+        """A captured gather's: its digests (`digests`, per group) are in once this is."""
 
     def wait(self) -> None:
         if self.staged is not None:
@@ -312,6 +369,18 @@ class StoreKV:
             )
         self.zero_copy = (can and pinned) if zero_copy is None else zero_copy
         """Saves and loads copy between the device and the store's memory directly."""
+        self.save_slots = True
+        """A grouped zero-copy save gathers and digests in one `SaveSlot` (False: launch by
+        launch, the digests in `put_groups`: the path measured before, kept to compare)."""
+        self.graphs = True
+        """A grouped zero-copy save's gather and digests, and a grouped load's checks and gated
+        scatter, replay CUDA graphs captured per shape (`SaveSlot`, `LoadSlot`)."""
+        self._save_slots: Slots[SaveSlot] = Slots(self._make_save_slot)
+        self._load_slots: Slots[LoadSlot] = Slots(self._make_load_slot, per_key=1)
+        self.gated_load = True
+        """A grouped zero-copy load checks and scatters with no host wait until its end
+        (`_load_groups_gated`); False: chunk by chunk, the host reading each chunk's flags
+        (`_load_groups_device`)."""
         self.counts = ZeroCopyCounts()
         self._segments = (
             HostSegments(kv.device) if self.zero_copy and isinstance(kv, CudaPagedKV) else None
@@ -400,6 +469,11 @@ class StoreKV:
             if self._device_bytes + nbytes > self._device_budget:
                 return None
             self._device_bytes += nbytes
+        if groups and self.save_slots:
+            slot_key = (len(block_ids), tuple(g.count for g in groups), self.graphs)
+            slot = self._save_slots.take(slot_key)
+            if slot is not None:
+                return self._gather_slot(block_ids, groups, slot_key, slot, nbytes)
         try:
             units = self.kv.device_gather(block_ids)
         except BaseException:
@@ -413,6 +487,101 @@ class StoreKV:
             out.reserving = reserving
             weakref.finalize(out, reserving.cancel, self.client)  # dropped before its put
         return out
+
+    def _gather_slot(
+        self,
+        block_ids: Sequence[int],
+        groups: Sequence[ObjectGroup],
+        key: tuple[int, tuple[int, ...], bool],
+        slot: SaveSlot,
+        nbytes: int,
+    ) -> StagedStore:
+        """A grouped save's gather and digests as one replay of `slot`'s launches (ids and key
+        terms uploaded first), then its reservations asked for."""
+        kv = self.kv
+        assert isinstance(kv, CudaPagedKV)
+        try:
+            ids = kv._checked_ids(block_ids, distinct=False)
+            n = len(ids)
+            host = slot.host.numpy()
+            if slot.uploaded is not None:
+                slot.uploaded.synchronize()  # the last save's upload has read it
+            host[:n] = ids
+            host[n:] = self._lanes(groups, [g.key for g in groups], self._heads).reshape(-1)
+            stream = kv.stream
+            if stream is None:
+                slot.up.copy_(slot.host)
+                slot.launches.run()
+                gathered = None
+            else:
+                with torch.cuda.device(kv.device):
+                    engine = torch.cuda.current_stream(kv.device)
+                    stream.wait_stream(engine)  # this step's KV writes are in before the gather
+                    with torch.cuda.stream(stream):
+                        slot.up.copy_(slot.host, non_blocking=True)
+                        slot.uploaded = torch.cuda.Event()
+                        slot.uploaded.record()
+                        slot.launches.run()
+                        gathered = torch.cuda.Event()
+                        gathered.record()
+                    engine.wait_event(gathered)  # the blocks may be reused once read
+        except BaseException:
+            self._save_slots.give(key, slot)
+            self._give_device(nbytes)
+            raise
+        reserving = self._reserve_ahead(groups)  # once the replay is queued
+        out = StagedStore(-1, 0, slot.staging, slot.digests, None, on_device=True)
+        out.digested = gathered
+
+        def give() -> None:
+            self._give_device(nbytes)
+            self._save_slots.give(key, slot)
+
+        out._give = weakref.finalize(out, give)
+        out.reserving = reserving
+        weakref.finalize(out, reserving.cancel, self.client)  # dropped before its put
+        return out
+
+    def _lanes(self, groups: Sequence[ObjectGroup], keys: list[str], heads: int) -> np.ndarray:
+        """The key terms of each group's digest (`key_lanes` of its payload size), `[m, 2]`
+        int64 bits."""
+        parts = [
+            key_lanes(keys[a:b], width).view(np.int64)
+            for a, b, width in self._widths(groups, heads)
+        ]
+        return np.concatenate(parts) if parts else np.zeros((0, 2), dtype=np.int64)
+
+    def _widths(self, groups: Sequence[ObjectGroup], heads: int) -> Iterator[tuple[int, int, int]]:
+        """(first, end, payload bytes) of each run of consecutive groups of one block count."""
+        a, m = 0, len(groups)
+        while a < m:
+            b = a + 1
+            while b < m and groups[b].count == groups[a].count:
+                b += 1
+            yield a, b, groups[a].count * heads * self._unit
+            a = b
+
+    def _make_save_slot(self, key: Hashable) -> SaveSlot:
+        n, counts, graphs = cast(tuple[int, tuple[int, ...], bool], key)
+        kv = self.kv
+        assert isinstance(kv, CudaPagedKV)
+        h, unit, m, dev = self._heads, self._unit, len(counts), kv.device
+        groups = _groups_of(counts)
+        staging = torch.empty((n, h, unit), dtype=torch.uint8, device=dev)
+        digests = torch.empty((m, CHECKSUM_BYTES), dtype=torch.uint8, device=dev)
+        host = torch.empty(n + 2 * m, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        up = torch.empty(n + 2 * m, dtype=torch.int64, device=dev)
+        ids, lanes = up[:n], up[n:].view(m, 2)
+        shape = kv.paged.geometry.head_buffer_shape(n, block_major=True)
+        typed = staging.view(-1).view(kv.dtype).view(shape)
+        flat = staging.view(-1)
+
+        def launches() -> None:
+            split_heads(kv.paged, ids, typed, block_major=True)
+            for a, b, _width, rows in self._size_runs(flat, groups, h):
+                gpu_digest.digests(rows, lanes[a:b], digests[a:b])
+
+        return SaveSlot(staging, digests, host, up, Captured(launches, dev, capture=bool(graphs)))
 
     def _reserve_ahead(self, groups: Sequence[ObjectGroup]) -> Reserving:
         """Submit the reservations of a grouped save's objects, chunk by chunk."""
@@ -710,19 +879,24 @@ class StoreKV:
         offsets: list[int],
         *,
         check: bool,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Frame (save: `payloads` -> `objects`) or check and unframe (load: `objects` ->
-        `payloads`, a flag per group) every group, one launch pair per run of groups of one
-        size; `payloads` is `[n, heads, unit]` flat, `objects` holds object g at `offsets[g]`."""
+        `payloads`, a flag per group, written into `out` when given) every group, one launch
+        pair per run of groups of one size; `payloads` is `[n, heads, unit]` flat, `objects`
+        holds object g at `offsets[g]`."""
         dev = objects.device
         flags: list[torch.Tensor] = []
         for a, b, width, rows in self._size_runs(payloads.reshape(-1), groups, heads):
             objs = objects[offsets[a] : offsets[b]].view(b - a, width + CHECKSUM_BYTES)
             lanes = gpu_digest.keys_tensor(keys[a:b], width, dev)
             if check:
-                flags.append(gpu_digest.unframe(objs, lanes, rows))
+                ok = None if out is None else out[a:b]
+                flags.append(gpu_digest.unframe(objs, lanes, rows, ok))
             else:
                 gpu_digest.frame(rows, lanes, objs)
+        if out is not None:
+            return out
         return torch.cat(flags) if flags else objects.new_empty(0, dtype=torch.int32)
 
     def _put_groups_device(self, staged: StagedStore, groups: Sequence[ObjectGroup]) -> SaveOutcome:
@@ -750,8 +924,11 @@ class StoreKV:
         flat = staged.units.reshape(-1)
         with self._on_stream():
             gathered = self._mark()  # the gather's staging is in
-            digests = torch.empty((m, CHECKSUM_BYTES), dtype=torch.uint8, device=dev)
-            self._digest_groups(flat, groups, keys, h, digests, check=False)
+            if staged.digests.numel() == m * CHECKSUM_BYTES:
+                digests = staged.digests  # computed with the gather, in its replay
+            else:
+                digests = torch.empty((m, CHECKSUM_BYTES), dtype=torch.uint8, device=dev)
+                self._digest_groups(flat, groups, keys, h, digests, check=False)
             digested = self._mark()
             base, dbase = int(flat.data_ptr()), int(digests.data_ptr())
             written_at: dict[int, int] = {}  # object -> its address in the store's memory
@@ -773,6 +950,10 @@ class StoreKV:
                                 width = sizes[i] - CHECKSUM_BYTES
                                 src = base + groups[i].first * h * unit
                                 copy_rows(r.address, width, src, width, width, 1, dev)
+                                if staged.digested is not None:  # in already: right after it
+                                    d = CHECKSUM_BYTES
+                                    src = dbase + i * d
+                                    copy_rows(r.address + width, d, src, d, d, 1, dev)
                                 written_at[i] = r.address
                                 done[i] = True
                                 written += 1
@@ -785,7 +966,7 @@ class StoreKV:
                         reserved = [k for k in reserved if k not in set(unusable)]
                 with self._copying():  # each digest after its payload, once computed
                     self._after(digested)
-                    for i, address in written_at.items():
+                    for i, address in written_at.items() if staged.digested is None else ():
                         at = address + sizes[i] - CHECKSUM_BYTES
                         src = dbase + i * CHECKSUM_BYTES
                         copy_rows(at, CHECKSUM_BYTES, src, CHECKSUM_BYTES, CHECKSUM_BYTES, 1, dev)
@@ -1100,7 +1281,9 @@ class StoreKV:
             first = groups[a].first
             part = [ObjectGroup(g.key, g.first - first, g.count) for g in groups[a:b]]
             ids = block_ids[first : groups[b - 1].first + groups[b - 1].count]
-            if self.zero_copy:
+            if self.zero_copy and self.gated_load:
+                good, why, gone = self._load_groups_gated(part, ids, heads, first_head)
+            elif self.zero_copy:
                 good, why, gone = self._load_groups_device(part, ids, heads, first_head)
             else:
                 good, why, gone = self._load_groups_host(part, ids, heads, first_head)
@@ -1175,6 +1358,156 @@ class StoreKV:
             return good, why, gone
         finally:
             self._loads.give(offset, nbytes)
+
+    def _load_groups_gated(
+        self, groups: Sequence[ObjectGroup], block_ids: Sequence[int], heads: int, first_head: int
+    ) -> tuple[int, str | None, list[str]]:
+        """A grouped zero-copy load round with no host wait until its end: replicas looked up
+        chunk by chunk (cached), each chunk's objects copied up on the copy stream into a
+        `LoadSlot`'s buffers as soon as it is answered; once the objects before the last chunk
+        are up, one replay checks and unframes them and scatters their blocks where the
+        verified prefix allows (`merge_heads_gated`: the flags are read on the device), and one
+        more does the last chunk's. The host reads the flags once, when all of it is done;
+        objects not read that way are read through the store and the rest of the good prefix
+        scattered, as `_load_groups_device`."""
+        assert isinstance(self.kv, CudaPagedKV) and self._segments is not None
+        kv = self.kv
+        n, m, dev = len(block_ids), len(groups), kv.device
+        ids = kv._checked_ids(block_ids, distinct=True)
+        keys = [g.key for g in groups]
+        sizes = [self._object_bytes(g.count, heads) for g in groups]
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
+        bounds = chunk_bounds(m, self.first_chunk_objects, self.chunk_objects)
+        split = m - 1  # the last object is checked alone, once it is up
+        key = (n, tuple(g.count for g in groups), heads, first_head, split, self.graphs)
+        slot = self._load_slots.take(key)
+        cached = slot is not None
+        if slot is None:  # another load holds this shape's (none do: loads run one at a time)
+            slot = self._make_load_slot(key, capture=False)
+        copied = [False] * m
+        store_s = 0.0
+        try:
+            with self._on_stream():
+                host = slot.host.numpy()
+                host[:n] = ids
+                host[n : 2 * n] = [k for k, g in enumerate(groups) for _ in range(g.count)]
+                host[2 * n :] = self._lanes(groups, keys, heads).reshape(-1)
+                slot.up.copy_(slot.host, non_blocking=True)
+                base = int(slot.objects.data_ptr())
+                pending = [
+                    self._rpc.submit(self.client.local_replicas, keys[a:b], cached=True)
+                    for a, b in bounds
+                ]
+                mask = slot.copied_host.numpy()
+                for (a, _b), future in zip(bounds, pending, strict=True):
+                    t0 = time.perf_counter()
+                    found = future.result()
+                    store_s += time.perf_counter() - t0
+                    for i, r in enumerate(found, a):
+                        with self._copying():
+                            if (
+                                r is not None
+                                and r.size == sizes[i]
+                                and self._segments.ready(r.address, r.size)
+                            ):  # else read through the store
+                                copy_rows(
+                                    base + offsets[i], sizes[i], r.address, sizes[i], sizes[i],
+                                    1, dev,
+                                )  # fmt: skip
+                                copied[i] = True
+                            arrived = self._mark() if i + 1 in (split, m) else None
+                        if i + 1 in (split, m):  # this part's objects are all on their way
+                            lo = 0 if i + 1 == split else split
+                            mask[lo : i + 1] = copied[lo : i + 1]
+                            slot.copied[lo : i + 1].copy_(
+                                slot.copied_host[lo : i + 1], non_blocking=True
+                            )
+                            self._after(arrived)
+                            (slot.head if i + 1 == split else slot.tail).run()
+                verified = slot.flags.cpu().tolist()  # waits for the copies, checks, scatters
+            scattered = 0  # leading blocks the gated scatters wrote
+            for i in range(m):
+                if not (copied[i] and verified[i]):
+                    break
+                scattered = groups[i].first + groups[i].count
+            codes = [1 if c and v else UNREAD for c, v in zip(copied, verified, strict=True)]
+            stale = [keys[i] for i in range(m) if copied[i] and not verified[i]]
+            if stale:  # another key's bytes, an XXH3 digest or a torn read: ask afresh
+                self.client.forget_local(stale)
+            slow = [i for i in range(m) if codes[i] < 0]
+            self.counts.last_load_store_s = store_s
+            self.counts.loaded_direct += m - len(slow)
+            self.counts.loaded_through_store += len(slow)
+            why_store: str | None = None
+            if slow:
+                why_store = self._read_groups_through(groups, slow, slot.units, heads, codes)
+            good, why, gone = self._settle_groups(groups, codes)
+            if why_store is not None and why is not None and UNREAD in codes:
+                why = why_store
+            if good > scattered:
+                kv.device_scatter(
+                    self._rank_units(slot.units, scattered, good, first_head),
+                    block_ids[scattered:good],
+                )
+            return good, why, gone
+        finally:
+            if cached:
+                self._sync()
+                self._load_slots.give(key, slot)
+
+    def _make_load_slot(self, key: Hashable, *, capture: bool = True) -> LoadSlot:
+        shape = cast(tuple[int, tuple[int, ...], int, int, int, bool], key)
+        n, counts, heads, first_head, split, graphs = shape
+        kv = self.kv
+        assert isinstance(kv, CudaPagedKV)
+        unit, m, dev = self._unit, len(counts), kv.device
+        groups = _groups_of(counts)
+        offsets = [0]
+        for g in groups:
+            offsets.append(offsets[-1] + self._object_bytes(g.count, heads))
+        pinned = dev.type == "cuda"
+        objects = torch.empty(offsets[-1], dtype=torch.uint8, device=dev)
+        units = torch.empty((n, heads, unit), dtype=torch.uint8, device=dev)
+        flags = torch.zeros(m, dtype=torch.int32, device=dev)
+        host = torch.empty(2 * n + 2 * m, dtype=torch.int64, pin_memory=pinned)
+        up = torch.empty(2 * n + 2 * m, dtype=torch.int64, device=dev)
+        copied_host = torch.zeros(m, dtype=torch.int32, pin_memory=pinned)
+        copied = torch.zeros(m, dtype=torch.int32, device=dev)
+        ids, group_of, lanes = up[:n], up[n : 2 * n], up[2 * n :].view(m, 2)
+        geometry = kv.paged.geometry
+        per_block = (heads, geometry.num_layers, geometry.kv_factor, geometry.block_size)
+        flat = units.view(-1)
+
+        def part(lo: int, hi: int) -> None:
+            if hi <= lo:
+                return
+            for a, b, width, rows in self._size_runs(flat, groups[lo:hi], heads):
+                a, b = a + lo, b + lo
+                objs = objects[offsets[a] : offsets[b]].view(b - a, width + CHECKSUM_BYTES)
+                gpu_digest.unframe(objs, lanes[a:b], rows, flags[a:b])
+            flags[lo:hi].mul_(copied[lo:hi])  # a slot's old bytes are not this load's
+            first, end = groups[lo].first, groups[hi - 1].first + groups[hi - 1].count
+            typed = units[first:end].reshape(-1).view(kv.dtype)
+            typed = typed.view(end - first, *per_block, geometry.head_dim)
+            merge_heads_gated(
+                typed, kv.paged, ids[first:end], flags, group_of[first:end], first_head
+            )
+
+        use = capture and bool(graphs)
+        return LoadSlot(
+            objects,
+            units,
+            flags,
+            host,
+            up,
+            copied_host,
+            copied,
+            Captured(lambda: part(0, split), dev, capture=use),
+            Captured(lambda: part(split, m), dev, capture=use),
+            split,
+        )
 
     def _load_groups_device(
         self, groups: Sequence[ObjectGroup], block_ids: Sequence[int], heads: int, first_head: int

@@ -252,6 +252,43 @@ def test_grouped_objects_round_trip_bit_exactly_and_tp2_ranks_take_their_heads(
         client.close()
 
 
+@pytest.mark.parametrize(("save_slots", "gated_load"), [(True, True), (False, False)])
+def test_the_slot_and_gated_paths_store_and_load_what_the_launch_by_launch_ones_do(
+    master: MooncakeMaster, save_slots: bool, gated_load: bool
+) -> None:
+    k, v = random_kv("cpu")
+    client = open_client(master)
+    try:
+        w = StoreKV(client, make_kv(vllm_layers(k, v, LAYOUT)), zero_copy=True)
+        w.save_slots = save_slots
+        gs = groups()
+        for _ in range(2):  # the second save reuses the shape's slot
+            client.remove([g.key for g in gs])
+            staged = w.gather(SRC_IDS, groups=gs)
+            assert staged is not None
+            assert (staged.digests.numel() > 0) == save_slots  # digests with the gather
+            out = w.put_groups(staged, gs)
+            assert out.refused == [] and w.counts.saved_through_store == 0
+            for key, nbytes, digest in out.stored:
+                (replica,) = client.local_replicas([key])
+                assert replica is not None
+                obj = ctypes.string_at(replica.address, replica.size)
+                assert obj[nbytes:] == digest and verify(key, obj[:nbytes], digest)
+        layers = nan_layers("cpu", HEADS, LAYOUT)
+        r = StoreKV(client, make_kv(layers), zero_copy=True)
+        r.gated_load = gated_load
+        for _ in range(2):
+            for t in layers:
+                t.fill_(float("nan"))
+            result = r.load_groups(gs, DST_IDS)
+            assert (result.load.blocks, result.load.refused, result.dropped) == (4, None, [])
+            assert loaded(layers, k, v, slice(None))
+        r.close()
+        w.close()
+    finally:
+        client.close()
+
+
 def test_grouped_objects_in_another_clients_segment_are_read_through_the_store(
     master: MooncakeMaster,
 ) -> None:
