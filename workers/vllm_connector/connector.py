@@ -32,6 +32,19 @@ kernels' reference path); finished loads go back through `get_finished`, refused
 `wait_for_save` gathers the step's sealed blocks out of the cache (one synchronous staging copy,
 so vLLM may reuse the blocks at once) and a save thread PUTs them, off the forward pass;
 `save_kv_layer` has nothing to do per layer. The KV layout and payload are in `payload.py`.
+
+KV cache groups (vLLM's hybrid KV cache manager, which `SupportsHMA` keeps on: full attention
+beside sliding windows): every step above is per group. The worker side keeps a cache per group
+(its layers; layers of different groups may share a tensor, each group's blocks being its own),
+the scheduler side each request's block ids per group. Saves store, per block and group, what
+vLLM still holds (a window group's blocks outside its window are vLLM's null block, skipped);
+artifact keys end in the group's tag (`plan.group_tags`), so groups never share a key and an
+engine without the manager (one group of every layer) never reads them as its own. The lookup
+asks for every group's keys and reports a hit only up to the furthest boundary where every
+group can be restored (`plan.restorable_blocks`: full attention all blocks before it, a window
+the blocks covering its window before it); a load fills each group's real blocks. A model of
+one group is keyed, saved and loaded exactly as a dense model always was. With several groups,
+chunk reuse is off and KV goes through the sidecar, not straight through Mooncake Store.
 """
 
 from __future__ import annotations
