@@ -322,7 +322,10 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
                 for names in self._group_layers
             ]
             if any(not layers for layers in group_layers):
-                raise ValueError("OwnerServeConnector: a KV cache group has no layer here")
+                # (a pipeline stage without a group's layers: its keys would never be whole)
+                raise ValueError(
+                    "OwnerServeConnector: a KV cache group has no layer on this worker"
+                )
         layers = group_layers[0]
         from vllm.distributed.parallel_state import (
             get_pp_group,
