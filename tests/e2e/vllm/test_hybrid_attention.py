@@ -534,6 +534,11 @@ async def test_a_resume_through_the_connector_is_exact_with_the_hybrid_kv_cache_
         "local_cache_hit": 0,
         "external_kv_transfer": 8 * BLOCK,
     }, by_source
+    # Not yet understood: run by hand with the connector loading each group from another
+    # group's keys (other layers' KV, the same sizes), this answer still came out bitwise
+    # equal, so on this engine the comparison alone does not show that the loaded bytes are
+    # the ones attention reads; the counters, the per-group saves and the per-group loads
+    # below are what this test pins.
     want_tokens, want_lps = tokens_and_logprobs(want)
     got_tokens, got_lps = tokens_and_logprobs(got)
     assert got_tokens == want_tokens
