@@ -32,6 +32,19 @@ kernels' reference path); finished loads go back through `get_finished`, refused
 `wait_for_save` gathers the step's sealed blocks out of the cache (one synchronous staging copy,
 so vLLM may reuse the blocks at once) and a save thread PUTs them, off the forward pass;
 `save_kv_layer` has nothing to do per layer. The KV layout and payload are in `payload.py`.
+
+KV cache groups (vLLM's hybrid KV cache manager, which `SupportsHMA` keeps on: full attention
+beside sliding windows): every step above is per group. The worker side keeps a cache per group
+(its layers; layers of different groups may share a tensor, each group's blocks being its own),
+the scheduler side each request's block ids per group. Saves store, per block and group, what
+vLLM still holds (a window group's blocks outside its window are vLLM's null block, skipped);
+artifact keys end in the group's tag (`plan.group_tags`), so groups never share a key and an
+engine without the manager (one group of every layer) never reads them as its own. The lookup
+asks for every group's keys and reports a hit only up to the furthest boundary where every
+group can be restored (`plan.restorable_blocks`: full attention all blocks before it, a window
+the blocks covering its window before it); a load fills each group's real blocks. A model of
+one group is keyed, saved and loaded exactly as a dense model always was. With several groups,
+chunk reuse is off and KV goes through the sidecar, not straight through Mooncake Store.
 """
 
 from __future__ import annotations
@@ -74,15 +87,18 @@ from workers.vllm_connector.payload import (
 from workers.vllm_connector.plan import (
     BlockTransfer,
     ConnectorSettings,
+    KVGroup,
     Stage,
     block_keys,
     chunk_hashes,
-    external_tokens,
     first_failed_index,
+    group_tags,
+    loadable_blocks,
     lookup_keys,
-    plan_load,
-    plan_save,
-    present_blocks,
+    plan_group_loads,
+    plan_group_saves,
+    present_mask,
+    restorable_blocks,
     stage_of,
 )
 from workers.vllm_connector.store_path import StagedStore, StoreKV, open_store_kv
@@ -132,7 +148,8 @@ class _Tracked:
 
     request: Request
     hasher: ChainHasher
-    block_ids: list[int]
+    block_ids: list[list[int]]
+    """Per KV cache group, the request's block ids (the null block where a window let go)."""
     saved_blocks: int
     save: bool
 
@@ -144,6 +161,35 @@ def _request_flags(request: Request) -> tuple[bool, bool]:
     if not isinstance(ours, dict):
         return True, True
     return ours.get("load", True) is not False, ours.get("save", True) is not False
+
+
+def _kv_groups(kv_cache_config: KVCacheConfig) -> list[KVGroup]:
+    """The engine's KV cache groups as the connector restores them. A model of one group is
+    taken as it always was; with several (vLLM's hybrid KV cache manager), each must be full
+    attention or a sliding window of the engine's block size, else `ValueError`."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    specs = []
+    for g in kv_cache_config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        # a worker's group of layers of one type may carry one spec per layer
+        per_layer = getattr(spec, "kv_cache_specs", None)
+        specs.append(next(iter(per_layer.values())) if per_layer else spec)
+    out: list[KVGroup] = []
+    for i, spec in enumerate(specs):
+        if isinstance(spec, SlidingWindowSpec):
+            out.append(KVGroup(int(spec.sliding_window), int(spec.extra_retained_tokens)))
+        elif isinstance(spec, FullAttentionSpec) or len(specs) == 1:
+            out.append(KVGroup())
+        else:
+            raise ValueError(
+                f"OwnerServeConnector restores full-attention and sliding-window KV cache "
+                f"groups; group {i} is {type(spec).__name__}"
+            )
+    sizes = {int(spec.block_size) for spec in specs}
+    if len(sizes) > 1:
+        raise ValueError(f"OwnerServeConnector: KV cache groups of block sizes {sorted(sizes)}")
+    return out
 
 
 def _layer_order(names: list[str]) -> list[str]:
@@ -173,9 +219,9 @@ class _RateLimitedLog:
 class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector backed by the worker's OwnerServe sidecar (see the module docstring).
 
-    Declares `SupportsHMA` so that vLLM keeps its hybrid KV cache manager on (as NixlConnector
-    does: NIXL refuses a handshake between instances that differ in it), but handles only models
-    with one KV cache group; others are refused at start.
+    Declares `SupportsHMA`: with vLLM's hybrid KV cache manager on, each KV cache group (full
+    attention, sliding windows) is saved and restored with its own layers and block ids (see
+    the module docstring); a model of one group is handled as a dense model always was.
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -184,11 +230,9 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        groups = len(kv_cache_config.kv_cache_groups)
-        if groups != 1:
-            raise ValueError(
-                f"OwnerServeConnector handles one KV cache group (full attention); got {groups}"
-            )
+        self._groups = _kv_groups(kv_cache_config)
+        self._group_tags = group_tags(self._groups)
+        self._group_layers = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
         model_config = vllm_config.model_config
         served = model_config.served_model_name
         default_model = served[0] if isinstance(served, list) and served else served
@@ -222,16 +266,18 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
         self._lookups: dict[str, _Lookup] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: list[BlockTransfer] = []
-        self._inflight_loads: dict[str, BlockTransfer] = {}
+        self._inflight_loads: dict[str, list[BlockTransfer]] = {}
         # worker side
-        self._kv: WorkerKV | None = None
+        self._kv: WorkerKV | None = None  # a model of one group: its cache (chunk reuse too)
+        self._group_kv: list[WorkerKV] = []  # per group, its layers' cache
         self._local_heads: tuple[int, ...] = ()
         self._store_heads: tuple[int, ...] = ()
         self._lock = threading.Lock()
         self._done_loads: set[str] = set()
         self._failed_blocks: set[int] = set()
-        self._load_queue: queue.Queue[BlockTransfer | None] = queue.Queue()
-        self._save_queue: queue.Queue[tuple[BlockTransfer, Gathered | StagedStore] | None] = (
+        # one item per request: its transfers of every group
+        self._load_queue: queue.Queue[list[BlockTransfer] | None] = queue.Queue()
+        self._save_queue: queue.Queue[list[tuple[BlockTransfer, Gathered | StagedStore]] | None] = (
             queue.Queue(SAVE_QUEUE_DEPTH)
         )
         self._store_kv: StoreKV | None = None
@@ -242,13 +288,17 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
             # chunk reuse needs one rank holding every head and layer
             int(vllm_config.parallel_config.tensor_parallel_size) * self._pp_size,
         )
+        if len(self._groups) > 1:
+            self._chunk_rope = None  # chunk reuse places one group's layers: off
         logger.info(
-            "OwnerServeConnector (%s): sidecar %s, model %r, block_size %d, %d KV heads",
+            "OwnerServeConnector (%s): sidecar %s, model %r, block_size %d, %d KV heads, "
+            "KV cache groups %s",
             role.name,
             self.settings.sidecar_url,
             self.settings.model,
             self.settings.block_size,
             self._total_heads,
+            ["full" if g.window is None else f"window {g.window}" for g in self._groups],
         )
 
     @property
@@ -261,7 +311,22 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
     # ==============================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layers = [kv_caches[name] for name in _layer_order(list(kv_caches))]
+        # per KV cache group its layers in model order (one group: every layer); with the
+        # hybrid manager, layers of different groups may share one tensor, each group's
+        # blocks being its own
+        if len(self._groups) == 1:
+            group_layers = [[kv_caches[name] for name in _layer_order(list(kv_caches))]]
+        else:
+            group_layers = [
+                [kv_caches[n] for n in _layer_order([n for n in names if n in kv_caches])]
+                for names in self._group_layers
+            ]
+            if any(not layers for layers in group_layers):
+                # (a pipeline stage without a group's layers: its keys would never be whole)
+                raise ValueError(
+                    "OwnerServeConnector: a KV cache group has no layer on this worker"
+                )
+        layers = group_layers[0]
         from vllm.distributed.parallel_state import (
             get_pp_group,
             get_tensor_model_parallel_rank,
@@ -274,20 +339,29 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
         cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
         if cache_dtype != "auto":
             raise NotImplementedError(f"OwnerServeConnector: kv_cache_dtype {cache_dtype}")
-        kv: WorkerKV
+        group_kv: list[WorkerKV]
         if layers[0].device.type == "cuda":
-            kv = CudaPagedKV(layers, mla=self._mla)
+            group_kv = [CudaPagedKV(g, mla=self._mla) for g in group_layers]
             how = f"CUDA {'MLA' if self._mla else 'K/V'} layer-first, pinned staging"
         elif self._mla:
             raise NotImplementedError("OwnerServeConnector: MLA on vLLM's CPU backend")
         else:
             order = self._page_order(layers[0])
-            kv = CpuAttnKV(layers, order)
+            group_kv = [CpuAttnKV(g, order) for g in group_layers]
             how = "CPU attention, K page order " + (
                 "token-major" if order.is_token_major else "converted from the ISA's"
             )
-        self._kv = kv
-        self._store_kv = self._open_store(kv)
+        kv = group_kv[0]
+        self._group_kv = group_kv
+        if len(group_kv) == 1:
+            self._kv = kv
+            self._store_kv = self._open_store(kv)
+        elif self.settings.store is not None:
+            logger.warning(
+                "OwnerServeConnector: %d KV cache groups: KV goes through the sidecar, not "
+                "straight through Mooncake Store (its path keys one group)",
+                len(group_kv),
+            )
         tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
         self._local_heads = heads_for_rank(self._total_heads, tp, rank)
         self._store_heads = store_heads_for_rank(self._total_heads, tp, rank)
@@ -297,9 +371,9 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
                 f"{len(self._local_heads)}"
             )
         logger.info(
-            "OwnerServeConnector: %d layers, %d-token blocks of %d-dim heads %s (stores %s), "
+            "OwnerServeConnector: %s layers, %d-token blocks of %d-dim heads %s (stores %s), "
             "%s, %s",
-            kv.num_layers,
+            "+".join(str(g.num_layers) for g in group_kv),
             kv.block_size,
             kv.head_size,
             list(self._local_heads),
@@ -364,8 +438,11 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
         if meta is None:
             return
         self._run_chunk_loads(meta)
+        by_request: dict[str, list[BlockTransfer]] = {}
         for transfer in meta.loads:
-            self._load_queue.put(transfer)
+            by_request.setdefault(transfer.req_id, []).append(transfer)
+        for transfers in by_request.values():
+            self._load_queue.put(transfers)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads are asynchronous between scheduler steps: a request waits in vLLM's
@@ -386,8 +463,9 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
         meta = self._bound_metadata()
         if meta is not None and meta.chunks:
             self._run_chunk_saves(meta)
-        if meta is None or not meta.saves or self._kv is None or not self._store_heads:
+        if meta is None or not meta.saves or not self._group_kv or not self._store_heads:
             return
+        by_request: dict[str, list[tuple[BlockTransfer, Gathered | StagedStore]]] = {}
         for transfer in meta.saves:
             # The copy happens now, so the blocks may be reused as soon as this step ends.
             buffers: Gathered | StagedStore
@@ -400,13 +478,16 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
                     continue
                 buffers = staged
             else:
-                buffers = self._kv.gather(transfer.block_ids)
+                buffers = self._group_kv[transfer.group].gather(transfer.block_ids)
+            by_request.setdefault(transfer.req_id, []).append((transfer, buffers))
+        for saves in by_request.values():
             try:
-                self._save_queue.put_nowait((transfer, buffers))
+                self._save_queue.put_nowait(saves)
             except queue.Full:
                 self._warn.warning("save-full", "OwnerServeConnector: save queue full, dropping")
-                if isinstance(buffers, StagedStore):
-                    buffers.release()
+                for _, buffers in saves:
+                    if isinstance(buffers, StagedStore):
+                        buffers.release()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:
@@ -438,23 +519,27 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def _load_loop(self) -> None:
-        while (transfer := self._load_queue.get()) is not None:
+        while (transfers := self._load_queue.get()) is not None:
             failed: list[int] = []
-            try:
-                failed = self._load(transfer)
-            except Exception:  # never leave a request waiting for its KV forever
-                logger.exception("OwnerServeConnector: load for %s failed", transfer.req_id)
-                failed = list(transfer.block_ids)
+            for transfer in transfers:  # the request's blocks of every group
+                try:
+                    failed.extend(self._load(transfer))
+                except Exception:  # never leave a request waiting for its KV forever
+                    logger.exception("OwnerServeConnector: load for %s failed", transfer.req_id)
+                    failed.extend(transfer.block_ids)
             with self._lock:
                 self._failed_blocks.update(failed)
-                self._done_loads.add(transfer.req_id)
+                self._done_loads.add(transfers[0].req_id)
 
     def _load(self, transfer: BlockTransfer) -> list[int]:
         """Fetch and scatter `transfer`'s blocks (`load.load_blocks`: on CUDA straight into
         pinned staging); returns the block ids that were not loaded."""
-        assert self._kv is not None
+        kv = self._group_kv[transfer.group]
         started = time.monotonic()
-        rows = [self._keys(chunk_hash, self._local_heads) for chunk_hash in transfer.chunk_hashes]
+        rows = [
+            self._keys(chunk_hash, self._local_heads, transfer.group)
+            for chunk_hash in transfer.chunk_hashes
+        ]
         # the whole request's artifacts in one call (a few for a very long prompt)
         if self._store_kv is not None:
             result = self._store_kv.load(rows, transfer.block_ids)
@@ -465,13 +550,14 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
                 except SidecarError as exc:
                     self._warn.warning("report", "OwnerServeConnector: store report: %s", exc)
         else:
-            outcome = load_blocks(self._client, self._kv, rows, transfer.block_ids)
+            outcome = load_blocks(self._client, kv, rows, transfer.block_ids)
         good = outcome.blocks
         logger.info(
-            "OwnerServeConnector: loaded %d/%d blocks (%d bytes) for %s in %.3f s",
+            "OwnerServeConnector: loaded %d/%d blocks (%d bytes) of group %d for %s in %.3f s",
             good,
             len(transfer.block_ids),
             outcome.nbytes,
+            transfer.group,
             transfer.req_id,
             time.monotonic() - started,
         )
@@ -485,30 +571,43 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
             )
         return list(transfer.block_ids[good:])
 
-    def _keys(self, chunk_hash: int, heads: Sequence[int]) -> list[str]:
-        """This worker's artifact keys of a block for `heads` (its pipeline stage's, if any)."""
+    def _keys(self, chunk_hash: int, heads: Sequence[int], group: int = 0) -> list[str]:
+        """This worker's artifact keys of a block for `heads` (its pipeline stage's, if any)
+        in KV cache group `group`."""
         stage = self._stage
+        tag = self._group_tags[group]
         if stage is None:
-            return block_keys(self.settings.model, chunk_hash, heads)
-        return block_keys(self.settings.model, chunk_hash, heads, pp_rank=stage[0], layers=stage[1])
+            return block_keys(self.settings.model, chunk_hash, heads, group=tag)
+        return block_keys(
+            self.settings.model, chunk_hash, heads, pp_rank=stage[0], layers=stage[1], group=tag
+        )
 
     def _save_loop(self) -> None:
-        while (item := self._save_queue.get()) is not None:
-            transfer, buffers = item
-            if isinstance(buffers, StagedStore):
-                self._save_to_store(transfer, buffers)
-                continue
-            items = []
-            for i, chunk_hash in enumerate(transfer.chunk_hashes):
-                keys = self._keys(chunk_hash, self._store_heads)
-                for head, key in zip(self._store_heads, keys, strict=True):
-                    items.append((key, payload_of(buffers, self._local_heads.index(head), i)))
-            try:
-                # the step's blocks of the request in one call; every rank's heads (of every
-                # pipeline stage) together make a block whole
-                self._client.put_many(items, self._total_heads * self._pp_size)
-            except SidecarError as exc:
-                self._warn.warning("save", "OwnerServeConnector: save failed: %s", exc)
+        while (saves := self._save_queue.get()) is not None:
+            # a block is whole when every rank's heads (of every pipeline stage) are stored in
+            # every group that saved it this step
+            groups_of: dict[int, int] = {}
+            for transfer, _ in saves:
+                for chunk_hash in transfer.chunk_hashes:
+                    groups_of[chunk_hash] = groups_of.get(chunk_hash, 0) + 1
+            per_group = self._total_heads * self._pp_size
+            by_whole: dict[int, list[tuple[str, bytes | memoryview]]] = {}
+            for transfer, buffers in saves:
+                if isinstance(buffers, StagedStore):
+                    self._save_to_store(transfer, buffers)
+                    continue
+                for i, chunk_hash in enumerate(transfer.chunk_hashes):
+                    keys = self._keys(chunk_hash, self._store_heads, transfer.group)
+                    items = by_whole.setdefault(groups_of[chunk_hash] * per_group, [])
+                    for head, key in zip(self._store_heads, keys, strict=True):
+                        items.append((key, payload_of(buffers, self._local_heads.index(head), i)))
+            for whole, items in by_whole.items():
+                try:
+                    # the step's blocks of the request in one call (one per count of groups
+                    # that saved a block)
+                    self._client.put_many(items, whole)
+                except SidecarError as exc:
+                    self._warn.warning("save", "OwnerServeConnector: save failed: %s", exc)
 
     def _save_to_store(self, transfer: BlockTransfer, staged: StagedStore) -> None:
         """Put a save's staged blocks into Mooncake Store, then tell the sidecar (which
@@ -557,20 +656,39 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
             return chunked
         bs = self.settings.block_size
         hashes = chunk_hashes(prompt, bs, self.settings.root(request.cache_salt))
-        stored = 0
+        stored = ext = 0
         if time.monotonic() >= self._lookups_paused_until:
-            keys = lookup_keys(self.settings.model, hashes, self._all_heads, self._stages)
-            per_block = len(self._all_heads) * self._pp_size
             try:
-                stored = present_blocks(self._lookup_client.lookup(keys), per_block)
+                masks = self._stored_masks(hashes)
             except SidecarError as exc:
                 self._lookups_paused_until = time.monotonic() + self.settings.lookup_backoff_s
                 self._warn.warning("lookup", "OwnerServeConnector: sidecar lookup failed: %s", exc)
-        ext = 0
-        if self.settings.load and allow_load:
-            ext = external_tokens(stored, len(prompt), num_computed_tokens, bs)
+            else:
+                local = num_computed_tokens // bs
+                # blocks restorable in every group: not saved again; of the prompt's, loaded
+                stored = restorable_blocks(masks, self._groups, bs, len(hashes), local)
+                if self.settings.load and allow_load:
+                    end = restorable_blocks(
+                        masks, self._groups, bs, loadable_blocks(len(prompt), bs), local
+                    )
+                    ext = max(0, end * bs - num_computed_tokens)
         self._lookups[request.request_id] = _Lookup(num_computed_tokens, ext, stored, hashes)
         return ext, ext > 0
+
+    def _stored_masks(self, hashes: Sequence[int]) -> list[list[bool]]:
+        """Per KV cache group, which of the blocks `hashes` the sidecar holds whole (every head
+        of every pipeline stage), in one lookup."""
+        per_group = [
+            lookup_keys(self.settings.model, hashes, self._all_heads, self._stages, tag)
+            for tag in self._group_tags
+        ]
+        present = self._lookup_client.lookup([k for keys in per_group for k in keys])
+        per_block = len(self._all_heads) * self._pp_size
+        masks, at = [], 0
+        for keys in per_group:
+            masks.append(present_mask(present[at : at + len(keys)], per_block))
+            at += len(keys)
+        return masks
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -581,16 +699,16 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
         self._chunk_after_alloc(request, blocks, num_external_tokens)
         if num_external_tokens <= 0 or lookup is None:
             return
-        transfer = plan_load(
+        transfers = plan_group_loads(
             req_id,
-            blocks.get_block_ids()[0],
+            blocks.get_block_ids(),
             lookup.hashes,
             lookup.local_tokens,
             num_external_tokens,
             self.settings.block_size,
         )
-        self._pending_loads.append(transfer)
-        self._inflight_loads[req_id] = transfer
+        self._pending_loads.extend(transfers)
+        self._inflight_loads[req_id] = transfers
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = OwnerServeConnectorMetadata(loads=self._pending_loads)
@@ -600,7 +718,7 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
             tracked = self._tracked.get(new.req_id)
             if tracked is None:
                 continue
-            tracked.block_ids = list(new.block_ids[0])
+            tracked.block_ids = [list(ids) for ids in new.block_ids]
             self._plan_save(tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -609,9 +727,12 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                tracked.block_ids = list(new_ids[0]) if new_ids is not None else []
+                tracked.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
             elif new_ids is not None:
-                tracked.block_ids.extend(new_ids[0])
+                if not tracked.block_ids:
+                    tracked.block_ids = [[] for _ in new_ids]
+                for ids, more in zip(tracked.block_ids, new_ids, strict=True):
+                    ids.extend(more)
             computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             self._plan_save(tracked, computed, meta)
         self._chunk_meta(scheduler_output, meta)
@@ -621,8 +742,9 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
         invalid = set(connector_output.invalid_block_ids or ())
         if invalid:
             self._chunk_load_failed(invalid)
-            for req_id, transfer in self._inflight_loads.items():
-                index = first_failed_index(transfer, invalid)
+            for req_id, transfers in self._inflight_loads.items():
+                failed = [i for t in transfers if (i := first_failed_index(t, invalid)) is not None]
+                index = min(failed, default=None)
                 tracked = self._tracked.get(req_id)
                 if index is not None and tracked is not None:
                     # The sidecar dropped what it refused: save the recomputed blocks again.
@@ -671,7 +793,9 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
             return
         if full > len(tracked.hasher.hashes):
             tracked.hasher.update(list(tokens[: full * bs]))
-        transfer = plan_save(
+        if not tracked.block_ids:
+            return
+        transfers, tracked.saved_blocks = plan_group_saves(
             tracked.request.request_id,
             tracked.block_ids,
             tracked.hasher.hashes,
@@ -679,6 +803,4 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
             computed_tokens,
             bs,
         )
-        if transfer is not None:
-            meta.saves.append(transfer)
-            tracked.saved_blocks = transfer.first_index + len(transfer.block_ids)
+        meta.saves.extend(transfers)

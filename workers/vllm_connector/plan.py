@@ -8,12 +8,21 @@ artifact per KV head: key `HeadArtifactKey(model, head, chunk_hash)` with all la
 that head in the one artifact (`layer` left unset); MLA models have one head (head 0). The
 store path's grouped layout (`object_groups`, `group_key`) keys one object per group of blocks
 holding every head instead.
+
+**KV cache groups.** With vLLM's hybrid KV cache manager a model's layers fall into several KV
+cache groups (full attention; sliding windows), each with its own block ids for the same token
+positions. A model of one group keys its blocks as above; with several, each group's artifacts
+hold its own layers and their keys end in the group's tag (`KVGroup.tag`), so that no group's
+block is ever read as another's. A sliding-window group lets the blocks before its window go
+(vLLM puts its null block, `NULL_BLOCK_ID`, in their place): saves store what it still holds,
+and a prefix is restorable up to a boundary only where every group holds what vLLM needs to
+resume there (`KVGroup.first_needed`, `restorable_blocks`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ownerserve.hashing import block_hash_chain, chain_root
 from ownerserve.kvstate.heads import HeadArtifactKey
@@ -146,6 +155,52 @@ def chunk_hashes(token_ids: Sequence[int], block_size: int, root: int) -> list[i
     return block_hash_chain(token_ids, block_size, root)
 
 
+NULL_BLOCK_ID = 0
+"""vLLM's null block (`BlockPool.null_block`, the pool's block 0, never handed to a request as
+its own): what a sliding-window group's block list holds where the window let a block go. It
+holds no KV of the request: never saved, never loaded into."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One of the engine's KV cache groups as the connector restores it: full attention
+    (`window` None: every block before a boundary) or a sliding window of `window` tokens that
+    also keeps `retained` trailing tokens below it (vLLM's `SlidingWindowSpec`)."""
+
+    window: int | None = None
+    retained: int = 0
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError("a sliding window holds at least one token")
+        if self.retained < 0:
+            raise ValueError("retained tokens must be >= 0")
+
+    def first_needed(self, boundary_blocks: int, block_size: int) -> int:
+        """The first block this group must hold for vLLM to resume a request after
+        `boundary_blocks` blocks: 0 for full attention; for a window, the block holding the
+        first token the next token attends to (vLLM's `get_num_skipped_tokens`), whole blocks
+        before it being the null block."""
+        if self.window is None:
+            return 0
+        skipped = max(0, boundary_blocks * block_size - self.window + 1 - self.retained)
+        return min(skipped // block_size, boundary_blocks)
+
+    def tag(self, index: int) -> str:
+        """Key suffix of group `index`'s artifacts (when the engine has several groups): its
+        index in the engine's KV cache config and its kind, e.g. `kvgroup:0:window64`."""
+        kind = "full" if self.window is None else f"window{self.window}"
+        return f"kvgroup:{index}:{kind}"
+
+
+def group_tags(groups: Sequence[KVGroup]) -> list[str | None]:
+    """Each group's key suffix: none for a model of one group (its keys are those of a dense
+    model), else `KVGroup.tag`."""
+    if len(groups) == 1:
+        return [None]
+    return [g.tag(i) for i, g in enumerate(groups)]
+
+
 def block_keys(
     model: str,
     chunk_hash: int,
@@ -153,11 +208,14 @@ def block_keys(
     *,
     pp_rank: int = 0,
     layers: tuple[int, int] | None = None,
+    group: str | None = None,
 ) -> list[str]:
     """Artifact keys of one block: one per KV head, all layers in each (a pipeline stage's:
-    its `pp_rank` and model layer range `[a, b)`; unset for PP=1)."""
+    its `pp_rank` and model layer range `[a, b)`; unset for PP=1); `group`: the KV cache
+    group's tag (`group_tags`), whose layers the artifacts then hold."""
+    suffix = "" if group is None else f"@{group}"
     return [
-        HeadArtifactKey(model, h, chunk_hash, pp_rank=pp_rank, layers=layers).to_string()
+        HeadArtifactKey(model, h, chunk_hash, pp_rank=pp_rank, layers=layers).to_string() + suffix
         for h in heads
     ]
 
@@ -167,26 +225,34 @@ Stage = tuple[int, tuple[int, int]]
 
 
 def stage_keys(
-    model: str, chunk_hash: int, heads: Sequence[int], stages: Sequence[Stage] | None = None
+    model: str,
+    chunk_hash: int,
+    heads: Sequence[int],
+    stages: Sequence[Stage] | None = None,
+    group: str | None = None,
 ) -> list[str]:
     """Artifact keys of one block over every pipeline stage: each stage's heads' keys, stage
     after stage (a block is whole when every stage's heads are stored); PP=1
     (`stages` None or empty): `block_keys`."""
     if not stages:
-        return block_keys(model, chunk_hash, heads)
+        return block_keys(model, chunk_hash, heads, group=group)
     return [
         k
         for pp_rank, layers in stages
-        for k in block_keys(model, chunk_hash, heads, pp_rank=pp_rank, layers=layers)
+        for k in block_keys(model, chunk_hash, heads, pp_rank=pp_rank, layers=layers, group=group)
     ]
 
 
 def lookup_keys(
-    model: str, hashes: Sequence[int], heads: Sequence[int], stages: Sequence[Stage] | None = None
+    model: str,
+    hashes: Sequence[int],
+    heads: Sequence[int],
+    stages: Sequence[Stage] | None = None,
+    group: str | None = None,
 ) -> list[str]:
     """Keys of `hashes` block after block, `len(heads)` keys per block and stage (one lookup
-    request)."""
-    return [k for c in hashes for k in stage_keys(model, c, heads, stages)]
+    request), of KV cache group `group` (its tag; None: a model of one group)."""
+    return [k for c in hashes for k in stage_keys(model, c, heads, stages, group)]
 
 
 def stage_of(layer_indices: Sequence[int], pp_rank: int, pp_size: int) -> Stage | None:
@@ -209,6 +275,52 @@ def present_blocks(present: Sequence[bool], heads_per_block: int) -> int:
         if not all(present[i * heads_per_block : (i + 1) * heads_per_block]):
             return i
     return n
+
+
+def present_mask(present: Sequence[bool], heads_per_block: int) -> list[bool]:
+    """Per block of `lookup_keys`' answer: whether every head (and stage) of it is present."""
+    if heads_per_block <= 0:
+        raise ValueError("heads_per_block must be positive")
+    n = len(present) // heads_per_block
+    return [all(present[i * heads_per_block : (i + 1) * heads_per_block]) for i in range(n)]
+
+
+def restorable_blocks(
+    masks: Sequence[Sequence[bool]],
+    groups: Sequence[KVGroup],
+    block_size: int,
+    limit: int,
+    local_blocks: int = 0,
+) -> int:
+    """The furthest boundary `n <= limit` (in blocks) where every group can be restored from
+    what is stored (`masks[g][i]`: group g's block i is): a full-attention group needs every
+    block before n, a window group the blocks from its `first_needed(n)` on (those before
+    `local_blocks`, vLLM's own prefix hit, it holds itself). 0 when there is none. For one
+    full-attention group this is `present_blocks` capped at `limit`."""
+    if len(masks) != len(groups) or not groups:
+        raise ValueError(f"{len(masks)} presence masks for {len(groups)} groups")
+    limit = min(limit, *(len(m) for m in masks))
+    runs: list[list[int]] = []  # per window group: present blocks in a row ending at each block
+    for mask, g in zip(masks, groups, strict=True):
+        if g.window is None:
+            lead = next((i for i, p in enumerate(mask[:limit]) if not p), limit)
+            limit = min(limit, lead)
+            runs.append([])
+            continue
+        run, at = [], 0
+        for p in mask[:limit]:
+            at = at + 1 if p else 0
+            run.append(at)
+        runs.append(run)
+    for n in range(limit, 0, -1):
+        if all(
+            g.window is None
+            or (start := max(g.first_needed(n, block_size), local_blocks)) >= n
+            or runs[k][n - 1] >= n - start
+            for k, g in enumerate(groups)
+        ):
+            return n
+    return 0
 
 
 def loadable_blocks(num_prompt_tokens: int, block_size: int) -> int:
@@ -236,6 +348,8 @@ class BlockTransfer:
     first_index: int
     block_ids: tuple[int, ...]
     chunk_hashes: tuple[int, ...]
+    group: int = 0
+    """The KV cache group whose blocks these are (its index in the engine's config)."""
 
     def __post_init__(self) -> None:
         if len(self.block_ids) != len(self.chunk_hashes):
@@ -285,6 +399,82 @@ def plan_save(
         tuple(request_block_ids[saved_blocks:end]),
         tuple(hashes[saved_blocks:end]),
     )
+
+
+def live_runs(transfer: BlockTransfer) -> list[BlockTransfer]:
+    """`transfer` without the null block (`NULL_BLOCK_ID`, where a window let a block go): its
+    runs of real blocks, each a transfer of its own (one, `transfer` itself, when it has no
+    null block; vLLM's window groups only ever null a leading run)."""
+    if NULL_BLOCK_ID not in transfer.block_ids:
+        return [transfer]
+    out: list[BlockTransfer] = []
+    start = None
+    for i, b in enumerate((*transfer.block_ids, NULL_BLOCK_ID)):
+        if b != NULL_BLOCK_ID and start is None:
+            start = i
+        elif b == NULL_BLOCK_ID and start is not None:
+            out.append(
+                BlockTransfer(
+                    transfer.req_id,
+                    transfer.first_index + start,
+                    transfer.block_ids[start:i],
+                    transfer.chunk_hashes[start:i],
+                    transfer.group,
+                )
+            )
+            start = None
+    return out
+
+
+def plan_group_loads(
+    req_id: str,
+    group_block_ids: Sequence[Sequence[int]],
+    hashes: Sequence[int],
+    local_computed_tokens: int,
+    num_external_tokens: int,
+    block_size: int,
+) -> list[BlockTransfer]:
+    """`plan_load` for every KV cache group (`group_block_ids[g]`: the request's block ids in
+    group g), without the null blocks: every real block vLLM allocated for the external tokens
+    is filled, those a window let go are not. One transfer, `plan_load`'s, for one group of
+    full attention."""
+    return [
+        run
+        for g, ids in enumerate(group_block_ids)
+        for run in live_runs(
+            replace(
+                plan_load(req_id, ids, hashes, local_computed_tokens, num_external_tokens,
+                          block_size),
+                group=g,
+            )
+        )
+    ]  # fmt: skip
+
+
+def plan_group_saves(
+    req_id: str,
+    group_block_ids: Sequence[Sequence[int]],
+    hashes: Sequence[int],
+    saved_blocks: int,
+    computed_tokens: int,
+    block_size: int,
+) -> tuple[list[BlockTransfer], int]:
+    """`plan_save` for every KV cache group, over the blocks every group has ids for, without
+    the null blocks (a window group saves what it still holds); and the request's saved-blocks
+    count after them. One transfer, `plan_save`'s, for one group of full attention."""
+    if not group_block_ids:
+        return [], saved_blocks
+    common = min(len(ids) for ids in group_block_ids)
+    out: list[BlockTransfer] = []
+    end = saved_blocks
+    for g, ids in enumerate(group_block_ids):
+        transfer = plan_save(req_id, ids[:common], hashes, saved_blocks, computed_tokens,
+                             block_size)  # fmt: skip
+        if transfer is None:
+            continue
+        end = transfer.first_index + len(transfer.block_ids)
+        out.extend(live_runs(replace(transfer, group=g)))
+    return out, end
 
 
 def first_failed_index(transfer: BlockTransfer, invalid_block_ids: set[int]) -> int | None:

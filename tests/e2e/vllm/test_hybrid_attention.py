@@ -6,10 +6,11 @@ events, behind the in-process router.
 The directory holds per group what the engine's events say it stored and evicted; its
 prediction of a request's prefix hit (the plan's reused tokens) is what the engine then reports
 cached, also where the attention blocks alone (a dense view) reach further than the windows
-let vLLM resume. The OwnerServe connector saves and loads one KV cache group: on the engine
-without its hybrid KV cache manager (one group, every layer's KV whole) a resume through it is
-exact; with the manager on, the connector refuses the groups at the engine's start, and that
-part is skipped with the error it gives.
+let vLLM resume. The OwnerServe connector saves and loads every KV cache group: with the
+manager on, each group's blocks under their own keys (the window groups' only while their window
+holds them), a prompt evicted from the engine is loaded back for the boundary every group can
+resume at, and the resume is exact; without the manager (one group, every layer's KV whole) it
+is exact too.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ownerserve.directory.restorable import ATTENTION_KINDS, WINDOW_KINDS
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import chain_root, hash_block
 from ownerserve.kvstate import load_spec
+from ownerserve.kvstate.heads import heads_for_rank
 from ownerserve.ports import free_port
 from router.backends.kv_events import subscriber_for_source
 from tests.e2e.router_cluster import metric_value, plan_fields, proxy_client
@@ -39,15 +41,19 @@ from tests.e2e.vllm.conftest import (
     READY_TIMEOUT_S,
     Sidecar,
     _start,
+    present,
+    sidecar_http,
     start_sidecar,
     tokens_and_logprobs,
     tokens_by_source,
     until,
+    until_saved,
     vllm_client,
     vllm_worker,
 )
-from workers.vllm_cpu.model import HYBRID_SERVED_NAME, HYBRID_WINDOW
-from workers.vllm_cpu.server import VllmServer, VllmServerSpec, VllmStartError
+from workers.vllm_connector.plan import KVGroup, block_keys, chunk_hashes, group_tags
+from workers.vllm_cpu.model import HYBRID_CONFIG, HYBRID_SERVED_NAME, HYBRID_WINDOW
+from workers.vllm_cpu.server import VllmServer, VllmServerSpec
 from workers.vllm_cpu.setup import VllmCpuInstall
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -97,8 +103,8 @@ CONNECTOR_KV_BLOCKS = 64
 @dataclass(frozen=True, slots=True)
 class ConnectorServers:
     """The hybrid model on two engines with the OwnerServe connector, on one sidecar: with
-    vLLM's hybrid KV cache manager (`hybrid`; the connector refuses its KV cache groups at
-    start today) and without it (`single`: one KV cache group, every layer's KV kept whole).
+    vLLM's hybrid KV cache manager (`hybrid`: the model's six KV cache groups) and without it
+    (`single`: one KV cache group, every layer's KV kept whole).
     Their processes start (not awaited) with the module's first test, so that their starts
     overlap the other server's."""
 
@@ -443,11 +449,10 @@ async def test_directory_holds_each_group_as_the_engine_and_predicts_its_hits(
         await engine.aclose()
 
 
-CONNECTOR_REFUSAL = re.compile(
-    r"ValueError: (OwnerServeConnector handles one KV cache group[^\n]*)"
-)
-"""What the OwnerServe connector raises at the engine's start for a model of several KV cache
-groups (`workers/vllm_connector/connector.py`)."""
+GROUPS = [KVGroup(window=HYBRID_WINDOW)] * 5 + [KVGroup()]
+"""The hybrid engine's KV cache groups as the connector restores them (test (a) above checks
+the engine's order: five windows, then full attention)."""
+KV_HEADS = heads_for_rank(int(HYBRID_CONFIG["num_key_value_heads"]), 1, 0)
 
 
 def _completion(prompt: list[int]) -> dict[str, Any]:
@@ -461,26 +466,96 @@ def _completion(prompt: list[int]) -> dict[str, Any]:
     }
 
 
-async def test_the_connector_refuses_the_hybrid_kv_cache_manager_s_groups(
+async def external_prefix_cache(http: httpx.AsyncClient, server: VllmServer) -> tuple[float, float]:
+    """vLLM's connector prefix-cache counters (queried tokens, hit tokens) of `server`."""
+    text = (await http.get(server.url + "/metrics")).text
+    return (
+        metric_value(text, "vllm:external_prefix_cache_queries_total"),
+        metric_value(text, "vllm:external_prefix_cache_hits_total"),
+    )
+
+
+async def test_a_resume_through_the_connector_is_exact_with_the_hybrid_kv_cache_manager(
     swa_server: VllmServer, swa_connectors: ConnectorServers
 ) -> None:
-    """With its hybrid KV cache manager on, the engine gives the connector the model's KV
-    cache groups. Skipped, with the error, where the engine does not start with them: the
-    connector saves and loads one group only (the next test runs it on one)."""
+    """With its hybrid KV cache manager on, the engine gives the connector the model's six KV
+    cache groups: a prompt computed is saved group by group (each group's blocks under keys of
+    its own), evicted from the engine by other prompts, then asked again: the connector loads
+    back the full-attention group's blocks and each window group's last window before the
+    boundary, vLLM counts them as an external hit, and the answer is the one computed (greedy
+    tokens equal, float32 logprobs within 1e-3)."""
     server = swa_connectors.hybrid
+    took = server.wait_ready(READY_TIMEOUT_S)
+    server.warm_up(READY_TIMEOUT_S)
+    print(f"\nvLLM swa-connector-hma ready in {took:.1f} s")
+    log = server.log_path.read_text(errors="replace")
+    assert "Hybrid KV cache manager is disabled" not in log
+    assert "KV cache groups " + str(["window 64"] * 5 + ["full"]) in log
+    rng = random.Random(11)
+    prompt = [rng.randrange(4, 1800) for _ in range(8 * BLOCK + 5)]
+    chain = chunk_hashes(prompt, BLOCK, chain_root(MODEL))
+    tags = group_tags(GROUPS)
+
+    def keys(group: int, blocks: range) -> list[str]:
+        return [k for b in blocks for k in block_keys(MODEL, chain[b], KV_HEADS, group=tags[group])]
+
+    # what a resume after the prompt's 8 full blocks needs: every block of full attention, the
+    # blocks covering the window before the boundary in each window group
+    needed = [keys(g, range(group.first_needed(8, BLOCK), 8)) for g, group in enumerate(GROUPS)]
+    assert [len(k) // len(KV_HEADS) for k in needed] == [WINDOW_BLOCKS] * 5 + [8]
+    engine = vllm_client("connector-hma", server.url)
+    http = sidecar_http()
     try:
-        server.wait_ready(READY_TIMEOUT_S)
-    except VllmStartError as exc:
-        refusal = CONNECTOR_REFUSAL.search(server.log_path.read_text(errors="replace"))
-        if refusal is None:
-            raise
-        pytest.skip(
-            "a save or load through the connector with vLLM's hybrid KV cache manager: "
-            "vllm-cpu 0.32.0 keeps the manager on with the OwnerServe connector (it declares "
-            "SupportsHMA), so the engine has the model's six KV cache groups, and the "
-            f"connector refuses them at the engine's start: {refusal[1]} ({type(exc).__name__})"
+        before = await engine.load()
+        want = await engine.post("/v1/completions", _completion(prompt))
+        await until_saved(http, swa_connectors.sidecar, [k for ks in needed for k in ks])
+        # the dense keys (one group: every layer) are another model's KV: never written here
+        dense = [k for b in range(8) for k in block_keys(MODEL, chain[b], KV_HEADS)]
+        assert not any(await present(http, swa_connectors.sidecar, dense))
+        for seed in range(30, 34):
+            filler = [random.Random(seed).randrange(4, 1800) for _ in range(30 * BLOCK)]
+            await engine.post("/v1/completions", {**_completion(filler), "max_tokens": 1})
+        middle = await engine.load()
+        external_before = await external_prefix_cache(http, server)
+        got = await engine.post("/v1/completions", _completion(prompt))
+        after = await engine.load()
+        external_after = await external_prefix_cache(http, server)
+    finally:
+        await engine.aclose()
+        await http.aclose()
+    # vLLM's connector prefix-cache counters: the whole prompt asked of the connector (no
+    # local hit left), its 8 full blocks hit
+    queries, hits = (a - b for a, b in zip(external_after, external_before, strict=True))
+    assert (queries, hits) == (len(prompt), 8 * BLOCK), (queries, hits)
+    assert tokens_by_source(before, middle)["external_kv_transfer"] == 0
+    by_source = tokens_by_source(middle, after)
+    assert by_source == {
+        "local_compute": 5,
+        "local_cache_hit": 0,
+        "external_kv_transfer": 8 * BLOCK,
+    }, by_source
+    # Not yet understood: run by hand with the connector loading each group from another
+    # group's keys (other layers' KV, the same sizes), this answer still came out bitwise
+    # equal, so on this engine the comparison alone does not show that the loaded bytes are
+    # the ones attention reads; the counters, the per-group saves and the per-group loads
+    # below are what this test pins.
+    want_tokens, want_lps = tokens_and_logprobs(want)
+    got_tokens, got_lps = tokens_and_logprobs(got)
+    assert got_tokens == want_tokens
+    diff = max(abs(a - b) for a, b in zip(got_lps, want_lps, strict=True))
+    print(f"hybrid resume: greedy tokens equal, logprobs within {diff:.2e}")
+    assert diff <= 1e-3
+
+    async def loaded_every_group() -> bool:
+        """The engine's log has the resume's load of each group: a window's blocks, the full
+        attention's 8."""
+        text = server.log_path.read_text(errors="replace")
+        return all(
+            re.search(rf"loaded {n}/{n} blocks \(\d+ bytes\) of group {g} ", text)
+            for g, n in enumerate([WINDOW_BLOCKS] * 5 + [8])
         )
-    pytest.fail("the connector started on the hybrid KV cache manager's groups: test its resume")
+
+    await until(loaded_every_group)
 
 
 async def test_a_resume_through_the_connector_is_exact_without_the_hybrid_kv_cache_manager(
