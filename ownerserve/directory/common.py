@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ownerserve.directory.base import Artifact, Holding, HoldKind, Lease
-from ownerserve.errors import InvalidRequestError
+from ownerserve.errors import InvalidRequestError, StaleEpochError
 from ownerserve.types import TIER_ORDER, Tier
 
 TIER_BIT: dict[Tier, int] = {Tier.GPU: 1, Tier.CPU: 2, Tier.SSD: 4}
@@ -130,14 +130,28 @@ class ReplicaEntryPoints:
         raise NotImplementedError
 
 
-def check_incarnation(incarnation: int) -> int:
-    """A replica holder's incarnation: a positive integer below 2^63 (it travels as decimal
-    text and is compared as such)."""
+def check_holder(worker: str, tier: Tier, incarnation: int) -> Tier:
+    """A replica holder's arguments: a valid worker id, a tier (returned as `Tier`) and an
+    incarnation, a positive integer below 2^63 (it travels as decimal text and is compared as
+    such)."""
+    check_worker(worker)
     if isinstance(incarnation, bool) or not isinstance(incarnation, int):
         raise InvalidRequestError(f"incarnation must be an integer, got {incarnation!r}")
     if not 0 < incarnation < 1 << 63:
         raise InvalidRequestError(f"incarnation must be in [1, 2^63), got {incarnation}")
-    return incarnation
+    return Tier(tier)
+
+
+def holder_lapsed(worker: str, tier: Tier, incarnation: int) -> StaleEpochError:
+    """The error of a renewal of an incarnation whose lease lapsed or was ended."""
+    return StaleEpochError(f"replica holder {worker}/{tier} incarnation {incarnation} has lapsed")
+
+
+def holder_not_live(worker: str, tier: Tier, incarnation: int) -> StaleEpochError:
+    """The error of held lines written without a live lease at that incarnation."""
+    return StaleEpochError(
+        f"replica holder {worker}/{tier} is not live at incarnation {incarnation}"
+    )
 
 
 def check_artifact(artifact: Artifact) -> None:

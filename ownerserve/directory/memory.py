@@ -34,9 +34,11 @@ from ownerserve.directory.common import (
     TransferEntryPoints,
     TransferMove,
     check_artifact,
-    check_incarnation,
+    check_holder,
     check_ttl,
     check_worker,
+    holder_lapsed,
+    holder_not_live,
     sort_holdings,
 )
 from ownerserve.directory.restorable import GroupHoldings, annotate
@@ -697,16 +699,13 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
     async def renew_replica_holder(
         self, worker: str, tier: Tier, incarnation: int, ttl_s: float
     ) -> bool:
-        check_worker(worker)
-        check_incarnation(incarnation)
+        tier = check_holder(worker, tier, incarnation)
         ttl_s = check_ttl(ttl_s, "ttl_s")
-        key = (worker, Tier(tier))
+        key = (worker, tier)
         now = self._clock()
         cur = self._holders.get(key)
         if cur is not None and cur[0] == incarnation and cur[1] <= now:
-            raise StaleEpochError(
-                f"replica holder {worker}/{tier} incarnation {incarnation} has lapsed"
-            )
+            raise holder_lapsed(worker, tier, incarnation)
         self._holders[key] = (incarnation, now + ttl_s)
         return cur is not None and cur[0] == incarnation
 
@@ -720,14 +719,10 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
     async def add_held_replicas(
         self, worker: str, tier: Tier, incarnation: int, blocks: Sequence[int]
     ) -> None:
-        check_worker(worker)
-        check_incarnation(incarnation)
-        tier = Tier(tier)
+        tier = check_holder(worker, tier, incarnation)
         cur = self._holders.get((worker, tier))
         if cur is None or cur[0] != incarnation or cur[1] <= self._clock():
-            raise StaleEpochError(
-                f"replica holder {worker}/{tier} is not live at incarnation {incarnation}"
-            )
+            raise holder_not_live(worker, tier, incarnation)
         self._write_lines(worker, tier, (_HELD, True, incarnation), blocks)
 
     async def drop_replicas(self, worker: str, tier: Tier, blocks: Sequence[int]) -> int:

@@ -94,11 +94,13 @@ from ownerserve.directory.common import (
     TransferEntryPoints,
     TransferMove,
     check_artifact,
-    check_incarnation,
+    check_holder,
     check_ttl,
     check_worker,
     hex_block,
     hex_blocks,
+    holder_lapsed,
+    holder_not_live,
     sort_holdings,
 )
 from ownerserve.directory.restorable import GroupHoldings, annotate
@@ -540,10 +542,8 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         self, worker: str, tier: Tier, incarnation: int, ttl_s: float
     ) -> bool:
         """One script (`holder.lua`): an HSET of the holder's record and a ZADD of its hint."""
-        check_worker(worker)
-        check_incarnation(incarnation)
+        tier = check_holder(worker, tier, incarnation)
         ttl_s = check_ttl(ttl_s, "ttl_s")
-        tier = Tier(tier)
         reply = int(
             await self._run(
                 "holder",
@@ -552,9 +552,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
             )
         )
         if reply < 0:
-            raise StaleEpochError(
-                f"replica holder {worker}/{tier} incarnation {incarnation} has lapsed"
-            )
+            raise holder_lapsed(worker, tier, incarnation)
         return reply == 1
 
     async def add_held_replicas(
@@ -563,9 +561,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
         """In script calls of `step_entries` blocks each (`add_held.lua`), each checking the
         holder: one that fails leaves the lines written before it, which live with the
         holder (a reader sees the copy on a part of `blocks`)."""
-        check_worker(worker)
-        check_incarnation(incarnation)
-        tier = Tier(tier)
+        tier = check_holder(worker, tier, incarnation)
         hexed = hex_blocks(blocks)
         step = 16 * self.step_entries
         for first in range(0, len(hexed), step):
@@ -574,9 +570,7 @@ class RedisDirectory(TransferEntryPoints, ReplicaEntryPoints):
                 "add_held", [self.key("blk")], [worker, tier.value, str(incarnation), part]
             )
             if int(ok) < 0:
-                raise StaleEpochError(
-                    f"replica holder {worker}/{tier} is not live at incarnation {incarnation}"
-                )
+                raise holder_not_live(worker, tier, incarnation)
 
     async def drop_replicas(self, worker: str, tier: Tier, blocks: Sequence[int]) -> int:
         """In script calls of `step_entries` blocks each (`drop_replicas.lua`)."""
