@@ -26,20 +26,30 @@ def _plan(action: Action, p: str, d: str, source: str | None = None) -> Plan:
 
 def test_the_rate_is_one_until_copies_go_unhit_past_the_horizon() -> None:
     r = CopyReuse(CopyReuseConfig(alpha=0.5, horizon_s=5.0))
+    chain = (10, 11, 12, 13)
     assert r.rate(CopyKind.FETCH, 0.0) == 1.0
-    r.copied("w1", (1, 2), CopyKind.FETCH, 0.0)
-    r.copied("w1", (2,), CopyKind.FETCH, 1.0)  # still tracked: the same copy
-    assert r.tracked() == 2
-    r.hit("w1", (1,), 2.0)  # block 1 served
+    r.copied("w1", chain, 1, 3, CopyKind.FETCH, 0.0)  # blocks 11, 12
+    r.copied("w1", chain, 1, 2, CopyKind.FETCH, 1.0)  # still followed: the same copy
+    r.copied("w2", chain, 0, 1, CopyKind.FETCH, 1.0)
+    assert r.tracked() == 3
+    r.hit("w1", chain, 1, 2.0)  # reuses block 10 only: not w1's copy
+    r.hit("w1", (10, 99, 12), 3, 2.0)  # another chain through 12: not w1's copy either
+    assert r.tracked() == 3
+    r.hit("w1", chain, 2, 2.0)  # reaches block 11: w1's copy served, both its blocks
+    assert r.samples[CopyKind.FETCH] == 2 and r.tracked() == 1
     assert r.rate(CopyKind.FETCH, 2.0) == 1.0
-    r.hit("w2", (2,), 3.0)  # another worker's block 2: not this copy
-    assert r.rate(CopyKind.FETCH, 4.9) == 1.0
-    assert r.rate(CopyKind.FETCH, 5.1) == pytest.approx(0.5)  # block 2 unhit past 5 s
+    assert r.rate(CopyKind.FETCH, 5.9) == 1.0
+    assert r.rate(CopyKind.FETCH, 6.1) == pytest.approx(0.5)  # w2's copy unhit past 5 s
     assert r.tracked() == 0
-    assert r.samples[CopyKind.FETCH] == 2
+    assert r.samples[CopyKind.FETCH] == 3
     assert r.rate(CopyKind.PROMPT, 10.0) == 1.0  # kinds apart
+    # a copy of n blocks counts n samples of its outcome
+    big = CopyReuse(CopyReuseConfig(alpha=0.5, horizon_s=5.0))
+    big.copied("w1", chain, 0, 3, CopyKind.PROMPT, 0.0)
+    assert big.rate(CopyKind.PROMPT, 10.0) == pytest.approx(0.5**3)
     capped = CopyReuse(CopyReuseConfig(alpha=1.0, max_tracked=2))
-    capped.copied("w1", (1, 2, 3), CopyKind.PROMPT, 0.0)
+    for i in range(3):
+        capped.copied("w1", chain, i, i + 1, CopyKind.PROMPT, 0.0)
     assert capped.tracked() == 2
     assert capped.rate(CopyKind.PROMPT, 0.0) == 0.0
 
@@ -53,11 +63,11 @@ def test_a_plan_says_which_blocks_it_copies_and_which_it_hits() -> None:
         worker("p0", Role.PREFILL),
     )
     fetch = _plan(Action.ARTIFACT_FETCH, "d1", "d1", "d0")
-    assert copies(fetch, req, view) == [("d1", chain[2:6], CopyKind.FETCH)]
-    assert hits(fetch, req, view) == [("d1", chain[:2]), ("d0", chain[:6])]
+    assert copies(fetch, req, view) == [("d1", 2, 6, CopyKind.FETCH)]
+    assert hits(fetch, req, view) == [("d1", 2), ("d0", 6)]
     remote = _plan(Action.REMOTE_PREFILL, "p0", "d0")
-    assert copies(remote, req, view) == [("p0", chain[6:], CopyKind.PROMPT)]
-    assert hits(remote, req, view) == [("d0", chain[:6])]
+    assert copies(remote, req, view) == [("p0", 6, 10, CopyKind.PROMPT)]
+    assert hits(remote, req, view) == [("d0", 6)]
     assert copies(_plan(Action.COLOCATED_PREFILL, "d0", "d0"), req, view) == []
     # observed: d1's replica is followed from the fetch, and served by the next plan reusing
     # it there

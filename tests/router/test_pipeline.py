@@ -108,7 +108,7 @@ async def test_the_plans_feed_the_copy_reuse_rates_the_request_view_reads():
     _, _, rview, _ = await _planned(router)
     assert rview.fetch_reuse == rview.prompt_reuse == 1.0
     long_ago = time.monotonic() - 2 * reuse.config.horizon_s
-    reuse.copied("w0", (1, 2), CopyKind.PROMPT, long_ago)
+    reuse.copied("w0", (1, 2), 0, 2, CopyKind.PROMPT, long_ago)
     _, _, rview, _ = await _planned(router)
     a = reuse.config.alpha
     assert rview.prompt_reuse == pytest.approx((1 - a) ** 2)
