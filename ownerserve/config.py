@@ -192,6 +192,14 @@ class PlannerSettings(_Strict):
         description="weight of a duplicate's price: the reload of what the copy displaces on "
         "its worker (0: a duplicate is priced by lambda_hbm alone)",
     )
+    copy_reuse_floor: float = Field(
+        default=0.25,
+        gt=0,
+        le=1,
+        description="the least reuse rate a copy's duplicate price is divided by: a kind of "
+        "copy whose blocks are hit again before eviction at the rate u pays 1/max(u, floor) "
+        "times its price (1: copies are priced as if always reused)",
+    )
     retention_prior_gap_s: float = Field(
         default=2.0, ge=0, description="predicted tool gap of a session and tool never seen"
     )

@@ -61,6 +61,8 @@ class CostConfig:
     mu: float = 1.0
     nu: float = 1.0
     xi: float = 1.0
+    # the least reuse rate a copy's X_dup is divided by (`reuse_weight`): 1 weighs nothing
+    copy_reuse_floor: float = 0.25
     profile: str = "h100-llama3-8b"
     profiles: tuple[str, ...] = ()
     # HeteroCache KV state spec (configs/models/NAME.yaml): when set, a cold worker's restore
@@ -88,6 +90,8 @@ class CostConfig:
             raise ConfigError(
                 "planner: lambda_hbm, mu_interference, nu_displacement and xi must be >= 0"
             )
+        if not 0.0 < self.copy_reuse_floor <= 1.0:
+            raise ConfigError("planner: copy_reuse_floor must be in (0, 1]")
         if self.decode_horizon_tokens < 0 or self.pd_handshake_s < 0:
             raise ConfigError("planner: decode_horizon_tokens and pd_handshake_s must be >= 0")
         if self.migration_margin_s < 0 or self.migration_margin_rel < 0:
@@ -102,6 +106,7 @@ class CostConfig:
             mu=settings.mu_interference,
             nu=settings.nu_displacement,
             xi=settings.xi_duplicate,
+            copy_reuse_floor=settings.copy_reuse_floor,
             profile=settings.profile,
             kv_spec=kv_spec,
             migration_margin_s=settings.migration_margin_s,
@@ -525,6 +530,8 @@ class RequestCosts:
         "rule",
         "spec",
         "xi",
+        "xi_fetch",
+        "xi_prompt",
     )
 
     def __init__(
@@ -553,6 +560,11 @@ class RequestCosts:
         self.mu = cfg.mu
         self.nu = cfg.nu
         self.xi = cfg.xi
+        floor = cfg.copy_reuse_floor
+        self.xi_fetch = cfg.xi * reuse_weight(request.fetch_reuse, floor)
+        """ξ · ω(u_fetch): X_dup's weight for a fetch's replica (`fetch_price`)."""
+        self.xi_prompt = cfg.xi * reuse_weight(request.prompt_reuse, floor)
+        """ξ · ω(u_prompt): X_dup's weight for a remote prefill's prompt kept on P."""
         # `CostModel.constants`, inline (a lookup per worker run and per candidate's link)
         self._constants = model._constants
         self._default_constants = model._default_constants
@@ -783,7 +795,13 @@ class RequestCosts:
         return self.nu * reload
 
     def dup_price(
-        self, w: WorkerView, dup_bytes: float, others: int, cap: float, c: ProfileConstants
+        self,
+        w: WorkerView,
+        dup_bytes: float,
+        others: int,
+        cap: float,
+        c: ProfileConstants,
+        weight: float | None = None,
     ) -> float:
         """X_dup(w): what a duplicate of `dup_bytes` on w costs in the KV it displaces there.
         A copy of a prefix another worker holds adds nothing a sticky route would not have:
@@ -797,6 +815,8 @@ class RequestCosts:
                                                             the idle prefix cache)
             X_dup  = ξ · reload(w, ρ(w) · d)                reload as W_disp's: the copy's
                                                             ρ(w)·d tokens that land on it
+                                                            (`weight` in place of ξ: a kind
+                                                            of copy weighed by its reuse)
 
         ~0 on an empty pool, the copy's recompute on a full one; a pool full of idle cached
         prefixes is full (the copy evicts them). `others` = ws_tokens(w) −
@@ -821,14 +841,17 @@ class RequestCosts:
             load = d * self.k / c.cpu_load_bps
             if load < reload:
                 reload = load
-        return self.xi * reload
+        return (self.xi if weight is None else weight) * reload
 
     def copy_price(self, w: WorkerView, r: int, dup_bytes: float) -> float:
         """copy(P): what the transient copy of the prompt a remote prefill from P keeps
         (`prompt_copy(r)`, r reused tokens) displaces there, beyond the X_dup of its part of
         the owned prefix (`dup_bytes` = dup(P, held(P))) that q(P) already carries:
 
-            copy(P) = max(0, X_dup(P, prompt_copy(r)) − X_dup(P, dup(P, held(P))))
+            copy(P) = max(0, X_dup_prompt(P, prompt_copy(r)) − X_dup(P, dup(P, held(P))))
+
+        X_dup_prompt = ω(u_prompt) · X_dup: the copy weighed by how often the prompts remote
+        prefills keep on P are hit again (`prompt_reuse`, `reuse_weight`).
 
         A colocated route leaves the prompt's KV once; P→D leaves it on P and D. `others`,
         `cap` as `dup_price`'s; 0 when ξ = 0."""
@@ -841,10 +864,30 @@ class RequestCosts:
         others = w.ws_tokens
         if others and w.worker_id == self.request.home_worker:
             others -= self.request.home_tokens
-        x = self.dup_price(w, self.prompt_copy(r), others, cap, c)
+        x = self.dup_price(w, self.prompt_copy(r), others, cap, c, self.xi_prompt)
         if dup_bytes and x > 0.0:
             x -= self.dup_price(w, dup_bytes, others, cap, c)
         return x if x > 0.0 else 0.0
+
+    def fetch_price(self, w: WorkerView, dup_bytes: float, c: ProfileConstants) -> float:
+        """fetch(P): what an artifact fetch's replica on P (`dup_bytes` = dup(P, held(P)))
+        displaces beyond the X_dup q(P) already carries for that copy:
+
+            fetch(P) = (ω(u_fetch) − 1) · X_dup(P, dup(P, held(P)))
+
+        so that the replica pays ω(u_fetch) · X_dup in all: weighed by how often fetched
+        replicas are hit again (`fetch_reuse`, `reuse_weight`). `c`: the constants of w's
+        profile; 0 when ξ = 0 or u_fetch = 1."""
+        extra = self.xi_fetch - self.xi
+        if extra <= 0.0 or dup_bytes <= 0:
+            return 0.0
+        cap = w.kv_capacity_tokens or (
+            c.capacity_tokens if self.spec is None else c.hbm_kv_bytes / self.k
+        )
+        others = w.ws_tokens
+        if others and w.worker_id == self.request.home_worker:
+            others -= self.request.home_tokens
+        return self.dup_price(w, dup_bytes, others, cap, c, extra)
 
     def restore(
         self, w: WorkerView, gpu: int, cpu: int, ssd: int, c: ProfileConstants | None = None
@@ -1271,6 +1314,8 @@ class RequestCosts:
             tn += cfg.pd_handshake_s + d.handover_s
             m = float(self.prompt_copy(r) + dup_d)
         elif source is not None:
+            if action is _FETCH:
+                wd += self.fetch_price(p, dup_p, self.constants(p.profile))  # its replica
             tn, tr_peer, nbytes_in = self.peer_restore(p, source, held, moved)
             tt = tn - p.handover_s if tn > p.handover_s else 0.0  # peer_restore adds it
             tr += tr_peer
@@ -1293,6 +1338,14 @@ class RequestCosts:
 
 # The formulas `RequestCosts` shares with its pass over the workers, `scan` (module functions:
 # the cheapest call).
+
+
+def reuse_weight(u: float, floor: float) -> float:
+    """ω(u) = 1 / max(u, floor): X_dup's weight for a kind of copy whose blocks are hit again
+    before eviction at the rate u (`planner.copyreuse`). 1 where copies are reused (u = 1, and
+    before any was observed); a copy nothing reuses pays its displacement per reuse it gets,
+    at most 1 / floor times over."""
+    return 1.0 / (u if u > floor else floor)
 
 
 def _reused(blocks: int, bs: int, n: int) -> int:

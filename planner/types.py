@@ -138,6 +138,12 @@ class RequestView:
     # tokens of KV the session is expected to add beyond this request (planner.workingset
     # .WorkingSets.growth): a placement that fits it now but not its growth still displaces
     growth_tokens: int = 0
+    # the share of copied blocks hit again soon (planner.copyreuse.CopyReuse.rate; 1: every
+    # copy is reused), per kind of copy: a fetch's replica (`fetch_reuse`), a remote prefill's
+    # prompt kept on P (`prompt_reuse`). X_dup weighs each by 1 / max(u, floor)
+    # (planner.cost.reuse_weight)
+    fetch_reuse: float = 1.0
+    prompt_reuse: float = 1.0
     # chunk reuse: the prompt's chunks as token spans [start, end), in prompt order
     # (ownerserve/chunks.py); () for a prompt without chunks
     chunk_spans: tuple[tuple[int, int], ...] = ()

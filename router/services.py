@@ -15,6 +15,7 @@ from ownerserve.config import ServerSettings, Settings
 from ownerserve.directory.base import Directory
 from ownerserve.kvstate import KVStateSpec
 from planner.calibration import Calibrator
+from planner.copyreuse import CopyReuse
 from planner.policies import Planner
 from planner.workingset import WorkingSets
 from router.admission import Admission
@@ -49,6 +50,8 @@ class ClusterSources(Protocol):
     def admission(self) -> Admission: ...
     @property
     def settings(self) -> Settings: ...
+    @property
+    def copy_reuse(self) -> CopyReuse: ...
 
 
 class Members(Protocol):
@@ -100,8 +103,9 @@ class LookUpServices:
 @dataclass(frozen=True, slots=True)
 class ViewServices:
     """`view`: the policies, whether a request may pick one (`planner.allow_policy_header`),
-    the sessions it marks seen, what the request view reads of the working sets, and each
-    model's KV state spec by name (`models[].kv_spec`; None: dense)."""
+    the sessions it marks seen, what the request view reads of the working sets, each
+    model's KV state spec by name (`models[].kv_spec`; None: dense), and the reuse rates of
+    the planner's copies (`copy_reuse`)."""
 
     planner: Planner
     policy_header: bool
@@ -109,11 +113,13 @@ class ViewServices:
     working_sets: WorkingSets
     kv_bytes_per_token: int
     kv_specs: Mapping[str, KVStateSpec | None]
+    copy_reuse: CopyReuse
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterServices:
-    """`plan`: the `ClusterSources` of the planner's cluster view."""
+    """`plan`: the `ClusterSources` of the planner's cluster view, and the reuse rates of the
+    planner's copies each plan feeds (`copy_reuse`)."""
 
     pool: WorkerPool
     calibrator: Calibrator
@@ -121,6 +127,7 @@ class ClusterServices:
     working_sets: WorkingSets
     admission: Admission
     settings: Settings
+    copy_reuse: CopyReuse
 
 
 @dataclass(frozen=True, slots=True)

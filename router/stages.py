@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
@@ -198,6 +199,7 @@ def view(
         svc.working_sets,
         svc.kv_bytes_per_token,
         svc.kv_specs.get(prompt.req.model),
+        svc.copy_reuse,
     )
     sid = prompt.session.session_id
     info = svc.sessions.touch(sid, prompt.tokens) if sid else prompt.info
@@ -218,11 +220,14 @@ def plan(
 ) -> Plan | None:
     """The policy's plan over the routable workers of the request's model not yet excluded
     (those that failed it before its first byte); None when there is none left. `chain`: the
-    request's block chain (`cluster_view`)."""
+    request's block chain (`cluster_view`). The plan feeds `copy_reuse`."""
     cluster = cluster_view(sources, rview.model, match, excluded, holders, chain)
     if not cluster.workers:
         return None
-    return policy.plan(rview, cluster)
+    planned = policy.plan(rview, cluster)
+    # the copies it reuses served; those it makes are followed (planner.copyreuse)
+    sources.copy_reuse.observe(planned, rview, cluster, time.monotonic())
+    return planned
 
 
 async def execute(

@@ -22,6 +22,7 @@ from ownerserve.profiles import load_profile
 from ownerserve.tasks import cancel_and_wait, finish_or_cancel
 from ownerserve.types import TIER_ORDER, Tier
 from planner.calibration import Calibrator
+from planner.copyreuse import CopyReuse
 from planner.policies import Planner
 from planner.types import Action
 from planner.workingset import RetentionConfig, WorkingSets
@@ -102,6 +103,10 @@ class Router:
             )
         )
         """The sessions' KV working sets per worker (the planner's W_disp)."""
+        self.copy_reuse = CopyReuse()
+        """How often the replicas the plans fetch and the prompts remote prefills keep on P
+        are hit again (`planner.copyreuse`: the planner's X_dup weighs them by it); fed by
+        every plan (`router.stages.plan`)."""
         self.derived_sessions = DerivedSessionCache()
         self.admission = Admission(
             settings.admission,
@@ -357,6 +362,7 @@ class Router:
                 self.working_sets,
                 self.kv_bytes_per_token,
                 self.kv_specs,
+                self.copy_reuse,
             ),
             cluster=ClusterServices(
                 self.pool,
@@ -365,6 +371,7 @@ class Router:
                 self.working_sets,
                 self.admission,
                 self.settings,
+                self.copy_reuse,
             ),
             execute=ExecuteServices(self.executor, self.pool, self.settings.server, metrics),
             stream=StreamServices(metrics, self.pool, self.spawn, self.recent_plans),

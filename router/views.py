@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from ownerserve.directory.base import HoldKind, Match
 from ownerserve.kvstate import KVStateSpec
 from ownerserve.types import Tier
+from planner.copyreuse import CopyKind, CopyReuse
 from planner.types import ClusterView, RequestView, WorkerView
 
 if TYPE_CHECKING:
@@ -215,12 +216,14 @@ def request_view(
     working_sets: WorkingSets,
     kv_bytes_per_token: int,
     kv_spec: KVStateSpec | None = None,
+    copy_reuse: CopyReuse | None = None,
 ) -> RequestView:
     """The request as the planner sees it: its prompt, its session (`prompt.info`, as it was
     before this request touched it), what the directory matched, where the sessions' working
     sets (`working_sets`) hold its session's KV, and its model's KV state spec (`kv_spec`,
     `models[].kv_spec`: the hybrid cost terms the simulator prices with; None: a dense model
-    of `kv_bytes_per_token`)."""
+    of `kv_bytes_per_token`), and how often the planner's copies are hit again
+    (`copy_reuse`; None: as if always)."""
     req, tok, info = prompt.req, prompt.tok, prompt.info
     session_id = prompt.session.session_id
     now = time.monotonic()
@@ -246,4 +249,6 @@ def request_view(
         growth_tokens=working_sets.growth(tok.prompt_tokens),
         chunk_spans=() if prompt.chunks is None else prompt.chunks.spans,
         kv_spec=kv_spec,
+        fetch_reuse=1.0 if copy_reuse is None else copy_reuse.rate(CopyKind.FETCH, now),
+        prompt_reuse=1.0 if copy_reuse is None else copy_reuse.rate(CopyKind.PROMPT, now),
     )

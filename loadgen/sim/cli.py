@@ -172,6 +172,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default the planner's)",
     )
     parser.add_argument(
+        "--copy-reuse-floor",
+        type=float,
+        default=None,
+        help="the own policies' least reuse rate a copy's X_dup is divided by "
+        "(planner.copy_reuse_floor; 1: copies priced as if always reused; default the "
+        "planner's)",
+    )
+    parser.add_argument(
         "--calibration",
         choices=("on", "off"),
         default="on",
@@ -451,10 +459,17 @@ def run_policies(
     for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
         oracle = name == "oracle"
         own = name not in PEERS
-        policy = get_policy(
-            "ownerserve" if oracle else name,
-            CostConfig(lam=args.lambda_hbm) if own and args.lambda_hbm is not None else None,
-        )
+        tuned = None
+        if own and (args.lambda_hbm is not None or args.copy_reuse_floor is not None):
+            dflt = CostConfig()
+            tuned = replace(
+                dflt,
+                lam=dflt.lam if args.lambda_hbm is None else args.lambda_hbm,
+                copy_reuse_floor=dflt.copy_reuse_floor
+                if args.copy_reuse_floor is None
+                else args.copy_reuse_floor,
+            )
+        policy = get_policy("ownerserve" if oracle else name, tuned)
         peer = name in PEERS
         # a peer's binary weighs every worker it routes to: its model sees them all
         sim = Simulator(

@@ -62,6 +62,7 @@ from ownerserve.kvstate.retention import Retention
 from ownerserve.profiles import TimingProfile
 from ownerserve.types import Role, Tier
 from planner.calibration import Calibrator
+from planner.copyreuse import CopyKind, CopyReuse
 from planner.policies.peers import RequestRejectedError
 from planner.restore import plan_restore
 from planner.types import Action, ClusterView, Plan, Policy, RequestView, WorkerView
@@ -507,6 +508,9 @@ class Simulator:
         self.slo_ttft_p90_s = slo_ttft_p90_s
         self.rate_per_min = rate_per_min
         self.ws = WorkingSets()
+        self.reuse = CopyReuse()
+        """The reuse rate of the planner's copies (`planner.copyreuse`): fed each plan's hits
+        and copies (`CopyReuse.observe`), as the router feeds its own."""
         self.closed_to_programs: Callable[[str, float], bool] | None = None
         """Whether the gate closed a worker to programs (`WorkerView.programs_closed`)."""
         self.offloads = spec.cpu_blocks > 0
@@ -1026,6 +1030,8 @@ class Simulator:
             home_worker=home,
             home_tokens=home_tokens,
             growth_tokens=self.ws.growth(turn.input_tokens),
+            fetch_reuse=self.reuse.rate(CopyKind.FETCH, now),
+            prompt_reuse=self.reuse.rate(CopyKind.PROMPT, now),
         )
         try:
             plan = self.policy.plan(req, view)
@@ -1035,6 +1041,7 @@ class Simulator:
             if self.gate is not None:
                 self.gate.ended(si, "", 0, now, True)
             return
+        self.reuse.observe(plan, req, view, now)
         wi, ctx, ds, need = self._execute(plan, turn, held, best_avail, now, arrived, res)
         if cal is not None:  # what the router observes: TTFT from the plan, TPOT, the move
             first = arrived + res.ttft_s[-1]

@@ -494,10 +494,11 @@ def _fetch(
     """C of an artifact fetch from the owner `src` to w (a read-only replica; `c`: the
     constants of w's profile): the missing owner_blocks − held blocks move, w reuses
     owner_blocks (its prefill `pf`; a hybrid spec's where it resumes after the move,
-    `RequestCosts.resume_moved`) and pays λ·dup(w, held) for the replica; with a KV spec,
+    `RequestCosts.resume_moved`) and pays λ·dup(w, held) and fetch(w) (`RequestCosts
+    .fetch_price`: its X_dup at the fetched replicas' reuse) for the replica; with a KV spec,
     what restoring them from src costs (`RequestCosts.peer_restore`)."""
     tn, tr, _ = k.peer_restore(w, src, held, k.ob - held, c)
-    return base + pf + tn + tr + k.lam * dup + k.mu * (stalled * pf)
+    return base + pf + tn + tr + k.lam * dup + k.mu * (stalled * pf) + k.fetch_price(w, dup, c)
 
 
 def _migration(

@@ -9,9 +9,11 @@ import time
 from typing import Any
 
 import orjson
+import pytest
 
 from ownerserve.config import settings_from_dict
 from ownerserve.directory.base import Match
+from planner.copyreuse import CopyKind
 from planner.types import Action, Candidate, CostBreakdown, Plan, RequestClass, RequestView
 from router.backends import WorkerLoad
 from router.executor import OpenedResponse
@@ -94,6 +96,24 @@ async def test_the_stages_return_each_what_the_next_reads_up_to_a_plan():
     info = router.sessions.get("s1")
     assert info is not None and info.prompt_tokens == len(prompt.tok.token_ids)
     assert prompt.info is None  # the view saw the session as new
+
+
+async def test_the_plans_feed_the_copy_reuse_rates_the_request_view_reads():
+    """The router's `copy_reuse` (planner.copyreuse): a prompt copy a remote prefill left on
+    a worker, unreused past the horizon, lowers the rate the next request view carries
+    (X_dup weighs the copy by it); the other kind's rate is untouched."""
+    router = _router()
+    await router.open_directory()
+    reuse = router.copy_reuse
+    _, _, rview, _ = await _planned(router)
+    assert rview.fetch_reuse == rview.prompt_reuse == 1.0
+    long_ago = time.monotonic() - 2 * reuse.config.horizon_s
+    reuse.copied("w0", (1, 2), 0, 2, CopyKind.PROMPT, long_ago)
+    _, _, rview, _ = await _planned(router)
+    a = reuse.config.alpha
+    assert rview.prompt_reuse == pytest.approx((1 - a) ** 2)
+    assert rview.fetch_reuse == 1.0
+    assert reuse.samples[CopyKind.PROMPT] == 2 and reuse.tracked() == 0
 
 
 async def test_a_raw_prompt_without_key_is_tokenized_once_and_its_session_derived_from_it():
