@@ -97,6 +97,36 @@ def tokens_and_logprobs(resp: Mapping[str, Any]) -> tuple[list[str], list[float]
     return list(lp["tokens"]), [float(x) for x in lp["token_logprobs"]]
 
 
+def top_logprobs(resp: Mapping[str, Any]) -> tuple[list[str], list[dict[str, float]]]:
+    """The tokens of an answer asked with `logprobs: k` and, per token, its top-k alternatives
+    with their logprobs."""
+    lp = resp["choices"][0]["logprobs"]
+    return list(lp["tokens"]), [{t: float(x) for t, x in d.items()} for d in lp["top_logprobs"]]
+
+
+def top_logprob_distance(a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
+    """How far apart two answers' top-k logprobs are (infinite when their tokens differ): per
+    position, the largest difference over the tokens either one lists, a token that only one
+    lists counted as at least how far it is above the other's k-th (its logprob there is no
+    higher). A lower bound of the largest logprob difference over those tokens.
+
+    For a model whose greedy tokens have logprob 0.0 whatever the context (the tiny random
+    Gemma-3: its alternatives lie ~28 nats below), the sampled tokens and their logprobs cannot
+    tell a right KV load from a wrong one; the alternatives' logprobs can."""
+    tokens_a, tops_a = top_logprobs(a)
+    tokens_b, tops_b = top_logprobs(b)
+    if tokens_a != tokens_b:
+        return float("inf")
+    worst = 0.0
+    for ta, tb in zip(tops_a, tops_b, strict=True):
+        for one, other in ((ta, tb), (tb, ta)):
+            floor = min(other.values())
+            for token, x in one.items():
+                y = other.get(token)
+                worst = max(worst, abs(x - y) if y is not None else x - floor)
+    return worst
+
+
 async def until(
     cond: Callable[[], Awaitable[bool]], timeout_s: float = 60.0, poll_s: float = 0.2
 ) -> None:
@@ -464,6 +494,27 @@ async def same_artifacts(
         want = await http.get(f"{original.url}/ownerserve/kv/artifacts/{key}")
         assert got.status_code == want.status_code == 200, (key, got.status_code, want.status_code)
         assert got.content == want.content, key
+
+
+async def serve_under(
+    http: httpx.AsyncClient,
+    sidecar: Sidecar,
+    moves: Sequence[tuple[str, str]],
+    block_artifacts: int,
+) -> None:
+    """Store in `sidecar`, for each `(source, key)` of `moves`, the artifact it holds under
+    `source` again under `key` (a block whole at `block_artifacts` artifacts): well-formed KV
+    with valid checksums that is not `key`'s, for the negative controls that make the connector
+    load a wrong prefix."""
+    for source, key in moves:
+        got = await http.get(f"{sidecar.url}/ownerserve/kv/artifacts/{source}")
+        assert got.status_code == 200, (source, got.status_code)
+        put = await http.put(
+            f"{sidecar.url}/ownerserve/kv/artifacts/{key}",
+            content=got.content,
+            headers={"x-ownerserve-block-artifacts": str(block_artifacts)},
+        )
+        assert put.status_code == 201, (key, put.status_code, put.text)
 
 
 def start_sidecar(

@@ -6,8 +6,10 @@ Worker A (`vllm_hybrid` + `sidecar_a`) computes a session prefix and its connect
 sealed blocks to A's sidecar; B's sidecar fetches them from A's (`POST /ownerserve/kv/fetch`); B's
 vLLM (`vllm_hybrid_b` + `sidecar_b`) then loads the prefix through its connector, reports it as
 externally loaded, recomputes none of it, and answers with the greedy tokens (and logprobs) of
-computing the whole prompt on B. A corrupted artifact is refused and its blocks recomputed. The
-P/D decode instance runs MultiConnector [NixlConnector, OwnerServe] and serves P/D requests.
+computing the whole prompt on B; loaded from another prompt's KV served under its keys (the
+negative control), B's answer is not that one. A corrupted artifact is refused and its blocks
+recomputed. The P/D decode instance runs MultiConnector [NixlConnector, OwnerServe] and serves
+P/D requests.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tests.e2e.vllm.conftest import (
     Sidecar,
     completion_body,
     present,
+    serve_under,
     tokens_and_logprobs,
     tokens_by_source,
     until_saved,
@@ -59,11 +62,13 @@ async def _token_ids(http: httpx.AsyncClient, server: VllmServer, prompt: str) -
 
 
 class Session:
-    """One prompt's identity as the router and the sidecars see it."""
+    """One prompt's identity as the router and the sidecars see it (asked with vLLM
+    `cache_salt` `salt`, which the connector joins to its chain root)."""
 
-    def __init__(self, token_ids: list[int]) -> None:
+    def __init__(self, token_ids: list[int], salt: str = "") -> None:
         self.token_ids = token_ids
-        self.hashes = chunk_hashes(token_ids, BLOCK, chain_root(SERVED_NAME))
+        root = chain_root(SERVED_NAME, f"\x00{salt}" if salt else "")
+        self.hashes = chunk_hashes(token_ids, BLOCK, root)
         # The connector leaves the prompt's last token to vLLM.
         self.loadable = loadable_blocks(len(token_ids), BLOCK)
         self.keys = lookup_keys(SERVED_NAME, self.hashes[: self.loadable], HEADS)
@@ -180,14 +185,39 @@ async def test_a_prefix_computed_on_a_is_fetched_by_b_and_loaded_without_recompu
             # Only the partial last block is computed: none of the fetched blocks.
             assert used["local_compute"] == len(session.token_ids) - external < BLOCK
 
-            l_tokens, l_lp = tokens_and_logprobs(loaded)
             for reference in (alone, on_a):
-                r_tokens, r_lp = tokens_and_logprobs(reference)
-                assert l_tokens == r_tokens
-                assert max(abs(x - y) for x, y in zip(l_lp, r_lp, strict=True)) <= LOGPROB_TOL
+                assert _same_answer(loaded, reference)
+
+            # The negative control: B loads another prompt's KV (B's own, computed under a
+            # salt, served under this prompt's keys for another salt), well-formed and
+            # checksum-valid; its answer must fail the comparison above.
+            other_prompt = _prompt("other", 80)
+            other = Session(await _token_ids(http, vllm_hybrid_b, other_prompt), "b-other")
+            assert other.loadable >= session.loadable
+            await b.post("/v1/completions", completion_body(other_prompt, cache_salt="b-other"))
+            await until_saved(http, sidecar_b, other.keys)
+            wrong = Session(session.token_ids, "b-wrong")
+            moves = list(zip(other.keys, wrong.keys, strict=False))
+            await serve_under(http, sidecar_b, moves, len(HEADS))
+            before = await b.load()
+            wrong_kv = await b.post(
+                "/v1/completions", completion_body(prompt, cache_salt="b-wrong")
+            )
+            assert tokens_by_source(before, await b.load()) == used
+            assert not _same_answer(wrong_kv, alone)
         finally:
             await a.aclose()
             await b.aclose()
+
+
+def _same_answer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two answers are the same as a loaded prefix must keep them: equal greedy tokens,
+    logprobs within `LOGPROB_TOL`."""
+    a_tokens, a_lp = tokens_and_logprobs(a)
+    b_tokens, b_lp = tokens_and_logprobs(b)
+    return a_tokens == b_tokens and all(
+        abs(x - y) <= LOGPROB_TOL for x, y in zip(a_lp, b_lp, strict=True)
+    )
 
 
 def _flip_a_byte(store_file: Path) -> None:
