@@ -29,9 +29,12 @@ per-head artifacts (checksum-verified) and writes the good prefix into the paged
 (`load.load_blocks`: on CUDA read straight into pinned staging, on CPU through `bytes` and the
 kernels' reference path); finished loads go back through `get_finished`, refused blocks through
 `get_block_ids_with_load_errors`, so vLLM recomputes them — a corrupted artifact is never loaded.
-`wait_for_save` gathers the step's sealed blocks out of the cache (one synchronous staging copy,
-so vLLM may reuse the blocks at once) and a save thread PUTs them, off the forward pass;
-`save_kv_layer` has nothing to do per layer. The KV layout and payload are in `payload.py`.
+`bind_connector_metadata` starts the Mooncake Store master's round trips of the step's transfers
+before the forward pass (the loads' replica lookups, the saves' reservations), so the copies do
+not wait for them. `wait_for_save` gathers the step's sealed blocks out of the cache (one
+synchronous staging copy, so vLLM may reuse the blocks at once) and a save thread PUTs them, off
+the forward pass; `save_kv_layer` has nothing to do per layer. The KV layout and payload are
+in `payload.py`.
 
 KV cache groups (vLLM's hybrid KV cache manager, which `SupportsHMA` keeps on: full attention
 beside sliding windows): every step above is per group. The worker side keeps a cache per group
@@ -101,7 +104,7 @@ from workers.vllm_connector.plan import (
     restorable_blocks,
     stage_of,
 )
-from workers.vllm_connector.store_path import StagedStore, StoreKV, open_store_kv
+from workers.vllm_connector.store_path import Reserving, StagedStore, StoreKV, open_store_kv
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -281,6 +284,8 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
             queue.Queue(SAVE_QUEUE_DEPTH)
         )
         self._store_kv: StoreKV | None = None
+        self._reserved: dict[int, Reserving] = {}
+        """Save reservations made at `bind_connector_metadata`, by the id of their transfer."""
         self._threads: list[threading.Thread] = []
         self._chunk_init(
             model_config.hf_config,
@@ -433,6 +438,26 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
         logger.info("OwnerServeConnector: CPU attention ISA %s", isa)
         return calibrate_page_order(write, bs, head_size, layer.dtype)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind the step's metadata, and start the master's round trips of its store transfers
+        now, before the forward pass: the replicas of the loads it plans are looked up
+        (`StoreKV.resolve`) and the objects of the saves reserved (`StoreKV.reserve_rows`),
+        so the copies in `wait_for_save` and on the load thread do not wait for them."""
+        super().bind_connector_metadata(connector_metadata)
+        store = self._store_kv
+        if store is None or not isinstance(connector_metadata, OwnerServeConnectorMetadata):
+            return
+        try:
+            for transfer in connector_metadata.loads:
+                store.resolve(
+                    [k for h in transfer.chunk_hashes for k in self._keys(h, self._local_heads)]
+                )
+            if store.zero_copy and self._store_heads:
+                for transfer in connector_metadata.saves:
+                    self._reserved[id(transfer)] = store.reserve_rows(self._save_rows(transfer))
+        except Exception as exc:  # the transfers then ask for themselves
+            self._warn.warning("early", "OwnerServeConnector: early round trips: %s", exc)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._bound_metadata()
         if meta is None:
@@ -464,13 +489,15 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
         if meta is not None and meta.chunks:
             self._run_chunk_saves(meta)
         if meta is None or not meta.saves or not self._group_kv or not self._store_heads:
+            self._drop_reserved()
             return
         by_request: dict[str, list[tuple[BlockTransfer, Gathered | StagedStore]]] = {}
         for transfer in meta.saves:
             # The copy happens now, so the blocks may be reused as soon as this step ends.
             buffers: Gathered | StagedStore
             if self._store_kv is not None:
-                staged = self._store_kv.gather(transfer.block_ids)
+                reserving = self._reserved.pop(id(transfer), None)
+                staged = self._store_kv.gather(transfer.block_ids, reserving=reserving)
                 if staged is None:
                     self._warn.warning(
                         "save-staging", "OwnerServeConnector: store staging full, dropping"
@@ -488,6 +515,15 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
                 for _, buffers in saves:
                     if isinstance(buffers, StagedStore):
                         buffers.release()
+        self._drop_reserved()
+
+    def _drop_reserved(self) -> None:
+        """Give back reservations `bind_connector_metadata` made that no save took."""
+        if self._store_kv is None:
+            return
+        while self._reserved:
+            _, reserving = self._reserved.popitem()
+            reserving.cancel(self._store_kv.client)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:
@@ -609,10 +645,8 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
                 except SidecarError as exc:
                     self._warn.warning("save", "OwnerServeConnector: save failed: %s", exc)
 
-    def _save_to_store(self, transfer: BlockTransfer, staged: StagedStore) -> None:
-        """Put a save's staged blocks into Mooncake Store, then tell the sidecar (which
-        indexes and publishes them as its own)."""
-        assert self._store_kv is not None
+    def _save_rows(self, transfer: BlockTransfer) -> list[list[tuple[int, str]]]:
+        """(local head, key) of each block of a save, as `StoreKV.put` takes them."""
         rows = []
         for chunk_hash in transfer.chunk_hashes:
             keys = self._keys(chunk_hash, self._store_heads)
@@ -622,6 +656,13 @@ class OwnerServeConnector(ChunkReuse, KVConnectorBase_V1, SupportsHMA):
                     for h, k in zip(self._store_heads, keys, strict=True)
                 ]
             )
+        return rows
+
+    def _save_to_store(self, transfer: BlockTransfer, staged: StagedStore) -> None:
+        """Put a save's staged blocks into Mooncake Store, then tell the sidecar (which
+        indexes and publishes them as its own)."""
+        assert self._store_kv is not None
+        rows = self._save_rows(transfer)
         try:
             outcome = self._store_kv.put(staged, rows)
             if outcome.refused:

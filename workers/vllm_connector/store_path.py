@@ -35,6 +35,14 @@ by default there): the store's host copy and the CPU hashing leave the path.
   replica that moved: the keyed digest fails) is read through `get_split`, verified on the CPU,
   and copied up.
 
+**Round trips ahead.** A transfer's master round trips can be asked for as soon as its keys
+are known, so none is left inside it: `reserve` / `reserve_groups` / `reserve_rows` submit a
+save's reservations to the RPC threads (the connector does so when it binds the step's
+metadata, before the forward pass) and `gather(reserving=)` takes them; `resolve` looks a
+coming load's replicas up, and the load answers its lookups from the replica cache with no
+round trip (an address gone stale by then fails the keyed digest and is read afresh, as any
+cached replica).
+
 **Object granularity.** `put` / `load` keep one object per block per KV head (the sidecar's
 artifacts, what the connector saves). `put_groups` / `load_groups` are the grouped layout: one
 object per group of blocks holding every KV head (`plan.object_groups`: cut at the request's
@@ -105,6 +113,8 @@ CHUNK_OBJECTS = 64
 """Objects per master round trip of a zero-copy save or load (the next chunk's round trip
 overlaps this one's copy)."""
 FIRST_CHUNK_OBJECTS = 1
+RESOLVING_KEYS = 65536
+"""Keys of `StoreKV.resolve` lookups kept for loads not run yet (beyond: the oldest dropped)."""
 """Objects in a grouped zero-copy save's or load's first round trip (`chunk_bounds`)."""
 
 
@@ -391,6 +401,8 @@ class StoreKV:
         if self.zero_copy and isinstance(kv, CudaPagedKV) and kv.stream is not None:
             self._copies = torch.cuda.Stream(kv.device)
         self._device_lock = threading.Lock()
+        self._resolving: dict[str, Future[list[Replica | None]]] = {}
+        """Lookups `resolve` asked for, by key, until a load takes them."""
         self._device_bytes = 0  # device staging held by zero-copy saves not yet put
         self._device_budget = staging_bytes
         if rpc_threads < 1:
@@ -422,19 +434,27 @@ class StoreKV:
     # --- save ------------------------------------------------------------------------------------
 
     def gather(
-        self, block_ids: Sequence[int], *, groups: Sequence[ObjectGroup] | None = None
+        self,
+        block_ids: Sequence[int],
+        *,
+        groups: Sequence[ObjectGroup] | None = None,
+        reserving: Reserving | None = None,
     ) -> StagedStore | None:
         """Copy blocks out of the cache into save staging (one gather; a CUDA cache's copy down
         goes on after this returns); None when the staging has no room (drop the save). With
         `groups` (a grouped save's objects, what `put_groups` will be given) a zero-copy save
-        asks the master for their room before the gather is queued, so the round trips run
-        while the kernels do."""
+        asks the master for their room once the gather is queued, so the round trips run
+        while the kernels do; `reserving` (`reserve` / `reserve_groups`, asked for when the
+        step's blocks were known, before the forward pass) is used instead, so the save finds
+        its addresses in. A save that does not go zero copy gives `reserving` back."""
         if groups is not None:
             self._check_groups(groups, len(block_ids))
         if self.zero_copy:
-            on_device = self._gather_device(block_ids, groups)
+            on_device = self._gather_device(block_ids, groups, reserving)
             if on_device is not None:
                 return on_device
+        if reserving is not None:  # the store's own put writes these keys: no room held
+            reserving.cancel(self.client)
         n, h, unit = len(block_ids), self._heads, self._unit
         got = self._take(self._saves, n)
         if got is None:
@@ -459,7 +479,10 @@ class StoreKV:
         return out
 
     def _gather_device(
-        self, block_ids: Sequence[int], groups: Sequence[ObjectGroup] | None
+        self,
+        block_ids: Sequence[int],
+        groups: Sequence[ObjectGroup] | None,
+        reserving: Reserving | None = None,
     ) -> StagedStore | None:
         """The blocks in device staging, or None when zero-copy saves in flight already hold
         `staging_bytes` of it (the save then goes through host staging)."""
@@ -473,14 +496,17 @@ class StoreKV:
             slot_key = (len(block_ids), tuple(g.count for g in groups), self.graphs)
             slot = self._save_slots.take(slot_key)
             if slot is not None:
-                return self._gather_slot(block_ids, groups, slot_key, slot, nbytes)
+                return self._gather_slot(block_ids, groups, slot_key, slot, nbytes, reserving)
         try:
             units = self.kv.device_gather(block_ids)
         except BaseException:
             self._give_device(nbytes)
+            if reserving is not None:
+                reserving.cancel(self.client)
             raise
         # asked for once the kernel is queued: its launch does not wait for the RPC threads
-        reserving = self._reserve_ahead(groups) if groups else None
+        if reserving is None and groups:
+            reserving = self.reserve_groups(groups)
         out = StagedStore(-1, 0, units, units.new_empty(0), None, on_device=True)
         out._give = weakref.finalize(out, self._give_device, nbytes)
         if reserving is not None:
@@ -495,9 +521,11 @@ class StoreKV:
         key: tuple[int, tuple[int, ...], bool],
         slot: SaveSlot,
         nbytes: int,
+        reserving: Reserving | None = None,
     ) -> StagedStore:
         """A grouped save's gather and digests as one replay of `slot`'s launches (ids and key
-        terms uploaded first), then its reservations asked for."""
+        terms uploaded first), then its reservations asked for (unless `reserving` holds
+        them)."""
         kv = self.kv
         assert isinstance(kv, CudaPagedKV)
         try:
@@ -528,8 +556,11 @@ class StoreKV:
         except BaseException:
             self._save_slots.give(key, slot)
             self._give_device(nbytes)
+            if reserving is not None:
+                reserving.cancel(self.client)
             raise
-        reserving = self._reserve_ahead(groups)  # once the replay is queued
+        if reserving is None:
+            reserving = self.reserve_groups(groups)  # once the replay is queued
         out = StagedStore(-1, 0, slot.staging, slot.digests, None, on_device=True)
         out.digested = gathered
 
@@ -583,15 +614,87 @@ class StoreKV:
 
         return SaveSlot(staging, digests, host, up, Captured(launches, dev, capture=bool(graphs)))
 
-    def _reserve_ahead(self, groups: Sequence[ObjectGroup]) -> Reserving:
-        """Submit the reservations of a grouped save's objects, chunk by chunk."""
+    def reserve_groups(self, groups: Sequence[ObjectGroup]) -> Reserving:
+        """The reservations of a grouped save's objects (`put_groups`' keys and sizes), chunk by
+        chunk, submitted to the RPC threads (`reserve`)."""
         keys = [g.key for g in groups]
         sizes = [self._object_bytes(g.count) for g in groups]
         bounds = chunk_bounds(len(keys), self.first_chunk_objects, self.chunk_objects)
+        return self.reserve(keys, sizes, bounds)
+
+    def reserve(
+        self,
+        keys: Sequence[str],
+        sizes: Sequence[int],
+        bounds: Sequence[tuple[int, int]] | None = None,
+    ) -> Reserving:
+        """Submit the reservations of a save's objects (`keys`, `sizes` with their digests, as
+        the save will write them) to the RPC threads now, chunk by chunk (`bounds`; default
+        `chunk_objects` a chunk): asked for as soon as a step's blocks to save are known (the
+        worker binding the step's metadata, before the forward pass), the master's round trips
+        are over when the gather is, and the save's copies start at once. Hand it to `gather`;
+        `Reserving.cancel` when the save is dropped before."""
+        keys, sizes = list(keys), [int(n) for n in sizes]
+        if len(keys) != len(sizes):
+            raise ValueError(f"{len(sizes)} sizes for {len(keys)} keys")
+        if bounds is None:
+            c = self.chunk_objects
+            bounds = [(a, min(len(keys), a + c)) for a in range(0, len(keys), c)]
         futures = [
             self._rpc.submit(self.client.reserve_local, keys[a:b], sizes[a:b]) for a, b in bounds
         ]
-        return Reserving(keys, sizes, bounds, futures)
+        return Reserving(keys, sizes, list(bounds), futures)
+
+    def reserve_rows(self, rows: Sequence[Sequence[tuple[int, str]]]) -> Reserving:
+        """`reserve` of a per-head save's objects (`put`'s `rows`, in its order)."""
+        keys = [key for row in rows for _j, key in row]
+        return self.reserve(keys, [self._unit + CHECKSUM_BYTES] * len(keys))
+
+    def resolve(self, keys: Sequence[str]) -> None:
+        """Look up where a coming load's objects are (`StoreClient.local_replicas`, cached) on
+        an RPC thread now: asked for when the hit is decided (the worker binding the step's
+        metadata, a step before the load runs), the load finds the answers in the client's
+        replica cache with no master round trip in its way. An address gone stale by then (the
+        object removed, evicted, its memory reused) fails the object's keyed digest on the
+        device and is read afresh through the store, as any cached replica. A no-op without
+        the replica cache (`replica_cache_s` 0) or off the zero-copy path."""
+        if not self.zero_copy or self.client.settings.replica_cache_s <= 0 or not keys:
+            return
+        keys = list(keys)
+        future = self._rpc.submit(self.client.local_replicas, keys, cached=True)
+        with self._device_lock:
+            for key in keys:
+                self._resolving.pop(key, None)
+                self._resolving[key] = future
+            while len(self._resolving) > RESOLVING_KEYS:  # loads never run: oldest first
+                del self._resolving[next(iter(self._resolving))]
+
+    def _lookups(
+        self, keys: list[str], bounds: Sequence[tuple[int, int]]
+    ) -> tuple[list[Future[list[Replica | None]]], float]:
+        """A zero-copy load's replica lookups, one future per chunk of `bounds`, and the
+        seconds waited for lookups `resolve` asked for earlier: every key resolved, the
+        chunks are answered from the replica cache here (no round trip, no thread hop); else
+        submitted to the RPC threads (cached) as they come."""
+        with self._device_lock:
+            early = [self._resolving.pop(k, None) for k in keys]
+        waited = 0.0
+        if early and all(f is not None for f in early):
+            t0 = time.perf_counter()
+            for f in {id(f): f for f in early if f is not None}.values():
+                with contextlib.suppress(Exception):
+                    f.result()
+            waited = time.perf_counter() - t0
+            out: list[Future[list[Replica | None]]] = []
+            for a, b in bounds:
+                done: Future[list[Replica | None]] = Future()
+                done.set_result(self.client.local_replicas(keys[a:b], cached=True))
+                out.append(done)
+            return out, waited
+        futures = [
+            self._rpc.submit(self.client.local_replicas, keys[a:b], cached=True) for a, b in bounds
+        ]
+        return futures, waited
 
     def _object_bytes(self, count: int, heads: int | None = None) -> int:
         """Bytes of a grouped object of `count` blocks (`heads` each, default this rank's), its
@@ -655,6 +758,8 @@ class StoreKV:
         try:
             return self._put(staged, rows)
         finally:
+            if staged.reserving is not None and not staged.reserving.taken:
+                staged.reserving.cancel(self.client)
             staged.release()
 
     def _put(self, staged: StagedStore, rows: Sequence[Sequence[tuple[int, str]]]) -> SaveOutcome:
@@ -720,11 +825,21 @@ class StoreKV:
             through: list[int] = []  # not reserved here: put through the store
             store_s = 0.0
             written = 0
-            starts = list(range(0, m, self.chunk_objects))
-            pending = [
-                self._rpc.submit(self.client.reserve_local, keys[a : a + self.chunk_objects], size)
-                for a in starts
-            ]
+            early = staged.reserving
+            if early is not None and early.keys == keys and early.sizes == [size] * m:
+                early.taken = True  # reserved when the step was bound
+                starts = [a for a, _b in early.bounds]
+                pending = early.futures
+            else:
+                if early is not None:
+                    early.cancel(self.client)
+                starts = list(range(0, m, self.chunk_objects))
+                pending = [
+                    self._rpc.submit(
+                        self.client.reserve_local, keys[a : a + self.chunk_objects], size
+                    )
+                    for a in starts
+                ]
             try:
                 for a, future in zip(starts, pending, strict=True):
                     t0 = time.perf_counter()
@@ -914,7 +1029,7 @@ class StoreKV:
         if reserving is None or reserving.keys != keys or reserving.sizes != sizes:
             if reserving is not None:
                 reserving.cancel(self.client)
-            reserving = self._reserve_ahead(groups)
+            reserving = self.reserve_groups(groups)
         reserving.taken = True
         done = [False] * m
         reserved: list[str] = []  # reserved here and not yet written
@@ -1166,12 +1281,9 @@ class StoreKV:
             flat = payloads.view(m, unit)
             ok = torch.zeros(m, dtype=torch.int32, device=dev)
             starts = list(range(0, m, self.chunk_objects))
-            pending = [
-                self._rpc.submit(
-                    self.client.local_replicas, keys[a : a + self.chunk_objects], cached=True
-                )
-                for a in starts
-            ]
+            pending, store_s = self._lookups(
+                keys, [(a, min(m, a + self.chunk_objects)) for a in starts]
+            )
             for a, future in zip(starts, pending, strict=True):
                 t0 = time.perf_counter()
                 found = future.result()
@@ -1396,10 +1508,7 @@ class StoreKV:
                 host[2 * n :] = self._lanes(groups, keys, heads).reshape(-1)
                 slot.up.copy_(slot.host, non_blocking=True)
                 base = int(slot.objects.data_ptr())
-                pending = [
-                    self._rpc.submit(self.client.local_replicas, keys[a:b], cached=True)
-                    for a, b in bounds
-                ]
+                pending, store_s = self._lookups(keys, bounds)
                 mask = slot.copied_host.numpy()
                 for (a, _b), future in zip(bounds, pending, strict=True):
                     t0 = time.perf_counter()
@@ -1535,10 +1644,7 @@ class StoreKV:
             units = torch.empty((n, heads, unit), dtype=torch.uint8, device=dev)
             base = int(objects.data_ptr())
             bounds = chunk_bounds(m, self.first_chunk_objects, self.chunk_objects)
-            pending = [
-                self._rpc.submit(self.client.local_replicas, keys[a:b], cached=True)
-                for a, b in bounds
-            ]
+            pending, store_s = self._lookups(keys, bounds)
             arrived: list[torch.cuda.Event | None] = []
             for (a, _b), future in zip(bounds, pending, strict=True):
                 t0 = time.perf_counter()
