@@ -17,9 +17,17 @@ from loadgen.capacity_search import (
     search_target,
     unloaded_ttft_s,
 )
-from loadgen.capacity_sim import OWN_SPLITS, PD_SPLITS, sim_case, sim_observation, splits_for
+from loadgen.capacity_sim import (
+    OWN_SPLITS,
+    PD_SPLITS,
+    SimCase,
+    sim_case,
+    sim_observation,
+    splits_for,
+)
 from loadgen.client import RequestRecord, RunResult, SessionRecord
 from loadgen.report import ClusterStats, summarize
+from ownerserve.kvstate import KVStateSpec
 from ownerserve.profiles import load_profile
 
 PROFILE = load_profile("h100-llama3-8b")
@@ -105,9 +113,14 @@ def test_a_hybrid_spec_sizes_the_hbm_by_its_bytes_and_reaches_every_target(
     from ownerserve.kvstate import SwaCaching, load_spec
 
     spec = load_spec("deepseek-v4")
-    args = dict(sessions=3, scale=0.02, time_scale=0.005, seed=1, sizing_rate=240.0)
-    dense = sim_case("agentic-long", 4, PROFILE, **args)
-    hybrid = sim_case("agentic-long", 4, PROFILE, kv_spec=spec, **args)
+
+    def case_of(kv_spec: KVStateSpec | None) -> SimCase:
+        return sim_case(
+            "agentic-long", 4, PROFILE, sessions=3, scale=0.02, time_scale=0.005, seed=1,
+            sizing_rate=240.0, kv_spec=kv_spec,
+        )  # fmt: skip
+
+    dense, hybrid = case_of(None), case_of(spec)
     assert hybrid.cpu_blocks == dense.cpu_blocks  # the same blocks
     per_block = round(spec.bytes_per_token() * hybrid.block_tokens)
     assert hybrid.hbm_kv_bytes == hybrid.cpu_blocks * per_block < dense.hbm_kv_bytes
@@ -121,7 +134,9 @@ def test_a_hybrid_spec_sizes_the_hbm_by_its_bytes_and_reaches_every_target(
     monkeypatch.setattr(cs, "Simulator", simulator)
     own = sim_observation(hybrid, "ownerserve", "0:0:1", 120.0, PROFILE)
     sim_observation(hybrid, "sglang-router cache_aware", "0:0:1", 120.0, PROFILE)
-    assert built[0].kv_spec is spec and built[1].kv_spec.swa_policy.caching is SwaCaching.ZERO
+    peer_spec = built[1].kv_spec
+    assert built[0].kv_spec is spec and peer_spec is not None
+    assert peer_spec.swa_policy.caching is SwaCaching.ZERO
     assert built[0].block_bytes == per_block
     assert own.detail["requests"] == sum(len(s.turns) for s in hybrid.sessions)
 
