@@ -143,8 +143,12 @@ class ChunkReuse:
             if tracked is None or computed.get(req_id, 0) < spec.end:
                 continue
             del self._chunk_save_specs[req_id]
+            # chunk reuse runs on a model of one KV cache group: its block ids are group 0's
             first, ids = blocks_for(
-                tracked.block_ids, spec.start, spec.end, self.settings.block_size
+                tracked.block_ids[0] if tracked.block_ids else [],
+                spec.start,
+                spec.end,
+                self.settings.block_size,
             )
             key = chunk_artifact_key(self.settings.model, spec.key)
             meta.chunks.append(ChunkTransfer(req_id, ids, first, save=spec, save_key=key))
