@@ -1308,14 +1308,7 @@ class StoreKV:
             if any(copied):
                 ok = gpu_digest.unframe(objects, lanes, flat)
             verified = ok.cpu().tolist()  # waits for the copies and the checks
-        codes = [unit if c and v else UNREAD for c, v in zip(copied, verified, strict=True)]
-        stale = [keys[i] for i in range(m) if copied[i] and not verified[i]]
-        if stale:  # another key's bytes, an XXH3 digest or a torn read: ask the master afresh
-            self.client.forget_local(stale)
-        slow = [i for i in range(m) if codes[i] < 0]
-        self.counts.last_load_store_s = store_s
-        self.counts.loaded_direct += m - len(slow)
-        self.counts.loaded_through_store += len(slow)
+        codes, slow = self._tally_direct(keys, copied, verified, unit, store_s)
         why_store: str | None = None
         if slow:
             why_store = self._read_through(keys, slow, flat, codes)
@@ -1325,6 +1318,30 @@ class StoreKV:
         if good:
             self.kv.device_scatter(payloads, block_ids[:good])
         return good, why, gone
+
+    def _tally_direct(
+        self,
+        keys: list[str],
+        copied: Sequence[object],
+        verified: Sequence[object],
+        unit: int,
+        store_s: float,
+    ) -> tuple[list[int], list[int]]:
+        """A load's codes after its direct copies and checks: `unit` where an object was
+        copied and verified, else UNREAD; the cached replicas of copied objects that failed
+        their check are forgotten (another key's bytes, an XXH3 digest or a torn read: ask the
+        master afresh), and the direct and through-the-store counts kept. Returns (codes, the
+        objects still to read through the store)."""
+        m = len(keys)
+        codes = [unit if c and v else UNREAD for c, v in zip(copied, verified, strict=True)]
+        stale = [keys[i] for i in range(m) if copied[i] and not verified[i]]
+        if stale:
+            self.client.forget_local(stale)
+        slow = [i for i in range(m) if codes[i] < 0]
+        self.counts.last_load_store_s = store_s
+        self.counts.loaded_direct += m - len(slow)
+        self.counts.loaded_through_store += len(slow)
+        return codes, slow
 
     def _read_through(
         self, keys: list[str], which: list[int], flat: torch.Tensor, codes: list[int]
@@ -1541,14 +1558,7 @@ class StoreKV:
                 if not (copied[i] and verified[i]):
                     break
                 scattered = groups[i].first + groups[i].count
-            codes = [1 if c and v else UNREAD for c, v in zip(copied, verified, strict=True)]
-            stale = [keys[i] for i in range(m) if copied[i] and not verified[i]]
-            if stale:  # another key's bytes, an XXH3 digest or a torn read: ask afresh
-                self.client.forget_local(stale)
-            slow = [i for i in range(m) if codes[i] < 0]
-            self.counts.last_load_store_s = store_s
-            self.counts.loaded_direct += m - len(slow)
-            self.counts.loaded_through_store += len(slow)
+            codes, slow = self._tally_direct(keys, copied, verified, 1, store_s)
             why_store: str | None = None
             if slow:
                 why_store = self._read_groups_through(groups, slow, slot.units, heads, codes)
@@ -1687,14 +1697,7 @@ class StoreKV:
                     )
                     scattered = end
             self._sync()
-        codes = [1 if c and v else UNREAD for c, v in zip(copied, verified, strict=True)]
-        stale = [keys[i] for i in range(m) if copied[i] and not verified[i]]
-        if stale:  # another key's bytes, an XXH3 digest or a torn read: ask the master afresh
-            self.client.forget_local(stale)
-        slow = [i for i in range(m) if codes[i] < 0]
-        self.counts.last_load_store_s = store_s
-        self.counts.loaded_direct += m - len(slow)
-        self.counts.loaded_through_store += len(slow)
+        codes, slow = self._tally_direct(keys, copied, verified, 1, store_s)
         why_store: str | None = None
         if slow:
             why_store = self._read_groups_through(groups, slow, units, heads, codes)
