@@ -99,10 +99,18 @@ def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
 
 
 def copy_rows(
-    dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int, device: torch.device
+    dst: int,
+    dst_pitch: int,
+    src: int,
+    src_pitch: int,
+    width: int,
+    rows: int,
+    device: torch.device,
+    stream: int | None = None,
 ) -> None:
     """`rows` rows of `width` bytes from `src` to `dst` (either side host or device memory),
-    queued on the current stream of `device` (a CUDA device); on the CPU, done at once."""
+    queued on `stream` (a raw CUDA stream handle; default the current stream of `device`, a
+    CUDA device); on the CPU, done at once."""
     if rows <= 0:
         return
     if device.type != "cuda":
@@ -112,7 +120,8 @@ def copy_rows(
     lib = cuda_runtime()
     if lib is None:
         raise HostCopyError("no CUDA runtime found for strided host copies")
-    stream = torch.cuda.current_stream(device).cuda_stream
+    if stream is None:
+        stream = torch.cuda.current_stream(device).cuda_stream
     rc = lib.cudaMemcpy2DAsync(
         dst, dst_pitch, src, src_pitch, width, rows, CUDA_MEMCPY_DEFAULT, stream
     )

@@ -199,6 +199,9 @@ class Reserving:
     futures: list[Future[list[Replica | int | None]]]
     taken: bool = False
     """`put_groups` took them over (and removes what it does not write)."""
+    lanes: np.ndarray | None = None
+    """A grouped save's key terms (`StoreKV._lanes` of its groups), computed with the
+    reservations, off the save's path."""
 
     def cancel(self, client: StoreClient) -> None:
         """Remove what was reserved for a save dropped before its put (objects never written)."""
@@ -222,15 +225,17 @@ class SaveSlot:
     """A grouped zero-copy save's device work for one shape (`n` blocks cut into groups of
     these counts), over buffers of its own: the ids and key terms go up from `host` into `up`,
     then one replay of `launches` gathers the blocks into `staging` and writes each group's
-    digest into `digests`."""
+    digest into `digests`; the upload is part of the replay (a pinned host buffer's copy is a
+    graph node like the kernels)."""
 
     staging: torch.Tensor
     digests: torch.Tensor
     host: torch.Tensor
     up: torch.Tensor
     launches: Captured
-    uploaded: torch.cuda.Event | None = None
-    """Recorded after the last upload from `host` (it may be written again once done)."""
+    done: torch.cuda.Event | None = None
+    """Recorded after the last replay (`host` may be written again once it is), re-recorded by
+    every save that takes the slot."""
 
 
 @dataclass(slots=True)
@@ -239,7 +244,9 @@ class LoadSlot:
     come up into `objects`; `head` checks and unframes objects `[0, split)` into `units`, clears
     the flags of those not copied (`copied`) and scatters their blocks where the verified prefix
     allows (`merge_heads_gated`), `tail` the same for `[split, m)`; `host` -> `up` holds the
-    block ids, each block's group and the key terms."""
+    block ids, each block's group (written once, the slot's shape) and the key terms, uploaded
+    by `head`'s replay, and each part uploads its `copied_host` flags first (pinned host
+    copies are graph nodes like the kernels)."""
 
     objects: torch.Tensor
     units: torch.Tensor
@@ -532,27 +539,26 @@ class StoreKV:
             ids = kv._checked_ids(block_ids, distinct=False)
             n = len(ids)
             host = slot.host.numpy()
-            if slot.uploaded is not None:
-                slot.uploaded.synchronize()  # the last save's upload has read it
+            if slot.done is not None:
+                slot.done.synchronize()  # the last replay's upload has read `host`
             host[:n] = ids
-            host[n:] = self._lanes(groups, [g.key for g in groups], self._heads).reshape(-1)
+            lanes = None if reserving is None else reserving.lanes
+            if lanes is None or reserving is None or reserving.keys != [g.key for g in groups]:
+                lanes = self._lanes(groups, [g.key for g in groups], self._heads)
+            host[n:] = lanes.reshape(-1)
             stream = kv.stream
             if stream is None:
-                slot.up.copy_(slot.host)
                 slot.launches.run()
-                gathered = None
             else:
                 with torch.cuda.device(kv.device):
                     engine = torch.cuda.current_stream(kv.device)
                     stream.wait_stream(engine)  # this step's KV writes are in before the gather
                     with torch.cuda.stream(stream):
-                        slot.up.copy_(slot.host, non_blocking=True)
-                        slot.uploaded = torch.cuda.Event()
-                        slot.uploaded.record()
-                        slot.launches.run()
-                        gathered = torch.cuda.Event()
-                        gathered.record()
-                    engine.wait_event(gathered)  # the blocks may be reused once read
+                        slot.launches.run()  # the upload, the gather and the digests
+                        if slot.done is None:
+                            slot.done = torch.cuda.Event()
+                        slot.done.record()
+                    engine.wait_event(slot.done)  # the blocks may be reused once read
         except BaseException:
             self._save_slots.give(key, slot)
             self._give_device(nbytes)
@@ -562,7 +568,7 @@ class StoreKV:
         if reserving is None:
             reserving = self.reserve_groups(groups)  # once the replay is queued
         out = StagedStore(-1, 0, slot.staging, slot.digests, None, on_device=True)
-        out.digested = gathered
+        out.digested = slot.done if stream is not None else None
 
         def give() -> None:
             self._give_device(nbytes)
@@ -608,6 +614,7 @@ class StoreKV:
         flat = staging.view(-1)
 
         def launches() -> None:
+            up.copy_(host, non_blocking=True)
             split_heads(kv.paged, ids, typed, block_major=True)
             for a, b, _width, rows in self._size_runs(flat, groups, h):
                 gpu_digest.digests(rows, lanes[a:b], digests[a:b])
@@ -620,7 +627,10 @@ class StoreKV:
         keys = [g.key for g in groups]
         sizes = [self._object_bytes(g.count) for g in groups]
         bounds = chunk_bounds(len(keys), self.first_chunk_objects, self.chunk_objects)
-        return self.reserve(keys, sizes, bounds)
+        reserving = self.reserve(keys, sizes, bounds)
+        if self.zero_copy and self.save_slots:  # the slot's gather uploads them
+            reserving.lanes = self._lanes(groups, keys, self._heads)
+        return reserving
 
     def reserve(
         self,
@@ -1037,14 +1047,17 @@ class StoreKV:
         store_s = 0.0
         written = 0
         flat = staged.units.reshape(-1)
+        in_replay = staged.digested is not None  # the slot's replay computed the digests
+        cs = None if self._copies is None else self._copies.cuda_stream
         with self._on_stream():
-            gathered = self._mark()  # the gather's staging is in
+            # the gather's staging is in: the replay's event, or one marked after it here
+            gathered = staged.digested if in_replay else self._mark()
             if staged.digests.numel() == m * CHECKSUM_BYTES:
                 digests = staged.digests  # computed with the gather, in its replay
             else:
                 digests = torch.empty((m, CHECKSUM_BYTES), dtype=torch.uint8, device=dev)
                 self._digest_groups(flat, groups, keys, h, digests, check=False)
-            digested = self._mark()
+            digested = None if in_replay else self._mark()
             base, dbase = int(flat.data_ptr()), int(digests.data_ptr())
             written_at: dict[int, int] = {}  # object -> its address in the store's memory
             try:
@@ -1054,7 +1067,9 @@ class StoreKV:
                     store_s += time.perf_counter() - t0
                     unusable: list[str] = []
                     with self._copying():
-                        self._after(gathered)
+                        if gathered is not None:  # once: the copy stream is in order after it
+                            self._after(gathered)
+                            gathered = None
                         for i, r in enumerate(got, a):
                             if isinstance(r, Replica) and r.size == sizes[i]:
                                 reserved.append(keys[i])
@@ -1064,11 +1079,11 @@ class StoreKV:
                                     continue
                                 width = sizes[i] - CHECKSUM_BYTES
                                 src = base + groups[i].first * h * unit
-                                copy_rows(r.address, width, src, width, width, 1, dev)
-                                if staged.digested is not None:  # in already: right after it
+                                copy_rows(r.address, width, src, width, width, 1, dev, cs)
+                                if in_replay:  # in already: right after it
                                     d = CHECKSUM_BYTES
                                     src = dbase + i * d
-                                    copy_rows(r.address + width, d, src, d, d, 1, dev)
+                                    copy_rows(r.address + width, d, src, d, d, 1, dev, cs)
                                 written_at[i] = r.address
                                 done[i] = True
                                 written += 1
@@ -1079,12 +1094,14 @@ class StoreKV:
                     if unusable:  # reserved here but not written: gone before anyone is told
                         self.client.remove(unusable)
                         reserved = [k for k in reserved if k not in set(unusable)]
-                with self._copying():  # each digest after its payload, once computed
-                    self._after(digested)
-                    for i, address in written_at.items() if staged.digested is None else ():
-                        at = address + sizes[i] - CHECKSUM_BYTES
-                        src = dbase + i * CHECKSUM_BYTES
-                        copy_rows(at, CHECKSUM_BYTES, src, CHECKSUM_BYTES, CHECKSUM_BYTES, 1, dev)
+                if not in_replay:
+                    with self._copying():  # each digest after its payload, once computed
+                        self._after(digested)
+                        for i, address in written_at.items():
+                            at = address + sizes[i] - CHECKSUM_BYTES
+                            src = dbase + i * CHECKSUM_BYTES
+                            d = CHECKSUM_BYTES
+                            copy_rows(at, d, src, d, d, 1, dev, cs)
                 self._sync()
                 reserved.clear()
             finally:
@@ -1519,38 +1536,38 @@ class StoreKV:
         store_s = 0.0
         try:
             with self._on_stream():
-                host = slot.host.numpy()
+                host = slot.host.numpy()  # each block's group is in since the slot was made
                 host[:n] = ids
-                host[n : 2 * n] = [k for k, g in enumerate(groups) for _ in range(g.count)]
                 host[2 * n :] = self._lanes(groups, keys, heads).reshape(-1)
-                slot.up.copy_(slot.host, non_blocking=True)
                 base = int(slot.objects.data_ptr())
                 pending, store_s = self._lookups(keys, bounds)
                 mask = slot.copied_host.numpy()
+                copies = self._copies
+                cs = None if copies is None else copies.cuda_stream
                 for (a, _b), future in zip(bounds, pending, strict=True):
                     t0 = time.perf_counter()
                     found = future.result()
                     store_s += time.perf_counter() - t0
                     for i, r in enumerate(found, a):
-                        with self._copying():
-                            if (
-                                r is not None
-                                and r.size == sizes[i]
-                                and self._segments.ready(r.address, r.size)
-                            ):  # else read through the store
-                                copy_rows(
-                                    base + offsets[i], sizes[i], r.address, sizes[i], sizes[i],
-                                    1, dev,
-                                )  # fmt: skip
-                                copied[i] = True
-                            arrived = self._mark() if i + 1 in (split, m) else None
+                        if (
+                            r is not None
+                            and r.size == sizes[i]
+                            and self._segments.ready(r.address, r.size)
+                        ):  # else read through the store
+                            copy_rows(
+                                base + offsets[i], sizes[i], r.address, sizes[i], sizes[i],
+                                1, dev, cs,
+                            )  # fmt: skip
+                            copied[i] = True
                         if i + 1 in (split, m):  # this part's objects are all on their way
                             lo = 0 if i + 1 == split else split
                             mask[lo : i + 1] = copied[lo : i + 1]
-                            slot.copied[lo : i + 1].copy_(
-                                slot.copied_host[lo : i + 1], non_blocking=True
-                            )
-                            self._after(arrived)
+                            if copies is not None:
+                                arrived = torch.cuda.Event()
+                                arrived.record(copies)
+                                self._after(arrived)
+                            # the part's upload (the ids and key terms before the first part,
+                            # its copied flags), checks and gated scatter: one replay
                             (slot.head if i + 1 == split else slot.tail).run()
                 verified = slot.flags.cpu().tolist()  # waits for the copies, checks, scatters
             scattered = 0  # leading blocks the gated scatters wrote
@@ -1599,9 +1616,14 @@ class StoreKV:
         per_block = (heads, geometry.num_layers, geometry.kv_factor, geometry.block_size)
         flat = units.view(-1)
 
+        host.numpy()[n : 2 * n] = [k for k, g in enumerate(groups) for _ in range(g.count)]
+
         def part(lo: int, hi: int) -> None:
+            if lo == 0:  # the ids, each block's group and the key terms
+                up.copy_(host, non_blocking=True)
             if hi <= lo:
                 return
+            copied[lo:hi].copy_(copied_host[lo:hi], non_blocking=True)
             for a, b, width, rows in self._size_runs(flat, groups[lo:hi], heads):
                 a, b = a + lo, b + lo
                 objs = objects[offsets[a] : offsets[b]].view(b - a, width + CHECKSUM_BYTES)
