@@ -412,14 +412,47 @@ def main() -> int:
             real_reserve = c.reserve_local
 
             def copy_wrap(*a: Any, **k: Any) -> None:
+                handle = k.get("stream", a[7] if len(a) > 7 else None)  # a raw stream handle
+                on = (
+                    torch.cuda.current_stream()
+                    if handle is None
+                    else torch.cuda.ExternalStream(handle, device=device)
+                )
                 e0 = torch.cuda.Event(enable_timing=True)
-                e0.record()
+                e0.record(on)
                 events.append(("copy start", e0))
                 marks.append(("copy queued", time.perf_counter()))
                 real_copy(*a, **k)
                 e1 = torch.cuda.Event(enable_timing=True)
-                e1.record()
+                e1.record(on)
                 events.append(("copy end", e1))
+
+            def timed(run: Callable[[], object], last: str) -> dict[str, list[float]]:
+                """One run's host marks and device copy events, ms from its start."""
+                torch.cuda.synchronize()
+                marks.clear()
+                events.clear()
+                with torch.cuda.stream(stream):
+                    e_start = torch.cuda.Event(enable_timing=True)
+                    e_start.record()
+                t0 = time.perf_counter()
+                run()
+                marks.append((last, time.perf_counter()))
+                torch.cuda.synchronize()
+                one: dict[str, list[float]] = {}
+                for name, tm in marks:
+                    one.setdefault("host " + name, []).append((tm - t0) * 1e3)
+                for name, e in events:
+                    one.setdefault("device " + name, []).append(e_start.elapsed_time(e))
+                return one
+
+            def medians(runs: list[dict[str, list[float]]], prefix: str) -> None:
+                for key in runs[0]:
+                    n_at = len(runs[0][key])
+                    cols = list(
+                        zip(*(x[key] for x in runs if len(x.get(key, ())) == n_at), strict=True)
+                    )
+                    timeline[prefix + key] = [round(statistics.median(col), 3) for col in cols]
 
             def reserve_wrap(*a: Any, **k: Any) -> Any:
                 marks.append(("reserve start", time.perf_counter()))
@@ -439,32 +472,15 @@ def main() -> int:
                         reserving = sw.reserve_groups(gs) if bound else None
                         for f in reserving.futures if reserving is not None else ():
                             f.result()
-                        torch.cuda.synchronize()
-                        marks.clear()
-                        events.clear()
-                        with torch.cuda.stream(stream):
-                            e_start = torch.cuda.Event(enable_timing=True)
-                            e_start.record()
-                        t0 = time.perf_counter()
-                        staged = sw.gather(ids, groups=gs, reserving=reserving)
-                        marks.append(("gather returned", time.perf_counter()))
-                        assert staged is not None
-                        sw.put_groups(staged, gs)
-                        marks.append(("put returned", time.perf_counter()))
-                        torch.cuda.synchronize()
-                        one: dict[str, list[float]] = {}
-                        for name, tm in marks:
-                            one.setdefault("host " + name, []).append((tm - t0) * 1e3)
-                        for name, e in events:
-                            one.setdefault("device " + name, []).append(e_start.elapsed_time(e))
-                        runs.append(one)
-                for key in runs[0]:
-                    n_at = len(runs[0][key])
-                    cols = list(
-                        zip(*(x[key] for x in runs if len(x.get(key, ())) == n_at), strict=True)
-                    )
-                    name_at = f"reserved at bind: {key}" if bound else key
-                    timeline[name_at] = [round(statistics.median(col), 3) for col in cols]
+
+                        def save_once(reserving: Any = reserving) -> None:
+                            staged = sw.gather(ids, groups=gs, reserving=reserving)
+                            marks.append(("gather returned", time.perf_counter()))
+                            assert staged is not None
+                            sw.put_groups(staged, gs)
+
+                        runs.append(timed(save_once, "put returned"))
+                medians(runs, "reserved at bind: " if bound else "")
 
             # loads
             remove()
@@ -587,6 +603,14 @@ def main() -> int:
                     exact_into(dst_layers) and rd.counts.loaded_through_store == 0)  # fmt: skip
             loads["resolved at bind (again)"] = median_s(load_early, device, reps, before=bind_load)
             r.check("load resolved at bind (again): bit-exact", exact_into(dst_layers))
+            load_runs: list[dict[str, list[float]]] = []
+            with patched(store_path, "copy_rows", copy_wrap):
+                for _ in range(reps):
+                    bind_load()
+                    held_at.pop("resolve", None)
+                    load_runs.append(timed(lambda: rd.load_groups(gs, dst_ids), "load returned"))
+            medians(load_runs, "load resolved at bind: ")
+            r.check("load resolved at bind (timeline): bit-exact", exact_into(dst_layers))
             loads["looked up, same call"] = median_s(load, device, reps, before=cold)
             loads["cached, same call"] = median_s(load, device, reps, before=poison)
             # the GIL's switch interval (5 ms): the store's RPC threads wait for the GIL while
@@ -673,7 +697,7 @@ def main() -> int:
     lines += [f"| {k} | {d:.3f} | {h:.3f} |" for k, (d, h) in parts.items()]
     lines += [f"| {k} | {d:.3f} ({gbs(nbytes, d / 1e3):.1f} GB/s) | {h:.3f} |"
               for k, (d, h) in copy_ms.items()]  # fmt: skip
-    lines += ["", "timeline of the default save and of one reserved at bind (ms from its start):"]
+    lines += ["", "timelines, ms from the start (save; reserved at bind; load resolved at bind):"]
     lines += [f"  {k}: {v}" for k, v in timeline.items()]
     lines += ["", "round trips asked for at bind (per timed run):"]
     lines += [f"  {k}: {v}" for k, v in early.items()]

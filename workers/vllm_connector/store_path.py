@@ -260,6 +260,31 @@ class LoadSlot:
     split: int
 
 
+class _Current:
+    """`stream` and its device current for the block, the previous ones back after it: what
+    `torch.cuda.device` and `torch.cuda.stream` nested do, in two calls on each side (the
+    store path switches a few times per save and load, host time before its copies)."""
+
+    __slots__ = ("_device", "_prev", "_prev_device", "_stream")
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self._stream = stream
+        self._device = stream.device_index
+        self._prev: torch.cuda.Stream | None = None
+        self._prev_device = -1
+
+    def __enter__(self) -> None:
+        self._prev_device = torch.cuda.current_device()
+        self._prev = torch.cuda.current_stream(self._device)
+        torch.cuda.set_stream(self._stream)  # makes its device current too
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._prev is not None
+        torch.cuda.set_stream(self._prev)
+        if self._prev_device != self._device:
+            torch.cuda.set_device(self._prev_device)
+
+
 def _groups_of(counts: Sequence[int]) -> list[ObjectGroup]:
     """Unnamed groups of these block counts, in order (a shape's layout)."""
     out, at = [], 0
@@ -550,14 +575,13 @@ class StoreKV:
             if stream is None:
                 slot.launches.run()
             else:
-                with torch.cuda.device(kv.device):
-                    engine = torch.cuda.current_stream(kv.device)
+                engine = torch.cuda.current_stream(kv.device)
+                with _Current(stream):
                     stream.wait_stream(engine)  # this step's KV writes are in before the gather
-                    with torch.cuda.stream(stream):
-                        slot.launches.run()  # the upload, the gather and the digests
-                        if slot.done is None:
-                            slot.done = torch.cuda.Event()
-                        slot.done.record()
+                    slot.launches.run()  # the upload, the gather and the digests
+                    if slot.done is None:
+                        slot.done = torch.cuda.Event()
+                    slot.done.record(stream)
                     engine.wait_event(slot.done)  # the blocks may be reused once read
         except BaseException:
             self._save_slots.give(key, slot)
@@ -695,10 +719,11 @@ class StoreKV:
                 with contextlib.suppress(Exception):
                     f.result()
             waited = time.perf_counter() - t0
+            found = self.client.local_replicas(keys, cached=True)  # one pass over the cache
             out: list[Future[list[Replica | None]]] = []
             for a, b in bounds:
                 done: Future[list[Replica | None]] = Future()
-                done.set_result(self.client.local_replicas(keys[a:b], cached=True))
+                done.set_result(found[a:b])
                 out.append(done)
             return out, waited
         futures = [
@@ -730,10 +755,7 @@ class StoreKV:
         kv = self.kv
         if not isinstance(kv, CudaPagedKV) or kv.stream is None:
             return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(kv.device))
-        stack.enter_context(torch.cuda.stream(kv.stream))
-        return stack
+        return _Current(kv.stream)
 
     def _sync(self) -> None:
         kv = self.kv
@@ -746,7 +768,7 @@ class StoreKV:
         """The copy stream, current (nothing on CPU tensors)."""
         if self._copies is None:
             return contextlib.nullcontext()
-        return torch.cuda.stream(self._copies)
+        return _Current(self._copies)
 
     def _mark(self) -> torch.cuda.Event | None:
         """An event recorded on the current stream (None on CPU tensors: work there is done)."""
