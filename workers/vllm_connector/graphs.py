@@ -1,8 +1,9 @@
 """Fixed sequences of kernel launches over static buffers, replayed as one CUDA graph: what the
-store path's grouped saves and loads queue on the device (gather + digests; checks + gated
-scatter) costs one replay of host time (~0.014 ms measured on an H200) instead of each Triton
-launch's ~0.15-0.4 ms, so the host reaches the master's answers and the copies sooner and
-the store's RPC threads are not held off the GIL (bench/history/mooncake_store.md, 2026-12-03).
+store path's grouped saves and loads queue on the device (the ids' upload, gather, digests; the
+uploads, checks, gated scatter) costs one replay of host time (~0.014 ms measured on an H200)
+instead of each Triton launch's ~0.15-0.4 ms, so the host reaches the master's answers and the
+copies sooner and the store's RPC threads are not held off the GIL
+(bench/history/mooncake_store.md, 2026-12-03).
 
 `Captured(fn)`: `run()` calls `fn` as it is the first time on a CUDA stream (compiling its
 kernels, its work done), captures it into a graph, and from then on replays the graph on the
