@@ -3,6 +3,7 @@
 import pytest
 
 from ownerserve.profiles import load_profile
+from ownerserve.types import KVTransport
 
 
 def test_h100_profile_formulas_match_hand_computation() -> None:
@@ -13,7 +14,9 @@ def test_h100_profile_formulas_match_hand_computation() -> None:
     # 8 sequences, 10k context tokens in all: 0.0065 + 8e-5 + 4.4e-4
     assert p.decode_step_s(8, 10_000) == pytest.approx(0.00702)
     # 1 GiB inter-node: 2e-4 + 2^30 / 2.5e10
-    assert p.link.transfer_s(2**30, same_node=False) == pytest.approx(2e-4 + 2**30 / 2.5e10)
+    assert p.link.transfer_s(2**30, transport=KVTransport.STORE_RDMA) == pytest.approx(
+        2e-4 + 2**30 / 2.5e10
+    )
 
 
 def test_every_shipped_profile_loads() -> None:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from loadgen.sim.engine import ClusterSpec, Simulator
 from loadgen.sim.workload import SimSession, SimTurn, agentic_sessions
 from ownerserve.profiles import load_profile
+from ownerserve.types import KVTransport
 from planner.types import (
     Action,
     Candidate,
@@ -261,7 +262,9 @@ def test_policies_see_the_nic_backlog_of_each_senders_node() -> None:
     assert seen[0] == {"p0": 0.0, "d1": 0.0}
     # the first transfer is queued on n0's NIC when the second plan is made (it leaves after
     # p0's prefill): p0's view shows it, the receiver's does not
-    ship = PROFILE.link.transfer_s(32 * 512 * PROFILE.kv_bytes_per_token, same_node=False)
+    ship = PROFILE.link.transfer_s(
+        32 * 512 * PROFILE.kv_bytes_per_token, transport=KVTransport.STORE_RDMA
+    )
     assert seen[1]["d1"] == 0.0
     assert seen[1]["p0"] >= ship
 
