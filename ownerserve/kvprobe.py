@@ -97,12 +97,12 @@ def measure_price(
 
 def with_prices(profile: TimingProfile, prices: Iterable[TransportPrice]) -> TimingProfile:
     """`profile` with each measured price in place of its transport's configured one (the
-    configured ones as they are)."""
+    configured ones as they are); `profile` itself when none is measured."""
     link = profile.link
     for p in prices:
         if p.source is PriceSource.MEASURED:
             link = link.with_path(p.transport, p.timing)
-    return replace(profile, link=link)
+    return profile if link is profile.link else replace(profile, link=link)
 
 
 def write_measurements(path: Path, prices: Iterable[TransportPrice]) -> None:
