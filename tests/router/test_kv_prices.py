@@ -8,9 +8,15 @@ from pathlib import Path
 from typing import Any
 
 from ownerserve.config import settings_from_dict
+from ownerserve.kvprobe import PriceSource, TransportPrice
+from ownerserve.profiles import TransportTiming
 from ownerserve.types import KVTransport
+from planner.explain import parse_plan_header
+from planner.policies import get_policy
+from router.plans import kv_prices_field, plan_header
 from router.state import Router
 from router.status import kv_prices
+from tests.planner.util import UNIT_CONFIG, example, unit_model
 
 MODEL = "tiny"
 
@@ -60,3 +66,18 @@ def test_without_a_usable_measurement_every_price_is_configured_and_the_header_i
     assert missing.services.stream.kv_prices == ""
     unset = _router(None)
     assert {p["detail"] for p in kv_prices(unset)} == {"no measurement configured"}
+
+
+def test_the_plan_header_names_the_measured_transports_only_when_there_are_some() -> None:
+    req, cl = example()
+    plan = get_policy("ownerserve", UNIT_CONFIG, unit_model()).plan(req, cl)
+    measured = (
+        TransportPrice(KVTransport.STORE_TCP, TransportTiming(6e8, 4e-3), PriceSource.MEASURED),
+        TransportPrice(KVTransport.STORE_RDMA, TransportTiming(1e10, 1e-3), PriceSource.CONFIGURED),
+    )
+    field = kv_prices_field(measured)
+    assert field == "kv_prices=store_tcp:measured"
+    shown = parse_plan_header(plan_header(plan, kv_prices=field).decode())
+    assert shown["kv_prices"] == "store_tcp:measured"
+    assert kv_prices_field(measured[1:]) == ""
+    assert "kv_prices" not in parse_plan_header(plan_header(plan).decode())
