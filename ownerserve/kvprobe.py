@@ -2,7 +2,8 @@
 and the price each transport is planned with (measured, or the profile's configured one when no
 measurement came or it failed).
 
-A probe (`workers.mooncake_store.probe`: timed store puts and gets of a few sizes at start-up)
+A probe (`workers.mooncake_store.probe`, run by a `--store` sidecar's `--probe-store-out` or on
+its own: timed store reads of a few sizes at start-up)
 writes its fit to a measurements file; the router reads it once (`planner.kv_measurements`) and
 plans every move over that transport with the measured price (`with_prices`). Pure except
 `load_measurements` and `write_measurements`, which read and write that file.

@@ -7,12 +7,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from ownerserve.kvprobe import PriceSource, load_measurements
 from ownerserve.ports import free_port
 from ownerserve.profiles import load_profile
 from ownerserve.types import KVTransport
 from workers.mooncake_store import ClientSettings, MasterAddress, MooncakeMaster, StoreClient
 from workers.mooncake_store.probe import main, measure_store, run
+from workers.sidecar.cli import _probe_store
 
 KiB = 1 << 10
 
@@ -55,3 +58,12 @@ def test_without_a_master_the_probe_falls_back_to_the_configured_price(tmp_path:
     out = tmp_path / "m.yaml"
     rc = main(["--master", nowhere.url, "--sizes", "64KiB,128KiB", "--out", str(out)])
     assert rc == 1 and not out.exists()
+
+
+def test_the_sidecars_start_up_probe_writes_the_measured_price(
+    master: MooncakeMaster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "m.yaml"
+    _probe_store(master.address.url, out, "sidecar")
+    assert "(measured: 3 samples)" in capsys.readouterr().err
+    assert set(load_measurements(out)) == {KVTransport.STORE_TCP}
