@@ -206,7 +206,9 @@ class SimCase:
             roles = split_roles(split, self.workers)
         except SystemExit as exc:
             raise ValueError(str(exc)) from None
-        return replace(base, **roles)
+        return replace(
+            base, prefill=roles["prefill"], decode=roles["decode"], hybrid=roles["hybrid"]
+        )
 
 
 def sim_case(

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ownerserve.errors import ConfigError
 from ownerserve.kvstate.registry import load_spec, spec_for_model
-from ownerserve.types import PD_PATHS, BackendKind, KVPath, Role
+from ownerserve.types import PD_PATHS, BackendKind, KVPath, KVTransport, Role
 
 
 class _Strict(BaseModel):
@@ -229,6 +229,13 @@ class PlannerSettings(_Strict):
     migration_margin_rel: float = Field(
         default=0.1, ge=0, description="hysteresis of a state migration: share of its cost"
     )
+    kv_measurements: str | None = Field(
+        default=None,
+        description="a KV transport measurements file (`ownerserve.kvprobe`, written by the "
+        "start-up probe `python -m workers.mooncake_store.probe`): each transport it names is "
+        "planned at its measured price instead of the profile's; unreadable: the configured "
+        "prices, said in `GET /admin/status` and the log",
+    )
     allow_policy_header: bool = Field(
         default=False,
         description="let a request pick its routing policy with `x-ownerserve-policy` (for "
@@ -354,9 +361,17 @@ class WorkerSettings(_Strict):
     kv_paths: tuple[KVPath, ...] | None = None
     """How KV moves into and out of it (`ownerserve.types.KVPath`); None: its kind's defaults
     (`kv_paths_of`)."""
+    kv_same_host: bool = True
+    """A peer on its node hands it KV through host memory (the same_host KV transport); False:
+    through the store even within its node (`kv_transport`), e.g. a store over TCP loopback."""
+    kv_transport: KVTransport = KVTransport.STORE_RDMA
+    """The store transport its KV client speaks (`store_rdma` or `store_tcp`): the data path
+    KV takes into it from another node, priced by its profile's `kv_transports:`."""
 
     @model_validator(mode="after")
     def _paths(self) -> WorkerSettings:
+        if self.kv_transport is KVTransport.SAME_HOST:
+            raise ValueError("kv_transport: store_rdma or store_tcp (same_host: kv_same_host)")
         if self.kv_paths is None:
             return self
         own = PD_PATHS[self.kind]

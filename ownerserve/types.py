@@ -1,4 +1,5 @@
-"""Small enums shared by every package: worker roles, backend kinds, KV paths, memory tiers."""
+"""Small enums shared by every package: worker roles, backend kinds, KV paths, KV transports,
+memory tiers."""
 
 from __future__ import annotations
 
@@ -45,6 +46,19 @@ PD_PATHS: dict[BackendKind, KVPath] = {
     BackendKind.EMULATOR: KVPath.NIXL_PD,
 }
 """The P/D hand-over each backend kind speaks."""
+
+
+class KVTransport(StrEnum):
+    """The data path a move of KV bytes takes between two workers (or a tier and HBM), each
+    priced by its own bandwidth and fixed latency (a profile's `kv_transports:`,
+    `ownerserve.profiles.TransportTiming`)."""
+
+    SAME_HOST = "same_host"
+    """Within one host: a pinned host copy / shared memory (or NVLink between its GPUs)."""
+    STORE_TCP = "store_tcp"
+    """Through Mooncake Store with its transfer engine over TCP."""
+    STORE_RDMA = "store_rdma"
+    """Through Mooncake Store with its transfer engine over RDMA."""
 
 
 class Tier(StrEnum):

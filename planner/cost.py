@@ -12,17 +12,24 @@ is built; evaluating a cost never does I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from ownerserve.errors import ConfigError
 from ownerserve.kvfetch import FETCH_BRINGS_WINDOWS
+from ownerserve.kvprobe import TransportPrice, resolve_prices, with_prices
 from ownerserve.kvstate import KVStateSpec, load_spec
 from ownerserve.kvstate.resume import Resume, ResumeRule, moved_windows, rebuild_s, resume_point
-from ownerserve.profiles import PrefillTiming, TimingProfile, load_profile
+from ownerserve.profiles import (
+    PrefillTiming,
+    TimingProfile,
+    TransportTiming,
+    kv_transport_into,
+    load_profile,
+)
 from ownerserve.records import fast_init
-from ownerserve.types import Role, Tier
+from ownerserve.types import KVTransport, Role, Tier
 from planner.restore import DEFAULT_SWA_POLICY, SwaPolicy, plan_restore
 from planner.types import (
     Action,
@@ -127,9 +134,8 @@ class ProfileConstants:
     decode_base_s: float
     decode_per_seq_s: float
     decode_per_ctx_token_s: float
-    latency_s: float
-    intra_node_bps: float
-    inter_node_bps: float
+    paths: Mapping[KVTransport, TransportTiming]
+    """The price of each KV transport (`LinkTiming.path`)."""
     cpu_load_bps: float
     ssd_load_bps: float
     rerotate_per_token_s: float
@@ -150,9 +156,7 @@ class ProfileConstants:
             decode_base_s=dt.base_s,
             decode_per_seq_s=dt.per_seq_s,
             decode_per_ctx_token_s=dt.per_ctx_token_s,
-            latency_s=link.latency_s,
-            intra_node_bps=link.intra_node_bps,
-            inter_node_bps=link.inter_node_bps,
+            paths={t: link.path(t) for t in KVTransport},
             cpu_load_bps=link.cpu_load_bps,
             ssd_load_bps=link.ssd_load_bps,
             rerotate_per_token_s=p.rerotate_per_token_s,
@@ -175,6 +179,7 @@ class CostModel:
         "_plans",
         "_profiles",
         "config",
+        "kv_prices",
         "spec",
         "swa_policy",
     )
@@ -188,7 +193,12 @@ class CostModel:
         *,
         spec: KVStateSpec | None = None,
         swa_policy: SwaPolicy = DEFAULT_SWA_POLICY,
+        measurements: Callable[[], Mapping[KVTransport, TransportTiming]] | None = None,
     ) -> None:
+        """`measurements`: the KV transports' measured prices (`ownerserve.kvprobe.
+        load_measurements` of a probe's file), read once; each replaces that transport's
+        configured price in every profile, and a failed read leaves them all configured
+        (`kv_prices` says which and why)."""
         self.config = config or CostConfig()
         if spec is None and self.config.kv_spec is not None:
             spec = load_spec(self.config.kv_spec)
@@ -201,6 +211,11 @@ class CostModel:
             profiles = {n: load_profile(n) for n in names}
         if self.config.profile not in profiles:
             raise ConfigError(f"planner: profile {self.config.profile!r} not loaded")
+        # each KV transport's price as planned (the default profile's) and its source
+        self.kv_prices: tuple[TransportPrice, ...] = resolve_prices(
+            profiles[self.config.profile], measurements
+        )
+        profiles = {n: with_prices(p, self.kv_prices) for n, p in profiles.items()}
         for p in profiles.values():
             link = p.link
             bws = (link.intra_node_bps, link.inter_node_bps, link.cpu_load_bps, link.ssd_load_bps)
@@ -208,9 +223,15 @@ class CostModel:
                 raise ConfigError(
                     f"profile {p.name}: bandwidths, max_num_seqs and kv_bytes_per_token must be > 0"
                 )
-            if link.intra_node_bps < link.inter_node_bps:
+            host = link.path(KVTransport.SAME_HOST)
+            for t in (KVTransport.STORE_TCP, KVTransport.STORE_RDMA):
+                store = link.path(t)
                 # the remote-prefill search assumes a same-node link is never slower
-                raise ConfigError(f"profile {p.name}: intra_node_bps < inter_node_bps")
+                if host.bps < store.bps or host.latency_s > store.latency_s:
+                    raise ConfigError(
+                        f"profile {p.name}: the same_host KV transport is slower than {t.value}"
+                        " (bps lower or latency_s higher)"
+                    )
         self._profiles: dict[str, TimingProfile] = dict(profiles)
         self._default = self._profiles[self.config.profile]
         self._constants = {n: ProfileConstants.of(p) for n, p in self._profiles.items()}
@@ -250,10 +271,10 @@ class CostModel:
         cached_tokens: int,
         tier: Tier,
         resident_tokens: int,
-        same_node: bool = True,
+        path: KVTransport = KVTransport.SAME_HOST,
     ) -> tuple[float, float, int]:
         """(restore_s, load_s, loaded_bytes) of `planner.restore.plan_restore(spec,
-        cached_tokens, tier, profile(worker), same_node=same_node, resident_tokens=
+        cached_tokens, tier, profile(worker), path=path, resident_tokens=
         resident_tokens, swa_policy=spec.swa_policy)`: a request's own spec restoring a prefix
         into `worker`'s HBM; from a GPU peer (a fetch or migration) without the front
         recompute (overlap off), so restore_s − load_s is what it recomputes. Memoised."""
@@ -266,7 +287,7 @@ class CostModel:
             cached_tokens,
             tier,
             resident_tokens,
-            same_node,
+            path,
         )
         val = self._plans.get(key)
         if val is None:
@@ -277,7 +298,7 @@ class CostModel:
                 cached_tokens,
                 tier,
                 prof,
-                same_node=same_node,
+                path=path,
                 resident_tokens=resident_tokens,
                 overlap=tier is not _GPU,
             )
@@ -993,7 +1014,7 @@ class RequestCosts:
                              resumes at its own windows)
             with σ without mutable state (a dense or MLA spec):
                              plan = CostModel.restore_plan(w, σ, r, GPU, resident = held·bs,
-                             same node), r = min((held + moved)·bs, N − 1): the sealed blocks
+                             path(src, w)), r = min((held + moved)·bs, N − 1): the sealed blocks
                              and the windows at the boundary load (a GPU holder keeps its
                              windows), the incomplete block is recomputed (or all of it, when
                              that is cheaper); bytes = plan's loaded bytes, T_network =
@@ -1015,7 +1036,12 @@ class RequestCosts:
             return self.transfer_s(src, w, sealed, c) + w.handover_s, rebuilt, float(sealed)
         r = _reused(held + moved, bs, self.n)
         restore_s, load_s, loaded = self.model.restore_plan(
-            w, spec, r, _GPU, held * bs, src.node == w.node
+            w,
+            spec,
+            r,
+            _GPU,
+            held * bs,
+            kv_transport_into(src.node == w.node, w.kv_same_host, w.kv_transport),
         )
         tn = self.transfer_s(src, w, loaded, c) + w.handover_s if loaded else w.handover_s
         return tn, restore_s - load_s, float(loaded)
@@ -1148,15 +1174,15 @@ class RequestCosts:
     def link(
         self, dst: WorkerView, nbytes: float, same_node: bool, c: ProfileConstants | None = None
     ) -> float:
-        """link_s = s_l(dst) · (latency_s + bytes / bw), bw = intra_node_bps within a node, else
-        inter_node_bps (of dst's profile; `c` when at hand); 0 when nothing moves."""
+        """link_s = s_l(dst) · (latency_s(path) + bytes / bps(path)), path = kv_transport_into(
+        same_node, dst.kv_same_host, dst.kv_transport), priced by dst's profile (`c` when at
+        hand); 0 when nothing moves."""
         if nbytes <= 0:
             return 0.0
         if c is None:
             c = self.constants(dst.profile)
-        return dst.link_scale * (
-            c.latency_s + nbytes / (c.intra_node_bps if same_node else c.inter_node_bps)
-        )
+        t = c.paths[kv_transport_into(same_node, dst.kv_same_host, dst.kv_transport)]
+        return dst.link_scale * (t.latency_s + nbytes / t.bps)
 
     def transfer_s(
         self, src: WorkerView, dst: WorkerView, nbytes: float, c: ProfileConstants | None = None

@@ -4,7 +4,7 @@ For a prefix of `cached_tokens` found on some tier, choose per state type betwee
 recomputing it, or a mix, minimising T_load + T_recompute + T_queue + λ·M_HBM. The cost model
 calls one function for its T_restore and M_HBM terms::
 
-    plan = plan_restore(spec, cached_tokens, tier, profile, same_node=True, queue_s=0.0,
+    plan = plan_restore(spec, cached_tokens, tier, profile, path=KVTransport.SAME_HOST,
                         lam=0.0, swa_policy=SwaPolicy.periodic(4096))
     plan.restore_s   # seconds on the request's critical path         -> T_restore
     plan.hbm_bytes   # bytes the restore newly places in HBM           -> M_HBM
@@ -29,16 +29,18 @@ The model, for c cached tokens, S = spec.sealed_tokens(c) and B = spec.block_tok
 
 Timeline (loads start at once; compute waits `queue_s` for a GPU slot):
 
-    T_load     = latency + bytes / bw(tier, same_node), minus a prefetch window, if any
+    T_load     = latency(path) + bytes / bw(tier, path), minus a prefetch window, if any
     F          = prefill_s(j, 0)                         front recompute
     Bk         = prefill_s(c - r, r)                     SWA + tail recompute
     restore_s  = max(queue_s + F, T_load) + Bk           (= T_load if nothing is recomputed)
     objective  = restore_s + lam · hbm_bytes
 
 A mix (0 < j < S) is taken only when it beats the better pure plan by `mix_min_gain`.
-Bandwidth: GPU peer `intra_node_bps` (else `inter_node_bps`; local HBM is free); CPU
-`cpu_load_bps` (remote: min with `inter_node_bps`); SSD min(`ssd_load_bps`, `cpu_load_bps`)
-(remote: min(`ssd_load_bps`, `inter_node_bps`)).
+Path: the KV transport the bytes take (`ownerserve.types.KVTransport`; same_host for a
+worker's own tiers), priced by the profile (`LinkTiming.path`: bps, latency_s). Bandwidth: GPU
+peer bps(path) (local HBM is free); CPU `cpu_load_bps` (path not same_host: min with
+bps(path)); SSD min(`ssd_load_bps`, `cpu_load_bps`) (not same_host: min(`ssd_load_bps`,
+bps(path))).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from ownerserve.kvstate import (
     resolve_swa_policy,
 )
 from ownerserve.profiles import LinkTiming, TimingProfile
-from ownerserve.types import Tier
+from ownerserve.types import KVTransport, Tier
 
 __all__ = [
     "DEFAULT_SWA_POLICY",
@@ -158,24 +160,27 @@ class RestorePlan:
 # --- bandwidth ---------------------------------------------------------------------------------
 
 
-def load_bandwidth(link: LinkTiming, tier: Tier, *, same_node: bool) -> float:
-    """Bytes per second from `tier` into the executing worker's HBM (the path's slowest link)."""
+def load_bandwidth(link: LinkTiming, tier: Tier, *, path: KVTransport) -> float:
+    """Bytes per second from `tier` into the executing worker's HBM over `path` (the path's
+    slowest link)."""
     if tier is Tier.GPU:
-        return link.intra_node_bps if same_node else link.inter_node_bps
+        return link.path(path).bps
+    local = path is KVTransport.SAME_HOST
     if tier is Tier.CPU:
-        return link.cpu_load_bps if same_node else min(link.cpu_load_bps, link.inter_node_bps)
-    if same_node:
+        return link.cpu_load_bps if local else min(link.cpu_load_bps, link.path(path).bps)
+    if local:
         return min(link.ssd_load_bps, link.cpu_load_bps)
-    return min(link.ssd_load_bps, link.inter_node_bps)
+    return min(link.ssd_load_bps, link.path(path).bps)
 
 
 def load_seconds(
-    link: LinkTiming, tier: Tier, nbytes: float, *, same_node: bool, local: bool = False
+    link: LinkTiming, tier: Tier, nbytes: float, *, path: KVTransport, local: bool = False
 ) -> float:
-    """latency + bytes / bandwidth; 0 for nothing, or for KV already in this worker's HBM."""
+    """latency(path) + bytes / bandwidth; 0 for nothing, or for KV already in this worker's
+    HBM."""
     if nbytes <= 0 or (local and tier is Tier.GPU):
         return 0.0
-    return link.latency_s + nbytes / load_bandwidth(link, tier, same_node=same_node)
+    return link.path(path).latency_s + nbytes / load_bandwidth(link, tier, path=path)
 
 
 # --- the planner -------------------------------------------------------------------------------
@@ -199,12 +204,12 @@ class _Planner:
         "c",
         "local",
         "overlap",
+        "path",
         "policy",
         "prefetch_s",
         "profile",
         "queue_s",
         "resident",
-        "same_node",
         "sealed",
         "spec",
         "tier",
@@ -218,7 +223,7 @@ class _Planner:
         tier: Tier,
         profile: TimingProfile,
         *,
-        same_node: bool,
+        path: KVTransport,
         local: bool,
         queue_s: float,
         policy: SwaPolicy,
@@ -229,7 +234,7 @@ class _Planner:
         self.spec, self.c, self.tier, self.profile = spec, c, tier, profile
         # sealed tokens [0, resident) already in this worker's HBM, windows included
         self.resident = resident
-        self.same_node, self.local, self.queue_s = same_node, local, queue_s
+        self.path, self.local, self.queue_s = path, local, queue_s
         self.overlap, self.prefetch_s = overlap, prefetch_s
         # HBM prefix caches keep the windows of cached blocks: a GPU copy acts as full caching.
         self.policy = SwaPolicy.full() if tier is Tier.GPU else policy
@@ -246,9 +251,7 @@ class _Planner:
         spec, c = self.spec, self.c
         swa = spec.swa_bytes(ckpt) if ckpt > 0 else 0
         nbytes = spec.sealed_bytes(j, r) + swa
-        load = load_seconds(
-            self.profile.link, self.tier, nbytes, same_node=self.same_node, local=self.local
-        )
+        load = load_seconds(self.profile.link, self.tier, nbytes, path=self.path, local=self.local)
         load = max(0.0, load - self.prefetch_s)
         a = self.resident
         front = self.profile.prefill_s(j - a, a) if j > a else 0.0
@@ -291,7 +294,8 @@ class _Planner:
         if blocks < 2 or (self.local and self.tier is Tier.GPU) or self.resident > 0:
             return None
         pf, link = self.profile.prefill, self.profile.link
-        bw = load_bandwidth(link, self.tier, same_node=self.same_node)
+        bw = load_bandwidth(link, self.tier, path=self.path)
+        latency = link.path(self.path).latency_s
         rate = self.spec.bytes_per_token()
         modes: tuple[bool | None, ...] = (None,) if self.window == 0 else (False, True)
         cands: list[_Option] = []
@@ -301,7 +305,7 @@ class _Planner:
                 continue
             qa = pf.per_token_ctx_s / 2.0
             qb = pf.per_token_s + rate / bw
-            qc = self.queue_s + pf.base_s - (link.latency_s + at0.load_bytes / bw - self.prefetch_s)
+            qc = self.queue_s + pf.base_s - (latency + at0.load_bytes / bw - self.prefetch_s)
             if qc >= 0:
                 j = 0.0
             elif qa > 0:
@@ -325,22 +329,22 @@ def swa_cost_inputs(
     session_tokens: int,
     restores: float = 1.0,
     tier: Tier = Tier.SSD,
-    same_node: bool = True,
+    path: KVTransport = KVTransport.SAME_HOST,
     alpha: float | None = None,
     beta: float = 1.0,
     gamma: float = 0.0,
 ) -> SwaCostInputs:
     """The cost-based SWA period's inputs from a timing profile (`SwaCostInputs`):
-    load_bps = `load_bandwidth(tier)`, load_latency_s = link latency, ρ = per_token_s +
+    load_bps = `load_bandwidth(tier, path)`, load_latency_s = latency(path), ρ = per_token_s +
     per_token_ctx_s · n/2 (a recomputed token at the mean boundary's context), α = 1 /
     load_bps unless given (a byte written occupies the tier as long as reading it back)."""
-    bw = load_bandwidth(profile.link, tier, same_node=same_node)
+    bw = load_bandwidth(profile.link, tier, path=path)
     pf = profile.prefill
     return SwaCostInputs(
         session_tokens=session_tokens,
         restores=restores,
         load_bps=bw,
-        load_latency_s=profile.link.latency_s,
+        load_latency_s=profile.link.path(path).latency_s,
         recompute_s_per_token=pf.per_token_s + pf.per_token_ctx_s * session_tokens / 2.0,
         alpha=1.0 / bw if alpha is None else alpha,
         beta=beta,
@@ -354,12 +358,10 @@ def _resolved(
     policy: SwaPolicy,
     profile: TimingProfile,
     tier: Tier,
-    same_node: bool,
+    path: KVTransport,
     session_tokens: int,
 ) -> SwaPolicy:
-    inputs = swa_cost_inputs(
-        spec, profile, session_tokens=session_tokens, tier=tier, same_node=same_node
-    )
+    inputs = swa_cost_inputs(spec, profile, session_tokens=session_tokens, tier=tier, path=path)
     return resolve_swa_policy(spec, policy, inputs)
 
 
@@ -369,7 +371,7 @@ def plan_restore(
     tier: Tier,
     profile: TimingProfile,
     *,
-    same_node: bool = True,
+    path: KVTransport = KVTransport.SAME_HOST,
     local: bool = False,
     queue_s: float = 0.0,
     lam: float = 0.0,
@@ -382,7 +384,8 @@ def plan_restore(
 ) -> RestorePlan:
     """Plan how `cached_tokens` of prefix found on `tier` get into this worker's HBM.
 
-    `same_node`: the copy is on this worker's node (else it crosses the inter-node link).
+    `path`: the KV transport the copy takes into this worker (`ownerserve.profiles.
+    kv_transport_into`; same_host: its own tiers, or a peer on its node through host memory).
     `local`: a GPU-tier copy already sits in this worker's HBM (nothing to move).
     `queue_s`: wait for a GPU compute slot before any recompute can start (loads don't wait).
     `lam`: seconds per HBM byte (the λ of λ·M_HBM). `swa_policy`: how windows were kept on
@@ -405,14 +408,14 @@ def plan_restore(
         raise ValueError("queue_s, lam and prefetch_window_s must not be negative")
     policy = spec.swa_policy if swa_policy is None else swa_policy
     if not policy.resolved:
-        policy = _resolved(spec, policy, profile, tier, same_node, cached_tokens)
+        policy = _resolved(spec, policy, profile, tier, path, cached_tokens)
     resident = spec.sealed_tokens(min(resident_tokens, cached_tokens))
     p = _Planner(
         spec,
         cached_tokens,
         tier,
         profile,
-        same_node=same_node,
+        path=path,
         local=local,
         queue_s=queue_s,
         policy=policy,

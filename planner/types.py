@@ -12,7 +12,7 @@ from typing import Protocol
 
 from ownerserve.kvstate import KVStateSpec
 from ownerserve.records import fast_init
-from ownerserve.types import Role, Tier
+from ownerserve.types import KVTransport, Role, Tier
 
 
 class Action(StrEnum):
@@ -62,6 +62,12 @@ class WorkerView:
     # transfer from this worker to another node starts only after them. A property of the
     # node: every worker of a node carries the same value.
     nic_backlog_s: float = 0.0
+    # the data path KV takes into it (`ownerserve.profiles.kv_transport_into`): from a peer on
+    # its node through host memory when `kv_same_host`, else through the store transport its
+    # KV client speaks (`kv_transport`: store_rdma, priced as the profile's inter-node link
+    # unless the profile names it; or store_tcp)
+    kv_same_host: bool = True
+    kv_transport: KVTransport = KVTransport.STORE_RDMA
     # tokens of KV this worker's pool holds in all (0: unknown, the profile's HBM); with
     # kv_usage, what a request's KV must fit in (T_queue's wait for KV)
     kv_capacity_tokens: int = 0

@@ -5,11 +5,13 @@ when a hop was given up) and the record kept for `GET /admin/plans`."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from ownerserve.directory.base import Match
 from ownerserve.directory.restorable import RestorableUnit
+from ownerserve.kvprobe import PriceSource, TransportPrice
 from ownerserve.kvstate import load_spec
 from ownerserve.records import fast_init
 from ownerserve.types import Tier
@@ -113,6 +115,13 @@ def fallback_fields(fallback: Fallback) -> str:
     return f"fallback={fallback.ran};reason={fallback.reason};gave_up={gave_up}"
 
 
+def kv_prices_field(prices: Sequence[TransportPrice]) -> str:
+    """`kv_prices=TRANSPORT:measured,...`: the KV transports the planner prices at a probe's
+    measured rate; "" when every one is configured (the header then says nothing of them)."""
+    measured = [p.transport.value for p in prices if p.source is PriceSource.MEASURED]
+    return f"kv_prices={','.join(t + ':measured' for t in measured)}" if measured else ""
+
+
 def plan_header(
     plan: Plan,
     fetched: bool | None = None,
@@ -121,13 +130,15 @@ def plan_header(
     fetched_blocks: tuple[int, int] | None = None,
     chunks: tuple[int, int, int] | None = None,
     restore: RestoreShown | None = None,
+    kv_prices: str = "",
 ) -> bytes:
     """`key=value;...`: policy, class, action, workers, cost and runner-up, then the cost
     terms of the chosen candidate (seconds; `m_hbm` in bytes), whether a fetch succeeded and
     how many of its blocks the destination holds (`fetched_blocks=GOT/PLANNED`), for a
     chunked prompt its chunks as they ran (`chunks=REUSED/FETCHED/RECOMPUTED`), for a
     hybrid-attention model what the worker can restore and its bytes by state type
-    (`RestoreShown.fields`) and, when something else ran, `ran=ACTION;ran_workers=P>D` and
+    (`RestoreShown.fields`), `kv_prices` (`kv_prices_field`, when any transport is priced as
+    measured) and, when something else ran, `ran=ACTION;ran_workers=P>D` and
     `fallback_fields`."""
     b = plan.chosen.cost
     text = (
@@ -145,6 +156,8 @@ def plan_header(
         text += f";chunks={chunks[0]}/{chunks[1]}/{chunks[2]}"
     if restore is not None:
         text += ";" + restore.fields()
+    if kv_prices:
+        text += ";" + kv_prices
     if ran is not None and ran is not plan:
         c = ran.chosen
         text += f";ran={c.action.value};ran_workers={c.prefill_worker}>{c.decode_worker}"

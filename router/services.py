@@ -144,12 +144,14 @@ class ExecuteServices:
 @dataclass(frozen=True, slots=True)
 class StreamServices:
     """`stream`: the metrics of failed streams, the pool (a worker that failed mid-stream is
-    checked at once, in the background), and the plans `GET /admin/plans` lists."""
+    checked at once, in the background), the plans `GET /admin/plans` lists, and the KV
+    transports planned at a measured price (`plans.kv_prices_field`; "" when none)."""
 
     metrics: RouterMetrics
     pool: WorkerPool
     spawn: Spawn
     recent_plans: deque[PlanRecord]
+    kv_prices: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from router.executor import PlanExecutor
 from router.heap import trim_heap
 from router.lease import LeaseLedger, LeaseServices
 from router.links import NicLedger
-from router.plans import PlanRecord
+from router.plans import PlanRecord, kv_prices_field
 from router.pool import WorkerPool
 from router.services import (
     ClusterServices,
@@ -85,6 +85,15 @@ class Router:
         self._owns_directory = directory is None
         self.planner = planner if planner is not None else Planner.from_settings(settings)
         """The policies by name over one cost model (the default and per-request overrides)."""
+        for price in self.planner.model.kv_prices:
+            log.info(
+                "KV transport %s: %.4g B/s, latency %.4g s (%s: %s)",
+                price.transport.value,
+                price.timing.bps,
+                price.timing.latency_s,
+                price.source.value,
+                price.detail,
+            )
         self.calibrator = calibrator if calibrator is not None else Calibrator()
         # the KV transfers this router's plans queued on each node's NIC (T_network's backlog)
         self.nics = NicLedger()
@@ -374,7 +383,13 @@ class Router:
                 self.copy_reuse,
             ),
             execute=ExecuteServices(self.executor, self.pool, self.settings.server, metrics),
-            stream=StreamServices(metrics, self.pool, self.spawn, self.recent_plans),
+            stream=StreamServices(
+                metrics,
+                self.pool,
+                self.spawn,
+                self.recent_plans,
+                kv_prices_field(self.planner.model.kv_prices),
+            ),
             commit=CommitServices(
                 self.directory,
                 self.inline_commit,

@@ -71,6 +71,21 @@ def plan_mix(router: Router) -> dict[str, Any]:
     }
 
 
+def kv_prices(router: Router) -> list[dict[str, Any]]:
+    """Each KV transport's price as the planner plans with it (`CostModel.kv_prices`): bytes
+    per second, fixed latency, measured or configured, and why."""
+    return [
+        {
+            "transport": p.transport.value,
+            "bps": p.timing.bps,
+            "latency_s": p.timing.latency_s,
+            "source": p.source.value,
+            "detail": p.detail,
+        }
+        for p in router.planner.model.kv_prices
+    ]
+
+
 async def router_status(router: Router) -> dict[str, Any]:
     """The whole status: the JSON of `GET /admin/status`."""
     now = time.monotonic()
@@ -91,6 +106,7 @@ async def router_status(router: Router) -> dict[str, Any]:
             "cluster_full": a.cluster_full(now),
         },
         "plans": plan_mix(router),
+        "kv_prices": kv_prices(router),
         "top_sessions": [
             {"session": sid, "worker": w, "tokens": t}
             for sid, w, t in router.working_sets.largest(TOP_SESSIONS, now)

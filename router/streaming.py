@@ -104,6 +104,7 @@ async def stream(
                 shown.fetched_blocks,
                 shown.chunks,
                 shown.restore,
+                svc.kv_prices,
             ),
         ),
         (REQUEST_ID_HEADER, out.request_id),

@@ -195,6 +195,8 @@ def _view(
         decode_scale=sc.decode,
         link_scale=sc.link,
         nic_backlog_s=nic_backlog_s,
+        kv_same_host=w.settings.kv_same_host,
+        kv_transport=w.settings.kv_transport,
         kv_capacity_tokens=load.kv_capacity_tokens,
         ws_tokens=ws_tokens,
         offloads=load.offloads,

@@ -16,7 +16,7 @@ from functools import partial
 
 from ownerserve.kvstate import list_specs, load_spec
 from ownerserve.profiles import load_profile
-from ownerserve.types import Tier
+from ownerserve.types import KVTransport, Tier
 from planner.restore import SwaPolicy, plan_restore
 
 
@@ -38,7 +38,7 @@ def main() -> int:
     for name in list_specs():
         spec = load_spec(name)
         nbytes = spec.total_bytes(n)
-        base = _us(partial(prof.link.transfer_s, nbytes, True), args.number)
+        base = _us(partial(prof.link.transfer_s, nbytes, KVTransport.SAME_HOST), args.number)
         sizes = _us(partial(spec.state_bytes, 0, n), args.number)
         plan = partial(plan_restore, spec, n, Tier.SSD, prof, swa_policy=pol)
         nomix = _us(partial(plan, overlap=False), args.number)

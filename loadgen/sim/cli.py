@@ -365,7 +365,14 @@ def cluster_spec(
     if cpu < 0:
         raise SystemExit("ownerserve sim: --cpu-blocks must be >= 0 (or -1: as many as HBM)")
     spec = ClusterSpec.of_size(args.workers, block_tokens=bt, hbm_kv_bytes=hbm, cpu_blocks=cpu)
-    return replace(spec, **split_roles(args.split, args.workers), load_scrape_s=args.load_scrape_s)
+    roles = split_roles(args.split, args.workers)
+    return replace(
+        spec,
+        prefill=roles["prefill"],
+        decode=roles["decode"],
+        hybrid=roles["hybrid"],
+        load_scrape_s=args.load_scrape_s,
+    )
 
 
 def split_roles(split: str, n: int) -> dict[str, int]:

@@ -59,8 +59,8 @@ from ownerserve.kvstate import (
     resume_point,
 )
 from ownerserve.kvstate.retention import Retention
-from ownerserve.profiles import TimingProfile
-from ownerserve.types import Role, Tier
+from ownerserve.profiles import TimingProfile, kv_transport_into
+from ownerserve.types import KVTransport, Role, Tier
 from planner.calibration import Calibrator
 from planner.copyreuse import CopyKind, CopyReuse
 from planner.policies.peers import RequestRejectedError
@@ -89,6 +89,11 @@ class ClusterSpec:
     cpu_blocks: int = 0
     """Per worker, blocks of the CPU tier behind HBM (the emulator's `--cpu-num-blocks`);
     0 = none."""
+    kv_same_host: bool = True
+    """Workers of one node take each other's KV through host memory (the same_host KV
+    transport); False: through the store even within a node (`kv_transport`)."""
+    kv_transport: KVTransport = KVTransport.STORE_RDMA
+    """The store transport KV takes otherwise (`ownerserve.profiles.kv_transport_into`)."""
 
     @property
     def total(self) -> int:
@@ -760,6 +765,8 @@ class Simulator:
             cached_blocks=cached,
             node=w.node,
             nic_backlog_s=max(0.0, self.nic_free_at.get(w.node, 0.0) - now),
+            kv_same_host=self.spec.kv_same_host,
+            kv_transport=self.spec.kv_transport,
             kv_capacity_tokens=w.capacity * self.spec.block_tokens,
             ws_tokens=ws_tokens,
             offloads=self.offloads,
@@ -1103,14 +1110,20 @@ class Simulator:
         bs = self.spec.block_tokens
         return rebuild_s(prof.prefill, out.rebuild_tokens, out.blocks * bs)
 
+    def _path(self, src: _Worker, dst: _Worker) -> KVTransport:
+        """The KV transport from src into dst, by the planner's rule (`kv_transport_into`)."""
+        spec = self.spec
+        return kv_transport_into(src.node == dst.node, spec.kv_same_host, spec.kv_transport)
+
     def _transfer(self, src: _Worker, dst: _Worker, nbytes: float, ready: float) -> float:
-        """Queue `nbytes` on the sender's NIC from `ready`; returns the arrival time."""
+        """Queue `nbytes` on the sender's NIC from `ready` (its node's fast link within a node);
+        they take the path the planner priced (`_path`). Returns the arrival time."""
         if nbytes <= 0:
             return ready
         same = src.node == dst.node
         key = src.node if not same else f"{src.node}:nvlink"
         start = max(ready, self.nic_free_at.get(key, 0.0))
-        done = start + self.profile.link.transfer_s(nbytes, same_node=same)
+        done = start + self.profile.link.transfer_s(nbytes, self._path(src, dst))
         self.nic_free_at[key] = done
         if self._full is not None and not same:
             self._full.nic_busy.add(src.node)
@@ -1170,7 +1183,7 @@ class Simulator:
                     r,
                     Tier.GPU,
                     prof,
-                    same_node=src.node == p.node,
+                    path=self._path(src, p),
                     resident_tokens=reused_blocks * bt,
                     overlap=False,
                 )

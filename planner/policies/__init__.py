@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from functools import partial
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from ownerserve.errors import ConfigError, InvalidRequestError
+from ownerserve.kvprobe import load_measurements
 from planner.cost import CostConfig, CostModel
 from planner.policies.colocated import ColocatedPolicy
 from planner.policies.least_loaded import LeastLoadedPolicy
@@ -87,7 +90,11 @@ class Planner:
         profiles = tuple(sorted({w.profile for w in settings.workers if w.profile}))
         if profiles:
             config = replace(config, profiles=profiles)
-        return cls(config, default=settings.planner.policy, extra=extra)
+        path = settings.planner.kv_measurements
+        model = CostModel(
+            config, measurements=None if path is None else partial(load_measurements, Path(path))
+        )
+        return cls(model=model, default=settings.planner.policy, extra=extra)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -37,6 +37,14 @@ def test_sample_config_loads() -> None:
         ("directory: {backend: redis}\n", "needs redis_url"),
         ("server: [1, 2\n", "invalid YAML"),
         ("- 1\n", "top level must be a mapping"),
+        (
+            "workers: [{id: a, url: 'http://h:1', kv_transport: same_host}]\n",
+            "kv_transport: store_rdma or store_tcp",
+        ),
+        (
+            "workers: [{id: a, url: 'http://h:1', kv_transport: infiniband}]\n",
+            "workers.0.kv_transport",
+        ),
     ],
 )
 def test_bad_config_names_file_and_key(tmp_path: Path, text: str, fragment: str) -> None:

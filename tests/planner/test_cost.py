@@ -254,7 +254,7 @@ def test_config_from_settings_and_bad_configs() -> None:
     with pytest.raises(ConfigError):
         CostModel(CostConfig(profile="no-such-profile-file"))
     slow_intra = replace(UNIT, link=replace(UNIT.link, intra_node_bps=1e9))
-    with pytest.raises(ConfigError, match="intra_node_bps"):
+    with pytest.raises(ConfigError, match="same_host KV transport is slower"):
         CostModel(UNIT_CONFIG, {"unit": slow_intra})
     for bad in (
         replace(UNIT, max_num_seqs=0),

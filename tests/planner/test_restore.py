@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from ownerserve.kvstate import SEALED_TYPES, StateType, load_spec
 from ownerserve.profiles import TimingProfile, load_profile
-from ownerserve.types import Tier
+from ownerserve.types import KVTransport, Tier
 from planner.restore import (
     Decision,
     RestoreAction,
@@ -31,7 +31,7 @@ def _slow(bps: float = 1e7, latency_s: float = 2e-4) -> TimingProfile:
 
 def test_a_gpu_resident_prefix_loads() -> None:
     n = 32768
-    plan = plan_restore(LLAMA, n, Tier.GPU, H100, same_node=True)
+    plan = plan_restore(LLAMA, n, Tier.GPU, H100, path=KVTransport.SAME_HOST)
     choice = plan.choice(StateType.DENSE_KV)
     assert choice.decision is Decision.LOAD
     assert choice.load_bytes == n * 131072 and choice.recompute_tokens == 0
@@ -48,20 +48,21 @@ def test_a_gpu_resident_prefix_loads() -> None:
 def test_an_ssd_prefix_behind_a_slow_link_is_recomputed_when_that_is_cheaper() -> None:
     n = 2048
     slow = _slow(1e7)
-    plan = plan_restore(LLAMA, n, Tier.SSD, slow, same_node=False)
+    plan = plan_restore(LLAMA, n, Tier.SSD, slow, path=KVTransport.STORE_RDMA)
     assert plan.choice(StateType.DENSE_KV).decision is Decision.RECOMPUTE
     assert plan.loaded_bytes == 0 and plan.recomputed_tokens == n
     assert plan.restore_s == pytest.approx(H100.prefill_s(n, 0))
     assert plan.load_all_s > 10 * plan.recompute_all_s  # 268 MB at 10 MB/s
     # the same prefix on a local NVMe loads: 268 MB / 6 GB/s beats 2048 tokens of prefill
-    fast = plan_restore(LLAMA, n, Tier.SSD, H100, same_node=True, overlap=False)
+    fast = plan_restore(LLAMA, n, Tier.SSD, H100, path=KVTransport.SAME_HOST, overlap=False)
     assert fast.choice(StateType.DENSE_KV).decision is Decision.LOAD
     assert fast.restore_s == pytest.approx(2e-4 + n * 131072 / 6e9)
 
 
 def test_without_overlap_the_cheaper_pure_plan_wins() -> None:
-    for tier, profile, same_node in [(Tier.SSD, _slow(), False), (Tier.CPU, H100, True)]:
-        plan = plan_restore(LLAMA, 32768, tier, profile, same_node=same_node, overlap=False)
+    cases = [(Tier.SSD, _slow(), KVTransport.STORE_RDMA), (Tier.CPU, H100, KVTransport.SAME_HOST)]
+    for tier, profile, path in cases:
+        plan = plan_restore(LLAMA, 32768, tier, profile, path=path, overlap=False)
         assert plan.restore_s == min(plan.load_all_s, plan.recompute_all_s)
         assert plan.choice(StateType.DENSE_KV).decision in (Decision.LOAD, Decision.RECOMPUTE)
 
@@ -152,8 +153,10 @@ def test_a_gpu_copy_keeps_its_windows_whatever_the_disk_policy() -> None:
 
 def test_a_long_queue_favours_loading_over_recompute() -> None:
     slowish = _slow(2e8)
-    idle = plan_restore(LLAMA, 2048, Tier.SSD, slowish, same_node=False, overlap=False)
-    busy = plan_restore(LLAMA, 2048, Tier.SSD, slowish, same_node=False, overlap=False, queue_s=2.0)
+    idle = plan_restore(LLAMA, 2048, Tier.SSD, slowish, path=KVTransport.STORE_RDMA, overlap=False)
+    busy = plan_restore(
+        LLAMA, 2048, Tier.SSD, slowish, path=KVTransport.STORE_RDMA, overlap=False, queue_s=2.0
+    )
     assert idle.choice(StateType.DENSE_KV).decision is Decision.RECOMPUTE
     assert busy.choice(StateType.DENSE_KV).decision is Decision.LOAD
     assert busy.queue_s == 0.0  # a pure load waits for no GPU slot
@@ -198,10 +201,10 @@ def test_tier_names_are_accepted_as_strings() -> None:
 
 def test_load_bandwidth_takes_the_slowest_link_on_the_path() -> None:
     link = H100.link
-    assert load_bandwidth(link, Tier.GPU, same_node=True) == link.intra_node_bps
-    assert load_bandwidth(link, Tier.GPU, same_node=False) == link.inter_node_bps
-    assert load_bandwidth(link, Tier.CPU, same_node=False) == link.inter_node_bps
-    assert load_bandwidth(link, Tier.SSD, same_node=True) == link.ssd_load_bps
+    assert load_bandwidth(link, Tier.GPU, path=KVTransport.SAME_HOST) == link.intra_node_bps
+    assert load_bandwidth(link, Tier.GPU, path=KVTransport.STORE_RDMA) == link.inter_node_bps
+    assert load_bandwidth(link, Tier.CPU, path=KVTransport.STORE_RDMA) == link.inter_node_bps
+    assert load_bandwidth(link, Tier.SSD, path=KVTransport.SAME_HOST) == link.ssd_load_bps
 
 
 @settings(max_examples=60, deadline=None)
@@ -209,20 +212,18 @@ def test_load_bandwidth_takes_the_slowest_link_on_the_path() -> None:
     spec=st.sampled_from([LLAMA, V4, QWEN, load_spec("deepseek-v3")]),
     n=st.integers(0, 300_000),
     tier=st.sampled_from(list(Tier)),
-    same_node=st.booleans(),
+    path=st.sampled_from(list(KVTransport)),
     queue_s=st.floats(0, 5),
     policy=st.sampled_from([SwaPolicy.full(), SwaPolicy.zero(), SwaPolicy.periodic(2048)]),
     bps=st.sampled_from([1e7, 1e9, 1e11]),
     base=st.sampled_from(["h100-llama3-8b", "fast-test"]),
 )
 def test_the_plan_is_never_worse_than_loading_all_or_recomputing_all(
-    spec, n, tier, same_node, queue_s, policy, bps, base
+    spec, n, tier, path, queue_s, policy, bps, base
 ) -> None:
     link = replace(load_profile(base).link, ssd_load_bps=bps, inter_node_bps=bps)
     profile = replace(load_profile(base), link=link)
-    plan = plan_restore(
-        spec, n, tier, profile, same_node=same_node, queue_s=queue_s, swa_policy=policy
-    )
+    plan = plan_restore(spec, n, tier, profile, path=path, queue_s=queue_s, swa_policy=policy)
     assert 0.0 <= plan.restore_s <= min(plan.load_all_s, plan.recompute_all_s) + 1e-9
     assert plan.restore_s <= plan.load_s + plan.queue_s + plan.recompute_s + 1e-9
     assert plan.recomputed_tokens >= plan.tail_tokens
@@ -241,7 +242,7 @@ def test_the_solved_mix_split_is_the_best_block_boundary(spec, n, bps, queue_s) 
         n,
         Tier.SSD,
         _slow(bps),
-        same_node=True,
+        path=KVTransport.SAME_HOST,
         local=False,
         queue_s=queue_s,
         policy=SwaPolicy.periodic(1024),

@@ -11,7 +11,7 @@ from ownerserve.directory.base import Artifact, HoldKind, Match
 from ownerserve.directory.memory import InMemoryDirectory
 from ownerserve.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ownerserve.hashing import block_hash_chain, chain_root
-from ownerserve.types import Tier
+from ownerserve.types import KVTransport, Tier
 from router.backends import WorkerLoad
 from router.membership import LiveWorkerSink
 from router.state import Router
@@ -233,3 +233,26 @@ def test_a_vllm_workers_view_says_its_engine_never_rebuilds_windows() -> None:
     )
     views = cluster_view(router.services.cluster, MODEL, Match(chain_len=0), ()).workers
     assert {w.worker_id: w.rebuilds_windows for w in views} == {"v": False, "e": True}
+
+
+def test_a_workers_view_says_which_path_kv_takes_into_it() -> None:
+    router = Router(
+        settings_from_dict(
+            {
+                "models": [{"name": MODEL, "block_size": 4}],
+                "workers": [
+                    {"id": "w0", "url": "http://127.0.0.1:9"},
+                    {
+                        "id": "w1",
+                        "url": "http://127.0.0.1:10",
+                        "kv_same_host": False,
+                        "kv_transport": "store_tcp",
+                    },
+                ],
+                "admission": {"enabled": False},
+            }
+        )
+    )
+    w0, w1 = cluster_view(router.services.cluster, MODEL, Match(chain_len=0), ()).workers
+    assert (w0.kv_same_host, w0.kv_transport) == (True, KVTransport.STORE_RDMA)
+    assert (w1.kv_same_host, w1.kv_transport) == (False, KVTransport.STORE_TCP)

@@ -39,7 +39,9 @@ import httpx
 import orjson
 
 from ownerserve.errors import InvalidRequestError, UpstreamError
+from ownerserve.profiles import kv_transport_into
 from ownerserve.tasks import cancel_and_wait
+from ownerserve.types import KVTransport
 from workers.emulator.engine import Engine, RemotePrefill, Sequence
 from workers.emulator.kv_cache import CachedBlock
 
@@ -159,7 +161,10 @@ class KVMover:
         the transfers already queued on it (concurrent pulls share the bandwidth FIFO).
         Returns the modelled seconds of this transfer, queueing included."""
         same = source_node == self.node
-        seconds = self.engine.profile.link.transfer_s(nbytes, same_node=same)
+        # the emulated engine takes a same-node peer's KV through host memory, others' over
+        # the store's RDMA transport: the planner's defaults (`WorkerView`)
+        path = kv_transport_into(same, True, KVTransport.STORE_RDMA)
+        seconds = self.engine.profile.link.transfer_s(nbytes, path)
         if seconds <= 0:
             return 0.0
         speed = self.engine.speed

@@ -142,11 +142,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory this sidecar mounts into Mooncake Store, e.g. 1G (default)",
     )
     parser.add_argument(
+        "--probe-store-out",
+        type=Path,
+        default=None,
+        help="with --store: at start, time store reads of 1, 4 and 16 MiB over its TCP "
+        "transport and write the measured price here for the router's "
+        "planner.kv_measurements (a failed probe writes nothing and says why)",
+    )
+    parser.add_argument(
         "--fetch-timeout-s",
         type=float,
         default=60.0,
         help="limit of one pull from a peer sidecar (default 60)",
     )
+
+
+def _probe_store(store: str, out: Path, prog: str) -> None:
+    """The start-up probe of the store's TCP transport (`workers.mooncake_store.probe`): its
+    measured price written to `out`; a failure is reported and the sidecar starts anyway."""
+    from ownerserve.kvprobe import PriceSource, write_measurements
+    from ownerserve.types import KVTransport
+    from workers.mooncake_store.master import MasterAddress
+    from workers.mooncake_store.probe import SIZES
+    from workers.mooncake_store.probe import run as probe
+
+    price = probe(MasterAddress.parse(store), KVTransport.STORE_TCP, SIZES, 5, "h100-llama3-8b")
+    t = price.timing
+    print(
+        f"{prog}: store_tcp {t.bps / 1e9:.3f} GB/s, latency {t.latency_s * 1e3:.3f} ms "
+        f"({price.source.value}: {price.detail})",
+        file=sys.stderr,
+    )
+    if price.source is PriceSource.MEASURED:
+        write_measurements(out, [price])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -186,6 +214,11 @@ def run(args: argparse.Namespace) -> int:
         store=args.store,
         store_segment_bytes=args.store_segment_bytes,
     )
+    if args.probe_store_out is not None:
+        if args.store is None:
+            print(f"{prog}: error: --probe-store-out needs --store", file=sys.stderr)
+            return 2
+        _probe_store(args.store, args.probe_store_out, prog)
     try:
         config.store_dir.mkdir(parents=True, exist_ok=True)
         return run_forever(config, transport)

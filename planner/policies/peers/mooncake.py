@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ownerserve.profiles import kv_transport_into
 from planner.cost import Route, held_blocks
 from planner.policies.base import is_continuation, make_plan, pd_route, split_pools
 from planner.policies.peers.common import PeerPolicy, RequestRejectedError
@@ -81,7 +82,8 @@ class MooncakeConductorPolicy(PeerPolicy[MooncakeConfig]):
         if blocks <= 0:
             return 0.0
         same = src.node == dst.node
-        t = self.model.profile_of(dst).link.transfer_s(blocks * bs * k, same_node=same)
+        path = kv_transport_into(same, dst.kv_same_host, dst.kv_transport)
+        t = self.model.profile_of(dst).link.transfer_s(blocks * bs * k, path)
         return t if same else t + src.nic_backlog_s
 
     def option(

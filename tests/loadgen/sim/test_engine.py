@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Generic, TypeVar
 
 from hypothesis import given, settings
@@ -11,7 +12,8 @@ from hypothesis import strategies as st
 
 from loadgen.sim.engine import ClusterSpec, Simulator
 from loadgen.sim.workload import SimSession, SimTurn, agentic_sessions
-from ownerserve.profiles import load_profile
+from ownerserve.profiles import TransportTiming, load_profile
+from ownerserve.types import KVTransport
 from planner.types import (
     Action,
     Candidate,
@@ -261,7 +263,9 @@ def test_policies_see_the_nic_backlog_of_each_senders_node() -> None:
     assert seen[0] == {"p0": 0.0, "d1": 0.0}
     # the first transfer is queued on n0's NIC when the second plan is made (it leaves after
     # p0's prefill): p0's view shows it, the receiver's does not
-    ship = PROFILE.link.transfer_s(32 * 512 * PROFILE.kv_bytes_per_token, same_node=False)
+    ship = PROFILE.link.transfer_s(
+        32 * 512 * PROFILE.kv_bytes_per_token, transport=KVTransport.STORE_RDMA
+    )
     assert seen[1]["d1"] == 0.0
     assert seen[1]["p0"] >= ship
 
@@ -291,3 +295,27 @@ def test_a_subagent_arrives_when_its_parent_reaches_the_turn_that_spawns_it() ->
     assert res.sessions_completed == 2
     assert max(res.session_e2e_s) > 2.0  # the parent's, its gaps included
     assert min(res.session_e2e_s) < 0.5  # the subagent's, counted from its spawn
+
+
+def _paths(cluster: ClusterView) -> dict[str, tuple[bool, KVTransport]]:
+    return {w.worker_id: (w.kv_same_host, w.kv_transport) for w in cluster.workers}
+
+
+def test_the_simulator_moves_kv_over_the_path_its_workers_views_name() -> None:
+    # the same transfer as above over a store TCP path priced 100x slower than the link default
+    tcp = TransportTiming(bps=PROFILE.link.inter_node_bps / 100, latency_s=0.01)
+    prof = replace(PROFILE, link=replace(PROFILE.link, store_tcp=tcp))
+    spec = ClusterSpec(1, 1, 0, workers_per_node=1, kv_transport=KVTransport.STORE_TCP)
+    backlog = _Spy(Action.REMOTE_PREFILL, "p0", "d1", _nic_backlogs)
+    chain = tuple(range(1, 33))
+    second = SimSession(1, 1e-6, (SimTurn((99, *chain), 512, 1, 0.0),))
+    Simulator(spec, prof, backlog).run([_session([chain]), second])
+    nbytes = 32 * 512 * PROFILE.kv_bytes_per_token
+    assert backlog.seen[1]["p0"] >= tcp.seconds(nbytes)
+    assert tcp.seconds(nbytes) > 50 * PROFILE.link.transfer_s(nbytes, KVTransport.STORE_RDMA)
+    paths = _Spy(Action.REMOTE_PREFILL, "p0", "d1", _paths)
+    Simulator(spec, prof, paths).run([_session([chain])])
+    assert paths.seen[0] == {
+        "p0": (True, KVTransport.STORE_TCP),
+        "d1": (True, KVTransport.STORE_TCP),
+    }

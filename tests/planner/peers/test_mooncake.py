@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ownerserve.types import Role
+from ownerserve.types import KVTransport, Role
 from planner.policies import get_policy
 from planner.policies.peers import RequestRejectedError
 from planner.policies.peers.mooncake import MooncakeConductorPolicy
@@ -37,7 +37,7 @@ def test_balancing_threshold_decides_between_local_and_fetched_prefix() -> None:
     far = worker("p", Role.PREFILL, gpu=12)  # 15 / 12 = 1.25: fetch the longer one
     o = pol.option(far, request(2000), 15, holder)
     assert o.source is holder
-    transfer = UNIT.link.transfer_s(3 * 100 * 1000, same_node=False)
+    transfer = UNIT.link.transfer_s(3 * 100 * 1000, transport=KVTransport.STORE_RDMA)
     assert o.ttft_s == pytest.approx(transfer + UNIT.prefill_s(500, 1500))
 
 
@@ -81,11 +81,12 @@ def test_the_prefix_comes_from_the_nearest_or_least_queued_copy() -> None:
     cold = worker("p0", Role.PREFILL, "node0")
     o = pol.best_prefill([cold], request(2000), cluster(far_busy, far_idle, cold))
     assert o.source is far_idle
-    transfer = UNIT.link.transfer_s(15 * 100 * 1000, same_node=False)
+    transfer = UNIT.link.transfer_s(15 * 100 * 1000, transport=KVTransport.STORE_RDMA)
     assert o.ttft_s == pytest.approx(0.5 + transfer + UNIT.prefill_s(500, 1500))
     near = worker("h2", Role.DECODE, "node0", gpu=15, nic_backlog_s=9.0)
     o = pol.best_prefill([cold], request(2000), cluster(far_busy, far_idle, near, cold))
     assert o.source is near  # same node: no NIC in the way
     assert o.ttft_s == pytest.approx(
-        UNIT.link.transfer_s(15 * 100 * 1000, same_node=True) + UNIT.prefill_s(500, 1500)
+        UNIT.link.transfer_s(15 * 100 * 1000, transport=KVTransport.SAME_HOST)
+        + UNIT.prefill_s(500, 1500)
     )

@@ -23,7 +23,7 @@ def test_help_lists_the_flags() -> None:
     ).stdout
     for flag in (
         "--worker-id", "--port", "--store-dir", "--memory-bytes", "--ssd-bytes", "--directory",
-        "--transfer-port", "--transport", "--advertise-url", "--clear-ssd",
+        "--transfer-port", "--transport", "--advertise-url", "--clear-ssd", "--probe-store-out",
     ):  # fmt: skip
         assert flag in out
 
@@ -33,6 +33,7 @@ def test_help_lists_the_flags() -> None:
     [
         (["--worker-id", "a", "--directory", "postgres://x"], "redis://"),
         (["--worker-id", "a/b"], "--worker-id: expected a letter or digit"),
+        (["--worker-id", "a", "--probe-store-out", "m.yaml"], "--probe-store-out needs --store"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(tmp_path: object, flags: list[str], message: str) -> None:
