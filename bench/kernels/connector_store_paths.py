@@ -67,6 +67,7 @@ from workers.mooncake_store import CHECKSUM_BYTES, ClientSettings, MooncakeMaste
 from workers.mooncake_store.digest import verify
 from workers.vllm_connector import gpu_digest, store_path
 from workers.vllm_connector.gpu import CudaPagedKV
+from workers.vllm_connector.graphs import Captured
 from workers.vllm_connector.plan import BLOCKS_PER_OBJECT, head_range, object_groups
 from workers.vllm_connector.store_path import StoreKV
 
@@ -604,7 +605,24 @@ def main() -> int:
             loads["resolved at bind (again)"] = median_s(load_early, device, reps, before=bind_load)
             r.check("load resolved at bind (again): bit-exact", exact_into(dst_layers))
             load_runs: list[dict[str, list[float]]] = []
-            with patched(store_path, "copy_rows", copy_wrap):
+            real_run, real_tally = Captured.run, rd._tally_direct
+
+            def run_wrap(self: Captured) -> None:  # a replay: queued, then done on device
+                marks.append(("replay queued", time.perf_counter()))
+                real_run(self)
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+                events.append(("replay done", e))
+
+            def tally_wrap(*a: Any, **k: Any) -> Any:  # right after the flags are read
+                marks.append(("flags read", time.perf_counter()))
+                return real_tally(*a, **k)
+
+            with (
+                patched(store_path, "copy_rows", copy_wrap),
+                patched(Captured, "run", run_wrap),
+                patched(rd, "_tally_direct", tally_wrap),
+            ):
                 for _ in range(reps):
                     bind_load()
                     held_at.pop("resolve", None)

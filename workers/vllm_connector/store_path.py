@@ -1558,9 +1558,7 @@ class StoreKV:
         store_s = 0.0
         try:
             with self._on_stream():
-                host = slot.host.numpy()  # each block's group is in since the slot was made
-                host[:n] = ids
-                host[2 * n :] = self._lanes(groups, keys, heads).reshape(-1)
+                host: np.ndarray | None = None  # written once the first copies are queued
                 base = int(slot.objects.data_ptr())
                 pending, store_s = self._lookups(keys, bounds)
                 mask = slot.copied_host.numpy()
@@ -1581,6 +1579,10 @@ class StoreKV:
                                 1, dev, cs,
                             )  # fmt: skip
                             copied[i] = True
+                        if host is None:  # the first copy is on its way: the replay's input
+                            host = slot.host.numpy()  # (each block's group is in already)
+                            host[:n] = ids
+                            host[2 * n :] = self._lanes(groups, keys, heads).reshape(-1)
                         if i + 1 in (split, m):  # this part's objects are all on their way
                             lo = 0 if i + 1 == split else split
                             mask[lo : i + 1] = copied[lo : i + 1]
