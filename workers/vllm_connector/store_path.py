@@ -56,10 +56,11 @@ one CUDA graph replay over a `SaveSlot` of the request's shape (`graphs.Captured
 cost of one replay, ~0.014 ms, where the Triton launches cost ~0.2-0.4 ms each), then the
 reservations are asked for (`gather(groups=)`, on the RPC threads) and each object's payload
 and then its digest go straight from the slot into the store's memory on a copy stream. The
-load copies the objects up on the copy stream into a `LoadSlot`; one replay checks and
-unframes the objects before the last (`gpu_digest.unframe`) and scatters their blocks, a
-second the last one's, each block written only where the flags of its object and all before
-it are set, read on the device (`kernels.merge_heads_gated`): the host waits once, at the end
+load copies the objects up on the copy stream into a `LoadSlot`; as each chunk's copies are
+queued, one replay checks and unframes its objects (`gpu_digest.unframe`) and scatters their
+blocks while later chunks are still copied, the last object in a replay of its own
+(`part_ends`), each block written only where the flags of its object and all before it are
+set, read on the device (`kernels.merge_heads_gated`): the host waits once, at the end
 (`_load_groups_gated`; the chunked load that read each chunk's flags on the host,
 `_load_groups_device`, is kept behind `gated_load` to compare). Round trips go in chunks of
 1, 2, 4, ... objects (`first_chunk_objects`, `chunk_bounds`).
@@ -69,6 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import threading
 import time
 import weakref
@@ -241,12 +243,12 @@ class SaveSlot:
 @dataclass(slots=True)
 class LoadSlot:
     """A grouped zero-copy load's device work for one shape, over buffers of its own: objects
-    come up into `objects`; `head` checks and unframes objects `[0, split)` into `units`, clears
-    the flags of those not copied (`copied`) and scatters their blocks where the verified prefix
-    allows (`merge_heads_gated`), `tail` the same for `[split, m)`; `host` -> `up` holds the
-    block ids, each block's group (written once, the slot's shape) and the key terms, uploaded
-    by `head`'s replay, and each part uploads its `copied_host` flags first (pinned host
-    copies are graph nodes like the kernels)."""
+    come up into `objects`; `parts[k]` checks and unframes objects `[ends[k - 1], ends[k])`
+    (from 0 for the first) into `units`, clears the flags of those not copied (`copied`) and
+    scatters their blocks where the verified prefix allows (`merge_heads_gated`); `host` -> `up`
+    holds the block ids, each block's group (written once, the slot's shape) and the key terms,
+    uploaded by the first part's replay, and each part uploads its `copied_host` flags first
+    (pinned host copies are graph nodes like the kernels)."""
 
     objects: torch.Tensor
     units: torch.Tensor
@@ -255,9 +257,8 @@ class LoadSlot:
     up: torch.Tensor
     copied_host: torch.Tensor
     copied: torch.Tensor
-    head: Captured
-    tail: Captured
-    split: int
+    parts: list[Captured]
+    ends: tuple[int, ...]
 
 
 class _Current:
@@ -283,6 +284,16 @@ class _Current:
         torch.cuda.set_stream(self._prev)
         if self._prev_device != self._device:
             torch.cuda.set_device(self._prev_device)
+
+
+def part_ends(bounds: Sequence[tuple[int, int]], m: int) -> tuple[int, ...]:
+    """Where a gated load's checked parts end: at each chunk's end (`bounds`, the order the
+    replicas are answered and copied in), and the last object alone, so that once the last copy
+    lands only one object's check and scatter is left (the others ran while it was copied)."""
+    ends = {b for _a, b in bounds if b > 0}
+    if m > 1:
+        ends.add(m - 1)
+    return tuple(sorted(ends))
 
 
 def _groups_of(counts: Sequence[int]) -> list[ObjectGroup]:
@@ -1532,10 +1543,11 @@ class StoreKV:
     ) -> tuple[int, str | None, list[str]]:
         """A grouped zero-copy load round with no host wait until its end: replicas looked up
         chunk by chunk (cached), each chunk's objects copied up on the copy stream into a
-        `LoadSlot`'s buffers as soon as it is answered; once the objects before the last chunk
-        are up, one replay checks and unframes them and scatters their blocks where the
-        verified prefix allows (`merge_heads_gated`: the flags are read on the device), and one
-        more does the last chunk's. The host reads the flags once, when all of it is done;
+        `LoadSlot`'s buffers as soon as it is answered; once a part's objects are on their way
+        (`part_ends`: each chunk, the last object alone), one replay checks and unframes them
+        and scatters their blocks where the verified prefix allows (`merge_heads_gated`: the
+        flags are read on the device), while the later objects are still copied. The host reads
+        the flags once, when all of it is done;
         objects not read that way are read through the store and the rest of the good prefix
         scattered, as `_load_groups_device`."""
         assert isinstance(self.kv, CudaPagedKV) and self._segments is not None
@@ -1548,8 +1560,8 @@ class StoreKV:
         for size in sizes:
             offsets.append(offsets[-1] + size)
         bounds = chunk_bounds(m, self.first_chunk_objects, self.chunk_objects)
-        split = m - 1  # the last object is checked alone, once it is up
-        key = (n, tuple(g.count for g in groups), heads, first_head, split, self.graphs)
+        ends = part_ends(bounds, m)
+        key = (n, tuple(g.count for g in groups), heads, first_head, ends, self.graphs)
         slot = self._load_slots.take(key)
         cached = slot is not None
         if slot is None:  # another load holds this shape's (none do: loads run one at a time)
@@ -1562,6 +1574,7 @@ class StoreKV:
                 base = int(slot.objects.data_ptr())
                 pending, store_s = self._lookups(keys, bounds)
                 mask = slot.copied_host.numpy()
+                part_of = {end: k for k, end in enumerate(ends)}
                 copies = self._copies
                 cs = None if copies is None else copies.cuda_stream
                 for (a, _b), future in zip(bounds, pending, strict=True):
@@ -1583,8 +1596,9 @@ class StoreKV:
                             host = slot.host.numpy()  # (each block's group is in already)
                             host[:n] = ids
                             host[2 * n :] = self._lanes(groups, keys, heads).reshape(-1)
-                        if i + 1 in (split, m):  # this part's objects are all on their way
-                            lo = 0 if i + 1 == split else split
+                        k = part_of.get(i + 1)
+                        if k is not None:  # this part's objects are all on their way
+                            lo = ends[k - 1] if k else 0
                             mask[lo : i + 1] = copied[lo : i + 1]
                             if copies is not None:
                                 arrived = torch.cuda.Event()
@@ -1592,7 +1606,7 @@ class StoreKV:
                                 self._after(arrived)
                             # the part's upload (the ids and key terms before the first part,
                             # its copied flags), checks and gated scatter: one replay
-                            (slot.head if i + 1 == split else slot.tail).run()
+                            slot.parts[k].run()
                 verified = slot.flags.cpu().tolist()  # waits for the copies, checks, scatters
             scattered = 0  # leading blocks the gated scatters wrote
             for i in range(m):
@@ -1618,8 +1632,8 @@ class StoreKV:
                 self._load_slots.give(key, slot)
 
     def _make_load_slot(self, key: Hashable, *, capture: bool = True) -> LoadSlot:
-        shape = cast(tuple[int, tuple[int, ...], int, int, int, bool], key)
-        n, counts, heads, first_head, split, graphs = shape
+        shape = cast(tuple[int, tuple[int, ...], int, int, tuple[int, ...], bool], key)
+        n, counts, heads, first_head, ends, graphs = shape
         kv = self.kv
         assert isinstance(kv, CudaPagedKV)
         unit, m, dev = self._unit, len(counts), kv.device
@@ -1669,9 +1683,11 @@ class StoreKV:
             up,
             copied_host,
             copied,
-            Captured(lambda: part(0, split), dev, capture=use),
-            Captured(lambda: part(split, m), dev, capture=use),
-            split,
+            [
+                Captured(functools.partial(part, lo, hi), dev, capture=use)
+                for lo, hi in zip((0, *ends[:-1]) if ends else (), ends, strict=True)
+            ],
+            ends,
         )
 
     def _load_groups_device(
