@@ -112,6 +112,7 @@ class LoadOrder:
         "_by_id",
         "_holders",
         "_keys",
+        "_nodes",
         "_views",
         "d_k",
         "h_k",
@@ -134,6 +135,7 @@ class LoadOrder:
         self.s_p, self.s_d, self.s_l = _Ranked(), _Ranked(), _Ranked()
         self._holders: set[int] = set()
         self._by_id: dict[str, int] = {}
+        self._nodes: dict[str, set[int]] = {}
 
     @property
     def workers(self) -> list[WorkerView]:
@@ -186,6 +188,12 @@ class LoadOrder:
             if self._by_id.get(old.worker_id) == i:
                 del self._by_id[old.worker_id]
             self._by_id[w.worker_id] = i
+        if old.node != w.node:
+            mates = self._nodes[old.node]
+            mates.discard(i)
+            if not mates:
+                del self._nodes[old.node]
+            self._nodes.setdefault(w.node, set()).add(i)
         self._views[i] = w
         if _holds(w):
             self._holders.add(i)
@@ -214,6 +222,9 @@ class LoadOrder:
         self._keys = [self.keys_of(w) for w in workers]
         self._by_id = {w.worker_id: i for i, w in enumerate(workers)}
         self._holders = {i for i, w in enumerate(workers) if _holds(w)}
+        self._nodes = {}
+        for i, w in enumerate(workers):
+            self._nodes.setdefault(w.node, set()).add(i)
         for rank in (self.p_q, self.d_k, self.h_k, self.h_q, self.h_r):
             rank.items = []
         for role in _GROUPS:
@@ -245,10 +256,17 @@ class LoadOrder:
         """The first k of the role's orders are all its workers."""
         return k >= len(self._orders(role)[0][0].items)
 
+    def on_node(self, node: str) -> set[int]:
+        """The indices of the workers on `node`."""
+        return self._nodes.get(node, set())
+
+    def holders(self) -> set[int]:
+        """The workers whose views hold some of the request's prefix or chunks."""
+        return self._holders
+
     def special(self, request: RequestView) -> set[int]:
-        """The workers every subset holds: the holders and the request's owner, session
-        owner and home worker."""
-        out = set(self._holders)
+        """The request's owner, session owner and home worker (every subset has them)."""
+        out: set[int] = set()
         by_id = self._by_id
         for wid in (request.owner, request.session_owner, request.home_worker):
             if wid is not None:
@@ -263,17 +281,26 @@ class _Bound:
     once per plan from the cost model, the special workers and the order's least scales."""
 
     __slots__ = (
+        "a_min",
         "base",
+        "bs",
         "c",
-        "d_move",
         "d_remote",
         "h_abs",
         "h_rel",
         "home_d",
+        "hs",
+        "into",
         "lean_actions",
+        "link",
+        "m_abs",
+        "m_rel",
+        "moves",
         "mu",
-        "p_min",
+        "p_col",
         "p_side",
+        "prefill",
+        "src_nodes",
     )
 
     def __init__(
@@ -305,40 +332,76 @@ class _Bound:
         h = order.horizon
         # c·K ≤ q0 + O·ρ·L: O ≤ H, ρ ≤ 1
         self.c = 1.0 if h <= 0 else min(1.0, o_rho / h)
-        # P_min: the ownerserve search's least prefill of a worker holding nothing (the most
-        # it may reuse after a fetch or a migration; all but the last token with chunks)
+        # the least prefill of a worker holding nothing reusing r tokens (all but the last
+        # token with chunks, as the ownerserve search bounds it), and the least link time of
+        # moving nbytes into one
+        chunked = bool(request.chunk_spans)
+
+        def prefill(r: int) -> float:
+            return sp_min * min(k.prefill_base(c, k.n - 1 if chunked else r) for c in consts)
+
+        self.prefill = prefill
+
+        sl_min = order.s_l.key(0)
+
+        def link(nbytes: float, src: WorkerView | None = None) -> float:
+            # into a worker on another node than `src` (its node's workers are in every
+            # subset): the inter-node link after src's NIC backlog; else within a node
+            if nbytes <= 0:
+                return 0.0
+            if src is None:
+                return sl_min * min(c.latency_s + nbytes / c.intra_node_bps for c in consts)
+            t = sl_min * min(c.latency_s + nbytes / c.inter_node_bps for c in consts)
+            return t + src.nic_backlog_s
+
+        self.link = link
         near = ClusterView(workers=tuple(specials), sources=sources)
         src_f = fetch_source(request, near)
         src_m = migration_source(request, near)
-        r_lo = max(
-            k.reused(k.ob) if src_f is not None else 0,
-            k.reused(gpu_blocks(src_m)) if src_m is not None else 0,
-        )
-        r_least = k.n - 1 if request.chunk_spans else r_lo
-        self.p_min = sp_min * min(k.prefill_base(c, r_least) for c in consts)
         self.mu = cfg.mu
         lam, hs = cfg.lam, cfg.pd_handshake_s
+        dense = k.spec is None
         dup0 = lam * k.dup(True, 0)
+        # the worker-pass candidates on a worker holding nothing: (its least prefill, what
+        # else it pays at least, whether it pays H_move whatever the home):
+        # colocated = prefill of the whole prompt + λ·dup₀; a fetch = prefill reusing
+        # owner_blocks + λ·dup₀ + the transfer; a migration = prefill reusing gpu(session
+        # owner) + λ·moved + the transfer, and its hysteresis
+        self.p_col = prefill(0)
+        moves = [(self.p_col, dup0, False)]
+        if src_f is not None:
+            moved = k.ob * k.bk if dense else 0.0
+            moves.append((prefill(k.reused(k.ob)), dup0 + link(moved, src_f), False))
+        if src_m is not None:
+            g_m = gpu_blocks(src_m)
+            moved = g_m * k.bk if dense else 0.0
+            moves.append((prefill(k.reused(g_m)), lam * moved + link(moved, src_m), True))
+        self.moves = tuple(moves)
+        # the moves into a holder: (the blocks it then reuses, bytes per block moved, from)
+        bk = k.bk if dense else 0.0
+        self.into: list[tuple[int, float, WorkerView, bool]] = []
+        if src_f is not None:
+            self.into.append((k.ob, bk, src_f, False))
+        if src_m is not None:
+            self.into.append((gpu_blocks(src_m), bk, src_m, True))
+        self.src_nodes = {w.node for w in (src_f, src_m) if w is not None}
+        self.m_abs, self.m_rel = cfg.migration_margin_s, cfg.migration_margin_rel
         # A_min: the least prefill of a remote prefill's P: one holding nothing, or a holder
-        a_min = self.p_min
+        a_min = self.p_col
         for w in specials:
             if not w.healthy or w.role is Role.DECODE or w.pd_group is None:
                 continue
             cb = w.cached_blocks
             held = max(cb.get(Tier.GPU, 0), cb.get(Tier.CPU, 0), cb.get(Tier.SSD, 0)) if cb else 0
-            r = k.n - 1 if request.chunk_spans else k.reused(held) if held else 0
+            r = k.n - 1 if chunked else k.reused(held) if held else 0
             c = model.constants(w.profile)
             a_min = min(a_min, w.prefill_scale * k.prefill_base(c, r))
+        self.a_min, self.hs = a_min, hs
+        self.bs = request.block_size
         # as P (any D decodes: D_min is in `base`)
         self.p_side = lam * k.prompt_copy(0) + hs
-        # as the decode worker: colocated or a fetch (λ·dup₀), a migration (no duplicate)
-        self.d_move = 0.0 if src_m is not None else dup0
         # as the D of a remote prefill: the prompt's KV moves into it (at best within a node)
-        nbytes = k.kv_to_decode(0)
-        link = 0.0
-        if nbytes > 0:
-            link = order.s_l.key(0) * min(c.latency_s + nbytes / c.intra_node_bps for c in consts)
-        self.d_remote = hs + dup0 + a_min + link
+        self.d_remote = hs + dup0 + a_min + link(k.kv_to_decode(0))
         # decoding anywhere but the session's home pays H_move (`_Pick.consider`), and the
         # home worker is in every subset
         home = request.home_worker is not None
@@ -367,9 +430,37 @@ class _Bound:
         """cost + H_move when decoding off the home worker (identity without one)."""
         return cost + self.h_abs + self.h_rel * cost
 
+    def holder(self, w: WorkerView, keys: Keys, held: int) -> float:
+        """The least cost of any candidate a holder of `held` prefix blocks takes part in
+        (`keys` its load keys): as `as_p` and `as_d`, its prefill reusing what it holds, or
+        after a move what it then holds (the move's link from another node: the source's
+        node's workers are in every subset), without the terms a holding may spare it (the
+        duplicate, the copy, the restore, H_move but a migration's)."""
+        role, q0, k, stalled = keys[0], keys[1], keys[2], keys[3]
+        stall = 1.0 + self.mu * stalled
+        bs = self.bs
+        pf = self.prefill(held * bs) * stall
+        least = _INF
+        if role is not Role.DECODE and w.pd_group is not None:
+            least = q0 + pf + self.hs + self.base
+        if role is not Role.PREFILL:
+            decoding = self.c * k + self.base
+            d = decoding + min(pf, self.hs + self.a_min)
+            for blocks, bk, src, hysteresis in self.into:
+                if blocks > held and w.kv_api and w is not src:
+                    x = decoding + self.prefill(blocks * bs) * stall
+                    x += self.link((blocks - held) * bk, src)
+                    if hysteresis:
+                        x += self.m_abs + self.m_rel * x
+                    if x < d:
+                        d = x
+            if d < least:
+                least = d
+        return least
+
     def as_p(self, q0: float, stalled: float) -> float:
         """The least cost of a worker with these keys as a remote prefill's P."""
-        p = q0 + self.p_min * (1.0 + self.mu * stalled) + self.p_side + self.base
+        p = q0 + self.p_col * (1.0 + self.mu * stalled) + self.p_side + self.base
         if self.h_abs or self.h_rel:
             # into any D but the home worker it pays H_move too
             home = p + self.home_d
@@ -382,11 +473,19 @@ class _Bound:
         """The least costs of a worker with these keys on a worker-pass candidate
         (colocated, fetch, migration) and as a remote prefill's D."""
         decoding = self.c * k + self.base
-        on_w = decoding + self.p_min * (1.0 + self.mu * stalled) + self.d_move
+        stall = 1.0 + self.mu * stalled
+        home = self.h_abs or self.h_rel
+        on_w = _INF
+        for pf, extra, hysteresis in self.moves:
+            x = decoding + pf * stall + extra
+            if hysteresis:
+                x += self.m_abs + self.m_rel * x
+            elif home:
+                x = self._h(x)
+            if x < on_w:
+                on_w = x
         as_d = decoding + self.d_remote
-        if self.h_abs or self.h_rel:
-            return self._h(on_w), self._h(as_d)
-        return on_w, as_d
+        return on_w, self._h(as_d) if home else as_d
 
 
 def plan_exact(
@@ -398,8 +497,20 @@ def plan_exact(
     `candidates_considered` are the subset's."""
     order.sync(cluster.workers)
     views = order.workers
-    always = order.special(request)
-    bound = _Bound(policy.model, request, order, [views[i] for i in always], cluster.sources)
+    holders = order.holders()
+    named = order.special(request)
+    bound = _Bound(
+        policy.model, request, order, [views[i] for i in named | holders], cluster.sources
+    )
+    for node in bound.src_nodes:
+        named |= order.on_node(node)
+    # the holders: the deepest few from the start, the others once the plan's cost is known
+    # and the bound does not put them above it
+    depth = {i: _held(views[i]) for i in holders if i not in named}
+    deep = sorted(depth, key=depth.__getitem__, reverse=True)[:_FIRST_K]
+    always = named | set(deep)
+    pending = [i for i in depth if i not in always]
+    keys = order._keys
     ks = dict.fromkeys(_GROUPS, _FIRST_K)
     while not all(order.exhausted(g, ks[g]) for g in _GROUPS):
         sub = ClusterView(
@@ -410,17 +521,34 @@ def plan_exact(
         try:
             plan = policy.plan(request, sub)
         except NoWorkerAvailableError:
+            always.update(pending)
+            pending = []
             for g in _GROUPS:
                 ks[g] *= 4
             continue
         best = plan.chosen.cost.total
         above = best + _MARGIN * (best if best > 1.0 else 1.0)
+        late = []
+        for i in pending:
+            kk = keys[i]
+            if kk is not None and bound.holder(views[i], kk, depth[i]) <= above:
+                late.append(i)
+        if late:
+            always.update(late)
+            pending = [i for i in pending if i not in always]
+            continue
         grow = [g for g in _GROUPS if not _cut(order, bound, g, ks[g], plan, best, above)]
         if not grow:
             return plan
         for g in grow:
             ks[g] *= 4
     return policy.plan(request, cluster)
+
+
+def _held(w: WorkerView) -> int:
+    """The prefix blocks w holds in its deepest tier."""
+    cb = w.cached_blocks
+    return max(cb.values()) if cb else 0
 
 
 def _cut(

@@ -63,7 +63,7 @@ from ownerserve.kvstate import (
 from ownerserve.kvstate.retention import Retention
 from ownerserve.profiles import TimingProfile
 from ownerserve.types import Role, Tier
-from planner.calibration import Calibrator, WorkerScales
+from planner.calibration import Calibrator
 from planner.candidates import ExactSubsetPolicy
 from planner.copyreuse import CopyKind, CopyReuse
 from planner.policies.ownerserve import OwnerServePolicy
@@ -555,7 +555,6 @@ class Simulator:
         # (the reference the kept ones are tested against)
         big = len(self.workers) > spec.full_view_max
         self._full = _FullView(self) if full_view or big else None
-        self._cal_memo: dict[str, tuple[WorkerView, WorkerScales, WorkerView]] = {}
         # above `full_view_max` workers the ownerserve policy plans over its exact candidate
         # subset (planner.candidates), unless `full_view` asks it to weigh every worker
         if not full_view and big and isinstance(policy, OwnerServePolicy):
@@ -785,20 +784,6 @@ class Simulator:
             w.scraped = (k, min(1.0, w.decode_ctx / (w.capacity * self.spec.block_tokens)))
         return w.scraped[1]
 
-    def _calibrated(self, cal: Calibrator, view: ClusterView) -> ClusterView:
-        """`cal.apply_all(view)`, each calibrated view kept while its input view and scales
-        stay the same (the exact subset's load order then sees unchanged workers as the very
-        same objects)."""
-        memo = self._cal_memo
-        out = []
-        for w in view.workers:
-            s = cal.scales(w.worker_id)
-            m = memo.get(w.worker_id)
-            if m is None or m[0] is not w or m[1] != s:
-                m = memo[w.worker_id] = (w, s, cal.apply(w))
-            out.append(m[2])
-        return ClusterView(tuple(out), view.sources, view.pd_mixed)
-
     # -- run ---------------------------------------------------------------------------------
 
     def run(self, sessions: list[SimSession]) -> SimResult:
@@ -1003,7 +988,7 @@ class Simulator:
             while observed and observed[0][0] <= now:
                 _, _, done, ttft, tpot, moved = heapq.heappop(observed)
                 cal.observe_plan(done, ttft_s=ttft, tpot_s=tpot, transfer_s=moved)
-            view = self._calibrated(cal, view)
+            view = cal.apply_all(view)
         home, home_tokens = self.ws.home(sid, now)
         req = RequestView(
             model=self.model,

@@ -203,9 +203,11 @@ def test_the_order_kept_by_sync_is_the_order_built_afresh() -> None:
         kept.sync(tuple(ws))
         fresh = LoadOrder(model)
         fresh.sync(tuple(ws))
-        assert [r.items for r in kept._ranks] == [r.items for r in fresh._ranks]
+        ranks = ("p_q", "d_k", "h_k", "h_q", "h_r", "s_p", "s_d", "s_l")
+        assert [getattr(kept, r).items for r in ranks] == [getattr(fresh, r).items for r in ranks]
         assert kept._holders == fresh._holders
         assert kept._by_id == fresh._by_id
+        assert kept._nodes == fresh._nodes
 
 
 def test_a_resized_cluster_rebuilds_the_order() -> None:
@@ -215,7 +217,7 @@ def test_a_resized_cluster_rebuilds_the_order() -> None:
     order.sync(a)
     order.sync(a[:4])
     assert order.healthy() == 4
-    assert [i for _, i in order._ranks[2].items] == [0, 1, 2, 3]
+    assert [i for _, i in order.h_r.items] == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("n", [10, 100])
