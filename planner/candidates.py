@@ -596,7 +596,9 @@ def _ties_come_later(
     `TopTwo.prefer`'s window, and a remote choice must not be tied by a worker-pass
     candidate (the worker pass is offered first)."""
     chosen = plan.chosen
-    if min(on_w, as_d) < best:
+    # a bound as tight as the cost itself (a worker left out like the chosen one) may sum
+    # the same terms a rounding below it
+    if min(on_w, as_d) < best - (above - best):
         return False
     default = plan.default_action
     if chosen.action is not default:
