@@ -13,30 +13,23 @@ kept up to date as the workers' views change rather than sorted per request. Per
     R(w)  = running(w)           the decodes a prefill there stalls
 
 The orders: PREFILL workers by q0; DECODE workers by K; HYBRID workers by K, by q0 and by R.
-Every candidate a worker w outside the subset takes part in costs at least (planner/README.md,
-*Exact candidate subset*, gives each term)
-
-    as a remote prefill's P:    q0 + P_min·(1 + μ·R) + λ·copy(0) + handshake + D_min
-    on a colocated, fetch or    c·K + P_min·(1 + μ·R) + λ·dup₀ + D_min
-      migration candidate:
-    as a remote prefill's D:    c·K + handshake + λ·dup₀ + A_min + D_min
-
-(H_move added where it applies): D_min the least decode of the request on any worker at no
-load, P_min the least prefill of a worker holding nothing (the ownerserve search's own bound,
-at the least prefill scale), A_min the least prefill of any P, c = min(1, O·ρ / H). Each grows
-with the keys, so a worker after the k-th of its role's orders costs at least the bound at the
-k-th keys (the threshold algorithm: Fagin, Lotem and Naor, "Optimal aggregation algorithms
-for middleware", PODS 2001). When that exceeds the subset plan's cost for every role, no
-worker left out can win or tie: the subset's plan is the full view's. An exact tie is kept
-when the ties left out can only come after the choice in the search's order
-(`_ties_come_later`). Else the k of each role whose bound is not above grows (×4), up to
-every worker.
+Every candidate a worker w holding nothing takes part in (as a remote prefill's P, on w
+itself: colocated, fetch or migration, or as a remote prefill's D) costs at least a sum of
+terms of C(a) that grows with its keys (planner/README.md, *Exact candidate subset*, gives
+each: `_Bound`), so a worker after the k-th of its role's orders costs at least the bound at
+the k-th keys (the threshold algorithm: Fagin, Lotem and Naor, "Optimal aggregation
+algorithms for middleware", PODS 2001). A holder is bounded alone (`_Bound.holder`). When the
+bound of every role exceeds the subset plan's cost, no worker left out can win or tie: the
+subset's plan is the full view's. An exact tie is kept when the ties left out can only come
+after the choice in the search's order (`_ties_come_later`). Else the k of each role not cut
+grows (×4), up to every worker.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ownerserve.errors import NoWorkerAvailableError
 from ownerserve.types import Role, Tier
@@ -50,8 +43,10 @@ from planner.cost import (
     gpu_blocks,
     migration_source,
 )
-from planner.policies.ownerserve import OwnerServePolicy
 from planner.types import Action, ClusterView, Plan, RequestClass, RequestView, WorkerView
+
+if TYPE_CHECKING:  # planner.policies wraps its ownerserve policy in `ExactSubsetPolicy`
+    from planner.policies.ownerserve import OwnerServePolicy
 
 _INF = float("inf")
 _FIRST_K = 4
@@ -337,8 +332,14 @@ class _Bound:
         # moving nbytes into one
         chunked = bool(request.chunk_spans)
 
+        least: dict[int, float] = {}
+
         def prefill(r: int) -> float:
-            return sp_min * min(k.prefill_base(c, k.n - 1 if chunked else r) for c in consts)
+            pf = least.get(r)
+            if pf is None:
+                rr = k.n - 1 if chunked else r
+                pf = least[r] = sp_min * min(k.prefill_base(c, rr) for c in consts)
+            return pf
 
         self.prefill = prefill
 

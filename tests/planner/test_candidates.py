@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from ownerserve.errors import NoWorkerAvailableError
 from ownerserve.types import Role, Tier
 from planner.candidates import ExactSubsetPolicy, LoadOrder, plan_exact
-from planner.policies import OwnerServePolicy
+from planner.policies import OwnerServePolicy, Planner
 from planner.types import ClusterView, Plan, RequestView, WorkerView
 from tests.planner.test_properties import MODELS
 
@@ -232,3 +232,19 @@ def test_the_policy_wrapper_plans_small_clusters_over_every_worker(n: int) -> No
     assert same_choice(a, b)
     if n <= 64:  # under the threshold it is the policy's own plan, candidates and all
         assert a == b
+
+
+def test_the_deployment_planner_plans_large_pools_over_the_exact_subset() -> None:
+    """The router's planner (`Planner`, what its plan stage resolves a request's policy
+    with) wraps ownerserve: a pool above 64 workers is planned over the exact subset, to the
+    full view's choice."""
+    planner = Planner(model=MODELS["h100"])
+    policy = planner.for_request(None)
+    assert isinstance(policy, ExactSubsetPolicy)
+    rng = random.Random(5)
+    ws = random_cluster(rng, 400, 40, "few")
+    view = ClusterView(workers=ws)
+    for _ in range(5):
+        req = random_request(rng, ws, 40)
+        a, b = policy.plan(req, view), policy.policy.plan(req, view)
+        assert same_choice(a, b)
