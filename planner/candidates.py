@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ownerserve.errors import NoWorkerAvailableError
 from ownerserve.types import Role, Tier
@@ -201,13 +201,13 @@ class LoadOrder:
         self._keys[i] = keys
         if before is not None:
             for rank, r in self._orders(before[0]):
-                rank.move(i, before[r], None)
+                rank.move(i, cast(float, before[r]), None)
             self.s_p.move(i, before[4], None)
             self.s_d.move(i, before[5], None)
             self.s_l.move(i, before[6], None)
         if keys is not None:
             for rank, r in self._orders(keys[0]):
-                rank.move(i, None, keys[r])
+                rank.move(i, None, cast(float, keys[r]))
             self.s_p.move(i, None, keys[4])
             self.s_d.move(i, None, keys[5])
             self.s_l.move(i, None, keys[6])
@@ -225,7 +225,7 @@ class LoadOrder:
         for role in _GROUPS:
             for rank, r in self._orders(role):
                 rank.items = sorted(
-                    (kk[r], i)
+                    (cast(float, kk[r]), i)
                     for i, kk in enumerate(self._keys)
                     if kk is not None and kk[0] is role
                 )
