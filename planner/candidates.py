@@ -22,7 +22,8 @@ algorithms for middleware", PODS 2001). A holder is bounded alone (`_Bound.holde
 bound of every role exceeds the subset plan's cost, no worker left out can win or tie: the
 subset's plan is the full view's. An exact tie is kept when the ties left out can only come
 after the choice in the search's order (`_ties_come_later`). Else the k of each role not cut
-grows (×4), up to every worker.
+grows (×4); once the subset would hold more than half the healthy workers, the full view
+plans instead (it costs about as much).
 """
 
 from __future__ import annotations
@@ -513,9 +514,13 @@ def plan_exact(
     pending = [i for i in depth if i not in always]
     keys = order._keys
     ks = dict.fromkeys(_GROUPS, _FIRST_K)
+    healthy = order.healthy()
     while not all(order.exhausted(g, ks[g]) for g in _GROUPS):
+        picked = order.subset(ks, always)
+        if 2 * len(picked) > healthy:
+            break  # the subset would cost about what the full view does
         sub = ClusterView(
-            workers=tuple(views[i] for i in order.subset(ks, always)),
+            workers=tuple(views[i] for i in picked),
             sources=cluster.sources,
             pd_mixed=cluster.pd_mixed,
         )
