@@ -575,8 +575,13 @@ def _cut(
     on_w, as_d = bound.as_d(keys.key(k), stalled)
     if as_p > above and on_w > above and as_d > above:
         return True
-    return as_p > above and _ties_come_later(
-        plan, best, above, on_w, as_d, bound.lean_actions, order._by_id, keys.index(k)
+    # the tie rule needs a bound growing strictly with K (c > 0: the request decodes)
+    return (
+        bound.c > 0
+        and as_p > above
+        and _ties_come_later(
+            plan, best, above, on_w, as_d, bound.lean_actions, order._by_id, keys.index(k)
+        )
     )
 
 
