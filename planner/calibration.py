@@ -74,11 +74,14 @@ _KINDS = ("prefill", "decode", "link")
 class Calibrator:
     """Per-worker scales learned from observed timings (not thread-safe: one event loop)."""
 
-    __slots__ = ("_scales", "config", "samples")
+    __slots__ = ("_applied", "_scales", "config", "samples")
 
     def __init__(self, config: CalibrationConfig | None = None) -> None:
         self.config = config or CalibrationConfig()
         self._scales: dict[str, list[float]] = {}
+        # per worker the last view `apply` scaled, its scales then and the result: a view
+        # that did not change keeps its scaled object (consumers compare views by identity)
+        self._applied: dict[str, tuple[WorkerView, tuple[float, ...], WorkerView]] = {}
         self.samples = 0
 
     def _update(self, worker: str, kind: int, observed_s: float, predicted_s: float) -> bool:
@@ -167,15 +170,20 @@ class Calibrator:
     def forget(self, worker: str) -> None:
         """Drop a worker's scales (it restarted or left the pool)."""
         self._scales.pop(worker, None)
+        self._applied.pop(worker, None)
 
     def apply(self, view: WorkerView) -> WorkerView:
         """`view` with this calibrator's scales for its worker."""
         s = self._scales.get(view.worker_id)
         if s is None:
             return view
-        return replace(
-            view, prefill_scale=s[0], decode_scale=s[1], link_scale=s[2], handover_s=s[3]
-        )
+        key = (s[0], s[1], s[2], s[3])
+        last = self._applied.get(view.worker_id)
+        if last is not None and last[0] is view and last[1] == key:
+            return last[2]
+        out = replace(view, prefill_scale=s[0], decode_scale=s[1], link_scale=s[2], handover_s=s[3])
+        self._applied[view.worker_id] = (view, key, out)
+        return out
 
     def apply_all(self, cluster: ClusterView) -> ClusterView:
         return replace(cluster, workers=tuple(self.apply(w) for w in cluster.workers))

@@ -131,8 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--full-view",
         action="store_true",
-        help="the own policies see every worker, as the router's planner does (default: above "
-        "64 workers a candidate subset, which is faster; the peers' models always see all)",
+        help="a check: ownerserve weighs every worker (default: above 64 workers it plans over "
+        "its exact candidate subset, planner.candidates, which chooses the same and is faster)",
     )
     parser.add_argument("--profile", default="h100-llama3-8b", help="timing profile")
     parser.add_argument("--hbm-gb", type=float, default=None, help="KV HBM per worker, GB")

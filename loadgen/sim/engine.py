@@ -13,9 +13,11 @@ exact: the sim knows every worker's cache, as the router learns it from KV event
 
 Assumptions, stated once: decode steps are not re-timed when the batch changes mid-request;
 transient prefill copies stay in P's cache (evictable) exactly as vLLM's prefix cache keeps
-them; at clusters above `full_view_max` workers a policy sees a candidate subset (the workers
-holding the prefix, the session owner, and a power-of-d sample of the least loaded per role),
-unless it is run with `full_view` (the peer routers' models: their binaries weigh every worker).
+them. Every policy sees every worker's view (kept from request to request above
+`full_view_max` workers or with `full_view`, else built afresh); above `full_view_max`
+workers the ownerserve policy plans over its exact candidate subset (`planner.candidates`:
+the same choice as over every worker, found without weighing each), unless it is run with
+`full_view` (a check: it then weighs every worker).
 A policy may refuse a request (`RequestRejectedError`, Mooncake's early rejection): it is
 counted apart and its session ends there.
 
@@ -62,7 +64,9 @@ from ownerserve.kvstate.retention import Retention
 from ownerserve.profiles import TimingProfile, kv_transport_into
 from ownerserve.types import KVTransport, Role, Tier
 from planner.calibration import Calibrator
+from planner.candidates import ExactSubsetPolicy
 from planner.copyreuse import CopyKind, CopyReuse
+from planner.policies.ownerserve import OwnerServePolicy
 from planner.policies.peers import RequestRejectedError
 from planner.restore import plan_restore
 from planner.types import Action, ClusterView, Plan, Policy, RequestView, WorkerView
@@ -82,7 +86,7 @@ class ClusterSpec:
     block_tokens: int = 512
     hbm_kv_bytes: int | None = None  # per worker; None = the profile's
     full_view_max: int = 64
-    sample_d: int = 16
+    """Above this many workers the ownerserve policy plans over its exact candidate subset."""
     load_scrape_s: float = 0.0
     """How old the policies' `kv_usage` may be: the router scrapes it from each worker's
     metrics every `server.health_interval_s` (2 s by default); 0 = always current."""
@@ -222,14 +226,14 @@ class _Worker:
 
 
 class _FullView:
-    """Every worker's view, for the policies that weigh them all (`Simulator(full_view=True)`),
-    kept from request to request and rebuilt only where something it shows changed: the
-    worker's load (a plan put work on it, a decode ended there, a prefill of its queue
-    finished), its node's NIC backlog (while one is queued), the scraped kv_usage (a new scrape
-    period), how much of this request's chain it holds (in HBM, and with the CPU tier) or its
-    working set. The views are exactly `Simulator._view`'s; a 1,000-worker cluster costs a few
-    hundred µs a request, not ms (without `working_set_views`: asking the working sets for
-    every worker costs about as much again)."""
+    """Every worker's view, the cluster view every policy gets, kept from request to request
+    and rebuilt only where something it shows changed: the worker's load (a plan put work on
+    it, a decode ended there, a prefill of its queue finished), its node's NIC backlog (while
+    one is queued), the scraped kv_usage (a new scrape period), how much of this request's
+    chain it holds (in HBM, and with the CPU tier) or its working set. The views are exactly
+    `Simulator._view`'s; a 1,000-worker cluster costs a few hundred µs a request, not ms
+    (without `working_set_views`: asking the working sets for every worker costs about as
+    much again)."""
 
     __slots__ = ("cache", "nic_busy", "node_workers", "period", "sim", "version", "wakeups")
 
@@ -545,12 +549,6 @@ class Simulator:
             node = f"n{i // spec.workers_per_node}"
             self.workers.append(_Worker(i, f"{role.value[0]}{i}", role, node, capacity))
         self.by_id = {w.wid: w for w in self.workers}
-        self.by_role: dict[Role, list[_Worker]] = {r: [] for r in Role}
-        for w in self.workers:
-            self.by_role[w.role].append(w)
-        for pool in self.by_role.values():
-            self.rng.shuffle(pool)
-        self._rotor: dict[Role, int] = {r: 0 for r in Role}
         self.holders: dict[int, set[int]] = {}
         self.owner: dict[int, int] = {}
         self.session_owner: dict[int, int] = {}
@@ -558,7 +556,14 @@ class Simulator:
         self.nic_free_at: dict[str, float] = {}
         self.cached_blocks = 0
         self._clock = 0
-        self._full = _FullView(self) if full_view else None
+        # a cluster of at most `full_view_max` workers has its views built afresh per request
+        # (the reference the kept ones are tested against)
+        big = len(self.workers) > spec.full_view_max
+        self._full = _FullView(self) if full_view or big else None
+        # above `full_view_max` workers the ownerserve policy plans over its exact candidate
+        # subset (planner.candidates), unless `full_view` asks it to weigh every worker
+        if not full_view and big and isinstance(policy, OwnerServePolicy):
+            self.policy = ExactSubsetPolicy(policy, spec.full_view_max)
 
     # -- cache -------------------------------------------------------------------------------
 
@@ -786,31 +791,6 @@ class Simulator:
             w.scraped = (k, min(1.0, w.decode_ctx / (w.capacity * self.spec.block_tokens)))
         return w.scraped[1]
 
-    def _candidates(self, held: _Held, sess_owner: int | None) -> list[_Worker]:
-        if len(self.workers) <= self.spec.full_view_max:
-            return self.workers
-        picked: dict[int, _Worker] = {}
-        for wi in held.top(8):
-            picked[wi] = self.workers[wi]
-        if sess_owner is not None:
-            picked[sess_owner] = self.workers[sess_owner]
-        d = self.spec.sample_d
-        for role, pool in self.by_role.items():
-            if not pool:
-                continue
-            # power-of-d choices over a rotating window of a shuffled pool (no RNG per request)
-            start = self._rotor[role]
-            self._rotor[role] = (start + d) % len(pool)
-            window = (
-                pool[start : start + d]
-                if start + d <= len(pool)
-                else pool[start:] + pool[: start + d - len(pool)]
-            )
-            window = sorted(window, key=lambda w: (w.prefill_free_at, w.decode_active))
-            for w in window[:3]:
-                picked[w.idx] = w
-        return list(picked.values())
-
     # -- run ---------------------------------------------------------------------------------
 
     def run(self, sessions: list[SimSession]) -> SimResult:
@@ -1008,8 +988,7 @@ class Simulator:
         if self._full is not None:
             view = self._full.view(now, held)
         else:
-            cands = self._candidates(held, so)
-            view = ClusterView(workers=tuple(self._view(w, now, held) for w in cands))
+            view = ClusterView(workers=tuple(self._view(w, now, held) for w in self.workers))
         cal = self.calibrator
         if cal is not None:
             observed = self._observed

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ownerserve.errors import ConfigError, InvalidRequestError
 from ownerserve.kvprobe import load_measurements
+from planner.candidates import ExactSubsetPolicy
 from planner.cost import CostConfig, CostModel
 from planner.policies.colocated import ColocatedPolicy
 from planner.policies.least_loaded import LeastLoadedPolicy
@@ -65,7 +66,9 @@ class Planner:
     """A deployment's policies by name, sharing one `CostModel` (profiles and KV spec loaded
     once): `default` plans every request unless the request names another. Each policy is built
     on first use and kept, so stateful baselines (round-robin turns) keep their state across
-    requests. `extra` adds policies built elsewhere (the simulator's `oracle`, a test's stub)."""
+    requests. `extra` adds policies built elsewhere (the simulator's `oracle`, a test's stub).
+    The ownerserve policy plans a pool of more than 64 workers over its exact candidate subset
+    (`planner.candidates.ExactSubsetPolicy`: the same choice as over every worker)."""
 
     def __init__(
         self,
@@ -105,7 +108,10 @@ class Planner:
         """The policy named `name`, built once; an unknown name raises `ConfigError`."""
         p = self._policies.get(name)
         if p is None:
-            p = self._policies[name] = get_policy(name, self.model.config, self.model)
+            p = get_policy(name, self.model.config, self.model)
+            if isinstance(p, OwnerServePolicy):
+                p = ExactSubsetPolicy(p)
+            self._policies[name] = p
         return p
 
     def for_request(self, override: str | None) -> Policy:
