@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ownerserve.errors import ConfigError
 from ownerserve.kvstate.registry import load_spec, spec_for_model
 from ownerserve.types import PD_PATHS, BackendKind, KVPath, KVTransport, Role
+from ownerserve.yamlfile import load_yaml
 
 
 class _Strict(BaseModel):
@@ -530,14 +530,5 @@ def settings_from_dict(
 def load_settings(path: str | Path, env: Mapping[str, str] | None = None) -> Settings:
     """Load and validate a YAML config file."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{p}:{where} invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    data = load_yaml(p, "settings")
     return settings_from_dict(data if data is not None else {}, source=str(p), env=env)

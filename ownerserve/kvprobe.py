@@ -21,6 +21,7 @@ import yaml
 from ownerserve.errors import ConfigError
 from ownerserve.profiles import TimingProfile, TransportTiming
 from ownerserve.types import KVTransport
+from ownerserve.yamlfile import load_yaml
 
 
 class ProbeError(Exception):
@@ -119,12 +120,7 @@ def write_measurements(path: Path, prices: Iterable[TransportPrice]) -> None:
 def load_measurements(path: Path) -> dict[KVTransport, TransportTiming]:
     """A measurements file as `write_measurements` writes it; `ConfigError` when it cannot be
     read or is malformed (names the file and the entry)."""
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read KV measurements: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: KV measurements are not YAML: {exc}") from None
+    data = load_yaml(path, "KV measurements")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: KV measurements must be a mapping of transports")
     out: dict[KVTransport, TransportTiming] = {}

@@ -23,11 +23,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ownerserve.errors import ConfigError
 from ownerserve.kvstate.spec import KVStateSpec, LayerSpec
 from ownerserve.kvstate.types import DEFAULT_SWA_POLICY, AttentionType, DType, SwaPolicy
+from ownerserve.yamlfile import load_yaml
 
 MODELS_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "models"
 
@@ -141,12 +140,7 @@ def spec_from_dict(data: dict[str, Any], source: str = "<spec>") -> KVStateSpec:
 @lru_cache(maxsize=64)
 def _load_path(path: str, mtime_ns: int) -> KVStateSpec:
     p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text())
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read spec: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: invalid YAML: {exc}") from None
+    data = load_yaml(p, "spec")
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: spec must be a mapping")
     return spec_from_dict(data, str(p))

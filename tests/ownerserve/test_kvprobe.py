@@ -120,7 +120,7 @@ def test_an_unusable_measurements_file_leaves_every_price_configured(tmp_path: P
         ("store_tcp: {bps: fast, latency_s: 0}", "must be numbers"),
         ("store_tcp: {bps: 0, latency_s: 0}", "bps must be > 0"),
         ("store_tcp: {bps: 1, latency_s: -1}", "latency_s >= 0"),
-        ("store_tcp: {bps: [", "not YAML"),
+        ("store_tcp: {bps: [", "invalid YAML in KV measurements"),
     ],
 )
 def test_a_malformed_measurements_file_is_a_config_error(
