@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ownerserve.directory.base import Artifact, Directory, HoldKind, Lease, Match
+from ownerserve.directory.base import Artifact, Directory, Lease, Match
 from ownerserve.errors import StaleEpochError
 from ownerserve.types import Tier
 from planner.types import Action, Plan
@@ -122,9 +122,10 @@ async def commit_plan(
     elif owned and match.owner != decode and (refresh or match.longest(decode) < owned):
         # the decode worker computed or fetched a prefix another worker owns: a replica. A
         # replica counts to its deepest live line, so between refreshes only the lines past
-        # the replica it already holds are written (a turn costs its new blocks, not the
-        # whole prefix: round-robin turns alternate workers, each time behind an owner)
-        held = 0 if refresh else _replica_blocks(match, decode)
+        # the prefix it already holds on GPU (owned, a replica, cached) are written: a turn
+        # costs its new blocks, not the whole prefix (round-robin turns alternate workers,
+        # each time behind the other's ownership)
+        held = 0 if refresh else match.longest(decode, Tier.GPU)
         steps.append(
             directory.add_replica(
                 full[owned - 1], decode, Tier.GPU, lease_s, True, full[min(held, owned) : owned]
@@ -145,18 +146,6 @@ async def commit_plan(
     # one concurrent round: a failing write must not leave the others un-awaited
     results = await asyncio.gather(*([first] if first is not None else []), *steps)
     return results[0] if first is not None else None
-
-
-def _replica_blocks(match: Match, worker: str) -> int:
-    """The longest prefix `worker` holds as a GPU replica in `match`."""
-    return max(
-        (
-            h.blocks
-            for h in match.holdings
-            if h.worker == worker and h.tier is Tier.GPU and h.kind is HoldKind.REPLICA
-        ),
-        default=0,
-    )
 
 
 async def _in_order(

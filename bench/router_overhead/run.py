@@ -153,9 +153,11 @@ class Target:
 
 
 @contextlib.contextmanager
-def started(cmd: list[str], env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+def started(
+    cmd: list[str], env: dict[str, str] | None = None, cwd: Path = REPO
+) -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, **(env or {})}, start_new_session=True,
     )  # fmt: skip
     try:
@@ -252,7 +254,12 @@ def run(
     scenarios: list[Scenario],
     peer_policy: str = "round_robin",
     tokenizer: str = "byte",
+    baseline: Path | None = None,
 ) -> dict[str, Any]:
+    """Every target started at once, then each scenario measured on each target in turn
+    (targets alternate within a scenario, so a noisy stretch of the machine hits them alike).
+    With `baseline` (another checkout), every OwnerServe target runs from it too, as
+    "NAME @COMMIT"."""
     backends = [free_port(), free_port()]
     results: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
@@ -264,14 +271,23 @@ def run(
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         tok_spec = str(bpe_tokenizer(tmp / "bpe")) if tokenizer == "bpe" else "byte"
         urls = [f"http://127.0.0.1:{p}" for p in backends]
+        wanted: list[tuple[str, Path]] = []
         for name in targets_wanted:
+            wanted.append((name, REPO))
+            if baseline is not None and name.startswith("ownerserve"):
+                rev = subprocess.run(["git", "-C", str(baseline), "rev-parse", "--short", "HEAD"],
+                                     capture_output=True, text=True).stdout.strip()  # fmt: skip
+                wanted.append((f"{name} @{rev or baseline.name}", baseline))
+        targets: list[Target] = []
+        for name, repo in wanted:
             port = free_port()
             cmd: list[str] | None = None
             if name == "direct":
-                target = Target(name, None)
-            elif name.startswith("ownerserve"):
-                policy = "round-robin" if name.endswith("round-robin") else "ownerserve"
-                cfg = tmp / f"{policy}.yaml"
+                targets.append(Target(name, None))
+                continue
+            if name.startswith("ownerserve"):
+                policy = "round-robin" if "round-robin" in name else "ownerserve"
+                cfg = tmp / f"{len(targets)}-{policy}.yaml"
                 ownerserve_config(cfg, port, backends, policy, tok_spec)
                 cmd = [sys.executable, "-m", "ownerserve", "serve", "--config", str(cfg)]
             elif name == "vllm-router":
@@ -288,21 +304,21 @@ def run(
                            "--worker-urls", *urls, "--policy", peer_policy,
                            "--prometheus-host", "127.0.0.1", "--prometheus-port",
                            str(free_port()), "--log-level", "error"]  # fmt: skip
-            if name != "direct" and cmd is None:
+            if cmd is None:
                 results[name] = {"missing": True}
                 continue
-            with contextlib.ExitStack() as tstack:
-                if cmd is not None:
-                    proc = tstack.enter_context(started(cmd))
-                    target = Target(name, port, proc)
-                    wait_http(f"http://127.0.0.1:{port}/v1/models", proc=proc)
-                    time.sleep(1.0)  # first health checks
-                per: dict[str, Any] = {}
-                for sc in scenarios:
-                    per[sc.label] = measure(target, backends, sc, secs)
-                    print(f"# {name:26s} {sc.label:16s} {json.dumps(per[sc.label])}",
-                          file=sys.stderr)  # fmt: skip
-                results[name] = per
+            env = {"PYTHONPATH": str(repo)} if repo != REPO else None
+            proc = stack.enter_context(started(cmd, env, cwd=repo))
+            wait_http(f"http://127.0.0.1:{port}/v1/models", proc=proc)
+            targets.append(Target(name, port, proc))
+        time.sleep(1.0)  # first health checks
+        for target in targets:
+            results[target.name] = {}
+        for sc in scenarios:
+            for target in targets:
+                r = measure(target, backends, sc, secs)
+                results[target.name][sc.label] = r
+                print(f"# {target.name:26s} {sc.label:16s} {json.dumps(r)}", file=sys.stderr)
     return results
 
 
@@ -364,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         "--peer-policy", default="round_robin", help="the peers' policy (e.g. cache_aware)"
     )
     ap.add_argument("--tokenizer", choices=("byte", "bpe"), default="byte")
+    ap.add_argument(
+        "--baseline", type=Path, default=None,
+        help="another checkout: its OwnerServe runs beside this one's, alternating",
+    )  # fmt: skip
     ap.add_argument("--out", default=None, help="write the raw results as JSON here")
     args = ap.parse_args(argv)
     results = run(
@@ -372,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         pick_scenarios(args.scenarios),
         args.peer_policy,
         args.tokenizer,
+        args.baseline,
     )
     meta = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -389,9 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.peer_policy}; OwnerServe tokenizer {args.tokenizer}\n"
     )
     print(table(results))
-    summary = compare(results)
-    if summary:
-        print("\n" + summary)
+    for name in results:
+        summary = compare(results, name) if name.startswith("ownerserve") else ""
+        if summary:
+            print("\n" + summary)
     return 0
 
 
