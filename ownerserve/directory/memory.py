@@ -14,8 +14,8 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, islice
-from operator import ne
+from itertools import compress, islice, repeat
+from operator import contains, ne
 from typing import TypeVar
 
 from ownerserve.directory.base import (
@@ -462,27 +462,24 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
 
         replicas = self._replicas
         if replicas:
-            # the chain's positions with replica lines, found in C (no Python step per block:
+            # the chain's replica lines, deepest first, found in C (no Python step per block:
             # a replica of an early prefix must not make every later lookup walk the chain)
-            replica_hits = list(map(replicas.get, chain))
-            hit_at = list(compress(range(n), replica_hits))
-            if hit_at:
+            lines_up = list(filter(None, map(replicas.get, reversed(chain))))
+            if lines_up:
+                at_up = list(compress(range(n - 1, -1, -1), map(replicas.__contains__,
+                                                                reversed(chain))))  # fmt: skip
+                if len(at_up) != len(lines_up):  # a block whose lines were all pruned
+                    at_up = [i for i in at_up if replicas[chain[i]]]
                 live_holders = self._live_holders(now) if self._holders else {}
-                # every (worker, tier) with a replica somewhere on the chain; the scan from the
-                # deepest block stops once each has its deepest live block
-                remaining: set[tuple[str, Tier]] = set().union(*filter(None, replica_hits))
-                for i in reversed(hit_at):
-                    entries = replica_hits[i]
-                    if not entries or remaining.isdisjoint(entries):
-                        continue
-                    for key, (expires, _ro, inc) in entries.items():
-                        if key in remaining and (
-                            live_holders.get(key) == inc if inc else expires > now
-                        ):
-                            remaining.discard(key)
+                # each (worker, tier) with a line on the chain holds the prefix down to its
+                # deepest live line: found per holder by a C scan of the lines from the deepest
+                for key in set().union(*lines_up):
+                    has_key = map(contains, lines_up, repeat(key))
+                    for i, entries in compress(zip(at_up, lines_up, strict=True), has_key):
+                        expires, _ro, inc = entries[key]
+                        if live_holders.get(key) == inc if inc else expires > now:
                             hold(key[0], key[1], HoldKind.REPLICA, i + 1)
-                    if not remaining:
-                        break
+                            break
 
         cached = self._cached
         alive = dict((cached.get(chain[0]) if cached else None) or {})
@@ -697,6 +694,13 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
         key = (worker, tier)
         now = self._clock()
         replicas = self._replicas
+        if replicas.keys().isdisjoint(blocks):
+            # no line on any of them yet (a turn's new blocks): one new entry each, in C
+            replicas.update(
+                zip(blocks, map(dict.fromkeys, repeat((key,)), repeat(value)), strict=False)
+            )
+            self._worker(worker).replica_blocks.update(blocks)
+            return
         for b in blocks:
             entries = replicas.get(b)
             if entries is None:
