@@ -464,18 +464,16 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
         if replicas:
             # the chain's replica lines, deepest first, found in C (no Python step per block:
             # a replica of an early prefix must not make every later lookup walk the chain)
-            lines_up = list(filter(None, map(replicas.get, reversed(chain))))
-            if lines_up:
-                at_up = list(compress(range(n - 1, -1, -1), map(replicas.__contains__,
-                                                                reversed(chain))))  # fmt: skip
-                if len(at_up) != len(lines_up):  # a block whose lines were all pruned
-                    at_up = [i for i in at_up if replicas[chain[i]]]
+            probes = list(map(replicas.get, reversed(chain)))  # the one probe per block
+            lines = list(filter(None, probes))
+            if lines:
+                at = list(compress(range(n - 1, -1, -1), probes))
                 live_holders = self._live_holders(now) if self._holders else {}
                 # each (worker, tier) with a line on the chain holds the prefix down to its
                 # deepest live line: found per holder by a C scan of the lines from the deepest
-                for key in set().union(*lines_up):
-                    has_key = map(contains, lines_up, repeat(key))
-                    for i, entries in compress(zip(at_up, lines_up, strict=True), has_key):
+                for key in set().union(*lines):
+                    has_key = map(contains, lines, repeat(key))
+                    for i, entries in compress(zip(at, lines, strict=True), has_key):
                         expires, _ro, inc = entries[key]
                         if live_holders.get(key) == inc if inc else expires > now:
                             hold(key[0], key[1], HoldKind.REPLICA, i + 1)
