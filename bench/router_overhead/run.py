@@ -200,20 +200,20 @@ def peer(name: str) -> Path | None:
 
 def bpe_tokenizer(out_dir: Path) -> Path:
     """A byte-level BPE tokenizer trained on the load's own words (a stand-in for a model's:
-    no model hub is reachable), saved as `tokenizer.json`; ~4 characters a token on the
-    load's text with its small vocabulary."""
+    no model hub is reachable), saved as `tokenizer.json`. Its vocabulary (324) stops short of
+    the words' last merges: ~4.05 characters a token on the load's text, as a model's BPE on
+    English and code (~4)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from bench.router_overhead.load import WORDS
 
     rnd = random.Random(0)
     corpus = [" ".join(rnd.choice(WORDS) for _ in range(40)) for _ in range(2000)]
-    corpus += ["output of call_1_2: grep -rn step3 session s-0-0: you are a coding agent."] * 50
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"],
+        vocab_size=324, special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )  # fmt: skip
     tok.train_from_iterator(corpus, trainer)
