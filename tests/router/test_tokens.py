@@ -3,6 +3,8 @@ session's next turn only tokenizes its new messages."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from ownerserve.config import ModelSettings
 from ownerserve.hashing import block_hash_chain, chain_root
 from ownerserve.tokenizer import ByteTokenizer, ChatTemplate
@@ -156,12 +158,16 @@ def test_caches_stay_under_their_byte_bound_over_many_sessions():
 
 def test_an_edited_tool_output_or_call_id_is_a_changed_history():
     mt = ModelTokenizer(MODEL)
-    call = {
+    call: dict[str, Any] = {
         "role": "assistant",
         "content": None,
         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "ls"}}],
     }
-    turn = [*MESSAGES, call, {"role": "tool", "tool_call_id": "c1", "content": "a.py b.py"}]
+    turn: list[dict[str, Any]] = [
+        *MESSAGES,
+        call,
+        {"role": "tool", "tool_call_id": "c1", "content": "a.py b.py"},
+    ]
     mt.tokenize_chat("s1", turn)
     for edit in (
         {"role": "tool", "tool_call_id": "c1", "content": "a.py c.py"},
