@@ -197,21 +197,14 @@ class _SessionState:
 
 
 def _message_key(message: Mapping[str, Any]) -> Any:
-    """A hashable identity of a message: (role, content) for plain text messages; a message
-    whose every field is text (a tool's output with its `tool_call_id`, a named message) its
-    field names then values after a None marker; else the XXH3-128 digest of the message's JSON.
-    Text keys are compared, not encoded, each turn: a session's held messages cost a memory
-    compare, not a JSON encoding and a hash of the whole history (the large messages of an
-    agent's session are its tool outputs, all text). Not the JSON itself: `orjson.dumps`
-    returns its bytes in a buffer grown for writing (measured ~6 KB for a 0.1-2 KB message),
-    and every session's cached prompt holds one key per message. Keys hold only strings and
-    None, so the cyclic collector does not track them."""
+    """A hashable identity of a message: (role, content) for plain text messages, else the
+    XXH3-128 digest of the message's JSON. Not the JSON itself: `orjson.dumps` returns its
+    bytes in a buffer grown for writing (measured ~6 KB for a 0.1-2 KB message: tool calls and
+    results), and every session's cached prompt holds one key per message."""
     if len(message) == 2:
         content = message.get("content")
         if isinstance(content, str):
             return (message.get("role"), content)
-    if all(isinstance(v, str) for v in message.values()):
-        return (None, *message.keys(), *message.values())
     return xxh3_128_intdigest(orjson.dumps(message))
 
 
