@@ -120,9 +120,16 @@ async def commit_plan(
             directory.transfer(full[:owned], moved_from, decode, lease_s, lifetimes.replica_ttl_s)
         )
     elif owned and match.owner != decode and (refresh or match.longest(decode) < owned):
-        # the decode worker computed or fetched a prefix another worker owns: a replica
+        # the decode worker computed or fetched a prefix another worker owns: a replica. A
+        # replica counts to its deepest live line, so between refreshes only the lines past
+        # the prefix it already holds on GPU (owned, a replica, cached) are written: a turn
+        # costs its new blocks, not the whole prefix (round-robin turns alternate workers,
+        # each time behind the other's ownership)
+        held = 0 if refresh else match.longest(decode, Tier.GPU)
         steps.append(
-            directory.add_replica(full[owned - 1], decode, Tier.GPU, lease_s, True, full[:owned])
+            directory.add_replica(
+                full[owned - 1], decode, Tier.GPU, lease_s, True, full[min(held, owned) : owned]
+            )
         )
     fork_from_blocks = served.fork_from_blocks
     if session_id is not None and fork_from_blocks > 0:

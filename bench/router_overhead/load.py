@@ -3,8 +3,11 @@ protocol + httptools on uvloop) not to be the bottleneck on a 2-core box.
 
 Each connection sends chat completions with distinct ~2 KB prompts back to back and records
 latency (request write → last byte) and time to first byte. Prints one JSON line.
+`--grow-to CHARS` sends long agent sessions instead (`AgentSession`): each turn resends the
+whole conversation plus one tool call and its output, until the prompt reaches CHARS.
 
     python -m bench.router_overhead.load --targets 127.0.0.1:8000 -c 16 --secs 8 [--stream]
+        [--grow-to 32768 --turns 16]
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httptools
@@ -70,6 +74,85 @@ def bodies(
     return out
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "run_command",
+            "description": "Run a shell command in the workspace and return its output.",
+            "parameters": {
+                "type": "object",
+                "properties": {"cmd": {"type": "string", "description": "the command"}},
+                "required": ["cmd"],
+            },
+        },
+    }
+]
+
+
+class AgentSession:
+    """Requests of agent sessions whose prompt grows to `grow_to` characters in `turns` turns:
+    a system prompt (~2 KB) and a task, then each turn the assistant's tool call (an id,
+    `run_command` and its arguments), the tool's output (`tool_call_id` naming that call) and
+    the user's next step, the whole conversation resent each turn. Every `tool` message
+    answers an assistant tool call, so every router accepts it. A session ends after `turns`
+    turns and the next one starts with a new system prompt and session id.
+
+    The body is built from the messages' JSON encoded once each (as an agent's client would
+    resend them), so the generator's cost stays small beside the router's."""
+
+    def __init__(self, model: str, conn: int, stream: bool, host: str, grow_to: int, turns: int):
+        self.model = model
+        self.conn = conn
+        self.stream = stream
+        self.host = host.encode()
+        self.turns = max(1, turns)
+        self.step = max(64, (grow_to - 2200) // max(1, self.turns - 1))
+        """Characters one turn adds (tool call, tool output, next step)."""
+        self.rnd = random.Random(conn * 7919 + 3)
+
+    def _dumps(self, obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+    def requests(self) -> Iterator[bytes]:
+        tail = self._dumps(
+            {"tools": TOOLS, "max_tokens": 16, "stream": self.stream}
+        )  # joined as the body's last fields
+        head = b'{"model":%s,"messages":[' % self._dumps(self.model)
+        rnd = self.rnd
+        session = 0
+        while True:
+            sid = f"s-{self.conn}-{session}-{rnd.randrange(10**9)}"
+            system = _text(rnd, f"session {sid}: you are a coding agent.", 2000)
+            msgs = [
+                self._dumps({"role": "system", "content": system}),
+                self._dumps({"role": "user", "content": "fix the failing test in the repo"}),
+            ]
+            extra = b"x-session-id: %s\r\n" % sid.encode()
+            for turn in range(self.turns):
+                if turn:
+                    call = f"call_{session}_{turn}"
+                    cmd = _text(rnd, f"grep -rn step{turn}", 60)
+                    args = json.dumps({"cmd": cmd})
+                    msgs.append(self._dumps({
+                        "role": "assistant", "content": None,
+                        "tool_calls": [{"id": call, "type": "function",
+                                        "function": {"name": "run_command", "arguments": args}}],
+                    }))  # fmt: skip
+                    output = _text(rnd, f"output of {call}:", self.step - 200)
+                    msgs.append(
+                        self._dumps({"role": "tool", "tool_call_id": call, "content": output})
+                    )
+                    msgs.append(self._dumps({"role": "user", "content": f"step {turn}: go on"}))
+                body = head + b",".join(msgs) + b"]," + tail[1:]
+                yield (
+                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: %s\r\n"
+                    b"content-type: application/json\r\n%scontent-length: %d\r\n\r\n%s"
+                    % (self.host, extra, len(body), body)
+                )
+            session += 1
+
+
 class Client(asyncio.Protocol):
     def __init__(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
@@ -98,20 +181,30 @@ async def connection(
     stats: dict[str, Any],
 ) -> None:  # fmt: skip
     loop = asyncio.get_running_loop()
-    reqs = bodies(
-        args.model, conn, args.nprompts, args.stream, f"{host}:{port}", args.session_turns
-    )
+    if args.grow_to:
+        agent = AgentSession(
+            args.model, conn, args.stream, f"{host}:{port}", args.grow_to, args.turns
+        ).requests()
+        next_request = agent.__next__
+    else:
+        reqs = bodies(
+            args.model, conn, args.nprompts, args.stream, f"{host}:{port}", args.session_turns
+        )
+        cycle = iter(range(1 << 62))
+
+        def next_request() -> bytes:
+            return reqs[next(cycle) % len(reqs)]
+
     transport, proto = await loop.create_connection(Client, host, port)
-    i = 0
     while True:
         now = time.perf_counter()
         if now >= stop:
             break
         proto.waiter = loop.create_future()
         proto.first = 0.0
+        request = next_request()
         t0 = time.perf_counter()
-        transport.write(reqs[i % len(reqs)])
-        i += 1
+        transport.write(request)
         try:
             status = await proto.waiter
         except ConnectionError:
@@ -121,6 +214,7 @@ async def connection(
         t1 = time.perf_counter()
         if t0 < start:
             continue
+        stats["bytes"] += len(request)
         if status != 200:
             stats["non200"] += 1
         stats["lat"].append(t1 - t0)
@@ -137,7 +231,7 @@ def pct(values: list[float], q: float) -> float:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     targets = [(h, int(p)) for h, _, p in (t.rpartition(":") for t in args.targets.split(","))]
-    stats: dict[str, Any] = {"lat": [], "ttfb": [], "errors": 0, "non200": 0}
+    stats: dict[str, Any] = {"lat": [], "ttfb": [], "errors": 0, "non200": 0, "bytes": 0}
     t = time.perf_counter()
     start, stop = t + args.warmup, t + args.warmup + args.secs
     await asyncio.gather(
@@ -157,6 +251,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "ttfb_p50_ms": pct(ttfb, 0.5) * 1e3,
         "errors": stats["errors"],
         "non200": stats["non200"],
+        "mean_request_bytes": round(stats["bytes"] / max(1, len(lat))),
     }
 
 
@@ -172,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--session-turns", type=int, default=0, help="agent sessions of this many turns"
     )
+    ap.add_argument(
+        "--grow-to", type=int, default=0,
+        help="long agent sessions whose prompt grows to this many characters",
+    )  # fmt: skip
+    ap.add_argument("--turns", type=int, default=16, help="turns of a --grow-to session")
     args = ap.parse_args(argv)
     uvloop.install()
     print(json.dumps(asyncio.run(run(args))), flush=True)

@@ -27,7 +27,14 @@ from pathlib import Path
 
 import uvloop
 
-from bench.router_overhead.run import MODEL, REPO, SCENARIOS, ownerserve_config, started
+from bench.router_overhead.run import (
+    MODEL,
+    REPO,
+    SCENARIOS,
+    bpe_tokenizer,
+    ownerserve_config,
+    started,
+)
 from ownerserve.config import load_settings
 from ownerserve.ports import free_port
 
@@ -35,8 +42,7 @@ from ownerserve.ports import free_port
 async def _main(args: argparse.Namespace) -> int:
     from router.server import running
 
-    scenario = {s[0]: s for s in SCENARIOS}[args.scenario]
-    _, stream, conns, turns = scenario
+    scenario = SCENARIOS[args.scenario]
     backends = [free_port(), free_port()]
     with contextlib.ExitStack() as stack:
         for p in backends:
@@ -45,7 +51,8 @@ async def _main(args: argparse.Namespace) -> int:
             )
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         cfg = tmp / "router.yaml"
-        ownerserve_config(cfg, 0, backends, args.policy)
+        tok_spec = str(bpe_tokenizer(tmp / "bpe")) if args.tokenizer == "bpe" else "byte"
+        ownerserve_config(cfg, 0, backends, args.policy, tok_spec)
         settings = load_settings(cfg)
         await asyncio.sleep(1.0)
         async with running(settings) as url:
@@ -53,12 +60,8 @@ async def _main(args: argparse.Namespace) -> int:
             gc.freeze()
             port = url.rsplit(":", 1)[1]
             cmd = [sys.executable, "-m", "bench.router_overhead.load", "--targets",
-                   f"127.0.0.1:{port}", "-c", str(conns), "--secs", str(args.secs),
-                   "--warmup", "1.0", "--model", MODEL]  # fmt: skip
-            if stream:
-                cmd.append("--stream")
-            if turns:
-                cmd += ["--session-turns", str(turns)]
+                   f"127.0.0.1:{port}", "--secs", str(args.secs), "--warmup", "1.0",
+                   "--model", MODEL, *scenario.load_args()]  # fmt: skip
             proc = await asyncio.create_subprocess_exec(
                 *cmd, cwd=REPO, stdout=asyncio.subprocess.PIPE
             )
@@ -88,7 +91,8 @@ async def _main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenario", default="non-stream c=1", choices=[s[0] for s in SCENARIOS])
+    ap.add_argument("--scenario", default="non-stream c=1", choices=sorted(SCENARIOS))
+    ap.add_argument("--tokenizer", choices=("byte", "bpe"), default="byte")
     ap.add_argument("--secs", type=float, default=4.0)
     ap.add_argument("--policy", default="ownerserve")
     ap.add_argument("--top", type=int, default=40)

@@ -14,6 +14,8 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress, islice, repeat
+from operator import contains, ne
 from typing import TypeVar
 
 from ownerserve.directory.base import (
@@ -422,12 +424,19 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
         if not isinstance(chain, tuple):
             chain = tuple(chain)
         own_get = self._owner_of_block.get
+        owned = self._owner_of_block.__contains__
         artifacts = self._artifacts
         seen: set[int] = set()
         i = n - 1
         while i >= 0:
             aid = own_get(chain[i])
-            if aid is None or aid in seen:
+            if aid is None:
+                # a stretch nobody owns (a turn's new blocks): the next owned block below is
+                # found in C, not by a Python step per block
+                below = map(owned, islice(reversed(chain), n - i, None))
+                i = next(compress(range(i - 1, -1, -1), below), -1)
+                continue
+            if aid in seen:
                 i -= 1
                 continue
             seen.add(aid)
@@ -451,45 +460,44 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
             else:
                 i -= 1
 
-        if self._replicas:
-            replica_hits = list(map(self._replicas.get, chain))
-            if replica_hits.count(None) < n:
+        replicas = self._replicas
+        if replicas:
+            # the chain's replica lines, deepest first, found in C (no Python step per block:
+            # a replica of an early prefix must not make every later lookup walk the chain)
+            probes = list(map(replicas.get, reversed(chain)))  # the one probe per block
+            lines = list(filter(None, probes))
+            if lines:
+                at = list(compress(range(n - 1, -1, -1), probes))
                 live_holders = self._live_holders(now) if self._holders else {}
-                # every (worker, tier) with a replica somewhere on the chain; the scan from the
-                # deepest block stops once each has its deepest live block
-                remaining: set[tuple[str, Tier]] = set().union(*filter(None, replica_hits))
-                for i in range(n - 1, -1, -1):
-                    entries = replica_hits[i]
-                    if not entries or remaining.isdisjoint(entries):
-                        continue
-                    for key, (expires, _ro, inc) in entries.items():
-                        if key in remaining and (
-                            live_holders.get(key) == inc if inc else expires > now
-                        ):
-                            remaining.discard(key)
+                # each (worker, tier) with a line on the chain holds the prefix down to its
+                # deepest live line: found per holder by a C scan of the lines from the deepest
+                for key in set().union(*lines):
+                    has_key = map(contains, lines, repeat(key))
+                    for i, entries in compress(zip(at, lines, strict=True), has_key):
+                        expires, _ro, inc = entries[key]
+                        if live_holders.get(key) == inc if inc else expires > now:
                             hold(key[0], key[1], HoldKind.REPLICA, i + 1)
-                    if not remaining:
-                        break
+                            break
 
         cached = self._cached
-        prev = (cached.get(chain[0]) if cached else None) or {}
-        alive = dict(prev)
+        alive = dict((cached.get(chain[0]) if cached else None) or {})
         length = n
-        for i in range(1, n):
-            if not alive:
-                break
-            holders = cached.get(chain[i]) or {}
-            if holders == prev:  # same holders as the block before: nothing ends here
-                continue
-            for worker, mask in list(alive.items()):
-                kept = mask & holders.get(worker, 0)
-                if kept != mask:
-                    self._hold_cached(hold, worker, mask & ~kept, i)
-                    if kept:
-                        alive[worker] = kept
-                    else:
-                        del alive[worker]
-            prev = holders
+        if alive and n > 1:
+            cached_hits = list(map(cached.get, chain))
+            # only where the holders change from the block before can a held prefix end:
+            # those positions are found in C, not by a Python step per block
+            for i in compress(range(1, n), map(ne, cached_hits[1:], cached_hits)):
+                holders = cached_hits[i] or {}
+                for worker, mask in list(alive.items()):
+                    kept = mask & holders.get(worker, 0)
+                    if kept != mask:
+                        self._hold_cached(hold, worker, mask & ~kept, i)
+                        if kept:
+                            alive[worker] = kept
+                        else:
+                            del alive[worker]
+                if not alive:
+                    break
         for worker, mask in alive.items():
             self._hold_cached(hold, worker, mask, length)
 
@@ -684,6 +692,13 @@ class InMemoryDirectory(TransferEntryPoints, ReplicaEntryPoints):
         key = (worker, tier)
         now = self._clock()
         replicas = self._replicas
+        if replicas.keys().isdisjoint(blocks):
+            # no line on any of them yet (a turn's new blocks): one new entry each, in C
+            replicas.update(
+                zip(blocks, map(dict.fromkeys, repeat((key,)), repeat(value)), strict=False)
+            )
+            self._worker(worker).replica_blocks.update(blocks)
+            return
         for b in blocks:
             entries = replicas.get(b)
             if entries is None:

@@ -158,3 +158,31 @@ def test_the_leases_held_per_worker_count_their_claims_renewals_keep_them_expiry
     assert held.blocks("w0") == 8
     held.forget_worker("w0")
     assert (held.blocks("w0"), len(held)) == (0, 0)
+
+
+async def test_between_refreshes_a_replica_is_extended_by_the_new_blocks_only():
+    now = [1000.0]
+    directory = InMemoryDirectory(clock=lambda: now[0])
+    a_first, b_next = (
+        _plan(Action.COLOCATED_PREFILL, "a", "a"),
+        _plan(Action.ARTIFACT_FETCH, "b", "b"),
+    )
+    await _commit(directory, a_first, CHAIN[:8], None, await directory.lookup(CHAIN[:8]))
+    # b serves the first 4 blocks behind a's ownership: a replica of them, written in full
+    await _commit(directory, b_next, CHAIN[:4], "s", await directory.lookup(CHAIN[:4], "s"))
+    first_lines = {b: dict(directory._replicas[b]) for b in CHAIN[:4]}
+    now[0] += 1.0
+    # a later turn, not a refresh: b's replica grows by blocks 4..7; blocks 0..3 stay as written
+    match = await directory.lookup(CHAIN[:8], "s")
+    assert match.longest("b", Tier.GPU) == 4
+    served = _Served(b_next, CHAIN[:8], "s", match, refresh=False)
+    await commit_plan(directory, served, Lifetimes(60, 60, 5))
+    assert {b: directory._replicas[b] for b in CHAIN[:4]} == first_lines
+    assert all(("b", Tier.GPU) in directory._replicas[b] for b in CHAIN[4:8])
+    after = await directory.lookup(CHAIN[:8], "s")
+    replica = [h for h in after.holdings if h.worker == "b" and h.kind is HoldKind.REPLICA]
+    assert [h.blocks for h in replica] == [8]
+    # a refresh rewrites the whole prefix
+    served = _Served(b_next, CHAIN[:8], "s", after, refresh=True)
+    await commit_plan(directory, served, Lifetimes(60, 60, 5))
+    assert all(directory._replicas[b][("b", Tier.GPU)][0] == 1061.0 for b in CHAIN[:8])

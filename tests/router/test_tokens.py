@@ -3,6 +3,8 @@ session's next turn only tokenizes its new messages."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from ownerserve.config import ModelSettings
 from ownerserve.hashing import block_hash_chain, chain_root
 from ownerserve.tokenizer import ByteTokenizer, ChatTemplate
@@ -152,3 +154,27 @@ def test_caches_stay_under_their_byte_bound_over_many_sessions():
     # the newest session is cached: its next turn reuses its blocks
     tok = mt.tokenize_chat("s249", _agent_turns(249, 4)[-1])
     assert tok.previous_chain_len > 0 and tok.common_blocks == tok.previous_chain_len
+
+
+def test_an_edited_tool_output_or_call_id_is_a_changed_history():
+    mt = ModelTokenizer(MODEL)
+    call: dict[str, Any] = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "ls"}}],
+    }
+    turn: list[dict[str, Any]] = [
+        *MESSAGES,
+        call,
+        {"role": "tool", "tool_call_id": "c1", "content": "a.py b.py"},
+    ]
+    mt.tokenize_chat("s1", turn)
+    for edit in (
+        {"role": "tool", "tool_call_id": "c1", "content": "a.py c.py"},
+        {"role": "tool", "tool_call_id": "c2", "content": "a.py b.py"},
+        {"role": "tool", "content": "a.py b.py", "tool_call_id": "c1", "name": "ls"},
+    ):
+        edited = [*turn[:-1], edit, {"role": "user", "content": "go on"}]
+        tok = mt.tokenize_chat("s1", edited)
+        assert list(tok.chain) == _reference_chain(edited)[1]
+        assert list(tok.token_ids) == _reference_chain(edited)[0]

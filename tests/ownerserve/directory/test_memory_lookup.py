@@ -1,6 +1,7 @@
 """The in-memory lookup's shortcuts (it skips the range of an artifact whose blocks are all
-still mapped to it; the replica scan stops once every holder is found) answer exactly what a
-scan of every block answers: random claims over
+still mapped to it and any stretch nobody owns; the replica and cached scans visit only the
+blocks where something is held or changes, and the replica scan stops once every holder is
+found) answer exactly what a scan of every block answers: random claims over
 shared prefixes, deltas, overlapping and expired artifacts, replicas, then lookups of random
 chains, checked against a reference that probes every block from the deepest."""
 
