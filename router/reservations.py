@@ -28,38 +28,50 @@ INFLIGHT_TTL_S = 10.0
 """A process's reservations count this long after its last renewal (it renews every third of
 it): a process that died frees its slots within this."""
 
-# KEYS: the worker's hash (process -> requests reserved there), the liveness zset (process ->
-# until when it counts, ms by the server's clock). ARGV: process, bound (0: none), ttl ms.
-# Fields of processes no longer alive are dropped as they are met. -> {taken 0/1, total}
-_RESERVE = """
+# One call for what a process asked in one turn of its event loop. KEYS: the liveness zset,
+# then the workers' hashes (process -> requests reserved there). ARGV: process, bound (0:
+# none), ttl ms, how many releases, then the releases' and the reservations' key indexes
+# (2-based, into KEYS). Releases go first; fields of processes no longer alive are dropped
+# as they are met. -> per reservation: taken 0/1, the worker's total after it
+_BATCH = """
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
 local me = ARGV[1]
 local bound = tonumber(ARGV[2])
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), me)
-local held = redis.call('HGETALL', KEYS[1])
-local total = 0
-for i = 1, #held, 2 do
-  local proc = held[i]
-  local until_ms = redis.call('ZSCORE', KEYS[2], proc)
-  if until_ms and tonumber(until_ms) >= now then
-    total = total + tonumber(held[i + 1])
-  else
-    redis.call('HDEL', KEYS[1], proc)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), me)
+local releases = tonumber(ARGV[4])
+for i = 5, 4 + releases do
+  local key = KEYS[tonumber(ARGV[i])]
+  if redis.call('HINCRBY', key, me, -1) <= 0 then redis.call('HDEL', key, me) end
+end
+local totals = {}
+local out = {}
+for i = 5 + releases, #ARGV do
+  local key = KEYS[tonumber(ARGV[i])]
+  local total = totals[key]
+  if total == nil then
+    total = 0
+    local held = redis.call('HGETALL', key)
+    for j = 1, #held, 2 do
+      local until_ms = redis.call('ZSCORE', KEYS[1], held[j])
+      if until_ms and tonumber(until_ms) >= now then
+        total = total + tonumber(held[j + 1])
+      else
+        redis.call('HDEL', key, held[j])
+      end
+    end
   end
+  if bound > 0 and total >= bound then
+    out[#out + 1] = 0
+  else
+    redis.call('HINCRBY', key, me, 1)
+    total = total + 1
+    out[#out + 1] = 1
+  end
+  totals[key] = total
+  out[#out + 1] = total
 end
-if bound > 0 and total >= bound then
-  return {0, total}
-end
-redis.call('HINCRBY', KEYS[1], me, 1)
-return {1, total + 1}
-"""
-
-# KEYS: the worker's hash. ARGV: process. -> requests still reserved there by this process
-_RELEASE = """
-local n = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
-if n <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
-return n
+return out
 """
 
 # KEYS: the liveness zset. ARGV: process, ttl ms. Forgets processes dead for an hour.
@@ -111,11 +123,13 @@ class InflightReservations:
         self.ttl_ms = int(ttl_s * 1000)
         self.process = process or process_id()
         self.totals: dict[str, int] = {}
-        self._reserve = self.client.register_script(_RESERVE)
-        self._release = self.client.register_script(_RELEASE)
+        self._batch = self.client.register_script(_BATCH)
         self._renew = self.client.register_script(_RENEW)
         self._renewer: asyncio.Task[None] | None = None
-        self._releases: set[asyncio.Task[None]] = set()
+        self._asked: list[tuple[str, asyncio.Future[Reserved]]] = []
+        self._released: list[str] = []
+        self._flushing: set[asyncio.Task[None]] = set()
+        self._flush_due = False
 
     def _key(self, worker: str) -> str:
         return f"{self.prefix}:w:{worker}"
@@ -132,37 +146,74 @@ class InflightReservations:
 
     async def reserve(self, worker: str) -> Reserved:
         """Take one in-flight slot on `worker` when its count over every live process is under
-        `bound` (one script call); Redis unreachable: taken, counted in-process only."""
-        try:
-            taken, total = await self._reserve(
-                keys=[self._key(worker), self.alive_key],
-                args=[self.process, self.bound or 0, self.ttl_ms],
-            )
-        except (RedisError, OSError) as exc:
-            log.warning("in-flight reservation on %s not shared: %s", worker, exc)
-            return Reserved(True, self.totals.get(worker, 0))
-        self.totals[worker] = int(total)
-        return Reserved(bool(taken), int(total))
+        `bound`. What the requests of one event-loop turn ask goes in one script call
+        (releases included); Redis unreachable: taken, counted in-process only."""
+        future: asyncio.Future[Reserved] = asyncio.get_running_loop().create_future()
+        self._asked.append((worker, future))
+        self._schedule()
+        return await future
 
     def release(self, worker: str) -> None:
-        """Give back a slot `reserve` took (in the background: the request has ended)."""
+        """Give back a slot `reserve` took (with the next call: the request has ended)."""
         self.totals[worker] = max(0, self.totals.get(worker, 0) - 1)
-        task = asyncio.get_running_loop().create_task(self._give_back(worker))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        self._released.append(worker)
+        self._schedule()
 
-    async def _give_back(self, worker: str) -> None:
+    def _schedule(self) -> None:
+        if not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush_soon)
+
+    def _flush_soon(self) -> None:
+        self._flush_due = False
+        if not self._asked and not self._released:
+            return
+        asked, self._asked = self._asked, []
+        released, self._released = self._released, []
+        task = asyncio.get_running_loop().create_task(self._flush(asked, released))
+        self._flushing.add(task)
+        task.add_done_callback(self._flushing.discard)
+
+    async def _flush(
+        self, asked: list[tuple[str, asyncio.Future[Reserved]]], released: list[str]
+    ) -> None:
+        keys = [self.alive_key]
+        index: dict[str, int] = {}
+
+        def at(worker: str) -> int:
+            i = index.get(worker)
+            if i is None:
+                keys.append(self._key(worker))
+                i = index[worker] = len(keys)  # Lua's KEYS are 1-based
+            return i
+
+        args: list[str | int] = [self.process, self.bound or 0, self.ttl_ms, len(released)]
+        args += [at(w) for w in released]
+        args += [at(w) for w, _ in asked]
         try:
-            await self._release(keys=[self._key(worker)], args=[self.process])
-        except (RedisError, OSError) as exc:  # the TTL frees it once this process is gone
-            log.warning("in-flight release on %s failed: %s", worker, exc)
+            out = await self._batch(keys=keys, args=args)
+        except (RedisError, OSError) as exc:  # the TTL frees released slots once gone
+            log.warning("in-flight reservations not shared: %s", exc)
+            for worker, future in asked:
+                if not future.done():
+                    future.set_result(Reserved(True, self.totals.get(worker, 0)))
+            return
+        for k, (worker, future) in enumerate(asked):
+            total = int(out[2 * k + 1])
+            self.totals[worker] = total
+            if not future.done():
+                future.set_result(Reserved(bool(int(out[2 * k])), total))
+            elif int(out[2 * k]):  # its request went away while it waited: give it back
+                self.release(worker)
 
     async def close(self) -> None:
         """Stop renewing; let pending releases finish; drop this process from the live ones
         (what it still holds stops counting at once); close the client."""
         await cancel_and_wait(self._renewer)
-        if self._releases:
-            await asyncio.wait(list(self._releases), timeout=2.0)
+        if self._released or self._asked:
+            self._flush_soon()
+        if self._flushing:
+            await asyncio.wait(list(self._flushing), timeout=2.0)
         with contextlib.suppress(RedisError, OSError):
             await self.client.zrem(self.alive_key, self.process)
         await self.client.aclose()
