@@ -49,6 +49,10 @@ class ServerSettings(_Strict):
     client that trickles bytes holds a connection no longer than this."""
     max_connections: int = Field(default=4096, gt=0)
     """Client connections open at once; one more is answered 503 and closed."""
+    processes: int = Field(default=1, ge=1)
+    """Router processes serving this port on this host (`ownerserve serve --processes` sets
+    it): more than one needs `directory.backend: redis` and shares in-flight reservations
+    there (`router.reservations`)."""
     max_connections_per_client: int = Field(default=512, gt=0)
     """Client connections open at once from one IP address; one more is answered 429 and
     closed."""
@@ -269,6 +273,12 @@ class AdmissionSettings(_Strict):
     session), or for its 429 after `max_queue_wait_s`."""
     retry_after_s: int = Field(default=2, ge=0)
     """The `Retry-After` header of a 429."""
+    max_inflight_per_worker: int | None = Field(default=None, ge=1)
+    """Requests in flight on one worker at once over every router process sharing the Redis
+    directory (reserved there atomically with the choice of the worker,
+    `router.reservations`); a request whose plan picks a full worker is planned again without
+    it, and waits while every worker is full (a 429 after `max_queue_wait_s`). None: no such
+    bound."""
     pause_watermark: float | None = Field(default=None, gt=0)
     """Past the knee: while the sessions' working sets over the whole cluster's KV pools plus
     CPU tiers reach this share (until back under it by high − low), sessions on a worker over

@@ -16,6 +16,7 @@ pays for no routing or request objects); everything else goes through FastAPI.
 from __future__ import annotations
 
 import hmac
+import os
 import time
 from typing import Any
 
@@ -125,6 +126,8 @@ def create_app(
         body: dict[str, Any] = {
             "status": "ok" if healthy else "degraded",
             "workers": {"total": len(workers), "healthy": len(healthy)},
+            # which of `ownerserve serve --processes N`'s processes answered
+            "process": {"pid": os.getpid(), "processes": settings.server.processes},
         }
         if router.directory is not None:
             dh = await router.directory.health()

@@ -622,8 +622,12 @@ class RouterServer:
         read_timeout_s: float | None = None,
         max_connections: int | None = None,
         max_connections_per_client: int | None = None,
+        reuse_port: bool = False,
     ) -> None:
         self.app = app
+        self.reuse_port = reuse_port
+        """Bind with `SO_REUSEPORT` (Linux): several processes listen on one port and the
+        kernel spreads new connections over them (`router.procs`)."""
         self.router: Router | None = getattr(getattr(app, "state", None), "router", None)
         self.host = host
         self.port = port
@@ -667,6 +671,7 @@ class RouterServer:
             self.port,
             backlog=self.backlog,
             reuse_address=True,
+            reuse_port=self.reuse_port or None,
         )
         self._sweeper = asyncio.create_task(self._sweep(), name="router-keepalive-sweep")
 

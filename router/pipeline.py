@@ -20,9 +20,10 @@ started.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ownerserve.config import ServerSettings
@@ -78,6 +79,7 @@ from router.writer import ResponseWriter
 
 if TYPE_CHECKING:
     from router.requests import CompletionRequest
+    from router.reservations import InflightReservations
     from router.state import Router
 
 log = logging.getLogger(__name__)
@@ -205,7 +207,8 @@ async def _route(
             t = times.lap(TOKENIZE, t)
         record.session = prompt.session.session_id
         record.prompt_tokens = prompt.tokens
-        with RequestLease(svc.lease, prompt) as lease:
+        tries = _Tries(t)
+        with RequestLease(svc.lease, prompt) as lease, tries.holding(router.reservations):
             queued_s = await admit(svc.admission, prompt, out)
             t = times.lap(ADMIT, t)
             record.queued_s = queued_s
@@ -220,7 +223,7 @@ async def _route(
             trace: dict[str, str] = {}
             tel.inject(trace)
             out_headers = forward_headers(raw_headers, bool(router.api_keys), trace)
-            tries = _Tries(t)
+            tries.t = t
             served = await _open(
                 router, lease, tries, policy, rview, prompt, match, holders, prompt.req,
                 out_headers, t0 + queued_s,
@@ -321,15 +324,85 @@ async def _route(
 class _Tries:
     """The plan -> execute loop's state over one request's attempts, its continuations'
     included: the workers that failed it, what ran instead so far, the last failure before a
-    first byte, and when the runner's last stage timing ended."""
+    first byte, when the runner's last stage timing ended, and the worker whose shared
+    in-flight slot it holds (`router.reservations`)."""
 
-    __slots__ = ("excluded", "fallback", "last_error", "t")
+    __slots__ = ("excluded", "fallback", "last_error", "reserved", "t")
 
     def __init__(self, t: float) -> None:
         self.excluded: Collection[str] = _NONE_EXCLUDED
         self.fallback: Fallback | None = None
         self.last_error: RetryableUpstreamError | None = None
+        self.reserved: str | None = None
         self.t = t
+
+    @contextlib.contextmanager
+    def holding(self, shared: InflightReservations | None) -> Iterator[None]:
+        """While inside, the request may hold a shared in-flight slot; on the way out it goes."""
+        try:
+            yield
+        finally:
+            self.release(shared)
+
+    def release(self, shared: InflightReservations | None) -> None:
+        """Give back the shared in-flight slot it holds, if any."""
+        worker = self.reserved
+        if worker is not None and shared is not None:
+            self.reserved = None
+            shared.release(worker)
+
+
+RESERVE_RETRY_S = 0.01
+"""While every worker is at `admission.max_inflight_per_worker` over the router processes,
+how often a request tries again for a slot."""
+
+
+async def _reserved(
+    router: Router,
+    shared: InflightReservations,
+    tries: _Tries,
+    planned: Plan | None,
+    policy: Policy,
+    rview: RequestView,
+    prompt: Prompt,
+    match: Match,
+    holders: ChunkHolders,
+) -> Plan | None:
+    """`planned` once its decode worker's shared in-flight slot is taken (the slot the
+    request held before, if any, given back first); a worker at its bound over every router
+    process is planned around, and while every worker is, the request waits for a slot (a
+    429 after `admission.max_queue_wait_s`). None when no worker serves it."""
+    tries.release(shared)
+    cluster = router.services.cluster
+    chain = prompt.tok.chain
+    full: set[str] = set()
+    deadline: float | None = None
+    while planned is not None:
+        worker = planned.chosen.decode_worker
+        got = await shared.reserve(worker)
+        state = router.pool.get(worker)
+        if state is not None:
+            state.shared_inflight = got.total
+        if got.taken:
+            tries.reserved = worker
+            return planned
+        full.add(worker)
+        planned = plan(policy, rview, cluster, match, {*tries.excluded, *full}, holders, chain)
+        if planned is None:  # every worker is full: wait for a slot
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + router.settings.admission.max_queue_wait_s
+            elif now > deadline:
+                raise RateLimitError(
+                    f"every worker had {shared.bound} requests in flight for "
+                    f"{router.settings.admission.max_queue_wait_s:g} s",
+                    code="queue_timeout",
+                    retry_after_s=router.settings.admission.retry_after_s,
+                )
+            await asyncio.sleep(RESERVE_RETRY_S)
+            full.clear()
+            planned = plan(policy, rview, cluster, match, tries.excluded, holders, chain)
+    return None
 
 
 async def _open(
@@ -358,11 +431,16 @@ async def _open(
     retries = router.settings.server.retries
     run = svc.execute
     t = tries.t
+    shared = router.reservations
     for attempt in range(retries + 1):
         with tel.start_span("ownerserve.plan", attempt=attempt) as plan_span:
             planned = plan(
                 policy, rview, svc.cluster, match, tries.excluded, holders, prompt.tok.chain
             )
+            if shared is not None:
+                planned = await _reserved(
+                    router, shared, tries, planned, policy, rview, prompt, match, holders
+                )
             if plan_span is not None and planned is not None:
                 plan_span.set_attributes(plan_attributes(planned))
         t = times.lap(PLAN, t)

@@ -88,6 +88,9 @@ class WorkerState:
     """Prompt tokens of the requests in flight whose sequence lives here (their decode
     worker): the KV its running requests hold now, which the last scrape of `kv_usage` (up to
     a scrape interval old) may not show yet, or still shows after they ended."""
+    shared_inflight: int = 0
+    """Requests in flight here over every router process sharing the Redis directory, as of
+    this process's last reservation on it (`router.reservations`; 0 without them)."""
     load: WorkerLoad = field(default_factory=WorkerLoad)
     last_seen: float = 0.0
     kv_paths: frozenset[KVPath] = frozenset()

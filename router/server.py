@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import gc
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from ownerserve.config import Settings
@@ -21,16 +21,27 @@ SHUTDOWN_GRACE_S = 5.0
 """How long a stopping server lets requests in flight finish before it closes them."""
 
 
-async def serve(settings: Settings, *, handle_signals: bool = True, **app_kwargs: Any) -> None:
+async def serve(
+    settings: Settings,
+    *,
+    handle_signals: bool = True,
+    reuse_port: bool = False,
+    on_listening: Callable[[], None] | None = None,
+    **app_kwargs: Any,
+) -> None:
     """Serve until cancelled, or until SIGINT/SIGTERM (then shut down gracefully) when
-    `handle_signals` and this is the main thread's loop."""
+    `handle_signals` and this is the main thread's loop. `reuse_port`: bind with
+    `SO_REUSEPORT`, beside the other processes of `ownerserve serve --processes N`;
+    `on_listening` is called once the port listens."""
     app = create_app(settings, **app_kwargs)
     # Everything imported so far lives as long as the process: keep it out of the cyclic
     # collector's full collections, which otherwise rescan it on the request path.
     gc.collect()
     gc.freeze()
-    server = RouterServer(app, settings.server.host, settings.server.port)
+    server = RouterServer(app, settings.server.host, settings.server.port, reuse_port=reuse_port)
     await server.start()
+    if on_listening is not None:
+        on_listening()
     stop = asyncio.Event()
     try:
         with stop_on_signals(stop) if handle_signals else contextlib.nullcontext():

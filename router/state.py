@@ -36,6 +36,7 @@ from router.lease import LeaseLedger, LeaseServices
 from router.links import NicLedger
 from router.plans import PlanRecord, kv_prices_field
 from router.pool import WorkerPool
+from router.reservations import InflightReservations, shared_reservations
 from router.services import (
     ClusterServices,
     CommitServices,
@@ -133,6 +134,10 @@ class Router:
         """KV event subscriptions, one per worker that publishes its events."""
         self.undropped: set[str] = set()
         """Removed workers the directory failed to forget (removing them again retries)."""
+        self.reservations: InflightReservations | None = None
+        """In-flight requests per worker shared over the router processes through Redis
+        (`router.reservations`): with `server.processes` > 1 or
+        `admission.max_inflight_per_worker`, and the Redis directory."""
         self.started = False
         self.inline_commit = False
         """True with the in-process directory: commits run inline (its calls never wait)."""
@@ -248,6 +253,9 @@ class Router:
             for w in self.pool.all():
                 await membership.register(self, w.worker_id)
             await self.pool.start(self.http)
+            self.reservations = shared_reservations(self.settings)
+            if self.reservations is not None:
+                await self.reservations.start()
             if self.settings.directory.sweep_interval_s > 0:
                 self._sweeper = asyncio.create_task(self._sweep_loop(), name="directory-sweep")
             self._economics = asyncio.create_task(self._economics_loop(), name="kv-economics")
@@ -309,6 +317,9 @@ class Router:
                 self.heap_trims += 1
 
     async def close(self) -> None:
+        if self.reservations is not None:
+            await self.reservations.close()
+            self.reservations = None
         await cancel_and_wait(self._heap_trimmer)
         self._heap_trimmer = None
         await cancel_and_wait(self._sweeper)

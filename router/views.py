@@ -85,7 +85,7 @@ def cluster_view(
         # request view, so the same worker view serves every request of any session. The
         # key is only ever compared whole.
         key = (
-            max(load.running, w.inflight),
+            max(load.running, w.inflight, w.shared_inflight),
             load.waiting,
             w.inflight_prefill_tokens,
             kv_usage,
@@ -185,7 +185,7 @@ def _view(
         worker_id=w.worker_id,
         role=w.settings.role,
         profile=w.settings.profile or router.settings.planner.profile,
-        running=max(load.running, w.inflight),
+        running=max(load.running, w.inflight, w.shared_inflight),
         waiting=load.waiting,
         inflight_prefill_tokens=w.inflight_prefill_tokens,
         kv_usage=kv_usage,
