@@ -436,20 +436,36 @@ async def test_a_session_evicted_from_vllm_resumes_from_its_sidecar_with_the_sam
 # --- a corrupted artifact -------------------------------------------------------------------------
 
 
+async def corrupted_artifacts(http: httpx.AsyncClient, sidecar: Sidecar) -> float:
+    """How many artifacts `sidecar` has dropped for failing their checksum (its metric)."""
+    r = await http.get(sidecar.url + "/metrics")
+    r.raise_for_status()
+    for line in r.text.splitlines():
+        if line.startswith("ownerserve_sidecar_corrupted_artifacts "):
+            return float(line.split()[1])
+    raise AssertionError("the sidecar exports no ownerserve_sidecar_corrupted_artifacts")
+
+
 async def test_a_resume_whose_artifact_is_corrupted_recomputes_from_it_with_the_same_tokens(
     sidecar_a: Sidecar, vllm_install: VllmCpuInstall, vllm_hybrid: VllmServer
 ) -> None:
     a = Worker("a", vllm_hybrid, sidecar_a)
     async with kv_router(vllm_install, [a]) as (client, router), sidecar_http() as http:
         bad_block = 5
+        caught = await corrupted_artifacts(http, sidecar_a)
         resident, prompt, used, answer, bad_key = await _resume_after_eviction(
             client, router, http, vllm_hybrid, sidecar_a, "corrupt resume", bad_block
         )
-        # vLLM counts what the connector offered at scheduling; the load stopped at the refused
-        # artifact and vLLM recomputed from there (kv_load_failure_policy: recompute)
+        # the sidecar caught the flipped byte by its checksum and dropped the artifact, never
+        # serving it: at the resume's load (the connector then names it refused), or, on a
+        # machine busy enough that a first load of the request timed out and vLLM scheduled it
+        # again, at that first read (the second lookup then no longer offers it)
+        assert await corrupted_artifacts(http, sidecar_a) == caught + 1
         log = vllm_hybrid.log_path.read_text(errors="replace")
-        assert f"rejected artifact ({bad_key}" in log
+        # the load stopped at it and vLLM recomputed from there (kv_load_failure_policy:
+        # recompute); vLLM counts what the connector offered at scheduling
         assert f"loaded {bad_block}/" in log
+        print(f"\nrefused at the load: {f'rejected artifact ({bad_key}' in log}")
         assert used["local_cache_hit"] == 0
         print(f"\ncorrupted resume: {len(prompt.token_ids)} prompt tokens, {used}")
         assert_same_answer(answer, await computed_whole(vllm_hybrid, prompt.messages, "corrupt"))
