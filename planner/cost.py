@@ -615,7 +615,10 @@ class RequestCosts:
             decode(w)  = O · decode_step_s(w, running + 1, ctx(w) + N)
                        = s_d · O · (base_s + per_seq_s · (running + 1) + per_ctx_token_s ·
                          (ctx(w) + N)),  ctx(w) = kv_usage · cap(w), cap(w) =
-                         kv_capacity_tokens, else hbm_kv_bytes / kv_bytes_per_token
+                         kv_capacity_tokens, else hbm_kv_bytes / kv_bytes_per_token;
+                         the column holds decode(w) + μ·B(w) (`batch_s`: what joining
+                         w's batch costs the decodes running there), which `_breakdown`
+                         reports in I_decode
             prefill    = prefill(w, r): the prompt on top of what w holds itself,
                          r = reused(resumed(w)), and of the request's chunks it holds;
                          resumed(w) = held(w), or for a hybrid spec's GPU hit (held = gpu)
@@ -640,7 +643,8 @@ class RequestCosts:
         fetchable = bool(self.chunk_src)  # a prefill may fetch chunks it lacks
         profile: str | None = None
         c = self._default_constants
-        pbase = ptok = da = db = dc = pf_all = cap_p = 0.0
+        pbase = ptok = da = db = dc = dx = pf_all = cap_p = 0.0
+        mu = self.mu
         qs: list[float] = []
         decs: list[float] = []
         pfs: list[float] = []
@@ -672,6 +676,9 @@ class RequestCosts:
                 db = o * c.decode_per_seq_s
                 dc = o * c.decode_per_ctx_token_s
                 pf_all = _prefill_base(c, n, 0)
+                # μ·B(w) = μ · s_d · stalled(w) · dx: what joining w's decode batch adds to
+                # the decodes running there (`batch_s`)
+                dx = mu * (db + dc * n)
             sp = w.prefill_scale
             running = w.running
             inflight = w.inflight_prefill_tokens
@@ -680,6 +687,8 @@ class RequestCosts:
             cap = w.kv_capacity_tokens or cap_p
             dec = w.decode_scale * (da + db * running + dc * usage * cap)
             stalled = running if running > 0 and w.role is not _PREFILL else 0
+            if stalled and dx:
+                dec += w.decode_scale * stalled * dx
             cb = w.cached_blocks
             ch = w.chunks_held
             # the room tests of kv_wait and W_disp, inline: most workers have room and pay
@@ -758,6 +767,22 @@ class RequestCosts:
             restores,
             dup_gpus,
             resumes,
+        )
+
+    def batch_s(self, w: WorkerView) -> float:
+        """B(w): the seconds joining w's decode batch adds to the decodes running there,
+        stalled(w) · s_d · O · (per_seq_s + per_ctx_token_s · N) (each of them steps with one
+        more sequence of N tokens' context, for as long as this request's O tokens at most);
+        0 on a PREFILL worker. `scan`'s decode column carries μ·B(w)."""
+        running = w.running
+        if running <= 0 or w.role is _PREFILL:
+            return 0.0
+        c = self.constants(w.profile)
+        return (
+            w.decode_scale
+            * running
+            * self.o
+            * (c.decode_per_seq_s + c.decode_per_ctx_token_s * self.n)
         )
 
     def kv_wait(self, w: WorkerView, gpu: int, decode: float, cap_p: float) -> float:
@@ -1350,7 +1375,10 @@ class RequestCosts:
         else:
             tn = tt = 0.0
             m = float(dup_p)
-        i = stalled * pre
+        # I_decode = stalled(P) · prefill + B(D); the decode column carries μ·B(D)
+        batch = self.batch_s(d)
+        i = stalled * pre + batch
+        dec -= cfg.mu * batch
         h = 0.0
         if action is _MIG or self.moves(d.worker_id):
             # the other terms summed as CostBreakdown.total sums them

@@ -45,8 +45,13 @@ def test_per_worker_terms_scale_with_calibration() -> None:
     terms = k.worker(busy)
     assert terms.worker is busy
     assert terms.queue_s == pytest.approx(0.345)  # 1.5 · (1e-4 · 2000 + 0.01 · 3)
-    # 2 · 10 · (0.005 + 1e-4·21 + 1e-8·(0.1 · 1e6 + 1000))
-    assert terms.decode_s == pytest.approx(0.1622)
+    # B: what joining its batch costs the 20 decodes running there, 2 · 20 · 10 · (1e-4 +
+    # 1e-8·1000); the decode column is 2 · 10 · (0.005 + 1e-4·21 + 1e-8·(0.1 · 1e6 + 1000))
+    # + μ·B, μ = 1
+    assert k.batch_s(busy) == pytest.approx(0.044)
+    assert terms.decode_s == pytest.approx(0.1622 + 0.044)
+    assert k.batch_s(replace(busy, role=Role.PREFILL)) == 0.0
+    assert k.batch_s(w) == 0.0  # nothing running there
     # all 1000 tokens on nothing
     assert terms.prefill_s == pytest.approx(1.5 * 0.115) and terms.stalled == 20
     assert terms.held is None
