@@ -95,9 +95,11 @@ def test_colocated_on_the_busy_owner_term_by_term() -> None:
     assert b.t_network == 0.0
     assert b.t_restore == 0.0
     assert b.m_hbm_bytes == 0.0  # d0 owns the prefix
-    assert b.i_decode == pytest.approx(0.1144)  # both running decodes wait 0.0572
+    # both running decodes wait 0.0572, and each steps with one more sequence of 2000 tokens'
+    # context for the 10 steps counted: B(d0) = 2 · 10 · (1e-4 + 1e-8·2000) = 0.0024
+    assert b.i_decode == pytest.approx(0.1168)  # 2 · 0.0572 + 0.0024
     assert b.h_move == 0.0
-    assert b.total == pytest.approx(0.2448)
+    assert b.total == pytest.approx(0.2472)
     assert b.t_decode_step == pytest.approx(0.00632)
     assert (b.lam, b.mu) == (1e-9, 1.0)
 
@@ -109,8 +111,9 @@ def test_colocated_on_a_non_owner_pays_for_the_duplicate() -> None:
     assert b.t_prefill == pytest.approx(0.23)  # 0.01 + 0.2 + 1e-8·2000·1000
     assert b.t_compute == pytest.approx(0.3322)  # + 10 · (0.005 + 1e-4·2 + 1e-8·502000)
     assert b.m_hbm_bytes == 1_600_000  # 16 owned blocks · 100 tokens · 1000 B recomputed on d1
-    assert b.i_decode == pytest.approx(0.23)  # d1's one running decode waits the whole prefill
-    assert b.total == pytest.approx(0.5638)
+    # d1's one running decode waits the whole prefill; B(d1) = 1 · 10 · (1e-4 + 1e-8·2000)
+    assert b.i_decode == pytest.approx(0.2312)  # 0.23 + 0.0012
+    assert b.total == pytest.approx(0.565)
 
 
 def test_remote_prefill_same_node_moves_only_what_d_lacks() -> None:
@@ -122,8 +125,10 @@ def test_remote_prefill_same_node_moves_only_what_d_lacks() -> None:
     # handshake 0.002 + 1e-3 + (2000 − 1600 tokens)·1000 B / 1e11
     assert b.t_network == pytest.approx(0.003004)
     assert b.m_hbm_bytes == 2_000_000  # p0's transient copy of all 2000 tokens
-    assert b.i_decode == 0.0  # p0 runs no decodes; d0's decodes do not wait for p0
-    assert b.total == pytest.approx(0.308204)
+    # p0 runs no decodes and d0's do not wait for p0, but joining d0's batch slows its 2:
+    # B(d0) = 2 · 10 · (1e-4 + 1e-8·2000)
+    assert b.i_decode == pytest.approx(0.0024)
+    assert b.total == pytest.approx(0.310604)
 
 
 def test_remote_prefill_across_nodes_to_a_non_owner() -> None:
@@ -132,12 +137,13 @@ def test_remote_prefill_across_nodes_to_a_non_owner() -> None:
     assert b.t_network == pytest.approx(0.0032)  # 0.002 + 1e-3 + 2e6 / 1e10
     assert b.t_nic == pytest.approx(0.0012)  # what p0's node NIC is busy with: the link part
     assert b.m_hbm_bytes == 3_600_000  # 2e6 transient on p0 + 1.6e6 owned prefix now on d1
-    assert b.total == pytest.approx(0.339)
+    assert b.i_decode == pytest.approx(0.0012)  # B(d1) = 1 · 10 · (1e-4 + 1e-8·2000)
+    assert b.total == pytest.approx(0.3402)
     # with 0.5 s already queued on p0's node NIC, the KV leaves after it; the NIC time is the same
     r = _routes()[("remote_prefill", "p0", "d1")]
     busy = evaluate(M, req, replace(r, prefill=replace(r.prefill, nic_backlog_s=0.5)))
     assert busy.t_network == pytest.approx(0.5032) and busy.t_nic == pytest.approx(0.0012)
-    assert busy.total == pytest.approx(0.839)
+    assert busy.total == pytest.approx(0.8402)
     # on one node nothing crosses a NIC
     same = evaluate(M, req, _routes()[("remote_prefill", "p0", "d0")])
     assert same.t_nic == 0.0
@@ -149,10 +155,11 @@ def test_state_migration_counts_the_copy_left_behind_and_pays_the_hysteresis() -
     assert b.t_prefill == pytest.approx(0.0572)  # d1 reuses the 1600 moved tokens
     assert b.t_network == pytest.approx(0.00116)  # 1e-3 + 1.6e6 / 1e10
     assert b.m_hbm_bytes == 1_600_000  # d0 keeps its copy: the moved blocks are a duplicate
-    assert b.i_decode == pytest.approx(0.0572)  # d1's one running decode
-    # C0 = 0.1594 + 0.00116 + λ·1.6e6 + 0.0572 = 0.21936; H = 0.05 + 0.1 · 0.21936
-    assert b.h_move == pytest.approx(0.071936)
-    assert b.total == pytest.approx(0.291296)
+    # d1's one running decode waits 0.0572, + B(d1) = 1 · 10 · (1e-4 + 1e-8·2000) = 0.0012
+    assert b.i_decode == pytest.approx(0.0584)
+    # C0 = 0.1594 + 0.00116 + λ·1.6e6 + 0.0584 = 0.22056; H = 0.05 + 0.1 · 0.22056
+    assert b.h_move == pytest.approx(0.072056)
+    assert b.total == pytest.approx(0.292616)
     # no hysteresis for any other action
     assert evaluate(M, req, _routes()[("remote_prefill", "p0", "d1")]).h_move == 0.0
 
@@ -171,20 +178,27 @@ def test_moving_back_to_a_worker_holding_an_old_copy_duplicates_only_the_delta()
 
 def test_interference_is_each_running_decode_waiting_for_the_whole_prefill() -> None:
     # not capped by max_num_seqs (100 in the unit profile): 300 decodes each wait the prefill
+    # (1000 tokens: 0.115), and each steps with the request in its batch for its 10 decode
+    # steps, B = running · 10 · (1e-4 + 1e-8·1000) = running · 0.0011
     req = request(1000)
     for running in (0, 1, 7, 300):
         w = worker("h", Role.HYBRID, running=running)
         r = Route(Action.COLOCATED_PREFILL, w, w)
-        assert evaluate(M, req, r).i_decode == pytest.approx(running * 0.115)  # 1000 tokens
+        assert evaluate(M, req, r).i_decode == pytest.approx(running * (0.115 + 0.0011))
     p = worker("p", Role.PREFILL)
     d = worker("d", Role.DECODE, running=40)
-    assert evaluate(M, req, Route(Action.REMOTE_PREFILL, p, d)).i_decode == 0.0  # D: no stall
+    # D's 40 decodes wait for no prefill, only the request joining their batch: 40 · 0.0011
+    assert evaluate(M, req, Route(Action.REMOTE_PREFILL, p, d)).i_decode == pytest.approx(0.044)
     # a busy prefill worker's running requests are prefills: nothing to stall
     busy_p = worker("p", Role.PREFILL, running=9)
-    assert evaluate(M, req, Route(Action.REMOTE_PREFILL, busy_p, d)).i_decode == 0.0
+    assert evaluate(M, req, Route(Action.REMOTE_PREFILL, busy_p, d)).i_decode == pytest.approx(
+        0.044
+    )
     # a hybrid P stalls its own decodes
     h = worker("h", Role.HYBRID, running=3)
-    assert evaluate(M, req, Route(Action.REMOTE_PREFILL, h, d)).i_decode == pytest.approx(3 * 0.115)
+    assert evaluate(M, req, Route(Action.REMOTE_PREFILL, h, d)).i_decode == pytest.approx(
+        3 * 0.115 + 0.044
+    )
 
 
 def test_artifact_fetch_creates_a_replica() -> None:

@@ -54,10 +54,11 @@ def test_new_long_prefix_goes_to_remote_prefill() -> None:
     p = plan(req, cl)
     assert_route(p, Action.REMOTE_PREFILL, "p0", "d0", of=RequestClass.NEW_LONG_PREFIX)
     # prefill 0.01 + 0.5 + 1e-8·5000·2500 = 0.635; decode 10·(0.005 + 1e-4·51 + 1e-8·5000)
-    # = 0.1015; network 0.002 + 1e-3 + 5e6/1e11 = 0.00305; λ·M = 1e-9 · 5e6 = 0.005
-    assert p.chosen.cost.total == pytest.approx(0.74455)
+    # = 0.1015; network 0.002 + 1e-3 + 5e6/1e11 = 0.00305; λ·M = 1e-9 · 5e6 = 0.005; joining
+    # d0's batch: B(d0) = 50 · 10 · (1e-4 + 1e-8·5000) = 0.075
+    assert p.chosen.cost.total == pytest.approx(0.81955)
     assert not p.overrides_default
-    assert p.default_cost_s == pytest.approx(0.74455)
+    assert p.default_cost_s == pytest.approx(0.81955)
 
 
 def test_a_remote_prefill_is_not_handed_to_a_decode_worker_without_room_for_its_kv() -> None:
@@ -110,12 +111,12 @@ def test_small_incremental_turn_colocates_on_the_owner() -> None:
     req, cl = example()
     p = plan(req, cl)
     assert_route(p, Action.COLOCATED_PREFILL, None, "d0", of=RequestClass.SMALL_INCREMENTAL_TURN)
-    assert p.chosen.cost.total == pytest.approx(0.2448)
+    assert p.chosen.cost.total == pytest.approx(0.2472)
     assert p.runner_up is not None
-    # moving to d1 would cost 0.21936 before its hysteresis: it does not win by 0.05 + 10%
+    # moving to d1 would cost 0.22056 before its hysteresis: it does not win by 0.05 + 10%
     assert (p.runner_up.action, p.runner_up.decode_worker) == (Action.STATE_MIGRATION, "d1")
-    assert p.runner_up.cost.total - p.runner_up.cost.h_move == pytest.approx(0.21936)
-    assert p.margin_s == pytest.approx(0.291296 - 0.2448)
+    assert p.runner_up.cost.total - p.runner_up.cost.h_move == pytest.approx(0.22056)
+    assert p.margin_s == pytest.approx(0.292616 - 0.2472)
     assert p.candidates_considered == 5
     assert p.add_replica_on is None
 
@@ -125,16 +126,16 @@ def test_without_hysteresis_the_same_turn_would_move() -> None:
     free = replace(UNIT_CONFIG, migration_margin_s=0.0, migration_margin_rel=0.0)
     p = OwnerServePolicy(model=unit_model(free)).plan(req, cl)
     assert_route(p, Action.STATE_MIGRATION, "d0", "d1")
-    assert p.chosen.cost.total == pytest.approx(0.21936)
-    assert p.margin_s == pytest.approx(0.2448 - 0.21936)  # less than 0.05 + 10%: a flip-flop
+    assert p.chosen.cost.total == pytest.approx(0.22056)
+    assert p.margin_s == pytest.approx(0.2472 - 0.22056)  # less than 0.05 + 10%: a flip-flop
 
 
 def test_a_move_must_beat_staying_by_the_margin() -> None:
     # with the margins above, d1 wins exactly when staying on d0 costs more than
     # 1.1 · C0(move) + 0.05; vary d0's queue (waiting requests, 0.01 s each) around that point
     req, cl = example()
-    move0 = 0.21936
-    stay0 = 0.2448 - 0.01  # without d0's one waiting request
+    move0 = 0.22056
+    stay0 = 0.2472 - 0.01  # without d0's one waiting request
     threshold = 1.1 * move0 + 0.05 - stay0  # d0's queue at which moving starts to pay
     below = int(threshold / 0.01)
     for waiting, moves in ((1, False), (below, False), (below + 1, True)):
@@ -152,13 +153,14 @@ def test_long_tool_output_goes_to_remote_prefill() -> None:
     p = plan(req, cl)
     assert_route(p, Action.REMOTE_PREFILL, "p0", "d0", of=RequestClass.LONG_TOOL_OUTPUT)
     # p0: 0.01 + 0.37 + 1e-8·3700·1850 = 0.44845; d0: 10·(0.005 + 1e-4·6 + 1e-8·3700)
-    # = 0.05637; 0.002 + 1e-3 + 3.1e6/1e11 = 0.003031; λ·3.7e6 = 0.0037
-    assert p.chosen.cost.total == pytest.approx(0.511551)
+    # = 0.05637; 0.002 + 1e-3 + 3.1e6/1e11 = 0.003031; λ·3.7e6 = 0.0037; joining d0's batch:
+    # B(d0) = 5 · 10 · (1e-4 + 1e-8·3700) = 0.00685
+    assert p.chosen.cost.total == pytest.approx(0.518401)
     # colocated on d0: 3100 new tokens on 600 take 0.38665 s, and d0's 5 running decodes each
-    # wait that long: 0.38665 + 0.05637 + 5 · 0.38665 = 2.37627
+    # wait that long: 0.38665 + 0.05637 + 5 · 0.38665 + 0.00685 = 2.38312
     col = evaluate(MODEL, req, Route(Action.COLOCATED_PREFILL, cl.workers[1], cl.workers[1]))
-    assert col.i_decode == pytest.approx(1.93325)
-    assert col.total == pytest.approx(2.37627)
+    assert col.i_decode == pytest.approx(1.9401)  # 5 · 0.38665 + 0.00685
+    assert col.total == pytest.approx(2.38312)
 
 
 def continuation_case() -> tuple[RequestView, ClusterView]:
@@ -175,13 +177,13 @@ def test_decode_continuation_stays_on_the_session_owner() -> None:
     p = plan(req, cl)
     assert_route(p, Action.DECODE_CONTINUATION, None, "d0", of=RequestClass.DECODE_CONTINUATION)
     # 0.01 + 0.003 + 1e-8·30·1015 = 0.0133045; 10·(0.005 + 1e-4·3 + 1e-8·101030) = 0.063103;
-    # interference 2 · 0.0133045
-    assert p.chosen.cost.total == pytest.approx(0.1030165)
+    # interference 2 · 0.0133045 + B(d0), B(d0) = 2 · 10 · (1e-4 + 1e-8·1030) = 0.002206
+    assert p.chosen.cost.total == pytest.approx(0.1052225)
     assert p.runner_up is not None
-    # moving to the identical d1: + 1e-3 + 1e6/1e11 of transfer + λ·1e6 of the copy left on d0,
-    # then the hysteresis: 1.1 · 0.1050265 + 0.05
+    # moving to the identical d1 (B(d1) = B(d0)): + 1e-3 + 1e6/1e11 of transfer + λ·1e6 of
+    # the copy left on d0, then the hysteresis: 1.1 · 0.1072325 + 0.05
     assert p.runner_up.action is Action.STATE_MIGRATION
-    assert p.runner_up.cost.total == pytest.approx(0.16552915)
+    assert p.runner_up.cost.total == pytest.approx(0.16795575)
 
 
 def test_a_continuation_on_a_short_prefix_leaves_a_very_busy_owner_for_an_idle_p() -> None:

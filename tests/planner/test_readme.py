@@ -47,9 +47,9 @@ def test_readme_plan_and_header() -> None:
     text = README.read_text()
     header = plan_to_header(plan)
     assert header in text
-    assert plan.chosen.cost.total == pytest.approx(0.2448)
-    assert plan.margin_s == pytest.approx(0.046496)
-    assert "margin 0.046496 s, 5 candidates" in text
+    assert plan.chosen.cost.total == pytest.approx(0.2472)
+    assert plan.margin_s == pytest.approx(0.045416)
+    assert "margin 0.045416 s, 5 candidates" in text
     assert plan.candidates_considered == 5
     free = replace(UNIT_CONFIG, migration_margin_s=0.0, migration_margin_rel=0.0)
     moved = OwnerServePolicy(model=unit_model(free)).plan(req, cl)
