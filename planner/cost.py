@@ -687,14 +687,14 @@ class RequestCosts:
             cap = w.kv_capacity_tokens or cap_p
             dec = w.decode_scale * (da + db * running + dc * usage * cap)
             stalled = running if running > 0 and w.role is not _PREFILL else 0
-            if stalled and dx:
-                dec += w.decode_scale * stalled * dx
             cb = w.cached_blocks
             ch = w.chunks_held
             # the room tests of kv_wait and W_disp, inline: most workers have room and pay
             # nothing more
             if cap * (1.0 - usage) - inflight < seq:
                 q += self.kv_wait(w, cb.get(_GPU, 0) if cb else 0, dec, cap_p)
+            if stalled and dx:  # after kv_wait, which prices the request's own decode
+                dec += w.decode_scale * stalled * dx
             ws = w.ws_tokens
             if ws and w.worker_id == home:
                 ws -= home_tokens

@@ -315,8 +315,12 @@ def test_kv_wait_is_zero_with_room_scaled_by_the_shortage_and_prohibitive_past_t
     assert k.kv_wait(replace(w, kv_capacity_tokens=1000), 0, 0.2, 0.0) == KV_NEVER_S
     # without a capacity from the worker, the profile's HBM (1e6 tokens here) is the pool
     assert k.worker(replace(w, kv_capacity_tokens=0, kv_usage=0.5)).queue_s == 0.0
-    full = k.worker(replace(w, kv_capacity_tokens=0, kv_usage=0.9995))
-    assert full.queue_s == pytest.approx((1010 - 500) / 999_500 * full.decode_s)
+    full_w = replace(w, kv_capacity_tokens=0, kv_usage=0.9995)
+    full = k.worker(full_w)
+    # of the request's own decode: the decode column less μ·B (μ = 1)
+    own = full.decode_s - k.batch_s(full_w)
+    assert own < full.decode_s
+    assert full.queue_s == pytest.approx((1010 - 500) / 999_500 * own)
 
 
 def test_displacement_prices_the_working_set_pushed_out() -> None:

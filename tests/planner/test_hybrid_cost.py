@@ -152,7 +152,8 @@ def test_every_restore_is_planned_with_the_request_s_spec_resident_prefix_includ
 
 
 def test_a_hybrid_fetch_moves_a_fraction_of_the_dense_bytes_but_pays_the_window_rebuild() -> None:
-    """A 100K-token prefix on a busy owner d0 (node n0); d1 on node n1 is idle. With dense
+    """A 100K-token prefix on a busy owner d0 (node n0); d1 on node n1 runs as many decodes
+    (joining either batch costs its decodes the same, B) but queues nothing. With dense
     bytes (131072 B a token) the fetch moves 13.1 GB over the 25 GB/s inter-node link, 0.52 s,
     so the planner waits for d0; with the V4-like spec the same prefix is 0.5 GB of
     compressed KV, 0.02 s, but the fetch brings no windows: d1 rebuilds them over the last
@@ -167,7 +168,7 @@ def test_a_hybrid_fetch_moves_a_fraction_of_the_dense_bytes_but_pays_the_window_
         running=5,
         cached_blocks={Tier.GPU: n // 128},
     )
-    d1 = _w("d1", Role.HYBRID, "n1")
+    d1 = _w("d1", Role.HYBRID, "n1", running=5)
     cl = ClusterView(workers=(d0, d1))
     req = _req(n + 200, owner="d0", owner_blocks=n // 128, is_fork=True)
     policy = OwnerServePolicy(model=MODEL)
