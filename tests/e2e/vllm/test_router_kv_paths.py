@@ -33,7 +33,7 @@ import pytest
 from ownerserve.config import Settings
 from ownerserve.hashing import chain_root
 from router.backends.vllm import VllmClient
-from tests.e2e.router_cluster import plan_fields, proxy_client
+from tests.e2e.router_cluster import metric_value, plan_fields, proxy_client
 from tests.e2e.vllm.conftest import (
     BLOCK,
     HEADS,
@@ -440,10 +440,7 @@ async def corrupted_artifacts(http: httpx.AsyncClient, sidecar: Sidecar) -> floa
     """How many artifacts `sidecar` has dropped for failing their checksum (its metric)."""
     r = await http.get(sidecar.url + "/metrics")
     r.raise_for_status()
-    for line in r.text.splitlines():
-        if line.startswith("ownerserve_sidecar_corrupted_artifacts "):
-            return float(line.split()[1])
-    raise AssertionError("the sidecar exports no ownerserve_sidecar_corrupted_artifacts")
+    return metric_value(r.text, "ownerserve_sidecar_corrupted_artifacts")
 
 
 async def test_a_resume_whose_artifact_is_corrupted_recomputes_from_it_with_the_same_tokens(
