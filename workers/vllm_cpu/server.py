@@ -7,19 +7,15 @@ stops the engine core and every helper process vLLM spawned.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-import httpx
-
+from workers.engine_process import EngineProcess, EngineStartError
 from workers.vllm_cpu.model import SERVED_NAME
 from workers.vllm_cpu.setup import VllmCpuInstall
 
@@ -39,8 +35,7 @@ class VllmRole(StrEnum):
     DECODE = "decode"
 
 
-class VllmStartError(RuntimeError):
-    """The server exited or did not become healthy in time; carries the log tail."""
+VllmStartError = EngineStartError
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +202,7 @@ def server_env(
 
 
 @dataclass(slots=True)
-class VllmServer:
+class VllmServer(EngineProcess):
     """A `vllm serve` process group; `start`, `wait_ready`, then `stop` (or `kill`)."""
 
     install: VllmCpuInstall
@@ -219,95 +214,19 @@ class VllmServer:
     _log_file: object = field(default=None, repr=False)
 
     @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
     def url(self) -> str:
         return self.spec.url
 
     @property
-    def log_path(self) -> Path:
-        return self.work_dir / f"{self.spec.name}.log"
+    def model_name(self) -> str:
+        return self.spec.served_model_name
 
-    def start(self) -> None:
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("wb")
-        self._log_file = log
-        self.started_at = time.monotonic()
-        self.process = subprocess.Popen(
-            server_argv(self.install, self.spec),
-            env=server_env(self.spec, self.work_dir),
-            cwd=self.work_dir,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    def command(self) -> list[str]:
+        return server_argv(self.install, self.spec)
 
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def wait_ready(self, timeout_s: float = 300.0) -> float:
-        """Block until `/health` answers 200; returns seconds since start."""
-        if self.process is None:
-            raise VllmStartError(f"{self.spec.name}: not started")
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=5.0) as client:
-            while time.monotonic() < deadline:
-                code = self.process.poll()
-                if code is not None:
-                    raise VllmStartError(f"{self.spec.name} exited with {code}:\n{self.log_tail()}")
-                try:
-                    if client.get(self.url + "/health").status_code == 200:
-                        self.ready_after_s = time.monotonic() - self.started_at
-                        return self.ready_after_s
-                except httpx.TransportError:
-                    pass
-                time.sleep(1.0)
-        raise VllmStartError(
-            f"{self.spec.name} not healthy after {timeout_s:.0f} s:\n{self.log_tail()}"
-        )
-
-    def warm_up(self, timeout_s: float = 300.0) -> float:
-        """One short completion, so first-request kernel setup (tens of seconds on a busy CPU)
-        is paid here rather than inside a caller's request timeout; returns its seconds."""
-        started = time.monotonic()
-        body = {
-            "model": self.spec.served_model_name,
-            "prompt": "warm up " * 40,
-            "max_tokens": 4,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-        r = httpx.post(self.url + "/v1/completions", json=body, timeout=timeout_s)
-        if r.status_code != 200:
-            raise VllmStartError(f"{self.spec.name}: warm-up answered {r.status_code}: {r.text}")
-        return time.monotonic() - started
-
-    def _signal_group(self, sig: signal.Signals) -> None:
-        if self.process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, sig)
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group at once: a crash, as a client would see it."""
-        self._signal_group(signal.SIGKILL)
-        if self.process is not None:
-            self.process.wait(timeout=30)
-
-    def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the process group, SIGKILL whatever is left after `grace_s`."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self._signal_group(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=grace_s)
-        # Helpers (engine core, resource tracker) may outlive the API server's exit.
-        self._signal_group(signal.SIGKILL)
-        if self.process.poll() is None:
-            self.process.wait(timeout=30)
-        log = self._log_file
-        if log is not None and hasattr(log, "close"):
-            log.close()
+    def environment(self) -> dict[str, str]:
+        return server_env(self.spec, self.work_dir)

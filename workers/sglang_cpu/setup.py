@@ -1,0 +1,184 @@
+"""Install SGLang 0.5.23 for CPU into a cached venv outside the repo and build the tiny local model.
+
+`python -m workers.sglang_cpu.setup` prints the venv and model paths as JSON. Both are built once
+under `${OWNERSERVE_CACHE:-~/.cache/ownerserve}/sglang-cpu-0.5.23/`, guarded by a file lock, and
+marked ready only after every step succeeded and the server's modules import.
+
+What it takes, and why (each the smallest step found to work):
+- The `sglang` wheel is installed with `--no-deps`: its requirements pin a CUDA torch (2.14.1)
+  and CUDA-only kernel packages (`sglang-kernel`, flashinfer, cutlass, DeepEP, ...), none of
+  which has a CPU build. Its other requirements are installed as listed, on the local CPU torch
+  2.13.0 (`_SKIPPED_REQUIREMENTS` names what is left out; a text model on the torch-native
+  attention backend reaches none of it).
+- `SGLANG_USE_CPU_ENGINE=1` (set by `workers.sglang_cpu.server`): without it SGLang does not take
+  its CPU paths. Those import `sgl_kernel` unconditionally, and `torchvision` is imported at
+  start-up by a multimodal helper; the stand-ins in `workers/sglang_cpu/standins` (on the
+  server's PYTHONPATH) answer those imports. Neither is installed into the venv, and no SGLang
+  file is edited.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from workers.engine_venv import (
+    TORCH_PIN,
+    base_python,
+    download_wheel,
+    file_lock,
+    log,
+    run,
+    wheel_requirements,
+)
+
+SGLANG_VERSION = "0.5.23"
+_SKIPPED_REQUIREMENTS = (
+    # the torch family: the CPU wheel is installed first; these pins would pull CUDA builds
+    *("torch", "torchaudio", "torchvision", "torchcodec", "torch-memory-saver"),
+    # CUDA-only kernels and runtimes (no CPU build exists; each pulls CUDA packages)
+    *("sglang-kernel", "flashinfer-python", "flash-attn-4", "humming-kernels"),
+    *("nvidia-cutlass-dsl", "nvidia-mathdx", "nvshmem4py-cu13", "quack-kernels", "cuda-python"),
+    *("sgl-deep-ep", "sgl-deep-gemm", "sgl-flash-mla", "tilelang", "kernels", "nvidia-ml-py"),
+    # vision / video / model-zoo extras a text model never imports (timm needs torchvision)
+    *("timm", "av", "decord2", "deepseek-recipe"),
+    # a profiler binary, not needed to serve
+    "py-spy",
+)
+STANDINS = Path(__file__).with_name("standins")
+"""Modules put on the server's PYTHONPATH in place of CUDA-only packages (see the docstring)."""
+READY_MARKER = ".ownerserve-ready"
+_TAG = "sglang-cpu setup"
+_IMPORT_CHECK = (
+    "import sglang, sglang.launch_server, sglang.srt.entrypoints.http_server, torch, zmq, msgspec;"
+    " print('sglang', sglang.__version__, torch.__version__)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SglangCpuInstall:
+    """Where the ready SGLang venv and tiny model live."""
+
+    root: Path
+    venv: Path
+    model: Path
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+
+def default_cache_root(env: dict[str, str] | None = None) -> Path:
+    """`$OWNERSERVE_CACHE/sglang-cpu-<version>`, defaulting to `~/.cache/ownerserve`."""
+    env = dict(os.environ) if env is None else env
+    base = env.get("OWNERSERVE_CACHE") or str(Path.home() / ".cache" / "ownerserve")
+    return Path(base) / f"sglang-cpu-{SGLANG_VERSION}"
+
+
+def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment an SGLang CPU process needs: CPU engine on, the stand-ins on the path,
+    offline hub, and none of the caller's interpreter settings."""
+    env = {
+        k: v
+        for k, v in (dict(os.environ) if base is None else base).items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
+    }
+    env.update(
+        SGLANG_USE_CPU_ENGINE="1",
+        PYTHONPATH=str(STANDINS),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def _install_spec() -> str:
+    """Changes whenever what the venv should contain changes, so a stale marker is not trusted."""
+    parts = [SGLANG_VERSION, TORCH_PIN, *_SKIPPED_REQUIREMENTS, "v1"]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def install_venv(root: Path) -> Path:
+    """Create `root/venv` with SGLang and its CPU-usable dependencies; idempotent."""
+    venv = root / "venv"
+    marker = venv / READY_MARKER
+    spec = _install_spec()
+    if marker.exists() and marker.read_text().strip() == spec:
+        return venv
+    with file_lock(root / "install.lock"):
+        if marker.exists() and marker.read_text().strip() == spec:
+            return venv
+        started = time.monotonic()
+        if venv.exists():
+            log(_TAG, f"removing incomplete venv {venv}")
+            shutil.rmtree(venv)
+        wheel = download_wheel(_TAG, root / "dl", "sglang", SGLANG_VERSION)
+        run(_TAG, [base_python(), "-m", "venv", str(venv)])
+        python = str(venv / "bin" / "python")
+        pip = [python, "-m", "pip", "install", "-q"]
+        run(_TAG, [*pip, TORCH_PIN])
+        run(_TAG, [*pip, "--no-deps", str(wheel)])
+        constraints = root / "constraints.txt"
+        constraints.write_text(f"{TORCH_PIN}\n")
+        reqs = root / "requirements-cpu.txt"
+        reqs.write_text("\n".join(wheel_requirements(wheel, _SKIPPED_REQUIREMENTS)) + "\n")
+        run(_TAG, [*pip, "-r", str(reqs), "-c", str(constraints)])
+        run(_TAG, [python, "-c", _IMPORT_CHECK], env=server_env())
+        marker.write_text(spec + "\n")
+        log(_TAG, f"venv ready in {time.monotonic() - started:.0f} s")
+    return venv
+
+
+def build_model(root: Path, venv: Path) -> Path:
+    """The tiny Llama the vLLM tests serve (`workers.vllm_cpu.model`), built with this venv's
+    python: the same tokenizer, chat template and weights, so both engines see the same ids."""
+    from workers.vllm_cpu import model as model_mod
+
+    out = root / "tiny-llama"
+    if model_mod.is_ready(out):
+        return out
+    with file_lock(root / "model.lock"):
+        if model_mod.is_ready(out):
+            return out
+        repo = Path(__file__).resolve().parents[2]
+        env = dict(os.environ, PYTHONPATH=str(repo))
+        run(_TAG, [str(venv / "bin" / "python"), "-m", "workers.vllm_cpu.model", str(out)], env=env)
+    return out
+
+
+def ensure(root: Path | None = None) -> SglangCpuInstall:
+    """The ready install, building whatever is missing."""
+    root = default_cache_root() if root is None else root
+    venv = install_venv(root)
+    return SglangCpuInstall(root=root, venv=venv, model=build_model(root, venv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--root", type=Path, default=None, help="cache dir (default: see above)")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    inst = ensure(args.root)
+    print(
+        json.dumps(
+            {
+                "venv": str(inst.venv),
+                "python": str(inst.python),
+                "model": str(inst.model),
+                "seconds": round(time.monotonic() - started, 1),
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
