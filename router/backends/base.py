@@ -43,7 +43,7 @@ class WorkerLoad:
     prefix_cache_hits: float = 0.0
     kv_capacity_tokens: int = 0
     """Tokens of KV the worker's pool holds (vLLM's `vllm:cache_config_info`: num_gpu_blocks ·
-    block_size); 0 when the worker does not say."""
+    block_size; SGLang's `sglang:max_total_num_tokens`); 0 when the worker does not say."""
     offloads: bool = False
     """The worker offloads evicted KV to a CPU tier (it exports vLLM's KV-offloading gauge
     `vllm:kv_offload_cpu_cache_usage_perc`)."""
@@ -61,6 +61,9 @@ _LOAD_METRICS = {
     "sglang:num_running_reqs": "running",
     "sglang:num_queue_reqs": "waiting",
     "sglang:token_usage": "kv_usage",
+    "sglang:prompt_tokens_total": "prefix_cache_queries",
+    "sglang:cached_tokens_total": "prefix_cache_hits",
+    "sglang:max_total_num_tokens": "capacity",
     "vllm:kv_offload_cpu_cache_usage_perc": "offload_usage",
 }
 
@@ -84,7 +87,9 @@ def _cache_capacity_tokens(line: str) -> int:
 
 def parse_load_metrics(text: str) -> WorkerLoad:
     """Sum the load gauges of a Prometheus text exposition (all label sets of one name); the
-    pool's size from vLLM's cache config info (summed over its engines)."""
+    pool's size from vLLM's cache config info (summed over its engines) or SGLang's
+    `sglang:max_total_num_tokens` (its schedulers' token pools; each data-parallel rank's
+    scheduler reports its own)."""
     acc: dict[str, float] = {}
     capacity = 0
     for line in text.splitlines():
@@ -114,7 +119,7 @@ def parse_load_metrics(text: str) -> WorkerLoad:
         kv_usage=min(1.0, acc.get("kv_usage", 0.0)),
         prefix_cache_queries=acc.get("prefix_cache_queries", 0.0),
         prefix_cache_hits=acc.get("prefix_cache_hits", 0.0),
-        kv_capacity_tokens=capacity,
+        kv_capacity_tokens=capacity or int(acc.get("capacity", 0.0)),
         offloads="offload_usage" in acc,
     )
 
