@@ -1,9 +1,10 @@
 """Start, await and stop real SGLang servers (`sglang.launch_server` on CPU) on loopback for tests
 and demos.
 
-A `SglangServerSpec` says what one instance is: its port, KV page size (the router's block size,
-so SGLang's KV events name the router's blocks), KV pool size, and whether it publishes KV
-events; `SglangServer` runs it in its own process group (`workers.engine_process`).
+A `SglangServerSpec` says what one instance is: its port, its role (colocated, or a P/D prefill
+or decode server over Mooncake's TCP transport), KV page size (the router's block size, so
+SGLang's KV events name the router's blocks), KV pool size, and whether it publishes KV events;
+`SglangServer` runs it in its own process group (`workers.engine_process`).
 
 Flags, and why: `--device cpu` with `--attention-backend torch_native` (the CPU backend SGLang
 falls back to without Intel AMX, named so the fallback is not guessed); `--enable-metrics` for
@@ -11,6 +12,14 @@ the `/metrics` load gauges the router reads; `--enable-cache-report` so answers 
 `usage.prompt_tokens_details.cached_tokens`; `--skip-server-warmup` (its warm-up request would
 run before the caller's own and count in its metrics); `--kv-events-config` with `bind: true`,
 so SGLang binds the loopback endpoint and the router connects, as it does to a vLLM publisher.
+
+P/D roles add `--disaggregation-mode prefill|decode` with `--disaggregation-transfer-backend
+mooncake_tcp` (Mooncake's Transfer Engine forced onto TCP; the non-CUDA Mooncake wheel, so no
+CUDA runtime is needed), a bootstrap port on the prefill side, `--disable-overlap-schedule`
+(the overlapped scheduler records CUDA events on its forward stream), and on the decode side
+`--disaggregation-decode-retraction-backup none` (its default host-pool backup registers host
+memory with CUDA). Their processes also get `cpu_pd/` on the path: its `sitecustomize` gives
+the prefill side's pinned-memory and CUDA-event calls their CPU meaning (see there).
 """
 
 from __future__ import annotations
@@ -20,11 +29,14 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ownerserve.types import Role
 from workers.engine_process import EngineProcess
 from workers.sglang_cpu.setup import SglangCpuInstall, server_env
 from workers.vllm_cpu.model import SERVED_NAME
 
 KV_EVENTS_TOPIC = "kv-events"
+CPU_PD = Path(__file__).with_name("cpu_pd")
+"""Put on a P/D server's PYTHONPATH (its `sitecustomize`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +45,9 @@ class SglangServerSpec:
 
     name: str
     port: int
+    role: Role = Role.HYBRID
+    bootstrap_port: int | None = None
+    """The prefill role's bootstrap server (where a decode server meets it at a room)."""
     page_size: int = 32
     max_total_tokens: int = 16384
     """The KV pool's size in tokens (small, so a few long prompts force evictions)."""
@@ -79,6 +94,15 @@ def server_argv(install: SglangCpuInstall, spec: SglangServerSpec) -> list[str]:
         if spec.kv_events_replay_endpoint is not None:
             events["replay_endpoint"] = spec.kv_events_replay_endpoint
         argv += ["--kv-events-config", json.dumps(events)]
+    if spec.role is Role.PREFILL:
+        if spec.bootstrap_port is None:
+            raise ValueError(f"{spec.name}: a prefill server needs a bootstrap_port")
+        argv += ["--disaggregation-bootstrap-port", str(spec.bootstrap_port)]
+    elif spec.role is Role.DECODE:
+        argv += ["--disaggregation-decode-retraction-backup", "none"]
+    if spec.role is not Role.HYBRID:
+        argv += ["--disaggregation-mode", str(spec.role)]
+        argv += ["--disaggregation-transfer-backend", "mooncake_tcp", "--disable-overlap-schedule"]
     return argv + list(spec.extra_args)
 
 
@@ -113,4 +137,6 @@ class SglangServer(EngineProcess):
         cache = self.work_dir / "cache"
         env = server_env()
         env.update(XDG_CACHE_HOME=str(cache / "xdg"), HF_HOME=str(cache / "hf"))
+        if self.spec.role is not Role.HYBRID:
+            env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{CPU_PD}"
         return env

@@ -15,6 +15,9 @@ What it takes, and why (each the smallest step found to work):
   start-up by a multimodal helper; the stand-ins in `workers/sglang_cpu/standins` (on the
   server's PYTHONPATH) answer those imports. Neither is installed into the venv, and no SGLang
   file is edited.
+- P/D also takes Mooncake's non-CUDA Transfer Engine (`PD_REQUIREMENTS`) and, in the P/D
+  servers' processes only, `workers/sglang_cpu/cpu_pd/sitecustomize.py` (see there and
+  `workers.sglang_cpu.server`).
 """
 
 from __future__ import annotations
@@ -52,12 +55,16 @@ _SKIPPED_REQUIREMENTS = (
     # a profiler binary, not needed to serve
     "py-spy",
 )
+PD_REQUIREMENTS = ("mooncake-transfer-engine-non-cuda>=0.3.13",)
+"""Mooncake's Transfer Engine for P/D (`--disaggregation-transfer-backend mooncake_tcp`): the
+non-CUDA build, which needs no CUDA runtime or driver library (the PyPI default links both)."""
 STANDINS = Path(__file__).with_name("standins")
 """Modules put on the server's PYTHONPATH in place of CUDA-only packages (see the docstring)."""
 READY_MARKER = ".ownerserve-ready"
 _TAG = "sglang-cpu setup"
 _IMPORT_CHECK = (
-    "import sglang, sglang.launch_server, sglang.srt.entrypoints.http_server, torch, zmq, msgspec;"
+    "import sglang, sglang.launch_server, sglang.srt.entrypoints.http_server, torch, zmq, msgspec,"
+    " mooncake.engine;"
     " print('sglang', sglang.__version__, torch.__version__)"
 )
 
@@ -102,7 +109,7 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 def _install_spec() -> str:
     """Changes whenever what the venv should contain changes, so a stale marker is not trusted."""
-    parts = [SGLANG_VERSION, TORCH_PIN, *_SKIPPED_REQUIREMENTS, "v1"]
+    parts = [SGLANG_VERSION, TORCH_PIN, *_SKIPPED_REQUIREMENTS, *PD_REQUIREMENTS, "v1"]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -131,6 +138,7 @@ def install_venv(root: Path) -> Path:
         reqs = root / "requirements-cpu.txt"
         reqs.write_text("\n".join(wheel_requirements(wheel, _SKIPPED_REQUIREMENTS)) + "\n")
         run(_TAG, [*pip, "-r", str(reqs), "-c", str(constraints)])
+        run(_TAG, [*pip, *PD_REQUIREMENTS, "-c", str(constraints)])
         run(_TAG, [python, "-c", _IMPORT_CHECK], env=server_env())
         marker.write_text(spec + "\n")
         log(_TAG, f"venv ready in {time.monotonic() - started:.0f} s")

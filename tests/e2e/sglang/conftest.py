@@ -1,5 +1,6 @@
-"""Fixtures that run real SGLang CPU servers (marker `sglang`): the cached SGLang install and two
-colocated instances publishing KV events, in front of which the tests put the router.
+"""Fixtures that run real SGLang CPU servers (marker `sglang`): the cached SGLang install, two
+colocated instances publishing KV events, and a prefill + decode pair meeting at bootstrap rooms
+over Mooncake's TCP transport, in front of which the tests put the router.
 
 The install (`workers.sglang_cpu.setup`, minutes when cold; `scripts/test.sh` builds it before
 pytest) is skipped with its error as the reason where it cannot be made (no package index,
@@ -10,6 +11,7 @@ test needing them runs and stop when this package's tests are done. Every server
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import tempfile
 import time
@@ -17,10 +19,13 @@ from collections.abc import Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from ownerserve.config import Settings, settings_from_dict
 from ownerserve.ports import free_port
+from ownerserve.types import Role
+from router.backends.sglang import new_bootstrap_room
 from workers.engine_process import EngineStartError
 from workers.sglang_cpu.server import SglangServer, SglangServerSpec
 from workers.sglang_cpu.setup import SglangCpuInstall, ensure
@@ -53,28 +58,53 @@ def sglang_work_dir() -> Path:
     return path
 
 
-def _start(install: SglangCpuInstall, work_dir: Path, names: Sequence[str]) -> list[SglangServer]:
-    servers = [
-        SglangServer(
-            install,
-            SglangServerSpec(
-                name=name,
-                port=free_port(),
-                page_size=BLOCK,
-                kv_events_port=free_port(),
-                kv_events_replay_port=free_port(),
-            ),
-            work_dir,
-        )
-        for name in names
-    ]
+def _colocated(install: SglangCpuInstall, work_dir: Path, name: str) -> SglangServer:
+    spec = SglangServerSpec(
+        name=name,
+        port=free_port(),
+        page_size=BLOCK,
+        kv_events_port=free_port(),
+        kv_events_replay_port=free_port(),
+    )
+    return SglangServer(install, spec, work_dir)
+
+
+def _warm_up_pd(prefill: SglangServer, decode: SglangServer) -> None:
+    """One short completion sent to both sides at a bootstrap room, as the router sends it."""
+    body = {
+        "model": SERVED_NAME,
+        "prompt": "warm up " * 40,
+        "max_tokens": 4,
+        "temperature": 0,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": prefill.spec.bootstrap_port,
+        "bootstrap_room": new_bootstrap_room(),
+    }
+
+    async def both() -> None:
+        async with httpx.AsyncClient(timeout=READY_TIMEOUT_S) as client:
+            answers = await asyncio.gather(
+                *(client.post(s.url + "/v1/completions", json=body) for s in (prefill, decode))
+            )
+        for s, r in zip((prefill, decode), answers, strict=True):
+            if r.status_code != 200:
+                raise EngineStartError(f"{s.name}: P/D warm-up answered {r.status_code}: {r.text}")
+
+    asyncio.run(both())
+
+
+def _start(servers: list[SglangServer], pd: bool = False) -> list[SglangServer]:
     for s in servers:
         s.start()
     try:
         for s in servers:
             took = s.wait_ready(READY_TIMEOUT_S)
-            warm = s.warm_up(READY_TIMEOUT_S)
-            print(f"\nSGLang {s.name} ready in {took:.1f} s, warm-up {warm:.1f} s")
+            print(f"\nSGLang {s.name} ready in {took:.1f} s")
+        if pd:
+            _warm_up_pd(*servers)
+        else:
+            for s in servers:
+                s.warm_up(READY_TIMEOUT_S)
     except (EngineStartError, BaseException):
         for s in servers:
             s.stop()
@@ -87,23 +117,45 @@ def sglang_pair(
     sglang_install: SglangCpuInstall, sglang_work_dir: Path
 ) -> Iterator[tuple[SglangServer, SglangServer]]:
     """Two colocated SGLang servers (`s0`, `s1`), each publishing its KV events (with replay)."""
-    s0, s1 = _start(sglang_install, sglang_work_dir, ("s0", "s1"))
+    s0, s1 = _start([_colocated(sglang_install, sglang_work_dir, name) for name in ("s0", "s1")])
     yield s0, s1
     for s in (s0, s1):
         s.stop()
 
 
+@pytest.fixture(scope="package")
+def sglang_pd_pair(
+    sglang_install: SglangCpuInstall, sglang_work_dir: Path
+) -> Iterator[tuple[SglangServer, SglangServer]]:
+    """A prefill server (with its bootstrap port) and a decode server (`sp0`, `sd0`)."""
+    specs = (
+        SglangServerSpec("sp0", free_port(), Role.PREFILL, bootstrap_port=free_port()),
+        SglangServerSpec("sd0", free_port(), Role.DECODE),
+    )
+    servers = [SglangServer(sglang_install, s, sglang_work_dir) for s in specs]
+    prefill, decode = _start(servers, pd=True)
+    yield prefill, decode
+    for s in (prefill, decode):
+        s.stop()
+
+
 def sglang_worker(worker_id: str, server: SglangServer) -> dict[str, Any]:
-    """The router's settings entry of `server`: `kind: sglang`, with its KV event sockets."""
-    return {
+    """The router's settings entry of `server`: `kind: sglang` in its role, with its KV event
+    sockets when it publishes events and its bootstrap port when it is a prefill server."""
+    spec = server.spec
+    entry: dict[str, Any] = {
         "id": worker_id,
         "url": server.url,
-        "role": "hybrid",
+        "role": str(spec.role),
         "kind": "sglang",
         "models": [SERVED_NAME],
-        "kv_events_endpoint": server.spec.kv_events_endpoint,
-        "kv_events_replay_endpoint": server.spec.kv_events_replay_endpoint,
     }
+    if spec.kv_events_endpoint is not None:
+        entry["kv_events_endpoint"] = spec.kv_events_endpoint
+        entry["kv_events_replay_endpoint"] = spec.kv_events_replay_endpoint
+    if spec.bootstrap_port is not None:
+        entry["bootstrap_port"] = spec.bootstrap_port
+    return entry
 
 
 def sglang_router_settings(
