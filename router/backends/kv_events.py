@@ -1,5 +1,6 @@
 """The router's subscriber to a worker's KV events (vLLM's ZMQ PUB + replay protocol, codec in
-`ownerserve.vllm_events`): it feeds every batch to the directory in order, filling gaps.
+`ownerserve.vllm_events`; SGLang publishes the same format): it feeds every batch to the
+directory in order, filling gaps.
 """
 
 from __future__ import annotations

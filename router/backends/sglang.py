@@ -1,7 +1,12 @@
 """The SGLang backend. P/D protocol: the same request goes to the prefill and the decode server
 at once, both carrying `bootstrap_host`, `bootstrap_port` and a random 63-bit `bootstrap_room`;
 the decode side pulls KV from the prefill side's room and streams the answer.
-(As sglang-router's `--pd-disaggregation` mode sends it.)
+(As sglang-router's `--pd-disaggregation` mode sends it.) Load from SGLang's `/metrics`
+(`--enable-metrics`: `sglang:num_running_reqs`, `num_queue_reqs`, `token_usage`,
+`max_total_num_tokens`, the prompt and cached token counters); KV events in vLLM's wire format,
+which SGLang publishes too (`--kv-events-config`, the publisher binding). Checked against real
+SGLang 0.5.23 servers on CPU, colocated and P/D (`tests/e2e/sglang/`). SGLang's `/health`
+generates one token and answers after at least a second.
 """
 
 from __future__ import annotations
