@@ -13,11 +13,35 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, ClassVar
+from typing import IO, ClassVar, Protocol
 
 import httpx
+
+INTERPRETER_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
+"""The caller's interpreter settings, which must not leak into an engine venv's interpreter."""
+
+
+def engine_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`base` (default: this process's environment) without `INTERPRETER_ENV`."""
+    return {
+        k: v for k, v in (os.environ if base is None else base).items() if k not in INTERPRETER_ENV
+    }
+
+
+class EngineSpec(Protocol):
+    """What `EngineProcess` reads of a server's spec."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def served_model_name(self) -> str: ...
 
 
 class EngineStartError(RuntimeError):
@@ -27,7 +51,7 @@ class EngineStartError(RuntimeError):
 @dataclass(slots=True)
 class EngineProcess:
     """Base of an engine's server dataclass (its fields keyword-only, after the subclass's own);
-    subclasses give `work_dir`, `name`, `url`, `model_name`, `command` and `environment`."""
+    subclasses give the fields `spec` and `work_dir`, and `command` and `environment`."""
 
     health_path: ClassVar[str] = "/health"
     process: subprocess.Popen[bytes] | None = field(default=None, kw_only=True)
@@ -36,21 +60,25 @@ class EngineProcess:
     _log_file: object = field(default=None, kw_only=True, repr=False)
 
     @property
+    def spec(self) -> EngineSpec:
+        raise NotImplementedError
+
+    @property
     def work_dir(self) -> Path:
         raise NotImplementedError
 
     @property
     def name(self) -> str:
-        raise NotImplementedError
+        return self.spec.name
 
     @property
     def url(self) -> str:
-        raise NotImplementedError
+        return self.spec.url
 
     @property
     def model_name(self) -> str:
         """The name the server serves its model under."""
-        raise NotImplementedError
+        return self.spec.served_model_name
 
     def command(self) -> list[str]:
         raise NotImplementedError

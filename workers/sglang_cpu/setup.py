@@ -24,21 +24,20 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.engine_process import engine_env
 from workers.engine_venv import (
     TORCH_PIN,
-    base_python,
     build_once,
     cache_root,
     download_wheel,
     print_install,
     run,
-    wheel_requirements,
+    venv_with_wheel,
 )
 from workers.vllm_cpu.setup import build_model
 
@@ -89,11 +88,7 @@ def default_cache_root(env: dict[str, str] | None = None) -> Path:
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment an SGLang CPU process needs: CPU engine on, the stand-ins on the path,
     offline hub, and none of the caller's interpreter settings."""
-    env = {
-        k: v
-        for k, v in (dict(os.environ) if base is None else base).items()
-        if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
-    }
+    env = engine_env(base)
     env.update(
         SGLANG_USE_CPU_ENGINE="1",
         PYTHONPATH=str(STANDINS),
@@ -116,18 +111,11 @@ def install_venv(root: Path) -> Path:
 
     def build() -> None:
         wheel = download_wheel(_TAG, root / "dl", "sglang", SGLANG_VERSION)
-        run(_TAG, [base_python(), "-m", "venv", str(venv)])
-        python = str(venv / "bin" / "python")
-        pip = [python, "-m", "pip", "install", "-q"]
-        run(_TAG, [*pip, TORCH_PIN])
-        run(_TAG, [*pip, "--no-deps", str(wheel)])
-        constraints = root / "constraints.txt"
-        constraints.write_text(f"{TORCH_PIN}\n")
-        reqs = root / "requirements-cpu.txt"
-        reqs.write_text("\n".join(wheel_requirements(wheel, _SKIPPED_REQUIREMENTS)) + "\n")
-        run(_TAG, [*pip, "-r", str(reqs), "-c", str(constraints)])
+        pip, constraints = venv_with_wheel(
+            _TAG, root, venv, wheel, _SKIPPED_REQUIREMENTS, "requirements-cpu.txt"
+        )
         run(_TAG, [*pip, *PD_REQUIREMENTS, "-c", str(constraints)])
-        run(_TAG, [python, "-c", _IMPORT_CHECK], env=server_env())
+        run(_TAG, [str(venv / "bin" / "python"), "-c", _IMPORT_CHECK], env=server_env())
 
     return build_once(_TAG, venv, _install_spec(), build)
 

@@ -8,13 +8,12 @@ stops the engine core and every helper process vLLM spawned.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from workers.engine_process import EngineProcess, EngineStartError
+from workers.engine_process import EngineProcess, engine_env
 from workers.vllm_cpu.model import SERVED_NAME
 from workers.vllm_cpu.setup import VllmCpuInstall
 
@@ -22,8 +21,6 @@ LAUNCHER = Path(__file__).with_name("launch.py")
 # The repo root, put on the engine's PYTHONPATH when it loads `workers.vllm_connector`.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 OWNERSERVE_CONNECTOR_MODULE = "workers.vllm_connector.connector"
-# Env from the caller's shell that must not leak into the vllm-cpu venv's interpreter.
-_DROPPED_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
 
 
 class VllmRole(StrEnum):
@@ -32,9 +29,6 @@ class VllmRole(StrEnum):
     HYBRID = "hybrid"
     PREFILL = "prefill"
     DECODE = "decode"
-
-
-VllmStartError = EngineStartError
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,11 +161,7 @@ def server_env(
     spec: VllmServerSpec, work_dir: Path, base_env: Mapping[str, str] | None = None
 ) -> dict[str, str]:
     """Environment for one instance: offline, loopback only, caches under `work_dir`."""
-    env = {
-        k: v
-        for k, v in (os.environ if base_env is None else base_env).items()
-        if k not in _DROPPED_ENV
-    }
+    env = engine_env(base_env)
     cache = work_dir / "cache"
     env.update(
         {
@@ -207,18 +197,6 @@ class VllmServer(EngineProcess):
     install: VllmCpuInstall
     spec: VllmServerSpec
     work_dir: Path
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def url(self) -> str:
-        return self.spec.url
-
-    @property
-    def model_name(self) -> str:
-        return self.spec.served_model_name
 
     def command(self) -> list[str]:
         return server_argv(self.install, self.spec)

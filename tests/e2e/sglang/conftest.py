@@ -15,7 +15,7 @@ import asyncio
 import subprocess
 import tempfile
 import time
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from ownerserve.config import Settings, settings_from_dict
 from ownerserve.ports import free_port
 from ownerserve.types import Role
 from router.backends.sglang import new_bootstrap_room
+from tests.e2e.engine_logs import pytest_runtest_makereport  # noqa: F401 (this package's hook)
 from workers.engine_process import EngineStartError
 from workers.sglang_cpu.server import SglangServer, SglangServerSpec
 from workers.sglang_cpu.setup import SglangCpuInstall, ensure
@@ -34,7 +35,6 @@ from workers.vllm_cpu.model import SERVED_NAME
 READY_TIMEOUT_S = 600.0  # ~15 s on a quiet 2-core machine; far more beside heavy work
 BLOCK = 32  # the servers' KV page size (`SglangServerSpec.page_size`), the router's block size
 ADMIN = "adm"
-LOG_TAIL_CHARS = 6000
 
 
 @pytest.fixture(scope="package")
@@ -105,7 +105,7 @@ def _start(servers: list[SglangServer], pd: bool = False) -> list[SglangServer]:
         else:
             for s in servers:
                 s.warm_up(READY_TIMEOUT_S)
-    except (EngineStartError, BaseException):
+    except BaseException:
         for s in servers:
             s.stop()
         raise
@@ -139,12 +139,13 @@ def sglang_pd_pair(
         s.stop()
 
 
-def sglang_worker(worker_id: str, server: SglangServer) -> dict[str, Any]:
-    """The router's settings entry of `server`: `kind: sglang` in its role, with its KV event
-    sockets when it publishes events and its bootstrap port when it is a prefill server."""
+def sglang_worker(server: SglangServer) -> dict[str, Any]:
+    """The router's settings entry of `server` (its id the server's name): `kind: sglang` in its
+    role, with its KV event sockets when it publishes events and its bootstrap port when it is a
+    prefill server."""
     spec = server.spec
     entry: dict[str, Any] = {
-        "id": worker_id,
+        "id": server.name,
         "url": server.url,
         "role": str(spec.role),
         "kind": "sglang",
@@ -160,10 +161,10 @@ def sglang_worker(worker_id: str, server: SglangServer) -> dict[str, Any]:
 
 def sglang_router_settings(
     install: SglangCpuInstall,
-    workers: Sequence[Mapping[str, Any]],
+    servers: Sequence[SglangServer],
     policy: str = "ownerserve",
 ) -> Settings:
-    """A router in front of `workers` (`sglang_worker` entries) serving the tiny model with its
+    """A router in front of `servers` (`sglang_worker` entries) serving the tiny model with its
     own tokenizer (the engine's), health checked every 0.5 s, `/admin` behind `ADMIN`."""
     return settings_from_dict(
         {
@@ -182,22 +183,6 @@ def sglang_router_settings(
                     "max_model_len": 2048,
                 }
             ],
-            "workers": list(workers),
+            "workers": [sglang_worker(s) for s in servers],
         }
     )
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo[None]
-) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """A failed test of this package carries the tails of its servers' logs in its report."""
-    report = yield
-    if report.failed:
-        for name, value in getattr(item, "funcargs", {}).items():
-            for part in value if isinstance(value, tuple | list) else (value,):
-                path = getattr(part, "log_path", None)
-                if isinstance(path, Path) and path.exists():
-                    tail = path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-                    report.sections.append((f"log of {name}: {path.name}", tail))
-    return report

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.e2e.router_cluster import proxy_client
-from tests.e2e.sglang.conftest import sglang_router_settings, sglang_worker
+from tests.e2e.sglang.conftest import sglang_router_settings
 from tests.e2e.sglang.test_router_sglang import answer, chat, completion, turn
 from workers.sglang_cpu.server import SglangServer
 from workers.sglang_cpu.setup import SglangCpuInstall
@@ -23,10 +23,8 @@ async def test_remote_prefill_gives_the_colocated_servers_answer(
     sglang_pd_pair: tuple[SglangServer, SglangServer],
     sglang_pair: tuple[SglangServer, SglangServer],
 ) -> None:
-    prefill, decode = sglang_pd_pair
     reference = sglang_pair[0]
-    workers = [sglang_worker("sp0", prefill), sglang_worker("sd0", decode)]
-    settings = sglang_router_settings(sglang_install, workers, policy="static-pd")
+    settings = sglang_router_settings(sglang_install, sglang_pd_pair, policy="static-pd")
     calls = [
         ("/v1/chat/completions", chat(turn("pd", 12))),
         ("/v1/chat/completions", chat(turn("pd", 12), stream=True)),  # P holds this prefix now

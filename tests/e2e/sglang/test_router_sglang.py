@@ -15,7 +15,7 @@ import pytest
 
 from router.backends.sglang import SGLangBackend
 from tests.e2e.router_cluster import plan_fields, proxy_client, sse_chunks
-from tests.e2e.sglang.conftest import ADMIN, BLOCK, sglang_router_settings, sglang_worker
+from tests.e2e.sglang.conftest import ADMIN, BLOCK, sglang_router_settings
 from tests.e2e.vllm.conftest import until
 from workers.sglang_cpu.server import SglangServer
 from workers.sglang_cpu.setup import SglangCpuInstall
@@ -111,10 +111,8 @@ def predicted_tokens(record: dict[str, Any], prompt_tokens: int) -> int:
 async def test_answers_through_the_router_are_the_engines_own(
     sglang_install: SglangCpuInstall, sglang_pair: Pair
 ) -> None:
-    servers = {"s0": sglang_pair[0], "s1": sglang_pair[1]}
-    settings = sglang_router_settings(
-        sglang_install, [sglang_worker(w, s) for w, s in servers.items()]
-    )
+    servers = {s.name: s for s in sglang_pair}
+    settings = sglang_router_settings(sglang_install, sglang_pair)
     calls = [
         ("/v1/chat/completions", chat(turn("parity", 12))),
         ("/v1/chat/completions", chat(turn("parity-stream", 12), stream=True)),
@@ -138,10 +136,8 @@ async def test_answers_through_the_router_are_the_engines_own(
 async def test_tools_and_tool_results_pass_through(
     sglang_install: SglangCpuInstall, sglang_pair: Pair
 ) -> None:
-    servers = {"s0": sglang_pair[0], "s1": sglang_pair[1]}
-    settings = sglang_router_settings(
-        sglang_install, [sglang_worker(w, s) for w, s in servers.items()]
-    )
+    servers = {s.name: s for s in sglang_pair}
+    settings = sglang_router_settings(sglang_install, sglang_pair)
     tools = [
         {
             "type": "function",
@@ -178,10 +174,8 @@ async def test_a_held_prefix_goes_to_its_holder_and_its_hits_are_the_predicted_o
 ) -> None:
     """An earlier turn ran on s1 behind the router's back: only s1's KV events say so. The next
     turn goes to s1, and every turn's hits are what the plan predicted from the directory."""
-    s0, s1 = sglang_pair
-    settings = sglang_router_settings(
-        sglang_install, [sglang_worker("s0", s0), sglang_worker("s1", s1)]
-    )
+    s1 = sglang_pair[1]
+    settings = sglang_router_settings(sglang_install, sglang_pair)
     async with proxy_client(settings) as (client, router):
         client.timeout = httpx.Timeout(300.0)
         tokenizer = router.tokenizers.get(SERVED_NAME)
@@ -236,7 +230,7 @@ async def test_the_router_reads_sglang_load_and_health_as_sglang_serves_them(
     assert load.kv_capacity_tokens == s0.spec.max_total_tokens
     assert load.prefix_cache_queries > 0  # the warm-up's prompt
 
-    settings = sglang_router_settings(sglang_install, [sglang_worker("s0", s0)])
+    settings = sglang_router_settings(sglang_install, [s0])
     async with proxy_client(settings) as (client, router):
         client.timeout = httpx.Timeout(300.0)
         await until(lambda: _healthy(router, "s0"), 30.0)

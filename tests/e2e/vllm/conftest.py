@@ -26,7 +26,6 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
-    Generator,
     Iterator,
     Mapping,
     Sequence,
@@ -48,6 +47,7 @@ from router.backends.vllm import (
     transfer_params_of,
     with_transfer_params,
 )
+from tests.e2e.engine_logs import pytest_runtest_makereport  # noqa: F401 (this package's hook)
 from workers.vllm_cpu.model import CONFIG, SERVED_NAME
 from workers.vllm_cpu.server import VllmRole, VllmServer, VllmServerSpec
 from workers.vllm_cpu.setup import VllmCpuInstall, ensure
@@ -387,36 +387,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     end = ours[-1]
     head = [item for item in items[: end + 1] if item not in last]
     items[:] = head + last + items[end + 1 :]
-
-
-LOG_TAIL_CHARS = 6000
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo[None]
-) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """A failed test of this package carries the tails of its servers' and sidecars' logs in its
-    report: CI keeps no files, and a worker that crashed says why only in its log."""
-    report = yield
-    if report.failed:
-        funcargs = getattr(item, "funcargs", {})
-        for name, value in funcargs.items():
-            for part in _log_holders(value):
-                path = getattr(part, "log_path", None)
-                if isinstance(path, Path) and path.exists():
-                    tail = path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-                    report.sections.append((f"log of {name}: {path.name}", tail))
-    return report
-
-
-def _log_holders(value: object) -> list[object]:
-    """`value` and the servers and sidecars it is made of (a P/D pair, a test's workers)."""
-    if isinstance(value, PDPair):
-        return [value.prefill, value.decode]
-    if isinstance(value, tuple | list):
-        return [part for v in value for part in _log_holders(v)]
-    return [value, *(getattr(value, a) for a in ("server", "sidecar") if hasattr(value, a))]
 
 
 @dataclass(slots=True)
